@@ -1,0 +1,44 @@
+# Quick start on a fresh Debian 12 host (as root): `make demo` and `make test`.
+# Both install what they need first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+AGENT := src/corral/agent/corral-agent
+PYTEST_ARGS ?=
+
+.PHONY: install system venv agent demo test lint typecheck bench clean
+
+install: system venv agent
+
+system:
+	./scripts/install-system-packages.sh
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(AGENT): src/corral/agent/agent.c
+	cc -O2 -Wall -Wextra -static -o $@ $<
+
+agent: $(AGENT)
+
+demo: install
+	$(PY) scripts/demo.py
+
+test: install
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check src tests bench scripts
+	$(VENV)/bin/mypy
+
+bench: install
+	$(PY) bench/startup.py
+
+clean:
+	rm -rf $(VENV) $(AGENT) build *.egg-info

@@ -1,0 +1,44 @@
+"""Corral: isolated, ephemeral, resource-limited sandboxes for AI agents.
+
+Imports are lazy so that ``corral run`` starts fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Sandbox": "corral.sandbox",
+    "AsyncSandbox": "corral.sandbox",
+    "run": "corral.sandbox",
+    "SandboxSpec": "corral.spec",
+    "Limits": "corral.spec",
+    "Workspace": "corral.spec",
+    "ExecResult": "corral.tiers.base",
+    "FileEntry": "corral.tiers.base",
+}
+_ERRORS = (
+    "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "ExecError",
+    "ExecTimeout", "OutOfMemory", "ResourceLimit", "FileError", "FileNotFoundInSandbox", "NetworkDenied",
+)
+
+__all__ = [*_EXPORTS, *_ERRORS]
+
+if TYPE_CHECKING:
+    from .errors import *  # noqa: F403
+    from .sandbox import AsyncSandbox, Sandbox, run
+    from .spec import Limits, SandboxSpec, Workspace
+    from .tiers.base import ExecResult, FileEntry
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _ERRORS:
+        return getattr(importlib.import_module("corral.errors"), name)
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'corral' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

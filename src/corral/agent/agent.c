@@ -1,0 +1,512 @@
+/*
+ * corral-agent: the in-sandbox side of every Corral tier.
+ *
+ * It runs inside the sandbox (already confined: namespaces, seccomp, no
+ * capabilities), reads framed requests on fd 0 and writes framed replies on
+ * fd 1.  It is written in C because it sits on the cold-start path: a Python
+ * agent costs ~17 ms of interpreter start-up per sandbox, this one < 1 ms.
+ *
+ * The host treats everything this program says as untrusted input: a command
+ * running in the sandbox can kill or impersonate it.  Limits, timeouts and
+ * kills are enforced by the host (cgroups), never here.
+ *
+ * Frame: u8 type | u32 id | u32 length | payload   (little endian)
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+    /* host -> agent */
+    T_EXEC = 1, T_GO = 2, T_STDIN = 3, T_STDIN_EOF = 4, T_SIGNAL = 5,
+    T_FREAD = 10, T_FWRITE = 11, T_FAPPEND = 12, T_FLIST = 13, T_FREMOVE = 14,
+    T_FMKDIR = 15, T_FSTAT = 16,
+    /* agent -> host */
+    T_READY = 100, T_STARTED = 101, T_STDOUT = 102, T_STDERR = 103,
+    T_EXIT = 104, T_DATA = 105, T_OK = 110, T_ERR = 111,
+};
+
+#define MAX_FRAME (64u << 20)
+#define MAX_EXECS 64
+#define CHUNK 65536
+#define GRACE_MS 100
+
+extern char **environ;
+
+struct exec {
+    int used;
+    uint32_t id;
+    pid_t pid;
+    int fd_in, fd_out, fd_err, fd_sync;
+    int exited, status, eof_pending;
+    long long exit_ms;
+    char *inbuf;
+    size_t inlen;
+};
+
+static struct exec execs[MAX_EXECS];
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            _exit(3); /* host is gone: nothing left to serve */
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+}
+
+static void send_frame(uint8_t type, uint32_t id, const void *data, uint32_t len) {
+    unsigned char hdr[9];
+    hdr[0] = type;
+    memcpy(hdr + 1, &id, 4);
+    memcpy(hdr + 5, &len, 4);
+    write_all(1, hdr, 9);
+    if (len) write_all(1, data, len);
+}
+
+static void send_err(uint32_t id, int err, const char *what) {
+    char buf[512];
+    int32_t e = err;
+    memcpy(buf, &e, 4);
+    int n = snprintf(buf + 4, sizeof buf - 4, "%s: %s", what, strerror(err));
+    send_frame(T_ERR, id, buf, 4 + (uint32_t)(n < 0 ? 0 : n));
+}
+
+static int read_full(int fd, void *buf, size_t len) {
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = read(fd, p, len);
+        if (n == 0) return 0;
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 1;
+}
+
+/* Split a payload of NUL-terminated strings; returns count, fills out (max). */
+static int split_strings(char *p, size_t len, char **out, int max) {
+    int n = 0;
+    size_t i = 0;
+    while (i < len && n < max) {
+        out[n++] = p + i;
+        size_t l = strnlen(p + i, len - i);
+        if (i + l >= len) { p[len - 1] = 0; break; }
+        i += l + 1;
+    }
+    return n;
+}
+
+static struct exec *find_exec(uint32_t id) {
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (execs[i].used && execs[i].id == id) return &execs[i];
+    return NULL;
+}
+
+static void close_fd(int *fd) {
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+}
+
+static void do_exec(uint32_t id, char *payload, uint32_t len) {
+    static char *parts[8192];
+    if (len == 0 || payload[len - 1] != 0) { send_err(id, EINVAL, "exec"); return; }
+    int n = split_strings(payload, len, parts, 8190);
+    if (n < 3) { send_err(id, EINVAL, "exec"); return; }
+    const char *cwd = parts[0];
+    int argc = atoi(parts[1]);
+    if (argc < 1 || 2 + argc >= n) { send_err(id, EINVAL, "exec argv"); return; }
+    int envc = atoi(parts[2 + argc]);
+    if (envc < 0 || 3 + argc + envc > n) { send_err(id, EINVAL, "exec env"); return; }
+    struct exec *e = NULL;
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (!execs[i].used) { e = &execs[i]; break; }
+    if (!e) { send_err(id, EAGAIN, "too many concurrent commands"); return; }
+
+    int pin[2], pout[2], perr[2], psync[2];
+    if (pipe2(pin, O_CLOEXEC) < 0) { send_err(id, errno, "pipe"); return; }
+    if (pipe2(pout, O_CLOEXEC) < 0) { close(pin[0]); close(pin[1]); send_err(id, errno, "pipe"); return; }
+    if (pipe2(perr, O_CLOEXEC) < 0) { close(pin[0]); close(pin[1]); close(pout[0]); close(pout[1]); send_err(id, errno, "pipe"); return; }
+    if (pipe2(psync, O_CLOEXEC) < 0) { close(pin[0]); close(pin[1]); close(pout[0]); close(pout[1]); close(perr[0]); close(perr[1]); send_err(id, errno, "pipe"); return; }
+
+    char **argv = &parts[2];
+    char **envp = &parts[3 + argc];
+    /* terminate argv and envp in place: the slot after each list is free */
+    parts[2 + argc] = NULL;
+    parts[3 + argc + envc] = NULL;
+
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_err(id, errno, "fork");
+        close(pin[0]); close(pin[1]); close(pout[0]); close(pout[1]);
+        close(perr[0]); close(perr[1]); close(psync[0]); close(psync[1]);
+        return;
+    }
+    if (pid == 0) {
+        sigset_t all;
+        sigemptyset(&all);
+        sigprocmask(SIG_SETMASK, &all, NULL);
+        signal(SIGPIPE, SIG_DFL);
+        setsid();
+        dup2(pin[0], 0);
+        dup2(pout[1], 1);
+        dup2(perr[1], 2);
+        char go;
+        /* wait until the host has placed us in this command's cgroup */
+        if (read(psync[0], &go, 1) != 1) _exit(126);
+        if (chdir(cwd) < 0) {
+            dprintf(2, "corral: cannot enter working directory %s: %s\n", cwd, strerror(errno));
+            _exit(126);
+        }
+        environ = envp;
+        execvp(argv[0], argv);
+        int err = errno;
+        dprintf(2, "corral: cannot execute %s: %s\n", argv[0], strerror(err));
+        _exit(err == ENOENT ? 127 : 126);
+    }
+    close(pin[0]); close(pout[1]); close(perr[1]); close(psync[0]);
+    fcntl(pin[1], F_SETFL, O_NONBLOCK);
+    memset(e, 0, sizeof *e);
+    e->used = 1;
+    e->id = id;
+    e->pid = pid;
+    e->fd_in = pin[1];
+    e->fd_out = pout[0];
+    e->fd_err = perr[0];
+    e->fd_sync = psync[1];
+    uint32_t p32 = (uint32_t)pid;
+    send_frame(T_STARTED, id, &p32, 4);
+}
+
+static void flush_stdin(struct exec *e) {
+    while (e->fd_in >= 0 && e->inlen > 0) {
+        ssize_t n = write(e->fd_in, e->inbuf, e->inlen);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR) return;
+            e->inlen = 0; /* reader went away: drop the rest */
+            break;
+        }
+        memmove(e->inbuf, e->inbuf + n, e->inlen - (size_t)n);
+        e->inlen -= (size_t)n;
+    }
+    if (e->inlen == 0 && e->eof_pending) close_fd(&e->fd_in);
+}
+
+static void finish_exec(struct exec *e) {
+    int32_t st = e->status;
+    send_frame(T_EXIT, e->id, &st, 4);
+    close_fd(&e->fd_in);
+    close_fd(&e->fd_out);
+    close_fd(&e->fd_err);
+    close_fd(&e->fd_sync);
+    free(e->inbuf);
+    memset(e, 0, sizeof *e);
+}
+
+static void do_fread(uint32_t id, const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) { send_err(id, errno, path); return; }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        send_err(id, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, path);
+        return;
+    }
+    static char buf[1 << 20];
+    for (;;) {
+        ssize_t n = read(fd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) { close(fd); send_err(id, errno, path); return; }
+        if (n == 0) break;
+        send_frame(T_DATA, id, buf, (uint32_t)n);
+    }
+    close(fd);
+    send_frame(T_OK, id, NULL, 0);
+}
+
+static int mkdir_parents(char *path, mode_t mode) {
+    for (char *p = path + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        int r = mkdir(path, mode);
+        *p = '/';
+        if (r < 0 && errno != EEXIST) return -1;
+    }
+    return 0;
+}
+
+static void do_fwrite(uint32_t id, char *payload, uint32_t len, int append) {
+    if (len < 8) { send_err(id, EINVAL, "write"); return; }
+    uint32_t mode, flags;
+    memcpy(&mode, payload, 4);
+    memcpy(&flags, payload + 4, 4);
+    char *path = payload + 8;
+    size_t plen = strnlen(path, len - 8);
+    if (plen == len - 8) { send_err(id, EINVAL, "write"); return; }
+    char *data = path + plen + 1;
+    size_t dlen = len - 8 - plen - 1;
+    if ((flags & 1) && mkdir_parents(path, 0755) < 0) { send_err(id, errno, path); return; }
+    int oflags = O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC);
+    int fd = open(path, oflags, mode & 07777);
+    if (fd < 0) { send_err(id, errno, path); return; }
+    while (dlen > 0) {
+        ssize_t n = write(fd, data, dlen);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) { int err = errno; close(fd); send_err(id, err, path); return; }
+        data += n;
+        dlen -= (size_t)n;
+    }
+    if (close(fd) < 0) { send_err(id, errno, path); return; }
+    send_frame(T_OK, id, NULL, 0);
+}
+
+static char type_char(mode_t m) {
+    return S_ISREG(m) ? 'f' : S_ISDIR(m) ? 'd' : S_ISLNK(m) ? 'l' : 'o';
+}
+
+static void do_flist(uint32_t id, const char *path) {
+    DIR *d = opendir(path);
+    if (!d) { send_err(id, errno, path); return; }
+    size_t cap = 65536, len = 0;
+    char *out = malloc(cap);
+    struct dirent *de;
+    int count = 0;
+    while (out && (de = readdir(d)) != NULL && count < 100000) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        struct stat st;
+        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0) continue;
+        size_t nl = strlen(de->d_name);
+        size_t need = 1 + 8 + 4 + 8 + nl + 1;
+        if (len + need > cap) {
+            cap = (cap + need) * 2;
+            char *n = realloc(out, cap);
+            if (!n) { free(out); out = NULL; break; }
+            out = n;
+        }
+        out[len] = type_char(st.st_mode);
+        uint64_t size = (uint64_t)st.st_size;
+        uint32_t mode = st.st_mode & 07777;
+        int64_t mtime = st.st_mtime;
+        memcpy(out + len + 1, &size, 8);
+        memcpy(out + len + 9, &mode, 4);
+        memcpy(out + len + 13, &mtime, 8);
+        memcpy(out + len + 21, de->d_name, nl + 1);
+        len += need;
+        count++;
+    }
+    closedir(d);
+    if (!out) { send_err(id, ENOMEM, path); return; }
+    send_frame(T_OK, id, out, (uint32_t)len);
+    free(out);
+}
+
+static void do_fstat(uint32_t id, const char *path) {
+    struct stat st;
+    if (lstat(path, &st) < 0) { send_err(id, errno, path); return; }
+    char out[21];
+    out[0] = type_char(st.st_mode);
+    uint64_t size = (uint64_t)st.st_size;
+    uint32_t mode = st.st_mode & 07777;
+    int64_t mtime = st.st_mtime;
+    memcpy(out + 1, &size, 8);
+    memcpy(out + 9, &mode, 4);
+    memcpy(out + 13, &mtime, 8);
+    send_frame(T_OK, id, out, sizeof out);
+}
+
+static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb; (void)ftw;
+    return (flag == FTW_DP ? rmdir(p) : unlink(p)) < 0 ? -1 : 0;
+}
+
+static void do_fremove(uint32_t id, char *payload, uint32_t len) {
+    if (len < 5) { send_err(id, EINVAL, "remove"); return; }
+    uint32_t recursive;
+    memcpy(&recursive, payload, 4);
+    const char *path = payload + 4;
+    struct stat st;
+    if (lstat(path, &st) < 0) { send_err(id, errno, path); return; }
+    int r;
+    if (S_ISDIR(st.st_mode))
+        r = recursive ? nftw(path, rm_entry, 32, FTW_DEPTH | FTW_PHYS) : rmdir(path);
+    else
+        r = unlink(path);
+    if (r < 0) { send_err(id, errno, path); return; }
+    send_frame(T_OK, id, NULL, 0);
+}
+
+static void do_fmkdir(uint32_t id, char *payload, uint32_t len) {
+    if (len < 5) { send_err(id, EINVAL, "mkdir"); return; }
+    uint32_t mode;
+    memcpy(&mode, payload, 4);
+    char *path = payload + 4;
+    size_t l = strlen(path);
+    char *p = malloc(l + 2);
+    if (!p) { send_err(id, ENOMEM, path); return; }
+    memcpy(p, path, l);
+    p[l] = '/';
+    p[l + 1] = 0;
+    int r = mkdir_parents(p, mode & 07777);
+    free(p);
+    if (r < 0) { send_err(id, errno, path); return; }
+    send_frame(T_OK, id, NULL, 0);
+}
+
+static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t len) {
+    struct exec *e;
+    /* every path payload is NUL terminated by the host; enforce it */
+    if (len > 0 && type >= T_FREAD && payload[len - 1] != 0 && type != T_FWRITE && type != T_FAPPEND) {
+        send_err(id, EINVAL, "request");
+        return;
+    }
+    switch (type) {
+    case T_EXEC: do_exec(id, payload, len); break;
+    case T_GO:
+        if ((e = find_exec(id)) && e->fd_sync >= 0) {
+            char go = 1;
+            if (write(e->fd_sync, &go, 1) < 0) {}
+            close_fd(&e->fd_sync);
+        }
+        break;
+    case T_STDIN:
+        if ((e = find_exec(id)) && e->fd_in >= 0 && len > 0) {
+            char *n = realloc(e->inbuf, e->inlen + len);
+            if (!n) break;
+            e->inbuf = n;
+            memcpy(e->inbuf + e->inlen, payload, len);
+            e->inlen += len;
+            flush_stdin(e);
+        }
+        break;
+    case T_STDIN_EOF:
+        if ((e = find_exec(id))) { e->eof_pending = 1; flush_stdin(e); }
+        break;
+    case T_SIGNAL:
+        if ((e = find_exec(id)) && len == 4 && !e->exited) {
+            int32_t sig;
+            memcpy(&sig, payload, 4);
+            kill(-e->pid, sig);
+            kill(e->pid, sig);
+        }
+        break;
+    case T_FREAD: if (len) do_fread(id, payload); else send_err(id, EINVAL, "read"); break;
+    case T_FWRITE: do_fwrite(id, payload, len, 0); break;
+    case T_FAPPEND: do_fwrite(id, payload, len, 1); break;
+    case T_FLIST: if (len) do_flist(id, payload); else send_err(id, EINVAL, "list"); break;
+    case T_FSTAT: if (len) do_fstat(id, payload); else send_err(id, EINVAL, "stat"); break;
+    case T_FREMOVE: do_fremove(id, payload, len); break;
+    case T_FMKDIR: do_fmkdir(id, payload, len); break;
+    default: send_err(id, ENOSYS, "unknown request"); break;
+    }
+}
+
+static void pump_output(struct exec *e, int *fd, uint8_t type) {
+    static char buf[CHUNK];
+    ssize_t n = read(*fd, buf, sizeof buf);
+    if (n > 0) send_frame(type, e->id, buf, (uint32_t)n);
+    else if (n == 0 || (errno != EINTR && errno != EAGAIN)) close_fd(fd);
+}
+
+int main(void) {
+    prctl(PR_SET_DUMPABLE, 0);
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0) return 2;
+    send_frame(T_READY, 0, "corral-agent 1", 14);
+
+    static struct pollfd pfds[2 + MAX_EXECS * 3];
+    static struct { struct exec *e; int which; } owners[2 + MAX_EXECS * 3];
+    char *payload = NULL;
+    for (;;) {
+        int n = 0;
+        pfds[n++] = (struct pollfd){.fd = 0, .events = POLLIN};
+        pfds[n++] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        int timeout = -1;
+        long long now = now_ms();
+        for (int i = 0; i < MAX_EXECS; i++) {
+            struct exec *e = &execs[i];
+            if (!e->used) continue;
+            if (e->exited) {
+                long long left = e->exit_ms + GRACE_MS - now;
+                if ((e->fd_out < 0 && e->fd_err < 0) || left <= 0) { finish_exec(e); continue; }
+                if (timeout < 0 || left < timeout) timeout = (int)left;
+            }
+            if (e->fd_out >= 0) { owners[n].e = e; owners[n].which = 1; pfds[n++] = (struct pollfd){.fd = e->fd_out, .events = POLLIN}; }
+            if (e->fd_err >= 0) { owners[n].e = e; owners[n].which = 2; pfds[n++] = (struct pollfd){.fd = e->fd_err, .events = POLLIN}; }
+            if (e->fd_in >= 0 && e->inlen > 0) { owners[n].e = e; owners[n].which = 0; pfds[n++] = (struct pollfd){.fd = e->fd_in, .events = POLLOUT}; }
+        }
+        if (poll(pfds, (nfds_t)n, timeout) < 0) {
+            if (errno == EINTR) continue;
+            return 2;
+        }
+        for (int i = 2; i < n; i++) {
+            if (!pfds[i].revents) continue;
+            struct exec *e = owners[i].e;
+            if (!e->used) continue;
+            if (owners[i].which == 1) pump_output(e, &e->fd_out, T_STDOUT);
+            else if (owners[i].which == 2) pump_output(e, &e->fd_err, T_STDERR);
+            else flush_stdin(e);
+        }
+        if (pfds[1].revents) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) > 0) {}
+            int st;
+            pid_t pid;
+            while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+                for (int i = 0; i < MAX_EXECS; i++) {
+                    if (execs[i].used && execs[i].pid == pid) {
+                        execs[i].exited = 1;
+                        execs[i].status = st;
+                        execs[i].exit_ms = now_ms();
+                    }
+                }
+            }
+        }
+        if (pfds[0].revents) {
+            unsigned char hdr[9];
+            int r = read_full(0, hdr, 9);
+            if (r <= 0) return 0; /* host closed the channel: the sandbox ends */
+            uint32_t id, len;
+            memcpy(&id, hdr + 1, 4);
+            memcpy(&len, hdr + 5, 4);
+            if (len > MAX_FRAME) return 2;
+            payload = realloc(payload, len + 1);
+            if (!payload) return 2;
+            if (len && read_full(0, payload, len) <= 0) return 0;
+            payload[len] = 0;
+            handle_request(hdr[0], id, payload, len);
+        }
+    }
+}

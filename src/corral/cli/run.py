@@ -1,0 +1,79 @@
+"""``corral run``: create a sandbox, run one command, destroy it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EXIT_TIMEOUT = 124
+EXIT_OOM = 137
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options that define a sandbox; shared by every command that creates one."""
+    parser.add_argument("--image", default=None, help="image name (default: host)")
+    parser.add_argument("--tier", default=None, help="process | gvisor | microvm | wasm (default: process)")
+    parser.add_argument("--workspace", default=None, metavar="DIR[:ro|:rw|:cow]",
+                        help="host directory shown at /workspace (default mode rw: changes written back)")
+    parser.add_argument("--memory", default=None, metavar="SIZE", help="memory limit, e.g. 512M (default 512M)")
+    parser.add_argument("--pids", default=None, metavar="N", help="max processes (default 256)")
+    parser.add_argument("--cpus", default=None, metavar="F", help="CPU quota in cores (default 1)")
+    parser.add_argument("--disk", default=None, metavar="SIZE", help="writable layer size (default 1G)")
+    parser.add_argument("--timeout", default=None, metavar="SECONDS", help="per-command wall clock (default 60)")
+    parser.add_argument("--max-output", default=None, metavar="SIZE", help="stdout/stderr kept per command (16M)")
+    parser.add_argument("--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)")
+    parser.add_argument("--network", default=None, help="none (default)")
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    from ..sandbox import build_spec
+    from ..spec import Limits, SandboxSpec, parse_env_assignments
+
+    limits = Limits.build(args.memory, args.pids, args.cpus, args.disk, args.timeout, args.max_output)
+    base = SandboxSpec(limits=limits)
+    return build_spec(base, image=args.image, tier=args.tier, workspace=args.workspace,
+                      env=parse_env_assignments(args.env), network=args.network)
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("run", help="run one command in a fresh sandbox",
+                            description="Create a sandbox, run CMD in it, destroy it. "
+                            "Exit code: the command's; 124 on timeout; 137 on OOM kill; 125 if no sandbox.")
+    add_spec_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object with the result")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from ..errors import InvalidSpec
+    from ..sandbox import Sandbox
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise InvalidSpec("no command given: corral run [OPTIONS] -- CMD [ARGS...]")
+    spec = spec_from_args(args)
+    out, err = sys.stdout.buffer, sys.stderr.buffer
+
+    def stream(name: str, chunk: bytes) -> None:
+        target = out if name == "stdout" else err
+        target.write(chunk)
+        target.flush()
+
+    with Sandbox.create(spec, state=args.state_dir) as sb:
+        result = sb.commands.run(cmd, on_output=None if args.json else stream)
+        if args.json:
+            payload = {"sandbox_id": sb.id, **result.to_dict()}
+            print(json.dumps(payload))
+            return 0
+    if result.timed_out:
+        print(f"corral: command timed out after {result.duration_ms / 1000:.1f} s", file=sys.stderr)
+        return EXIT_TIMEOUT
+    if result.oom_killed:
+        print("corral: command was killed: out of memory", file=sys.stderr)
+        return EXIT_OOM
+    return result.exit_code

@@ -1,0 +1,81 @@
+"""What this host can and cannot do, each with the fix (``corral doctor``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import HostNotSupported
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def _userns() -> Check:
+    try:
+        max_ns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        max_ns = -1
+    if max_ns == 0:
+        return Check("user namespaces", False, "user.max_user_namespaces = 0", "sysctl -w user.max_user_namespaces=15000")
+    restrict = Path("/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
+    if restrict.exists() and restrict.read_text().strip() == "1":
+        return Check("user namespaces", False, "restricted by AppArmor",
+                     "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0")
+    return Check("user namespaces", True, f"enabled (max {max_ns})")
+
+
+def _cgroups() -> Check:
+    from .host import cgroups
+
+    try:
+        return Check("cgroups", True, cgroups.detect().describe())
+    except HostNotSupported as exc:
+        return Check("cgroups", False, str(exc), "mount cgroup2 at /sys/fs/cgroup with memory, pids, cpu")
+
+
+def _bwrap() -> Check:
+    path = shutil.which("bwrap")
+    if path is None:
+        return Check("bubblewrap", False, "not installed", "apt-get install bubblewrap")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.strip()
+    return Check("bubblewrap", True, f"{path} ({version})")
+
+
+def _seccomp() -> Check:
+    try:
+        from .host.seccomp import build_filter
+
+        build_filter()
+    except HostNotSupported as exc:
+        return Check("seccomp", False, str(exc), "apt-get install libseccomp2; pip install pyseccomp")
+    return Check("seccomp", True, "libseccomp filter compiles")
+
+
+def _landlock() -> Check:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION) returns the ABI version
+    abi = libc.syscall(444, None, 0, 1)
+    if abi < 0:
+        return Check("landlock", False, "not available (not required)", "boot with lsm=...,landlock")
+    return Check("landlock", True, f"ABI {abi} (not used yet: namespaces already hide the host)")
+
+
+def _root() -> Check:
+    if os.geteuid() == 0:
+        return Check("privileges", True, "running as root (cgroups and mounts)")
+    return Check("privileges", False, "not root", "run corral as root (rootless mode is not supported yet)")
+
+
+def host_checks() -> list[Check]:
+    return [_root(), _userns(), _cgroups(), _bwrap(), _seccomp(), _landlock()]

@@ -1,0 +1,340 @@
+"""Cgroups v1 and v2 behind one small interface.
+
+Detection is by the filesystem type mounted at ``/sys/fs/cgroup`` (never by
+guessing): ``cgroup2`` means a pure v2 host; ``tmpfs`` means v1, possibly a
+hybrid with a v2 hierarchy at ``/sys/fs/cgroup/unified``.
+
+A :class:`SandboxCgroup` holds one sandbox's limits (memory with swap off,
+pids, cpu quota) and a *kill tree*: leaf groups, one per command plus one for
+the in-sandbox agent, that can each be killed as a whole, daemonized children
+included.  The kill tree lives in a v2 hierarchy when one with ``cgroup.kill``
+exists (pure v2, or the hybrid's ``unified`` mount), else in the v1 freezer.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ..errors import HostNotSupported
+from ..spec import Limits
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: every group Corral makes lives below a parent of this name
+PARENT = os.environ.get("CORRAL_CGROUP_PARENT", "corral")
+
+
+@dataclass(frozen=True)
+class Layout:
+    version: int  # 1 or 2
+    #: controller name -> hierarchy root (v1: per controller; v2: all the same)
+    controllers: dict[str, Path]
+    #: root of the hierarchy used for kill trees, and how it kills
+    kill_root: Path
+    kill_mode: str  # "cgroup.kill", "freeze" (v2 without cgroup.kill) or "freezer" (v1)
+
+    def describe(self) -> str:
+        ctl = ", ".join(sorted(self.controllers))
+        return f"cgroup v{self.version} ({ctl}); kill trees via {self.kill_mode} at {self.kill_root}"
+
+
+def _mount_types() -> dict[str, str]:
+    types: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            fstype = right.split()[0] if right else ""
+            types[fields[4]] = fstype
+    return types
+
+
+@lru_cache(maxsize=1)
+def detect() -> Layout:
+    """Find out which cgroup layout this host has. Raises HostNotSupported with a fix."""
+    mounts = _mount_types()
+    root_type = mounts.get(str(CGROUP_ROOT))
+    if root_type == "cgroup2":
+        available = (CGROUP_ROOT / "cgroup.controllers").read_text().split()
+        missing = {"memory", "pids", "cpu"} - set(available)
+        if missing:
+            raise HostNotSupported(
+                f"cgroup v2 is missing controller(s) {', '.join(sorted(missing))}; "
+                "enable them (e.g. cgroup_enable=memory on the kernel command line)"
+            )
+        mode = "cgroup.kill" if _has_cgroup_kill(CGROUP_ROOT) else "freeze"
+        return Layout(2, {c: CGROUP_ROOT for c in ("memory", "pids", "cpu")}, CGROUP_ROOT, mode)
+    if root_type == "tmpfs":
+        controllers: dict[str, Path] = {}
+        for name in ("memory", "pids", "cpu"):
+            path = CGROUP_ROOT / name
+            if mounts.get(str(path)) != "cgroup" and not (path / "cgroup.procs").exists():
+                raise HostNotSupported(
+                    f"cgroup v1 controller {name!r} is not mounted at {path}; mount it or boot with cgroup v2"
+                )
+            controllers[name] = path
+        unified = CGROUP_ROOT / "unified"
+        if mounts.get(str(unified)) == "cgroup2" and _has_cgroup_kill(unified):
+            return Layout(1, controllers, unified, "cgroup.kill")
+        freezer = CGROUP_ROOT / "freezer"
+        if mounts.get(str(freezer)) == "cgroup":
+            return Layout(1, controllers, freezer, "freezer")
+        raise HostNotSupported("cgroup v1 without a freezer or unified hierarchy: cannot kill process trees")
+    raise HostNotSupported(
+        f"no cgroup filesystem at {CGROUP_ROOT} (found {root_type or 'nothing'}); mount cgroup2 there"
+    )
+
+
+def _has_cgroup_kill(root: Path) -> bool:
+    # cgroup.kill exists only in non-root groups; probe with our parent group
+    parent = root / PARENT
+    try:
+        parent.mkdir(exist_ok=True)
+    except OSError:
+        return False
+    return (parent / "cgroup.kill").exists()
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _ensure_parent(layout: Layout) -> None:
+    for root in {*layout.controllers.values(), layout.kill_root}:
+        (root / PARENT).mkdir(exist_ok=True)
+    if layout.version == 2:
+        # controllers must be enabled from the root down to our parent
+        wanted = "+memory +pids +cpu"
+        for group in (CGROUP_ROOT, CGROUP_ROOT / PARENT):
+            current = (group / "cgroup.subtree_control").read_text().split()
+            if not {"memory", "pids", "cpu"} <= set(current):
+                try:
+                    _write(group / "cgroup.subtree_control", wanted)
+                except OSError as exc:
+                    raise HostNotSupported(
+                        f"cannot enable memory/pids/cpu controllers in {group}: {exc}. "
+                        "Run Corral in a cgroup with delegated controllers and no processes of its own"
+                    ) from exc
+
+
+def read_pids(group: Path) -> list[int]:
+    try:
+        return [int(x) for x in (group / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def kill_group(group: Path, mode: str, deadline: float = 5.0) -> None:
+    """Kill every process in ``group`` (recursively) and wait until it is empty."""
+    if not group.exists():
+        return
+    end = time.monotonic() + deadline
+    if mode == "cgroup.kill":
+        try:
+            _write(group / "cgroup.kill", "1")
+        except FileNotFoundError:
+            return
+    else:
+        _freeze_kill(group, mode, end)
+    while time.monotonic() < end:
+        if not _populated(group, mode):
+            return
+        time.sleep(0.002)
+
+
+def _freeze_kill(group: Path, mode: str, end: float) -> None:
+    # freeze first so nothing can fork while we kill, then thaw so SIGKILL lands
+    freeze_file, frozen, thawed = (
+        ("freezer.state", "FROZEN", "THAWED") if mode == "freezer" else ("cgroup.freeze", "1", "0")
+    )
+    while time.monotonic() < end:
+        groups = [group, *(p for p in group.rglob("*") if p.is_dir())]
+        pids = [pid for g in groups for pid in read_pids(g)]
+        if not pids:
+            return
+        try:
+            _write(group / freeze_file, frozen)
+        except OSError:
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            _write(group / freeze_file, thawed)
+        except OSError:
+            pass
+        time.sleep(0.001)
+
+
+def _populated(group: Path, mode: str) -> bool:
+    if mode != "freezer":
+        try:
+            for line in (group / "cgroup.events").read_text().splitlines():
+                if line.startswith("populated "):
+                    return line.split()[1] == "1"
+        except FileNotFoundError:
+            return False
+    return any(read_pids(g) for g in (group, *(p for p in group.rglob("*") if p.is_dir())))
+
+
+def remove_tree(group: Path) -> None:
+    """rmdir a group and its children, deepest first; tolerate races with exiting tasks."""
+    if not group.exists():
+        return
+    children = sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+    for path in [*children, group]:
+        for _ in range(200):
+            try:
+                path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                time.sleep(0.005)
+
+
+class SandboxCgroup:
+    """The cgroups of one sandbox: limits, kill tree, OOM counter."""
+
+    def __init__(self, name: str, limits: Limits, layout: Layout | None = None) -> None:
+        self.layout = layout or detect()
+        self.name = name
+        _ensure_parent(self.layout)
+        self.limit_groups = sorted({root / PARENT / name for root in self.layout.controllers.values()})
+        self.kill_group = self.layout.kill_root / PARENT / name
+        self._memory = self.layout.controllers["memory"] / PARENT / name
+        self._pids = self.layout.controllers["pids"] / PARENT / name
+        self._cpu = self.layout.controllers["cpu"] / PARENT / name
+        try:
+            for group in {*self.limit_groups, self.kill_group}:
+                group.mkdir()
+            self._apply(limits)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _apply(self, limits: Limits) -> None:
+        period = 100_000
+        quota = max(1000, int(limits.cpus * period))
+        if self.layout.version == 2:
+            _write(self._memory / "memory.max", str(limits.memory))
+            if (self._memory / "memory.swap.max").exists():
+                _write(self._memory / "memory.swap.max", "0")
+            _write(self._pids / "pids.max", str(limits.pids))
+            _write(self._cpu / "cpu.max", f"{quota} {period}")
+        else:
+            _write(self._memory / "memory.limit_in_bytes", str(limits.memory))
+            memsw = self._memory / "memory.memsw.limit_in_bytes"
+            if memsw.exists():
+                _write(memsw, str(limits.memory))
+            try:
+                _write(self._memory / "memory.swappiness", "0")
+            except OSError:
+                pass
+            _write(self._pids / "pids.max", str(limits.pids))
+            _write(self._cpu / "cpu.cfs_period_us", str(period))
+            _write(self._cpu / "cpu.cfs_quota_us", str(quota))
+
+    def leaf(self, leaf: str) -> Path:
+        """Create (if needed) a leaf of the kill tree and return its path."""
+        path = self.kill_group / leaf
+        path.mkdir(exist_ok=True)
+        return path
+
+    def procs_files(self, leaf: Path) -> list[str]:
+        """Files a new process writes its pid into to join this sandbox (limits + kill leaf)."""
+        files = {str(g / "cgroup.procs") for g in self.limit_groups}
+        if self.layout.version == 2:
+            # on v2 the limit groups and the kill tree are one hierarchy: the leaf is enough
+            files = set()
+        files.add(str(leaf / "cgroup.procs"))
+        return sorted(files)
+
+    def attach(self, pid: int, leaf: Path) -> None:
+        _write(leaf / "cgroup.procs", str(pid))
+
+    def kill_leaf(self, leaf: Path) -> None:
+        kill_group(leaf, self.layout.kill_mode)
+
+    def remove_leaf(self, leaf: Path) -> bool:
+        """rmdir an emptied leaf; False if processes (background ones) still live in it."""
+        try:
+            leaf.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+
+    def oom_kills(self) -> int:
+        name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
+        try:
+            for line in (self._memory / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except FileNotFoundError:
+            pass
+        return 0
+
+    def memory_usage(self) -> int:
+        name = "memory.current" if self.layout.version == 2 else "memory.usage_in_bytes"
+        try:
+            return int((self._memory / name).read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def pids(self) -> list[int]:
+        return sorted({pid for g in [self.kill_group, *self.kill_group.rglob("*")] if g.is_dir() for pid in read_pids(g)})
+
+    def kill_all(self) -> None:
+        kill_group(self.kill_group, self.layout.kill_mode)
+        if self.layout.version == 1:
+            # belt and braces: a task that escaped the kill tree is still in the limit groups
+            for group in self.limit_groups:
+                for pid in read_pids(group):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+    def destroy(self) -> None:
+        """Kill everything and remove every group. Idempotent."""
+        self.kill_all()
+        for group in {self.kill_group, *self.limit_groups}:
+            remove_tree(group)
+
+
+def reap(name: str) -> None:
+    """Destroy the groups of a sandbox by name (janitor use)."""
+    layout = detect()
+    kill_group(layout.kill_root / PARENT / name, layout.kill_mode)
+    for root in {*layout.controllers.values(), layout.kill_root}:
+        group = root / PARENT / name
+        for pid in read_pids(group):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        remove_tree(group)
+
+
+def list_sandbox_groups() -> set[str]:
+    """Names of every sandbox group that exists in any hierarchy (leak checks)."""
+    layout = detect()
+    names: set[str] = set()
+    for root in {*layout.controllers.values(), layout.kill_root}:
+        parent = root / PARENT
+        if parent.is_dir():
+            names.update(p.name for p in parent.iterdir() if p.is_dir())
+    return names

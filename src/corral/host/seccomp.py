@@ -1,0 +1,105 @@
+"""The seccomp filter every process-tier sandbox runs under.
+
+It is compiled once with libseccomp (PyPI ``pyseccomp``, ctypes over the
+system's libseccomp2), exported as BPF to a file in the state directory and
+handed to bubblewrap with ``--seccomp FD``: loading libseccomp in every child
+would cost ~14 ms per sandbox.
+
+The filter is a deny list on top of what namespaces and dropped capabilities
+already forbid: each entry closes a known kernel attack surface or escape.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from ..errors import HostNotSupported
+
+#: syscalls refused with EPERM
+DENIED_SYSCALLS: tuple[str, ...] = (
+    # filesystem namespace changes
+    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig",
+    "fsmount", "fspick", "mount_setattr",
+    # namespace escapes and creation
+    "unshare", "setns",
+    # debugging other processes / reading their memory
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    # kernel attack surface
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "keyctl", "add_key", "request_key",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "reboot", "swapon", "swapoff", "acct", "quotactl", "syslog", "lookup_dcookie",
+    "open_by_handle_at", "name_to_handle_at",
+    "iopl", "ioperm", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "personality", "vhangup", "nfsservctl",
+)
+
+#: clone(2) flags that create namespaces; clone with any of them is refused
+CLONE_NAMESPACE_FLAGS = {
+    "CLONE_NEWNS": 0x00020000,
+    "CLONE_NEWCGROUP": 0x02000000,
+    "CLONE_NEWUTS": 0x04000000,
+    "CLONE_NEWIPC": 0x08000000,
+    "CLONE_NEWUSER": 0x10000000,
+    "CLONE_NEWPID": 0x20000000,
+    "CLONE_NEWNET": 0x40000000,
+    "CLONE_NEWTIME": 0x00000080,
+}
+
+#: ioctl requests refused: pushing input into a terminal
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+
+_VERSION = "1"
+
+
+def _fingerprint() -> str:
+    text = repr((_VERSION, DENIED_SYSCALLS, sorted(CLONE_NAMESPACE_FLAGS.items()), TIOCSTI, TIOCLINUX))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_filter() -> object:
+    """Build the libseccomp filter object (not yet loaded anywhere)."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as exc:  # OSError: libseccomp.so missing
+        raise HostNotSupported(
+            f"libseccomp is not usable ({exc}); install libseccomp2 and the pyseccomp package"
+        ) from exc
+    deny = sc.ERRNO(errno.EPERM)
+    filt = sc.SyscallFilter(sc.ALLOW)
+    for name in DENIED_SYSCALLS:
+        try:
+            filt.add_rule(deny, name)
+        except (ValueError, RuntimeError, OSError):
+            continue  # syscall unknown on this architecture
+    for flag in CLONE_NAMESPACE_FLAGS.values():
+        filt.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    # clone3 passes its flags in memory seccomp cannot read: refuse it with
+    # ENOSYS so libc falls back to clone(2), whose flags we can check
+    filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for request in (TIOCSTI, TIOCLINUX):
+        filt.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+    return filt
+
+
+def bpf_path(state_dir: Path) -> Path:
+    """Path of the exported BPF program, compiling it on first use."""
+    path = state_dir / f"seccomp-{_fingerprint()}.bpf"
+    if path.exists():
+        return path
+    filt = build_filter()
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".seccomp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            filt.export_bpf(f)  # type: ignore[attr-defined]
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path

@@ -1,0 +1,214 @@
+"""Copy a workspace into a sandbox and write its changes back, without ever
+following a path the sandbox controls.
+
+The sandbox works on its own copy, on its size-limited disk, owned by its
+unprivileged host uid: its writes are bounded by the disk limit, and the host
+directory is written only here.  Both sides are walked one component at a
+time with ``O_NOFOLLOW`` directory descriptors, so a symlink the sandbox
+plants (even while a sync runs) can neither make us read a host file into the
+workspace nor write outside it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ResourceLimit
+
+# (kind, size, mtime_ns, mode, inode)
+Entry = tuple[str, int, int, int, int]
+Manifest = dict[str, Entry]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "f"
+    if stat.S_ISDIR(mode):
+        return "d"
+    if stat.S_ISLNK(mode):
+        return "l"
+    return "o"
+
+
+def scan(root: Path) -> Manifest:
+    """Every entry below ``root`` (not following symlinks)."""
+    manifest: Manifest = {}
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        _scan(root_fd, "", manifest)
+    finally:
+        os.close(root_fd)
+    return manifest
+
+
+def _scan(dir_fd: int, prefix: str, out: Manifest) -> None:
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        rel = f"{prefix}{entry.name}"
+        kind = _kind(st.st_mode)
+        out[rel] = (kind, st.st_size, st.st_mtime_ns, st.st_mode & 0o7777, st.st_ino)
+        if kind == "d":
+            try:
+                fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                _scan(fd, rel + "/", out)
+            finally:
+                os.close(fd)
+
+
+def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gid: int) -> int:
+    """Open the directory ``parts`` below root_fd without following symlinks.
+
+    With ``create``, a missing component is made, and one that is not a real
+    directory (a symlink, a file) is replaced by one.
+    """
+    fd = os.dup(root_fd)
+    try:
+        for name in parts:
+            try:
+                nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if not create or exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    raise
+                if exc.errno != errno.ENOENT:
+                    os.unlink(name, dir_fd=fd)
+                os.mkdir(name, 0o755, dir_fd=fd)
+                os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+                nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _copy_entry(src_root: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int) -> None:
+    *dirs, name = rel.split("/")
+    src_dir = _open_dir_beneath(src_root, dirs, create=False, uid=uid, gid=gid)
+    try:
+        dst_dir = _open_dir_beneath(dst_root, dirs, create=True, uid=uid, gid=gid)
+        try:
+            if kind == "d":
+                os.close(_open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid))
+                return
+            tmp = f".corral-tmp-{os.getpid()}-{name}"[:255]
+            if kind == "l":
+                target = os.readlink(name, dir_fd=src_dir)
+                os.symlink(target, tmp, dir_fd=dst_dir)
+                os.chown(tmp, uid, gid, dir_fd=dst_dir, follow_symlinks=False)
+            else:
+                src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=src_dir)
+                try:
+                    if not stat.S_ISREG(os.fstat(src).st_mode):
+                        return
+                    dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
+                    try:
+                        while chunk := os.read(src, 1 << 20):
+                            os.write(dst, chunk)
+                        os.fchown(dst, uid, gid)
+                        os.fchmod(dst, mode & 0o777)
+                    finally:
+                        os.close(dst)
+                finally:
+                    os.close(src)
+            try:
+                os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
+            except IsADirectoryError:
+                _remove_beneath(dst_dir, name)
+                os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
+        finally:
+            os.close(dst_dir)
+    finally:
+        os.close(src_dir)
+
+
+def _remove_beneath(dir_fd: int, name: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            for child in os.listdir(fd):
+                _remove_beneath(fd, child)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)
+
+
+@dataclass
+class WorkspaceCopy:
+    """A workspace copied into a sandbox: ``host`` is the user's dir, ``copy`` the sandbox's."""
+
+    host: Path
+    copy: Path
+    uid: int
+    gid: int
+    manifest: Manifest
+
+    @classmethod
+    def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int) -> WorkspaceCopy:
+        source = scan(host)
+        total = sum(e[1] for e in source.values() if e[0] == "f")
+        if total > max_bytes:
+            raise ResourceLimit(
+                f"workspace {host} holds {total} bytes, more than the sandbox's disk limit of {max_bytes}; "
+                "raise --disk or use a smaller workspace"
+            )
+        copy.mkdir(mode=0o755, exist_ok=True)
+        os.chown(copy, uid, gid)
+        _apply(host, copy, source, {}, uid, gid)
+        return cls(host, copy, uid, gid, scan(copy))
+
+    def sync_back(self) -> None:
+        """Write what changed in the copy since the last sync to the host directory."""
+        host_st = os.stat(self.host)
+        current = scan(self.copy)
+        _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
+        self.manifest = current
+
+
+def _apply(src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
+    src_fd = os.open(src, _DIR_FLAGS)
+    dst_fd = os.open(dst, _DIR_FLAGS)
+    try:
+        for rel in sorted(set(previous) - set(current), key=lambda r: r.count("/"), reverse=True):
+            *dirs, name = rel.split("/")
+            try:
+                fd = _open_dir_beneath(dst_fd, dirs, create=False, uid=uid, gid=gid)
+            except OSError:
+                continue
+            try:
+                _remove_beneath(fd, name)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        for rel in sorted(current, key=lambda r: r.count("/")):
+            entry = current[rel]
+            if entry[0] == "o" or previous.get(rel) == entry:
+                continue
+            try:
+                _copy_entry(src_fd, dst_fd, rel, entry[0], entry[3], uid, gid)
+            except FileNotFoundError:
+                continue  # vanished while we copied: the next sync sees it gone
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)

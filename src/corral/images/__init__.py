@@ -1,0 +1,140 @@
+"""Image lookup: a name becomes the read-only lower layers of a sandbox's root.
+
+An :class:`ImageLayout` lists ``(path inside the sandbox, host directory)``
+pairs.  Each is the lower layer of an overlay whose upper layer is on the
+sandbox's own size-limited tmpfs, so sandboxes share the image and never
+write it.
+
+Built-in: ``host`` — a read-only view of the host's ``/usr`` (with the usual
+``/bin``, ``/lib``, ``/lib64``, ``/sbin`` links) under a synthetic root with a
+minimal ``/etc``.  Built images (recipes) plug in through
+:func:`register_resolver`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidSpec
+
+#: the uid/gid of the sandbox user inside every sandbox
+SANDBOX_UID = 1000
+SANDBOX_USER = "user"
+SANDBOX_HOME = "/home/user"
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    name: str
+    #: (mount point inside the sandbox, read-only host directory), "/" first
+    layers: tuple[tuple[str, Path], ...]
+    digest: str = ""
+    #: True when the image brings its own /etc (identity files are added on top)
+    own_etc: bool = False
+
+
+Resolver = Callable[[str, Path], "ImageLayout | None"]
+_resolvers: list[Resolver] = []
+
+
+def register_resolver(resolver: Resolver) -> None:
+    """Let a later layer (built images) answer for names the built-ins do not know."""
+    if resolver not in _resolvers:
+        _resolvers.append(resolver)
+
+
+def resolve(name: str, state_dir: Path) -> ImageLayout:
+    if name == "host":
+        return host_image(state_dir)
+    for resolver in _resolvers:
+        layout = resolver(name, state_dir)
+        if layout is not None:
+            return layout
+    try:  # built images live in corral.images.store when that module exists
+        from . import store  # type: ignore[attr-defined]
+    except ImportError:
+        store = None
+    if store is not None:
+        layout = store.resolve(name, state_dir)
+        if layout is not None:
+            return layout
+    raise InvalidSpec(f"image {name!r} is not known; built-in: host (see `corral image ls` for built ones)")
+
+
+def identity_files(hostname: str = "sandbox") -> dict[str, str]:
+    """The synthetic identity of every sandbox, relative to its root."""
+    return {
+        "etc/passwd": (
+            "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+            f"{SANDBOX_USER}:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox user:{SANDBOX_HOME}:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        ),
+        "etc/group": f"root:x:0:\n{SANDBOX_USER}:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
+        "etc/hosts": f"127.0.0.1 localhost\n::1 localhost\n127.0.1.1 {hostname}\n",
+        "etc/hostname": f"{hostname}\n",
+        "etc/resolv.conf": "# no network by default; the egress layer rewrites this when allowed\n",
+        "etc/nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
+    }
+
+
+_HOST_SKELETON_VERSION = "3"
+
+
+def host_image(state_dir: Path) -> ImageLayout:
+    skeleton = state_dir / "images" / f"host-skeleton-v{_HOST_SKELETON_VERSION}"
+    if not skeleton.is_dir():
+        _build_host_skeleton(skeleton)
+    layers: list[tuple[str, Path]] = [("/", skeleton), ("/usr", Path("/usr"))]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host_path = Path("/") / top
+        if host_path.is_dir() and not host_path.is_symlink():
+            layers.append((f"/{top}", host_path))  # a host without merged /usr
+    return ImageLayout("host", tuple(layers))
+
+
+def _build_host_skeleton(target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(target.parent, 0o711)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".host-skeleton-"))
+    try:
+        for d in ("usr", "etc/ssl/certs", "etc/alternatives", "proc", "dev", "home", "root", "run",
+                  "var/tmp", "var/lib", "workspace", "mnt", "opt", "srv"):
+            (tmp / d).mkdir(parents=True, exist_ok=True)
+        for d in ("tmp", "var/tmp"):
+            (tmp / d).mkdir(parents=True, exist_ok=True)
+            os.chmod(tmp / d, 0o1777)
+        os.chmod(tmp / "root", 0o700)
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host_path = Path("/") / top
+            if host_path.is_symlink():
+                os.symlink(os.readlink(host_path), tmp / top)
+            elif host_path.is_dir():
+                (tmp / top).mkdir()
+        for rel, content in identity_files().items():
+            (tmp / rel).write_text(content)
+        ca = Path("/etc/ssl/certs/ca-certificates.crt")
+        if ca.is_file():
+            shutil.copyfile(ca, tmp / "etc/ssl/certs/ca-certificates.crt")
+        # /etc/alternatives is only symlinks naming programs: no secrets, and
+        # without it awk, editor, pager & co. do not resolve
+        alternatives = Path("/etc/alternatives")
+        if alternatives.is_dir():
+            for entry in alternatives.iterdir():
+                if entry.is_symlink():
+                    os.symlink(os.readlink(entry), tmp / "etc/alternatives" / entry.name)
+        for name in ("ld.so.cache", "ld.so.conf", "localtime", "mime.types"):
+            src = Path("/etc") / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / "etc" / name)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if target.is_dir():
+            return  # a concurrent builder won
+        raise

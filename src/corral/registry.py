@@ -1,0 +1,151 @@
+"""The on-disk registry of live sandboxes, and the janitor that reaps orphans.
+
+Every sandbox is recorded (SQLite, in the state directory) *before* any of its
+resources exist, with its owner's pid and start time.  When an owner dies
+(``kill -9``), its sandboxes' processes die with it (``--die-with-parent``),
+and :func:`gc` — run by ``corral gc`` and at every library start — releases
+what is left: cgroups, mounts, directories, reserved uids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import HostNotSupported
+
+DEFAULT_STATE_DIR = Path("/var/lib/corral")
+
+
+def state_dir(explicit: str | Path | None = None) -> Path:
+    """The state directory: explicit, else $CORRAL_STATE_DIR, else /var/lib/corral."""
+    path = Path(explicit or os.environ.get("CORRAL_STATE_DIR") or DEFAULT_STATE_DIR)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # 0711: sandbox launchers (unprivileged uids) traverse it; nobody lists it
+        os.chmod(path, 0o711)
+        (path / "sandboxes").mkdir(exist_ok=True)
+        os.chmod(path / "sandboxes", 0o711)
+    except PermissionError as exc:
+        raise HostNotSupported(f"cannot use state directory {path}: {exc}; run as root or set CORRAL_STATE_DIR") from exc
+    return path
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (tells pid reuse apart)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+_self_identity: tuple[int, int] = (-1, 0)
+
+
+def self_identity() -> tuple[int, int]:
+    """(pid, start time) of this process, recomputed after a fork."""
+    global _self_identity
+    pid = os.getpid()
+    if _self_identity[0] != pid:
+        _self_identity = (pid, process_start_time(pid) or 0)
+    return _self_identity
+
+
+@dataclass
+class Row:
+    id: str
+    tier: str
+    run_dir: Path
+    owner_pid: int
+    owner_start: int
+    created: float
+    record: dict[str, Any]
+
+    def owner_alive(self) -> bool:
+        return process_start_time(self.owner_pid) == self.owner_start
+
+
+class Registry:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._local = threading.local()
+
+    def _db(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None or getattr(self._local, "pid", None) != os.getpid():
+            db = sqlite3.connect(self.root / "registry.db", timeout=30, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, tier TEXT NOT NULL, "
+                "run_dir TEXT NOT NULL, owner_pid INTEGER NOT NULL, owner_start INTEGER NOT NULL, "
+                "created REAL NOT NULL, record TEXT NOT NULL DEFAULT '{}')"
+            )
+            self._local.db = db
+            self._local.pid = os.getpid()
+        return db
+
+    def add(self, sandbox_id: str, tier: str, run_dir: Path) -> None:
+        pid, start = self_identity()
+        self._db().execute(
+            "INSERT INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, '{}')",
+            (sandbox_id, tier, str(run_dir), pid, start, time.time()),
+        )
+
+    def set_record(self, sandbox_id: str, record: dict[str, Any]) -> None:
+        self._db().execute("UPDATE sandboxes SET record = ? WHERE id = ?", (json.dumps(record), sandbox_id))
+
+    def remove(self, sandbox_id: str) -> None:
+        self._db().execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def rows(self) -> list[Row]:
+        cur = self._db().execute("SELECT id, tier, run_dir, owner_pid, owner_start, created, record FROM sandboxes")
+        return [Row(r[0], r[1], Path(r[2]), r[3], r[4], r[5], json.loads(r[6])) for r in cur.fetchall()]
+
+
+def gc(root: Path) -> list[str]:
+    """Reap every sandbox whose owner is dead, and stray directories. Returns reaped ids."""
+    from .tiers import get_tier
+
+    registry = Registry(root)
+    reaped: list[str] = []
+    live_ids: set[str] = set()
+    for row in registry.rows():
+        if row.owner_alive():
+            live_ids.add(row.id)
+            continue
+        try:
+            get_tier(row.tier, root).reap(row.id, row.run_dir, row.record)
+        except Exception:  # noqa: BLE001 - a broken row must not stop the rest of the sweep
+            shutil.rmtree(row.run_dir, ignore_errors=True)
+        registry.remove(row.id)
+        reaped.append(row.id)
+    # directories with no row: a crash between mkdir and the INSERT cannot
+    # happen (the row comes first), but a hand-deleted database can
+    sandboxes = root / "sandboxes"
+    if sandboxes.is_dir():
+        for run_dir in sandboxes.iterdir():
+            if run_dir.name not in live_ids and time.time() - run_dir.stat().st_mtime > 60:
+                from .host import mounts
+
+                mounts.unmount_all(run_dir)
+                shutil.rmtree(run_dir, ignore_errors=True)
+    uids = root / "uids"
+    if uids.is_dir():
+        known = {r.id for r in registry.rows()}
+        for entry in uids.iterdir():
+            try:
+                owner = entry.read_text().strip()
+            except OSError:
+                continue
+            if owner not in known:
+                entry.unlink(missing_ok=True)
+    return reaped

@@ -1,0 +1,263 @@
+"""What a sandbox is: image, tier, limits, workspace, environment, network.
+
+A :class:`SandboxSpec` is validated when it is built, so every later layer can
+trust it.  Every rejection is an :class:`~corral.errors.InvalidSpec` whose
+message names the field, the value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidSpec
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+TIERS = ("process", "gvisor", "microvm", "wasm")
+NETWORK_MODES = ("none", "allow", "open")
+WORKSPACE_MODES = ("rw", "ro", "cow")
+#: where the workspace appears inside every sandbox
+WORKSPACE_PATH = "/workspace"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+def parse_size(value: str | int | float, what: str = "size") -> int:
+    """Parse ``512M``, ``1GiB``, ``1.5g``, ``1048576`` into bytes (binary units)."""
+    if isinstance(value, bool):
+        raise InvalidSpec(f"{what}: expected a size such as 512M or 2G, got {value!r}")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise InvalidSpec(f"{what}: must be a positive size, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.match(value)
+    if not match or (match.group(3) and not match.group(2) and match.group(3).lower() != "b"):
+        raise InvalidSpec(
+            f"{what}: cannot parse {value!r}; use a number with an optional unit K, M, G or T "
+            "(binary: 1K = 1024 bytes), e.g. 512M or 2G"
+        )
+    number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if number < 1:
+        raise InvalidSpec(f"{what}: must be a positive size, got {value!r}")
+    return int(number)
+
+
+def format_size(n: int) -> str:
+    for unit, factor in (("G", GiB), ("M", MiB), ("K", KiB)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits. Always on: there is no "unlimited"."""
+
+    memory: int = 512 * MiB
+    pids: int = 256
+    cpus: float = 1.0
+    disk: int = 1 * GiB
+    timeout: float = 60.0
+    #: bytes of stdout and of stderr kept per command; the rest is cut and flagged
+    max_output: int = 16 * MiB
+
+    def __post_init__(self) -> None:
+        if not 16 * MiB <= self.memory <= 1024 * GiB:
+            raise InvalidSpec(f"memory: {format_size(self.memory)} is outside 16M..1T")
+        if isinstance(self.pids, bool) or not isinstance(self.pids, int) or not 8 <= self.pids <= 1_000_000:
+            raise InvalidSpec(f"pids: {self.pids!r} must be a whole number from 8 to 1000000")
+        if not isinstance(self.cpus, (int, float)) or not math.isfinite(self.cpus) or not 0.01 <= self.cpus <= 1024:
+            raise InvalidSpec(f"cpus: {self.cpus!r} must be a number from 0.01 to 1024")
+        if not 1 * MiB <= self.disk <= 1024 * GiB:
+            raise InvalidSpec(f"disk: {format_size(self.disk)} is outside 1M..1T")
+        if not isinstance(self.timeout, (int, float)) or not math.isfinite(self.timeout) or not 0 < self.timeout <= 7 * 86400:
+            raise InvalidSpec(f"timeout: {self.timeout!r} must be seconds in (0, 604800]")
+        if not 1024 <= self.max_output <= 1024 * MiB:
+            raise InvalidSpec(f"max_output: {self.max_output!r} must be from 1K to 1G bytes")
+
+    @classmethod
+    def build(
+        cls,
+        memory: str | int | None = None,
+        pids: int | str | None = None,
+        cpus: float | str | None = None,
+        disk: str | int | None = None,
+        timeout: float | str | None = None,
+        max_output: str | int | None = None,
+    ) -> Limits:
+        """Build limits from user-facing values (strings from a CLI or JSON), defaults for None."""
+        base = cls()
+        return cls(
+            memory=parse_size(memory, "memory") if memory is not None else base.memory,
+            pids=_parse_int(pids, "pids") if pids is not None else base.pids,
+            cpus=_parse_float(cpus, "cpus") if cpus is not None else base.cpus,
+            disk=parse_size(disk, "disk") if disk is not None else base.disk,
+            timeout=_parse_float(timeout, "timeout") if timeout is not None else base.timeout,
+            max_output=parse_size(max_output, "max_output") if max_output is not None else base.max_output,
+        )
+
+
+def _parse_int(value: int | str, what: str) -> int:
+    if isinstance(value, bool):
+        raise InvalidSpec(f"{what}: expected a whole number, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidSpec(f"{what}: expected a whole number, got {value!r}") from None
+
+
+def _parse_float(value: float | str, what: str) -> float:
+    if isinstance(value, bool):
+        raise InvalidSpec(f"{what}: expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InvalidSpec(f"{what}: expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise InvalidSpec(f"{what}: expected a finite number, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A host directory shown at ``/workspace``.
+
+    ``rw``: changes are written back to the host directory after every command;
+    ``ro``: read-only; ``cow``: writable, but changes stay in the sandbox.
+    The sandbox always works on its own copy (on its disk-limited layer), so
+    writes are bounded by the disk limit and the host directory is only ever
+    written by Corral itself, never through a path the sandbox controls.
+    """
+
+    path: Path
+    mode: str = "rw"
+
+    def __post_init__(self) -> None:
+        if self.mode not in WORKSPACE_MODES:
+            raise InvalidSpec(f"workspace mode {self.mode!r}: use one of {', '.join(WORKSPACE_MODES)}")
+        if not self.path.is_absolute():
+            object.__setattr__(self, "path", self.path.absolute())
+        if not self.path.is_dir():
+            raise InvalidSpec(f"workspace {str(self.path)!r} does not exist or is not a directory")
+
+    @classmethod
+    def parse(cls, text: str) -> Workspace:
+        """Parse ``DIR``, ``DIR:ro``, ``DIR:rw`` or ``DIR:cow``."""
+        path, _, mode = text.rpartition(":")
+        if not path or mode not in WORKSPACE_MODES:
+            path, mode = text, "rw"
+        return cls(Path(path).expanduser(), mode)
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything that defines a sandbox. Immutable and validated."""
+
+    image: str = "host"
+    tier: str = "process"
+    limits: Limits = field(default_factory=Limits)
+    workspace: Workspace | None = None
+    #: the only environment the sandbox sees besides PATH/HOME/LANG: the host's never leaks in
+    env: Mapping[str, str] = field(default_factory=dict)
+    network: str = "none"
+    cwd: str = WORKSPACE_PATH
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise InvalidSpec(f"tier {self.tier!r}: use one of {', '.join(TIERS)}")
+        if not isinstance(self.image, str) or not _IMAGE_RE.match(self.image):
+            raise InvalidSpec(
+                f"image {self.image!r}: names are 1-64 characters of a-z, 0-9, '.', '_', '-'"
+            )
+        if self.network not in NETWORK_MODES:
+            raise InvalidSpec(f"network {self.network!r}: use one of {', '.join(NETWORK_MODES)}")
+        if self.network != "none":
+            raise InvalidSpec(f"network {self.network!r} is not available yet; only 'none' is")
+        object.__setattr__(self, "env", validate_env(self.env))
+        validate_sandbox_path(self.cwd, "cwd")
+
+    def with_limits(self, **changes: Any) -> SandboxSpec:
+        return replace(self, limits=replace(self.limits, **changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["env"] = dict(self.env)
+        if self.workspace is not None:
+            data["workspace"] = {"path": str(self.workspace.path), "mode": self.workspace.mode}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SandboxSpec:
+        """Build from JSON-like data, rejecting unknown fields by name."""
+        if not isinstance(data, Mapping):
+            raise InvalidSpec("spec: expected an object")
+        known = {"image", "tier", "limits", "workspace", "env", "network", "cwd"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidSpec(f"spec: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        kwargs: dict[str, Any] = {k: data[k] for k in ("image", "tier", "network", "cwd") if k in data}
+        limits = data.get("limits") or {}
+        if not isinstance(limits, Mapping):
+            raise InvalidSpec("limits: expected an object")
+        limit_fields = {"memory", "pids", "cpus", "disk", "timeout", "max_output"}
+        bad = sorted(set(limits) - limit_fields)
+        if bad:
+            raise InvalidSpec(f"limits: unknown field(s) {', '.join(bad)}; known: {', '.join(sorted(limit_fields))}")
+        kwargs["limits"] = Limits.build(**limits)
+        ws = data.get("workspace")
+        if ws is not None:
+            if isinstance(ws, str):
+                kwargs["workspace"] = Workspace.parse(ws)
+            elif isinstance(ws, Mapping) and "path" in ws:
+                kwargs["workspace"] = Workspace(Path(str(ws["path"])), str(ws.get("mode", "rw")))
+            else:
+                raise InvalidSpec("workspace: expected 'DIR[:mode]' or {path, mode}")
+        if "env" in data:
+            kwargs["env"] = data["env"]
+        return cls(**kwargs)
+
+
+def validate_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise InvalidSpec("env: expected a mapping of NAME to value")
+    out: dict[str, str] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
+            raise InvalidSpec(f"env: {key!r} is not a valid variable name")
+        if not isinstance(value, str) or "\0" in value:
+            raise InvalidSpec(f"env: value of {key} must be a string without NUL bytes")
+        out[key] = value
+    return out
+
+
+def parse_env_assignments(items: list[str]) -> dict[str, str]:
+    """Parse ``K=V`` strings; ``K`` alone is an error (no implicit host-env copy)."""
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidSpec(f"--env {item!r}: expected NAME=VALUE (the host environment is never copied)")
+        env[key] = value
+    return validate_env(env)
+
+
+def validate_sandbox_path(path: str, what: str = "path") -> str:
+    """An in-sandbox path: absolute (relative ones are taken from /workspace), no NUL."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise InvalidSpec(f"{what}: {path!r} is not a valid path")
+    if len(path.encode()) > 4000:
+        raise InvalidSpec(f"{what}: path is longer than 4000 bytes")
+    return path if path.startswith("/") else os.path.join(WORKSPACE_PATH, path)

@@ -1,0 +1,381 @@
+"""Host side of the in-sandbox agent protocol (``src/corral/agent/agent.c``).
+
+Every tier that runs Linux userland (process, gVisor, microVM) starts
+``corral-agent`` inside the sandbox and talks to it over a byte stream (pipes,
+or a virtio-serial port).  Frames are ``u8 type | u32 id | u32 len | payload``.
+
+Everything the agent says is untrusted: sizes are capped, unknown ids are
+ignored, and timeouts are enforced here, by killing the command's cgroup (the
+``kill`` hook), never by asking the agent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
+from .base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
+
+T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL = 1, 2, 3, 4, 5
+T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
+T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 110, 111
+
+HEADER = struct.Struct("<BII")
+MAX_FRAME = 64 << 20
+WRITE_CHUNK = 4 << 20
+_TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
+_ENTRY = struct.Struct("<cQIq")
+
+AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "agent.c"
+
+
+def agent_binary() -> Path:
+    """The static agent binary, built by ``make install`` (or here, once, if a compiler exists)."""
+    binary = AGENT_SOURCE.with_name("corral-agent")
+    if binary.exists() and binary.stat().st_mtime >= AGENT_SOURCE.stat().st_mtime:
+        return binary
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise HostNotSupported(f"{binary} is missing and no C compiler is installed; run `make install`")
+    tmp = binary.with_name(f".corral-agent-{os.getpid()}")
+    result = subprocess.run(
+        [cc, "-O2", "-static", "-o", str(tmp), str(AGENT_SOURCE)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise HostNotSupported(f"cannot build the sandbox agent: {result.stderr.strip()[:500]}")
+    os.replace(tmp, binary)
+    return binary
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.kind = 0
+        self.data = bytearray()
+        self.limit = MAX_FRAME
+        self.overflow = False
+
+
+class AgentChannel:
+    """A framed, multiplexed connection to one agent."""
+
+    def __init__(self, reader: int, writer: int) -> None:
+        self._rfile = os.fdopen(reader, "rb", buffering=1 << 16)
+        self._wfd = writer
+        self._wlock = threading.Lock()
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self._pending: dict[int, _Pending] = {}
+        self._execs: dict[int, AgentProcess] = {}
+        self.ready = threading.Event()
+        self.closed = threading.Event()
+        self._thread = threading.Thread(target=self._read_loop, name="corral-agent-reader", daemon=True)
+        self._thread.start()
+
+    # -- framing -------------------------------------------------------
+    def send(self, kind: int, ident: int, payload: bytes = b"") -> None:
+        if self.closed.is_set():
+            raise SandboxClosed("the sandbox is no longer running")
+        frame = HEADER.pack(kind, ident, len(payload)) + payload
+        with self._wlock:
+            try:
+                view = memoryview(frame)
+                while view:
+                    n = os.write(self._wfd, view)
+                    view = view[n:]
+            except OSError as exc:
+                raise SandboxClosed(f"the sandbox is no longer running ({exc.strerror})") from None
+
+    def new_id(self) -> int:
+        with self._lock:
+            ident = self._next_id
+            self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
+            return ident
+
+    def _read_exact(self, n: int) -> bytes | None:
+        data = self._rfile.read(n)
+        return data if data is not None and len(data) == n else None
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                header = self._read_exact(HEADER.size)
+                if header is None:
+                    break
+                kind, ident, length = HEADER.unpack(header)
+                if length > MAX_FRAME:
+                    break  # a confused or hostile agent: drop the channel
+                payload = self._read_exact(length) if length else b""
+                if payload is None:
+                    break
+                self._dispatch(kind, ident, payload)
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.closed.set()
+            for pending in list(self._pending.values()):
+                pending.done.set()
+            for proc in list(self._execs.values()):
+                proc._agent_gone()
+
+    def _dispatch(self, kind: int, ident: int, payload: bytes) -> None:
+        if kind == T_READY:
+            self.ready.set()
+            return
+        proc = self._execs.get(ident)
+        if proc is not None:
+            if kind == T_STARTED and len(payload) == 4:
+                proc._started(struct.unpack("<I", payload)[0])
+            elif kind in (T_STDOUT, T_STDERR):
+                proc._output("stdout" if kind == T_STDOUT else "stderr", payload)
+            elif kind == T_EXIT and len(payload) == 4:
+                self._execs.pop(ident, None)
+                proc._exited(struct.unpack("<i", payload)[0])
+            elif kind == T_ERR:
+                self._execs.pop(ident, None)
+                proc._failed(payload[4:].decode(errors="replace"))
+            return
+        pending = self._pending.get(ident)
+        if pending is None:
+            return
+        if kind == T_DATA:
+            if len(pending.data) + len(payload) > pending.limit:
+                pending.overflow = True
+            else:
+                pending.data += payload
+            return
+        pending.kind = kind
+        if kind == T_OK:
+            pending.data += payload
+        elif kind == T_ERR:
+            pending.data = bytearray(payload)
+        pending.done.set()
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self.ready.wait(timeout) or self.closed.is_set() and not self.ready.is_set():
+            raise SandboxClosed("the sandbox agent did not start")
+
+    def close(self) -> None:
+        try:
+            os.close(self._wfd)
+        except OSError:
+            pass
+        self._thread.join(timeout=5)
+        try:
+            self._rfile.close()
+        except OSError:
+            pass
+
+    # -- requests --------------------------------------------------------
+    def call(self, kind: int, payload: bytes, limit: int = MAX_FRAME, timeout: float = 60.0) -> bytes:
+        ident = self.new_id()
+        pending = _Pending()
+        pending.limit = limit
+        self._pending[ident] = pending
+        try:
+            self.send(kind, ident, payload)
+            if not pending.done.wait(timeout):
+                raise SandboxClosed("the sandbox agent did not answer in time")
+        finally:
+            self._pending.pop(ident, None)
+        if self.closed.is_set() and pending.kind == 0:
+            raise SandboxClosed("the sandbox is no longer running")
+        if pending.kind == T_ERR:
+            err = struct.unpack("<i", bytes(pending.data[:4]))[0] if len(pending.data) >= 4 else 0
+            message = bytes(pending.data[4:]).decode(errors="replace")
+            cls = FileNotFoundInSandbox if err == 2 else FileError
+            raise cls(message, err)
+        if pending.overflow:
+            raise FileError(f"file is larger than the {limit} byte limit", 27)
+        return bytes(pending.data)
+
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        return self.call(T_FREAD, path.encode() + b"\0", limit=max_bytes)
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None:
+        encoded = path.encode() + b"\0"
+        first = True
+        for offset in range(0, max(len(data), 1), WRITE_CHUNK):
+            chunk = data[offset : offset + WRITE_CHUNK]
+            kind = T_FWRITE if first else T_FAPPEND
+            self.call(kind, struct.pack("<II", mode, 1) + encoded + chunk)
+            first = False
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        raw = self.call(T_FLIST, path.encode() + b"\0")
+        entries: list[FileEntry] = []
+        pos = 0
+        base = path.rstrip("/") or ""
+        while pos + _ENTRY.size < len(raw):
+            kind, size, mode, mtime = _ENTRY.unpack_from(raw, pos)
+            end = raw.index(b"\0", pos + _ENTRY.size)
+            name = raw[pos + _ENTRY.size : end].decode(errors="surrogateescape")
+            pos = end + 1
+            entries.append(FileEntry(name, f"{base}/{name}", _TYPES.get(kind.decode(), "other"), size, mode, float(mtime)))
+        return sorted(entries, key=lambda e: e.name)
+
+    def stat(self, path: str) -> FileEntry:
+        raw = self.call(T_FSTAT, path.encode() + b"\0")
+        kind, size, mode, mtime = _ENTRY.unpack_from(raw, 0)
+        name = path.rstrip("/").rsplit("/", 1)[-1] or "/"
+        return FileEntry(name, path, _TYPES.get(kind.decode(), "other"), size, mode, float(mtime))
+
+    def remove(self, path: str, recursive: bool) -> None:
+        self.call(T_FREMOVE, struct.pack("<I", int(recursive)) + path.encode() + b"\0")
+
+    def make_dir(self, path: str, mode: int) -> None:
+        self.call(T_FMKDIR, struct.pack("<I", mode) + path.encode() + b"\0")
+
+    def start(
+        self,
+        request: ExecRequest,
+        on_output: OutputCallback | None,
+        place: Callable[[int], None],
+        kill: Callable[[], None],
+        finish: Callable[[AgentProcess], None] | None = None,
+    ) -> AgentProcess:
+        """Start a command. ``place(nspid)`` runs before it may exec (cgroup placement);
+        ``kill()`` kills its whole tree (called on timeout or :meth:`AgentProcess.kill`);
+        ``finish(proc)`` runs once when it ended, before its result is built."""
+        ident = self.new_id()
+        proc = AgentProcess(self, ident, request, on_output, place, kill, finish)
+        self._execs[ident] = proc
+        parts = [request.cwd, str(len(request.argv)), *request.argv, str(len(request.env))]
+        parts += [f"{k}={v}" for k, v in request.env.items()]
+        try:
+            self.send(T_EXEC, ident, b"".join(p.encode() + b"\0" for p in parts))
+        except BaseException:
+            self._execs.pop(ident, None)
+            raise
+        return proc
+
+
+class AgentProcess(Process):
+    def __init__(
+        self,
+        channel: AgentChannel,
+        ident: int,
+        request: ExecRequest,
+        on_output: OutputCallback | None,
+        place: Callable[[int], None],
+        kill: Callable[[], None],
+        finish: Callable[[AgentProcess], None] | None = None,
+    ) -> None:
+        self._channel = channel
+        self._finish = finish
+        self._finished = threading.Lock()
+        self._result: ExecResult | None = None
+        self._id = ident
+        self._request = request
+        self._on_output = on_output
+        self._place = place
+        self._kill = kill
+        self._start = time.monotonic()
+        self._done = threading.Event()
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self._truncated = False
+        self._status: int | None = None
+        self._error = ""
+        self._timed_out = False
+        self.pid: int | None = None
+        #: set by the tier's ``finish`` hook (from cgroup counters)
+        self.oom_killed = False
+
+    # reader-thread callbacks
+    def _started(self, nspid: int) -> None:
+        self.pid = nspid
+        try:
+            self._place(nspid)
+        finally:
+            self._channel.send(T_GO, self._id)
+
+    def _output(self, stream: str, chunk: bytes) -> None:
+        buf = self._out[stream]
+        room = self._request.max_output - len(buf)
+        if room < len(chunk):
+            self._truncated = True
+        if room > 0:
+            buf += chunk[:room]
+        if self._on_output is not None:
+            try:
+                self._on_output(stream, chunk)
+            except Exception:  # a caller's callback must not kill the reader
+                pass
+
+    def _exited(self, status: int) -> None:
+        self._status = status
+        self._done.set()
+
+    def _failed(self, message: str) -> None:
+        self._error = message
+        self._done.set()
+
+    def _agent_gone(self) -> None:
+        if not self._done.is_set():
+            self._error = self._error or "the sandbox stopped while the command ran"
+            self._done.set()
+
+    # Process API
+    def write_stdin(self, data: bytes) -> None:
+        for offset in range(0, len(data), 1 << 20):
+            self._channel.send(T_STDIN, self._id, data[offset : offset + (1 << 20)])
+
+    def close_stdin(self) -> None:
+        self._channel.send(T_STDIN_EOF, self._id)
+
+    def send_signal(self, signum: int) -> None:
+        self._channel.send(T_SIGNAL, self._id, struct.pack("<i", signum))
+
+    def kill(self) -> None:
+        self._kill()
+
+    def wait(self) -> ExecResult:
+        deadline = self._start + self._request.timeout
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            self._timed_out = True
+            self._kill()
+            if not self._done.wait(5.0):
+                self._error = "the command did not stop after being killed"
+        with self._finished:
+            if self._result is None:
+                if self._finish is not None:
+                    self._finish(self)
+                self._result = self.result()
+            return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> ExecResult:
+        status = self._status
+        signal_number: int | None = None
+        if status is None:
+            exit_code = -1
+        elif os.WIFSIGNALED(status):
+            signal_number = os.WTERMSIG(status)
+            exit_code = 128 + signal_number
+        else:
+            exit_code = os.WEXITSTATUS(status)
+        stderr = self._out["stderr"].decode(errors="replace")
+        if self._error and status is None:
+            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {self._error}\n"
+        if self._timed_out:
+            exit_code = 124
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=self._out["stdout"].decode(errors="replace"),
+            stderr=stderr,
+            duration_ms=round((time.monotonic() - self._start) * 1000, 3),
+            timed_out=self._timed_out,
+            oom_killed=self.oom_killed,
+            signal=signal_number,
+            truncated=self._truncated,
+        )

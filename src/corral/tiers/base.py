@@ -1,0 +1,177 @@
+"""The low-level contract every isolation tier implements.
+
+This module is to Corral what httpx's ``_transports/base.py`` is to httpx: a
+strict cut-off between the friendly API (:mod:`corral.sandbox`) and the
+pluggable isolation back ends.  It speaks in plain primitives — argv lists,
+byte strings, dicts, paths inside the sandbox — and knows nothing of pools,
+servers or registries.
+
+A tier creates :class:`TierSandbox` objects.  A tier sandbox runs commands
+(:meth:`TierSandbox.start` returns a :class:`Process`), moves files, and is
+destroyed with :meth:`TierSandbox.close`, which must leave nothing behind.
+The janitor calls :meth:`Tier.reap` with what :meth:`TierSandbox.reap_record`
+returned to release what an owner that died left behind.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..spec import SandboxSpec
+
+#: ``on_output(stream, chunk)`` with stream ``"stdout"`` or ``"stderr"``
+OutputCallback = Callable[[str, bytes], None]
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """One command to run inside a sandbox."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    timeout: float
+    #: bytes of stdout and of stderr kept in the result; the rest is dropped and flagged
+    max_output: int
+
+
+@dataclass
+class ExecResult:
+    """The outcome of one command. Field names match ``corral run --json``."""
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    duration_ms: float = 0.0
+    timed_out: bool = False
+    oom_killed: bool = False
+    #: the signal that ended the main process, if one did
+    signal: int | None = None
+    #: True if stdout or stderr went over ``max_output`` and was cut
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.oom_killed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One directory entry inside a sandbox."""
+
+    name: str
+    path: str
+    #: "file", "dir", "symlink" or "other"
+    type: str
+    size: int
+    mode: int
+    mtime: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a tier can run on this host, and if not, why and how to fix it."""
+
+    tier: str
+    available: bool
+    reason: str = ""
+    fix: str = ""
+    details: dict[str, str] = field(default_factory=dict)
+
+
+class Process(ABC):
+    """A command running inside a sandbox."""
+
+    @abstractmethod
+    def write_stdin(self, data: bytes) -> None: ...
+
+    @abstractmethod
+    def close_stdin(self) -> None: ...
+
+    @abstractmethod
+    def send_signal(self, signum: int) -> None:
+        """Signal the command's session inside the sandbox (e.g. SIGINT for an interpreter)."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Kill the command's whole process tree, daemonized children included."""
+
+    @abstractmethod
+    def wait(self) -> ExecResult:
+        """Block until the command ended or timed out (its tree is killed) and return the result."""
+
+
+class TierSandbox(ABC):
+    """One live sandbox of some tier. Thread-safe: commands and file calls may overlap."""
+
+    id: str
+
+    @abstractmethod
+    def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process: ...
+
+    def exec(self, request: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+        return self.start(request, on_output).wait()
+
+    @abstractmethod
+    def read_file(self, path: str, max_bytes: int) -> bytes: ...
+
+    @abstractmethod
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[FileEntry]: ...
+
+    @abstractmethod
+    def stat(self, path: str) -> FileEntry: ...
+
+    @abstractmethod
+    def remove(self, path: str, recursive: bool = False) -> None: ...
+
+    @abstractmethod
+    def make_dir(self, path: str, mode: int = 0o755) -> None: ...
+
+    def sync(self) -> None:
+        """Write workspace changes back to the host, for tiers and modes that do so."""
+
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Destroy the sandbox: no process, mount, cgroup or file of it survives. Idempotent."""
+
+    @abstractmethod
+    def reap_record(self) -> dict[str, Any]:
+        """JSON-able facts the janitor needs to reap this sandbox if its owner dies."""
+
+
+class Tier(ABC):
+    """An isolation back end."""
+
+    name: ClassVar[str]
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
+    @classmethod
+    @abstractmethod
+    def probe(cls, state_dir: Path) -> Availability:
+        """Say whether this host can run the tier (cheap; used by ``corral doctor``)."""
+
+    @abstractmethod
+    def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        """Create a sandbox. ``run_dir`` is an empty, root-only directory the sandbox owns."""
+
+    @abstractmethod
+    def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
+        """Release everything a sandbox left behind after its owner died. Idempotent."""
