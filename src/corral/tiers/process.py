@@ -341,14 +341,17 @@ class ProcessSandbox(TierSandbox):
                 return
             self._closed = True
         try:
-            if self.cgroup is not None:
-                self.cgroup.kill_all()
+            # Closing the channel makes the agent (pid 1 of the sandbox) exit, which
+            # kills the whole pid namespace and lets bwrap reap it.  Killing the
+            # cgroup first would kill bwrap too and orphan the agent to host init.
             if self._channel is not None:
                 self._channel.close()
             if self._proc is not None:
                 try:
-                    self._proc.wait(timeout=5)
+                    self._proc.wait(timeout=2)
                 except subprocess.TimeoutExpired:
+                    if self.cgroup is not None:
+                        self.cgroup.kill_all()
                     self._proc.kill()
                     self._proc.wait(timeout=5)
             if self.cgroup is not None:
