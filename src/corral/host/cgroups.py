@@ -189,9 +189,9 @@ def remove_tree(group: Path) -> None:
     """rmdir a group and its children, deepest first; tolerate races with exiting tasks."""
     if not group.exists():
         return
-    children = sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
-    for path in [*children, group]:
-        for _ in range(200):
+    dirs = [Path(top) for top, _, _ in os.walk(group, topdown=False)]
+    for path in dirs:
+        for _ in range(400):
             try:
                 path.rmdir()
                 break

@@ -208,27 +208,18 @@ class ProcessSandbox(TierSandbox):
         argv += ["--seccomp", str(seccomp_fd), AGENT_PATH]
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
-        uid = self.uid
-
-        def join_and_drop() -> None:
-            # runs in the child between fork and exec: join the cgroups while
-            # still root, then become the sandbox's unprivileged host uid
-            pid = str(os.getpid())
-            for path in procs_files:
-                with open(path, "w") as f:
-                    f.write(pid)
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-
         try:
+            # user=/group= make the child drop to the sandbox uid in C, with no
+            # Python preexec hook: nothing in the sandbox ever runs as host root
             self._proc = subprocess.Popen(
                 argv,
                 stdin=to_agent_r,
                 stdout=from_agent_w,
                 stderr=subprocess.DEVNULL,
                 env={"PATH": "/usr/bin:/bin"},
-                preexec_fn=join_and_drop,
+                user=self.uid,
+                group=self.uid,
+                extra_groups=[],
                 pass_fds=(seccomp_fd,),
                 close_fds=True,
                 cwd="/",
@@ -237,8 +228,19 @@ class ProcessSandbox(TierSandbox):
             os.close(to_agent_r)
             os.close(from_agent_w)
             os.close(seccomp_fd)
+        # Joining a v1 memory cgroup waits for an RCU grace period (5-15 ms
+        # here); doing it while bwrap sets up namespaces hides most of it.  No
+        # sandbox code runs before the agent is READY and placed below.
+        self._join(self._proc.pid, procs_files)
         self._channel = AgentChannel(from_agent_r, to_agent_w)
         self._channel.wait_ready(START_TIMEOUT)
+        self._join(self._agent_host_pid(), procs_files)
+
+    @staticmethod
+    def _join(pid: int, procs_files: list[str]) -> None:
+        for path in procs_files:
+            with open(path, "w") as f:
+                f.write(str(pid))
 
     # -- commands ----------------------------------------------------------
     def _agent_host_pid(self) -> int:
