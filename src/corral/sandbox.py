@@ -83,19 +83,10 @@ def build_spec(
     """A spec from keyword arguments (each overriding ``spec``'s field when given)."""
     base = spec or SandboxSpec()
     limits = base.limits
-    if any(v is not None for v in (memory, pids, cpus, disk, timeout, max_output)):
+    given = {"memory": memory, "pids": pids, "cpus": cpus, "disk": disk, "timeout": timeout, "max_output": max_output}
+    if any(v is not None for v in given.values()):
         fresh = Limits.build(memory, pids, cpus, disk, timeout, max_output)
-        defaults = Limits()
-        limits = Limits(
-            **{
-                name: getattr(fresh, name) if given is not None else getattr(limits, name)
-                for name, given in (
-                    ("memory", memory), ("pids", pids), ("cpus", cpus), ("disk", disk),
-                    ("timeout", timeout), ("max_output", max_output),
-                )
-            }
-        )
-        del defaults
+        limits = Limits(**{name: getattr(fresh if value is not None else limits, name) for name, value in given.items()})
     ws = base.workspace
     if isinstance(workspace, Workspace):
         ws = workspace
@@ -335,7 +326,7 @@ class Sandbox:
         max_output, workspace (``DIR[:rw|ro|cow]``), env, network."""
         url = kwargs.pop("url", None) or os.environ.get("CORRAL_URL")
         if url:
-            from .client import RemoteSandbox  # type: ignore[import-not-found]
+            from .client import RemoteSandbox  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
             return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[no-any-return]
         kwargs.pop("api_key", None)

@@ -140,7 +140,7 @@ class TierSandbox(ABC):
     @abstractmethod
     def make_dir(self, path: str, mode: int = 0o755) -> None: ...
 
-    def sync(self) -> None:
+    def sync(self) -> None:  # noqa: B027 - optional hook: most tiers have nothing to sync
         """Write workspace changes back to the host, for tiers and modes that do so."""
 
     @abstractmethod
