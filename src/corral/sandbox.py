@@ -11,7 +11,6 @@ Everything here is lifecycle and convenience; isolation lives in the tiers.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import threading
@@ -396,6 +395,8 @@ class _AsyncCommands:
         self._sync = sync
 
     async def run(self, cmd: str | Sequence[str], **kwargs: Any) -> ExecResult:
+        import asyncio
+
         return await asyncio.to_thread(self._sync.run, cmd, **kwargs)
 
 
@@ -407,6 +408,8 @@ class _AsyncFiles:
         method = getattr(self._sync, name)
 
         async def call(*args: Any, **kwargs: Any) -> Any:
+            import asyncio
+
             return await asyncio.to_thread(method, *args, **kwargs)
 
         return call
@@ -424,12 +427,16 @@ class AsyncSandbox:
 
     @classmethod
     async def create(cls, spec: SandboxSpec | None = None, **kwargs: Any) -> AsyncSandbox:
+        import asyncio
+
         return cls(await asyncio.to_thread(Sandbox.create, spec, **kwargs))
 
     def is_running(self) -> bool:
         return self._sync.is_running()
 
     async def kill(self) -> None:
+        import asyncio
+
         await asyncio.to_thread(self._sync.kill)
 
     close = kill
