@@ -257,3 +257,20 @@ def test_missing_program_and_bad_cwd(sandbox: Sandbox) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_cpu_quota_limits_cpu_time() -> None:
+    burn = (
+        "import os, threading, time\n"
+        "def spin():\n"
+        "    end = time.monotonic() + 1.5\n"
+        "    while time.monotonic() < end: pass\n"
+        "ts = [threading.Thread(target=spin) for _ in range(2)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "t = os.times(); print(t.user + t.system)\n"
+    )
+    with Sandbox.create(cpus=0.2) as sb:
+        used = float(sb.commands.run([PY, "-c", burn]).stdout)
+    # two spinning threads for 1.5 s would use ~3 s of CPU unthrottled (or ~1.5 s on one
+    # free core); a 0.2-core quota allows ~0.3 s
+    assert used < 0.8, used

@@ -237,11 +237,12 @@ class AgentChannel:
         self,
         request: ExecRequest,
         on_output: OutputCallback | None,
-        place: Callable[[int], None],
+        place: Callable[[int], bool],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
     ) -> AgentProcess:
-        """Start a command. ``place(nspid)`` runs before it may exec (cgroup placement);
+        """Start a command. ``place(nspid)`` runs before it may exec (cgroup placement; False
+        or an exception refuses the command);
         ``kill()`` kills its whole tree (called on timeout or :meth:`AgentProcess.kill`);
         ``finish(proc)`` runs once when it ended, before its result is built."""
         ident = self.new_id()
@@ -264,7 +265,7 @@ class AgentProcess(Process):
         ident: int,
         request: ExecRequest,
         on_output: OutputCallback | None,
-        place: Callable[[int], None],
+        place: Callable[[int], bool],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
     ) -> None:
@@ -292,9 +293,15 @@ class AgentProcess(Process):
     def _started(self, nspid: int) -> None:
         self.pid = nspid
         try:
-            self._place(nspid)
-        finally:
+            placed = self._place(nspid)
+        except Exception:  # noqa: BLE001 - any failure to place means the command must not run
+            placed = False
+        if placed:
             self._channel.send(T_GO, self._id)
+        else:
+            # fail closed: a command outside its cgroup could outlive a timeout
+            self._error = "could not place the command in its cgroup; it was not run"
+            self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
 
     def _output(self, stream: str, chunk: bytes) -> None:
         buf = self._out[stream]
@@ -365,7 +372,7 @@ class AgentProcess(Process):
         else:
             exit_code = os.WEXITSTATUS(status)
         stderr = self._out["stderr"].decode(errors="replace")
-        if self._error and status is None:
+        if self._error and (status is None or "cgroup" in self._error):
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {self._error}\n"
         if self._timed_out:
             exit_code = 124

@@ -277,10 +277,12 @@ class ProcessSandbox(TierSandbox):
             self._leaves.append(leaf)
         oom_before = cgroup.oom_kills()
 
-        def place(nspid: int) -> None:
+        def place(nspid: int) -> bool:
             host_pid = self._host_pid(nspid)
-            if host_pid is not None:
-                cgroup.attach(host_pid, leaf)
+            if host_pid is None:
+                return False
+            cgroup.attach(host_pid, leaf)
+            return True
 
         def finish(proc: AgentProcess) -> None:
             proc.oom_killed = cgroup.oom_kills() > oom_before
