@@ -147,3 +147,11 @@ def test_cli_doctor_reports_capabilities() -> None:
     names = {c["name"]: c for c in report["host"]}
     assert names["cgroups"]["ok"] and names["bubblewrap"]["ok"] and names["user namespaces"]["ok"]
     assert any(t["tier"] == "process" and t["available"] for t in report["tiers"])
+
+
+def test_missing_bubblewrap_is_a_clear_host_error() -> None:
+    env = {**os.environ, "PATH": "/nonexistent"}
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "run", "--", "true"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 125
+    assert "bubblewrap is not installed" in r.stderr and "apt-get install bubblewrap" in r.stderr

@@ -146,8 +146,8 @@ class Workspace:
     def __post_init__(self) -> None:
         if self.mode not in WORKSPACE_MODES:
             raise InvalidSpec(f"workspace mode {self.mode!r}: use one of {', '.join(WORKSPACE_MODES)}")
-        if not self.path.is_absolute():
-            object.__setattr__(self, "path", self.path.absolute())
+        # resolve once, here: later steps open it with O_NOFOLLOW
+        object.__setattr__(self, "path", self.path.expanduser().resolve())
         if not self.path.is_dir():
             raise InvalidSpec(f"workspace {str(self.path)!r} does not exist or is not a directory")
 
