@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -155,3 +156,48 @@ def test_missing_bubblewrap_is_a_clear_host_error() -> None:
                        timeout=60, env=env)
     assert r.returncode == 125
     assert "bubblewrap is not installed" in r.stderr and "apt-get install bubblewrap" in r.stderr
+
+
+def test_commands_can_run_on_a_terminal_and_be_resized(sandbox: Sandbox) -> None:
+    out: list[bytes] = []
+    handle = sandbox.commands.start("tty; stty size; read line; stty size", pty=(40, 100),
+                                    on_output=lambda _s, c: out.append(c))
+    time.sleep(0.5)
+    handle.resize(30, 90)
+    handle.send_stdin("go\n")
+    result = handle.wait()
+    text = b"".join(out).decode()
+    assert result.exit_code == 0
+    assert "/dev/pts/" in text and "40 100" in text and "30 90" in text
+
+
+def test_corral_shell_runs_an_interactive_session() -> None:
+    import pty as host_pty
+
+    pid, fd = host_pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "corral.cli", "shell"])
+    output = b""
+    sent = False
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+            if not sent and b"$ " in output:  # the sandbox shell's prompt
+                os.write(fd, b"echo marker-$((20 + 22)); exit 7\n")
+                sent = True
+    finally:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert b"marker-42" in output
+    assert os.waitstatus_to_exitcode(status) == 7

@@ -120,6 +120,9 @@ class CommandHandle:
     def kill(self) -> None:
         self._process.kill()
 
+    def resize(self, rows: int, cols: int) -> None:
+        self._process.resize(rows, cols)
+
     def wait(self) -> ExecResult:
         return self._process.wait()
 
@@ -129,7 +132,9 @@ class Commands:
         self._sb = sandbox
 
     def _request(self, cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None,
-                 cwd: str | None) -> ExecRequest:
+                 cwd: str | None, pty: tuple[int, int] | None = None) -> ExecRequest:
+        if pty is not None and not (len(pty) == 2 and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
+            raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
         limits = self._sb.spec.limits
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 7 * 86400):
             raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, 604800]")
@@ -140,6 +145,7 @@ class Commands:
             cwd=validate_sandbox_path(cwd or self._sb.cwd, "cwd"),
             timeout=float(timeout if timeout is not None else limits.timeout),
             max_output=limits.max_output,
+            pty=tuple(pty) if pty is not None else None,  # type: ignore[arg-type]
         )
 
     def start(
@@ -152,9 +158,13 @@ class Commands:
         on_stdout: Callable[[str], None] | None = None,
         on_stderr: Callable[[str], None] | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
+        pty: tuple[int, int] | None = None,
     ) -> CommandHandle:
-        """Start a command; output reaches the callbacks as it is produced (on a reader thread)."""
-        request = self._request(cmd, timeout, env, cwd)
+        """Start a command; output reaches the callbacks as it is produced (on a reader thread).
+
+        With ``pty=(rows, cols)`` it runs on a terminal: output arrives as stdout only.
+        """
+        request = self._request(cmd, timeout, env, cwd, pty)
         callback = _callbacks(on_stdout, on_stderr, on_output)
         return CommandHandle(self._sb._tier_sandbox().start(request, callback))
 

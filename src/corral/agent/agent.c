@@ -18,11 +18,13 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -34,6 +36,7 @@
 enum {
     /* host -> agent */
     T_EXEC = 1, T_GO = 2, T_STDIN = 3, T_STDIN_EOF = 4, T_SIGNAL = 5,
+    T_EXEC_PTY = 6, T_RESIZE = 7,
     T_FREAD = 10, T_FWRITE = 11, T_FAPPEND = 12, T_FLIST = 13, T_FREMOVE = 14,
     T_FMKDIR = 15, T_FSTAT = 16,
     /* agent -> host */
@@ -136,7 +139,7 @@ static void close_fd(int *fd) {
     *fd = -1;
 }
 
-static void do_exec(uint32_t id, char *payload, uint32_t len) {
+static void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws) {
     static char *parts[8192];
     if (len == 0 || payload[len - 1] != 0) { send_err(id, EINVAL, "exec"); return; }
     int n = split_strings(payload, len, parts, 8190);
@@ -151,11 +154,30 @@ static void do_exec(uint32_t id, char *payload, uint32_t len) {
         if (!execs[i].used) { e = &execs[i]; break; }
     if (!e) { send_err(id, EAGAIN, "too many concurrent commands"); return; }
 
-    int pin[2], pout[2], perr[2], psync[2];
-    if (pipe2(pin, O_CLOEXEC) < 0) { send_err(id, errno, "pipe"); return; }
-    if (pipe2(pout, O_CLOEXEC) < 0) { close(pin[0]); close(pin[1]); send_err(id, errno, "pipe"); return; }
-    if (pipe2(perr, O_CLOEXEC) < 0) { close(pin[0]); close(pin[1]); close(pout[0]); close(pout[1]); send_err(id, errno, "pipe"); return; }
-    if (pipe2(psync, O_CLOEXEC) < 0) { close(pin[0]); close(pin[1]); close(pout[0]); close(pout[1]); close(perr[0]); close(perr[1]); send_err(id, errno, "pipe"); return; }
+    int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, psync[2] = {-1, -1};
+    int ok;
+    if (ws) {
+        /* a terminal: the master is both the command's input and its output */
+        ok = openpty(&pout[0], &pin[0], NULL, NULL, ws) == 0;
+        if (ok) {
+            fcntl(pout[0], F_SETFD, FD_CLOEXEC);
+            fcntl(pin[0], F_SETFD, FD_CLOEXEC);
+            pin[1] = fcntl(pout[0], F_DUPFD_CLOEXEC, 3);
+            pout[1] = fcntl(pin[0], F_DUPFD_CLOEXEC, 3);
+            perr[1] = fcntl(pin[0], F_DUPFD_CLOEXEC, 3);
+            ok = pin[1] >= 0 && pout[1] >= 0 && perr[1] >= 0;
+        }
+    } else {
+        ok = pipe2(pin, O_CLOEXEC) == 0 && pipe2(pout, O_CLOEXEC) == 0 && pipe2(perr, O_CLOEXEC) == 0;
+    }
+    if (ok) ok = pipe2(psync, O_CLOEXEC) == 0;
+    if (!ok) {
+        int err = errno;
+        int *all[] = {pin, pout, perr, psync};
+        for (int i = 0; i < 4; i++) { close_fd(&all[i][0]); close_fd(&all[i][1]); }
+        send_err(id, err, ws ? "openpty" : "pipe");
+        return;
+    }
 
     char **argv = &parts[2];
     char **envp = &parts[3 + argc];
@@ -165,9 +187,10 @@ static void do_exec(uint32_t id, char *payload, uint32_t len) {
 
     pid_t pid = fork();
     if (pid < 0) {
-        send_err(id, errno, "fork");
-        close(pin[0]); close(pin[1]); close(pout[0]); close(pout[1]);
-        close(perr[0]); close(perr[1]); close(psync[0]); close(psync[1]);
+        int err = errno;
+        int *all[] = {pin, pout, perr, psync};
+        for (int i = 0; i < 4; i++) { close_fd(&all[i][0]); close_fd(&all[i][1]); }
+        send_err(id, err, "fork");
         return;
     }
     if (pid == 0) {
@@ -176,6 +199,7 @@ static void do_exec(uint32_t id, char *payload, uint32_t len) {
         sigprocmask(SIG_SETMASK, &all, NULL);
         signal(SIGPIPE, SIG_DFL);
         setsid();
+        if (ws) ioctl(pin[0], TIOCSCTTY, 0);
         dup2(pin[0], 0);
         dup2(pout[1], 1);
         dup2(perr[1], 2);
@@ -193,6 +217,7 @@ static void do_exec(uint32_t id, char *payload, uint32_t len) {
         _exit(err == ENOENT ? 127 : 126);
     }
     close(pin[0]); close(pout[1]); close(perr[1]); close(psync[0]);
+    if (ws) perr[0] = -1; /* a terminal has one output stream */
     fcntl(pin[1], F_SETFL, O_NONBLOCK);
     memset(e, 0, sizeof *e);
     e->used = 1;
@@ -388,7 +413,27 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
         return;
     }
     switch (type) {
-    case T_EXEC: do_exec(id, payload, len); break;
+    case T_EXEC: do_exec(id, payload, len, NULL); break;
+    case T_EXEC_PTY:
+        if (len > 4) {
+            struct winsize ws = {0};
+            uint16_t rc[2];
+            memcpy(rc, payload, 4);
+            ws.ws_row = rc[0];
+            ws.ws_col = rc[1];
+            do_exec(id, payload + 4, len - 4, &ws);
+        } else send_err(id, EINVAL, "exec");
+        break;
+    case T_RESIZE:
+        if ((e = find_exec(id)) && len == 4 && e->fd_out >= 0) {
+            struct winsize ws = {0};
+            uint16_t rc[2];
+            memcpy(rc, payload, 4);
+            ws.ws_row = rc[0];
+            ws.ws_col = rc[1];
+            ioctl(e->fd_out, TIOCSWINSZ, &ws);
+        }
+        break;
     case T_GO:
         if ((e = find_exec(id)) && e->fd_sync >= 0) {
             char go = 1;

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
 from .base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 
-T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL = 1, 2, 3, 4, 5
+T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE = 1, 2, 3, 4, 5, 6, 7
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
 T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 110, 111
 
@@ -250,8 +250,13 @@ class AgentChannel:
         self._execs[ident] = proc
         parts = [request.cwd, str(len(request.argv)), *request.argv, str(len(request.env))]
         parts += [f"{k}={v}" for k, v in request.env.items()]
+        payload = b"".join(p.encode() + b"\0" for p in parts)
+        kind = T_EXEC
+        if request.pty is not None:
+            kind = T_EXEC_PTY
+            payload = struct.pack("<HH", *request.pty) + payload
         try:
-            self.send(T_EXEC, ident, b"".join(p.encode() + b"\0" for p in parts))
+            self.send(kind, ident, payload)
         except BaseException:
             self._execs.pop(ident, None)
             raise
@@ -342,6 +347,9 @@ class AgentProcess(Process):
 
     def kill(self) -> None:
         self._kill()
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._channel.send(T_RESIZE, self._id, struct.pack("<HH", rows, cols))
 
     def wait(self) -> ExecResult:
         deadline = self._start + self._request.timeout

@@ -37,6 +37,8 @@ class ExecRequest:
     timeout: float
     #: bytes of stdout and of stderr kept in the result; the rest is dropped and flagged
     max_output: int
+    #: (rows, cols) to run on a terminal (stdout and stderr then arrive merged as stdout)
+    pty: tuple[int, int] | None = None
 
 
 @dataclass
@@ -105,6 +107,10 @@ class Process(ABC):
     @abstractmethod
     def kill(self) -> None:
         """Kill the command's whole process tree, daemonized children included."""
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Resize the command's terminal (only for commands started with ``pty``)."""
+        raise NotImplementedError("this tier cannot run commands on a terminal")
 
     @abstractmethod
     def wait(self) -> ExecResult:
