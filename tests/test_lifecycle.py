@@ -201,3 +201,15 @@ def test_corral_shell_runs_an_interactive_session() -> None:
         _, status = os.waitpid(pid, 0)
     assert b"marker-42" in output
     assert os.waitstatus_to_exitcode(status) == 7
+
+
+def test_agent_is_installed_where_unprivileged_launchers_can_read_it(state_dir: Path) -> None:
+    # the checkout may live under a 0700 home; bwrap runs as the sandbox uid
+    from corral.tiers import get_tier
+
+    agent = get_tier("process", state_dir)._agent  # type: ignore[attr-defined]
+    assert agent.parent == state_dir / "bin"
+    for path in (agent, *agent.parents):
+        assert path.stat().st_mode & 0o001, f"{path} is not traversable/readable by others"
+        if path == state_dir:
+            break

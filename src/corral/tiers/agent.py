@@ -11,6 +11,7 @@ ignored, and timeouts are enforced here, by killing the command's cgroup (the
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import struct
@@ -36,11 +37,31 @@ _ENTRY = struct.Struct("<cQIq")
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "agent.c"
 
 
-def agent_binary() -> Path:
-    """The static agent binary, built by ``make install`` (or here, once, if a compiler exists)."""
+def agent_binary(state_dir: Path | None = None) -> Path:
+    """The static agent binary, built by ``make install`` (or here, once, if a compiler exists).
+
+    With ``state_dir``, a copy installed under ``state_dir/bin`` (root-owned,
+    world-readable) is returned: launchers that run as unprivileged sandbox
+    uids must be able to read it wherever the checkout lives (e.g. under a 0700
+    home directory).
+    """
     binary = AGENT_SOURCE.with_name("corral-agent")
-    if binary.exists() and binary.stat().st_mtime >= AGENT_SOURCE.stat().st_mtime:
+    if not binary.exists() or binary.stat().st_mtime < AGENT_SOURCE.stat().st_mtime:
+        _build_agent(binary)
+    if state_dir is None:
         return binary
+    data = binary.read_bytes()
+    installed = state_dir / "bin" / f"corral-agent-{hashlib.sha256(data).hexdigest()[:16]}"
+    if not installed.exists():
+        installed.parent.mkdir(mode=0o755, exist_ok=True)
+        tmp = installed.with_name(f".{installed.name}-{os.getpid()}")
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, installed)
+    return installed
+
+
+def _build_agent(binary: Path) -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise HostNotSupported(f"{binary} is missing and no C compiler is installed; run `make install`")
@@ -51,7 +72,6 @@ def agent_binary() -> Path:
     if result.returncode != 0:
         raise HostNotSupported(f"cannot build the sandbox agent: {result.stderr.strip()[:500]}")
     os.replace(tmp, binary)
-    return binary
 
 
 class _Pending:

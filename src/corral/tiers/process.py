@@ -97,7 +97,7 @@ class ProcessTier(Tier):
         self._bwrap = _check_host()
         self._layout = cgroups.detect()
         self._seccomp = bpf_path(state_dir)
-        self._agent = agent_binary()
+        self._agent = agent_binary(state_dir)
 
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
