@@ -205,8 +205,10 @@ def test_corral_shell_runs_an_interactive_session() -> None:
 
 def test_agent_is_installed_where_unprivileged_launchers_can_read_it(state_dir: Path) -> None:
     # the checkout may live under a 0700 home; bwrap runs as the sandbox uid
+    from corral.registry import state_dir as prepare_state_dir
     from corral.tiers import get_tier
 
+    prepare_state_dir(state_dir)
     agent = get_tier("process", state_dir)._agent  # type: ignore[attr-defined]
     assert agent.parent == state_dir / "bin"
     for path in (agent, *agent.parents):
