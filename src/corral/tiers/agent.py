@@ -257,7 +257,7 @@ class AgentChannel:
         self,
         request: ExecRequest,
         on_output: OutputCallback | None,
-        place: Callable[[int], bool],
+        place: Callable[[int], bool | None],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
     ) -> AgentProcess:
@@ -290,7 +290,7 @@ class AgentProcess(Process):
         ident: int,
         request: ExecRequest,
         on_output: OutputCallback | None,
-        place: Callable[[int], bool],
+        place: Callable[[int], bool | None],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
     ) -> None:
@@ -318,8 +318,9 @@ class AgentProcess(Process):
     def _started(self, nspid: int) -> None:
         self.pid = nspid
         try:
-            placed = self._place(nspid)
-        except Exception:
+            # None means "nothing to place" (a tier whose kill tree lives elsewhere)
+            placed = self._place(nspid) is not False
+        except Exception:  # any failure to place means the command must not run
             placed = False
         if placed:
             self._channel.send(T_GO, self._id)
