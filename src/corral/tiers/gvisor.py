@@ -79,7 +79,7 @@ class GVisorTier(Tier):
         except HostNotSupported as exc:
             return Availability(cls.name, False, str(exc), _fix_for(str(exc)))
         return Availability(
-            cls.name, True, f"runsc {platform.version}, platform {platform.name}, {layout.describe()}",
+            cls.name, True, f"runsc {platform.version}, platform {platform.name} ({platform.why}), {layout.describe()}",
             details={"platform": platform.name, "why": platform.why, "runsc": str(runsc)},
         )
 
