@@ -243,8 +243,10 @@ class GVisorSandbox(TierSandbox):
         oom_before = cgroup.oom_kills(), guard.overruns
         started: list[AgentProcess] = []
 
-        def place(nspid: int) -> None:
-            pass  # gVisor's processes are not host processes: nothing to place
+        def place(nspid: int) -> bool:
+            # gVisor's processes are not host processes: the whole sandbox (Sentry,
+            # gofer, stubs) already is in the sandbox's cgroups; nothing to place
+            return True
 
         def kill_tree() -> None:
             if not started:
