@@ -227,13 +227,13 @@ class GVisorSandbox(TierSandbox):
             os.close(to_agent_r)
             os.close(from_agent_w)
         self._channel = AgentChannel(from_agent_r, to_agent_w)
-        try:
-            # `run --detach` returns once the container started (the agent then says READY)
-            if self._proc.wait(timeout=START_TIMEOUT) != 0:
-                raise SandboxClosed(f"runsc exited with {self._proc.returncode}")
-            self._channel.wait_ready(START_TIMEOUT)
-        except (SandboxClosed, subprocess.TimeoutExpired) as exc:
-            raise SandboxClosed(f"gVisor sandbox did not start: {_log_tail(log)}") from exc
+        # The agent's READY comes ~50-100 ms before `run --detach` exits (runsc
+        # still saves its state): wait for READY, or for runsc failing first.
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._channel.ready.wait(0.005):
+            code = self._proc.poll()
+            if (code is not None and code != 0) or self._channel.closed.is_set() or time.monotonic() > deadline:
+                raise SandboxClosed(f"gVisor sandbox did not start: {_log_tail(log)}")
 
     # -- commands ----------------------------------------------------------
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
