@@ -113,6 +113,13 @@ def test_memory_overrun_kills_the_command_not_the_sandbox(sb: Sandbox) -> None:
     assert small.stdout == "fits\n" and not small.oom_killed
 
 
+def test_task_limit_is_enforced_inside_gvisor_and_the_sandbox_survives() -> None:
+    with Sandbox.create(tier="gvisor", pids=32) as sb:
+        bomb = sb.commands.run(["sh", "-c", "for i in $(seq 100); do sleep 30 & done; wait"], timeout=20)
+        assert bomb.exit_code != 0 and "fork" in bomb.stderr.lower(), bomb
+        assert sb.commands.run(["echo", "alive"]).stdout == "alive\n"
+
+
 def test_network_is_off_but_loopback_inside_works(sb: Sandbox) -> None:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]

@@ -27,6 +27,7 @@ what ``runsc delete --force`` would do, without its ~1.5 s of waiting.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -38,11 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import HostNotSupported, SandboxClosed
+from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ..host import cgroups, mounts
 from ..host.workspace import WorkspaceCopy
 from ..images import SANDBOX_UID
-from ..spec import WORKSPACE_PATH, SandboxSpec
+from ..spec import WORKSPACE_PATH, Limits, SandboxSpec
 from .agent import AgentChannel, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
 from .gvisor_memory import MemoryGuard
@@ -52,6 +53,8 @@ from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
 START_TIMEOUT = 15.0
 #: how long a command may outlive the SIGKILL sent through the agent before the sandbox is killed
 KILL_GRACE = 2.0
+HOST_TASKS_PER_TASK = 3
+HOST_TASKS_OVERHEAD = 64
 
 
 def _check_host() -> Path:
@@ -84,6 +87,10 @@ class GVisorTier(Tier):
         )
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        if spec.network != "none":
+            # runsc has no network here (--network=none); egress (a netns + `--network=host`
+            # inside it) is not wired to this tier yet: refuse rather than silently isolate
+            raise InvalidSpec(f"network {spec.network!r} is not available in the gvisor tier yet; use 'none'")
         return GVisorSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
@@ -97,6 +104,18 @@ class GVisorTier(Tier):
                 release_uid(self.state_dir, int(record[key]))
 
 
+def host_limits(limits: Limits) -> Limits:
+    """The host cgroup's limits for a sandbox with ``limits``.
+
+    Tasks: each process inside gVisor costs ~2.5 host tasks (a systrap stub
+    process and its threads) and the Sentry has ~25 threads of its own; the
+    sandbox's own limit is RLIMIT_NPROC inside gVisor, reached first, so a fork
+    bomb gets EAGAIN instead of the host limit crashing the Sentry.  Memory is
+    set by :class:`MemoryGuard`.
+    """
+    return dataclasses.replace(limits, pids=min(1_000_000, limits.pids * HOST_TASKS_PER_TASK + HOST_TASKS_OVERHEAD))
+
+
 def _fix_for(reason: str) -> str:
     if "runsc" in reason and ("install" in reason or "too old" in reason):
         return "run `make install` (installs runsc from bookworm-backports)"
@@ -104,7 +123,7 @@ def _fix_for(reason: str) -> str:
 
 
 def bundle_config(
-    root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int
+    root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int
 ) -> dict[str, Any]:
     """The OCI runtime config: the agent as the only process, unprivileged, no capabilities.
 
@@ -127,7 +146,11 @@ def bundle_config(
             "cwd": "/",
             "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
             "noNewPrivileges": True,
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
+            "rlimits": [
+                {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+                # gVisor enforces this on fork/clone: the sandbox's own task limit
+                {"type": "RLIMIT_NPROC", "hard": pids, "soft": pids},
+            ],
         },
         "root": {"path": str(root), "readonly": False},
         "hostname": "sandbox",
@@ -174,14 +197,16 @@ class GVisorSandbox(TierSandbox):
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
         self.root_uid = allocate_uid(self._tier.state_dir, self.id)
-        self.cgroup = cgroups.SandboxCgroup(self.id, self.spec.limits, self._tier._layout)
+        self.cgroup = cgroups.SandboxCgroup(self.id, host_limits(self.spec.limits), self._tier._layout)
         self._guard = MemoryGuard(self.cgroup, self.spec.limits.memory, self._kill_running)
         built = build_root(self.spec, self._tier.state_dir, self._run_dir, self.uid)
         self.workspace = built.workspace
         bundle = self._run_dir / "bundle"
         bundle.mkdir(mode=0o700)
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
-        config = bundle_config(built.root, built.workspace_dir, self._tier._agent, ws_ro, self.uid, self.root_uid)
+        config = bundle_config(
+            built.root, built.workspace_dir, self._tier._agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids
+        )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
 
