@@ -120,6 +120,16 @@ def test_task_limit_is_enforced_inside_gvisor_and_the_sandbox_survives() -> None
         assert sb.commands.run(["echo", "alive"]).stdout == "alive\n"
 
 
+def test_disk_limit_covers_tmp_too() -> None:
+    # runsc would otherwise put /tmp on a tmpfs of its own, outside the disk limit
+    with Sandbox.create(tier="gvisor", disk="8M") as sb:
+        for path in ("/tmp/big", "/home/user/big"):
+            r = sb.commands.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=20"])
+            assert r.exit_code != 0 and "No space left" in r.stderr, (path, r)
+            sb.commands.run(["rm", "-f", path])
+        assert sb.commands.run(["sh", "-c", "echo small > /tmp/ok && cat /tmp/ok"]).stdout == "small\n"
+
+
 def test_network_is_off_but_loopback_inside_works(sb: Sandbox) -> None:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]

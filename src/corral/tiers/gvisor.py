@@ -158,6 +158,9 @@ def bundle_config(
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            # without a /tmp mount runsc puts a tmpfs of its own there, in the Sentry's
+            # memory and outside the disk limit: keep /tmp on the sandbox's disk
+            {"destination": "/tmp", "type": "bind", "source": str(root / "tmp"), "options": ["rbind", "rw"]},
             {"destination": AGENT_PATH, "type": "bind", "source": str(agent), "options": ["rbind", "ro"]},
             {
                 "destination": WORKSPACE_PATH, "type": "bind", "source": str(workspace_dir),
