@@ -80,6 +80,11 @@ def test_no_part_of_the_sandbox_runs_as_host_root(sb: Sandbox) -> None:
         if name == "runsc":
             continue  # the launcher itself exited after `run --detach`; only a zombie could be here
         assert "0" not in uids, f"{name} ({pid}) runs with a host root uid: {uids}"
+    # what the sandbox writes belongs to its own unprivileged host uid
+    sb.commands.run(["sh", "-c", "echo x > /workspace/owned"])
+    run_dir = Path(os.environ["CORRAL_STATE_DIR"]) / "sandboxes" / sb.id
+    owner = (run_dir / "disk" / "ws" / "owned").stat().st_uid
+    assert owner not in (0, 1000) and owner >= 2_000_000_000, owner
     # the image's files are not the sandbox's: writing them is denied, reading works
     denied = sb.commands.run(["sh", "-c", "echo x > /usr/bin/corral-test"])
     assert denied.exit_code != 0
