@@ -111,10 +111,15 @@ def test_signals_reach_the_command(sb: Sandbox) -> None:
     assert result.signal == signal.SIGTERM and not result.timed_out
 
 
-def test_memory_overrun_kills_the_command_not_the_sandbox(sb: Sandbox) -> None:
-    hog = sb.commands.run(["python3", "-c", "x = bytearray(600 << 20); print('allocated')"], timeout=60)
-    assert hog.oom_killed and "allocated" not in hog.stdout
-    small = sb.commands.run(["python3", "-c", "x = bytearray(64 << 20); print('fits')"])
+def test_memory_overruns_kill_the_command_not_the_sandbox(sb: Sandbox) -> None:
+    # one big block, many small ones, a bytes literal: each must be OOM-killed
+    # with the Sentry left alive (unguarded, the kernel kills the Sentry, or the
+    # Sentry's Go runtime dies of ENOMEM creating a thread at the limit)
+    hogs = ["x = bytearray(1 << 30)", "x = [bytearray(1 << 20) for _ in range(2000)]", "x = b'a' * (400 << 20)"]
+    for code in hogs * 2:
+        hog = sb.commands.run(["python3", "-c", code + "; print('allocated')"], timeout=60)
+        assert hog.oom_killed and hog.exit_code == 137 and "allocated" not in hog.stdout, (code, hog)
+    small = sb.commands.run(["python3", "-c", "x = bytearray(128 << 20); print('fits')"])
     assert small.stdout == "fits\n" and not small.oom_killed
 
 

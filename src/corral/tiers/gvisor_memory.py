@@ -3,26 +3,32 @@
 gVisor has no OOM killer of its own (google/gvisor#1967): its application
 memory lives in the Sentry's memory file, charged to the sandbox's host cgroup,
 so when the cgroup hits its limit the host kernel kills the biggest host
-process of the group, which is the Sentry, and the sandbox dies.
+process of the group, which is the Sentry, and the sandbox dies.  Worse, any
+allocation the kernel makes for the Sentry in a syscall at the limit fails
+with ENOMEM, and the Go runtime dies on that (``newosproc``).
 
 The guard turns "the sandbox went over ``memory``" into "its running commands
-were OOM-killed", like the process tier:
+were OOM-killed", like the process tier, by acting *before* the hard limit:
 
-- the host cgroup's hard limit is ``memory + overhead`` (the Sentry, gofer and
-  stubs themselves use ~60 MB), and the kernel OOM killer is disabled for it
-  (cgroup v1 ``memory.oom_control``), so reaching the limit makes allocations
-  wait instead of killing the Sentry;
-- an eventfd tells the guard when that happens; it lifts the limit by
-  ``headroom`` so the waiting allocation proceeds, kills the running commands
-  (through the agent), and puts the limit back once their memory is freed;
-- if the sandbox hits the lifted limit before that (a second overrun while the
-  first is handled), the OOM killer is re-enabled: the kernel kills the
-  Sentry, the sandbox ends and its commands report ``oom_killed``.
-
-cgroup v2 has no way to disable the OOM killer; there ``memory.high`` (the
-throttle point) is ``memory`` and ``memory.max`` is ``memory + overhead``; the
-guard polls usage and kills the running commands when it passes ``memory``,
-while the throttle slows the allocation down.
+- the hard limit is ``memory + OVERHEAD`` (the Sentry, gofer and stubs use
+  ~60 MB of their own); crossing ``memory`` is the overrun;
+- cgroup v1: a usage-threshold eventfd at ``memory`` wakes the guard at once;
+  it SIGKILLs the running commands (through the agent) and, while they have
+  not died, keeps the hard limit at least ``MARGIN`` above the usage (in steps
+  of ``HEADROOM``, up to ``MAX_LIFT``) so that neither a page fault nor a
+  Sentry syscall meets the limit; once usage is back under ``memory`` the
+  limit is restored.  The kernel OOM killer is disabled for the group, so an
+  allocation that does reach the limit in a page fault waits for the guard
+  instead of getting the Sentry killed;
+- if the guard cannot win (``MAX_LIFT`` reached, or memory not freed within
+  ``RESTORE_DEADLINE``: e.g. a file in ``/dev/shm`` holds it), the OOM killer
+  is re-enabled and the limit restored: the next overrun makes the kernel end
+  the sandbox and its commands report ``oom_killed`` (re-armed if usage comes
+  back under the budget first);
+- cgroup v2 has no way to disable the OOM killer: ``memory.high = memory``
+  throttles allocations past the budget, ``memory.max = memory + OVERHEAD``,
+  and the guard polls usage every 20 ms, killing the running commands above
+  ``memory``.
 """
 
 from __future__ import annotations
@@ -39,9 +45,13 @@ from ..host.cgroups import SandboxCgroup
 MiB = 1 << 20
 #: gVisor's own memory (Sentry ~35 MB, gofer ~20 MB, stubs) on top of the sandbox's budget
 OVERHEAD = 96 * MiB
-#: the room an allocation gets while its command is being killed
+#: while commands are being killed the hard limit stays this far above the usage
+MARGIN = 128 * MiB
+#: step by which the hard limit is lifted, and the most it is lifted in all
 HEADROOM = 256 * MiB
+MAX_LIFT = 1024 * MiB
 RESTORE_DEADLINE = 10.0
+POLL = 0.005
 
 
 def _write(path: Path, value: str) -> None:
@@ -60,17 +70,19 @@ class MemoryGuard:
         self._kill_commands = kill_commands
         #: overruns handled so far (commands finishing compare it before/after)
         self.overruns = 0
+        self._disarmed = False
+        self._fds: list[int] = []
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
-        self._event_fd = -1
-        self._control_fd = -1
+        self._events: list[int] = []
         if self._v1:
             self._setup_v1()
         else:
-            self._setup_v2()
+            _write(self._group / "memory.max", str(self._limit))
+            _write(self._group / "memory.high", str(self._budget))
         self._thread = threading.Thread(target=self._run, name="corral-gvisor-memory", daemon=True)
         self._thread.start()
 
-    # -- setup ---------------------------------------------------------
+    # -- cgroup v1 -------------------------------------------------------
     def _set_limit_v1(self, limit: int) -> None:
         memsw = self._group / "memory.memsw.limit_in_bytes"
         raising = limit > int((self._group / "memory.limit_in_bytes").read_text())
@@ -81,41 +93,18 @@ class MemoryGuard:
         if not raising and memsw.exists():
             _write(memsw, str(limit))
 
+    def _register(self, control: str, argument: str = "") -> None:
+        event = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        watched = os.open(self._group / control, os.O_RDONLY | os.O_CLOEXEC)
+        self._fds += [event, watched]
+        self._events.append(event)
+        _write(self._group / "cgroup.event_control", f"{event} {watched} {argument}".strip())
+
     def _setup_v1(self) -> None:
         self._set_limit_v1(self._limit)
         _write(self._group / "memory.oom_control", "1")
-        self._event_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        self._control_fd = os.open(self._group / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
-        _write(self._group / "cgroup.event_control", f"{self._event_fd} {self._control_fd}")
-
-    def _setup_v2(self) -> None:
-        _write(self._group / "memory.max", str(self._limit))
-        _write(self._group / "memory.high", str(self._budget))
-
-    # -- watching --------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                if self._v1:
-                    ready, _, _ = select.select([self._event_fd, self._stop_r], [], [])
-                    if self._stop_r in ready:
-                        return
-                    try:
-                        os.eventfd_read(self._event_fd)
-                    except BlockingIOError:
-                        continue
-                    if self._under_oom():
-                        self._handle_overrun_v1()
-                else:
-                    ready, _, _ = select.select([self._stop_r], [], [], 0.05)
-                    if ready:
-                        return
-                    if self._usage() > self._budget:
-                        self.overruns += 1
-                        self._kill_commands()
-                        self._wait_below(self._budget, RESTORE_DEADLINE)
-        except OSError:
-            return  # the cgroup is gone: the sandbox is being destroyed
+        self._register("memory.oom_control")
+        self._register("memory.usage_in_bytes", str(self._budget))
 
     def _under_oom(self) -> bool:
         for line in (self._group / "memory.oom_control").read_text().splitlines():
@@ -124,37 +113,75 @@ class MemoryGuard:
                 return value.strip() == "1"
         return False
 
+    def _handle_overrun_v1(self) -> None:
+        self.overruns += 1
+        self._kill_commands()
+        lifted = self._limit
+        end = time.monotonic() + RESTORE_DEADLINE
+        while time.monotonic() < end:
+            usage = self._usage()
+            if usage <= self._budget:
+                try:
+                    self._set_limit_v1(self._limit)
+                    return
+                except OSError:  # EBUSY: the Sentry has not released enough yet
+                    pass
+            elif usage > lifted - MARGIN or self._under_oom():
+                if lifted - self._limit >= MAX_LIFT:
+                    break  # the commands do not die or their memory stays
+                lifted += HEADROOM
+                self._set_limit_v1(lifted)
+                self._kill_commands()  # again: a command started meanwhile may be the one
+            time.sleep(POLL)
+        # the guard lost: let the kernel end the sandbox rather than hang or grow it
+        # (re-armed if usage ever comes back under the budget)
+        _write(self._group / "memory.oom_control", "0")
+        self._disarmed = True
+        try:
+            self._set_limit_v1(self._limit)
+        except OSError:
+            pass
+
+    # -- watching --------------------------------------------------------
     def _usage(self) -> int:
         name = "memory.usage_in_bytes" if self._v1 else "memory.current"
         return int((self._group / name).read_text())
 
-    def _handle_overrun_v1(self) -> None:
-        self.overruns += 1
-        self._set_limit_v1(self._limit + HEADROOM)  # lets the waiting allocation (and the kill) proceed
-        self._kill_commands()
-        if not self._wait_below(self._limit, RESTORE_DEADLINE):
-            # memory did not come back: let the kernel end the sandbox rather than hang it
-            _write(self._group / "memory.oom_control", "0")
-            return
-        for _ in range(50):
-            try:
-                self._set_limit_v1(self._limit)
-                return
-            except OSError:  # EBUSY: usage is still above; let the Sentry release more
-                time.sleep(0.02)
-        _write(self._group / "memory.oom_control", "0")
+    def _run(self) -> None:
+        try:
+            if self._v1:
+                self._run_v1()
+            else:
+                self._run_v2()
+        except OSError:
+            return  # the cgroup is gone: the sandbox is being destroyed
 
-    def _wait_below(self, level: int, deadline: float) -> bool:
-        end = time.monotonic() + deadline
-        while time.monotonic() < end:
-            if self._usage() <= level:
-                return True
-            if self._v1 and self._under_oom():
-                # the lifted limit is exhausted too: give up on keeping the sandbox
-                _write(self._group / "memory.oom_control", "0")
-                return False
-            time.sleep(0.01)
-        return False
+    def _run_v1(self) -> None:
+        while True:
+            ready, _, _ = select.select([*self._events, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            for event in ready:
+                try:
+                    os.eventfd_read(event)
+                except BlockingIOError:
+                    pass
+            # a threshold event fires both ways: act only when over the budget
+            if self._usage() > self._budget or self._under_oom():
+                if not self._disarmed:
+                    self._handle_overrun_v1()
+            elif self._disarmed:
+                _write(self._group / "memory.oom_control", "1")
+                self._disarmed = False
+
+    def _run_v2(self) -> None:
+        while not select.select([self._stop_r], [], [], 0.02)[0]:
+            if self._usage() > self._budget:
+                self.overruns += 1
+                self._kill_commands()
+                end = time.monotonic() + RESTORE_DEADLINE
+                while self._usage() > self._budget and time.monotonic() < end:
+                    time.sleep(0.01)
 
     def close(self) -> None:
         try:
@@ -162,9 +189,8 @@ class MemoryGuard:
         except OSError:
             pass
         self._thread.join(timeout=2)
-        for fd in (self._stop_r, self._stop_w, self._event_fd, self._control_fd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        for fd in (self._stop_r, self._stop_w, *self._fds):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
