@@ -215,3 +215,15 @@ def test_platform_probe_is_cached_and_a_bad_choice_is_refused(state_dir: Path, m
     with pytest.raises(HostNotSupported, match="bogus"):
         choose_platform(runsc, state_dir)
     assert not GVisorTier.probe(state_dir).available
+
+
+def test_an_old_runsc_is_refused_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Debian bookworm's own runsc: its statx breaks `ls`; the probe must say so and how to fix it
+    old = tmp_path / "runsc"
+    old.write_text("#!/bin/sh\necho 'runsc version 0.0~20221219.0'\necho 'spec: 1.0.2-dev'\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(HostNotSupported, match=r"too old.*bookworm-backports"):
+        runsc_binary()
+    availability = GVisorTier.probe(tmp_path)
+    assert not availability.available and "make install" in availability.fix

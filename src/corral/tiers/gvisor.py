@@ -47,7 +47,7 @@ from ..spec import WORKSPACE_PATH, Limits, SandboxSpec
 from .agent import AgentChannel, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
 from .gvisor_memory import MemoryGuard
-from .gvisor_platform import choose_platform, runsc_binary
+from .gvisor_platform import Platform, choose_platform, runsc_binary
 from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
 
 START_TIMEOUT = 15.0
@@ -63,15 +63,28 @@ def _check_host() -> Path:
     return runsc_binary()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Host:
+    runsc: Path
+    layout: cgroups.Layout
+    platform: Platform
+    agent: Path
+
+
 class GVisorTier(Tier):
     name = "gvisor"
 
     def __init__(self, state_dir: Path) -> None:
+        # checked on first create, not here: `corral gc` must be able to reap
+        # gVisor sandboxes even if runsc has been removed since
         self.state_dir = state_dir
-        self._runsc = _check_host()
-        self._layout = cgroups.detect()
-        self._platform = choose_platform(self._runsc, state_dir)
-        self._agent = agent_binary()
+        self._host: _Host | None = None
+
+    def host(self) -> _Host:
+        if self._host is None:
+            runsc = _check_host()
+            self._host = _Host(runsc, cgroups.detect(), choose_platform(runsc, self.state_dir), agent_binary())
+        return self._host
 
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
@@ -91,7 +104,7 @@ class GVisorTier(Tier):
             # runsc has no network here (--network=none); egress (a netns + `--network=host`
             # inside it) is not wired to this tier yet: refuse rather than silently isolate
             raise InvalidSpec(f"network {spec.network!r} is not available in the gvisor tier yet; use 'none'")
-        return GVisorSandbox(self, spec, sandbox_id, run_dir)
+        return GVisorSandbox(self, self.host(), spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # the cgroup holds runsc, the Sentry, the gofer and their stubs: killing it
@@ -176,8 +189,9 @@ def bundle_config(
 
 
 class GVisorSandbox(TierSandbox):
-    def __init__(self, tier: GVisorTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+    def __init__(self, tier: GVisorTier, host: _Host, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
         self.id = sandbox_id
+        self._host = host
         self.spec = spec
         self._tier = tier
         self._run_dir = run_dir
@@ -200,7 +214,7 @@ class GVisorSandbox(TierSandbox):
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
         self.root_uid = allocate_uid(self._tier.state_dir, self.id)
-        self.cgroup = cgroups.SandboxCgroup(self.id, host_limits(self.spec.limits), self._tier._layout)
+        self.cgroup = cgroups.SandboxCgroup(self.id, host_limits(self.spec.limits), self._host.layout)
         self._guard = MemoryGuard(self.cgroup, self.spec.limits.memory, self._kill_running)
         built = build_root(self.spec, self._tier.state_dir, self._run_dir, self.uid)
         self.workspace = built.workspace
@@ -208,7 +222,7 @@ class GVisorSandbox(TierSandbox):
         bundle.mkdir(mode=0o700)
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
         config = bundle_config(
-            built.root, built.workspace_dir, self._tier._agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids
+            built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids
         )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
@@ -219,9 +233,9 @@ class GVisorSandbox(TierSandbox):
         state.mkdir(mode=0o700)
         log = self._run_dir / "runsc.log"
         argv = [
-            str(self._tier._runsc),
+            str(self._host.runsc),
             "--root", str(state),
-            "--platform", self._tier._platform.name,
+            "--platform", self._host.platform.name,
             "--network", "none",
             "--ignore-cgroups",
             "--overlay2", "none",  # the rootfs already is an overlay on the sandbox's own tmpfs
