@@ -276,6 +276,8 @@ class GVisorSandbox(TierSandbox):
             code = self._proc.poll()
             if (code is not None and code != 0) or self._channel.closed.is_set() or time.monotonic() > deadline:
                 raise SandboxClosed(f"gVisor sandbox did not start: {_log_tail(log)}")
+        # reap the launcher when it exits rather than keep a zombie for the sandbox's life
+        threading.Thread(target=self._proc.wait, name="corral-runsc-reaper", daemon=True).start()
 
     # -- commands ----------------------------------------------------------
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
