@@ -227,3 +227,19 @@ def test_an_old_runsc_is_refused_with_the_fix(tmp_path: Path, monkeypatch: pytes
         runsc_binary()
     availability = GVisorTier.probe(tmp_path)
     assert not availability.available and "make install" in availability.fix
+
+
+def test_a_platform_that_hangs_is_given_up_on_and_cleaned_up(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on this host --platform=kvm hangs (PVM-style KVM): the probe's deadline must end it
+    # and leave no process or cgroup behind; on a host where kvm works it is simply chosen
+    from corral.host import cgroups
+
+    monkeypatch.setenv(PLATFORM_ENV, "kvm")
+    start = time.monotonic()
+    try:
+        assert choose_platform(runsc_binary(), state_dir).name == "kvm"
+    except HostNotSupported as exc:
+        assert "kvm" in str(exc)
+    assert time.monotonic() - start < 8
+    assert not any(name.startswith("gvisor-probe-") for name in cgroups.list_sandbox_groups())
+    assert _processes_naming("gvisor-probe-") == []
