@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral.errors import HostNotSupported
+from corral.errors import HostNotSupported, InvalidSpec
 from corral.tiers.gvisor import GVisorTier
 from corral.tiers.gvisor_platform import PLATFORM_ENV, choose_platform, runsc_binary
 
@@ -138,6 +138,13 @@ def test_disk_limit_covers_tmp_too() -> None:
             assert r.exit_code != 0 and "No space left" in r.stderr, (path, r)
             sb.commands.run(["rm", "-f", path])
         assert sb.commands.run(["sh", "-c", "echo small > /tmp/ok && cat /tmp/ok"]).stdout == "small\n"
+
+
+def test_too_little_memory_for_gvisor_is_a_typed_error() -> None:
+    with pytest.raises(InvalidSpec, match="at least 32M"):
+        Sandbox.create(tier="gvisor", memory="16M")
+    with Sandbox.create(tier="gvisor", memory="32M") as sb:
+        assert sb.commands.run(["python3", "-c", "print('fits')"]).stdout == "fits\n"
 
 
 def test_network_is_off_but_loopback_inside_works(sb: Sandbox) -> None:

@@ -53,6 +53,8 @@ from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
 START_TIMEOUT = 15.0
 #: how long a command may outlive the SIGKILL sent through the agent before the sandbox is killed
 KILL_GRACE = 2.0
+#: gVisor's Sentry and gofer are charged ~15 MiB of the sandbox's memory when idle
+MIN_MEMORY = 32 << 20
 HOST_TASKS_PER_TASK = 3
 HOST_TASKS_OVERHEAD = 64
 
@@ -104,6 +106,11 @@ class GVisorTier(Tier):
             # runsc has no network here (--network=none); egress (a netns + `--network=host`
             # inside it) is not wired to this tier yet: refuse rather than silently isolate
             raise InvalidSpec(f"network {spec.network!r} is not available in the gvisor tier yet; use 'none'")
+        if spec.limits.memory < MIN_MEMORY:
+            raise InvalidSpec(
+                f"memory: the gvisor tier needs at least {MIN_MEMORY >> 20}M "
+                "(gVisor's own kernel uses ~15M of the sandbox's memory)"
+            )
         return GVisorSandbox(self, self.host(), spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
