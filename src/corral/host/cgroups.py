@@ -245,6 +245,11 @@ class SandboxCgroup:
             _write(self._cpu / "cpu.cfs_period_us", str(period))
             _write(self._cpu / "cpu.cfs_quota_us", str(quota))
 
+    @property
+    def memory_group(self) -> Path:
+        """The group holding the memory controller's files (limits, usage, OOM events)."""
+        return self._memory
+
     def leaf(self, leaf: str) -> Path:
         """Create (if needed) a leaf of the kill tree and return its path."""
         path = self.kill_group / leaf

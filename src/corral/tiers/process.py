@@ -1,12 +1,7 @@
 """The process tier: Linux namespaces + cgroups + seccomp, launched by bubblewrap.
 
-Layout of one sandbox (all below its ``run_dir``, root-only)::
-
-    disk/           tmpfs, size = disk limit, owned by the sandbox's host uid
-      root-upper/ root-work/   overlay upper for "/"
-      L1-upper/ ...            one upper per extra image layer (e.g. /usr)
-      ws/                      the sandbox's copy of the workspace
-    root/           the merged root (overlay), other layers mounted below it
+The sandbox's root (overlay on a size-limited tmpfs, workspace copy) is
+built by :mod:`corral.tiers.rootfs`, shared with the gVisor tier.
 
 The agent (``corral-agent``) is bwrap's pid 1 in a new pid namespace.  Every
 command gets its own kill-tree cgroup leaf, joined before it may exec, so a
@@ -18,7 +13,6 @@ access.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
 import threading
@@ -29,42 +23,13 @@ from ..errors import HostNotSupported, SandboxClosed
 from ..host import cgroups, mounts
 from ..host.seccomp import bpf_path
 from ..host.workspace import WorkspaceCopy
-from ..images import SANDBOX_HOME, SANDBOX_UID, identity_files, resolve
+from ..images import SANDBOX_UID
 from ..spec import WORKSPACE_PATH, SandboxSpec
 from .agent import AgentChannel, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
 
-#: host uids handed to sandboxes: far above any real or subordinate range
-UID_BASE = 2_100_000_000
-UID_RANGE = 1_000_000
-AGENT_PATH = "/.corral/agent"
 START_TIMEOUT = 10.0
-
-
-def allocate_uid(state_dir: Path, owner: str) -> int:
-    """Reserve a host uid no other live sandbox uses (a file per uid, O_EXCL)."""
-    uid_dir = state_dir / "uids"
-    uid_dir.mkdir(mode=0o700, exist_ok=True)
-    rng = random.SystemRandom()
-    for _ in range(100):
-        uid = UID_BASE + rng.randrange(UID_RANGE)
-        try:
-            fd = os.open(uid_dir / str(uid), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        except FileExistsError:
-            continue
-        try:
-            os.write(fd, owner.encode())
-        finally:
-            os.close(fd)
-        return uid
-    raise HostNotSupported("could not reserve a free host uid for the sandbox")
-
-
-def release_uid(state_dir: Path, uid: int) -> None:
-    try:
-        (state_dir / "uids" / str(uid)).unlink()
-    except FileNotFoundError:
-        pass
 
 
 def _check_host() -> str:
@@ -143,48 +108,10 @@ class ProcessSandbox(TierSandbox):
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
-        spec, run, uid = self.spec, self._run_dir, self.uid
-        image = resolve(spec.image, self._tier.state_dir)
-        self.cgroup = cgroups.SandboxCgroup(self.id, spec.limits, self._tier._layout)
-        os.chmod(run, 0o711)  # bwrap runs as the sandbox uid and must reach root/
-        disk, root = run / "disk", run / "root"
-        disk.mkdir()
-        root.mkdir()
-        mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
-        for index, (point, lower) in enumerate(image.layers):
-            upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
-            upper.mkdir()
-            work.mkdir()
-            if point == "/":
-                self._prepare_root_upper(upper, own_etc=image.own_etc)
-            mounts.mount_overlay(root / point.lstrip("/") if point != "/" else root, [lower], upper, work)
-        ws = disk / "ws"
-        if spec.workspace is not None:
-            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, spec.limits.disk)
-        else:
-            ws.mkdir(mode=0o755)
-            os.chown(ws, uid, uid)
-        self._launch(root, ws)
-
-    def _prepare_root_upper(self, upper: Path, own_etc: bool) -> None:
-        # mount points and the home directory must exist before bwrap runs: inside
-        # the user namespace, host-root-owned directories cannot be written to
-        (upper / ".corral").mkdir()
-        (upper / ".corral" / "agent").touch()
-        (upper / WORKSPACE_PATH.lstrip("/")).mkdir()
-        home = upper / SANDBOX_HOME.lstrip("/")
-        home.mkdir(parents=True)
-        os.chmod(home.parent, 0o755)
-        os.chown(home, self.uid, self.uid)
-        os.chmod(home, 0o750)
-        for d in ("tmp", "proc", "dev"):
-            (upper / d).mkdir(exist_ok=True)
-        os.chmod(upper / "tmp", 0o1777)
-        if own_etc:
-            (upper / "etc").mkdir(exist_ok=True)
-            os.chmod(upper / "etc", 0o755)
-            for rel, content in identity_files().items():
-                (upper / rel).write_text(content)
+        self.cgroup = cgroups.SandboxCgroup(self.id, self.spec.limits, self._tier._layout)
+        built = build_root(self.spec, self._tier.state_dir, self._run_dir, self.uid)
+        self.workspace = built.workspace
+        self._launch(built.root, built.workspace_dir)
 
     def _launch(self, root: Path, ws: Path) -> None:
         assert self.cgroup is not None
