@@ -324,6 +324,11 @@ int main(void) {
 
     setup_root();
     setup_cgroups();
+    /* guest RAM is sized to the memory limit: with the default heuristic a big
+     * allocation fails up front with ENOMEM (a bare MemoryError); always
+     * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
+     * like every other tier */
+    write_file("/proc/sys/vm/overcommit_memory", "1");
 
     if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
     if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
