@@ -314,6 +314,10 @@ class MicroVMSandbox(TierSandbox):
     def reap_record(self) -> dict[str, Any]:
         return {"uid": self.uid, "qemu_pid": self._proc.pid if self._proc else None}
 
+    @property
+    def kernel_release(self) -> str:
+        return self._tier.assets.kernel_release
+
     def qemu_pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
