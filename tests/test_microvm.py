@@ -47,7 +47,7 @@ def vm() -> Iterator[Sandbox]:
 
 
 def _vm(sandbox: Sandbox) -> MicroVMSandbox:
-    inner = sandbox._inner  # noqa: SLF001 - the test checks the real VM behind the API
+    inner = sandbox._inner  # the test checks the real VM behind the API
     assert isinstance(inner, MicroVMSandbox)
     return inner
 

@@ -29,29 +29,45 @@ MACHINE = "microvm,x-option-roms=off,rtc=on,memory-backend=mem"
 AGENT_PORT = "corral"
 
 
-def kernel_args() -> str:
+def kernel_args(accel: str) -> str:
     """The guest kernel's command line.
 
     microvm's ACPI is "hardware reduced": no PIT, HPET or PM timer, so under
     TCG the guest cannot measure its TSC and never gets a timer interrupt (it
     hangs after "Marking TSC unstable").  Telling it the TSC frequency
     (``tsc_early_khz``; TCG's TSC runs at the host's rate) fixes that, and
-    ``tsc=reliable`` keeps the clocksource watchdog from discarding it.
+    ``tsc=reliable`` keeps the clocksource watchdog from discarding it.  Under
+    KVM the guest gets its clock from kvmclock and needs neither.
     ``mitigations=off``: all guest processes are one tenant, and TCG pays
     heavily for the mitigations.
     """
-    return f"console=ttyS0 quiet panic=-1 mitigations=off tsc_early_khz={host_tsc_khz()} tsc=reliable"
+    args = "console=ttyS0 quiet panic=-1 mitigations=off"
+    if accel == "tcg":
+        args += f" tsc_early_khz={host_tsc_khz()} tsc=reliable"
+    return args
 
 
 @lru_cache(maxsize=1)
 def host_tsc_khz() -> int:
+    """The host's TSC rate, measured once per machine and kept: it is part of
+    every template's key, and "cpu MHz" moves on hosts that scale frequency."""
+    from .guest import cache_dir
+
+    saved = cache_dir() / "tsc_khz"
+    try:
+        return int(saved.read_text())
+    except (OSError, ValueError):
+        pass
+    khz = 2_000_000
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("cpu MHz"):
-                return int(float(line.split(":")[1]) * 1000)
+                khz = round(float(line.split(":")[1])) * 1000
+                break
     except (OSError, ValueError):
         pass
-    return 2_000_000
+    saved.write_text(str(khz))
+    return khz
 
 
 @dataclass(frozen=True)
@@ -102,7 +118,7 @@ def command_line(
         "-object", f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={mem_path},share={'on' if share else 'off'}",
         "-kernel", str(assets.kernel),
         "-initrd", str(assets.initrd),
-        "-append", kernel_args(),
+        "-append", kernel_args(accel),
         "-nographic", "-nodefaults", "-no-reboot", "-no-user-config",
         "-serial", f"file:{paths.console_log}",
         "-device", "virtio-serial-device",

@@ -55,7 +55,7 @@ class Template:
 
 def _key(assets: GuestAssets, accel: str, ram_mb: int) -> str:
     parts = [TEMPLATE_VERSION, qemu.qemu_version(), assets.digest, accel, str(ram_mb), qemu.MACHINE,
-             qemu.kernel_args(), str(qemu.MAX_LAYERS)]
+             qemu.kernel_args(accel), str(qemu.MAX_LAYERS)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -70,9 +70,8 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
         layers=[empty] * qemu.MAX_LAYERS, workspace=empty, workspace_readonly=False, incoming=False,
     )
     start = time.monotonic()
-    log = open(work / "qemu.log", "wb")
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
-    log.close()
+    with open(work / "qemu.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
     try:
         qmp = qemu.QMP(qemu.connect_unix(paths.qmp_socket, deadline, proc), timeout=30)
         agent = qemu.connect_unix(paths.agent_socket, deadline, proc)

@@ -131,6 +131,9 @@ class MicroVMSandbox(TierSandbox):
     def _setup(self) -> None:
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
+        if spec.network != "none":
+            # the VM has no network device at all; egress needs a tap + the egress layer
+            raise HostNotSupported(f"network {spec.network!r}: the microvm tier has no network yet; use 'none'")
         image = resolve(spec.image, self._tier.state_dir)
         if len(image.layers) > qemu.MAX_LAYERS:
             raise InvalidSpec(f"image {spec.image!r} has {len(image.layers)} layers; the microvm tier takes "
