@@ -94,6 +94,13 @@ class WasmTier(Tier):
                 self._pool = WorkerPool(self.module, self._spares)
             return self._pool
 
+    def close(self) -> None:
+        """Stop the spare workers (they also die with this process)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
         try:
