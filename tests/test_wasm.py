@@ -254,6 +254,36 @@ def test_teardown_kills_a_running_worker_and_leaves_nothing(wasm_available: None
     )
 
 
-def test_an_idle_sandbox_has_no_process(sb: Sandbox) -> None:
+def test_an_idle_sandbox_keeps_one_prestarted_guest_in_its_cgroup_as_its_uid(sb: Sandbox) -> None:
     assert sb.commands.run(py("print(1)")).exit_code == 0
-    assert sb._tier_sandbox().worker_pids() == []  # type: ignore[attr-defined]
+    inner = sb._tier_sandbox()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(inner.worker_pids()) != 1:  # type: ignore[attr-defined]
+        time.sleep(0.02)
+    (pid,) = inner.worker_pids()  # type: ignore[attr-defined]
+    assert _alive(pid)
+    assert sb.id in Path(f"/proc/{pid}/cgroup").read_text()
+    uids = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[:4]
+    assert uids == [str(inner.uid)] * 4  # type: ignore[attr-defined]
+    # the pre-started guest runs the next command, with its own env and cwd
+    r = sb.commands.run(py("import os; print(os.getcwd(), os.environ.get('X'))"), env={"X": "1"}, cwd="/tmp")
+    assert r.stdout == "/tmp 1\n", r.stderr
+    assert not _alive(pid)
+
+
+def test_without_prestart_an_idle_sandbox_has_no_process(wasm_available: None, state_dir: Path) -> None:
+    from corral.tiers.wasm import WasmTier
+
+    tier = WasmTier(state_dir, spares=1, prestart=False)
+    sandbox_id = "sb-" + secrets.token_hex(8)
+    run_dir = state_dir / "sandboxes" / sandbox_id
+    run_dir.mkdir(mode=0o700)
+    inner = tier.create(SandboxSpec(tier="wasm"), sandbox_id, run_dir)
+    try:
+        r = inner.exec(ExecRequest(py("print('fresh')"), {}, "/workspace", timeout=30, max_output=1 << 20))
+        assert r.stdout == "fresh\n"
+        time.sleep(0.2)
+        assert inner.worker_pids() == []  # type: ignore[attr-defined]
+    finally:
+        inner.close()
+        tier.close()

@@ -21,6 +21,7 @@ sandbox has no process at all: only its directories.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import selectors
@@ -39,7 +40,7 @@ from ..spec import MiB, SandboxSpec
 from .base import Availability, ExecRequest, ExecResult, FileEntry, OutputCallback, Process, Tier, TierSandbox
 from .process import allocate_uid, release_uid
 from .wasm_files import SandboxFiles, openat2_in_root
-from .wasm_python import NotPython, guest_argv
+from .wasm_python import PRESTART_ARGV, NotPython, guest_argv, launch_record
 from .wasm_runtime import Runtime, Worker, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
 from .wasm_runtime import cached_module_path as _cached_module_path
 
@@ -51,6 +52,8 @@ STARTUP_FUEL = 500_000_000
 WORKER_OVERHEAD = 128 * MiB
 #: how long past its timeout a guest blocked in a host call may take before it is killed
 KILL_GRACE = 0.5
+#: how long a command waits for a pre-start already under way before starting its own
+PRESTART_WAIT = 5.0
 IMAGES = ("host", "python")
 SIGXCPU = 24
 _MEMORY_ERROR = re.compile(rb"^(MemoryError\b|Fatal Python error: .*(memory|MemoryError))", re.MULTILINE)
@@ -69,8 +72,12 @@ def _check_openat2() -> None:
 class WasmTier(Tier):
     name = "wasm"
 
-    def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, spares: int = 2) -> None:
+    def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, spares: int = 2,
+                 prestart: bool = True) -> None:
         self.state_dir = state_dir
+        #: keep one interpreter per sandbox started ahead of its next command (faster
+        #: commands, one idle worker process per sandbox); False: no process when idle
+        self.prestart = prestart
         self.fuel_per_cpu_second = fuel_per_cpu_second
         _check_openat2()
         self.runtime: Runtime = default_runtime()
@@ -149,6 +156,10 @@ class WasmSandbox(TierSandbox):
         self._closed = False
         self._lock = threading.Lock()
         self._running: set[WasmProcess] = set()
+        #: a worker whose guest has started and waits for its command (see _prestart_soon)
+        self._next: Worker | None = None
+        self._prestarting = False
+        self._prestart_done = threading.Event()
         self.workspace: WorkspaceCopy | None = None
         self.cgroup: cgroups.SandboxCgroup | None = None
         self._uid_reserved = tier.privileged
@@ -181,8 +192,87 @@ class WasmSandbox(TierSandbox):
             limits = replace(spec.limits, memory=spec.limits.memory + WORKER_OVERHEAD)
             self.cgroup = cgroups.SandboxCgroup(self.id, limits, tier.cgroup_layout)
             self._leaf = self.cgroup.leaf("workers")
+        self._prestart_soon()
 
     # -- commands ----------------------------------------------------------
+    def _job(self, argv: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+        limits = self.spec.limits
+        return {
+            "argv": argv,
+            "env": env,
+            "preopens": [[str(host), guest, self._mutable(guest)] for guest, host in self.roots.items()],
+            "memory": limits.memory,
+            # the budget is for the command: CPython's own start-up is not charged to it
+            "fuel": int(self._tier.fuel_per_cpu_second * limits.cpus * timeout) + STARTUP_FUEL,
+            "timeout": timeout,
+            "uid": self.uid if self._tier.privileged else None,
+            "gid": self.gid if self._tier.privileged else None,
+        }
+
+    def _launch_worker(self, job: dict[str, Any], worker: Worker | None = None) -> Worker:
+        """A warm worker (from the pool unless given), placed in this sandbox's cgroup, given ``job``."""
+        worker = worker or self._tier.pool.take()
+        try:
+            if self.cgroup is not None:
+                for procs in self.cgroup.procs_files(self._leaf):
+                    with open(procs, "w") as f:
+                        f.write(str(worker.pid))
+            worker.control.sendall(json.dumps(job).encode() + b"\n")
+        except BaseException:
+            worker.close()
+            raise
+        return worker
+
+    def _prestart_soon(self) -> None:
+        """Start the next command's interpreter in the background, so that it is ready when asked.
+
+        CPython's start-up (most of a command's cost) then overlaps with the time
+        between commands.  The pre-started guest waits in a read of its stdin.
+        Called when the sandbox is created and whenever a command ends.
+        """
+        if not self._tier.prestart:
+            return
+        with self._lock:
+            if self._closed or self._next is not None or self._prestarting:
+                return
+            self._prestarting = True
+            self._prestart_done.clear()
+        threading.Thread(target=self._prestart, name=f"corral-wasm-prestart-{self.id}", daemon=True).start()
+
+    def _prestart(self) -> None:
+        worker: Worker | None = None
+        try:
+            spare = self._tier.pool.take()
+            with self._lock:
+                closed = self._closed
+            if closed:  # destroyed meanwhile: the spare is still clean, give it back
+                self._tier.pool.put_back(spare)
+            else:
+                job = self._job(list(PRESTART_ARGV), {}, self.spec.limits.timeout)
+                job["wait"] = True
+                worker = self._launch_worker(job, spare)
+        except Exception:  # commands fall back to a fresh start
+            worker = None
+        with self._lock:
+            self._prestarting = False
+            if worker is not None and not self._closed:
+                self._next, worker = worker, None
+            self._prestart_done.set()
+        if worker is not None:  # the sandbox closed while the job was sent
+            worker.close()
+
+    def _take_prestarted(self) -> Worker | None:
+        if self._prestarting:
+            # one is on its way (e.g. the first command right after create): waiting
+            # for it costs less than starting a second interpreter next to it
+            self._prestart_done.wait(PRESTART_WAIT)
+        with self._lock:
+            worker, self._next = self._next, None
+        if worker is not None and worker.proc.poll() is not None:
+            worker.close()
+            return None
+        return worker
+
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         if self._closed:
             raise SandboxClosed(f"sandbox {self.id} is closed")
@@ -190,27 +280,20 @@ class WasmSandbox(TierSandbox):
             argv = guest_argv(request.argv, request.cwd)
         except NotPython as exc:
             return RefusedProcess(str(exc), on_output)
-        worker = self._tier.pool.take()
-        try:
-            if self.cgroup is not None:
-                for procs in self.cgroup.procs_files(self._leaf):
-                    with open(procs, "w") as f:
-                        f.write(str(worker.pid))
-            limits = self.spec.limits
-            job = {
-                "argv": argv,
-                "env": dict(request.env),
-                "preopens": [[str(host), guest, self._mutable(guest)] for guest, host in self.roots.items()],
-                "memory": limits.memory,
-                "fuel": int(self._tier.fuel_per_cpu_second * limits.cpus * request.timeout) + STARTUP_FUEL,
-                "timeout": request.timeout,
-                "uid": self.uid if self._tier.privileged else None,
-                "gid": self.gid if self._tier.privileged else None,
-            }
-            process = WasmProcess(self, worker, request, on_output, job)
-        except BaseException:
-            worker.close()
-            raise
+        env = dict(request.env)
+        record = launch_record(argv, env) if request.timeout <= self.spec.limits.timeout else None
+        worker = self._take_prestarted() if record is not None else None
+        if worker is not None:
+            job = self._job(argv, env, request.timeout)
+            process = WasmProcess(self, worker, request, on_output, job, launch=record)
+        else:
+            job = self._job(argv, env, request.timeout)
+            worker = self._launch_worker(job)
+            try:
+                process = WasmProcess(self, worker, request, on_output, job)
+            except BaseException:
+                worker.close()
+                raise
         with self._lock:
             if self._closed:
                 process.kill()
@@ -226,13 +309,18 @@ class WasmSandbox(TierSandbox):
         with self._lock:
             self._running.discard(process)
         self.sync()
+        self._prestart_soon()
 
     def oom_kills(self) -> int:
         return self.cgroup.oom_kills() if self.cgroup is not None else 0
 
     def worker_pids(self) -> list[int]:
+        """Pids of this sandbox's worker processes: running commands and the pre-started guest."""
         with self._lock:
-            return [p.worker.pid for p in self._running]
+            pids = [p.worker.pid for p in self._running]
+            if self._next is not None:
+                pids.append(self._next.pid)
+            return pids
 
     # -- files -------------------------------------------------------------
     def _files(self) -> SandboxFiles:
@@ -289,7 +377,10 @@ class WasmSandbox(TierSandbox):
                 return
             self._closed = True
             running = list(self._running)
+            spare, self._next = self._next, None
         try:
+            if spare is not None:
+                spare.close()
             for process in running:
                 process.kill()
             for process in running:
@@ -334,9 +425,7 @@ class WasmProcess(Process):
     """One command in its own worker process; output read straight from the worker's pipes."""
 
     def __init__(self, sandbox: WasmSandbox, worker: Worker, request: ExecRequest,
-                 on_output: OutputCallback | None, job: dict[str, Any]) -> None:
-        import json
-
+                 on_output: OutputCallback | None, job: dict[str, Any], launch: bytes | None = None) -> None:
         self.worker = worker
         self._sandbox = sandbox
         self._request = request
@@ -354,14 +443,15 @@ class WasmProcess(Process):
         self._result_lock = threading.Lock()
         self._stdin_lock = threading.Lock()
         self._oom_before = sandbox.oom_kills()
-        worker.control.sendall(json.dumps(job).encode() + b"\n")
+        if launch is not None:
+            # a pre-started guest: the command goes to its stdin, then the clock starts
+            self.write_stdin(launch)
+            worker.control.sendall(json.dumps({"go": request.timeout}).encode() + b"\n")
         self._reader = threading.Thread(target=self._read_loop, name=f"corral-wasm-{worker.pid}", daemon=True)
         self._reader.start()
 
     # -- reader thread -------------------------------------------------------
     def _read_loop(self) -> None:
-        import json
-
         sel = selectors.DefaultSelector()
         worker = self.worker
         sel.register(worker.stdout_r, selectors.EVENT_READ, "stdout")
@@ -466,8 +556,13 @@ class WasmProcess(Process):
                 self._sandbox._finished(self)
             return self._result
 
+    @property
+    def outcome(self) -> dict[str, Any]:
+        """What the worker reported: exit, trap, fuel_used, memory (bytes), cpu_ms; empty if it died."""
+        return self._outcome or {}
+
     def _build_result(self) -> ExecResult:
-        outcome = self._outcome or {}
+        outcome = self.outcome
         trap = outcome.get("trap")
         exit_code = outcome.get("exit")
         signal_number: int | None = None

@@ -46,7 +46,31 @@ def _corral_boot():
     import os, sys
     g = globals()
     del g["_corral_boot"]
-    mode, cwd, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+    mode = sys.argv[1]
+    if mode == "w":
+        # pre-started: the command arrives on stdin as "LENGTH\n" + NUL-separated
+        # mode, cwd, argument count, arguments, NAME=VALUE environment
+        header = b""
+        while not header.endswith(b"\n"):
+            byte = os.read(0, 1)
+            if not byte:
+                raise SystemExit(0)
+            header += byte
+        size, payload = int(header), b""
+        while len(payload) < size:
+            chunk = os.read(0, size - len(payload))
+            if not chunk:
+                raise SystemExit(0)
+            payload += chunk
+        fields = payload.decode("utf-8", "surrogateescape").split("\0")
+        count = int(fields[2])
+        sys.argv[1:] = [fields[0], fields[1], *fields[3 : 3 + count]]
+        os.environ.clear()
+        for item in fields[3 + count :]:
+            name, _, value = item.partition("=")
+            os.environ[name] = value
+        mode = sys.argv[1]
+    cwd, rest = sys.argv[2], sys.argv[3:]
     try:
         os.chdir(cwd)
     except OSError as exc:
@@ -87,6 +111,22 @@ def _corral_boot():
         raise SystemExit(1)
 _corral_boot()
 """
+
+
+#: a guest started ahead of its command: it waits for a launch record on stdin
+PRESTART_ARGV = ["python", "-c", BOOT, "w"]
+
+
+def launch_record(argv: Sequence[str], env: dict[str, str]) -> bytes | None:
+    """The stdin record that hands ``argv`` (from :func:`guest_argv`) to a pre-started guest,
+    or None when only a fresh interpreter can run it faithfully: interpreter options, or
+    PYTHON* variables, which CPython reads while it starts."""
+    if len(argv) < 5 or argv[1] != "-c" or argv[2] is not BOOT or any(k.startswith("PYTHON") for k in env):
+        return None
+    mode, cwd, rest = argv[3], argv[4], list(argv[5:])
+    fields = [mode, cwd, str(len(rest)), *rest, *(f"{k}={v}" for k, v in env.items())]
+    payload = "\0".join(fields).encode("utf-8", "surrogateescape")
+    return b"%d\n" % len(payload) + payload
 
 
 def _has_shell_syntax(text: str) -> bool:

@@ -301,6 +301,15 @@ class WorkerPool:
             self._cond.notify_all()
         return worker
 
+    def put_back(self, worker: Worker) -> None:
+        """Return a worker that was taken but never given a job."""
+        with self._cond:
+            if not self._closed and worker.proc.poll() is None:
+                self._ready.insert(0, worker)
+                self._cond.notify_all()
+                return
+        worker.close()
+
     def pids(self) -> list[int]:
         with self._cond:
             return [w.pid for w in self._ready]

@@ -89,15 +89,21 @@ def _send(control: socket.socket, message: dict[str, Any]) -> None:
     control.sendall(json.dumps(message).encode() + b"\n")
 
 
-def _read_job(control: socket.socket) -> dict[str, Any] | None:
-    buf = b""
-    while not buf.endswith(b"\n"):
-        chunk = control.recv(65536)
-        if not chunk:
-            return None  # the host gave up on this spare
-        buf += chunk
-    job: dict[str, Any] = json.loads(buf)
-    return job
+def _read_message(reader: Any) -> dict[str, Any] | None:
+    line = reader.readline()
+    if not line.endswith(b"\n"):
+        return None  # the host closed the socket: it gave up on this worker
+    message: dict[str, Any] = json.loads(line)
+    return message
+
+
+def _arm_on_go(reader: Any, timer_for: Any, marks: dict[str, Any]) -> None:
+    """A pre-started guest waits for its command; the timeout starts when the host says go."""
+    message = _read_message(reader)
+    if message is None:
+        os._exit(0)
+    marks["go"] = os.times()
+    timer_for(float(message["go"])).start()
 
 
 def _memory_size(instance: Any, store: Any) -> int:
@@ -119,9 +125,11 @@ def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
     linker.define_wasi()
     _send(control, {"ready": True, "pid": os.getpid()})
 
-    job = _read_job(control)
+    reader = control.makefile("rb")
+    job = _read_message(reader)
     if job is None:
         os._exit(0)
+    cpu_before = os.times()
     _drop_privileges(job.get("uid"), job.get("gid"))
 
     store = wasmtime.Store(engine)
@@ -140,15 +148,24 @@ def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
     # One engine per worker and one guest per engine: a single epoch tick at
     # the deadline interrupts the guest at its next loop back-edge or call.
     store.set_epoch_deadline(1)
-    timer = threading.Timer(float(job["timeout"]), engine.increment_epoch)
-    timer.daemon = True
+    timers: list[threading.Timer] = []
+    marks: dict[str, Any] = {}
+
+    def timer_for(seconds: float) -> threading.Timer:
+        timer = threading.Timer(seconds, engine.increment_epoch)
+        timer.daemon = True
+        timers.append(timer)
+        return timer
 
     outcome: dict[str, Any] = {"exit": None, "trap": None, "message": ""}
     instance = None
     try:
         instance = linker.instantiate(store, module)
         _send(control, {"started": True})
-        timer.start()
+        if job.get("wait"):
+            threading.Thread(target=_arm_on_go, args=(reader, timer_for, marks), daemon=True).start()
+        else:
+            timer_for(float(job["timeout"])).start()
         start = instance.exports(store)["_start"]
         assert isinstance(start, wasmtime.Func)
         start(store)
@@ -163,12 +180,16 @@ def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
         outcome["trap"] = "error"
         outcome["message"] = str(exc).splitlines()[0] if str(exc) else ""
     finally:
-        timer.cancel()
+        for timer in timers:
+            timer.cancel()
     try:
         outcome["fuel_used"] = fuel - store.get_fuel()
     except wasmtime.WasmtimeError:
         outcome["fuel_used"] = fuel
     outcome["memory"] = _memory_size(instance, store) if instance is not None else 0
+    cpu_after = os.times()
+    cpu_before = marks.get("go", cpu_before)
+    outcome["cpu_ms"] = round((cpu_after.user + cpu_after.system - cpu_before.user - cpu_before.system) * 1000, 1)
     _send(control, outcome)
     # _exit: no interpreter teardown (wasmtime's stdin reader thread may block it)
     os._exit(0)
