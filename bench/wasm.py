@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from corral import Sandbox
+from corral.sandbox import Sandbox
 
 PRINT = ["python3", "-c", "print(1)"]
 
@@ -49,6 +49,39 @@ def worker_cpu(handle: object) -> float:
     return float(process.outcome.get("cpu_ms", 0.0))
 
 
+def bare_wasmtime(runs: int, module: Path) -> tuple[list[float], list[float]]:
+    """Reference: the same compiled module running print(1) in this process, no Corral at all."""
+    import wasmtime
+
+    from corral.tiers.wasm_worker import make_engine
+
+    engine = make_engine()
+    compiled = wasmtime.Module.deserialize_file(engine, str(module))
+    linker = wasmtime.Linker(engine)
+    linker.define_wasi()
+    wall: list[float] = []
+    cpu: list[float] = []
+    for _ in range(runs):
+        store = wasmtime.Store(engine)
+        wasi = wasmtime.WasiConfig()
+        wasi.argv = ["python", "-c", "print(1)"]
+        store.set_wasi(wasi)
+        store.set_fuel(10**12)
+        store.set_epoch_deadline(1)
+        before, start = os.times(), time.perf_counter()
+        instance = linker.instantiate(store, compiled)
+        entry = instance.exports(store)["_start"]
+        assert isinstance(entry, wasmtime.Func)
+        try:
+            entry(store)
+        except wasmtime.ExitTrap:
+            pass
+        after = os.times()
+        wall.append((time.perf_counter() - start) * 1000)
+        cpu.append((after.user + after.system - before.user - before.system) * 1000)
+    return wall, cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=20)
@@ -61,6 +94,9 @@ def main() -> None:
     with Sandbox.create(tier="wasm") as sb:
         sb.commands.run(PRINT)
     time.sleep(1.0)
+    from corral.tiers.wasm_runtime import cached_module_path, default_runtime
+
+    ref_wall, ref_cpu = bare_wasmtime(args.runs, cached_module_path(default_runtime()))
 
     cold: list[float] = []
     cold_cpu: list[float] = []
@@ -96,23 +132,37 @@ def main() -> None:
             rt_cpu.append(worker_cpu(handle))
 
         inner = sb._tier_sandbox()
+        deadline = time.monotonic() + 10
+        while not inner.worker_pids() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.05)  # the next command's guest is being pre-started
+        time.sleep(args.pace)
         idle_pids = inner.worker_pids()  # type: ignore[attr-defined]
-        disk = sum(f.stat().st_size for f in Path(inner._run_dir).rglob("*") if f.is_file())  # type: ignore[attr-defined]
+        run_dir = Path(inner._run_dir)  # type: ignore[attr-defined]
+        disk = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
+        idle = [rss_kib(pid) for pid in idle_pids]
         pool = inner._tier.pool  # type: ignore[attr-defined]
         spares = [rss_kib(pid) for pid in pool.pids()]
 
     load = os.getloadavg()[0]
     print(f"wasm tier, {os.cpu_count()} CPUs, 1-min load average {load:.1f} at the end (shared machine)")
+    show("reference: bare wasmtime start-up, print(1)", ref_wall)
+    show("  its CPU time", ref_cpu)
     show("cold create -> first command -> destroy", cold)
     show("  worker CPU time in it", cold_cpu)
     show("cold, back-to-back (pool-spawn bound)", burst)
     show("exec round trip (python3 -c 'print(1)')", round_trip)
     show("  worker CPU time in it", rt_cpu)
-    print(f"{'memory per idle sandbox':<44} {len(idle_pids)} processes, {disk} bytes of files")
+    idle_rss = sum(r for r, _ in idle) / 1024
+    idle_pss = sum(p for _, p in idle) / 1024
+    print(f"{'memory per idle sandbox':<44} {len(idle_pids)} process(es) (the pre-started guest): "
+          f"RSS {idle_rss:.1f} MiB, PSS {idle_pss:.1f} MiB; {disk} bytes of files")
+    print(f"{'cold p50 / bare wasmtime p50':<44} {pct(cold, .5) / pct(ref_wall, .5):.2f}x; "
+          f"exec round trip p50 / bare {pct(round_trip, .5) / pct(ref_wall, .5):.2f}x")
     if spares:
         rss = statistics.mean(r for r, _ in spares) / 1024
         pss = statistics.mean(p for _, p in spares) / 1024
-        print(f"{'spare warm worker (shared by all sandboxes)':<44} {len(spares)} x RSS {rss:.1f} MiB (PSS {pss:.1f} MiB)")
+        label = "spare warm worker (shared by all sandboxes)"
+        print(f"{label:<44} {len(spares)} x RSS {rss:.1f} MiB (PSS {pss:.1f} MiB)")
 
 
 if __name__ == "__main__":

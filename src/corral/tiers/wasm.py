@@ -54,6 +54,8 @@ WORKER_OVERHEAD = 128 * MiB
 KILL_GRACE = 0.5
 #: how long a command waits for a pre-start already under way before starting its own
 PRESTART_WAIT = 5.0
+#: how long after a command a sandbox pre-starts the next one's interpreter
+PRESTART_DELAY = 0.05
 IMAGES = ("host", "python")
 SIGXCPU = 24
 _MEMORY_ERROR = re.compile(rb"^(MemoryError\b|Fatal Python error: .*(memory|MemoryError))", re.MULTILINE)
@@ -160,6 +162,7 @@ class WasmSandbox(TierSandbox):
         self._next: Worker | None = None
         self._prestarting = False
         self._prestart_done = threading.Event()
+        self._prestart_timer: threading.Timer | None = None
         self.workspace: WorkspaceCopy | None = None
         self.cgroup: cgroups.SandboxCgroup | None = None
         self._uid_reserved = tier.privileged
@@ -280,6 +283,7 @@ class WasmSandbox(TierSandbox):
             argv = guest_argv(request.argv, request.cwd)
         except NotPython as exc:
             return RefusedProcess(str(exc), on_output)
+        self._cancel_prestart_timer()
         env = dict(request.env)
         record = launch_record(argv, env) if request.timeout <= self.spec.limits.timeout else None
         worker = self._take_prestarted() if record is not None else None
@@ -308,8 +312,19 @@ class WasmSandbox(TierSandbox):
     def _finished(self, process: WasmProcess) -> None:
         with self._lock:
             self._running.discard(process)
+            # Not at once: a sandbox is often destroyed right after its last command,
+            # and an interpreter started for nothing costs a spare and a CPU burst.
+            if not self._closed and self._tier.prestart:
+                self._prestart_timer = threading.Timer(PRESTART_DELAY, self._prestart_soon)
+                self._prestart_timer.daemon = True
+                self._prestart_timer.start()
         self.sync()
-        self._prestart_soon()
+
+    def _cancel_prestart_timer(self) -> None:
+        with self._lock:
+            timer, self._prestart_timer = self._prestart_timer, None
+        if timer is not None:
+            timer.cancel()
 
     def oom_kills(self) -> int:
         return self.cgroup.oom_kills() if self.cgroup is not None else 0
@@ -378,6 +393,9 @@ class WasmSandbox(TierSandbox):
             self._closed = True
             running = list(self._running)
             spare, self._next = self._next, None
+            timer, self._prestart_timer = self._prestart_timer, None
+        if timer is not None:
+            timer.cancel()
         try:
             if spare is not None:
                 spare.close()
@@ -482,9 +500,7 @@ class WasmProcess(Process):
                         self._output(stream, chunk)
         finally:
             sel.close()
-            try:
-                worker.proc.wait(timeout=5)
-            except Exception:
+            if not worker.reap(5.0):
                 worker.kill()
             self._done.set()
 
