@@ -254,7 +254,7 @@ def test_teardown_kills_a_running_worker_and_leaves_nothing(wasm_available: None
     )
 
 
-def test_an_idle_sandbox_keeps_one_prestarted_guest_in_its_cgroup_as_its_uid(sb: Sandbox) -> None:
+def test_an_idle_sandbox_keeps_one_prestarted_guest_confined_in_its_cgroup(sb: Sandbox) -> None:
     assert sb.commands.run(py("print(1)")).exit_code == 0
     inner = sb._tier_sandbox()
     deadline = time.monotonic() + 20
@@ -263,8 +263,10 @@ def test_an_idle_sandbox_keeps_one_prestarted_guest_in_its_cgroup_as_its_uid(sb:
     (pid,) = inner.worker_pids()  # type: ignore[attr-defined]
     assert _alive(pid)
     assert sb.id in Path(f"/proc/{pid}/cgroup").read_text()
-    uids = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[:4]
-    assert uids == [str(inner.uid)] * 4  # type: ignore[attr-defined]
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert status.split("Uid:")[1].split()[:4] == [str(inner.uid)] * 4  # type: ignore[attr-defined]
+    assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status  # the deny-list filter, all threads
+    assert status.split("CapEff:")[1].split()[0] == "0000000000000000"
     # the pre-started guest runs the next command, with its own env and cwd
     r = sb.commands.run(py("import os; print(os.getcwd(), os.environ.get('X'))"), env={"X": "1"}, cwd="/tmp")
     assert r.stdout == "/tmp 1\n", r.stderr

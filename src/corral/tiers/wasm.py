@@ -35,6 +35,7 @@ from typing import Any
 
 from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ..host import cgroups, mounts
+from ..host.seccomp import bpf_path
 from ..host.workspace import WorkspaceCopy
 from ..spec import MiB, SandboxSpec
 from .base import Availability, ExecRequest, ExecResult, FileEntry, OutputCallback, Process, Tier, TierSandbox
@@ -92,6 +93,11 @@ class WasmTier(Tier):
                 self.cgroup_layout = cgroups.detect()
             except HostNotSupported:
                 self.cgroup_layout = None
+        self.seccomp: Path | None = None
+        try:
+            self.seccomp = bpf_path(state_dir)
+        except HostNotSupported:
+            self.seccomp = None  # libseccomp missing: wasmtime alone confines the guest
         self._spares = spares
         self._pool: WorkerPool | None = None
         self._pool_lock = threading.Lock()
@@ -210,6 +216,7 @@ class WasmSandbox(TierSandbox):
             "timeout": timeout,
             "uid": self.uid if self._tier.privileged else None,
             "gid": self.gid if self._tier.privileged else None,
+            "seccomp": str(self._tier.seccomp) if self._tier.seccomp is not None else None,
         }
 
     def _launch_worker(self, job: dict[str, Any], worker: Worker | None = None) -> Worker:
