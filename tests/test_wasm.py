@@ -289,3 +289,13 @@ def test_without_prestart_an_idle_sandbox_has_no_process(wasm_available: None, s
     finally:
         inner.close()
         tier.close()
+
+
+def test_interpreter_options_and_python_env_get_a_fresh_interpreter(sb: Sandbox) -> None:
+    # CPython reads these while it starts, so a pre-started guest could not honour them
+    r = sb.commands.run(["python3", "-I", "-c", "import sys; print(sys.flags.isolated)"])
+    assert r.stdout == "1\n", r.stderr
+    r = sb.commands.run(py("import sys; print(sys.flags.hash_randomization)"), env={"PYTHONHASHSEED": "0"})
+    assert r.stdout == "0\n", r.stderr
+    r = sb.commands.run(py("import sys; print(sys.flags.hash_randomization)"))
+    assert r.stdout == "1\n", r.stderr
