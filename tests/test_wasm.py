@@ -299,3 +299,23 @@ def test_interpreter_options_and_python_env_get_a_fresh_interpreter(sb: Sandbox)
     assert r.stdout == "0\n", r.stderr
     r = sb.commands.run(py("import sys; print(sys.flags.hash_randomization)"))
     assert r.stdout == "1\n", r.stderr
+
+
+def test_disk_limit_and_no_network(wasm_available: None) -> None:
+    with Sandbox.create(tier="wasm", disk="4M") as sb:
+        r = sb.commands.run(py(
+            "import socket\n"
+            "try:\n"
+            "    s = socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+            "    print('CONNECTED')\n"
+            "except Exception as e:\n"
+            "    print('no network', type(e).__name__)\n"
+            "try:\n"
+            "    open('/workspace/big', 'wb').write(b'x' * (8 << 20))\n"
+            "    print('WROTE')\n"
+            "except OSError as e:\n"
+            "    print('disk full', e.errno)\n"
+            "open('/tmp/small', 'wb').write(b'y' * 1024)\n"
+        ))
+    assert "no network" in r.stdout and "CONNECTED" not in r.stdout, r.stdout + r.stderr
+    assert "disk full" in r.stdout and "WROTE" not in r.stdout, r.stdout + r.stderr
