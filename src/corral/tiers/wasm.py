@@ -20,6 +20,7 @@ sandbox has no process at all: only its directories.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
@@ -41,6 +42,7 @@ from .wasm_process import RefusedProcess, WasmProcess
 from .wasm_python import PRESTART_ARGV, NotPython, guest_argv, launch_record
 from .wasm_runtime import Runtime, Worker, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
 from .wasm_runtime import cached_module_path as _cached_module_path
+from .wasm_spares import SpareGuests
 
 #: instructions per CPU-second, measured here (a busy loop burns ~6e9 fuel per CPU-second)
 FUEL_PER_CPU_SECOND = 6_000_000_000
@@ -69,11 +71,13 @@ class WasmTier(Tier):
     name = "wasm"
 
     def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, spares: int = 2,
-                 prestart: bool = True) -> None:
+                 prestart: bool = True, spare_guests: int = 1) -> None:
         self.state_dir = state_dir
         #: keep one interpreter per sandbox started ahead of its next command (faster
         #: commands, one idle worker process per sandbox); False: no process when idle
         self.prestart = prestart
+        #: guests pre-started for sandboxes not created yet (see wasm_spares; root only)
+        self.spare_guest_count = spare_guests if prestart else 0
         self.fuel_per_cpu_second = fuel_per_cpu_second
         _check_openat2()
         self.runtime: Runtime = default_runtime()
@@ -93,6 +97,7 @@ class WasmTier(Tier):
             self.seccomp = None  # libseccomp missing: wasmtime alone confines the guest
         self._spares = spares
         self._pool: WorkerPool | None = None
+        self._spare_guests: SpareGuests | None = None
         self._pool_lock = threading.Lock()
 
     @property
@@ -102,10 +107,26 @@ class WasmTier(Tier):
                 self._pool = WorkerPool(self.module, self._spares)
             return self._pool
 
+    def spare_guests(self) -> SpareGuests | None:
+        if not self.privileged or not self.spare_guest_count:
+            return None
+        with self._pool_lock:
+            if self._spare_guests is None:
+                self._spare_guests = SpareGuests(self, self.spare_guest_count)
+                atexit.register(self._spare_guests.close)
+            return self._spare_guests
+
+    def fuel_budget(self, cpus: float, timeout: float) -> int:
+        """Fuel for a command: ``cpus x timeout`` CPU-seconds, plus CPython's start-up (not charged)."""
+        return int(self.fuel_per_cpu_second * cpus * timeout) + STARTUP_FUEL
+
     def close(self) -> None:
-        """Stop the spare workers (they also die with this process)."""
+        """Stop the spare workers and guests (they also die with this process)."""
         with self._pool_lock:
             pool, self._pool = self._pool, None
+            guests, self._spare_guests = self._spare_guests, None
+        if guests is not None:
+            guests.close()
         if pool is not None:
             pool.close()
 
@@ -164,9 +185,8 @@ class WasmSandbox(TierSandbox):
         self._prestart_timer: threading.Timer | None = None
         self.workspace: WorkspaceCopy | None = None
         self.cgroup: cgroups.SandboxCgroup | None = None
-        self._uid_reserved = tier.privileged
-        self.uid = allocate_uid(tier.state_dir, sandbox_id) if tier.privileged else os.getuid()
-        self.gid = self.uid if tier.privileged else os.getgid()
+        self._uid_reserved = False
+        self.uid, self.gid = os.getuid(), os.getgid()
         try:
             self._setup()
         except BaseException:
@@ -177,15 +197,31 @@ class WasmSandbox(TierSandbox):
         spec, tier = self.spec, self._tier
         root = self._run_dir / "fs"
         root.mkdir()
+        guests = tier.spare_guests()
+        spare = guests.take(spec) if guests is not None else None
         if tier.privileged:
             os.chmod(self._run_dir, 0o711)  # the worker, as the sandbox uid, must reach fs/
+        if spare is not None and guests is not None:
+            # a guest already started, with its own tmpfs and uid: make them this sandbox's
+            self.uid = self.gid = spare.uid
+            self._uid_reserved = True
+            self._next = spare.worker
+            try:
+                guests.adopt(spare, self.id, root, spec.limits.disk)
+            except BaseException:
+                guests.discard(spare)
+                self._next = None
+                raise
+        elif tier.privileged:
+            self.uid = self.gid = allocate_uid(tier.state_dir, self.id)
+            self._uid_reserved = True
             mounts.mount_tmpfs(root, spec.limits.disk, self.uid, self.gid, 0o711)
         ws, tmp = root / "workspace", root / "tmp"
         if spec.workspace is not None:
             self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, self.uid, self.gid, spec.limits.disk)
         else:
-            ws.mkdir(mode=0o755)
-        tmp.mkdir(mode=0o700)
+            ws.mkdir(mode=0o755, exist_ok=True)
+        tmp.mkdir(mode=0o700, exist_ok=True)
         for path in (ws, tmp):
             os.chown(path, self.uid, self.gid)
         self.roots = {"/workspace": ws, "/tmp": tmp}
@@ -194,6 +230,8 @@ class WasmSandbox(TierSandbox):
             limits = replace(spec.limits, memory=spec.limits.memory + WORKER_OVERHEAD)
             self.cgroup = cgroups.SandboxCgroup(self.id, limits, tier.cgroup_layout)
             self._leaf = self.cgroup.leaf("workers")
+            if self._next is not None:
+                self._place(self._next)
         self._prestart_soon()
 
     # -- commands ----------------------------------------------------------
@@ -204,8 +242,7 @@ class WasmSandbox(TierSandbox):
             "env": env,
             "preopens": [[str(host), guest, self._mutable(guest)] for guest, host in self.roots.items()],
             "memory": limits.memory,
-            # the budget is for the command: CPython's own start-up is not charged to it
-            "fuel": int(self._tier.fuel_per_cpu_second * limits.cpus * timeout) + STARTUP_FUEL,
+            "fuel": self._tier.fuel_budget(limits.cpus, timeout),
             "timeout": timeout,
             "uid": self.uid if self._tier.privileged else None,
             "gid": self.gid if self._tier.privileged else None,
@@ -216,15 +253,19 @@ class WasmSandbox(TierSandbox):
         """A warm worker (from the pool unless given), placed in this sandbox's cgroup, given ``job``."""
         worker = worker or self._tier.pool.take()
         try:
-            if self.cgroup is not None:
-                for procs in self.cgroup.procs_files(self._leaf):
-                    with open(procs, "w") as f:
-                        f.write(str(worker.pid))
+            self._place(worker)
             worker.control.sendall(json.dumps(job).encode() + b"\n")
         except BaseException:
             worker.close()
             raise
         return worker
+
+    def _place(self, worker: Worker) -> None:
+        """Put a worker in this sandbox's cgroup (limits and kill tree)."""
+        if self.cgroup is not None:
+            for procs in self.cgroup.procs_files(self._leaf):
+                with open(procs, "w") as f:
+                    f.write(str(worker.pid))
 
     def _prestart_soon(self) -> None:
         """Start the next command's interpreter in the background, so that it is ready when asked.
