@@ -27,7 +27,9 @@ from ..images import SANDBOX_UID
 from ..spec import WORKSPACE_PATH, SandboxSpec
 from .agent import AgentChannel, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
-from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
+from .rootfs import AGENT_PATH, build_root
+from .rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
+from .rootfs import release_uid as release_uid
 
 START_TIMEOUT = 10.0
 
