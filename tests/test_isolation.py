@@ -274,3 +274,17 @@ def test_cpu_quota_limits_cpu_time() -> None:
     # two spinning threads for 1.5 s would use ~3 s of CPU unthrottled (or ~1.5 s on one
     # free core); a 0.2-core quota allows ~0.3 s
     assert used < 0.8, used
+
+
+def test_launcher_drops_to_the_sandbox_uid_and_refuses_root(state_dir: Path) -> None:
+    from corral.registry import state_dir as prepare_state_dir
+    from corral.tiers.agent import agent_binary
+
+    agent = str(agent_binary(prepare_state_dir(state_dir)))
+    ok = subprocess.run([agent, "--launch", "2100000123", "-", "--", "/usr/bin/id", "-u", "-G"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.split() == ["2100000123", "2100000123"]
+    for bad in (["0", "-", "--", "/usr/bin/id"], ["12x", "-", "--", "/usr/bin/id"], ["5", "-", "--", "id"],
+                ["5", "/nonexistent-netns", "--", "/usr/bin/id"]):
+        r = subprocess.run([agent, "--launch", *bad], capture_output=True, text=True)
+        assert r.returncode == 125, bad

@@ -24,6 +24,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
@@ -480,7 +482,43 @@ static void pump_output(struct exec *e, int *fd, uint8_t type) {
     else if (n == 0 || (errno != EINTR && errno != EAGAIN)) close_fd(fd);
 }
 
-int main(void) {
+/*
+ * Launcher mode, run by the host as root: `corral-agent --launch UID NETNS|- -- PROGRAM ARGS...`
+ * enters a network namespace (optional), drops every privilege to UID, and
+ * execs PROGRAM (bubblewrap).  A static binary, so the host can vfork+exec it
+ * instead of forking its whole Python process to change uid.
+ */
+static int launch_main(int argc, char **argv) {
+    if (argc < 6 || strcmp(argv[4], "--") != 0 || argv[5][0] != '/') {
+        dprintf(2, "corral-agent: usage: --launch UID NETNS|- -- /PROGRAM [ARGS...]\n");
+        return 125;
+    }
+    char *end;
+    unsigned long uid = strtoul(argv[2], &end, 10);
+    if (*end || uid == 0 || uid >= 0xFFFFFFFFul) {
+        dprintf(2, "corral-agent: refusing uid %s\n", argv[2]);
+        return 125;
+    }
+    if (strcmp(argv[3], "-") != 0) {
+        int fd = open(argv[3], O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || setns(fd, CLONE_NEWNET) < 0) {
+            dprintf(2, "corral-agent: cannot enter network namespace %s: %s\n", argv[3], strerror(errno));
+            return 125;
+        }
+        close(fd);
+    }
+    if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
+        setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 || getuid() != (uid_t)uid || geteuid() != (uid_t)uid) {
+        dprintf(2, "corral-agent: cannot drop to uid %lu: %s\n", uid, strerror(errno));
+        return 125;
+    }
+    execv(argv[5], &argv[5]);
+    dprintf(2, "corral-agent: cannot execute %s: %s\n", argv[5], strerror(errno));
+    return 125;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--launch") == 0) return launch_main(argc, argv);
     prctl(PR_SET_DUMPABLE, 0);
     signal(SIGPIPE, SIG_IGN);
     sigset_t mask;

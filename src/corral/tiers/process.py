@@ -138,17 +138,15 @@ class ProcessSandbox(TierSandbox):
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
         try:
-            # user=/group= make the child drop to the sandbox uid in C, with no
-            # Python preexec hook: nothing in the sandbox ever runs as host root
+            # the agent's launcher mode drops to the sandbox uid before exec'ing
+            # bwrap (nothing in the sandbox ever runs as host root); being a
+            # static binary it lets Popen vfork instead of forking this process
             self._proc = subprocess.Popen(
-                argv,
+                [str(self._tier._agent), "--launch", str(self.uid), "-", "--", *argv],
                 stdin=to_agent_r,
                 stdout=from_agent_w,
                 stderr=subprocess.DEVNULL,
                 env={"PATH": "/usr/bin:/bin"},
-                user=self.uid,
-                group=self.uid,
-                extra_groups=[],
                 pass_fds=(seccomp_fd,),
                 close_fds=True,
                 cwd="/",
