@@ -281,9 +281,8 @@ def test_launcher_drops_to_the_sandbox_uid_and_refuses_root(state_dir: Path) -> 
     from corral.tiers.agent import agent_binary
 
     agent = str(agent_binary(prepare_state_dir(state_dir)))
-    ok = subprocess.run([agent, "--launch", "2100000123", "-", "--", "/usr/bin/id", "-u", "-G"],
-                        capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.split() == ["2100000123", "2100000123"]
+    ok = subprocess.run([agent, "--launch", "2100000123", "-", "--", "/usr/bin/id"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.split() == ["uid=2100000123", "gid=2100000123", "groups=2100000123"]
     for bad in (["0", "-", "--", "/usr/bin/id"], ["12x", "-", "--", "/usr/bin/id"], ["5", "-", "--", "id"],
                 ["5", "/nonexistent-netns", "--", "/usr/bin/id"]):
         r = subprocess.run([agent, "--launch", *bad], capture_output=True, text=True)
