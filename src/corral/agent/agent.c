@@ -30,6 +30,10 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 enum {
     /* host -> agent */
@@ -428,6 +432,117 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
     }
 }
 
+
+/*
+ * Egress relay (started as `corral-agent --relay PORT SOCKET`): the sandbox has
+ * no network interface, only loopback, so programs reach the host's egress
+ * proxy through this relay, which accepts on 127.0.0.1:PORT and [::1]:PORT and
+ * forwards each connection to the proxy's Unix socket bound into the sandbox.
+ * It enforces nothing: the proxy outside decides every destination.  Two
+ * processes per connection, one per direction, each a blocking splice loop,
+ * so a full-duplex transfer cannot deadlock and bytes stay in the kernel.
+ */
+static void relay_copy(int from, int to) {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) == 0) {
+        fcntl(p[1], F_SETPIPE_SZ, 1 << 20);
+        for (;;) {
+            ssize_t n = splice(from, NULL, p[1], NULL, 1 << 20, SPLICE_F_MOVE);
+            if (n == 0) { shutdown(to, SHUT_WR); _exit(0); }
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                if (errno == EINVAL) break; /* this pair cannot splice: copy instead */
+                goto fail;
+            }
+            while (n > 0) {
+                ssize_t m = splice(p[0], NULL, to, NULL, (size_t)n, SPLICE_F_MOVE);
+                if (m < 0 && errno == EINTR) continue;
+                if (m <= 0) goto fail;
+                n -= m;
+            }
+        }
+    }
+    {
+        static char buf[1 << 17];
+        for (;;) {
+            ssize_t n = read(from, buf, sizeof buf);
+            if (n == 0) { shutdown(to, SHUT_WR); _exit(0); }
+            if (n < 0) { if (errno == EINTR) continue; goto fail; }
+            for (ssize_t off = 0; off < n;) {
+                ssize_t m = write(to, buf + off, (size_t)(n - off));
+                if (m < 0 && errno == EINTR) continue;
+                if (m <= 0) goto fail;
+                off += m;
+            }
+        }
+    }
+fail:
+    shutdown(from, SHUT_RDWR);
+    shutdown(to, SHUT_RDWR);
+    _exit(1);
+}
+
+static void relay_connection(int client, const char *path) {
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    int up = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (up < 0 || strlen(path) >= sizeof addr.sun_path) _exit(1);
+    strcpy(addr.sun_path, path);
+    if (connect(up, (struct sockaddr *)&addr, sizeof addr) < 0) _exit(1);
+    pid_t pid = fork();
+    if (pid < 0) _exit(1);
+    if (pid == 0) relay_copy(up, client);
+    relay_copy(client, up);
+}
+
+static int relay_listen(int family, int port) {
+    int fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    int rc;
+    if (family == AF_INET) {
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        rc = bind(fd, (struct sockaddr *)&a, sizeof a);
+    } else {
+        setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+        struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port)};
+        a.sin6_addr = in6addr_loopback;
+        rc = bind(fd, (struct sockaddr *)&a, sizeof a);
+    }
+    if (rc < 0 || listen(fd, 128) < 0) { close(fd); return -1; }
+    return fd;
+}
+
+static void relay_main(int port, const char *path) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGCHLD, SIG_IGN); /* connection children reap themselves */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    /* never hold the agent's protocol pipes: only pid 1 speaks on them */
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null >= 0) { dup2(null, 0); dup2(null, 1); }
+    int l[2] = {relay_listen(AF_INET, port), relay_listen(AF_INET6, port)};
+    if (l[0] < 0) _exit(2);
+    struct pollfd pfds[2] = {{.fd = l[0], .events = POLLIN}, {.fd = l[1], .events = POLLIN}};
+    for (;;) {
+        if (poll(pfds, l[1] >= 0 ? 2 : 1, -1) < 0) continue;
+        for (int i = 0; i < 2; i++) {
+            if (l[i] < 0 || !(pfds[i].revents & POLLIN)) continue;
+            int c = accept4(l[i], NULL, NULL, SOCK_CLOEXEC);
+            if (c < 0) continue;
+            pid_t pid = fork();
+            if (pid == 0) {
+                close(l[0]);
+                if (l[1] >= 0) close(l[1]);
+                relay_connection(c, path);
+            }
+            close(c);
+        }
+    }
+}
+
 static void pump_output(struct exec *e, int *fd, uint8_t type) {
     static char buf[CHUNK];
     ssize_t n = read(*fd, buf, sizeof buf);
@@ -435,9 +550,17 @@ static void pump_output(struct exec *e, int *fd, uint8_t type) {
     else if (n == 0 || (errno != EINTR && errno != EAGAIN)) close_fd(fd);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     prctl(PR_SET_DUMPABLE, 0);
     signal(SIGPIPE, SIG_IGN);
+    if (argc == 4 && strcmp(argv[1], "--relay") == 0) {
+        /* the relay is a child of pid 1; the agent's own protocol is unchanged */
+        int port = atoi(argv[2]);
+        if (port <= 0 || port > 65535) return 2;
+        pid_t pid = fork();
+        if (pid < 0) return 2;
+        if (pid == 0) relay_main(port, argv[3]);
+    }
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);

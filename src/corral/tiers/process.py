@@ -17,6 +17,7 @@ access.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -25,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, SandboxClosed
 from ..host import cgroups, mounts
 from ..host.seccomp import bpf_path
@@ -133,6 +135,7 @@ class ProcessSandbox(TierSandbox):
         self.workspace: WorkspaceCopy | None = None
         self.uid = allocate_uid(tier.state_dir, sandbox_id)
         self.cgroup: cgroups.SandboxCgroup | None = None
+        self.network: SandboxNetwork | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._channel: AgentChannel | None = None
         try:
@@ -146,7 +149,8 @@ class ProcessSandbox(TierSandbox):
         spec, run, uid = self.spec, self._run_dir, self.uid
         image = resolve(spec.image, self._tier.state_dir)
         self.cgroup = cgroups.SandboxCgroup(self.id, spec.limits, self._tier._layout)
-        os.chmod(run, 0o711)  # bwrap runs as the sandbox uid and must reach root/
+        os.chmod(run, 0o711)
+        self.network = SandboxNetwork(spec, self.id, run, uid)  # bwrap runs as the sandbox uid and must reach root/
         disk, root = run / "disk", run / "root"
         disk.mkdir()
         root.mkdir()
@@ -185,6 +189,15 @@ class ProcessSandbox(TierSandbox):
             os.chmod(upper / "etc", 0o755)
             for rel, content in identity_files().items():
                 (upper / rel).write_text(content)
+        assert self.network is not None
+        for _, inside in self.network.binds:
+            (upper / inside.lstrip("/")).touch()
+        for inside, data in self.network.files.items():
+            target = upper / inside.lstrip("/")
+            for parent in reversed(target.relative_to(upper).parents[:-1]):
+                (upper / parent).mkdir(mode=0o755, exist_ok=True)
+            target.write_bytes(data)
+            os.chmod(target, 0o644)
 
     def _launch(self, root: Path, ws: Path) -> None:
         assert self.cgroup is not None
@@ -204,8 +217,11 @@ class ProcessSandbox(TierSandbox):
         ]
         to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
         from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
+        assert self.network is not None
+        for host_path, inside in self.network.binds:
+            argv += ["--bind", str(host_path), inside]
         seccomp_fd = os.open(self._tier._seccomp, os.O_RDONLY | os.O_CLOEXEC)
-        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH]
+        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
         uid = self.uid
@@ -269,6 +285,8 @@ class ProcessSandbox(TierSandbox):
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
+        if self.network is not None and self.network.env:
+            request = dataclasses.replace(request, env={**self.network.env, **request.env})
         with self._lock:
             self._exec_count += 1
             leaf = cgroup.leaf(f"e{self._exec_count}")
@@ -354,6 +372,8 @@ class ProcessSandbox(TierSandbox):
             if self.cgroup is not None:
                 self.cgroup.destroy()
         finally:
+            if self.network is not None:
+                self.network.close()
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             release_uid(self._tier.state_dir, self.uid)

@@ -1,0 +1,150 @@
+"""A sandbox's network side: what the tier mounts, sets and starts for the spec's network mode.
+
+``none``: nothing (the tier's ``--unshare-net`` leaves a private loopback).
+``allow``: an :class:`~.proxy.EgressProxy` on a Unix socket that the tier binds
+into the sandbox, a relay on the sandbox's loopback (started by the agent), the
+proxy variables every common client honours, secret placeholders, and, when
+secrets are bound, a per-sandbox CA trusted inside.
+``open``: a network namespace with a veth pair and NAT (:mod:`corral.host.netns`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..netrules import AllowRule, parse_range
+from ..secrets import Redactor, Secret, materialize
+from ..spec import SandboxSpec
+from .audit import AuditEvent, AuditLog
+from .policy import Policy, Resolver
+from .proxy import EgressProxy
+from .tls import SandboxCA, upstream_context
+
+PROXY_PORT = 3128
+SOCKET_IN_SANDBOX = "/.corral/egress.sock"
+CA_IN_SANDBOX = "/.corral/egress-ca.crt"
+BUNDLE_IN_SANDBOX = "/etc/ssl/certs/ca-certificates.crt"
+HOST_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+@dataclass(frozen=True)
+class EgressSettings:
+    """Library-wide egress configuration (the operator's, not the sandbox's)."""
+
+    #: how the proxy resolves names (default: the host's resolver)
+    resolver: Resolver | None = None
+    #: CA file the proxy trusts when it intercepts TLS to a secret-bound host (default: system trust)
+    upstream_cafile: str | None = None
+    #: ranges re-enabled for every sandbox, on top of each spec's own
+    unsafe_allow_ranges: tuple[str, ...] = ()
+    #: NAME=VALUE file secrets are read from before the caller's environment
+    secrets_file: str | None = None
+
+
+_settings = EgressSettings()
+_secret_values: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "corral_secret_values", default=None)
+
+
+def configure(**changes: object) -> EgressSettings:
+    """Change library-wide egress settings; returns the previous ones (to restore them)."""
+    global _settings
+    previous = _settings
+    for cidr in changes.get("unsafe_allow_ranges", ()) or ():  # type: ignore[attr-defined]
+        parse_range(cidr)
+    _settings = dataclasses.replace(_settings, **changes)  # type: ignore[arg-type]
+    return previous
+
+
+def settings() -> EgressSettings:
+    return _settings
+
+
+@contextlib.contextmanager
+def secret_values(values: Mapping[str, str]) -> Iterator[None]:
+    """Give secret values to sandboxes created in this block (instead of the environment)."""
+    token = _secret_values.set(dict(values))
+    try:
+        yield
+    finally:
+        _secret_values.reset(token)
+
+
+class SandboxNetwork:
+    """Everything network-related one sandbox owns; :meth:`close` releases all of it."""
+
+    def __init__(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, uid: int) -> None:
+        self.mode = spec.network
+        self.sandbox_id = sandbox_id
+        self.audit_log = AuditLog()
+        #: environment added to every command
+        self.env: dict[str, str] = {}
+        #: (host path, path inside the sandbox) to bind-mount
+        self.binds: list[tuple[Path, str]] = []
+        #: files to place in the sandbox's root (path inside the sandbox -> content)
+        self.files: dict[str, bytes] = {}
+        #: extra arguments for the agent (the relay)
+        self.agent_args: list[str] = []
+        self.secrets: list[Secret] = []
+        self._redactor = Redactor(())
+        self._proxy: EgressProxy | None = None
+        self._dir = run_dir / "egress"
+        if self.mode == "allow":
+            try:
+                self._setup_allow(spec, uid)
+            except BaseException:
+                self.close()
+                raise
+
+    def _setup_allow(self, spec: SandboxSpec, uid: int) -> None:
+        config = _settings
+        self.secrets = materialize(spec.secrets, _secret_values.get(), config.secrets_file)
+        self._redactor = Redactor(self.secrets)
+        ranges = [parse_range(c) for c in (*config.unsafe_allow_ranges, *spec.unsafe_allow_ranges)]
+        policy = Policy([AllowRule.parse(a) for a in spec.allow], ranges, config.resolver)
+        self._dir.mkdir(mode=0o711)
+        ca = SandboxCA(self._dir / "ca", self.sandbox_id) if self.secrets else None
+        socket_path = self._dir / "proxy.sock"
+        self._proxy = EgressProxy(
+            self.sandbox_id, socket_path, policy, self.audit_log, self.secrets, ca,
+            upstream_context(config.upstream_cafile) if ca else None, socket_uid=uid,
+        )
+        self.binds.append((socket_path, SOCKET_IN_SANDBOX))
+        self.agent_args = ["--relay", str(PROXY_PORT), SOCKET_IN_SANDBOX]
+        http = f"http://127.0.0.1:{PROXY_PORT}"
+        socks = f"socks5h://127.0.0.1:{PROXY_PORT}"
+        for name, value in (("http_proxy", http), ("https_proxy", http), ("all_proxy", socks),
+                            ("no_proxy", "localhost,127.0.0.1,::1")):
+            self.env[name] = self.env[name.upper()] = value
+        self.env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 22.21 / 24: fetch honours the variables
+        for secret in self.secrets:
+            self.env[secret.name] = secret.placeholder
+        if ca is not None:
+            system = HOST_BUNDLE.read_bytes() if HOST_BUNDLE.is_file() else b""
+            self.files[BUNDLE_IN_SANDBOX] = system.rstrip(b"\n") + b"\n" + ca.cert_pem
+            self.files[CA_IN_SANDBOX] = ca.cert_pem
+            for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO"):
+                self.env[name] = BUNDLE_IN_SANDBOX
+            self.env["NODE_EXTRA_CA_CERTS"] = CA_IN_SANDBOX
+
+    def audit(self) -> list[AuditEvent]:
+        """Every refusal and withheld secret so far, oldest first."""
+        return self.audit_log.events()
+
+    def redact(self, data: bytes) -> bytes:
+        return self._redactor.redact(data) if self._redactor else data
+
+    def redact_text(self, text: str) -> str:
+        return self._redactor.redact_text(text)
+
+    def close(self) -> None:
+        if self._proxy is not None:
+            self._proxy.close()
+            self._proxy = None
+        shutil.rmtree(self._dir, ignore_errors=True)
