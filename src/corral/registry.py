@@ -124,7 +124,7 @@ def gc(root: Path) -> list[str]:
             continue
         try:
             get_tier(row.tier, root).reap(row.id, row.run_dir, row.record)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a broken row must not stop the rest of the sweep
             shutil.rmtree(row.run_dir, ignore_errors=True)
         registry.remove(row.id)
         reaped.append(row.id)

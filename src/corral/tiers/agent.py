@@ -159,7 +159,7 @@ class AgentChannel:
         pending.done.set()
 
     def wait_ready(self, timeout: float) -> None:
-        if not self.ready.wait(timeout) or (self.closed.is_set() and not self.ready.is_set()):
+        if not self.ready.wait(timeout) or self.closed.is_set() and not self.ready.is_set():
             raise SandboxClosed("the sandbox agent did not start")
 
     def close(self) -> None:
