@@ -155,7 +155,7 @@ class Policy:
             except (OSError, UnicodeError):
                 candidates = []
             if not candidates:
-                return Decision(False, name, port, rule="unresolvable")
+                return Decision(False, name, port, rule="unresolvable" if name_allowed else "not-allowed")
         first_refusal: Decision | None = None
         for ip in candidates:
             # the range rule is named first: "link-local" says more than "not-allowed"
