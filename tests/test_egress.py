@@ -152,3 +152,68 @@ def test_network_none_has_only_loopback() -> None:
         result = sb.commands.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '; env | grep -ci proxy")
         assert result.stdout.split() == ["lo", "0"]
         assert sb.network.audit() == []
+
+
+SECRET = "sk-live-0123456789abcdef-REAL"
+
+
+def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> None:
+    with Sandbox.create(allow=["target.test", "other.test"], secrets=["API_TOKEN@target.test"],
+                        unsafe_allow_ranges=[f"{net.target}/32", f"{net.other}/32"],
+                        secret_values={"API_TOKEN": SECRET}) as sb:
+        placeholder = sb.network.env["API_TOKEN"]
+        assert placeholder != SECRET and SECRET not in placeholder
+        inside = sb.commands.run("echo $API_TOKEN")
+        assert inside.stdout.strip() == placeholder
+        auth = '-H "Authorization: Bearer $API_TOKEN"'
+        for cmd in (f"curl -fsS {auth} http://target.test:8080/s-http",
+                    f"curl -fsS {auth} https://target.test:8443/s-https",  # intercepted: trusts the sandbox CA
+                    "python3 -c \"import os,urllib.request as u;r=u.Request('https://target.test:8443/s-py',"
+                    "headers={'X-Key': os.environ['API_TOKEN']});print(u.urlopen(r).read().decode(),end='')\"",
+                    f"curl -fsS {auth} http://other.test:8080/s-other"):
+            result = sb.commands.run(cmd, timeout=30)
+            assert result.exit_code == 0, (cmd, result)
+        got = {h["path"]: h["headers"] for h in net.hits()}
+        assert got["/s-http"]["Authorization"] == f"Bearer {SECRET}"
+        assert got["/s-https"]["Authorization"] == f"Bearer {SECRET}"
+        assert got["/s-py"]["X-Key"] == SECRET
+        assert got["/s-other"]["Authorization"] == f"Bearer {placeholder}"
+        withheld = [e for e in sb.network.audit() if e.kind == "secret-withheld"]
+        assert [e.destination for e in withheld] == ["other.test:8080"]
+        # the CA key never enters the sandbox; the real value is nowhere inside
+        dump = "env; cat /proc/1/environ /etc/ssl/certs/ca-certificates.crt /.corral/egress-ca.crt; ls -la /.corral"
+        raw = b""
+        handle = sb._tier_sandbox().start(sb.commands._request(dump, 30, None, None),
+                                          lambda _s, chunk: None)
+        raw_result = handle.wait()
+        raw = (raw_result.stdout + raw_result.stderr).encode()
+        assert SECRET.encode() not in raw and b"PRIVATE KEY" not in raw
+        assert b"BEGIN CERTIFICATE" in raw
+        # a real value that does show up (here, planted by the caller) is redacted on the way out
+        sb.files.write("leak.txt", f"token={SECRET}\n")
+        assert sb.files.read("leak.txt") == "token=[REDACTED:API_TOKEN]\n"
+        streamed: list[str] = []
+        shown = sb.commands.run("cat leak.txt; cat leak.txt >&2", on_stdout=streamed.append)
+        assert shown.stdout == shown.stderr == "token=[REDACTED:API_TOKEN]\n"
+        assert SECRET not in "".join(streamed)
+
+
+def test_secret_values_come_from_env_or_file_never_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from corral.errors import InvalidSpec
+    from corral.secrets import SecretBinding, materialize
+
+    with pytest.raises(InvalidSpec, match="never from the command line"):
+        SecretBinding.parse("TOKEN=abc@host")
+    with pytest.raises(InvalidSpec, match="no value found"):
+        materialize([SecretBinding("CORRAL_TEST_ABSENT", ("h",))])
+    monkeypatch.setenv("CORRAL_TEST_TOKEN", "from-env-value")
+    secrets_file = tmp_path / "secrets"
+    secrets_file.write_text("# comment\nOTHER=from-file-value\n")
+    secrets_file.chmod(0o600)
+    got = materialize([SecretBinding.parse("CORRAL_TEST_TOKEN@a.example"), SecretBinding.parse("OTHER@b.example")],
+                      secrets_file=secrets_file)
+    assert [s.value for s in got] == ["from-env-value", "from-file-value"]
+    assert got[0].placeholder != materialize([got[0].binding])[0].placeholder  # fresh per sandbox
+    secrets_file.chmod(0o644)
+    with pytest.raises(InvalidSpec, match="world-readable"):
+        materialize([], secrets_file=secrets_file)
