@@ -154,6 +154,7 @@ def test_network_none_has_only_loopback() -> None:
         assert sb.network.audit() == []
 
 
+CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main(sys.argv[1:]))"]
 SECRET = "sk-live-0123456789abcdef-REAL"
 
 
@@ -217,3 +218,26 @@ def test_secret_values_come_from_env_or_file_never_argv(tmp_path: Path, monkeypa
     secrets_file.chmod(0o644)
     with pytest.raises(InvalidSpec, match="world-readable"):
         materialize([], secrets_file=secrets_file)
+
+
+def test_cli_allow_secret_and_audit(net: TargetNet) -> None:
+    import os
+    import subprocess
+
+    port = net.metadata_port
+    script = (f"curl -fsS -H \"X-Key: $CLI_TOKEN\" http://{net.target}:8080/cli-ok; "
+              f"curl -sS http://{METADATA}:{port}/cli-refused; echo token=$CLI_TOKEN")
+    proc = subprocess.run(
+        [*CLI, "run", "--allow", f"{net.target}:8080",
+         "--unsafe-allow-range", f"{net.target}/32", "--secret", f"CLI_TOKEN@{net.target}", "--audit",
+         "--", "sh", "-c", script],
+        env={**os.environ, "CLI_TOKEN": "cli-secret-value-42"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "hello from target" in proc.stdout
+    assert "token=corral-placeholder-" in proc.stdout and "cli-secret-value-42" not in proc.stdout
+    assert [h["headers"]["X-Key"] for h in net.hits() if h["path"] == "/cli-ok"] == ["cli-secret-value-42"]
+    audit = [line for line in proc.stderr.splitlines() if line.startswith("corral audit:")]
+    assert len(audit) == 1 and f"{METADATA}:{port}" in audit[0] and "rule=link-local" in audit[0], proc.stderr
+    bad = subprocess.run([*CLI, "run", "--secret", "X=1@h", "--", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 125 and "never from the command line" in bad.stderr

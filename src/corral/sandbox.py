@@ -374,17 +374,19 @@ class Sandbox:
     @classmethod
     def create(cls, spec: SandboxSpec | None = None, *, state: str | Path | None = None, **kwargs: Any) -> Sandbox:
         """Create a sandbox. Keyword arguments: image, tier, memory, pids, cpus, disk, timeout,
-        max_output, workspace (``DIR[:rw|ro|cow]``), env, network."""
+        max_output, workspace (``DIR[:rw|ro|cow]``), env, network, allow, unsafe_allow_ranges,
+        secrets (``["NAME@host1,host2"]``) and secret_values (``{"NAME": value}``; default: the
+        caller's environment)."""
+        values = kwargs.pop("secret_values", None)
+        if values is not None:
+            with secret_values(values):
+                return cls.create(spec, state=state, **kwargs)
         url = kwargs.pop("url", None) or os.environ.get("CORRAL_URL")
         if url:
             from .client import RemoteSandbox  # type: ignore[import-not-found]
 
             return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[no-any-return]
         kwargs.pop("api_key", None)
-        values = kwargs.pop("secret_values", None)
-        if values is not None:
-            with secret_values(values):
-                return cls.create(spec, state=state, **kwargs)
         full_spec = build_spec(spec, **kwargs)
         root = state_dir(state)
         _startup_gc(root)
