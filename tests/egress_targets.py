@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 LOCK = threading.Lock()
-CONFIG: dict[str, Any] = json.load(open(sys.argv[1]))
+with open(sys.argv[1]) as _config:
+    CONFIG: dict[str, Any] = json.load(_config)
 
 
 def make_handler(name: str) -> type[BaseHTTPRequestHandler]:

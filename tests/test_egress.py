@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from egress_net import METADATA, TargetNet  # noqa: E402
-
-from corral import Sandbox  # noqa: E402
-from corral.egress import network as egress  # noqa: E402
+from corral import Sandbox
+from corral.egress import network as egress
+from egress_net import METADATA, TargetNet
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +55,7 @@ def test_allowed_target_works_from_every_client(net: TargetNet) -> None:
                                 timeout=60)
         assert clone.exit_code == 0, clone
         assert clone.stdout == "cloned through the egress proxy\n"
+        assert sb.network.audit() == []
         if shutil.which("node"):
             node = sb.commands.run(
                 f"{ca} NODE_EXTRA_CA_CERTS=/tmp/testca.pem node -e "
@@ -63,7 +63,6 @@ def test_allowed_target_works_from_every_client(net: TargetNet) -> None:
                 timeout=30)
             if node.exit_code != 0:
                 pytest.xfail(f"node {node.stderr.strip()[-200:]}: this Node's fetch ignores HTTP_PROXY")
-        assert sb.network.audit() == []
 
 
 def test_everything_else_is_refused_and_audited(net: TargetNet) -> None:
@@ -93,14 +92,15 @@ def test_everything_else_is_refused_and_audited(net: TargetNet) -> None:
             "http://unlisted.test/": "not-allowed",
         }
         for url, rule in refused.items():
-            result = sb.commands.run(f"curl -sS -o /dev/null -w '%{{http_code}}' '{url}'", timeout=30)
-            assert result.stdout == "403", (url, result)
+            result = sb.commands.run(f"curl -sS -w ' %{{http_code}}' '{url}'", timeout=30)
+            assert result.stdout.endswith(f"refused by rule {rule}\n 403"), (url, result)
         # https through CONNECT and SOCKS5 are refused the same way
         assert sb.commands.run(f"curl -sS -k https://{METADATA}:{port}/").exit_code != 0
-        assert sb.commands.run(f"curl -sS --proxy socks5h://127.0.0.1:3128 http://metadata.test:{port}/").exit_code != 0
+        socks = "curl -sS --proxy socks5h://127.0.0.1:3128"
+        assert sb.commands.run(f"{socks} http://metadata.test:{port}/").exit_code != 0
         assert sb.commands.run(f"curl -sS --proxy socks5://127.0.0.1:3128 http://{net.other}:8080/").exit_code != 0
         # DNS rebinding: the first answer is the target, the second the metadata address
-        first = sb.commands.run(f"curl -sS http://rebind.test:8080/rebind-1")
+        first = sb.commands.run("curl -sS http://rebind.test:8080/rebind-1")
         assert first.stdout == "hello from target\n", first
         second = sb.commands.run(f"curl -sS -o /dev/null -w '%{{http_code}}' http://rebind.test:{port}/rebind-2")
         assert second.stdout == "403"
@@ -116,7 +116,8 @@ def test_everything_else_is_refused_and_audited(net: TargetNet) -> None:
             "        print(what, 'failed', e.errno)\n"
             f"attempt(lambda: socket.create_connection(('{net.target}', 8080), timeout=3), 'tcp-target')\n"
             f"attempt(lambda: socket.create_connection(('{METADATA}', {port}), timeout=3), 'tcp-metadata')\n"
-            f"attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('{net.target}', 53)), 'udp')\n"
+            "udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"attempt(lambda: udp.sendto(b'x', ('{net.target}', 53)), 'udp')\n"
             "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP), 'icmp-raw')\n"
             "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP), 'icmp-ping')\n"
             "EOF", timeout=30)
@@ -241,3 +242,81 @@ def test_cli_allow_secret_and_audit(net: TargetNet) -> None:
     bad = subprocess.run([*CLI, "run", "--secret", "X=1@h", "--", "true"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 125 and "never from the command line" in bad.stderr
+
+
+@pytest.fixture
+def forwarding() -> Iterator[Path]:
+    """Open mode needs IPv4 forwarding; switch it on for the test only and put it back."""
+    sysctl = Path("/proc/sys/net/ipv4/ip_forward")
+    before = sysctl.read_text().strip()
+    try:
+        yield sysctl
+    finally:
+        sysctl.write_text(before)
+
+
+def _leftovers(sandbox_id: str) -> list[str]:
+    from corral.egress.open_net import OpenNames
+    from corral.host import netns
+
+    names = OpenNames.for_sandbox(sandbox_id)
+    found = []
+    if netns.netns_exists(names.netns):
+        found.append(names.netns)
+    if netns.link_exists(names.host_if):
+        found.append(names.host_if)
+    if netns.nft_table_exists("inet", names.table):
+        found.append(names.table)
+    return found
+
+
+def test_open_mode_nat_with_ssrf_ranges_refused(net: TargetNet, forwarding: Path) -> None:
+    from corral.errors import HostNotSupported
+
+    forwarding.write_text("0")
+    with pytest.raises(HostNotSupported, match="ip_forward"):
+        Sandbox.create(network="open")
+    forwarding.write_text("1")
+    with Sandbox.create(network="open", unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        links = sb.commands.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").stdout.split()
+        assert links[0] == "lo" and links[1].startswith("crl") and len(links) == 2
+        ok = sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/open-ok")
+        assert ok.stdout == "hello from target\n", ok
+        for url in (f"http://{net.other}:8080/open-refused", f"http://{METADATA}:{net.metadata_port}/open-refused",
+                    f"http://{net.host_side}:{net.loopback_port}/open-refused"):
+            refused = sb.commands.run(f"curl -sS -m 5 {url}")
+            assert refused.exit_code == 7, (url, refused)  # rejected at once, not timed out
+        rules = {e.rule for e in sb.network.audit()}
+        assert {"rfc1918", "link-local", "host-address"} <= rules
+        assert not [h for h in net.hits() if h["path"] == "/open-refused"]
+        assert len(_leftovers(sb.id)) == 3
+    assert _leftovers(sb.id) == []
+
+
+def test_nothing_survives_kill_9_of_the_owner_and_gc(net: TargetNet, forwarding: Path, state_dir: Path) -> None:
+    import os
+    import signal
+    import subprocess
+
+    from corral.registry import gc
+
+    forwarding.write_text("1")
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom corral import Sandbox\n"
+         "a = Sandbox.create(network='open')\n"
+         f"b = Sandbox.create(allow=['{net.target}:8080'], unsafe_allow_ranges=['{net.target}/32'])\n"
+         "assert b.commands.run('curl -fsS http://%s:8080/kill9' % sys.argv[1]).exit_code == 0\n"
+         "print(a.id, b.id, flush=True)\ntime.sleep(600)\n", net.target],
+        stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    ids = owner.stdout.readline().split()
+    assert len(ids) == 2, ids
+    assert len(_leftovers(ids[0])) == 3
+    assert (state_dir / "sandboxes" / ids[1] / "egress" / "proxy.sock").exists()
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    reaped = gc(state_dir)
+    assert set(ids) <= set(reaped)
+    assert _leftovers(ids[0]) == []
+    assert not (state_dir / "sandboxes" / ids[1]).exists()

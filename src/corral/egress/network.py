@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import shutil
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 from ..netrules import AllowRule, parse_range
 from ..secrets import Redactor, Secret, materialize
 from ..spec import SandboxSpec
+from . import open_net
 from .audit import AuditEvent, AuditLog
 from .policy import Policy, Resolver
 from .proxy import EgressProxy
@@ -94,13 +96,25 @@ class SandboxNetwork:
         self.secrets: list[Secret] = []
         self._redactor = Redactor(())
         self._proxy: EgressProxy | None = None
+        self._open: open_net.OpenNetwork | None = None
+        #: for ``open``: the named network namespace the sandbox must be started in
+        self.netns: str | None = None
         self._dir = run_dir / "egress"
-        if self.mode == "allow":
-            try:
+        try:
+            if self.mode == "allow":
                 self._setup_allow(spec, uid)
-            except BaseException:
-                self.close()
-                raise
+            elif self.mode == "open":
+                self._setup_open(spec)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup_open(self, spec: SandboxSpec) -> None:
+        ranges = [parse_range(c) for c in (*_settings.unsafe_allow_ranges, *spec.unsafe_allow_ranges)]
+        self._open = open_net.OpenNetwork(self.sandbox_id, ranges)
+        self.netns = self._open.names.netns
+        servers = "".join(f"nameserver {s}\n" for s in self._open.nameservers)
+        self.files["/etc/resolv.conf"] = servers.encode()
 
     def _setup_allow(self, spec: SandboxSpec, uid: int) -> None:
         config = _settings
@@ -134,8 +148,18 @@ class SandboxNetwork:
             self.env["NODE_EXTRA_CA_CERTS"] = CA_IN_SANDBOX
 
     def audit(self) -> list[AuditEvent]:
-        """Every refusal and withheld secret so far, oldest first."""
-        return self.audit_log.events()
+        """Every refusal and withheld secret so far, oldest first.
+
+        In ``open`` mode the kernel refuses packets, not requests: there is one
+        event per refusing rule, its ``destination`` the range and ``protocol``
+        ``nft:<packets>``."""
+        events = self.audit_log.events()
+        if self._open is not None:
+            for comment, packets in self._open.refusal_counts():
+                rule, _, where = comment.partition(" ")
+                events.append(AuditEvent(time.time(), self.sandbox_id, "refused", where or rule, None, rule,
+                                         f"nft:{packets}"))
+        return events
 
     def redact(self, data: bytes) -> bytes:
         return self._redactor.redact(data) if self._redactor else data
@@ -147,4 +171,15 @@ class SandboxNetwork:
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+        elif self.mode == "open":  # creation failed half-way: delete by name
+            open_net.reap(open_net.OpenNames.for_sandbox(self.sandbox_id))
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def reap(sandbox_id: str, record: Mapping[str, object]) -> None:
+    """Release what a dead owner's sandbox left outside its run directory."""
+    if record.get("network", "open") == "open":  # unknown (crash before the record): look by name
+        open_net.reap(open_net.OpenNames.for_sandbox(sandbox_id))

@@ -26,9 +26,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..egress import network as egress_network
 from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, SandboxClosed
 from ..host import cgroups, mounts
+from ..host.netns import enter_netns
 from ..host.seccomp import bpf_path
 from ..host.workspace import WorkspaceCopy
 from ..images import SANDBOX_HOME, SANDBOX_UID, identity_files, resolve
@@ -115,6 +117,7 @@ class ProcessTier(Tier):
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         cgroups.reap(sandbox_id)
+        egress_network.reap(sandbox_id, record)
         mounts.unmount_all(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         if "uid" in record:
@@ -205,7 +208,8 @@ class ProcessSandbox(TierSandbox):
         ws_mode = spec.workspace.mode if spec.workspace else "rw"
         argv = [
             self._tier._bwrap,
-            "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
+            "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            *(() if self.network and self.network.netns else ("--unshare-net",)),
             "--unshare-cgroup",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
             "--bind", str(root), "/",
@@ -225,6 +229,7 @@ class ProcessSandbox(TierSandbox):
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
         uid = self.uid
+        netns_name = self.network.netns
 
         def join_and_drop() -> None:
             # runs in the child between fork and exec: join the cgroups while
@@ -233,6 +238,8 @@ class ProcessSandbox(TierSandbox):
             for path in procs_files:
                 with open(path, "w") as f:
                     f.write(pid)
+            if netns_name is not None:  # network "open": the sandbox's own namespace
+                enter_netns(netns_name)
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
@@ -351,7 +358,7 @@ class ProcessSandbox(TierSandbox):
         return not self._closed and self._channel is not None and not self._channel.closed.is_set()
 
     def reap_record(self) -> dict[str, Any]:
-        return {"uid": self.uid, "bwrap_pid": self._proc.pid if self._proc else None}
+        return {"uid": self.uid, "bwrap_pid": self._proc.pid if self._proc else None, "network": self.spec.network}
 
     def close(self) -> None:
         with self._lock:
