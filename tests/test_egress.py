@@ -7,7 +7,6 @@ Costs about 15 s on 2 cores (a handful of sandboxes, one test network).
 
 from __future__ import annotations
 
-import shutil
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -56,13 +55,14 @@ def test_allowed_target_works_from_every_client(net: TargetNet) -> None:
         assert clone.exit_code == 0, clone
         assert clone.stdout == "cloned through the egress proxy\n"
         assert sb.network.audit() == []
-        if shutil.which("node"):
-            node = sb.commands.run(
-                f"{ca} NODE_EXTRA_CA_CERTS=/tmp/testca.pem node -e "
-                "\"fetch('http://target.test:8080/n1').then(r=>r.text()).then(t=>process.stdout.write(t))\"",
-                timeout=30)
-            if node.exit_code != 0:
-                pytest.xfail(f"node {node.stderr.strip()[-200:]}: this Node's fetch ignores HTTP_PROXY")
+        fetch = ("node -e \"fetch(process.argv[1]).then(r=>r.text()).then(t=>process.stdout.write(t),"
+                 "e=>{console.error(String(e.cause||e));process.exit(3)})\" ")
+        for url in ("http://target.test:8080/n1", "https://target.test:8443/n2"):
+            node = sb.commands.run(f"NODE_EXTRA_CA_CERTS=/tmp/testca.pem {fetch} {url}", timeout=30)
+            assert node.stdout.startswith("hello from target"), (url, node)
+        refused = sb.commands.run(f"{fetch} http://{METADATA}:{net.metadata_port}/n3", timeout=30)
+        assert refused.exit_code == 3 and "403" in refused.stderr, refused
+        assert [e.rule for e in sb.network.audit()] == ["link-local"]
 
 
 def test_everything_else_is_refused_and_audited(net: TargetNet) -> None:
@@ -172,6 +172,10 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
                     f"curl -fsS {auth} https://target.test:8443/s-https",  # intercepted: trusts the sandbox CA
                     "python3 -c \"import os,urllib.request as u;r=u.Request('https://target.test:8443/s-py',"
                     "headers={'X-Key': os.environ['API_TOKEN']});print(u.urlopen(r).read().decode(),end='')\"",
+                    "node -e \"fetch('https://target.test:8443/s-node',{headers:{'X-Key':process.env.API_TOKEN}})"
+                    ".then(r=>r.text()).then(t=>process.stdout.write(t))\"",
+                    "node -e \"fetch('http://target.test:8080/s-node-http',{headers:{'X-Key':process.env.API_TOKEN}})"
+                    ".then(r=>r.text()).then(t=>process.stdout.write(t))\"",
                     f"curl -fsS {auth} http://other.test:8080/s-other"):
             result = sb.commands.run(cmd, timeout=30)
             assert result.exit_code == 0, (cmd, result)
@@ -179,6 +183,7 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
         assert got["/s-http"]["Authorization"] == f"Bearer {SECRET}"
         assert got["/s-https"]["Authorization"] == f"Bearer {SECRET}"
         assert got["/s-py"]["X-Key"] == SECRET
+        assert got["/s-node"]["X-Key"] == got["/s-node-http"]["X-Key"] == SECRET
         assert got["/s-other"]["Authorization"] == f"Bearer {placeholder}"
         withheld = [e for e in sb.network.audit() if e.kind == "secret-withheld"]
         assert [e.destination for e in withheld] == ["other.test:8080"]

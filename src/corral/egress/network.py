@@ -33,6 +33,8 @@ SOCKET_IN_SANDBOX = "/.corral/egress.sock"
 CA_IN_SANDBOX = "/.corral/egress-ca.crt"
 BUNDLE_IN_SANDBOX = "/etc/ssl/certs/ca-certificates.crt"
 HOST_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+NODE_SHIM = Path(__file__).with_name("node-proxy.js")
+NODE_SHIM_IN_SANDBOX = "/.corral/node-proxy.js"
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,9 @@ class SandboxNetwork:
         for name, value in (("http_proxy", http), ("https_proxy", http), ("all_proxy", socks),
                             ("no_proxy", "localhost,127.0.0.1,::1")):
             self.env[name] = self.env[name.upper()] = value
-        self.env["NODE_USE_ENV_PROXY"] = "1"  # Node >= 22.21 / 24: fetch honours the variables
+        # Node's fetch ignores the variables before 22.21/24: a preload routes it through the proxy
+        self.files[NODE_SHIM_IN_SANDBOX] = NODE_SHIM.read_bytes()
+        self.env["NODE_OPTIONS"] = f"--require {NODE_SHIM_IN_SANDBOX}"
         for secret in self.secrets:
             self.env[secret.name] = secret.placeholder
         if ca is not None:

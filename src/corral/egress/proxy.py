@@ -257,18 +257,26 @@ class EgressProxy:
         return line
 
     def _intercept(self, conn: socket.socket, upstream: socket.socket, decision: Decision, rest: bytes) -> None:
-        """TLS on both sides so headers to a secret-bound host can carry the real value."""
+        """See the request inside a tunnel to a secret-bound host so its headers can carry the real value:
+        TLS on both sides (our per-sandbox CA towards the sandbox), or plain HTTP as it comes."""
         assert self.ca is not None
         if rest:
-            raise ProxyError("client sent data before the TLS handshake")
-        client = self.ca.server_context(decision.host).wrap_socket(conn, server_side=True)
-        upstream_ctx = self.upstream_tls or ssl.create_default_context()
-        server = upstream_ctx.wrap_socket(upstream, server_hostname=decision.host)
+            raise ProxyError("client sent data before the tunnel was established")
+        first = conn.recv(1, socket.MSG_PEEK)
+        if first == b"\x16":  # a TLS handshake record
+            client: socket.socket = self.ca.server_context(decision.host).wrap_socket(conn, server_side=True)
+            upstream_ctx = self.upstream_tls or ssl.create_default_context()
+            server: socket.socket = upstream_ctx.wrap_socket(upstream, server_hostname=decision.host)
+        else:
+            client, server = conn, upstream
         head, body = read_head(client)
         request_line, _, header_block = head.partition(b"\r\n")
         asked = f"{decision.host}:{decision.port}"
         server.sendall(self._rewrite_head(request_line, header_block, decision, asked) + body)
-        copy_tls(client, server)
+        if isinstance(client, ssl.SSLSocket) and isinstance(server, ssl.SSLSocket):
+            copy_tls(client, server)
+        else:
+            pump(client, server, b"")
 
 
     # -- SOCKS5 ---------------------------------------------------------------
