@@ -42,6 +42,9 @@ def test_allowed_target_works_from_every_client(net: TargetNet) -> None:
             "curl-ip": f"curl -fsS http://{net.target}:8080/c3",
             "curl-socks5": "curl -fsS --proxy socks5h://127.0.0.1:3128 http://target.test:8080/c4",
             "py-http": "python3 -c \"import urllib.request as u;print(u.urlopen('http://target.test:8080/p1').read().decode(),end='')\"",
+            "py-requests": "python3 -c \"import requests;print(requests.get('http://target.test:8080/r1').text,end='')\"",
+            "py-requests-https": "REQUESTS_CA_BUNDLE=/tmp/testca.pem python3 -c "
+                                 "\"import requests;print(requests.get('https://target.test:8443/r2').text,end='')\"",
             "py-https": f"{ca} python3 -c \"import urllib.request as u;print(u.urlopen('https://target.test:8443/p2').read().decode(),end='')\"",
         }
         for name, cmd in checks.items():
@@ -49,7 +52,7 @@ def test_allowed_target_works_from_every_client(net: TargetNet) -> None:
             assert result.exit_code == 0, (name, result)
             assert result.stdout.startswith("hello from target"), (name, result.stdout)
         paths = {h["path"] for h in net.hits()}
-        assert {"/c1", "/c2", "/c3", "/c4", "/p1", "/p2"} <= paths
+        assert {"/c1", "/c2", "/c3", "/c4", "/p1", "/p2", "/r1", "/r2"} <= paths
         clone = sb.commands.run("git clone -q http://target.test:8080/git/repo.git /tmp/repo && cat /tmp/repo/README",
                                 timeout=60)
         assert clone.exit_code == 0, clone
@@ -172,6 +175,8 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
                     f"curl -fsS {auth} https://target.test:8443/s-https",  # intercepted: trusts the sandbox CA
                     "python3 -c \"import os,urllib.request as u;r=u.Request('https://target.test:8443/s-py',"
                     "headers={'X-Key': os.environ['API_TOKEN']});print(u.urlopen(r).read().decode(),end='')\"",
+                    "python3 -c \"import os,requests;print(requests.get('https://target.test:8443/s-req',"
+                    "headers={'X-Key': os.environ['API_TOKEN']}).text)\"",
                     "node -e \"fetch('https://target.test:8443/s-node',{headers:{'X-Key':process.env.API_TOKEN}})"
                     ".then(r=>r.text()).then(t=>process.stdout.write(t))\"",
                     "node -e \"fetch('http://target.test:8080/s-node-http',{headers:{'X-Key':process.env.API_TOKEN}})"
@@ -183,6 +188,7 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
         assert got["/s-http"]["Authorization"] == f"Bearer {SECRET}"
         assert got["/s-https"]["Authorization"] == f"Bearer {SECRET}"
         assert got["/s-py"]["X-Key"] == SECRET
+        assert got["/s-req"]["X-Key"] == SECRET
         assert got["/s-node"]["X-Key"] == got["/s-node-http"]["X-Key"] == SECRET
         assert got["/s-other"]["Authorization"] == f"Bearer {placeholder}"
         withheld = [e for e in sb.network.audit() if e.kind == "secret-withheld"]
