@@ -495,6 +495,10 @@ class AsyncSandbox:
     def is_running(self) -> bool:
         return self._sync.is_running()
 
+    @property
+    def network(self) -> SandboxNetwork:
+        return self._sync.network
+
     async def kill(self) -> None:
         await asyncio.to_thread(self._sync.kill)
 

@@ -33,6 +33,8 @@ from .policy import Decision, Policy
 from .tls import SandboxCA
 
 MAX_HEAD = 64 * 1024
+#: client connections one sandbox may hold open at once (each costs the host up to two threads)
+MAX_CONNECTIONS = 512
 HANDSHAKE_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 10.0
 PIPE_SIZE = 1 << 20
@@ -90,6 +92,7 @@ class EgressProxy:
         self.upstream_tls = upstream_tls
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
+        self._clients = 0
         self._closed = False
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._listener.bind(str(socket_path))
@@ -137,6 +140,14 @@ class EgressProxy:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            with self._lock:
+                full = self._clients >= MAX_CONNECTIONS
+                if not full:
+                    self._clients += 1
+            if full:
+                self.audit.record(self.sandbox_id, "refused", "*", None, "too-many-connections", "proxy")
+                conn.close()
+                continue
             try:
                 self._track(conn)
             except ProxyError:
@@ -158,6 +169,8 @@ class EgressProxy:
             self._untrack(conn)
             if upstream is not None:
                 self._untrack(upstream)
+            with self._lock:
+                self._clients -= 1
 
     def _refuse_audit(self, decision: Decision, asked: str, protocol: str) -> None:
         self.audit.record(self.sandbox_id, "refused", asked, decision.address, decision.rule, protocol)
