@@ -331,3 +331,20 @@ def test_nothing_survives_kill_9_of_the_owner_and_gc(net: TargetNet, forwarding:
     assert set(ids) <= set(reaped)
     assert _leftovers(ids[0]) == []
     assert not (state_dir / "sandboxes" / ids[1]).exists()
+
+
+def test_streamed_output_is_redacted_across_chunk_boundaries() -> None:
+    from corral.secrets import Redactor, SecretBinding, StreamRedactor, materialize
+
+    secret = materialize([SecretBinding("TOKEN", ("h.example",))], {"TOKEN": "abcdef123456"})
+    out: list[tuple[str, bytes]] = []
+    stream = StreamRedactor(Redactor(secret), lambda name, data: out.append((name, data)))
+    for chunk in (b"x=abc", b"def12", b"3456 and a", b"bc", b" end ab"):
+        stream.feed("stdout", chunk)
+    stream.feed("stderr", b"abcdef")
+    stream.flush()
+    stdout = b"".join(d for n, d in out if n == "stdout")
+    assert stdout == b"x=[REDACTED:TOKEN] and abc end ab"
+    assert b"".join(d for n, d in out if n == "stderr") == b"abcdef"
+    assert out[0] == ("stdout", b"x=")  # "abc" was held back: it could have begun the value
+    assert all(b"abc" not in d for n, d in out[:2] if n == "stdout")

@@ -23,7 +23,7 @@ from .egress.network import SandboxNetwork, secret_values
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed
 from .images import SANDBOX_HOME, SANDBOX_USER
 from .registry import Registry, gc, state_dir
-from .secrets import SecretBinding
+from .secrets import SecretBinding, StreamRedactor
 from .spec import Limits, SandboxSpec, Workspace, validate_env, validate_sandbox_path
 from .tiers import get_tier
 from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
@@ -134,9 +134,11 @@ def build_spec(
 class CommandHandle:
     """A command started with ``commands.start``: feed stdin, signal, wait for the result."""
 
-    def __init__(self, process: Process, redact: Callable[[str], str] | None = None) -> None:
+    def __init__(self, process: Process, redact: Callable[[str], str] | None = None,
+                 stream: StreamRedactor | None = None) -> None:
         self._process = process
         self._redact = redact
+        self._stream = stream
 
     def send_stdin(self, data: str | bytes) -> None:
         self._process.write_stdin(data.encode() if isinstance(data, str) else data)
@@ -152,6 +154,8 @@ class CommandHandle:
 
     def wait(self) -> ExecResult:
         result = self._process.wait()
+        if self._stream is not None:
+            self._stream.flush()
         if self._redact is not None:
             result.stdout = self._redact(result.stdout)
             result.stderr = self._redact(result.stderr)
@@ -193,8 +197,8 @@ class Commands:
         inner = self._sb._tier_sandbox()
         network = inner.network
         if network is not None and network.secrets:
-            callback = _redacting(callback, network.redact)
-            return CommandHandle(inner.start(request, callback), network.redact_text)
+            stream = StreamRedactor(network.redactor, callback) if callback is not None else None
+            return CommandHandle(inner.start(request, stream.feed if stream else None), network.redact_text, stream)
         return CommandHandle(inner.start(request, callback))
 
     def run(
@@ -250,19 +254,6 @@ def _callbacks(
                 target(text)
 
     return callback
-
-
-def _redacting(callback: Callable[[str, bytes], None] | None,
-               redact: Callable[[bytes], bytes]) -> Callable[[str, bytes], None] | None:
-    """Redact streamed chunks. A value split across two chunks is caught in the final result only."""
-    if callback is None:
-        return None
-    inner = callback
-
-    def redacted(stream: str, chunk: bytes) -> None:
-        inner(stream, redact(chunk))
-
-    return redacted
 
 
 class Files:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import re
 import secrets as _random
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,7 +135,45 @@ class Redactor:
                 data = data.replace(value, mark)
         return data
 
+    def partial_tail(self, data: bytes) -> int:
+        """Length of the longest end of ``data`` that could be the start of a value (to hold back)."""
+        longest = 0
+        for value, _ in self._pairs:
+            for k in range(min(len(value) - 1, len(data)), longest, -1):
+                if data.endswith(value[:k]):
+                    longest = k
+                    break
+        return longest
+
     def redact_text(self, text: str) -> str:
         if not self._pairs:
             return text
         return self.redact(text.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape")
+
+
+class StreamRedactor:
+    """Redacts output as it streams, across chunk boundaries: an end of a chunk that could begin a
+    value is held back until the next chunk (or :meth:`flush`) shows whether it does."""
+
+    def __init__(self, redactor: Redactor, emit: Callable[[str, bytes], None]) -> None:
+        self._redactor = redactor
+        self._emit = emit
+        self._held: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def feed(self, stream: str, chunk: bytes) -> None:
+        with self._lock:
+            data = self._redactor.redact(self._held.pop(stream, b"") + chunk)
+            keep = self._redactor.partial_tail(data)
+            if keep:
+                self._held[stream] = data[-keep:]
+                data = data[:-keep]
+        if data:
+            self._emit(stream, data)
+
+    def flush(self) -> None:
+        with self._lock:
+            held, self._held = self._held, {}
+        for stream, data in held.items():
+            if data:
+                self._emit(stream, data)

@@ -96,7 +96,7 @@ class SandboxNetwork:
         #: extra arguments for the agent (the relay)
         self.agent_args: list[str] = []
         self.secrets: list[Secret] = []
-        self._redactor = Redactor(())
+        self.redactor = Redactor(())
         self._proxy: EgressProxy | None = None
         self._open: open_net.OpenNetwork | None = None
         #: for ``open``: the named network namespace the sandbox must be started in
@@ -121,7 +121,7 @@ class SandboxNetwork:
     def _setup_allow(self, spec: SandboxSpec, uid: int) -> None:
         config = _settings
         self.secrets = materialize(spec.secrets, _secret_values.get(), config.secrets_file)
-        self._redactor = Redactor(self.secrets)
+        self.redactor = Redactor(self.secrets)
         ranges = [parse_range(c) for c in (*config.unsafe_allow_ranges, *spec.unsafe_allow_ranges)]
         policy = Policy([AllowRule.parse(a) for a in spec.allow], ranges, config.resolver)
         self._dir.mkdir(mode=0o711)
@@ -166,10 +166,10 @@ class SandboxNetwork:
         return events
 
     def redact(self, data: bytes) -> bytes:
-        return self._redactor.redact(data) if self._redactor else data
+        return self.redactor.redact(data) if self.redactor else data
 
     def redact_text(self, text: str) -> str:
-        return self._redactor.redact_text(text)
+        return self.redactor.redact_text(text)
 
     def close(self) -> None:
         if self._proxy is not None:
