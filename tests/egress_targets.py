@@ -48,7 +48,10 @@ def make_handler(name: str) -> type[BaseHTTPRequestHandler]:
                     self.wfile.write(block[: min(total, len(block))])
                     total -= min(total, len(block))
                 return
-            body = f"hello from {name}\n".encode()
+            if self.path.startswith("/echo"):  # a careless API that echoes a credential back
+                body = f"you sent {self.headers.get('X-Key')}\n".encode()
+            else:
+                body = f"hello from {name}\n".encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

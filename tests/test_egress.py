@@ -191,6 +191,12 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
         assert got["/s-req"]["X-Key"] == SECRET
         assert got["/s-node"]["X-Key"] == got["/s-node-http"]["X-Key"] == SECRET
         assert got["/s-other"]["Authorization"] == f"Bearer {placeholder}"
+        # a bound host echoing the value back cannot put it in the sandbox: the proxy masks it in responses
+        for url in ("http://target.test:8080/echo", "https://target.test:8443/echo"):
+            echo = sb._tier_sandbox().start(sb.commands._request(
+                f'curl -fsS -H "X-Key: $API_TOKEN" {url}', 30, None, None), lambda _s, _c: None).wait()
+            assert echo.stdout == f"you sent {'*' * len(SECRET)}\n", (url, echo)
+        assert [h["headers"]["X-Key"] for h in net.hits() if h["path"] == "/echo"] == [SECRET, SECRET]
         withheld = [e for e in sb.network.audit() if e.kind == "secret-withheld"]
         assert [e.destination for e in withheld] == ["other.test:8080"]
         # the CA key never enters the sandbox; the real value is nowhere inside

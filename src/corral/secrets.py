@@ -118,12 +118,17 @@ def materialize(bindings: Iterable[SecretBinding], values: Mapping[str, str] | N
 
 
 class Redactor:
-    """Replaces every real secret value by ``[REDACTED:NAME]`` in bytes."""
+    """Replaces every real secret value by ``[REDACTED:NAME]`` in bytes.
 
-    def __init__(self, secrets: Iterable[Secret]) -> None:
+    ``same_length=True`` masks with ``*`` instead, keeping byte counts (and so HTTP
+    framing) intact: used on responses flowing back into the sandbox."""
+
+    def __init__(self, secrets: Iterable[Secret], same_length: bool = False) -> None:
         # longest first, so a value containing another is replaced whole
         self._pairs = sorted(
-            ((s.value.encode(), f"[REDACTED:{s.name}]".encode()) for s in secrets), key=lambda p: -len(p[0])
+            ((s.value.encode(), b"*" * len(s.value.encode()) if same_length else f"[REDACTED:{s.name}]".encode())
+             for s in secrets),
+            key=lambda p: -len(p[0]),
         )
 
     def __bool__(self) -> bool:

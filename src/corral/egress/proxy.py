@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..secrets import Secret
+from ..secrets import Redactor, Secret, StreamRedactor
 from .audit import AuditLog
 from .policy import Decision, Policy
 from .tls import SandboxCA
@@ -232,8 +232,17 @@ class EgressProxy:
         new_head = self._rewrite_head(parts[0] + b" " + path.encode("latin-1") + b" " + parts[2],
                                       header_block, decision, f"{url.hostname}:{url.port or 80}")
         upstream.sendall(new_head + rest)
-        pump(conn, upstream, b"")
+        mask = self._response_mask(decision)
+        if mask is None:
+            pump(conn, upstream, b"")
+        else:
+            copy_masked(conn, upstream, mask)
         return upstream
+
+    def _response_mask(self, decision: Decision) -> Redactor | None:
+        """For a host that received real values: a mask that keeps them from coming back in."""
+        bound = [s for s in self.secrets if s.binding.bound_to(decision.host)]
+        return Redactor(bound, same_length=True) if bound else None
 
     def _connect_or_502(self, conn: socket.socket, decision: Decision) -> socket.socket | None:
         try:
@@ -286,10 +295,7 @@ class EgressProxy:
         request_line, _, header_block = head.partition(b"\r\n")
         asked = f"{decision.host}:{decision.port}"
         server.sendall(self._rewrite_head(request_line, header_block, decision, asked) + body)
-        if isinstance(client, ssl.SSLSocket) and isinstance(server, ssl.SSLSocket):
-            copy_tls(client, server)
-        else:
-            pump(client, server, b"")
+        copy_masked(client, server, self._response_mask(decision) or Redactor(()))
 
 
     # -- SOCKS5 ---------------------------------------------------------------
@@ -414,14 +420,17 @@ def pump(client: socket.socket, upstream: socket.socket, early: bytes) -> None:
     back_done.wait()
 
 
-def copy_tls(a: ssl.SSLSocket, b: ssl.SSLSocket) -> None:
-    """Copy both ways between two TLS sockets on one thread (an SSL object must not be shared)."""
-    a.settimeout(None)
-    b.settimeout(None)
-    peers = {a: b, b: a}
-    open_ = {a, b}
+def copy_masked(client: socket.socket, server: socket.socket, mask: Redactor) -> None:
+    """Copy both ways on one thread (an SSL object must not be shared between threads), masking
+    real secret values in what the server sends back, also when one is split across reads."""
+    client.settimeout(None)
+    server.settimeout(None)
+    out: list[bytes] = []
+    back = StreamRedactor(mask, lambda _stream, data: out.append(data))
+    peers = {client: server, server: client}
+    open_ = {client, server}
     while open_:
-        ready = [s for s in open_ if s.pending()]
+        ready: list[socket.socket] = [s for s in open_ if isinstance(s, ssl.SSLSocket) and s.pending()]
         if not ready:
             ready, _, _ = select.select(list(open_), [], [])
         for sock in ready:
@@ -431,14 +440,22 @@ def copy_tls(a: ssl.SSLSocket, b: ssl.SSLSocket) -> None:
                 continue
             except (OSError, ssl.SSLError):
                 data = b""
+            if sock is server:
+                if data:
+                    back.feed("response", data)
+                else:
+                    back.flush()
+                data_out, out[:] = b"".join(out), []
+                if data_out:
+                    client.sendall(data_out)
+            elif data:
+                server.sendall(data)
             if not data:
                 open_.discard(sock)
                 with contextlib.suppress(OSError, ssl.SSLError):
                     peers[sock].shutdown(socket.SHUT_WR)
-                if sock is b:
+                if sock is server:
                     return  # the server finished its response: the request is over
-                continue
-            peers[sock].sendall(data)
 
 
 _SOCKS_OK, _SOCKS_NOT_ALLOWED, _SOCKS_UNREACHABLE, _SOCKS_REFUSED, _SOCKS_BAD_CMD, _SOCKS_BAD_ATYP = 0, 2, 4, 5, 7, 8
