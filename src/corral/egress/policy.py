@@ -69,21 +69,35 @@ def system_resolver(name: str) -> list[str]:
 
 
 class HostAddresses:
-    """Every address configured on the host (any interface), refreshed every few seconds."""
+    """Every address configured on the host (any interface).
+
+    Read once up front, then refreshed in the background when older than a few seconds, so
+    a request never waits for ``ip addr`` (a fork and exec, milliseconds on a busy host)."""
 
     TTL = 5.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stamp = 0.0
-        self._addresses: frozenset[IPAddress] = frozenset()
+        self._refreshing = False
+        self._addresses: frozenset[IPAddress] | None = None
 
     def current(self) -> frozenset[IPAddress]:
         with self._lock:
-            if time.monotonic() - self._stamp > self.TTL:
-                self._addresses = frozenset(_read_host_addresses())
-                self._stamp = time.monotonic()
-            return self._addresses
+            addresses, stale = self._addresses, time.monotonic() - self._stamp > self.TTL
+            if addresses is not None and stale and not self._refreshing:
+                self._refreshing = True
+                threading.Thread(target=self._refresh, daemon=True).start()
+        if addresses is None:
+            self._refresh()
+            addresses = self._addresses
+            assert addresses is not None
+        return addresses
+
+    def _refresh(self) -> None:
+        fresh = frozenset(_read_host_addresses())
+        with self._lock:
+            self._addresses, self._stamp, self._refreshing = fresh, time.monotonic(), False
 
 
 def _read_host_addresses() -> Iterable[IPAddress]:
