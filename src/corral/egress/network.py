@@ -18,15 +18,19 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..netrules import AllowRule, parse_range
 from ..secrets import Redactor, Secret, materialize
 from ..spec import SandboxSpec
-from . import open_net
 from .audit import AuditEvent, AuditLog
-from .policy import Policy, Resolver
-from .proxy import EgressProxy
-from .tls import SandboxCA, upstream_context
+
+# The proxy, the policy and the open-mode plumbing are imported when a sandbox needs them:
+# every sandbox imports this module, most have network="none", and start-up time counts.
+if TYPE_CHECKING:
+    from .open_net import OpenNetwork
+    from .policy import Resolver
+    from .proxy import EgressProxy
 
 PROXY_PORT = 3128
 SOCKET_IN_SANDBOX = "/.corral/egress.sock"
@@ -98,7 +102,7 @@ class SandboxNetwork:
         self.secrets: list[Secret] = []
         self.redactor = Redactor(())
         self._proxy: EgressProxy | None = None
-        self._open: open_net.OpenNetwork | None = None
+        self._open: OpenNetwork | None = None
         #: for ``open``: the named network namespace the sandbox must be started in
         self.netns: str | None = None
         self._dir = run_dir / "egress"
@@ -113,7 +117,9 @@ class SandboxNetwork:
 
     def _setup_open(self, spec: SandboxSpec) -> None:
         ranges = [parse_range(c) for c in (*_settings.unsafe_allow_ranges, *spec.unsafe_allow_ranges)]
-        self._open = open_net.OpenNetwork(self.sandbox_id, ranges)
+        from .open_net import OpenNetwork
+
+        self._open = OpenNetwork(self.sandbox_id, ranges)
         self.netns = self._open.names.netns
         servers = "".join(f"nameserver {s}\n" for s in self._open.nameservers)
         self.files["/etc/resolv.conf"] = servers.encode()
@@ -123,13 +129,20 @@ class SandboxNetwork:
         self.secrets = materialize(spec.secrets, _secret_values.get(), config.secrets_file)
         self.redactor = Redactor(self.secrets)
         ranges = [parse_range(c) for c in (*config.unsafe_allow_ranges, *spec.unsafe_allow_ranges)]
+        from .policy import Policy
+        from .proxy import EgressProxy
+
         policy = Policy([AllowRule.parse(a) for a in spec.allow], ranges, config.resolver)
         self._dir.mkdir(mode=0o711)
-        ca = SandboxCA(self._dir / "ca", self.sandbox_id) if self.secrets else None
+        ca = None
+        if self.secrets:
+            from .tls import SandboxCA, upstream_context  # cryptography: imported only when needed
+
+            ca = SandboxCA(self._dir / "ca", self.sandbox_id)
         socket_path = self._dir / "proxy.sock"
         self._proxy = EgressProxy(
             self.sandbox_id, socket_path, policy, self.audit_log, self.secrets, ca,
-            upstream_context(config.upstream_cafile) if ca else None, socket_uid=uid,
+            upstream_context(config.upstream_cafile) if self.secrets else None, socket_uid=uid,
         )
         self.binds.append((socket_path, SOCKET_IN_SANDBOX))
         self.agent_args = ["--relay", str(PROXY_PORT), SOCKET_IN_SANDBOX]
@@ -179,6 +192,8 @@ class SandboxNetwork:
             self._open.close()
             self._open = None
         elif self.mode == "open":  # creation failed half-way: delete by name
+            from . import open_net
+
             open_net.reap(open_net.OpenNames.for_sandbox(self.sandbox_id))
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -186,4 +201,6 @@ class SandboxNetwork:
 def reap(sandbox_id: str, record: Mapping[str, object]) -> None:
     """Release what a dead owner's sandbox left outside its run directory."""
     if record.get("network", "open") == "open":  # unknown (crash before the record): look by name
+        from . import open_net
+
         open_net.reap(open_net.OpenNames.for_sandbox(sandbox_id))

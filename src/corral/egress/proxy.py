@@ -24,13 +24,15 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..secrets import Redactor, Secret, StreamRedactor
 from .audit import AuditLog
 from .policy import Decision, Policy
-from .tls import SandboxCA
+
+if TYPE_CHECKING:
+    from .tls import SandboxCA  # cryptography costs ~0.1 s to import: only when secrets need it
 
 MAX_HEAD = 64 * 1024
 #: client connections one sandbox may hold open at once (each costs the host up to two threads)

@@ -152,8 +152,8 @@ class ProcessSandbox(TierSandbox):
         spec, run, uid = self.spec, self._run_dir, self.uid
         image = resolve(spec.image, self._tier.state_dir)
         self.cgroup = cgroups.SandboxCgroup(self.id, spec.limits, self._tier._layout)
-        os.chmod(run, 0o711)
-        self.network = SandboxNetwork(spec, self.id, run, uid)  # bwrap runs as the sandbox uid and must reach root/
+        os.chmod(run, 0o711)  # bwrap runs as the sandbox uid and must reach root/
+        self.network = SandboxNetwork(spec, self.id, run, uid)
         disk, root = run / "disk", run / "root"
         disk.mkdir()
         root.mkdir()
