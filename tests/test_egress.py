@@ -151,11 +151,16 @@ def test_unsafe_range_reenables_exactly_that_range(net: TargetNet) -> None:
         assert still.stdout == "403"
 
 
-def test_network_none_has_only_loopback() -> None:
+def test_network_none_has_only_loopback(net: TargetNet) -> None:
     with Sandbox.create() as sb:
         result = sb.commands.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '; env | grep -ci proxy")
         assert result.stdout.split() == ["lo", "0"]
+        raw = sb.commands.run(f"curl -sS -m 3 http://{net.target}:8080/none; "
+                              f"python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+                              f".sendto(b'x', ('{net.target}', 53))\"")
+        assert "Network is unreachable" in raw.stderr and raw.exit_code != 0, raw
         assert sb.network.audit() == []
+    assert not [h for h in net.hits() if h["path"] == "/none"]
 
 
 CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main(sys.argv[1:]))"]
@@ -191,6 +196,9 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
         assert got["/s-req"]["X-Key"] == SECRET
         assert got["/s-node"]["X-Key"] == got["/s-node-http"]["X-Key"] == SECRET
         assert got["/s-other"]["Authorization"] == f"Bearer {placeholder}"
+        # git trusts the sandbox CA through GIT_SSL_CAINFO (the intercepted tunnel to a bound host)
+        ls_remote = sb.commands.run("git ls-remote https://target.test:8443/git/repo.git", timeout=60)
+        assert ls_remote.exit_code == 0 and "refs/heads/main" in ls_remote.stdout, ls_remote
         # a bound host echoing the value back cannot put it in the sandbox: the proxy masks it in responses
         for url in ("http://target.test:8080/echo", "https://target.test:8443/echo"):
             echo = sb._tier_sandbox().start(sb.commands._request(
