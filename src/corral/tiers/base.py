@@ -19,9 +19,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from ..egress.network import SandboxNetwork
 
 #: ``on_output(stream, chunk)`` with stream ``"stdout"`` or ``"stderr"``
 OutputCallback = Callable[[str, bytes], None]
@@ -121,6 +124,8 @@ class TierSandbox(ABC):
     """One live sandbox of some tier. Thread-safe: commands and file calls may overlap."""
 
     id: str
+    #: the sandbox's network side (proxy, audit log, secrets), for tiers that have one
+    network: SandboxNetwork | None = None
 
     @abstractmethod
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process: ...

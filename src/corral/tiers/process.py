@@ -12,6 +12,7 @@ access.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -19,8 +20,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..egress import network as egress_network
+from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, SandboxClosed
 from ..host import cgroups, mounts
+from ..host.netns import NETNS_DIR
 from ..host.seccomp import bpf_path
 from ..host.workspace import WorkspaceCopy
 from ..images import SANDBOX_UID
@@ -80,6 +84,7 @@ class ProcessTier(Tier):
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         cgroups.reap(sandbox_id)
+        egress_network.reap(sandbox_id, record)
         mounts.unmount_all(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         if "uid" in record:
@@ -100,6 +105,7 @@ class ProcessSandbox(TierSandbox):
         self.workspace: WorkspaceCopy | None = None
         self.uid = allocate_uid(tier.state_dir, sandbox_id)
         self.cgroup: cgroups.SandboxCgroup | None = None
+        self.network: SandboxNetwork | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._channel: AgentChannel | None = None
         try:
@@ -111,7 +117,11 @@ class ProcessSandbox(TierSandbox):
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
         self.cgroup = cgroups.SandboxCgroup(self.id, self.spec.limits, self._tier._layout)
-        built = build_root(self.spec, self._tier.state_dir, self._run_dir, self.uid)
+        self.network = SandboxNetwork(self.spec, self.id, self._run_dir, self.uid)
+        built = build_root(
+            self.spec, self._tier.state_dir, self._run_dir, self.uid,
+            files=self.network.files, mount_points=[inside for _, inside in self.network.binds],
+        )
         self.workspace = built.workspace
         self._launch(built.root, built.workspace_dir)
 
@@ -121,7 +131,8 @@ class ProcessSandbox(TierSandbox):
         ws_mode = spec.workspace.mode if spec.workspace else "rw"
         argv = [
             self._tier._bwrap,
-            "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
+            "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            *(() if self.network and self.network.netns else ("--unshare-net",)),
             "--unshare-cgroup",
             "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
             "--bind", str(root), "/",
@@ -133,16 +144,20 @@ class ProcessSandbox(TierSandbox):
         ]
         to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
         from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
+        assert self.network is not None
+        for host_path, inside in self.network.binds:
+            argv += ["--bind", str(host_path), inside]
         seccomp_fd = os.open(self._tier._seccomp, os.O_RDONLY | os.O_CLOEXEC)
-        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH]
+        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
+        netns = str(NETNS_DIR / self.network.netns) if self.network.netns else "-"
         try:
             # the agent's launcher mode drops to the sandbox uid before exec'ing
             # bwrap (nothing in the sandbox ever runs as host root); being a
             # static binary it lets Popen vfork instead of forking this process
             self._proc = subprocess.Popen(
-                [str(self._tier._agent), "--launch", str(self.uid), "-", "--", *argv],
+                [str(self._tier._agent), "--launch", str(self.uid), netns, "--", *argv],
                 stdin=to_agent_r,
                 stdout=from_agent_w,
                 stderr=subprocess.DEVNULL,
@@ -198,6 +213,8 @@ class ProcessSandbox(TierSandbox):
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
+        if self.network is not None and self.network.env:
+            request = dataclasses.replace(request, env={**self.network.env, **request.env})
         with self._lock:
             self._exec_count += 1
             leaf = cgroup.leaf(f"e{self._exec_count}")
@@ -264,7 +281,7 @@ class ProcessSandbox(TierSandbox):
         return not self._closed and self._channel is not None and not self._channel.closed.is_set()
 
     def reap_record(self) -> dict[str, Any]:
-        return {"uid": self.uid, "bwrap_pid": self._proc.pid if self._proc else None}
+        return {"uid": self.uid, "bwrap_pid": self._proc.pid if self._proc else None, "network": self.spec.network}
 
     def close(self) -> None:
         with self._lock:
@@ -288,6 +305,8 @@ class ProcessSandbox(TierSandbox):
             if self.cgroup is not None:
                 self.cgroup.destroy()
         finally:
+            if self.network is not None:
+                self.network.close()
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             release_uid(self._tier.state_dir, self.uid)

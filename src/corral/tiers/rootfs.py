@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,8 +68,18 @@ class SandboxRoot:
     workspace: WorkspaceCopy | None
 
 
-def build_root(spec: SandboxSpec, state_dir: Path, run_dir: Path, uid: int) -> SandboxRoot:
+def build_root(
+    spec: SandboxSpec,
+    state_dir: Path,
+    run_dir: Path,
+    uid: int,
+    files: Mapping[str, bytes] | None = None,
+    mount_points: Sequence[str] = (),
+) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
+
+    ``files`` (absolute in-sandbox path -> content, world-readable) are added to
+    the root; ``mount_points`` are created as empty files for later bind mounts.
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
     workspace).  The caller unmounts ``run_dir`` on teardown (:func:`mounts.unmount_all`).
@@ -85,6 +96,7 @@ def build_root(spec: SandboxSpec, state_dir: Path, run_dir: Path, uid: int) -> S
         work.mkdir()
         if point == "/":
             _prepare_root_upper(upper, uid, own_etc=image.own_etc)
+            _add_files(upper, files or {}, mount_points)
         mounts.mount_overlay(root / point.lstrip("/") if point != "/" else root, [lower], upper, work)
     ws = disk / "ws"
     workspace: WorkspaceCopy | None = None
@@ -94,6 +106,17 @@ def build_root(spec: SandboxSpec, state_dir: Path, run_dir: Path, uid: int) -> S
         ws.mkdir(mode=0o755)
         os.chown(ws, uid, uid)
     return SandboxRoot(root, ws, workspace)
+
+
+def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[str]) -> None:
+    for inside in mount_points:
+        (upper / inside.lstrip("/")).touch()
+    for inside, data in files.items():
+        target = upper / inside.lstrip("/")
+        for parent in reversed(target.relative_to(upper).parents[:-1]):
+            (upper / parent).mkdir(mode=0o755, exist_ok=True)
+        target.write_bytes(data)
+        os.chmod(target, 0o644)
 
 
 def _prepare_root_upper(upper: Path, uid: int, own_etc: bool) -> None:
