@@ -111,6 +111,18 @@ def test_signals_reach_the_command(sb: Sandbox) -> None:
     assert result.signal == signal.SIGTERM and not result.timed_out
 
 
+def test_commands_can_run_on_a_terminal(sb: Sandbox) -> None:
+    out: list[bytes] = []
+    handle = sb.commands.start("tty; stty size; read line; stty size", pty=(40, 100),
+                               on_output=lambda _s, c: out.append(c))
+    time.sleep(0.5)
+    handle.resize(30, 90)
+    handle.send_stdin("go\n")
+    assert handle.wait().exit_code == 0
+    text = b"".join(out).decode()
+    assert "/dev/pts/" in text and "40 100" in text and "30 90" in text
+
+
 def test_memory_overruns_kill_the_command_not_the_sandbox(sb: Sandbox) -> None:
     # one big block, many small ones, a bytes literal: each must be OOM-killed
     # with the Sentry left alive (unguarded, the kernel kills the Sentry, or the

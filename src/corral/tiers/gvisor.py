@@ -85,7 +85,9 @@ class GVisorTier(Tier):
     def host(self) -> _Host:
         if self._host is None:
             runsc = _check_host()
-            self._host = _Host(runsc, cgroups.detect(), choose_platform(runsc, self.state_dir), agent_binary())
+            # the agent's copy under the state dir: the gofer, an unprivileged uid, must read it
+            agent = agent_binary(self.state_dir)
+            self._host = _Host(runsc, cgroups.detect(), choose_platform(runsc, self.state_dir), agent)
         return self._host
 
     @classmethod
