@@ -42,7 +42,8 @@ def all_leftovers(state_dir: Path) -> list[str]:
     found += [f"mount {m}" for m in mounts.mounts_under(sandboxes)]
     uids = state_dir / "uids"
     if uids.is_dir():
-        found += [f"uid {p.name}" for p in uids.iterdir()]
+        # sandbox reservations only: a tier's own warm spares (wasm) hold uids while they live
+        found += [f"uid {p.name}" for p in uids.iterdir() if p.read_text().startswith("sb-")]
     return found
 
 
