@@ -20,9 +20,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
 from .base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
+
+if TYPE_CHECKING:
+    from ..host.workspace import WorkspaceCopy
+    from ..spec import SandboxSpec
 
 T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE = 1, 2, 3, 4, 5, 6, 7
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
@@ -415,3 +420,50 @@ class AgentProcess(Process):
             signal=signal_number,
             truncated=self._truncated,
         )
+
+
+class AgentFilesMixin:
+    """File operations, workspace write-back and liveness for tier sandboxes whose
+    guest runs ``corral-agent`` (process, gVisor): they differ in how they start
+    it, not in how they talk to it."""
+
+    id: str
+    spec: SandboxSpec
+    workspace: WorkspaceCopy | None
+    _closed: bool
+    _channel: AgentChannel | None
+
+    def _channel_or_raise(self) -> AgentChannel:
+        if self._closed or self._channel is None:
+            raise SandboxClosed(f"sandbox {self.id} is closed")
+        if self._channel.closed.is_set():
+            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)")
+        return self._channel
+
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        return self._channel_or_raise().read_file(path, max_bytes)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._channel_or_raise().write_file(path, data, mode)
+        self.sync()
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        return self._channel_or_raise().list_dir(path)
+
+    def stat(self, path: str) -> FileEntry:
+        return self._channel_or_raise().stat(path)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._channel_or_raise().remove(path, recursive)
+        self.sync()
+
+    def make_dir(self, path: str, mode: int = 0o755) -> None:
+        self._channel_or_raise().make_dir(path, mode)
+        self.sync()
+
+    def sync(self) -> None:
+        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
+            self.workspace.sync_back()
+
+    def alive(self) -> bool:
+        return not self._closed and self._channel is not None and not self._channel.closed.is_set()

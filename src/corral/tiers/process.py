@@ -29,8 +29,8 @@ from ..host.seccomp import bpf_path
 from ..host.workspace import WorkspaceCopy
 from ..images import SANDBOX_UID
 from ..spec import WORKSPACE_PATH, SandboxSpec
-from .agent import AgentChannel, AgentProcess, agent_binary
-from .base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from .agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
+from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from .rootfs import AGENT_PATH, build_root
 from .rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
 from .rootfs import release_uid as release_uid
@@ -91,7 +91,7 @@ class ProcessTier(Tier):
             release_uid(self.state_dir, int(record["uid"]))
 
 
-class ProcessSandbox(TierSandbox):
+class ProcessSandbox(AgentFilesMixin, TierSandbox):
     def __init__(self, tier: ProcessTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
         self.id = sandbox_id
         self.spec = spec
@@ -244,42 +244,12 @@ class ProcessSandbox(TierSandbox):
             self._leaves = [leaf for leaf in self._leaves if not self.cgroup.remove_leaf(leaf)]
 
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
-        if self._closed or self._channel is None or self.cgroup is None:
+        channel = self._channel_or_raise()
+        if self.cgroup is None:
             raise SandboxClosed(f"sandbox {self.id} is closed")
-        if self._channel.closed.is_set():
-            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)")
-        return self._channel, self.cgroup
-
-    # -- files -------------------------------------------------------------
-    def read_file(self, path: str, max_bytes: int) -> bytes:
-        return self._live()[0].read_file(path, max_bytes)
-
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        self._live()[0].write_file(path, data, mode)
-        self.sync()
-
-    def list_dir(self, path: str) -> list[FileEntry]:
-        return self._live()[0].list_dir(path)
-
-    def stat(self, path: str) -> FileEntry:
-        return self._live()[0].stat(path)
-
-    def remove(self, path: str, recursive: bool = False) -> None:
-        self._live()[0].remove(path, recursive)
-        self.sync()
-
-    def make_dir(self, path: str, mode: int = 0o755) -> None:
-        self._live()[0].make_dir(path, mode)
-        self.sync()
-
-    def sync(self) -> None:
-        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
-            self.workspace.sync_back()
+        return channel, self.cgroup
 
     # -- lifecycle ---------------------------------------------------------
-    def alive(self) -> bool:
-        return not self._closed and self._channel is not None and not self._channel.closed.is_set()
-
     def reap_record(self) -> dict[str, Any]:
         return {"uid": self.uid, "bwrap_pid": self._proc.pid if self._proc else None, "network": self.spec.network}
 
