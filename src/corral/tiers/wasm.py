@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -427,6 +428,25 @@ class WasmSandbox(TierSandbox):
     def reap_record(self) -> dict[str, Any]:
         return {"uid": self.uid, "cgroup": self.cgroup is not None}
 
+    def _destroy_cgroup(self, cgroup: cgroups.SandboxCgroup) -> None:
+        """SandboxCgroup.destroy without its recursive directory walks (~600 stat calls on
+        cgroup v1, a third of a teardown here): this sandbox's groups have one known leaf."""
+        cgroup.kill_all()
+        try:
+            for group in (self._leaf, cgroup.kill_group, *cgroup.limit_groups):
+                for _ in range(200):
+                    try:
+                        group.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError as exc:
+                        if exc.errno != errno.EBUSY:
+                            raise
+                        time.sleep(0.005)
+        finally:
+            cgroup.destroy()  # no-op when all is gone; the thorough path otherwise
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -445,7 +465,7 @@ class WasmSandbox(TierSandbox):
             for process in running:
                 process.join(5.0)
             if self.cgroup is not None:
-                self.cgroup.destroy()
+                self._destroy_cgroup(self.cgroup)
         finally:
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)
