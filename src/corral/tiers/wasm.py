@@ -296,6 +296,7 @@ class WasmSandbox(TierSandbox):
                 job = self._job(list(PRESTART_ARGV), {}, self.spec.limits.timeout)
                 job["wait"] = True
                 worker = self._launch_worker(job, spare)
+                worker.await_started()
         except Exception:  # commands fall back to a fresh start
             worker = None
         with self._lock:
@@ -329,10 +330,15 @@ class WasmSandbox(TierSandbox):
         env = dict(request.env)
         record = launch_record(argv, env) if request.timeout <= self.spec.limits.timeout else None
         worker = self._take_prestarted() if record is not None else None
+        process: WasmProcess | None = None
         if worker is not None:
             job = self._job(argv, env, request.timeout)
-            process = WasmProcess(self, worker, request, on_output, job, launch=record)
-        else:
+            try:
+                process = WasmProcess(self, worker, request, on_output, job, launch=record)
+            except OSError:  # the pre-started guest died: start a fresh one
+                worker.close()
+                process = None
+        if process is None:
             job = self._job(argv, env, request.timeout)
             worker = self._launch_worker(job)
             try:

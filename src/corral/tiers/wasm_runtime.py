@@ -161,6 +161,31 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid
 
+    def await_started(self, timeout: float = READY_TIMEOUT) -> None:
+        """Wait for the worker's "started" (its guest is instantiated); raise with its stderr if it died."""
+        self.control.settimeout(timeout)
+        line = b""
+        try:
+            while not line.endswith(b"\n"):
+                chunk = self.control.recv(4096)
+                if not chunk:
+                    break
+                line += chunk
+        except OSError:
+            line = b""
+        finally:
+            self.control.settimeout(None)
+        if line.endswith(b"\n") and json.loads(line).get("started"):
+            return
+        self.kill()
+        self.reap(5.0)
+        os.set_blocking(self.stderr_r, False)
+        try:
+            text = os.read(self.stderr_r, 65536).decode(errors="replace").strip()
+        except OSError:
+            text = ""
+        raise HostNotSupported(f"the wasm worker could not start its guest: {text[-2000:] or 'no output'}")
+
     def reap(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the worker to exit and reap it; True if it did.
 
