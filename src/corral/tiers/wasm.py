@@ -159,6 +159,11 @@ class WasmTier(Tier):
                 f"image {spec.image!r} does not exist in the wasm tier; it runs one image, 'python' "
                 "(CPython 3.12 for WASI, standard library only; 'host' means the same)"
             )
+        if spec.network != "none":
+            raise InvalidSpec(
+                f"network {spec.network!r}: the wasm tier has no network at all (WASI preview 1 has no "
+                "sockets); use network='none', or the process, gvisor or microvm tier"
+            )
         return WasmSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
