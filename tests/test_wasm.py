@@ -381,3 +381,29 @@ def test_spares_of_a_dead_owner_are_reaped(wasm_available: None, state_dir: Path
     assert not stale.exists() and mounts.mounts_under(stale) == []
     assert not (state_dir / "uids" / str(uid)).exists()
     assert guests._ready  # type: ignore[attr-defined]  # our own spares are left alone
+
+
+def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, state_dir: Path) -> None:
+    from corral.tiers import get_tier
+
+    handle = sb.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+    inner = sb._tier_sandbox()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not inner._running:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    (process,) = inner._running  # type: ignore[attr-defined]
+    os.kill(process.worker.pid, signal.SIGKILL)  # as if wasmtime crashed
+    result = handle.wait()
+    assert result.exit_code == 128 + signal.SIGKILL and "worker died" in result.stderr
+    assert sb.commands.run(py("print('next')")).stdout == "next\n"
+
+    pool = get_tier("wasm", state_dir).pool  # type: ignore[attr-defined]
+    zygote = pool._zygote
+    assert zygote is not None
+    zygote.kill()
+    zygote.wait()
+    for _ in range(3):  # spares forked before the kill may be gone; the pool starts a new zygote
+        r = sb.commands.run(py("print('after zygote')"))
+        if r.stdout == "after zygote\n":
+            break
+    assert r.stdout == "after zygote\n", r

@@ -256,15 +256,26 @@ class WasmSandbox(TierSandbox):
         }
 
     def _launch_worker(self, job: dict[str, Any], worker: Worker | None = None) -> Worker:
-        """A warm worker (from the pool unless given), placed in this sandbox's cgroup, given ``job``."""
-        worker = worker or self._tier.pool.take()
-        try:
-            self._place(worker)
-            worker.control.sendall(json.dumps(job).encode() + b"\n")
-        except BaseException:
-            worker.close()
-            raise
-        return worker
+        """A warm worker (from the pool unless given), placed in this sandbox's cgroup, given ``job``.
+
+        A spare can die while it waits (its zygote was killed, the OOM killer):
+        then the next one is taken.
+        """
+        for attempt in range(3):
+            worker = worker or self._tier.pool.take()
+            try:
+                self._place(worker)
+                worker.control.sendall(json.dumps(job).encode() + b"\n")
+                return worker
+            except OSError:
+                worker.close()
+                worker = None
+                if attempt == 2:
+                    raise
+            except BaseException:
+                worker.close()
+                raise
+        raise AssertionError("unreachable")
 
     def _place(self, worker: Worker) -> None:
         """Put a worker in this sandbox's cgroup (limits and kill tree)."""

@@ -419,6 +419,9 @@ class WorkerPool:
                 self._cond.wait(remaining)
             worker = self._ready.pop(0)
             self._cond.notify_all()
+        if worker.proc.poll() is not None:  # died while spare (e.g. its zygote was killed)
+            worker.close()
+            return self.take(max(0.1, deadline - time.monotonic()))
         return worker
 
     def put_back(self, worker: Worker) -> None:
