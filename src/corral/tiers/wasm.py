@@ -13,9 +13,10 @@ preview 1 has no sockets to open).  Limits:
   command (exhaustion ends it like SIGXCPU: exit 152) and the cgroup's CPU quota;
 - disk: a tmpfs of the disk limit holds both directories (as root).
 
-Each command runs in its own worker process (:mod:`.wasm_worker`), taken
-warm from a pool, as the sandbox's own unprivileged host uid.  An idle
-sandbox has no process at all: only its directories.
+Each command runs in its own worker process (:mod:`.wasm_worker`), forked
+from a zygote that holds wasmtime and the compiled module, as the sandbox's
+own unprivileged host uid.  An idle sandbox keeps one guest started for its
+next command (none with ``prestart=False``); see docs/wasm.md.
 """
 
 from __future__ import annotations
@@ -80,10 +81,9 @@ class WasmTier(Tier):
         #: guests pre-started for sandboxes not created yet (see wasm_spares; root only)
         self.spare_guest_count = spare_guests if prestart else 0
         self.fuel_per_cpu_second = fuel_per_cpu_second
-        _check_openat2()
-        self.runtime: Runtime = default_runtime()
-        wasmtime_version()
-        self.module, _ = ensure_compiled(self.runtime)
+        # the runtime is resolved (and compiled, on a fresh machine) on first create, not
+        # here: the janitor builds tiers to reap sandboxes and must not pay for that
+        self._module: Path | None = None
         self.privileged = os.geteuid() == 0
         self.cgroup_layout: cgroups.Layout | None = None
         if self.privileged:
@@ -101,11 +101,21 @@ class WasmTier(Tier):
         self._spare_guests: SpareGuests | None = None
         self._pool_lock = threading.Lock()
 
+    def _ensure_ready(self) -> Path:
+        """The compiled module, checking the host and compiling on first use."""
+        with self._pool_lock:
+            if self._module is None:
+                _check_openat2()
+                runtime: Runtime = default_runtime()
+                self._module, _ = ensure_compiled(runtime)
+            return self._module
+
     @property
     def pool(self) -> WorkerPool:
+        module = self._ensure_ready()
         with self._pool_lock:
             if self._pool is None:
-                self._pool = WorkerPool(self.module, self._spares)
+                self._pool = WorkerPool(module, self._spares)
             return self._pool
 
     def spare_guests(self) -> SpareGuests | None:
@@ -159,6 +169,7 @@ class WasmTier(Tier):
                 f"image {spec.image!r} does not exist in the wasm tier; it runs one image, 'python' "
                 "(CPython 3.12 for WASI, standard library only; 'host' means the same)"
             )
+        self._ensure_ready()
         if spec.network != "none":
             raise InvalidSpec(
                 f"network {spec.network!r}: the wasm tier has no network at all (WASI preview 1 has no "
