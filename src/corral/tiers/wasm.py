@@ -169,12 +169,12 @@ class WasmTier(Tier):
                 f"image {spec.image!r} does not exist in the wasm tier; it runs one image, 'python' "
                 "(CPython 3.12 for WASI, standard library only; 'host' means the same)"
             )
-        self._ensure_ready()
         if spec.network != "none":
             raise InvalidSpec(
                 f"network {spec.network!r}: the wasm tier has no network at all (WASI preview 1 has no "
                 "sockets); use network='none', or the process, gvisor or microvm tier"
             )
+        self._ensure_ready()
         return WasmSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
@@ -226,8 +226,9 @@ class WasmSandbox(TierSandbox):
             try:
                 guests.adopt(spare, self.id, root, spec.limits.disk)
             except BaseException:
-                guests.discard(spare)
+                guests.discard(spare)  # releases the uid: it is no longer ours to release
                 self._next = None
+                self._uid_reserved = False
                 raise
         elif tier.privileged:
             self.uid = self.gid = allocate_uid(tier.state_dir, self.id)

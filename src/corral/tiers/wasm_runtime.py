@@ -229,6 +229,7 @@ class Worker:
             text = os.read(self.stderr_r, 65536).decode(errors="replace").strip()
         except OSError:
             text = ""
+        self.close()
         raise HostNotSupported(f"the wasm worker could not start its guest: {text[-2000:] or 'no output'}")
 
     def reap(self, timeout: float) -> bool:
