@@ -242,6 +242,7 @@ class WasmSandbox(TierSandbox):
         tmp.mkdir(mode=0o700, exist_ok=True)
         for path in (ws, tmp):
             os.chown(path, self.uid, self.gid)
+            os.chmod(path, 0o700)  # only the sandbox's uid (and root): no other sandbox's uid reads in
         self.roots = {"/workspace": ws, "/tmp": tmp}
         self.files = SandboxFiles(self.roots, self.uid, self.gid)
         if tier.cgroup_layout is not None:

@@ -120,7 +120,7 @@ class SpareGuests:
             directory.mkdir(mode=0o711)
             fs.mkdir()
             mounts.mount_tmpfs(fs, self.limits.disk, uid, uid, 0o711)
-            (fs / "workspace").mkdir(mode=0o755)
+            (fs / "workspace").mkdir(mode=0o700)
             (fs / "tmp").mkdir(mode=0o700)
             for path in (fs / "workspace", fs / "tmp"):
                 os.chown(path, uid, uid)
