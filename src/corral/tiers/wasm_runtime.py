@@ -12,10 +12,10 @@ engine configuration, CPU architecture), in a separate process, under a file
 lock, into a 0700 directory owned by us (a serialized module is native code:
 anyone who can write the cache can run code in every sandbox).
 
-Worker pool: spare worker processes that have already imported wasmtime and
-mapped the compiled module wait for a job, so a command does not pay for a
-process start (import wasmtime alone takes 60-300 ms here).  Every command
-takes one spare, which is then replaced in the background.
+Worker pool: one zygote process imports wasmtime and maps the compiled
+module once (``import wasmtime`` alone takes 60-300 ms of CPU here) and forks
+workers on request (1.5 ms each, pages shared).  A few forked spares wait for
+a job; every command takes one, which is replaced in the background.
 """
 
 from __future__ import annotations
@@ -254,8 +254,9 @@ class Worker:
 
 
 class WorkerPool:
-    """Keeps ``spares`` warm workers. All spawning happens on one long-lived thread,
-    because a worker's PR_SET_PDEATHSIG fires when the *thread* that forked it ends."""
+    """Keeps ``spares`` warm workers, forked by the zygote.  The zygote is started on
+    one long-lived thread, because its PR_SET_PDEATHSIG fires when the *thread*
+    that forked it ends."""
 
     def __init__(self, module: Path, spares: int = 2) -> None:
         self.module = module

@@ -1,8 +1,9 @@
 """The wasm tier's worker: one process per command, running one WASI guest.
 
-Run as a script (``python -s -E wasm_worker.py run CACHE PARENT_PID CONTROL_FD``),
-never imported by the guest.  It imports only the standard library and
-wasmtime, so that it starts fast and its failure modes are few.
+Run as a script (``python -s -E wasm_worker.py zygote CACHE PARENT_PID SOCKET_FD``;
+``run`` starts a single worker without a zygote).  It imports only the
+standard library and wasmtime, so that it starts fast and its failure modes
+are few.
 
 Why a process per command, not a thread in the caller: a guest blocked in a
 host call (``time.sleep`` is a blocking ``poll_oneoff``) cannot be interrupted
@@ -11,10 +12,12 @@ the caller down.  A process can always be SIGKILLed and placed in a cgroup.
 
 Life of a worker::
 
-    spawned by the host's pool  -> import wasmtime, deserialize the cached module
-    -> "ready" on the control socket -> (waits, as a warm spare)
-    <- one job (argv, env, preopens, limits, uid)  -> drop privileges
+    zygote: import wasmtime, deserialize the cached module, wait for requests
+    -> fork on request -> "ready" on the control socket -> (waits, as a warm spare)
+    <- one job (argv, env, preopens, limits, uid, seccomp)  -> drop privileges
     -> "started" -> run the guest's _start -> "exit" with code/trap -> exit
+    (a job with "wait": the guest starts and reads its command from stdin;
+    the timeout clock starts on a later "go")
 
 The guest's stdin, stdout and stderr are the worker's own fds 0, 1, 2:
 pipes the host reads and writes directly, so output streams as produced.
