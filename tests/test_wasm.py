@@ -407,3 +407,14 @@ def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, s
         if r.stdout == "after zygote\n":
             break
     assert r.stdout == "after zygote\n", r
+
+
+def test_a_terminating_signal_ends_the_command_and_output_is_capped(wasm_available: None) -> None:
+    with Sandbox.create(tier="wasm", max_output="4K") as sb:
+        handle = sb.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+        time.sleep(0.5)
+        handle.send_signal(signal.SIGTERM)
+        result = handle.wait()
+        assert result.signal == signal.SIGTERM and result.exit_code == 128 + signal.SIGTERM
+        flood = sb.commands.run(py("import sys; sys.stdout.write('x' * 100_000)"))
+    assert flood.exit_code == 0 and flood.truncated and len(flood.stdout) == 4096
