@@ -13,7 +13,9 @@ which does not depend on how busy the (shared) machine is.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -82,13 +84,34 @@ def bare_wasmtime(runs: int, module: Path) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
+def clean_up(state: Path, parent: str) -> None:
+    """Remove this run's state dir and cgroup parent (the library keeps both for its next use)."""
+    from corral.host import cgroups, mounts
+    from corral.tiers import get_tier
+
+    get_tier("wasm", state).close()  # type: ignore[attr-defined]
+    mounts.unmount_all(state)
+    shutil.rmtree(state, ignore_errors=True)
+    if parent != cgroups.PARENT:
+        return  # cgroups was imported before this run chose its parent: that parent is not ours
+    layout = cgroups.detect()
+    for root in {*layout.controllers.values(), layout.kill_root}:
+        try:
+            cgroups.remove_tree(root / parent)
+        except OSError as exc:
+            print(f"left {root / parent}: {exc}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--pace", type=float, default=0.5, help="seconds between cold sandboxes")
     args = parser.parse_args()
-    os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-wasm-"))
-    os.environ.setdefault("CORRAL_CGROUP_PARENT", f"corral-bench-{os.getpid()}")
+    if "CORRAL_STATE_DIR" not in os.environ and "CORRAL_CGROUP_PARENT" not in os.environ:
+        os.environ["CORRAL_STATE_DIR"] = tempfile.mkdtemp(prefix="corral-bench-wasm-")
+        os.environ["CORRAL_CGROUP_PARENT"] = f"corral-bench-{os.getpid()}"
+        # registered first, so it runs last: after the tier's pool and spares are closed
+        atexit.register(clean_up, Path(os.environ["CORRAL_STATE_DIR"]), os.environ["CORRAL_CGROUP_PARENT"])
 
     # warm-up: module compiled/cached, pool started
     with Sandbox.create(tier="wasm") as sb:

@@ -42,9 +42,16 @@ def all_leftovers(state_dir: Path) -> list[str]:
     found += [f"mount {m}" for m in mounts.mounts_under(sandboxes)]
     uids = state_dir / "uids"
     if uids.is_dir():
-        # sandbox reservations only: a tier's own warm spares (wasm) hold uids while they live
-        found += [f"uid {p.name}" for p in uids.iterdir() if p.read_text().startswith("sb-")]
+        # a wasm tier's spare guests hold uids for sandboxes not created yet: the tier's, not a sandbox's
+        found += [f"uid {p.name}" for p in uids.iterdir() if not _owner(p).startswith("wasm-spare:")]
     return found
+
+
+def _owner(uid_file: Path) -> str:
+    try:
+        return uid_file.read_text()
+    except FileNotFoundError:  # released while we looked
+        return "wasm-spare:"
 
 
 def _zombie(pid: str) -> bool:

@@ -319,3 +319,102 @@ def test_disk_limit_and_no_network(wasm_available: None) -> None:
         ))
     assert "no network" in r.stdout and "CONNECTED" not in r.stdout, r.stdout + r.stderr
     assert "disk full" in r.stdout and "WROTE" not in r.stdout, r.stdout + r.stderr
+
+
+# -- spare guests (pre-started before a sandbox exists) -------------------------------
+
+def _ready_spare(state_dir: Path) -> object:
+    from corral.tiers import get_tier
+
+    tier = get_tier("wasm", state_dir)
+    guests = tier.spare_guests()  # type: ignore[attr-defined]
+    assert guests is not None
+    guests.fill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not guests._ready:
+        time.sleep(0.05)
+    assert guests._ready, "no spare guest became ready"
+    return guests
+
+
+def test_a_new_sandbox_adopts_a_spare_guest_with_its_own_disk_size_and_uid(wasm_available: None,
+                                                                           state_dir: Path) -> None:
+    from corral.host import mounts
+
+    guests = _ready_spare(state_dir)
+    spare = guests._ready[0]  # type: ignore[attr-defined]
+    with Sandbox.create(tier="wasm", disk="8M") as sb:
+        inner = sb._tier_sandbox()
+        assert inner._next is spare.worker and inner.uid == spare.uid  # type: ignore[attr-defined]
+        assert (state_dir / "uids" / str(spare.uid)).read_text() == sb.id
+        fs = state_dir / "sandboxes" / sb.id / "fs"
+        assert fs in mounts.mounts_under(fs) and not spare.directory.exists()
+        assert os.statvfs(fs).f_blocks * os.statvfs(fs).f_frsize == 8 << 20
+        sb.files.write("note.txt", "from the host")
+        r = sb.commands.run(py("print(open('note.txt').read()); open('/tmp/t', 'w').write('x')"))
+        assert r.stdout == "from the host\n", r.stderr
+        assert sb.files.read("/tmp/t") == "x"
+    assert not (state_dir / "uids" / str(spare.uid)).exists()
+    assert not _alive(spare.worker.pid)
+
+
+def test_a_sandbox_with_other_limits_does_not_adopt_a_spare(wasm_available: None, state_dir: Path) -> None:
+    guests = _ready_spare(state_dir)
+    spare = guests._ready[0]  # type: ignore[attr-defined]
+    with Sandbox.create(tier="wasm", memory="128M") as sb:
+        assert sb._tier_sandbox().uid != spare.uid  # type: ignore[attr-defined]
+        assert sb.commands.run(py("print('own guest')")).stdout == "own guest\n"
+    assert spare in guests._ready  # type: ignore[attr-defined]
+
+
+def test_spares_of_a_dead_owner_are_reaped(wasm_available: None, state_dir: Path) -> None:
+    from corral.host import mounts
+    from corral.tiers.process import allocate_uid
+
+    guests = _ready_spare(state_dir)
+    dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a live process
+    stale = guests.root / f"{dead_pid}-feedface"  # type: ignore[attr-defined]
+    (stale / "fs").mkdir(parents=True)
+    mounts.mount_tmpfs(stale / "fs", 1 << 20, 0, 0)
+    uid = allocate_uid(state_dir, f"wasm-spare:{dead_pid}")
+    guests.reap_stale()  # type: ignore[attr-defined]
+    assert not stale.exists() and mounts.mounts_under(stale) == []
+    assert not (state_dir / "uids" / str(uid)).exists()
+    assert guests._ready  # type: ignore[attr-defined]  # our own spares are left alone
+
+
+def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, state_dir: Path) -> None:
+    from corral.tiers import get_tier
+
+    handle = sb.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+    inner = sb._tier_sandbox()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not inner._running:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    (process,) = inner._running  # type: ignore[attr-defined]
+    os.kill(process.worker.pid, signal.SIGKILL)  # as if wasmtime crashed
+    result = handle.wait()
+    assert result.exit_code == 128 + signal.SIGKILL and "worker died" in result.stderr
+    assert sb.commands.run(py("print('next')")).stdout == "next\n"
+
+    pool = get_tier("wasm", state_dir).pool  # type: ignore[attr-defined]
+    zygote = pool._zygote
+    assert zygote is not None
+    zygote.kill()
+    zygote.wait()
+    for _ in range(3):  # spares forked before the kill may be gone; the pool starts a new zygote
+        r = sb.commands.run(py("print('after zygote')"))
+        if r.stdout == "after zygote\n":
+            break
+    assert r.stdout == "after zygote\n", r
+
+
+def test_a_terminating_signal_ends_the_command_and_output_is_capped(wasm_available: None) -> None:
+    with Sandbox.create(tier="wasm", max_output="4K") as sb:
+        handle = sb.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+        time.sleep(0.5)
+        handle.send_signal(signal.SIGTERM)
+        result = handle.wait()
+        assert result.signal == signal.SIGTERM and result.exit_code == 128 + signal.SIGTERM
+        flood = sb.commands.run(py("import sys; sys.stdout.write('x' * 100_000)"))
+    assert flood.exit_code == 0 and flood.truncated and len(flood.stdout) == 4096

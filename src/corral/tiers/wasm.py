@@ -13,9 +13,10 @@ preview 1 has no sockets to open).  Limits:
   command (exhaustion ends it like SIGXCPU: exit 152) and the cgroup's CPU quota;
 - disk: a tmpfs of the disk limit holds both directories (as root).
 
-Each command runs in its own worker process (:mod:`.wasm_worker`), taken
-warm from a pool, as the sandbox's own unprivileged host uid.  An idle
-sandbox has no process at all: only its directories.
+Each command runs in its own worker process (:mod:`.wasm_worker`), forked
+from a zygote that holds wasmtime and the compiled module, as the sandbox's
+own unprivileged host uid.  An idle sandbox keeps one guest started for its
+next command (none with ``prestart=False``); see docs/wasm.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -79,10 +81,9 @@ class WasmTier(Tier):
         #: guests pre-started for sandboxes not created yet (see wasm_spares; root only)
         self.spare_guest_count = spare_guests if prestart else 0
         self.fuel_per_cpu_second = fuel_per_cpu_second
-        _check_openat2()
-        self.runtime: Runtime = default_runtime()
-        wasmtime_version()
-        self.module, _ = ensure_compiled(self.runtime)
+        # the runtime is resolved (and compiled, on a fresh machine) on first create, not
+        # here: the janitor builds tiers to reap sandboxes and must not pay for that
+        self._module: Path | None = None
         self.privileged = os.geteuid() == 0
         self.cgroup_layout: cgroups.Layout | None = None
         if self.privileged:
@@ -100,11 +101,21 @@ class WasmTier(Tier):
         self._spare_guests: SpareGuests | None = None
         self._pool_lock = threading.Lock()
 
+    def _ensure_ready(self) -> Path:
+        """The compiled module, checking the host and compiling on first use."""
+        with self._pool_lock:
+            if self._module is None:
+                _check_openat2()
+                runtime: Runtime = default_runtime()
+                self._module, _ = ensure_compiled(runtime)
+            return self._module
+
     @property
     def pool(self) -> WorkerPool:
+        module = self._ensure_ready()
         with self._pool_lock:
             if self._pool is None:
-                self._pool = WorkerPool(self.module, self._spares)
+                self._pool = WorkerPool(module, self._spares)
             return self._pool
 
     def spare_guests(self) -> SpareGuests | None:
@@ -158,6 +169,12 @@ class WasmTier(Tier):
                 f"image {spec.image!r} does not exist in the wasm tier; it runs one image, 'python' "
                 "(CPython 3.12 for WASI, standard library only; 'host' means the same)"
             )
+        if spec.network != "none":
+            raise InvalidSpec(
+                f"network {spec.network!r}: the wasm tier has no network at all (WASI preview 1 has no "
+                "sockets); use network='none', or the process, gvisor or microvm tier"
+            )
+        self._ensure_ready()
         return WasmSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
@@ -209,8 +226,9 @@ class WasmSandbox(TierSandbox):
             try:
                 guests.adopt(spare, self.id, root, spec.limits.disk)
             except BaseException:
-                guests.discard(spare)
+                guests.discard(spare)  # releases the uid: it is no longer ours to release
                 self._next = None
+                self._uid_reserved = False
                 raise
         elif tier.privileged:
             self.uid = self.gid = allocate_uid(tier.state_dir, self.id)
@@ -224,6 +242,7 @@ class WasmSandbox(TierSandbox):
         tmp.mkdir(mode=0o700, exist_ok=True)
         for path in (ws, tmp):
             os.chown(path, self.uid, self.gid)
+            os.chmod(path, 0o700)  # only the sandbox's uid (and root): no other sandbox's uid reads in
         self.roots = {"/workspace": ws, "/tmp": tmp}
         self.files = SandboxFiles(self.roots, self.uid, self.gid)
         if tier.cgroup_layout is not None:
@@ -250,15 +269,26 @@ class WasmSandbox(TierSandbox):
         }
 
     def _launch_worker(self, job: dict[str, Any], worker: Worker | None = None) -> Worker:
-        """A warm worker (from the pool unless given), placed in this sandbox's cgroup, given ``job``."""
-        worker = worker or self._tier.pool.take()
-        try:
-            self._place(worker)
-            worker.control.sendall(json.dumps(job).encode() + b"\n")
-        except BaseException:
-            worker.close()
-            raise
-        return worker
+        """A warm worker (from the pool unless given), placed in this sandbox's cgroup, given ``job``.
+
+        A spare can die while it waits (its zygote was killed, the OOM killer):
+        then the next one is taken.
+        """
+        for attempt in range(3):
+            worker = worker or self._tier.pool.take()
+            try:
+                self._place(worker)
+                worker.control.sendall(json.dumps(job).encode() + b"\n")
+                return worker
+            except OSError:
+                worker.close()
+                worker = None
+                if attempt == 2:
+                    raise
+            except BaseException:
+                worker.close()
+                raise
+        raise AssertionError("unreachable")
 
     def _place(self, worker: Worker) -> None:
         """Put a worker in this sandbox's cgroup (limits and kill tree)."""
@@ -295,6 +325,7 @@ class WasmSandbox(TierSandbox):
                 job = self._job(list(PRESTART_ARGV), {}, self.spec.limits.timeout)
                 job["wait"] = True
                 worker = self._launch_worker(job, spare)
+                worker.await_started()
         except Exception:  # commands fall back to a fresh start
             worker = None
         with self._lock:
@@ -328,10 +359,15 @@ class WasmSandbox(TierSandbox):
         env = dict(request.env)
         record = launch_record(argv, env) if request.timeout <= self.spec.limits.timeout else None
         worker = self._take_prestarted() if record is not None else None
+        process: WasmProcess | None = None
         if worker is not None:
             job = self._job(argv, env, request.timeout)
-            process = WasmProcess(self, worker, request, on_output, job, launch=record)
-        else:
+            try:
+                process = WasmProcess(self, worker, request, on_output, job, launch=record)
+            except OSError:  # the pre-started guest died: start a fresh one
+                worker.close()
+                process = None
+        if process is None:
             job = self._job(argv, env, request.timeout)
             worker = self._launch_worker(job)
             try:
@@ -427,6 +463,25 @@ class WasmSandbox(TierSandbox):
     def reap_record(self) -> dict[str, Any]:
         return {"uid": self.uid, "cgroup": self.cgroup is not None}
 
+    def _destroy_cgroup(self, cgroup: cgroups.SandboxCgroup) -> None:
+        """SandboxCgroup.destroy without its recursive directory walks (~600 stat calls on
+        cgroup v1, a third of a teardown here): this sandbox's groups have one known leaf."""
+        cgroup.kill_all()
+        try:
+            for group in (self._leaf, cgroup.kill_group, *cgroup.limit_groups):
+                for _ in range(200):
+                    try:
+                        group.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError as exc:
+                        if exc.errno != errno.EBUSY:
+                            raise
+                        time.sleep(0.005)
+        finally:
+            cgroup.destroy()  # no-op when all is gone; the thorough path otherwise
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -445,7 +500,7 @@ class WasmSandbox(TierSandbox):
             for process in running:
                 process.join(5.0)
             if self.cgroup is not None:
-                self.cgroup.destroy()
+                self._destroy_cgroup(self.cgroup)
         finally:
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)

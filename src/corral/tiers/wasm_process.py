@@ -213,13 +213,11 @@ class WasmProcess(Process):
             exit_code = 134
             note = f"the WebAssembly guest trapped: {trap}: {outcome.get('message', '')}"
         elif exit_code is None:
-            returncode = self.worker.proc.returncode
-            signal_number = -returncode if returncode is not None and returncode < 0 else signal.SIGKILL
-            if self._killed_by is not None:
-                signal_number = self._killed_by
+            # the worker ended without reporting: killed by us, by the cgroup's OOM killer, or crashed
+            signal_number = self._killed_by if self._killed_by is not None else signal.SIGKILL
             exit_code = 128 + signal_number
             if self._killed_by is None and not oom:
-                note = f"the wasm worker died (status {returncode})"
+                note = "the wasm worker died before its guest ended"
         if not timed_out and exit_code != 0 and _MEMORY_ERROR.search(bytes(self._stderr_tail)):
             oom = True
         if trap is not None and int(outcome.get("memory") or 0) >= self._memory_limit - 4 * MiB:

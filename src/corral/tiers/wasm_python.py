@@ -48,14 +48,14 @@ def _corral_boot():
     del g["_corral_boot"]
     mode = sys.argv[1]
     if mode == "w":
-        # pre-started: the command arrives on stdin as "LENGTH\n" + NUL-separated
-        # mode, cwd, argument count, arguments, NAME=VALUE environment
+        # pre-started: the command arrives on stdin as a 10-digit length, then
+        # NUL-separated mode, cwd, argument count, arguments, NAME=VALUE environment
         header = b""
-        while not header.endswith(b"\n"):
-            byte = os.read(0, 1)
-            if not byte:
+        while len(header) < 10:
+            chunk = os.read(0, 10 - len(header))
+            if not chunk:
                 raise SystemExit(0)
-            header += byte
+            header += chunk
         size, payload = int(header), b""
         while len(payload) < size:
             chunk = os.read(0, size - len(payload))
@@ -71,17 +71,47 @@ def _corral_boot():
             os.environ[name] = value
         mode = sys.argv[1]
     cwd, rest = sys.argv[2], sys.argv[3:]
+
+    def finish(code):
+        # what interpreter shutdown does that a program can see: atexit handlers and
+        # flushed output; the rest of finalization (~15% of a command's instructions
+        # in wasm) is skipped, as after os._exit
+        import atexit
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(code & 0xFF)
+
+    def exit_code(exc):
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
+
     try:
         os.chdir(cwd)
     except OSError as exc:
         sys.stderr.write(f"corral: cannot change to working directory {cwd}: {exc.strerror}\n")
-        raise SystemExit(1)
+        finish(1)
     if mode == "m":
         import runpy
         sys.argv = ["-m", *rest[1:]]
+        sys.executable = sys.executable or "python3"  # runpy's errors start with it
         sys.path.insert(0, os.getcwd())
-        runpy._run_module_as_main(rest[0], alter_argv=True)
-        return
+        try:
+            runpy._run_module_as_main(rest[0], alter_argv=True)
+        except SystemExit as exc:
+            finish(exit_code(exc))
+        except BaseException as exc:
+            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+            finish(1)
+        finish(0)
     if mode == "c":
         sys.argv = ["-c", *rest[1:]]
         code = rest[0]  # exec(str) compiles as "<string>", like -c, and cheaper than compile()
@@ -93,7 +123,7 @@ def _corral_boot():
                 source = f.read()
         except OSError as exc:
             sys.stderr.write(f"python: can't open file {rest[0]!r}: [Errno {exc.errno}] {exc.strerror}\n")
-            raise SystemExit(2)
+            finish(2)
         g["__file__"] = filename = rest[0]
     else:
         sys.argv = [""]
@@ -102,13 +132,14 @@ def _corral_boot():
         if mode != "c":
             code = compile(source, filename, "exec")
         exec(code, g)
-    except SystemExit:
-        raise
+    except SystemExit as exc:
+        finish(exit_code(exc))
     except BaseException as exc:
         # cut this boot frame: the traceback starts in the user's code, as with python itself
         tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        raise SystemExit(1)
+        finish(1)
+    finish(0)
 _corral_boot()
 """
 
@@ -126,7 +157,7 @@ def launch_record(argv: Sequence[str], env: dict[str, str]) -> bytes | None:
     mode, cwd, rest = argv[3], argv[4], list(argv[5:])
     fields = [mode, cwd, str(len(rest)), *rest, *(f"{k}={v}" for k, v in env.items())]
     payload = "\0".join(fields).encode("utf-8", "surrogateescape")
-    return b"%d\n" % len(payload) + payload
+    return b"%010d" % len(payload) + payload
 
 
 def _has_shell_syntax(text: str) -> bool:

@@ -12,10 +12,10 @@ engine configuration, CPU architecture), in a separate process, under a file
 lock, into a 0700 directory owned by us (a serialized module is native code:
 anyone who can write the cache can run code in every sandbox).
 
-Worker pool: spare worker processes that have already imported wasmtime and
-mapped the compiled module wait for a job, so a command does not pay for a
-process start (import wasmtime alone takes 60-300 ms here).  Every command
-takes one spare, which is then replaced in the background.
+Worker pool: one zygote process imports wasmtime and maps the compiled
+module once (``import wasmtime`` alone takes 60-300 ms of CPU here) and forks
+workers on request (1.5 ms each, pages shared).  A few forked spares wait for
+a job; every command takes one, which is replaced in the background.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import json
 import os
 import platform
 import select
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -147,11 +149,54 @@ def ensure_compiled(runtime: Runtime) -> tuple[Path, bool]:
     return target, True
 
 
+class ChildProcess:
+    """A worker forked by the zygote, followed through a pidfd.
+
+    The zygote reaps its children, so the exit status is not ours to read:
+    ``returncode`` is -SIGKILL when we killed it and -1 when it died on its own
+    (the control socket says how a guest ended).  A pidfd, unlike a pid,
+    can never name a reused pid, so killing stays safe after the exit.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+        self._killed = False
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._pidfd >= 0:
+            ready, _, _ = select.select([self._pidfd], [], [], 0)
+            if ready:
+                self._exited()
+        return self.returncode
+
+    def wait(self, timeout: float) -> bool:
+        if self.returncode is None and self._pidfd >= 0:
+            ready, _, _ = select.select([self._pidfd], [], [], timeout)
+            if ready:
+                self._exited()
+        return self.returncode is not None
+
+    def _exited(self) -> None:
+        self.returncode = -signal.SIGKILL if self._killed else -1
+        os.close(self._pidfd)
+        self._pidfd = -1
+
+    def kill(self) -> None:
+        if self.returncode is None and self._pidfd >= 0:
+            self._killed = True
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @dataclass
 class Worker:
     """A worker process and the host's ends of its pipes."""
 
-    proc: subprocess.Popen[bytes]
+    proc: ChildProcess
     control: socket.socket
     stdin_w: int
     stdout_r: int
@@ -161,30 +206,38 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid
 
-    def reap(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the worker to exit and reap it; True if it did.
-
-        Waits on a pidfd: Popen.wait(timeout) polls with sleeps, which costs
-        tens of milliseconds per sandbox teardown.
-        """
-        if self.proc.returncode is not None:
-            return True
+    def await_started(self, timeout: float = READY_TIMEOUT) -> None:
+        """Wait for the worker's "started" (its guest is instantiated); raise with its stderr if it died."""
+        self.control.settimeout(timeout)
+        line = b""
         try:
-            pidfd = os.pidfd_open(self.proc.pid)
-        except OSError:  # already reaped by someone else
-            return self.proc.poll() is not None
-        try:
-            ready, _, _ = select.select([pidfd], [], [], timeout)
+            while not line.endswith(b"\n"):
+                chunk = self.control.recv(4096)
+                if not chunk:
+                    break
+                line += chunk
+        except OSError:
+            line = b""
         finally:
-            os.close(pidfd)
-        return bool(ready) and self.proc.poll() is not None
+            self.control.settimeout(None)
+        if line.endswith(b"\n") and json.loads(line).get("started"):
+            return
+        self.kill()
+        self.reap(5.0)
+        os.set_blocking(self.stderr_r, False)
+        try:
+            text = os.read(self.stderr_r, 65536).decode(errors="replace").strip()
+        except OSError:
+            text = ""
+        self.close()
+        raise HostNotSupported(f"the wasm worker could not start its guest: {text[-2000:] or 'no output'}")
+
+    def reap(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the worker to be gone; True if it is."""
+        return self.proc.wait(timeout)
 
     def kill(self) -> None:
-        if self.proc.returncode is None:
-            try:
-                self.proc.kill()
-            except ProcessLookupError:
-                pass
+        self.proc.kill()
 
     def close(self) -> None:
         """Kill (if still running), reap and close every fd. Idempotent."""
@@ -201,8 +254,9 @@ class Worker:
 
 
 class WorkerPool:
-    """Keeps ``spares`` warm workers. All spawning happens on one long-lived thread,
-    because a worker's PR_SET_PDEATHSIG fires when the *thread* that forked it ends."""
+    """Keeps ``spares`` warm workers, forked by the zygote.  The zygote is started on
+    one long-lived thread, because its PR_SET_PDEATHSIG fires when the *thread*
+    that forked it ends."""
 
     def __init__(self, module: Path, spares: int = 2) -> None:
         self.module = module
@@ -213,6 +267,8 @@ class WorkerPool:
         self._error = ""
         self._failures = 0
         self._owner = os.getpid()
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._zygote_socket: socket.socket | None = None
         self._thread = threading.Thread(target=self._spawn_loop, name="corral-wasm-spawner", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -240,23 +296,73 @@ class WorkerPool:
                 self._ready.append(worker)
                 self._cond.notify_all()
 
+    def _start_zygote(self) -> None:
+        """(Re)start the zygote: the one process that imports wasmtime and maps the module."""
+        self._stop_zygote()
+        host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        stderr_r, stderr_w = os.pipe2(os.O_CLOEXEC)
+        fd = zygote_end.fileno()
+        try:
+            self._zygote = subprocess.Popen(
+                [sys.executable, "-s", "-E", str(WORKER_SCRIPT), "zygote", str(self.module), str(os.getpid()),
+                 str(fd)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr_w, pass_fds=(fd,),
+                close_fds=True, env={"LANG": "C.UTF-8"}, cwd="/", start_new_session=True,
+            )
+        finally:
+            zygote_end.close()
+            os.close(stderr_w)
+        host_end.settimeout(READY_TIMEOUT)
+        try:
+            ready = host_end.recv(1)
+        except OSError:
+            ready = b""
+        if ready != b"R":
+            self._zygote.kill()
+            self._zygote.wait()
+            os.set_blocking(stderr_r, False)
+            try:
+                text = os.read(stderr_r, 65536).decode(errors="replace").strip()
+            except OSError:
+                text = ""
+            os.close(stderr_r)
+            host_end.close()
+            raise HostNotSupported(f"the wasm worker zygote did not start: {text[-2000:] or 'no output'}")
+        os.close(stderr_r)
+        host_end.settimeout(10.0)
+        self._zygote_socket = host_end
+
+    def _stop_zygote(self) -> None:
+        if self._zygote_socket is not None:
+            self._zygote_socket.close()
+            self._zygote_socket = None
+        if self._zygote is not None:
+            self._zygote.kill()
+            self._zygote.wait()
+            self._zygote = None
+
     def _spawn(self) -> Worker:
+        if self._zygote is None or self._zygote.poll() is not None or self._zygote_socket is None:
+            self._start_zygote()
+        assert self._zygote_socket is not None
         host_ctl, worker_ctl = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
         stdout_r, stdout_w = os.pipe2(os.O_CLOEXEC)
         stderr_r, stderr_w = os.pipe2(os.O_CLOEXEC)
-        ctl_fd = worker_ctl.fileno()
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-s", "-E", str(WORKER_SCRIPT), "run", str(self.module), str(os.getpid()),
-                 str(ctl_fd)],
-                stdin=stdin_r, stdout=stdout_w, stderr=stderr_w, pass_fds=(ctl_fd,), close_fds=True,
-                env={"LANG": "C.UTF-8"}, cwd="/", start_new_session=True,
-            )
+            socket.send_fds(self._zygote_socket, [b"F"], [stdin_r, stdout_w, stderr_w, worker_ctl.fileno()])
+            reply = b""
+            while len(reply) < 4:
+                chunk = self._zygote_socket.recv(4 - len(reply))
+                if not chunk:
+                    raise HostNotSupported("the wasm worker zygote exited")
+                reply += chunk
+            proc = ChildProcess(struct.unpack("<i", reply)[0])
         except BaseException:
             for fd in (stdin_w, stdout_r, stderr_r):
                 os.close(fd)
             host_ctl.close()
+            self._stop_zygote()
             raise
         finally:
             worker_ctl.close()
@@ -285,7 +391,7 @@ class WorkerPool:
     @staticmethod
     def _stderr_of(worker: Worker) -> str:
         worker.kill()
-        worker.proc.wait()
+        worker.proc.wait(5.0)
         os.set_blocking(worker.stderr_r, False)
         try:
             text = os.read(worker.stderr_r, 65536).decode(errors="replace").strip()
@@ -315,6 +421,9 @@ class WorkerPool:
                 self._cond.wait(remaining)
             worker = self._ready.pop(0)
             self._cond.notify_all()
+        if worker.proc.poll() is not None:  # died while spare (e.g. its zygote was killed)
+            worker.close()
+            return self.take(max(0.1, deadline - time.monotonic()))
         return worker
 
     def put_back(self, worker: Worker) -> None:
@@ -340,3 +449,4 @@ class WorkerPool:
         if os.getpid() == self._owner:
             for worker in spares:
                 worker.close()
+            self._stop_zygote()

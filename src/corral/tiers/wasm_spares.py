@@ -61,6 +61,8 @@ class SpareGuests:
         self.count = count
         self.limits = Limits()
         self.root = tier.state_dir / "wasm-spares"
+        # the spare's guest runs as its own uid: it must be able to reach its tmpfs
+        os.chmod(tier.state_dir, os.stat(tier.state_dir).st_mode | 0o111)
         self.root.mkdir(mode=0o711, exist_ok=True)
         os.chmod(self.root, 0o711)  # the spare uid must reach its fs/
         self._ready: list[Spare] = []
@@ -118,7 +120,7 @@ class SpareGuests:
             directory.mkdir(mode=0o711)
             fs.mkdir()
             mounts.mount_tmpfs(fs, self.limits.disk, uid, uid, 0o711)
-            (fs / "workspace").mkdir(mode=0o755)
+            (fs / "workspace").mkdir(mode=0o700)
             (fs / "tmp").mkdir(mode=0o700)
             for path in (fs / "workspace", fs / "tmp"):
                 os.chown(path, uid, uid)
@@ -137,6 +139,7 @@ class SpareGuests:
                 "wait": True,
             }
             worker.control.sendall(json.dumps(job).encode() + b"\n")
+            worker.await_started()
             return spare
         except BaseException:
             if spare is not None:

@@ -1,8 +1,9 @@
 """The wasm tier's worker: one process per command, running one WASI guest.
 
-Run as a script (``python -s -E wasm_worker.py run CACHE PARENT_PID CONTROL_FD``),
-never imported by the guest.  It imports only the standard library and
-wasmtime, so that it starts fast and its failure modes are few.
+Run as a script (``python -s -E wasm_worker.py zygote CACHE PARENT_PID SOCKET_FD``;
+``run`` starts a single worker without a zygote).  It imports only the
+standard library and wasmtime, so that it starts fast and its failure modes
+are few.
 
 Why a process per command, not a thread in the caller: a guest blocked in a
 host call (``time.sleep`` is a blocking ``poll_oneoff``) cannot be interrupted
@@ -11,10 +12,12 @@ the caller down.  A process can always be SIGKILLed and placed in a cgroup.
 
 Life of a worker::
 
-    spawned by the host's pool  -> import wasmtime, deserialize the cached module
-    -> "ready" on the control socket -> (waits, as a warm spare)
-    <- one job (argv, env, preopens, limits, uid)  -> drop privileges
+    zygote: import wasmtime, deserialize the cached module, wait for requests
+    -> fork on request -> "ready" on the control socket -> (waits, as a warm spare)
+    <- one job (argv, env, preopens, limits, uid, seccomp)  -> drop privileges
     -> "started" -> run the guest's _start -> "exit" with code/trap -> exit
+    (a job with "wait": the guest starts and reads its command from stdin;
+    the timeout clock starts on a later "go")
 
 The guest's stdin, stdout and stderr are the worker's own fds 0, 1, 2:
 pipes the host reads and writes directly, so output streams as produced.
@@ -27,7 +30,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import socket
+import struct
 import sys
 import threading
 from typing import Any
@@ -132,17 +137,70 @@ def _memory_size(instance: Any, store: Any) -> int:
         return 0
 
 
-def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
-    _die_with_parent(parent_pid)
+def _load(cache_path: str) -> tuple[Any, Any, Any]:
     import wasmtime
 
-    control = socket.socket(fileno=control_fd)
     engine = make_engine()
     module = wasmtime.Module.deserialize_file(engine, cache_path)
     linker = wasmtime.Linker(engine)
     linker.define_wasi()
-    _send(control, {"ready": True, "pid": os.getpid()})
+    return engine, module, linker
 
+
+def run_zygote(cache_path: str, parent_pid: int, socket_fd: int) -> None:
+    """Load wasmtime and the module once, then fork a worker per request.
+
+    A fork costs ~1.5 ms; a fresh worker process (import wasmtime, map the
+    module) 60-300 ms of CPU.  The zygote runs no wasm and starts no thread,
+    so forking it is safe.  Each request carries the child's stdin, stdout,
+    stderr and control socket (SCM_RIGHTS); the reply is the child's pid.
+    Children are reaped automatically (SIGCHLD ignored): the host follows
+    them with pidfds.
+    """
+    _die_with_parent(parent_pid)
+    engine, module, linker = _load(cache_path)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    requests = socket.socket(fileno=socket_fd)
+    requests.sendall(b"R")
+    zygote_pid = os.getpid()
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(requests, 16, 4)
+        except OSError:
+            os._exit(0)
+        if not message or len(fds) != 4:
+            os._exit(0)  # the host closed the socket: it is gone or done
+        pid = os.fork()
+        if pid == 0:
+            try:
+                requests.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.setsid()
+                for target, fd in enumerate(fds[:3]):
+                    os.dup2(fd, target)
+                control_fd = os.dup(fds[3])
+                for fd in fds:
+                    os.close(fd)
+                _die_with_parent(zygote_pid)
+                serve(socket.socket(fileno=control_fd), engine, module, linker)
+            finally:
+                os._exit(70)
+        for fd in fds:
+            os.close(fd)
+        requests.sendall(struct.pack("<i", pid))
+
+
+def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
+    _die_with_parent(parent_pid)
+    engine, module, linker = _load(cache_path)
+    serve(socket.socket(fileno=control_fd), engine, module, linker)
+
+
+def serve(control: socket.socket, engine: Any, module: Any, linker: Any) -> None:
+    """Run one job on this worker's guest, report how it ended, exit."""
+    import wasmtime
+
+    _send(control, {"ready": True, "pid": os.getpid()})
     reader = control.makefile("rb")
     job = _read_message(reader)
     if job is None:
@@ -222,10 +280,12 @@ def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) == 4 and argv[0] == "run":
         run_worker(argv[1], int(argv[2]), int(argv[3]))
+    elif len(argv) == 4 and argv[0] == "zygote":
+        run_zygote(argv[1], int(argv[2]), int(argv[3]))
     elif len(argv) == 3 and argv[0] == "compile":
         compile_module(argv[1], argv[2])
     else:
-        sys.stderr.write("usage: wasm_worker.py run CACHE PARENT_PID CONTROL_FD | compile WASM OUT\n")
+        sys.stderr.write("usage: wasm_worker.py run|zygote CACHE PARENT_PID FD | compile WASM OUT\n")
         sys.exit(2)
 
 
