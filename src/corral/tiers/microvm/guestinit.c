@@ -264,6 +264,7 @@ static void setup_root(void) {
     do_mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "ptmxmode=0666");
     do_mount("shm", "/newroot/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
     do_mount("cgroup2", "/newroot/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    mkdir_p("/newroot/home/user");
     mkdir_p("/newroot/tmp");
     chmod("/newroot/tmp", 01777);
     mkdir_p("/newroot/.corral");

@@ -162,7 +162,7 @@ def probe_kvm(assets: GuestAssets) -> tuple[bool, str]:
         return False, "/dev/kvm is missing or not accessible"
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     cache = cache_dir() / "kvm-probe.json"
-    key = f"{boot_id} {qemu.qemu_version()} {assets.digest}"
+    key = f"{TEMPLATE_VERSION} {boot_id} {qemu.qemu_version()} {assets.digest} {qemu.MACHINE} {qemu.kernel_args('kvm')}"
     try:
         cached = json.loads(cache.read_text())
         if cached.get("key") == key:
