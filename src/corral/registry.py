@@ -124,7 +124,7 @@ def gc(root: Path) -> list[str]:
             continue
         try:
             get_tier(row.tier, root).reap(row.id, row.run_dir, row.record)
-        except Exception:  # noqa: BLE001 - a broken row must not stop the rest of the sweep
+        except Exception:
             shutil.rmtree(row.run_dir, ignore_errors=True)
         registry.remove(row.id)
         reaped.append(row.id)
@@ -146,6 +146,7 @@ def gc(root: Path) -> list[str]:
                 owner = entry.read_text().strip()
             except OSError:
                 continue
-            if owner not in known:
+            # only sandbox reservations: other owners (e.g. the wasm tier's spares) reap their own
+            if owner.startswith("sb-") and owner not in known:
                 entry.unlink(missing_ok=True)
     return reaped

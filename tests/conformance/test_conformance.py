@@ -31,7 +31,7 @@ def tier(request: pytest.FixtureRequest, state_dir: Path) -> str:
     name: str = request.param
     try:
         availability = tier_class(name).probe(state_dir)
-    except Exception as exc:  # noqa: BLE001 - report any probe failure as the skip reason
+    except Exception as exc:
         pytest.skip(f"tier {name} unavailable: {exc}")
     if not availability.available:
         pytest.skip(f"tier {name} unavailable: {availability.reason}")
