@@ -38,7 +38,7 @@ from ...images import resolve
 from ...spec import MiB, SandboxSpec
 from ..agent import T_FREMOVE, T_FWRITE, AgentChannel, AgentProcess
 from ..base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
-from ..process import allocate_uid, release_uid
+from ..rootfs import allocate_uid, release_uid
 from . import guest, qemu, template
 
 #: guest RAM on top of the sandbox's memory limit: kernel, agent, page cache
