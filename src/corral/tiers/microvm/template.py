@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ...errors import HostNotSupported, SandboxError
 from . import qemu
-from .guest import GuestAssets, cache_dir, cache_lock
+from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
@@ -124,6 +124,7 @@ def get_template(assets: GuestAssets, accel: str, ram_mb: int) -> Template:
 
 def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_builds(final.parent)
     work = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     try:
         proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE)
