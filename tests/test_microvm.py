@@ -77,6 +77,27 @@ def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
     assert int(mem.split()[1]) < 1024 * 1024
 
 
+def test_image_is_shared_read_only_with_a_private_writable_layer(vm: Sandbox) -> None:
+    marker = "/usr/corral-microvm-write-test"
+    r = vm.commands.run(py(f"open({marker!r}, 'w').write('guest'); print(open({marker!r}).read())"))
+    assert r.stdout == "guest\n", r  # the guest's overlay takes the write...
+    assert not Path(marker).exists()  # ...and the host's /usr never sees it
+
+
+def test_read_only_workspace_is_read_only_in_the_guest(tmp_path: Path) -> None:
+    (tmp_path / "input.txt").write_text("host data")
+    with Sandbox.create(tier="microvm", memory="256M", workspace=f"{tmp_path}:ro") as sb:
+        r = sb.commands.run(py(
+            "print(open('/workspace/input.txt').read())\n"
+            "try:\n"
+            "    open('/workspace/input.txt', 'w').write('changed')\n"
+            "except OSError as e:\n"
+            "    print('denied', e.errno)\n"
+        ))
+    assert r.stdout.splitlines() == ["host data", "denied 30"], r  # EROFS
+    assert (tmp_path / "input.txt").read_text() == "host data"
+
+
 def test_timeout_kills_the_whole_tree_inside_the_guest(vm: Sandbox) -> None:
     daemon = "import time\nwhile True:\n    open('/tmp/beat', 'a').write('x')\n    time.sleep(0.1)\n"
     code = (
