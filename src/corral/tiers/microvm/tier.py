@@ -64,9 +64,25 @@ class MicroVMTier(Tier):
         self.state_dir = state_dir
         _check_host()
         self._layout = cgroups.detect()
-        self.assets = guest.assets()
-        kvm_ok, self.kvm_reason = template.probe_kvm(self.assets)
-        self.accel = "kvm" if kvm_ok else "tcg"
+        self._guest: tuple[guest.GuestAssets, str] | None = None
+        self._guest_lock = threading.Lock()
+
+    def _resolve_guest(self) -> tuple[guest.GuestAssets, str]:
+        # lazily: the janitor's reap() must work even where the guest cannot be built
+        with self._guest_lock:
+            if self._guest is None:
+                assets = guest.assets()
+                kvm_ok, _ = template.probe_kvm(assets)
+                self._guest = (assets, "kvm" if kvm_ok else "tcg")
+            return self._guest
+
+    @property
+    def assets(self) -> guest.GuestAssets:
+        return self._resolve_guest()[0]
+
+    @property
+    def accel(self) -> str:
+        return self._resolve_guest()[1]
 
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
