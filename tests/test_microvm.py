@@ -66,6 +66,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def test_probe_says_which_accelerator_and_why(vm: Sandbox, state_dir: Path) -> None:
+    # (the vm fixture makes sure the guest is built: before that the probe only
+    # says it will be fetched on first use)
+    availability = tier_class("microvm").probe(state_dir)
+    accel = availability.details.get("accelerator")
+    assert accel == _vm(vm)._tier.accel, availability
+    # the KVM decision comes from booting a guest, never from /dev/kvm merely existing
+    assert ("KVM guest booted" in availability.reason) == (accel == "kvm"), availability.reason
+    if accel == "tcg":
+        assert "TCG" in availability.reason, availability.reason
+        assert "did not boot" in availability.reason or "/dev/kvm" in availability.reason
+
+
 def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
     r = vm.commands.run(py("import platform; print(platform.release()); print(open('/proc/version').read())"))
     release, version = r.stdout.split("\n", 1)
