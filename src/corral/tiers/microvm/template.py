@@ -15,10 +15,13 @@ initramfs, accelerator, RAM size, machine and device layout.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -35,6 +38,7 @@ TEMPLATE_VERSION = "2"
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,8 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
     )
     start = time.monotonic()
     with open(work / "qemu.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+                                preexec_fn=_die_with_parent)
     try:
         qmp = qemu.QMP(qemu.connect_unix(paths.qmp_socket, deadline, proc), timeout=30)
         agent = qemu.connect_unix(paths.agent_socket, deadline, proc)
@@ -97,6 +102,14 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
         proc.kill()
         proc.wait()
         raise
+
+
+def _die_with_parent() -> None:
+    # a builder killed mid-boot must not leave its QEMU running: this VM is in no
+    # sandbox's cgroup, so no janitor would find it (the calling thread waits for
+    # the boot, so it cannot end first)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _tail(work: Path) -> str:
