@@ -26,7 +26,7 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
                 found.append(f"process {pid}")
         except OSError:
             continue
-    if any(row.id == sandbox_id for row in Registry(state_dir).rows()):
+    if any(row.id == sandbox_id for row in Registry.at(state_dir).rows()):
         found.append("registry row")
     return found
 

@@ -215,3 +215,17 @@ def test_agent_is_installed_where_unprivileged_launchers_can_read_it(state_dir: 
         assert path.stat().st_mode & 0o001, f"{path} is not traversable/readable by others"
         if path == state_dir:
             break
+
+
+def test_sandboxes_do_not_leak_file_descriptors() -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with Sandbox.create() as sb:
+        sb.commands.run(["true"])
+    before = open_fds()
+    for _ in range(10):
+        with Sandbox.create() as sb:
+            sb.commands.run(["true"])
+            sb.files.write("/tmp/f", "x")
+    assert open_fds() <= before

@@ -381,7 +381,7 @@ class Sandbox:
         full_spec = build_spec(spec, **kwargs)
         root = state_dir(state)
         _startup_gc(root)
-        registry = Registry(root)
+        registry = Registry.at(root)
         sandbox_id = new_sandbox_id()
         run_dir = root / "sandboxes" / sandbox_id
         tier = get_tier(full_spec.tier, root)
