@@ -191,6 +191,10 @@ def assets() -> GuestAssets:
         h.update(path.read_bytes())
     initrd = cache_dir() / "initrd" / f"initrd-{h.hexdigest()[:16]}.cpio"
     if initrd.is_file():
+        try:
+            os.utime(initrd)  # last use: template pruning keeps what is used
+        except OSError:
+            pass
         return GuestAssets(kdir / "vmlinuz", initrd, release)
     with cache_lock("initrd"):
         if initrd.is_file():

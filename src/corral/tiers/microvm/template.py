@@ -39,6 +39,9 @@ TEMPLATE_VERSION = "2"
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0
 PR_SET_PDEATHSIG = 1
+#: a template nobody restored for this long is deleted when another is built
+#: (running VMs keep their private mapping of a deleted RAM file)
+UNUSED_TTL = 3600.0
 
 
 @dataclass(frozen=True)
@@ -132,12 +135,41 @@ def get_template(assets: GuestAssets, accel: str, ram_mb: int) -> Template:
             if not meta.is_file():
                 _build(final, assets, accel, ram_mb)
     info = json.loads(meta.read_text())
+    try:
+        os.utime(meta)  # last use, for pruning
+    except OSError:
+        pass
     return Template(final, ram_mb, accel, float(info["boot_ms"]))
+
+
+def _prune(root: Path, keep: Path, initrd: Path) -> None:
+    """Delete templates (and initramfs images none of them uses) unused for UNUSED_TTL."""
+    now = time.time()
+    in_use = {initrd.name}
+    for directory in root.iterdir():
+        if directory.name.startswith(".") or directory == keep:
+            continue
+        meta = directory / "meta.json"
+        try:
+            if now - meta.stat().st_mtime > UNUSED_TTL:
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            in_use.add(json.loads(meta.read_text()).get("initrd", ""))
+        except (OSError, ValueError):
+            continue
+    initrds = cache_dir() / "initrd"
+    for image in initrds.glob("initrd-*.cpio"):
+        try:
+            if image.name not in in_use and now - image.stat().st_mtime > UNUSED_TTL:
+                image.unlink()
+        except OSError:
+            continue
 
 
 def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale_builds(final.parent)
+    _prune(final.parent, keep=final, initrd=assets.initrd)
     work = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     try:
         proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE)
