@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.errors import InvalidSpec
 from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox
 
-from .leaks import sandbox_leftovers
+from .leaks import all_leftovers, sandbox_leftovers
 
 
 def py(code: str) -> list[str]:
@@ -147,6 +148,13 @@ def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:
     assert not _alive(pid)
     assert not run_dir.exists()
     assert sandbox_leftovers(sb.id, state_dir) == []
+
+
+def test_network_other_than_none_is_refused_and_leaves_nothing(state_dir: Path) -> None:
+    before = set(all_leftovers(state_dir))  # the module's VM may be alive
+    with pytest.raises(InvalidSpec, match="microvm"):
+        Sandbox.create(tier="microvm", network="open")
+    assert set(all_leftovers(state_dir)) == before
 
 
 OWNER = textwrap.dedent(

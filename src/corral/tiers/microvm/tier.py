@@ -104,6 +104,10 @@ class MicroVMTier(Tier):
                                      "qemu": qemu.qemu_version()})
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        if spec.network != "none":
+            # the VM has no network device at all; egress would need a tap device
+            # in a netns wired to the egress layer
+            raise InvalidSpec(f"network {spec.network!r} is not available in the microvm tier yet; use 'none'")
         return MicroVMSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
@@ -147,9 +151,6 @@ class MicroVMSandbox(TierSandbox):
     def _setup(self) -> None:
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
-        if spec.network != "none":
-            # the VM has no network device at all; egress needs a tap + the egress layer
-            raise HostNotSupported(f"network {spec.network!r}: the microvm tier has no network yet; use 'none'")
         image = resolve(spec.image, self._tier.state_dir)
         if len(image.layers) > qemu.MAX_LAYERS:
             raise InvalidSpec(f"image {spec.image!r} has {len(image.layers)} layers; the microvm tier takes "
