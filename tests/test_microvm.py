@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.errors import InvalidSpec
 from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox
 
-from .leaks import sandbox_leftovers
+from .leaks import all_leftovers, sandbox_leftovers
 
 
 def py(code: str) -> list[str]:
@@ -66,6 +67,19 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def test_probe_says_which_accelerator_and_why(vm: Sandbox, state_dir: Path) -> None:
+    # (the vm fixture makes sure the guest is built: before that the probe only
+    # says it will be fetched on first use)
+    availability = tier_class("microvm").probe(state_dir)
+    accel = availability.details.get("accelerator")
+    assert accel == _vm(vm)._tier.accel, availability
+    # the KVM decision comes from booting a guest, never from /dev/kvm merely existing
+    assert ("KVM guest booted" in availability.reason) == (accel == "kvm"), availability.reason
+    if accel == "tcg":
+        assert "TCG" in availability.reason, availability.reason
+        assert "did not boot" in availability.reason or "/dev/kvm" in availability.reason
+
+
 def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
     r = vm.commands.run(py("import platform; print(platform.release()); print(open('/proc/version').read())"))
     release, version = r.stdout.split("\n", 1)
@@ -75,6 +89,27 @@ def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
     # the guest's memory is the VM's: it sees its own RAM, not the host's 24 GiB
     mem = vm.commands.run(py("print(open('/proc/meminfo').readline())")).stdout
     assert int(mem.split()[1]) < 1024 * 1024
+
+
+def test_image_is_shared_read_only_with_a_private_writable_layer(vm: Sandbox) -> None:
+    marker = "/usr/corral-microvm-write-test"
+    r = vm.commands.run(py(f"open({marker!r}, 'w').write('guest'); print(open({marker!r}).read())"))
+    assert r.stdout == "guest\n", r  # the guest's overlay takes the write...
+    assert not Path(marker).exists()  # ...and the host's /usr never sees it
+
+
+def test_read_only_workspace_is_read_only_in_the_guest(tmp_path: Path) -> None:
+    (tmp_path / "input.txt").write_text("host data")
+    with Sandbox.create(tier="microvm", memory="256M", workspace=f"{tmp_path}:ro") as sb:
+        r = sb.commands.run(py(
+            "print(open('/workspace/input.txt').read())\n"
+            "try:\n"
+            "    open('/workspace/input.txt', 'w').write('changed')\n"
+            "except OSError as e:\n"
+            "    print('denied', e.errno)\n"
+        ))
+    assert r.stdout.splitlines() == ["host data", "denied 30"], r  # EROFS
+    assert (tmp_path / "input.txt").read_text() == "host data"
 
 
 def test_timeout_kills_the_whole_tree_inside_the_guest(vm: Sandbox) -> None:
@@ -113,6 +148,13 @@ def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:
     assert not _alive(pid)
     assert not run_dir.exists()
     assert sandbox_leftovers(sb.id, state_dir) == []
+
+
+def test_network_other_than_none_is_refused_and_leaves_nothing(state_dir: Path) -> None:
+    before = set(all_leftovers(state_dir))  # the module's VM may be alive
+    with pytest.raises(InvalidSpec, match="microvm"):
+        Sandbox.create(tier="microvm", network="open")
+    assert set(all_leftovers(state_dir)) == before
 
 
 OWNER = textwrap.dedent(

@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,6 +52,18 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("CORRAL_MICROVM_CACHE", "/var/cache/corral/microvm"))
     path.mkdir(parents=True, exist_ok=True, mode=0o755)
     return path
+
+
+def sweep_stale_builds(directory: Path, max_age: float = 3600.0) -> None:
+    """Remove ``.build-*`` directories a killed builder left (callers hold the cache lock)."""
+    if not directory.is_dir():
+        return
+    for path in directory.glob(".build-*"):
+        try:
+            if time.time() - path.stat().st_mtime > max_age:
+                shutil.rmtree(path, ignore_errors=True)
+        except FileNotFoundError:
+            continue
 
 
 @contextmanager
@@ -114,6 +127,7 @@ def kernel_dir() -> Path:
             return existing[-1]
         package = _newest_kernel_package()
         root.mkdir(parents=True, exist_ok=True)
+        sweep_stale_builds(root)
         work = Path(tempfile.mkdtemp(dir=root, prefix=".build-"))
         try:
             os.chmod(work, 0o755)  # apt's download sandbox user must write here
@@ -177,6 +191,10 @@ def assets() -> GuestAssets:
         h.update(path.read_bytes())
     initrd = cache_dir() / "initrd" / f"initrd-{h.hexdigest()[:16]}.cpio"
     if initrd.is_file():
+        try:
+            os.utime(initrd)  # last use: template pruning keeps what is used
+        except OSError:
+            pass
         return GuestAssets(kdir / "vmlinuz", initrd, release)
     with cache_lock("initrd"):
         if initrd.is_file():

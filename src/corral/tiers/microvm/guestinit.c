@@ -258,12 +258,16 @@ static void setup_root(void) {
     const char *ws_mode = need("workspace");
     do_mount("ws", "/newroot/workspace", "9p", MS_NOSUID | MS_NODEV | (strcmp(ws_mode, "ro") ? 0 : MS_RDONLY),
              "trans=virtio,version=9p2000.L,cache=none,msize=262144");
-    do_mount("proc", "/newroot/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-    do_mount("sysfs", "/newroot/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-    do_mount("dev", "/newroot/dev", "devtmpfs", MS_NOSUID, NULL);
-    do_mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "ptmxmode=0666");
-    do_mount("shm", "/newroot/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
-    do_mount("cgroup2", "/newroot/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    /* /proc, /sys (with the cgroup tree) and /dev were mounted before the
+     * snapshot: moving them costs less fresh guest code than mounting anew
+     * (under TCG every code path a restored VM runs is translated again) */
+    static const char *const early[] = {"/proc", "/sys", "/dev"};
+    for (size_t i = 0; i < sizeof early / sizeof *early; i++) {
+        snprintf(target, sizeof target, "/newroot%s", early[i]);
+        mkdir_p(target);
+        if (mount(early[i], target, NULL, MS_MOVE, NULL) < 0) die("cannot move %s (%s)", early[i]);
+    }
+    mkdir_p("/newroot/home/user");
     mkdir_p("/newroot/tmp");
     chmod("/newroot/tmp", 01777);
     mkdir_p("/newroot/.corral");
@@ -278,16 +282,23 @@ static void setup_root(void) {
     write_file("/newroot/etc/machine-id", line);
 }
 
+/* Before the snapshot: everything that does not depend on the sandbox.  The
+ * agent will live in cgroup "agent"; commands in leaves below "sandbox", which
+ * gets the sandbox's memory and pids limits once they are known. */
+static void early_setup(void) {
+    do_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "ptmxmode=0666");
+    do_mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    do_mount("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    write_file("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids");
+    mkdir_p("/sys/fs/cgroup/agent");
+    mkdir_p("/sys/fs/cgroup/sandbox");
+    write_file("/sys/fs/cgroup/sandbox/cgroup.subtree_control", "+memory +pids");
+}
+
 static void setup_cgroups(void) {
-    /* the agent lives in "agent"; commands in leaves below "sandbox", which
-     * carries the sandbox's memory and pids limits */
-    write_file("/newroot/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids");
-    mkdir_p("/newroot/sys/fs/cgroup/agent");
-    mkdir_p("/newroot/sys/fs/cgroup/sandbox");
-    write_file("/newroot/sys/fs/cgroup/sandbox/memory.max", need("memory"));
-    write_file("/newroot/sys/fs/cgroup/sandbox/memory.swap.max", "0");
-    write_file("/newroot/sys/fs/cgroup/sandbox/pids.max", need("pids"));
-    write_file("/newroot/sys/fs/cgroup/sandbox/cgroup.subtree_control", "+memory +pids");
+    write_file("/sys/fs/cgroup/sandbox/memory.max", need("memory"));
+    write_file("/sys/fs/cgroup/sandbox/memory.swap.max", "0");
+    write_file("/sys/fs/cgroup/sandbox/pids.max", need("pids"));
 }
 
 static void read_config(int port) {
@@ -307,6 +318,7 @@ int main(void) {
     mount("sysfs", "/sys", "sysfs", 0, NULL);
     mount("dev", "/dev", "devtmpfs", 0, NULL);
     load_modules();
+    early_setup();
     int port = open_port();
     write_all(port, READY_MARKER, strlen(READY_MARKER));
 
@@ -322,13 +334,13 @@ int main(void) {
     const char *hostname = need("hostname");
     sethostname(hostname, strlen(hostname));
 
-    setup_root();
     setup_cgroups();
     /* guest RAM is sized to the memory limit: with the default heuristic a big
      * allocation fails up front with ENOMEM (a bare MemoryError); always
      * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
      * like every other tier */
     write_file("/proc/sys/vm/overcommit_memory", "1");
+    setup_root();
 
     if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
     if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");

@@ -142,6 +142,10 @@ def command_line(
         # drop to an unprivileged host uid once the memory file and sockets are open:
         # the 9p server then touches the workspace as that uid, never as root
         argv += ["-runas", f"{runas}:{runas}"]
+        # QEMU's own seccomp filter: no obsolete or resource-control syscalls.
+        # Spawning stays allowed (the snapshot is read through `exec:cat`), and so
+        # does set*id, which -runas needs after the filter is in place
+        argv += ["-sandbox", "on,obsolete=deny,resourcecontrol=deny"]
     return argv
 
 

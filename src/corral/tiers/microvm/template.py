@@ -15,10 +15,13 @@ initramfs, accelerator, RAM size, machine and device layout.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -27,14 +30,18 @@ from pathlib import Path
 
 from ...errors import HostNotSupported, SandboxError
 from . import qemu
-from .guest import GuestAssets, cache_dir, cache_lock
+from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "1"
+TEMPLATE_VERSION = "2"
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0
+PR_SET_PDEATHSIG = 1
+#: a template nobody restored for this long is deleted when another is built
+#: (running VMs keep their private mapping of a deleted RAM file)
+UNUSED_TTL = 3600.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,8 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
     )
     start = time.monotonic()
     with open(work / "qemu.log", "wb") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+                                preexec_fn=_die_with_parent)
     try:
         qmp = qemu.QMP(qemu.connect_unix(paths.qmp_socket, deadline, proc), timeout=30)
         agent = qemu.connect_unix(paths.agent_socket, deadline, proc)
@@ -99,6 +107,14 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
         raise
 
 
+def _die_with_parent() -> None:
+    # a builder killed mid-boot must not leave its QEMU running: this VM is in no
+    # sandbox's cgroup, so no janitor would find it (the calling thread waits for
+    # the boot, so it cannot end first)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _tail(work: Path) -> str:
     text = ""
     for name in ("qemu.log", "console.log"):
@@ -119,11 +135,41 @@ def get_template(assets: GuestAssets, accel: str, ram_mb: int) -> Template:
             if not meta.is_file():
                 _build(final, assets, accel, ram_mb)
     info = json.loads(meta.read_text())
+    try:
+        os.utime(meta)  # last use, for pruning
+    except OSError:
+        pass
     return Template(final, ram_mb, accel, float(info["boot_ms"]))
+
+
+def _prune(root: Path, keep: Path, initrd: Path) -> None:
+    """Delete templates (and initramfs images none of them uses) unused for UNUSED_TTL."""
+    now = time.time()
+    in_use = {initrd.name}
+    for directory in root.iterdir():
+        if directory.name.startswith(".") or directory == keep:
+            continue
+        meta = directory / "meta.json"
+        try:
+            if now - meta.stat().st_mtime > UNUSED_TTL:
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
+            in_use.add(json.loads(meta.read_text()).get("initrd", ""))
+        except (OSError, ValueError):
+            continue
+    initrds = cache_dir() / "initrd"
+    for image in initrds.glob("initrd-*.cpio"):
+        try:
+            if image.name not in in_use and now - image.stat().st_mtime > UNUSED_TTL:
+                image.unlink()
+        except OSError:
+            continue
 
 
 def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_builds(final.parent)
+    _prune(final.parent, keep=final, initrd=assets.initrd)
     work = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     try:
         proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE)
@@ -162,7 +208,7 @@ def probe_kvm(assets: GuestAssets) -> tuple[bool, str]:
         return False, "/dev/kvm is missing or not accessible"
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     cache = cache_dir() / "kvm-probe.json"
-    key = f"{boot_id} {qemu.qemu_version()} {assets.digest}"
+    key = f"{TEMPLATE_VERSION} {boot_id} {qemu.qemu_version()} {assets.digest} {qemu.MACHINE} {qemu.kernel_args('kvm')}"
     try:
         cached = json.loads(cache.read_text())
         if cached.get("key") == key:

@@ -38,7 +38,7 @@ from ...images import resolve
 from ...spec import MiB, SandboxSpec
 from ..agent import T_FREMOVE, T_FWRITE, AgentChannel, AgentProcess
 from ..base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
-from ..process import allocate_uid, release_uid
+from ..rootfs import allocate_uid, release_uid
 from . import guest, qemu, template
 
 #: guest RAM on top of the sandbox's memory limit: kernel, agent, page cache
@@ -64,9 +64,25 @@ class MicroVMTier(Tier):
         self.state_dir = state_dir
         _check_host()
         self._layout = cgroups.detect()
-        self.assets = guest.assets()
-        kvm_ok, self.kvm_reason = template.probe_kvm(self.assets)
-        self.accel = "kvm" if kvm_ok else "tcg"
+        self._guest: tuple[guest.GuestAssets, str] | None = None
+        self._guest_lock = threading.Lock()
+
+    def _resolve_guest(self) -> tuple[guest.GuestAssets, str]:
+        # lazily: the janitor's reap() must work even where the guest cannot be built
+        with self._guest_lock:
+            if self._guest is None:
+                assets = guest.assets()
+                kvm_ok, _ = template.probe_kvm(assets)
+                self._guest = (assets, "kvm" if kvm_ok else "tcg")
+            return self._guest
+
+    @property
+    def assets(self) -> guest.GuestAssets:
+        return self._resolve_guest()[0]
+
+    @property
+    def accel(self) -> str:
+        return self._resolve_guest()[1]
 
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
@@ -88,6 +104,10 @@ class MicroVMTier(Tier):
                                      "qemu": qemu.qemu_version()})
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        if spec.network != "none":
+            # the VM has no network device at all; egress would need a tap device
+            # in a netns wired to the egress layer
+            raise InvalidSpec(f"network {spec.network!r} is not available in the microvm tier yet; use 'none'")
         return MicroVMSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
@@ -131,9 +151,6 @@ class MicroVMSandbox(TierSandbox):
     def _setup(self) -> None:
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
-        if spec.network != "none":
-            # the VM has no network device at all; egress needs a tap + the egress layer
-            raise HostNotSupported(f"network {spec.network!r}: the microvm tier has no network yet; use 'none'")
         image = resolve(spec.image, self._tier.state_dir)
         if len(image.layers) > qemu.MAX_LAYERS:
             raise InvalidSpec(f"image {spec.image!r} has {len(image.layers)} layers; the microvm tier takes "
