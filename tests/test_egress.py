@@ -333,10 +333,13 @@ def test_nothing_survives_kill_9_of_the_owner_and_gc(net: TargetNet, forwarding:
          f"b = Sandbox.create(allow=['{net.target}:8080'], unsafe_allow_ranges=['{net.target}/32'])\n"
          "assert b.commands.run('curl -fsS http://%s:8080/kill9' % sys.argv[1]).exit_code == 0\n"
          "print(a.id, b.id, flush=True)\ntime.sleep(600)\n", net.target],
-        stdout=subprocess.PIPE, text=True)
-    assert owner.stdout is not None
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert owner.stdout is not None and owner.stderr is not None
     ids = owner.stdout.readline().split()
-    assert len(ids) == 2, ids
+    if len(ids) != 2:
+        owner.kill()
+        gc(state_dir)  # what the failed owner made must not leak into later tests
+        raise AssertionError(f"owner failed before printing its ids: {owner.stderr.read()[-3000:]}")
     assert len(_leftovers(ids[0])) == 3
     assert (state_dir / "sandboxes" / ids[1] / "egress" / "proxy.sock").exists()
     os.kill(owner.pid, signal.SIGKILL)

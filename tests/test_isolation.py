@@ -128,7 +128,8 @@ def test_fork_bomb_is_held_while_the_host_keeps_spawning() -> None:
         current = sb._tier_sandbox().cgroup.pids()  # type: ignore[attr-defined]
         assert len(current) <= 64
         result = bomb.wait()
-        assert result.timed_out
+        # the bomb either runs into the timeout or dies out on its own once forks fail
+        assert result.timed_out or "fork" in result.stderr.lower(), result
         assert sb.commands.run("echo recovered").stdout == "recovered\n"
 
 
