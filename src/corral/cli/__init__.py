@@ -16,6 +16,8 @@ COMMAND_MODULES = [
     "corral.cli.run",
     "corral.cli.doctor",
     "corral.cli.gc",
+    "corral.cli.image",
+    "corral.cli.code",
 ]
 
 #: exit code when the sandbox itself could not be made (like `docker run`)
