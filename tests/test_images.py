@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral.errors import ImageBuildFailed, InvalidSpec
+from corral.errors import ImageBuildFailed, InvalidSpec, ResourceLimit
 from corral.host import cgroups
 from corral.images import recipe as recipes
 from corral.images import resolve, store
@@ -159,6 +159,9 @@ def test_build_commands_run_sandboxed_and_pip_installs_offline(
         with Sandbox.create(image=recipe.name) as sb:
             r = sb.commands.run("cat /usr/local/share/greeting.txt; python3 -c 'import six'")
             assert (r.exit_code, r.stdout) == (0, "hello from the recipe\n")
+            with pytest.raises(ResourceLimit, match="in use"):
+                store.remove(recipe.name)  # never pulled from under a running sandbox
+            assert store.lookup(recipe.name) is not None
         assert base_image.rootfs.is_dir() and not (base_image.rootfs / "usr/local/share/greeting.txt").exists()
     finally:
         store.remove(recipe.name)

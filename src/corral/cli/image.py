@@ -48,9 +48,12 @@ def handle_build(args: argparse.Namespace) -> int:
                TextColumn("{task.fields[packages]:>4} pkgs"), TextColumn("{task.fields[size]:>8}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, disable=args.quiet) as bars:
-        task = bars.add_task(recipe.name, total=1, packages=0, size="")
+        tasks: list[Any] = []
 
-        def on_event(event: BuildEvent) -> None:
+        def on_event(event: BuildEvent) -> None:  # only a real build reports events
+            if not tasks:
+                tasks.append(bars.add_task(recipe.name, total=event.total, packages=0, size=""))
+            task = tasks[0]
             fields: dict[str, Any] = {}
             if event.packages:
                 fields["packages"] = event.packages

@@ -111,6 +111,7 @@ class _Builder:
         self.rootfs = self.staging / "rootfs"
         self.logs = self.staging / "logs"
         self.step_index = 0
+        self.started = time.monotonic()
 
     def _plan(self) -> list[str]:
         r = self.recipe
@@ -319,6 +320,7 @@ class _Builder:
             "size": _tree_size(self.rootfs),
             "packages": packages,
             "suite": self.recipe.suite,
+            "build_seconds": round(time.monotonic() - self.started, 1),
         })
 
 

@@ -31,7 +31,7 @@ import json
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,6 @@ class Recipe:
     #: seconds allowed for each build step
     build_timeout: float = 1800.0
     build_memory: str = "2G"
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def digest(self, parent_digest: str = "") -> str:
         """sha256 over everything that defines the image (name excluded)."""

@@ -181,14 +181,13 @@ def remove(ref: str, root: Path | None = None) -> ImageRecord:
     rec = lookup(ref, root)
     if rec is None:
         raise InvalidSpec(f"no built image {ref!r}; see `corral image ls`")
-    if ref in rec.names:
-        (_names_dir(root) / f"{ref}.json").unlink(missing_ok=True)
-        others = [n for n in rec.names if n != ref]
-    else:  # removing by digest removes every name
-        for n in rec.names:
-            (_names_dir(root) / f"{n}.json").unlink(missing_ok=True)
-        others = []
-    if not others:
+    dropped = [ref] if ref in rec.names else list(rec.names)  # by digest: every name goes
+    deleting = not [n for n in rec.names if n not in dropped]
+    if deleting and in_use(rec):
+        raise ResourceLimit(f"image {ref!r} is in use by a running sandbox; kill it first")
+    for name in dropped:
+        (_names_dir(root) / f"{name}.json").unlink(missing_ok=True)
+    if deleting:
         delete_image(root, rec)
     return rec
 
