@@ -159,8 +159,8 @@ def test_scenario_01_csv_and_excel_to_plot(data_image: str) -> None:
         assert len(images) == 1
         width, height = _png_size(base64.b64decode(images[0].png or ""))
         assert (width, height) == (800, 500)  # figsize 8x5 at 100 dpi
-        table = execution.results[-1]
-        assert table.is_main_result and table.html and "<table" in table.html
+        [table] = [r for r in execution.results if r.is_main_result]  # the last expression: the DataFrame
+        assert table.html and "<table" in table.html
         assert table.text and "vs_target" in table.text and "north" in table.text
 
         # state persists into the next cell

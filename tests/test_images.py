@@ -154,8 +154,12 @@ def test_build_commands_run_sandboxed_and_pip_installs_offline(
         assert (rootfs / "usr/local/share/build-uid").read_text() == "0\n"
         assert (rootfs / "usr/local/share/net").read_text() == "offline\n"
         assert (rootfs / "usr/local/share/six-version").read_text() == "1.16.0\n"
-        for path in (rootfs / "usr/local/share/build-uid", rootfs / "usr/local/lib"):
+        for path in (rootfs / "usr/local/share/build-uid", rootfs / "usr/local/lib", rootfs / "usr/bin/python3.11",
+                     base_image.rootfs / "usr/bin/python3.11"):
             assert (path.stat().st_uid, path.stat().st_gid) == (0, 0)  # handed back to root
+        # unchanged files are the parent's inodes (no copy); what the build wrote carries no overlay xattrs
+        assert (rootfs / "usr/bin/python3.11").stat().st_ino == (base_image.rootfs / "usr/bin/python3.11").stat().st_ino
+        assert not [a for a in os.listxattr(rootfs / "usr/local/share/net") if a.startswith("trusted.")]
         with Sandbox.create(image=recipe.name) as sb:
             r = sb.commands.run("cat /usr/local/share/greeting.txt; python3 -c 'import six'")
             assert (r.exit_code, r.stdout) == (0, "hello from the recipe\n")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ImageBuildFailed, InvalidSpec
-from . import store
+from . import layering, store
 from .buildbox import BuildBox
 from .recipe import Recipe
 
@@ -112,10 +112,12 @@ class _Builder:
         self.logs = self.staging / "logs"
         self.step_index = 0
         self.started = time.monotonic()
+        self.box: BuildBox | None = None
+        self.parent_rootfs: Path | None = None  # set while building on an overlay over the parent
 
     def _plan(self) -> list[str]:
         r = self.recipe
-        steps = ["copy" if r.base_image else "bootstrap"]
+        steps = ["layer" if r.base_image else "bootstrap"]
         steps += ["pip download"] if r.pip else []
         steps += ["npm fetch"] if r.npm else []
         steps += ["files"] if r.files else []
@@ -132,9 +134,12 @@ class _Builder:
             self.logs.mkdir()
             for step in self.steps:
                 current = step
+                if step == "finalize":
+                    self._close_box()
                 self._step(step)
             os.rename(self.staging, self.root / store.hex_of(self.digest))
         except BaseException as exc:
+            self._close_box()
             log = self._keep_log(current)
             store.remove_tree(self.staging)
             if isinstance(exc, ImageBuildFailed):
@@ -146,6 +151,11 @@ class _Builder:
         finally:
             os.close(owner)
         (self.root / store.hex_of(self.digest) / "owner.lock").unlink(missing_ok=True)
+
+    def _close_box(self) -> None:
+        box, self.box = self.box, None
+        if box is not None:
+            box.close()  # kills what is left, hands the image back to root
 
     def _keep_log(self, step: str) -> str:
         log = self.logs / f"{_slug(step)}.log"
@@ -166,8 +176,8 @@ class _Builder:
         log = self.logs / f"{_slug(step)}.log"
         if step == "bootstrap":
             self._bootstrap(log)
-        elif step == "copy":
-            self._copy_parent(log)
+        elif step == "layer":
+            self._layer_on_parent(log)
         elif step == "pip download":
             self._host_command(step, log, [sys.executable, "-m", "pip", "download", "--only-binary=:all:",
                                            "--dest", str(self.staging / "wheels"), "--no-cache-dir",
@@ -213,11 +223,19 @@ class _Builder:
 
         self._host_command("bootstrap", log, argv, on_line)
 
-    def _copy_parent(self, log: Path) -> None:
+    def _layer_on_parent(self, log: Path) -> None:
         parent = store.lookup(self.recipe.base_image or "", self.root)
         if parent is None or parent.digest != parent_digest(self.recipe, self.root):
-            raise ImageBuildFailed(f"image {self.recipe.base_image!r} changed or vanished during the build", "copy")
-        self._host_command("copy", log, ["cp", "-a", "--reflink=auto", str(parent.rootfs), str(self.rootfs)])
+            raise ImageBuildFailed(f"image {self.recipe.base_image!r} changed or vanished during the build", "layer")
+        try:
+            layering.mount_derived(parent.rootfs, self.staging / "upper", self.staging / "work", self.rootfs)
+            self.parent_rootfs = parent.rootfs
+            log.write_text(f"overlay on {parent.rootfs} (metacopy); unchanged files will be hard links\n")
+        except OSError as exc:  # no metacopy here: a full copy does the same, slower
+            for sub in ("upper", "work", "rootfs"):
+                shutil.rmtree(self.staging / sub, ignore_errors=True)
+            log.write_text(f"overlay unavailable ({exc}); copying the parent\n")
+            self._host_command("layer", log, ["cp", "-a", "--reflink=auto", str(parent.rootfs), str(self.rootfs)])
 
     def _npm_fetch(self, log: Path) -> None:
         npm = shutil.which("npm")
@@ -254,15 +272,14 @@ class _Builder:
                 os.chmod(dest, copy.mode if copy.mode is not None else copy.src.stat().st_mode & 0o755)
 
     def _in_sandbox(self, step: str, log: Path, command: str) -> None:
-        binds = {WHEELS_POINT: self.staging / "wheels"} if self.recipe.pip else {}
-        box = BuildBox(self.rootfs, self.state_dir, self.recipe.build_memory, binds)
-        try:
-            code, timed_out = box.run(command, log, self.recipe.build_timeout)
-        finally:
-            box.close()
+        if self.box is None:  # one box for every sandboxed step: the image is handed over once
+            binds = {WHEELS_POINT: self.staging / "wheels"} if self.recipe.pip else {}
+            self.box = BuildBox(self.rootfs, self.state_dir, self.recipe.build_memory, binds)
+        code, timed_out = self.box.run(command, log, self.recipe.build_timeout)
         if code != 0 or timed_out:
             why = f"timed out after {self.recipe.build_timeout:.0f} s" if timed_out else f"exited with {code}"
-            raise ImageBuildFailed(self._failure(step, why, log), step, str(log))
+            message, kept = self._failure(step, why, log)
+            raise ImageBuildFailed(message, step, kept)
 
     def _host_command(self, step: str, log: Path, argv: list[str],
                       on_line: Callable[[str], None] | None = None) -> None:
@@ -288,13 +305,15 @@ class _Builder:
             finally:
                 timer.cancel()
         if code != 0:
-            raise ImageBuildFailed(self._failure(step, f"exited with {code}", log), step, str(log))
+            message, kept = self._failure(step, f"exited with {code}", log)
+            raise ImageBuildFailed(message, step, kept)
 
-    def _failure(self, step: str, why: str, log: Path) -> str:
+    def _failure(self, step: str, why: str, log: Path) -> tuple[str, str]:
+        """The error message (with the log's tail) and the path of the kept log."""
         kept = self._keep_log(step)
         tail = log.read_text(errors="replace").strip().splitlines()[-15:] if log.exists() else []
         return (f"image {self.recipe.name!r}: step {step!r} {why}; log: {kept or log}\n"
-                + "\n".join("    " + line for line in tail))
+                + "\n".join("    " + line for line in tail)), kept
 
     def _finalize(self) -> None:
         shutil.rmtree(self.staging / "wheels", ignore_errors=True)
@@ -307,6 +326,13 @@ class _Builder:
                         shutil.rmtree(entry)
                     else:
                         entry.unlink()
+        if self.parent_rootfs is not None:
+            final = self.staging / "rootfs.final"
+            layering.materialize(self.rootfs, self.staging / "upper", self.parent_rootfs, final)
+            for sub in ("upper", "work"):
+                shutil.rmtree(self.staging / sub)
+            self.rootfs.rmdir()
+            os.rename(final, self.rootfs)
         os.chmod(self.rootfs, 0o755)
         status = self.rootfs / "var/lib/dpkg/status"
         packages = status.read_text(errors="replace").count("\nStatus: install ok installed") if status.exists() else 0
