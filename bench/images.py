@@ -60,7 +60,8 @@ def main() -> int:
         result = build(recipes.load(name), state)
         seconds = _recorded_seconds(result.record.path)
         print(f"image {name:<12} {result.record.digest[:19]}  {result.record.size / 2**20:7.0f} MiB  "
-              f"{result.record.packages} packages; its build took {seconds:.1f} s")
+              f"{result.record.packages} packages; its build took "
+              + (f"{seconds:.1f} s" if seconds else "(not recorded)"))
     if args.cold:
         cold_builds(images, state)
 

@@ -207,3 +207,16 @@ def test_killed_build_leaves_nothing_after_prune(base_image: store.ImageRecord, 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_image_cli(base_image: store.ImageRecord) -> None:
+    corral = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main())"]
+    built = subprocess.run([*corral, "image", "build", "-q", "base"], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0 and "base up to date: " + base_image.digest[:19] in built.stdout
+    listing = subprocess.run([*corral, "image", "ls"], capture_output=True, text=True, timeout=60)
+    row = next(line for line in listing.stdout.splitlines() if line.startswith("base "))
+    assert base_image.digest[:19] in row
+    missing = subprocess.run([*corral, "image", "rm", "no-such-image"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 125 and "no built image 'no-such-image'" in missing.stderr
+    bad = subprocess.run([*corral, "image", "build", "no-such-recipe"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 125 and "no built-in recipe" in bad.stderr

@@ -35,16 +35,25 @@ def _state(args: argparse.Namespace) -> Any:
 
 
 def handle_build(args: argparse.Namespace) -> int:
+    from ..images import recipe as recipes
+    from ..images import store
+
+    recipe = recipes.load(args.recipe)
+    if not args.force and not recipe.base_image:  # the common no-change case: no build machinery imported
+        rec = store.record(store.image_dir(), recipe.digest())
+        if rec is not None:
+            store.set_name(store.image_dir(), recipe.name, rec.digest)
+            print(f"{recipe.name} up to date: {rec.digest[:19]} {_size(rec.size)} {rec.packages} packages")
+            return 0
+
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..images import recipe as recipes
     from ..images.build import BuildEvent, build
 
-    recipe = recipes.load(args.recipe)
     console = Console(stderr=True)
     columns = (TextColumn("[bold]{task.description:<28}"), BarColumn(),
-               TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+               TextColumn("{task.completed:.0f}/{task.total:.0f} steps"),
                TextColumn("{task.fields[packages]:>4} pkgs"), TextColumn("{task.fields[size]:>8}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, disable=args.quiet) as bars:
