@@ -51,6 +51,25 @@ def test_state_output_errors_and_results() -> None:
         assert sb.run_code("x").text == "41"
 
 
+def test_output_flood_is_capped_and_forged_frames_are_ignored() -> None:
+    with Sandbox.create(max_output="64K") as sb:
+        flood = sb.run_code("for i in range(20000):\n    print('x' * 100)\n'end'")
+        assert flood.truncated and flood.error is None
+        assert sum(map(len, flood.logs.stdout)) <= 64 * 1024
+        # a cell that finds the protocol descriptor and writes junk does not confuse the host
+        junk = sb.run_code(textwrap.dedent("""\
+            import os
+            for fd in map(int, os.listdir('/proc/self/fd')):
+                try:
+                    os.write(fd, b'[1, 2]\\n{"type": "done", "id": -5}\\nnot json\\n')
+                except OSError:
+                    pass
+            'still here'
+        """))
+        assert junk.text == "'still here'"
+        assert sb.run_code("1 + 1").text == "2"
+
+
 def test_timeout_interrupts_and_keeps_state() -> None:
     with Sandbox.create() as sb:
         sb.run_code("kept = 'yes'")

@@ -37,6 +37,8 @@ DEFAULT_TIMEOUT = 60.0
 #: seconds an interrupted cell gets to return before the kernel is restarted
 INTERRUPT_GRACE = 3.0
 START_TIMEOUT = 30.0
+#: longest protocol line accepted from a kernel
+MAX_FRAME = 64 << 20
 #: how long the kernel process itself may live (the sandbox's per-command clock)
 KERNEL_LIFETIME = 7 * 86400
 _KERNEL_DIR = Path(__file__).parent / "kernel"
@@ -96,6 +98,8 @@ class Execution:
     timed_out: bool = False
     #: the kernel was restarted during this cell: variables and imports are gone
     restarted: bool = False
+    #: output beyond the sandbox's max_output was dropped
+    truncated: bool = False
 
     @property
     def text(self) -> str | None:
@@ -115,6 +119,7 @@ class _Cell:
         self.execution = execution
         self.callbacks = callbacks
         self.done = threading.Event()
+        self.budget = 0
 
 
 class CodeInterpreter:
@@ -132,6 +137,7 @@ class CodeInterpreter:
         self._state_lock = threading.Lock()
         self._handle: CommandHandle | None = None
         self._buffer = b""
+        self._skip_line = False
         self._cell: _Cell | None = None
         self._ready = threading.Event()
         self._next_id = 0
@@ -142,6 +148,7 @@ class CodeInterpreter:
     def _start(self) -> None:
         self._ready = threading.Event()
         self._buffer = b""
+        self._skip_line = False
         self._generation += 1
         generation = self._generation
 
@@ -178,21 +185,39 @@ class CodeInterpreter:
             self._start()
 
     def _on_output(self, stream: str, chunk: bytes) -> None:
+        # everything here comes from inside the sandbox: parse defensively, keep memory bounded
         if stream == "stderr":  # stray descriptor-level output (subprocesses, C code)
             cell = self._cell
-            if cell is not None:
+            if cell is not None and self._charge(cell, len(chunk)):
                 text = chunk.decode(errors="replace")
                 cell.execution.logs.stderr.append(text)
                 self._call(cell, "on_stderr", text)
             return
         self._buffer += chunk
-        while b"\n" in self._buffer:
-            line, self._buffer = self._buffer.split(b"\n", 1)
+        if b"\n" not in chunk:
+            if len(self._buffer) > MAX_FRAME:  # a frame that never ends: drop it
+                self._buffer, self._skip_line = b"", True
+            return
+        lines = self._buffer.split(b"\n")
+        self._buffer = lines.pop()
+        for line in lines:
+            if self._skip_line:
+                self._skip_line = False
+                continue
             try:
                 message = json.loads(line)
             except ValueError:
                 continue
-            self._dispatch(message)
+            if isinstance(message, dict):
+                self._dispatch(message)
+
+    def _charge(self, cell: _Cell, size: int) -> bool:
+        """Count output against the cell's budget; False (and ``truncated``) once it is spent."""
+        cell.budget -= size
+        if cell.budget < 0:
+            cell.execution.truncated = True
+            return False
+        return True
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
@@ -203,12 +228,15 @@ class CodeInterpreter:
         if cell is None or message.get("id") != cell.id:
             return
         logs = cell.execution.logs
+        if kind in ("stdout", "stderr", "result") and not self._charge(cell, len(json.dumps(message))):
+            return
         if kind in ("stdout", "stderr"):
             text = str(message.get("text", ""))
             (logs.stdout if kind == "stdout" else logs.stderr).append(text)
             self._call(cell, f"on_{kind}", text)
         elif kind == "result":
-            result = Result.from_data(dict(message.get("data") or {}), bool(message.get("main")))
+            data = message.get("data")
+            result = Result.from_data(data if isinstance(data, dict) else {}, bool(message.get("main")))
             cell.execution.results.append(result)
             self._call(cell, "on_result", result)
         elif kind == "error":
@@ -247,6 +275,7 @@ class CodeInterpreter:
             execution = Execution(execution_count=self._count)
             cell = _Cell(self._next_id, execution, {"on_stdout": on_stdout, "on_stderr": on_stderr,
                                                     "on_result": on_result, "on_error": on_error})
+            cell.budget = self._sandbox.spec.limits.max_output
             self._cell = cell
             try:
                 assert self._handle is not None
