@@ -220,3 +220,26 @@ def test_image_cli(base_image: store.ImageRecord) -> None:
     assert missing.returncode == 125 and "no built image 'no-such-image'" in missing.stderr
     bad = subprocess.run([*corral, "image", "build", "no-such-recipe"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 125 and "no built-in recipe" in bad.stderr
+
+
+def test_interrupted_build_cleans_up_by_itself(base_image: store.ImageRecord, tmp_path: Path) -> None:
+    recipe = _derived_recipe(tmp_path, ["sleep 600"])
+    corral = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen([*corral, "image", "build", "-q", str(tmp_path / "derived.toml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _build_groups() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert _build_groups(), "the build never reached its sandboxed step"
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)  # like Ctrl-C: the builder cleans up before exiting
+        assert proc.wait(timeout=60) == 130
+        assert not _leftovers() and not _build_groups()
+        assert not [p for p in store.image_dir().iterdir() if p.name.startswith(".build-")
+                    and recipe.digest(base_image.digest).removeprefix("sha256:").startswith(p.name.split("-")[1])]
+        assert store.lookup(recipe.name) is None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -46,8 +46,15 @@ def handle_build(args: argparse.Namespace) -> int:
             print(f"{recipe.name} up to date: {rec.digest[:19]} {_size(rec.size)} {rec.packages} packages")
             return 0
 
+    import signal
+
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: no half image, no helper left running
+
+    signal.signal(signal.SIGTERM, interrupted)
 
     from ..images.build import BuildEvent, build
 

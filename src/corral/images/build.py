@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -290,7 +291,7 @@ class _Builder:
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
             assert proc.stdout is not None
-            timer = threading.Timer(self.recipe.build_timeout, proc.kill)
+            timer = threading.Timer(self.recipe.build_timeout, _kill_group, (proc,))
             timer.start()
             try:
                 for raw in proc.stdout:
@@ -299,7 +300,7 @@ class _Builder:
                         on_line(raw.decode(errors="replace"))
                 code = proc.wait()
             except BaseException:
-                proc.kill()
+                _kill_group(proc)
                 proc.wait()
                 raise
             finally:
@@ -348,6 +349,16 @@ class _Builder:
             "suite": self.recipe.suite,
             "build_seconds": round(time.monotonic() - self.started, 1),
         })
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a host step's whole process group (it was started in a new session), so apt and dpkg
+    under mmdebstrap die with it. Only called before ``proc`` is reaped: its pid, hence the group id,
+    cannot have been reused."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _pip_install_command(requirements: tuple[str, ...]) -> str:

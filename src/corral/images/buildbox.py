@@ -90,8 +90,8 @@ class BuildBox:
             self.cgroup = cgroups.SandboxCgroup(name, limits)
             for point in self._binds:
                 (rootfs / point.lstrip("/")).mkdir(parents=True, exist_ok=True)
+            self._shifted = True  # before the walk: an interrupted walk is still walked back
             self._setid_modes = shift_owner(rootfs, 0, self.uid)
-            self._shifted = True
         except BaseException:
             self.close()
             raise
