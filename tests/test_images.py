@@ -124,10 +124,11 @@ def test_sandbox_cannot_change_the_image(base_image: store.ImageRecord) -> None:
     assert (st.st_uid, st.st_gid) == (0, 0)
 
 
-def _derived_recipe(tmp_path: Path, run: list[str], pip: list[str] | None = None) -> recipes.Recipe:
+def _derived_recipe(tmp_path: Path, run: list[str], pip: list[str] | None = None,
+                    npm: list[str] | None = None) -> recipes.Recipe:
     (tmp_path / "greeting.txt").write_text("hello from the recipe\n")
     run_lines = ",\n".join(f"    {cmd!r}" for cmd in run)
-    pip_line = f"pip = {pip!r}\n" if pip else ""
+    pip_line = (f"pip = {pip!r}\n" if pip else "") + (f"npm = {npm!r}\n" if npm else "")
     (tmp_path / "derived.toml").write_text(textwrap.dedent(f"""\
         name = "test-derived-{os.getpid()}"
         from = "base"
@@ -139,7 +140,7 @@ def _derived_recipe(tmp_path: Path, run: list[str], pip: list[str] | None = None
     return recipes.load(tmp_path / "derived.toml")
 
 
-def test_build_commands_run_sandboxed_and_pip_installs_offline(
+def test_build_commands_run_sandboxed_and_pip_npm_install_offline(
         base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
     recipe = _derived_recipe(tmp_path, [
         "id -u > /usr/local/share/build-uid",
@@ -147,13 +148,15 @@ def test_build_commands_run_sandboxed_and_pip_installs_offline(
         "(curl -sS -m 3 http://deb.debian.org/ >/dev/null 2>&1 && echo online || echo offline) > /usr/local/share/net",
         "test ! -e /work && test ! -e /var/lib/corral/images",
         "python3 -c 'import six; print(six.__version__)' > /usr/local/share/six-version",
-    ], pip=["six==1.16.0"])
+        "semver -i minor 1.2.3 > /usr/local/share/semver-out",  # an npm CLI, fetched on the host
+    ], pip=["six==1.16.0"], npm=["semver@7.6.3"])
     try:
         result = build(recipe, state_dir)
         rootfs = result.record.rootfs
         assert (rootfs / "usr/local/share/build-uid").read_text() == "0\n"
         assert (rootfs / "usr/local/share/net").read_text() == "offline\n"
         assert (rootfs / "usr/local/share/six-version").read_text() == "1.16.0\n"
+        assert (rootfs / "usr/local/share/semver-out").read_text() == "1.3.0\n"
         for path in (rootfs / "usr/local/share/build-uid", rootfs / "usr/local/lib", rootfs / "usr/bin/python3.11",
                      base_image.rootfs / "usr/bin/python3.11"):
             assert (path.stat().st_uid, path.stat().st_gid) == (0, 0)  # handed back to root
