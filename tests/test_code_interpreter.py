@@ -110,6 +110,14 @@ def test_corral_code_cli(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "ZeroDivisionError" in bad.stderr
 
 
+def test_python_data_has_its_packages(data_image: str) -> None:
+    with Sandbox.create(image=data_image) as sb:
+        r = sb.commands.run("python3 -c 'import pandas, numpy, matplotlib, openpyxl; print(pandas.__version__)' "
+                            "&& node --version && git --version && id -un")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.strip().endswith("user")
+
+
 def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert data[12:16] == b"IHDR"

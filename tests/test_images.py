@@ -52,7 +52,7 @@ def test_recipe_rejects_bad_input(tmp_path: Path) -> None:
         ({"suite": "sid-of-doom"}, "suite"),
         ({"files": [{"src": "nope.txt", "dest": "/etc/x"}]}, "does not exist"),
         ({"files": [{"src": "r.toml", "dest": "etc/x"}]}, "absolute"),
-        ({"from": "base", "apt": ["git"]}, "cannot add apt"),
+        ({"from": "base", "suite": "trixie"}, "keeps its suite"),
         ({"name": "Bad Name"}, "name"),
     ]
     (tmp_path / "r.toml").write_text("")
@@ -79,7 +79,9 @@ def test_digest_follows_content_not_name(tmp_path: Path) -> None:
     motd.write_text("changed\n")  # a file the recipe names changed: new image
     assert recipes.parse({"apt": ["git", "curl"], "files": files}, source).digest() != first
     python_data = recipes.load("python-data")
-    assert {"python3", "nodejs", "python3-pandas", "python3-openpyxl"} <= set(python_data.apt)
+    assert python_data.base_image == "base" and {"python3-pandas", "python3-openpyxl"} <= set(python_data.apt)
+    with pytest.raises(InvalidSpec, match="digest of image 'base' is needed"):
+        python_data.digest()  # a derived image's digest includes its parent's
     assert "chromium" in recipes.load("browser").apt
 
 

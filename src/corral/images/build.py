@@ -20,6 +20,7 @@ next build or ``corral image prune`` removes (its owner lock is free).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import shutil
@@ -36,9 +37,12 @@ from pathlib import Path
 from ..errors import ImageBuildFailed, InvalidSpec
 from . import layering, store
 from .buildbox import BuildBox
-from .recipe import Recipe
+from .recipe import Recipe, builtin_path
+from .recipe import load as load_recipe
 
 WHEELS_POINT = "/.corral-build/wheels"
+DEBS_POINT = "/.corral-build/debs"
+DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 _DPKG_EXCLUDES = ["/usr/share/man/*", "/usr/share/doc/*", "/usr/share/info/*", "/usr/share/locale/*",
                   "/usr/share/lintian/*"]
 
@@ -82,6 +86,8 @@ def build(recipe: Recipe, state_dir: Path, *, force: bool = False, progress: Pro
     """Build ``recipe`` unless an image with its digest exists; tag it with the recipe's name."""
     started = time.monotonic()
     root = root or store.image_dir()
+    if recipe.base_image and store.lookup(recipe.base_image, root) is None and builtin_path(recipe.base_image):
+        build(load_recipe(recipe.base_image), state_dir, progress=progress, root=root)  # a built-in parent
     digest = recipe.digest(parent_digest(recipe, root))
     existing = store.record(root, digest)
     if existing is not None and not force:
@@ -119,6 +125,7 @@ class _Builder:
     def _plan(self) -> list[str]:
         r = self.recipe
         steps = ["layer" if r.base_image else "bootstrap"]
+        steps += ["apt download", "apt install"] if r.base_image and r.apt else []
         steps += ["pip download"] if r.pip else []
         steps += ["npm fetch"] if r.npm else []
         steps += ["files"] if r.files else []
@@ -179,6 +186,12 @@ class _Builder:
             self._bootstrap(log)
         elif step == "layer":
             self._layer_on_parent(log)
+        elif step == "apt download":
+            self._apt_download(log)
+        elif step == "apt install":
+            # dpkg as uid 0 of the build's user namespace; maintainer scripts run confined like any step
+            self._in_sandbox(step, log, f"dpkg --force-unsafe-io --force-confdef --force-confold "
+                                        f"-i {DEBS_POINT}/*.deb")
         elif step == "pip download":
             self._host_command(step, log, [sys.executable, "-m", "pip", "download", "--only-binary=:all:",
                                            "--dest", str(self.staging / "wheels"), "--no-cache-dir",
@@ -228,6 +241,11 @@ class _Builder:
         parent = store.lookup(self.recipe.base_image or "", self.root)
         if parent is None or parent.digest != parent_digest(self.recipe, self.root):
             raise ImageBuildFailed(f"image {self.recipe.base_image!r} changed or vanished during the build", "layer")
+        meta = store.read_meta(parent.path)
+        if self.recipe.apt and meta.get("suite", self.recipe.suite) != self.recipe.suite:
+            raise ImageBuildFailed(f"image {parent.names} is {meta.get('suite')}, apt packages are resolved "
+                                   f"against {self.recipe.suite}", "layer")
+        self.recipe = dataclasses.replace(self.recipe, mirror=str(meta.get("mirror", self.recipe.mirror)))
         try:
             layering.mount_derived(parent.rootfs, self.staging / "upper", self.staging / "work", self.rootfs)
             self.parent_rootfs = parent.rootfs
@@ -237,6 +255,39 @@ class _Builder:
                 shutil.rmtree(self.staging / sub, ignore_errors=True)
             log.write_text(f"overlay unavailable ({exc}); copying the parent\n")
             self._host_command("layer", log, ["cp", "-a", "--reflink=auto", str(parent.rootfs), str(self.rootfs)])
+
+    def _apt_download(self, log: Path) -> None:
+        """Resolve the packages against the parent's dpkg database and download them (nothing runs)."""
+        if not DEBIAN_KEYRING.is_file():
+            raise ImageBuildFailed(f"{DEBIAN_KEYRING} is missing: apt-get install debian-archive-keyring", "apt download")
+        work = self.staging / "apt"
+        for sub in ("lists/partial", "archives/partial", "parts", "prefs"):
+            (work / sub).mkdir(parents=True)
+        os.chmod(work, 0o755)
+        os.chmod(work / "archives", 0o755)
+        (work / "sources.list").write_text(
+            f"deb [signed-by={DEBIAN_KEYRING}] {self.recipe.mirror} {self.recipe.suite} main\n")
+        options = {
+            "Dir::State::status": str(self.rootfs / "var/lib/dpkg/status"),
+            "Dir::State::Lists": str(work / "lists"),
+            "Dir::Cache::archives": str(work / "archives"),
+            "Dir::Cache::pkgcache": "", "Dir::Cache::srcpkgcache": "",
+            "Dir::Etc::SourceList": str(work / "sources.list"), "Dir::Etc::SourceParts": str(work / "parts"),
+            "Dir::Etc::Preferences": "/dev/null", "Dir::Etc::PreferencesParts": str(work / "prefs"),
+            "Dir::Log": str(work), "APT::Install-Recommends": "false", "Debug::NoLocking": "true",
+            "APT::Sandbox::User": "root", "Acquire::Languages": "none",
+        }
+        argv = ["apt-get", "-q"] + [arg for key, value in options.items() for arg in ("-o", f"{key}={value}")]
+        self._host_command("apt download", log, [*argv, "update"])
+        counted: list[str] = []
+
+        def on_line(line: str) -> None:
+            if line.startswith("Get:"):
+                counted.append(line)
+                self._event("apt download", packages=len(counted))
+
+        self._host_command("apt download", log, [*argv, "-y", "--download-only", "install", *self.recipe.apt],
+                           on_line)
 
     def _npm_fetch(self, log: Path) -> None:
         npm = shutil.which("npm")
@@ -275,6 +326,8 @@ class _Builder:
     def _in_sandbox(self, step: str, log: Path, command: str) -> None:
         if self.box is None:  # one box for every sandboxed step: the image is handed over once
             binds = {WHEELS_POINT: self.staging / "wheels"} if self.recipe.pip else {}
+            if self.recipe.base_image and self.recipe.apt:
+                binds[DEBS_POINT] = self.staging / "apt" / "archives"
             self.box = BuildBox(self.rootfs, self.state_dir, self.recipe.build_memory, binds)
         code, timed_out = self.box.run(command, log, self.recipe.build_timeout)
         if code != 0 or timed_out:
@@ -347,6 +400,7 @@ class _Builder:
             "size": _tree_size(self.rootfs),
             "packages": packages,
             "suite": self.recipe.suite,
+            "mirror": self.recipe.mirror,
             "build_seconds": round(time.monotonic() - self.started, 1),
         })
 

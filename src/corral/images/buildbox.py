@@ -18,6 +18,7 @@ import os
 import secrets
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +35,33 @@ BUILD_ENV = {
     "DEBIAN_FRONTEND": "noninteractive",
     "PIP_DISABLE_PIP_VERSION_CHECK": "1",
 }
+
+
+def fake_chown_bpf(state_dir: Path) -> Path:
+    """A seccomp program (added to the project's filter) making chown a successful no-op.
+
+    A build step's user namespace maps one uid, so a package that gives a file to
+    a system group (``chown root:staff``) would fail with EINVAL; like fakeroot, the
+    build pretends it worked and the file stays root's.
+    """
+    path = state_dir / "seccomp-build-fake-chown-v1.bpf"
+    if path.exists():
+        return path
+    import pyseccomp as sc
+
+    filt = sc.SyscallFilter(sc.ALLOW)
+    for name in ("chown", "fchown", "lchown", "fchownat"):
+        filt.add_rule(sc.ERRNO(0), name)
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".seccomp-build-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            filt.export_bpf(f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
 
 
 def shift_owner(root: Path, old: int, new: int, modes: dict[str, int] | None = None) -> dict[str, int]:
@@ -75,6 +103,7 @@ class BuildBox:
         self.rootfs = rootfs
         self._bwrap = _check_host()
         self._seccomp = bpf_path(state_dir)
+        self._fake_chown = fake_chown_bpf(state_dir)
         self._state_dir = state_dir
         self._binds = binds or {}
         self.uid = allocate_uid(state_dir, "image-build")
@@ -113,7 +142,8 @@ class BuildBox:
         for key, value in BUILD_ENV.items():
             argv += ["--setenv", key, value]
         seccomp_fd = os.open(self._seccomp, os.O_RDONLY | os.O_CLOEXEC)
-        argv += ["--seccomp", str(seccomp_fd), "/bin/sh", "-c", command]
+        chown_fd = os.open(self._fake_chown, os.O_RDONLY | os.O_CLOEXEC)
+        argv += ["--add-seccomp-fd", str(seccomp_fd), "--add-seccomp-fd", str(chown_fd), "/bin/sh", "-c", command]
         procs_files = self.cgroup.procs_files(leaf)
         uid = self.uid
 
@@ -132,9 +162,10 @@ class BuildBox:
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                         env={"PATH": "/usr/bin:/bin"}, preexec_fn=join_and_drop,
-                                        pass_fds=(seccomp_fd,), close_fds=True, cwd="/")
+                                        pass_fds=(seccomp_fd, chown_fd), close_fds=True, cwd="/")
             finally:
                 os.close(seccomp_fd)
+                os.close(chown_fd)
             timed_out = False
             try:
                 code = proc.wait(timeout=timeout)

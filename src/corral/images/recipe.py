@@ -15,8 +15,10 @@ packages, files to copy in and commands to run at build time::
     dest = "/etc/motd"
     mode = "0644"
 
-``from = "NAME"`` instead starts from an already built image (a copy of its
-root) and may not add apt packages; it is cheap to build.
+``from = "NAME"`` instead starts from an already built image (an overlay on
+its root, materialized with hard links) and adds to it — apt packages too
+(downloaded on the host against the parent's package database, installed with
+dpkg inside the build sandbox); it keeps the parent's suite and mirror.
 
 The digest is a hash of everything that defines the image (the recipe's
 content, the content of every file it names, the parent's digest and the
@@ -181,11 +183,9 @@ def parse(data: dict[str, Any], source: Path | None = None, _seen: tuple[Path, .
             raise InvalidSpec(f"{where}: use either 'extends' (merge a recipe) or 'from' (start from an image)")
         if not isinstance(base_image, str) or not _NAME_RE.match(base_image):
             raise InvalidSpec(f"{where}: from = {base_image!r} must name a built image")
-        if data.get("apt") or "suite" in data or "mirror" in data:
-            raise InvalidSpec(
-                f"{where}: an image built 'from' another cannot add apt packages or change the suite; "
-                "use 'extends' to merge recipes instead"
-            )
+        if "suite" in data or "mirror" in data:
+            raise InvalidSpec(f"{where}: an image built 'from' another keeps its suite and mirror; "
+                              "use 'extends' to merge recipes instead")
     suite = _string(data, "suite", where, parent.suite if parent else DEFAULT_SUITE)
     if suite not in SUITES:
         raise InvalidSpec(f"{where}: suite {suite!r} is not supported; use one of {', '.join(SUITES)}")

@@ -116,6 +116,11 @@ def set_name(root: Path, name: str, digest: str) -> None:
     write_json_atomic(_names_dir(root) / f"{name}.json", {"digest": digest, "tagged": time.time()})
 
 
+def read_meta(path: Path) -> dict[str, object]:
+    """The image.json of the image at ``path`` ({} if unreadable)."""
+    return _read_json(path / "image.json") or {}
+
+
 def record(root: Path, digest: str) -> ImageRecord | None:
     path = root / hex_of(digest)
     meta = _read_json(path / "image.json")
