@@ -70,6 +70,19 @@ def test_output_flood_is_capped_and_forged_frames_are_ignored() -> None:
         assert sb.run_code("1 + 1").text == "2"
 
 
+def test_async_run_code() -> None:
+    import asyncio
+
+    from corral import AsyncSandbox
+
+    async def main() -> str | None:
+        async with await AsyncSandbox.create() as sb:
+            await sb.run_code("n = 6")
+            return (await sb.run_code("n * 7")).text
+
+    assert asyncio.run(main()) == "42"
+
+
 def test_timeout_interrupts_and_keeps_state() -> None:
     with Sandbox.create() as sb:
         sb.run_code("kept = 'yes'")

@@ -500,6 +500,11 @@ class AsyncSandbox:
     def is_running(self) -> bool:
         return self._sync.is_running()
 
+    async def run_code(self, code: str, **kwargs: Any) -> Any:
+        import asyncio
+
+        return await asyncio.to_thread(self._sync.run_code, code, **kwargs)
+
     @property
     def network(self) -> SandboxNetwork:
         return self._sync.network

@@ -75,7 +75,7 @@ def handle_build(args: argparse.Namespace) -> int:
                 fields["packages"] = event.packages
             if event.bytes:
                 fields["size"] = _size(event.bytes)
-            bars.update(task, description=f"{recipe.name}: {event.step}", total=event.total,
+            bars.update(task, description=f"{event.image or recipe.name}: {event.step}", total=event.total,
                         completed=event.index - (0 if event.done else 1), **fields)
 
         result = build(recipe, _state(args), force=args.force, progress=on_event)

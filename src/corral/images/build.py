@@ -58,6 +58,8 @@ class BuildEvent:
     bytes: int = 0
     done: bool = False
     message: str = ""
+    #: the image being built (a built-in parent is built first, reporting its own name)
+    image: str = ""
 
 
 ProgressCallback = Callable[[BuildEvent], None]
@@ -176,7 +178,8 @@ class _Builder:
         return str(kept)
 
     def _event(self, step: str, **kw: object) -> None:
-        self.progress(BuildEvent(step, self.step_index, len(self.steps), **kw))  # type: ignore[arg-type]
+        self.progress(BuildEvent(step, self.step_index, len(self.steps), image=self.recipe.name,
+                                 **kw))  # type: ignore[arg-type]
 
     def _step(self, step: str) -> None:
         self.step_index += 1
