@@ -88,6 +88,9 @@ def build(recipe: Recipe, state_dir: Path, *, force: bool = False, progress: Pro
     """Build ``recipe`` unless an image with its digest exists; tag it with the recipe's name."""
     started = time.monotonic()
     root = root or store.image_dir()
+    mode = root.stat().st_mode
+    if mode & 0o011 != 0o011:  # build steps run as an unprivileged uid that must reach <root>/.build-*/rootfs
+        os.chmod(root, (mode & 0o7777) | 0o011)
     if recipe.base_image and store.lookup(recipe.base_image, root) is None and builtin_path(recipe.base_image):
         build(load_recipe(recipe.base_image), state_dir, progress=progress, root=root)  # a built-in parent
     digest = recipe.digest(parent_digest(recipe, root))
