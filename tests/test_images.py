@@ -2,8 +2,8 @@
 
 The built-in images are built once into the persistent image store
 ($CORRAL_IMAGE_DIR, default /var/lib/corral/images/built) and reused by later
-runs: a fresh machine pays the cold build (about 2.5 min for base, see
-docs/images.md), later runs take well under a second to find them.
+runs: a fresh machine pays the cold builds (about 2 min for base and 1.7 min
+for python-data, see docs/images.md); later runs find them in milliseconds.
 """
 
 from __future__ import annotations
