@@ -186,6 +186,7 @@ def test_broken_recipe_fails_cleanly(base_image: store.ImageRecord, state_dir: P
     assert info.value.step == "run 2"
     assert "boom" in Path(info.value.log_path).read_text()
     assert "boom" in str(info.value)  # the log's tail is in the message
+    Path(info.value.log_path).unlink()
     assert store.lookup(recipe.name) is None
     assert store.record(store.image_dir(), recipe.digest(base_image.digest)) is None
     assert not _leftovers() and not _build_groups()

@@ -33,6 +33,7 @@ from ..host import mounts
 from . import ImageLayout
 
 DEFAULT_IMAGE_DIR = Path("/var/lib/corral/images/built")
+FAILED_LOG_DAYS = 7
 
 
 def image_dir() -> Path:
@@ -218,7 +219,8 @@ def remove_tree(path: Path) -> None:
 
 
 def prune(root: Path | None = None) -> tuple[list[ImageRecord], int]:
-    """Delete images no name points at (and not in use), and leftovers of interrupted builds.
+    """Delete images no name points at (and not in use), leftovers of interrupted builds and week-old
+    logs of failed steps.
 
     Returns the deleted images and the number of leftover directories removed.
     """
@@ -228,6 +230,11 @@ def prune(root: Path | None = None) -> tuple[list[ImageRecord], int]:
     for rec in list_images(root):
         if rec.digest not in named and not in_use(rec) and delete_image(root, rec):
             deleted.append(rec)
+    failed = root / "failed"
+    if failed.is_dir():  # logs of failed steps are kept for a week
+        for log in failed.iterdir():
+            if time.time() - log.stat().st_mtime > FAILED_LOG_DAYS * 86400:
+                log.unlink()
     return deleted, remove_leftovers(root)
 
 
