@@ -14,7 +14,8 @@ can catch one class.  The tree::
     ├── ResourceLimit          a quota or limit refused the request
     ├── FileError              a files-API operation failed
     │   └── FileNotFoundInSandbox
-    └── NetworkDenied          egress policy refused a destination
+    ├── NetworkDenied          egress policy refused a destination
+    └── ImageBuildFailed       an image recipe step failed (names the step and its log)
 
 An :class:`ExecResult` is returned, not raised, for timeouts and OOM kills
 from ``commands.run``; the exceptions exist for callers that ask for them
@@ -111,6 +112,20 @@ class NetworkDenied(SandboxError):
     """The sandbox's network policy refused a destination."""
 
     code = "network_denied"
+
+
+class ImageBuildFailed(SandboxError):
+    """A step of an image build failed; nothing of the half-built image is kept.
+
+    ``step`` names the step, ``log_path`` is the kept log of that step (host path).
+    """
+
+    code = "image_build_failed"
+
+    def __init__(self, message: str, step: str = "", log_path: str = "") -> None:
+        super().__init__(message)
+        self.step = step
+        self.log_path = log_path
 
 
 _BY_CODE: dict[str, type[SandboxError]] = {}

@@ -416,6 +416,14 @@ class Sandbox:
     def is_running(self) -> bool:
         return self._inner is not None and self._inner.alive()
 
+    def run_code(self, code: str, *, language: str = "python", timeout: float | None = None,
+                 **callbacks: Any) -> Any:
+        """Run a cell in this sandbox's persistent interpreter; returns an E2B-shaped
+        :class:`corral.interpreter.Execution` (variables and imports survive across calls)."""
+        from .interpreter import run_code
+
+        return run_code(self, code, language=language, timeout=timeout, **callbacks)
+
     def kill(self) -> None:
         """Destroy the sandbox: every process, mount, cgroup and file of it. Idempotent."""
         inner, self._inner = self._inner, None
@@ -491,6 +499,11 @@ class AsyncSandbox:
 
     def is_running(self) -> bool:
         return self._sync.is_running()
+
+    async def run_code(self, code: str, **kwargs: Any) -> Any:
+        import asyncio
+
+        return await asyncio.to_thread(self._sync.run_code, code, **kwargs)
 
     @property
     def network(self) -> SandboxNetwork:

@@ -17,6 +17,8 @@ COMMAND_MODULES = [
     "corral.cli.doctor",
     "corral.cli.gc",
     "corral.cli.shell",
+    "corral.cli.image",
+    "corral.cli.code",
 ]
 
 #: exit code when the sandbox itself could not be made (like `docker run`)

@@ -55,15 +55,15 @@ def resolve(name: str, state_dir: Path) -> ImageLayout:
         layout = resolver(name, state_dir)
         if layout is not None:
             return layout
-    try:  # built images live in corral.images.store when that module exists
-        from . import store  # type: ignore[attr-defined]
-    except ImportError:
-        store = None
-    if store is not None:
-        found: ImageLayout | None = store.resolve(name, state_dir)
-        if found is not None:
-            return found
-    raise InvalidSpec(f"image {name!r} is not known; built-in: host (see `corral image ls` for built ones)")
+    from . import store  # built images (imported here: store imports this module)
+
+    layout = store.resolve(name, state_dir)
+    if layout is not None:
+        return layout
+    from .recipe import builtin_names
+
+    hint = f"; build it with `corral image build {name}`" if name in builtin_names() else ""
+    raise InvalidSpec(f"image {name!r} is not built{hint} (built-in: host; see `corral image ls`)")
 
 
 def identity_files(hostname: str = "sandbox") -> dict[str, str]:

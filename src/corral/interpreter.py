@@ -1,0 +1,348 @@
+"""A stateful code interpreter inside a sandbox, shaped like E2B's.
+
+``sandbox.run_code(code)`` sends a cell to a kernel process running *inside*
+the sandbox (started with ``sandbox.commands.start``; see
+``kernel/python_kernel.py`` for the line protocol) and returns an
+:class:`Execution`: ``logs.stdout``/``logs.stderr`` (lists of str),
+``error`` (name, value, traceback) and ``results`` (each with the formats it
+has: ``text``, ``html``, ``png`` base64, ...).  Variables and imports survive
+across cells.
+
+Timeouts: the cell gets SIGINT (KeyboardInterrupt); the kernel keeps its state
+and the execution says ``timed_out``.  If the kernel does not come back within
+:data:`INTERRUPT_GRACE` seconds, or it died, it is killed and restarted and the
+execution says ``restarted`` (state lost).
+
+Languages are entries of :data:`KERNELS`; Python exists, a Node.js kernel
+speaking the same protocol slots in next to it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidSpec, SandboxClosed
+
+if TYPE_CHECKING:
+    from .sandbox import CommandHandle, Sandbox
+
+#: seconds a cell may run when the caller does not say
+DEFAULT_TIMEOUT = 60.0
+#: seconds an interrupted cell gets to return before the kernel is restarted
+INTERRUPT_GRACE = 3.0
+START_TIMEOUT = 30.0
+#: longest protocol line accepted from a kernel
+MAX_FRAME = 64 << 20
+#: how long the kernel process itself may live (the sandbox's per-command clock)
+KERNEL_LIFETIME = 7 * 86400
+_KERNEL_DIR = Path(__file__).parent / "kernel"
+KERNELS: dict[str, Callable[[], list[str]]] = {
+    "python": lambda: ["python3", "-u", "-c", (_KERNEL_DIR / "python_kernel.py").read_text()],
+}
+_FORMATS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json", "javascript")
+
+
+@dataclass
+class Result:
+    """One rich output of a cell: the last expression's value, a figure, or ``display(obj)``."""
+
+    text: str | None = None
+    html: str | None = None
+    markdown: str | None = None
+    svg: str | None = None
+    png: str | None = None
+    jpeg: str | None = None
+    pdf: str | None = None
+    latex: str | None = None
+    json: Any = None
+    javascript: str | None = None
+    is_main_result: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def formats(self) -> list[str]:
+        return [name for name in _FORMATS if getattr(self, name) is not None]
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any], main: bool) -> Result:
+        known = {k: v for k, v in data.items() if k in _FORMATS}
+        extra = {k: v for k, v in data.items() if k not in _FORMATS}
+        return cls(**known, is_main_result=main, extra=extra)
+
+
+@dataclass
+class Logs:
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExecutionError:
+    name: str
+    value: str
+    traceback: str
+
+
+@dataclass
+class Execution:
+    results: list[Result] = field(default_factory=list)
+    logs: Logs = field(default_factory=Logs)
+    error: ExecutionError | None = None
+    execution_count: int = 0
+    #: the cell hit its timeout and was interrupted
+    timed_out: bool = False
+    #: the kernel was restarted during this cell: variables and imports are gone
+    restarted: bool = False
+    #: output beyond the sandbox's max_output was dropped
+    truncated: bool = False
+
+    @property
+    def text(self) -> str | None:
+        """The text of the main result (the last expression's value), if any."""
+        for result in self.results:
+            if result.is_main_result:
+                return result.text
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Cell:
+    def __init__(self, cell_id: int, execution: Execution, callbacks: dict[str, Callable[[Any], None] | None]):
+        self.id = cell_id
+        self.execution = execution
+        self.callbacks = callbacks
+        self.done = threading.Event()
+        self.budget = 0
+
+
+class CodeInterpreter:
+    """One kernel process in one sandbox. Cells run one at a time."""
+
+    def __init__(self, sandbox: Sandbox, language: str = "python", cwd: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        if language not in KERNELS:
+            raise InvalidSpec(f"language {language!r} is not supported; use one of {', '.join(KERNELS)}")
+        self._sandbox = sandbox
+        self.language = language
+        self._cwd = cwd
+        self._env = {"MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._run_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._handle: CommandHandle | None = None
+        self._buffer = b""
+        self._skip_line = False
+        self._cell: _Cell | None = None
+        self._ready = threading.Event()
+        self._next_id = 0
+        self._count = 0
+        self._generation = 0
+
+    # -- kernel process ------------------------------------------------------
+    def _start(self) -> None:
+        self._ready = threading.Event()
+        self._buffer = b""
+        self._skip_line = False
+        self._generation += 1
+        generation = self._generation
+
+        def on_output(stream: str, chunk: bytes) -> None:
+            if generation == self._generation:
+                self._on_output(stream, chunk)
+
+        self._handle = self._sandbox.commands.start(KERNELS[self.language](), timeout=KERNEL_LIFETIME,
+                                                    env=self._env, cwd=self._cwd, on_output=on_output)
+        if not self._ready.wait(START_TIMEOUT):
+            self._stop()
+            raise SandboxClosed(f"the {self.language} interpreter did not start within {START_TIMEOUT:.0f} s "
+                                f"(does image {self._sandbox.spec.image!r} have python3?)")
+
+    def _stop(self) -> None:
+        handle, self._handle = self._handle, None
+        self._generation += 1
+        if handle is not None:
+            try:
+                handle.kill()
+                handle.wait()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        with self._run_lock:
+            self._stop()
+
+    def restart(self) -> None:
+        """Kill the kernel and start a fresh one (every variable is lost)."""
+        with self._run_lock:
+            self._stop()
+            self._count = 0
+            self._start()
+
+    def _on_output(self, stream: str, chunk: bytes) -> None:
+        # everything here comes from inside the sandbox: parse defensively, keep memory bounded
+        if stream == "stderr":  # stray descriptor-level output (subprocesses, C code)
+            cell = self._cell
+            if cell is not None and self._charge(cell, len(chunk)):
+                text = chunk.decode(errors="replace")
+                cell.execution.logs.stderr.append(text)
+                self._call(cell, "on_stderr", text)
+            return
+        self._buffer += chunk
+        if b"\n" not in chunk:
+            if len(self._buffer) > MAX_FRAME:  # a frame that never ends: drop it
+                self._buffer, self._skip_line = b"", True
+            return
+        lines = self._buffer.split(b"\n")
+        self._buffer = lines.pop()
+        for line in lines:
+            if self._skip_line:
+                self._skip_line = False
+                continue
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(message, dict):
+                self._dispatch(message)
+
+    def _charge(self, cell: _Cell, size: int) -> bool:
+        """Count output against the cell's budget; False (and ``truncated``) once it is spent."""
+        cell.budget -= size
+        if cell.budget < 0:
+            cell.execution.truncated = True
+            return False
+        return True
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "ready":
+            self._ready.set()
+            return
+        cell = self._cell
+        if cell is None or message.get("id") != cell.id:
+            return
+        logs = cell.execution.logs
+        if kind in ("stdout", "stderr", "result") and not self._charge(cell, len(json.dumps(message))):
+            return
+        if kind in ("stdout", "stderr"):
+            text = str(message.get("text", ""))
+            (logs.stdout if kind == "stdout" else logs.stderr).append(text)
+            self._call(cell, f"on_{kind}", text)
+        elif kind == "result":
+            data = message.get("data")
+            result = Result.from_data(data if isinstance(data, dict) else {}, bool(message.get("main")))
+            cell.execution.results.append(result)
+            self._call(cell, "on_result", result)
+        elif kind == "error":
+            error = ExecutionError(str(message.get("name", "")), str(message.get("value", "")),
+                                   str(message.get("traceback", "")))
+            cell.execution.error = error
+            self._call(cell, "on_error", error)
+        elif kind == "done":
+            cell.done.set()
+
+    @staticmethod
+    def _call(cell: _Cell, name: str, value: Any) -> None:
+        callback = cell.callbacks.get(name)
+        if callback is not None:
+            callback(value)
+
+    # -- cells ---------------------------------------------------------------
+    def run(self, code: str, *, timeout: float | None = None,
+            on_stdout: Callable[[str], None] | None = None, on_stderr: Callable[[str], None] | None = None,
+            on_result: Callable[[Result], None] | None = None,
+            on_error: Callable[[ExecutionError], None] | None = None) -> Execution:
+        if not isinstance(code, str):
+            raise InvalidSpec("code must be a string")
+        limit = DEFAULT_TIMEOUT if timeout is None else timeout
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= KERNEL_LIFETIME:
+            raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, {KERNEL_LIFETIME}]")
+        with self._run_lock:
+            restarted = False
+            if self._handle is not None and self._kernel_over():
+                restarted = True  # the kernel died after the last cell (e.g. exit() or a background kill)
+                self._stop()
+            if self._handle is None:
+                self._start()
+            self._next_id += 1
+            self._count += 1
+            execution = Execution(execution_count=self._count)
+            cell = _Cell(self._next_id, execution, {"on_stdout": on_stdout, "on_stderr": on_stderr,
+                                                    "on_result": on_result, "on_error": on_error})
+            cell.budget = self._sandbox.spec.limits.max_output
+            self._cell = cell
+            try:
+                assert self._handle is not None
+                try:
+                    self._handle.send_stdin(json.dumps({"id": cell.id, "code": code}) + "\n")
+                except Exception:
+                    restarted = True  # the kernel died between cells
+                    self._stop()
+                    self._start()
+                    assert self._handle is not None
+                    self._handle.send_stdin(json.dumps({"id": cell.id, "code": code}) + "\n")
+                outcome = self._wait(cell, limit)
+                if outcome == "timeout":
+                    execution.timed_out = True
+                    self._handle.send_signal(signal.SIGINT)
+                    outcome = self._wait(cell, INTERRUPT_GRACE)
+                    if outcome == "done":
+                        execution.error = ExecutionError(
+                            "TimeoutError", f"the cell ran longer than {limit:g} s and was interrupted "
+                            "(KeyboardInterrupt); the interpreter's state is kept",
+                            execution.error.traceback if execution.error else "")
+                    else:
+                        restarted = True
+                        self._stop()
+                        execution.error = ExecutionError(
+                            "TimeoutError", f"the cell ran longer than {limit:g} s and did not stop when "
+                            "interrupted; the interpreter was restarted: variables and imports are lost", "")
+                elif outcome == "dead":
+                    restarted = True
+                    self._stop()
+                    execution.error = ExecutionError(
+                        "KernelDied", "the interpreter process died while running the cell (out of memory, "
+                        "os._exit or a crash); it restarts on the next cell: variables and imports are lost", "")
+            finally:
+                self._cell = None
+            if restarted:
+                execution.restarted = True
+                self._count = 0
+            return execution
+
+    def _kernel_over(self) -> bool:
+        """True once the kernel process has ended (tiers expose ``done`` on their Process)."""
+        process = self._handle._process if self._handle is not None else None  # type: ignore[attr-defined]
+        return bool(getattr(process, "done", False))
+
+    def _wait(self, cell: _Cell, seconds: float) -> str:
+        """``"done"``, ``"timeout"``, or ``"dead"`` when the kernel process ended without finishing the cell."""
+        step, waited = 0.02, 0.0
+        while waited < seconds:
+            if cell.done.wait(min(step, seconds - waited)):
+                return "done"
+            waited += step
+            step = min(step * 2, 0.25)
+            if self._kernel_over():
+                return "done" if cell.done.wait(0.2) else "dead"
+        return "done" if cell.done.is_set() else "timeout"
+
+
+def interpreter_for(sandbox: Sandbox, language: str = "python") -> CodeInterpreter:
+    """The sandbox's interpreter for ``language``, started on first use."""
+    interpreters: dict[str, CodeInterpreter] = sandbox.__dict__.setdefault("_interpreters", {})
+    if language not in interpreters:
+        interpreters[language] = CodeInterpreter(sandbox, language)
+    return interpreters[language]
+
+
+def run_code(sandbox: Sandbox, code: str, *, language: str = "python", timeout: float | None = None,
+             **callbacks: Any) -> Execution:
+    """Run one cell in the sandbox's persistent interpreter (for the CLI, server and MCP)."""
+    return interpreter_for(sandbox, language).run(code, timeout=timeout, **callbacks)

@@ -1,0 +1,251 @@
+"""Image recipes, builds and the store.
+
+The built-in images are built once into the persistent image store
+($CORRAL_IMAGE_DIR, default /var/lib/corral/images/built) and reused by later
+runs: a fresh machine pays the cold builds (about 2 min for base and 1.7 min
+for python-data, see docs/images.md); later runs find them in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import ImageBuildFailed, InvalidSpec, ResourceLimit
+from corral.host import cgroups
+from corral.images import recipe as recipes
+from corral.images import resolve, store
+from corral.images.build import build
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="session")
+def base_image(state_dir: Path) -> store.ImageRecord:
+    return build(recipes.load("base"), state_dir).record
+
+
+def _leftovers() -> list[str]:
+    """Staging directories of builds that are not running (other builds may run in parallel)."""
+    return [p.name for p in store.leftovers(store.image_dir())]
+
+
+def _build_groups() -> set[str]:
+    return {name for name in cgroups.list_sandbox_groups() if name.startswith("build-")}
+
+
+# -- recipes (no build) ---------------------------------------------------------
+def test_recipe_rejects_bad_input(tmp_path: Path) -> None:
+    cases = [
+        ({"apt": ["python3; rm -rf /"]}, "apt"),
+        ({"apt": "python3"}, "list"),
+        ({"pip": ["requests --index-url http://evil"]}, "pip"),
+        ({"surprise": 1}, "unknown key"),
+        ({"suite": "sid-of-doom"}, "suite"),
+        ({"files": [{"src": "nope.txt", "dest": "/etc/x"}]}, "does not exist"),
+        ({"files": [{"src": "r.toml", "dest": "etc/x"}]}, "absolute"),
+        ({"from": "base", "suite": "trixie"}, "keeps its suite"),
+        ({"name": "Bad Name"}, "name"),
+    ]
+    (tmp_path / "r.toml").write_text("")
+    for data, needle in cases:
+        with pytest.raises(InvalidSpec, match=needle):
+            recipes.parse(data, tmp_path / "r.toml")
+    with pytest.raises(InvalidSpec, match="not valid TOML"):
+        (tmp_path / "broken.toml").write_text("apt = [")
+        recipes.load(tmp_path / "broken.toml")
+    with pytest.raises(InvalidSpec, match="no built-in recipe"):
+        recipes.load("no-such-recipe")
+
+
+def test_digest_follows_content_not_name(tmp_path: Path) -> None:
+    motd = tmp_path / "motd"
+    motd.write_text("hello\n")
+    files = [{"src": "motd", "dest": "/etc/motd"}]
+    source = tmp_path / "r.toml"
+    first = recipes.parse({"name": "a", "apt": ["git", "curl"], "files": files}, source).digest()
+    same = recipes.parse({"name": "b", "apt": ["curl", "git"], "files": files}, source).digest()
+    assert first == same  # the name and the order of apt packages do not define the image
+    assert recipes.parse({"apt": ["git"], "files": files}, source).digest() != first
+    assert recipes.parse({"apt": ["git", "curl"], "files": files, "run": ["true"]}, source).digest() != first
+    motd.write_text("changed\n")  # a file the recipe names changed: new image
+    assert recipes.parse({"apt": ["git", "curl"], "files": files}, source).digest() != first
+    python_data = recipes.load("python-data")
+    assert python_data.base_image == "base" and {"python3-pandas", "python3-openpyxl"} <= set(python_data.apt)
+    with pytest.raises(InvalidSpec, match="digest of image 'base' is needed"):
+        python_data.digest()  # a derived image's digest includes its parent's
+    assert "chromium" in recipes.load("browser").apt
+
+
+def test_unknown_image_is_a_clear_error() -> None:
+    with pytest.raises(InvalidSpec, match="not built"):
+        Sandbox.create(image="no-such-image")
+
+
+# -- built images ---------------------------------------------------------------
+def test_base_has_its_packages(base_image: store.ImageRecord) -> None:
+    with Sandbox.create(image="base") as sb:
+        r = sb.commands.run("python3 --version && node --version && npm --version && git --version && "
+                            "curl --version && test -s /etc/ssl/certs/ca-certificates.crt && id -un")
+        assert r.exit_code == 0, r.stderr
+        assert "Python 3." in r.stdout and "git version" in r.stdout and r.stdout.strip().endswith("user")
+    assert base_image.packages > 50
+    layout = resolve("base", Path("/nonexistent"))
+    assert layout.own_etc and layout.layers == (("/", base_image.rootfs),)
+
+
+def test_rebuild_of_unchanged_recipe_is_a_no_op(base_image: store.ImageRecord, state_dir: Path) -> None:
+    again = build(recipes.load("base"), state_dir)
+    assert not again.built
+    assert again.record.digest == base_image.digest == recipes.load("base").digest()
+    assert again.seconds < 5  # a bound for a hang, not the speed target (bench/images.py)
+
+
+def test_sandbox_cannot_change_the_image(base_image: store.ImageRecord) -> None:
+    before = {p: p.lstat().st_mtime_ns for p in (base_image.rootfs / "usr/bin").iterdir()}
+    python = base_image.rootfs / "usr/bin/python3.11"
+    python_bytes = python.read_bytes()
+    with Sandbox.create(image="base") as sb:
+        denied = sb.commands.run("echo x > /usr/bin/evil; rm -f /usr/bin/python3.11; echo y >> /usr/bin/python3.11; "
+                                 "mkdir /usr/local/evil; ls /usr/bin/python3.11")
+        assert "Permission denied" in denied.stderr
+        allowed = sb.commands.run("echo ok > /tmp/t && cat /tmp/t && echo home > ~/h && cat ~/h")
+        assert allowed.stdout == "ok\nhome\n"
+    after = {p: p.lstat().st_mtime_ns for p in (base_image.rootfs / "usr/bin").iterdir()}
+    assert before == after and python.read_bytes() == python_bytes
+    assert not (base_image.rootfs / "usr/local/evil").exists()
+    st = python.stat()
+    assert (st.st_uid, st.st_gid) == (0, 0)
+
+
+def _derived_recipe(tmp_path: Path, run: list[str], pip: list[str] | None = None,
+                    npm: list[str] | None = None) -> recipes.Recipe:
+    (tmp_path / "greeting.txt").write_text("hello from the recipe\n")
+    run_lines = ",\n".join(f"    {cmd!r}" for cmd in run)
+    pip_line = (f"pip = {pip!r}\n" if pip else "") + (f"npm = {npm!r}\n" if npm else "")
+    (tmp_path / "derived.toml").write_text(textwrap.dedent(f"""\
+        name = "test-derived-{os.getpid()}"
+        from = "base"
+        {pip_line}
+        [[files]]
+        src = "greeting.txt"
+        dest = "/usr/local/share/greeting.txt"
+        """).replace("from = \"base\"\n", f"from = \"base\"\nrun = [\n{run_lines}\n]\n"))
+    return recipes.load(tmp_path / "derived.toml")
+
+
+def test_build_commands_run_sandboxed_and_pip_npm_install_offline(
+        base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
+    recipe = _derived_recipe(tmp_path, [
+        "id -u > /usr/local/share/build-uid",
+        # no network inside a build step; the host's files are not there
+        "(curl -sS -m 3 http://deb.debian.org/ >/dev/null 2>&1 && echo online || echo offline) > /usr/local/share/net",
+        "test ! -e /work && test ! -e /var/lib/corral/images",
+        "python3 -c 'import six; print(six.__version__)' > /usr/local/share/six-version",
+        "semver -i minor 1.2.3 > /usr/local/share/semver-out",  # an npm CLI, fetched on the host
+    ], pip=["six==1.16.0"], npm=["semver@7.6.3"])
+    try:
+        result = build(recipe, state_dir)
+        rootfs = result.record.rootfs
+        assert (rootfs / "usr/local/share/build-uid").read_text() == "0\n"
+        assert (rootfs / "usr/local/share/net").read_text() == "offline\n"
+        assert (rootfs / "usr/local/share/six-version").read_text() == "1.16.0\n"
+        assert (rootfs / "usr/local/share/semver-out").read_text() == "1.3.0\n"
+        for path in (rootfs / "usr/local/share/build-uid", rootfs / "usr/local/lib", rootfs / "usr/bin/python3.11",
+                     base_image.rootfs / "usr/bin/python3.11"):
+            assert (path.stat().st_uid, path.stat().st_gid) == (0, 0)  # handed back to root
+        # unchanged files are the parent's inodes (no copy); what the build wrote carries no overlay xattrs
+        assert (rootfs / "usr/bin/python3.11").stat().st_ino == (base_image.rootfs / "usr/bin/python3.11").stat().st_ino
+        assert not [a for a in os.listxattr(rootfs / "usr/local/share/net") if a.startswith("trusted.")]
+        with Sandbox.create(image=recipe.name) as sb:
+            r = sb.commands.run("cat /usr/local/share/greeting.txt; python3 -c 'import six'")
+            assert (r.exit_code, r.stdout) == (0, "hello from the recipe\n")
+            with pytest.raises(ResourceLimit, match="in use"):
+                store.remove(recipe.name)  # never pulled from under a running sandbox
+            assert store.lookup(recipe.name) is not None
+        assert base_image.rootfs.is_dir() and not (base_image.rootfs / "usr/local/share/greeting.txt").exists()
+    finally:
+        store.remove(recipe.name)
+    assert store.lookup(recipe.name) is None
+    assert not _leftovers() and not _build_groups()
+
+
+def test_broken_recipe_fails_cleanly(base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
+    recipe = _derived_recipe(tmp_path, ["echo step one > /usr/local/share/one", "echo boom >&2; exit 3"])
+    uids_before = set(os.listdir(state_dir / "uids")) if (state_dir / "uids").is_dir() else set()
+    with pytest.raises(ImageBuildFailed, match="run 2") as info:
+        build(recipe, state_dir)
+    assert info.value.step == "run 2"
+    assert "boom" in Path(info.value.log_path).read_text()
+    assert "boom" in str(info.value)  # the log's tail is in the message
+    Path(info.value.log_path).unlink()
+    assert store.lookup(recipe.name) is None
+    assert store.record(store.image_dir(), recipe.digest(base_image.digest)) is None
+    assert not _leftovers() and not _build_groups()
+    assert set(os.listdir(state_dir / "uids")) == uids_before
+
+
+def test_killed_build_leaves_nothing_after_prune(base_image: store.ImageRecord, tmp_path: Path) -> None:
+    recipe = _derived_recipe(tmp_path, ["sleep 600"])
+    script = f"from corral.images import recipe, build; build.build(recipe.load({str(tmp_path / 'derived.toml')!r}), " \
+             f"__import__('pathlib').Path({os.environ['CORRAL_STATE_DIR']!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _build_groups() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert _build_groups(), "the build never reached its sandboxed step"
+        os.killpg(proc.pid, signal.SIGKILL)  # no cleanup code runs
+        proc.wait()
+        assert _leftovers()
+        store.prune()
+        assert not _leftovers() and not _build_groups()
+        assert store.lookup(recipe.name) is None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_image_cli(base_image: store.ImageRecord) -> None:
+    corral = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main())"]
+    built = subprocess.run([*corral, "image", "build", "-q", "base"], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0 and "base up to date: " + base_image.digest[:19] in built.stdout
+    listing = subprocess.run([*corral, "image", "ls"], capture_output=True, text=True, timeout=60)
+    row = next(line for line in listing.stdout.splitlines() if line.startswith("base "))
+    assert base_image.digest[:19] in row
+    missing = subprocess.run([*corral, "image", "rm", "no-such-image"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 125 and "no built image 'no-such-image'" in missing.stderr
+    bad = subprocess.run([*corral, "image", "build", "no-such-recipe"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 125 and "no built-in recipe" in bad.stderr
+
+
+def test_interrupted_build_cleans_up_by_itself(base_image: store.ImageRecord, tmp_path: Path) -> None:
+    recipe = _derived_recipe(tmp_path, ["sleep 600"])
+    corral = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen([*corral, "image", "build", "-q", str(tmp_path / "derived.toml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _build_groups() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert _build_groups(), "the build never reached its sandboxed step"
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)  # like Ctrl-C: the builder cleans up before exiting
+        assert proc.wait(timeout=60) == 130
+        assert not _leftovers() and not _build_groups()
+        assert not [p for p in store.image_dir().iterdir() if p.name.startswith(".build-")
+                    and recipe.digest(base_image.digest).removeprefix("sha256:").startswith(p.name.split("-")[1])]
+        assert store.lookup(recipe.name) is None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
