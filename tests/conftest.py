@@ -13,6 +13,48 @@ from pathlib import Path
 import pytest
 
 _RUN_TAG = f"corral-test-{os.getpid()}"
+
+
+def _reap_dead_runs() -> None:
+    """Test runs that were killed (timeout, kill -9) never reach pytest_sessionfinish:
+    reap their sandboxes, mounts, state dirs and cgroup parents on the next run."""
+    import re
+
+    from corral.host import cgroups, mounts
+    from corral.registry import gc
+
+    def dead(pid: int) -> bool:
+        return not Path(f"/proc/{pid}").exists()
+
+    for path in Path(tempfile.gettempdir()).glob("corral-test-*-state-*"):
+        match = re.match(r"corral-test-(\d+)-state-", path.name)
+        if match and dead(int(match.group(1))):
+            try:
+                gc(path)
+            except Exception:  # noqa: BLE001 - best effort: unmount and remove below anyway
+                pass
+            mounts.unmount_all(path)
+            shutil.rmtree(path, ignore_errors=True)
+    try:
+        layout = cgroups.detect()
+    except Exception:  # noqa: BLE001 - a host without cgroups fails in the tests themselves
+        return
+    for root in {*layout.controllers.values(), layout.kill_root}:
+        for parent in root.glob("corral-test-*"):
+            match = re.match(r"corral-test-(\d+)$", parent.name)
+            if match and dead(int(match.group(1))):
+                for group in [p for p in parent.iterdir() if p.is_dir()]:
+                    if root == layout.kill_root:
+                        cgroups.kill_group(group, layout.kill_mode)
+                    for pid in cgroups.read_pids(group):
+                        try:
+                            os.kill(pid, 9)
+                        except ProcessLookupError:
+                            pass
+                cgroups.remove_tree(parent)
+
+
+_reap_dead_runs()
 os.environ.setdefault("CORRAL_CGROUP_PARENT", _RUN_TAG)
 _STATE = Path(tempfile.mkdtemp(prefix=f"{_RUN_TAG}-state-"))
 os.environ.setdefault("CORRAL_STATE_DIR", str(_STATE))
