@@ -36,8 +36,8 @@ from ...host import cgroups, mounts
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import MiB, SandboxSpec
-from ..agent import T_FREMOVE, T_FWRITE, AgentChannel, AgentProcess
-from ..base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from ..agent import T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
+from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..rootfs import allocate_uid, release_uid
 from . import guest, qemu, template
 
@@ -124,7 +124,7 @@ class MicroVMTier(Tier):
         return -(-mb // 64) * 64
 
 
-class MicroVMSandbox(TierSandbox):
+class MicroVMSandbox(AgentFilesMixin, TierSandbox):
     def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
         self.id = sandbox_id
         self.spec = spec
@@ -255,11 +255,7 @@ class MicroVMSandbox(TierSandbox):
 
     # -- commands ----------------------------------------------------------
     def _live(self) -> AgentChannel:
-        if self._closed or self._channel is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
-        if self._channel.closed.is_set():
-            raise SandboxClosed(f"sandbox {self.id} stopped (its VM is gone)")
-        return self._channel
+        return self._channel_or_raise()
 
     def _fire(self, kind: int, payload: bytes) -> None:
         """Send a request whose answer nobody waits for (safe from the reader thread).
@@ -300,34 +296,8 @@ class MicroVMSandbox(TierSandbox):
 
         return channel.start(request, on_output, place, kill, finish)
 
-    # -- files -------------------------------------------------------------
-    def read_file(self, path: str, max_bytes: int) -> bytes:
-        return self._live().read_file(path, max_bytes)
-
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        self._live().write_file(path, data, mode)
-        self.sync()
-
-    def list_dir(self, path: str) -> list[FileEntry]:
-        return self._live().list_dir(path)
-
-    def stat(self, path: str) -> FileEntry:
-        return self._live().stat(path)
-
-    def remove(self, path: str, recursive: bool = False) -> None:
-        self._live().remove(path, recursive)
-        self.sync()
-
-    def make_dir(self, path: str, mode: int = 0o755) -> None:
-        self._live().make_dir(path, mode)
-        self.sync()
-
-    def sync(self) -> None:
-        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
-            self.workspace.sync_back()
-
     # -- lifecycle ---------------------------------------------------------
-    def alive(self) -> bool:
+    def alive(self) -> bool:  # the VM process too, not only the channel
         return (not self._closed and self._channel is not None and not self._channel.closed.is_set()
                 and self._proc is not None and self._proc.poll() is None)
 
