@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "corral.cli.run",
     "corral.cli.doctor",
     "corral.cli.gc",
+    "corral.cli.serve",
 ]
 
 #: exit code when the sandbox itself could not be made (like `docker run`)

@@ -1,0 +1,152 @@
+"""``/v1/sandboxes/{id}/exec/stream``: a command's output as it is produced.
+
+Protocol (JSON text frames):
+
+* client, first frame: ``{"cmd": "..." | [...], "timeout": s, "env": {...}, "cwd": "..."}``
+* server: ``{"type": "started"}``, then ``{"type": "stdout"|"stderr", "data": text}`` in the order
+  the sandbox produced them, then ``{"type": "result", ...}`` (fields of ``corral run --json``), then close.
+* client, any time: ``{"type": "stdin", "data": text}``, ``{"type": "stdin_close"}``,
+  ``{"type": "signal", "signal": N}``, ``{"type": "kill"}``.  ``resize`` is answered with an
+  error frame: commands run without a PTY.
+* errors: ``{"type": "error", "error": code, "message": text}``, then close.
+
+Closing the socket kills the command's whole process tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from ..errors import InvalidSpec, SandboxError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from ..sandbox import CommandHandle
+
+#: close codes: 4000 + the HTTP status the same error gets over REST
+CLOSE_NORMAL = 1000
+
+
+async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:
+    from .app import status_for
+
+    with contextlib.suppress(Exception):
+        await websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
+        await websocket.close(code=4000 + status_for(exc))
+
+
+async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str) -> None:
+    from .app import ExecBody
+
+    await websocket.accept()
+    manager = app.state.manager()
+    metrics = app.state.metrics
+    try:
+        tenant = app.state.tenant_of(websocket.headers.get("authorization"))
+        entry = manager.get(tenant, sandbox_id)
+        try:
+            first = await asyncio.wait_for(websocket.receive_text(), timeout=30)
+            body = ExecBody.model_validate(json.loads(first))
+        except (ValueError, ValidationError) as exc:
+            raise InvalidSpec(f"first frame must be a JSON exec request {{cmd, timeout, env, cwd}}: {exc}") from None
+        except TimeoutError:
+            raise InvalidSpec("no exec request received within 30 s") from None
+    except SandboxError as exc:
+        await _send_error(websocket, exc)
+        return
+    except WebSocketDisconnect:
+        return
+
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+
+    def on_output(stream: str, chunk: bytes) -> None:  # called on the sandbox's reader thread
+        loop.call_soon_threadsafe(queue.put_nowait, (stream, chunk))
+
+    try:
+        with manager.exec_slot(entry):
+            handle: CommandHandle = await app.state.run_blocking(
+                entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
+                on_output=on_output)
+
+            def wait_then_report() -> None:
+                # queued after every output chunk the reader thread delivered before the exit
+                try:
+                    result = handle.wait()
+                    loop.call_soon_threadsafe(queue.put_nowait, ("result", result))
+                except BaseException as exc:  # noqa: BLE001 - reported to the client as an error frame
+                    loop.call_soon_threadsafe(queue.put_nowait, ("failed", exc))
+
+            waiter = asyncio.ensure_future(app.state.run_blocking(wait_then_report))
+            receiver = asyncio.create_task(_receive_control(websocket, handle, queue))
+            try:
+                await websocket.send_json({"type": "started"})
+                await _pump(websocket, queue, decoders, metrics, sandbox_id)
+            finally:
+                receiver.cancel()
+                handle.kill()  # no-op once the command ended; kills the tree if the client left early
+                with contextlib.suppress(BaseException):
+                    await waiter
+    except SandboxError as exc:
+        await _send_error(websocket, exc)
+    except (WebSocketDisconnect, RuntimeError):
+        return
+
+
+async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
+                decoders: dict[str, codecs.IncrementalDecoder], metrics: Any, sandbox_id: str) -> None:
+    while True:
+        kind, payload = await queue.get()
+        if kind in ("stdout", "stderr"):
+            text = decoders[kind].decode(payload)
+            if text:
+                await websocket.send_json({"type": kind, "data": text})
+        elif kind == "result":
+            metrics.record_exec(payload.timed_out, payload.oom_killed)
+            await websocket.send_json({"type": "result", "sandbox_id": sandbox_id, **payload.to_dict()})
+            await websocket.close(code=CLOSE_NORMAL)
+            return
+        elif kind == "failed":
+            if isinstance(payload, SandboxError):
+                raise payload
+            raise SandboxError(f"command failed: {payload}")
+        elif kind == "disconnect":
+            raise WebSocketDisconnect(code=1001)
+
+
+async def _receive_control(websocket: WebSocket, handle: CommandHandle,
+                           queue: asyncio.Queue[tuple[str, Any]]) -> None:
+    try:
+        while websocket.application_state == WebSocketState.CONNECTED:
+            message = json.loads(await websocket.receive_text())
+            kind = message.get("type") if isinstance(message, dict) else None
+            if kind == "stdin" and isinstance(message.get("data"), str):
+                handle.send_stdin(message["data"])
+            elif kind == "stdin_close":
+                handle.close_stdin()
+            elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:
+                handle.send_signal(message["signal"])
+            elif kind == "kill":
+                handle.kill()
+            elif kind == "resize":
+                await websocket.send_json({"type": "error", "error": "invalid_spec",
+                                           "message": "resize: commands run without a PTY"})
+            else:
+                await websocket.send_json({"type": "error", "error": "invalid_spec",
+                                           "message": f"unknown control frame {str(message)[:200]!r}"})
+    except (WebSocketDisconnect, RuntimeError):
+        queue.put_nowait(("disconnect", None))
+    except ValueError:
+        await websocket.send_json({"type": "error", "error": "invalid_spec", "message": "frames must be JSON"})
+        queue.put_nowait(("disconnect", None))
+    except SandboxError:
+        pass  # the command already ended: its result is on its way
