@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "corral.cli.doctor",
     "corral.cli.gc",
     "corral.cli.serve",
+    "corral.cli.remote",
 ]
 
 #: exit code when the sandbox itself could not be made (like `docker run`)
