@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 from urllib.parse import quote
 
 import httpx
@@ -87,7 +87,7 @@ class RemoteCommandHandle:
         try:
             self._ws = connect(client.ws_url(f"/v1/sandboxes/{quote(sandbox_id)}/exec/stream"),
                                additional_headers=client.headers, open_timeout=30, max_size=64 << 20)
-        except Exception as exc:  # noqa: BLE001 - any handshake failure is a server-side error to the caller
+        except Exception as exc:
             raise SandboxError(f"cannot open the exec stream at {client.url}: {exc}") from exc
         self._ws.send(json.dumps(request))
         self._reader = threading.Thread(target=self._read, name="corral-remote-exec", daemon=True)
@@ -105,7 +105,7 @@ class RemoteCommandHandle:
                     self._result = ExecResult(**frame)
                 elif kind == "error" and self._result is None:
                     self._error = error_from_code(frame.get("error", ""), frame.get("message", ""))
-        except Exception as exc:  # noqa: BLE001 - a broken connection ends the command for this client
+        except Exception as exc:
             if self._result is None and self._error is None:
                 self._error = SandboxClosed(f"exec stream lost: {exc}")
         finally:
@@ -116,7 +116,7 @@ class RemoteCommandHandle:
             return
         try:
             self._ws.send(json.dumps(frame))
-        except Exception:  # noqa: BLE001 - the command already ended
+        except Exception:
             pass
 
     def send_stdin(self, data: str | bytes) -> None:
@@ -234,9 +234,12 @@ class RemoteFiles:
     def make_dir(self, path: str, mode: int = 0o755) -> None:
         self._call("POST", "/dir", path)
 
-    # the directory helpers only use the methods above
-    upload_dir = Files.upload_dir  # type: ignore[assignment]
-    download_dir = Files.download_dir  # type: ignore[assignment]
+    # the directory helpers of the embedded API only use the methods above
+    def upload_dir(self, local: str | Path, remote: str) -> int:
+        return Files.upload_dir(cast(Files, self), local, remote)
+
+    def download_dir(self, remote: str, local: str | Path) -> int:
+        return Files.download_dir(cast(Files, self), remote, local)
 
 
 def _absolute(path: str) -> str:

@@ -14,7 +14,8 @@ def register(sub: Any) -> None:
     parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 7333; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE", help="JSON config (quotas, lifetimes, pools)")
-    parser.add_argument("--api-keys-file", default=None, metavar="FILE", help="lines of tenant=KEY or tenant=sha256:HEX")
+    parser.add_argument("--api-keys-file", default=None, metavar="FILE",
+                        help="lines of tenant=KEY or tenant=sha256:HEX")
     parser.add_argument("--max-sandboxes", type=int, default=None, help="live sandboxes per tenant (default 32)")
     parser.add_argument("--max-memory", default=None, help="total memory limit per tenant (default 16G)")
     parser.add_argument("--idle-timeout", type=float, default=None, help="seconds unused before destroy (600)")

@@ -192,7 +192,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/sandboxes", summary="List your sandboxes")
     async def list_sandboxes(who: Tenant) -> dict[str, Any]:
-        return {"sandboxes": [e.to_dict() for e in manager().list(who)]}
+        return {"sandboxes": [e.to_dict() for e in manager().owned_by(who)]}
 
     @app.get("/v1/sandboxes/{sandbox_id}", summary="Describe a sandbox")
     async def get_sandbox(sandbox_id: str, who: Tenant) -> dict[str, Any]:

@@ -131,7 +131,8 @@ class ServerConfig:
             known = {f for f in cls.__dataclass_fields__ if f != "key_digests"} | {"api_keys_file"}
             unknown = sorted(set(data) - known)
             if unknown:
-                raise InvalidSpec(f"config file: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+                raise InvalidSpec(f"config file: unknown field(s) {', '.join(unknown)}; "
+                                  f"known: {', '.join(sorted(known))}")
             keys_file = keys_file or data.pop("api_keys_file", None)
             for name, value in data.items():
                 setattr(config, name, value)

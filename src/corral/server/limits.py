@@ -9,7 +9,6 @@ half-read body.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 

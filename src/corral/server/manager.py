@@ -99,7 +99,7 @@ class SandboxManager:
         entry.last_used = time.time()
         return entry
 
-    def list(self, tenant: str) -> list[Entry]:
+    def owned_by(self, tenant: str) -> list[Entry]:
         return sorted((e for e in self._entries.values() if e.tenant == tenant), key=lambda e: e.created)
 
     def live_count(self) -> int:
@@ -163,9 +163,10 @@ class SandboxManager:
     def extend(self, entry: Entry, seconds: float) -> None:
         cap = entry.created + self.config.max_lifetime
         wanted = time.time() + seconds
-        if not 0 < seconds or wanted > cap + 1e-3:
+        if not seconds > 0 or wanted > cap + 1e-3:
+            left = max(0.0, cap - time.time())
             raise InvalidSpec(f"timeout: {seconds!r} s would outlive the server's max lifetime of "
-                              f"{self.config.max_lifetime:g} s from creation ({max(0.0, cap - time.time()):.0f} s left)")
+                              f"{self.config.max_lifetime:g} s from creation ({left:.0f} s left)")
         entry.expires_at = wanted
         self._sql("UPDATE server_sandboxes SET expires_at = ? WHERE id = ?", (wanted, entry.sandbox.id))
 

@@ -67,7 +67,7 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+    decoders: dict[str, codecs.IncrementalDecoder] = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
 
     def on_output(stream: str, chunk: bytes) -> None:  # called on the sandbox's reader thread
         loop.call_soon_threadsafe(queue.put_nowait, (stream, chunk))
@@ -83,7 +83,7 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
                 try:
                     result = handle.wait()
                     loop.call_soon_threadsafe(queue.put_nowait, ("result", result))
-                except BaseException as exc:  # noqa: BLE001 - reported to the client as an error frame
+                except BaseException as exc:
                     loop.call_soon_threadsafe(queue.put_nowait, ("failed", exc))
 
             waiter = asyncio.ensure_future(app.state.run_blocking(wait_then_report))
