@@ -86,10 +86,14 @@ class RemoteCommandHandle:
         self._done = threading.Event()
         try:
             self._ws = connect(client.ws_url(f"/v1/sandboxes/{quote(sandbox_id)}/exec/stream"),
-                               additional_headers=client.headers, open_timeout=30, max_size=64 << 20)
+                               additional_headers=client.headers, open_timeout=30, max_size=64 << 20,
+                               legacy=True)
         except Exception as exc:
             raise SandboxError(f"cannot open the exec stream at {client.url}: {exc}") from exc
-        self._ws.send(json.dumps(request))
+        try:
+            self._ws.send(json.dumps(request))
+        except Exception:
+            pass  # refused before the request was read (not found, unauthorized): the reader gets the error frame
         self._reader = threading.Thread(target=self._read, name="corral-remote-exec", daemon=True)
         self._reader.start()
 

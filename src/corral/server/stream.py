@@ -67,7 +67,9 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    decoders: dict[str, codecs.IncrementalDecoder] = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+    decoders: dict[str, codecs.IncrementalDecoder] = {
+        s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")
+    }
 
     def on_output(stream: str, chunk: bytes) -> None:  # called on the sandbox's reader thread
         loop.call_soon_threadsafe(queue.put_nowait, (stream, chunk))
