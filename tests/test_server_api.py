@@ -9,9 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import KEYS, ServerProcess
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
+
+from server_fixtures import KEYS, ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import CORRAL, KEYS, ServerProcess
 
 from corral import AsyncSandbox, Sandbox
 from corral.client import RemoteSandbox
 from corral.errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
 from corral.host import cgroups
 from corral.registry import Registry
+from server_fixtures import CORRAL, KEYS, ServerProcess
 
 POOL_SPEC = {"limits": {"memory": "128M"}}
 
@@ -108,7 +108,7 @@ def test_cli_through_server(server: ServerProcess, tmp_path: Path) -> None:
 def test_pool_hands_out_distinct_fresh_sandboxes(server: ServerProcess) -> None:
     with server.client("alice") as http:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and "corral_pool_idle_sandboxes 2.0" not in http.get("/metrics").text:
+        while time.monotonic() < deadline and _pool_idle(http) < 2:
             time.sleep(0.1)
         made = [http.post("/v1/sandboxes", json=POOL_SPEC).json() for _ in range(3)]
         try:
@@ -127,6 +127,13 @@ def test_pool_hands_out_distinct_fresh_sandboxes(server: ServerProcess) -> None:
         again = http.post("/v1/sandboxes", json=POOL_SPEC).json()["id"]
         http.delete(f"/v1/sandboxes/{again}")
         assert again not in ids
+
+
+def _pool_idle(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("corral_pool_idle_sandboxes "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def _uids_in_use(uids: set[int]) -> set[int]:

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "corral.cli.gc",
     "corral.cli.serve",
     "corral.cli.remote",
+    "corral.cli.mcp",
 ]
 
 #: exit code when the sandbox itself could not be made (like `docker run`)
