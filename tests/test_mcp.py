@@ -40,7 +40,8 @@ def test_mcp_round_trip_and_session_cleanup(state_dir: Path) -> None:
             ran = _payload(await client.call_tool("run_command", {"sandbox_id": sid, "command": "echo hi; exit 3"}))
             assert (ran["exit_code"], ran["stdout"]) == (3, "hi\n")
             _payload(await client.call_tool("write_file", {"sandbox_id": sid, "path": "n.txt", "content": "note"}))
-            assert _payload(await client.call_tool("read_file", {"sandbox_id": sid, "path": "n.txt"}))["content"] == "note"
+            read = _payload(await client.call_tool("read_file", {"sandbox_id": sid, "path": "n.txt"}))
+            assert read["content"] == "note"
             names = [e["name"] for e in _payload(await client.call_tool("list_files", {"sandbox_id": sid}))["entries"]]
             assert names == ["n.txt"]
             _payload(await client.call_tool("destroy_sandbox", {"sandbox_id": sid}))

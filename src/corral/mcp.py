@@ -15,7 +15,10 @@ import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
 
 from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
 from .sandbox import Sandbox, build_spec
@@ -75,7 +78,7 @@ def _anticipated(fn: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., 
     return wrapper
 
 
-def build_server() -> Any:
+def build_server() -> MCPServer[Session]:
     from mcp.server.mcpserver import MCPServer
 
     session = Session()
@@ -87,7 +90,7 @@ def build_server() -> Any:
         finally:
             await asyncio.to_thread(session.close)
 
-    server: Any = MCPServer("corral", instructions=(
+    server: MCPServer[Session] = MCPServer("corral", instructions=(
         "Isolated, ephemeral Linux sandboxes. Create one, run shell commands and move files in it, destroy it "
         "when done. Every sandbox of this session is destroyed when the session ends."), lifespan=lifespan)
 
