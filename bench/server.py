@@ -128,23 +128,32 @@ async def bench_burst(server: Server, count: int) -> None:
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
     async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
 
+        failures: list[str] = []
+
         async def one() -> float | None:
             t0 = time.perf_counter()
             try:
                 created = await http.post("/v1/sandboxes", json=COLD_SPEC)
-                created.raise_for_status()
+                if created.status_code != 201:
+                    failures.append(f"create {created.status_code}: {created.text[:200]}")
+                    return None
                 sid = created.json()["id"]
                 ran = await http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo ok"})
                 ok = ran.status_code == 200 and ran.json()["stdout"] == "ok\n"
+                if not ok:
+                    failures.append(f"exec {ran.status_code}: {ran.text[:200]}")
                 gone = await http.delete(f"/v1/sandboxes/{sid}")
                 return (time.perf_counter() - t0) * 1000 if ok and gone.status_code == 204 else None
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
+                failures.append(f"{type(exc).__name__}: {exc}")
                 return None
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one() for _ in range(count)))
         wall = time.perf_counter() - t0
     done = [r for r in results if r is not None]
+    for reason in sorted(set(failures)):
+        print(f"  failure x{failures.count(reason)}: {reason}")
     print(f"burst of {count} concurrent create+exec+destroy: success {len(done)}/{count} "
           f"({100 * len(done) / count:.0f} %), wall {wall:.2f} s", flush=True)
     if done:

@@ -226,7 +226,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         if run is None:
             raise InvalidSpec("run_code is not available in this build of Corral")
         with manager().exec_slot(entry):
-            result = await run_blocking(run, **body)
+            try:
+                result = await run_blocking(run, **body)
+            except TypeError as exc:
+                raise InvalidSpec(f"run_code: {exc}") from None
         return result.to_dict() if hasattr(result, "to_dict") else {"result": result}
 
     # -- files -------------------------------------------------------------------
