@@ -71,6 +71,7 @@ class SandboxManager:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.root / "server.db", isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # a lost row after power loss is reaped by the registry janitor
         self._db.execute("CREATE TABLE IF NOT EXISTS server_sandboxes (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
                          "created REAL NOT NULL, expires_at REAL NOT NULL)")
         self._db_lock = threading.Lock()
