@@ -194,6 +194,7 @@ def test_concurrent_exec_limit(server: ServerProcess) -> None:
     ({"lifetime": 10**9}, 400, "lifetime"),
     ({"env": {"1BAD": "x"}}, 400, "env"),
     ({"limits": "lots"}, 422, "limits"),
+    ({"limits": {"max_output": "1G"}}, 400, "max_output"),
 ])
 def test_bad_create_requests_say_what_is_wrong(server: ServerProcess, body: dict[str, object], status: int,
                                                words: str) -> None:

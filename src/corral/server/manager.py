@@ -28,6 +28,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 
 REAP_INTERVAL = 0.5
+MAX_OUTPUT_CAP = 64 << 20
 
 
 @dataclass
@@ -141,6 +142,10 @@ class SandboxManager:
         if spec.workspace is not None:
             raise InvalidSpec("workspace: host directories cannot be mounted through the server; "
                               "upload files with the files API instead")
+        if spec.limits.max_output > MAX_OUTPUT_CAP:
+            # the server holds a command's output in memory until it answers: bound it
+            raise InvalidSpec(f"max_output: {format_size(spec.limits.max_output)} is over the server's "
+                              f"{format_size(MAX_OUTPUT_CAP)} per stream")
         idle, life = self.deadlines(idle_timeout, lifetime)
         self._reserve(tenant, spec.limits.memory)
         try:
