@@ -310,6 +310,8 @@ class RemoteSandbox:
             self._client.request("DELETE", self._path)
         except SandboxNotFound:
             pass
+        finally:
+            self._client.http.close()
 
     close = kill
     destroy = kill

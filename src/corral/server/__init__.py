@@ -13,7 +13,10 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
 
     app = create_app(config)
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
-                timeout_graceful_shutdown=10, limit_concurrency=1000)
+                timeout_graceful_shutdown=10, limit_concurrency=1000,
+                # longer than clients keep idle connections (httpx: 5 s), so a reused connection is
+                # never closed by the server just as a request goes out on it
+                timeout_keep_alive=65)
 
 
 __all__ = ["ServerConfig", "serve"]
