@@ -173,8 +173,8 @@ def main() -> None:
     os.environ["CORRAL_STATE_DIR"] = str(state)
     print(f"host: {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}", flush=True)
     bench_pool_acquire(args.rounds)
-    server = Server(state, "--pool", f"{POOL_MIN}:{POOL_MAX}:{json.dumps(POOL_SPEC)}", "--max-sandboxes", str(args.burst + 10),
-                    "--max-memory", "1T")
+    server = Server(state, "--pool", f"{POOL_MIN}:{POOL_MAX}:{json.dumps(POOL_SPEC)}",
+                    "--max-sandboxes", str(args.burst + 10), "--max-memory", "1T")
     try:
         bench_http(server, args.rounds)
         asyncio.run(bench_burst(server, args.burst))
