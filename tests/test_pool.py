@@ -42,6 +42,7 @@ def test_acquire_hands_out_distinct_fresh_sandboxes_and_replaces_dead_ones() -> 
         finally:
             first.kill()
             second.kill()
+        _wait_idle(pool, 2)
         idle = list(pool._idle)
     # closing the pool destroys its idle members; handed-out ones were their owners' to kill
     assert idle and not any(sb.is_running() for sb in idle)
