@@ -104,6 +104,38 @@ def test_stream_order_stdin_and_result(server: ServerProcess) -> None:
             http.delete(f"/v1/sandboxes/{sid}")
 
 
+def test_stream_signal_kill_and_output_cap(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http, limits={"memory": "128M", "max_output": "64K"})
+        try:
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": ["sleep", "100"]}))
+                assert json.loads(ws.recv(timeout=20))["type"] == "started"
+                ws.send(json.dumps({"type": "signal", "signal": 15}))
+                frame = json.loads(ws.recv(timeout=20))
+                assert frame["type"] == "result" and frame["signal"] == 15
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "yes", "timeout": 2}))
+                streamed, result = 0, None
+                while result is None:
+                    frame = json.loads(ws.recv(timeout=20))
+                    if frame["type"] == "stdout":
+                        streamed += len(frame["data"])
+                    elif frame["type"] == "result":
+                        result = frame
+                assert streamed == 64 << 10 and result["truncated"] and len(result["stdout"]) == 64 << 10
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "sleep 100"}))
+                assert json.loads(ws.recv(timeout=20))["type"] == "started"
+                ws.send(json.dumps({"type": "resize", "rows": 24, "cols": 80}))
+                assert "PTY" in json.loads(ws.recv(timeout=20))["message"]
+                ws.send(json.dumps({"type": "kill"}))
+                frame = json.loads(ws.recv(timeout=20))
+                assert frame["type"] == "result" and frame["exit_code"] != 0
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_closing_the_stream_kills_the_command(server: ServerProcess) -> None:
     with server.client("alice") as http:
         sid = create(http)

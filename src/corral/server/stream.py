@@ -71,7 +71,16 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
         s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")
     }
 
+    # what is streamed is capped like what is kept (max_output per stream; the result says
+    # "truncated"), so a command writing without end to a client that does not read cannot make
+    # the server buffer without bound
+    room = {"stdout": entry.spec.limits.max_output, "stderr": entry.spec.limits.max_output}
+
     def on_output(stream: str, chunk: bytes) -> None:  # called on the sandbox's reader thread
+        if room[stream] <= 0:
+            return
+        chunk = chunk[: room[stream]]
+        room[stream] -= len(chunk)
         loop.call_soon_threadsafe(queue.put_nowait, (stream, chunk))
 
     try:
