@@ -127,25 +127,29 @@ def bench_http(server: Server, rounds: int) -> None:
         report("cold create + first command (HTTP)", cold, 50)
 
 
-async def bench_burst(server: Server, count: int) -> None:
+async def bench_burst(server: Server, count: int, spec: dict[str, object], label: str) -> None:
     limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
     async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
 
         failures: list[str] = []
+        phases: list[tuple[float, float, float]] = []
 
         async def one() -> float | None:
             t0 = time.perf_counter()
             try:
-                created = await http.post("/v1/sandboxes", json=COLD_SPEC)
+                created = await http.post("/v1/sandboxes", json=spec)
                 if created.status_code != 201:
                     failures.append(f"create {created.status_code}: {created.text[:200]}")
                     return None
                 sid = created.json()["id"]
+                t1 = time.perf_counter()
                 ran = await http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo ok"})
+                t2 = time.perf_counter()
                 ok = ran.status_code == 200 and ran.json()["stdout"] == "ok\n"
                 if not ok:
                     failures.append(f"exec {ran.status_code}: {ran.text[:200]}")
                 gone = await http.delete(f"/v1/sandboxes/{sid}")
+                phases.append(((t1 - t0) * 1000, (t2 - t1) * 1000, (time.perf_counter() - t2) * 1000))
                 return (time.perf_counter() - t0) * 1000 if ok and gone.status_code == 204 else None
             except httpx.HTTPError as exc:
                 failures.append(f"{type(exc).__name__}: {exc}")
@@ -157,16 +161,19 @@ async def bench_burst(server: Server, count: int) -> None:
     done = [r for r in results if r is not None]
     for reason in sorted(set(failures)):
         print(f"  failure x{failures.count(reason)}: {reason}")
-    print(f"burst of {count} concurrent create+exec+destroy: success {len(done)}/{count} "
+    print(f"burst of {count} concurrent create+exec+destroy ({label}): success {len(done)}/{count} "
           f"({100 * len(done) / count:.0f} %), wall {wall:.2f} s", flush=True)
     if done:
         report(f"  burst workflow latency (n={count})", done, 2000)
+        for index, phase in enumerate(("create", "exec", "destroy")):
+            report(f"    of which {phase}", [p[index] for p in phases])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--burst", type=int, default=100)
+    parser.add_argument("--burst-pool", action="store_true", help="also run the burst against a full 64-member pool")
     args = parser.parse_args()
     state = Path(tempfile.mkdtemp(prefix="corral-bench-server-"))
     os.chmod(state, 0o711)
@@ -177,9 +184,21 @@ def main() -> None:
                     "--max-sandboxes", str(args.burst + 10), "--max-memory", "1T")
     try:
         bench_http(server, args.rounds)
-        asyncio.run(bench_burst(server, args.burst))
+        asyncio.run(bench_burst(server, args.burst, COLD_SPEC, "cold"))
     finally:
         server.stop()
+    if args.burst_pool:
+        # the same burst against a full pool of the largest allowed size (64): most creates are hits
+        server = Server(state, "--pool", f"64:64:{json.dumps(POOL_SPEC)}", "--max-sandboxes", str(args.burst + 10),
+                        "--max-memory", "1T")
+        try:
+            with httpx.Client(base_url=server.url, timeout=60) as http:
+                deadline = time.monotonic() + 300
+                while pool_idle(http) < 64 and time.monotonic() < deadline:
+                    time.sleep(0.5)
+            asyncio.run(bench_burst(server, args.burst, POOL_SPEC, "64 from a full pool"))
+        finally:
+            server.stop()
     leftovers = list((state / "sandboxes").iterdir())
     print(f"leftover sandbox directories after shutdown: {len(leftovers)}")
 

@@ -225,9 +225,9 @@ class SandboxPool:
 
 
 def _healthy(sb: Sandbox) -> bool:
-    """Run ``true`` once: proves the agent answers, and takes the first command's one-off cost
-    (cold overlay lookups and page faults, 10-25 ms here) off the path of whoever acquires it.
-    Nothing of it stays behind: no file is written and the process is gone."""
+    """Run ``true`` once before pooling: proves the agent answers and can start a command, so a
+    member that came up broken is replaced instead of handed out.  Nothing of it stays behind: no
+    file is written and the process is gone before anyone can acquire the sandbox."""
     try:
         return sb.commands.run(["true"], timeout=10).exit_code == 0
     except Exception:
