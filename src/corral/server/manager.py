@@ -16,6 +16,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 
 REAP_INTERVAL = 0.5
+DESTROY_THREADS = 32
 MAX_OUTPUT_CAP = 64 << 20
 
 
@@ -79,6 +81,8 @@ class SandboxManager:
         self.recovered = self.recover()
         self.pools = PoolSet.from_config(config.pools, self.root, on_create=metrics.create_seconds.observe)
         self._reaper: asyncio.Task[None] | None = None
+        # destroying waits (for processes to die, cgroups to empty): many may overlap
+        self._destroyers = ThreadPoolExecutor(max_workers=DESTROY_THREADS, thread_name_prefix="corral-destroy")
 
     # -- persistence -----------------------------------------------------------
     def _sql(self, query: str, args: tuple[Any, ...] = ()) -> list[Any]:
@@ -189,7 +193,7 @@ class SandboxManager:
 
     async def destroy(self, tenant: str, sandbox_id: str) -> None:
         self.get(tenant, sandbox_id)
-        await asyncio.to_thread(self.destroy_now, sandbox_id)
+        await asyncio.get_running_loop().run_in_executor(self._destroyers, self.destroy_now, sandbox_id)
 
     # -- exec admission --------------------------------------------------------
     @contextlib.contextmanager
@@ -216,9 +220,11 @@ class SandboxManager:
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL)
-            for sandbox_id in self.expired(time.time()):
-                self.metrics.expired.inc()
-                await asyncio.to_thread(self.destroy_now, sandbox_id)
+            expired = self.expired(time.time())
+            self.metrics.expired.inc(len(expired))
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._destroyers, self.destroy_now, sandbox_id)
+                                   for sandbox_id in expired))
 
     def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
@@ -229,8 +235,8 @@ class SandboxManager:
         await asyncio.to_thread(self._destroy_all)
 
     def _destroy_all(self) -> None:
-        for sandbox_id in list(self._entries):
-            self.destroy_now(sandbox_id)
+        list(self._destroyers.map(self.destroy_now, list(self._entries)))
+        self._destroyers.shutdown()
         self.pools.close()
         with self._db_lock:
             self._db.close()
