@@ -19,6 +19,7 @@ import asyncio
 import codecs
 import contextlib
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -89,6 +90,10 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
                 entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
                 on_output=on_output)
 
+            # "started" means the process exists: a signal or kill sent before the agent forked it
+            # would find nothing to hit and the command would run on regardless
+            await app.state.run_blocking(_wait_until_forked, handle)
+
             def wait_then_report() -> None:
                 # queued after every output chunk the reader thread delivered before the exit
                 try:
@@ -111,6 +116,13 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
         await _send_error(websocket, exc)
     except (WebSocketDisconnect, RuntimeError):
         return
+
+
+def _wait_until_forked(handle: CommandHandle, timeout: float = 10.0) -> None:
+    process = getattr(handle, "_process", None)  # the tier's Process; agent tiers report the pid
+    deadline = time.monotonic() + timeout
+    while getattr(process, "pid", 0) is None and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
