@@ -28,9 +28,14 @@ __all__ = [*_EXPORTS, *_ERRORS]
 
 if TYPE_CHECKING:
     from .errors import *  # noqa: F403
-    from .sandbox import AsyncSandbox, Sandbox, run
-    from .spec import Limits, SandboxSpec, Workspace
-    from .tiers.base import ExecResult, FileEntry
+    from .sandbox import AsyncSandbox as AsyncSandbox
+    from .sandbox import Sandbox as Sandbox
+    from .sandbox import run as run
+    from .spec import Limits as Limits
+    from .spec import SandboxSpec as SandboxSpec
+    from .spec import Workspace as Workspace
+    from .tiers.base import ExecResult as ExecResult
+    from .tiers.base import FileEntry as FileEntry
 
 
 def __getattr__(name: str) -> Any:

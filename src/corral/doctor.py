@@ -77,5 +77,16 @@ def _root() -> Check:
     return Check("privileges", False, "not root", "run corral as root (rootless mode is not supported yet)")
 
 
+def _network_open() -> Check:
+    from .egress.open_net import check_host
+
+    try:
+        check_host()
+    except HostNotSupported as exc:
+        return Check("network open", False, str(exc).split(":")[0] + " (none and allow still work)",
+                     "sysctl -w net.ipv4.ip_forward=1; apt-get install nftables iproute2")
+    return Check("network open", True, "IPv4 forwarding on, nftables present")
+
+
 def host_checks() -> list[Check]:
-    return [_root(), _userns(), _cgroups(), _bwrap(), _seccomp(), _landlock()]
+    return [_root(), _userns(), _cgroups(), _bwrap(), _seccomp(), _landlock(), _network_open()]

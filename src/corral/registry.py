@@ -74,9 +74,23 @@ class Row:
 
 
 class Registry:
+    """Rows of live sandboxes. One instance per state dir (:meth:`at`), one connection per thread."""
+
+    _instances: dict[Path, Registry] = {}
+    _instances_lock = threading.Lock()
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self._local = threading.local()
+
+    @classmethod
+    def at(cls, root: Path) -> Registry:
+        """The shared registry of a state dir (a Registry per call would open a connection per call)."""
+        with cls._instances_lock:
+            registry = cls._instances.get(root)
+            if registry is None:
+                registry = cls._instances[root] = cls(root)
+            return registry
 
     def _db(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
@@ -115,7 +129,7 @@ def gc(root: Path) -> list[str]:
     """Reap every sandbox whose owner is dead, and stray directories. Returns reaped ids."""
     from .tiers import get_tier
 
-    registry = Registry(root)
+    registry = Registry.at(root)
     reaped: list[str] = []
     live_ids: set[str] = set()
     for row in registry.rows():
@@ -124,7 +138,7 @@ def gc(root: Path) -> list[str]:
             continue
         try:
             get_tier(row.tier, root).reap(row.id, row.run_dir, row.record)
-        except Exception:  # noqa: BLE001 - a broken row must not stop the rest of the sweep
+        except Exception:
             shutil.rmtree(row.run_dir, ignore_errors=True)
         registry.remove(row.id)
         reaped.append(row.id)
@@ -146,6 +160,7 @@ def gc(root: Path) -> list[str]:
                 owner = entry.read_text().strip()
             except OSError:
                 continue
-            if owner not in known:
+            # only sandbox reservations: other owners (the wasm tier's spares) reap their own
+            if owner.startswith("sb-") and owner not in known:
                 entry.unlink(missing_ok=True)
     return reaped

@@ -11,7 +11,6 @@ Everything here is lifecycle and convenience; isolation lives in the tiers.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import threading
@@ -19,9 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
+from .egress.network import SandboxNetwork, secret_values
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed
 from .images import SANDBOX_HOME, SANDBOX_USER
 from .registry import Registry, gc, state_dir
+from .secrets import SecretBinding, StreamRedactor
 from .spec import Limits, SandboxSpec, Workspace, validate_env, validate_sandbox_path
 from .tiers import get_tier
 from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
@@ -79,44 +80,55 @@ def build_spec(
     workspace: str | Path | Workspace | None = None,
     env: Mapping[str, str] | None = None,
     network: str | None = None,
+    allow: Sequence[str] | None = None,
+    unsafe_allow_ranges: Sequence[str] | None = None,
+    secrets: Sequence[str | SecretBinding] | Mapping[str, Sequence[str]] | None = None,
 ) -> SandboxSpec:
-    """A spec from keyword arguments (each overriding ``spec``'s field when given)."""
+    """A spec from keyword arguments (each overriding ``spec``'s field when given).
+
+    ``allow`` implies ``network="allow"``; ``secrets`` is ``["NAME@host1,host2"]``
+    or ``{"NAME": ["host1", "host2"]}`` (values come from ``secret_values``, the
+    secrets file or the caller's environment, never from the spec)."""
     base = spec or SandboxSpec()
     limits = base.limits
-    if any(v is not None for v in (memory, pids, cpus, disk, timeout, max_output)):
+    given = {"memory": memory, "pids": pids, "cpus": cpus, "disk": disk, "timeout": timeout, "max_output": max_output}
+    if any(v is not None for v in given.values()):
         fresh = Limits.build(memory, pids, cpus, disk, timeout, max_output)
-        defaults = Limits()
-        limits = Limits(
-            **{
-                name: getattr(fresh, name) if given is not None else getattr(limits, name)
-                for name, given in (
-                    ("memory", memory), ("pids", pids), ("cpus", cpus), ("disk", disk),
-                    ("timeout", timeout), ("max_output", max_output),
-                )
-            }
-        )
-        del defaults
+        limits = Limits(**{name: getattr(fresh if value is not None else limits, name) for name, value in given.items()})
     ws = base.workspace
     if isinstance(workspace, Workspace):
         ws = workspace
     elif workspace is not None:
         ws = Workspace.parse(str(workspace))
+    if isinstance(secrets, Mapping):
+        secrets = [SecretBinding(name, tuple(hosts)) for name, hosts in secrets.items()]
+    if isinstance(allow, str) or isinstance(unsafe_allow_ranges, str) or isinstance(secrets, str):
+        raise InvalidSpec("allow, unsafe_allow_ranges and secrets take lists, not a single string")
+    allow_list = tuple(allow) if allow is not None else base.allow
     return SandboxSpec(
         image=image or base.image,
         tier=tier or base.tier,
         limits=limits,
         workspace=ws,
         env=validate_env(env) if env is not None else base.env,
-        network=network or base.network,
+        network=network or ("allow" if allow_list or secrets else base.network),
         cwd=base.cwd,
+        allow=allow_list,
+        unsafe_allow_ranges=tuple(unsafe_allow_ranges) if unsafe_allow_ranges is not None
+        else base.unsafe_allow_ranges,
+        secrets=tuple(b if isinstance(b, SecretBinding) else SecretBinding.parse(b) for b in secrets)
+        if secrets is not None else base.secrets,
     )
 
 
 class CommandHandle:
     """A command started with ``commands.start``: feed stdin, signal, wait for the result."""
 
-    def __init__(self, process: Process) -> None:
+    def __init__(self, process: Process, redact: Callable[[str], str] | None = None,
+                 stream: StreamRedactor | None = None) -> None:
         self._process = process
+        self._redact = redact
+        self._stream = stream
 
     def send_stdin(self, data: str | bytes) -> None:
         self._process.write_stdin(data.encode() if isinstance(data, str) else data)
@@ -130,8 +142,17 @@ class CommandHandle:
     def kill(self) -> None:
         self._process.kill()
 
+    def resize(self, rows: int, cols: int) -> None:
+        self._process.resize(rows, cols)
+
     def wait(self) -> ExecResult:
-        return self._process.wait()
+        result = self._process.wait()
+        if self._stream is not None:
+            self._stream.flush()
+        if self._redact is not None:
+            result.stdout = self._redact(result.stdout)
+            result.stderr = self._redact(result.stderr)
+        return result
 
 
 class Commands:
@@ -139,7 +160,9 @@ class Commands:
         self._sb = sandbox
 
     def _request(self, cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None,
-                 cwd: str | None) -> ExecRequest:
+                 cwd: str | None, pty: tuple[int, int] | None = None) -> ExecRequest:
+        if pty is not None and not (len(pty) == 2 and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
+            raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
         limits = self._sb.spec.limits
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 7 * 86400):
             raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, 604800]")
@@ -150,6 +173,7 @@ class Commands:
             cwd=validate_sandbox_path(cwd or self._sb.cwd, "cwd"),
             timeout=float(timeout if timeout is not None else limits.timeout),
             max_output=limits.max_output,
+            pty=tuple(pty) if pty is not None else None,  # type: ignore[arg-type]
         )
 
     def start(
@@ -162,11 +186,20 @@ class Commands:
         on_stdout: Callable[[str], None] | None = None,
         on_stderr: Callable[[str], None] | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
+        pty: tuple[int, int] | None = None,
     ) -> CommandHandle:
-        """Start a command; output reaches the callbacks as it is produced (on a reader thread)."""
-        request = self._request(cmd, timeout, env, cwd)
+        """Start a command; output reaches the callbacks as it is produced (on a reader thread).
+
+        With ``pty=(rows, cols)`` it runs on a terminal: output arrives as stdout only.
+        """
+        request = self._request(cmd, timeout, env, cwd, pty)
         callback = _callbacks(on_stdout, on_stderr, on_output)
-        return CommandHandle(self._sb._tier_sandbox().start(request, callback))
+        inner = self._sb._tier_sandbox()
+        network = inner.network
+        if network is not None and network.secrets:
+            stream = StreamRedactor(network.redactor, callback) if callback is not None else None
+            return CommandHandle(inner.start(request, stream.feed if stream else None), network.redact_text, stream)
+        return CommandHandle(inner.start(request, callback))
 
     def run(
         self,
@@ -332,17 +365,23 @@ class Sandbox:
     @classmethod
     def create(cls, spec: SandboxSpec | None = None, *, state: str | Path | None = None, **kwargs: Any) -> Sandbox:
         """Create a sandbox. Keyword arguments: image, tier, memory, pids, cpus, disk, timeout,
-        max_output, workspace (``DIR[:rw|ro|cow]``), env, network."""
+        max_output, workspace (``DIR[:rw|ro|cow]``), env, network, allow, unsafe_allow_ranges,
+        secrets (``["NAME@host1,host2"]``) and secret_values (``{"NAME": value}``; default: the
+        caller's environment)."""
+        values = kwargs.pop("secret_values", None)
+        if values is not None:
+            with secret_values(values):
+                return cls.create(spec, state=state, **kwargs)
         url = kwargs.pop("url", None) or os.environ.get("CORRAL_URL")
         if url:
-            from .client import RemoteSandbox  # type: ignore[import-not-found]
+            from .client import RemoteSandbox  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
             return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[return-value]
         kwargs.pop("api_key", None)
         full_spec = build_spec(spec, **kwargs)
         root = state_dir(state)
         _startup_gc(root)
-        registry = Registry(root)
+        registry = Registry.at(root)
         sandbox_id = new_sandbox_id()
         run_dir = root / "sandboxes" / sandbox_id
         tier = get_tier(full_spec.tier, root)
@@ -363,7 +402,16 @@ class Sandbox:
         return self._inner
 
     def _filter_output(self, data: bytes) -> bytes:
-        return data
+        network = self._tier_sandbox().network
+        return network.redact(data) if network is not None else data
+
+    @property
+    def network(self) -> SandboxNetwork:
+        """The sandbox's network side: ``network.audit()`` lists every refused destination."""
+        network = self._tier_sandbox().network
+        if network is None:
+            raise SandboxClosed(f"sandbox {self.id}: its tier has no network side")
+        return network
 
     def is_running(self) -> bool:
         return self._inner is not None and self._inner.alive()
@@ -405,6 +453,8 @@ class _AsyncCommands:
         self._sync = sync
 
     async def run(self, cmd: str | Sequence[str], **kwargs: Any) -> ExecResult:
+        import asyncio
+
         return await asyncio.to_thread(self._sync.run, cmd, **kwargs)
 
 
@@ -416,6 +466,8 @@ class _AsyncFiles:
         method = getattr(self._sync, name)
 
         async def call(*args: Any, **kwargs: Any) -> Any:
+            import asyncio
+
             return await asyncio.to_thread(method, *args, **kwargs)
 
         return call
@@ -433,12 +485,20 @@ class AsyncSandbox:
 
     @classmethod
     async def create(cls, spec: SandboxSpec | None = None, **kwargs: Any) -> AsyncSandbox:
+        import asyncio
+
         return cls(await asyncio.to_thread(Sandbox.create, spec, **kwargs))
 
     def is_running(self) -> bool:
         return self._sync.is_running()
 
+    @property
+    def network(self) -> SandboxNetwork:
+        return self._sync.network
+
     async def kill(self) -> None:
+        import asyncio
+
         await asyncio.to_thread(self._sync.kill)
 
     close = kill

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidSpec
+from .netrules import AllowRule, parse_range
+from .secrets import SecretBinding
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -146,8 +148,8 @@ class Workspace:
     def __post_init__(self) -> None:
         if self.mode not in WORKSPACE_MODES:
             raise InvalidSpec(f"workspace mode {self.mode!r}: use one of {', '.join(WORKSPACE_MODES)}")
-        if not self.path.is_absolute():
-            object.__setattr__(self, "path", self.path.absolute())
+        # resolve once, here: later steps open it with O_NOFOLLOW
+        object.__setattr__(self, "path", self.path.expanduser().resolve())
         if not self.path.is_dir():
             raise InvalidSpec(f"workspace {str(self.path)!r} does not exist or is not a directory")
 
@@ -172,6 +174,12 @@ class SandboxSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     network: str = "none"
     cwd: str = WORKSPACE_PATH
+    #: ``network="allow"`` only: destinations (HOST, *.DOMAIN, IP, CIDR, each with optional :PORT)
+    allow: tuple[str, ...] = ()
+    #: CIDRs the operator re-enables despite the SSRF defences (test networks, local services)
+    unsafe_allow_ranges: tuple[str, ...] = ()
+    #: secrets bound to hosts; values are never part of the spec
+    secrets: tuple[SecretBinding, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
@@ -182,10 +190,30 @@ class SandboxSpec:
             )
         if self.network not in NETWORK_MODES:
             raise InvalidSpec(f"network {self.network!r}: use one of {', '.join(NETWORK_MODES)}")
-        if self.network != "none":
-            raise InvalidSpec(f"network {self.network!r} is not available yet; only 'none' is")
+        self._validate_network()
         object.__setattr__(self, "env", validate_env(self.env))
         validate_sandbox_path(self.cwd, "cwd")
+
+    def _validate_network(self) -> None:
+        for name in ("allow", "unsafe_allow_ranges", "secrets"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise InvalidSpec(f"{name}: expected a list, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        for entry in self.allow:
+            AllowRule.parse(entry)
+        for cidr in self.unsafe_allow_ranges:
+            parse_range(cidr)
+        secrets = tuple(s if isinstance(s, SecretBinding) else SecretBinding.parse(s) for s in self.secrets)
+        object.__setattr__(self, "secrets", secrets)
+        if self.allow and self.network != "allow":
+            raise InvalidSpec(f"allow: an allowlist needs network='allow', not {self.network!r}")
+        if secrets and self.network != "allow":
+            raise InvalidSpec("secrets: placeholders are only swapped by the egress proxy; use network='allow'")
+        names = [s.name for s in secrets]
+        dupes = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(self.env)))
+        if dupes:
+            raise InvalidSpec(f"secrets: {', '.join(dupes)} given twice (as secrets, or as secret and env)")
 
     def with_limits(self, **changes: Any) -> SandboxSpec:
         return replace(self, limits=replace(self.limits, **changes))
@@ -193,6 +221,9 @@ class SandboxSpec:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["env"] = dict(self.env)
+        data["allow"] = list(self.allow)
+        data["unsafe_allow_ranges"] = list(self.unsafe_allow_ranges)
+        data["secrets"] = [f"{b.name}@{','.join(b.hosts)}" for b in self.secrets]
         if self.workspace is not None:
             data["workspace"] = {"path": str(self.workspace.path), "mode": self.workspace.mode}
         return data
@@ -202,7 +233,8 @@ class SandboxSpec:
         """Build from JSON-like data, rejecting unknown fields by name."""
         if not isinstance(data, Mapping):
             raise InvalidSpec("spec: expected an object")
-        known = {"image", "tier", "limits", "workspace", "env", "network", "cwd"}
+        known = {"image", "tier", "limits", "workspace", "env", "network", "cwd", "allow", "unsafe_allow_ranges",
+                 "secrets"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise InvalidSpec(f"spec: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -225,6 +257,9 @@ class SandboxSpec:
                 raise InvalidSpec("workspace: expected 'DIR[:mode]' or {path, mode}")
         if "env" in data:
             kwargs["env"] = data["env"]
+        for name in ("allow", "unsafe_allow_ranges", "secrets"):
+            if name in data:
+                kwargs[name] = data[name]
         return cls(**kwargs)
 
 

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "corral.cli.run",
     "corral.cli.doctor",
     "corral.cli.gc",
+    "corral.cli.shell",
     "corral.cli.serve",
     "corral.cli.remote",
     "corral.cli.mcp",

@@ -24,7 +24,18 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", default=None, metavar="SECONDS", help="per-command wall clock (default 60)")
     parser.add_argument("--max-output", default=None, metavar="SIZE", help="stdout/stderr kept per command (16M)")
     parser.add_argument("--env", action="append", default=[], metavar="K=V", help="environment variable (repeatable)")
-    parser.add_argument("--network", default=None, help="none (default)")
+    parser.add_argument("--network", default=None, choices=("none", "allow", "open"),
+                        help="none (default: loopback only), allow (only --allow destinations, through the "
+                        "egress proxy), open (own namespace with NAT; SSRF ranges still refused)")
+    parser.add_argument("--allow", action="append", default=[], metavar="HOST[:PORT]",
+                        help="allow a destination: host, *.domain, IP or CIDR (repeatable; implies --network allow)")
+    parser.add_argument("--unsafe-allow-range", action="append", default=[], metavar="CIDR",
+                        help="re-enable a range the SSRF defences refuse (loopback, RFC1918, link-local, ...)")
+    parser.add_argument("--secret", action="append", default=[], metavar="NAME@HOST[,HOST...]",
+                        help="bind secret NAME (value from the environment or --secrets-file) to hosts; "
+                        "the sandbox only sees a placeholder")
+    parser.add_argument("--secrets-file", default=None, metavar="FILE",
+                        help="NAME=VALUE lines to take secret values from (must not be world-readable)")
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
@@ -34,7 +45,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     limits = Limits.build(args.memory, args.pids, args.cpus, args.disk, args.timeout, args.max_output)
     base = SandboxSpec(limits=limits)
     return build_spec(base, image=args.image, tier=args.tier, workspace=args.workspace,
-                      env=parse_env_assignments(args.env), network=args.network)
+                      env=parse_env_assignments(args.env), network=args.network, allow=args.allow or None,
+                      unsafe_allow_ranges=args.unsafe_allow_range or None, secrets=args.secret or None)
 
 
 def register(sub: Any) -> None:
@@ -43,12 +55,14 @@ def register(sub: Any) -> None:
                             "Exit code: the command's; 124 on timeout; 137 on OOM kill; 125 if no sandbox.")
     add_spec_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object with the result")
+    parser.add_argument("--audit", action="store_true",
+                        help="print every refused destination and withheld secret to stderr afterwards")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
-    from ..errors import InvalidSpec
+    from ..errors import InvalidSpec, SandboxClosed
     from ..sandbox import Sandbox
 
     cmd = list(args.cmd)
@@ -64,12 +78,26 @@ def handle(args: argparse.Namespace) -> int:
         target.write(chunk)
         target.flush()
 
-    with Sandbox.create(spec, state=args.state_dir) as sb:
+    values = None
+    if args.secrets_file:
+        from ..secrets import read_secrets_file
+
+        values = read_secrets_file(args.secrets_file)
+    with Sandbox.create(spec, state=args.state_dir, secret_values=values) as sb:
         result = sb.commands.run(cmd, on_output=None if args.json else stream)
+        try:
+            events = sb.network.audit()
+        except SandboxClosed:  # a tier without a network side
+            events = []
         if args.json:
             payload = {"sandbox_id": sb.id, **result.to_dict()}
+            if args.audit:
+                payload["audit"] = [e.to_dict() for e in events]
             print(json.dumps(payload))
             return 0
+        if args.audit:
+            for event in events:
+                print(f"corral audit: {event}", file=sys.stderr)
     if result.timed_out:
         print(f"corral: command timed out after {result.duration_ms / 1000:.1f} s", file=sys.stderr)
         return EXIT_TIMEOUT

@@ -189,9 +189,9 @@ def remove_tree(group: Path) -> None:
     """rmdir a group and its children, deepest first; tolerate races with exiting tasks."""
     if not group.exists():
         return
-    children = sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
-    for path in [*children, group]:
-        for _ in range(200):
+    dirs = [Path(top) for top, _, _ in os.walk(group, topdown=False)]
+    for path in dirs:
+        for _ in range(400):
             try:
                 path.rmdir()
                 break
@@ -244,6 +244,11 @@ class SandboxCgroup:
             _write(self._pids / "pids.max", str(limits.pids))
             _write(self._cpu / "cpu.cfs_period_us", str(period))
             _write(self._cpu / "cpu.cfs_quota_us", str(quota))
+
+    @property
+    def memory_group(self) -> Path:
+        """The group holding the memory controller's files (limits, usage, OOM events)."""
+        return self._memory
 
     def leaf(self, leaf: str) -> Path:
         """Create (if needed) a leaf of the kill tree and return its path."""

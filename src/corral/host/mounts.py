@@ -36,7 +36,10 @@ def mount(source: str, target: Path, fstype: str, flags: int = 0, options: str =
 
 
 def mount_tmpfs(target: Path, size: int, uid: int, gid: int, mode: int = 0o700) -> None:
-    mount("corral", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={mode:o},uid={uid},gid={gid}")
+    # an inode cap too: millions of empty files would otherwise cost host memory, not disk
+    inodes = max(16384, size // 4096)
+    mount("corral", target, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={gid}")
 
 
 def mount_overlay(target: Path, lower: list[Path], upper: Path, work: Path) -> None:

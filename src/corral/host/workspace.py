@@ -96,7 +96,17 @@ def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gi
         raise
 
 
-def _copy_entry(src_root: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int) -> None:
+def link_stays_inside(rel: str, target: str) -> bool:
+    """True if a symlink at ``rel`` pointing to ``target`` resolves inside the tree."""
+    if not target or target.startswith("/"):
+        return False
+    resolved = os.path.normpath(os.path.join(os.path.dirname(rel), target))
+    return resolved != ".." and not resolved.startswith("../")
+
+
+def _copy_entry(
+    src_root: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int, inside_links_only: bool
+) -> None:
     *dirs, name = rel.split("/")
     src_dir = _open_dir_beneath(src_root, dirs, create=False, uid=uid, gid=gid)
     try:
@@ -108,6 +118,8 @@ def _copy_entry(src_root: int, dst_root: int, rel: str, kind: str, mode: int, ui
             tmp = f".corral-tmp-{os.getpid()}-{name}"[:255]
             if kind == "l":
                 target = os.readlink(name, dir_fd=src_dir)
+                if inside_links_only and not link_stays_inside(rel, target):
+                    return  # never plant a link to host paths in the user's directory
                 os.symlink(target, tmp, dir_fd=dst_dir)
                 os.chown(tmp, uid, gid, dir_fd=dst_dir, follow_symlinks=False)
             else:
@@ -174,18 +186,20 @@ class WorkspaceCopy:
             )
         copy.mkdir(mode=0o755, exist_ok=True)
         os.chown(copy, uid, gid)
-        _apply(host, copy, source, {}, uid, gid)
+        _apply(host, copy, source, {}, uid, gid, inside_links_only=False)
         return cls(host, copy, uid, gid, scan(copy))
 
     def sync_back(self) -> None:
         """Write what changed in the copy since the last sync to the host directory."""
         host_st = os.stat(self.host)
         current = scan(self.copy)
-        _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
+        _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid, inside_links_only=True)
         self.manifest = current
 
 
-def _apply(src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
+def _apply(
+    src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool
+) -> None:
     src_fd = os.open(src, _DIR_FLAGS)
     dst_fd = os.open(dst, _DIR_FLAGS)
     try:
@@ -206,7 +220,7 @@ def _apply(src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int
             if entry[0] == "o" or previous.get(rel) == entry:
                 continue
             try:
-                _copy_entry(src_fd, dst_fd, rel, entry[0], entry[3], uid, gid)
+                _copy_entry(src_fd, dst_fd, rel, entry[0], entry[3], uid, gid, inside_links_only)
             except FileNotFoundError:
                 continue  # vanished while we copied: the next sync sees it gone
     finally:

@@ -60,9 +60,9 @@ def resolve(name: str, state_dir: Path) -> ImageLayout:
     except ImportError:
         store = None
     if store is not None:
-        layout = store.resolve(name, state_dir)
-        if layout is not None:
-            return layout
+        found: ImageLayout | None = store.resolve(name, state_dir)
+        if found is not None:
+            return found
     raise InvalidSpec(f"image {name!r} is not known; built-in: host (see `corral image ls` for built ones)")
 
 

@@ -11,6 +11,7 @@ ignored, and timeouts are enforced here, by killing the command's cgroup (the
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import struct
@@ -19,11 +20,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
 from .base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 
-T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL = 1, 2, 3, 4, 5
+if TYPE_CHECKING:
+    from ..host.workspace import WorkspaceCopy
+    from ..spec import SandboxSpec
+
+T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE = 1, 2, 3, 4, 5, 6, 7
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
 T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 110, 111
 
@@ -36,11 +42,31 @@ _ENTRY = struct.Struct("<cQIq")
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "agent.c"
 
 
-def agent_binary() -> Path:
-    """The static agent binary, built by ``make install`` (or here, once, if a compiler exists)."""
+def agent_binary(state_dir: Path | None = None) -> Path:
+    """The static agent binary, built by ``make install`` (or here, once, if a compiler exists).
+
+    With ``state_dir``, a copy installed under ``state_dir/bin`` (root-owned,
+    world-readable) is returned: launchers that run as unprivileged sandbox
+    uids must be able to read it wherever the checkout lives (e.g. under a 0700
+    home directory).
+    """
     binary = AGENT_SOURCE.with_name("corral-agent")
-    if binary.exists() and binary.stat().st_mtime >= AGENT_SOURCE.stat().st_mtime:
+    if not binary.exists() or binary.stat().st_mtime < AGENT_SOURCE.stat().st_mtime:
+        _build_agent(binary)
+    if state_dir is None:
         return binary
+    data = binary.read_bytes()
+    installed = state_dir / "bin" / f"corral-agent-{hashlib.sha256(data).hexdigest()[:16]}"
+    if not installed.exists():
+        installed.parent.mkdir(mode=0o755, exist_ok=True)
+        tmp = installed.with_name(f".{installed.name}-{os.getpid()}")
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, installed)
+    return installed
+
+
+def _build_agent(binary: Path) -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise HostNotSupported(f"{binary} is missing and no C compiler is installed; run `make install`")
@@ -51,7 +77,6 @@ def agent_binary() -> Path:
     if result.returncode != 0:
         raise HostNotSupported(f"cannot build the sandbox agent: {result.stderr.strip()[:500]}")
     os.replace(tmp, binary)
-    return binary
 
 
 class _Pending:
@@ -159,7 +184,7 @@ class AgentChannel:
         pending.done.set()
 
     def wait_ready(self, timeout: float) -> None:
-        if not self.ready.wait(timeout) or self.closed.is_set() and not self.ready.is_set():
+        if not self.ready.wait(timeout) or (self.closed.is_set() and not self.ready.is_set()):
             raise SandboxClosed("the sandbox agent did not start")
 
     def close(self) -> None:
@@ -237,11 +262,12 @@ class AgentChannel:
         self,
         request: ExecRequest,
         on_output: OutputCallback | None,
-        place: Callable[[int], None],
+        place: Callable[[int], bool | None],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
     ) -> AgentProcess:
-        """Start a command. ``place(nspid)`` runs before it may exec (cgroup placement);
+        """Start a command. ``place(nspid)`` runs before it may exec (cgroup placement; False
+        or an exception refuses the command);
         ``kill()`` kills its whole tree (called on timeout or :meth:`AgentProcess.kill`);
         ``finish(proc)`` runs once when it ended, before its result is built."""
         ident = self.new_id()
@@ -249,8 +275,13 @@ class AgentChannel:
         self._execs[ident] = proc
         parts = [request.cwd, str(len(request.argv)), *request.argv, str(len(request.env))]
         parts += [f"{k}={v}" for k, v in request.env.items()]
+        payload = b"".join(p.encode() + b"\0" for p in parts)
+        kind = T_EXEC
+        if request.pty is not None:
+            kind = T_EXEC_PTY
+            payload = struct.pack("<HH", *request.pty) + payload
         try:
-            self.send(T_EXEC, ident, b"".join(p.encode() + b"\0" for p in parts))
+            self.send(kind, ident, payload)
         except BaseException:
             self._execs.pop(ident, None)
             raise
@@ -264,7 +295,7 @@ class AgentProcess(Process):
         ident: int,
         request: ExecRequest,
         on_output: OutputCallback | None,
-        place: Callable[[int], None],
+        place: Callable[[int], bool | None],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
     ) -> None:
@@ -292,9 +323,16 @@ class AgentProcess(Process):
     def _started(self, nspid: int) -> None:
         self.pid = nspid
         try:
-            self._place(nspid)
-        finally:
+            # None means "nothing to place" (a tier whose kill tree lives elsewhere)
+            placed = self._place(nspid) is not False
+        except Exception:  # any failure to place means the command must not run
+            placed = False
+        if placed:
             self._channel.send(T_GO, self._id)
+        else:
+            # fail closed: a command outside its cgroup could outlive a timeout
+            self._error = "could not place the command in its cgroup; it was not run"
+            self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
 
     def _output(self, stream: str, chunk: bytes) -> None:
         buf = self._out[stream]
@@ -336,6 +374,9 @@ class AgentProcess(Process):
     def kill(self) -> None:
         self._kill()
 
+    def resize(self, rows: int, cols: int) -> None:
+        self._channel.send(T_RESIZE, self._id, struct.pack("<HH", rows, cols))
+
     def wait(self) -> ExecResult:
         deadline = self._start + self._request.timeout
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
@@ -365,7 +406,7 @@ class AgentProcess(Process):
         else:
             exit_code = os.WEXITSTATUS(status)
         stderr = self._out["stderr"].decode(errors="replace")
-        if self._error and status is None:
+        if self._error and (status is None or "cgroup" in self._error):
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {self._error}\n"
         if self._timed_out:
             exit_code = 124
@@ -379,3 +420,50 @@ class AgentProcess(Process):
             signal=signal_number,
             truncated=self._truncated,
         )
+
+
+class AgentFilesMixin:
+    """File operations, workspace write-back and liveness for tier sandboxes whose
+    guest runs ``corral-agent`` (process, gVisor): they differ in how they start
+    it, not in how they talk to it."""
+
+    id: str
+    spec: SandboxSpec
+    workspace: WorkspaceCopy | None
+    _closed: bool
+    _channel: AgentChannel | None
+
+    def _channel_or_raise(self) -> AgentChannel:
+        if self._closed or self._channel is None:
+            raise SandboxClosed(f"sandbox {self.id} is closed")
+        if self._channel.closed.is_set():
+            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)")
+        return self._channel
+
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        return self._channel_or_raise().read_file(path, max_bytes)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._channel_or_raise().write_file(path, data, mode)
+        self.sync()
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        return self._channel_or_raise().list_dir(path)
+
+    def stat(self, path: str) -> FileEntry:
+        return self._channel_or_raise().stat(path)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._channel_or_raise().remove(path, recursive)
+        self.sync()
+
+    def make_dir(self, path: str, mode: int = 0o755) -> None:
+        self._channel_or_raise().make_dir(path, mode)
+        self.sync()
+
+    def sync(self) -> None:
+        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
+            self.workspace.sync_back()
+
+    def alive(self) -> bool:
+        return not self._closed and self._channel is not None and not self._channel.closed.is_set()

@@ -19,9 +19,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from ..egress.network import SandboxNetwork
 
 #: ``on_output(stream, chunk)`` with stream ``"stdout"`` or ``"stderr"``
 OutputCallback = Callable[[str, bytes], None]
@@ -37,6 +40,8 @@ class ExecRequest:
     timeout: float
     #: bytes of stdout and of stderr kept in the result; the rest is dropped and flagged
     max_output: int
+    #: (rows, cols) to run on a terminal (stdout and stderr then arrive merged as stdout)
+    pty: tuple[int, int] | None = None
 
 
 @dataclass
@@ -106,6 +111,10 @@ class Process(ABC):
     def kill(self) -> None:
         """Kill the command's whole process tree, daemonized children included."""
 
+    def resize(self, rows: int, cols: int) -> None:
+        """Resize the command's terminal (only for commands started with ``pty``)."""
+        raise NotImplementedError("this tier cannot run commands on a terminal")
+
     @abstractmethod
     def wait(self) -> ExecResult:
         """Block until the command ended or timed out (its tree is killed) and return the result."""
@@ -115,6 +124,8 @@ class TierSandbox(ABC):
     """One live sandbox of some tier. Thread-safe: commands and file calls may overlap."""
 
     id: str
+    #: the sandbox's network side (proxy, audit log, secrets), for tiers that have one
+    network: SandboxNetwork | None = None
 
     @abstractmethod
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process: ...
@@ -140,7 +151,7 @@ class TierSandbox(ABC):
     @abstractmethod
     def make_dir(self, path: str, mode: int = 0o755) -> None: ...
 
-    def sync(self) -> None:
+    def sync(self) -> None:  # noqa: B027 - optional hook: most tiers have nothing to sync
         """Write workspace changes back to the host, for tiers and modes that do so."""
 
     @abstractmethod

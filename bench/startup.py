@@ -1,0 +1,91 @@
+"""Start-up figures of the process tier (issue 2).
+
+Prints p50/p95/p99 over N iterations of:
+  - cold create -> first command (`true`) -> destroy, through the Python API
+  - exec round trip (`true`) in a live sandbox
+  - `corral run -- true` as a whole new process (CLI start-up included)
+  - the floor: bare `bwrap --unshare-all ... true`
+and each figure's ratio to the floor.
+
+Targets on a 2-core machine: cold p50 <= 30 ms, p99 <= 60 ms; exec p50 <= 5 ms;
+`corral run -- true` p50 <= 200 ms.
+
+Usage: python bench/startup.py [--iterations 100] [--cli-iterations 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+
+def percentiles(samples: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(samples)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return statistics.median(ordered), pick(0.95), pick(0.99)
+
+
+def measure(fn: Callable[[], object], n: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1000)
+    return samples
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--cli-iterations", type=int, default=30)
+    args = parser.parse_args()
+    os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
+
+    from corral import Sandbox
+
+    floor_argv = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+                  "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc",
+                  "--dev", "/dev", "true"]
+    floor = measure(lambda: subprocess.run(floor_argv, check=True), args.iterations)
+
+    def cold() -> None:
+        with Sandbox.create() as sb:
+            sb.commands.run(["true"])
+
+    cold_samples = measure(cold, args.iterations)
+    with Sandbox.create() as sb:
+        exec_samples = measure(lambda: sb.commands.run(["true"]), args.iterations)
+    cli = [sys.executable, "-m", "corral.cli", "run", "--", "true"]
+    entry = os.path.join(os.path.dirname(sys.executable), "corral")
+    if os.path.exists(entry):
+        cli = [entry, "run", "--", "true"]
+    cli_samples = measure(lambda: subprocess.run(cli, check=True), args.cli_iterations, warmup=2)
+
+    floor_p50 = percentiles(floor)[0]
+    rows = [
+        ("bwrap --unshare-all true (floor)", floor, ""),
+        ("cold create -> true -> destroy (API)", cold_samples, "p50 <= 30, p99 <= 60"),
+        ("exec round trip in a live sandbox", exec_samples, "p50 <= 5"),
+        ("`corral run -- true` (whole process)", cli_samples, "p50 <= 200"),
+    ]
+    print(f"load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus; iterations {args.iterations}")
+    print(f"{'what':<40} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'p50/floor':>10}  target")
+    for name, samples, target in rows:
+        p50, p95, p99 = percentiles(samples)
+        print(f"{name:<40} {p50:8.2f} {p95:8.2f} {p99:8.2f} {p50 / floor_p50:10.2f}  {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""``network="open"``: a namespace of its own, a veth pair, NAT, and an nftables table of our own.
+
+Names derive from the sandbox id (``crl-<10 hex>``, ``crl<10 hex>h``/``s``,
+``inet crl_<10 hex>``), so the janitor can find and delete them from the id
+alone even if the owner died half-way through creating them.  The table refuses
+the same ranges as the proxy (minus the operator's unsafe ranges), every address
+of the host (input chain), and all IPv6; per-rule counters feed the audit log.
+Only our own table is ever created, read or deleted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import random
+import re
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import HostNotSupported
+from ..host import netns
+from ..netrules import IPNetwork
+from .policy import REFUSED_RANGES
+
+#: sandbox addresses: /30s in a CGNAT block hosts rarely use
+POOL = ipaddress.IPv4Network("100.127.0.0/16")
+
+
+@dataclass(frozen=True)
+class OpenNames:
+    netns: str
+    host_if: str
+    sandbox_if: str
+    table: str
+
+    @classmethod
+    def for_sandbox(cls, sandbox_id: str) -> OpenNames:
+        tag = re.sub(r"[^0-9a-f]", "", sandbox_id)[-10:]
+        return cls(f"crl-{tag}", f"crl{tag}h", f"crl{tag}s", f"crl_{tag}")
+
+
+def _host_nameservers() -> list[str]:
+    try:
+        text = Path("/etc/resolv.conf").read_text()
+    except OSError:
+        return []
+    servers = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver":
+            try:
+                if ipaddress.ip_address(parts[1]).version == 4 and not ipaddress.ip_address(parts[1]).is_loopback:
+                    servers.append(parts[1])
+            except ValueError:
+                continue
+    return servers
+
+
+def _free_slot() -> ipaddress.IPv4Network:
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for _ in range(200):
+        slot = ipaddress.IPv4Network((int(POOL.network_address) + 4 * random.randrange(POOL.num_addresses // 4), 30))
+        if f" {slot.network_address + 1}/" not in used:
+            return slot
+    raise OSError("no free /30 in 100.127.0.0/16 for the sandbox's veth pair")
+
+
+def ruleset(names: OpenNames, sandbox_addr: str, unsafe: Sequence[IPNetwork], nameservers: Sequence[str]) -> str:
+    refused_v4 = [(str(net), rule) for net, rule in REFUSED_RANGES if net.version == 4]
+    unsafe_v4 = [str(n) for n in unsafe if n.version == 4]
+    lines = [
+        f"table inet {names.table} {{",
+        "  chain forward {",
+        "    type filter hook forward priority filter - 1; policy accept;",
+        f'    oifname "{names.host_if}" ct state established,related accept',
+        f'    oifname "{names.host_if}" drop',
+        f'    iifname "{names.host_if}" meta nfproto ipv6 counter drop comment "ipv6"',
+    ]
+    for server in nameservers:
+        lines.append(f'    iifname "{names.host_if}" ip daddr {server} meta l4proto {{ tcp, udp }} th dport 53 accept')
+    if unsafe_v4:
+        lines.append(f'    iifname "{names.host_if}" ip daddr {{ {", ".join(unsafe_v4)} }} accept')
+    for net, rule in refused_v4:
+        lines.append(f'    iifname "{names.host_if}" ip daddr {net} counter reject with icmp type admin-prohibited '
+                     f'comment "{rule} {net}"')
+    lines += [
+        f'    iifname "{names.host_if}" accept',
+        "  }",
+        "  chain input {",
+        "    type filter hook input priority filter - 1; policy accept;",
+        f'    iifname "{names.host_if}" ct state established,related accept',
+    ]
+    if unsafe_v4:
+        lines.append(f'    iifname "{names.host_if}" ip daddr {{ {", ".join(unsafe_v4)} }} accept')
+    lines += [
+        f'    iifname "{names.host_if}" counter reject comment "host-address"',
+        "  }",
+        "  chain postrouting {",
+        "    type nat hook postrouting priority srcnat; policy accept;",
+        f'    ip saddr {sandbox_addr} oifname != "{names.host_if}" masquerade',
+        "  }",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+def check_host() -> None:
+    """Open mode routes the sandbox's packets: the host must forward IPv4 (we never switch it on)."""
+    if not netns.NETNS_DIR.parent.is_dir() or subprocess.run(["which", "nft"], capture_output=True).returncode:
+        raise HostNotSupported("network='open' needs iproute2 and nftables: apt-get install iproute2 nftables")
+    try:
+        forwarding = IP_FORWARD.read_text().strip() == "1"
+    except OSError:
+        forwarding = False
+    if not forwarding:
+        raise HostNotSupported(
+            "network='open' needs IPv4 forwarding on the host, which is off: sysctl -w net.ipv4.ip_forward=1 "
+            "(Corral's own nftables table then polices the sandbox's interface); or use network='allow'"
+        )
+
+
+class OpenNetwork:
+    """The namespace, veth pair and nftables table of one ``open`` sandbox."""
+
+    def __init__(self, sandbox_id: str, unsafe: Sequence[IPNetwork]) -> None:
+        check_host()
+        self.names = OpenNames.for_sandbox(sandbox_id)
+        self.nameservers = _host_nameservers()
+        try:
+            slot = _free_slot()
+            host_addr, self.sandbox_addr = str(slot.network_address + 1), str(slot.network_address + 2)
+            netns.create_netns(self.names.netns)
+            netns.create_veth(self.names.host_if, self.names.sandbox_if, self.names.netns,
+                              f"{host_addr}/30", f"{self.sandbox_addr}/30")
+            netns.add_default_route(self.names.netns, host_addr)
+            netns.nft_load(ruleset(self.names, self.sandbox_addr, unsafe, self.nameservers))
+        except BaseException:
+            self.close()
+            raise
+
+    def refusal_counts(self) -> list[tuple[str, int]]:
+        """(rule comment, packets refused) for every rule that refused something."""
+        out = subprocess.run(["nft", "-j", "list", "table", "inet", self.names.table],
+                             capture_output=True, text=True, timeout=30).stdout
+        counts = []
+        try:
+            for item in json.loads(out or "{}").get("nftables", []):
+                rule = item.get("rule")
+                if not rule or "comment" not in rule:
+                    continue
+                for expr in rule.get("expr", []):
+                    if "counter" in expr and expr["counter"]["packets"]:
+                        counts.append((rule["comment"], int(expr["counter"]["packets"])))
+        except (ValueError, KeyError, TypeError):
+            return []
+        return counts
+
+    def close(self) -> None:
+        reap(self.names)
+
+
+def reap(names: OpenNames) -> None:
+    """Delete what exists of one sandbox's open network (idempotent; by exact name only)."""
+    netns.nft_delete_table("inet", names.table)
+    netns.delete_netns(names.netns)
+    netns.delete_link(names.host_if)

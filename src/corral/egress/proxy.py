@@ -1,0 +1,477 @@
+"""The egress proxy: HTTP (absolute-form and CONNECT) and SOCKS5 on one Unix socket.
+
+One proxy serves one sandbox; its socket is bind-mounted into the sandbox, where
+a relay on the sandbox's loopback forwards to it (the sandbox has no network
+interface at all).  Every connection is decided by :class:`~.policy.Policy`:
+the name is resolved once and the proxy connects to the checked address, never
+to the name.  Refusals become audit events.
+
+Threads, not asyncio: each tunnel is two ``os.splice`` loops that copy in the
+kernel without holding the GIL, which is what keeps bulk transfers fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import os
+import queue
+import select
+import socket
+import ssl
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from ..secrets import Redactor, Secret, StreamRedactor
+from .audit import AuditLog
+from .policy import Decision, Policy
+
+if TYPE_CHECKING:
+    from .tls import SandboxCA  # cryptography costs ~0.1 s to import: only when secrets need it
+
+MAX_HEAD = 64 * 1024
+#: client connections one sandbox may hold open at once (each costs the host up to two threads)
+MAX_CONNECTIONS = 512
+HANDSHAKE_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 10.0
+PIPE_SIZE = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_HOP_HEADERS = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
+
+
+class ProxyError(Exception):
+    """A client spoke something we do not serve; the connection is dropped."""
+
+
+class _Workers:
+    """Reused daemon threads: starting a thread per connection costs a scheduling round trip
+    (``Thread.start`` waits for the thread to run), which showed up as ~0.5 ms a request on
+    a busy host.  Daemon threads, so a tunnel left open never blocks interpreter exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put((fn, args))
+        if spawn:
+            threading.Thread(target=self._work, name="corral-egress", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            try:
+                fn(*args)
+            except Exception:  # a job's failure must not kill the worker
+                pass
+            with self._lock:
+                self._idle += 1
+
+
+_WORKERS = _Workers()
+
+
+class EgressProxy:
+    def __init__(self, sandbox_id: str, socket_path: Path, policy: Policy, audit: AuditLog,
+                 secrets: Sequence[Secret] = (), ca: SandboxCA | None = None,
+                 upstream_tls: ssl.SSLContext | None = None, socket_uid: int | None = None) -> None:
+        self.sandbox_id = sandbox_id
+        self.socket_path = socket_path
+        self.policy = policy
+        self.audit = audit
+        self.secrets = tuple(secrets)
+        self.ca = ca
+        self.upstream_tls = upstream_tls
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._clients = 0
+        self._closed = False
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._listener.bind(str(socket_path))
+        if socket_uid is not None:
+            os.chown(socket_path, socket_uid, socket_uid)
+        os.chmod(socket_path, 0o600)
+        self._listener.listen(256)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"egress-{sandbox_id}", daemon=True)
+        self._thread.start()
+
+    # -- lifecycle -----------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            live = list(self._open)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for sock in live:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    def _track(self, sock: socket.socket) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                raise ProxyError("proxy closed")
+            self._open.add(sock)
+        return sock
+
+    def _untrack(self, *socks: socket.socket) -> None:
+        for sock in socks:
+            with self._lock:
+                self._open.discard(sock)
+            sock.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                full = self._clients >= MAX_CONNECTIONS
+                if not full:
+                    self._clients += 1
+            if full:
+                self.audit.record(self.sandbox_id, "refused", "*", None, "too-many-connections", "proxy")
+                conn.close()
+                continue
+            try:
+                self._track(conn)
+            except ProxyError:
+                return
+            _WORKERS.submit(self._serve, conn)
+
+    # -- one client connection ----------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            first = conn.recv(1, socket.MSG_PEEK)
+            if not first:
+                return
+            upstream = self._socks5(conn) if first == b"\x05" else self._http(conn)
+        except (OSError, ProxyError, ssl.SSLError, ValueError):
+            pass
+        finally:
+            self._untrack(conn)
+            if upstream is not None:
+                self._untrack(upstream)
+            with self._lock:
+                self._clients -= 1
+
+    def _refuse_audit(self, decision: Decision, asked: str, protocol: str) -> None:
+        self.audit.record(self.sandbox_id, "refused", asked, decision.address, decision.rule, protocol)
+
+    def _connect(self, decision: Decision) -> socket.socket:
+        assert decision.address is not None
+        family = socket.AF_INET6 if ":" in decision.address else socket.AF_INET
+        sock = self._track(socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
+        sock.settimeout(CONNECT_TIMEOUT)
+        try:
+            sock.connect((decision.address, decision.port))
+        except OSError:
+            self._untrack(sock)
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    # -- HTTP ------------------------------------------------------------------
+    def _http(self, conn: socket.socket) -> socket.socket | None:
+        head, rest = read_head(conn)
+        request_line, _, header_block = head.partition(b"\r\n")
+        parts = request_line.split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            return None
+        method, target = parts[0].decode("latin-1"), parts[1].decode("latin-1")
+        if method == "CONNECT":
+            host, port = split_host_port(target, None)
+            decision = self.policy.decide(host, port)
+            if not decision.allowed:
+                self._refuse_audit(decision, target, "http-connect")
+                send_refusal(conn, decision)
+                return None
+            upstream = self._connect_or_502(conn, decision)
+            if upstream is None:
+                return None
+            conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            bound = [s for s in self.secrets if s.binding.bound_to(decision.host)]
+            if bound and self.ca is not None:
+                self._intercept(conn, upstream, decision, rest)
+            else:
+                pump(conn, upstream, rest)
+            return upstream
+        url = urlsplit(target)
+        if url.scheme != "http" or not url.hostname:
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            return None
+        decision = self.policy.decide(url.hostname, url.port or 80)
+        if not decision.allowed:
+            self._refuse_audit(decision, f"{url.hostname}:{url.port or 80}", "http")
+            send_refusal(conn, decision)
+            return None
+        upstream = self._connect_or_502(conn, decision)
+        if upstream is None:
+            return None
+        path = url.path or "/"
+        if url.query:
+            path += "?" + url.query
+        new_head = self._rewrite_head(parts[0] + b" " + path.encode("latin-1") + b" " + parts[2],
+                                      header_block, decision, f"{url.hostname}:{url.port or 80}")
+        upstream.sendall(new_head + rest)
+        mask = self._response_mask(decision)
+        if mask is None:
+            pump(conn, upstream, b"")
+        else:
+            copy_masked(conn, upstream, mask)
+        return upstream
+
+    def _response_mask(self, decision: Decision) -> Redactor | None:
+        """For a host that received real values: a mask that keeps them from coming back in."""
+        bound = [s for s in self.secrets if s.binding.bound_to(decision.host)]
+        return Redactor(bound, same_length=True) if bound else None
+
+    def _connect_or_502(self, conn: socket.socket, decision: Decision) -> socket.socket | None:
+        try:
+            return self._connect(decision)
+        except OSError as exc:
+            body = f"corral egress: cannot reach {decision.host}:{decision.port}: {exc.strerror or exc}\n".encode()
+            conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            return None
+
+    def _rewrite_head(self, request_line: bytes, header_block: bytes, decision: Decision, asked: str) -> bytes:
+        """Drop hop-by-hop headers, force one request per connection, swap placeholders for bound hosts."""
+        lines = [request_line]
+        for line in header_block.split(b"\r\n"):
+            if not line:
+                continue
+            name = line.split(b":", 1)[0].strip().lower()
+            if name in _HOP_HEADERS:
+                continue
+            lines.append(self._substitute(line, decision, asked))
+        lines.append(b"Connection: close")
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    def _substitute(self, line: bytes, decision: Decision, asked: str) -> bytes:
+        for secret in self.secrets:
+            placeholder = secret.placeholder.encode()
+            if placeholder not in line:
+                continue
+            if secret.binding.bound_to(decision.host):
+                line = line.replace(placeholder, secret.value.encode())
+            else:
+                self.audit.record(self.sandbox_id, "secret-withheld", asked, decision.address,
+                                  f"secret {secret.name} is not bound to {decision.host}", "http")
+        return line
+
+    def _intercept(self, conn: socket.socket, upstream: socket.socket, decision: Decision, rest: bytes) -> None:
+        """See the request inside a tunnel to a secret-bound host so its headers can carry the real value:
+        TLS on both sides (our per-sandbox CA towards the sandbox), or plain HTTP as it comes."""
+        assert self.ca is not None
+        if rest:
+            raise ProxyError("client sent data before the tunnel was established")
+        first = conn.recv(1, socket.MSG_PEEK)
+        if first == b"\x16":  # a TLS handshake record
+            client: socket.socket = self.ca.server_context(decision.host).wrap_socket(conn, server_side=True)
+            upstream_ctx = self.upstream_tls or ssl.create_default_context()
+            server: socket.socket = upstream_ctx.wrap_socket(upstream, server_hostname=decision.host)
+        else:
+            client, server = conn, upstream
+        head, body = read_head(client)
+        request_line, _, header_block = head.partition(b"\r\n")
+        asked = f"{decision.host}:{decision.port}"
+        server.sendall(self._rewrite_head(request_line, header_block, decision, asked) + body)
+        copy_masked(client, server, self._response_mask(decision) or Redactor(()))
+
+
+    # -- SOCKS5 ---------------------------------------------------------------
+    def _socks5(self, conn: socket.socket) -> socket.socket | None:
+        _, count = _recv_exact(conn, 2)
+        methods = _recv_exact(conn, count)
+        if 0 not in methods:
+            conn.sendall(b"\x05\xff")
+            return None
+        conn.sendall(b"\x05\x00")
+        _, cmd, _, atyp = _recv_exact(conn, 4)
+        if atyp == 1:
+            host = str(ipaddress.IPv4Address(_recv_exact(conn, 4)))
+        elif atyp == 4:
+            host = str(ipaddress.IPv6Address(_recv_exact(conn, 16)))
+        elif atyp == 3:
+            host = _recv_exact(conn, _recv_exact(conn, 1)[0]).decode("idna")
+        else:
+            _socks_reply(conn, _SOCKS_BAD_ATYP)
+            return None
+        (port,) = struct.unpack("!H", _recv_exact(conn, 2))
+        asked = f"{host}:{port}"
+        if cmd != 1:  # BIND and UDP ASSOCIATE would open paths the policy cannot see
+            self.audit.record(self.sandbox_id, "refused", asked, None, "socks-command-not-supported", "socks5")
+            _socks_reply(conn, _SOCKS_BAD_CMD)
+            return None
+        decision = self.policy.decide(host, port)
+        if not decision.allowed:
+            self._refuse_audit(decision, asked, "socks5")
+            _socks_reply(conn, _SOCKS_NOT_ALLOWED)
+            return None
+        try:
+            upstream = self._connect(decision)
+        except OSError:
+            _socks_reply(conn, _SOCKS_UNREACHABLE)
+            return None
+        _socks_reply(conn, _SOCKS_OK)
+        pump(conn, upstream, b"")
+        return upstream
+
+
+def read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """Read up to the blank line ending an HTTP head; return (head without it, bytes after it)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if len(data) > MAX_HEAD:
+            raise ProxyError("request head too large")
+        chunk = sock.recv(16384)
+        if not chunk:
+            raise ProxyError("client closed before the request head ended")
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def split_host_port(text: str, default: int | None) -> tuple[str, int]:
+    if text.startswith("["):
+        host, _, port = text[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            host, port = text, ""
+    if not port:
+        if default is None:
+            raise ProxyError(f"no port in {text!r}")
+        return host, default
+    if not port.isdigit():
+        raise ProxyError(f"bad port in {text!r}")
+    return host, int(port)
+
+
+def send_refusal(conn: socket.socket, decision: Decision) -> None:
+    where = f"{decision.host}:{decision.port}" + (f" ({decision.address})" if decision.address else "")
+    body = f"corral egress: {where} refused by rule {decision.rule}\n".encode()
+    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+                 b"X-Corral-Refused: " + decision.rule.encode() + b"\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Event) -> None:
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_end, _F_SETPIPE_SZ, PIPE_SIZE)
+        src_fd, dst_fd = src.fileno(), dst.fileno()
+        while True:
+            moved = os.splice(src_fd, write_end, PIPE_SIZE)
+            if moved == 0:
+                break
+            while moved:
+                moved -= os.splice(read_end, dst_fd, moved)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)  # pass the half-close on
+    except OSError:
+        abort.set()
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def pump(client: socket.socket, upstream: socket.socket, early: bytes) -> None:
+    """Copy both ways until both sides are done; ``early`` is client data already read."""
+    client.settimeout(None)
+    upstream.settimeout(None)
+    if early:
+        upstream.sendall(early)
+    abort = threading.Event()
+    back_done = threading.Event()
+
+    def back() -> None:
+        try:
+            _splice_one_way(upstream, client, abort)
+        finally:
+            back_done.set()
+
+    _WORKERS.submit(back)
+    _splice_one_way(client, upstream, abort)
+    back_done.wait()
+
+
+def copy_masked(client: socket.socket, server: socket.socket, mask: Redactor) -> None:
+    """Copy both ways on one thread (an SSL object must not be shared between threads), masking
+    real secret values in what the server sends back, also when one is split across reads."""
+    client.settimeout(None)
+    server.settimeout(None)
+    out: list[bytes] = []
+    back = StreamRedactor(mask, lambda _stream, data: out.append(data))
+    peers = {client: server, server: client}
+    open_ = {client, server}
+    while open_:
+        ready: list[socket.socket] = [s for s in open_ if isinstance(s, ssl.SSLSocket) and s.pending()]
+        if not ready:
+            ready, _, _ = select.select(list(open_), [], [])
+        for sock in ready:
+            try:
+                data = sock.recv(65536)
+            except ssl.SSLWantReadError:
+                continue
+            except (OSError, ssl.SSLError):
+                data = b""
+            if sock is server:
+                if data:
+                    back.feed("response", data)
+                else:
+                    back.flush()
+                data_out, out[:] = b"".join(out), []
+                if data_out:
+                    client.sendall(data_out)
+            elif data:
+                server.sendall(data)
+            if not data:
+                open_.discard(sock)
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    peers[sock].shutdown(socket.SHUT_WR)
+                if sock is server:
+                    return  # the server finished its response: the request is over
+
+
+_SOCKS_OK, _SOCKS_NOT_ALLOWED, _SOCKS_UNREACHABLE, _SOCKS_REFUSED, _SOCKS_BAD_CMD, _SOCKS_BAD_ATYP = 0, 2, 4, 5, 7, 8
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ProxyError("client closed during the SOCKS handshake")
+        data += chunk
+    return data
+
+
+def _socks_reply(conn: socket.socket, code: int) -> None:
+    conn.sendall(struct.pack("!BBBB4sH", 5, code, 0, 1, b"\0\0\0\0", 0))

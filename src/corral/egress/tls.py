@@ -1,0 +1,106 @@
+"""The per-sandbox certificate authority used to see inside HTTPS to secret-bound hosts.
+
+Each sandbox gets its own CA (EC P-256, made with ``cryptography``) that lives
+for the sandbox's lifetime.  Its certificate is trusted inside the sandbox; its
+key stays in a root-only directory of the owner and never enters the sandbox.
+A leaf certificate is minted per host on first use and cached.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import threading
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+_VALIDITY = datetime.timedelta(days=2)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+class SandboxCA:
+    def __init__(self, directory: Path, sandbox_id: str) -> None:
+        self.directory = directory
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"Corral sandbox CA {sandbox_id}")])
+        self.certificate = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + _VALIDITY)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        self.cert_pem = self.certificate.public_bytes(serialization.Encoding.PEM)
+        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._lock = threading.Lock()
+
+    def server_context(self, host: str) -> ssl.SSLContext:
+        """A TLS server context presenting a certificate for ``host`` signed by this CA."""
+        with self._lock:
+            ctx = self._contexts.get(host)
+            if ctx is None:
+                ctx = self._contexts[host] = self._make_context(host)
+            return ctx
+
+    def _make_context(self, host: str) -> ssl.SSLContext:
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        try:
+            san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
+        except ValueError:
+            san = x509.DNSName(host)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host[:64])]))
+            .issuer_name(self.certificate.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + _VALIDITY)
+            .add_extension(x509.SubjectAlternativeName([san]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),
+                           critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        # ssl can only load a chain from files: they go in the owner's root-only directory
+        stem = self.directory / f"leaf-{len(self._contexts)}"
+        cert_file, key_file = stem.with_suffix(".crt"), stem.with_suffix(".key")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(_pem_key(key))
+        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(cert_file, key_file)
+        ctx.set_alpn_protocols(["http/1.1"])  # header rewriting speaks HTTP/1.1 only
+        return ctx
+
+
+def upstream_context(cafile: str | None) -> ssl.SSLContext:
+    """How the proxy checks the real server when it intercepts: system trust unless told otherwise."""
+    ctx = ssl.create_default_context(cafile=cafile)
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx

@@ -1,0 +1,387 @@
+"""The gVisor tier: the sandbox's userland runs on gVisor's user-space kernel (``runsc``).
+
+Every syscall of the sandbox is answered by gVisor's Sentry, not the host
+kernel; the Sentry itself runs under a tight seccomp filter on the host.  The
+rest is shared with the process tier (:mod:`corral.tiers.rootfs`): the OCI
+bundle's rootfs is the sandbox's overlay on a size-limited tmpfs, the
+workspace is a bind-mounted copy, and ``corral-agent`` is the container's only
+process, speaking the agent protocol over runsc's stdin/stdout pipes (runsc
+donates its stdio to the container).
+
+Resources: runsc is started inside the sandbox's host cgroups (``--ignore-cgroups``
+so it does not make its own), so the Sentry, the gofer and the platform's stub
+processes all count against the sandbox's memory, pids and CPU limits.
+
+Commands inside gVisor are not host processes, so a per-command host cgroup
+leaf is impossible.  A command's tree is killed by SIGKILL to its session and
+process group through the agent (commands run with ``setsid``); if the command
+has not ended two seconds later the whole sandbox is killed through its host
+cgroup (the backstop: an agent that does not obey cannot keep a command alive).
+A child that leaves the command's process group (``setsid``/``setpgid``)
+survives a per-command kill and lives until the sandbox is destroyed.
+
+State: runsc's ``--root`` is inside the sandbox's ``run_dir``; teardown kills the
+sandbox's cgroup (Sentry, gofer, runsc) and removes the directory, which is
+what ``runsc delete --force`` would do, without its ~1.5 s of waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
+from ..host import cgroups, mounts
+from ..host.workspace import WorkspaceCopy
+from ..images import SANDBOX_UID
+from ..spec import WORKSPACE_PATH, Limits, SandboxSpec
+from .agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
+from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from .gvisor_memory import MemoryGuard
+from .gvisor_platform import Platform, choose_platform, runsc_binary
+from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
+
+START_TIMEOUT = 15.0
+#: how long a command may outlive the SIGKILL sent through the agent before the sandbox is killed
+KILL_GRACE = 2.0
+#: gVisor's Sentry and gofer are charged ~15 MiB of the sandbox's memory when idle
+MIN_MEMORY = 32 << 20
+HOST_TASKS_PER_TASK = 3
+HOST_TASKS_OVERHEAD = 64
+
+
+def _check_host() -> Path:
+    if os.geteuid() != 0:
+        raise HostNotSupported("the gVisor tier needs root on the host (for cgroups, mounts and runsc); run as root")
+    return runsc_binary()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Host:
+    runsc: Path
+    layout: cgroups.Layout
+    platform: Platform
+    agent: Path
+
+
+class GVisorTier(Tier):
+    name = "gvisor"
+
+    def __init__(self, state_dir: Path) -> None:
+        # checked on first create, not here: `corral gc` must be able to reap
+        # gVisor sandboxes even if runsc has been removed since
+        self.state_dir = state_dir
+        self._host: _Host | None = None
+
+    def host(self) -> _Host:
+        if self._host is None:
+            runsc = _check_host()
+            # the agent's copy under the state dir: the gofer, an unprivileged uid, must read it
+            agent = agent_binary(self.state_dir)
+            self._host = _Host(runsc, cgroups.detect(), choose_platform(runsc, self.state_dir), agent)
+        return self._host
+
+    @classmethod
+    def probe(cls, state_dir: Path) -> Availability:
+        try:
+            runsc = _check_host()
+            layout = cgroups.detect()
+            platform = choose_platform(runsc, state_dir)
+        except HostNotSupported as exc:
+            return Availability(cls.name, False, str(exc), _fix_for(str(exc)))
+        return Availability(
+            cls.name, True, f"runsc {platform.version}, platform {platform.name} ({platform.why}), {layout.describe()}",
+            details={"platform": platform.name, "why": platform.why, "runsc": str(runsc)},
+        )
+
+    def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        if spec.network != "none":
+            # runsc has no network here (--network=none); egress (a netns + `--network=host`
+            # inside it) is not wired to this tier yet: refuse rather than silently isolate
+            raise InvalidSpec(f"network {spec.network!r} is not available in the gvisor tier yet; use 'none'")
+        if spec.limits.memory < MIN_MEMORY:
+            raise InvalidSpec(
+                f"memory: the gvisor tier needs at least {MIN_MEMORY >> 20}M "
+                "(gVisor's own kernel uses ~15M of the sandbox's memory)"
+            )
+        return GVisorSandbox(self, self.host(), spec, sandbox_id, run_dir)
+
+    def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
+        # the cgroup holds runsc, the Sentry, the gofer and their stubs: killing it
+        # ends the sandbox; its runsc state lives in run_dir and goes with it
+        cgroups.reap(sandbox_id)
+        mounts.unmount_all(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for key in ("uid", "root_uid"):
+            if record.get(key) is not None:
+                release_uid(self.state_dir, int(record[key]))
+
+
+def host_limits(limits: Limits) -> Limits:
+    """The host cgroup's limits for a sandbox with ``limits``.
+
+    Tasks: each process inside gVisor costs ~2.5 host tasks (a systrap stub
+    process and its threads) and the Sentry has ~25 threads of its own; the
+    sandbox's own limit is RLIMIT_NPROC inside gVisor, reached first, so a fork
+    bomb gets EAGAIN instead of the host limit crashing the Sentry.  Memory is
+    set by :class:`MemoryGuard`.
+    """
+    return dataclasses.replace(limits, pids=min(1_000_000, limits.pids * HOST_TASKS_PER_TASK + HOST_TASKS_OVERHEAD))
+
+
+def _fix_for(reason: str) -> str:
+    if "runsc" in reason and ("install" in reason or "too old" in reason):
+        return "run `make install` (installs runsc from bookworm-backports)"
+    return "see the message"
+
+
+def bundle_config(
+    root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int
+) -> dict[str, Any]:
+    """The OCI runtime config: the agent as the only process, unprivileged, no capabilities.
+
+    The user namespace maps the sandbox user to ``user_uid`` (which owns its
+    files on the host) and the sandbox's root to ``root_uid``; runsc then runs
+    the Sentry and the gofer as ``root_uid``, so no part of the sandbox is
+    host root, not even for file access.  Host files of other owners (the
+    image) appear as ``nobody``, as in the process tier.
+    """
+    ids = [
+        {"containerID": 0, "hostID": root_uid, "size": 1},
+        {"containerID": SANDBOX_UID, "hostID": user_uid, "size": 1},
+    ]
+    return {
+        "ociVersion": "1.0.0",
+        "process": {
+            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
+            "args": [AGENT_PATH],
+            "env": ["PATH=/usr/local/bin:/usr/bin:/bin"],
+            "cwd": "/",
+            "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
+            "noNewPrivileges": True,
+            "rlimits": [
+                {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+                # gVisor enforces this on fork/clone: the sandbox's own task limit
+                {"type": "RLIMIT_NPROC", "hard": pids, "soft": pids},
+            ],
+        },
+        "root": {"path": str(root), "readonly": False},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            # without a /tmp mount runsc puts a tmpfs of its own there, in the Sentry's
+            # memory and outside the disk limit: keep /tmp on the sandbox's disk
+            {"destination": "/tmp", "type": "bind", "source": str(root / "tmp"), "options": ["rbind", "rw"]},
+            {"destination": AGENT_PATH, "type": "bind", "source": str(agent), "options": ["rbind", "ro"]},
+            {
+                "destination": WORKSPACE_PATH, "type": "bind", "source": str(workspace_dir),
+                "options": ["rbind", "ro" if workspace_ro else "rw"],
+            },
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user")],
+            "uidMappings": ids,
+            "gidMappings": ids,
+        },
+    }
+
+
+class GVisorSandbox(AgentFilesMixin, TierSandbox):
+    def __init__(self, tier: GVisorTier, host: _Host, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+        self.id = sandbox_id
+        self._host = host
+        self.spec = spec
+        self._tier = tier
+        self._run_dir = run_dir
+        self._closed = False
+        self._lock = threading.Lock()
+        self.workspace: WorkspaceCopy | None = None
+        self.uid = allocate_uid(tier.state_dir, sandbox_id)
+        self.root_uid: int | None = None
+        self.cgroup: cgroups.SandboxCgroup | None = None
+        self._guard: MemoryGuard | None = None
+        self._running: set[AgentProcess] = set()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._channel: AgentChannel | None = None
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- creation --------------------------------------------------------
+    def _setup(self) -> None:
+        self.root_uid = allocate_uid(self._tier.state_dir, self.id)
+        self.cgroup = cgroups.SandboxCgroup(self.id, host_limits(self.spec.limits), self._host.layout)
+        self._guard = MemoryGuard(self.cgroup, self.spec.limits.memory, self._kill_running)
+        built = build_root(self.spec, self._tier.state_dir, self._run_dir, self.uid)
+        self.workspace = built.workspace
+        bundle = self._run_dir / "bundle"
+        bundle.mkdir(mode=0o700)
+        ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
+        config = bundle_config(
+            built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids
+        )
+        (bundle / "config.json").write_text(json.dumps(config))
+        self._launch(bundle)
+
+    def _launch(self, bundle: Path) -> None:
+        assert self.cgroup is not None
+        state = self._run_dir / "runsc"
+        state.mkdir(mode=0o700)
+        log = self._run_dir / "runsc.log"
+        argv = [
+            str(self._host.runsc),
+            "--root", str(state),
+            "--platform", self._host.platform.name,
+            "--network", "none",
+            "--ignore-cgroups",
+            "--overlay2", "none",  # the rootfs already is an overlay on the sandbox's own tmpfs
+            "--log", str(log),
+            "run", "--detach", "--bundle", str(bundle), self.id,
+        ]
+        to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
+        from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
+        procs_files = self.cgroup.procs_files(self.cgroup.leaf("runsc"))
+
+        def join_cgroups() -> None:
+            # between fork and exec: everything runsc starts inherits these groups
+            pid = str(os.getpid())
+            for path in procs_files:
+                with open(path, "w") as f:
+                    f.write(pid)
+
+        try:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=to_agent_r,
+                stdout=from_agent_w,
+                stderr=subprocess.DEVNULL,
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                preexec_fn=join_cgroups,
+                close_fds=True,
+                cwd="/",
+                start_new_session=True,
+            )
+        finally:
+            os.close(to_agent_r)
+            os.close(from_agent_w)
+        self._channel = AgentChannel(from_agent_r, to_agent_w)
+        # The agent's READY comes ~50-100 ms before `run --detach` exits (runsc
+        # still saves its state): wait for READY, or for runsc failing first.
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._channel.ready.wait(0.005):
+            code = self._proc.poll()
+            if (code is not None and code != 0) or self._channel.closed.is_set() or time.monotonic() > deadline:
+                raise SandboxClosed(f"gVisor sandbox did not start: {_log_tail(log)}")
+        # reap the launcher when it exits rather than keep a zombie for the sandbox's life
+        threading.Thread(target=self._proc.wait, name="corral-runsc-reaper", daemon=True).start()
+
+    # -- commands ----------------------------------------------------------
+    def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
+        channel, cgroup = self._live()
+        guard = self._guard
+        assert guard is not None
+        oom_before = cgroup.oom_kills(), guard.overruns
+        started: list[AgentProcess] = []
+
+        def place(nspid: int) -> bool:
+            # gVisor's processes are not host processes: the whole sandbox (Sentry,
+            # gofer, stubs) already is in the sandbox's cgroups; nothing to place
+            return True
+
+        def kill_tree() -> None:
+            if not started:
+                return
+            proc = started[0]
+            try:
+                proc.send_signal(signal.SIGKILL)  # the agent signals the command's session and group
+            except SandboxClosed:
+                return
+            end = time.monotonic() + KILL_GRACE
+            while not proc.done and time.monotonic() < end:
+                time.sleep(0.01)
+            if not proc.done:
+                self._kill_sandbox()  # backstop: the agent did not obey
+
+        def finish(proc: AgentProcess) -> None:
+            with self._lock:
+                self._running.discard(proc)
+            proc.oom_killed = (cgroup.oom_kills(), guard.overruns) != oom_before
+            self.sync()
+
+        with self._lock:
+            proc = channel.start(request, on_output, place, kill_tree, finish)
+            started.append(proc)
+            self._running.add(proc)
+        return proc
+
+    def _kill_running(self) -> None:
+        """The memory guard's action: SIGKILL every running command (their groups) through the agent."""
+        with self._lock:
+            running = [proc for proc in self._running if not proc.done]
+        for proc in running:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except SandboxClosed:
+                return
+
+    def _kill_sandbox(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+
+    def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
+        channel = self._channel_or_raise()
+        if self.cgroup is None:
+            raise SandboxClosed(f"sandbox {self.id} is closed")
+        return channel, self.cgroup
+
+    # -- lifecycle ---------------------------------------------------------
+    def reap_record(self) -> dict[str, Any]:
+        return {"uid": self.uid, "root_uid": self.root_uid}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            # Killing the cgroup ends runsc, the Sentry, the gofer and every stub at
+            # once; `runsc delete` would only do the same, slower.
+            if self._guard is not None:
+                self._guard.close()
+            if self.cgroup is not None:
+                self.cgroup.kill_all()
+            if self._channel is not None:
+                self._channel.close()
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+            if self.cgroup is not None:
+                self.cgroup.destroy()
+        finally:
+            mounts.unmount_all(self._run_dir)
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            release_uid(self._tier.state_dir, self.uid)
+            if self.root_uid is not None:
+                release_uid(self._tier.state_dir, self.root_uid)
+
+
+def _log_tail(log: Path, limit: int = 800) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return "no runsc log"
+    lines = [line for line in text.splitlines() if re.search(r"\b(W|E|F)\d{4}|error|fail", line, re.I)]
+    return ("\n".join(lines[-8:]) or text[-limit:])[-limit:]

@@ -1,0 +1,196 @@
+"""Keep one command's memory overrun from killing a whole gVisor sandbox.
+
+gVisor has no OOM killer of its own (google/gvisor#1967): its application
+memory lives in the Sentry's memory file, charged to the sandbox's host cgroup,
+so when the cgroup hits its limit the host kernel kills the biggest host
+process of the group, which is the Sentry, and the sandbox dies.  Worse, any
+allocation the kernel makes for the Sentry in a syscall at the limit fails
+with ENOMEM, and the Go runtime dies on that (``newosproc``).
+
+The guard turns "the sandbox went over ``memory``" into "its running commands
+were OOM-killed", like the process tier, by acting *before* the hard limit:
+
+- the hard limit is ``memory + OVERHEAD`` (the Sentry, gofer and stubs use
+  ~60 MB of their own); crossing ``memory`` is the overrun;
+- cgroup v1: a usage-threshold eventfd at ``memory`` wakes the guard at once;
+  it SIGKILLs the running commands (through the agent) and, while they have
+  not died, keeps the hard limit at least ``MARGIN`` above the usage (in steps
+  of ``HEADROOM``, up to ``MAX_LIFT``) so that neither a page fault nor a
+  Sentry syscall meets the limit; once usage is back under ``memory`` the
+  limit is restored.  The kernel OOM killer is disabled for the group, so an
+  allocation that does reach the limit in a page fault waits for the guard
+  instead of getting the Sentry killed;
+- if the guard cannot win (``MAX_LIFT`` reached, or memory not freed within
+  ``RESTORE_DEADLINE``: e.g. a file in ``/dev/shm`` holds it), the OOM killer
+  is re-enabled and the limit restored: the next overrun makes the kernel end
+  the sandbox and its commands report ``oom_killed`` (re-armed if usage comes
+  back under the budget first);
+- cgroup v2 has no way to disable the OOM killer: ``memory.high = memory``
+  throttles allocations past the budget, ``memory.max = memory + OVERHEAD``,
+  and the guard polls usage every 20 ms, killing the running commands above
+  ``memory``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..host.cgroups import SandboxCgroup
+
+MiB = 1 << 20
+#: gVisor's own memory (Sentry ~35 MB, gofer ~20 MB, stubs) on top of the sandbox's budget
+OVERHEAD = 96 * MiB
+#: while commands are being killed the hard limit stays this far above the usage
+MARGIN = 128 * MiB
+#: step by which the hard limit is lifted, and the most it is lifted in all
+HEADROOM = 256 * MiB
+MAX_LIFT = 1024 * MiB
+RESTORE_DEADLINE = 10.0
+POLL = 0.005
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class MemoryGuard:
+    """Watches one sandbox's memory cgroup; calls ``kill_commands()`` on an overrun."""
+
+    def __init__(self, cgroup: SandboxCgroup, budget: int, kill_commands: Callable[[], None]) -> None:
+        self._group = cgroup.memory_group
+        self._v1 = cgroup.layout.version == 1
+        self._budget = budget
+        self._limit = budget + OVERHEAD
+        self._kill_commands = kill_commands
+        #: overruns handled so far (commands finishing compare it before/after)
+        self.overruns = 0
+        self._disarmed = False
+        self._fds: list[int] = []
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._events: list[int] = []
+        if self._v1:
+            self._setup_v1()
+        else:
+            _write(self._group / "memory.max", str(self._limit))
+            _write(self._group / "memory.high", str(self._budget))
+        self._thread = threading.Thread(target=self._run, name="corral-gvisor-memory", daemon=True)
+        self._thread.start()
+
+    # -- cgroup v1 -------------------------------------------------------
+    def _set_limit_v1(self, limit: int) -> None:
+        memsw = self._group / "memory.memsw.limit_in_bytes"
+        raising = limit > int((self._group / "memory.limit_in_bytes").read_text())
+        # memsw must stay >= the memory limit: raise it first, lower it last
+        if raising and memsw.exists():
+            _write(memsw, str(limit))
+        _write(self._group / "memory.limit_in_bytes", str(limit))
+        if not raising and memsw.exists():
+            _write(memsw, str(limit))
+
+    def _register(self, control: str, argument: str = "") -> None:
+        event = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        watched = os.open(self._group / control, os.O_RDONLY | os.O_CLOEXEC)
+        self._fds += [event, watched]
+        self._events.append(event)
+        _write(self._group / "cgroup.event_control", f"{event} {watched} {argument}".strip())
+
+    def _setup_v1(self) -> None:
+        self._set_limit_v1(self._limit)
+        _write(self._group / "memory.oom_control", "1")
+        self._register("memory.oom_control")
+        self._register("memory.usage_in_bytes", str(self._budget))
+
+    def _under_oom(self) -> bool:
+        for line in (self._group / "memory.oom_control").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "under_oom":
+                return value.strip() == "1"
+        return False
+
+    def _handle_overrun_v1(self) -> None:
+        self.overruns += 1
+        self._kill_commands()
+        lifted = self._limit
+        end = time.monotonic() + RESTORE_DEADLINE
+        while time.monotonic() < end:
+            usage = self._usage()
+            if usage <= self._budget:
+                try:
+                    self._set_limit_v1(self._limit)
+                    return
+                except OSError:  # EBUSY: the Sentry has not released enough yet
+                    pass
+            elif usage > lifted - MARGIN or self._under_oom():
+                if lifted - self._limit >= MAX_LIFT:
+                    break  # the commands do not die or their memory stays
+                lifted += HEADROOM
+                self._set_limit_v1(lifted)
+                self._kill_commands()  # again: a command started meanwhile may be the one
+            time.sleep(POLL)
+        # the guard lost: let the kernel end the sandbox rather than hang or grow it
+        # (re-armed if usage ever comes back under the budget)
+        _write(self._group / "memory.oom_control", "0")
+        self._disarmed = True
+        try:
+            self._set_limit_v1(self._limit)
+        except OSError:
+            pass
+
+    # -- watching --------------------------------------------------------
+    def _usage(self) -> int:
+        name = "memory.usage_in_bytes" if self._v1 else "memory.current"
+        return int((self._group / name).read_text())
+
+    def _run(self) -> None:
+        try:
+            if self._v1:
+                self._run_v1()
+            else:
+                self._run_v2()
+        except OSError:
+            return  # the cgroup is gone: the sandbox is being destroyed
+
+    def _run_v1(self) -> None:
+        while True:
+            ready, _, _ = select.select([*self._events, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            for event in ready:
+                try:
+                    os.eventfd_read(event)
+                except BlockingIOError:
+                    pass
+            # a threshold event fires both ways: act only when over the budget
+            if self._usage() > self._budget or self._under_oom():
+                if not self._disarmed:
+                    self._handle_overrun_v1()
+            elif self._disarmed:
+                _write(self._group / "memory.oom_control", "1")
+                self._disarmed = False
+
+    def _run_v2(self) -> None:
+        while not select.select([self._stop_r], [], [], 0.02)[0]:
+            if self._usage() > self._budget:
+                self.overruns += 1
+                self._kill_commands()
+                end = time.monotonic() + RESTORE_DEADLINE
+                while self._usage() > self._budget and time.monotonic() < end:
+                    time.sleep(0.01)
+
+    def close(self) -> None:
+        try:
+            os.write(self._stop_w, b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=2)
+        for fd in (self._stop_r, self._stop_w, *self._fds):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,358 @@
+/*
+ * corral-guestinit: pid 1 of a Corral microVM guest.
+ *
+ * Two phases, split by the snapshot:
+ *
+ *  1. boot (runs once, in the template VM): mount /proc, /sys, /dev, load the
+ *     virtio and 9p modules from the initramfs, open the virtio-serial port
+ *     named "corral", say "corral-guest-ready" on it and block reading the
+ *     sandbox's configuration.  The host snapshots the VM right here.
+ *
+ *  2. configure (runs in every VM restored from that snapshot): read the
+ *     configuration frame (u32 length + NUL-separated key=value), reseed the
+ *     kernel RNG with the host's fresh entropy (every restored VM starts from
+ *     identical RNG state), set the clock and hostname, mount the image layers
+ *     (virtio-9p, read-only) under overlays whose upper layers live on a
+ *     size-limited tmpfs, mount the workspace, set up the cgroup the
+ *     sandbox's commands run in, switch root and start corral-agent with its
+ *     stdin/stdout on the port.  When the agent exits the VM powers off.
+ *
+ * Nothing here is a security boundary: the guest kernel and the hypervisor are.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/random.h>
+#include <dirent.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define READY_MARKER "corral-guest-ready\n"
+#define MAX_CONFIG 65536
+
+static void say(const char *fmt, const char *arg) {
+    /* the console (ttyS0) is a log file on the host: for debugging only */
+    int fd = open("/dev/console", O_WRONLY | O_NOCTTY);
+    if (fd >= 0) {
+        dprintf(fd, "corral-guestinit: ");
+        dprintf(fd, fmt, arg, strerror(errno));
+        dprintf(fd, "\n");
+        close(fd);
+    }
+}
+
+static void power_off(void) {
+    sync();
+    reboot(RB_AUTOBOOT); /* with -no-reboot QEMU exits; microvm without ACPI cannot power off */
+    for (;;) pause();
+}
+
+static void die(const char *what, const char *arg) {
+    say(what, arg);
+    power_off();
+}
+
+/* Parameters for a module given on the kernel command line ("virtio_mmio.device=...",
+ * which QEMU adds for each virtio-mmio device): modprobe would pass them, finit_module
+ * does not read the command line itself. */
+static void module_params(const char *module, char *out, size_t size) {
+    static char cmdline[4096];
+    out[0] = 0;
+    int fd = open("/proc/cmdline", O_RDONLY);
+    if (fd < 0) return;
+    ssize_t n = read(fd, cmdline, sizeof cmdline - 1);
+    close(fd);
+    if (n <= 0) return;
+    cmdline[n] = 0;
+    size_t ml = strlen(module), used = 0;
+    for (char *tok = strtok(cmdline, " \n"); tok; tok = strtok(NULL, " \n")) {
+        if (strncmp(tok, module, ml) || tok[ml] != '.') continue;
+        int w = snprintf(out + used, size - used, "%s%s", used ? " " : "", tok + ml + 1);
+        if (w < 0 || (size_t)w >= size - used) break;
+        used += (size_t)w;
+    }
+}
+
+static void load_modules(void) {
+    /* /modules/order lists the .ko files in dependency order */
+    FILE *f = fopen("/modules/order", "r");
+    if (!f) die("no module list: %s (%s)", "/modules/order");
+    char line[256];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        if (!line[0]) continue;
+        char path[300];
+        snprintf(path, sizeof path, "/modules/%s", line);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) die("cannot open module %s (%s)", path);
+        char name[256], params[2048];
+        snprintf(name, sizeof name, "%s", line);
+        name[strcspn(name, ".")] = 0;
+        module_params(name, params, sizeof params);
+        if (syscall(SYS_finit_module, fd, params, 0) < 0 && errno != EEXIST) die("cannot load module %s (%s)", path);
+        close(fd);
+    }
+    fclose(f);
+}
+
+static int open_port(void) {
+    /* the port's device node appears once virtio_console has probed it */
+    for (int attempt = 0; attempt < 2000; attempt++) {
+        DIR *d = opendir("/sys/class/virtio-ports");
+        if (d) {
+            struct dirent *de;
+            while ((de = readdir(d)) != NULL) {
+                if (de->d_name[0] == '.') continue;
+                char path[300], name[64] = {0};
+                snprintf(path, sizeof path, "/sys/class/virtio-ports/%s/name", de->d_name);
+                int fd = open(path, O_RDONLY);
+                if (fd < 0) continue;
+                ssize_t n = read(fd, name, sizeof name - 1);
+                close(fd);
+                if (n > 0 && strncmp(name, "corral", 6) == 0 && (name[6] == '\n' || name[6] == 0)) {
+                    snprintf(path, sizeof path, "/dev/%s", de->d_name);
+                    int port = open(path, O_RDWR | O_CLOEXEC);
+                    if (port >= 0) { closedir(d); return port; }
+                }
+            }
+            closedir(d);
+        }
+        usleep(5000);
+    }
+    die("no virtio-serial port named corral (%s%s)", "");
+    return -1;
+}
+
+static void write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) die("port write failed (%s%s)", "");
+        p += n;
+        len -= (size_t)n;
+    }
+}
+
+/* Read exactly len bytes.  A read of 0 means the host side is not connected
+ * (right after a restore the port is briefly closed): wait and retry. */
+static void read_exact(int fd, void *buf, size_t len) {
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = read(fd, p, len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) die("port read failed (%s%s)", "");
+        if (n == 0) {
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+}
+
+static char *config[512];
+static int config_count;
+
+static const char *get(const char *key) {
+    size_t kl = strlen(key);
+    for (int i = 0; i < config_count; i++)
+        if (!strncmp(config[i], key, kl) && config[i][kl] == '=') return config[i] + kl + 1;
+    return NULL;
+}
+
+static const char *need(const char *key) {
+    const char *v = get(key);
+    if (!v) die("configuration lacks %s (%s)", key);
+    return v;
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+}
+
+static void reseed(const char *hex) {
+    struct {
+        int entropy_count;
+        int buf_size;
+        unsigned char buf[256];
+    } seed;
+    size_t n = strlen(hex) / 2;
+    if (n == 0 || n > sizeof seed.buf) die("bad seed length (%s%s)", "");
+    for (size_t i = 0; i < n; i++) {
+        int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
+        if (hi < 0 || lo < 0) die("bad seed (%s%s)", "");
+        seed.buf[i] = (unsigned char)(hi << 4 | lo);
+    }
+    seed.entropy_count = (int)n * 8;
+    seed.buf_size = (int)n;
+    int fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
+    if (fd < 0) die("cannot open /dev/urandom (%s%s)", "");
+    /* mix the host's entropy in, then force the CRNG to rekey from the pool
+     * now (otherwise it would keep the snapshot's key for up to a minute) */
+    if (ioctl(fd, RNDADDENTROPY, &seed) < 0) die("RNDADDENTROPY failed (%s%s)", "");
+    if (ioctl(fd, RNDRESEEDCRNG) < 0) die("RNDRESEEDCRNG failed (%s%s)", "");
+    close(fd);
+    memset(&seed, 0, sizeof seed);
+}
+
+static void mkdir_p(const char *path) {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = 0;
+        mkdir(buf, 0755);
+        *p = '/';
+    }
+    mkdir(buf, 0755);
+}
+
+static void do_mount(const char *src, const char *target, const char *type, unsigned long flags, const char *data) {
+    mkdir_p(target);
+    if (mount(src, target, type, flags, data) < 0) die("cannot mount %s (%s)", target);
+}
+
+static void write_file(const char *path, const char *data) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0 || write(fd, data, strlen(data)) < 0) die("cannot write %s (%s)", path);
+    close(fd);
+}
+
+static void setup_root(void) {
+    char data[1024], lower[64], target[600];
+    snprintf(data, sizeof data, "size=%s,mode=0755", need("disk"));
+    do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, data);
+    int layers = atoi(need("layers"));
+    for (int i = 0; i < layers; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "layer%d", i);
+        const char *point = need(key);
+        snprintf(lower, sizeof lower, "/lower/%d", i);
+        do_mount(key, lower, "9p", MS_RDONLY | MS_NOSUID | MS_NODEV,
+                 "trans=virtio,version=9p2000.L,cache=loose,msize=262144");
+        char upper[64], work[64];
+        snprintf(upper, sizeof upper, "/rw/u%d", i);
+        snprintf(work, sizeof work, "/rw/w%d", i);
+        mkdir_p(upper);
+        mkdir_p(work);
+        snprintf(target, sizeof target, "/newroot%s", strcmp(point, "/") ? point : "");
+        snprintf(data, sizeof data, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work);
+        do_mount("overlay", target, "overlay", 0, data);
+    }
+    const char *ws_mode = need("workspace");
+    do_mount("ws", "/newroot/workspace", "9p", MS_NOSUID | MS_NODEV | (strcmp(ws_mode, "ro") ? 0 : MS_RDONLY),
+             "trans=virtio,version=9p2000.L,cache=none,msize=262144");
+    do_mount("proc", "/newroot/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    do_mount("sysfs", "/newroot/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    do_mount("dev", "/newroot/dev", "devtmpfs", MS_NOSUID, NULL);
+    do_mount("devpts", "/newroot/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "ptmxmode=0666");
+    do_mount("shm", "/newroot/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    do_mount("cgroup2", "/newroot/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    mkdir_p("/newroot/tmp");
+    chmod("/newroot/tmp", 01777);
+    mkdir_p("/newroot/.corral");
+    write_file("/newroot/.corral/agent", "");
+    if (mount("/corral-agent", "/newroot/.corral/agent", NULL, MS_BIND, NULL) < 0) die("cannot bind the agent (%s%s)", "");
+    mount(NULL, "/newroot/.corral/agent", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL);
+
+    char line[300];
+    snprintf(line, sizeof line, "%s\n", need("hostname"));
+    write_file("/newroot/etc/hostname", line);
+    snprintf(line, sizeof line, "%s\n", need("machine_id"));
+    write_file("/newroot/etc/machine-id", line);
+}
+
+static void setup_cgroups(void) {
+    /* the agent lives in "agent"; commands in leaves below "sandbox", which
+     * carries the sandbox's memory and pids limits */
+    write_file("/newroot/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids");
+    mkdir_p("/newroot/sys/fs/cgroup/agent");
+    mkdir_p("/newroot/sys/fs/cgroup/sandbox");
+    write_file("/newroot/sys/fs/cgroup/sandbox/memory.max", need("memory"));
+    write_file("/newroot/sys/fs/cgroup/sandbox/memory.swap.max", "0");
+    write_file("/newroot/sys/fs/cgroup/sandbox/pids.max", need("pids"));
+    write_file("/newroot/sys/fs/cgroup/sandbox/cgroup.subtree_control", "+memory +pids");
+}
+
+static void read_config(int port) {
+    static char buf[MAX_CONFIG + 1];
+    uint32_t len;
+    read_exact(port, &len, 4);
+    if (len == 0 || len > MAX_CONFIG) die("bad configuration length (%s%s)", "");
+    read_exact(port, buf, len);
+    buf[len] = 0;
+    for (size_t i = 0; i < len && config_count < 512; i += strlen(buf + i) + 1)
+        config[config_count++] = buf + i;
+}
+
+int main(void) {
+    if (getpid() != 1) return 1;
+    mount("proc", "/proc", "proc", 0, NULL);
+    mount("sysfs", "/sys", "sysfs", 0, NULL);
+    mount("dev", "/dev", "devtmpfs", 0, NULL);
+    load_modules();
+    int port = open_port();
+    write_all(port, READY_MARKER, strlen(READY_MARKER));
+
+    /* ---- the template VM is snapshotted while blocked here ---- */
+    read_config(port);
+
+    reseed(need("seed"));
+    struct timeval tv;
+    long long ns = atoll(need("time_ns"));
+    tv.tv_sec = (time_t)(ns / 1000000000LL);
+    tv.tv_usec = (suseconds_t)(ns % 1000000000LL / 1000);
+    settimeofday(&tv, NULL);
+    const char *hostname = need("hostname");
+    sethostname(hostname, strlen(hostname));
+
+    setup_root();
+    setup_cgroups();
+    /* guest RAM is sized to the memory limit: with the default heuristic a big
+     * allocation fails up front with ENOMEM (a bare MemoryError); always
+     * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
+     * like every other tier */
+    write_file("/proc/sys/vm/overcommit_memory", "1");
+
+    if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
+    if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
+    if (chroot(".") < 0 || chdir("/") < 0) die("chroot (%s%s)", "");
+
+    pid_t agent = fork();
+    if (agent < 0) die("fork (%s%s)", "");
+    if (agent == 0) {
+        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
+        setsid();
+        dup2(port, 0);
+        dup2(port, 1);
+        int null = open("/dev/null", O_WRONLY);
+        if (null >= 0) dup2(null, 2);
+        char *argv[] = {"/.corral/agent", NULL};
+        char *envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", NULL};
+        execve(argv[0], argv, envp);
+        _exit(127);
+    }
+    close(port);
+    /* pid 1 reaps every orphan; the VM ends with the agent */
+    for (;;) {
+        int status;
+        pid_t pid = wait(&status);
+        if (pid == agent || (pid < 0 && errno == ECHILD)) power_off();
+    }
+}

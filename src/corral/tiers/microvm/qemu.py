@@ -1,0 +1,220 @@
+"""QEMU ``microvm`` command lines and a minimal synchronous QMP client.
+
+One function builds the command line for both the template boot and every
+restore, because a snapshot only loads into a VM with exactly the same
+devices in the same order: the only things that differ are host-side
+(memory file sharing, socket paths, 9p export paths, ``-incoming``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ...errors import HostNotSupported, SandboxError
+from .guest import GuestAssets
+
+#: 9p shares for image layers in every VM; unused ones export an empty directory
+MAX_LAYERS = 4
+#: ACPI stays on: Debian's kernels find virtio-mmio devices only through it
+#: (CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES is off)
+MACHINE = "microvm,x-option-roms=off,rtc=on,memory-backend=mem"
+AGENT_PORT = "corral"
+
+
+def kernel_args(accel: str) -> str:
+    """The guest kernel's command line.
+
+    microvm's ACPI is "hardware reduced": no PIT, HPET or PM timer, so under
+    TCG the guest cannot measure its TSC and never gets a timer interrupt (it
+    hangs after "Marking TSC unstable").  Telling it the TSC frequency
+    (``tsc_early_khz``; TCG's TSC runs at the host's rate) fixes that, and
+    ``tsc=reliable`` keeps the clocksource watchdog from discarding it.  Under
+    KVM the guest gets its clock from kvmclock and needs neither.
+    ``mitigations=off``: all guest processes are one tenant, and TCG pays
+    heavily for the mitigations.
+    """
+    args = "console=ttyS0 quiet panic=-1 mitigations=off"
+    if accel == "tcg":
+        args += f" tsc_early_khz={host_tsc_khz()} tsc=reliable"
+    return args
+
+
+@lru_cache(maxsize=1)
+def host_tsc_khz() -> int:
+    """The host's TSC rate, measured once per machine and kept: it is part of
+    every template's key, and "cpu MHz" moves on hosts that scale frequency."""
+    from .guest import cache_dir
+
+    saved = cache_dir() / "tsc_khz"
+    try:
+        return int(saved.read_text())
+    except (OSError, ValueError):
+        pass
+    khz = 2_000_000
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                khz = round(float(line.split(":")[1])) * 1000
+                break
+    except (OSError, ValueError):
+        pass
+    saved.write_text(str(khz))
+    return khz
+
+
+@dataclass(frozen=True)
+class VMPaths:
+    """Host-side files of one VM."""
+
+    agent_socket: Path
+    qmp_socket: Path
+    console_log: Path
+
+
+def qemu_binary() -> str:
+    binary = shutil.which("qemu-system-x86_64")
+    if binary is None:
+        raise HostNotSupported("qemu-system-x86_64 is missing: apt-get install qemu-system-x86 (or `make install`)")
+    return binary
+
+
+@lru_cache(maxsize=1)
+def qemu_version() -> str:
+    out = subprocess.run([qemu_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    return out.splitlines()[0] if out else "unknown"
+
+
+def command_line(
+    *,
+    accel: str,
+    ram_mb: int,
+    mem_path: Path,
+    share: bool,
+    assets: GuestAssets,
+    paths: VMPaths,
+    layers: list[Path],
+    workspace: Path,
+    workspace_readonly: bool,
+    incoming: bool,
+    runas: int | None = None,
+) -> list[str]:
+    if len(layers) != MAX_LAYERS:
+        raise ValueError(f"exactly {MAX_LAYERS} layer exports are needed")
+    argv = [
+        qemu_binary(),
+        "-M", MACHINE,
+        "-accel", accel,
+        "-cpu", "host" if accel == "kvm" else "max",
+        "-smp", "1",
+        "-m", f"{ram_mb}M",
+        "-object", f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={mem_path},share={'on' if share else 'off'}",
+        "-kernel", str(assets.kernel),
+        "-initrd", str(assets.initrd),
+        "-append", kernel_args(accel),
+        "-nographic", "-nodefaults", "-no-reboot", "-no-user-config",
+        "-serial", f"file:{paths.console_log}",
+        "-device", "virtio-serial-device",
+        "-chardev", f"socket,id=agent,path={paths.agent_socket},server=on,wait=off",
+        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
+        "-qmp", f"unix:{paths.qmp_socket},server=on,wait=off",
+    ]
+    for index, path in enumerate(layers):
+        argv += [
+            "-fsdev", f"local,id=layer{index},path={path},security_model=none,readonly=on",
+            "-device", f"virtio-9p-device,fsdev=layer{index},mount_tag=layer{index}",
+        ]
+    ro = ",readonly=on" if workspace_readonly else ""
+    argv += [
+        "-fsdev", f"local,id=ws,path={workspace},security_model=none{ro}",
+        "-device", "virtio-9p-device,fsdev=ws,mount_tag=ws",
+    ]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    if runas is not None:
+        # drop to an unprivileged host uid once the memory file and sockets are open:
+        # the 9p server then touches the workspace as that uid, never as root
+        argv += ["-runas", f"{runas}:{runas}"]
+    return argv
+
+
+def connect_unix(path: Path, deadline: float, proc: subprocess.Popen[bytes] | None = None) -> socket.socket:
+    """Connect to a socket QEMU is about to create."""
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(path))
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if proc is not None and proc.poll() is not None:
+                raise SandboxError(f"QEMU exited with status {proc.returncode} before {path.name} appeared") from None
+            if time.monotonic() > deadline:
+                raise SandboxError(f"QEMU did not open {path.name} in time") from None
+            time.sleep(0.002)
+
+
+class QMP:
+    """Just enough QMP: commands in order, events remembered."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._sock.settimeout(timeout)
+        self._buf = b""
+        self.events: list[dict[str, Any]] = []
+        self._read()  # greeting
+        self.command("qmp_capabilities")
+
+    def _read(self) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise SandboxError("QEMU closed its QMP socket")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def command(self, name: str, **arguments: Any) -> Any:
+        request: dict[str, Any] = {"execute": name}
+        if arguments:
+            request["arguments"] = arguments
+        self._sock.sendall(json.dumps(request).encode() + b"\n")
+        while True:
+            message = self._read()
+            if "event" in message:
+                self.events.append(message)
+                continue
+            if "error" in message:
+                raise SandboxError(f"QMP {name}: {message['error'].get('desc', message['error'])}")
+            return message.get("return")
+
+    def wait_migration(self, deadline: float) -> None:
+        while True:
+            status = self.command("query-migrate").get("status", "")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise SandboxError(f"migration {status}")
+            if time.monotonic() > deadline:
+                raise SandboxError(f"migration did not complete in time (status {status!r})")
+            time.sleep(0.005)
+
+    def wait_running(self, deadline: float) -> None:
+        while self.command("query-status").get("status") != "running":
+            if time.monotonic() > deadline:
+                raise SandboxError("the restored VM did not start running in time")
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,186 @@
+"""Template VMs: boot once, snapshot, restore many times.
+
+A template is a guest booted to the point where ``corral-guestinit`` waits
+for its configuration, saved with QEMU's migration machinery.  Its RAM lives
+in a file mapped ``share=on`` while booting, and migration runs with the
+``x-ignore-shared`` capability, so the saved device state is tiny and the RAM
+file *is* the memory image.  A restored VM maps that file ``share=off``
+(``MAP_PRIVATE``): pages are shared with the page cache until the guest
+writes them, copy-on-write — no copy of the memory is made.
+
+Templates are immutable, shared by every sandbox on the machine and keyed by
+everything that must match for a restore to load: QEMU version, kernel,
+initramfs, accelerator, RAM size, machine and device layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import HostNotSupported, SandboxError
+from . import qemu
+from .guest import GuestAssets, cache_dir, cache_lock
+
+READY_MARKER = b"corral-guest-ready\n"
+#: bump when guestinit's pre-snapshot behaviour or the device layout changes
+TEMPLATE_VERSION = "1"
+#: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
+BOOT_DEADLINE = 120.0
+KVM_PROBE_DEADLINE = 10.0
+
+
+@dataclass(frozen=True)
+class Template:
+    directory: Path
+    ram_mb: int
+    accel: str
+    boot_ms: float
+
+    @property
+    def ram(self) -> Path:
+        return self.directory / "ram"
+
+    @property
+    def state(self) -> Path:
+        return self.directory / "state"
+
+
+def _key(assets: GuestAssets, accel: str, ram_mb: int) -> str:
+    parts = [TEMPLATE_VERSION, qemu.qemu_version(), assets.digest, accel, str(ram_mb), qemu.MACHINE,
+             qemu.kernel_args(accel), str(qemu.MAX_LAYERS)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: float
+          ) -> tuple[subprocess.Popen[bytes], qemu.QMP, float]:
+    """Boot a guest to its ready marker with RAM in ``work/ram`` (shared); returns (proc, qmp, boot seconds)."""
+    empty = work / "empty"
+    empty.mkdir(exist_ok=True)
+    paths = qemu.VMPaths(work / "agent.sock", work / "qmp.sock", work / "console.log")
+    argv = qemu.command_line(
+        accel=accel, ram_mb=ram_mb, mem_path=work / "ram", share=True, assets=assets, paths=paths,
+        layers=[empty] * qemu.MAX_LAYERS, workspace=empty, workspace_readonly=False, incoming=False,
+    )
+    start = time.monotonic()
+    with open(work / "qemu.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True)
+    try:
+        qmp = qemu.QMP(qemu.connect_unix(paths.qmp_socket, deadline, proc), timeout=30)
+        agent = qemu.connect_unix(paths.agent_socket, deadline, proc)
+        seen = b""
+        agent.settimeout(0.2)
+        while READY_MARKER not in seen:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SandboxError("the guest did not reach its ready marker: " + _tail(work))
+            try:
+                chunk = agent.recv(4096)
+            except TimeoutError:
+                continue
+            if not chunk:
+                time.sleep(0.01)
+            seen += chunk
+        agent.close()
+        return proc, qmp, time.monotonic() - start
+    except OSError as exc:
+        proc.kill()
+        proc.wait()
+        raise SandboxError(f"QEMU failed while booting the guest ({exc}): " + _tail(work)) from None
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _tail(work: Path) -> str:
+    text = ""
+    for name in ("qemu.log", "console.log"):
+        try:
+            text += (work / name).read_text(errors="replace")[-600:]
+        except OSError:
+            pass
+    return text.strip() or "(no output)"
+
+
+def get_template(assets: GuestAssets, accel: str, ram_mb: int) -> Template:
+    """The template for this configuration, booting and saving it the first time."""
+    root = cache_dir() / "templates"
+    final = root / _key(assets, accel, ram_mb)
+    meta = final / "meta.json"
+    if not meta.is_file():
+        with cache_lock("template"):
+            if not meta.is_file():
+                _build(final, assets, accel, ram_mb)
+    info = json.loads(meta.read_text())
+    return Template(final, ram_mb, accel, float(info["boot_ms"]))
+
+
+def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    try:
+        proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE)
+        try:
+            qmp.command("stop")
+            qmp.command("migrate-set-capabilities",
+                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            qmp.command("migrate", uri=f"exec:cat > {work / 'state'}")
+            qmp.wait_migration(time.monotonic() + 60)
+            qmp.command("quit")
+            proc.wait(timeout=30)
+        finally:
+            qmp.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for name in ("agent.sock", "qmp.sock", "qemu.log", "console.log"):
+            (work / name).unlink(missing_ok=True)
+        (work / "empty").rmdir()
+        (work / "meta.json").write_text(json.dumps({
+            "boot_ms": round(boot_seconds * 1000, 1), "accel": accel, "ram_mb": ram_mb,
+            "qemu": qemu.qemu_version(), "kernel": assets.kernel_release, "initrd": assets.initrd.name,
+        }))
+        for path in work.iterdir():
+            os.chmod(path, 0o644)
+        os.chmod(work, 0o755)
+        os.rename(work, final)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def probe_kvm(assets: GuestAssets) -> tuple[bool, str]:
+    """Can this host really run a guest under KVM?  Boots one to its marker (cached per host boot)."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is missing or not accessible"
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    cache = cache_dir() / "kvm-probe.json"
+    key = f"{boot_id} {qemu.qemu_version()} {assets.digest}"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("key") == key:
+            return bool(cached["ok"]), str(cached["reason"])
+    except (OSError, ValueError, KeyError):
+        pass
+    with cache_lock("kvm-probe"), tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".kvm-probe-") as tmp:
+        work = Path(tmp)
+        try:
+            proc, qmp, seconds = _boot(work, assets, "kvm", 128, time.monotonic() + KVM_PROBE_DEADLINE)
+        except (SandboxError, HostNotSupported) as exc:
+            detail = _tail(work).splitlines()
+            first = next((line for line in detail if "KVM" in line or "kvm" in line), detail[0] if detail else "")
+            ok, reason = False, f"a KVM guest did not boot ({first.strip()[:160] or exc})"
+        else:
+            qmp.close()
+            proc.kill()
+            proc.wait()
+            ok, reason = True, f"a KVM guest booted to its marker in {seconds * 1000:.0f} ms"
+    cache.write_text(json.dumps({"key": key, "ok": ok, "reason": reason}))
+    return ok, reason

@@ -1,0 +1,357 @@
+"""The microVM tier: each sandbox is a QEMU ``microvm`` guest with its own kernel,
+restored from a template snapshot.
+
+One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
+:meth:`MicroVMTier.reap` after its owner died):
+
+- a QEMU process, started in the sandbox's host cgroup (memory = guest RAM +
+  QEMU's own overhead, cpu quota, pids) and running as a per-sandbox
+  unprivileged host uid once its files are open (``-runas``);
+- its ``run_dir``: the QMP and agent sockets, the console log and a
+  size-limited tmpfs with the workspace copy the guest reaches over 9p.
+
+Inside the guest, commands run in leaves of a guest cgroup carrying the
+memory and pids limits: OOM is read from the leaf's ``memory.events`` and a
+timeout writes the leaf's ``cgroup.kill``, both through the agent's file
+operations (the agent itself lives outside that cgroup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ...errors import HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
+from ...host import cgroups, mounts
+from ...host.workspace import WorkspaceCopy
+from ...images import resolve
+from ...spec import MiB, SandboxSpec
+from ..agent import T_FREMOVE, T_FWRITE, AgentChannel, AgentProcess
+from ..base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from ..process import allocate_uid, release_uid
+from . import guest, qemu, template
+
+#: guest RAM on top of the sandbox's memory limit: kernel, agent, page cache
+GUEST_OVERHEAD_MB = 96
+#: host memory on top of guest RAM: QEMU itself and TCG's translation cache
+VMM_OVERHEAD = 384 * MiB
+VMM_PIDS = 64
+START_TIMEOUT = 60.0
+GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
+
+
+def _check_host() -> None:
+    qemu.qemu_binary()
+    if os.geteuid() != 0:
+        raise HostNotSupported("the microvm tier needs root on the host (cgroups, tmpfs mounts); run as root")
+    cgroups.detect()
+
+
+class MicroVMTier(Tier):
+    name = "microvm"
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        _check_host()
+        self._layout = cgroups.detect()
+        self.assets = guest.assets()
+        kvm_ok, self.kvm_reason = template.probe_kvm(self.assets)
+        self.accel = "kvm" if kvm_ok else "tcg"
+
+    @classmethod
+    def probe(cls, state_dir: Path) -> Availability:
+        try:
+            _check_host()
+        except HostNotSupported as exc:
+            return Availability(cls.name, False, str(exc), "see the message")
+        built = guest.cached_assets()
+        if built is None:
+            if shutil.which("apt-get") is None:
+                return Availability(cls.name, False, "no guest kernel cached and no apt-get to fetch one",
+                                    "run `make install` on a Debian host")
+            return Availability(cls.name, True, "guest kernel not built yet: fetched with apt-get on first use",
+                                details={"accelerator": "decided on first use"})
+        kvm_ok, reason = template.probe_kvm(built)
+        accel = "KVM" if kvm_ok else "TCG (software emulation)"
+        return Availability(cls.name, True, f"QEMU microvm, {accel}: {reason}",
+                            details={"accelerator": "kvm" if kvm_ok else "tcg", "kernel": built.kernel_release,
+                                     "qemu": qemu.qemu_version()})
+
+    def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        return MicroVMSandbox(self, spec, sandbox_id, run_dir)
+
+    def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
+        # QEMU lives in the sandbox's host cgroup: killing the cgroup kills it
+        cgroups.reap(sandbox_id)
+        mounts.unmount_all(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if "uid" in record:
+            release_uid(self.state_dir, int(record["uid"]))
+
+    def ram_mb(self, memory: int) -> int:
+        """Guest RAM for a memory limit, rounded up to 64 MiB so templates are few."""
+        mb = -(-memory // MiB) + GUEST_OVERHEAD_MB
+        return -(-mb // 64) * 64
+
+
+class MicroVMSandbox(TierSandbox):
+    def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+        self.id = sandbox_id
+        self.spec = spec
+        self._tier = tier
+        self._run_dir = run_dir
+        self._closed = False
+        self._lock = threading.Lock()
+        self._exec_count = 0
+        self.workspace: WorkspaceCopy | None = None
+        self.uid = allocate_uid(tier.state_dir, sandbox_id)
+        self.cgroup: cgroups.SandboxCgroup | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._channel: AgentChannel | None = None
+        #: seconds spent in each start-up phase (bench and debugging)
+        self.timings: dict[str, float] = {}
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- creation --------------------------------------------------------
+    def _setup(self) -> None:
+        spec, run, uid = self.spec, self._run_dir, self.uid
+        t0 = time.monotonic()
+        if spec.network != "none":
+            # the VM has no network device at all; egress needs a tap + the egress layer
+            raise HostNotSupported(f"network {spec.network!r}: the microvm tier has no network yet; use 'none'")
+        image = resolve(spec.image, self._tier.state_dir)
+        if len(image.layers) > qemu.MAX_LAYERS:
+            raise InvalidSpec(f"image {spec.image!r} has {len(image.layers)} layers; the microvm tier takes "
+                              f"at most {qemu.MAX_LAYERS}")
+        ram_mb = self._tier.ram_mb(spec.limits.memory)
+        tmpl = template.get_template(self._tier.assets, self._tier.accel, ram_mb)
+        self.timings["template"] = time.monotonic() - t0
+        host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
+        self.cgroup = cgroups.SandboxCgroup(self.id, host_limits, self._tier._layout)
+        disk = run / "disk"
+        disk.mkdir()
+        mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o700)
+        ws = disk / "ws"
+        if spec.workspace is not None:
+            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, spec.limits.disk)
+        else:
+            ws.mkdir(mode=0o755)
+            os.chown(ws, uid, uid)
+        empty = run / "empty"
+        empty.mkdir(mode=0o755)
+        layers = [host for _, host in image.layers]
+        layers += [empty] * (qemu.MAX_LAYERS - len(layers))
+        self._launch(tmpl, layers, ws)
+        config = {
+            "seed": secrets.token_hex(64),
+            "time_ns": str(time.time_ns()),
+            "hostname": "sandbox",
+            "machine_id": uuid.uuid4().hex,
+            "disk": str(spec.limits.disk),
+            "memory": str(spec.limits.memory),
+            "pids": str(spec.limits.pids),
+            "workspace": spec.workspace.mode if spec.workspace and spec.workspace.mode == "ro" else "rw",
+            "layers": str(len(image.layers)),
+        }
+        for index, (point, _) in enumerate(image.layers):
+            config[f"layer{index}"] = point
+        self._configure(config)
+        self.timings["total"] = time.monotonic() - t0
+
+    def _launch(self, tmpl: template.Template, layers: list[Path], ws: Path) -> None:
+        assert self.cgroup is not None
+        run = self._run_dir
+        paths = qemu.VMPaths(run / "agent.sock", run / "qmp.sock", run / "console.log")
+        readonly = bool(self.spec.workspace and self.spec.workspace.mode == "ro")
+        argv = qemu.command_line(
+            accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=tmpl.ram, share=False, assets=self._tier.assets,
+            paths=paths, layers=layers, workspace=ws, workspace_readonly=readonly, incoming=True, runas=self.uid,
+        )
+        procs_files = self.cgroup.procs_files(self.cgroup.leaf("vmm"))
+
+        def join_cgroup() -> None:
+            pid = str(os.getpid())
+            for path in procs_files:
+                with open(path, "w") as f:
+                    f.write(pid)
+
+        t0 = time.monotonic()
+        with open(run / "qemu.log", "wb") as log:
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=join_cgroup,
+                close_fds=True, cwd="/",
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            qmp = qemu.QMP(qemu.connect_unix(paths.qmp_socket, deadline, self._proc), timeout=START_TIMEOUT)
+        except OSError as exc:
+            raise SandboxError(f"QEMU did not start ({exc}): {self._log_tail()}") from None
+        try:
+            self.timings["qemu_start"] = time.monotonic() - t0
+            qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            qmp.command("migrate-incoming", uri=f"exec:cat {tmpl.state}")
+            qmp.wait_migration(deadline)
+            # the template was saved stopped, so the restored VM waits for "cont"
+            qmp.command("cont")
+            self.timings["restore"] = time.monotonic() - t0
+        except (OSError, SandboxError) as exc:
+            raise SandboxError(f"restoring the VM snapshot failed ({exc}): {self._log_tail()}") from None
+        finally:
+            qmp.close()
+        self._sock = qemu.connect_unix(paths.agent_socket, deadline, self._proc)
+
+    def _configure(self, config: dict[str, str]) -> None:
+        assert self._sock is not None
+        t0 = time.monotonic()
+        payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
+        self._sock.sendall(struct.pack("<I", len(payload)) + payload)
+        self._channel = AgentChannel(os.dup(self._sock.fileno()), os.dup(self._sock.fileno()))
+        try:
+            self._channel.wait_ready(START_TIMEOUT)
+        except SandboxClosed:
+            raise SandboxError(f"the guest did not start its agent: {self._log_tail()}") from None
+        self.timings["configure"] = time.monotonic() - t0
+
+    def _log_tail(self) -> str:
+        text = ""
+        for name in ("qemu.log", "console.log"):
+            try:
+                text += (self._run_dir / name).read_text(errors="replace")[-800:]
+            except OSError:
+                pass
+        return text.strip() or "(no output)"
+
+    # -- commands ----------------------------------------------------------
+    def _live(self) -> AgentChannel:
+        if self._closed or self._channel is None:
+            raise SandboxClosed(f"sandbox {self.id} is closed")
+        if self._channel.closed.is_set():
+            raise SandboxClosed(f"sandbox {self.id} stopped (its VM is gone)")
+        return self._channel
+
+    def _fire(self, kind: int, payload: bytes) -> None:
+        """Send a request whose answer nobody waits for (safe from the reader thread).
+        The agent handles requests in order, so it is done before any later one."""
+        channel = self._live()
+        channel.send(kind, channel.new_id(), payload)
+
+    def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
+        channel = self._live()
+        with self._lock:
+            self._exec_count += 1
+            leaf = f"{GUEST_CGROUP}/e{self._exec_count}"
+        channel.make_dir(leaf, 0o755)
+
+        def place(nspid: int) -> None:
+            # runs on the reader thread before the agent lets the command exec
+            self._fire(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.procs".encode() + b"\0"
+                       + str(nspid).encode())
+
+        def kill() -> None:
+            try:
+                self._fire(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
+            except SandboxClosed:
+                pass
+
+        def finish(proc: AgentProcess) -> None:
+            try:
+                events = channel.read_file(f"{leaf}/memory.events", 4096).decode()
+                counts = dict(line.split() for line in events.splitlines() if len(line.split()) == 2)
+                proc.oom_killed = int(counts.get("oom_kill", "0")) > 0
+                if proc.oom_killed:
+                    kill()  # the OOM killer takes one task; finish the tree
+                # an emptied leaf goes; one with background processes stays (harmless)
+                self._fire(T_FREMOVE, struct.pack("<I", 0) + leaf.encode() + b"\0")
+            except (SandboxClosed, SandboxError, ValueError):
+                pass
+            self.sync()
+
+        return channel.start(request, on_output, place, kill, finish)
+
+    # -- files -------------------------------------------------------------
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        return self._live().read_file(path, max_bytes)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._live().write_file(path, data, mode)
+        self.sync()
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        return self._live().list_dir(path)
+
+    def stat(self, path: str) -> FileEntry:
+        return self._live().stat(path)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._live().remove(path, recursive)
+        self.sync()
+
+    def make_dir(self, path: str, mode: int = 0o755) -> None:
+        self._live().make_dir(path, mode)
+        self.sync()
+
+    def sync(self) -> None:
+        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
+            self.workspace.sync_back()
+
+    # -- lifecycle ---------------------------------------------------------
+    def alive(self) -> bool:
+        return (not self._closed and self._channel is not None and not self._channel.closed.is_set()
+                and self._proc is not None and self._proc.poll() is None)
+
+    def reap_record(self) -> dict[str, Any]:
+        return {"uid": self.uid, "qemu_pid": self._proc.pid if self._proc else None}
+
+    @property
+    def kernel_release(self) -> str:
+        return self._tier.assets.kernel_release
+
+    def qemu_pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            # the guest's state is thrown away, so there is nothing to shut down
+            # gracefully: the workspace is already on the host (9p, no cache)
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+            if self._proc is not None:
+                self._proc.wait(timeout=10)
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            if self._channel is not None:
+                self._channel.close()
+            if self._sock is not None:
+                self._sock.close()
+            try:
+                self.sync()
+            except (OSError, SandboxError):
+                pass
+            if self.cgroup is not None:
+                self.cgroup.destroy()
+        finally:
+            mounts.unmount_all(self._run_dir)
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            release_uid(self._tier.state_dir, self.uid)

@@ -1,0 +1,140 @@
+"""The writable root every Linux-userland tier on the host builds for a sandbox.
+
+Shared by the process tier (bubblewrap) and the gVisor tier (runsc): both run
+the sandbox on an overlay of the image's read-only layers, with the writable
+layers and the workspace copy on a size-limited tmpfs the sandbox owns, and an
+unprivileged host uid per sandbox.  Layout below ``run_dir`` (root-only)::
+
+    disk/           tmpfs, size = disk limit, owned by the sandbox's host uid
+      L0-upper/ L0-work/       overlay upper for "/"
+      L1-upper/ ...            one upper per extra image layer (e.g. /usr)
+      ws/                      the sandbox's copy of the workspace
+    root/           the merged root (overlay), other layers mounted below it
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import HostNotSupported
+from ..host import mounts
+from ..host.workspace import WorkspaceCopy
+from ..images import SANDBOX_HOME, identity_files, resolve
+from ..spec import WORKSPACE_PATH, SandboxSpec
+
+#: host uids handed to sandboxes: far above any real or subordinate range
+UID_BASE = 2_100_000_000
+UID_RANGE = 1_000_000
+#: where the agent binary is bound inside every sandbox
+AGENT_PATH = "/.corral/agent"
+
+
+def allocate_uid(state_dir: Path, owner: str) -> int:
+    """Reserve a host uid no other live sandbox uses (a file per uid, O_EXCL)."""
+    uid_dir = state_dir / "uids"
+    uid_dir.mkdir(mode=0o700, exist_ok=True)
+    rng = random.SystemRandom()
+    for _ in range(100):
+        uid = UID_BASE + rng.randrange(UID_RANGE)
+        try:
+            fd = os.open(uid_dir / str(uid), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            os.write(fd, owner.encode())
+        finally:
+            os.close(fd)
+        return uid
+    raise HostNotSupported("could not reserve a free host uid for the sandbox")
+
+
+def release_uid(state_dir: Path, uid: int) -> None:
+    try:
+        (state_dir / "uids" / str(uid)).unlink()
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class SandboxRoot:
+    """What :func:`build_root` made: the merged root, the workspace dir and its copy."""
+
+    root: Path
+    workspace_dir: Path
+    workspace: WorkspaceCopy | None
+
+
+def build_root(
+    spec: SandboxSpec,
+    state_dir: Path,
+    run_dir: Path,
+    uid: int,
+    files: Mapping[str, bytes] | None = None,
+    mount_points: Sequence[str] = (),
+) -> SandboxRoot:
+    """Mount the disk tmpfs and the overlay root, and copy the workspace in.
+
+    ``files`` (absolute in-sandbox path -> content, world-readable) are added to
+    the root; ``mount_points`` are created as empty files for later bind mounts.
+
+    ``uid`` is the host uid that owns the sandbox's files (its disk, home and
+    workspace).  The caller unmounts ``run_dir`` on teardown (:func:`mounts.unmount_all`).
+    """
+    image = resolve(spec.image, state_dir)
+    os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
+    disk, root = run_dir / "disk", run_dir / "root"
+    disk.mkdir()
+    root.mkdir()
+    mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
+    for index, (point, lower) in enumerate(image.layers):
+        upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
+        upper.mkdir()
+        work.mkdir()
+        if point == "/":
+            _prepare_root_upper(upper, uid, own_etc=image.own_etc)
+            _add_files(upper, files or {}, mount_points)
+        mounts.mount_overlay(root / point.lstrip("/") if point != "/" else root, [lower], upper, work)
+    ws = disk / "ws"
+    workspace: WorkspaceCopy | None = None
+    if spec.workspace is not None:
+        workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, spec.limits.disk)
+    else:
+        ws.mkdir(mode=0o755)
+        os.chown(ws, uid, uid)
+    return SandboxRoot(root, ws, workspace)
+
+
+def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[str]) -> None:
+    for inside in mount_points:
+        (upper / inside.lstrip("/")).touch()
+    for inside, data in files.items():
+        target = upper / inside.lstrip("/")
+        for parent in reversed(target.relative_to(upper).parents[:-1]):
+            (upper / parent).mkdir(mode=0o755, exist_ok=True)
+        target.write_bytes(data)
+        os.chmod(target, 0o644)
+
+
+def _prepare_root_upper(upper: Path, uid: int, own_etc: bool) -> None:
+    # mount points and the home directory must exist before the sandbox starts:
+    # inside it, host-root-owned directories cannot be written to
+    (upper / ".corral").mkdir()
+    (upper / ".corral" / "agent").touch()
+    (upper / WORKSPACE_PATH.lstrip("/")).mkdir()
+    home = upper / SANDBOX_HOME.lstrip("/")
+    home.mkdir(parents=True)
+    os.chmod(home.parent, 0o755)
+    os.chown(home, uid, uid)
+    os.chmod(home, 0o750)
+    for d in ("tmp", "proc", "dev"):
+        (upper / d).mkdir(exist_ok=True)
+    os.chmod(upper / "tmp", 0o1777)
+    if own_etc:
+        (upper / "etc").mkdir(exist_ok=True)
+        os.chmod(upper / "etc", 0o755)
+        for rel, content in identity_files().items():
+            (upper / rel).write_text(content)

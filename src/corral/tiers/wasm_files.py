@@ -1,0 +1,205 @@
+"""The files API of a wasm sandbox, carried out on the host without leaving its directories.
+
+A wasm sandbox's whole filesystem is two host directories, preopened into the
+guest as ``/workspace`` and ``/tmp``.  Everything else does not exist.  The
+guest can plant symlinks in them, so every host-side path walk goes through
+``openat2(RESOLVE_IN_ROOT)``: symlinks and ``..`` resolve inside the
+directory, as if it were ``/``, never to a host file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import stat as stat_mod
+from pathlib import Path
+
+from ..errors import FileError, FileNotFoundInSandbox
+from .base import FileEntry
+
+SYS_OPENAT2 = 437  # same number on x86-64 and arm64
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def openat2_in_root(root_fd: int, path: str, flags: int, mode: int = 0) -> int:
+    """open ``path`` with ``root_fd`` acting as ``/`` for every step of the resolution."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(SYS_OPENAT2, root_fd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
+
+
+def _entry(name: str, path: str, st: os.stat_result) -> FileEntry:
+    mode = st.st_mode
+    kind = ("file" if stat_mod.S_ISREG(mode) else "dir" if stat_mod.S_ISDIR(mode)
+            else "symlink" if stat_mod.S_ISLNK(mode) else "other")
+    return FileEntry(name, path, kind, st.st_size, stat_mod.S_IMODE(mode), st.st_mtime)
+
+
+def _error(exc: OSError, path: str) -> FileError:
+    if exc.errno == errno.ENOENT:
+        return FileNotFoundInSandbox(f"{path}: no such file or directory", errno.ENOENT)
+    return FileError(f"{path}: {exc.strerror}", exc.errno or 0)
+
+
+class SandboxFiles:
+    """Files of one sandbox: ``roots`` maps a guest directory (``/workspace``) to its host directory."""
+
+    def __init__(self, roots: dict[str, Path], uid: int, gid: int) -> None:
+        self.roots = roots
+        self.uid = uid
+        self.gid = gid
+
+    def _split(self, path: str) -> tuple[Path, str]:
+        """(host root, path inside it) for a guest path; ENOENT for anything outside the preopens."""
+        clean = os.path.normpath("/" + path.lstrip("/"))
+        for guest, host in self.roots.items():
+            if clean == guest or clean.startswith(guest + "/"):
+                return host, clean[len(guest):].lstrip("/") or "."
+        raise FileNotFoundInSandbox(
+            f"{path}: no such file or directory (a wasm sandbox has only {', '.join(self.roots)})", errno.ENOENT
+        )
+
+    def _open(self, path: str, flags: int, mode: int = 0) -> int:
+        host, rel = self._split(path)
+        root_fd = os.open(host, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return openat2_in_root(root_fd, rel, flags, mode)
+        except OSError as exc:
+            raise _error(exc, path) from None
+        finally:
+            os.close(root_fd)
+
+    def _parent(self, path: str, create: bool = False) -> tuple[int, str]:
+        """An fd of the parent directory of ``path`` (made with its parents if ``create``) and the last name."""
+        clean = os.path.normpath("/" + path.lstrip("/"))
+        _, rel = self._split(clean)
+        if rel == ".":
+            raise FileError(f"{path}: is a directory the sandbox cannot replace", errno.EISDIR)
+        parent = os.path.dirname(clean)
+        if create:
+            self.make_dir(parent)
+        return self._open(parent, os.O_RDONLY | os.O_DIRECTORY), os.path.basename(clean)
+
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        fd = self._open(path, os.O_RDONLY)
+        try:
+            if stat_mod.S_ISDIR(os.fstat(fd).st_mode):
+                raise FileError(f"{path}: is a directory", errno.EISDIR)
+            chunks, total = [], 0
+            while chunk := os.read(fd, 1 << 20):
+                total += len(chunk)
+                if total > max_bytes:
+                    raise FileError(f"{path}: file is larger than the {max_bytes} byte limit", errno.EFBIG)
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        dir_fd, name = self._parent(path, create=True)
+        try:
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             mode & 0o7777, dir_fd=dir_fd)
+            except OSError as exc:
+                raise _error(exc, path) from None
+            try:
+                os.fchown(fd, self.uid, self.gid)
+                os.fchmod(fd, mode & 0o7777)
+                view = memoryview(data)
+                while view:
+                    try:
+                        written = os.write(fd, view)
+                    except OSError as exc:
+                        raise _error(exc, path) from None
+                    view = view[written:]
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dir_fd)
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        base = os.path.normpath("/" + path.lstrip("/")).rstrip("/")
+        entries = []
+        try:
+            for name in os.listdir(fd):
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                entries.append(_entry(name, f"{base}/{name}", st))
+        finally:
+            os.close(fd)
+        return sorted(entries, key=lambda e: e.name)
+
+    def stat(self, path: str) -> FileEntry:
+        clean = os.path.normpath("/" + path.lstrip("/"))
+        host, rel = self._split(path)
+        if rel == ".":
+            return _entry(os.path.basename(clean), clean, os.stat(host))
+        dir_fd, name = self._parent(path)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError as exc:
+            raise _error(exc, path) from None
+        finally:
+            os.close(dir_fd)
+        return _entry(name, clean, st)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        dir_fd, name = self._parent(path)
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat_mod.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=dir_fd)
+            elif recursive:
+                shutil.rmtree(name, dir_fd=dir_fd)  # symlink-attack safe with dir_fd
+            else:
+                os.rmdir(name, dir_fd=dir_fd)
+        except OSError as exc:
+            raise _error(exc, path) from None
+        finally:
+            os.close(dir_fd)
+
+    def make_dir(self, path: str, mode: int = 0o755) -> None:
+        """mkdir -p, inside the sandbox's view."""
+        clean = os.path.normpath("/" + path.lstrip("/"))
+        _, rel = self._split(clean)
+        if rel == ".":
+            return
+        prefix = clean[: len(clean) - len(rel)].rstrip("/")
+        built = prefix
+        for part in rel.split("/"):
+            built = f"{built}/{part}"
+            dir_fd, name = self._parent(built)
+            try:
+                os.mkdir(name, mode & 0o7777, dir_fd=dir_fd)
+                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                try:
+                    os.fchown(fd, self.uid, self.gid)
+                finally:
+                    os.close(fd)
+            except FileExistsError:
+                # may be a symlink the guest planted: resolve it inside the root only
+                try:
+                    os.close(self._open(built, os.O_RDONLY | os.O_DIRECTORY))
+                except FileError:
+                    raise FileError(f"{built}: exists and is not a directory", errno.ENOTDIR) from None
+            except OSError as exc:
+                raise _error(exc, built) from None
+            finally:
+                os.close(dir_fd)

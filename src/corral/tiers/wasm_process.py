@@ -1,0 +1,237 @@
+"""A command of the wasm tier: its worker process seen from the host.
+
+The worker's stdout and stderr are pipes read here as output is produced; its
+control socket reports how the guest ended (exit code, trap, fuel, memory).
+The host keeps its own deadline a little past the guest's epoch timeout: a
+guest blocked in a host call (``time.sleep``) cannot be interrupted by an
+epoch tick, so its worker is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..spec import MiB
+from .base import ExecRequest, ExecResult, OutputCallback, Process
+from .wasm_runtime import Worker
+
+if TYPE_CHECKING:
+    from .wasm import WasmSandbox
+
+#: how long past its timeout a guest blocked in a host call may take before it is killed
+KILL_GRACE = 0.5
+SIGXCPU = 24
+_MEMORY_ERROR = re.compile(rb"^(MemoryError\b|Fatal Python error: .*(memory|MemoryError))", re.MULTILINE)
+
+
+class RefusedProcess(Process):
+    """A command that cannot exist in this tier: exit 127 with the reason, like a shell's 'not found'."""
+
+    def __init__(self, message: str, on_output: OutputCallback | None) -> None:
+        self._stderr = f"corral: {message}\n"
+        if on_output is not None:
+            try:
+                on_output("stderr", self._stderr.encode())
+            except Exception:
+                pass
+
+    def write_stdin(self, data: bytes) -> None:
+        pass
+
+    def close_stdin(self) -> None:
+        pass
+
+    def send_signal(self, signum: int) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self) -> ExecResult:
+        return ExecResult(exit_code=127, stderr=self._stderr)
+
+
+class WasmProcess(Process):
+    """One command in its own worker process; output read straight from the worker's pipes."""
+
+    def __init__(self, sandbox: WasmSandbox, worker: Worker, request: ExecRequest,
+                 on_output: OutputCallback | None, job: dict[str, Any], launch: bytes | None = None) -> None:
+        self.worker = worker
+        self._sandbox = sandbox
+        self._request = request
+        self._on_output = on_output
+        self._memory_limit = int(job["memory"])
+        self._start = time.monotonic()
+        self._done = threading.Event()
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self._stderr_tail = bytearray()
+        self._truncated = False
+        self._outcome: dict[str, Any] | None = None
+        self._timed_out = False
+        self._killed_by: int | None = None
+        self._result: ExecResult | None = None
+        self._result_lock = threading.Lock()
+        self._stdin_lock = threading.Lock()
+        self._oom_before = sandbox.oom_kills()
+        if launch is not None:
+            # a pre-started guest: the command goes to its stdin, then the clock starts
+            self.write_stdin(launch)
+            worker.control.sendall(json.dumps({"go": request.timeout}).encode() + b"\n")
+        self._reader = threading.Thread(target=self._read_loop, name=f"corral-wasm-{worker.pid}", daemon=True)
+        self._reader.start()
+
+    # -- reader thread -------------------------------------------------------
+    def _read_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        worker = self.worker
+        sel.register(worker.stdout_r, selectors.EVENT_READ, "stdout")
+        sel.register(worker.stderr_r, selectors.EVENT_READ, "stderr")
+        sel.register(worker.control.fileno(), selectors.EVENT_READ, "control")
+        control = b""
+        open_streams = 3
+        try:
+            while open_streams:
+                for key, _ in sel.select():
+                    stream = key.data
+                    try:
+                        chunk = os.read(key.fd, 65536)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        open_streams -= 1
+                        continue
+                    if stream == "control":
+                        control += chunk
+                        *lines, control = control.split(b"\n")
+                        for line in lines:
+                            message = json.loads(line)
+                            if "exit" in message:
+                                self._outcome = message
+                    else:
+                        self._output(stream, chunk)
+        finally:
+            sel.close()
+            if not worker.reap(5.0):
+                worker.kill()
+            self._done.set()
+
+    def _output(self, stream: str, chunk: bytes) -> None:
+        buf = self._out[stream]
+        room = self._request.max_output - len(buf)
+        if room < len(chunk):
+            self._truncated = True
+        if room > 0:
+            buf += chunk[:room]
+        if stream == "stderr":
+            self._stderr_tail += chunk
+            del self._stderr_tail[:-8192]
+        if self._on_output is not None:
+            try:
+                self._on_output(stream, chunk)
+            except Exception:
+                pass
+
+    # -- Process API ---------------------------------------------------------
+    def write_stdin(self, data: bytes) -> None:
+        with self._stdin_lock:
+            fd = self.worker.stdin_w
+            if fd < 0:
+                return
+            view = memoryview(data)
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+            except (BrokenPipeError, OSError):
+                pass
+
+    def close_stdin(self) -> None:
+        with self._stdin_lock:
+            if self.worker.stdin_w >= 0:
+                os.close(self.worker.stdin_w)
+                self.worker.stdin_w = -1
+
+    def send_signal(self, signum: int) -> None:
+        # WASI has no signals: every terminating signal ends the command's worker
+        if signum in (signal.SIGCHLD, signal.SIGWINCH, signal.SIGURG, signal.SIGCONT, 0):
+            return
+        self._killed_by = signum
+        self.worker.kill()
+
+    def kill(self) -> None:
+        if self._killed_by is None:
+            self._killed_by = signal.SIGKILL
+        self.worker.kill()
+
+    def join(self, timeout: float) -> None:
+        self._done.wait(timeout)
+        self._finish()
+
+    def wait(self) -> ExecResult:
+        deadline = self._start + self._request.timeout + KILL_GRACE
+        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+            self._timed_out = True
+            self.worker.kill()
+            self._done.wait(5.0)
+        return self._finish()
+
+    def _finish(self) -> ExecResult:
+        with self._result_lock:
+            if self._result is None:
+                self._result = self._build_result()
+                self.close_stdin()
+                self.worker.close()
+                self._sandbox._finished(self)
+            return self._result
+
+    @property
+    def outcome(self) -> dict[str, Any]:
+        """What the worker reported: exit, trap, fuel_used, memory (bytes), cpu_ms; empty if it died."""
+        return self._outcome or {}
+
+    def _build_result(self) -> ExecResult:
+        outcome = self.outcome
+        trap = outcome.get("trap")
+        exit_code = outcome.get("exit")
+        signal_number: int | None = None
+        note = ""
+        timed_out = self._timed_out or trap == "interrupt"
+        oom = self._sandbox.oom_kills() > self._oom_before
+        if timed_out:
+            exit_code = 124
+        elif trap == "out_of_fuel":
+            signal_number, exit_code = SIGXCPU, 128 + SIGXCPU
+            note = "CPU budget exhausted (wasm fuel: cpus x timeout CPU-seconds)"
+        elif trap is not None:
+            exit_code = 134
+            note = f"the WebAssembly guest trapped: {trap}: {outcome.get('message', '')}"
+        elif exit_code is None:
+            # the worker ended without reporting: killed by us, by the cgroup's OOM killer, or crashed
+            signal_number = self._killed_by if self._killed_by is not None else signal.SIGKILL
+            exit_code = 128 + signal_number
+            if self._killed_by is None and not oom:
+                note = "the wasm worker died before its guest ended"
+        if not timed_out and exit_code != 0 and _MEMORY_ERROR.search(bytes(self._stderr_tail)):
+            oom = True
+        if trap is not None and int(outcome.get("memory") or 0) >= self._memory_limit - 4 * MiB:
+            oom = True
+        stderr = self._out["stderr"].decode(errors="replace")
+        if note:
+            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {note}\n"
+        return ExecResult(
+            exit_code=int(exit_code),
+            stdout=self._out["stdout"].decode(errors="replace"),
+            stderr=stderr,
+            duration_ms=round((time.monotonic() - self._start) * 1000, 3),
+            timed_out=timed_out,
+            oom_killed=oom,
+            signal=signal_number,
+            truncated=self._truncated,
+        )

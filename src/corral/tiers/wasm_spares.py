@@ -1,0 +1,192 @@
+"""Guests started before any sandbox asks for one: a cold start without CPython's start-up.
+
+A new sandbox's first command would otherwise wait for CPython to initialize
+inside wasm (~2.5e8 instructions, most of a cold start).  So the tier keeps a
+pre-started guest ready: a worker already running ``python -c BOOT w`` as a
+reserved host uid, with its own empty tmpfs preopened as ``/workspace`` and
+``/tmp``, blocked reading its launch record.  Creating a sandbox adopts it:
+
+- the spare's tmpfs is bind-mounted at the sandbox's ``fs/`` and its original
+  mount point lazily detached (the guest's preopened directory fds keep
+  pointing at the same tmpfs), then remounted with the sandbox's disk size;
+- the reserved uid is handed to the sandbox, the worker joins its cgroup.
+
+Only sandboxes whose limits the spare was started with can adopt it: the
+store's memory limit and the fuel budget cannot change once a guest runs.
+Spares are built with the default limits, so the common case is covered;
+other sandboxes start their first guest themselves.  Spare directories carry
+their owner's pid, and a new tier removes those of dead owners.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..host import mounts
+from ..registry import process_start_time
+from ..spec import Limits, SandboxSpec
+from .process import allocate_uid, release_uid
+from .wasm_python import PRESTART_ARGV
+from .wasm_runtime import Worker
+
+if TYPE_CHECKING:
+    from .wasm import WasmTier
+
+MS_BIND = 0x1000
+MS_REMOUNT = 0x20
+OWNER_PREFIX = "wasm-spare:"
+
+
+@dataclass
+class Spare:
+    worker: Worker
+    uid: int
+    directory: Path
+    #: the tmpfs, holding workspace/ and tmp/
+    fs: Path
+
+
+class SpareGuests:
+    """Keeps ``count`` pre-started guests with the default limits (needs root: tmpfs, uids)."""
+
+    def __init__(self, tier: WasmTier, count: int = 1) -> None:
+        self.tier = tier
+        self.count = count
+        self.limits = Limits()
+        self.root = tier.state_dir / "wasm-spares"
+        # the spare's guest runs as its own uid: it must be able to reach its tmpfs
+        os.chmod(tier.state_dir, os.stat(tier.state_dir).st_mode | 0o111)
+        self.root.mkdir(mode=0o711, exist_ok=True)
+        os.chmod(self.root, 0o711)  # the spare uid must reach its fs/
+        self._ready: list[Spare] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._building = 0
+        self.reap_stale()
+
+    def matches(self, spec: SandboxSpec) -> bool:
+        limits = spec.limits
+        read_only = spec.workspace is not None and spec.workspace.mode == "ro"
+        return (not read_only and limits.memory == self.limits.memory
+                and limits.cpus * limits.timeout <= self.limits.cpus * self.limits.timeout)
+
+    def take(self, spec: SandboxSpec) -> Spare | None:
+        """A ready spare for ``spec``, or None (never waits); a replacement is started."""
+        if not self.matches(spec):
+            return None
+        with self._cond:
+            spare = self._ready.pop(0) if self._ready else None
+        self.fill()
+        if spare is not None and spare.worker.proc.poll() is not None:
+            self.discard(spare)
+            return None
+        return spare
+
+    def fill(self) -> None:
+        with self._cond:
+            if self._closed or len(self._ready) + self._building >= self.count:
+                return
+            self._building += 1
+        threading.Thread(target=self._build, name="corral-wasm-spare", daemon=True).start()
+
+    def _build(self) -> None:
+        spare: Spare | None = None
+        try:
+            spare = self._make()
+        except Exception:  # sandboxes start their own guests instead
+            spare = None
+        with self._cond:
+            self._building -= 1
+            if spare is not None and not self._closed:
+                self._ready.append(spare)
+                spare = None
+        if spare is not None:
+            self.discard(spare)
+
+    def _make(self) -> Spare:
+        tier = self.tier
+        uid = allocate_uid(tier.state_dir, f"{OWNER_PREFIX}{os.getpid()}")
+        directory = self.root / f"{os.getpid()}-{secrets.token_hex(6)}"
+        fs = directory / "fs"
+        spare: Spare | None = None
+        try:
+            directory.mkdir(mode=0o711)
+            fs.mkdir()
+            mounts.mount_tmpfs(fs, self.limits.disk, uid, uid, 0o711)
+            (fs / "workspace").mkdir(mode=0o700)
+            (fs / "tmp").mkdir(mode=0o700)
+            for path in (fs / "workspace", fs / "tmp"):
+                os.chown(path, uid, uid)
+            worker = tier.pool.take()
+            spare = Spare(worker, uid, directory, fs)
+            job = {
+                "argv": list(PRESTART_ARGV),
+                "env": {},
+                "preopens": [[str(fs / "workspace"), "/workspace", True], [str(fs / "tmp"), "/tmp", True]],
+                "memory": self.limits.memory,
+                "fuel": tier.fuel_budget(self.limits.cpus, self.limits.timeout),
+                "timeout": self.limits.timeout,
+                "uid": uid,
+                "gid": uid,
+                "seccomp": str(tier.seccomp) if tier.seccomp is not None else None,
+                "wait": True,
+            }
+            worker.control.sendall(json.dumps(job).encode() + b"\n")
+            worker.await_started()
+            return spare
+        except BaseException:
+            if spare is not None:
+                self.discard(spare)
+            else:
+                mounts.unmount_all(directory)
+                shutil.rmtree(directory, ignore_errors=True)
+                release_uid(tier.state_dir, uid)
+            raise
+
+    def adopt(self, spare: Spare, sandbox_id: str, fs: Path, disk: int) -> None:
+        """Move the spare's tmpfs to ``fs`` (a sandbox's), sized ``disk``; the uid becomes the sandbox's."""
+        mounts.mount(str(spare.fs), fs, "", MS_BIND)
+        mounts.umount(spare.fs, lazy=True)  # the guest's open directories keep it alive
+        shutil.rmtree(spare.directory, ignore_errors=True)
+        mounts.mount("", fs, "", MS_REMOUNT | mounts.MS_NOSUID | mounts.MS_NODEV, f"size={disk}")
+        owner = self.tier.state_dir / "uids" / str(spare.uid)
+        owner.write_text(sandbox_id)
+
+    def discard(self, spare: Spare) -> None:
+        spare.worker.close()
+        mounts.unmount_all(spare.directory)
+        shutil.rmtree(spare.directory, ignore_errors=True)
+        release_uid(self.tier.state_dir, spare.uid)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            spares, self._ready = self._ready, []
+        for spare in spares:
+            self.discard(spare)
+
+    def reap_stale(self) -> None:
+        """Remove spares (directories, mounts, uids) of owners that died."""
+        for directory in self.root.iterdir():
+            pid = directory.name.split("-", 1)[0]
+            if pid.isdigit() and (int(pid) == os.getpid() or process_start_time(int(pid)) is not None):
+                continue
+            mounts.unmount_all(directory)
+            shutil.rmtree(directory, ignore_errors=True)
+        uids = self.tier.state_dir / "uids"
+        if uids.is_dir():
+            for entry in uids.iterdir():
+                try:
+                    owner = entry.read_text()
+                except OSError:
+                    continue
+                pid = owner.removeprefix(OWNER_PREFIX)
+                if owner.startswith(OWNER_PREFIX) and pid.isdigit() and process_start_time(int(pid)) is None:
+                    release_uid(self.tier.state_dir, int(entry.name))

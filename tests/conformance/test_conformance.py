@@ -1,0 +1,161 @@
+"""What every tier promises, run against every tier this machine can run.
+
+A tier the machine cannot run is skipped with the reason its probe gave —
+never silently passed.  Commands are Python invocations so that the wasm tier
+(which has no other programs) runs the same suite.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.tiers import TIER_CLASSES, tier_class
+
+from ..leaks import sandbox_leftovers
+
+TIERS = list(TIER_CLASSES)
+
+
+def py(code: str) -> list[str]:
+    return ["python3", "-c", code]
+
+
+@pytest.fixture(params=TIERS)
+def tier(request: pytest.FixtureRequest, state_dir: Path) -> str:
+    name: str = request.param
+    try:
+        availability = tier_class(name).probe(state_dir)
+    except Exception as exc:
+        pytest.skip(f"tier {name} unavailable: {exc}")
+    if not availability.available:
+        pytest.skip(f"tier {name} unavailable: {availability.reason}")
+    return name
+
+
+@pytest.fixture
+def sb(tier: str) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(tier=tier, memory="256M")
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def test_exit_codes(sb: Sandbox) -> None:
+    assert sb.commands.run(py("import sys; sys.exit(0)")).exit_code == 0
+    assert sb.commands.run(py("import sys; sys.exit(7)")).exit_code == 7
+
+
+def test_stdout_and_stderr_are_separate_and_streamed_in_order(sb: Sandbox) -> None:
+    seen: list[tuple[float, str, str]] = []
+    code = (
+        "import sys, time\n"
+        "for i in range(3):\n"
+        "    print(f'out{i}', flush=True)\n"
+        "    print(f'err{i}', file=sys.stderr, flush=True)\n"
+        "    time.sleep(0.3)\n"
+    )
+    start = time.monotonic()
+    result = sb.commands.run(
+        py(code),
+        on_stdout=lambda s: seen.append((time.monotonic() - start, "stdout", s)),
+        on_stderr=lambda s: seen.append((time.monotonic() - start, "stderr", s)),
+    )
+    assert result.stdout == "out0\nout1\nout2\n"
+    assert result.stderr == "err0\nerr1\nerr2\n"
+    stdout_text = "".join(s for _, stream, s in seen if stream == "stdout")
+    assert stdout_text == result.stdout
+    # streamed: the first line arrived well before the command ended
+    first = min(t for t, stream, _ in seen if stream == "stdout")
+    assert first < result.duration_ms / 1000 - 0.3
+
+
+def test_files_in_and_out(sb: Sandbox) -> None:
+    payload = bytes(range(256)) * 100
+    sb.files.write("/workspace/blob.bin", payload)
+    assert sb.files.read("/workspace/blob.bin", format="bytes") == payload
+    r = sb.commands.run(py("print(len(open('/workspace/blob.bin','rb').read()))"))
+    assert r.stdout.strip() == str(len(payload))
+    sb.commands.run(py("open('/workspace/made.txt','w').write('from inside')"))
+    assert sb.files.read("made.txt") == "from inside"
+    names = {e.name for e in sb.files.list("/workspace")}
+    assert {"blob.bin", "made.txt"} <= names
+    sb.files.remove("made.txt")
+    assert not sb.files.exists("made.txt")
+
+
+def test_workspace_is_mounted_and_written_back(tier: str, tmp_path: Path) -> None:
+    (tmp_path / "input.txt").write_text("hello workspace")
+    with Sandbox.create(tier=tier, workspace=str(tmp_path)) as sb:
+        r = sb.commands.run(py("print(open('/workspace/input.txt').read())"))
+        assert r.stdout.strip() == "hello workspace"
+        sb.commands.run(py("open('/workspace/output.txt','w').write('result')"))
+    assert (tmp_path / "output.txt").read_text() == "result"
+
+
+def test_env_is_passed_and_host_env_is_not(tier: str) -> None:
+    os.environ["CORRAL_TEST_HOST_SECRET"] = "host-secret-value"
+    try:
+        with Sandbox.create(tier=tier, env={"FROM_SPEC": "spec-value"}) as sb:
+            r = sb.commands.run(py("import os; print(dict(os.environ))"), env={"FROM_CALL": "call-value"})
+    finally:
+        del os.environ["CORRAL_TEST_HOST_SECRET"]
+    assert "spec-value" in r.stdout and "call-value" in r.stdout
+    assert "host-secret-value" not in r.stdout
+
+
+def test_timeout_is_typed_and_sandbox_stays_usable(sb: Sandbox) -> None:
+    start = time.monotonic()
+    r = sb.commands.run(py("import time; time.sleep(30)"), timeout=1)
+    assert r.timed_out and r.exit_code == 124
+    assert time.monotonic() - start < 10
+    assert sb.commands.run(py("print('still here')")).stdout == "still here\n"
+
+
+def test_memory_limit_is_reported_as_oom(sb: Sandbox) -> None:
+    r = sb.commands.run(py("x = bytearray(1024 * 1024 * 1024); print('allocated')"), timeout=60)
+    assert "allocated" not in r.stdout
+    assert r.oom_killed or "MemoryError" in r.stderr
+    assert r.oom_killed, f"OOM must be typed: {r}"
+    assert sb.commands.run(py("print('alive')")).stdout == "alive\n"
+
+
+def test_nothing_persists_between_sandboxes(tier: str) -> None:
+    with Sandbox.create(tier=tier) as first:
+        first.files.write("/tmp/marker", "x")
+        first.files.write("/workspace/marker", "x")
+    with Sandbox.create(tier=tier) as second:
+        assert not second.files.exists("/tmp/marker")
+        assert not second.files.exists("/workspace/marker")
+
+
+def test_no_host_files_visible(sb: Sandbox) -> None:
+    canary = Path("/root/corral-canary.txt")
+    canary.write_text("host secret")
+    try:
+        r = sb.commands.run(py(
+            "import os\n"
+            "for p in ['/root/corral-canary.txt', '/etc/shadow']:\n"
+            "    try:\n"
+            "        print(open(p).read())\n"
+            "    except OSError as e:\n"
+            "        print('denied', type(e).__name__)\n"
+        ))
+    finally:
+        canary.unlink()
+    assert "host secret" not in r.stdout
+    assert "root:" not in r.stdout
+
+
+def test_teardown_leaves_nothing(tier: str, state_dir: Path) -> None:
+    sandbox = Sandbox.create(tier=tier)
+    sandbox.commands.run(py("print(1)"))
+    sandbox_id = sandbox.id
+    sandbox.kill()
+    assert sandbox_leftovers(sandbox_id, state_dir) == []

@@ -1,0 +1,187 @@
+"""A throwaway test network: a namespace with a veth pair to the host, targets inside it.
+
+Addresses (a random free 10.a.b.0/24):
+  .1  the host's end of the veth
+  .2  the allowed target: HTTP :8080 (with /git/ smart HTTP), HTTPS :8443 (own test CA)
+  .3  another RFC1918 server: HTTP :8080
+  169.254.169.254:PORT  a fake metadata server, routed from the host (policy rule for
+                        that one TCP port only) for as long as the network lives
+Also a listener on the host's loopback.  Every name here starts with ``crl``;
+:meth:`TargetNet.close` removes all of it and checks that it is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from corral.host import netns
+
+METADATA = "169.254.169.254"
+HERE = Path(__file__).parent
+
+
+def _free_subnet() -> tuple[int, int]:
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for _ in range(100):
+        a, b = random.randrange(200, 250), random.randrange(1, 254)
+        if f" 10.{a}.{b}." not in used:
+            return a, b
+    raise RuntimeError("no free 10.x.y.0/24")
+
+
+def make_ca(directory: Path, hosts: list[str]) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for ``hosts`` (names or IPs): (ca.pem, cert.pem, key.pem)."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "corral test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False).sign(ca_key, hashes.SHA256()))
+    paths = directory / "ca.pem", directory / "server.pem", directory / "server.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+def make_git_repo(root: Path) -> None:
+    work = root / "work"
+    work.mkdir()
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    (work / "README").write_text("cloned through the egress proxy\n")
+    for argv in (["git", "init", "-q", "-b", "main"], ["git", "add", "README"], ["git", "commit", "-qm", "first"]):
+        subprocess.run(argv, cwd=work, env=env, check=True)
+    subprocess.run(["git", "clone", "-q", "--bare", str(work), str(root / "repo.git")], check=True)
+
+
+@dataclass
+class TargetNet:
+    suffix: str = field(default_factory=netns.new_suffix)
+    tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="crl-testnet-")))
+
+    def __post_init__(self) -> None:
+        self.ns = f"crl-t{self.suffix}"
+        self.host_if, self.ns_if = f"crl{self.suffix}h", f"crl{self.suffix}n"
+        a, b = _free_subnet()
+        self.host_side, self.target, self.other = f"10.{a}.{b}.1", f"10.{a}.{b}.2", f"10.{a}.{b}.3"
+        self.metadata_port = random.randrange(20000, 30000)
+        self.table = random.randrange(20000, 30000)
+        self.log = self.tmp / "hits.jsonl"
+        self.log.touch()
+        self._server: subprocess.Popen[str] | None = None
+        self._rule: list[str] = []
+        self.loopback_hits: list[str] = []
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        self.ca, cert, key = make_ca(self.tmp, ["target.test", self.target])
+        (self.tmp / "git").mkdir()
+        make_git_repo(self.tmp / "git")
+        netns.create_netns(self.ns)
+        netns.create_veth(self.host_if, self.ns_if, self.ns, f"{self.host_side}/24", f"{self.target}/24",
+                          (f"{self.other}/24", f"{METADATA}/32"))
+        subprocess.run(["ip", "route", "add", f"{METADATA}/32", "via", self.target, "dev", self.host_if,
+                        "table", str(self.table)], check=True)
+        self._rule = ["to", f"{METADATA}/32", "ipproto", "tcp", "dport", str(self.metadata_port),
+                      "lookup", str(self.table), "priority", str(self.table)]
+        subprocess.run(["ip", "rule", "add", *self._rule], check=True)
+        config = {
+            "log": str(self.log), "git_root": str(self.tmp / "git"),
+            "servers": [
+                {"name": "target", "addr": self.target, "port": 8080},
+                {"name": "target-tls", "addr": self.target, "port": 8443, "cert": str(cert), "key": str(key)},
+                {"name": "other", "addr": self.other, "port": 8080},
+                {"name": "metadata", "addr": METADATA, "port": self.metadata_port},
+            ],
+        }
+        (self.tmp / "config.json").write_text(json.dumps(config))
+        self._server = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, sys.executable, str(HERE / "egress_targets.py"),
+             str(self.tmp / "config.json")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._server.stdout is not None
+        assert self._server.stdout.readline().strip() == "ready"
+        hits = self.loopback_hits
+
+        class Loopback(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                hits.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._loopback = ThreadingHTTPServer(("127.0.0.1", 0), Loopback)
+        self.loopback_port = self._loopback.server_address[1]
+        threading.Thread(target=self._loopback.serve_forever, daemon=True).start()
+
+    def resolver(self) -> Any:
+        """Names for the tests: target.test, other.test, metadata.test, rebind.test (rebinding)."""
+        answers = {"target.test": [self.target], "other.test": [self.other], "metadata.test": [METADATA],
+                   "loop.test": ["127.0.0.1"]}
+        rebind_count = [0]
+
+        def resolve(name: str) -> list[str]:
+            if name == "rebind.test":
+                rebind_count[0] += 1
+                return [self.target] if rebind_count[0] == 1 else [METADATA]
+            return answers.get(name, [])
+
+        return resolve
+
+    def hits(self, server: str | None = None) -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in self.log.read_text().splitlines() if line]
+        return [h for h in lines if server is None or h["server"] == server]
+
+    def close(self) -> None:
+        if self._server is not None:
+            assert self._server.stdin is not None
+            self._server.stdin.close()
+            self._server.wait(timeout=10)
+        if hasattr(self, "_loopback"):
+            self._loopback.shutdown()
+            self._loopback.server_close()
+        if self._rule:
+            subprocess.run(["ip", "rule", "del", *self._rule], check=False)
+        subprocess.run(["ip", "route", "flush", "table", str(self.table)], check=False, capture_output=True)
+        netns.delete_netns(self.ns)
+        netns.delete_link(self.host_if)
+        subprocess.run(["rm", "-rf", str(self.tmp)], check=False)
+        assert not netns.netns_exists(self.ns) and not netns.link_exists(self.host_if)

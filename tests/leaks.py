@@ -1,0 +1,64 @@
+"""What a destroyed sandbox may not leave behind, checked against the real host."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
+    """Everything of ``sandbox_id`` still on the host: run dir, cgroups, mounts, processes, registry row."""
+    from corral.host import cgroups, mounts
+    from corral.registry import Registry
+
+    found: list[str] = []
+    run_dir = state_dir / "sandboxes" / sandbox_id
+    if run_dir.exists():
+        found.append(f"run dir {run_dir}")
+    if sandbox_id in cgroups.list_sandbox_groups():
+        found.append(f"cgroup {sandbox_id}")
+    found += [f"mount {m}" for m in mounts.mounts_under(run_dir)]
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if sandbox_id in Path(f"/proc/{pid}/cgroup").read_text() and not _zombie(pid):
+                found.append(f"process {pid}")
+        except OSError:
+            continue
+    if any(row.id == sandbox_id for row in Registry.at(state_dir).rows()):
+        found.append("registry row")
+    return found
+
+
+def all_leftovers(state_dir: Path) -> list[str]:
+    """Every sandbox resource under this test run's state dir and cgroup parent."""
+    from corral.host import cgroups, mounts
+
+    found = [f"cgroup {name}" for name in sorted(cgroups.list_sandbox_groups())]
+    sandboxes = state_dir / "sandboxes"
+    if sandboxes.is_dir():
+        found += [f"run dir {p}" for p in sandboxes.iterdir()]
+    found += [f"mount {m}" for m in mounts.mounts_under(sandboxes)]
+    uids = state_dir / "uids"
+    if uids.is_dir():
+        # a wasm tier's spare guests hold uids for sandboxes not created yet: the tier's, not a sandbox's
+        found += [f"uid {p.name}" for p in uids.iterdir() if not _owner(p).startswith("wasm-spare:")]
+    return found
+
+
+def _owner(uid_file: Path) -> str:
+    try:
+        return uid_file.read_text()
+    except FileNotFoundError:  # released while we looked
+        return "wasm-spare:"
+
+
+def _zombie(pid: str) -> bool:
+    # A zombie holds no memory, files or mounts, only a pid until its parent
+    # reaps it; after an owner's kill -9 that parent is host init, whose timing
+    # is not ours (on this VM pid 1 is not a reaping init at all).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

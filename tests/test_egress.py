@@ -1,0 +1,364 @@
+"""Egress policy end to end: real namespaces, real servers, real clients inside real sandboxes.
+
+Every refusal is checked both ways: the target is reachable from the host (so
+the refusal is the policy's, not a broken route) and no request reached it.
+Costs about 15 s on 2 cores (a handful of sandboxes, one test network).
+"""
+
+from __future__ import annotations
+
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from corral import Sandbox
+from corral.egress import network as egress
+from egress_net import METADATA, TargetNet
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[TargetNet]:
+    testnet = TargetNet()
+    previous = egress.configure(resolver=testnet.resolver(), upstream_cafile=str(testnet.ca))
+    try:
+        yield testnet
+    finally:
+        egress.configure(**previous.__dict__)
+        testnet.close()
+
+
+def test_allowed_target_works_from_every_client(net: TargetNet) -> None:
+    allow = ["target.test", f"{net.target}:8080"]
+    with Sandbox.create(allow=allow, unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        sb.files.write("/tmp/testca.pem", net.ca.read_bytes())
+        ca = "SSL_CERT_FILE=/tmp/testca.pem"
+        checks = {
+            "curl-http": "curl -fsS http://target.test:8080/c1",
+            "curl-https": "curl -fsS --cacert /tmp/testca.pem https://target.test:8443/c2",
+            "curl-ip": f"curl -fsS http://{net.target}:8080/c3",
+            "curl-socks5": "curl -fsS --proxy socks5h://127.0.0.1:3128 http://target.test:8080/c4",
+            "py-http": "python3 -c \"import urllib.request as u;print(u.urlopen('http://target.test:8080/p1').read().decode(),end='')\"",
+            "py-requests": "python3 -c \"import requests;print(requests.get('http://target.test:8080/r1').text,end='')\"",
+            "py-requests-https": "REQUESTS_CA_BUNDLE=/tmp/testca.pem python3 -c "
+                                 "\"import requests;print(requests.get('https://target.test:8443/r2').text,end='')\"",
+            "py-https": f"{ca} python3 -c \"import urllib.request as u;print(u.urlopen('https://target.test:8443/p2').read().decode(),end='')\"",
+        }
+        for name, cmd in checks.items():
+            result = sb.commands.run(cmd, timeout=30)
+            assert result.exit_code == 0, (name, result)
+            assert result.stdout.startswith("hello from target"), (name, result.stdout)
+        paths = {h["path"] for h in net.hits()}
+        assert {"/c1", "/c2", "/c3", "/c4", "/p1", "/p2", "/r1", "/r2"} <= paths
+        clone = sb.commands.run("git clone -q http://target.test:8080/git/repo.git /tmp/repo && cat /tmp/repo/README",
+                                timeout=60)
+        assert clone.exit_code == 0, clone
+        assert clone.stdout == "cloned through the egress proxy\n"
+        assert sb.network.audit() == []
+        fetch = ("node -e \"fetch(process.argv[1]).then(r=>r.text()).then(t=>process.stdout.write(t),"
+                 "e=>{console.error(String(e.cause||e));process.exit(3)})\" ")
+        for url in ("http://target.test:8080/n1", "https://target.test:8443/n2"):
+            node = sb.commands.run(f"NODE_EXTRA_CA_CERTS=/tmp/testca.pem {fetch} {url}", timeout=30)
+            assert node.stdout.startswith("hello from target"), (url, node)
+        refused = sb.commands.run(f"{fetch} http://{METADATA}:{net.metadata_port}/n3", timeout=30)
+        assert refused.exit_code == 3 and "403" in refused.stderr, refused
+        assert [e.rule for e in sb.network.audit()] == ["link-local"]
+
+
+def test_everything_else_is_refused_and_audited(net: TargetNet) -> None:
+    # control: from the host, without the proxy, every target answers
+    for url in (f"http://{METADATA}:{net.metadata_port}/control", f"http://{net.other}:8080/control",
+                f"http://127.0.0.1:{net.loopback_port}/control"):
+        assert urllib.request.urlopen(url, timeout=5).status == 200
+    before = len(net.hits("metadata")), len(net.hits("other")), len(net.loopback_hits)
+    port = net.metadata_port
+    allow = ["target.test", "metadata.test", "rebind.test", "loop.test", "other.test", "*.anything.example",
+             f"{METADATA}", f"{net.other}", "127.0.0.1", f"{net.host_side}", f"{net.target}:8080"]
+    with Sandbox.create(allow=allow, unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        refused = {
+            f"http://{METADATA}:{port}/ip": "link-local",
+            f"http://metadata.test:{port}/name": "link-local",
+            f"http://2852039166:{port}/decimal": "link-local",
+            f"http://0xa9fea9fe:{port}/hex": "link-local",
+            f"http://0251.0376.0251.0376:{port}/octal": "link-local",
+            f"http://169.254.43518:{port}/short": "link-local",
+            f"http://[::ffff:169.254.169.254]:{port}/mapped": "link-local",
+            f"http://[::ffff:a9fe:a9fe]:{port}/mapped-hex": "link-local",
+            f"http://{net.other}:8080/rfc1918": "rfc1918",
+            "http://other.test:8080/rfc1918-name": "rfc1918",
+            f"http://loop.test:{net.loopback_port}/loopback": "loopback",
+            f"http://{net.host_side}:8080/host-side": "rfc1918",
+            f"http://{net.target}:9/port-not-listed": "not-allowed",
+            "http://unlisted.test/": "not-allowed",
+        }
+        for url, rule in refused.items():
+            result = sb.commands.run(f"curl -sS -w ' %{{http_code}}' '{url}'", timeout=30)
+            assert result.stdout.endswith(f"refused by rule {rule}\n 403"), (url, result)
+        # https through CONNECT and SOCKS5 are refused the same way
+        assert sb.commands.run(f"curl -sS -k https://{METADATA}:{port}/").exit_code != 0
+        socks = "curl -sS --proxy socks5h://127.0.0.1:3128"
+        assert sb.commands.run(f"{socks} http://metadata.test:{port}/").exit_code != 0
+        assert sb.commands.run(f"curl -sS --proxy socks5://127.0.0.1:3128 http://{net.other}:8080/").exit_code != 0
+        # DNS rebinding: the first answer is the target, the second the metadata address
+        first = sb.commands.run("curl -sS http://rebind.test:8080/rebind-1")
+        assert first.stdout == "hello from target\n", first
+        second = sb.commands.run(f"curl -sS -o /dev/null -w '%{{http_code}}' http://rebind.test:{port}/rebind-2")
+        assert second.stdout == "403"
+        # raw sockets, UDP and ICMP around the proxy fail: there is no interface to leave by
+        raw = sb.commands.run(
+            "python3 - <<'EOF'\n"
+            "import socket\n"
+            "def attempt(make, what):\n"
+            "    try:\n"
+            "        make()\n"
+            "        print(what, 'OPEN')\n"
+            "    except OSError as e:\n"
+            "        print(what, 'failed', e.errno)\n"
+            f"attempt(lambda: socket.create_connection(('{net.target}', 8080), timeout=3), 'tcp-target')\n"
+            f"attempt(lambda: socket.create_connection(('{METADATA}', {port}), timeout=3), 'tcp-metadata')\n"
+            "udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"attempt(lambda: udp.sendto(b'x', ('{net.target}', 53)), 'udp')\n"
+            "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP), 'icmp-raw')\n"
+            "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP), 'icmp-ping')\n"
+            "EOF", timeout=30)
+        assert raw.exit_code == 0, raw
+        assert "OPEN" not in raw.stdout and raw.stdout.count("failed") == 5, raw.stdout
+        events = sb.network.audit()
+    assert len(net.hits("metadata")) == before[0], net.hits("metadata")
+    assert len(net.hits("other")) == before[1]
+    assert len(net.loopback_hits) == before[2]
+    assert [h["path"] for h in net.hits("target") if h["path"].startswith("/rebind")] == ["/rebind-1"]
+    by_path = {e.destination: e for e in events}
+    assert all(e.kind == "refused" and e.sandbox_id == sb.id for e in events)
+    assert by_path[f"169.254.169.254:{port}"].rule == "link-local"
+    assert by_path[f"metadata.test:{port}"].address == METADATA
+    assert by_path[f"rebind.test:{port}"].address == METADATA
+    assert by_path["unlisted.test:80"].rule == "not-allowed"
+    assert {e.protocol for e in events} >= {"http", "http-connect", "socks5"}
+    rules = {e.rule for e in events}
+    assert {"link-local", "rfc1918", "loopback", "not-allowed"} <= rules
+
+
+def test_unsafe_range_reenables_exactly_that_range(net: TargetNet) -> None:
+    port = net.metadata_port
+    with Sandbox.create(allow=[METADATA, net.other], unsafe_allow_ranges=[f"{METADATA}/32"]) as sb:
+        ok = sb.commands.run(f"curl -fsS http://{METADATA}:{port}/reenabled")
+        assert ok.stdout == "hello from metadata\n", ok
+        still = sb.commands.run(f"curl -sS -o /dev/null -w '%{{http_code}}' http://{net.other}:8080/")
+        assert still.stdout == "403"
+
+
+def test_network_none_has_only_loopback(net: TargetNet) -> None:
+    with Sandbox.create() as sb:
+        result = sb.commands.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '; env | grep -ci proxy")
+        assert result.stdout.split() == ["lo", "0"]
+        raw = sb.commands.run(f"curl -sS -m 3 http://{net.target}:8080/none; "
+                              f"python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
+                              f".sendto(b'x', ('{net.target}', 53))\"")
+        assert "Network is unreachable" in raw.stderr and raw.exit_code != 0, raw
+        assert sb.network.audit() == []
+    assert not [h for h in net.hits() if h["path"] == "/none"]
+
+
+CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main(sys.argv[1:]))"]
+SECRET = "sk-live-0123456789abcdef-REAL"
+
+
+def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> None:
+    with Sandbox.create(allow=["target.test", "other.test"], secrets=["API_TOKEN@target.test"],
+                        unsafe_allow_ranges=[f"{net.target}/32", f"{net.other}/32"],
+                        secret_values={"API_TOKEN": SECRET}) as sb:
+        placeholder = sb.network.env["API_TOKEN"]
+        assert placeholder != SECRET and SECRET not in placeholder
+        inside = sb.commands.run("echo $API_TOKEN")
+        assert inside.stdout.strip() == placeholder
+        auth = '-H "Authorization: Bearer $API_TOKEN"'
+        for cmd in (f"curl -fsS {auth} http://target.test:8080/s-http",
+                    f"curl -fsS {auth} https://target.test:8443/s-https",  # intercepted: trusts the sandbox CA
+                    "python3 -c \"import os,urllib.request as u;r=u.Request('https://target.test:8443/s-py',"
+                    "headers={'X-Key': os.environ['API_TOKEN']});print(u.urlopen(r).read().decode(),end='')\"",
+                    "python3 -c \"import os,requests;print(requests.get('https://target.test:8443/s-req',"
+                    "headers={'X-Key': os.environ['API_TOKEN']}).text)\"",
+                    "node -e \"fetch('https://target.test:8443/s-node',{headers:{'X-Key':process.env.API_TOKEN}})"
+                    ".then(r=>r.text()).then(t=>process.stdout.write(t))\"",
+                    "node -e \"fetch('http://target.test:8080/s-node-http',{headers:{'X-Key':process.env.API_TOKEN}})"
+                    ".then(r=>r.text()).then(t=>process.stdout.write(t))\"",
+                    f"curl -fsS {auth} http://other.test:8080/s-other"):
+            result = sb.commands.run(cmd, timeout=30)
+            assert result.exit_code == 0, (cmd, result)
+        got = {h["path"]: h["headers"] for h in net.hits()}
+        assert got["/s-http"]["Authorization"] == f"Bearer {SECRET}"
+        assert got["/s-https"]["Authorization"] == f"Bearer {SECRET}"
+        assert got["/s-py"]["X-Key"] == SECRET
+        assert got["/s-req"]["X-Key"] == SECRET
+        assert got["/s-node"]["X-Key"] == got["/s-node-http"]["X-Key"] == SECRET
+        assert got["/s-other"]["Authorization"] == f"Bearer {placeholder}"
+        # git trusts the sandbox CA through GIT_SSL_CAINFO (the intercepted tunnel to a bound host)
+        ls_remote = sb.commands.run("git ls-remote https://target.test:8443/git/repo.git", timeout=60)
+        assert ls_remote.exit_code == 0 and "refs/heads/main" in ls_remote.stdout, ls_remote
+        # a bound host echoing the value back cannot put it in the sandbox: the proxy masks it in responses
+        for url in ("http://target.test:8080/echo", "https://target.test:8443/echo"):
+            echo = sb._tier_sandbox().start(sb.commands._request(
+                f'curl -fsS -H "X-Key: $API_TOKEN" {url}', 30, None, None), lambda _s, _c: None).wait()
+            assert echo.stdout == f"you sent {'*' * len(SECRET)}\n", (url, echo)
+        assert [h["headers"]["X-Key"] for h in net.hits() if h["path"] == "/echo"] == [SECRET, SECRET]
+        withheld = [e for e in sb.network.audit() if e.kind == "secret-withheld"]
+        assert [e.destination for e in withheld] == ["other.test:8080"]
+        # the CA key never enters the sandbox; the real value is nowhere inside
+        dump = "env; cat /proc/1/environ /etc/ssl/certs/ca-certificates.crt /.corral/egress-ca.crt; ls -la /.corral"
+        raw = b""
+        handle = sb._tier_sandbox().start(sb.commands._request(dump, 30, None, None),
+                                          lambda _s, chunk: None)
+        raw_result = handle.wait()
+        raw = (raw_result.stdout + raw_result.stderr).encode()
+        assert SECRET.encode() not in raw and b"PRIVATE KEY" not in raw
+        assert b"BEGIN CERTIFICATE" in raw
+        # a real value that does show up (here, planted by the caller) is redacted on the way out
+        sb.files.write("leak.txt", f"token={SECRET}\n")
+        assert sb.files.read("leak.txt") == "token=[REDACTED:API_TOKEN]\n"
+        streamed: list[str] = []
+        shown = sb.commands.run("cat leak.txt; cat leak.txt >&2", on_stdout=streamed.append)
+        assert shown.stdout == shown.stderr == "token=[REDACTED:API_TOKEN]\n"
+        assert SECRET not in "".join(streamed)
+
+
+def test_secret_values_come_from_env_or_file_never_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from corral.errors import InvalidSpec
+    from corral.secrets import SecretBinding, materialize
+
+    with pytest.raises(InvalidSpec, match="never from the command line"):
+        SecretBinding.parse("TOKEN=abc@host")
+    with pytest.raises(InvalidSpec, match="no value found"):
+        materialize([SecretBinding("CORRAL_TEST_ABSENT", ("h",))])
+    monkeypatch.setenv("CORRAL_TEST_TOKEN", "from-env-value")
+    secrets_file = tmp_path / "secrets"
+    secrets_file.write_text("# comment\nOTHER=from-file-value\n")
+    secrets_file.chmod(0o600)
+    got = materialize([SecretBinding.parse("CORRAL_TEST_TOKEN@a.example"), SecretBinding.parse("OTHER@b.example")],
+                      secrets_file=secrets_file)
+    assert [s.value for s in got] == ["from-env-value", "from-file-value"]
+    assert got[0].placeholder != materialize([got[0].binding])[0].placeholder  # fresh per sandbox
+    secrets_file.chmod(0o644)
+    with pytest.raises(InvalidSpec, match="world-readable"):
+        materialize([], secrets_file=secrets_file)
+
+
+def test_cli_allow_secret_and_audit(net: TargetNet) -> None:
+    import os
+    import subprocess
+
+    port = net.metadata_port
+    script = (f"curl -fsS -H \"X-Key: $CLI_TOKEN\" http://{net.target}:8080/cli-ok; "
+              f"curl -sS http://{METADATA}:{port}/cli-refused; echo token=$CLI_TOKEN")
+    proc = subprocess.run(
+        [*CLI, "run", "--allow", f"{net.target}:8080",
+         "--unsafe-allow-range", f"{net.target}/32", "--secret", f"CLI_TOKEN@{net.target}", "--audit",
+         "--", "sh", "-c", script],
+        env={**os.environ, "CLI_TOKEN": "cli-secret-value-42"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "hello from target" in proc.stdout
+    assert "token=corral-placeholder-" in proc.stdout and "cli-secret-value-42" not in proc.stdout
+    assert [h["headers"]["X-Key"] for h in net.hits() if h["path"] == "/cli-ok"] == ["cli-secret-value-42"]
+    audit = [line for line in proc.stderr.splitlines() if line.startswith("corral audit:")]
+    assert len(audit) == 1 and f"{METADATA}:{port}" in audit[0] and "rule=link-local" in audit[0], proc.stderr
+    bad = subprocess.run([*CLI, "run", "--secret", "X=1@h", "--", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 125 and "never from the command line" in bad.stderr
+
+
+@pytest.fixture
+def forwarding() -> Iterator[Path]:
+    """Open mode needs IPv4 forwarding; switch it on for the test only and put it back."""
+    sysctl = Path("/proc/sys/net/ipv4/ip_forward")
+    before = sysctl.read_text().strip()
+    try:
+        yield sysctl
+    finally:
+        sysctl.write_text(before)
+
+
+def _leftovers(sandbox_id: str) -> list[str]:
+    from corral.egress.open_net import OpenNames
+    from corral.host import netns
+
+    names = OpenNames.for_sandbox(sandbox_id)
+    found = []
+    if netns.netns_exists(names.netns):
+        found.append(names.netns)
+    if netns.link_exists(names.host_if):
+        found.append(names.host_if)
+    if netns.nft_table_exists("inet", names.table):
+        found.append(names.table)
+    return found
+
+
+def test_open_mode_nat_with_ssrf_ranges_refused(net: TargetNet, forwarding: Path) -> None:
+    from corral.errors import HostNotSupported
+
+    forwarding.write_text("0")
+    with pytest.raises(HostNotSupported, match="ip_forward"):
+        Sandbox.create(network="open")
+    forwarding.write_text("1")
+    with Sandbox.create(network="open", unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        links = sb.commands.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").stdout.split()
+        assert links[0] == "lo" and links[1].startswith("crl") and len(links) == 2
+        ok = sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/open-ok")
+        assert ok.stdout == "hello from target\n", ok
+        for url in (f"http://{net.other}:8080/open-refused", f"http://{METADATA}:{net.metadata_port}/open-refused",
+                    f"http://{net.host_side}:{net.loopback_port}/open-refused"):
+            refused = sb.commands.run(f"curl -sS -m 5 {url}")
+            assert refused.exit_code == 7, (url, refused)  # rejected at once, not timed out
+        rules = {e.rule for e in sb.network.audit()}
+        assert {"rfc1918", "link-local", "host-address"} <= rules
+        assert not [h for h in net.hits() if h["path"] == "/open-refused"]
+        assert len(_leftovers(sb.id)) == 3
+    assert _leftovers(sb.id) == []
+
+
+def test_nothing_survives_kill_9_of_the_owner_and_gc(net: TargetNet, forwarding: Path, state_dir: Path) -> None:
+    import os
+    import signal
+    import subprocess
+
+    from corral.registry import gc
+
+    forwarding.write_text("1")
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom corral import Sandbox\n"
+         "a = Sandbox.create(network='open')\n"
+         f"b = Sandbox.create(allow=['{net.target}:8080'], unsafe_allow_ranges=['{net.target}/32'])\n"
+         "assert b.commands.run('curl -fsS http://%s:8080/kill9' % sys.argv[1]).exit_code == 0\n"
+         "print(a.id, b.id, flush=True)\ntime.sleep(600)\n", net.target],
+        stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    ids = owner.stdout.readline().split()
+    assert len(ids) == 2, ids
+    assert len(_leftovers(ids[0])) == 3
+    assert (state_dir / "sandboxes" / ids[1] / "egress" / "proxy.sock").exists()
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    reaped = gc(state_dir)
+    assert set(ids) <= set(reaped)
+    assert _leftovers(ids[0]) == []
+    assert not (state_dir / "sandboxes" / ids[1]).exists()
+
+
+def test_streamed_output_is_redacted_across_chunk_boundaries() -> None:
+    from corral.secrets import Redactor, SecretBinding, StreamRedactor, materialize
+
+    secret = materialize([SecretBinding("TOKEN", ("h.example",))], {"TOKEN": "abcdef123456"})
+    out: list[tuple[str, bytes]] = []
+    stream = StreamRedactor(Redactor(secret), lambda name, data: out.append((name, data)))
+    for chunk in (b"x=abc", b"def12", b"3456 and a", b"bc", b" end ab"):
+        stream.feed("stdout", chunk)
+    stream.feed("stderr", b"abcdef")
+    stream.flush()
+    stdout = b"".join(d for n, d in out if n == "stdout")
+    assert stdout == b"x=[REDACTED:TOKEN] and abc end ab"
+    assert b"".join(d for n, d in out if n == "stderr") == b"abcdef"
+    assert out[0] == ("stdout", b"x=")  # "abc" was held back: it could have begun the value
+    assert all(b"abc" not in d for n, d in out[:2] if n == "stdout")

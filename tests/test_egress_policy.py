@@ -1,0 +1,115 @@
+"""The egress policy and spec validation, without sandboxes (fast)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from corral.egress.policy import HostAddresses, Policy
+from corral.errors import InvalidSpec
+from corral.netrules import AllowRule, parse_ip, parse_range
+from corral.sandbox import build_spec
+from corral.spec import SandboxSpec
+
+
+class FixedHostAddresses(HostAddresses):
+    def __init__(self, *addresses: str) -> None:
+        super().__init__()
+        self._fixed = frozenset(ipaddress.ip_address(a) for a in addresses)
+
+    def current(self) -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+        return self._fixed
+
+
+def policy(allow: list[str], unsafe: list[str] = (), answers: dict[str, list[str]] | None = None,
+           host: tuple[str, ...] = ()) -> tuple[Policy, list[str]]:
+    asked: list[str] = []
+
+    def resolve(name: str) -> list[str]:
+        asked.append(name)
+        return (answers or {}).get(name, [])
+
+    return Policy([AllowRule.parse(a) for a in allow], [parse_range(u) for u in unsafe], resolve,
+                  FixedHostAddresses(*host)), asked
+
+
+@pytest.mark.parametrize("spelling", ["169.254.169.254", "2852039166", "0xa9fea9fe", "0251.0376.0251.0376",
+                                      "169.254.43518", "0xa9.0xfe.0xa9.0xfe", "[::ffff:169.254.169.254]",
+                                      "::ffff:a9fe:a9fe", "169.254.169.254.", "64:ff9b::a9fe:a9fe",
+                                      "2002:a9fe:a9fe::1"])
+def test_every_spelling_of_the_metadata_address_is_normalized_and_refused(spelling: str) -> None:
+    assert str(parse_ip(spelling)) == "169.254.169.254"
+    decision = policy(["0.0.0.0/0", "::/0"])[0].decide(spelling, 80)
+    assert not decision.allowed and decision.rule == "link-local" and decision.address == "169.254.169.254"
+
+
+@pytest.mark.parametrize("address,rule", [
+    ("127.0.0.1", "loopback"), ("0.0.0.0", "this-network"), ("10.1.2.3", "rfc1918"), ("172.16.0.1", "rfc1918"),
+    ("192.168.1.1", "rfc1918"), ("100.64.0.1", "cgnat"), ("224.0.0.1", "multicast"), ("240.0.0.1", "reserved"),
+    ("255.255.255.255", "reserved"), ("::1", "loopback"), ("fd00:ec2::254", "ipv6-ula"), ("fe80::1", "ipv6-link-local"),
+    ("::ffff:10.0.0.1", "rfc1918"), ("ff02::1", "multicast"), ("::", "unspecified"),
+])
+def test_refused_ranges_hold_whatever_the_allowlist_says(address: str, rule: str) -> None:
+    decision = policy(["0.0.0.0/0", "::/0"])[0].decide(address, 443)
+    assert (decision.allowed, decision.rule) == (False, rule)
+
+
+def test_public_addresses_pass_and_host_addresses_do_not() -> None:
+    p, _ = policy(["0.0.0.0/0", "::/0"], host=("93.184.216.34",))
+    assert p.decide("1.1.1.1", 443).allowed
+    assert p.decide("2606:4700::1111", 443).allowed
+    assert p.decide("93.184.216.34", 443).rule == "host-address"
+
+
+def test_unsafe_range_reenables_only_that_range() -> None:
+    p, _ = policy(["10.0.0.0/8"], unsafe=["10.9.0.0/16"])
+    assert p.decide("10.9.1.1", 80).allowed
+    assert p.decide("10.8.1.1", 80).rule == "rfc1918"
+
+
+def test_names_resolve_once_and_the_checked_address_is_returned() -> None:
+    p, asked = policy(["api.example.com", "*.cdn.example.com"], answers={
+        "api.example.com": ["169.254.169.254", "93.184.216.34"], "x.cdn.example.com": ["10.0.0.1"]})
+    decision = p.decide("API.example.com.", 443)
+    assert (decision.allowed, decision.address) == (True, "93.184.216.34")
+    assert p.decide("x.cdn.example.com", 443).rule == "rfc1918"
+    assert asked == ["api.example.com", "x.cdn.example.com"]
+    assert p.decide("unlisted.example.org", 443).rule == "not-allowed"
+    assert p.decide("cdn.example.com", 443).rule == "not-allowed"  # the wildcard needs a label
+    assert asked == ["api.example.com", "x.cdn.example.com"]  # unlisted names are never looked up
+
+
+def test_ports_and_ip_rules() -> None:
+    p, _ = policy(["api.example.com:443", "93.184.216.0/24", "[2606:4700::1111]:53"],
+                  answers={"api.example.com": ["93.184.216.34"]})
+    assert p.decide("api.example.com", 443).allowed
+    assert p.decide("api.example.com", 80).allowed  # the CIDR rule covers its address on any port
+    assert p.decide("93.184.217.1", 80).rule == "not-allowed"
+    assert p.decide("2606:4700::1111", 53).allowed
+    assert p.decide("2606:4700::1111", 54).rule == "not-allowed"
+    assert p.decide("api.example.com", 0).rule == "bad-port"
+
+
+@pytest.mark.parametrize("bad", ["", "http://x.example", "a b", "*.", "x.example:99999", "10.0.0.0/33", "[::1"])
+def test_bad_allow_entries_are_rejected_by_name(bad: str) -> None:
+    with pytest.raises(InvalidSpec, match="allow"):
+        AllowRule.parse(bad)
+
+
+def test_spec_network_fields() -> None:
+    spec = build_spec(allow=["api.example.com"], secrets=["TOKEN@api.example.com"])
+    assert spec.network == "allow" and spec.secrets[0].hosts == ("api.example.com",)
+    assert SandboxSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(InvalidSpec, match="needs network='allow'"):
+        SandboxSpec(network="none", allow=("x.example",))
+    with pytest.raises(InvalidSpec, match="use network='allow'"):
+        SandboxSpec(network="open", secrets=("T@x.example",))
+    with pytest.raises(InvalidSpec, match="unsafe allow range"):
+        SandboxSpec(network="allow", unsafe_allow_ranges=("10.0.0.0/99",))
+    with pytest.raises(InvalidSpec, match="given twice"):
+        SandboxSpec(network="allow", secrets=("T@x.example",), env={"T": "1"})
+    with pytest.raises(InvalidSpec, match="expected a list"):
+        SandboxSpec(network="allow", allow="x.example")  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec, match="network 'wide'"):
+        SandboxSpec(network="wide")

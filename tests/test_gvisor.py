@@ -1,0 +1,265 @@
+"""What only the gVisor tier promises: gVisor's kernel answers the syscalls, no
+part of the sandbox is host root, commands' trees die on timeout, network is
+off, and neither a clean teardown nor an owner's kill -9 leaves runsc behind.
+
+Cost: ~10 sandboxes at ~0.5 s each on a loaded 2-core machine, ~15 s in all.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import HostNotSupported, InvalidSpec
+from corral.tiers.gvisor import GVisorTier
+from corral.tiers.gvisor_platform import PLATFORM_ENV, choose_platform, runsc_binary
+
+from .leaks import sandbox_leftovers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gvisor_available(state_dir: Path) -> None:
+    availability = GVisorTier.probe(state_dir)
+    if not availability.available:
+        pytest.skip(f"tier gvisor unavailable: {availability.reason}")
+
+
+@pytest.fixture
+def sb() -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(tier="gvisor", memory="256M")
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Host pids whose command line mentions ``text`` (runsc's carry the sandbox id)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def test_syscalls_are_answered_by_gvisor_not_the_host_kernel(sb: Sandbox) -> None:
+    uname = sb.commands.run(["uname", "-r"])
+    assert uname.exit_code == 0
+    assert uname.stdout.strip() != os.uname().release
+    # gVisor's kernel log is its own boot banner, not the host's ring buffer
+    dmesg = sb.commands.run(["dmesg"])
+    assert "Starting gVisor" in dmesg.stdout, dmesg
+    host_log = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
+    assert "Starting gVisor" not in host_log
+    assert os.uname().release not in sb.commands.run(["cat", "/proc/version"]).stdout
+
+
+def test_no_part_of_the_sandbox_runs_as_host_root(sb: Sandbox) -> None:
+    assert sb.commands.run(["id", "-u"]).stdout.strip() == "1000"
+    pids = _processes_naming(sb.id)
+    assert pids, "the Sentry and gofer carry the sandbox id on their command line"
+    for pid in pids:
+        uids = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[:4]
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        if name == "runsc":
+            continue  # the launcher itself exited after `run --detach`; only a zombie could be here
+        assert "0" not in uids, f"{name} ({pid}) runs with a host root uid: {uids}"
+    # what the sandbox writes belongs to its own unprivileged host uid
+    sb.commands.run(["sh", "-c", "echo x > /workspace/owned"])
+    run_dir = Path(os.environ["CORRAL_STATE_DIR"]) / "sandboxes" / sb.id
+    owner = (run_dir / "disk" / "ws" / "owned").stat().st_uid
+    assert owner not in (0, 1000) and owner >= 2_000_000_000, owner
+    # the image's files are not the sandbox's: writing them is denied, reading works
+    denied = sb.commands.run(["sh", "-c", "echo x > /usr/bin/corral-test"])
+    assert denied.exit_code != 0
+    assert sb.commands.run(["sh", "-c", "echo ok > /tmp/f && cat /tmp/f"]).stdout == "ok\n"
+
+
+def test_timeout_kills_the_command_and_its_children(sb: Sandbox) -> None:
+    r = sb.commands.run(["sh", "-c", "sleep 300 & sleep 301 & wait"], timeout=1)
+    assert r.timed_out and r.exit_code == 124
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        ps = sb.commands.run(["ps", "-eo", "args"]).stdout
+        if "sleep 30" not in ps:
+            break
+        time.sleep(0.1)
+    assert "sleep 300" not in ps and "sleep 301" not in ps, ps
+
+
+def test_signals_reach_the_command(sb: Sandbox) -> None:
+    handle = sb.commands.start(["python3", "-c", "import time; print('up', flush=True); time.sleep(60)"], timeout=30)
+    time.sleep(0.5)
+    handle.send_signal(signal.SIGTERM)
+    result = handle.wait()
+    assert result.signal == signal.SIGTERM and not result.timed_out
+
+
+def test_commands_can_run_on_a_terminal(sb: Sandbox) -> None:
+    out: list[bytes] = []
+    handle = sb.commands.start("tty; stty size; read line; stty size", pty=(40, 100),
+                               on_output=lambda _s, c: out.append(c))
+    time.sleep(0.5)
+    handle.resize(30, 90)
+    handle.send_stdin("go\n")
+    assert handle.wait().exit_code == 0
+    text = b"".join(out).decode()
+    assert "/dev/pts/" in text and "40 100" in text and "30 90" in text
+
+
+def test_memory_overruns_kill_the_command_not_the_sandbox(sb: Sandbox) -> None:
+    # one big block, many small ones, a bytes literal: each must be OOM-killed
+    # with the Sentry left alive (unguarded, the kernel kills the Sentry, or the
+    # Sentry's Go runtime dies of ENOMEM creating a thread at the limit)
+    hogs = ["x = bytearray(1 << 30)", "x = [bytearray(1 << 20) for _ in range(2000)]", "x = b'a' * (400 << 20)"]
+    for code in hogs * 2:
+        hog = sb.commands.run(["python3", "-c", code + "; print('allocated')"], timeout=60)
+        assert hog.oom_killed and hog.exit_code == 137 and "allocated" not in hog.stdout, (code, hog)
+    small = sb.commands.run(["python3", "-c", "x = bytearray(128 << 20); print('fits')"])
+    assert small.stdout == "fits\n" and not small.oom_killed
+
+
+def test_task_limit_is_enforced_inside_gvisor_and_the_sandbox_survives() -> None:
+    with Sandbox.create(tier="gvisor", pids=32) as sb:
+        bomb = sb.commands.run(["sh", "-c", "for i in $(seq 100); do sleep 30 & done; wait"], timeout=20)
+        assert bomb.exit_code != 0 and "fork" in bomb.stderr.lower(), bomb
+        assert sb.commands.run(["echo", "alive"]).stdout == "alive\n"
+
+
+def test_disk_limit_covers_tmp_too() -> None:
+    # runsc would otherwise put /tmp on a tmpfs of its own, outside the disk limit
+    with Sandbox.create(tier="gvisor", disk="8M") as sb:
+        for path in ("/tmp/big", "/home/user/big"):
+            r = sb.commands.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=20"])
+            assert r.exit_code != 0 and "No space left" in r.stderr, (path, r)
+            sb.commands.run(["rm", "-f", path])
+        assert sb.commands.run(["sh", "-c", "echo small > /tmp/ok && cat /tmp/ok"]).stdout == "small\n"
+
+
+def test_too_little_memory_for_gvisor_is_a_typed_error() -> None:
+    with pytest.raises(InvalidSpec, match="at least 32M"):
+        Sandbox.create(tier="gvisor", memory="16M")
+    with Sandbox.create(tier="gvisor", memory="32M") as sb:
+        assert sb.commands.run(["python3", "-c", "print('fits')"]).stdout == "fits\n"
+
+
+def test_network_is_off_but_loopback_inside_works(sb: Sandbox) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        outside = sb.commands.run(["python3", "-c", (
+            "import socket\n"
+            f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2); print('reached')\n"
+            "except OSError as e:\n    print('denied', e)\n"
+        )])
+    finally:
+        server.close()
+    assert "reached" not in outside.stdout and "denied" in outside.stdout
+    inside = sb.commands.run(["python3", "-c", (
+        "import socket\n"
+        "s = socket.create_server(('127.0.0.1', 0))\n"
+        "c = socket.create_connection(s.getsockname(), timeout=2)\n"
+        "print('loopback ok')\n"
+    )])
+    assert inside.stdout == "loopback ok\n", inside
+    interfaces = sb.commands.run(["cat", "/proc/net/dev"]).stdout
+    assert "eth" not in interfaces and "veth" not in interfaces
+
+
+def test_teardown_leaves_no_runsc_state(state_dir: Path) -> None:
+    sandbox = Sandbox.create(tier="gvisor")
+    sandbox.commands.run(["true"])
+    sandbox_id = sandbox.id
+    run_dir = state_dir / "sandboxes" / sandbox_id
+    assert (run_dir / "runsc").is_dir(), "runsc's --root lives in the sandbox's run dir"
+    sandbox.kill()
+    assert not run_dir.exists()
+    assert _processes_naming(sandbox_id) == []
+    assert sandbox_leftovers(sandbox_id, state_dir) == []
+    # its reserved host uid is released (other tiers may hold uids of their own: wasm spares)
+    assert not any(p.read_text() == sandbox_id for p in (state_dir / "uids").iterdir())
+
+
+def test_owner_killed_then_gc_leaves_nothing(state_dir: Path) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from corral import Sandbox\n"
+            "sb = Sandbox.create(tier='gvisor')\n"
+            "sb.commands.run(['sh', '-c', 'sleep 600 &'])\n"
+            "print(sb.id, flush=True)\n"
+            "time.sleep(600)\n"
+        )],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )
+    try:
+        assert owner.stdout is not None
+        sandbox_id = owner.stdout.readline().strip()
+        assert sandbox_id.startswith("sb-"), sandbox_id
+        assert _processes_naming(sandbox_id)
+    finally:
+        owner.kill()  # SIGKILL: no cleanup code of the owner runs
+        owner.wait()
+    corral = Path(sys.executable).with_name("corral")
+    gc = subprocess.run([str(corral), "gc"], capture_output=True, text=True, env=os.environ.copy())
+    assert gc.returncode == 0, gc.stderr
+    assert sandbox_id in gc.stdout
+    assert sandbox_leftovers(sandbox_id, state_dir) == []
+    assert _processes_naming(sandbox_id) == []
+
+
+def test_platform_probe_is_cached_and_a_bad_choice_is_refused(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runsc = runsc_binary()
+    first = choose_platform(runsc, state_dir)
+    assert first.name in ("systrap", "ptrace", "kvm")
+    start = time.monotonic()
+    assert choose_platform(runsc, state_dir) == first
+    assert time.monotonic() - start < 0.1, "the second choice comes from the cache"
+    monkeypatch.setenv(PLATFORM_ENV, "bogus")
+    with pytest.raises(HostNotSupported, match="bogus"):
+        choose_platform(runsc, state_dir)
+    assert not GVisorTier.probe(state_dir).available
+
+
+def test_an_old_runsc_is_refused_with_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Debian bookworm's own runsc: its statx breaks `ls`; the probe must say so and how to fix it
+    old = tmp_path / "runsc"
+    old.write_text("#!/bin/sh\necho 'runsc version 0.0~20221219.0'\necho 'spec: 1.0.2-dev'\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(HostNotSupported, match=r"too old.*bookworm-backports"):
+        runsc_binary()
+    availability = GVisorTier.probe(tmp_path)
+    assert not availability.available and "make install" in availability.fix
+
+
+def test_a_platform_that_hangs_is_given_up_on_and_cleaned_up(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # on this host --platform=kvm hangs (PVM-style KVM): the probe's deadline must end it
+    # and leave no process or cgroup behind; on a host where kvm works it is simply chosen
+    from corral.host import cgroups
+
+    monkeypatch.setenv(PLATFORM_ENV, "kvm")
+    start = time.monotonic()
+    try:
+        assert choose_platform(runsc_binary(), state_dir).name == "kvm"
+    except HostNotSupported as exc:
+        assert "kvm" in str(exc)
+    assert time.monotonic() - start < 8
+    assert not any(name.startswith("gvisor-probe-") for name in cgroups.list_sandbox_groups())
+    assert _processes_naming("gvisor-probe-") == []

@@ -1,0 +1,289 @@
+"""The process tier's walls, each checked in both directions on the real kernel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+
+PY = "/usr/bin/python3"
+
+
+def syscall_errno(sb: Sandbox, expr: str) -> str:
+    """Run a ctypes syscall expression inside the sandbox; print 'ok' or the errno name."""
+    code = (
+        "import ctypes, errno, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"r = {expr}\n"
+        "print('ok' if r >= 0 else errno.errorcode[ctypes.get_errno()])\n"
+    )
+    result = sb.commands.run([PY, "-c", code])
+    assert result.exit_code == 0, result
+    return result.stdout.strip()
+
+
+def test_runs_as_unprivileged_user_with_no_capabilities(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run("id -u; grep -E '^(CapEff|CapPrm|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status")
+    lines = r.stdout.split()
+    assert lines[0] == "1000"
+    status = dict(zip(lines[1::2], lines[2::2], strict=True))
+    assert status["CapEff:"] == status["CapPrm:"] == status["CapBnd:"] == "0000000000000000"
+    assert status["NoNewPrivs:"] == "1"
+    assert status["Seccomp:"] == "2"
+
+
+def test_host_uid_outside_is_unprivileged(sandbox: Sandbox) -> None:
+    marker = "sleep\x0031.4159"
+    handle = sandbox.commands.start("exec sleep 31.4159")
+    try:
+        deadline = time.monotonic() + 5
+        uids: list[int] = []
+        while not uids and time.monotonic() < deadline:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(marker.encode()):
+                        uids.append(os.stat(f"/proc/{pid}").st_uid)
+                except OSError:
+                    continue
+            time.sleep(0.05)
+        assert uids and all(uid >= 2_000_000_000 for uid in uids), uids
+    finally:
+        handle.kill()
+        handle.wait()
+
+
+def test_denied_syscalls_fail_and_ordinary_ones_work(sandbox: Sandbox) -> None:
+    # allowed: ordinary process and file work
+    assert syscall_errno(sandbox, "libc.getpid()") == "ok"
+    assert syscall_errno(sandbox, "os.fork() if False else 0") == "ok"
+    assert sandbox.commands.run("sh -c 'echo child' && (sleep 0.1 &) && echo parent").exit_code == 0
+    # denied by seccomp (EPERM), whatever the namespaces would allow
+    assert syscall_errno(sandbox, "libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)") == "EPERM"
+    assert syscall_errno(sandbox, "libc.unshare(0x10000000)") == "EPERM"  # CLONE_NEWUSER
+    assert syscall_errno(sandbox, "libc.setns(0, 0)") == "EPERM"
+    assert syscall_errno(sandbox, "libc.ptrace(16, 1, 0, 0)") == "EPERM"  # PTRACE_ATTACH
+    assert syscall_errno(sandbox, "libc.syscall(321, 0, 0, 0)") == "EPERM"  # bpf
+    assert syscall_errno(sandbox, "libc.syscall(250, 0, 0, 0)") == "EPERM"  # keyctl
+    assert syscall_errno(sandbox, "libc.syscall(323, 0)") == "EPERM"  # userfaultfd
+    assert syscall_errno(sandbox, "libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)") == "EPERM"  # clone(NEWUSER)
+    assert syscall_errno(sandbox, "libc.syscall(435, 0, 0)") == "ENOSYS"  # clone3: libc falls back
+    assert sandbox.commands.run("unshare -U true").exit_code != 0
+    assert sandbox.commands.run("mount -t tmpfs none /tmp").exit_code != 0
+
+
+def test_tiocsti_is_refused_but_other_ioctls_reach_the_kernel(sandbox: Sandbox) -> None:
+    code = (
+        "import fcntl, os, termios, errno\n"
+        "r, w = os.pipe()\n"
+        "for req in (termios.TIOCSTI, termios.TIOCGWINSZ):\n"
+        "    try:\n"
+        "        fcntl.ioctl(r, req, b'x' * 8)\n"
+        "    except OSError as e:\n"
+        "        print(errno.errorcode[e.errno])\n"
+    )
+    assert sandbox.commands.run([PY, "-c", code]).stdout.split() == ["EPERM", "ENOTTY"]
+
+
+def test_host_processes_are_invisible_and_unkillable(sandbox: Sandbox) -> None:
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        r = sandbox.commands.run(f"ls /proc | grep -E '^[0-9]+$'; kill -9 {victim.pid}; echo rc=$?")
+        pids = [int(x) for x in r.stdout.split() if x.isdigit()]
+        assert max(pids) < 100, "only the sandbox's own processes are visible"
+        assert "rc=1" in r.stdout or "No such process" in r.stderr
+        assert victim.poll() is None, "the host process survived"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_host_secrets_are_not_visible(sandbox: Sandbox) -> None:
+    home_canary = Path("/root/.corral-canary")
+    home_canary.write_text("TOPSECRET-HOME")
+    os.environ["CORRAL_HOST_ONLY_SECRET"] = "TOPSECRET-ENV"
+    try:
+        r = sandbox.commands.run("cat /root/.corral-canary; env; ls -a /root /home; cat /etc/shadow; echo done")
+        assert "TOPSECRET" not in r.stdout + r.stderr
+        assert "done" in r.stdout
+        # the allowed direction: the sandbox's own home is usable
+        assert sandbox.commands.run("echo mine > ~/own && cat ~/own").stdout == "mine\n"
+    finally:
+        home_canary.unlink()
+        del os.environ["CORRAL_HOST_ONLY_SECRET"]
+
+
+def test_fork_bomb_is_held_while_the_host_keeps_spawning() -> None:
+    with Sandbox.create(pids=64) as sb:
+        bomb = sb.commands.start("bomb() { bomb | bomb & }; bomb; sleep 5", timeout=4)
+        time.sleep(1.0)
+        # the host still forks and execs freely while the bomb runs
+        for _ in range(20):
+            assert subprocess.run(["true"], timeout=5).returncode == 0
+        current = sb._tier_sandbox().cgroup.pids()  # type: ignore[attr-defined]
+        assert len(current) <= 64
+        result = bomb.wait()
+        assert result.timed_out
+        assert sb.commands.run("echo recovered").stdout == "recovered\n"
+
+
+def test_memory_bomb_is_a_typed_oom(capfd: pytest.CaptureFixture[str]) -> None:
+    from corral import OutOfMemory
+
+    with Sandbox.create(memory="64M") as sb:
+        result = sb.commands.run([PY, "-c", "b = []\nwhile True: b.append(bytearray(1 << 20))"])
+        assert result.oom_killed and result.exit_code == 137 and result.signal == 9
+        with pytest.raises(OutOfMemory):
+            sb.commands.run([PY, "-c", "x = bytearray(200 << 20)"], check=True)
+        assert sb.commands.run("echo fine").stdout == "fine\n"
+
+
+def test_timeout_kills_daemonized_children_too(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run(
+        "setsid sh -c 'sleep 1000' & nohup sleep 1001 >/dev/null 2>&1 & (sleep 1002 &) ; sleep 1003",
+        timeout=1,
+    )
+    assert r.timed_out and r.exit_code == 124
+    left = sandbox.commands.run("ps -eo args | grep -c '^sleep 100' || true").stdout.strip()
+    assert left == "0"
+
+
+def test_background_processes_survive_between_commands(sandbox: Sandbox) -> None:
+    sandbox.commands.run("nohup sleep 30 >/dev/null 2>&1 &")
+    assert "sleep 30" in sandbox.commands.run("ps -eo args").stdout
+
+
+def test_disk_limit_bounds_tmp_and_workspace(tmp_path: Path) -> None:
+    with Sandbox.create(disk="32M", workspace=str(tmp_path)) as sb:
+        r = sb.commands.run("dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1; ls -l /tmp/fill")
+        assert "No space left" in r.stdout
+        size = int(sb.commands.run("stat -c %s /tmp/fill").stdout)
+        assert size <= 32 << 20
+        sb.commands.run("rm /tmp/fill")
+        r = sb.commands.run("dd if=/dev/zero of=/workspace/fill bs=1M count=64 2>&1")
+        assert "No space left" in r.stdout
+        # the allowed direction: writes within the limit work and reach the host
+        assert sb.commands.run("rm /workspace/fill; head -c 1000000 /dev/zero > /workspace/ok").exit_code == 0
+    assert (tmp_path / "ok").stat().st_size == 1_000_000
+    assert not (tmp_path / "fill").exists()
+
+
+def test_concurrent_sandboxes_cannot_see_each_other() -> None:
+    with Sandbox.create() as a, Sandbox.create() as b:
+        a.files.write("/tmp/a-only", "secret of a")
+        a.commands.run(f"nohup {PY} -m http.server 8765 --bind 127.0.0.1 >/dev/null 2>&1 &")
+        a.commands.run(f"{PY} -c \"import socket,time\nfor _ in range(50):\n try: socket.create_connection(('127.0.0.1',8765),0.2); break\n except OSError: time.sleep(0.1)\"")
+        assert a.commands.run(f"{PY} -c \"import urllib.request;print(urllib.request.urlopen('http://127.0.0.1:8765/').status)\"").stdout.strip() == "200"
+        assert not b.files.exists("/tmp/a-only")
+        assert "http.server" not in b.commands.run("ps -eo args").stdout
+        r = b.commands.run(f"{PY} -c \"import socket; socket.create_connection(('127.0.0.1', 8765), 1)\"")
+        assert r.exit_code != 0 and "ConnectionRefused" in r.stderr
+
+
+def test_symlinks_planted_by_the_sandbox_never_reach_host_files(tmp_path: Path) -> None:
+    host_secret = tmp_path / "outside-secret"
+    host_secret.write_text("HOST-ONLY")
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    with Sandbox.create(workspace=str(workspace)) as sb:
+        sb.commands.run(f"ln -s {host_secret} /workspace/link; ln -s /etc/passwd /workspace/abs; ln -s ../x /workspace/up;"
+                        " mkdir -p /workspace/d && ln -s /root /workspace/d/r && ln -s sibling /workspace/rel")
+        with pytest.raises(Exception) as info:
+            sb.files.read("link")
+        assert "HOST-ONLY" not in str(info.value)
+        # a write through a planted link lands inside the sandbox, if anywhere
+        sb.commands.run("rm /workspace/link; ln -s /tmp/target /workspace/link")
+        sb.files.write("link", "through the link")
+        assert sb.commands.run("cat /tmp/target").stdout == "through the link"
+    assert host_secret.read_text() == "HOST-ONLY"
+    # only links that stay inside the workspace are written back
+    assert (workspace / "rel").is_symlink()
+    for escaping in ("abs", "up", "d/r", "link"):
+        assert not (workspace / escaping).is_symlink(), escaping
+
+
+def test_cow_workspace_keeps_changes_inside(tmp_path: Path) -> None:
+    (tmp_path / "keep.txt").write_text("original")
+    with Sandbox.create(workspace=f"{tmp_path}:cow") as sb:
+        sb.commands.run("echo changed > /workspace/keep.txt; echo new > /workspace/new.txt")
+        assert sb.files.read("keep.txt") == "changed\n"
+    assert (tmp_path / "keep.txt").read_text() == "original"
+    assert not (tmp_path / "new.txt").exists()
+
+
+def test_ro_workspace_is_read_only(tmp_path: Path) -> None:
+    (tmp_path / "f.txt").write_text("data")
+    with Sandbox.create(workspace=f"{tmp_path}:ro") as sb:
+        assert sb.commands.run("cat /workspace/f.txt").stdout == "data"
+        r = sb.commands.run("echo x > /workspace/f.txt")
+        assert r.exit_code != 0 and "Read-only" in r.stderr
+    assert (tmp_path / "f.txt").read_text() == "data"
+
+
+def test_workspace_deletions_and_new_dirs_are_written_back(tmp_path: Path) -> None:
+    (tmp_path / "gone.txt").write_text("x")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "old.txt").write_text("x")
+    with Sandbox.create(workspace=str(tmp_path)) as sb:
+        sb.commands.run("rm /workspace/gone.txt; rm -r /workspace/sub; mkdir -p /workspace/a/b; echo hi > /workspace/a/b/c")
+    assert not (tmp_path / "gone.txt").exists()
+    assert not (tmp_path / "sub").exists()
+    assert (tmp_path / "a" / "b" / "c").read_text() == "hi\n"
+    assert (tmp_path / "a" / "b" / "c").stat().st_uid == tmp_path.stat().st_uid
+
+
+def test_output_over_the_cap_is_cut_and_flagged() -> None:
+    with Sandbox.create(max_output="64K") as sb:
+        r = sb.commands.run("head -c 1000000 /dev/zero | tr '\\0' x")
+        assert r.truncated and len(r.stdout) == 64 * 1024 and r.exit_code == 0
+
+
+def test_stdin_reaches_the_command(sandbox: Sandbox) -> None:
+    assert sandbox.commands.run("wc -c", stdin=b"x" * 300_000).stdout.strip() == "300000"
+
+
+def test_missing_program_and_bad_cwd(sandbox: Sandbox) -> None:
+    r = sandbox.commands.run(["no-such-program"])
+    assert r.exit_code == 127 and "cannot execute" in r.stderr
+    r = sandbox.commands.run("pwd", cwd="/nonexistent")
+    assert r.exit_code == 126 and "working directory" in r.stderr
+    assert sandbox.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_cpu_quota_limits_cpu_time() -> None:
+    burn = (
+        "import os, threading, time\n"
+        "def spin():\n"
+        "    end = time.monotonic() + 1.5\n"
+        "    while time.monotonic() < end: pass\n"
+        "ts = [threading.Thread(target=spin) for _ in range(2)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "t = os.times(); print(t.user + t.system)\n"
+    )
+    with Sandbox.create(cpus=0.2) as sb:
+        used = float(sb.commands.run([PY, "-c", burn]).stdout)
+    # two spinning threads for 1.5 s would use ~3 s of CPU unthrottled (or ~1.5 s on one
+    # free core); a 0.2-core quota allows ~0.3 s
+    assert used < 0.8, used
+
+
+def test_launcher_drops_to_the_sandbox_uid_and_refuses_root(state_dir: Path) -> None:
+    from corral.registry import state_dir as prepare_state_dir
+    from corral.tiers.agent import agent_binary
+
+    agent = str(agent_binary(prepare_state_dir(state_dir)))
+    ok = subprocess.run([agent, "--launch", "2100000123", "-", "--", "/usr/bin/id"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.split() == ["uid=2100000123", "gid=2100000123", "groups=2100000123"]
+    for bad in (["0", "-", "--", "/usr/bin/id"], ["12x", "-", "--", "/usr/bin/id"], ["5", "-", "--", "id"],
+                ["5", "/nonexistent-netns", "--", "/usr/bin/id"]):
+        r = subprocess.run([agent, "--launch", *bad], capture_output=True, text=True)
+        assert r.returncode == 125, bad

@@ -1,0 +1,231 @@
+"""Create/exec/destroy, the registry and the janitor."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from corral import AsyncSandbox, Sandbox, SandboxClosed, run
+
+from .leaks import all_leftovers, sandbox_leftovers
+
+
+def test_state_is_kept_between_execs(sandbox: Sandbox) -> None:
+    sandbox.commands.run("echo one > /tmp/state; mkdir -p /workspace/proj")
+    sandbox.cwd = "/workspace/proj"
+    assert sandbox.commands.run("cat /tmp/state; pwd").stdout == "one\n/workspace/proj\n"
+
+
+def test_run_is_create_exec_destroy(state_dir: Path) -> None:
+    before = set((state_dir / "sandboxes").iterdir())
+    result = run("echo $((6 * 7))")
+    assert result.stdout == "42\n" and result.exit_code == 0 and result.duration_ms > 0
+    assert set((state_dir / "sandboxes").iterdir()) == before
+
+
+def test_closed_sandbox_refuses_work() -> None:
+    sb = Sandbox.create()
+    sb.kill()
+    sb.kill()  # idempotent
+    with pytest.raises(SandboxClosed):
+        sb.commands.run("true")
+    assert not sb.is_running()
+
+
+def test_two_hundred_cycles_leave_nothing(state_dir: Path) -> None:
+    for _ in range(200):
+        with Sandbox.create() as sb:
+            assert sb.commands.run(["true"]).exit_code == 0
+    assert all_leftovers(state_dir) == []
+
+
+def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from corral import Sandbox\n"
+         "a = Sandbox.create(); b = Sandbox.create()\n"
+         "a.commands.run('nohup sleep 300 >/dev/null 2>&1 &')\n"
+         "print(a.id, b.id, flush=True)\n"
+         "time.sleep(300)\n"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )
+    assert owner.stdout is not None
+    ids = owner.stdout.readline().split()
+    assert len(ids) == 2
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for sandbox_id in ids:
+        assert sandbox_id in out.stdout
+        deadline = time.monotonic() + 5
+        while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sandbox_leftovers(sandbox_id, state_dir) == []
+
+
+def test_gc_leaves_live_owners_alone(sandbox: Sandbox, state_dir: Path) -> None:
+    from corral.registry import gc
+
+    assert sandbox.id not in gc(state_dir)
+    assert sandbox.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_async_sandbox_has_the_same_surface() -> None:
+    async def main() -> tuple[str, str]:
+        async with await AsyncSandbox.create(memory="128M") as sb:
+            result = await sb.commands.run("echo async")
+            await sb.files.write("f.txt", "via asyncio")
+            return result.stdout, await sb.files.read("f.txt")
+
+    assert asyncio.run(main()) == ("async\n", "via asyncio")
+
+
+def test_streaming_callbacks_see_output_before_the_end(sandbox: Sandbox) -> None:
+    chunks: list[tuple[float, str]] = []
+    start = time.monotonic()
+    result = sandbox.commands.run("echo first; sleep 1; echo second",
+                                  on_stdout=lambda s: chunks.append((time.monotonic() - start, s)))
+    assert "".join(c for _, c in chunks) == result.stdout == "first\nsecond\n"
+    assert chunks[0][0] < 0.8
+
+
+def test_files_api_round_trip_and_errors(sandbox: Sandbox, tmp_path: Path) -> None:
+    from corral import FileNotFoundInSandbox, InvalidSpec
+
+    sandbox.files.write("/tmp/x/y/z.bin", b"\x00\x01" * 5)
+    assert sandbox.files.read("/tmp/x/y/z.bin", format="bytes") == b"\x00\x01" * 5
+    assert [e.name for e in sandbox.files.list("/tmp/x/y")] == ["z.bin"]
+    assert sandbox.files.stat("/tmp/x/y/z.bin").size == 10
+    with pytest.raises(FileNotFoundInSandbox):
+        sandbox.files.read("/nope")
+    with pytest.raises(InvalidSpec):
+        sandbox.files.read("bad\0path")
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "a.txt").write_text("A")
+    (tmp_path / "up" / "sub").mkdir()
+    (tmp_path / "up" / "sub" / "b.txt").write_text("B")
+    assert sandbox.files.upload_dir(tmp_path / "up", "/tmp/up") == 2
+    assert sandbox.files.download_dir("/tmp/up", tmp_path / "down") == 2
+    assert (tmp_path / "down" / "sub" / "b.txt").read_text() == "B"
+    sandbox.files.remove("/tmp/up", recursive=True)
+    assert not sandbox.files.exists("/tmp/up")
+
+
+def test_cli_run_exit_codes_and_json(tmp_path: Path) -> None:
+    def corral(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral.cli", *args], capture_output=True, text=True, timeout=60)
+
+    assert corral("run", "--", "sh", "-c", "echo hi; exit 3").returncode == 3
+    r = corral("run", "--timeout", "1", "--", "sleep", "10")
+    assert r.returncode == 124 and "timed out" in r.stderr
+    r = corral("run", "--memory", "32M", "--", "/usr/bin/python3", "-c", "x = bytearray(100 << 20)")
+    assert r.returncode == 137 and "out of memory" in r.stderr
+    r = corral("run", "--memory", "12XB", "--", "true")
+    assert r.returncode == 125 and "memory" in r.stderr
+    r = corral("run", "--workspace", str(tmp_path / "missing"), "--", "true")
+    assert r.returncode == 125 and "does not exist" in r.stderr
+    r = corral("run", "--json", "--env", "A=b", "--", "sh", "-c", "echo $A; exit 5")
+    assert r.returncode == 0
+    payload = json.loads(r.stdout)
+    assert payload["exit_code"] == 5 and payload["stdout"] == "b\n" and payload["sandbox_id"].startswith("sb-")
+    assert set(payload) >= {"sandbox_id", "exit_code", "stdout", "stderr", "timed_out", "oom_killed", "duration_ms"}
+
+
+def test_cli_doctor_reports_capabilities() -> None:
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "doctor", "--json"], capture_output=True, text=True, timeout=60)
+    report = json.loads(r.stdout)
+    names = {c["name"]: c for c in report["host"]}
+    assert names["cgroups"]["ok"] and names["bubblewrap"]["ok"] and names["user namespaces"]["ok"]
+    assert any(t["tier"] == "process" and t["available"] for t in report["tiers"])
+
+
+def test_missing_bubblewrap_is_a_clear_host_error() -> None:
+    env = {**os.environ, "PATH": "/nonexistent"}
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "run", "--", "true"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 125
+    assert "bubblewrap is not installed" in r.stderr and "apt-get install bubblewrap" in r.stderr
+
+
+def test_commands_can_run_on_a_terminal_and_be_resized(sandbox: Sandbox) -> None:
+    out: list[bytes] = []
+    handle = sandbox.commands.start("tty; stty size; read line; stty size", pty=(40, 100),
+                                    on_output=lambda _s, c: out.append(c))
+    time.sleep(0.5)
+    handle.resize(30, 90)
+    handle.send_stdin("go\n")
+    result = handle.wait()
+    text = b"".join(out).decode()
+    assert result.exit_code == 0
+    assert "/dev/pts/" in text and "40 100" in text and "30 90" in text
+
+
+def test_corral_shell_runs_an_interactive_session() -> None:
+    import pty as host_pty
+
+    pid, fd = host_pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-m", "corral.cli", "shell"])
+    output = b""
+    sent = False
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+            if not sent and b"$ " in output:  # the sandbox shell's prompt
+                os.write(fd, b"echo marker-$((20 + 22)); exit 7\n")
+                sent = True
+    finally:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert b"marker-42" in output
+    assert os.waitstatus_to_exitcode(status) == 7
+
+
+def test_agent_is_installed_where_unprivileged_launchers_can_read_it(state_dir: Path) -> None:
+    # the checkout may live under a 0700 home; bwrap runs as the sandbox uid
+    from corral.registry import state_dir as prepare_state_dir
+    from corral.tiers import get_tier
+
+    prepare_state_dir(state_dir)
+    agent = get_tier("process", state_dir)._agent  # type: ignore[attr-defined]
+    assert agent.parent == state_dir / "bin"
+    for path in (agent, *agent.parents):
+        assert path.stat().st_mode & 0o001, f"{path} is not traversable/readable by others"
+        if path == state_dir:
+            break
+
+
+def test_sandboxes_do_not_leak_file_descriptors() -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with Sandbox.create() as sb:
+        sb.commands.run(["true"])
+    before = open_fds()
+    for _ in range(10):
+        with Sandbox.create() as sb:
+            sb.commands.run(["true"])
+            sb.files.write("/tmp/f", "x")
+    assert open_fds() <= before

@@ -1,0 +1,66 @@
+"""Every bad input is refused up front with a message that names the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from corral import InvalidSpec, Limits, Sandbox, SandboxSpec
+from corral.spec import parse_env_assignments, parse_size
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512M", 512 << 20), ("1GiB", 1 << 30), ("1.5g", 3 << 29), ("1048576", 1 << 20), ("64k", 64 << 10),
+    ("2GB", 2 << 30), (4096, 4096),
+])
+def test_sizes_parse(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["12XB", "", "-1M", "M", "1.2.3G", "0", "abc", "1 Q"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(InvalidSpec, match=r"size|positive|parse"):
+        parse_size(text)
+
+
+def test_defaults_are_safe() -> None:
+    limits = Limits()
+    assert (limits.memory, limits.pids, limits.cpus, limits.disk, limits.timeout) == (512 << 20, 256, 1.0, 1 << 30, 60.0)
+    assert SandboxSpec().network == "none"
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"pids": "-5"}, "pids"), ({"pids": "many"}, "pids"), ({"memory": "1K"}, "memory"), ({"cpus": "0"}, "cpus"),
+    ({"cpus": "nan"}, "cpus"), ({"timeout": "-1"}, "timeout"), ({"disk": "10XB"}, "disk"),
+])
+def test_bad_limits_are_refused(kwargs: dict[str, str], message: str) -> None:
+    with pytest.raises(InvalidSpec, match=message):
+        Limits.build(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_spec_fields_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSpec, match="tier"):
+        SandboxSpec(tier="docker")
+    with pytest.raises(InvalidSpec, match="network"):
+        SandboxSpec(network="everything")
+    with pytest.raises(InvalidSpec, match="image"):
+        SandboxSpec(image="../etc")
+    with pytest.raises(InvalidSpec, match="does not exist"):
+        Sandbox.create(workspace=str(tmp_path / "missing"))
+    with pytest.raises(InvalidSpec, match="not a valid variable"):
+        SandboxSpec(env={"1BAD": "x"})
+    with pytest.raises(InvalidSpec, match="NAME=VALUE"):
+        parse_env_assignments(["HOME"])
+    with pytest.raises(InvalidSpec, match="unknown field"):
+        SandboxSpec.from_dict({"image": "host", "privileged": True})
+    with pytest.raises(InvalidSpec, match="not known"):
+        Sandbox.create(image="no-such-image")
+
+
+def test_from_dict_round_trip(tmp_path: Path) -> None:
+    spec = SandboxSpec.from_dict({"limits": {"memory": "256M", "pids": 32}, "workspace": f"{tmp_path}:ro",
+                                  "env": {"A": "1"}})
+    assert spec.limits.memory == 256 << 20 and spec.limits.pids == 32
+    assert spec.workspace is not None and spec.workspace.mode == "ro"
+    assert SandboxSpec.from_dict(spec.to_dict()) == spec

@@ -1,0 +1,420 @@
+"""What only the wasm tier promises: no filesystem beyond its two preopened
+directories, a fuel CPU budget, a compiled-module cache that is reused,
+non-Python commands refused by name, and teardown leaving no worker behind."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import FileNotFoundInSandbox, HostNotSupported
+from corral.spec import SandboxSpec
+from corral.tiers import tier_class
+from corral.tiers.base import ExecRequest
+
+from .leaks import sandbox_leftovers
+
+
+def py(code: str) -> list[str]:
+    return ["python3", "-c", code]
+
+
+@pytest.fixture(scope="module")
+def wasm_available() -> None:
+    availability = tier_class("wasm").probe(Path(os.environ["CORRAL_STATE_DIR"]))
+    if not availability.available:
+        pytest.skip(f"tier wasm unavailable: {availability.reason}")
+
+
+@pytest.fixture
+def sb(wasm_available: None) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(tier="wasm", memory="256M")
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+# -- no filesystem beyond the preopened directories ------------------------------
+
+def test_host_paths_do_not_exist_in_the_guest(sb: Sandbox) -> None:
+    probe = (
+        "import os\n"
+        "for p in ['/etc/passwd', '/root', '/proc/self/status', '/usr/bin/python3', '/', '/dev/null',\n"
+        "          '/workspace/../etc/passwd', '/tmp/../../etc/hostname']:\n"
+        "    try:\n"
+        "        os.stat(p)\n"
+        "        print('EXISTS', p)\n"
+        "    except OSError as e:\n"
+        "        print('missing', p, e.errno)\n"
+        "for d in ['/', '/etc', '/workspace/..']:\n"
+        "    try:\n"
+        "        print('LISTED', d, os.listdir(d))\n"
+        "    except OSError as e:\n"
+        "        print('unlistable', d)\n"
+    )
+    r = sb.commands.run(py(probe))
+    assert r.exit_code == 0, r.stderr
+    assert "EXISTS" not in r.stdout and "LISTED" not in r.stdout, r.stdout
+    assert r.stdout.count("missing") == 8 and r.stdout.count("unlistable") == 3
+
+
+def test_the_two_preopened_directories_work(sb: Sandbox) -> None:
+    r = sb.commands.run(py(
+        "import os, tempfile\n"
+        "open('/workspace/w.txt', 'w').write('ws')\n"
+        "with tempfile.NamedTemporaryFile('w', delete=False) as f:\n"
+        "    f.write('tmp')\n"
+        "print(f.name.startswith('/tmp/'), os.getcwd(), sorted(os.listdir('.')))\n"
+    ))
+    assert r.stdout == "True /workspace ['w.txt']\n", r.stderr
+    assert sb.files.read("/workspace/w.txt") == "ws"
+
+
+def test_symlinks_cannot_reach_host_files(sb: Sandbox) -> None:
+    r = sb.commands.run(py(
+        "import os\n"
+        "for i, target in enumerate(['/etc/passwd', '../../../../../../../etc/passwd', '/proc/self/environ']):\n"
+        "    try:\n"
+        "        os.symlink(target, f'/workspace/link{i}')\n"
+        "    except OSError as e:\n"
+        "        print('refused', target)\n"
+        "        continue\n"
+        "    try:\n"
+        "        print('READ', open(f'/workspace/link{i}').read()[:20])\n"
+        "    except OSError as e:\n"
+        "        print('unreadable', target)\n"
+    ))
+    assert "READ" not in r.stdout, r.stdout
+    # the host-side files API resolves the guest's links inside the sandbox, never on the host
+    for entry in sb.files.list("/workspace"):
+        if entry.name.startswith("link"):
+            with pytest.raises(FileNotFoundInSandbox):
+                sb.files.read(entry.path)
+    with pytest.raises(FileNotFoundInSandbox):
+        sb.files.read("/etc/passwd")
+    with pytest.raises(FileNotFoundInSandbox):
+        sb.files.write("/etc/corral-test", "x")
+    assert not Path("/etc/corral-test").exists()
+
+
+def test_read_only_workspace_is_read_only_in_the_guest(wasm_available: None, tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text("input")
+    with Sandbox.create(tier="wasm", workspace=f"{tmp_path}:ro") as sb:
+        r = sb.commands.run(py(
+            "print(open('/workspace/in.txt').read())\n"
+            "try:\n"
+            "    open('/workspace/out.txt', 'w').write('x')\n"
+            "    print('WROTE')\n"
+            "except OSError as e:\n"
+            "    print('refused')\n"
+        ))
+    assert r.stdout == "input\nrefused\n", r.stderr
+    assert not (tmp_path / "out.txt").exists()
+
+
+# -- limits --------------------------------------------------------------------
+
+def test_fuel_exhaustion_ends_a_cpu_loop_but_not_a_short_program(wasm_available: None, state_dir: Path) -> None:
+    from corral.tiers.wasm import WasmTier
+
+    tier = WasmTier(state_dir, fuel_per_cpu_second=50_000_000, spares=1)
+    sandbox_id = "sb-" + secrets.token_hex(8)
+    run_dir = state_dir / "sandboxes" / sandbox_id
+    run_dir.mkdir(mode=0o700)
+    inner = tier.create(SandboxSpec(tier="wasm"), sandbox_id, run_dir)
+    try:
+        def run(code: str) -> object:
+            return inner.exec(ExecRequest(py(code), {}, "/workspace", timeout=10, max_output=1 << 20))
+
+        ok = run("print(sum(range(1000)))")
+        assert ok.exit_code == 0 and ok.stdout == "499500\n"  # type: ignore[attr-defined]
+        start = time.monotonic()
+        spin = run("while True: pass")
+        assert spin.signal == signal.SIGXCPU and spin.exit_code == 128 + signal.SIGXCPU  # type: ignore[attr-defined]
+        assert "CPU budget" in spin.stderr and not spin.timed_out  # type: ignore[attr-defined]
+        assert time.monotonic() - start < 8  # ended by fuel, well before the 10 s timeout
+    finally:
+        inner.close()
+        tier.close()
+    assert not run_dir.exists()
+
+
+def test_busy_loop_is_interrupted_at_the_timeout(sb: Sandbox) -> None:
+    r = sb.commands.run(py("print('spinning', flush=True)\nwhile True: pass"), timeout=1)
+    assert r.timed_out and r.exit_code == 124 and r.stdout == "spinning\n"
+
+
+def test_memory_limit_is_the_stores_limit(wasm_available: None) -> None:
+    with Sandbox.create(tier="wasm", memory="64M") as sb:
+        small = sb.commands.run(py("x = bytearray(16 * 1024 * 1024); print(len(x))"))
+        big = sb.commands.run(py("x = bytearray(96 * 1024 * 1024); print(len(x))"))
+    assert small.exit_code == 0 and not small.oom_killed
+    assert big.oom_killed and "MemoryError" in big.stderr and big.stdout == ""
+
+
+# -- module cache ----------------------------------------------------------------
+
+def test_compiled_module_is_cached_and_reused(wasm_available: None, state_dir: Path) -> None:
+    from corral.tiers import wasm_runtime
+
+    runtime = wasm_runtime.default_runtime()
+    path, compiled_now = wasm_runtime.ensure_compiled(runtime)
+    assert not compiled_now
+    key = path.name
+    assert runtime.sha256[:16] in key and wasm_runtime.wasmtime_version() in key
+    assert (path.parent.stat().st_mode & 0o777) == 0o700
+    mtime = path.stat().st_mtime_ns
+    with Sandbox.create(tier="wasm") as sb:
+        assert sb.commands.run(py("print('cached')")).stdout == "cached\n"
+    assert path.stat().st_mtime_ns == mtime  # deserialized, not recompiled
+
+
+def test_cache_dir_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
+    from corral.tiers.wasm_runtime import ensure_private_dir
+
+    foreign = tmp_path / "cache"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(HostNotSupported, match="owned by"):
+        ensure_private_dir(foreign)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o777)
+    ensure_private_dir(mine)
+    assert (mine.stat().st_mode & 0o777) == 0o700
+
+
+# -- commands --------------------------------------------------------------------
+
+@pytest.mark.parametrize("cmd, named", [
+    (["ls", "-l"], "'ls'"),
+    ("echo hello", "'echo'"),
+    ("python3 -c 'print(1)' | cat", "no shell"),
+    (["/usr/bin/node", "-e", "1"], "'/usr/bin/node'"),
+])
+def test_non_python_commands_are_refused_by_name(sb: Sandbox, cmd: object, named: str) -> None:
+    r = sb.commands.run(cmd)  # type: ignore[arg-type]
+    assert r.exit_code == 127 and named in r.stderr and r.stdout == ""
+
+
+def test_python_invocations_script_module_stdin_and_shell_string(sb: Sandbox) -> None:
+    sb.files.write("tool.py", "import sys\nprint('script', sys.argv[1:], __name__)\n")
+    assert sb.commands.run(["python3", "tool.py", "a", "b"]).stdout == "script ['a', 'b'] __main__\n"
+    assert sb.commands.run("python3 tool.py 'x y'").stdout == "script ['x y'] __main__\n"
+    assert sb.commands.run(["python", "-m", "json.tool"], stdin='{"a": 1}').stdout == '{\n    "a": 1\n}\n'
+    assert sb.commands.run(["python3", "-"], stdin="print(6 * 7)").stdout == "42\n"
+    r = sb.commands.run(py("raise ValueError('boom')"))
+    assert r.exit_code == 1
+    assert r.stderr == 'Traceback (most recent call last):\n  File "<string>", line 1, in <module>\nValueError: boom\n'
+
+
+def test_stdin_streams_to_a_running_command(sb: Sandbox) -> None:
+    handle = sb.commands.start(py("import sys\nfor line in sys.stdin:\n    print(line.strip().upper(), flush=True)"))
+    handle.send_stdin("one\n")
+    handle.send_stdin("two\n")
+    handle.close_stdin()
+    assert handle.wait().stdout == "ONE\nTWO\n"
+
+
+# -- teardown --------------------------------------------------------------------
+
+def test_teardown_kills_a_running_worker_and_leaves_nothing(wasm_available: None, state_dir: Path) -> None:
+    sandbox = Sandbox.create(tier="wasm")
+    handle = sandbox.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+    inner = sandbox._tier_sandbox()
+    deadline = time.monotonic() + 10
+    pids: list[int] = []
+    while time.monotonic() < deadline and not pids:
+        pids = inner.worker_pids()  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    assert pids and all(_alive(pid) for pid in pids)
+    sandbox_id = sandbox.id
+    sandbox.kill()
+    result = handle.wait()
+    assert result.exit_code != 0
+    assert not any(_alive(pid) for pid in pids)
+    assert sandbox_leftovers(sandbox_id, state_dir) == []
+    assert not (state_dir / "uids").exists() or not any(
+        p.read_text() == sandbox_id for p in (state_dir / "uids").iterdir()
+    )
+
+
+def test_an_idle_sandbox_keeps_one_prestarted_guest_confined_in_its_cgroup(sb: Sandbox) -> None:
+    assert sb.commands.run(py("print(1)")).exit_code == 0
+    inner = sb._tier_sandbox()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(inner.worker_pids()) != 1:  # type: ignore[attr-defined]
+        time.sleep(0.02)
+    (pid,) = inner.worker_pids()  # type: ignore[attr-defined]
+    assert _alive(pid)
+    assert sb.id in Path(f"/proc/{pid}/cgroup").read_text()
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert status.split("Uid:")[1].split()[:4] == [str(inner.uid)] * 4  # type: ignore[attr-defined]
+    assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status  # the deny-list filter, all threads
+    assert status.split("CapEff:")[1].split()[0] == "0000000000000000"
+    # the pre-started guest runs the next command, with its own env and cwd
+    r = sb.commands.run(py("import os; print(os.getcwd(), os.environ.get('X'))"), env={"X": "1"}, cwd="/tmp")
+    assert r.stdout == "/tmp 1\n", r.stderr
+    assert not _alive(pid)
+
+
+def test_without_prestart_an_idle_sandbox_has_no_process(wasm_available: None, state_dir: Path) -> None:
+    from corral.tiers.wasm import WasmTier
+
+    tier = WasmTier(state_dir, spares=1, prestart=False)
+    sandbox_id = "sb-" + secrets.token_hex(8)
+    run_dir = state_dir / "sandboxes" / sandbox_id
+    run_dir.mkdir(mode=0o700)
+    inner = tier.create(SandboxSpec(tier="wasm"), sandbox_id, run_dir)
+    try:
+        r = inner.exec(ExecRequest(py("print('fresh')"), {}, "/workspace", timeout=30, max_output=1 << 20))
+        assert r.stdout == "fresh\n"
+        time.sleep(0.2)
+        assert inner.worker_pids() == []  # type: ignore[attr-defined]
+    finally:
+        inner.close()
+        tier.close()
+
+
+def test_interpreter_options_and_python_env_get_a_fresh_interpreter(sb: Sandbox) -> None:
+    # CPython reads these while it starts, so a pre-started guest could not honour them
+    r = sb.commands.run(["python3", "-I", "-c", "import sys; print(sys.flags.isolated)"])
+    assert r.stdout == "1\n", r.stderr
+    r = sb.commands.run(py("import sys; print(sys.flags.hash_randomization)"), env={"PYTHONHASHSEED": "0"})
+    assert r.stdout == "0\n", r.stderr
+    r = sb.commands.run(py("import sys; print(sys.flags.hash_randomization)"))
+    assert r.stdout == "1\n", r.stderr
+
+
+def test_disk_limit_and_no_network(wasm_available: None) -> None:
+    with Sandbox.create(tier="wasm", disk="4M") as sb:
+        r = sb.commands.run(py(
+            "import socket\n"
+            "try:\n"
+            "    s = socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+            "    print('CONNECTED')\n"
+            "except Exception as e:\n"
+            "    print('no network', type(e).__name__)\n"
+            "try:\n"
+            "    open('/workspace/big', 'wb').write(b'x' * (8 << 20))\n"
+            "    print('WROTE')\n"
+            "except OSError as e:\n"
+            "    print('disk full', e.errno)\n"
+            "open('/tmp/small', 'wb').write(b'y' * 1024)\n"
+        ))
+    assert "no network" in r.stdout and "CONNECTED" not in r.stdout, r.stdout + r.stderr
+    assert "disk full" in r.stdout and "WROTE" not in r.stdout, r.stdout + r.stderr
+
+
+# -- spare guests (pre-started before a sandbox exists) -------------------------------
+
+def _ready_spare(state_dir: Path) -> object:
+    from corral.tiers import get_tier
+
+    tier = get_tier("wasm", state_dir)
+    guests = tier.spare_guests()  # type: ignore[attr-defined]
+    assert guests is not None
+    guests.fill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not guests._ready:
+        time.sleep(0.05)
+    assert guests._ready, "no spare guest became ready"
+    return guests
+
+
+def test_a_new_sandbox_adopts_a_spare_guest_with_its_own_disk_size_and_uid(wasm_available: None,
+                                                                           state_dir: Path) -> None:
+    from corral.host import mounts
+
+    guests = _ready_spare(state_dir)
+    spare = guests._ready[0]  # type: ignore[attr-defined]
+    with Sandbox.create(tier="wasm", disk="8M") as sb:
+        inner = sb._tier_sandbox()
+        assert inner._next is spare.worker and inner.uid == spare.uid  # type: ignore[attr-defined]
+        assert (state_dir / "uids" / str(spare.uid)).read_text() == sb.id
+        fs = state_dir / "sandboxes" / sb.id / "fs"
+        assert fs in mounts.mounts_under(fs) and not spare.directory.exists()
+        assert os.statvfs(fs).f_blocks * os.statvfs(fs).f_frsize == 8 << 20
+        sb.files.write("note.txt", "from the host")
+        r = sb.commands.run(py("print(open('note.txt').read()); open('/tmp/t', 'w').write('x')"))
+        assert r.stdout == "from the host\n", r.stderr
+        assert sb.files.read("/tmp/t") == "x"
+    assert not (state_dir / "uids" / str(spare.uid)).exists()
+    assert not _alive(spare.worker.pid)
+
+
+def test_a_sandbox_with_other_limits_does_not_adopt_a_spare(wasm_available: None, state_dir: Path) -> None:
+    guests = _ready_spare(state_dir)
+    spare = guests._ready[0]  # type: ignore[attr-defined]
+    with Sandbox.create(tier="wasm", memory="128M") as sb:
+        assert sb._tier_sandbox().uid != spare.uid  # type: ignore[attr-defined]
+        assert sb.commands.run(py("print('own guest')")).stdout == "own guest\n"
+    assert spare in guests._ready  # type: ignore[attr-defined]
+
+
+def test_spares_of_a_dead_owner_are_reaped(wasm_available: None, state_dir: Path) -> None:
+    from corral.host import mounts
+    from corral.tiers.process import allocate_uid
+
+    guests = _ready_spare(state_dir)
+    dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a live process
+    stale = guests.root / f"{dead_pid}-feedface"  # type: ignore[attr-defined]
+    (stale / "fs").mkdir(parents=True)
+    mounts.mount_tmpfs(stale / "fs", 1 << 20, 0, 0)
+    uid = allocate_uid(state_dir, f"wasm-spare:{dead_pid}")
+    guests.reap_stale()  # type: ignore[attr-defined]
+    assert not stale.exists() and mounts.mounts_under(stale) == []
+    assert not (state_dir / "uids" / str(uid)).exists()
+    assert guests._ready  # type: ignore[attr-defined]  # our own spares are left alone
+
+
+def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, state_dir: Path) -> None:
+    from corral.tiers import get_tier
+
+    handle = sb.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+    inner = sb._tier_sandbox()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not inner._running:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    (process,) = inner._running  # type: ignore[attr-defined]
+    os.kill(process.worker.pid, signal.SIGKILL)  # as if wasmtime crashed
+    result = handle.wait()
+    assert result.exit_code == 128 + signal.SIGKILL and "worker died" in result.stderr
+    assert sb.commands.run(py("print('next')")).stdout == "next\n"
+
+    pool = get_tier("wasm", state_dir).pool  # type: ignore[attr-defined]
+    zygote = pool._zygote
+    assert zygote is not None
+    zygote.kill()
+    zygote.wait()
+    for _ in range(3):  # spares forked before the kill may be gone; the pool starts a new zygote
+        r = sb.commands.run(py("print('after zygote')"))
+        if r.stdout == "after zygote\n":
+            break
+    assert r.stdout == "after zygote\n", r
+
+
+def test_a_terminating_signal_ends_the_command_and_output_is_capped(wasm_available: None) -> None:
+    with Sandbox.create(tier="wasm", max_output="4K") as sb:
+        handle = sb.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+        time.sleep(0.5)
+        handle.send_signal(signal.SIGTERM)
+        result = handle.wait()
+        assert result.signal == signal.SIGTERM and result.exit_code == 128 + signal.SIGTERM
+        flood = sb.commands.run(py("import sys; sys.stdout.write('x' * 100_000)"))
+    assert flood.exit_code == 0 and flood.truncated and len(flood.stdout) == 4096
