@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from corral.host import cgroups
-from server_fixtures import CORRAL
+
+from .server_fixtures import CORRAL
 
 
 def _payload(result: Any) -> dict[str, Any]:

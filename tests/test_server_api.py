@@ -12,7 +12,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from server_fixtures import KEYS, ServerProcess
+from .server_fixtures import KEYS, ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +128,29 @@ def test_stream_signal_kill_and_output_cap(server: ServerProcess) -> None:
                 ws.send(json.dumps({"cmd": "sleep 100"}))
                 assert json.loads(ws.recv(timeout=20))["type"] == "started"
                 ws.send(json.dumps({"type": "resize", "rows": 24, "cols": 80}))
-                assert "PTY" in json.loads(ws.recv(timeout=20))["message"]
+                assert "pty" in json.loads(ws.recv(timeout=20))["message"]
                 ws.send(json.dumps({"type": "kill"}))
                 frame = json.loads(ws.recv(timeout=20))
                 assert frame["type"] == "result" and frame["exit_code"] != 0
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_stream_on_a_pty_with_resize(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http)
+        try:
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "stty size; read x; stty size", "pty": [24, 80]}))
+                assert json.loads(ws.recv(timeout=20))["type"] == "started"
+                output = ""
+                while "24 80" not in output:
+                    output += json.loads(ws.recv(timeout=20)).get("data", "")
+                ws.send(json.dumps({"type": "resize", "rows": 40, "cols": 100}))
+                ws.send(json.dumps({"type": "stdin", "data": "\n"}))
+                while (frame := json.loads(ws.recv(timeout=20)))["type"] != "result":
+                    assert frame["type"] == "stdout"  # a terminal has one output stream
+                assert "40 100" in frame["stdout"] and frame["exit_code"] == 0
         finally:
             http.delete(f"/v1/sandboxes/{sid}")
 
@@ -227,6 +246,8 @@ def test_concurrent_exec_limit(server: ServerProcess) -> None:
     ({"env": {"1BAD": "x"}}, 400, "env"),
     ({"limits": "lots"}, 422, "limits"),
     ({"limits": {"max_output": "1G"}}, 400, "max_output"),
+    ({"network": "allow", "allow": ["example.com"], "secrets": ["TOKEN@example.com"]}, 400, "server's environment"),
+    ({"network": "allow", "allow": ["10.0.0.0/8"], "unsafe_allow_ranges": ["10.0.0.0/8"]}, 400, "server"),
 ])
 def test_bad_create_requests_say_what_is_wrong(server: ServerProcess, body: dict[str, object], status: int,
                                                words: str) -> None:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from server_fixtures import KEYS, ServerProcess
+from .server_fixtures import KEYS, ServerProcess
 
 #: per operation and per mode (valid and invalid input)
 EXAMPLES_PER_OPERATION = 8

@@ -18,7 +18,8 @@ from corral.client import RemoteSandbox
 from corral.errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
 from corral.host import cgroups
 from corral.registry import Registry
-from server_fixtures import CORRAL, KEYS, ServerProcess
+
+from .server_fixtures import CORRAL, KEYS, ServerProcess
 
 POOL_SPEC = {"limits": {"memory": "128M"}}
 
@@ -49,6 +50,7 @@ def test_sdk_same_api_remotely(server: ServerProcess) -> None:
         assert sb.files.exists("dir/a.txt") and not sb.files.exists("dir/nope")
         sb.files.remove("dir", recursive=True)
         assert not sb.files.exists("dir")
+        assert sb.network.audit() == []  # network "none": nothing to refuse through a proxy
         other = RemoteSandbox.connect(sb.id, url=server.url, api_key=KEYS["alice"])
         assert other.commands.run("echo same").stdout == "same\n"
     assert not sb.is_running()

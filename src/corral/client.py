@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 import httpx
 
+from .egress.audit import AuditEvent
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
 from .sandbox import DEFAULT_MAX_READ, Files, _callbacks, build_spec
 from .spec import SandboxSpec
@@ -135,6 +136,9 @@ class RemoteCommandHandle:
     def kill(self) -> None:
         self._send({"type": "kill"})
 
+    def resize(self, rows: int, cols: int) -> None:
+        self._send({"type": "resize", "rows": int(rows), "cols": int(cols)})
+
     def wait(self) -> ExecResult:
         self._done.wait()
         self._ws.close()
@@ -150,8 +154,11 @@ class RemoteCommands:
     def start(self, cmd: str | Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
               cwd: str | None = None, on_stdout: Callable[[str], None] | None = None,
               on_stderr: Callable[[str], None] | None = None,
-              on_output: Callable[[str, bytes], None] | None = None) -> RemoteCommandHandle:
+              on_output: Callable[[str, bytes], None] | None = None,
+              pty: tuple[int, int] | None = None) -> RemoteCommandHandle:
         request = _exec_body(cmd, timeout, env, cwd, None)
+        if pty is not None:
+            request["pty"] = list(pty)
         return RemoteCommandHandle(self._sb._client, self._sb.id, request, _callbacks(on_stdout, on_stderr, on_output))
 
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
@@ -250,6 +257,17 @@ def _absolute(path: str) -> str:
     return path if path.startswith("/") else "/workspace" if path in (".", "") else f"/workspace/{path}"
 
 
+class RemoteNetwork:
+    """``sandbox.network`` of a remote sandbox: its egress audit."""
+
+    def __init__(self, sandbox: RemoteSandbox) -> None:
+        self._sb = sandbox
+
+    def audit(self) -> list[AuditEvent]:
+        data = self._sb._client.request("GET", f"{self._sb._path}/network/audit")
+        return [AuditEvent(**event) for event in data["events"]]
+
+
 class RemoteSandbox:
     """A sandbox living in a Corral server; the same surface as :class:`corral.Sandbox`."""
 
@@ -262,6 +280,7 @@ class RemoteSandbox:
         self.cwd = self.spec.cwd
         self.commands = RemoteCommands(self)
         self.files = RemoteFiles(self)
+        self.network = RemoteNetwork(self)
         self._killed = False
 
     @classmethod

@@ -88,6 +88,12 @@ class ExecBody(BaseModel):
     stdin: str | None = None
 
 
+class StreamExecBody(ExecBody):
+    """The exec stream's first frame: an exec request, optionally on a terminal of ``pty=[rows, cols]``."""
+
+    pty: tuple[int, int] | None = None
+
+
 class TimeoutBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     timeout: float = Field(description="seconds from now until the sandbox is destroyed")
@@ -216,7 +222,13 @@ def create_app(config: ServerConfig) -> FastAPI:
             result = await run_blocking(entry.sandbox.commands.run, body.cmd, timeout=body.timeout,
                                         env=body.env, cwd=body.cwd, stdin=body.stdin)
         metrics.record_exec(result.timed_out, result.oom_killed)
+        await run_blocking(manager().audit, entry)  # counts new egress refusals
         return {"sandbox_id": sandbox_id, **result.to_dict()}
+
+    @app.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
+    async def network_audit(sandbox_id: str, who: Tenant) -> dict[str, Any]:
+        entry = manager().get(who, sandbox_id)
+        return {"events": await run_blocking(manager().audit, entry)}
 
     # Reserved for the code interpreter (written separately): runs only if the sandbox has it.
     @app.post("/v1/sandboxes/{sandbox_id}/code", summary="Run code in the sandbox's interpreter (if available)")

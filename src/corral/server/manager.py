@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidSpec, ResourceLimit, SandboxNotFound
+from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
 from ..pool import PoolSet, create_on_launcher
 from ..registry import gc, state_dir
 from ..sandbox import Sandbox
@@ -43,6 +43,8 @@ class Entry:
     from_pool: bool
     last_used: float = field(default_factory=time.time)
     active_execs: int = 0
+    #: egress refusals already counted in the metrics
+    refused_seen: int = 0
 
     @property
     def spec(self) -> SandboxSpec:
@@ -146,6 +148,14 @@ class SandboxManager:
         if spec.workspace is not None:
             raise InvalidSpec("workspace: host directories cannot be mounted through the server; "
                               "upload files with the files API instead")
+        if spec.secrets:
+            # secret values are read from the creating process's environment or secrets file:
+            # through the server that would be the server's own, handed to whichever host a tenant names
+            raise InvalidSpec("secrets: brokered secrets are not available through the server "
+                              "(their values would come from the server's environment)")
+        if spec.unsafe_allow_ranges:
+            raise InvalidSpec("unsafe_allow_ranges: private and local ranges cannot be opened through the "
+                              "server (they are the server's own networks)")
         if spec.limits.max_output > MAX_OUTPUT_CAP:
             # the server holds a command's output in memory until it answers: bound it
             raise InvalidSpec(f"max_output: {format_size(spec.limits.max_output)} is over the server's "
@@ -169,6 +179,19 @@ class SandboxManager:
             self._release(tenant, spec.limits.memory)
         self.metrics.live.set(len(self._entries))
         return entry
+
+    def audit(self, entry: Entry) -> list[dict[str, Any]]:
+        """The sandbox's egress refusals so far; feeds the refused-egress counter with what is new."""
+        try:
+            events = [e.to_dict() for e in entry.sandbox.network.audit()]
+        except SandboxClosed:  # a tier without a network side
+            return []
+        refused = sum(1 for e in events if e.get("kind") == "refused")
+        with self._lock:
+            new, entry.refused_seen = refused - entry.refused_seen, max(refused, entry.refused_seen)
+        if new > 0:
+            self.metrics.egress_refused.inc(new)
+        return events
 
     def extend(self, entry: Entry, seconds: float) -> None:
         cap = entry.created + self.config.max_lifetime

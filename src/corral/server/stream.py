@@ -2,12 +2,13 @@
 
 Protocol (JSON text frames):
 
-* client, first frame: ``{"cmd": "..." | [...], "timeout": s, "env": {...}, "cwd": "..."}``
+* client, first frame: ``{"cmd": "..." | [...], "timeout": s, "env": {...}, "cwd": "...", "pty": [rows, cols]}``
+  (``pty`` optional: the command runs on a terminal and all output arrives as stdout)
 * server: ``{"type": "started"}``, then ``{"type": "stdout"|"stderr", "data": text}`` in the order
   the sandbox produced them, then ``{"type": "result", ...}`` (fields of ``corral run --json``), then close.
 * client, any time: ``{"type": "stdin", "data": text}``, ``{"type": "stdin_close"}``,
-  ``{"type": "signal", "signal": N}``, ``{"type": "kill"}``.  ``resize`` is answered with an
-  error frame: commands run without a PTY.
+  ``{"type": "signal", "signal": N}``, ``{"type": "kill"}``, ``{"type": "resize", "rows": R, "cols": C}``
+  (a command started with ``pty``; otherwise answered with an error frame).
 * errors: ``{"type": "error", "error": code, "message": text}``, then close.
 
 Closing the socket kills the command's whole process tree.
@@ -45,7 +46,7 @@ async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:
 
 
 async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str) -> None:
-    from .app import ExecBody
+    from .app import StreamExecBody
 
     await websocket.accept()
     manager = app.state.manager()
@@ -55,9 +56,9 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
         entry = manager.get(tenant, sandbox_id)
         try:
             first = await asyncio.wait_for(websocket.receive_text(), timeout=30)
-            body = ExecBody.model_validate(json.loads(first))
+            body = StreamExecBody.model_validate(json.loads(first))
         except (ValueError, ValidationError) as exc:
-            raise InvalidSpec(f"first frame must be a JSON exec request {{cmd, timeout, env, cwd}}: {exc}") from None
+            raise InvalidSpec(f"first frame must be a JSON exec request {{cmd, timeout, env, cwd, pty}}: {exc}") from None
         except TimeoutError:
             raise InvalidSpec("no exec request received within 30 s") from None
     except SandboxError as exc:
@@ -88,7 +89,7 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
         with manager.exec_slot(entry):
             handle: CommandHandle = await app.state.run_blocking(
                 entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
-                on_output=on_output)
+                on_output=on_output, pty=body.pty)
 
             # "started" means the process exists: a signal or kill sent before the agent forked it
             # would find nothing to hit and the command would run on regardless
@@ -103,7 +104,7 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
                     loop.call_soon_threadsafe(queue.put_nowait, ("failed", exc))
 
             waiter = asyncio.ensure_future(app.state.run_blocking(wait_then_report))
-            receiver = asyncio.create_task(_receive_control(websocket, handle, queue))
+            receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None))
             try:
                 await websocket.send_json({"type": "started"})
                 await _pump(websocket, queue, decoders, metrics, sandbox_id)
@@ -147,7 +148,7 @@ async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
 
 
 async def _receive_control(websocket: WebSocket, handle: CommandHandle,
-                           queue: asyncio.Queue[tuple[str, Any]]) -> None:
+                           queue: asyncio.Queue[tuple[str, Any]], has_pty: bool) -> None:
     try:
         while websocket.application_state == WebSocketState.CONNECTED:
             message = json.loads(await websocket.receive_text())
@@ -161,8 +162,15 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle,
             elif kind == "kill":
                 handle.kill()
             elif kind == "resize":
-                await websocket.send_json({"type": "error", "error": "invalid_spec",
-                                           "message": "resize: commands run without a PTY"})
+                rows, cols = message.get("rows"), message.get("cols")
+                if not has_pty:
+                    problem = "the command was not started with pty"
+                elif not all(isinstance(n, int) and 0 < n < 10000 for n in (rows, cols)):
+                    problem = "rows and cols must be whole numbers from 1 to 9999"
+                else:
+                    handle.resize(rows, cols)
+                    continue
+                await websocket.send_json({"type": "error", "error": "invalid_spec", "message": f"resize: {problem}"})
             else:
                 await websocket.send_json({"type": "error", "error": "invalid_spec",
                                            "message": f"unknown control frame {str(message)[:200]!r}"})
