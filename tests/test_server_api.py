@@ -267,6 +267,13 @@ def test_bad_exec_file_and_size_requests(server: ServerProcess) -> None:
                 response = http.post(base + "/exec", json=body)
                 assert 400 <= response.status_code < 500, (body, response.text)
                 assert response.json()["message"]
+            for raw in ('{"cmd": "echo \\ud800"}', '{"cmd": ["echo", "\\ud800"]}', '{"cmd": "true", "stdin": "\\ud800"}',
+                        '{"cmd": "true", "env": {"A": "\\ud800"}}', '{"cmd": "true", "cwd": "/\\ud800"}'):
+                lone = http.post(base + "/exec", content=raw, headers={"content-type": "application/json"})
+                assert lone.status_code == 400 and "Unicode" in lone.json()["message"], (raw, lone.text)
+            lone_env = http.post("/v1/sandboxes", content='{"env": {"A": "\\ud800"}}',
+                                 headers={"content-type": "application/json"})
+            assert lone_env.status_code == 400, lone_env.text
             escaping = http.get(base + "/files/content", params={"path": "../../etc/shadow"})
             assert escaping.status_code == 400 and "'..'" in escaping.json()["message"]
             huge = http.put(base + "/files/content", params={"path": "big"}, content=b"x" * (2 << 20),

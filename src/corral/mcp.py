@@ -97,9 +97,12 @@ def build_server() -> MCPServer[Session]:
     @server.tool()
     @_anticipated
     async def create_sandbox(image: str = "host", memory: str = "512M", cpus: float = 1.0, timeout: float = 60.0,
-                             env: dict[str, str] | None = None) -> dict[str, Any]:
-        """Create a sandbox; returns its id. memory like 512M, timeout = default seconds per command."""
-        sb = await session.create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env)
+                             env: dict[str, str] | None = None, allow: list[str] | None = None) -> dict[str, Any]:
+        """Create a sandbox; returns its id. memory like 512M, timeout = default seconds per command.
+        No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port)."""
+        # secrets are deliberately not offered: the model would choose where they may be sent
+        sb = await session.create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env,
+                                  allow=allow or None)
         return {"sandbox_id": sb.id}
 
     @server.tool()

@@ -111,10 +111,27 @@ def _tenant(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, 
 Tenant = Annotated[str, Depends(_tenant)]
 
 
+def require_unicode(value: Any, where: str = "body") -> None:
+    """JSON may carry lone surrogates ("\\ud800"); no argv, environment, path or answer can hold them."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidSpec(f"{where}: text is not valid Unicode (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            require_unicode(key, where)
+            require_unicode(item, f"{where}.{key}" if isinstance(key, str) and key.isprintable() else where)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            require_unicode(item, where)
+
+
 def checked_path(path: str) -> str:
     """A sandbox path from a request: no NUL, no '..' component (nothing may walk out of where it names)."""
     if not path or "\0" in path:
         raise InvalidSpec("path: must be a non-empty path without NUL bytes")
+    require_unicode(path, "path")
     if ".." in path.split("/"):
         raise InvalidSpec(f"path {path!r}: '..' components are not allowed")
     if len(path.encode()) > 4000:
@@ -172,6 +189,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             metrics.quota_refusals.inc()
         return error_response(status, exc.code, str(exc))
 
+    @app.exception_handler(UnicodeError)
+    async def unicode_error(_: Request, exc: UnicodeError) -> JSONResponse:
+        # JSON may carry lone surrogates ("\ud800"): no argv, path or file can hold them
+        return error_response(400, InvalidSpec.code, f"text is not valid Unicode (lone surrogate?): {exc}")
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
@@ -189,6 +211,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/sandboxes", status_code=201, summary="Create a sandbox")
     async def create_sandbox(body: CreateSandbox, who: Tenant) -> dict[str, Any]:
         data = body.model_dump(exclude_unset=True)
+        require_unicode(data)
         idle, life = data.pop("idle_timeout", None), data.pop("lifetime", None)
         spec = SandboxSpec.from_dict(data)
         entry = await manager().create(who, spec, idle, life)
@@ -218,6 +241,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/exec", summary="Run a command to completion")
     async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant) -> dict[str, Any]:
         entry = manager().get(who, sandbox_id)
+        require_unicode(body.model_dump())
         with manager().exec_slot(entry):
             result = await run_blocking(entry.sandbox.commands.run, body.cmd, timeout=body.timeout,
                                         env=body.env, cwd=body.cwd, stdin=body.stdin)

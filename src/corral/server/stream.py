@@ -46,7 +46,7 @@ async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:
 
 
 async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str) -> None:
-    from .app import StreamExecBody
+    from .app import StreamExecBody, require_unicode
 
     await websocket.accept()
     manager = app.state.manager()
@@ -57,6 +57,7 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
         try:
             first = await asyncio.wait_for(websocket.receive_text(), timeout=30)
             body = StreamExecBody.model_validate(json.loads(first))
+            require_unicode(body.model_dump())
         except (ValueError, ValidationError) as exc:
             raise InvalidSpec(f"first frame must be a JSON exec request {{cmd, timeout, env, cwd, pty}}: {exc}") from None
         except TimeoutError:
@@ -115,6 +116,8 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
                     await waiter
     except SandboxError as exc:
         await _send_error(websocket, exc)
+    except UnicodeError as exc:
+        await _send_error(websocket, InvalidSpec(f"text is not valid Unicode (lone surrogate?): {exc}"))
     except (WebSocketDisconnect, RuntimeError):
         return
 
@@ -154,7 +157,13 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle,
             message = json.loads(await websocket.receive_text())
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "stdin" and isinstance(message.get("data"), str):
-                handle.send_stdin(message["data"])
+                try:
+                    data = message["data"].encode()
+                except UnicodeEncodeError:
+                    await websocket.send_json({"type": "error", "error": "invalid_spec",
+                                               "message": "stdin: text is not valid Unicode (a lone surrogate)"})
+                    continue
+                handle.send_stdin(data)
             elif kind == "stdin_close":
                 handle.close_stdin()
             elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:
