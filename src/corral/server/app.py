@@ -102,7 +102,7 @@ class TimeoutBody(BaseModel):
 _bearer = HTTPBearer(auto_error=False)
 
 
-def _tenant(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+async def _tenant(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
     """The caller's tenant (declared through HTTPBearer so the OpenAPI document shows the scheme)."""
     tenant_of: Callable[[str | None], str] = request.app.state.tenant_of
     return tenant_of(request.headers.get("authorization"))
