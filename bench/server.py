@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -201,6 +202,8 @@ def main() -> None:
             server.stop()
     leftovers = list((state / "sandboxes").iterdir())
     print(f"leftover sandbox directories after shutdown: {len(leftovers)}")
+    if not leftovers:
+        shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":
