@@ -376,7 +376,7 @@ class Sandbox:
         if url:
             from .client import RemoteSandbox  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
-            return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[no-any-return]
+            return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[return-value]
         kwargs.pop("api_key", None)
         full_spec = build_spec(spec, **kwargs)
         root = state_dir(state)

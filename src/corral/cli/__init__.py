@@ -19,6 +19,9 @@ COMMAND_MODULES = [
     "corral.cli.shell",
     "corral.cli.image",
     "corral.cli.code",
+    "corral.cli.serve",
+    "corral.cli.remote",
+    "corral.cli.mcp",
 ]
 
 #: exit code when the sandbox itself could not be made (like `docker run`)

@@ -1,0 +1,26 @@
+"""``corral mcp``: serve sandboxes as MCP tools over stdio (or streamable HTTP on loopback)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("mcp", help="serve the Model Context Protocol (stdio by default)",
+                            description="Sandboxes as MCP tools. Sandboxes of a session are destroyed when it ends. "
+                            "With CORRAL_URL set, sandboxes live in that server.")
+    parser.add_argument("--http", action="store_true", help="streamable HTTP on loopback instead of stdio")
+    parser.add_argument("--port", type=int, default=7334, help="port for --http (default 7334)")
+    parser.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    import os
+
+    from ..mcp import main
+
+    if args.state_dir:
+        os.environ["CORRAL_STATE_DIR"] = args.state_dir
+    main("http" if args.http else "stdio", port=args.port)
+    return 0

@@ -1,0 +1,58 @@
+"""``corral serve``: run the sandbox API server (loopback only unless API keys are set)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("serve", help="run the HTTP API server",
+                            description="Serve the sandbox API over HTTP. Listens on 127.0.0.1 by default; "
+                            "other addresses need API keys (CORRAL_API_KEYS=tenant=KEY,... or --api-keys-file).")
+    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 7333; 0 picks a free one)")
+    parser.add_argument("--config", default=None, metavar="FILE", help="JSON config (quotas, lifetimes, pools)")
+    parser.add_argument("--api-keys-file", default=None, metavar="FILE",
+                        help="lines of tenant=KEY or tenant=sha256:HEX")
+    parser.add_argument("--max-sandboxes", type=int, default=None, help="live sandboxes per tenant (default 32)")
+    parser.add_argument("--max-memory", default=None, help="total memory limit per tenant (default 16G)")
+    parser.add_argument("--idle-timeout", type=float, default=None, help="seconds unused before destroy (600)")
+    parser.add_argument("--max-lifetime", type=float, default=None, help="seconds any sandbox may live (3600)")
+    parser.add_argument("--max-concurrent-execs", type=int, default=None, help="commands at once per sandbox (8)")
+    parser.add_argument("--pool", action="append", default=[], metavar="MIN:MAX[:SPEC-JSON]",
+                        help="a warm pool (repeatable); SPEC-JSON as the POST /v1/sandboxes body")
+    parser.add_argument("--log-level", default="warning")
+    parser.set_defaults(handler=handle)
+
+
+def parse_pool(text: str) -> dict[str, Any]:
+    import json
+
+    from ..errors import InvalidSpec
+
+    parts = text.split(":", 2)
+    try:
+        entry: dict[str, Any] = {"min_idle": int(parts[0]), "max_idle": int(parts[1]) if len(parts) > 1 else None}
+        entry["spec"] = json.loads(parts[2]) if len(parts) > 2 else {}
+    except ValueError as exc:
+        raise InvalidSpec(f"--pool {text!r}: expected MIN:MAX[:SPEC-JSON] ({exc})") from None
+    return entry
+
+
+def handle(args: argparse.Namespace) -> int:
+    from ..server import ServerConfig, serve
+
+    config = ServerConfig.load(
+        args.config, args.api_keys_file, host=args.host, port=args.port,
+        max_sandboxes_per_tenant=args.max_sandboxes, max_memory_per_tenant=args.max_memory,
+        idle_timeout=args.idle_timeout, max_lifetime=args.max_lifetime,
+        max_concurrent_execs=args.max_concurrent_execs, state_dir=args.state_dir,
+    )
+    if args.pool:
+        config.pools = [*config.pools, *(parse_pool(p) for p in args.pool)]
+    print(f"corral: serving on http://{config.host}:{config.port} "
+          f"({'API keys required' if config.auth_required else 'no auth: loopback only'})", file=sys.stderr)
+    serve(config, args.log_level)
+    return 0

@@ -1,0 +1,150 @@
+"""Server configuration: bind address, API keys, quotas, lifetimes, pools.
+
+API keys are kept only as SHA-256 digests (in memory and in any file Corral
+writes); a key file may hold either ``tenant=KEY`` or ``tenant=sha256:HEX``
+lines, so operators can keep plaintext keys out of it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import math
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidSpec
+from ..spec import MiB, parse_size
+
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: the tenant every request belongs to when no keys are configured (loopback only)
+ANONYMOUS_TENANT = "local"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_keys(text: str, where: str) -> dict[str, str]:
+    """``tenant=key`` items (comma- or newline-separated) -> {sha256 digest: tenant}."""
+    digests: dict[str, str] = {}
+    for raw in re.split(r"[,\n]", text):
+        item = raw.strip()
+        if not item or item.startswith("#"):
+            continue
+        tenant, sep, key = item.partition("=")
+        tenant, key = tenant.strip(), key.strip()
+        if not sep or not _TENANT_RE.match(tenant) or not key:
+            raise InvalidSpec(f"{where}: expected tenant=KEY items, got {item.split('=')[0]!r}=...")
+        if key.startswith("sha256:"):
+            digest = key[len("sha256:"):].lower()
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise InvalidSpec(f"{where}: tenant {tenant}: sha256: must be followed by 64 hex digits")
+        else:
+            if len(key) < 16:
+                raise InvalidSpec(f"{where}: tenant {tenant}: keys must be at least 16 characters")
+            digest = hash_key(key)
+        digests[digest] = tenant
+    return digests
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def _positive(value: Any, what: str, integer: bool = False) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidSpec(f"{what}: {value!r} must be a positive number")
+    if integer and value != int(value):
+        raise InvalidSpec(f"{what}: {value!r} must be a whole number")
+    return int(value) if integer else float(value)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 7333
+    #: sha256 digest -> tenant; empty means "no auth" (refused on non-loopback binds)
+    key_digests: dict[str, str] = field(default_factory=dict)
+    max_sandboxes_per_tenant: int = 32
+    max_memory_per_tenant: int = 16 * 1024 * MiB
+    #: a sandbox nobody touched for this long is destroyed
+    idle_timeout: float = 600.0
+    #: no sandbox lives longer than this, extensions included
+    max_lifetime: float = 3600.0
+    max_request_bytes: int = 32 * MiB
+    max_concurrent_execs: int = 8
+    pools: list[dict[str, Any]] = field(default_factory=list)
+    state_dir: str | None = None
+
+    def validate(self) -> ServerConfig:
+        _positive(self.port, "port", integer=True)
+        self.max_sandboxes_per_tenant = _positive(self.max_sandboxes_per_tenant, "max_sandboxes", integer=True)
+        self.max_memory_per_tenant = parse_size(self.max_memory_per_tenant, "max_memory")
+        self.idle_timeout = _positive(self.idle_timeout, "idle_timeout")
+        self.max_lifetime = _positive(self.max_lifetime, "max_lifetime")
+        self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")
+        self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
+        if not self.key_digests and not is_loopback(self.host):
+            raise InvalidSpec(
+                f"refusing to listen on {self.host} without API keys: anyone who can reach it could run code. "
+                "Set CORRAL_API_KEYS=tenant=KEY (or --api-keys-file), or bind to 127.0.0.1"
+            )
+        return self
+
+    def tenant_for(self, key: str) -> str | None:
+        digest = hash_key(key)
+        for known, tenant in self.key_digests.items():
+            if hmac.compare_digest(known, digest):
+                return tenant
+        return None
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.key_digests)
+
+    @classmethod
+    def load(cls, config_file: str | None = None, keys_file: str | None = None, **overrides: Any) -> ServerConfig:
+        """Defaults < config file (JSON) < environment (CORRAL_API_KEYS) < explicit overrides."""
+        config = cls()
+        if config_file:
+            try:
+                data = json.loads(Path(config_file).read_text())
+            except (OSError, ValueError) as exc:
+                raise InvalidSpec(f"config file {config_file}: {exc}") from None
+            if not isinstance(data, dict):
+                raise InvalidSpec(f"config file {config_file}: expected a JSON object")
+            known = {f for f in cls.__dataclass_fields__ if f != "key_digests"} | {"api_keys_file"}
+            unknown = sorted(set(data) - known)
+            if unknown:
+                raise InvalidSpec(f"config file: unknown field(s) {', '.join(unknown)}; "
+                                  f"known: {', '.join(sorted(known))}")
+            keys_file = keys_file or data.pop("api_keys_file", None)
+            for name, value in data.items():
+                setattr(config, name, value)
+        if keys_file:
+            try:
+                text = Path(keys_file).read_text()
+            except OSError as exc:
+                raise InvalidSpec(f"API key file {keys_file}: {exc}") from None
+            config.key_digests.update(parse_keys(text, f"API key file {keys_file}"))
+        if os.environ.get("CORRAL_API_KEYS"):
+            config.key_digests.update(parse_keys(os.environ["CORRAL_API_KEYS"], "CORRAL_API_KEYS"))
+        for name, value in overrides.items():
+            if value is not None:
+                setattr(config, name, value)
+        return config.validate()

@@ -1,0 +1,265 @@
+"""The server's sandboxes: ownership by tenant, quotas, lifetimes, persistence.
+
+Every sandbox the server creates is recorded twice in SQLite in the state
+directory: in the library's registry (which the janitor uses to release its
+resources when the owning process is gone) and in ``server.db`` (tenant and
+deadlines).  After a ``kill -9`` the sandboxes' processes die with the server
+(bubblewrap's ``--die-with-parent``); on the next start :meth:`recover` runs the
+janitor and forgets the previous run's rows, so nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
+from ..pool import PoolSet, create_on_launcher
+from ..registry import gc, state_dir
+from ..sandbox import Sandbox
+from ..spec import SandboxSpec, format_size
+from .config import ServerConfig
+from .metrics import Metrics
+
+REAP_INTERVAL = 0.5
+DESTROY_THREADS = 32
+MAX_OUTPUT_CAP = 64 << 20
+
+
+@dataclass
+class Entry:
+    sandbox: Sandbox
+    tenant: str
+    created: float
+    expires_at: float
+    idle_timeout: float
+    from_pool: bool
+    last_used: float = field(default_factory=time.time)
+    active_execs: int = 0
+    #: egress refusals already counted in the metrics
+    refused_seen: int = 0
+
+    @property
+    def spec(self) -> SandboxSpec:
+        return self.sandbox.spec
+
+    def to_dict(self) -> dict[str, Any]:
+        spec = self.spec.to_dict()
+        spec.pop("workspace", None)
+        return {
+            "id": self.sandbox.id,
+            "state": "running" if self.sandbox.is_running() else "stopped",
+            "spec": spec,
+            "created_at": self.created,
+            "expires_at": self.expires_at,
+            "idle_timeout": self.idle_timeout,
+            "last_used_at": self.last_used,
+            "from_pool": self.from_pool,
+        }
+
+
+class SandboxManager:
+    def __init__(self, config: ServerConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.root = state_dir(config.state_dir)
+        self._entries: dict[str, Entry] = {}
+        #: quota reservations for creates in flight: tenant -> [count, memory]
+        self._pending: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / "server.db", isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # a lost row after power loss is reaped by the registry janitor
+        self._db.execute("CREATE TABLE IF NOT EXISTS server_sandboxes (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+                         "created REAL NOT NULL, expires_at REAL NOT NULL)")
+        self._db_lock = threading.Lock()
+        self.recovered = self.recover()
+        self.pools = PoolSet.from_config(config.pools, self.root, on_create=metrics.create_seconds.observe)
+        self._reaper: asyncio.Task[None] | None = None
+        # destroying waits (for processes to die, cgroups to empty): many may overlap
+        self._destroyers = ThreadPoolExecutor(max_workers=DESTROY_THREADS, thread_name_prefix="corral-destroy")
+
+    # -- persistence -----------------------------------------------------------
+    def _sql(self, query: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        with self._db_lock:
+            return self._db.execute(query, args).fetchall()
+
+    def recover(self) -> list[str]:
+        """Release everything a previous run of the server left (it was killed, or crashed)."""
+        previous = [row[0] for row in self._sql("SELECT id FROM server_sandboxes")]
+        gc(self.root)  # the registry janitor: reaps every sandbox whose owning process is dead
+        self._sql("DELETE FROM server_sandboxes")
+        return previous
+
+    # -- lookup ----------------------------------------------------------------
+    def get(self, tenant: str, sandbox_id: str) -> Entry:
+        entry = self._entries.get(sandbox_id)
+        if entry is None or entry.tenant != tenant:
+            # another tenant's sandbox is answered exactly like a missing one
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        entry.last_used = time.time()
+        return entry
+
+    def owned_by(self, tenant: str) -> list[Entry]:
+        return sorted((e for e in self._entries.values() if e.tenant == tenant), key=lambda e: e.created)
+
+    def live_count(self) -> int:
+        return len(self._entries)
+
+    # -- create / destroy ------------------------------------------------------
+    def _reserve(self, tenant: str, memory: int) -> None:
+        with self._lock:
+            mine = [e for e in self._entries.values() if e.tenant == tenant]
+            pending = self._pending.setdefault(tenant, [0, 0])
+            count = len(mine) + pending[0]
+            used = sum(e.spec.limits.memory for e in mine) + pending[1]
+            if count + 1 > self.config.max_sandboxes_per_tenant:
+                raise ResourceLimit(f"quota: tenant {tenant!r} already has {count} live sandboxes "
+                                    f"(max {self.config.max_sandboxes_per_tenant}); destroy one first")
+            if used + memory > self.config.max_memory_per_tenant:
+                raise ResourceLimit(f"quota: tenant {tenant!r} uses {format_size(used)} of "
+                                    f"{format_size(self.config.max_memory_per_tenant)} memory; "
+                                    f"{format_size(memory)} more does not fit")
+            pending[0] += 1
+            pending[1] += memory
+
+    def _release(self, tenant: str, memory: int) -> None:
+        with self._lock:
+            pending = self._pending[tenant]
+            pending[0] -= 1
+            pending[1] -= memory
+
+    def deadlines(self, idle_timeout: float | None, lifetime: float | None) -> tuple[float, float]:
+        cap = self.config.max_lifetime
+        for value, what in ((idle_timeout, "idle_timeout"), (lifetime, "lifetime")):
+            if value is not None and not 0 < value <= cap:
+                raise InvalidSpec(f"{what}: {value!r} must be seconds in (0, {cap:g}] (the server's max lifetime)")
+        return (idle_timeout or min(self.config.idle_timeout, cap)), (lifetime or cap)
+
+    async def create(self, tenant: str, spec: SandboxSpec, idle_timeout: float | None = None,
+                     lifetime: float | None = None) -> Entry:
+        if spec.workspace is not None:
+            raise InvalidSpec("workspace: host directories cannot be mounted through the server; "
+                              "upload files with the files API instead")
+        if spec.secrets:
+            # secret values are read from the creating process's environment or secrets file:
+            # through the server that would be the server's own, handed to whichever host a tenant names
+            raise InvalidSpec("secrets: brokered secrets are not available through the server "
+                              "(their values would come from the server's environment)")
+        if spec.unsafe_allow_ranges:
+            raise InvalidSpec("unsafe_allow_ranges: private and local ranges cannot be opened through the "
+                              "server (they are the server's own networks)")
+        if spec.limits.max_output > MAX_OUTPUT_CAP:
+            # the server holds a command's output in memory until it answers: bound it
+            raise InvalidSpec(f"max_output: {format_size(spec.limits.max_output)} is over the server's "
+                              f"{format_size(MAX_OUTPUT_CAP)} per stream")
+        idle, life = self.deadlines(idle_timeout, lifetime)
+        self._reserve(tenant, spec.limits.memory)
+        try:
+            pool = self.pools.get(spec)
+            sandbox = pool.try_acquire() if pool is not None else None
+            from_pool = sandbox is not None
+            if sandbox is None:
+                t0 = time.perf_counter()
+                sandbox = await asyncio.wrap_future(create_on_launcher(spec, self.root))
+                self.metrics.create_seconds.observe(time.perf_counter() - t0)
+            now = time.time()
+            entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)
+            with self._lock:
+                self._entries[sandbox.id] = entry
+            self._sql("INSERT INTO server_sandboxes VALUES (?, ?, ?, ?)", (sandbox.id, tenant, now, entry.expires_at))
+        finally:
+            self._release(tenant, spec.limits.memory)
+        self.metrics.live.set(len(self._entries))
+        return entry
+
+    def audit(self, entry: Entry) -> list[dict[str, Any]]:
+        """The sandbox's egress refusals so far; feeds the refused-egress counter with what is new."""
+        try:
+            events = [e.to_dict() for e in entry.sandbox.network.audit()]
+        except SandboxClosed:  # a tier without a network side
+            return []
+        refused = sum(1 for e in events if e.get("kind") == "refused")
+        with self._lock:
+            new, entry.refused_seen = refused - entry.refused_seen, max(refused, entry.refused_seen)
+        if new > 0:
+            self.metrics.egress_refused.inc(new)
+        return events
+
+    def extend(self, entry: Entry, seconds: float) -> None:
+        cap = entry.created + self.config.max_lifetime
+        wanted = time.time() + seconds
+        if not seconds > 0 or wanted > cap + 1e-3:
+            left = max(0.0, cap - time.time())
+            raise InvalidSpec(f"timeout: {seconds!r} s would outlive the server's max lifetime of "
+                              f"{self.config.max_lifetime:g} s from creation ({left:.0f} s left)")
+        entry.expires_at = wanted
+        self._sql("UPDATE server_sandboxes SET expires_at = ? WHERE id = ?", (wanted, entry.sandbox.id))
+
+    def destroy_now(self, sandbox_id: str) -> None:
+        with self._lock:
+            entry = self._entries.pop(sandbox_id, None)
+        if entry is None:
+            return
+        try:
+            entry.sandbox.kill()
+        finally:
+            self._sql("DELETE FROM server_sandboxes WHERE id = ?", (sandbox_id,))
+            self.metrics.live.set(len(self._entries))
+
+    async def destroy(self, tenant: str, sandbox_id: str) -> None:
+        self.get(tenant, sandbox_id)
+        await asyncio.get_running_loop().run_in_executor(self._destroyers, self.destroy_now, sandbox_id)
+
+    # -- exec admission --------------------------------------------------------
+    @contextlib.contextmanager
+    def exec_slot(self, entry: Entry) -> Iterator[None]:
+        with self._lock:
+            if entry.active_execs >= self.config.max_concurrent_execs:
+                raise ResourceLimit(f"sandbox {entry.sandbox.id} already runs {entry.active_execs} commands "
+                                    f"(max {self.config.max_concurrent_execs} at once); wait for one to finish")
+            entry.active_execs += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                entry.active_execs -= 1
+            entry.last_used = time.time()
+
+    # -- lifetimes -------------------------------------------------------------
+    def expired(self, now: float) -> list[str]:
+        with self._lock:
+            return [sid for sid, e in self._entries.items()
+                    if now >= e.expires_at or (e.active_execs == 0 and now - e.last_used >= e.idle_timeout)
+                    or not e.sandbox.is_running()]
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL)
+            expired = self.expired(time.time())
+            self.metrics.expired.inc(len(expired))
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._destroyers, self.destroy_now, sandbox_id)
+                                   for sandbox_id in expired))
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+
+    async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await asyncio.to_thread(self._destroy_all)
+
+    def _destroy_all(self) -> None:
+        list(self._destroyers.map(self.destroy_now, list(self._entries)))
+        self._destroyers.shutdown()
+        self.pools.close()
+        with self._db_lock:
+            self._db.close()

@@ -1,0 +1,192 @@
+"""``/v1/sandboxes/{id}/exec/stream``: a command's output as it is produced.
+
+Protocol (JSON text frames):
+
+* client, first frame: ``{"cmd": "..." | [...], "timeout": s, "env": {...}, "cwd": "...", "pty": [rows, cols]}``
+  (``pty`` optional: the command runs on a terminal and all output arrives as stdout)
+* server: ``{"type": "started"}``, then ``{"type": "stdout"|"stderr", "data": text}`` in the order
+  the sandbox produced them, then ``{"type": "result", ...}`` (fields of ``corral run --json``), then close.
+* client, any time: ``{"type": "stdin", "data": text}``, ``{"type": "stdin_close"}``,
+  ``{"type": "signal", "signal": N}``, ``{"type": "kill"}``, ``{"type": "resize", "rows": R, "cols": C}``
+  (a command started with ``pty``; otherwise answered with an error frame).
+* errors: ``{"type": "error", "error": code, "message": text}``, then close.
+
+Closing the socket kills the command's whole process tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from ..errors import InvalidSpec, SandboxError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from ..sandbox import CommandHandle
+
+#: close codes: 4000 + the HTTP status the same error gets over REST
+CLOSE_NORMAL = 1000
+
+
+async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:
+    from .app import status_for
+
+    with contextlib.suppress(Exception):
+        await websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
+        await websocket.close(code=4000 + status_for(exc))
+
+
+async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str) -> None:
+    from .app import StreamExecBody, require_unicode
+
+    await websocket.accept()
+    manager = app.state.manager()
+    metrics = app.state.metrics
+    try:
+        tenant = app.state.tenant_of(websocket.headers.get("authorization"))
+        entry = manager.get(tenant, sandbox_id)
+        try:
+            first = await asyncio.wait_for(websocket.receive_text(), timeout=30)
+            body = StreamExecBody.model_validate(json.loads(first))
+            require_unicode(body.model_dump())
+        except (ValueError, ValidationError) as exc:
+            raise InvalidSpec(f"first frame must be a JSON exec request {{cmd, timeout, env, cwd, pty}}: {exc}") from None
+        except TimeoutError:
+            raise InvalidSpec("no exec request received within 30 s") from None
+    except SandboxError as exc:
+        await _send_error(websocket, exc)
+        return
+    except WebSocketDisconnect:
+        return
+
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    decoders: dict[str, codecs.IncrementalDecoder] = {
+        s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")
+    }
+
+    # what is streamed is capped like what is kept (max_output per stream; the result says
+    # "truncated"), so a command writing without end to a client that does not read cannot make
+    # the server buffer without bound
+    room = {"stdout": entry.spec.limits.max_output, "stderr": entry.spec.limits.max_output}
+
+    def on_output(stream: str, chunk: bytes) -> None:  # called on the sandbox's reader thread
+        if room[stream] <= 0:
+            return
+        chunk = chunk[: room[stream]]
+        room[stream] -= len(chunk)
+        loop.call_soon_threadsafe(queue.put_nowait, (stream, chunk))
+
+    try:
+        with manager.exec_slot(entry):
+            handle: CommandHandle = await app.state.run_blocking(
+                entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
+                on_output=on_output, pty=body.pty)
+
+            # "started" means the process exists: a signal or kill sent before the agent forked it
+            # would find nothing to hit and the command would run on regardless
+            await app.state.run_blocking(_wait_until_forked, handle)
+
+            def wait_then_report() -> None:
+                # queued after every output chunk the reader thread delivered before the exit
+                try:
+                    result = handle.wait()
+                    loop.call_soon_threadsafe(queue.put_nowait, ("result", result))
+                except BaseException as exc:
+                    loop.call_soon_threadsafe(queue.put_nowait, ("failed", exc))
+
+            waiter = asyncio.ensure_future(app.state.run_blocking(wait_then_report))
+            receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None))
+            try:
+                await websocket.send_json({"type": "started"})
+                await _pump(websocket, queue, decoders, metrics, sandbox_id)
+            finally:
+                receiver.cancel()
+                handle.kill()  # no-op once the command ended; kills the tree if the client left early
+                with contextlib.suppress(BaseException):
+                    await waiter
+    except SandboxError as exc:
+        await _send_error(websocket, exc)
+    except UnicodeError as exc:
+        await _send_error(websocket, InvalidSpec(f"text is not valid Unicode (lone surrogate?): {exc}"))
+    except (WebSocketDisconnect, RuntimeError):
+        return
+
+
+def _wait_until_forked(handle: CommandHandle, timeout: float = 10.0) -> None:
+    process = getattr(handle, "_process", None)  # the tier's Process; agent tiers report the pid
+    deadline = time.monotonic() + timeout
+    while getattr(process, "pid", 0) is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
+                decoders: dict[str, codecs.IncrementalDecoder], metrics: Any, sandbox_id: str) -> None:
+    while True:
+        kind, payload = await queue.get()
+        if kind in ("stdout", "stderr"):
+            text = decoders[kind].decode(payload)
+            if text:
+                await websocket.send_json({"type": kind, "data": text})
+        elif kind == "result":
+            metrics.record_exec(payload.timed_out, payload.oom_killed)
+            await websocket.send_json({"type": "result", "sandbox_id": sandbox_id, **payload.to_dict()})
+            await websocket.close(code=CLOSE_NORMAL)
+            return
+        elif kind == "failed":
+            if isinstance(payload, SandboxError):
+                raise payload
+            raise SandboxError(f"command failed: {payload}")
+        elif kind == "disconnect":
+            raise WebSocketDisconnect(code=1001)
+
+
+async def _receive_control(websocket: WebSocket, handle: CommandHandle,
+                           queue: asyncio.Queue[tuple[str, Any]], has_pty: bool) -> None:
+    try:
+        while websocket.application_state == WebSocketState.CONNECTED:
+            message = json.loads(await websocket.receive_text())
+            kind = message.get("type") if isinstance(message, dict) else None
+            if kind == "stdin" and isinstance(message.get("data"), str):
+                try:
+                    data = message["data"].encode()
+                except UnicodeEncodeError:
+                    await websocket.send_json({"type": "error", "error": "invalid_spec",
+                                               "message": "stdin: text is not valid Unicode (a lone surrogate)"})
+                    continue
+                handle.send_stdin(data)
+            elif kind == "stdin_close":
+                handle.close_stdin()
+            elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:
+                handle.send_signal(message["signal"])
+            elif kind == "kill":
+                handle.kill()
+            elif kind == "resize":
+                rows, cols = message.get("rows"), message.get("cols")
+                if not has_pty:
+                    problem = "the command was not started with pty"
+                elif not all(isinstance(n, int) and 0 < n < 10000 for n in (rows, cols)):
+                    problem = "rows and cols must be whole numbers from 1 to 9999"
+                else:
+                    handle.resize(rows, cols)
+                    continue
+                await websocket.send_json({"type": "error", "error": "invalid_spec", "message": f"resize: {problem}"})
+            else:
+                await websocket.send_json({"type": "error", "error": "invalid_spec",
+                                           "message": f"unknown control frame {str(message)[:200]!r}"})
+    except (WebSocketDisconnect, RuntimeError):
+        queue.put_nowait(("disconnect", None))
+    except ValueError:
+        await websocket.send_json({"type": "error", "error": "invalid_spec", "message": "frames must be JSON"})
+        queue.put_nowait(("disconnect", None))
+    except SandboxError:
+        pass  # the command already ended: its result is on its way

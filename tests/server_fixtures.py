@@ -1,0 +1,94 @@
+"""A real ``corral serve`` process on a free loopback port, for the server tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CORRAL = str(Path(sys.executable).with_name("corral"))
+KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef00"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, state: Path, *args: str, keys: dict[str, str] | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        self.state = state
+        self.args = list(args)
+        self.keys = keys
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY", "CORRAL_API_KEYS")}
+        if self.keys:
+            env["CORRAL_API_KEYS"] = ",".join(f"{t}={k}" for t, k in self.keys.items())
+        args = list(self.args)
+        # sandbox launchers run as unprivileged uids and must traverse every parent of the state dir
+        self.state.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.state.parent, 0o711)
+        if self.config is not None:
+            self.state.mkdir(parents=True, exist_ok=True)
+            path = self.state / "server-config.json"
+            path.write_text(json.dumps(self.config))
+            args += ["--config", str(path)]
+        self.proc = subprocess.Popen([CORRAL, "--state-dir", str(self.state), "serve", "--port", str(self.port),
+                                      *args], env=env, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError("server did not become healthy in 30 s")
+
+    def headers(self, tenant: str | None = None) -> dict[str, str]:
+        if tenant is None or not self.keys:
+            return {}
+        return {"Authorization": f"Bearer {self.keys[tenant]}"}
+
+    def client(self, tenant: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers(tenant), timeout=60)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

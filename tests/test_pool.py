@@ -1,0 +1,67 @@
+"""Warm pools in the library, without a server."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from corral.errors import InvalidSpec
+from corral.pool import MAX_POOL_SIZE, SandboxPool
+from corral.spec import SandboxSpec, Workspace
+
+SPEC = SandboxSpec.from_dict({"limits": {"memory": "64M"}})
+
+
+def _wait_idle(pool: SandboxPool, count: int) -> None:
+    deadline = time.monotonic() + 30
+    while pool.idle_count() < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.idle_count() >= count
+
+
+def test_acquire_hands_out_distinct_fresh_sandboxes_and_replaces_dead_ones() -> None:
+    with SandboxPool(SPEC, min_idle=2, max_idle=2) as pool:
+        _wait_idle(pool, 2)
+        first, second = pool.acquire(), pool.acquire()
+        try:
+            assert first.id != second.id
+            assert first.commands.run("ls -A /workspace").stdout == ""
+            first.files.write("mine.txt", "used")
+            _wait_idle(pool, 2)
+            # an idle member that died is never handed out: it is replaced
+            dead = pool._idle[0]
+            assert dead._inner is not None
+            dead._inner.close()
+            third = pool.acquire()
+            assert third.id not in (first.id, second.id, dead.id) and third.is_running()
+            assert not third.files.exists("mine.txt")
+            third.kill()
+            assert pool.stats["replaced"] >= 1
+        finally:
+            first.kill()
+            second.kill()
+        _wait_idle(pool, 2)
+        idle = list(pool._idle)
+    # closing the pool destroys its idle members; handed-out ones were their owners' to kill
+    assert idle and not any(sb.is_running() for sb in idle)
+
+
+def test_empty_pool_falls_back_to_a_cold_create() -> None:
+    with SandboxPool(SPEC, min_idle=0, max_idle=0) as pool:
+        sb = pool.acquire()
+        try:
+            assert sb.commands.run("echo cold").stdout == "cold\n"
+            assert pool.stats["misses"] == 1
+        finally:
+            sb.kill()
+
+
+def test_pools_are_capped(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSpec, match="max_idle"):
+        SandboxPool(SPEC, min_idle=1, max_idle=MAX_POOL_SIZE + 1)
+    with pytest.raises(InvalidSpec, match="host memory"):
+        SandboxPool(SandboxSpec.from_dict({"limits": {"memory": "512G"}}), min_idle=1, max_idle=2)
+    with pytest.raises(InvalidSpec, match="workspace"):
+        SandboxPool(SandboxSpec(workspace=Workspace(tmp_path)), min_idle=1)

@@ -1,0 +1,319 @@
+"""The HTTP API against a real ``corral serve`` on loopback: raw HTTP and a WebSocket client."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from .server_fixtures import KEYS, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    config = {"max_request_bytes": 1 << 20, "max_sandboxes_per_tenant": 3, "max_memory_per_tenant": "1G",
+              "max_concurrent_execs": 2}
+    with ServerProcess(state_dir / "srv-api", keys=KEYS, config=config) as srv:
+        yield srv
+
+
+def create(http: httpx.Client, **body: object) -> str:
+    response = http.post("/v1/sandboxes", json={"limits": {"memory": "128M"}, **body})
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def test_lifecycle_exec_and_files(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http)
+        assert http.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+        assert sid in [s["id"] for s in http.get("/v1/sandboxes").json()["sandboxes"]]
+        result = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo out; echo err >&2; exit 3"}).json()
+        assert (result["exit_code"], result["stdout"], result["stderr"]) == (3, "out\n", "err\n")
+        assert set(result) >= {"exit_code", "stdout", "stderr", "duration_ms", "timed_out", "oom_killed",
+                               "signal", "truncated"}
+        argv = http.post(f"/v1/sandboxes/{sid}/exec",
+                         json={"cmd": ["sh", "-c", 'echo "$X" $(pwd); cat'], "env": {"X": "x1"}, "cwd": "/tmp",
+                               "stdin": "in"}).json()
+        assert argv["stdout"] == "x1 /tmp\nin"
+        put = http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "d/f.bin"}, content=b"\x00\xffdata",
+                       headers={"content-type": "application/octet-stream"})
+        assert put.status_code == 204, put.text
+        assert http.get(f"/v1/sandboxes/{sid}/files/content", params={"path": "d/f.bin"}).content == b"\x00\xffdata"
+        listing = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "d"}).json()["entries"]
+        assert [(e["name"], e["size"]) for e in listing] == [("f.bin", 6)]
+        assert http.post(f"/v1/sandboxes/{sid}/files/dir", params={"path": "e/f"}).status_code == 204
+        assert http.get(f"/v1/sandboxes/{sid}/files/stat", params={"path": "e/f"}).json()["type"] == "dir"
+        assert http.delete(f"/v1/sandboxes/{sid}/files", params={"path": "d/f.bin"}).status_code == 204
+        gone = http.get(f"/v1/sandboxes/{sid}/files/content", params={"path": "d/f.bin"})
+        assert (gone.status_code, gone.json()["error"]) == (404, "file_not_found")
+        assert http.delete(f"/v1/sandboxes/{sid}").status_code == 204
+        missing = http.get(f"/v1/sandboxes/{sid}")
+        assert (missing.status_code, missing.json()["error"]) == (404, "not_found")
+
+
+def test_timeout_and_oom_results(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http, limits={"memory": "64M"})
+        try:
+            slow = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "sleep 30", "timeout": 0.5}).json()
+            assert slow["timed_out"] is True and slow["duration_ms"] < 10_000
+            hog = http.post(f"/v1/sandboxes/{sid}/exec",
+                            json={"cmd": ["python3", "-c", "b = bytearray(400 << 20); print(len(b))"]}).json()
+            assert hog["oom_killed"] is True and hog["stdout"] == ""
+            # the sandbox survives both
+            assert http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo ok"}).json()["stdout"] == "ok\n"
+            metrics = http.get("/metrics").text
+            assert "corral_exec_timeouts_total 1.0" in metrics or "corral_exec_timeouts_total" in metrics
+            assert "corral_live_sandboxes" in metrics and "corral_sandbox_create_seconds_bucket" in metrics
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def _stream(server: ServerProcess, sid: str, tenant: str = "alice"):  # type: ignore[no-untyped-def]
+    return connect(server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/exec/stream",
+                   additional_headers=server.headers(tenant), open_timeout=10, legacy=True)
+
+
+def test_stream_order_stdin_and_result(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http)
+        try:
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "echo one; sleep 0.2; echo two >&2; sleep 0.2; read x; echo got $x; "
+                                           "exit 7"}))
+                frames = []
+                while True:
+                    frame = json.loads(ws.recv(timeout=20))
+                    frames.append(frame)
+                    if frame["type"] == "stderr":
+                        ws.send(json.dumps({"type": "stdin", "data": "hello\n"}))
+                    if frame["type"] in ("result", "error"):
+                        break
+            kinds = [(f["type"], f.get("data")) for f in frames if f["type"] in ("stdout", "stderr")]
+            assert kinds == [("stdout", "one\n"), ("stderr", "two\n"), ("stdout", "got hello\n")]
+            assert frames[0]["type"] == "started"
+            assert frames[-1]["type"] == "result" and frames[-1]["exit_code"] == 7
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_stream_signal_kill_and_output_cap(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http, limits={"memory": "128M", "max_output": "64K"})
+        try:
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": ["sleep", "100"]}))
+                assert json.loads(ws.recv(timeout=20))["type"] == "started"
+                ws.send(json.dumps({"type": "signal", "signal": 15}))
+                frame = json.loads(ws.recv(timeout=20))
+                assert frame["type"] == "result" and frame["signal"] == 15
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "yes", "timeout": 2}))
+                streamed, result = 0, None
+                while result is None:
+                    frame = json.loads(ws.recv(timeout=20))
+                    if frame["type"] == "stdout":
+                        streamed += len(frame["data"])
+                    elif frame["type"] == "result":
+                        result = frame
+                assert streamed == 64 << 10 and result["truncated"] and len(result["stdout"]) == 64 << 10
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "sleep 100"}))
+                assert json.loads(ws.recv(timeout=20))["type"] == "started"
+                ws.send(json.dumps({"type": "resize", "rows": 24, "cols": 80}))
+                assert "pty" in json.loads(ws.recv(timeout=20))["message"]
+                ws.send(json.dumps({"type": "kill"}))
+                frame = json.loads(ws.recv(timeout=20))
+                assert frame["type"] == "result" and frame["exit_code"] != 0
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_stream_on_a_pty_with_resize(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http)
+        try:
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "stty size; read x; stty size", "pty": [24, 80]}))
+                assert json.loads(ws.recv(timeout=20))["type"] == "started"
+                output = ""
+                while "24 80" not in output:
+                    output += json.loads(ws.recv(timeout=20)).get("data", "")
+                ws.send(json.dumps({"type": "resize", "rows": 40, "cols": 100}))
+                ws.send(json.dumps({"type": "stdin", "data": "\n"}))
+                while (frame := json.loads(ws.recv(timeout=20)))["type"] != "result":
+                    assert frame["type"] == "stdout"  # a terminal has one output stream
+                assert "40 100" in frame["stdout"] and frame["exit_code"] == 0
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_closing_the_stream_kills_the_command(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http)
+        try:
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "sleep 1000 & echo started; wait"}))
+                while json.loads(ws.recv(timeout=20)).get("data") != "started\n":
+                    pass
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                procs = http.post(f"/v1/sandboxes/{sid}/exec",
+                                  json={"cmd": "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"}).json()["stdout"]
+                if "sleep 1000" not in procs:
+                    break
+                time.sleep(0.2)
+            assert "sleep 1000" not in procs
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_tenants_are_isolated(server: ServerProcess) -> None:
+    with server.client("alice") as alice, server.client("bob") as bob, server.client() as anonymous:
+        sid = create(alice)
+        try:
+            assert anonymous.get("/v1/sandboxes").status_code == 401
+            wrong = httpx.get(server.url + "/v1/sandboxes", headers={"Authorization": "Bearer not-a-key"})
+            assert wrong.status_code == 401 and wrong.json()["error"] == "unauthorized"
+            missing = bob.get("/v1/sandboxes/sb-0000000000000000")
+            theirs = bob.get(f"/v1/sandboxes/{sid}")
+            assert theirs.status_code == missing.status_code == 404
+            assert theirs.json()["error"] == missing.json()["error"] == "not_found"
+            assert bob.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true"}).status_code == 404
+            assert bob.delete(f"/v1/sandboxes/{sid}").status_code == 404
+            assert bob.get(f"/v1/sandboxes/{sid}/files", params={"path": "/"}).status_code == 404
+            assert bob.get("/v1/sandboxes").json()["sandboxes"] == []
+            ws = _stream(server, sid, "bob")
+            # refused before the exec request is even read
+            assert json.loads(ws.recv(timeout=10))["error"] == "not_found"
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
+            # and the owner still can
+            assert alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true"}).json()["exit_code"] == 0
+        finally:
+            alice.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_quotas_answer_429(server: ServerProcess) -> None:
+    with server.client("bob") as bob:
+        big = bob.post("/v1/sandboxes", json={"limits": {"memory": "2G"}})
+        assert big.status_code == 429 and "memory" in big.json()["message"]
+        ids = [create(bob) for _ in range(3)]
+        try:
+            over = bob.post("/v1/sandboxes", json={"limits": {"memory": "128M"}})
+            assert over.status_code == 429
+            assert over.json()["error"] == "resource_limit" and "3 live sandboxes" in over.json()["message"]
+        finally:
+            for sid in ids:
+                bob.delete(f"/v1/sandboxes/{sid}")
+        create_again = create(bob)
+        bob.delete(f"/v1/sandboxes/{create_again}")
+
+
+def test_concurrent_exec_limit(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http)
+        try:
+            streams = [_stream(server, sid) for _ in range(2)]
+            for ws in streams:
+                ws.send(json.dumps({"cmd": "sleep 5"}))
+                assert json.loads(ws.recv(timeout=10))["type"] == "started"
+            third = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true"})
+            assert third.status_code == 429 and "at once" in third.json()["message"]
+            for ws in streams:
+                ws.close()
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    ({"imagee": "host"}, 400, "unknown field"),
+    ({"limits": {"memory": "1K"}}, 400, "memory"),
+    ({"limits": {"memroy": "1G"}}, 400, "unknown field"),
+    ({"limits": {"pids": -1}}, 400, "pids"),
+    ({"tier": "nope"}, 400, "tier"),
+    ({"workspace": "/etc"}, 400, "workspace"),
+    ({"idle_timeout": -5}, 400, "idle_timeout"),
+    ({"lifetime": 10**9}, 400, "lifetime"),
+    ({"env": {"1BAD": "x"}}, 400, "env"),
+    ({"limits": "lots"}, 422, "limits"),
+    ({"limits": {"max_output": "1G"}}, 400, "max_output"),
+    ({"network": "allow", "allow": ["example.com"], "secrets": ["TOKEN@example.com"]}, 400, "server's environment"),
+    ({"network": "allow", "allow": ["10.0.0.0/8"], "unsafe_allow_ranges": ["10.0.0.0/8"]}, 400, "server"),
+])
+def test_bad_create_requests_say_what_is_wrong(server: ServerProcess, body: dict[str, object], status: int,
+                                               words: str) -> None:
+    with server.client("alice") as http:
+        response = http.post("/v1/sandboxes", json=body)
+    assert response.status_code == status, response.text
+    assert words in response.json()["message"]
+
+
+def test_bad_exec_file_and_size_requests(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = create(http)
+        try:
+            base = f"/v1/sandboxes/{sid}"
+            for body in ({"cmd": ""}, {"cmd": []}, {"cmd": "true", "timeout": -1}, {"cmd": "true", "bogus": 1},
+                         {"cmd": ["a\u0000b"]}, {"cmd": "true", "cwd": "x\u0000"}):
+                response = http.post(base + "/exec", json=body)
+                assert 400 <= response.status_code < 500, (body, response.text)
+                assert response.json()["message"]
+            for raw in ('{"cmd": "echo \\ud800"}', '{"cmd": ["echo", "\\ud800"]}', '{"cmd": "true", "stdin": "\\ud800"}',
+                        '{"cmd": "true", "env": {"A": "\\ud800"}}', '{"cmd": "true", "cwd": "/\\ud800"}'):
+                lone = http.post(base + "/exec", content=raw, headers={"content-type": "application/json"})
+                assert lone.status_code == 400 and "Unicode" in lone.json()["message"], (raw, lone.text)
+            lone_env = http.post("/v1/sandboxes", content='{"env": {"A": "\\ud800"}}',
+                                 headers={"content-type": "application/json"})
+            assert lone_env.status_code == 400, lone_env.text
+            escaping = http.get(base + "/files/content", params={"path": "../../etc/shadow"})
+            assert escaping.status_code == 400 and "'..'" in escaping.json()["message"]
+            huge = http.put(base + "/files/content", params={"path": "big"}, content=b"x" * (2 << 20),
+                            headers={"content-type": "application/octet-stream"})
+            assert huge.status_code == 413 and "limit" in huge.json()["message"]
+            chunked = http.put(base + "/files/content", params={"path": "big"},
+                               content=iter([b"x" * (1 << 19)] * 4),
+                               headers={"content-type": "application/octet-stream"})
+            assert chunked.status_code == 413
+            extend = http.post(base + "/timeout", json={"timeout": 10**7})
+            assert extend.status_code == 400 and "max lifetime" in extend.json()["message"]
+            assert http.post(base + "/timeout", json={"timeout": 120}).status_code == 200
+            assert http.post("/v1/sandboxes", content=b"{not json",
+                             headers={"content-type": "application/json"}).status_code == 422
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_idle_timeout_and_lifetime_destroy_sandboxes(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        idle = create(http, idle_timeout=1)
+        short = create(http, lifetime=2.5)
+        extended = create(http, lifetime=1.5)
+        assert http.post(f"/v1/sandboxes/{extended}/timeout", json={"timeout": 60}).status_code == 200
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:  # keep "short" busy: lifetime ends it anyway
+            http.post(f"/v1/sandboxes/{short}/exec", json={"cmd": "true"})
+            time.sleep(0.3)
+        time.sleep(2)
+        assert http.get(f"/v1/sandboxes/{idle}").status_code == 404
+        assert http.get(f"/v1/sandboxes/{short}").status_code == 404
+        assert http.get(f"/v1/sandboxes/{extended}").status_code == 200
+        http.delete(f"/v1/sandboxes/{extended}")
+    assert not any((server.state / "sandboxes" / sid).exists() for sid in (idle, short, extended))
+
+
+def test_openapi_document(server: ServerProcess) -> None:
+    doc = httpx.get(server.url + "/openapi.json").json()
+    paths = doc["paths"]
+    assert {"/v1/sandboxes", "/v1/sandboxes/{sandbox_id}", "/v1/sandboxes/{sandbox_id}/exec",
+            "/v1/sandboxes/{sandbox_id}/timeout", "/v1/sandboxes/{sandbox_id}/files",
+            "/v1/sandboxes/{sandbox_id}/files/content"} <= set(paths)
+    assert "HTTPBearer" in doc["components"]["securitySchemes"]

@@ -1,0 +1,46 @@
+"""Server configuration: API keys (hashed), loopback rule, config-file validation. No server needed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from corral.errors import InvalidSpec
+from corral.server.config import ServerConfig, is_loopback, parse_keys
+
+
+def test_keys_are_kept_only_as_digests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    digest = hashlib.sha256(b"carol-secret-key-0000").hexdigest()
+    keys = tmp_path / "keys"
+    keys.write_text(f"# tenants\nalice=alice-secret-key-000\ncarol=sha256:{digest}\n")
+    monkeypatch.setenv("CORRAL_API_KEYS", "bob=bob-secret-key-00000")
+    config = ServerConfig.load(keys_file=str(keys))
+    assert "alice-secret-key-000" not in json.dumps(config.key_digests)
+    assert config.tenant_for("alice-secret-key-000") == "alice"
+    assert config.tenant_for("bob-secret-key-00000") == "bob"
+    assert config.tenant_for("carol-secret-key-0000") == "carol"
+    assert config.tenant_for("alice-secret-key-001") is None
+    config.host = "0.0.0.0"
+    config.validate()  # keys configured: any address is allowed
+
+
+def test_bad_keys_and_configs_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CORRAL_API_KEYS", raising=False)
+    with pytest.raises(InvalidSpec, match="at least 16"):
+        parse_keys("alice=short", "test")
+    with pytest.raises(InvalidSpec, match="tenant=KEY"):
+        parse_keys("no-equals-sign", "test")
+    with pytest.raises(InvalidSpec, match="without API keys"):
+        ServerConfig.load(host="0.0.0.0")
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"max_sandboxes": 3}))
+    with pytest.raises(InvalidSpec, match="unknown field"):
+        ServerConfig.load(str(bad))
+    bad.write_text(json.dumps({"idle_timeout": -1}))
+    with pytest.raises(InvalidSpec, match="idle_timeout"):
+        ServerConfig.load(str(bad))
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.1")

@@ -1,0 +1,191 @@
+"""The remote SDK, the CLI through CORRAL_URL, warm pools, and crash recovery, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from corral import AsyncSandbox, Sandbox
+from corral.client import RemoteSandbox
+from corral.errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
+from corral.host import cgroups
+from corral.registry import Registry
+
+from .server_fixtures import CORRAL, KEYS, ServerProcess
+
+POOL_SPEC = {"limits": {"memory": "128M"}}
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-sdk", "--pool", f"2:3:{json.dumps(POOL_SPEC)}", "--max-sandboxes", "6",
+                       keys=KEYS) as srv:
+        yield srv
+
+
+def test_sdk_same_api_remotely(server: ServerProcess) -> None:
+    with Sandbox.create(url=server.url, api_key=KEYS["alice"], memory="128M") as sb:
+        assert isinstance(sb, RemoteSandbox)
+        result = sb.commands.run("echo hi; echo oops >&2; exit 2")
+        assert (result.exit_code, result.stdout, result.stderr, result.ok) == (2, "hi\n", "oops\n", False)
+        seen: list[str] = []
+        streamed = sb.commands.run("for i in 1 2 3; do echo $i; sleep 0.05; done", on_stdout=seen.append)
+        assert "".join(seen) == "1\n2\n3\n" == streamed.stdout and len(seen) == 3
+        handle = sb.commands.start(["cat"])
+        handle.send_stdin("piped")
+        handle.close_stdin()
+        assert handle.wait().stdout == "piped"
+        assert sb.commands.run("sleep 10", timeout=0.3).timed_out
+        sb.files.write("dir/a.txt", "alpha")
+        assert sb.files.read("dir/a.txt") == "alpha"
+        assert [e.name for e in sb.files.list("dir")] == ["a.txt"]
+        assert sb.files.exists("dir/a.txt") and not sb.files.exists("dir/nope")
+        sb.files.remove("dir", recursive=True)
+        assert not sb.files.exists("dir")
+        assert sb.network.audit() == []  # network "none": nothing to refuse through a proxy
+        other = RemoteSandbox.connect(sb.id, url=server.url, api_key=KEYS["alice"])
+        assert other.commands.run("echo same").stdout == "same\n"
+    assert not sb.is_running()
+
+
+def test_sdk_errors_map_to_the_exception_tree(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORRAL_URL", server.url)
+    monkeypatch.setenv("CORRAL_API_KEY", KEYS["bob"])
+    with pytest.raises(SandboxNotFound):
+        RemoteSandbox.connect("sb-0123456789abcdef")
+    with pytest.raises(InvalidSpec, match="cpus"):
+        Sandbox.create(cpus=0)  # refused locally, before any request
+    with pytest.raises(ResourceLimit, match="memory"):
+        Sandbox.create(memory="20G")  # refused by the server's quota: 429 -> ResourceLimit
+    with Sandbox.create() as sb:
+        with pytest.raises(InvalidSpec, match=r"'\.\.'"):
+            sb.files.read("../../etc/passwd")
+        with pytest.raises(SandboxNotFound):
+            RemoteSandbox.connect(sb.id, url=server.url, api_key=KEYS["alice"])  # bob's, seen by alice
+    with pytest.raises(SandboxError, match="unauthorized"):
+        Sandbox.create(api_key="wrong-key-wrong-key")
+
+
+def test_async_sandbox_remote(server: ServerProcess) -> None:
+    async def main() -> str:
+        async with await AsyncSandbox.create(url=server.url, api_key=KEYS["alice"]) as sb:
+            await sb.files.write("x.txt", "async")
+            return (await sb.commands.run("cat x.txt")).stdout
+
+    assert asyncio.run(main()) == "async"
+
+
+def test_cli_through_server(server: ServerProcess, tmp_path: Path) -> None:
+    env = {**os.environ, "CORRAL_URL": server.url, "CORRAL_API_KEY": KEYS["alice"]}
+
+    def corral(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([CORRAL, *args], env=env, capture_output=True, text=True, timeout=60)
+
+    ran = corral("run", "--json", "--", "sh", "-c", "echo remote")
+    assert ran.returncode == 0 and json.loads(ran.stdout)["stdout"] == "remote\n"
+    assert corral("run", "--", "sh", "-c", "exit 5").returncode == 5
+    sid = httpx.post(server.url + "/v1/sandboxes", json={}, headers=server.headers("alice")).json()["id"]
+    assert sid in corral("ls").stdout
+    (tmp_path / "in.txt").write_text("copied in")
+    assert corral("cp", str(tmp_path / "in.txt"), f"{sid}:in.txt").returncode == 0
+    executed = corral("exec", sid, "--", "cat", "in.txt")
+    assert (executed.returncode, executed.stdout) == (0, "copied in")
+    assert corral("exec", sid, "--", "sh", "-c", "exit 9").returncode == 9
+    assert corral("cp", f"{sid}:in.txt", str(tmp_path / "out.txt")).returncode == 0
+    assert (tmp_path / "out.txt").read_text() == "copied in"
+    assert corral("rm", sid).returncode == 0
+    assert sid not in corral("ls").stdout
+    missing = corral("exec", sid, "--", "true")
+    assert missing.returncode == 125 and "no sandbox" in missing.stderr
+
+
+def test_pool_hands_out_distinct_fresh_sandboxes(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _pool_idle(http) < 2:
+            time.sleep(0.1)
+        made = [http.post("/v1/sandboxes", json=POOL_SPEC).json() for _ in range(3)]
+        try:
+            ids = [m["id"] for m in made]
+            assert len(set(ids)) == 3
+            assert made[0]["from_pool"] and made[1]["from_pool"]
+            for sid in ids:
+                # fresh: nobody ran anything in it or left a file
+                out = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "ls -A /workspace /tmp"}).json()
+                assert out["stdout"].split() == ["/tmp:", "/workspace:"]
+                http.post(f"/v1/sandboxes/{sid}/files/dir", params={"path": "used"})
+        finally:
+            for sid in ids:
+                http.delete(f"/v1/sandboxes/{sid}")
+        # a sandbox is never handed out twice: later acquires get new ids
+        again = http.post("/v1/sandboxes", json=POOL_SPEC).json()["id"]
+        http.delete(f"/v1/sandboxes/{again}")
+        assert again not in ids
+
+
+def _pool_idle(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("corral_pool_idle_sandboxes "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _uids_in_use(uids: set[int]) -> set[int]:
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("Uid:"):
+                    found |= {int(v) for v in line.split()[1:]} & uids
+        except OSError:
+            continue
+    return found
+
+
+def test_kill9_then_restart_leaves_nothing(state_dir: Path) -> None:
+    state = state_dir / "srv-crash"
+    first = ServerProcess(state, "--pool", f"1:2:{json.dumps(POOL_SPEC)}").start()
+    try:
+        for _ in range(2):
+            sid = httpx.post(first.url + "/v1/sandboxes", json=POOL_SPEC).json()["id"]
+            httpx.post(first.url + f"/v1/sandboxes/{sid}/exec", json={"cmd": "sleep 1000 > /dev/null 2>&1 &"})
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(Registry(state).rows()) < 4:
+            time.sleep(0.1)
+        rows = Registry(state).rows()
+        assert len(rows) >= 3
+    finally:
+        first.kill9()
+    old_ids = {r.id for r in rows}
+    old_uids = {int(r.record["uid"]) for r in rows if "uid" in r.record}
+    second = ServerProcess(state).start()
+    try:
+        assert not old_ids & {r.id for r in Registry(state).rows()}
+        assert not any((state / "sandboxes" / sid).exists() for sid in old_ids)
+        mounts = Path("/proc/mounts").read_text()
+        assert not any(sid in mounts for sid in old_ids)
+        assert not old_ids & cgroups.list_sandbox_groups()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _uids_in_use(old_uids):
+            time.sleep(0.1)
+        assert not _uids_in_use(old_uids)
+        assert not any((state / "uids" / str(uid)).exists() for uid in old_uids)
+        assert httpx.get(second.url + "/v1/sandboxes").json()["sandboxes"] == []
+    finally:
+        second.stop()
+    assert list((state / "sandboxes").iterdir()) == []
+
+
+def test_refuses_non_loopback_without_keys(state_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_API_KEYS"}
+    refused = subprocess.run([CORRAL, "--state-dir", str(state_dir / "srv-refuse"), "serve", "--host", "0.0.0.0",
+                              "--port", "1"], env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 125 and "without API keys" in refused.stderr
