@@ -53,11 +53,11 @@ def _reap_dead_runs() -> None:
                             pass
                 cgroups.remove_tree(parent)
 
-
-_reap_dead_runs()
 os.environ.setdefault("CORRAL_CGROUP_PARENT", _RUN_TAG)
 _STATE = Path(tempfile.mkdtemp(prefix=f"{_RUN_TAG}-state-"))
 os.environ.setdefault("CORRAL_STATE_DIR", str(_STATE))
+# after the environment is set: importing corral reads CORRAL_CGROUP_PARENT
+_reap_dead_runs()
 
 
 @pytest.fixture(scope="session")
