@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 AGENT := src/corral/agent/corral-agent
 PYTEST_ARGS ?=
 
-.PHONY: install system venv agent demo test lint typecheck bench clean
+.PHONY: install system venv agent bytecode demo test lint typecheck bench clean
 
-install: system venv agent
+install: system venv agent bytecode
 
 system:
 	./scripts/install-system-packages.sh
@@ -26,6 +26,11 @@ $(AGENT): src/corral/agent/agent.c
 	cc -O2 -Wall -Wextra -static -o $@ $<
 
 agent: $(AGENT)
+
+# Byte-compile up front (as a wheel install would): with PYTHONDONTWRITEBYTECODE set,
+# every `corral` invocation would otherwise recompile its modules (~70 ms).
+bytecode: venv
+	$(PY) -m compileall -q src $(VENV)/lib > /dev/null
 
 demo: install
 	$(PY) scripts/demo.py
