@@ -34,6 +34,9 @@ MAX_POOL_SIZE = 64
 #: idle pool members together may not claim more than this share of host memory (their cgroup limits)
 MAX_POOL_MEMORY_SHARE = 0.5
 LAUNCHER_THREADS = 8
+#: after an acquire, a refill waits this long while the pool still has members: a create takes a
+#: core for ~20 ms, and started at once it would compete with the new owner's first command
+REFILL_SETTLE = 0.1
 
 _launcher: ThreadPoolExecutor | None = None
 _launcher_lock = threading.Lock()
@@ -100,6 +103,7 @@ class SandboxPool:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._last_acquire = 0.0
         self.stats = {"hits": 0, "misses": 0, "created": 0, "replaced": 0, "failed": 0}
         self._thread: threading.Thread | None = None
 
@@ -141,6 +145,7 @@ class SandboxPool:
                     self._wake.set()
                     return None
                 sb = self._idle.popleft()
+                self._last_acquire = time.monotonic()
             self._wake.set()
             if sb.is_running():
                 self.stats["hits"] += 1
@@ -179,6 +184,13 @@ class SandboxPool:
                 return 0
             return self.max_idle - have
 
+    def _settle_left(self) -> float:
+        """Seconds to hold a refill back so it does not slow a just-acquired sandbox (0 if empty)."""
+        with self._lock:
+            if not self._idle:
+                return 0.0
+            return max(0.0, self._last_acquire + REFILL_SETTLE - time.monotonic())
+
     def _refill_loop(self) -> None:
         # this thread creates every member itself: it lives as long as the pool, and the
         # members must outlive it only once handed out (then the launcher owns nothing; see close)
@@ -191,6 +203,10 @@ class SandboxPool:
                         return
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+                continue
+            settle = self._settle_left()
+            if settle > 0:
+                time.sleep(settle)
                 continue
             with self._lock:
                 self._creating += 1
