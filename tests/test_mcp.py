@@ -59,3 +59,69 @@ def test_mcp_round_trip_and_session_cleanup(state_dir: Path) -> None:
         time.sleep(0.1)
     assert not ({destroyed} | left_open) & cgroups.list_sandbox_groups()
     assert list((state / "sandboxes").iterdir()) == []
+
+
+def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> None:
+    """Streamable HTTP serves many sessions: each sees only its own sandboxes, and each session's
+    sandboxes go when that session ends (client DELETE, or idle), not when the server does."""
+    import socket
+    import subprocess
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    state = state_dir / "mcp-http"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    server = subprocess.Popen([CORRAL, "--state-dir", str(state), "mcp", "--http", "--port", str(port),
+                               "--session-idle-timeout", "6"], env=env)
+    url = f"http://127.0.0.1:{port}/mcp"
+
+    def live() -> set[str]:
+        return set(cgroups.list_sandbox_groups())
+
+    def wait_gone(ids: set[str], seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and ids & live():
+            time.sleep(0.1)
+        return not ids & live()
+
+    async def scenario() -> tuple[str, str]:
+        async with streamable_http_client(url) as (ra, wa), ClientSession(ra, wa) as a:
+            await a.initialize()
+            a_id = _payload(await a.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
+            async with streamable_http_client(url, terminate_on_close=False) as (rb, wb), \
+                    ClientSession(rb, wb) as b:
+                await b.initialize()
+                b_id = _payload(await b.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
+                # the other session's sandbox is not there for b, exactly like a missing one
+                foreign = await b.call_tool("run_command", {"sandbox_id": a_id, "command": "true"})
+                assert foreign.is_error and "no sandbox" in foreign.content[0].text
+                mine = _payload(await b.call_tool("run_command", {"sandbox_id": b_id, "command": "echo b"}))
+                assert mine["stdout"] == "b\n"
+                # b leaves without terminating its session: only the idle timeout can end it
+        # a's client terminated its session (DELETE) on the way out
+        return a_id, b_id
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "corral mcp --http did not start"
+                time.sleep(0.1)
+        a_id, b_id = asyncio.run(scenario())
+        assert wait_gone({a_id}, 10), "the terminated session's sandbox survived"
+        assert b_id in live(), "the idle session's sandbox went before its idle timeout"
+        assert wait_gone({b_id}, 20), "the idle session's sandbox survived its idle timeout"
+        assert server.poll() is None
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert list((state / "sandboxes").iterdir()) == []

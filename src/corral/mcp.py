@@ -1,11 +1,19 @@
-"""``corral mcp``: sandboxes as Model Context Protocol tools (official ``mcp`` SDK, stdio).
+"""``corral mcp``: sandboxes as Model Context Protocol tools (official ``mcp`` SDK).
 
 Tools: ``create_sandbox``, ``run_command``, ``write_file``, ``read_file``,
-``list_files``, ``destroy_sandbox`` (and ``run_code`` when the sandbox API has
-it).  Sandboxes are embedded (this process owns them) unless ``CORRAL_URL``
-names a server.  Every sandbox created in a session is destroyed when the
-session ends (stdin closes, or the process is told to stop): they live in the
-session's state, which the server's lifespan tears down.
+``list_files``, ``destroy_sandbox`` and ``run_code``.  Sandboxes are embedded
+(this process owns them) unless ``CORRAL_URL`` names a server.
+
+Every sandbox belongs to the MCP session that created it, and only that session
+can use it (another session's id answers "no sandbox", like a missing one).  It
+is destroyed when its session ends:
+
+* stdio: one session, ending when stdin closes or the process is told to stop;
+* streamable HTTP: one session per ``mcp-session-id``, ending when the client
+  terminates it (``DELETE``), when it stays idle for the SDK's session idle
+  timeout (no tool call for that long), or when the server stops.
+
+This module imports the MCP SDK at import time: only ``corral mcp`` imports it.
 """
 
 from __future__ import annotations
@@ -13,26 +21,35 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from mcp.server.mcpserver import MCPServer
+# at runtime, not under TYPE_CHECKING: the SDK finds a tool's Context parameter by its resolved annotation
+from mcp.server.mcpserver import Context, MCPServer
 
 from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
 from .sandbox import Sandbox, build_spec
 
 #: sandboxes one MCP session may hold at once
 MAX_SANDBOXES_PER_SESSION = 8
+#: and all sessions of one server together (streamable HTTP serves many)
+MAX_SANDBOXES = 64
 MAX_READ = 1 << 20
+#: an HTTP session with no tool call for this long is ended and its sandboxes destroyed (the SDK's default)
+SESSION_IDLE_TIMEOUT = 30 * 60.0
+SESSION_HEADER = "mcp-session-id"
 
 
 class Session:
     """The sandboxes of one MCP session, destroyed together."""
 
-    def __init__(self) -> None:
+    def __init__(self, sessions: Sessions | None = None) -> None:
         self.sandboxes: dict[str, Any] = {}
+        self.last_used = time.monotonic()
+        self._sessions = sessions
 
     def get(self, sandbox_id: str) -> Any:
         sb = self.sandboxes.get(sandbox_id)
@@ -43,6 +60,8 @@ class Session:
     async def create(self, **kwargs: Any) -> Any:
         if len(self.sandboxes) >= MAX_SANDBOXES_PER_SESSION:
             raise ResourceLimit(f"this session already has {MAX_SANDBOXES_PER_SESSION} sandboxes; destroy one first")
+        if self._sessions is not None and self._sessions.sandbox_count() >= MAX_SANDBOXES:
+            raise ResourceLimit(f"this MCP server already holds {MAX_SANDBOXES} sandboxes; try again later")
         if os.environ.get("CORRAL_URL"):
             sb: Any = await asyncio.to_thread(Sandbox.create, **kwargs)
         else:
@@ -64,6 +83,72 @@ class Session:
             self.sandboxes.pop(sandbox_id).kill()
 
 
+class Sessions:
+    """Every live MCP session's sandboxes, keyed by the transport's session id (``None`` on stdio)."""
+
+    def __init__(self, idle_timeout: float = SESSION_IDLE_TIMEOUT) -> None:
+        self.idle_timeout = idle_timeout
+        self._by_id: dict[str | None, Session] = {}
+        self._lock = threading.Lock()
+
+    def of(self, ctx: Context) -> Session:
+        """The session a tool call belongs to (the SDK has already checked the id names a live session)."""
+        request = ctx.request_context.request
+        headers = getattr(request, "headers", None)
+        key = headers.get(SESSION_HEADER) if headers is not None else None
+        with self._lock:
+            session = self._by_id.get(key)
+            if session is None:
+                session = self._by_id[key] = Session(self)
+        session.last_used = time.monotonic()
+        return session
+
+    def sandbox_count(self) -> int:
+        with self._lock:
+            return sum(len(s.sandboxes) for s in self._by_id.values())
+
+    def end(self, key: str | None) -> None:
+        """The session is over: destroy its sandboxes."""
+        with self._lock:
+            session = self._by_id.pop(key, None)
+        if session is not None:
+            session.close()
+
+    def end_idle(self, now: float) -> None:
+        with self._lock:
+            idle = [k for k, s in self._by_id.items() if k is not None and now - s.last_used >= self.idle_timeout]
+        for key in idle:
+            self.end(key)
+
+    def close(self) -> None:
+        with self._lock:
+            keys = list(self._by_id)
+        for key in keys:
+            self.end(key)
+
+
+def end_sessions_on_delete(app: Any, sessions: Sessions) -> Any:
+    """ASGI wrapper: a client's ``DELETE`` that terminated its HTTP session ends its sandboxes too."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "DELETE":
+            await app(scope, receive, send)
+            return
+        key = dict(scope.get("headers") or []).get(SESSION_HEADER.encode(), b"").decode("latin-1") or None
+        status: list[int] = []
+
+        async def watch(message: Any) -> None:
+            if message.get("type") == "http.response.start":
+                status.append(int(message["status"]))
+            await send(message)
+
+        await app(scope, receive, watch)
+        if key is not None and status and status[0] < 300:
+            await asyncio.to_thread(sessions.end, key)
+
+    return wrapped
+
+
 def _anticipated(fn: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
     """Report Corral's own errors to the model as tool errors with their message (not as crashes)."""
     from mcp.server.mcpserver.exceptions import ToolError
@@ -78,92 +163,104 @@ def _anticipated(fn: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., 
     return wrapper
 
 
-def build_server() -> MCPServer[Session]:
-    from mcp.server.mcpserver import MCPServer
-
-    session = Session()
+def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
+    sessions = sessions if sessions is not None else Sessions()
 
     @asynccontextmanager
-    async def lifespan(_: Any) -> AsyncIterator[Session]:
-        try:
-            yield session
-        finally:
-            await asyncio.to_thread(session.close)
+    async def lifespan(_: Any) -> AsyncIterator[Sessions]:
+        async def reap_idle() -> None:
+            while True:
+                await asyncio.sleep(min(60.0, sessions.idle_timeout / 4))
+                await asyncio.to_thread(sessions.end_idle, time.monotonic())
 
-    server: MCPServer[Session] = MCPServer("corral", instructions=(
+        reaper = asyncio.get_running_loop().create_task(reap_idle())
+        try:
+            yield sessions
+        finally:
+            reaper.cancel()
+            await asyncio.to_thread(sessions.close)
+
+    server: MCPServer[Sessions] = MCPServer("corral", instructions=(
         "Isolated, ephemeral Linux sandboxes. Create one, run shell commands and move files in it, destroy it "
         "when done. Every sandbox of this session is destroyed when the session ends."), lifespan=lifespan)
 
     @server.tool()
     @_anticipated
-    async def create_sandbox(image: str = "host", memory: str = "512M", cpus: float = 1.0, timeout: float = 60.0,
-                             env: dict[str, str] | None = None, allow: list[str] | None = None) -> dict[str, Any]:
+    async def create_sandbox(ctx: Context, image: str = "host", memory: str = "512M", cpus: float = 1.0,
+                             timeout: float = 60.0, env: dict[str, str] | None = None,
+                             allow: list[str] | None = None) -> dict[str, Any]:
         """Create a sandbox; returns its id. memory like 512M, timeout = default seconds per command.
         No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port)."""
         # secrets are deliberately not offered: the model would choose where they may be sent
-        sb = await session.create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env,
+        sb = await sessions.of(ctx).create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env,
                                   allow=allow or None)
         return {"sandbox_id": sb.id}
 
     @server.tool()
     @_anticipated
-    async def run_command(sandbox_id: str, command: str, timeout: float | None = None,
+    async def run_command(ctx: Context, sandbox_id: str, command: str, timeout: float | None = None,
                           cwd: str | None = None) -> dict[str, Any]:
         """Run a shell command to completion; returns exit_code, stdout, stderr, timed_out, oom_killed."""
-        sb = session.get(sandbox_id)
+        sb = sessions.of(ctx).get(sandbox_id)
         result = await asyncio.to_thread(sb.commands.run, command, timeout=timeout, cwd=cwd)
         return dict(result.to_dict())
 
     @server.tool()
     @_anticipated
-    async def write_file(sandbox_id: str, path: str, content: str) -> dict[str, Any]:
+    async def write_file(ctx: Context, sandbox_id: str, path: str, content: str) -> dict[str, Any]:
         """Write a text file (relative paths are under /workspace)."""
-        await asyncio.to_thread(session.get(sandbox_id).files.write, path, content)
+        await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.write, path, content)
         return {"path": path, "bytes": len(content.encode())}
 
     @server.tool()
     @_anticipated
-    async def read_file(sandbox_id: str, path: str) -> dict[str, Any]:
+    async def read_file(ctx: Context, sandbox_id: str, path: str) -> dict[str, Any]:
         """Read a text file (at most 1 MiB)."""
-        content = await asyncio.to_thread(session.get(sandbox_id).files.read, path, "text", MAX_READ)
+        content = await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.read, path, "text", MAX_READ)
         return {"path": path, "content": content}
 
     @server.tool()
     @_anticipated
-    async def list_files(sandbox_id: str, path: str = ".") -> dict[str, Any]:
+    async def list_files(ctx: Context, sandbox_id: str, path: str = ".") -> dict[str, Any]:
         """List a directory: name, type, size of each entry."""
-        entries = await asyncio.to_thread(session.get(sandbox_id).files.list, path)
+        entries = await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.list, path)
         return {"path": path, "entries": [{"name": e.name, "type": e.type, "size": e.size} for e in entries]}
 
     @server.tool()
     @_anticipated
-    async def destroy_sandbox(sandbox_id: str) -> dict[str, Any]:
+    async def destroy_sandbox(ctx: Context, sandbox_id: str) -> dict[str, Any]:
         """Destroy a sandbox and everything in it."""
-        await session.destroy(sandbox_id)
+        await sessions.of(ctx).destroy(sandbox_id)
         return {"destroyed": sandbox_id}
 
     if hasattr(Sandbox, "run_code"):  # the code interpreter, once it exists
 
         @server.tool()
         @_anticipated
-        async def run_code(sandbox_id: str, code: str, language: str = "python") -> dict[str, Any]:
+        async def run_code(ctx: Context, sandbox_id: str, code: str, language: str = "python") -> dict[str, Any]:
             """Run code in the sandbox's interpreter."""
-            sb = session.get(sandbox_id)
+            sb = sessions.of(ctx).get(sandbox_id)
             result = await asyncio.to_thread(sb.run_code, code, language=language)
             return dict(result.to_dict()) if hasattr(result, "to_dict") else {"result": result}
 
     return server
 
 
-def main(transport: str = "stdio", host: str = "127.0.0.1", port: int = 7334) -> None:
-    server = build_server()
+def main(transport: str = "stdio", host: str = "127.0.0.1", port: int = 7334,
+         session_idle_timeout: float = SESSION_IDLE_TIMEOUT) -> None:
+    sessions = Sessions(session_idle_timeout)
+    server = build_server(sessions)
     if transport == "stdio":
         server.run("stdio")
     elif transport == "http":
+        import uvicorn
+
         from .server.config import is_loopback
 
         if not is_loopback(host):
             raise InvalidSpec("corral mcp --http listens on loopback only (it has no authentication)")
-        server.run("streamable-http", host=host, port=port)
+        app = server.streamable_http_app(host=host, session_idle_timeout=session_idle_timeout)
+        uvicorn.run(end_sessions_on_delete(app, sessions), host=host, port=port, log_level="warning",
+                    lifespan="on")
     else:
         raise InvalidSpec(f"transport {transport!r}: use stdio or http")

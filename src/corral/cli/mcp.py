@@ -12,6 +12,9 @@ def register(sub: Any) -> None:
                             "With CORRAL_URL set, sandboxes live in that server.")
     parser.add_argument("--http", action="store_true", help="streamable HTTP on loopback instead of stdio")
     parser.add_argument("--port", type=int, default=7334, help="port for --http (default 7334)")
+    parser.add_argument("--session-idle-timeout", type=float, default=30 * 60.0, metavar="SECONDS",
+                        help="--http: end a session (and destroy its sandboxes) after this long without a tool "
+                        "call (default 1800)")
     parser.set_defaults(handler=handle)
 
 
@@ -22,5 +25,9 @@ def handle(args: argparse.Namespace) -> int:
 
     if args.state_dir:
         os.environ["CORRAL_STATE_DIR"] = args.state_dir
-    main("http" if args.http else "stdio", port=args.port)
+    if not args.session_idle_timeout > 0:
+        from ..errors import InvalidSpec
+
+        raise InvalidSpec(f"--session-idle-timeout: {args.session_idle_timeout!r} must be seconds > 0")
+    main("http" if args.http else "stdio", port=args.port, session_idle_timeout=args.session_idle_timeout)
     return 0
