@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +86,17 @@ def identity_files(hostname: str = "sandbox") -> dict[str, str]:
 _HOST_SKELETON_VERSION = "3"
 
 
+_skeleton_lock = threading.Lock()
+
+
 def host_image(state_dir: Path) -> ImageLayout:
     skeleton = state_dir / "images" / f"host-skeleton-v{_HOST_SKELETON_VERSION}"
     if not skeleton.is_dir():
-        _build_host_skeleton(skeleton)
+        # a burst of first creates would otherwise all build it at once (other processes still may:
+        # the build renames into place atomically and a loser discards its copy)
+        with _skeleton_lock:
+            if not skeleton.is_dir():
+                _build_host_skeleton(skeleton)
     layers: list[tuple[str, Path]] = [("/", skeleton), ("/usr", Path("/usr"))]
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host_path = Path("/") / top
