@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import secrets
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..errors import HostNotSupported
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
 PREFIX = "crl"
+T = TypeVar("T")
 
 
 def new_suffix() -> str:
@@ -85,6 +90,29 @@ def nft_load(ruleset: str) -> None:
     _run(["nft", "-f", "-"], stdin=ruleset)
 
 
+def ip_batch(commands: str) -> None:
+    """Several ``ip`` commands in one process (in the calling thread's namespace)."""
+    _run(["ip", "-batch", "-"], stdin=commands)
+
+
+def nft_counters(family: str, table: str) -> dict[str, int]:
+    """Packets counted per rule comment in one of our tables (summed over rules sharing a comment)."""
+    out = subprocess.run(["nft", "-j", "list", "table", family, table],
+                         capture_output=True, text=True, timeout=30).stdout
+    counts: dict[str, int] = {}
+    try:
+        for item in json.loads(out or "{}").get("nftables", []):
+            rule = item.get("rule")
+            if not rule or "comment" not in rule:
+                continue
+            for expr in rule.get("expr", []):
+                if "counter" in expr:
+                    counts[rule["comment"]] = counts.get(rule["comment"], 0) + int(expr["counter"]["packets"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return counts
+
+
 def nft_delete_table(family: str, name: str) -> None:
     if nft_table_exists(family, name):
         subprocess.run(["nft", "delete", "table", family, name], capture_output=True, timeout=30)
@@ -102,3 +130,30 @@ def enter_netns(name: str) -> None:
             raise OSError(err, os.strerror(err))
     finally:
         os.close(fd)
+
+
+def in_netns(name: str, work: Callable[[], T]) -> T:
+    """Run ``work`` in a thread that has entered the named namespace, and return its result.
+
+    Namespaces are per thread, and whatever that thread creates stays in the
+    namespace: sockets (an NFLOG socket binds that namespace's groups), and the
+    children it starts (``nft``, ``ip``: no ``ip netns exec`` needed).  The
+    thread ends afterwards, so no thread of this process is left in a foreign
+    namespace.
+    """
+    box: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            enter_netns(name)
+            box.append(work())
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"netns-{name}")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return box[0]
