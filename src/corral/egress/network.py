@@ -147,6 +147,11 @@ class SandboxNetwork:
             upstream_context(config.upstream_cafile) if self.secrets else None, socket_uid=uid,
         )
         self.binds.append((socket_path, SOCKET_IN_SANDBOX))
+        # a namespace the host owns, where direct attempts fail at once and are audited
+        from .allow_net import AllowNetwork
+
+        self._allow_net = AllowNetwork(self.sandbox_id, self.audit_log)
+        self.netns = self._allow_net.names.netns
         self.agent_args = ["--relay", str(PROXY_PORT), SOCKET_IN_SANDBOX]
         http = f"http://127.0.0.1:{PROXY_PORT}"
         socks = f"socks5h://127.0.0.1:{PROXY_PORT}"
