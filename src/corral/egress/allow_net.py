@@ -30,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..host import netns
+from ..host.rtnl import Rtnl
 from .audit import AuditLog
 from .nflog import NflogListener, limit_object, log_statement
 from .open_net import OpenNames
@@ -39,13 +40,7 @@ RULE = "raw-socket"
 #: a fresh namespace has every NFLOG group free: groups are per namespace
 GROUP = 1
 #: source addresses for the way out that is not one: documentation ranges, never routed anywhere
-SETUP = """\
-link set lo up
-addr add 192.0.2.2/32 dev lo
-addr add 2001:db8::2/128 dev lo nodad
-route add default dev lo
-route add ::/0 dev lo
-"""
+ADDRESSES = ("192.0.2.2/32", "2001:db8::2/128")
 
 
 def ruleset(table: str, group: int) -> str:
@@ -73,17 +68,21 @@ class AllowNetwork:
         self._log = log
         self.listener: NflogListener | None = None
         try:
-            netns.create_netns(self.names.netns, loopback_up=False)  # SETUP does it: one exec less
-            self.listener = netns.in_netns(self.names.netns, self._setup_inside)
+            self.listener = netns.new_netns(self.names.netns, self._setup_inside)
             self.listener.start()
         except BaseException:
             self.close()
             raise
 
     def _setup_inside(self) -> NflogListener:
-        """Runs in a thread inside the namespace: /proc/sys/net, ``ip``, ``nft`` and the socket are its."""
+        """Runs in a thread inside the namespace: /proc/sys/net, rtnetlink, nft and the socket are its."""
         Path("/proc/sys/net/ipv4/ping_group_range").write_text("0 2147483647\n")
-        netns.ip_batch(SETUP)
+        with Rtnl() as rtnl:
+            rtnl.link_up()  # lo
+            for address in ADDRESSES:
+                rtnl.add_address(address)
+            rtnl.add_default_route(4)
+            rtnl.add_default_route(6)
         listener = NflogListener(self._sandbox_id, self._log, self.names.table, group=GROUP)
         try:
             netns.nft_load(ruleset(self.names.table, listener.group))
