@@ -166,9 +166,9 @@ class NflogListener:
     """One bound NFLOG group, turned into audit events by one thread; :meth:`close` ends both.
 
     Create it in the network namespace whose rules log to it (a netlink socket
-    belongs to the namespace of the thread that created it).  ``accept`` maps a
-    logged packet to (rule, kind) or None to ignore it; messages from a rule
-    that is not ours (a stale table reusing our group number) are ignored.
+    belongs to the namespace of the thread that created it).  A message whose
+    prefix does not start with ``tag`` is ignored: in the host's namespace a
+    stale table of a dead owner could still name the group we were given.
     """
 
     def __init__(self, sandbox_id: str, log: AuditLog, tag: str, group: int | None = None) -> None:
@@ -184,6 +184,7 @@ class NflogListener:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._seq = 0
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
             self._sock.bind((0, 0))
@@ -197,7 +198,7 @@ class NflogListener:
             raise
 
     def _request(self, group: int, *attrs: tuple[int, bytes]) -> int:
-        self._seq = getattr(self, "_seq", 0) + 1
+        self._seq += 1
         self._sock.send(_config(group, self._seq, *attrs))
         while True:
             _, errors = parse_messages(self._sock.recv(65536))
@@ -235,25 +236,26 @@ class NflogListener:
         poller.register(self._wake_r, select.POLLIN)
         while True:
             ready = {fd for fd, _ in poller.poll()}
-            if self._wake_r in ready:
+            if self._wake_r in ready or not self.drain():
                 return
-            self.drain()
 
-    def drain(self) -> None:
-        """Record every message already queued (audit() calls this so it never lags the kernel)."""
+    def drain(self) -> bool:
+        """Record every message already queued (audit() calls this so it never lags the kernel).
+
+        False if the socket is closed or failed: the thread then stops rather than spin."""
         with self._lock:
             if self._sock.fileno() < 0:
-                return
+                return False
             while True:
                 try:
                     data = self._sock.recv(65536)
                 except BlockingIOError:
-                    return
+                    return True
                 except OSError as exc:
-                    if exc.errno == errno.ENOBUFS:  # the kernel dropped messages: say so in the audit
+                    if exc.errno == errno.ENOBUFS:  # the kernel dropped messages; the counters show them
                         self.lost += 1
                         continue
-                    return
+                    return False
                 for packet in parse_messages(data)[0]:
                     self._record(packet)
 
