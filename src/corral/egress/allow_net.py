@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import HostNotSupported
 from ..host import netns
 from ..host.rtnl import Rtnl
 from .audit import AuditLog
@@ -70,6 +71,13 @@ class AllowNetwork:
         try:
             self.listener = netns.new_netns(self.names.netns, self._setup_inside)
             self.listener.start()
+        except OSError as exc:
+            self.close()
+            raise HostNotSupported(
+                f"network='allow' refuses and audits direct attempts in a namespace of its own, which failed: "
+                f"{exc}. It needs nftables (libnftables or the nft command) and a kernel with nf_tables, "
+                f"nft_fib, nft_reject, nft_log and nfnetlink_log: apt-get install nftables"
+            ) from exc
         except BaseException:
             self.close()
             raise
