@@ -199,3 +199,13 @@ def test_cli_audit_prints_kernel_refusals(net: TargetNet, forwarding: None) -> N
     events = json.loads(proc.stdout)["audit"]
     assert [(e["protocol"], e["destination"], e["rule"]) for e in events] == [
         ("tcp", f"{METADATA}:{net.metadata_port}", "link-local")], proc.stdout
+
+
+def test_concurrent_open_sandboxes_each_see_only_their_own_refusals(net: TargetNet, forwarding: None) -> None:
+    with Sandbox.create(network="open") as a, Sandbox.create(network="open") as b:
+        assert a.commands.run(f"curl -sS -m 5 http://{net.other}:8080/audit-a").exit_code == 7
+        assert b.commands.run(f"curl -sS -m 5 http://{METADATA}:{net.metadata_port}/audit-b").exit_code == 7
+        assert b.commands.run(f"curl -sS -m 5 http://{METADATA}:{net.metadata_port}/audit-b").exit_code == 7
+        assert [(e.sandbox_id, e.destination) for e in a.network.audit()] == [(a.id, f"{net.other}:8080")]
+        assert [(e.sandbox_id, e.destination) for e in b.network.audit()] == [
+            (b.id, f"{METADATA}:{net.metadata_port}")] * 2
