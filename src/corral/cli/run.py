@@ -86,7 +86,7 @@ def handle(args: argparse.Namespace) -> int:
     with Sandbox.create(spec, state=args.state_dir, secret_values=values) as sb:
         result = sb.commands.run(cmd, on_output=None if args.json else stream)
         events = []
-        if args.audit:  # reading the kernel's side costs an `nft` run: only when asked
+        if args.audit:  # reading the kernel's counters costs a libnftables call: only when asked
             try:
                 events = sb.network.audit()
             except SandboxClosed:  # a tier without a network side

@@ -113,5 +113,5 @@ class AllowNetwork:
 
 
 def reap(names: OpenNames) -> None:
-    """Delete the namespace (the veth pair and the table go with it); idempotent, by name only."""
+    """Delete the namespace (its table goes with it); idempotent, by name only."""
     netns.delete_netns(names.netns)
