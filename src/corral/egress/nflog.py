@@ -209,8 +209,8 @@ class NflogListener:
         candidates = [group] if group is not None else random.sample(range(*GROUP_RANGE), 64)
         for candidate in candidates:
             code = self._request(candidate, (NFULA_CFG_CMD, bytes([NFULNL_CFG_CMD_BIND])))
-            # someone else's group: EPERM (bound by another socket; what 6.x answers),
-            # EBUSY or EEXIST (older kernels, and a race between two binds)
+            # someone else's group: EPERM (bound by another socket: what 6.18 answered here),
+            # EBUSY or EEXIST (other kernel versions' code paths, and a race between two binds)
             if code in (errno.EPERM, errno.EBUSY, errno.EEXIST) and group is None:
                 continue
             if code:
