@@ -12,8 +12,8 @@ dependency list and the build unchanged.
 
 Groups are per network namespace.  In the host's namespace (``open`` mode) they
 are shared with every other program and sandbox, so a group is allocated by
-binding random candidates until the kernel accepts one (it answers EBUSY, or
-EEXIST in a race, for a group someone else holds).  The kernel releases the
+binding random candidates until the kernel accepts one (for a group someone
+else holds it answers EPERM, or EBUSY/EEXIST on other code paths).  The kernel releases the
 group when the socket closes, including when the owner is killed.
 """
 
