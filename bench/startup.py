@@ -2,6 +2,7 @@
 
 Prints p50/p95/p99 over N iterations of:
   - cold create -> first command (`true`) -> destroy, through the Python API
+  - the same with network="allow" (proxy, relay, and the namespace that audits direct attempts)
   - exec round trip (`true`) in a live sandbox
   - `corral run -- true` as a whole new process (CLI start-up included)
   - the floor: bare `bwrap --unshare-all ... true`
@@ -10,7 +11,7 @@ and each figure's ratio to the floor.
 Targets on a 2-core machine: cold p50 <= 30 ms, p99 <= 60 ms; exec p50 <= 5 ms;
 `corral run -- true` p50 <= 200 ms.
 
-Usage: python bench/startup.py [--iterations 100] [--cli-iterations 30]
+Usage: python bench/startup.py [--iterations 100] [--cli-iterations 30] [--allow-iterations 50]
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--cli-iterations", type=int, default=30)
+    parser.add_argument("--allow-iterations", type=int, default=50)
     args = parser.parse_args()
     os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
 
@@ -64,6 +66,12 @@ def main() -> int:
             sb.commands.run(["true"])
 
     cold_samples = measure(cold, args.iterations)
+
+    def cold_allow() -> None:
+        with Sandbox.create(allow=["example.com"]) as sb:
+            sb.commands.run(["true"])
+
+    allow_samples = measure(cold_allow, args.allow_iterations)
     with Sandbox.create() as sb:
         exec_samples = measure(lambda: sb.commands.run(["true"]), args.iterations)
     cli = [sys.executable, "-m", "corral.cli", "run", "--", "true"]
@@ -76,6 +84,7 @@ def main() -> int:
     rows = [
         ("bwrap --unshare-all true (floor)", floor, ""),
         ("cold create -> true -> destroy (API)", cold_samples, "p50 <= 30, p99 <= 60"),
+        ("  the same, network=allow", allow_samples, ""),
         ("exec round trip in a live sandbox", exec_samples, "p50 <= 5"),
         ("`corral run -- true` (whole process)", cli_samples, "p50 <= 200"),
     ]

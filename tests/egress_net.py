@@ -6,7 +6,7 @@ Addresses (a random free 10.a.b.0/24):
   .3  another RFC1918 server: HTTP :8080
   169.254.169.254:PORT  a fake metadata server, routed from the host (policy rule for
                         that one TCP port only) for as long as the network lives
-Also a listener on the host's loopback.  Every name here starts with ``crl``;
+Also a listener on the host's loopback.  Every name here starts with ``prefix`` (``crl``);
 :meth:`TargetNet.close` removes all of it and checks that it is gone.
 """
 
@@ -90,10 +90,12 @@ def make_git_repo(root: Path) -> None:
 class TargetNet:
     suffix: str = field(default_factory=netns.new_suffix)
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="crl-testnet-")))
+    #: first letters of the namespace's and the veth's names (tests of separate areas use their own)
+    prefix: str = "crl"
 
     def __post_init__(self) -> None:
-        self.ns = f"crl-t{self.suffix}"
-        self.host_if, self.ns_if = f"crl{self.suffix}h", f"crl{self.suffix}n"
+        self.ns = f"{self.prefix}-t{self.suffix}"
+        self.host_if, self.ns_if = f"{self.prefix}{self.suffix}h", f"{self.prefix}{self.suffix}n"
         a, b = _free_subnet()
         self.host_side, self.target, self.other = f"10.{a}.{b}.1", f"10.{a}.{b}.2", f"10.{a}.{b}.3"
         self.metadata_port = random.randrange(20000, 30000)

@@ -107,7 +107,7 @@ def test_everything_else_is_refused_and_audited(net: TargetNet) -> None:
         assert first.stdout == "hello from target\n", first
         second = sb.commands.run(f"curl -sS -o /dev/null -w '%{{http_code}}' http://rebind.test:{port}/rebind-2")
         assert second.stdout == "403"
-        # raw sockets, UDP and ICMP around the proxy fail: there is no interface to leave by
+        # raw sockets, UDP and ICMP around the proxy fail at once: the namespace refuses all but loopback
         raw = sb.commands.run(
             "python3 - <<'EOF'\n"
             "import socket\n"
@@ -122,11 +122,17 @@ def test_everything_else_is_refused_and_audited(net: TargetNet) -> None:
             "udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
             f"attempt(lambda: udp.sendto(b'x', ('{net.target}', 53)), 'udp')\n"
             "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP), 'icmp-raw')\n"
-            "attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP), 'icmp-ping')\n"
+            "ping = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)\n"
+            f"attempt(lambda: ping.sendto(bytes([8, 0, 247, 255, 0, 0, 0, 0]), ('{METADATA}', 0)), 'icmp-ping')\n"
             "EOF", timeout=30)
         assert raw.exit_code == 0, raw
         assert "OPEN" not in raw.stdout and raw.stdout.count("failed") == 5, raw.stdout
         events = sb.network.audit()
+    direct = [e for e in events if e.rule == "raw-socket"]
+    assert [(e.protocol, e.destination) for e in direct] == [
+        ("tcp", f"{net.target}:8080"), ("tcp", f"{METADATA}:{port}"), ("udp", f"{net.target}:53"),
+        ("icmp", METADATA)]  # the raw socket was never created: nothing was sent
+    events = [e for e in events if e.rule != "raw-socket"]
     assert len(net.hits("metadata")) == before[0], net.hits("metadata")
     assert len(net.hits("other")) == before[1]
     assert len(net.loopback_hits) == before[2]
@@ -341,12 +347,13 @@ def test_nothing_survives_kill_9_of_the_owner_and_gc(net: TargetNet, forwarding:
         gc(state_dir)  # what the failed owner made must not leak into later tests
         raise AssertionError(f"owner failed before printing its ids: {owner.stderr.read()[-3000:]}")
     assert len(_leftovers(ids[0])) == 3
+    assert _leftovers(ids[1]) == [f"crl-{ids[1][-10:]}"]  # allow mode's namespace (its table is inside)
     assert (state_dir / "sandboxes" / ids[1] / "egress" / "proxy.sock").exists()
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait()
     reaped = gc(state_dir)
     assert set(ids) <= set(reaped)
-    assert _leftovers(ids[0]) == []
+    assert _leftovers(ids[0]) == [] and _leftovers(ids[1]) == []
     assert not (state_dir / "sandboxes" / ids[1]).exists()
 
 

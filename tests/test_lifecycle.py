@@ -147,6 +147,7 @@ def test_cli_doctor_reports_capabilities() -> None:
     report = json.loads(r.stdout)
     names = {c["name"]: c for c in report["host"]}
     assert names["cgroups"]["ok"] and names["bubblewrap"]["ok"] and names["user namespaces"]["ok"]
+    assert names["network allow"]["ok"], names["network allow"]
     assert any(t["tier"] == "process" and t["available"] for t in report["tiers"])
 
 

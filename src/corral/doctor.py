@@ -88,5 +88,19 @@ def _network_open() -> Check:
     return Check("network open", True, "IPv4 forwarding on, nftables present")
 
 
+def _network_allow() -> Check:
+    """Proved by doing it: a throwaway namespace with its table and NFLOG group, made and deleted."""
+    import secrets
+
+    from .egress.allow_net import AllowNetwork
+    from .egress.audit import AuditLog
+
+    try:
+        AllowNetwork("sb-" + secrets.token_hex(8), AuditLog()).close()
+    except HostNotSupported as exc:
+        return Check("network allow", False, str(exc), "apt-get install nftables")
+    return Check("network allow", True, "namespace, nftables table and NFLOG audit work")
+
+
 def host_checks() -> list[Check]:
-    return [_root(), _userns(), _cgroups(), _bwrap(), _seccomp(), _landlock(), _network_open()]
+    return [_root(), _userns(), _cgroups(), _bwrap(), _seccomp(), _landlock(), _network_allow(), _network_open()]

@@ -85,10 +85,12 @@ def handle(args: argparse.Namespace) -> int:
         values = read_secrets_file(args.secrets_file)
     with Sandbox.create(spec, state=args.state_dir, secret_values=values) as sb:
         result = sb.commands.run(cmd, on_output=None if args.json else stream)
-        try:
-            events = sb.network.audit()
-        except SandboxClosed:  # a tier without a network side
-            events = []
+        events = []
+        if args.audit:  # reading the kernel's counters costs a libnftables call: only when asked
+            try:
+                events = sb.network.audit()
+            except SandboxClosed:  # a tier without a network side
+                pass
         if args.json:
             payload = {"sandbox_id": sb.id, **result.to_dict()}
             if args.audit:

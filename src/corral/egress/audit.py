@@ -1,4 +1,6 @@
-"""Audit events: every refused destination and every withheld secret, per sandbox."""
+"""Audit events: every refused destination and every withheld secret, per sandbox.
+
+Recorded by the proxy (requests) and by :mod:`corral.egress.nflog` (packets the kernel refused)."""
 
 from __future__ import annotations
 
@@ -15,15 +17,17 @@ MAX_EVENTS = 10_000
 class AuditEvent:
     time: float
     sandbox_id: str
-    #: "refused" (a destination) or "secret-withheld" (a placeholder sent to an unbound host)
+    #: "refused" (a destination), "secret-withheld" (a placeholder sent to an unbound host), or
+    #: "refused-unlogged" (packets refused over the kernel log's rate limit, summed per rule)
     kind: str
-    #: the destination as the sandbox asked for it (``host:port``)
+    #: the destination as the sandbox asked for it (``host:port``; for a packet ``address:port``)
     destination: str
     #: the address it resolved to, when resolution happened
     address: str | None
     #: the rule that refused it (``link-local``, ``not-allowed``, ``raw-socket``, ...)
     rule: str
-    #: how it was asked: http, http-connect, socks5, ...
+    #: how it was asked: http, http-connect, socks5 (the proxy); tcp, udp, icmp, icmpv6... (a packet
+    #: our nftables rules refused); ``nft:<packets>`` for refused-unlogged
     protocol: str
 
     def to_dict(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from .audit import AuditEvent, AuditLog
 # The proxy, the policy and the open-mode plumbing are imported when a sandbox needs them:
 # every sandbox imports this module, most have network="none", and start-up time counts.
 if TYPE_CHECKING:
+    from .allow_net import AllowNetwork
     from .open_net import OpenNetwork
     from .policy import Resolver
     from .proxy import EgressProxy
@@ -103,7 +104,8 @@ class SandboxNetwork:
         self.redactor = Redactor(())
         self._proxy: EgressProxy | None = None
         self._open: OpenNetwork | None = None
-        #: for ``open``: the named network namespace the sandbox must be started in
+        self._allow_net: AllowNetwork | None = None
+        #: for ``open`` and ``allow``: the named network namespace the sandbox must be started in
         self.netns: str | None = None
         self._dir = run_dir / "egress"
         try:
@@ -119,7 +121,7 @@ class SandboxNetwork:
         ranges = [parse_range(c) for c in (*_settings.unsafe_allow_ranges, *spec.unsafe_allow_ranges)]
         from .open_net import OpenNetwork
 
-        self._open = OpenNetwork(self.sandbox_id, ranges)
+        self._open = OpenNetwork(self.sandbox_id, ranges, self.audit_log)
         self.netns = self._open.names.netns
         servers = "".join(f"nameserver {s}\n" for s in self._open.nameservers)
         self.files["/etc/resolv.conf"] = servers.encode()
@@ -145,6 +147,11 @@ class SandboxNetwork:
             upstream_context(config.upstream_cafile) if self.secrets else None, socket_uid=uid,
         )
         self.binds.append((socket_path, SOCKET_IN_SANDBOX))
+        # a namespace the host owns, where direct attempts fail at once and are audited
+        from .allow_net import AllowNetwork
+
+        self._allow_net = AllowNetwork(self.sandbox_id, self.audit_log)
+        self.netns = self._allow_net.names.netns
         self.agent_args = ["--relay", str(PROXY_PORT), SOCKET_IN_SANDBOX]
         http = f"http://127.0.0.1:{PROXY_PORT}"
         socks = f"socks5h://127.0.0.1:{PROXY_PORT}"
@@ -167,15 +174,18 @@ class SandboxNetwork:
     def audit(self) -> list[AuditEvent]:
         """Every refusal and withheld secret so far, oldest first.
 
-        In ``open`` mode the kernel refuses packets, not requests: there is one
-        event per refusing rule, its ``destination`` the range and ``protocol``
-        ``nft:<packets>``."""
+        Packets the kernel refused (``open`` mode, and direct attempts in
+        ``allow`` mode) are one event each, ``protocol`` ``tcp``/``udp``/``icmp``...
+        Beyond the log rate limit (20/s, burst 50) they are still refused but
+        summed up: one ``refused-unlogged`` event per rule at the end, its
+        ``protocol`` ``nft:<packets>``."""
+        kernel = self._open or self._allow_net
+        unlogged = kernel.unlogged() if kernel is not None else []  # drains the log: read first
         events = self.audit_log.events()
-        if self._open is not None:
-            for comment, packets in self._open.refusal_counts():
-                rule, _, where = comment.partition(" ")
-                events.append(AuditEvent(time.time(), self.sandbox_id, "refused", where or rule, None, rule,
-                                         f"nft:{packets}"))
+        for comment, packets in unlogged:
+            rule, _, where = comment.partition(" ")
+            events.append(AuditEvent(time.time(), self.sandbox_id, "refused-unlogged", where or rule, None, rule,
+                                     f"nft:{packets}"))
         return events
 
     def redact(self, data: bytes) -> bytes:
@@ -188,10 +198,13 @@ class SandboxNetwork:
         if self._proxy is not None:
             self._proxy.close()
             self._proxy = None
+        if self._allow_net is not None:
+            self._allow_net.close()
+            self._allow_net = None
         if self._open is not None:
             self._open.close()
             self._open = None
-        elif self.mode == "open":  # creation failed half-way: delete by name
+        elif self.mode == "open":  # creation failed half-way: delete by name (AllowNetwork cleans up itself)
             from . import open_net
 
             open_net.reap(open_net.OpenNames.for_sandbox(self.sandbox_id))
@@ -200,7 +213,9 @@ class SandboxNetwork:
 
 def reap(sandbox_id: str, record: Mapping[str, object]) -> None:
     """Release what a dead owner's sandbox left outside its run directory."""
-    if record.get("network", "open") == "open":  # unknown (crash before the record): look by name
+    # unknown (crash before the record): look by name.  ``allow`` has a namespace of the
+    # same name; open_net.reap deletes it, and whatever else of that name exists
+    if record.get("network", "open") in ("open", "allow"):
         from . import open_net
 
         open_net.reap(open_net.OpenNames.for_sandbox(sandbox_id))

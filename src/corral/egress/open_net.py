@@ -4,14 +4,15 @@ Names derive from the sandbox id (``crl-<10 hex>``, ``crl<10 hex>h``/``s``,
 ``inet crl_<10 hex>``), so the janitor can find and delete them from the id
 alone even if the owner died half-way through creating them.  The table refuses
 the same ranges as the proxy (minus the operator's unsafe ranges), every address
-of the host (input chain), and all IPv6; per-rule counters feed the audit log.
+of the host (input chain), and all IPv6.  Every refused packet is logged to an
+NFLOG group this sandbox's owner holds (:mod:`corral.egress.nflog`), which makes
+it one audit event; per-rule counters tell how many went unlogged (rate limit).
 Only our own table is ever created, read or deleted.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import random
 import re
 import subprocess
@@ -22,6 +23,8 @@ from pathlib import Path
 from ..errors import HostNotSupported
 from ..host import netns
 from ..netrules import IPNetwork
+from .audit import AuditLog
+from .nflog import NflogListener, limit_object, log_statement
 from .policy import REFUSED_RANGES
 
 #: sandbox addresses: /30s in a CGNAT block hosts rarely use
@@ -67,35 +70,52 @@ def _free_slot() -> ipaddress.IPv4Network:
     raise OSError("no free /30 in 100.127.0.0/16 for the sandbox's veth pair")
 
 
-def ruleset(names: OpenNames, sandbox_addr: str, unsafe: Sequence[IPNetwork], nameservers: Sequence[str]) -> str:
+#: what a kernel sends by itself when a link comes up (IPv6 neighbour discovery, multicast
+#: listener reports): dropped without an audit event, as they are no attempt by the sandbox,
+#: which cannot send them itself (no CAP_NET_RAW in a namespace the host owns)
+KERNEL_CHATTER = ("icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert, "
+                  "mld-listener-report, mld2-listener-report } drop")
+
+
+def ruleset(names: OpenNames, sandbox_addr: str, unsafe: Sequence[IPNetwork], nameservers: Sequence[str],
+            group: int) -> str:
     refused_v4 = [(str(net), rule) for net, rule in REFUSED_RANGES if net.version == 4]
     unsafe_v4 = [str(n) for n in unsafe if n.version == 4]
+    sandbox = f'iifname "{names.host_if}"'
+
+    def refuse(match: str, label: str, verdict: str) -> list[str]:
+        # two rules: the first logs (rate-limited), the second refuses every packet, limited or not
+        head = " ".join(part for part in ("   ", sandbox, match) if part)
+        return [f"{head} {log_statement(group, names.table, label)}", f'{head} counter {verdict} comment "{label}"']
+
     lines = [
         f"table inet {names.table} {{",
+        limit_object(),
         "  chain forward {",
         "    type filter hook forward priority filter - 1; policy accept;",
         f'    oifname "{names.host_if}" ct state established,related accept',
         f'    oifname "{names.host_if}" drop',
-        f'    iifname "{names.host_if}" meta nfproto ipv6 counter drop comment "ipv6"',
+        f"    {sandbox} {KERNEL_CHATTER}",
+        *refuse("meta nfproto ipv6", "ipv6", "drop"),
     ]
     for server in nameservers:
         lines.append(f'    iifname "{names.host_if}" ip daddr {server} meta l4proto {{ tcp, udp }} th dport 53 accept')
     if unsafe_v4:
         lines.append(f'    iifname "{names.host_if}" ip daddr {{ {", ".join(unsafe_v4)} }} accept')
     for net, rule in refused_v4:
-        lines.append(f'    iifname "{names.host_if}" ip daddr {net} counter reject with icmp type admin-prohibited '
-                     f'comment "{rule} {net}"')
+        lines += refuse(f"ip daddr {net}", f"{rule} {net}", "reject with icmp type admin-prohibited")
     lines += [
         f'    iifname "{names.host_if}" accept',
         "  }",
         "  chain input {",
         "    type filter hook input priority filter - 1; policy accept;",
         f'    iifname "{names.host_if}" ct state established,related accept',
+        f"    {sandbox} {KERNEL_CHATTER}",
     ]
     if unsafe_v4:
         lines.append(f'    iifname "{names.host_if}" ip daddr {{ {", ".join(unsafe_v4)} }} accept')
     lines += [
-        f'    iifname "{names.host_if}" counter reject comment "host-address"',
+        *refuse("", "host-address", "reject"),
         "  }",
         "  chain postrouting {",
         "    type nat hook postrouting priority srcnat; policy accept;",
@@ -127,40 +147,36 @@ def check_host() -> None:
 class OpenNetwork:
     """The namespace, veth pair and nftables table of one ``open`` sandbox."""
 
-    def __init__(self, sandbox_id: str, unsafe: Sequence[IPNetwork]) -> None:
+    def __init__(self, sandbox_id: str, unsafe: Sequence[IPNetwork], log: AuditLog) -> None:
         check_host()
         self.names = OpenNames.for_sandbox(sandbox_id)
         self.nameservers = _host_nameservers()
+        self.listener: NflogListener | None = None
         try:
+            # the group is bound before the rules that log to it exist: none of their
+            # messages is lost, and no one else can take the group in between
+            self.listener = NflogListener(sandbox_id, log, self.names.table)
             slot = _free_slot()
             host_addr, self.sandbox_addr = str(slot.network_address + 1), str(slot.network_address + 2)
             netns.create_netns(self.names.netns)
             netns.create_veth(self.names.host_if, self.names.sandbox_if, self.names.netns,
                               f"{host_addr}/30", f"{self.sandbox_addr}/30")
             netns.add_default_route(self.names.netns, host_addr)
-            netns.nft_load(ruleset(self.names, self.sandbox_addr, unsafe, self.nameservers))
+            netns.nft_load(ruleset(self.names, self.sandbox_addr, unsafe, self.nameservers, self.listener.group))
+            self.listener.start()
         except BaseException:
             self.close()
             raise
 
-    def refusal_counts(self) -> list[tuple[str, int]]:
-        """(rule comment, packets refused) for every rule that refused something."""
-        out = subprocess.run(["nft", "-j", "list", "table", "inet", self.names.table],
-                             capture_output=True, text=True, timeout=30).stdout
-        counts = []
-        try:
-            for item in json.loads(out or "{}").get("nftables", []):
-                rule = item.get("rule")
-                if not rule or "comment" not in rule:
-                    continue
-                for expr in rule.get("expr", []):
-                    if "counter" in expr and expr["counter"]["packets"]:
-                        counts.append((rule["comment"], int(expr["counter"]["packets"])))
-        except (ValueError, KeyError, TypeError):
-            return []
-        return counts
+    def unlogged(self) -> list[tuple[str, int]]:
+        """(rule comment, packets) refused without an audit event of their own (rate limit)."""
+        assert self.listener is not None
+        return self.listener.unlogged(netns.nft_counters("inet", self.names.table))
 
     def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         reap(self.names)
 
 

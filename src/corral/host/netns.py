@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import json
 import os
 import secrets
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..errors import HostNotSupported
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
 PREFIX = "crl"
+T = TypeVar("T")
 
 
 def new_suffix() -> str:
@@ -46,10 +52,23 @@ def create_netns(name: str) -> None:
     _run(["ip", "-n", name, "link", "set", "lo", "up"])
 
 
+MNT_DETACH = 2
+
+
 def delete_netns(name: str) -> None:
-    """Delete a namespace (its end of any veth pair goes with it, and so does the host end)."""
-    if netns_exists(name):
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+    """Delete a namespace (its end of any veth pair goes with it, and so does the host end).
+
+    What ``ip netns delete`` does, without its fork and exec: detach the bind
+    mount that names the namespace, then remove the file.  The kernel frees
+    the namespace once its last process is gone."""
+    path = NETNS_DIR / name
+    if not path.exists():
+        return
+    if _libc.umount2(str(path).encode(), MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
+        # EINVAL: not a mount point any more (a crash between the two steps); anything else is real
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {path}: {os.strerror(err)}")
+    path.unlink(missing_ok=True)
 
 
 def link_exists(name: str) -> bool:
@@ -77,17 +96,101 @@ def add_default_route(netns: str, via: str) -> None:
     _run(["ip", "-n", netns, "route", "add", "default", "via", via])
 
 
+class _LibNftables:
+    """libnftables, the library the ``nft`` command is built on, called in-process.
+
+    An ``nft`` run costs 4-7 ms of fork and exec on this loaded host; a library
+    call about 0.3 ms, and every ``allow`` and ``open`` sandbox loads a table.
+    Calls are serialized: the library keeps some global state.  Like ``nft``
+    itself, a call acts in the calling thread's network namespace.
+    """
+
+    JSON = 1 << 4  # NFT_CTX_OUTPUT_JSON
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        self._lock = threading.Lock()
+        lib.nft_ctx_new.restype = ctypes.c_void_p
+        lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+        lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+        lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        for name in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+        for name in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+            getattr(lib, name).restype = ctypes.c_char_p
+        lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+    def run(self, command: str, as_json: bool = False) -> tuple[int, str, str]:
+        with self._lock:
+            ctx = self._lib.nft_ctx_new(0)
+            if not ctx:
+                raise OSError("nft_ctx_new failed")
+            try:
+                if as_json:
+                    self._lib.nft_ctx_output_set_flags(ctx, self.JSON)
+                self._lib.nft_ctx_buffer_output(ctx)
+                self._lib.nft_ctx_buffer_error(ctx)
+                rc = self._lib.nft_run_cmd_from_buffer(ctx, command.encode())
+                out = (self._lib.nft_ctx_get_output_buffer(ctx) or b"").decode()
+                err = (self._lib.nft_ctx_get_error_buffer(ctx) or b"").decode()
+            finally:
+                self._lib.nft_ctx_free(ctx)
+        return rc, out, err
+
+
+def _load_libnftables() -> _LibNftables | None:
+    try:
+        return _LibNftables(ctypes.CDLL("libnftables.so.1"))
+    except (OSError, AttributeError):
+        return None  # no library: the ``nft`` command does the same, slower
+
+
+_libnftables = _load_libnftables()
+
+
+def nft(command: str, as_json: bool = False) -> tuple[int, str, str]:
+    """(return code, output, errors) of nft commands, in the calling thread's namespace."""
+    if _libnftables is not None:
+        return _libnftables.run(command, as_json)
+    try:
+        proc = subprocess.run(["nft", *(["-j"] if as_json else []), "-f", "-"], input=command,
+                              capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise HostNotSupported("nft is not installed: apt-get install nftables") from None
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def nft_table_exists(family: str, name: str) -> bool:
-    return subprocess.run(["nft", "list", "table", family, name], capture_output=True, timeout=30).returncode == 0
+    return nft(f"list table {family} {name}")[0] == 0
 
 
 def nft_load(ruleset: str) -> None:
-    _run(["nft", "-f", "-"], stdin=ruleset)
+    rc, out, err = nft(ruleset)
+    if rc != 0:
+        raise HostNotSupported(f"loading an nftables table failed: {err.strip() or out.strip()}")
+
+
+def nft_counters(family: str, table: str) -> dict[str, int]:
+    """Packets counted per rule comment in one of our tables (summed over rules sharing a comment)."""
+    out = nft(f"list table {family} {table}", as_json=True)[1]
+    counts: dict[str, int] = {}
+    try:
+        for item in json.loads(out or "{}").get("nftables", []):
+            rule = item.get("rule")
+            if not rule or "comment" not in rule:
+                continue
+            for expr in rule.get("expr", []):
+                if "counter" in expr:
+                    counts[rule["comment"]] = counts.get(rule["comment"], 0) + int(expr["counter"]["packets"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return counts
 
 
 def nft_delete_table(family: str, name: str) -> None:
-    if nft_table_exists(family, name):
-        subprocess.run(["nft", "delete", "table", family, name], capture_output=True, timeout=30)
+    """Delete one of our tables if it exists (no error if it does not)."""
+    nft(f"delete table {family} {name}")
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -102,3 +205,61 @@ def enter_netns(name: str) -> None:
             raise OSError(err, os.strerror(err))
     finally:
         os.close(fd)
+
+
+def in_netns(name: str, work: Callable[[], T]) -> T:
+    """Run ``work`` in a thread that has entered the named namespace, and return its result.
+
+    Namespaces are per thread, and whatever that thread creates stays in the
+    namespace: sockets (an NFLOG socket binds that namespace's groups), and the
+    children it starts (``nft``, ``ip``: no ``ip netns exec`` needed).  The
+    thread ends afterwards, so no thread of this process is left in a foreign
+    namespace.
+    """
+    return _in_thread(f"netns-{name}", lambda: enter_netns(name), work)
+
+
+MS_BIND = 4096
+
+
+def new_netns(name: str, work: Callable[[], T]) -> T:
+    """Create a named namespace and run ``work`` in it, like :func:`in_netns`.
+
+    What ``ip netns add`` does, without its fork and exec (2-3 ms here): a thread
+    unshares its network namespace and bind-mounts it on ``/run/netns/NAME``.  If
+    ``work`` fails, the namespace stays: delete it by name (:func:`delete_netns`).
+    """
+    path = NETNS_DIR / name
+
+    def create() -> None:
+        NETNS_DIR.mkdir(mode=0o755, exist_ok=True)
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+        try:
+            if _libc.unshare(CLONE_NEWNET) != 0 or _libc.mount(
+                    b"/proc/thread-self/ns/net", str(path).encode(), None, MS_BIND, None) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"creating network namespace {name}: {os.strerror(err)}")
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+
+    return _in_thread(f"netns-{name}", create, work)
+
+
+def _in_thread(label: str, enter: Callable[[], None], work: Callable[[], T]) -> T:
+    box: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            enter()
+            box.append(work())
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=label)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return box[0]

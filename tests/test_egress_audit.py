@@ -1,0 +1,211 @@
+"""Per-attempt audit of what the kernel refuses: ``open`` mode's table, and direct attempts in ``allow``.
+
+Real namespaces, real nftables rules, real NFLOG messages.  Each check goes both
+ways: a refused attempt yields exactly one event naming its destination and
+rule, and an allowed one yields none.  The test network's names start with
+``aud`` (this area's prefix).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from corral import Sandbox
+from corral.egress import network as egress
+from corral.egress.audit import AuditLog
+from corral.egress.nflog import NflogListener, parse_messages, parse_packet
+from egress_net import METADATA, TargetNet
+
+CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main(sys.argv[1:]))"]
+
+# one attempt per line of output: "<what> failed <errno> <seconds>" (or OPEN)
+ATTEMPTS = """python3 - <<'EOF'
+import socket, sys, time
+def attempt(what, make):
+    start = time.monotonic()
+    try:
+        make()
+        print(what, 'OPEN')
+    except OSError as e:
+        print(what, 'failed', e.errno, round(time.monotonic() - start, 3))
+for line in sys.argv[1:] or [{lines}]:
+    kind, host, port = line.split()
+    if kind == 'tcp':
+        attempt(line, lambda: socket.create_connection((host, int(port)), timeout=5))
+    elif kind == 'udp':
+        attempt(line, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', (host, int(port))))
+    else:  # an ICMP echo request on a ping socket (what ping(8) uses without privileges)
+        ping = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+        attempt(line, lambda: ping.sendto(bytes([8, 0, 247, 255, 0, 0, 0, 0]), (host, 0)))
+EOF"""
+
+
+def attempts(*lines: str) -> str:
+    return ATTEMPTS.format(lines=", ".join(repr(line) for line in lines))
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[TargetNet]:
+    testnet = TargetNet(prefix="aud")
+    previous = egress.configure(resolver=testnet.resolver(), upstream_cafile=str(testnet.ca))
+    try:
+        yield testnet
+    finally:
+        egress.configure(**previous.__dict__)
+        testnet.close()
+
+
+@pytest.fixture
+def forwarding() -> Iterator[None]:
+    """Open mode needs IPv4 forwarding; switch it on for the test only and put it back."""
+    sysctl = Path("/proc/sys/net/ipv4/ip_forward")
+    before = sysctl.read_text().strip()
+    sysctl.write_text("1")
+    try:
+        yield
+    finally:
+        sysctl.write_text(before)
+
+
+def test_parser_reads_ipv4_ipv6_and_fragments() -> None:
+    tcp4 = bytes([0x45, 0, 0, 60, 0, 0, 0x40, 0, 64, 6, 0, 0, 10, 0, 0, 2, 169, 254, 169, 254]) + bytes(
+        [0x30, 0x39, 0, 80]) + bytes(16)
+    assert parse_packet(tcp4) == ("tcp", "169.254.169.254", 80)
+    later_fragment = tcp4[:6] + bytes([0x20, 0x10]) + tcp4[8:]
+    assert parse_packet(later_fragment) == ("tcp", "169.254.169.254", None)
+    udp6 = bytes([0x60, 0, 0, 0, 0, 8, 17, 64]) + bytes(16) + bytes.fromhex("fd000ec2" + "0" * 20 + "0254")
+    udp6 += bytes([0, 53, 0, 53, 0, 8, 0, 0])
+    assert parse_packet(udp6) == ("udp", "fd00:ec2::254", 53)
+    hop_by_hop = udp6[:6] + bytes([0]) + udp6[7:40] + bytes([17, 0]) + bytes(6) + udp6[40:]
+    assert parse_packet(hop_by_hop) == ("udp", "fd00:ec2::254", 53)
+    assert parse_packet(b"") is None and parse_packet(b"\x45\x00") is None
+    assert parse_messages(b"\x10\x00") == ([], [])  # truncated: ignored, not raised
+
+
+def test_group_allocation_and_a_taken_group() -> None:
+    first = NflogListener("sb-a", AuditLog(), "a")
+    try:
+        with pytest.raises(OSError):
+            NflogListener("sb-b", AuditLog(), "b", group=first.group)
+        second = NflogListener("sb-c", AuditLog(), "c")
+        assert second.group != first.group
+        second.close()
+        second.close()  # idempotent
+    finally:
+        first.close()
+    again = NflogListener("sb-d", AuditLog(), "d", group=first.group)  # released with the socket
+    again.close()
+
+
+def test_open_mode_audits_each_refused_attempt(net: TargetNet, forwarding: None) -> None:
+    with Sandbox.create(network="open", unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        ok = sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/audit-open-ok")
+        assert ok.stdout == "hello from target\n", ok
+        assert sb.network.audit() == []
+        refused = [f"http://{net.other}:8080/audit-open-1", f"http://{net.other}:8080/audit-open-2",
+                   f"http://{METADATA}:{net.metadata_port}/audit-open-3",
+                   f"http://{net.host_side}:{net.loopback_port}/audit-open-4"]
+        for url in refused:
+            started = time.monotonic()
+            result = sb.commands.run(f"curl -sS -m 5 {url}")
+            assert result.exit_code == 7 and time.monotonic() - started < 3, (url, result)
+        # sendto() succeeds here (the packet leaves the sandbox; the host refuses it): audited all the same
+        assert sb.commands.run(attempts(f"udp {net.other} 53")).exit_code == 0
+        events = sb.network.audit()
+        seen = [(e.kind, e.protocol, e.destination, e.address, e.rule) for e in events]
+        assert seen == [
+            ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
+            ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
+            ("refused", "tcp", f"{METADATA}:{net.metadata_port}", METADATA, "link-local"),
+            ("refused", "tcp", f"{net.host_side}:{net.loopback_port}", net.host_side, "host-address"),
+            ("refused", "udp", f"{net.other}:53", net.other, "rfc1918"),
+        ], seen
+        assert all(e.sandbox_id == sb.id and e.time > 0 for e in events)
+        # allowed again: still nothing new
+        assert sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/audit-open-ok2").exit_code == 0
+        assert len(sb.network.audit()) == 5
+    assert not [h for h in net.hits() if h["path"].startswith("/audit-open-") and "ok" not in h["path"]]
+
+
+def test_a_flood_is_refused_whole_but_logged_within_the_rate_limit(net: TargetNet, forwarding: None) -> None:
+    with Sandbox.create(network="open") as sb:
+        # one packet first, so the sandbox knows its gateway's MAC address: packets queued while
+        # it asks could be dropped in the sandbox (never reaching our rules) and spoil the count
+        flood = sb.commands.run(
+            "python3 -c \"import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"s.sendto(b'x', ('{net.host_side}', 9))\ntime.sleep(0.5)\n"
+            f"for i in range(400):\n    s.sendto(b'x', ('{net.other}', 9))\"")
+        assert flood.exit_code == 0, flood
+        events = sb.network.audit()
+    logged = [e for e in events if e.kind == "refused" and e.rule == "rfc1918"]
+    unlogged = [e for e in events if e.kind == "refused-unlogged"]
+    assert 50 <= len(logged) < 400, len(logged)  # the burst, plus what the rate allowed meanwhile
+    assert [(e.rule, e.destination) for e in unlogged] == [("rfc1918", "10.0.0.0/8")]
+    assert len(logged) + int(unlogged[0].protocol.removeprefix("nft:")) == 400
+
+
+def test_allow_mode_direct_attempts_fail_fast_and_are_audited(net: TargetNet) -> None:
+    before = len(net.hits("metadata"))
+    port = net.metadata_port
+    with Sandbox.create(allow=["target.test"], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        links = sb.commands.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort").stdout.split()
+        assert links == ["lo"]
+        raw = sb.commands.run(attempts(f"tcp {METADATA} {port}", f"udp {METADATA} 53", f"icmp {METADATA} 0",
+                                       f"tcp {net.target} 8080"), timeout=30)
+        lines = raw.stdout.splitlines()
+        assert len(lines) == 4 and all(" failed " in line for line in lines), raw
+        assert all(float(line.split()[-1]) < 1.0 for line in lines), lines  # refused at once, no timeout
+        events = sb.network.audit()
+        seen = [(e.kind, e.protocol, e.destination, e.address, e.rule) for e in events]
+        assert seen == [
+            ("refused", "tcp", f"{METADATA}:{port}", METADATA, "raw-socket"),
+            ("refused", "udp", f"{METADATA}:53", METADATA, "raw-socket"),
+            ("refused", "icmp", METADATA, METADATA, "raw-socket"),
+            ("refused", "tcp", f"{net.target}:8080", net.target, "raw-socket"),
+        ], seen
+        # the proxy still works, over HTTP and HTTPS, and adds no event
+        sb.files.write("/tmp/testca.pem", net.ca.read_bytes())
+        for cmd in ("curl -fsS http://target.test:8080/audit-allow-ok",
+                    "curl -fsS --cacert /tmp/testca.pem https://target.test:8443/audit-allow-ok-tls"):
+            ok = sb.commands.run(cmd, timeout=30)
+            assert ok.exit_code == 0 and ok.stdout.startswith("hello from target"), (cmd, ok)
+        assert len(sb.network.audit()) == 4
+    assert len(net.hits("metadata")) == before
+
+
+def test_cli_audit_prints_kernel_refusals(net: TargetNet, forwarding: None) -> None:
+    proc = subprocess.run(
+        [*CLI, "run", "--allow", "example.com", "--audit", "--", "sh", "-c",
+         attempts(f"tcp {METADATA} {net.metadata_port}", f"udp {net.other} 53")],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    audit = [line for line in proc.stderr.splitlines() if line.startswith("corral audit:")]
+    assert len(audit) == 2, proc.stderr
+    assert f"{METADATA}:{net.metadata_port}" in audit[0] and "[tcp]" in audit[0] and "rule=raw-socket" in audit[0]
+    assert f"{net.other}:53" in audit[1] and "[udp]" in audit[1]
+    proc = subprocess.run(
+        [*CLI, "run", "--network", "open", "--audit", "--json", "--", "curl", "-sS", "-m", "5",
+         f"http://{METADATA}:{net.metadata_port}/audit-cli"], capture_output=True, text=True, timeout=60)
+    import json
+
+    events = json.loads(proc.stdout)["audit"]
+    assert [(e["protocol"], e["destination"], e["rule"]) for e in events] == [
+        ("tcp", f"{METADATA}:{net.metadata_port}", "link-local")], proc.stdout
+
+
+def test_concurrent_open_sandboxes_each_see_only_their_own_refusals(net: TargetNet, forwarding: None) -> None:
+    with Sandbox.create(network="open") as a, Sandbox.create(network="open") as b:
+        assert a.commands.run(f"curl -sS -m 5 http://{net.other}:8080/audit-a").exit_code == 7
+        assert b.commands.run(f"curl -sS -m 5 http://{METADATA}:{net.metadata_port}/audit-b").exit_code == 7
+        assert b.commands.run(f"curl -sS -m 5 http://{METADATA}:{net.metadata_port}/audit-b").exit_code == 7
+        assert [(e.sandbox_id, e.destination) for e in a.network.audit()] == [(a.id, f"{net.other}:8080")]
+        assert [(e.sandbox_id, e.destination) for e in b.network.audit()] == [
+            (b.id, f"{METADATA}:{net.metadata_port}")] * 2
