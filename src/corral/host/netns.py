@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import json
 import os
 import secrets
@@ -64,7 +65,7 @@ def delete_netns(name: str) -> None:
     path = NETNS_DIR / name
     if not path.exists():
         return
-    if _libc.umount2(str(path).encode(), MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
+    if _libc().umount2(str(path).encode(), MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
         # EINVAL: not a mount point any more (a crash between the two steps); anything else is real
         err = ctypes.get_errno()
         raise OSError(err, f"umount {path}: {os.strerror(err)}")
@@ -139,20 +140,20 @@ class _LibNftables:
         return rc, out, err
 
 
-def _load_libnftables() -> _LibNftables | None:
+@functools.cache
+def _libnftables() -> _LibNftables | None:
+    # loaded on first use, not at import: every sandbox imports this module, few need nftables
     try:
         return _LibNftables(ctypes.CDLL("libnftables.so.1"))
     except (OSError, AttributeError):
         return None  # no library: the ``nft`` command does the same, slower
 
 
-_libnftables = _load_libnftables()
-
-
 def nft(command: str, as_json: bool = False) -> tuple[int, str, str]:
     """(return code, output, errors) of nft commands, in the calling thread's namespace."""
-    if _libnftables is not None:
-        return _libnftables.run(command, as_json)
+    lib = _libnftables()
+    if lib is not None:
+        return lib.run(command, as_json)
     try:
         proc = subprocess.run(["nft", *(["-j"] if as_json else []), "-f", "-"], input=command,
                               capture_output=True, text=True, timeout=30)
@@ -193,14 +194,20 @@ def nft_delete_table(family: str, name: str) -> None:
     nft(f"delete table {family} {name}")
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    # on first use: find_library runs ldconfig (milliseconds every `corral run` would pay)
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def enter_netns(name: str) -> None:
-    """Move the calling thread into a named namespace (used between fork and exec)."""
+    """Move the calling thread into a named namespace (not safe between fork and exec: loads libc lazily)."""
     fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
+        if _libc().setns(fd, CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
     finally:
@@ -235,7 +242,7 @@ def new_netns(name: str, work: Callable[[], T]) -> T:
         NETNS_DIR.mkdir(mode=0o755, exist_ok=True)
         os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
         try:
-            if _libc.unshare(CLONE_NEWNET) != 0 or _libc.mount(
+            if _libc().unshare(CLONE_NEWNET) != 0 or _libc().mount(
                     b"/proc/thread-self/ns/net", str(path).encode(), None, MS_BIND, None) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"creating network namespace {name}: {os.strerror(err)}")
