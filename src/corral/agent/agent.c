@@ -669,6 +669,18 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &mask, NULL);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0) return 2;
+    if (argc == 3 && strcmp(argv[1], "--wait-fd") == 0) {
+        /* started ahead of time (the microVM guest starts it before its snapshot):
+         * say "waiting" on the socket FD, then block until a byte says go.  The
+         * protocol on stdin/stdout only begins after that. */
+        int fd = atoi(argv[2]);
+        char go = 'w';
+        if (fd < 3 || write(fd, &go, 1) != 1) return 2;
+        ssize_t n;
+        do n = read(fd, &go, 1); while (n < 0 && errno == EINTR);
+        if (n != 1) return 2;
+        close(fd);
+    }
     send_frame(T_READY, 0, "corral-agent 1", 14);
 
     static struct pollfd pfds[2 + MAX_EXECS * 3];

@@ -24,6 +24,7 @@
 #include <fcntl.h>
 #include <linux/random.h>
 #include <dirent.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -32,6 +33,7 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
@@ -148,6 +150,8 @@ static void write_all(int fd, const void *buf, size_t len) {
 
 /* Read exactly len bytes.  A read of 0 means the host side is not connected
  * (right after a restore the port is briefly closed): wait and retry. */
+static int zero_reads;
+
 static void read_exact(int fd, void *buf, size_t len) {
     char *p = buf;
     while (len > 0) {
@@ -155,6 +159,7 @@ static void read_exact(int fd, void *buf, size_t len) {
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) die("port read failed (%s%s)", "");
         if (n == 0) {
+            zero_reads++;
             struct timespec ts = {0, 1000000};
             nanosleep(&ts, NULL);
             continue;
@@ -162,6 +167,30 @@ static void read_exact(int fd, void *buf, size_t len) {
         p += n;
         len -= (size_t)n;
     }
+}
+
+/* Monotonic timestamps of the configure phase's steps, written to the console
+ * after the agent started when the configuration asks for it ("trace=1"): to
+ * see where a restore's time goes without slowing untraced restores. */
+static struct { const char *what; struct timespec at; } marks[48];
+static int mark_count;
+
+static void mark(const char *what) {
+    if (mark_count < (int)(sizeof marks / sizeof *marks)) {
+        marks[mark_count].what = what;
+        clock_gettime(CLOCK_MONOTONIC, &marks[mark_count++].at);
+    }
+}
+
+static void print_marks(void) {
+    int fd = open("/dev/console", O_WRONLY | O_NOCTTY);
+    if (fd < 0) return;
+    for (int i = 1; i < mark_count; i++) {
+        long long us = (marks[i].at.tv_sec - marks[0].at.tv_sec) * 1000000LL
+                       + (marks[i].at.tv_nsec - marks[0].at.tv_nsec) / 1000;
+        dprintf(fd, "corral-trace %8.3f ms %s\n", us / 1000.0, marks[i].what);
+    }
+    close(fd);
 }
 
 static char *config[512];
@@ -238,6 +267,7 @@ static void setup_root(void) {
     char data[1024], lower[64], target[600];
     snprintf(data, sizeof data, "size=%s,mode=0755", need("disk"));
     do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, data);
+    mark("tmpfs /rw");
     int layers = atoi(need("layers"));
     for (int i = 0; i < layers; i++) {
         char key[32];
@@ -246,6 +276,7 @@ static void setup_root(void) {
         snprintf(lower, sizeof lower, "/lower/%d", i);
         do_mount(key, lower, "9p", MS_RDONLY | MS_NOSUID | MS_NODEV,
                  "trans=virtio,version=9p2000.L,cache=loose,msize=262144");
+        mark("9p layer");
         char upper[64], work[64];
         snprintf(upper, sizeof upper, "/rw/u%d", i);
         snprintf(work, sizeof work, "/rw/w%d", i);
@@ -254,10 +285,12 @@ static void setup_root(void) {
         snprintf(target, sizeof target, "/newroot%s", strcmp(point, "/") ? point : "");
         snprintf(data, sizeof data, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work);
         do_mount("overlay", target, "overlay", 0, data);
+        mark("overlay");
     }
     const char *ws_mode = need("workspace");
     do_mount("ws", "/newroot/workspace", "9p", MS_NOSUID | MS_NODEV | (strcmp(ws_mode, "ro") ? 0 : MS_RDONLY),
              "trans=virtio,version=9p2000.L,cache=none,msize=262144");
+    mark("9p workspace");
     /* /proc, /sys (with the cgroup tree) and /dev were mounted before the
      * snapshot: moving them costs less fresh guest code than mounting anew
      * (under TCG every code path a restored VM runs is translated again) */
@@ -267,19 +300,18 @@ static void setup_root(void) {
         mkdir_p(target);
         if (mount(early[i], target, NULL, MS_MOVE, NULL) < 0) die("cannot move %s (%s)", early[i]);
     }
+    mark("move proc sys dev");
     mkdir_p("/newroot/home/user");
     mkdir_p("/newroot/tmp");
     chmod("/newroot/tmp", 01777);
-    mkdir_p("/newroot/.corral");
-    write_file("/newroot/.corral/agent", "");
-    if (mount("/corral-agent", "/newroot/.corral/agent", NULL, MS_BIND, NULL) < 0) die("cannot bind the agent (%s%s)", "");
-    mount(NULL, "/newroot/.corral/agent", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL);
+    mark("dirs");
 
     char line[300];
     snprintf(line, sizeof line, "%s\n", need("hostname"));
     write_file("/newroot/etc/hostname", line);
     snprintf(line, sizeof line, "%s\n", need("machine_id"));
     write_file("/newroot/etc/machine-id", line);
+    mark("identity files");
 }
 
 /* Before the snapshot: everything that does not depend on the sandbox.  The
@@ -293,18 +325,59 @@ static void early_setup(void) {
     mkdir_p("/sys/fs/cgroup/agent");
     mkdir_p("/sys/fs/cgroup/sandbox");
     write_file("/sys/fs/cgroup/sandbox/cgroup.subtree_control", "+memory +pids");
+    /* the guest has no swap; set anyway so no later change can let it swap */
+    write_file("/sys/fs/cgroup/sandbox/memory.swap.max", "0");
+    /* guest RAM is sized to the memory limit: with the default heuristic a big
+     * allocation fails up front with ENOMEM (a bare MemoryError); always
+     * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
+     * like every other tier */
+    write_file("/proc/sys/vm/overcommit_memory", "1");
 }
 
 static void setup_cgroups(void) {
     write_file("/sys/fs/cgroup/sandbox/memory.max", need("memory"));
-    write_file("/sys/fs/cgroup/sandbox/memory.swap.max", "0");
     write_file("/sys/fs/cgroup/sandbox/pids.max", need("pids"));
+}
+
+/* Start the agent before the snapshot, so a restored VM neither forks nor
+ * execs it (under TCG both are slow: fresh code, fresh page tables).  It
+ * shares pid 1's root and working directory (CLONE_FS), so the root switch
+ * after the restore moves it too; it waits on a socket for "go" before it
+ * speaks on the port, which pid 1 reads the configuration from first.
+ * Returns pid 1's end of that socket; *pid gets the agent's pid. */
+static int start_agent(int port, pid_t *pid) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) die("socketpair (%s%s)", "");
+    *pid = (pid_t)syscall(SYS_clone, CLONE_FS | SIGCHLD, 0, 0, 0, 0);
+    if (*pid < 0) die("clone (%s%s)", "");
+    if (*pid == 0) {
+        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
+        setsid();
+        /* above 3 first: pid 1 started without stdin/stdout/stderr, so the port
+         * or the socket may itself be fd 0-3 */
+        int p = fcntl(port, F_DUPFD_CLOEXEC, 10), w = fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
+        int null = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (p < 0 || w < 0 || null < 0) _exit(127);
+        dup2(p, 0);
+        dup2(p, 1);
+        dup2(null, 2);
+        dup2(w, 3);
+        char *argv[] = {"corral-agent", "--wait-fd", "3", NULL};
+        char *envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", NULL};
+        execve("/corral-agent", argv, envp);
+        _exit(127);
+    }
+    close(sv[1]);
+    char waiting;
+    if (read(sv[0], &waiting, 1) != 1 || waiting != 'w') die("the agent did not start (%s%s)", "");
+    return sv[0];
 }
 
 static void read_config(int port) {
     static char buf[MAX_CONFIG + 1];
     uint32_t len;
     read_exact(port, &len, 4);
+    mark("length read");
     if (len == 0 || len > MAX_CONFIG) die("bad configuration length (%s%s)", "");
     read_exact(port, buf, len);
     buf[len] = 0;
@@ -320,12 +393,16 @@ int main(void) {
     load_modules();
     early_setup();
     int port = open_port();
+    pid_t agent;
+    int agent_go = start_agent(port, &agent);
     write_all(port, READY_MARKER, strlen(READY_MARKER));
 
     /* ---- the template VM is snapshotted while blocked here ---- */
     read_config(port);
 
+    mark("config read");
     reseed(need("seed"));
+    mark("reseed");
     struct timeval tv;
     long long ns = atoll(need("time_ns"));
     tv.tv_sec = (time_t)(ns / 1000000000LL);
@@ -333,34 +410,27 @@ int main(void) {
     settimeofday(&tv, NULL);
     const char *hostname = need("hostname");
     sethostname(hostname, strlen(hostname));
+    mark("clock+hostname");
 
     setup_cgroups();
-    /* guest RAM is sized to the memory limit: with the default heuristic a big
-     * allocation fails up front with ENOMEM (a bare MemoryError); always
-     * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
-     * like every other tier */
-    write_file("/proc/sys/vm/overcommit_memory", "1");
+    mark("cgroup limits");
     setup_root();
 
     if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
     if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
     if (chroot(".") < 0 || chdir("/") < 0) die("chroot (%s%s)", "");
+    mark("switch root");
 
-    pid_t agent = fork();
-    if (agent < 0) die("fork (%s%s)", "");
-    if (agent == 0) {
-        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
-        setsid();
-        dup2(port, 0);
-        dup2(port, 1);
-        int null = open("/dev/null", O_WRONLY);
-        if (null >= 0) dup2(null, 2);
-        char *argv[] = {"/.corral/agent", NULL};
-        char *envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", NULL};
-        execve(argv[0], argv, envp);
-        _exit(127);
-    }
+    if (write(agent_go, "g", 1) != 1) die("cannot start the agent (%s%s)", "");
+    close(agent_go);
     close(port);
+    mark("agent told to go");
+    if (get("trace")) {
+        print_marks();
+        char zr[32];
+        snprintf(zr, sizeof zr, "%d", zero_reads);
+        say("empty port reads before the configuration: %s%.0s", zr);
+    }
     /* pid 1 reaps every orphan; the VM ends with the agent */
     for (;;) {
         int status;

@@ -187,6 +187,8 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         }
         for index, (point, _) in enumerate(image.layers):
             config[f"layer{index}"] = point
+        if os.environ.get("CORRAL_MICROVM_TRACE"):
+            config["trace"] = "1"  # guestinit writes its step timestamps to console.log
         self._configure(config)
         self.timings["total"] = time.monotonic() - t0
 
@@ -223,6 +225,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
             qmp.command("migrate-incoming", uri=f"exec:cat {tmpl.state}")
             qmp.wait_migration(deadline)
+            self.timings["migrated"] = time.monotonic() - t0
             # the template was saved stopped, so the restored VM waits for "cont"
             qmp.command("cont")
             self.timings["restore"] = time.monotonic() - t0
@@ -231,6 +234,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         finally:
             qmp.close()
         self._sock = qemu.connect_unix(paths.agent_socket, deadline, self._proc)
+        self.timings["agent_socket"] = time.monotonic() - t0
 
     def _configure(self, config: dict[str, str]) -> None:
         assert self._sock is not None
