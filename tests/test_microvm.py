@@ -132,7 +132,7 @@ def test_restored_sandboxes_get_fresh_randomness_and_identity() -> None:
     outputs = []
     for _ in range(2):
         with Sandbox.create(tier="microvm", memory="256M") as sb:
-            assert "restore" in _vm(sb).timings, "the sandbox was not restored from the snapshot"
+            assert "migrate_incoming" in _vm(sb).timings, "the sandbox was not restored from the snapshot"
             outputs.append(sb.commands.run(py(code)).stdout.split())
     (random_a, id_a), (random_b, id_b) = outputs
     assert len(random_a) == 64 and random_a != random_b

@@ -54,7 +54,7 @@ def test_bad_spec_fields_are_refused(tmp_path: Path) -> None:
         parse_env_assignments(["HOME"])
     with pytest.raises(InvalidSpec, match="unknown field"):
         SandboxSpec.from_dict({"image": "host", "privileged": True})
-    with pytest.raises(InvalidSpec, match="not (known|built)"):
+    with pytest.raises(InvalidSpec, match=r"not (known|built)"):
         Sandbox.create(image="no-such-image")
 
 

@@ -184,7 +184,13 @@ class AgentChannel:
         pending.done.set()
 
     def wait_ready(self, timeout: float) -> None:
-        if not self.ready.wait(timeout) or (self.closed.is_set() and not self.ready.is_set()):
+        # wake up now and then: a channel that closes before "ready" (its
+        # process died) fails at once instead of after the whole timeout
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.05):
+            if self.closed.is_set() or time.monotonic() > deadline:
+                break
+        if not self.ready.is_set():
             raise SandboxClosed("the sandbox agent did not start")
 
     def close(self) -> None:
