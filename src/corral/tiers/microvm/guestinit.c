@@ -43,6 +43,7 @@
 
 #define READY_MARKER "corral-guest-ready\n"
 #define MAX_CONFIG 65536
+#define MAX_LAYERS 4 /* qemu.MAX_LAYERS */
 
 static void say(const char *fmt, const char *arg) {
     /* the console (ttyS0) is a log file on the host: for debugging only */
@@ -241,6 +242,9 @@ static void reseed(const char *hex) {
 }
 
 static void mkdir_p(const char *path) {
+    /* one call when the directory or its parent exists (the usual case): each
+     * call through the overlay costs lookups over 9p */
+    if (mkdir(path, 0755) == 0 || errno == EEXIST) return;
     char buf[512];
     snprintf(buf, sizeof buf, "%s", path);
     for (char *p = buf + 1; *p; p++) {
@@ -263,12 +267,42 @@ static void write_file(const char *path, const char *data) {
     close(fd);
 }
 
+/* The identity files go straight into the root overlay's upper layer (a
+ * tmpfs) before the overlay is mounted: writing them through the overlay
+ * would copy /etc up, several 9p round trips and much fresh guest code.  The
+ * upper /etc takes the lower one's owner, mode and times, so the merged /etc
+ * looks as before.  Returns 0 if the lower /etc is not a plain directory
+ * (then the files are written through the overlay). */
+static int identity_in_upper(const char *lower, const char *upper) {
+    char path[600], line[300];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/etc", lower);
+    if (lstat(path, &st) < 0 || !S_ISDIR(st.st_mode)) return 0;
+    snprintf(path, sizeof path, "%s/etc", upper);
+    if (mkdir(path, 0700) < 0 && errno != EEXIST) return 0;
+    if (chown(path, st.st_uid, st.st_gid) < 0 || chmod(path, st.st_mode & 07777) < 0) return 0;
+    snprintf(path, sizeof path, "%s/etc/hostname", upper);
+    snprintf(line, sizeof line, "%s\n", need("hostname"));
+    write_file(path, line);
+    snprintf(path, sizeof path, "%s/etc/machine-id", upper);
+    snprintf(line, sizeof line, "%s\n", need("machine_id"));
+    write_file(path, line);
+    struct timespec times[2] = {st.st_atim, st.st_mtim};
+    snprintf(path, sizeof path, "%s/etc", upper);
+    utimensat(AT_FDCWD, path, times, 0);
+    return 1;
+}
+
 static void setup_root(void) {
     char data[1024], lower[64], target[600];
-    snprintf(data, sizeof data, "size=%s,mode=0755", need("disk"));
-    do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, data);
+    /* /rw (uppers and workdirs) was mounted before the snapshot; only its
+     * size is the sandbox's */
+    snprintf(data, sizeof data, "size=%s", need("disk"));
+    if (mount("rw", "/rw", "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, data) < 0) die("cannot size /rw (%s%s)", "");
     mark("tmpfs /rw");
+    int identity_done = 0;
     int layers = atoi(need("layers"));
+    if (layers < 1 || layers > MAX_LAYERS) die("bad layer count %s (%s)", need("layers"));
     for (int i = 0; i < layers; i++) {
         char key[32];
         snprintf(key, sizeof key, "layer%d", i);
@@ -282,6 +316,7 @@ static void setup_root(void) {
         snprintf(work, sizeof work, "/rw/w%d", i);
         mkdir_p(upper);
         mkdir_p(work);
+        if (!strcmp(point, "/")) identity_done = identity_in_upper(lower, upper);
         snprintf(target, sizeof target, "/newroot%s", strcmp(point, "/") ? point : "");
         snprintf(data, sizeof data, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work);
         do_mount("overlay", target, "overlay", 0, data);
@@ -303,14 +338,18 @@ static void setup_root(void) {
     mark("move proc sys dev");
     mkdir_p("/newroot/home/user");
     mkdir_p("/newroot/tmp");
-    chmod("/newroot/tmp", 01777);
+    struct stat st;
+    /* a chmod through the overlay copies the directory up: only if needed */
+    if (stat("/newroot/tmp", &st) < 0 || (st.st_mode & 07777) != 01777) chmod("/newroot/tmp", 01777);
     mark("dirs");
 
-    char line[300];
-    snprintf(line, sizeof line, "%s\n", need("hostname"));
-    write_file("/newroot/etc/hostname", line);
-    snprintf(line, sizeof line, "%s\n", need("machine_id"));
-    write_file("/newroot/etc/machine-id", line);
+    if (!identity_done) {
+        char line[300];
+        snprintf(line, sizeof line, "%s\n", need("hostname"));
+        write_file("/newroot/etc/hostname", line);
+        snprintf(line, sizeof line, "%s\n", need("machine_id"));
+        write_file("/newroot/etc/machine-id", line);
+    }
     mark("identity files");
 }
 
@@ -332,6 +371,18 @@ static void early_setup(void) {
      * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
      * like every other tier */
     write_file("/proc/sys/vm/overcommit_memory", "1");
+    /* the tmpfs for the overlays' upper and work directories, sized per
+     * sandbox by a remount after the restore */
+    do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755");
+    for (int i = 0; i < MAX_LAYERS; i++) {
+        char path[32];
+        snprintf(path, sizeof path, "/rw/u%d", i);
+        mkdir_p(path);
+        snprintf(path, sizeof path, "/rw/w%d", i);
+        mkdir_p(path);
+        snprintf(path, sizeof path, "/lower/%d", i);
+        mkdir_p(path);
+    }
 }
 
 static void setup_cgroups(void) {
