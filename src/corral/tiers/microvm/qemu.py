@@ -130,9 +130,6 @@ def command_line(
         "-smp", "1",
         "-m", f"{ram_mb}M",
         "-object", f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={mem_path},share={'on' if share else 'off'}",
-        "-kernel", str(assets.kernel),
-        "-initrd", str(assets.initrd),
-        "-append", kernel_args(accel),
         "-nographic", "-nodefaults", "-no-reboot", "-no-user-config",
         "-serial", f"file:{paths.console_log}",
         "-device", "virtio-serial-device",
@@ -161,7 +158,11 @@ def command_line(
     ]
     argv += ["-global", "migration.store-global-state=off"]
     if incoming:
+        # a restore runs the snapshot's kernel, already in RAM: loading the kernel
+        # and initramfs files again (~11 MB into fw_cfg) would only cost time
         argv += ["-incoming", "defer"]
+    else:
+        argv += ["-kernel", str(assets.kernel), "-initrd", str(assets.initrd), "-append", kernel_args(accel)]
     if runas is not None:
         # drop to an unprivileged host uid once the memory file and sockets are open:
         # the 9p server then touches the workspace as that uid, never as root
