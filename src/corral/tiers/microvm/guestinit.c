@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/io.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
@@ -151,35 +152,40 @@ static void write_all(int fd, const void *buf, size_t len) {
 
 /* Read exactly len bytes.  A read of 0 means the host side is not connected
  * (right after a restore the port is briefly closed): wait and retry. */
-static int zero_reads;
-
+/* The port is non-blocking while pid 1 waits for the configuration: it spins
+ * (in the template until the snapshot, in a restored VM only until the
+ * already-queued frame arrives), so a restored VM runs no wake-up path
+ * (scheduler, wait queues: fresh code under TCG) before reading it.  A read
+ * of 0 means the host side is not connected yet. */
 static void read_exact(int fd, void *buf, size_t len) {
     char *p = buf;
     while (len > 0) {
         ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
         if (n < 0) die("port read failed (%s%s)", "");
-        if (n == 0) {
-            zero_reads++;
-            struct timespec ts = {0, 1000000};
-            nanosleep(&ts, NULL);
-            continue;
-        }
+        if (n == 0) continue;
         p += n;
         len -= (size_t)n;
     }
 }
 
-/* Monotonic timestamps of the configure phase's steps, written to the console
- * after the agent started when the configuration asks for it ("trace=1"): to
- * see where a restore's time goes without slowing untraced restores. */
+/* Tracing a restore (configuration "trace=1", set by CORRAL_MICROVM_TRACE):
+ * each step writes one byte ('A' + step) straight to the serial port's data
+ * register, where QEMU's serial_write trace event timestamps it with the
+ * host's clock (one I/O instruction: no tty code to distort the figures);
+ * the steps' names go to the console after the agent started.  Monotonic
+ * guest timestamps are kept too. */
 static struct { const char *what; struct timespec at; } marks[48];
-static int mark_count;
+static int mark_count, tracing, serial_io;
 
 static void mark(const char *what) {
     if (mark_count < (int)(sizeof marks / sizeof *marks)) {
         marks[mark_count].what = what;
         clock_gettime(CLOCK_MONOTONIC, &marks[mark_count++].at);
+        if (tracing && serial_io) {
+            unsigned char c = (unsigned char)('A' + mark_count - 1);
+            __asm__ volatile("outb %0, %1" : : "a"(c), "Nd"((unsigned short)0x3f8));
+        }
     }
 }
 
@@ -216,6 +222,10 @@ static int hexval(char c) {
     return -1;
 }
 
+/* Opened before the snapshot: a restored VM then runs no path lookup or
+ * open code for them (fresh code under TCG) */
+static int urandom_fd = -1, memory_max_fd = -1, pids_max_fd = -1;
+
 static void reseed(const char *hex) {
     struct {
         int entropy_count;
@@ -231,13 +241,11 @@ static void reseed(const char *hex) {
     }
     seed.entropy_count = (int)n * 8;
     seed.buf_size = (int)n;
-    int fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
-    if (fd < 0) die("cannot open /dev/urandom (%s%s)", "");
+    int fd = urandom_fd;
     /* mix the host's entropy in, then force the CRNG to rekey from the pool
      * now (otherwise it would keep the snapshot's key for up to a minute) */
     if (ioctl(fd, RNDADDENTROPY, &seed) < 0) die("RNDADDENTROPY failed (%s%s)", "");
     if (ioctl(fd, RNDRESEEDCRNG) < 0) die("RNDRESEEDCRNG failed (%s%s)", "");
-    close(fd);
     memset(&seed, 0, sizeof seed);
 }
 
@@ -317,6 +325,7 @@ static void setup_root(void) {
         mkdir_p(upper);
         mkdir_p(work);
         if (!strcmp(point, "/")) identity_done = identity_in_upper(lower, upper);
+        mark("identity in upper");
         snprintf(target, sizeof target, "/newroot%s", strcmp(point, "/") ? point : "");
         snprintf(data, sizeof data, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work);
         do_mount("overlay", target, "overlay", 0, data);
@@ -371,6 +380,10 @@ static void early_setup(void) {
      * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
      * like every other tier */
     write_file("/proc/sys/vm/overcommit_memory", "1");
+    urandom_fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
+    memory_max_fd = open("/sys/fs/cgroup/sandbox/memory.max", O_WRONLY | O_CLOEXEC);
+    pids_max_fd = open("/sys/fs/cgroup/sandbox/pids.max", O_WRONLY | O_CLOEXEC);
+    if (urandom_fd < 0 || memory_max_fd < 0 || pids_max_fd < 0) die("cannot open the RNG or cgroup files (%s%s)", "");
     /* the tmpfs for the overlays' upper and work directories, sized per
      * sandbox by a remount after the restore */
     do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755");
@@ -386,8 +399,9 @@ static void early_setup(void) {
 }
 
 static void setup_cgroups(void) {
-    write_file("/sys/fs/cgroup/sandbox/memory.max", need("memory"));
-    write_file("/sys/fs/cgroup/sandbox/pids.max", need("pids"));
+    const char *memory = need("memory"), *pids = need("pids");
+    if (write(memory_max_fd, memory, strlen(memory)) < 0) die("cannot set memory.max (%s%s)", "");
+    if (write(pids_max_fd, pids, strlen(pids)) < 0) die("cannot set pids.max (%s%s)", "");
 }
 
 /* Start the agent before the snapshot, so a restored VM neither forks nor
@@ -446,11 +460,17 @@ int main(void) {
     int port = open_port();
     pid_t agent;
     int agent_go = start_agent(port, &agent);
-    write_all(port, READY_MARKER, strlen(READY_MARKER));
+    /* after the agent was cloned: it (and so every command) must not inherit it */
+    serial_io = ioperm(0x3f8, 8, 1) == 0;
+    write_all(port, READY_MARKER, strlen(READY_MARKER)); /* blocks until the host connects */
+    if (fcntl(port, F_SETFL, O_NONBLOCK) < 0) die("port O_NONBLOCK (%s%s)", "");
 
-    /* ---- the template VM is snapshotted while blocked here ---- */
+    /* ---- the template VM is snapshotted while waiting here ---- */
     read_config(port);
+    /* the agent shares this open file: it expects a blocking port */
+    if (fcntl(port, F_SETFL, 0) < 0) die("port blocking (%s%s)", "");
 
+    tracing = get("trace") != NULL;
     mark("config read");
     reseed(need("seed"));
     mark("reseed");
@@ -476,12 +496,7 @@ int main(void) {
     close(agent_go);
     close(port);
     mark("agent told to go");
-    if (get("trace")) {
-        print_marks();
-        char zr[32];
-        snprintf(zr, sizeof zr, "%d", zero_reads);
-        say("empty port reads before the configuration: %s%.0s", zr);
-    }
+    if (tracing) print_marks();
     /* pid 1 reaps every orphan; the VM ends with the agent */
     for (;;) {
         int status;

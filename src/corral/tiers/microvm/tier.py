@@ -48,6 +48,8 @@ VMM_OVERHEAD = 384 * MiB
 VMM_PIDS = 64
 START_TIMEOUT = 60.0
 GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
+#: sh -c SCRIPT corral-vmm PROCS_FILE... -- QEMU ARGS...: join the cgroups, become QEMU
+_JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
 def _check_host() -> None:
@@ -141,6 +143,9 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         self._channel: AgentChannel | None = None
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
+        #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
+        self._trace = bool(os.environ.get("CORRAL_MICROVM_TRACE"))
+        self.trace_wall0 = 0.0
         try:
             self._setup()
         except BaseException:
@@ -186,7 +191,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         }
         for index, (point, _) in enumerate(image.layers):
             config[f"layer{index}"] = point
-        if os.environ.get("CORRAL_MICROVM_TRACE"):
+        if self._trace:
             config["trace"] = "1"  # guestinit writes its step timestamps to console.log
         self._launch(tmpl, layers, ws, config)
         self.timings["total"] = time.monotonic() - t0
@@ -216,21 +221,25 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             paths=paths, layers=layers, workspace=ws, workspace_readonly=readonly, incoming=True,
             listen_fds=fds, runas=self.uid,
         )
-        procs_files = self.cgroup.procs_files(self.cgroup.leaf("vmm"))
-
-        def join_cgroup() -> None:
-            pid = str(os.getpid())
-            for path in procs_files:
-                with open(path, "w") as f:
-                    f.write(pid)
-
+        # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
+        # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
+        # fork the whole (large, threaded) Python process, 10-20 ms per sandbox
+        procs_files = [str(path) for path in self.cgroup.procs_files(self.cgroup.leaf("vmm"))]
+        argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--", *argv]
+        if self._trace:
+            # QEMU timestamps (host clock) the guest's step bytes on the serial port and
+            # the virtio-serial and 9p events around them: bench/microvm.py --trace
+            argv += ["-msg", "timestamp=on"]
+            for event in ("serial_write", "virtio_console_chr_read", "virtio_console_flush_buf", "v9fs_version",
+                          "qemu_loadvm_state_post_main"):
+                argv += ["-trace", event]
+            self.trace_wall0 = time.time()
         t0 = time.monotonic()
         qmp: qemu.QMP | None = None
         try:
             with open(run / "qemu.log", "wb") as log:
                 self._proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=join_cgroup,
-                    pass_fds=(state, *fds), cwd="/",
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(state, *fds), cwd="/",
                 )
             self.timings["qemu_spawned"] = time.monotonic() - t0
             # both connects complete at once (the listen backlog): QEMU accepts later
@@ -253,7 +262,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             os.close(state)
             for listener in listeners:
                 listener.close()
-        if os.environ.get("CORRAL_MICROVM_TRACE"):
+        if self._trace:
             threading.Thread(target=self._trace_restore, args=(qmp, t0), daemon=True).start()
         else:
             qmp.close()
