@@ -10,6 +10,8 @@ devices in the same order: the only things that differ are host-side
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -87,7 +89,8 @@ class VMPaths:
 
 
 def qemu_binary() -> str:
-    binary = shutil.which("qemu-system-x86_64")
+    """``CORRAL_QEMU`` picks another build (e.g. a newer QEMU unpacked beside the system's)."""
+    binary = shutil.which(os.environ.get("CORRAL_QEMU", "qemu-system-x86_64"))
     if binary is None:
         raise HostNotSupported("qemu-system-x86_64 is missing: apt-get install qemu-system-x86 (or `make install`)")
     return binary
@@ -97,6 +100,11 @@ def qemu_binary() -> str:
 def qemu_version() -> str:
     out = subprocess.run([qemu_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
     return out.splitlines()[0] if out else "unknown"
+
+
+def qemu_major() -> int:
+    match = re.search(r"version (\d+)\.", qemu_version())
+    return int(match.group(1)) if match else 0
 
 
 def command_line(
@@ -166,7 +174,10 @@ def command_line(
     if runas is not None:
         # drop to an unprivileged host uid once the memory file and sockets are open:
         # the 9p server then touches the workspace as that uid, never as root
-        argv += ["-runas", f"{runas}:{runas}"]
+        if qemu_major() >= 9:  # -runas was replaced by -run-with user= (9.1 removed it)
+            argv += ["-run-with", f"user={runas}:{runas}"]
+        else:
+            argv += ["-runas", f"{runas}:{runas}"]
         # QEMU's own seccomp filter: no obsolete or resource-control syscalls and
         # no spawning (the snapshot comes through an inherited fd: migrate-incoming
         # fd:N, where QEMU 7.2 has no file: URI); set*id stays
