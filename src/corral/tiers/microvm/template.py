@@ -34,7 +34,7 @@ from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "6"
+TEMPLATE_VERSION = "7"
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0

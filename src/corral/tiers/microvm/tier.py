@@ -36,7 +36,7 @@ from ...host import cgroups, mounts
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import MiB, SandboxSpec
-from ..agent import T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
+from ..agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..rootfs import allocate_uid, release_uid
 from . import guest, qemu, template
@@ -309,10 +309,14 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         with self._lock:
             self._exec_count += 1
             leaf = f"{GUEST_CGROUP}/e{self._exec_count}"
-        channel.make_dir(leaf, 0o755)
+        # not waited for here: the agent handles requests in order, so its answer
+        # arrives before the command's "started", where place() checks it
+        made = channel.begin(T_FMKDIR, struct.pack("<I", 0o755) + leaf.encode() + b"\0")
 
         def place(nspid: int) -> None:
-            # runs on the reader thread before the agent lets the command exec
+            # runs on the reader thread before the agent lets the command exec;
+            # no leaf (an error here) refuses the command, as a failed make_dir did
+            made(0)
             self._fire(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.procs".encode() + b"\0"
                        + str(nspid).encode())
 
@@ -323,6 +327,10 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
                 pass
 
         def finish(proc: AgentProcess) -> None:
+            try:
+                made(0)  # forgets the request if the command failed before it started
+            except (SandboxClosed, SandboxError):
+                pass
             try:
                 events = channel.read_file(f"{leaf}/memory.events", 4096).decode()
                 counts = dict(line.split() for line in events.splitlines() if len(line.split()) == 2)
