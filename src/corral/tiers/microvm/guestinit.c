@@ -440,8 +440,10 @@ static int start_agent(int port, pid_t *pid) {
     return sv[0];
 }
 
+static char config_buf[MAX_CONFIG + 1];
+
 static void read_config(int port) {
-    static char buf[MAX_CONFIG + 1];
+    char *buf = config_buf;
     uint32_t len;
     read_exact(port, &len, 4);
     mark("length read");
@@ -464,6 +466,14 @@ int main(void) {
     int agent_go = start_agent(port, &agent);
     /* after the agent was cloned: it (and so every command) must not inherit it */
     serial_io = ioperm(0x3f8, 8, 1) == 0;
+    /* write every page pid 1 will write after the restore (the configuration
+     * buffer, the step marks, its stack) now: after the clone above they are
+     * copy-on-write, and page faults are fresh code in a restored VM */
+    memset(config_buf, 0, sizeof config_buf);
+    memset(config, 0, sizeof config);
+    memset(marks, 0, sizeof marks);
+    volatile char stack[16384];
+    memset((char *)stack, 0, sizeof stack);
     write_all(port, READY_MARKER, strlen(READY_MARKER)); /* blocks until the host connects */
     if (fcntl(port, F_SETFL, O_NONBLOCK) < 0) die("port O_NONBLOCK (%s%s)", "");
 
