@@ -4,18 +4,24 @@
  * Two phases, split by the snapshot:
  *
  *  1. boot (runs once, in the template VM): mount /proc, /sys, /dev, load the
- *     virtio and 9p modules from the initramfs, open the virtio-serial port
- *     named "corral", say "corral-guest-ready" on it and block reading the
- *     sandbox's configuration.  The host snapshots the VM right here.
+ *     virtio and 9p modules from the initramfs, do everything that does not
+ *     depend on the sandbox (cgroups, the /rw tmpfs, open files, start
+ *     corral-agent waiting for "go"), open the virtio-serial port named
+ *     "corral", say "corral-guest-ready" on it and wait for the sandbox's
+ *     configuration.  The host snapshots the VM right here.  Under TCG every
+ *     code path a restored VM runs is translated afresh (the translation
+ *     cache is not in the snapshot), so the less phase 2 does, the faster
+ *     every sandbox starts.
  *
  *  2. configure (runs in every VM restored from that snapshot): read the
  *     configuration frame (u32 length + NUL-separated key=value), reseed the
  *     kernel RNG with the host's fresh entropy (every restored VM starts from
- *     identical RNG state), set the clock and hostname, mount the image layers
- *     (virtio-9p, read-only) under overlays whose upper layers live on a
- *     size-limited tmpfs, mount the workspace, set up the cgroup the
- *     sandbox's commands run in, switch root and start corral-agent with its
- *     stdin/stdout on the port.  When the agent exits the VM powers off.
+ *     identical RNG state), set the clock and hostname, set the limits of the
+ *     cgroup the sandbox's commands run in, mount the image layers
+ *     (virtio-9p, read-only) under overlays whose upper layers live on the
+ *     size-limited tmpfs, mount the workspace, switch root and tell the agent
+ *     to go (its stdin/stdout are the port).  When the agent exits the VM
+ *     powers off.
  *
  * Nothing here is a security boundary: the guest kernel and the hypervisor are.
  */
@@ -150,9 +156,7 @@ static void write_all(int fd, const void *buf, size_t len) {
     }
 }
 
-/* Read exactly len bytes.  A read of 0 means the host side is not connected
- * (right after a restore the port is briefly closed): wait and retry. */
-/* The port is non-blocking while pid 1 waits for the configuration: it spins
+/* Read exactly len bytes.  The port is non-blocking while pid 1 waits for the configuration: it spins
  * (in the template until the snapshot, in a restored VM only until the
  * already-queued frame arrives), so a restored VM runs no wake-up path
  * (scheduler, wait queues: fresh code under TCG) before reading it.  A read
