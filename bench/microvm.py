@@ -1,19 +1,26 @@
 """microVM tier figures: restore-from-snapshot vs boot-from-scratch, exec round
 trip, memory per idle VM.
 
-    .venv/bin/python bench/microvm.py [--cold N] [--exec N]
+    .venv/bin/python bench/microvm.py [--cold N] [--exec N] [--trace N] [--boots N]
 
 Prints p50/p95 of: cold create -> first command -> destroy (restored from the
-template snapshot), the restore itself (QEMU start -> VM running -> agent
+template snapshot) and its parts, the restore itself (QEMU start -> agent
 ready), exec round trip of ``true`` in a warm VM, a boot from scratch to the
-guest's ready marker, and RSS of the QEMU process of an idle VM.  Target:
-restore <= 250 ms under TCG.  Counts are small on purpose: the machine is shared.
+guest's ready marker, and RSS of the QEMU process of an idle VM.  With
+``--trace N`` (default 3) it also restores N VMs with ``CORRAL_MICROVM_TRACE``
+set and prints when each step of the guest's configuration ended, on the
+host's clock (QEMU's trace events timestamp the guest's step bytes on its
+serial port), and when the VM started running.  Target: restore <= 250 ms
+under TCG.  Every line carries the 1-minute load average: the machine is
+shared, and counts are small on purpose.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +37,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def line(name: str, values_ms: list[float]) -> None:
-    print(f"{name:<44} p50 {pct(values_ms, 0.5):8.1f} ms   p95 {pct(values_ms, 0.95):8.1f} ms   (n={len(values_ms)})")
+    print(f"{name:<44} p50 {pct(values_ms, 0.5):8.1f} ms   p95 {pct(values_ms, 0.95):8.1f} ms   (n={len(values_ms)}, "
+          f"load {os.getloadavg()[0]:.1f})")
 
 
 def rss_kib(pid: int) -> int:
@@ -40,40 +48,108 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def create() -> tuple[Sandbox, MicroVMSandbox]:
+    sb = Sandbox.create(tier="microvm", memory="256M")
+    inner = sb._inner
+    assert isinstance(inner, MicroVMSandbox)
+    return sb, inner
+
+
+def trace_steps(inner: MicroVMSandbox) -> list[tuple[str, float]]:
+    """(event, ms since QEMU was started) from a traced VM's qemu.log and console.log."""
+    run = inner._run_dir
+    deadline = time.monotonic() + 5
+    console = ""
+    while "agent told to go" not in console and time.monotonic() < deadline:
+        time.sleep(0.05)  # the guest writes its step names after the agent started
+        console = (run / "console.log").read_text(errors="replace")
+    names = ["length read", *re.findall(r"corral-trace +[\d.]+ ms (.*)", console)]
+    names = [f"{name} ({names[:i].count(name) + 1})" if names.count(name) > 1 else name
+             for i, name in enumerate(names)]  # one line per layer
+    steps = [("agent ready (host)", inner.timings["ready"] * 1000)]
+    if "restore" in inner.timings:
+        steps.append(("VM running (QMP RESUME)", inner.timings["restore"] * 1000))
+    seen: set[int] = set()
+    versions = 0
+    for row in (run / "qemu.log").read_text(errors="replace").splitlines():
+        match = re.match(r"\d+@(\d+\.\d+):(\S+)(.*)", row)
+        if not match:
+            continue
+        at = (float(match.group(1)) - inner.trace_wall0) * 1000
+        event, rest = match.group(2), match.group(3)
+        if event == "serial_write":
+            byte = re.search(r"addr 0x00 val 0x([0-9a-f]+)", rest)
+            step = int(byte.group(1), 16) - ord("A") if byte else -1
+            if 0 <= step < len(names) and step not in seen:  # the first write of each step byte
+                seen.add(step)
+                steps.append((f"guest: {names[step]} done", at))
+        elif event == "v9fs_version":
+            steps.append((f"9p mount {versions} reaches QEMU", at))
+            versions += 1
+        elif event in ("qemu_loadvm_state_post_main", "virtio_console_chr_read"):
+            steps.append(({"qemu_loadvm_state_post_main": "snapshot loaded",
+                           "virtio_console_chr_read": "configuration handed to the guest"}[event], at))
+    return steps
+
+
+def traced(count: int) -> None:
+    os.environ["CORRAL_MICROVM_TRACE"] = "1"
+    try:
+        table: dict[str, list[float]] = {}
+        for _ in range(count):
+            sb, inner = create()
+            try:
+                for name, at in trace_steps(inner):
+                    table.setdefault(name, []).append(at)
+            finally:
+                sb.kill()
+    finally:
+        del os.environ["CORRAL_MICROVM_TRACE"]
+    print(f"traced restores (n={count}, load {os.getloadavg()[0]:.1f}): median ms since QEMU was started")
+    for name, values in sorted(table.items(), key=lambda item: statistics.median(item[1])):
+        print(f"  {statistics.median(values):8.1f}  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cold", type=int, default=5)
     parser.add_argument("--exec", type=int, default=10, dest="execs")
+    parser.add_argument("--trace", type=int, default=3)
     parser.add_argument("--boots", type=int, default=1)
     args = parser.parse_args()
     os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
 
     # warm the template cache (first use on a machine boots and saves it)
-    with Sandbox.create(tier="microvm", memory="256M") as sb:
-        inner = sb._inner
-        assert isinstance(inner, MicroVMSandbox)
-        accel = inner._tier.accel
-        sb.commands.run(["true"])
-    print(f"microvm tier, accelerator {accel}, load average {os.getloadavg()[0]:.1f}")
+    sb, inner = create()
+    accel = inner._tier.accel
+    sb.commands.run(["true"])
+    sb.kill()
+    print(f"microvm tier, accelerator {accel}")
 
-    cold, to_running, to_ready = [], [], []
+    cold, created, first, destroyed, to_ready = [], [], [], [], []
     for _ in range(args.cold):
         start = time.monotonic()
-        sb = Sandbox.create(tier="microvm", memory="256M")
-        inner = sb._inner
-        assert isinstance(inner, MicroVMSandbox)
+        sb, inner = create()
+        ready = time.monotonic()
         sb.commands.run(["true"])
+        ran = time.monotonic()
         sb.kill()
-        cold.append((time.monotonic() - start) * 1000)
-        to_running.append(inner.timings["restore"] * 1000)
+        end = time.monotonic()
+        cold.append((end - start) * 1000)
+        created.append((ready - start) * 1000)
+        first.append((ran - ready) * 1000)
+        destroyed.append((end - ran) * 1000)
         to_ready.append((inner.timings["total"] - inner.timings["template"]) * 1000)
     line("cold create -> first command -> destroy", cold)
-    line("restore: QEMU start -> VM running", to_running)
+    line("  of which create (Sandbox.create)", created)
+    line("  of which first command (true) in a new VM", first)
+    line("  of which destroy", destroyed)
     line("restore: QEMU start -> agent ready", to_ready)
+    if args.trace:
+        traced(args.trace)
 
-    with Sandbox.create(tier="microvm", memory="256M") as sb:
-        inner = sb._inner
-        assert isinstance(inner, MicroVMSandbox)
+    sb, inner = create()
+    try:
         sb.commands.run(["true"])
         rtt = []
         for _ in range(args.execs):
@@ -89,6 +165,8 @@ def main() -> None:
         assert pid is not None
         print(f"{'RSS of an idle VM (QEMU process)':<44} {rss_kib(pid) / 1024:8.1f} MiB"
               f"   (host cgroup: {inner.cgroup.memory_usage() / 2**20 if inner.cgroup else 0:.1f} MiB)")
+    finally:
+        sb.kill()
 
     guest = assets()
     boots = []
@@ -99,7 +177,8 @@ def main() -> None:
             proc.kill()
             proc.wait()
             boots.append(seconds * 1000)
-    line("boot from scratch -> guest ready marker", boots)
+    if boots:
+        line("boot from scratch -> guest ready marker", boots)
 
 
 if __name__ == "__main__":

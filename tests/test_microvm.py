@@ -21,6 +21,7 @@ import pytest
 
 from corral import Sandbox
 from corral.errors import InvalidSpec
+from corral.images import resolve
 from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox
 
@@ -132,11 +133,42 @@ def test_restored_sandboxes_get_fresh_randomness_and_identity() -> None:
     outputs = []
     for _ in range(2):
         with Sandbox.create(tier="microvm", memory="256M") as sb:
-            assert "restore" in _vm(sb).timings, "the sandbox was not restored from the snapshot"
+            assert "migrate_incoming" in _vm(sb).timings, "the sandbox was not restored from the snapshot"
             outputs.append(sb.commands.run(py(code)).stdout.split())
     (random_a, id_a), (random_b, id_b) = outputs
     assert len(random_a) == 64 and random_a != random_b
     assert id_a != id_b
+
+
+def test_identity_files_leave_the_images_etc_as_it_was(vm: Sandbox, state_dir: Path) -> None:
+    # the guest writes hostname and machine-id into the overlay's upper /etc before
+    # mounting it, giving that /etc the image's owner, mode and mtime
+    etc = (resolve("host", state_dir).layers[0][1] / "etc").stat()
+    out = vm.commands.run(["stat", "-c", "%a %u %g %Y", "/etc"]).stdout.split()
+    assert out == [f"{etc.st_mode & 0o7777:o}", str(etc.st_uid), str(etc.st_gid), str(int(etc.st_mtime))]
+    assert vm.files.read("/etc/hostname").strip() == "sandbox"
+    assert len(vm.files.read("/etc/machine-id").strip()) == 32
+    # the image's other files are still there, below the upper /etc
+    assert "root:" in vm.files.read("/etc/passwd")
+
+
+def test_agent_runs_outside_the_commands_cgroup_and_in_the_new_root(vm: Sandbox) -> None:
+    # the agent is started before the snapshot (in the initramfs) and shares pid 1's
+    # root: after the restore it must see the sandbox's root and sit in cgroup "agent"
+    r = vm.commands.run(["sh", "-c", "cat /proc/$PPID/comm /proc/$PPID/cgroup /proc/$PPID/root/etc/hostname"])
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == ["corral-agent", "0::/agent", "sandbox"]
+
+
+def test_a_command_whose_cgroup_leaf_cannot_be_made_is_not_run() -> None:
+    # the leaf's mkdir is sent with the exec, not waited for: its failure must still
+    # keep the command from running (here guest root forbade new leaves)
+    with Sandbox.create(tier="microvm", memory="256M") as sb:
+        limit = "echo 0 > /sys/fs/cgroup/sandbox/cgroup.max.descendants"
+        assert sb.commands.run(["sh", "-c", limit]).exit_code == 0
+        r = sb.commands.run(["touch", "/tmp/ran"])
+        assert r.exit_code != 0 and "could not place the command" in r.stderr
+        assert not sb.files.exists("/tmp/ran"), "the refused command ran"  # (files: no command needed)
 
 
 def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:

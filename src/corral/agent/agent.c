@@ -89,13 +89,21 @@ static void write_all(int fd, const void *buf, size_t len) {
     }
 }
 
+/* header and payload in one write when they fit: over a virtio-serial port
+ * (microVM) every write is its own transfer to the host */
+static unsigned char frame_buf[9 + CHUNK];
+
 static void send_frame(uint8_t type, uint32_t id, const void *data, uint32_t len) {
-    unsigned char hdr[9];
-    hdr[0] = type;
-    memcpy(hdr + 1, &id, 4);
-    memcpy(hdr + 5, &len, 4);
-    write_all(1, hdr, 9);
-    if (len) write_all(1, data, len);
+    frame_buf[0] = type;
+    memcpy(frame_buf + 1, &id, 4);
+    memcpy(frame_buf + 5, &len, 4);
+    if (len <= CHUNK) {
+        if (len) memcpy(frame_buf + 9, data, len);
+        write_all(1, frame_buf, 9 + (size_t)len);
+        return;
+    }
+    write_all(1, frame_buf, 9);
+    write_all(1, data, len);
 }
 
 static void send_err(uint32_t id, int err, const char *what) {
@@ -669,10 +677,27 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &mask, NULL);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0) return 2;
-    send_frame(T_READY, 0, "corral-agent 1", 14);
-
     static struct pollfd pfds[2 + MAX_EXECS * 3];
     static struct { struct exec *e; int which; } owners[2 + MAX_EXECS * 3];
+    if (argc == 3 && strcmp(argv[1], "--wait-fd") == 0) {
+        /* started ahead of time (the microVM guest starts it before its snapshot):
+         * say "waiting" on the socket FD, then block until a byte says go.  The
+         * protocol on stdin/stdout only begins after that.  The pages it will
+         * write are written now, so a restored VM takes no page faults for them. */
+        memset(frame_buf, 0, sizeof frame_buf);
+        memset(execs, 0, sizeof execs);
+        memset(pfds, 0, sizeof pfds);
+        memset(owners, 0, sizeof owners);
+        int fd = atoi(argv[2]);
+        char go = 'w';
+        if (fd < 3 || write(fd, &go, 1) != 1) return 2;
+        ssize_t n;
+        do n = read(fd, &go, 1); while (n < 0 && errno == EINTR);
+        if (n != 1) return 2;
+        close(fd);
+    }
+    send_frame(T_READY, 0, "corral-agent 1", 14);
+
     char *payload = NULL;
     for (;;) {
         int n = 0;

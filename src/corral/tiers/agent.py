@@ -184,7 +184,13 @@ class AgentChannel:
         pending.done.set()
 
     def wait_ready(self, timeout: float) -> None:
-        if not self.ready.wait(timeout) or (self.closed.is_set() and not self.ready.is_set()):
+        # wake up now and then: a channel that closes before "ready" (its
+        # process died) fails at once instead of after the whole timeout
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.05):
+            if self.closed.is_set() or time.monotonic() > deadline:
+                break
+        if not self.ready.is_set():
             raise SandboxClosed("the sandbox agent did not start")
 
     def close(self) -> None:
@@ -200,12 +206,24 @@ class AgentChannel:
 
     # -- requests --------------------------------------------------------
     def call(self, kind: int, payload: bytes, limit: int = MAX_FRAME, timeout: float = 60.0) -> bytes:
+        return self.begin(kind, payload, limit)(timeout)
+
+    def begin(self, kind: int, payload: bytes, limit: int = MAX_FRAME) -> Callable[[float], bytes]:
+        """Send a request now; the returned function waits for its answer (or raises).
+        The agent answers in order, so requests sent later can go before the wait."""
         ident = self.new_id()
         pending = _Pending()
         pending.limit = limit
         self._pending[ident] = pending
         try:
             self.send(kind, ident, payload)
+        except BaseException:
+            self._pending.pop(ident, None)
+            raise
+        return lambda timeout: self._answer(ident, pending, limit, timeout)
+
+    def _answer(self, ident: int, pending: _Pending, limit: int, timeout: float) -> bytes:
+        try:
             if not pending.done.wait(timeout):
                 raise SandboxClosed("the sandbox agent did not answer in time")
         finally:

@@ -4,18 +4,24 @@
  * Two phases, split by the snapshot:
  *
  *  1. boot (runs once, in the template VM): mount /proc, /sys, /dev, load the
- *     virtio and 9p modules from the initramfs, open the virtio-serial port
- *     named "corral", say "corral-guest-ready" on it and block reading the
- *     sandbox's configuration.  The host snapshots the VM right here.
+ *     virtio and 9p modules from the initramfs, do everything that does not
+ *     depend on the sandbox (cgroups, the /rw tmpfs, open files, start
+ *     corral-agent waiting for "go"), open the virtio-serial port named
+ *     "corral", say "corral-guest-ready" on it and wait for the sandbox's
+ *     configuration.  The host snapshots the VM right here.  Under TCG every
+ *     code path a restored VM runs is translated afresh (the translation
+ *     cache is not in the snapshot), so the less phase 2 does, the faster
+ *     every sandbox starts.
  *
  *  2. configure (runs in every VM restored from that snapshot): read the
  *     configuration frame (u32 length + NUL-separated key=value), reseed the
  *     kernel RNG with the host's fresh entropy (every restored VM starts from
- *     identical RNG state), set the clock and hostname, mount the image layers
- *     (virtio-9p, read-only) under overlays whose upper layers live on a
- *     size-limited tmpfs, mount the workspace, set up the cgroup the
- *     sandbox's commands run in, switch root and start corral-agent with its
- *     stdin/stdout on the port.  When the agent exits the VM powers off.
+ *     identical RNG state), set the clock and hostname, set the limits of the
+ *     cgroup the sandbox's commands run in, mount the image layers
+ *     (virtio-9p, read-only) under overlays whose upper layers live on the
+ *     size-limited tmpfs, mount the workspace, switch root and tell the agent
+ *     to go (its stdin/stdout are the port).  When the agent exits the VM
+ *     powers off.
  *
  * Nothing here is a security boundary: the guest kernel and the hypervisor are.
  */
@@ -24,14 +30,17 @@
 #include <fcntl.h>
 #include <linux/random.h>
 #include <dirent.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/io.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
@@ -41,6 +50,7 @@
 
 #define READY_MARKER "corral-guest-ready\n"
 #define MAX_CONFIG 65536
+#define MAX_LAYERS 4 /* qemu.MAX_LAYERS */
 
 static void say(const char *fmt, const char *arg) {
     /* the console (ttyS0) is a log file on the host: for debugging only */
@@ -146,22 +156,52 @@ static void write_all(int fd, const void *buf, size_t len) {
     }
 }
 
-/* Read exactly len bytes.  A read of 0 means the host side is not connected
- * (right after a restore the port is briefly closed): wait and retry. */
+/* Read exactly len bytes.  The port is non-blocking while pid 1 waits for the configuration: it spins
+ * (in the template until the snapshot, in a restored VM only until the
+ * already-queued frame arrives), so a restored VM runs no wake-up path
+ * (scheduler, wait queues: fresh code under TCG) before reading it.  A read
+ * of 0 means the host side is not connected yet. */
 static void read_exact(int fd, void *buf, size_t len) {
     char *p = buf;
     while (len > 0) {
         ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
         if (n < 0) die("port read failed (%s%s)", "");
-        if (n == 0) {
-            struct timespec ts = {0, 1000000};
-            nanosleep(&ts, NULL);
-            continue;
-        }
+        if (n == 0) continue;
         p += n;
         len -= (size_t)n;
     }
+}
+
+/* Tracing a restore (configuration "trace=1", set by CORRAL_MICROVM_TRACE):
+ * each step writes one byte ('A' + step) straight to the serial port's data
+ * register, where QEMU's serial_write trace event timestamps it with the
+ * host's clock (one I/O instruction: no tty code to distort the figures);
+ * the steps' names go to the console after the agent started.  Monotonic
+ * guest timestamps are kept too. */
+static struct { const char *what; struct timespec at; } marks[48];
+static int mark_count, tracing, serial_io;
+
+static void mark(const char *what) {
+    if (mark_count < (int)(sizeof marks / sizeof *marks)) {
+        marks[mark_count].what = what;
+        clock_gettime(CLOCK_MONOTONIC, &marks[mark_count++].at);
+        if (tracing && serial_io) {
+            unsigned char c = (unsigned char)('A' + mark_count - 1);
+            __asm__ volatile("outb %0, %1" : : "a"(c), "Nd"((unsigned short)0x3f8));
+        }
+    }
+}
+
+static void print_marks(void) {
+    int fd = open("/dev/console", O_WRONLY | O_NOCTTY);
+    if (fd < 0) return;
+    for (int i = 1; i < mark_count; i++) {
+        long long us = (marks[i].at.tv_sec - marks[0].at.tv_sec) * 1000000LL
+                       + (marks[i].at.tv_nsec - marks[0].at.tv_nsec) / 1000;
+        dprintf(fd, "corral-trace %8.3f ms %s\n", us / 1000.0, marks[i].what);
+    }
+    close(fd);
 }
 
 static char *config[512];
@@ -186,6 +226,10 @@ static int hexval(char c) {
     return -1;
 }
 
+/* Opened before the snapshot: a restored VM then runs no path lookup or
+ * open code for them (fresh code under TCG) */
+static int urandom_fd = -1, memory_max_fd = -1, pids_max_fd = -1;
+
 static void reseed(const char *hex) {
     struct {
         int entropy_count;
@@ -201,17 +245,18 @@ static void reseed(const char *hex) {
     }
     seed.entropy_count = (int)n * 8;
     seed.buf_size = (int)n;
-    int fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
-    if (fd < 0) die("cannot open /dev/urandom (%s%s)", "");
+    int fd = urandom_fd;
     /* mix the host's entropy in, then force the CRNG to rekey from the pool
      * now (otherwise it would keep the snapshot's key for up to a minute) */
     if (ioctl(fd, RNDADDENTROPY, &seed) < 0) die("RNDADDENTROPY failed (%s%s)", "");
     if (ioctl(fd, RNDRESEEDCRNG) < 0) die("RNDRESEEDCRNG failed (%s%s)", "");
-    close(fd);
     memset(&seed, 0, sizeof seed);
 }
 
 static void mkdir_p(const char *path) {
+    /* one call when the directory or its parent exists (the usual case): each
+     * call through the overlay costs lookups over 9p */
+    if (mkdir(path, 0755) == 0 || errno == EEXIST) return;
     char buf[512];
     snprintf(buf, sizeof buf, "%s", path);
     for (char *p = buf + 1; *p; p++) {
@@ -234,11 +279,42 @@ static void write_file(const char *path, const char *data) {
     close(fd);
 }
 
+/* The identity files go straight into the root overlay's upper layer (a
+ * tmpfs) before the overlay is mounted: writing them through the overlay
+ * would copy /etc up, several 9p round trips and much fresh guest code.  The
+ * upper /etc takes the lower one's owner, mode and times, so the merged /etc
+ * looks as before.  Returns 0 if the lower /etc is not a plain directory
+ * (then the files are written through the overlay). */
+static int identity_in_upper(const char *lower, const char *upper) {
+    char path[600], line[300];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/etc", lower);
+    if (lstat(path, &st) < 0 || !S_ISDIR(st.st_mode)) return 0;
+    snprintf(path, sizeof path, "%s/etc", upper);
+    if (mkdir(path, 0700) < 0 && errno != EEXIST) return 0;
+    if (chown(path, st.st_uid, st.st_gid) < 0 || chmod(path, st.st_mode & 07777) < 0) return 0;
+    snprintf(path, sizeof path, "%s/etc/hostname", upper);
+    snprintf(line, sizeof line, "%s\n", need("hostname"));
+    write_file(path, line);
+    snprintf(path, sizeof path, "%s/etc/machine-id", upper);
+    snprintf(line, sizeof line, "%s\n", need("machine_id"));
+    write_file(path, line);
+    struct timespec times[2] = {st.st_atim, st.st_mtim};
+    snprintf(path, sizeof path, "%s/etc", upper);
+    utimensat(AT_FDCWD, path, times, 0);
+    return 1;
+}
+
 static void setup_root(void) {
     char data[1024], lower[64], target[600];
-    snprintf(data, sizeof data, "size=%s,mode=0755", need("disk"));
-    do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, data);
+    /* /rw (uppers and workdirs) was mounted before the snapshot; only its
+     * size is the sandbox's */
+    snprintf(data, sizeof data, "size=%s", need("disk"));
+    if (mount("rw", "/rw", "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, data) < 0) die("cannot size /rw (%s%s)", "");
+    mark("tmpfs /rw");
+    int identity_done = 0;
     int layers = atoi(need("layers"));
+    if (layers < 1 || layers > MAX_LAYERS) die("bad layer count %s (%s)", need("layers"));
     for (int i = 0; i < layers; i++) {
         char key[32];
         snprintf(key, sizeof key, "layer%d", i);
@@ -246,18 +322,23 @@ static void setup_root(void) {
         snprintf(lower, sizeof lower, "/lower/%d", i);
         do_mount(key, lower, "9p", MS_RDONLY | MS_NOSUID | MS_NODEV,
                  "trans=virtio,version=9p2000.L,cache=loose,msize=262144");
+        mark("9p layer");
         char upper[64], work[64];
         snprintf(upper, sizeof upper, "/rw/u%d", i);
         snprintf(work, sizeof work, "/rw/w%d", i);
         mkdir_p(upper);
         mkdir_p(work);
+        if (!strcmp(point, "/")) identity_done = identity_in_upper(lower, upper);
+        mark("identity in upper");
         snprintf(target, sizeof target, "/newroot%s", strcmp(point, "/") ? point : "");
         snprintf(data, sizeof data, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work);
         do_mount("overlay", target, "overlay", 0, data);
+        mark("overlay");
     }
     const char *ws_mode = need("workspace");
     do_mount("ws", "/newroot/workspace", "9p", MS_NOSUID | MS_NODEV | (strcmp(ws_mode, "ro") ? 0 : MS_RDONLY),
              "trans=virtio,version=9p2000.L,cache=none,msize=262144");
+    mark("9p workspace");
     /* /proc, /sys (with the cgroup tree) and /dev were mounted before the
      * snapshot: moving them costs less fresh guest code than mounting anew
      * (under TCG every code path a restored VM runs is translated again) */
@@ -267,19 +348,22 @@ static void setup_root(void) {
         mkdir_p(target);
         if (mount(early[i], target, NULL, MS_MOVE, NULL) < 0) die("cannot move %s (%s)", early[i]);
     }
+    mark("move proc sys dev");
     mkdir_p("/newroot/home/user");
     mkdir_p("/newroot/tmp");
-    chmod("/newroot/tmp", 01777);
-    mkdir_p("/newroot/.corral");
-    write_file("/newroot/.corral/agent", "");
-    if (mount("/corral-agent", "/newroot/.corral/agent", NULL, MS_BIND, NULL) < 0) die("cannot bind the agent (%s%s)", "");
-    mount(NULL, "/newroot/.corral/agent", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL);
+    struct stat st;
+    /* a chmod through the overlay copies the directory up: only if needed */
+    if (stat("/newroot/tmp", &st) < 0 || (st.st_mode & 07777) != 01777) chmod("/newroot/tmp", 01777);
+    mark("dirs");
 
-    char line[300];
-    snprintf(line, sizeof line, "%s\n", need("hostname"));
-    write_file("/newroot/etc/hostname", line);
-    snprintf(line, sizeof line, "%s\n", need("machine_id"));
-    write_file("/newroot/etc/machine-id", line);
+    if (!identity_done) {
+        char line[300];
+        snprintf(line, sizeof line, "%s\n", need("hostname"));
+        write_file("/newroot/etc/hostname", line);
+        snprintf(line, sizeof line, "%s\n", need("machine_id"));
+        write_file("/newroot/etc/machine-id", line);
+    }
+    mark("identity files");
 }
 
 /* Before the snapshot: everything that does not depend on the sandbox.  The
@@ -288,23 +372,85 @@ static void setup_root(void) {
 static void early_setup(void) {
     do_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "ptmxmode=0666");
     do_mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
-    do_mount("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    /* favordynmods: moving a task between cgroups (each command is placed in its
+     * own leaf) no longer waits for an RCU grace period */
+    do_mount("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, "favordynmods");
     write_file("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids");
     mkdir_p("/sys/fs/cgroup/agent");
     mkdir_p("/sys/fs/cgroup/sandbox");
     write_file("/sys/fs/cgroup/sandbox/cgroup.subtree_control", "+memory +pids");
+    /* the guest has no swap; set anyway so no later change can let it swap */
+    write_file("/sys/fs/cgroup/sandbox/memory.swap.max", "0");
+    /* guest RAM is sized to the memory limit: with the default heuristic a big
+     * allocation fails up front with ENOMEM (a bare MemoryError); always
+     * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
+     * like every other tier */
+    write_file("/proc/sys/vm/overcommit_memory", "1");
+    urandom_fd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
+    memory_max_fd = open("/sys/fs/cgroup/sandbox/memory.max", O_WRONLY | O_CLOEXEC);
+    pids_max_fd = open("/sys/fs/cgroup/sandbox/pids.max", O_WRONLY | O_CLOEXEC);
+    if (urandom_fd < 0 || memory_max_fd < 0 || pids_max_fd < 0) die("cannot open the RNG or cgroup files (%s%s)", "");
+    /* the tmpfs for the overlays' upper and work directories, sized per
+     * sandbox by a remount after the restore */
+    do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755");
+    for (int i = 0; i < MAX_LAYERS; i++) {
+        char path[32];
+        snprintf(path, sizeof path, "/rw/u%d", i);
+        mkdir_p(path);
+        snprintf(path, sizeof path, "/rw/w%d", i);
+        mkdir_p(path);
+        snprintf(path, sizeof path, "/lower/%d", i);
+        mkdir_p(path);
+    }
 }
 
 static void setup_cgroups(void) {
-    write_file("/sys/fs/cgroup/sandbox/memory.max", need("memory"));
-    write_file("/sys/fs/cgroup/sandbox/memory.swap.max", "0");
-    write_file("/sys/fs/cgroup/sandbox/pids.max", need("pids"));
+    const char *memory = need("memory"), *pids = need("pids");
+    if (write(memory_max_fd, memory, strlen(memory)) < 0) die("cannot set memory.max (%s%s)", "");
+    if (write(pids_max_fd, pids, strlen(pids)) < 0) die("cannot set pids.max (%s%s)", "");
 }
 
+/* Start the agent before the snapshot, so a restored VM neither forks nor
+ * execs it (under TCG both are slow: fresh code, fresh page tables).  It
+ * shares pid 1's root and working directory (CLONE_FS), so the root switch
+ * after the restore moves it too; it waits on a socket for "go" before it
+ * speaks on the port, which pid 1 reads the configuration from first.
+ * Returns pid 1's end of that socket; *pid gets the agent's pid. */
+static int start_agent(int port, pid_t *pid) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) die("socketpair (%s%s)", "");
+    *pid = (pid_t)syscall(SYS_clone, CLONE_FS | SIGCHLD, 0, 0, 0, 0);
+    if (*pid < 0) die("clone (%s%s)", "");
+    if (*pid == 0) {
+        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
+        setsid();
+        /* above 3 first: pid 1 started without stdin/stdout/stderr, so the port
+         * or the socket may itself be fd 0-3 */
+        int p = fcntl(port, F_DUPFD_CLOEXEC, 10), w = fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
+        int null = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (p < 0 || w < 0 || null < 0) _exit(127);
+        dup2(p, 0);
+        dup2(p, 1);
+        dup2(null, 2);
+        dup2(w, 3);
+        char *argv[] = {"corral-agent", "--wait-fd", "3", NULL};
+        char *envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", NULL};
+        execve("/corral-agent", argv, envp);
+        _exit(127);
+    }
+    close(sv[1]);
+    char waiting;
+    if (read(sv[0], &waiting, 1) != 1 || waiting != 'w') die("the agent did not start (%s%s)", "");
+    return sv[0];
+}
+
+static char config_buf[MAX_CONFIG + 1];
+
 static void read_config(int port) {
-    static char buf[MAX_CONFIG + 1];
+    char *buf = config_buf;
     uint32_t len;
     read_exact(port, &len, 4);
+    mark("length read");
     if (len == 0 || len > MAX_CONFIG) die("bad configuration length (%s%s)", "");
     read_exact(port, buf, len);
     buf[len] = 0;
@@ -320,12 +466,30 @@ int main(void) {
     load_modules();
     early_setup();
     int port = open_port();
-    write_all(port, READY_MARKER, strlen(READY_MARKER));
+    pid_t agent;
+    int agent_go = start_agent(port, &agent);
+    /* after the agent was cloned: it (and so every command) must not inherit it */
+    serial_io = ioperm(0x3f8, 8, 1) == 0;
+    /* write every page pid 1 will write after the restore (the configuration
+     * buffer, the step marks, its stack) now: after the clone above they are
+     * copy-on-write, and page faults are fresh code in a restored VM */
+    memset(config_buf, 0, sizeof config_buf);
+    memset(config, 0, sizeof config);
+    memset(marks, 0, sizeof marks);
+    volatile char stack[16384];
+    memset((char *)stack, 0, sizeof stack);
+    write_all(port, READY_MARKER, strlen(READY_MARKER)); /* blocks until the host connects */
+    if (fcntl(port, F_SETFL, O_NONBLOCK) < 0) die("port O_NONBLOCK (%s%s)", "");
 
-    /* ---- the template VM is snapshotted while blocked here ---- */
+    /* ---- the template VM is snapshotted while waiting here ---- */
     read_config(port);
+    /* the agent shares this open file: it expects a blocking port */
+    if (fcntl(port, F_SETFL, 0) < 0) die("port blocking (%s%s)", "");
 
+    tracing = get("trace") != NULL;
+    mark("config read");
     reseed(need("seed"));
+    mark("reseed");
     struct timeval tv;
     long long ns = atoll(need("time_ns"));
     tv.tv_sec = (time_t)(ns / 1000000000LL);
@@ -333,34 +497,22 @@ int main(void) {
     settimeofday(&tv, NULL);
     const char *hostname = need("hostname");
     sethostname(hostname, strlen(hostname));
+    mark("clock+hostname");
 
     setup_cgroups();
-    /* guest RAM is sized to the memory limit: with the default heuristic a big
-     * allocation fails up front with ENOMEM (a bare MemoryError); always
-     * overcommitting lets the memory cgroup's OOM killer end it, reported as OOM
-     * like every other tier */
-    write_file("/proc/sys/vm/overcommit_memory", "1");
+    mark("cgroup limits");
     setup_root();
 
     if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
     if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
     if (chroot(".") < 0 || chdir("/") < 0) die("chroot (%s%s)", "");
+    mark("switch root");
 
-    pid_t agent = fork();
-    if (agent < 0) die("fork (%s%s)", "");
-    if (agent == 0) {
-        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
-        setsid();
-        dup2(port, 0);
-        dup2(port, 1);
-        int null = open("/dev/null", O_WRONLY);
-        if (null >= 0) dup2(null, 2);
-        char *argv[] = {"/.corral/agent", NULL};
-        char *envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", NULL};
-        execve(argv[0], argv, envp);
-        _exit(127);
-    }
+    if (write(agent_go, "g", 1) != 1) die("cannot start the agent (%s%s)", "");
+    close(agent_go);
     close(port);
+    mark("agent told to go");
+    if (tracing) print_marks();
     /* pid 1 reaps every orphan; the VM ends with the agent */
     for (;;) {
         int status;

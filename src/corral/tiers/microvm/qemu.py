@@ -3,12 +3,15 @@
 One function builds the command line for both the template boot and every
 restore, because a snapshot only loads into a VM with exactly the same
 devices in the same order: the only things that differ are host-side
-(memory file sharing, socket paths, 9p export paths, ``-incoming``).
+(memory file sharing, socket paths or inherited sockets, 9p export paths,
+``-incoming``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -70,6 +73,12 @@ def host_tsc_khz() -> int:
     return khz
 
 
+def cpu_model(accel: str) -> str:
+    """Part of the template key: a snapshot only loads into the same CPU model.
+    (``qemu64`` and ``max,la57=off`` were measured under TCG: no faster here.)"""
+    return "host" if accel == "kvm" else "max"
+
+
 @dataclass(frozen=True)
 class VMPaths:
     """Host-side files of one VM."""
@@ -80,7 +89,8 @@ class VMPaths:
 
 
 def qemu_binary() -> str:
-    binary = shutil.which("qemu-system-x86_64")
+    """``CORRAL_QEMU`` picks another build (e.g. a newer QEMU unpacked beside the system's)."""
+    binary = shutil.which(os.environ.get("CORRAL_QEMU", "qemu-system-x86_64"))
     if binary is None:
         raise HostNotSupported("qemu-system-x86_64 is missing: apt-get install qemu-system-x86 (or `make install`)")
     return binary
@@ -90,6 +100,11 @@ def qemu_binary() -> str:
 def qemu_version() -> str:
     out = subprocess.run([qemu_binary(), "--version"], capture_output=True, text=True, timeout=30).stdout
     return out.splitlines()[0] if out else "unknown"
+
+
+def qemu_major() -> int:
+    match = re.search(r"version (\d+)\.", qemu_version())
+    return int(match.group(1)) if match else 0
 
 
 def command_line(
@@ -103,29 +118,42 @@ def command_line(
     layers: list[Path],
     workspace: Path,
     workspace_readonly: bool,
-    incoming: bool,
+    incoming: bool = False,
+    listen_fds: tuple[int, int] | None = None,
     runas: int | None = None,
 ) -> list[str]:
+    """``incoming``: wait for ``migrate-incoming`` (a restore).  Templates are
+    saved without the "global state" section (``store-global-state=off``), so
+    a restored VM starts running as soon as it is loaded, without a ``cont``
+    round trip.  ``listen_fds``: (agent, QMP)
+    Unix sockets already listening, created by the caller: it can connect (and
+    queue the configuration) at once instead of polling for QEMU's sockets."""
     if len(layers) != MAX_LAYERS:
         raise ValueError(f"exactly {MAX_LAYERS} layer exports are needed")
     argv = [
         qemu_binary(),
         "-M", MACHINE,
         "-accel", accel,
-        "-cpu", "host" if accel == "kvm" else "max",
+        "-cpu", cpu_model(accel),
         "-smp", "1",
         "-m", f"{ram_mb}M",
         "-object", f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={mem_path},share={'on' if share else 'off'}",
-        "-kernel", str(assets.kernel),
-        "-initrd", str(assets.initrd),
-        "-append", kernel_args(accel),
         "-nographic", "-nodefaults", "-no-reboot", "-no-user-config",
         "-serial", f"file:{paths.console_log}",
         "-device", "virtio-serial-device",
-        "-chardev", f"socket,id=agent,path={paths.agent_socket},server=on,wait=off",
-        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT}",
-        "-qmp", f"unix:{paths.qmp_socket},server=on,wait=off",
     ]
+    if listen_fds is None:
+        argv += [
+            "-chardev", f"socket,id=agent,path={paths.agent_socket},server=on,wait=off",
+            "-qmp", f"unix:{paths.qmp_socket},server=on,wait=off",
+        ]
+    else:
+        argv += [
+            "-chardev", f"socket,id=agent,fd={listen_fds[0]},server=on,wait=off",
+            "-chardev", f"socket,id=qmp,fd={listen_fds[1]},server=on,wait=off",
+            "-mon", "chardev=qmp,mode=control",
+        ]
+    argv += ["-device", f"virtserialport,chardev=agent,name={AGENT_PORT}"]
     for index, path in enumerate(layers):
         argv += [
             "-fsdev", f"local,id=layer{index},path={path},security_model=none,readonly=on",
@@ -136,16 +164,25 @@ def command_line(
         "-fsdev", f"local,id=ws,path={workspace},security_model=none{ro}",
         "-device", "virtio-9p-device,fsdev=ws,mount_tag=ws",
     ]
+    argv += ["-global", "migration.store-global-state=off"]
     if incoming:
+        # a restore runs the snapshot's kernel, already in RAM: loading the kernel
+        # and initramfs files again (~11 MB into fw_cfg) would only cost time
         argv += ["-incoming", "defer"]
+    else:
+        argv += ["-kernel", str(assets.kernel), "-initrd", str(assets.initrd), "-append", kernel_args(accel)]
     if runas is not None:
         # drop to an unprivileged host uid once the memory file and sockets are open:
         # the 9p server then touches the workspace as that uid, never as root
-        argv += ["-runas", f"{runas}:{runas}"]
-        # QEMU's own seccomp filter: no obsolete or resource-control syscalls.
-        # Spawning stays allowed (the snapshot is read through `exec:cat`), and so
-        # does set*id, which -runas needs after the filter is in place
-        argv += ["-sandbox", "on,obsolete=deny,resourcecontrol=deny"]
+        if qemu_major() >= 9:  # -runas was replaced by -run-with user= (9.1 removed it)
+            argv += ["-run-with", f"user={runas}:{runas}"]
+        else:
+            argv += ["-runas", f"{runas}:{runas}"]
+        # QEMU's own seccomp filter: no obsolete or resource-control syscalls and
+        # no spawning (the snapshot comes through an inherited fd: migrate-incoming
+        # fd:N, where QEMU 7.2 has no file: URI); set*id stays
+        # allowed, -runas needs it after the filter is in place
+        argv += ["-sandbox", "on,obsolete=deny,resourcecontrol=deny,spawn=deny"]
     return argv
 
 
@@ -216,6 +253,15 @@ class QMP:
             if time.monotonic() > deadline:
                 raise SandboxError("the restored VM did not start running in time")
             time.sleep(0.002)
+
+    def wait_resumed(self) -> None:
+        """Block until the VM runs: already running, or the RESUME event (no polling)."""
+        if self.command("query-status").get("status") == "running":
+            return
+        while not any(e.get("event") == "RESUME" for e in self.events):
+            message = self._read()
+            if "event" in message:
+                self.events.append(message)
 
     def close(self) -> None:
         try:

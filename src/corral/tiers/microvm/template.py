@@ -34,7 +34,7 @@ from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "2"
+TEMPLATE_VERSION = "7"
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0
@@ -62,7 +62,7 @@ class Template:
 
 def _key(assets: GuestAssets, accel: str, ram_mb: int) -> str:
     parts = [TEMPLATE_VERSION, qemu.qemu_version(), assets.digest, accel, str(ram_mb), qemu.MACHINE,
-             qemu.kernel_args(accel), str(qemu.MAX_LAYERS)]
+             qemu.kernel_args(accel), str(qemu.MAX_LAYERS), qemu.cpu_model(accel)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -74,7 +74,7 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
     paths = qemu.VMPaths(work / "agent.sock", work / "qmp.sock", work / "console.log")
     argv = qemu.command_line(
         accel=accel, ram_mb=ram_mb, mem_path=work / "ram", share=True, assets=assets, paths=paths,
-        layers=[empty] * qemu.MAX_LAYERS, workspace=empty, workspace_readonly=False, incoming=False,
+        layers=[empty] * qemu.MAX_LAYERS, workspace=empty, workspace_readonly=False,
     )
     start = time.monotonic()
     with open(work / "qemu.log", "wb") as log:

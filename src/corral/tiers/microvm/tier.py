@@ -36,7 +36,7 @@ from ...host import cgroups, mounts
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import MiB, SandboxSpec
-from ..agent import T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
+from ..agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..rootfs import allocate_uid, release_uid
 from . import guest, qemu, template
@@ -48,6 +48,8 @@ VMM_OVERHEAD = 384 * MiB
 VMM_PIDS = 64
 START_TIMEOUT = 60.0
 GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
+#: sh -c SCRIPT corral-vmm PROCS_FILE... -- QEMU ARGS...: join the cgroups, become QEMU
+_JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
 def _check_host() -> None:
@@ -141,6 +143,9 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         self._channel: AgentChannel | None = None
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
+        #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
+        self._trace = bool(os.environ.get("CORRAL_MICROVM_TRACE"))
+        self.trace_wall0 = 0.0
         try:
             self._setup()
         except BaseException:
@@ -173,7 +178,6 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         empty.mkdir(mode=0o755)
         layers = [host for _, host in image.layers]
         layers += [empty] * (qemu.MAX_LAYERS - len(layers))
-        self._launch(tmpl, layers, ws)
         config = {
             "seed": secrets.token_hex(64),
             "time_ns": str(time.time_ns()),
@@ -187,62 +191,99 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         }
         for index, (point, _) in enumerate(image.layers):
             config[f"layer{index}"] = point
-        self._configure(config)
+        if self._trace:
+            config["trace"] = "1"  # guestinit writes its step timestamps to console.log
+        self._launch(tmpl, layers, ws, config)
         self.timings["total"] = time.monotonic() - t0
 
-    def _launch(self, tmpl: template.Template, layers: list[Path], ws: Path) -> None:
+    def _launch(self, tmpl: template.Template, layers: list[Path], ws: Path, config: dict[str, str]) -> None:
+        """Start QEMU restoring the template and queue the configuration for the guest.
+
+        Nothing here polls: the agent and QMP sockets are created (listening)
+        before QEMU starts, so the configuration frame is written at once and
+        waits in the socket until the restored guest reads it; the snapshot's
+        device state comes from an inherited fd, and the VM runs as soon as it
+        is loaded (the template was saved without its run state)."""
         assert self.cgroup is not None
         run = self._run_dir
         paths = qemu.VMPaths(run / "agent.sock", run / "qmp.sock", run / "console.log")
         readonly = bool(self.spec.workspace and self.spec.workspace.mode == "ro")
+        listeners = []
+        for path in (paths.agent_socket, paths.qmp_socket):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listeners.append(listener)
+            listener.bind(str(path))
+            listener.listen(1)
+        state = os.open(tmpl.state, os.O_RDONLY)
+        fds = (listeners[0].fileno(), listeners[1].fileno())
         argv = qemu.command_line(
             accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=tmpl.ram, share=False, assets=self._tier.assets,
-            paths=paths, layers=layers, workspace=ws, workspace_readonly=readonly, incoming=True, runas=self.uid,
+            paths=paths, layers=layers, workspace=ws, workspace_readonly=readonly, incoming=True,
+            listen_fds=fds, runas=self.uid,
         )
-        procs_files = self.cgroup.procs_files(self.cgroup.leaf("vmm"))
-
-        def join_cgroup() -> None:
-            pid = str(os.getpid())
-            for path in procs_files:
-                with open(path, "w") as f:
-                    f.write(pid)
-
+        # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
+        # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
+        # fork the whole (large, threaded) Python process, 10-20 ms per sandbox
+        procs_files = [str(path) for path in self.cgroup.procs_files(self.cgroup.leaf("vmm"))]
+        argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--", *argv]
+        if self._trace:
+            # QEMU timestamps (host clock) the guest's step bytes on the serial port and
+            # the virtio-serial and 9p events around them: bench/microvm.py --trace
+            argv += ["-msg", "timestamp=on"]
+            for event in ("serial_write", "virtio_console_chr_read", "virtio_console_flush_buf", "v9fs_version",
+                          "qemu_loadvm_state_post_main"):
+                argv += ["-trace", event]
+            self.trace_wall0 = time.time()
         t0 = time.monotonic()
-        with open(run / "qemu.log", "wb") as log:
-            self._proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=join_cgroup,
-                close_fds=True, cwd="/",
-            )
-        deadline = time.monotonic() + START_TIMEOUT
+        qmp: qemu.QMP | None = None
         try:
-            qmp = qemu.QMP(qemu.connect_unix(paths.qmp_socket, deadline, self._proc), timeout=START_TIMEOUT)
-        except OSError as exc:
-            raise SandboxError(f"QEMU did not start ({exc}): {self._log_tail()}") from None
-        try:
+            with open(run / "qemu.log", "wb") as log:
+                self._proc = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(state, *fds), cwd="/",
+                )
+            self.timings["qemu_spawned"] = time.monotonic() - t0
+            # both connects complete at once (the listen backlog): QEMU accepts later
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            self._sock.connect(str(paths.agent_socket))
+            payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
+            self._sock.sendall(struct.pack("<I", len(payload)) + payload)
+            qmp_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            qmp_sock.connect(str(paths.qmp_socket))
+            qmp = qemu.QMP(qmp_sock, timeout=START_TIMEOUT)  # returns once QEMU is up
             self.timings["qemu_start"] = time.monotonic() - t0
             qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
-            qmp.command("migrate-incoming", uri=f"exec:cat {tmpl.state}")
-            qmp.wait_migration(deadline)
-            # the template was saved stopped, so the restored VM waits for "cont"
-            qmp.command("cont")
-            self.timings["restore"] = time.monotonic() - t0
+            qmp.command("migrate-incoming", uri=f"fd:{state}")
+            self.timings["migrate_incoming"] = time.monotonic() - t0  # restoring, not booting
         except (OSError, SandboxError) as exc:
+            if qmp is not None:
+                qmp.close()
             raise SandboxError(f"restoring the VM snapshot failed ({exc}): {self._log_tail()}") from None
         finally:
+            os.close(state)
+            for listener in listeners:
+                listener.close()
+        if self._trace:
+            threading.Thread(target=self._trace_restore, args=(qmp, t0), daemon=True).start()
+        else:
             qmp.close()
-        self._sock = qemu.connect_unix(paths.agent_socket, deadline, self._proc)
-
-    def _configure(self, config: dict[str, str]) -> None:
-        assert self._sock is not None
-        t0 = time.monotonic()
-        payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
-        self._sock.sendall(struct.pack("<I", len(payload)) + payload)
         self._channel = AgentChannel(os.dup(self._sock.fileno()), os.dup(self._sock.fileno()))
         try:
+            # a failed load makes QEMU exit, which closes the channel: no need to watch it
             self._channel.wait_ready(START_TIMEOUT)
         except SandboxClosed:
-            raise SandboxError(f"the guest did not start its agent: {self._log_tail()}") from None
-        self.timings["configure"] = time.monotonic() - t0
+            raise SandboxError(f"the restored guest did not start its agent: {self._log_tail()}") from None
+        self.timings["ready"] = time.monotonic() - t0
+
+    def _trace_restore(self, qmp: qemu.QMP, t0: float) -> None:
+        """When tracing (bench/microvm.py): when the restored VM started running.
+        Off the normal path: there the agent answering says the VM is up."""
+        try:
+            qmp.wait_resumed()
+            self.timings["restore"] = time.monotonic() - t0
+        except (OSError, SandboxError):
+            pass
+        finally:
+            qmp.close()
 
     def _log_tail(self) -> str:
         text = ""
@@ -268,10 +309,14 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         with self._lock:
             self._exec_count += 1
             leaf = f"{GUEST_CGROUP}/e{self._exec_count}"
-        channel.make_dir(leaf, 0o755)
+        # not waited for here: the agent handles requests in order, so its answer
+        # arrives before the command's "started", where place() checks it
+        made = channel.begin(T_FMKDIR, struct.pack("<I", 0o755) + leaf.encode() + b"\0")
 
         def place(nspid: int) -> None:
-            # runs on the reader thread before the agent lets the command exec
+            # runs on the reader thread before the agent lets the command exec;
+            # no leaf (an error here) refuses the command, as a failed make_dir did
+            made(0)
             self._fire(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.procs".encode() + b"\0"
                        + str(nspid).encode())
 
@@ -282,6 +327,10 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
                 pass
 
         def finish(proc: AgentProcess) -> None:
+            try:
+                made(0)  # forgets the request if the command failed before it started
+            except (SandboxClosed, SandboxError):
+                pass
             try:
                 events = channel.read_file(f"{leaf}/memory.events", 4096).decode()
                 counts = dict(line.split() for line in events.splitlines() if len(line.split()) == 2)
