@@ -34,6 +34,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        #: the server's stderr: a file, never a pipe (an undrained pipe fills and blocks the server's logging)
+        self.log_path = state.parent / f"{state.name}-server-{self.port}.log"
 
     def start(self) -> ServerProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY", "CORRAL_API_KEYS")}
@@ -48,18 +50,25 @@ class ServerProcess:
             path = self.state / "server-config.json"
             path.write_text(json.dumps(self.config))
             args += ["--config", str(path)]
-        self.proc = subprocess.Popen([CORRAL, "--state-dir", str(self.state), "serve", "--port", str(self.port),
-                                      *args], env=env, stderr=subprocess.PIPE)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([CORRAL, "--state-dir", str(self.state), "serve", "--port", str(self.port),
+                                          *args], env=env, stderr=log)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+                raise RuntimeError(f"server exited: {self.log()}")
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
                     return self
             except httpx.TransportError:
                 time.sleep(0.1)
         raise RuntimeError("server did not become healthy in 30 s")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def headers(self, tenant: str | None = None) -> dict[str, str]:
         if tenant is None or not self.keys:
@@ -77,15 +86,11 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
 
     def kill9(self) -> None:
         assert self.proc is not None
         self.proc.kill()
         self.proc.wait()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
 
     def __enter__(self) -> ServerProcess:
         return self.start()

@@ -64,3 +64,15 @@ def test_from_dict_round_trip(tmp_path: Path) -> None:
     assert spec.limits.memory == 256 << 20 and spec.limits.pids == 32
     assert spec.workspace is not None and spec.workspace.mode == "ro"
     assert SandboxSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_json_nulls_are_absent_or_refused_never_a_crash() -> None:
+    # found by the OpenAPI fuzzer: {"env": null} crashed validation (a 500 from the server)
+    assert SandboxSpec.from_dict({"env": None}).env == {}
+    spec = SandboxSpec.from_dict({"env": None, "network": "allow", "secrets": ["TOKEN@api.example.com"]})
+    assert spec.env == {} and [s.name for s in spec.secrets] == ["TOKEN"]
+    for field in ("allow", "unsafe_allow_ranges", "secrets"):
+        with pytest.raises(InvalidSpec, match=f"{field}: expected a list"):
+            SandboxSpec.from_dict({field: None})
+    with pytest.raises(InvalidSpec, match="must be a string"):
+        SandboxSpec.from_dict({"env": {"A": None}})

@@ -190,8 +190,8 @@ class SandboxSpec:
             )
         if self.network not in NETWORK_MODES:
             raise InvalidSpec(f"network {self.network!r}: use one of {', '.join(NETWORK_MODES)}")
+        object.__setattr__(self, "env", validate_env(self.env))  # before the network: secrets check env names
         self._validate_network()
-        object.__setattr__(self, "env", validate_env(self.env))
         validate_sandbox_path(self.cwd, "cwd")
 
     def _validate_network(self) -> None:
