@@ -23,7 +23,7 @@ echo "== whoami: $(id)"
 echo "== reading the host's secret file:"; cat /root/.corral-demo/id_rsa 2>&1 | head -1
 echo "== host env secret: [${DEMO_API_KEY:-not visible}]"
 echo "== phoning home:"; python3 -c "import urllib.request; urllib.request.urlopen('http://169.254.169.254/', timeout=2)" 2>&1 | tail -1
-echo "== host processes visible: $(ls /proc | grep -c '^[0-9]')"
+echo "== processes it can see (its own only): $(ls /proc | grep -c '^[0-9]')"
 echo "== rm -rf / --no-preserve-root:"; rm -rf / --no-preserve-root 2>/dev/null; echo "   (exit $?; the sandbox's own files, if any)"
 """
 

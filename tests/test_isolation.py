@@ -111,6 +111,9 @@ def test_host_secrets_are_not_visible(sandbox: Sandbox) -> None:
         r = sandbox.commands.run("cat /root/.corral-canary; env; ls -a /root /home; cat /etc/shadow; echo done")
         assert "TOPSECRET" not in r.stdout + r.stderr
         assert "done" in r.stdout
+        # not merely unreadable: absent (the sandbox's /root is its own, empty, and readable)
+        assert sandbox.commands.run("ls -A /root").stdout == ""
+        assert sandbox.commands.run("test -e /root/.corral-canary").exit_code == 1
         # the allowed direction: the sandbox's own home is usable
         assert sandbox.commands.run("echo mine > ~/own && cat ~/own").stdout == "mine\n"
     finally:

@@ -83,7 +83,7 @@ def identity_files(hostname: str = "sandbox") -> dict[str, str]:
     }
 
 
-_HOST_SKELETON_VERSION = "3"
+_HOST_SKELETON_VERSION = "4"
 
 
 _skeleton_lock = threading.Lock()
@@ -116,7 +116,9 @@ def _build_host_skeleton(target: Path) -> None:
         for d in ("tmp", "var/tmp"):
             (tmp / d).mkdir(parents=True, exist_ok=True)
             os.chmod(tmp / d, 0o1777)
-        os.chmod(tmp / "root", 0o700)
+        # the sandbox's own /root is empty and readable, so a look shows the host's is not there
+        # (a 0700 directory would answer "Permission denied" whether or not it held anything)
+        os.chmod(tmp / "root", 0o755)
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             host_path = Path("/") / top
             if host_path.is_symlink():
