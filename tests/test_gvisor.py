@@ -182,6 +182,62 @@ def test_network_is_off_but_loopback_inside_works(sb: Sandbox) -> None:
     assert "eth" not in interfaces and "veth" not in interfaces
 
 
+def test_allow_mode_goes_through_the_egress_proxy_only(tmp_path: Path) -> None:
+    """network="allow" in gVisor: the agent's relay on gVisor's own loopback reaches the host's
+    egress proxy through a host Unix socket (--host-uds=open).  The allowed target answers, with
+    the brokered secret swapped in; another port is refused and audited; nothing bypasses the proxy."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("X-Key", ""))
+            body = b"allowed-target\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        other_port = other.getsockname()[1]
+        try:
+            with Sandbox.create(tier="gvisor", memory="256M", allow=[f"127.0.0.1:{port}"],
+                                unsafe_allow_ranges=["127.0.0.1/32"], secrets=["GV_KEY@127.0.0.1"],
+                                secret_values={"GV_KEY": "real-gvisor-secret"}) as sb:
+                # --noproxy '': the proxy variables exempt 127.0.0.1, the test's target is there
+                ok = sb.commands.run(f"curl -sS -m 10 --noproxy '' -H \"X-Key: $GV_KEY\" "
+                                     f"http://127.0.0.1:{port}/")
+                assert ok.stdout == "allowed-target\n", ok
+                assert seen == ["real-gvisor-secret"]
+                placeholder = sb.commands.run("printenv GV_KEY").stdout.strip()
+                assert placeholder and "real-gvisor-secret" not in placeholder
+                refused = sb.commands.run(f"curl -fsS -m 10 --noproxy '' http://127.0.0.1:{other_port}/")
+                assert refused.exit_code == 22 and "403" in refused.stderr, refused  # curl -f: the proxy said no
+                # bypassing the proxy: gVisor's netstack has only its own loopback
+                direct = sb.commands.run(f"curl -sS -m 5 --noproxy '*' http://127.0.0.1:{port}/; "
+                                         "curl -sS -m 5 --noproxy '*' http://169.254.169.254/")
+                assert "allowed-target" not in direct.stdout and direct.exit_code != 0
+                assert len(seen) == 1
+                events = sb.network.audit()
+                assert [(e.kind, e.destination, e.rule) for e in events] == [
+                    ("refused", f"127.0.0.1:{other_port}", "not-allowed")], events
+                run_dir_socket = list(Path(os.environ["CORRAL_STATE_DIR"]).glob(f"sandboxes/{sb.id}/egress/proxy.sock"))
+                assert run_dir_socket and oct(run_dir_socket[0].stat().st_mode & 0o777) == "0o660"
+        finally:
+            server.shutdown()
+            server.server_close()
+    with pytest.raises(InvalidSpec, match="open"):
+        Sandbox.create(tier="gvisor", network="open")
+
+
 def test_teardown_leaves_no_runsc_state(state_dir: Path) -> None:
     sandbox = Sandbox.create(tier="gvisor")
     sandbox.commands.run(["true"])

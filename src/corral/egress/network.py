@@ -88,8 +88,14 @@ def secret_values(values: Mapping[str, str]) -> Iterator[None]:
 class SandboxNetwork:
     """Everything network-related one sandbox owns; :meth:`close` releases all of it."""
 
-    def __init__(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, uid: int) -> None:
+    def __init__(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, uid: int, *,
+                 host_namespace: bool = True, socket_gid: int | None = None) -> None:
+        """``host_namespace=False``: for ``allow``, no host-made namespace (a tier with a network
+        stack of its own, gVisor's, has nowhere to put one); direct attempts then fail inside that
+        stack, unaudited.  ``socket_gid``: a group that may also connect to the proxy's socket."""
         self.mode = spec.network
+        self._host_namespace = host_namespace
+        self._socket_gid = socket_gid
         self.sandbox_id = sandbox_id
         self.audit_log = AuditLog()
         #: environment added to every command
@@ -145,13 +151,15 @@ class SandboxNetwork:
         self._proxy = EgressProxy(
             self.sandbox_id, socket_path, policy, self.audit_log, self.secrets, ca,
             upstream_context(config.upstream_cafile) if self.secrets else None, socket_uid=uid,
+            socket_gid=self._socket_gid,
         )
         self.binds.append((socket_path, SOCKET_IN_SANDBOX))
-        # a namespace the host owns, where direct attempts fail at once and are audited
-        from .allow_net import AllowNetwork
+        if self._host_namespace:
+            # a namespace the host owns, where direct attempts fail at once and are audited
+            from .allow_net import AllowNetwork
 
-        self._allow_net = AllowNetwork(self.sandbox_id, self.audit_log)
-        self.netns = self._allow_net.names.netns
+            self._allow_net = AllowNetwork(self.sandbox_id, self.audit_log)
+            self.netns = self._allow_net.names.netns
         self.agent_args = ["--relay", str(PROXY_PORT), SOCKET_IN_SANDBOX]
         http = f"http://127.0.0.1:{PROXY_PORT}"
         socks = f"socks5h://127.0.0.1:{PROXY_PORT}"

@@ -84,7 +84,8 @@ _WORKERS = _Workers()
 class EgressProxy:
     def __init__(self, sandbox_id: str, socket_path: Path, policy: Policy, audit: AuditLog,
                  secrets: Sequence[Secret] = (), ca: SandboxCA | None = None,
-                 upstream_tls: ssl.SSLContext | None = None, socket_uid: int | None = None) -> None:
+                 upstream_tls: ssl.SSLContext | None = None, socket_uid: int | None = None,
+                 socket_gid: int | None = None) -> None:
         self.sandbox_id = sandbox_id
         self.socket_path = socket_path
         self.policy = policy
@@ -99,8 +100,9 @@ class EgressProxy:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._listener.bind(str(socket_path))
         if socket_uid is not None:
-            os.chown(socket_path, socket_uid, socket_uid)
-        os.chmod(socket_path, 0o600)
+            os.chown(socket_path, socket_uid, socket_uid if socket_gid is None else socket_gid)
+        # a group only when the connecting host process is not the owner (gVisor's gofer): never "other"
+        os.chmod(socket_path, 0o600 if socket_gid is None else 0o660)
         self._listener.listen(256)
         self._thread = threading.Thread(target=self._accept_loop, name=f"egress-{sandbox_id}", daemon=True)
         self._thread.start()

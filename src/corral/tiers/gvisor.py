@@ -36,9 +36,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ..host import cgroups, mounts
 from ..host.workspace import WorkspaceCopy
@@ -104,10 +106,10 @@ class GVisorTier(Tier):
         )
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
-        if spec.network != "none":
-            # runsc has no network here (--network=none); egress (a netns + `--network=host`
-            # inside it) is not wired to this tier yet: refuse rather than silently isolate
-            raise InvalidSpec(f"network {spec.network!r} is not available in the gvisor tier yet; use 'none'")
+        if spec.network == "open":
+            # runsc runs with --network=none: its netstack has only loopback.  `allow` reaches the
+            # egress proxy through a host Unix socket; `open` (NAT) is not wired to this tier yet
+            raise InvalidSpec("network 'open' is not available in the gvisor tier yet; use 'none' or 'allow'")
         if spec.limits.memory < MIN_MEMORY:
             raise InvalidSpec(
                 f"memory: the gvisor tier needs at least {MIN_MEMORY >> 20}M "
@@ -145,7 +147,8 @@ def _fix_for(reason: str) -> str:
 
 
 def bundle_config(
-    root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int
+    root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int,
+    binds: Sequence[tuple[Path, str]] = (), agent_args: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The OCI runtime config: the agent as the only process, unprivileged, no capabilities.
 
@@ -163,7 +166,7 @@ def bundle_config(
         "ociVersion": "1.0.0",
         "process": {
             "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
-            "args": [AGENT_PATH],
+            "args": [AGENT_PATH, *agent_args],
             "env": ["PATH=/usr/local/bin:/usr/bin:/bin"],
             "cwd": "/",
             "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
@@ -188,6 +191,9 @@ def bundle_config(
                 "destination": WORKSPACE_PATH, "type": "bind", "source": str(workspace_dir),
                 "options": ["rbind", "ro" if workspace_ro else "rw"],
             },
+            # the egress proxy's socket (network="allow"): reached with --host-uds=open
+            *({"destination": inside, "type": "bind", "source": str(host_path), "options": ["bind", "rw"]}
+              for host_path, inside in binds),
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user")],
@@ -225,13 +231,21 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
         self.root_uid = allocate_uid(self._tier.state_dir, self.id)
         self.cgroup = cgroups.SandboxCgroup(self.id, host_limits(self.spec.limits), self._host.layout)
         self._guard = MemoryGuard(self.cgroup, self.spec.limits.memory, self._kill_running)
-        built = build_root(self.spec, self._tier.state_dir, self._run_dir, self.uid)
+        # the proxy socket is connected to by the gofer (root_uid on the host) on behalf of the
+        # agent (uid 1000 inside, user_uid on the host): owner user_uid, group root_uid, 0660
+        self.network = SandboxNetwork(self.spec, self.id, self._run_dir, self.uid, host_namespace=False,
+                                      socket_gid=self.root_uid)
+        built = build_root(
+            self.spec, self._tier.state_dir, self._run_dir, self.uid,
+            files=self.network.files, mount_points=[inside for _, inside in self.network.binds],
+        )
         self.workspace = built.workspace
         bundle = self._run_dir / "bundle"
         bundle.mkdir(mode=0o700)
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
         config = bundle_config(
-            built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids
+            built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids,
+            binds=self.network.binds, agent_args=self.network.agent_args,
         )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
@@ -248,6 +262,8 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
             "--network", "none",
             "--ignore-cgroups",
             "--overlay2", "none",  # the rootfs already is an overlay on the sandbox's own tmpfs
+            # only the proxy socket is ever bound in; "open" lets the gofer connect to it, not create
+            *(("--host-uds", "open") if self.network is not None and self.network.binds else ()),
             "--log", str(log),
             "run", "--detach", "--bundle", str(bundle), self.id,
         ]
@@ -291,6 +307,8 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
     # -- commands ----------------------------------------------------------
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
+        if self.network is not None and self.network.env:
+            request = dataclasses.replace(request, env={**self.network.env, **request.env})
         guard = self._guard
         assert guard is not None
         oom_before = cgroup.oom_kills(), guard.overruns
@@ -371,6 +389,8 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
             if self.cgroup is not None:
                 self.cgroup.destroy()
         finally:
+            if self.network is not None:
+                self.network.close()
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             release_uid(self._tier.state_dir, self.uid)
