@@ -148,6 +148,8 @@ def test_cli_doctor_reports_capabilities() -> None:
     names = {c["name"]: c for c in report["host"]}
     assert names["cgroups"]["ok"] and names["bubblewrap"]["ok"] and names["user namespaces"]["ok"]
     assert names["network allow"]["ok"], names["network allow"]
+    # says whether a command after a pause pays for an RCU grace period, and the host option against it
+    assert "favordynmods" in names["cgroup moves"]["detail"]
     assert any(t["tier"] == "process" and t["available"] for t in report["tiers"])
 
 
