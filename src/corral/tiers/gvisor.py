@@ -108,7 +108,9 @@ class GVisorTier(Tier):
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
         if spec.network == "open":
             # runsc runs with --network=none: its netstack has only loopback.  `allow` reaches the
-            # egress proxy through a host Unix socket; `open` (NAT) is not wired to this tier yet
+            # egress proxy through a host Unix socket.  `open` would be --network=sandbox in our
+            # namespace, but this runsc (20240729) takes any namespace for the root one on Linux
+            # >= 6.x (its test, /proc/sys/net/core/rmem_default, exists in every namespace now)
             raise InvalidSpec("network 'open' is not available in the gvisor tier yet; use 'none' or 'allow'")
         if spec.limits.memory < MIN_MEMORY:
             raise InvalidSpec(
