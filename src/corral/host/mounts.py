@@ -15,23 +15,31 @@ from pathlib import Path
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MNT_DETACH = 0x2
+MS_BIND = 0x1000
 
 
 @lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+def libc() -> ctypes.CDLL:
+    """The C library, for the syscalls Python's os module lacks (mount, umount2, setns, unshare)."""
+    # by its soname first: find_library runs ldconfig (milliseconds every `corral run` would pay)
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
-def _check(result: int, what: str) -> None:
+def check(result: int, what: str) -> None:
+    """Raise OSError (with errno) for a failed libc call."""
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def mount(source: str, target: Path, fstype: str, flags: int = 0, options: str = "") -> None:
-    _check(
-        _libc().mount(source.encode(), str(target).encode(), fstype.encode(), flags, options.encode()),
-        f"mount {fstype} on {target}",
+def mount(source: str, target: Path, fstype: str | None, flags: int = 0, options: str = "") -> None:
+    check(
+        libc().mount(source.encode(), str(target).encode(), None if fstype is None else fstype.encode(), flags,
+                     options.encode()),
+        f"mount {fstype or source} on {target}",
     )
 
 
@@ -51,7 +59,7 @@ def mount_overlay(target: Path, lower: list[Path], upper: Path, work: Path) -> N
 
 
 def umount(target: Path, lazy: bool = False) -> None:
-    _check(_libc().umount2(str(target).encode(), MNT_DETACH if lazy else 0), f"umount {target}")
+    check(libc().umount2(str(target).encode(), MNT_DETACH if lazy else 0), f"umount {target}")
 
 
 def mounts_under(prefix: Path) -> list[Path]:

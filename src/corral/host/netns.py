@@ -9,7 +9,6 @@ are never listed, changed or flushed.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import json
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import HostNotSupported
+from . import mounts
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
@@ -53,9 +53,6 @@ def create_netns(name: str) -> None:
     _run(["ip", "-n", name, "link", "set", "lo", "up"])
 
 
-MNT_DETACH = 2
-
-
 def delete_netns(name: str) -> None:
     """Delete a namespace (its end of any veth pair goes with it, and so does the host end).
 
@@ -65,10 +62,11 @@ def delete_netns(name: str) -> None:
     path = NETNS_DIR / name
     if not path.exists():
         return
-    if _libc().umount2(str(path).encode(), MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
-        # EINVAL: not a mount point any more (a crash between the two steps); anything else is real
-        err = ctypes.get_errno()
-        raise OSError(err, f"umount {path}: {os.strerror(err)}")
+    try:
+        mounts.umount(path, lazy=True)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # EINVAL: not a mount point any more (a crash between the two steps)
+            raise
     path.unlink(missing_ok=True)
 
 
@@ -194,22 +192,11 @@ def nft_delete_table(family: str, name: str) -> None:
     nft(f"delete table {family} {name}")
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    # on first use: find_library runs ldconfig (milliseconds every `corral run` would pay)
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
 def enter_netns(name: str) -> None:
     """Move the calling thread into a named namespace (not safe between fork and exec: loads libc lazily)."""
     fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc().setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        mounts.check(mounts.libc().setns(fd, CLONE_NEWNET), f"entering network namespace {name}")
     finally:
         os.close(fd)
 
@@ -226,9 +213,6 @@ def in_netns(name: str, work: Callable[[], T]) -> T:
     return _in_thread(f"netns-{name}", lambda: enter_netns(name), work)
 
 
-MS_BIND = 4096
-
-
 def new_netns(name: str, work: Callable[[], T]) -> T:
     """Create a named namespace and run ``work`` in it, like :func:`in_netns`.
 
@@ -242,10 +226,8 @@ def new_netns(name: str, work: Callable[[], T]) -> T:
         NETNS_DIR.mkdir(mode=0o755, exist_ok=True)
         os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
         try:
-            if _libc().unshare(CLONE_NEWNET) != 0 or _libc().mount(
-                    b"/proc/thread-self/ns/net", str(path).encode(), None, MS_BIND, None) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"creating network namespace {name}: {os.strerror(err)}")
+            mounts.check(mounts.libc().unshare(CLONE_NEWNET), f"creating network namespace {name}")
+            mounts.mount("/proc/thread-self/ns/net", path, None, mounts.MS_BIND)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
