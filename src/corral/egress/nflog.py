@@ -29,14 +29,13 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from ..host.netlink import NLMSG_ERROR, attr, message
 from .audit import AuditLog
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_ULOG = 4
 NFULNL_MSG_PACKET = 0
 NFULNL_MSG_CONFIG = 1
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLM_F_REQUEST, NLM_F_ACK = 1, 4
 # config attributes and commands (linux/netfilter/nfnetlink_log.h)
 NFULA_CFG_CMD, NFULA_CFG_MODE, NFULA_CFG_NLBUFSIZ, NFULA_CFG_TIMEOUT, NFULA_CFG_QTHRESH = 1, 2, 3, 4, 5
 NFULNL_CFG_CMD_BIND = 1
@@ -156,10 +155,8 @@ def parse_messages(data: bytes) -> tuple[list[Refused], list[int]]:
 
 
 def _config(group: int, seq: int, *attrs: tuple[int, bytes]) -> bytes:
-    payload = b"".join(struct.pack("=HH", 4 + len(v), k) + v + bytes(-len(v) % 4) for k, v in attrs)
-    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(group)) + payload
-    kind = (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_CONFIG
-    return struct.pack("=IHHII", 16 + len(body), kind, NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body
+    body = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(group)) + b"".join(attr(k, v) for k, v in attrs)
+    return message((NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_CONFIG, 0, seq, body)
 
 
 class NflogListener:
@@ -217,9 +214,9 @@ class NflogListener:
                 raise OSError(code, f"NFLOG bind of group {candidate}: {os.strerror(code)}")
             # copy the packet's first bytes; deliver each message at once (the default
             # batches up to 100 of them or 1 s, so audit() would lag behind the refusal)
-            for attr in ((NFULA_CFG_MODE, struct.pack("!IBB", COPY_RANGE, NFULNL_COPY_PACKET, 0)),
-                         (NFULA_CFG_QTHRESH, struct.pack("!I", 1)), (NFULA_CFG_TIMEOUT, struct.pack("!I", 0))):
-                code = self._request(candidate, attr)
+            for setting in ((NFULA_CFG_MODE, struct.pack("!IBB", COPY_RANGE, NFULNL_COPY_PACKET, 0)),
+                            (NFULA_CFG_QTHRESH, struct.pack("!I", 1)), (NFULA_CFG_TIMEOUT, struct.pack("!I", 0))):
+                code = self._request(candidate, setting)
                 if code:
                     raise OSError(code, f"NFLOG config of group {candidate}: {os.strerror(code)}")
             return candidate

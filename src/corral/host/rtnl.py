@@ -14,8 +14,9 @@ import os
 import socket
 import struct
 
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_EXCL, NLM_F_CREATE = 0x1, 0x4, 0x200, 0x400
-NLMSG_ERROR = 2
+from .netlink import NLMSG_ERROR, attr, message
+
+NLM_F_EXCL, NLM_F_CREATE = 0x200, 0x400
 RTM_NEWLINK, RTM_NEWADDR, RTM_NEWROUTE = 16, 20, 24
 IFF_UP = 0x1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
@@ -24,10 +25,6 @@ RTA_OIF = 4
 RT_TABLE_MAIN, RTPROT_BOOT, RTN_UNICAST = 254, 3, 1
 RT_SCOPE_UNIVERSE, RT_SCOPE_LINK = 0, 253
 LOOPBACK_INDEX = 1  # lo is always interface 1 of a namespace
-
-
-def _attr(kind: int, value: bytes) -> bytes:
-    return struct.pack("=HH", 4 + len(value), kind) + value + bytes(-len(value) % 4)
 
 
 class Rtnl:
@@ -47,8 +44,7 @@ class Rtnl:
 
     def _request(self, kind: int, flags: int, body: bytes) -> None:
         self._seq += 1
-        header = struct.pack("=IHHII", 16 + len(body), kind, NLM_F_REQUEST | NLM_F_ACK | flags, self._seq, 0)
-        self._sock.send(header + body)
+        self._sock.send(message(kind, flags, self._seq, body))
         while True:
             data = self._sock.recv(65536)
             offset = 0
@@ -69,7 +65,7 @@ class Rtnl:
         family = socket.AF_INET if iface.version == 4 else socket.AF_INET6
         flags = IFA_F_NODAD if iface.version == 6 else 0  # no duplicate detection: nothing else is there
         body = struct.pack("=BBBBI", family, iface.network.prefixlen, flags, RT_SCOPE_UNIVERSE, index)
-        body += _attr(IFA_LOCAL, iface.ip.packed) + _attr(IFA_ADDRESS, iface.ip.packed)
+        body += attr(IFA_LOCAL, iface.ip.packed) + attr(IFA_ADDRESS, iface.ip.packed)
         self._request(RTM_NEWADDR, NLM_F_CREATE | NLM_F_EXCL, body)
 
     def add_default_route(self, version: int, index: int = LOOPBACK_INDEX) -> None:
@@ -77,5 +73,5 @@ class Rtnl:
         family = socket.AF_INET if version == 4 else socket.AF_INET6
         scope = RT_SCOPE_LINK if version == 4 else RT_SCOPE_UNIVERSE  # what ip chooses without a gateway
         body = struct.pack("=BBBBBBBBI", family, 0, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT, scope, RTN_UNICAST, 0)
-        body += _attr(RTA_OIF, struct.pack("=I", index))
+        body += attr(RTA_OIF, struct.pack("=I", index))
         self._request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body)
