@@ -12,6 +12,7 @@ Also a listener on the host's loopback.  Every name here starts with ``prefix`` 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -187,3 +189,30 @@ class TargetNet:
         netns.delete_link(self.host_if)
         subprocess.run(["rm", "-rf", str(self.tmp)], check=False)
         assert not netns.netns_exists(self.ns) and not netns.link_exists(self.host_if)
+
+
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+@contextlib.contextmanager
+def target_net(prefix: str = "crl") -> Iterator[TargetNet]:
+    """A :class:`TargetNet` with the library's resolver and upstream CA pointed at it, both undone after."""
+    from corral.egress import network as egress
+
+    testnet = TargetNet(prefix=prefix)
+    previous = egress.configure(resolver=testnet.resolver(), upstream_cafile=str(testnet.ca))
+    try:
+        yield testnet
+    finally:
+        egress.configure(**previous.__dict__)
+        testnet.close()
+
+
+@contextlib.contextmanager
+def ip_forwarding() -> Iterator[Path]:
+    """Open mode needs IPv4 forwarding: the sysctl, put back as it was afterwards (tests set it)."""
+    before = IP_FORWARD.read_text().strip()
+    try:
+        yield IP_FORWARD
+    finally:
+        IP_FORWARD.write_text(before)

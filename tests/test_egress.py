@@ -16,19 +16,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
-from corral.egress import network as egress
-from egress_net import METADATA, TargetNet
+from egress_net import METADATA, TargetNet, ip_forwarding, target_net
 
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[TargetNet]:
-    testnet = TargetNet()
-    previous = egress.configure(resolver=testnet.resolver(), upstream_cafile=str(testnet.ca))
-    try:
+    with target_net() as testnet:
         yield testnet
-    finally:
-        egress.configure(**previous.__dict__)
-        testnet.close()
 
 
 def test_allowed_target_works_from_every_client(net: TargetNet) -> None:
@@ -277,13 +271,8 @@ def test_cli_allow_secret_and_audit(net: TargetNet) -> None:
 
 @pytest.fixture
 def forwarding() -> Iterator[Path]:
-    """Open mode needs IPv4 forwarding; switch it on for the test only and put it back."""
-    sysctl = Path("/proc/sys/net/ipv4/ip_forward")
-    before = sysctl.read_text().strip()
-    try:
+    with ip_forwarding() as sysctl:
         yield sysctl
-    finally:
-        sysctl.write_text(before)
 
 
 def _leftovers(sandbox_id: str) -> list[str]:

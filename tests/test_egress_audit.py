@@ -19,10 +19,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
-from corral.egress import network as egress
 from corral.egress.audit import AuditLog
 from corral.egress.nflog import NflogListener, parse_messages, parse_packet
-from egress_net import METADATA, TargetNet
+from egress_net import METADATA, TargetNet, ip_forwarding, target_net
 
 CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main(sys.argv[1:]))"]
 
@@ -54,25 +53,15 @@ def attempts(*lines: str) -> str:
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[TargetNet]:
-    testnet = TargetNet(prefix="aud")
-    previous = egress.configure(resolver=testnet.resolver(), upstream_cafile=str(testnet.ca))
-    try:
+    with target_net(prefix="aud") as testnet:
         yield testnet
-    finally:
-        egress.configure(**previous.__dict__)
-        testnet.close()
 
 
 @pytest.fixture
 def forwarding() -> Iterator[None]:
-    """Open mode needs IPv4 forwarding; switch it on for the test only and put it back."""
-    sysctl = Path("/proc/sys/net/ipv4/ip_forward")
-    before = sysctl.read_text().strip()
-    sysctl.write_text("1")
-    try:
+    with ip_forwarding() as sysctl:
+        sysctl.write_text("1")
         yield
-    finally:
-        sysctl.write_text(before)
 
 
 def test_parser_reads_ipv4_ipv6_and_fragments() -> None:
