@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -132,6 +132,13 @@ class TierSandbox(ABC):
 
     def exec(self, request: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
         return self.start(request, on_output).wait()
+
+    def with_network_env(self, request: ExecRequest) -> ExecRequest:
+        """The request with the network side's environment (proxy variables, secret placeholders)
+        under its own: the command's explicit env wins."""
+        if self.network is None or not self.network.env:
+            return request
+        return replace(request, env={**self.network.env, **request.env})
 
     @abstractmethod
     def read_file(self, path: str, max_bytes: int) -> bytes: ...

@@ -309,8 +309,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
     # -- commands ----------------------------------------------------------
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
-        if self.network is not None and self.network.env:
-            request = dataclasses.replace(request, env={**self.network.env, **request.env})
+        request = self.with_network_env(request)
         guard = self._guard
         assert guard is not None
         oom_before = cgroup.oom_kills(), guard.overruns

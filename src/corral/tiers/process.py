@@ -12,7 +12,6 @@ access.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -213,8 +212,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
-        if self.network is not None and self.network.env:
-            request = dataclasses.replace(request, env={**self.network.env, **request.env})
+        request = self.with_network_env(request)
         with self._lock:
             self._exec_count += 1
             leaf = cgroup.leaf(f"e{self._exec_count}")
