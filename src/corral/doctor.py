@@ -49,19 +49,13 @@ def _cgroup_moves() -> Check:
     passed: ~5 ms on a command after a pause, 0.2 ms back to back (measured on this VM).  The
     cgroup2 mount option ``favordynmods`` (Linux 6.0+) removes the wait, and makes every fork and
     exit on the host a little dearer: an operator's choice, so reported, never applied."""
-    from .host import cgroups
+    from .host import cgroups, mounts
 
     try:
         root = cgroups.detect().kill_root
     except HostNotSupported:
         return Check("cgroup moves", False, "no cgroups")
-    options = ""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(root):
-                options = line.partition(" - ")[2]
-    if "favordynmods" in options:
+    if "favordynmods" in mounts.superblock_options(root).split(","):
         return Check("cgroup moves", True, f"{root} has favordynmods: a command starts as fast after a pause")
     return Check("cgroup moves", True, "a command after a pause waits ~5 ms for an RCU grace period; optional: "
                  f"mount -o remount,favordynmods {root} (Linux 6.0+; forks and exits cost a bit more)")

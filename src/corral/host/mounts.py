@@ -62,15 +62,29 @@ def umount(target: Path, lazy: bool = False) -> None:
     check(libc().umount2(str(target).encode(), MNT_DETACH if lazy else 0), f"umount {target}")
 
 
-def mounts_under(prefix: Path) -> list[Path]:
-    """Mount points at or below ``prefix``, deepest first."""
-    found: list[Path] = []
-    base = str(prefix).rstrip("/")
+def _mountinfo() -> list[tuple[str, str]]:
+    """(mount point, everything after " - ": fstype, source, super options) per mount."""
+    entries = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            point = line.split()[4].replace("\\040", " ")
-            if point == base or point.startswith(base + "/"):
-                found.append(Path(point))
+            left, _, right = line.partition(" - ")
+            entries.append((left.split()[4].replace("\\040", " "), right.strip()))
+    return entries
+
+
+def superblock_options(point: Path) -> str:
+    """The filesystem-level options of the mount at ``point`` ('' if nothing is mounted there)."""
+    found = ""
+    for mounted, rest in _mountinfo():
+        if mounted == str(point):
+            found = rest.split()[-1] if rest else ""  # the last mount over a point is the visible one
+    return found
+
+
+def mounts_under(prefix: Path) -> list[Path]:
+    """Mount points at or below ``prefix``, deepest first."""
+    base = str(prefix).rstrip("/")
+    found = [Path(point) for point, _ in _mountinfo() if point == base or point.startswith(base + "/")]
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
