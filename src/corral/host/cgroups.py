@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..errors import HostNotSupported
 from ..spec import Limits
+from . import mounts
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: every group Corral makes lives below a parent of this name
@@ -44,14 +45,7 @@ class Layout:
 
 
 def _mount_types() -> dict[str, str]:
-    types: dict[str, str] = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            fstype = right.split()[0] if right else ""
-            types[fields[4]] = fstype
-    return types
+    return {point: rest.split()[0] if rest else "" for point, rest in mounts.mountinfo()}
 
 
 @lru_cache(maxsize=1)

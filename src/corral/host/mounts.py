@@ -62,7 +62,7 @@ def umount(target: Path, lazy: bool = False) -> None:
     check(libc().umount2(str(target).encode(), MNT_DETACH if lazy else 0), f"umount {target}")
 
 
-def _mountinfo() -> list[tuple[str, str]]:
+def mountinfo() -> list[tuple[str, str]]:
     """(mount point, everything after " - ": fstype, source, super options) per mount."""
     entries = []
     with open("/proc/self/mountinfo") as f:
@@ -75,7 +75,7 @@ def _mountinfo() -> list[tuple[str, str]]:
 def superblock_options(point: Path) -> str:
     """The filesystem-level options of the mount at ``point`` ('' if nothing is mounted there)."""
     found = ""
-    for mounted, rest in _mountinfo():
+    for mounted, rest in mountinfo():
         if mounted == str(point):
             found = rest.split()[-1] if rest else ""  # the last mount over a point is the visible one
     return found
@@ -84,7 +84,7 @@ def superblock_options(point: Path) -> str:
 def mounts_under(prefix: Path) -> list[Path]:
     """Mount points at or below ``prefix``, deepest first."""
     base = str(prefix).rstrip("/")
-    found = [Path(point) for point, _ in _mountinfo() if point == base or point.startswith(base + "/")]
+    found = [Path(point) for point, _ in mountinfo() if point == base or point.startswith(base + "/")]
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
