@@ -182,7 +182,7 @@ def test_network_is_off_but_loopback_inside_works(sb: Sandbox) -> None:
     assert "eth" not in interfaces and "veth" not in interfaces
 
 
-def test_allow_mode_goes_through_the_egress_proxy_only(tmp_path: Path) -> None:
+def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
     """network="allow" in gVisor: the agent's relay on gVisor's own loopback reaches the host's
     egress proxy through a host Unix socket (--host-uds=open).  The allowed target answers, with
     the brokered secret swapped in; another port is refused and audited; nothing bypasses the proxy."""
@@ -231,6 +231,10 @@ def test_allow_mode_goes_through_the_egress_proxy_only(tmp_path: Path) -> None:
                     ("refused", f"127.0.0.1:{other_port}", "not-allowed")], events
                 run_dir_socket = list(Path(os.environ["CORRAL_STATE_DIR"]).glob(f"sandboxes/{sb.id}/egress/proxy.sock"))
                 assert run_dir_socket and oct(run_dir_socket[0].stat().st_mode & 0o777) == "0o660"
+            # the proxy's socket, its thread and the sandbox's run dir go with it
+            assert not run_dir_socket[0].exists()
+            assert not [t for t in threading.enumerate() if t.name == f"egress-{sb.id}"]
+            assert sandbox_leftovers(sb.id, state_dir) == []
         finally:
             server.shutdown()
             server.server_close()
@@ -252,12 +256,14 @@ def test_teardown_leaves_no_runsc_state(state_dir: Path) -> None:
     assert not any(p.read_text() == sandbox_id for p in (state_dir / "uids").iterdir())
 
 
-def test_owner_killed_then_gc_leaves_nothing(state_dir: Path) -> None:
+@pytest.mark.parametrize("network", ["none", "allow"])
+def test_owner_killed_then_gc_leaves_nothing(state_dir: Path, network: str) -> None:
+    # allow: the proxy's socket and egress dir are in the run dir, the proxy a thread of the owner
     owner = subprocess.Popen(
         [sys.executable, "-c", (
             "import sys, time\n"
             "from corral import Sandbox\n"
-            "sb = Sandbox.create(tier='gvisor')\n"
+            f"sb = Sandbox.create(tier='gvisor', network={network!r})\n"
             "sb.commands.run(['sh', '-c', 'sleep 600 &'])\n"
             "print(sb.id, flush=True)\n"
             "time.sleep(600)\n"
