@@ -130,6 +130,19 @@ def bench_http(server: Server, rounds: int) -> None:
         report("cold create + first command (HTTP)", cold, 50)
 
 
+def process_cpu(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) CPU seconds of ``pid``, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def host_busy_cpu() -> float:
+    """CPU seconds the whole host spent not idle (kernel workers included)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_burst(server: Server, count: int, spec: dict[str, object], label: str) -> None:
     """``count`` clients at once, each on its own thread and connection (stdlib ``http.client``).
 
@@ -174,15 +187,19 @@ def bench_burst(server: Server, count: int, spec: dict[str, object], label: str)
         finally:
             conn.close()
 
+    cpu0, busy0 = process_cpu(server.proc.pid), host_busy_cpu()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=count) as clients:
         results = list(clients.map(lambda _: one(), range(count)))
     wall = time.perf_counter() - t0
+    cpu1, busy1 = process_cpu(server.proc.pid), host_busy_cpu()
     done = [r for r in results if r is not None]
     for reason in sorted(set(failures)):
         print(f"  failure x{failures.count(reason)}: {reason}")
     print(f"burst of {count} concurrent create+exec+destroy ({label}): success {len(done)}/{count} "
           f"({100 * len(done) / count:.0f} %), wall {wall:.2f} s", flush=True)
+    print(f"  CPU during the burst: server process {cpu1[0] - cpu0[0]:.2f} s, its reaped children "
+          f"{cpu1[1] - cpu0[1]:.2f} s, whole host {busy1 - busy0:.2f} s of {wall * os.cpu_count():.2f} s")
     if done:
         report(f"  burst workflow latency (n={count})", done, 2000)
         for index, phase in enumerate(("create", "exec", "destroy")):

@@ -181,8 +181,13 @@ def _populated(group: Path, mode: str) -> bool:
 
 def remove_tree(group: Path) -> None:
     """rmdir a group and its children, deepest first; tolerate races with exiting tasks."""
-    if not group.exists():
+    try:
+        group.rmdir()  # the common case, a group without children: no walk over its files
         return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass  # children, or tasks still leaving: walk and retry below
     dirs = [Path(top) for top, _, _ in os.walk(group, topdown=False)]
     for path in dirs:
         for _ in range(400):

@@ -101,6 +101,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         self._exec_count = 0
         self._leaves: list[Path] = []
         self._agent_pid: int | None = None
+        self._mounts: list[Path] | None = None
         self.workspace: WorkspaceCopy | None = None
         self.uid = allocate_uid(tier.state_dir, sandbox_id)
         self.cgroup: cgroups.SandboxCgroup | None = None
@@ -122,6 +123,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
             files=self.network.files, mount_points=[inside for _, inside in self.network.binds],
         )
         self.workspace = built.workspace
+        self._mounts = built.mounts
         self._launch(built.root, built.workspace_dir)
 
     def _launch(self, root: Path, ws: Path) -> None:
@@ -275,6 +277,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         finally:
             if self.network is not None:
                 self.network.close()
-            mounts.unmount_all(self._run_dir)
+            if self._mounts is None or not mounts.unmount_known(self._mounts):
+                mounts.unmount_all(self._run_dir)  # a half-built root, or a mount that would not go
             shutil.rmtree(self._run_dir, ignore_errors=True)
             release_uid(self._tier.state_dir, self.uid)

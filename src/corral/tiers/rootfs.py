@@ -61,11 +61,13 @@ def release_uid(state_dir: Path, uid: int) -> None:
 
 @dataclass
 class SandboxRoot:
-    """What :func:`build_root` made: the merged root, the workspace dir and its copy."""
+    """What :func:`build_root` made: the merged root, the workspace dir and its copy, its mounts."""
 
     root: Path
     workspace_dir: Path
     workspace: WorkspaceCopy | None
+    #: in the order they were made (teardown: :func:`mounts.unmount_known`)
+    mounts: list[Path]
 
 
 def build_root(
@@ -82,7 +84,8 @@ def build_root(
     the root; ``mount_points`` are created as empty files for later bind mounts.
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
-    workspace).  The caller unmounts ``run_dir`` on teardown (:func:`mounts.unmount_all`).
+    workspace).  The caller unmounts the returned ``mounts`` on teardown
+    (:func:`mounts.unmount_known`, with :func:`mounts.unmount_all` of ``run_dir`` as the fallback).
     """
     image = resolve(spec.image, state_dir)
     os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
@@ -90,6 +93,7 @@ def build_root(
     disk.mkdir()
     root.mkdir()
     mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
+    made = [disk]
     for index, (point, lower) in enumerate(image.layers):
         upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
         upper.mkdir()
@@ -97,7 +101,9 @@ def build_root(
         if point == "/":
             _prepare_root_upper(upper, uid, own_etc=image.own_etc)
             _add_files(upper, files or {}, mount_points)
-        mounts.mount_overlay(root / point.lstrip("/") if point != "/" else root, [lower], upper, work)
+        target = root / point.lstrip("/") if point != "/" else root
+        mounts.mount_overlay(target, [lower], upper, work)
+        made.append(target)
     ws = disk / "ws"
     workspace: WorkspaceCopy | None = None
     if spec.workspace is not None:
@@ -105,7 +111,7 @@ def build_root(
     else:
         ws.mkdir(mode=0o755)
         os.chown(ws, uid, uid)
-    return SandboxRoot(root, ws, workspace)
+    return SandboxRoot(root, ws, workspace, made)
 
 
 def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[str]) -> None:
