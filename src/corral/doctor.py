@@ -48,7 +48,9 @@ def _cgroup_moves() -> Check:
     global threadgroup lock for writing, which waits for an RCU grace period unless one just
     passed: ~5 ms on a command after a pause, 0.2 ms back to back (measured on this VM).  The
     cgroup2 mount option ``favordynmods`` (Linux 6.0+) removes the wait, and makes every fork and
-    exit on the host a little dearer: an operator's choice, so reported, never applied."""
+    exit on the host a little dearer: an operator's choice, so reported, never applied.  The
+    process tier hides the wait anyway for a command after a pause (its agent's spare is moved
+    ahead of time, see tiers/process_spares.py); the option still helps bursts of commands."""
     from .host import cgroups, mounts
 
     try:
@@ -57,7 +59,8 @@ def _cgroup_moves() -> Check:
         return Check("cgroup moves", False, "no cgroups")
     if "favordynmods" in mounts.superblock_options(root).split(","):
         return Check("cgroup moves", True, f"{root} has favordynmods: a command starts as fast after a pause")
-    return Check("cgroup moves", True, "a command after a pause waits ~5 ms for an RCU grace period; optional: "
+    return Check("cgroup moves", True, "a cgroup move after a pause may wait ~5 ms for an RCU grace period "
+                 "(the process tier moves a spare ahead of time); optional: "
                  f"mount -o remount,favordynmods {root} (Linux 6.0+; forks and exits cost a bit more)")
 
 

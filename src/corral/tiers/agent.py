@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from ..host.workspace import WorkspaceCopy
     from ..spec import SandboxSpec
 
-T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE = 1, 2, 3, 4, 5, 6, 7
+T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE = 1, 2, 3, 4, 5, 6, 7, 8
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
-T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 110, 111
+T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_SPARE, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 106, 110, 111
 
 HEADER = struct.Struct("<BII")
 MAX_FRAME = 64 << 20
@@ -101,6 +101,8 @@ class AgentChannel:
         self._execs: dict[int, AgentProcess] = {}
         self.ready = threading.Event()
         self.closed = threading.Event()
+        #: called (on the reader thread) with the pid of each spare the agent forks (``--spare``)
+        self.on_spare: Callable[[int], None] | None = None
         self._thread = threading.Thread(target=self._read_loop, name="corral-agent-reader", daemon=True)
         self._thread.start()
 
@@ -153,6 +155,10 @@ class AgentChannel:
     def _dispatch(self, kind: int, ident: int, payload: bytes) -> None:
         if kind == T_READY:
             self.ready.set()
+            return
+        if kind == T_SPARE:
+            if self.on_spare is not None and len(payload) == 4:
+                self.on_spare(struct.unpack("<I", payload)[0])
             return
         proc = self._execs.get(ident)
         if proc is not None:
@@ -283,11 +289,14 @@ class AgentChannel:
         place: Callable[[int], bool | None],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
+        spare: int | None = None,
     ) -> AgentProcess:
         """Start a command. ``place(nspid)`` runs before it may exec (cgroup placement; False
         or an exception refuses the command);
         ``kill()`` kills its whole tree (called on timeout or :meth:`AgentProcess.kill`);
-        ``finish(proc)`` runs once when it ended, before its result is built."""
+        ``finish(proc)`` runs once when it ended, before its result is built;
+        ``spare``: the pid of a spare already placed, for the agent to run the command in
+        (if it has died, the agent forks as usual and ``place`` gets the new pid)."""
         ident = self.new_id()
         proc = AgentProcess(self, ident, request, on_output, place, kill, finish)
         self._execs[ident] = proc
@@ -298,6 +307,9 @@ class AgentChannel:
         if request.pty is not None:
             kind = T_EXEC_PTY
             payload = struct.pack("<HH", *request.pty) + payload
+        elif spare is not None:
+            kind = T_EXEC_SPARE
+            payload = struct.pack("<I", spare) + payload
         try:
             self.send(kind, ident, payload)
         except BaseException:

@@ -30,6 +30,7 @@ from ..images import SANDBOX_UID
 from ..spec import WORKSPACE_PATH, SandboxSpec
 from .agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from .process_spares import PLACER
 from .rootfs import AGENT_PATH, build_root
 from .rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
 from .rootfs import release_uid as release_uid
@@ -102,6 +103,8 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         self._leaves: list[Path] = []
         self._agent_pid: int | None = None
         self._mounts: list[Path] | None = None
+        #: (pid inside, leaf) of the agent's spare once it sits in a leaf of its own
+        self._spare: tuple[int, Path] | None = None
         self.workspace: WorkspaceCopy | None = None
         self.uid = allocate_uid(tier.state_dir, sandbox_id)
         self.cgroup: cgroups.SandboxCgroup | None = None
@@ -149,7 +152,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         for host_path, inside in self.network.binds:
             argv += ["--bind", str(host_path), inside]
         seccomp_fd = os.open(self._tier._seccomp, os.O_RDONLY | os.O_CLOEXEC)
-        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, *self.network.agent_args]
+        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, "--spare", *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
         netns = str(NETNS_DIR / self.network.netns) if self.network.netns else "-"
@@ -176,6 +179,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         # sandbox code runs before the agent is READY and placed below.
         self._join(self._proc.pid, procs_files)
         self._channel = AgentChannel(from_agent_r, to_agent_w)
+        self._channel.on_spare = lambda nspid: PLACER.schedule(lambda: self._place_spare(nspid))
         self._channel.wait_ready(START_TIMEOUT)
         self._join(self._agent_host_pid(), procs_files)
 
@@ -212,16 +216,40 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
                 continue
         return None
 
-    def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
-        channel, cgroup = self._live()
-        request = self.with_network_env(request)
+    def _new_leaf(self, cgroup: cgroups.SandboxCgroup) -> Path:
         with self._lock:
             self._exec_count += 1
             leaf = cgroup.leaf(f"e{self._exec_count}")
             self._leaves.append(leaf)
+            return leaf
+
+    def _place_spare(self, nspid: int) -> None:
+        """Move the agent's spare into a leaf of its own (on the placer thread, see process_spares)."""
+        if self._closed or self.cgroup is None:
+            return
+        host_pid = self._host_pid(nspid)
+        # the name guards against a reused pid: only a live spare may be moved
+        if host_pid is None or Path(f"/proc/{host_pid}/comm").read_text().strip() != "corral-spare":
+            return
+        leaf = self._new_leaf(self.cgroup)
+        self.cgroup.attach(host_pid, leaf)
+        with self._lock:
+            self._spare = (nspid, leaf)
+
+    def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
+        channel, cgroup = self._live()
+        request = self.with_network_env(request)
+        spare: int | None = None
+        with self._lock:
+            if self._spare is not None and request.pty is None:
+                (spare, leaf), self._spare = self._spare, None
+        if spare is None:
+            leaf = self._new_leaf(cgroup)
         oom_before = cgroup.oom_kills()
 
         def place(nspid: int) -> bool:
+            if nspid == spare:
+                return True  # placed while the sandbox was idle
             host_pid = self._host_pid(nspid)
             if host_pid is None:
                 return False
@@ -236,7 +264,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
             if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
                 self.workspace.sync_back()
 
-        return channel.start(request, on_output, place, lambda: cgroup.kill_leaf(leaf), finish)
+        return channel.start(request, on_output, place, lambda: cgroup.kill_leaf(leaf), finish, spare)
 
     def _reap_leaves(self) -> None:
         assert self.cgroup is not None

@@ -1,0 +1,69 @@
+"""The process tier's spare: a child the agent forks ahead of time, placed in the
+next command's cgroup while the sandbox is idle (src/corral/tiers/process_spares.py).
+
+A command run in a spare must keep every promise a freshly forked one does:
+its own kill tree, its own stdin's end of file, a fresh environment.
+"""
+
+from __future__ import annotations
+
+import time
+
+from corral import Sandbox
+from corral.tiers.process_spares import SETTLE
+
+IDLE = SETTLE + 0.25  # long enough for the placer to have moved the spare
+
+
+def own_cgroup(sandbox: Sandbox) -> str:
+    lines = sandbox.commands.run("cat /proc/self/cgroup").stdout.splitlines()
+    return next(line for line in lines if line.startswith("0::"))
+
+
+def test_a_command_after_a_pause_runs_in_the_spare_in_a_fresh_leaf(sandbox: Sandbox) -> None:
+    time.sleep(IDLE)
+    first = sandbox.commands.run("echo $$; ps -eo comm=").stdout.split()
+    # the spare was forked right after the agent said ready: pid 2 of the sandbox
+    assert first[0] == "2" and "corral-spare" not in first[1:]
+    time.sleep(IDLE)
+    second = own_cgroup(sandbox)
+    time.sleep(IDLE)
+    third = own_cgroup(sandbox)
+    assert second != third and second.rsplit("/", 1)[1].startswith("e")
+
+
+def test_a_spare_command_that_times_out_loses_its_whole_tree(sandbox: Sandbox) -> None:
+    time.sleep(IDLE)
+    result = sandbox.commands.run("sleep 300 & sleep 301 & wait", timeout=0.5)
+    assert result.timed_out and result.exit_code == 124
+    left = sandbox.commands.run("ps -eo args=").stdout
+    assert "sleep 30" not in left
+
+
+def test_the_spare_holds_no_other_commands_stdin(sandbox: Sandbox) -> None:
+    # a spare forked while `cat` runs must not keep cat's stdin open
+    time.sleep(IDLE)
+    cat = sandbox.commands.start("cat", timeout=10)  # takes the spare
+    sandbox.commands.run("true")  # its end forks the next spare, with cat still running
+    time.sleep(IDLE)
+    cat.send_stdin("through\n")
+    cat.close_stdin()
+    result = cat.wait()
+    assert result.exit_code == 0 and result.stdout == "through\n"
+
+
+def test_a_killed_spare_is_replaced_and_commands_still_run(sandbox: Sandbox) -> None:
+    time.sleep(IDLE)
+    # the spare runs as the sandbox user too: sandboxed code can kill it
+    sandbox.commands.run("pkill -KILL -x corral-spare; true")
+    time.sleep(IDLE)
+    assert sandbox.commands.run("pkill -KILL -x corral-spare; echo killed").stdout == "killed\n"
+    time.sleep(IDLE)  # the host placed a spare that is dead by now: the agent forks afresh
+    assert sandbox.commands.run("echo still").stdout == "still\n"
+    assert sandbox.commands.run("echo $$ $PPID").stdout.split()[1] == "1"
+
+
+def test_a_spare_command_starts_with_the_requested_env_and_cwd(sandbox: Sandbox) -> None:
+    time.sleep(IDLE)
+    result = sandbox.commands.run("echo $GREETING; pwd", env={"GREETING": "hi"}, cwd="/tmp")
+    assert result.stdout == "hi\n/tmp\n"
