@@ -190,6 +190,19 @@ static void __attribute__((noreturn)) become_command(int sync_fd, const struct c
     _exit(err == ENOENT ? 127 : 126);
 }
 
+/* A new command's process: default signals, its own session, its stdio. */
+static void child_stdio(int in, int out, int err, int terminal) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    if (terminal) ioctl(in, TIOCSCTTY, 0);
+    dup2(in, 0);
+    dup2(out, 1);
+    dup2(err, 2);
+}
+
 static struct exec *free_exec(void) {
     for (int i = 0; i < MAX_EXECS; i++)
         if (!execs[i].used) return &execs[i];
@@ -238,15 +251,7 @@ static void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws
         return;
     }
     if (pid == 0) {
-        sigset_t all;
-        sigemptyset(&all);
-        sigprocmask(SIG_SETMASK, &all, NULL);
-        signal(SIGPIPE, SIG_DFL);
-        setsid();
-        if (ws) ioctl(pin[0], TIOCSCTTY, 0);
-        dup2(pin[0], 0);
-        dup2(pout[1], 1);
-        dup2(perr[1], 2);
+        child_stdio(pin[0], pout[1], perr[1], ws != NULL);
         become_command(psync[0], &cmd);
     }
     close(pin[0]); close(pout[1]); close(perr[1]); close(psync[0]);
@@ -298,14 +303,7 @@ static void fork_spare(void) {
              pipe2(psync, O_CLOEXEC) == 0;
     pid_t pid = ok ? fork() : -1;
     if (pid == 0) {
-        sigset_t none;
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        signal(SIGPIPE, SIG_DFL);
-        setsid();
-        dup2(pin[0], 0);
-        dup2(pout[1], 1);
-        dup2(perr[1], 2);
+        child_stdio(pin[0], pout[1], perr[1], 0);
         dup2(psync[0], 3);
         /* it may wait a long time: hold nothing of the agent's (another command's
          * stdin pipe kept open here would never see its end of file) */
