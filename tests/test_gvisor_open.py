@@ -14,6 +14,8 @@ Cost: ~5 gVisor sandboxes and one test network, ~15 s on 2 loaded cores.
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -170,3 +172,57 @@ def test_owner_killed_then_gc_leaves_nothing(forwarding: None, state_dir: Path) 
     assert sandbox_leftovers(sandbox_id, state_dir) == []
     assert processes_naming(sandbox_id) == []
     assert _hide_mounts() == []
+
+
+def _udp_frame(dst_mac: bytes, src_mac: bytes, src: str, dst: str, port: int, payload: bytes) -> bytes:
+    """An Ethernet frame carrying one IPv4 UDP datagram (UDP checksum 0: none, allowed over IPv4)."""
+    udp = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
+    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0x4000, 64, 17, 0,
+                         socket.inet_aton(src), socket.inet_aton(dst))
+    total = sum(struct.unpack("!10H", header))
+    total = (total & 0xFFFF) + (total >> 16)
+    checksum = ~((total & 0xFFFF) + (total >> 16)) & 0xFFFF
+    return dst_mac + src_mac + b"\x08\x00" + header[:10] + struct.pack("!H", checksum) + header[12:] + udp
+
+
+def test_a_forged_source_is_dropped_and_audited(net: TargetNet, forwarding: None) -> None:
+    """What a compromised Sentry could do with its packet socket on the veth, done from the host
+    in the sandbox's namespace: a datagram with the sandbox's own source reaches the (allowed)
+    target, the same datagram with a forged source does not, and is audited."""
+    strict = max(int(Path(f"/proc/sys/net/ipv4/conf/{c}/rp_filter").read_text()) for c in ("all", "default"))
+    if strict == 1:
+        pytest.skip("strict rp_filter on this host drops forged sources before our rule sees them")
+    port = 20000 + os.getpid() % 10000
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", net.ns, sys.executable, "-c", (
+            "import socket, sys\n"
+            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"s.bind(('{net.target}', {port})); s.settimeout(3)\n"
+            "print('ready', flush=True)\n"
+            "try:\n"
+            "    while True:\n"
+            "        print(s.recvfrom(100)[0].decode(), flush=True)\n"
+            "except OSError:\n"
+            "    pass\n"
+        )], stdout=subprocess.PIPE, text=True)
+    assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+    with Sandbox.create(tier="gvisor", network="open", memory="256M",
+                        unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        names = OpenNames.for_sandbox(sb.id)
+        own = sb.commands.run(["python3", "-c", (
+            "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"s.connect(('{net.target}', {port})); print(s.getsockname()[0])")]).stdout.strip()
+        host_mac = bytes.fromhex(Path(f"/sys/class/net/{names.host_if}/address").read_text().strip().replace(":", ""))
+
+        def inject() -> None:
+            with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as raw:
+                raw.bind((names.sandbox_if, 0))
+                sandbox_mac = raw.getsockname()[4]  # (/sys/class/net shows the host's namespace)
+                for source, payload in ((own, b"own-source"), ("198.51.100.7", b"forged-source")):
+                    raw.send(_udp_frame(host_mac, sandbox_mac, source, net.target, port, payload))
+
+        netns.in_netns(names.netns, inject)
+        received = listener.communicate(timeout=10)[0].split()
+        events = [(e.protocol, e.destination, e.rule) for e in sb.network.audit()]
+    assert received == ["own-source"], received
+    assert events == [("udp", f"{net.target}:{port}", "spoofed-source")], events

@@ -4,7 +4,7 @@ Names derive from the sandbox id (``crl-<10 hex>``, ``crl<10 hex>h``/``s``,
 ``inet crl_<10 hex>``), so the janitor can find and delete them from the id
 alone even if the owner died half-way through creating them.  The table refuses
 the same ranges as the proxy (minus the operator's unsafe ranges), every address
-of the host (input chain), and all IPv6.  Every refused packet is logged to an
+of the host (input chain), all IPv6, and any source but the sandbox's own address.  Every refused packet is logged to an
 NFLOG group this sandbox's owner holds (:mod:`corral.egress.nflog`), which makes
 it one audit event; per-rule counters tell how many went unlogged (rate limit).
 Only our own table is ever created, read or deleted.
@@ -97,6 +97,11 @@ def ruleset(names: OpenNames, sandbox_addr: str, unsafe: Sequence[IPNetwork], na
         f'    oifname "{names.host_if}" drop',
         f"    {sandbox} {KERNEL_CHATTER}",
         *refuse("meta nfproto ipv6", "ipv6", "drop"),
+        # only the sandbox's own address may leave (and only it is masqueraded).  A process in
+        # the process tier cannot forge a source (no CAP_NET_RAW over this namespace), but in
+        # the gVisor tier the Sentry holds a packet socket on the veth: if it were compromised,
+        # forged sources would otherwise be forwarded un-NATed
+        *refuse(f"ip saddr != {sandbox_addr}", "spoofed-source", "drop"),
     ]
     for server in nameservers:
         lines.append(f'    iifname "{names.host_if}" ip daddr {server} meta l4proto {{ tcp, udp }} th dport 53 accept')
