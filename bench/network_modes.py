@@ -2,7 +2,8 @@
 
 Interleaved rounds (none, allow, open, none, allow, open, ...) so a busy
 neighbour on this shared host slows every mode alike.  Each sample is
-create -> ``true`` -> destroy through the Python API.  Also timed alone: the
+create -> ``true`` -> destroy through the Python API, with create (until the
+sandbox is ready) and destroy also reported on their own.  Also timed alone: the
 open mode's host side (:class:`OpenNetwork`: namespace, veth, table, NFLOG
 listener; made and closed), which both tiers share.
 
@@ -33,13 +34,20 @@ def pcts(samples: list[float]) -> str:
     return f"p50 {statistics.median(ordered):7.1f}  p95 {p95:7.1f}  (n={len(ordered)})"
 
 
-def cold(tier: str, network: str) -> float:
+def cold(tier: str, network: str) -> tuple[float, float, float]:
+    """(create, destroy, create -> true -> destroy) in ms."""
     from corral import Sandbox
 
     start = time.perf_counter()
-    with Sandbox.create(tier=tier, network=network) as sb:
+    sb = Sandbox.create(tier=tier, network=network)
+    created = time.perf_counter()
+    try:
         sb.commands.run(["true"])
-    return (time.perf_counter() - start) * 1000
+    finally:
+        ran = time.perf_counter()
+        sb.kill()
+    end = time.perf_counter()
+    return (created - start) * 1000, (end - ran) * 1000, (end - start) * 1000
 
 
 def open_network_alone(n: int) -> tuple[list[float], list[float]]:
@@ -74,7 +82,7 @@ def main() -> int:
         for tier in tiers:  # warm-up: the platform probe, images, first imports
             for mode in modes:
                 cold(tier, mode)
-        samples: dict[tuple[str, str], list[float]] = {(t, m): [] for t in tiers for m in modes}
+        samples: dict[tuple[str, str], list[tuple[float, float, float]]] = {(t, m): [] for t in tiers for m in modes}
         loads = [os.getloadavg()[0]]
         for _ in range(args.rounds):
             for tier in tiers:
@@ -85,13 +93,14 @@ def main() -> int:
     finally:
         IP_FORWARD.write_text(before)
     print(f"load average (1 min) during the run: {min(loads):.2f}-{max(loads):.2f} on {os.cpu_count()} cpus")
-    print("cold create -> true -> destroy, ms")
-    for tier in tiers:
-        base = statistics.median(samples[tier, "none"]) if "none" in modes else None
-        for mode in modes:
-            added = "" if base is None or mode == "none" else \
-                f"  added p50 {statistics.median(samples[tier, mode]) - base:+.1f}"
-            print(f"  {tier:<8} {mode:<6} {pcts(samples[tier, mode])}{added}")
+    for column, what in enumerate(("create (until ready)", "destroy", "create -> true -> destroy")):
+        print(f"{what}, ms")
+        for tier in tiers:
+            base = statistics.median(s[column] for s in samples[tier, "none"]) if "none" in modes else None
+            for mode in modes:
+                values = [s[column] for s in samples[tier, mode]]
+                added = "" if base is None or mode == "none" else f"  added p50 {statistics.median(values) - base:+.1f}"
+                print(f"  {tier:<8} {mode:<6} {pcts(values)}{added}")
     print("open mode's host side alone (OpenNetwork), ms")
     print(f"  create {pcts(made)}")
     print(f"  close  {pcts(closed)}")
