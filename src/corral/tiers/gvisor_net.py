@@ -11,12 +11,12 @@ and meets our table on the host side, exactly as in the process tier.  Not
 kernel (hostinet), the one part of the host's attack surface gVisor exists to
 take away.
 
-The obstacle: before taking the veth, runsc (20240729, and releases up to
-mid-2024) refuses to run "in the root network namespace", which it recognises
+The obstacle: before taking the veth, runsc (20240729, the one installable
+here) refuses to run "in the root network namespace", which it recognises
 by ``/proc/sys/net/core/rmem_default`` existing (``isRootNS`` in
-``runsc/sandbox/network.go``).  Since Linux made ``rmem_default`` a
-per-namespace sysctl that file exists in *every* namespace (measured here, 6.18),
-so runsc refuses ours.  When that misfire is detected (the file exists inside
+``runsc/sandbox/network.go``).  On this kernel (6.18) ``rmem_default`` is a
+per-namespace sysctl: the file exists in *every* namespace (measured), so runsc
+refuses ours.  When that misfire is detected (the file exists inside
 the sandbox's own namespace, which is never the root one), runsc is started in
 a private mount namespace where an empty read-only tmpfs covers
 ``/proc/sys/net/core`` *as seen from the sandbox's network namespace*.
@@ -24,9 +24,9 @@ a private mount namespace where an empty read-only tmpfs covers
 from inside the sandbox's namespace, so it covers that namespace's directory
 and nothing else — the host's own ``/proc/sys/net/core`` stays visible even to
 runsc, and nothing at all changes outside runsc's mount namespace (``/`` is
-made a slave first, so the mount cannot propagate back to the host).  runsc's
-launcher reads nothing else under that directory; the Sentry and the gofer
-mount their own ``/proc``.
+made a slave first, so the mount cannot propagate back to the host).  In
+``runsc/sandbox/network.go`` ``isRootNS`` is the only reader of that directory, and the
+Sentry mounts a fresh ``/proc`` in its chroot (docs/gvisor.md: what was checked).
 """
 
 from __future__ import annotations
