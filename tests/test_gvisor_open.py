@@ -8,7 +8,7 @@ check goes both ways, on the shared test network (``egress_net``; this area's
 names start with ``gvn``): the allowed target answers, refused attempts fail at
 once, reach nothing and are audited one event each.
 
-Cost: ~5 gVisor sandboxes and one test network, ~15 s on 2 loaded cores.
+Cost: ~6 gVisor sandboxes and one test network, ~6 s on 2 quiet cores.
 """
 
 from __future__ import annotations
