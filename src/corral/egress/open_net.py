@@ -13,8 +13,10 @@ Only our own table is ever created, read or deleted.
 from __future__ import annotations
 
 import ipaddress
+import os
 import random
 import re
+import socket
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from ..errors import HostNotSupported
 from ..host import netns
+from ..host.rtnl import Rtnl
 from ..netrules import IPNetwork
 from .audit import AuditLog
 from .nflog import NflogListener, limit_object, log_statement
@@ -163,15 +166,36 @@ class OpenNetwork:
             self.listener = NflogListener(sandbox_id, log, self.names.table)
             slot = _free_slot()
             host_addr, self.sandbox_addr = str(slot.network_address + 1), str(slot.network_address + 2)
-            netns.create_netns(self.names.netns)
-            netns.create_veth(self.names.host_if, self.names.sandbox_if, self.names.netns,
-                              f"{host_addr}/30", f"{self.sandbox_addr}/30")
-            netns.add_default_route(self.names.netns, host_addr)
+            self._make_links(host_addr)
             netns.nft_load(ruleset(self.names, self.sandbox_addr, unsafe, self.nameservers, self.listener.group))
             self.listener.start()
         except BaseException:
             self.close()
             raise
+
+    def _make_links(self, host_addr: str) -> None:
+        """The namespace, the veth pair, addresses and routes, by rtnetlink in-process (what ``ip
+        netns add``, ``ip link add ... type veth peer ... netns``, ``ip addr``, ``ip link set up`` and
+        ``ip route`` do: ten runs of ``ip``, ~20 ms here, before this)."""
+        names = self.names
+        host_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            def inside() -> None:  # a thread in the new namespace
+                with Rtnl() as rtnl:
+                    rtnl.link_up()  # lo
+                    rtnl.add_veth(names.sandbox_if, names.host_if, host_ns)
+                    index = socket.if_nametoindex(names.sandbox_if)
+                    rtnl.add_address(f"{self.sandbox_addr}/30", index)
+                    rtnl.link_up(index)
+                    rtnl.add_default_route_via(host_addr, index)
+
+            netns.new_netns(names.netns, inside)
+        finally:
+            os.close(host_ns)
+        with Rtnl() as rtnl:
+            index = socket.if_nametoindex(names.host_if)
+            rtnl.add_address(f"{host_addr}/30", index)
+            rtnl.link_up(index)
 
     def unlogged(self) -> list[tuple[str, int]]:
         """(rule comment, packets) refused without an audit event of their own (rate limit)."""
