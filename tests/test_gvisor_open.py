@@ -111,6 +111,13 @@ def test_open_mode_reaches_the_allowed_target_and_refuses_and_audits_the_rest(
         # the hidden /proc/sys/net/core was runsc's alone: never in the host's mounts, and the
         # namespace's own directory is intact for everyone else
         assert _hide_mounts() == []
+        # nor does it outlive runsc's launch: the Sentry and the gofer pivot into mount namespaces of
+        # their own, without it (the launcher's private namespace goes when `runsc run` exits)
+        for pid in processes_naming(sb.id):
+            try:
+                assert "corral-hide" not in Path(f"/proc/{pid}/mountinfo").read_text(), pid
+            except FileNotFoundError:
+                continue  # ended meanwhile
         assert netns.in_netns(OpenNames.for_sandbox(sb.id).netns, ROOT_TEST.exists) == root_test_misfires(
             OpenNames.for_sandbox(sb.id).netns)
     hits = [h["path"] for h in net.hits() if h["path"].startswith("/gvn-")]
