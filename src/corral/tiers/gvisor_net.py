@@ -86,8 +86,8 @@ class HideRootTest:
         self._unshare, self._mount, self._setns = libc.unshare, libc.mount, libc.setns
         self._target = str(ROOT_TEST.parent).encode()
         self._sandbox_ns = os.open(netns.NETNS_DIR / netns_name, os.O_RDONLY | os.O_CLOEXEC)
-        # to go back afterwards: runsc itself stays in the host's namespace, as in the other modes
-        self._own_ns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        # to go back afterwards (the forking thread's): runsc itself stays where it is in the other modes
+        self._own_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
 
     def __call__(self) -> None:
         steps: list[tuple[str, Callable[[], int]]] = [
