@@ -8,7 +8,7 @@ check goes both ways, on the shared test network (``egress_net``; this area's
 names start with ``gvn``): the allowed target answers, refused attempts fail at
 once, reach nothing and are audited one event each.
 
-Cost: ~6 gVisor sandboxes and one test network, ~6 s on 2 quiet cores.
+Cost: ~8 gVisor sandboxes and one test network, ~9 s on 2 quiet cores.
 """
 
 from __future__ import annotations
@@ -132,6 +132,15 @@ def test_without_an_unsafe_range_the_private_target_is_refused_too(net: TargetNe
         assert result.exit_code == 7, result
         assert [(e.destination, e.rule) for e in sb.network.audit()] == [(f"{net.target}:8080", "rfc1918")]
     assert not [h for h in net.hits() if h["path"] == "/gvn-private"]
+
+
+def test_two_open_sandboxes_each_audit_only_their_own_refusals(net: TargetNet, forwarding: None) -> None:
+    with Sandbox.create(tier="gvisor", network="open") as a, Sandbox.create(tier="gvisor", network="open") as b:
+        assert a.commands.run(f"curl -sS -m 5 http://{net.other}:8080/gvn-a").exit_code == 7
+        assert b.commands.run(f"curl -sS -m 5 http://{METADATA}:{net.metadata_port}/gvn-b").exit_code == 7
+        assert [(e.sandbox_id, e.destination) for e in a.network.audit()] == [(a.id, f"{net.other}:8080")]
+        assert [(e.sandbox_id, e.destination) for e in b.network.audit()] == [
+            (b.id, f"{METADATA}:{net.metadata_port}")]
 
 
 def test_close_leaves_no_namespace_table_veth_runsc_state_process_or_mount(
