@@ -216,3 +216,29 @@ def ip_forwarding() -> Iterator[Path]:
         yield IP_FORWARD
     finally:
         IP_FORWARD.write_text(before)
+
+
+# one attempt per line of output: "<what> failed <errno> <seconds>" (or OPEN)
+ATTEMPTS = """python3 - <<'EOF'
+import socket, sys, time
+def attempt(what, make):
+    start = time.monotonic()
+    try:
+        make()
+        print(what, 'OPEN')
+    except OSError as e:
+        print(what, 'failed', e.errno, round(time.monotonic() - start, 3))
+for line in sys.argv[1:] or [{lines}]:
+    kind, host, port = line.split()
+    if kind == 'tcp':
+        attempt(line, lambda: socket.create_connection((host, int(port)), timeout=5))
+    elif kind == 'udp':
+        attempt(line, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', (host, int(port))))
+    else:  # an ICMP echo request on a ping socket (what ping(8) uses without privileges)
+        ping = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+        attempt(line, lambda: ping.sendto(bytes([8, 0, 247, 255, 0, 0, 0, 0]), (host, 0)))
+EOF"""
+
+
+def attempts(*lines: str) -> str:
+    return ATTEMPTS.format(lines=", ".join(repr(line) for line in lines))

@@ -31,6 +31,22 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
     return found
 
 
+def processes_naming(text: str) -> list[int]:
+    """Host pids whose command line mentions ``text`` (runsc's carry the sandbox id)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(pid))
+    return found
+
+
 def all_leftovers(state_dir: Path) -> list[str]:
     """Every sandbox resource under this test run's state dir and cgroup parent."""
     from corral.host import cgroups, mounts

@@ -21,35 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
 from corral.egress.audit import AuditLog
 from corral.egress.nflog import NflogListener, parse_messages, parse_packet
-from egress_net import METADATA, TargetNet, ip_forwarding, target_net
+from egress_net import METADATA, TargetNet, attempts, ip_forwarding, target_net
 
 CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main(sys.argv[1:]))"]
-
-# one attempt per line of output: "<what> failed <errno> <seconds>" (or OPEN)
-ATTEMPTS = """python3 - <<'EOF'
-import socket, sys, time
-def attempt(what, make):
-    start = time.monotonic()
-    try:
-        make()
-        print(what, 'OPEN')
-    except OSError as e:
-        print(what, 'failed', e.errno, round(time.monotonic() - start, 3))
-for line in sys.argv[1:] or [{lines}]:
-    kind, host, port = line.split()
-    if kind == 'tcp':
-        attempt(line, lambda: socket.create_connection((host, int(port)), timeout=5))
-    elif kind == 'udp':
-        attempt(line, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', (host, int(port))))
-    else:  # an ICMP echo request on a ping socket (what ping(8) uses without privileges)
-        ping = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
-        attempt(line, lambda: ping.sendto(bytes([8, 0, 247, 255, 0, 0, 0, 0]), (host, 0)))
-EOF"""
-
-
-def attempts(*lines: str) -> str:
-    return ATTEMPTS.format(lines=", ".join(repr(line) for line in lines))
-
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[TargetNet]:

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from ..errors import HostNotSupported
 from . import mounts
+from .rtnl import Rtnl
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
@@ -75,8 +76,10 @@ def link_exists(name: str) -> bool:
 
 
 def delete_link(name: str) -> None:
+    """Delete a host interface by name, if it exists (rtnetlink: no ``ip`` run)."""
     if link_exists(name):
-        subprocess.run(["ip", "link", "delete", name], capture_output=True, timeout=30)
+        with Rtnl() as rtnl:
+            rtnl.delete_link(name)
 
 
 def create_veth(host_if: str, ns_if: str, netns: str, host_addr: str, ns_addr: str,

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..egress import network as egress_network
 from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ..host import cgroups, mounts
@@ -49,6 +50,7 @@ from ..spec import WORKSPACE_PATH, Limits, SandboxSpec
 from .agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from .gvisor_memory import MemoryGuard
+from .gvisor_net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
 from .gvisor_platform import Platform, choose_platform, runsc_binary
 from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
 
@@ -106,12 +108,6 @@ class GVisorTier(Tier):
         )
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
-        if spec.network == "open":
-            # runsc runs with --network=none: its netstack has only loopback.  `allow` reaches the
-            # egress proxy through a host Unix socket.  `open` would be --network=sandbox in our
-            # namespace, but this runsc (20240729) takes any namespace for the root one on Linux
-            # >= 6.x (its test, /proc/sys/net/core/rmem_default, exists in every namespace now)
-            raise InvalidSpec("network 'open' is not available in the gvisor tier yet; use 'none' or 'allow'")
         if spec.limits.memory < MIN_MEMORY:
             raise InvalidSpec(
                 f"memory: the gvisor tier needs at least {MIN_MEMORY >> 20}M "
@@ -123,6 +119,8 @@ class GVisorTier(Tier):
         # the cgroup holds runsc, the Sentry, the gofer and their stubs: killing it
         # ends the sandbox; its runsc state lives in run_dir and goes with it
         cgroups.reap(sandbox_id)
+        # `open`: the namespace, veth and table outside the run dir (by name; nothing for none/allow)
+        egress_network.reap(sandbox_id, record)
         mounts.unmount_all(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         for key in ("uid", "root_uid"):
@@ -150,7 +148,7 @@ def _fix_for(reason: str) -> str:
 
 def bundle_config(
     root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int,
-    binds: Sequence[tuple[Path, str]] = (), agent_args: Sequence[str] = (),
+    binds: Sequence[tuple[Path, str]] = (), agent_args: Sequence[str] = (), netns_name: str | None = None,
 ) -> dict[str, Any]:
     """The OCI runtime config: the agent as the only process, unprivileged, no capabilities.
 
@@ -198,7 +196,8 @@ def bundle_config(
               for host_path, inside in binds),
         ],
         "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user")],
+            # network: a new empty one (none, allow), or the open mode's by path
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "user")] + [oci_namespace(netns_name)],
             "uidMappings": ids,
             "gidMappings": ids,
         },
@@ -247,7 +246,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
         config = bundle_config(
             built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids,
-            binds=self.network.binds, agent_args=self.network.agent_args,
+            binds=self.network.binds, agent_args=self.network.agent_args, netns_name=self.network.netns,
         )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
@@ -261,7 +260,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
             str(self._host.runsc),
             "--root", str(state),
             "--platform", self._host.platform.name,
-            "--network", "none",
+            *runsc_args(self.network.netns if self.network is not None else None),
             "--ignore-cgroups",
             "--overlay2", "none",  # the rootfs already is an overlay on the sandbox's own tmpfs
             # only the proxy socket is ever bound in; "open" lets the gofer connect to it, not create
@@ -272,13 +271,18 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
         to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
         from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
         procs_files = self.cgroup.procs_files(self.cgroup.leaf("runsc"))
+        netns_name = self.network.netns if self.network is not None else None
+        # open mode with a runsc that would take our namespace for the root one (see gvisor_net)
+        hide = HideRootTest(netns_name) if netns_name and root_test_misfires(netns_name) else None
 
-        def join_cgroups() -> None:
+        def prepare() -> None:
             # between fork and exec: everything runsc starts inherits these groups
             pid = str(os.getpid())
             for path in procs_files:
                 with open(path, "w") as f:
                     f.write(pid)
+            if hide is not None:
+                hide()
 
         try:
             self._proc = subprocess.Popen(
@@ -287,14 +291,18 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
                 stdout=from_agent_w,
                 stderr=subprocess.DEVNULL,
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                preexec_fn=join_cgroups,
+                preexec_fn=prepare,
                 close_fds=True,
                 cwd="/",
                 start_new_session=True,
             )
+        except subprocess.SubprocessError as exc:  # prepare() failed in the child
+            raise SandboxClosed(f"gVisor sandbox did not start: runsc's launcher: {exc}") from None
         finally:
             os.close(to_agent_r)
             os.close(from_agent_w)
+            if hide is not None:
+                hide.close()
         self._channel = AgentChannel(from_agent_r, to_agent_w)
         # The agent's READY comes ~50-100 ms before `run --detach` exits (runsc
         # still saves its state): wait for READY, or for runsc failing first.
