@@ -11,9 +11,10 @@ sends as untrusted (a command runs as guest root and could speak on the port
 itself).
 
 Frames, both directions: ``u8 type | u32 connection | u32 length | payload``.
-Flow control is per connection and credit based (``WINDOW`` bytes in flight
-each way): a guest client that stops reading holds up only its own
-connection, and neither side buffers more than ``WINDOW`` per connection.
+Flow control is per connection and credit based (``DOWN_WINDOW`` bytes in
+flight to the guest, ``UP_WINDOW`` from it): a guest client that stops reading
+holds up only its own connection, and neither side buffers more than its
+window per connection.
 The port is always read.
 
 One thread per sandbox, one selector: the traffic is bounded by what TCG
@@ -33,9 +34,14 @@ M_HELLO, M_OPEN, M_DATA, M_EOF, M_CLOSE, M_CREDIT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<BII")
 #: the largest DATA payload either side sends (relay_mux.c's MUX_CHUNK)
 CHUNK = 65536
-#: bytes in flight per connection and direction (relay_mux.c's WINDOW)
-WINDOW = 256 * 1024
-CREDIT_STEP = WINDOW // 4
+#: bytes in flight per connection to the guest (relay_mux.c's DOWN_WINDOW): large, because
+#: under TCG a credit takes milliseconds to come back (100 MB through curl: 27 MB/s with
+#: 256 KiB, 41 MB/s with 1 MiB); the guest's relay holds it only for a client that does not read
+DOWN_WINDOW = 1024 * 1024
+#: bytes in flight per connection from the guest (relay_mux.c's UP_WINDOW): what this process
+#: may have to hold per connection while the proxy does not read, so small
+UP_WINDOW = 256 * 1024
+CREDIT_STEP = UP_WINDOW // 4
 #: connections at once (relay_mux.c's MUX_MAX): more are refused with CLOSE
 MAX_CONNECTIONS = 256
 #: stop reading proxy connections while this much waits for the port
@@ -49,7 +55,7 @@ class _Conn:
         self.id = conn_id
         self.sock = sock
         self.out = bytearray()  # from the guest, not yet taken by the proxy
-        self.window = WINDOW  # bytes we may still send the guest
+        self.window = DOWN_WINDOW  # bytes we may still send the guest
         self.consumed = 0  # passed to the proxy, not yet credited to the guest
         self.sent_eof = False  # the proxy closed its side: EOF sent to the guest
         self.got_eof = False  # the guest's client is done sending
@@ -178,7 +184,7 @@ class EgressBridge:
         if conn is None:
             return  # closed meanwhile: late frames are expected
         if kind == M_DATA:
-            if conn.got_eof or len(conn.out) + len(payload) > WINDOW:
+            if conn.got_eof or len(conn.out) + len(payload) > UP_WINDOW:
                 self._drop(conn, tell_guest=True)  # the guest broke the window
                 return
             if conn.out:
@@ -199,7 +205,7 @@ class EgressBridge:
         elif kind == M_CLOSE:
             self._drop(conn, tell_guest=False)
         elif kind == M_CREDIT and len(payload) == 4:
-            conn.window = min(WINDOW, conn.window + struct.unpack("<I", payload)[0])
+            conn.window = min(DOWN_WINDOW, conn.window + struct.unpack("<I", payload)[0])
 
     # -- connections to the proxy ----------------------------------------------
     def _open(self, conn_id: int) -> None:
