@@ -232,6 +232,20 @@ class _Target(http.server.BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        received = 0
+        while received < length:
+            chunk = self.rfile.read(min(length - received, 1 << 20))
+            if not chunk:
+                break
+            received += len(chunk)
+        body = f"received {received}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, *args: object) -> None:
         pass
 
@@ -284,6 +298,10 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
                                          "curl -sS -m 5 --noproxy '*' http://169.254.169.254/", timeout=60)
                 assert "allowed-target" not in direct.stdout and direct.exit_code != 0, direct
                 assert len(_Target.seen) == 1
+                # an upload far beyond the window from the guest: it moves only as the host credits it
+                upload = sb.commands.run(f"head -c {24 << 20} /dev/zero > /tmp/up && curl -sS -m 60 --noproxy '' "
+                                         f"--data-binary @/tmp/up http://127.0.0.1:{port}/up", timeout=120)
+                assert upload.stdout == f"received {24 << 20}\n", upload
                 events = sb.network.audit()
                 assert [(e.kind, e.destination, e.rule) for e in events] == [
                     ("refused", f"127.0.0.1:{other_port}", "not-allowed")], events
@@ -314,6 +332,34 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
         finally:
             server.shutdown()
             server.server_close()
+
+
+def test_allow_mode_reaches_the_target_network_like_the_other_tiers() -> None:
+    """The egress tests' target network (tests/egress_net.py): names through the proxy's resolver,
+    TLS intercepted for a bound host (the sandbox CA reaches the guest through the agent), git over
+    HTTP, Node through its preload, and the metadata address refused by the proxy's SSRF rules."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from egress_net import METADATA, target_net
+
+    with target_net(prefix="crv") as net, Sandbox.create(
+            tier="microvm", memory="256M", allow=["target.test"], secrets=["API_TOKEN@target.test"],
+            unsafe_allow_ranges=[f"{net.target}/32"], secret_values={"API_TOKEN": "vm-secret-value"}) as sb:
+        auth = '-H "Authorization: Bearer $API_TOKEN"'
+        for cmd in (f"curl -fsS {auth} http://target.test:8080/vm-http",
+                    f"curl -fsS {auth} https://target.test:8443/vm-https",  # CONNECT, intercepted
+                    "node -e \"fetch('http://target.test:8080/vm-node').then(r=>r.text())"
+                    ".then(t=>process.stdout.write(t))\"",
+                    "git clone -q http://target.test:8080/git/repo.git /tmp/repo && cat /tmp/repo/README"):
+            result = sb.commands.run(cmd, timeout=120)
+            assert result.exit_code == 0, (cmd, result)
+        got = {h["path"]: h["headers"] for h in net.hits()}
+        assert got["/vm-http"]["Authorization"] == got["/vm-https"]["Authorization"] == "Bearer vm-secret-value"
+        assert "/vm-node" in got
+        refused = sb.commands.run(f"curl -sS -w ' %{{http_code}}' http://{METADATA}:{net.metadata_port}/vm-meta",
+                                  timeout=60)
+        assert refused.stdout.endswith("refused by rule link-local\n 403"), refused
+        assert [e.rule for e in sb.network.audit()] == ["link-local"]
+        assert not net.hits("metadata")
 
 
 OWNER = textwrap.dedent(
