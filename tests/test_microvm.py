@@ -268,6 +268,16 @@ print(total)
 """
 
 
+def _socket_fds() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
 def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
     """network="allow": the guest's relay multiplexes connections over the egress port; the host's
     bridge hands each to the proxy.  The allowed target answers, with the brokered secret swapped
@@ -280,6 +290,7 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     with socket.create_server(("127.0.0.1", 0)) as other:
         other_port = other.getsockname()[1]
+        sockets_before = _socket_fds()
         try:
             with Sandbox.create(tier="microvm", memory="256M", allow=[f"127.0.0.1:{port}"],
                                 unsafe_allow_ranges=["127.0.0.1/32"], secrets=["VM_KEY@127.0.0.1"],
@@ -328,6 +339,11 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
             names = {t.name for t in threading.enumerate()}
             assert f"egress-{sb.id}" not in names and f"egress-vm-{sb.id}" not in names, names
             assert not run_dir.exists()
+            # every socket of the sandbox is closed (the target's handlers close theirs a moment later)
+            deadline = time.monotonic() + 5
+            while _socket_fds() > sockets_before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _socket_fds() <= sockets_before
             assert sandbox_leftovers(sb.id, state_dir) == []
         finally:
             server.shutdown()
