@@ -209,6 +209,12 @@ def test_network_none_has_a_loopback_and_nothing_else(vm: Sandbox) -> None:
         "        print('failed', e.errno)\n"
     ))
     assert r.stdout.splitlines() == ["loopback ok ['lo']", "[]", "failed 111", "failed 101"], r  # ECONNREFUSED, ENETUNREACH
+    # the relay waits, never told to listen, beside the agent: not in the sandbox's cgroup or pids
+    assert vm.commands.run(["sh", "-c", RELAY_CGROUP]).stdout == "0::/agent\n"
+
+
+#: the guest's egress relay's cgroup
+RELAY_CGROUP = "for p in /proc/[0-9]*; do grep -qs '[r]elay-mux' $p/cmdline && cat $p/cgroup; done; true"
 
 
 class _Target(http.server.BaseHTTPRequestHandler):
@@ -309,6 +315,8 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
                                          "curl -sS -m 5 --noproxy '*' http://169.254.169.254/", timeout=60)
                 assert "allowed-target" not in direct.stdout and direct.exit_code != 0, direct
                 assert len(_Target.seen) == 1
+                # told to listen, the relay joined the sandbox's cgroup: its buffers count against the limit
+                assert sb.commands.run(["sh", "-c", RELAY_CGROUP]).stdout == "0::/sandbox/relay\n"
                 # an upload far beyond the window from the guest: it moves only as the host credits it
                 upload = sb.commands.run(f"head -c {24 << 20} /dev/zero > /tmp/up && curl -sS -m 60 --noproxy '' "
                                          f"--data-binary @/tmp/up http://127.0.0.1:{port}/up", timeout=120)

@@ -298,11 +298,19 @@ int relay_mux_main(int wait_fd) {
     memset(pfds, 0, sizeof pfds);
     memset(owner, 0, sizeof owner);
 
+    /* opened now (path lookups in a restored VM are fresh code under TCG): the
+     * relay joins the sandbox's cgroup once told to listen, so what it buffers
+     * counts against the sandbox's memory limit and it against its pids */
+    int cgroup_fd = open("/sys/fs/cgroup/sandbox/relay/cgroup.procs", O_WRONLY | O_CLOEXEC);
     char msg[16] = {0};
     if (write(wait_fd, "w", 1) != 1) return 2;
     ssize_t got;
     do got = read(wait_fd, msg, sizeof msg - 1); while (got < 0 && errno == EINTR);
     if (got <= 0) return 0; /* pid 1 let go of us: no egress in this VM */
+    if (cgroup_fd >= 0) {
+        if (write(cgroup_fd, "0", 1) < 0) {} /* best effort: egress works either way */
+        close(cgroup_fd);
+    }
     int tcp_port = atoi(msg);
     int l[2] = {-1, -1};
     if (tcp_port > 0 && tcp_port <= 65535) {

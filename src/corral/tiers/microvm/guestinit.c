@@ -452,13 +452,16 @@ static int start_agent(int port, pid_t *pid) {
  * port to listen on; a VM without egress never tells it, so a restored VM runs
  * none of its code.  Returns pid 1's end of the socket it waits on. */
 static int start_relay(int net_port) {
+    /* where it moves once told to listen: its buffers then count against the
+     * sandbox's memory limit, as the relay inside a process-tier sandbox does */
+    mkdir_p("/sys/fs/cgroup/sandbox/relay");
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) die("socketpair (%s%s)", "");
     pid_t pid = (pid_t)syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
     if (pid < 0) die("clone (%s%s)", "");
     if (pid == 0) {
-        /* beside the agent, outside the sandbox's cgroup: its buffers are bounded
-         * per connection (and the guest's RAM by the host) */
+        /* beside the agent until told to listen (a VM without egress must not
+         * count it in the sandbox's pids) */
         write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
         setsid();
         int p = fcntl(net_port, F_DUPFD_CLOEXEC, 10), w = fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
