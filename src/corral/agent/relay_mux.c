@@ -193,7 +193,7 @@ static void host_frame(uint8_t type, uint32_t id, const unsigned char *data, uin
         if (len == 4) {
             uint32_t n;
             memcpy(&n, data, 4);
-            c->window = c->window + n > UP_WINDOW ? UP_WINDOW : c->window + n;
+            c->window = n > UP_WINDOW - c->window ? UP_WINDOW : c->window + n;
         }
         break;
     default:
@@ -354,7 +354,9 @@ int relay_mux_main(int wait_fd) {
             struct mconn *c = owner[i];
             short re = pfds[i].revents;
             if (!re || c->fd != pfds[i].fd) continue; /* dropped meanwhile */
-            if (re & POLLOUT) flush_client(c);
+            /* an error or hang-up with data pending: the write fails and drops it (else
+             * poll would report the fd again at once, for ever) */
+            if ((re & (POLLOUT | POLLERR | POLLHUP)) && c->len > 0) flush_client(c);
             if (c->fd == pfds[i].fd && (re & (POLLIN | POLLHUP | POLLERR)) && outq_len < OUTQ_HIGH
                 && !c->sent_eof && c->window > 0)
                 read_client(c);
