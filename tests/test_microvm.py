@@ -274,6 +274,23 @@ print(total)
 """
 
 
+MANY = """
+import socket, sys, threading
+port, sizes = int(sys.argv[1]), []
+def get():
+    s = socket.create_connection(("127.0.0.1", 3128))
+    s.sendall(f"GET http://127.0.0.1:{port}/big/1 HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n".encode())
+    n = 0
+    while chunk := s.recv(1 << 16):
+        n += len(chunk)
+    sizes.append(n)
+threads = [threading.Thread(target=get) for _ in range(50)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(len(sizes), min(sizes), max(sizes))
+"""
+
+
 def _socket_fds() -> int:
     count = 0
     for fd in os.listdir("/proc/self/fd"):
@@ -341,6 +358,16 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
                 handle.send_stdin("\n")
                 done = handle.wait()
                 assert int(done.stdout.split()[-1]) > 64 << 20, done  # it completes once read (body + head)
+                # 50 connections at once, 1 MiB each, interleaved on the one port: each arrives whole,
+                # and the bridge forgets every one once both sides closed
+                sb.files.write("/tmp/many.py", MANY)
+                many = sb.commands.run(["python3", "/tmp/many.py", str(port)], timeout=120)
+                count, smallest, largest = map(int, many.stdout.split())
+                assert count == 50 and smallest == largest > 1 << 20, many
+                deadline = time.monotonic() + 10
+                while bridge._conns and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not bridge._conns
                 run_dir = state_dir / "sandboxes" / sb.id
                 assert (run_dir / "egress" / "proxy.sock").exists() and (run_dir / "egress.sock").exists()
             # the proxy's socket and thread, the bridge's thread and the run dir go with it
