@@ -22,8 +22,10 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-$(AGENT): src/corral/agent/agent.c
-	cc -O2 -Wall -Wextra -static -o $@ $<
+AGENT_SOURCES := src/corral/agent/agent.c src/corral/agent/relay_mux.c
+
+$(AGENT): $(AGENT_SOURCES) src/corral/agent/relay_mux.h
+	cc -O2 -Wall -Wextra -static -o $@ $(AGENT_SOURCES)
 
 agent: $(AGENT)
 

@@ -6,13 +6,18 @@ Latency: the same Python loop (fresh connection per request, urllib) runs
 Throughput: curl downloads 100 MB the same two ways.
 Targets (issue 3): <= 2 ms added p50, >= 200 MB/s through the proxy.
 
-    .venv/bin/python bench/egress.py [--requests 200] [--megabytes 100]
+    .venv/bin/python bench/egress.py [--requests 200] [--megabytes 100] [--tier microvm]
+
+``--tier microvm``: the sandbox is a microVM; its relay multiplexes over a
+virtio-serial port and a bridge thread on the host hands each connection to
+the proxy (TCG: the guest's own code is emulated, so its side is slower).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -62,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--megabytes", type=int, default=100)
+    parser.add_argument("--tier", default=None, help="default: the library's default tier")
     args = parser.parse_args()
     # the target runs in its own process: sharing the proxy's GIL would bill the proxy for the server
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
@@ -75,7 +81,7 @@ def main() -> None:
         curl = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{speed_download}",
                                f"http://127.0.0.1:{port}/bytes/{size}"], capture_output=True, text=True, check=True)
         direct_mbs = float(curl.stdout) / 1e6
-        with Sandbox.create(allow=[f"bench.test:{port}"], unsafe_allow_ranges=["127.0.0.1/32"]) as sb:
+        with Sandbox.create(tier=args.tier, allow=[f"bench.test:{port}"], unsafe_allow_ranges=["127.0.0.1/32"]) as sb:
             sb.files.write("/tmp/loop.py", LOOP)
             # interleaved rounds, so a busy neighbour on a shared host slows both sides alike
             per_round = max(args.requests // ROUNDS, 1)
@@ -100,6 +106,7 @@ def main() -> None:
         server.wait()
     d50, d95, d99 = percentiles(direct_ms)
     p50, p95, p99 = percentiles(proxy_ms)
+    print(f"tier {args.tier or 'default'}, load average {os.getloadavg()[0]:.1f}")
     print(f"small request, {args.requests} each (ms)       p50      p95      p99")
     print(f"  direct from the host          {d50:8.3f} {d95:8.3f} {d99:8.3f}")
     print(f"  sandbox via relay + proxy     {p50:8.3f} {p95:8.3f} {p99:8.3f}")

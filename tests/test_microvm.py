@@ -3,16 +3,22 @@ identity in every VM restored from the shared snapshot, a command's whole
 tree killed inside the guest, and nothing left on the host after teardown or
 after its owner is killed and ``corral gc`` runs.
 
-Each VM costs seconds of TCG time on a shared machine: these tests use four.
+With network="allow" the guest reaches the host's egress proxy through its
+relay, multiplexed over a virtio-serial port, and nothing else.
+
+Each VM costs seconds of TCG time on a shared machine: keep their number small.
 """
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,26 +188,251 @@ def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:
     assert sandbox_leftovers(sb.id, state_dir) == []
 
 
-def test_network_other_than_none_is_refused_and_leaves_nothing(state_dir: Path) -> None:
+def test_network_open_is_refused_saying_why_and_leaves_nothing(state_dir: Path) -> None:
     before = set(all_leftovers(state_dir))  # the module's VM may be alive
-    with pytest.raises(InvalidSpec, match="microvm"):
+    with pytest.raises(InvalidSpec, match="microvm tier: the VM has no network device"):
         Sandbox.create(tier="microvm", network="open")
     assert set(all_leftovers(state_dir)) == before
+
+
+def test_network_none_has_a_loopback_and_nothing_else(vm: Sandbox) -> None:
+    # every VM has the egress port, but without egress nothing listens and no proxy is set
+    r = vm.commands.run(py(
+        "import os, socket\n"
+        "s = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(s.getsockname(), timeout=2)\n"
+        "print('loopback ok', sorted(os.listdir('/sys/class/net')))\n"
+        "print(sorted(k for k in os.environ if 'proxy' in k.lower()))\n"
+        "for target in (('127.0.0.1', 3128), ('169.254.169.254', 80)):\n"
+        "    try:\n"
+        "        socket.create_connection(target, timeout=2); print('reached', target)\n"
+        "    except OSError as e:\n"
+        "        print('failed', e.errno)\n"
+    ))
+    assert r.stdout.splitlines() == ["loopback ok ['lo']", "[]", "failed 111", "failed 101"], r  # ECONNREFUSED, ENETUNREACH
+    # the relay waits, never told to listen, beside the agent: not in the sandbox's cgroup or pids
+    assert vm.commands.run(["sh", "-c", RELAY_CGROUP]).stdout == "0::/agent\n"
+
+
+#: the guest's egress relay's cgroup
+RELAY_CGROUP = "for p in /proc/[0-9]*; do grep -qs '[r]elay-mux' $p/cmdline && cat $p/cgroup; done; true"
+
+
+class _Target(http.server.BaseHTTPRequestHandler):
+    """The allowed target: records the key header; /big/N sends N MiB."""
+
+    seen: list[str] = []
+
+    def do_GET(self) -> None:
+        self.seen.append(self.headers.get("X-Key", ""))
+        size = int(self.path.split("/")[2]) << 20 if self.path.startswith("/big/") else 0
+        body = b"allowed-target\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(size or len(body)))
+        self.end_headers()
+        try:
+            if not size:
+                self.wfile.write(body)
+            block = b"x" * (1 << 20)
+            for _ in range(size >> 20):
+                self.wfile.write(block)
+        except OSError:
+            pass
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        received = 0
+        while received < length:
+            chunk = self.rfile.read(min(length - received, 1 << 20))
+            if not chunk:
+                break
+            received += len(chunk)
+        body = f"received {received}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+STALL = """
+import http.client, socket, sys, time
+port = int(sys.argv[1])
+big = socket.create_connection(("127.0.0.1", 3128))
+big.sendall(f"GET http://127.0.0.1:{port}/big/64 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n".encode())
+time.sleep(3)  # not reading: every buffer on the way fills
+start = time.monotonic()
+small = http.client.HTTPConnection("127.0.0.1", 3128, timeout=30)  # straight to the relay
+small.request("GET", f"http://127.0.0.1:{port}/small")
+print(small.getresponse().read().decode().strip(), f"{time.monotonic() - start:.2f}")
+input()  # the host looks at the bridge now
+total = 0
+while chunk := big.recv(1 << 20):
+    total += len(chunk)
+print(total)
+"""
+
+
+MANY = """
+import socket, sys, threading
+port, sizes = int(sys.argv[1]), []
+def get():
+    s = socket.create_connection(("127.0.0.1", 3128))
+    s.sendall(f"GET http://127.0.0.1:{port}/big/1 HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n".encode())
+    n = 0
+    while chunk := s.recv(1 << 16):
+        n += len(chunk)
+    sizes.append(n)
+threads = [threading.Thread(target=get) for _ in range(50)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(len(sizes), min(sizes), max(sizes))
+"""
+
+
+def _socket_fds() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
+def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
+    """network="allow": the guest's relay multiplexes connections over the egress port; the host's
+    bridge hands each to the proxy.  The allowed target answers, with the brokered secret swapped
+    in; another port is refused and audited; nothing bypasses the proxy; a download nobody reads
+    stalls only its own connection; close leaves nothing behind."""
+    _Target.seen = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Target)
+    server.daemon_threads = True
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        other_port = other.getsockname()[1]
+        sockets_before = _socket_fds()
+        try:
+            with Sandbox.create(tier="microvm", memory="256M", allow=[f"127.0.0.1:{port}"],
+                                unsafe_allow_ranges=["127.0.0.1/32"], secrets=["VM_KEY@127.0.0.1"],
+                                secret_values={"VM_KEY": "real-microvm-secret"}) as sb:
+                # --noproxy '': the proxy variables exempt 127.0.0.1, the test's target is there
+                ok = sb.commands.run(f"curl -sS -m 20 --noproxy '' -H \"X-Key: $VM_KEY\" "
+                                     f"http://127.0.0.1:{port}/", timeout=60)
+                assert ok.stdout == "allowed-target\n", ok
+                assert _Target.seen == ["real-microvm-secret"]
+                placeholder = sb.commands.run("printenv VM_KEY HTTPS_PROXY").stdout.split()
+                assert placeholder[1] == "http://127.0.0.1:3128" and "real-microvm-secret" not in placeholder[0]
+                refused = sb.commands.run(f"curl -fsS -m 20 --noproxy '' http://127.0.0.1:{other_port}/", timeout=60)
+                assert refused.exit_code == 22 and "403" in refused.stderr, refused  # curl -f: the proxy said no
+                # bypassing the proxy: the guest has no interface but its loopback
+                direct = sb.commands.run(f"curl -sS -m 5 --noproxy '*' http://127.0.0.1:{port}/; "
+                                         "curl -sS -m 5 --noproxy '*' http://169.254.169.254/", timeout=60)
+                assert "allowed-target" not in direct.stdout and direct.exit_code != 0, direct
+                assert len(_Target.seen) == 1
+                # told to listen, the relay joined the sandbox's cgroup: its buffers count against the limit
+                assert sb.commands.run(["sh", "-c", RELAY_CGROUP]).stdout == "0::/sandbox/relay\n"
+                # an upload far beyond the window from the guest: it moves only as the host credits it
+                upload = sb.commands.run(f"head -c {24 << 20} /dev/zero > /tmp/up && curl -sS -m 60 --noproxy '' "
+                                         f"--data-binary @/tmp/up http://127.0.0.1:{port}/up", timeout=120)
+                assert upload.stdout == f"received {24 << 20}\n", upload
+                events = sb.network.audit()
+                assert [(e.kind, e.destination, e.rule) for e in events] == [
+                    ("refused", f"127.0.0.1:{other_port}", "not-allowed")], events
+                # a 64 MiB download nobody reads: another connection still gets through at once,
+                # and the bridge stopped reading the stalled one (its window to the guest is used up)
+                sb.files.write("/tmp/stall.py", STALL)
+                out: list[str] = []
+                handle = sb.commands.start(["python3", "-u", "/tmp/stall.py", str(port)], timeout=120,
+                                           on_stdout=out.append)
+                bridge = _vm(sb)._bridge
+                assert bridge is not None
+                deadline = time.monotonic() + 60
+                while "allowed-target" not in "".join(out) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                line = "".join(out).split()
+                # (were it queued behind the stalled download, it would never come: nothing reads that)
+                assert line[0] == "allowed-target" and float(line[1]) < 10, out
+                while [c.window for c in list(bridge._conns.values())] != [0] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert [c.window for c in list(bridge._conns.values())] == [0], "the stalled download is not held back"
+                handle.send_stdin("\n")
+                done = handle.wait()
+                assert int(done.stdout.split()[-1]) > 64 << 20, done  # it completes once read (body + head)
+                # 50 connections at once, 1 MiB each, interleaved on the one port: each arrives whole,
+                # and the bridge forgets every one once both sides closed
+                sb.files.write("/tmp/many.py", MANY)
+                many = sb.commands.run(["python3", "/tmp/many.py", str(port)], timeout=120)
+                count, smallest, largest = map(int, many.stdout.split())
+                assert count == 50 and smallest == largest > 1 << 20, many
+                deadline = time.monotonic() + 10
+                while bridge._conns and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not bridge._conns
+                run_dir = state_dir / "sandboxes" / sb.id
+                assert (run_dir / "egress" / "proxy.sock").exists() and (run_dir / "egress.sock").exists()
+            # the proxy's socket and thread, the bridge's thread and the run dir go with it
+            names = {t.name for t in threading.enumerate()}
+            assert f"egress-{sb.id}" not in names and f"egress-vm-{sb.id}" not in names, names
+            assert not run_dir.exists()
+            # every socket of the sandbox is closed (the target's handlers close theirs a moment later)
+            deadline = time.monotonic() + 5
+            while _socket_fds() > sockets_before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _socket_fds() <= sockets_before
+            assert sandbox_leftovers(sb.id, state_dir) == []
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_allow_mode_reaches_the_target_network_like_the_other_tiers() -> None:
+    """The egress tests' target network (tests/egress_net.py): names through the proxy's resolver,
+    TLS intercepted for a bound host (the sandbox CA reaches the guest through the agent), git over
+    HTTP, Node through its preload, and the metadata address refused by the proxy's SSRF rules."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from egress_net import METADATA, target_net
+
+    with target_net(prefix="crv") as net, Sandbox.create(
+            tier="microvm", memory="256M", allow=["target.test"], secrets=["API_TOKEN@target.test"],
+            unsafe_allow_ranges=[f"{net.target}/32"], secret_values={"API_TOKEN": "vm-secret-value"}) as sb:
+        auth = '-H "Authorization: Bearer $API_TOKEN"'
+        for cmd in (f"curl -fsS {auth} http://target.test:8080/vm-http",
+                    f"curl -fsS {auth} https://target.test:8443/vm-https",  # CONNECT, intercepted
+                    "node -e \"fetch('http://target.test:8080/vm-node').then(r=>r.text())"
+                    ".then(t=>process.stdout.write(t))\"",
+                    "git clone -q http://target.test:8080/git/repo.git /tmp/repo && cat /tmp/repo/README"):
+            result = sb.commands.run(cmd, timeout=120)
+            assert result.exit_code == 0, (cmd, result)
+        got = {h["path"]: h["headers"] for h in net.hits()}
+        assert got["/vm-http"]["Authorization"] == got["/vm-https"]["Authorization"] == "Bearer vm-secret-value"
+        assert "/vm-node" in got
+        refused = sb.commands.run(f"curl -sS -w ' %{{http_code}}' http://{METADATA}:{net.metadata_port}/vm-meta",
+                                  timeout=60)
+        assert refused.stdout.endswith("refused by rule link-local\n 403"), refused
+        assert [e.rule for e in sb.network.audit()] == ["link-local"]
+        assert not net.hits("metadata")
 
 
 OWNER = textwrap.dedent(
     """
     import sys, time
     from corral import Sandbox
-    sb = Sandbox.create(tier="microvm", memory="256M")
+    kind = {"none": {}, "allow": {"allow": ["127.0.0.1:9"], "unsafe_allow_ranges": ["127.0.0.1/32"]}}
+    sb = Sandbox.create(tier="microvm", memory="256M", **kind[sys.argv[1]])
     print(sb.id, sb._inner.qemu_pid(), flush=True)
     time.sleep(600)
     """
 )
 
 
-def test_killed_owner_is_reaped_by_gc(state_dir: Path) -> None:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+@pytest.mark.parametrize("network", ["none", "allow"])
+def test_killed_owner_is_reaped_by_gc(state_dir: Path, network: str) -> None:
+    # allow: the proxy and the bridge are threads of the owner; their sockets are in the run dir
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, network], stdout=subprocess.PIPE, text=True,
+                             env=os.environ.copy())
     try:
         assert owner.stdout is not None
         line = owner.stdout.readline().split()

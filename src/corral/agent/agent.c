@@ -39,6 +39,8 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include "relay_mux.h"
+
 enum {
     /* host -> agent */
     T_EXEC = 1, T_GO = 2, T_STDIN = 3, T_STDIN_EOF = 4, T_SIGNAL = 5,
@@ -802,6 +804,8 @@ static int launch_main(int argc, char **argv) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--launch") == 0) return launch_main(argc, argv);
+    /* the microVM guest's egress relay, started by its pid 1 (relay_mux.c) */
+    if (argc == 3 && strcmp(argv[1], "--relay-mux") == 0) return relay_mux_main(atoi(argv[2]));
     prctl(PR_SET_DUMPABLE, 0);
     signal(SIGPIPE, SIG_IGN);
     if (argc > 1 && strcmp(argv[1], "--spare") == 0) {

@@ -179,6 +179,12 @@ class SandboxNetwork:
                 self.env[name] = BUNDLE_IN_SANDBOX
             self.env["NODE_EXTRA_CA_CERTS"] = CA_IN_SANDBOX
 
+    @property
+    def proxy_socket(self) -> Path | None:
+        """The proxy's Unix socket (``allow``): for a tier that carries connections to it
+        itself instead of binding it in (the microVM tier's egress bridge)."""
+        return self._proxy.socket_path if self._proxy is not None else None
+
     def audit(self) -> list[AuditEvent]:
         """Every refusal and withheld secret so far, oldest first.
 

@@ -40,6 +40,8 @@ _TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
 _ENTRY = struct.Struct("<cQIq")
 
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "agent.c"
+#: every file the agent is built from (the Makefile's list too): a newer one means a rebuild
+AGENT_SOURCES = (AGENT_SOURCE, AGENT_SOURCE.with_name("relay_mux.c"), AGENT_SOURCE.with_name("relay_mux.h"))
 
 
 def agent_binary(state_dir: Path | None = None) -> Path:
@@ -51,7 +53,7 @@ def agent_binary(state_dir: Path | None = None) -> Path:
     home directory).
     """
     binary = AGENT_SOURCE.with_name("corral-agent")
-    if not binary.exists() or binary.stat().st_mtime < AGENT_SOURCE.stat().st_mtime:
+    if not binary.exists() or binary.stat().st_mtime < max(src.stat().st_mtime for src in AGENT_SOURCES):
         _build_agent(binary)
     if state_dir is None:
         return binary
@@ -72,7 +74,8 @@ def _build_agent(binary: Path) -> None:
         raise HostNotSupported(f"{binary} is missing and no C compiler is installed; run `make install`")
     tmp = binary.with_name(f".corral-agent-{os.getpid()}")
     result = subprocess.run(
-        [cc, "-O2", "-static", "-o", str(tmp), str(AGENT_SOURCE)], capture_output=True, text=True
+        [cc, "-O2", "-static", "-o", str(tmp), *(str(src) for src in AGENT_SOURCES if src.suffix == ".c")],
+        capture_output=True, text=True,
     )
     if result.returncode != 0:
         raise HostNotSupported(f"cannot build the sandbox agent: {result.stderr.strip()[:500]}")

@@ -29,6 +29,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/random.h>
+#include <net/if.h>
 #include <dirent.h>
 #include <sched.h>
 #include <signal.h>
@@ -117,7 +118,8 @@ static void load_modules(void) {
     fclose(f);
 }
 
-static int open_port(void) {
+static int open_port(const char *want) {
+    size_t wl = strlen(want);
     /* the port's device node appears once virtio_console has probed it */
     for (int attempt = 0; attempt < 2000; attempt++) {
         DIR *d = opendir("/sys/class/virtio-ports");
@@ -131,7 +133,7 @@ static int open_port(void) {
                 if (fd < 0) continue;
                 ssize_t n = read(fd, name, sizeof name - 1);
                 close(fd);
-                if (n > 0 && strncmp(name, "corral", 6) == 0 && (name[6] == '\n' || name[6] == 0)) {
+                if (n > 0 && strncmp(name, want, wl) == 0 && (name[wl] == '\n' || name[wl] == 0)) {
                     snprintf(path, sizeof path, "/dev/%s", de->d_name);
                     int port = open(path, O_RDWR | O_CLOEXEC);
                     if (port >= 0) { closedir(d); return port; }
@@ -141,7 +143,7 @@ static int open_port(void) {
         }
         usleep(5000);
     }
-    die("no virtio-serial port named corral (%s%s)", "");
+    die("no virtio-serial port named %s (%s)", want);
     return -1;
 }
 
@@ -444,6 +446,67 @@ static int start_agent(int port, pid_t *pid) {
     return sv[0];
 }
 
+/* The egress relay (network="allow"; corral-agent --relay-mux) is started
+ * before the snapshot too, on its own virtio-serial port "corral-net", which
+ * every VM has (one device set, one template).  It blocks until told the TCP
+ * port to listen on; a VM without egress never tells it, so a restored VM runs
+ * none of its code.  Returns pid 1's end of the socket it waits on. */
+static int start_relay(int net_port) {
+    /* where it moves once told to listen: its buffers then count against the
+     * sandbox's memory limit, as the relay inside a process-tier sandbox does */
+    mkdir_p("/sys/fs/cgroup/sandbox/relay");
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) die("socketpair (%s%s)", "");
+    pid_t pid = (pid_t)syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+    if (pid < 0) die("clone (%s%s)", "");
+    if (pid == 0) {
+        /* beside the agent until told to listen (a VM without egress must not
+         * count it in the sandbox's pids) */
+        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
+        setsid();
+        int p = fcntl(net_port, F_DUPFD_CLOEXEC, 10), w = fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
+        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (p < 0 || w < 0 || null < 0) _exit(127);
+        dup2(p, 0);
+        dup2(null, 1);
+        dup2(null, 2);
+        dup2(w, 3);
+        char *argv[] = {"corral-agent", "--relay-mux", "3", NULL};
+        char *envp[] = {NULL};
+        execve("/corral-agent", argv, envp);
+        _exit(127);
+    }
+    close(sv[1]);
+    close(net_port);
+    char waiting;
+    if (read(sv[0], &waiting, 1) != 1 || waiting != 'w') die("the egress relay did not start (%s%s)", "");
+    return sv[0];
+}
+
+/* After the restore, with network="allow": the relay listens on the port
+ * given before any command can run (the agent is told to go after this). */
+static void start_egress(int relay) {
+    const char *port = get("egress");
+    if (!port) return;
+    char ack = 0;
+    if (write(relay, port, strlen(port)) < 0 || read(relay, &ack, 1) != 1 || ack != 'l')
+        die("the egress relay cannot listen on port %s (%s)", port);
+    close(relay);
+    mark("egress relay listening");
+}
+
+/* The guest's loopback comes up before the snapshot in every VM (the relay
+ * listens on it; programs use it as on any host).  It is the only interface. */
+static void loopback_up(void) {
+    struct ifreq ifr = {0};
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo");
+    if (fd < 0 || ioctl(fd, SIOCGIFFLAGS, &ifr) < 0) die("loopback (%s%s)", "");
+    ifr.ifr_flags |= IFF_UP;
+    if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0) die("cannot bring up loopback (%s%s)", "");
+    close(fd);
+}
+
 static char config_buf[MAX_CONFIG + 1];
 
 static void read_config(int port) {
@@ -465,9 +528,11 @@ int main(void) {
     mount("dev", "/dev", "devtmpfs", 0, NULL);
     load_modules();
     early_setup();
-    int port = open_port();
+    int port = open_port("corral");
     pid_t agent;
     int agent_go = start_agent(port, &agent);
+    loopback_up();
+    int relay = start_relay(open_port("corral-net"));
     /* after the agent was cloned: it (and so every command) must not inherit it */
     serial_io = ioperm(0x3f8, 8, 1) == 0;
     /* write every page pid 1 will write after the restore (the configuration
@@ -507,6 +572,7 @@ int main(void) {
     if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
     if (chroot(".") < 0 || chdir("/") < 0) die("chroot (%s%s)", "");
     mark("switch root");
+    start_egress(relay);
 
     if (write(agent_go, "g", 1) != 1) die("cannot start the agent (%s%s)", "");
     close(agent_go);

@@ -30,6 +30,9 @@ MAX_LAYERS = 4
 #: (CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES is off)
 MACHINE = "microvm,x-option-roms=off,rtc=on,memory-backend=mem"
 AGENT_PORT = "corral"
+#: the second virtio-serial port, in every VM: network="allow"'s connections,
+#: multiplexed (the guest's relay_mux.c, the host's egress_bridge.py)
+EGRESS_PORT = "corral-net"
 
 
 def kernel_args(accel: str) -> str:
@@ -90,6 +93,9 @@ class VMPaths:
     agent_socket: Path
     qmp_socket: Path
     console_log: Path
+    #: the template boot's egress chardev: a socket nobody connects to, so the
+    #: snapshot holds the port as "host not connected" (see command_line)
+    egress_socket: Path | None = None
 
 
 def qemu_binary() -> str:
@@ -124,6 +130,7 @@ def command_line(
     workspace_readonly: bool,
     incoming: bool = False,
     listen_fds: tuple[int, int] | None = None,
+    egress_fd: int | None = None,
     runas: int | None = None,
 ) -> list[str]:
     """``incoming``: wait for ``migrate-incoming`` (a restore).  Templates are
@@ -131,7 +138,10 @@ def command_line(
     a restored VM starts running as soon as it is loaded, without a ``cont``
     round trip.  ``listen_fds``: (agent, QMP)
     Unix sockets already listening, created by the caller: it can connect (and
-    queue the configuration) at once instead of polling for QEMU's sockets."""
+    queue the configuration) at once instead of polling for QEMU's sockets.
+    ``egress_fd``: the egress port's listening socket (network="allow"); without
+    it and without ``paths.egress_socket`` the port is backed by ``null``: the
+    device set, and so the snapshot, is the same either way."""
     if len(layers) != MAX_LAYERS:
         raise ValueError(f"exactly {MAX_LAYERS} layer exports are needed")
     argv = [
@@ -158,6 +168,18 @@ def command_line(
             "-mon", "chardev=qmp,mode=control",
         ]
     argv += ["-device", f"virtserialport,chardev=agent,name={AGENT_PORT}"]
+    # The template's port is an unconnected socket: a restored guest then believes
+    # no host is there until QEMU really has one (a socket chardev drops what is
+    # written before it is connected; the guest's relay blocks instead).  A VM
+    # without egress gets ``null``: nothing on the host, and nothing in the guest
+    # ever writes to the port.
+    if egress_fd is not None:
+        argv += ["-chardev", f"socket,id=egress,fd={egress_fd},server=on,wait=off"]
+    elif paths.egress_socket is not None:
+        argv += ["-chardev", f"socket,id=egress,path={paths.egress_socket},server=on,wait=off"]
+    else:
+        argv += ["-chardev", "null,id=egress"]
+    argv += ["-device", f"virtserialport,chardev=egress,name={EGRESS_PORT}"]
     for index, path in enumerate(layers):
         argv += [
             "-fsdev", f"local,id=layer{index},path={path},security_model=none,readonly=on",

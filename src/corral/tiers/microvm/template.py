@@ -34,7 +34,7 @@ from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "7"
+TEMPLATE_VERSION = "8"  # 8: the egress port "corral-net", loopback up, the relay pre-started
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0
@@ -71,7 +71,7 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
     """Boot a guest to its ready marker with RAM in ``work/ram`` (shared); returns (proc, qmp, boot seconds)."""
     empty = work / "empty"
     empty.mkdir(exist_ok=True)
-    paths = qemu.VMPaths(work / "agent.sock", work / "qmp.sock", work / "console.log")
+    paths = qemu.VMPaths(work / "agent.sock", work / "qmp.sock", work / "console.log", work / "egress.sock")
     argv = qemu.command_line(
         accel=accel, ram_mb=ram_mb, mem_path=work / "ram", share=True, assets=assets, paths=paths,
         layers=[empty] * qemu.MAX_LAYERS, workspace=empty, workspace_readonly=False,
@@ -186,7 +186,7 @@ def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for name in ("agent.sock", "qmp.sock", "qemu.log", "console.log"):
+        for name in ("agent.sock", "qmp.sock", "egress.sock", "qemu.log", "console.log"):
             (work / name).unlink(missing_ok=True)
         (work / "empty").rmdir()
         (work / "meta.json").write_text(json.dumps({

@@ -8,7 +8,10 @@ One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
   QEMU's own overhead, cpu quota, pids) and running as a per-sandbox
   unprivileged host uid once its files are open (``-runas``);
 - its ``run_dir``: the QMP and agent sockets, the console log and a
-  size-limited tmpfs with the workspace copy the guest reaches over 9p.
+  size-limited tmpfs with the workspace copy the guest reaches over 9p;
+- with ``network="allow"``: the egress proxy (a thread, its socket in the run
+  dir) and the bridge thread that carries the guest's connections from the
+  VM's egress port to it (``egress_bridge.py``).
 
 Inside the guest, commands run in leaves of a guest cgroup carrying the
 memory and pids limits: OOM is read from the leaf's ``memory.events`` and a
@@ -31,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ...egress.network import PROXY_PORT, SandboxNetwork
 from ...errors import HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
 from ...host.workspace import WorkspaceCopy
@@ -40,6 +44,7 @@ from ..agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..rootfs import allocate_uid, release_uid
 from . import guest, qemu, template
+from .egress_bridge import EgressBridge
 
 #: guest RAM on top of the sandbox's memory limit: kernel, agent, page cache
 GUEST_OVERHEAD_MB = 96
@@ -106,10 +111,13 @@ class MicroVMTier(Tier):
                                      "qemu": qemu.qemu_version()})
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
-        if spec.network != "none":
-            # the VM has no network device at all; egress would need a tap device
-            # in a netns wired to the egress layer
-            raise InvalidSpec(f"network {spec.network!r} is not available in the microvm tier yet; use 'none'")
+        if spec.network == "open":
+            # the VM has no network device, only its egress port to the proxy; `open` would
+            # need a virtio-net device (a tap in the open mode's namespace): a different
+            # device set, so templates of their own, and QEMU's network backend as host
+            # attack surface
+            raise InvalidSpec("network 'open' is not available in the microvm tier: the VM has no network "
+                              "device, only a port to the egress proxy; use 'allow' (with an allowlist) or 'none'")
         return MicroVMSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
@@ -141,6 +149,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._channel: AgentChannel | None = None
+        self._bridge: EgressBridge | None = None
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
         #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
@@ -191,10 +200,24 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         }
         for index, (point, _) in enumerate(image.layers):
             config[f"layer{index}"] = point
+        if spec.network == "allow":
+            # the proxy on the host; the guest's relay listens on this port (guestinit)
+            self.network = SandboxNetwork(spec, self.id, run, uid, host_namespace=False)
+            config["egress"] = str(PROXY_PORT)
         if self._trace:
             config["trace"] = "1"  # guestinit writes its step timestamps to console.log
         self._launch(tmpl, layers, ws, config)
+        self._place_network_files()
         self.timings["total"] = time.monotonic() - t0
+
+    def _place_network_files(self) -> None:
+        """The proxy's files (Node preload, the sandbox CA in the trust bundle) into the
+        guest's root, through the agent: the other tiers build them into the root they mount."""
+        if self.network is None:
+            return
+        channel = self._live()
+        for path, data in self.network.files.items():
+            channel.write_file(path, data, 0o644)
 
     def _launch(self, tmpl: template.Template, layers: list[Path], ws: Path, config: dict[str, str]) -> None:
         """Start QEMU restoring the template and queue the configuration for the guest.
@@ -209,7 +232,10 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         paths = qemu.VMPaths(run / "agent.sock", run / "qmp.sock", run / "console.log")
         readonly = bool(self.spec.workspace and self.spec.workspace.mode == "ro")
         listeners = []
-        for path in (paths.agent_socket, paths.qmp_socket):
+        sockets = [paths.agent_socket, paths.qmp_socket]
+        if self.network is not None:
+            sockets.append(run / "egress.sock")  # the egress port's chardev: connected to the bridge
+        for path in sockets:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listeners.append(listener)
             listener.bind(str(path))
@@ -219,7 +245,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         argv = qemu.command_line(
             accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=tmpl.ram, share=False, assets=self._tier.assets,
             paths=paths, layers=layers, workspace=ws, workspace_readonly=readonly, incoming=True,
-            listen_fds=fds, runas=self.uid,
+            listen_fds=fds, runas=self.uid, egress_fd=listeners[2].fileno() if len(listeners) > 2 else None,
         )
         # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
         # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
@@ -239,7 +265,8 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         try:
             with open(run / "qemu.log", "wb") as log:
                 self._proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(state, *fds), cwd="/",
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
+                    pass_fds=(state, *(listener.fileno() for listener in listeners)),
                 )
             self.timings["qemu_spawned"] = time.monotonic() - t0
             # both connects complete at once (the listen backlog): QEMU accepts later
@@ -247,6 +274,8 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             self._sock.connect(str(paths.agent_socket))
             payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
             self._sock.sendall(struct.pack("<I", len(payload)) + payload)
+            if len(sockets) > 2:
+                self._start_bridge(sockets[2])
             qmp_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             qmp_sock.connect(str(paths.qmp_socket))
             qmp = qemu.QMP(qmp_sock, timeout=START_TIMEOUT)  # returns once QEMU is up
@@ -273,6 +302,18 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         except SandboxClosed:
             raise SandboxError(f"the restored guest did not start its agent: {self._log_tail()}") from None
         self.timings["ready"] = time.monotonic() - t0
+
+    def _start_bridge(self, path: Path) -> None:
+        """Connect to the egress port's chardev (QEMU accepts it later, before the guest
+        runs) and carry its connections to the proxy from a thread of our own."""
+        assert self.network is not None and self.network.proxy_socket is not None
+        port = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            port.connect(str(path))
+        except OSError:
+            port.close()
+            raise
+        self._bridge = EgressBridge(self.id, port, self.network.proxy_socket)
 
     def _trace_restore(self, qmp: qemu.QMP, t0: float) -> None:
         """When tracing (bench/microvm.py): when the restored VM started running.
@@ -306,6 +347,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel = self._live()
+        request = self.with_network_env(request)
         with self._lock:
             self._exec_count += 1
             leaf = f"{GUEST_CGROUP}/e{self._exec_count}"
@@ -388,6 +430,11 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             if self.cgroup is not None:
                 self.cgroup.destroy()
         finally:
+            # after QEMU: no guest connection can arrive any more
+            if self._bridge is not None:
+                self._bridge.close()
+            if self.network is not None:
+                self.network.close()
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             release_uid(self._tier.state_dir, self.uid)

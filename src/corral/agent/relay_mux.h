@@ -1,0 +1,5 @@
+/* The microVM guest's egress relay (relay_mux.c): connections multiplexed over a virtio-serial port. */
+#ifndef CORRAL_RELAY_MUX_H
+#define CORRAL_RELAY_MUX_H
+int relay_mux_main(int wait_fd);
+#endif

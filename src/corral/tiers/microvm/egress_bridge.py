@@ -1,0 +1,299 @@
+"""The host side of a microVM's egress port (network="allow").
+
+The guest has no network device and this host no vsock, so the egress proxy's
+Unix socket cannot be bound into the VM as the other tiers do.  Instead the
+guest's relay (``corral-agent --relay-mux``, ``agent/relay_mux.c``) accepts on
+the guest's loopback and multiplexes every connection over a second
+virtio-serial port; this bridge opens one connection to the proxy's socket per
+guest connection and copies between them.  The proxy decides everything, as
+for every tier: the bridge only carries bytes, and it treats what the guest
+sends as untrusted (a command runs as guest root and could speak on the port
+itself).
+
+Frames, both directions: ``u8 type | u32 connection | u32 length | payload``.
+Flow control is per connection and credit based (``DOWN_WINDOW`` bytes in
+flight to the guest, ``UP_WINDOW`` from it): a guest client that stops reading
+holds up only its own connection, and neither side buffers more than its
+window per connection.
+The port is always read.
+
+One thread per sandbox, one selector: the traffic is bounded by what TCG
+moves through virtio-serial, far below what a thread copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import struct
+import threading
+from pathlib import Path
+
+M_HELLO, M_OPEN, M_DATA, M_EOF, M_CLOSE, M_CREDIT = 1, 2, 3, 4, 5, 6
+HEADER = struct.Struct("<BII")
+#: the largest DATA payload either side sends (relay_mux.c's MUX_CHUNK)
+CHUNK = 65536
+#: bytes in flight per connection to the guest (relay_mux.c's DOWN_WINDOW): large, because
+#: under TCG a credit takes milliseconds to come back (100 MB through curl: 27 MB/s with
+#: 256 KiB, 41 MB/s with 1 MiB); the guest's relay holds it only for a client that does not read
+DOWN_WINDOW = 1024 * 1024
+#: bytes in flight per connection from the guest (relay_mux.c's UP_WINDOW): what this process
+#: may have to hold per connection while the proxy does not read, so small
+UP_WINDOW = 256 * 1024
+CREDIT_STEP = UP_WINDOW // 4
+#: connections at once (relay_mux.c's MUX_MAX): more are refused with CLOSE
+MAX_CONNECTIONS = 256
+#: stop reading proxy connections while this much waits for the port
+OUTQ_HIGH = 1 << 20
+
+
+class _Conn:
+    __slots__ = ("consumed", "got_eof", "id", "mask", "out", "sent_eof", "shut", "sock", "window")
+
+    def __init__(self, conn_id: int, sock: socket.socket) -> None:
+        self.id = conn_id
+        self.sock = sock
+        self.out = bytearray()  # from the guest, not yet taken by the proxy
+        self.window = DOWN_WINDOW  # bytes we may still send the guest
+        self.consumed = 0  # passed to the proxy, not yet credited to the guest
+        self.sent_eof = False  # the proxy closed its side: EOF sent to the guest
+        self.got_eof = False  # the guest's client is done sending
+        self.shut = False  # our write side to the proxy is shut
+        self.mask = 0  # what the selector watches
+
+
+class EgressBridge:
+    """Copies between the guest's egress port (``port``, connected) and the proxy's socket.
+
+    :meth:`close` ends the thread and closes every socket it holds, the port's included."""
+
+    def __init__(self, sandbox_id: str, port: socket.socket, proxy_socket: Path) -> None:
+        self._port = port
+        self._proxy_socket = str(proxy_socket)
+        self._port.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._port_mask = selectors.EVENT_READ
+        self._sel.register(self._port, self._port_mask, self._port)
+        self._conns: dict[int, _Conn] = {}
+        self._inbuf = bytearray()
+        self._outq = bytearray()
+        self._closing = False
+        #: set when the guest's relay said HELLO (it listens and the port is connected)
+        self.hello = threading.Event()
+        #: connections the guest opened so far (tests, bench)
+        self.opened = 0
+        self._thread = threading.Thread(target=self._run, name=f"egress-vm-{sandbox_id}", daemon=True)
+        self._thread.start()
+
+    # -- lifecycle -------------------------------------------------------
+    def close(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _teardown(self) -> None:
+        for conn in list(self._conns.values()):
+            conn.sock.close()
+        self._conns.clear()
+        self._sel.close()
+        for sock in (self._port, self._wake_r, self._wake_w):
+            sock.close()
+
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                for key, mask in self._sel.select():
+                    if key.data is None:
+                        return  # woken by close()
+                    if key.data is self._port:
+                        if mask & selectors.EVENT_READ and not self._read_port():
+                            return  # QEMU is gone (or the guest broke the protocol)
+                        if mask & selectors.EVENT_WRITE and not self._flush_port():
+                            return
+                    else:
+                        conn: _Conn = key.data
+                        if self._conns.get(conn.id) is not conn:
+                            continue  # dropped earlier in this round
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush_conn(conn)
+                        if mask & selectors.EVENT_READ and self._conns.get(conn.id) is conn:
+                            self._read_conn(conn)
+                if self._outq and not self._flush_port():
+                    return
+                self._rearm()
+        except OSError:
+            pass  # a socket we rely on failed: the sandbox's egress ends with this thread
+        finally:
+            self._teardown()
+
+    # -- the port (guest side) ------------------------------------------------
+    def _queue(self, kind: int, conn_id: int, payload: bytes = b"") -> None:
+        self._outq += HEADER.pack(kind, conn_id, len(payload))
+        self._outq += payload
+
+    def _flush_port(self) -> bool:
+        try:
+            while self._outq:
+                sent = self._port.send(self._outq)
+                del self._outq[:sent]
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+        return True
+
+    def _read_port(self) -> bool:
+        try:
+            data = self._port.recv(1 << 18)
+        except BlockingIOError:
+            return True
+        if not data:
+            return False
+        buf = self._inbuf
+        buf += data
+        at = 0
+        view = memoryview(buf)
+        try:
+            while len(buf) - at >= HEADER.size:
+                kind, conn_id, length = HEADER.unpack_from(buf, at)
+                if length > CHUNK:
+                    return False  # not the relay speaking: stop serving this VM
+                end = at + HEADER.size + length
+                if end > len(buf):
+                    break
+                self._guest_frame(kind, conn_id, view[at + HEADER.size:end])
+                at = end
+        finally:
+            view.release()
+        del buf[:at]
+        return True
+
+    def _guest_frame(self, kind: int, conn_id: int, payload: memoryview) -> None:
+        if kind == M_OPEN:
+            self._open(conn_id)
+            return
+        if kind == M_HELLO:
+            self.hello.set()
+            return
+        conn = self._conns.get(conn_id)
+        if conn is None:
+            return  # closed meanwhile: late frames are expected
+        if kind == M_DATA:
+            if conn.got_eof or len(conn.out) + len(payload) > UP_WINDOW:
+                self._drop(conn, tell_guest=True)  # the guest broke the window
+                return
+            if conn.out:
+                conn.out += payload
+            else:
+                try:
+                    sent = conn.sock.send(payload)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    self._drop(conn, tell_guest=True)
+                    return
+                conn.out += payload[sent:]
+                self._consumed(conn, sent)
+        elif kind == M_EOF:
+            conn.got_eof = True
+            self._flush_conn(conn)
+        elif kind == M_CLOSE:
+            self._drop(conn, tell_guest=False)
+        elif kind == M_CREDIT and len(payload) == 4:
+            conn.window = min(DOWN_WINDOW, conn.window + struct.unpack("<I", payload)[0])
+
+    # -- connections to the proxy ----------------------------------------------
+    def _open(self, conn_id: int) -> None:
+        if conn_id in self._conns or len(self._conns) >= MAX_CONNECTIONS:
+            self._queue(M_CLOSE, conn_id)
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            # a Unix socket connects at once, or fails at once (EAGAIN: the proxy's backlog is full)
+            sock.connect(self._proxy_socket)
+        except OSError:
+            sock.close()
+            self._queue(M_CLOSE, conn_id)
+            return
+        self._conns[conn_id] = _Conn(conn_id, sock)
+        self.opened += 1
+
+    def _consumed(self, conn: _Conn, count: int) -> None:
+        conn.consumed += count
+        if conn.consumed >= CREDIT_STEP:
+            self._queue(M_CREDIT, conn.id, struct.pack("<I", conn.consumed))
+            conn.consumed = 0
+
+    def _flush_conn(self, conn: _Conn) -> None:
+        if conn.out:
+            try:
+                sent = conn.sock.send(conn.out)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._drop(conn, tell_guest=True)
+                return
+            del conn.out[:sent]
+            self._consumed(conn, sent)
+        if not conn.out and conn.got_eof and not conn.shut:
+            conn.shut = True
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
+            self._maybe_finish(conn)
+
+    def _read_conn(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(min(conn.window, CHUNK))
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(conn, tell_guest=True)
+            return
+        if not data:
+            conn.sent_eof = True
+            self._queue(M_EOF, conn.id)
+            self._maybe_finish(conn)
+            return
+        conn.window -= len(data)
+        self._queue(M_DATA, conn.id, data)
+
+    def _maybe_finish(self, conn: _Conn) -> None:
+        # both halves done and nothing left for the proxy: both sides forget it
+        if conn.sent_eof and conn.shut:
+            self._drop(conn, tell_guest=False)
+
+    def _drop(self, conn: _Conn, *, tell_guest: bool) -> None:
+        if tell_guest:
+            self._queue(M_CLOSE, conn.id)
+        self._conns.pop(conn.id, None)
+        if conn.mask:
+            self._sel.unregister(conn.sock)
+        conn.sock.close()
+
+    def _rearm(self) -> None:
+        """Watch each socket for exactly what it can do now (and the port for output when queued)."""
+        reading = len(self._outq) < OUTQ_HIGH
+        for conn in self._conns.values():
+            mask = 0
+            if reading and not conn.sent_eof and conn.window > 0:
+                mask |= selectors.EVENT_READ
+            if conn.out:
+                mask |= selectors.EVENT_WRITE
+            if mask != conn.mask:
+                if not conn.mask:
+                    self._sel.register(conn.sock, mask, conn)
+                elif not mask:
+                    self._sel.unregister(conn.sock)
+                else:
+                    self._sel.modify(conn.sock, mask, conn)
+                conn.mask = mask
+        port_mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if self._outq else 0)
+        if port_mask != self._port_mask:
+            self._sel.modify(self._port, port_mask, self._port)
+            self._port_mask = port_mask

@@ -1,0 +1,182 @@
+"""The microVM egress bridge without a VM: its port is one end of a socketpair, the test speaks
+the guest relay's side of the protocol, and the "proxy" is an echo server on a Unix socket.
+The guest is untrusted: window violations, too many connections and oversized frames must
+end in CLOSE or a closed port, never in unbounded buffering."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral.tiers.microvm.egress_bridge import (
+    CHUNK,
+    HEADER,
+    M_CLOSE,
+    M_CREDIT,
+    M_DATA,
+    M_EOF,
+    M_HELLO,
+    M_OPEN,
+    MAX_CONNECTIONS,
+    UP_WINDOW,
+    EgressBridge,
+)
+
+
+class Guest:
+    """The relay's side of the port."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.settimeout(10)
+        self.buf = b""
+        #: DATA received so far per connection
+        self.data: dict[int, bytes] = {}
+
+    def send(self, kind: int, conn: int, payload: bytes = b"") -> None:
+        self.sock.sendall(HEADER.pack(kind, conn, len(payload)) + payload)
+
+    def frame(self) -> tuple[int, int, bytes]:
+        while True:
+            if len(self.buf) >= HEADER.size:
+                kind, conn, length = HEADER.unpack_from(self.buf)
+                if len(self.buf) >= HEADER.size + length:
+                    payload = self.buf[HEADER.size:HEADER.size + length]
+                    self.buf = self.buf[HEADER.size + length:]
+                    return kind, conn, payload
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+
+    def until(self, kind: int, conn: int) -> bytes:
+        """Read frames, keeping and crediting every connection's DATA, up to ``conn``'s frame of
+        ``kind``; returns what ``conn`` received so far."""
+        while True:
+            got_kind, got_conn, payload = self.frame()
+            if got_kind == M_DATA:
+                self.data[got_conn] = self.data.get(got_conn, b"") + payload
+                self.send(M_CREDIT, got_conn, struct.pack("<I", len(payload)))
+            if (got_kind, got_conn) == (kind, conn):
+                return self.data.get(conn, b"")
+
+
+@pytest.fixture
+def echo(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "proxy.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(512)
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the bridge may drop a connection (window broken)
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield path
+    server.close()
+
+
+@pytest.fixture
+def pair(echo: Path) -> Iterator[tuple[EgressBridge, Guest]]:
+    host, guest = socket.socketpair()
+    bridge = EgressBridge("sb-test", host, echo)
+    try:
+        yield bridge, Guest(guest)
+    finally:
+        bridge.close()
+        guest.close()
+
+
+def test_connections_are_carried_both_ways_and_half_closed(pair: tuple[EgressBridge, Guest]) -> None:
+    bridge, guest = pair
+    guest.send(M_HELLO, 0)
+    big = bytes(range(256)) * 4096  # 1 MiB: four times the window from the guest
+    for conn in (1, 2):
+        guest.send(M_OPEN, conn)
+    sent = 0
+    window = UP_WINDOW
+    while sent < len(big):  # the guest sends only what the bridge credited
+        chunk = big[sent:sent + min(CHUNK, window)]
+        if chunk:
+            guest.send(M_DATA, 1, chunk)
+            sent += len(chunk)
+            window -= len(chunk)
+        kind, conn, payload = guest.frame()
+        if kind == M_CREDIT:
+            window += struct.unpack("<I", payload)[0]
+        elif kind == M_DATA:
+            guest.data[conn] = guest.data.get(conn, b"") + payload
+            guest.send(M_CREDIT, conn, struct.pack("<I", len(payload)))
+    guest.send(M_DATA, 2, b"second")
+    guest.send(M_EOF, 2)
+    assert guest.until(M_EOF, 2) == b"second"  # the echo server saw EOF and closed: EOF back
+    guest.send(M_EOF, 1)
+    assert guest.until(M_EOF, 1) == big
+    assert bridge.hello.is_set() and bridge.opened == 2
+    assert not bridge._conns  # both halves closed: forgotten
+
+
+def test_a_guest_breaking_the_window_loses_that_connection_only(pair: tuple[EgressBridge, Guest]) -> None:
+    bridge, guest = pair
+    guest.send(M_OPEN, 7)
+    guest.send(M_OPEN, 8)
+    # the echo answers what fits; the rest the bridge must hold. Beyond the window: CLOSE
+    for _ in range(UP_WINDOW // CHUNK + 64):
+        guest.send(M_DATA, 7, b"x" * CHUNK)
+    guest.until(M_CLOSE, 7)
+    assert 7 not in bridge._conns
+    guest.send(M_DATA, 8, b"still here")
+    guest.send(M_EOF, 8)
+    assert guest.until(M_EOF, 8) == b"still here"
+
+
+def test_too_many_connections_are_refused(pair: tuple[EgressBridge, Guest]) -> None:
+    bridge, guest = pair
+    for conn in range(1, MAX_CONNECTIONS + 2):
+        guest.send(M_OPEN, conn)
+    assert guest.until(M_CLOSE, MAX_CONNECTIONS + 1) == b""
+    assert len(bridge._conns) == MAX_CONNECTIONS
+
+
+def test_an_oversized_frame_ends_the_bridge_and_close_leaves_nothing(echo: Path) -> None:
+    host, guest_sock = socket.socketpair()
+    bridge = EgressBridge("sb-test", host, echo)
+    guest = Guest(guest_sock)
+    guest.send(M_OPEN, 1)
+    guest.sock.sendall(HEADER.pack(M_DATA, 1, CHUNK + 1))
+    with pytest.raises(EOFError):  # the bridge closed the port: QEMU would drop the guest's side
+        while True:
+            guest.frame()
+    bridge._thread.join(5)
+    assert not bridge._thread.is_alive()
+    assert host.fileno() == -1 and not bridge._conns
+    bridge.close()  # idempotent after the thread ended by itself
+    guest_sock.close()
+
+
+def test_close_ends_the_thread_and_every_socket(pair: tuple[EgressBridge, Guest]) -> None:
+    bridge, guest = pair
+    guest.send(M_OPEN, 1)
+    guest.send(M_DATA, 1, b"ping")
+    assert guest.frame() == (M_DATA, 1, b"ping")
+    conns = list(bridge._conns.values())
+    bridge.close()
+    assert not bridge._thread.is_alive()
+    assert all(conn.sock.fileno() == -1 for conn in conns)
+    assert [t for t in threading.enumerate() if t.name == "egress-vm-sb-test"] == []
