@@ -81,12 +81,19 @@ _keys_lock = threading.Lock()
 
 def _small_tree_key(root: Path, h: hashlib._Hash) -> bool:
     """Hash every entry (metadata and bytes) of a tree; False if it has more than SMALL_TREE."""
+    count, pending = 0, [str(root)]
+    while pending:  # counted first, cheaply: a large tree is neither sorted nor read
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                count += 1
+                if count > SMALL_TREE:
+                    return False
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
     paths: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         paths += [os.path.join(dirpath, name) for name in sorted([".", *dirnames, *filenames])]
-        if len(paths) > SMALL_TREE:
-            return False  # before reading any file: a large tree's bytes are not hashed
     for path in paths:
         st = os.lstat(path)
         h.update(f"{os.path.relpath(path, root)}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_mtime_ns}"
