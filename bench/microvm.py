@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 
 from corral import Sandbox
+from corral.images import resolve
 from corral.tiers.microvm import MicroVMSandbox
 from corral.tiers.microvm import template as templates
 from corral.tiers.microvm.guest import assets
+from corral.tiers.microvm.rootdisk import image_disk
 
 
 def pct(values: list[float], q: float) -> float:
@@ -189,10 +191,11 @@ def main() -> None:
         sb.kill()
 
     guest = assets()
+    disk = image_disk(resolve("host", Path(os.environ["CORRAL_STATE_DIR"])))
     boots = []
     for _ in range(args.boots):
         with tempfile.TemporaryDirectory(prefix="corral-boot-") as tmp:
-            proc, qmp, seconds = templates._boot(Path(tmp), guest, accel, 384, time.monotonic() + 180)
+            proc, qmp, seconds = templates._boot(Path(tmp), guest, accel, 384, time.monotonic() + 180, disk)
             qmp.close()
             proc.kill()
             proc.wait()

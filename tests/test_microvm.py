@@ -27,9 +27,9 @@ import pytest
 
 from corral import Sandbox
 from corral.errors import InvalidSpec
-from corral.images import resolve
+from corral.images import ImageLayout, resolve
 from corral.tiers import tier_class
-from corral.tiers.microvm import MicroVMSandbox
+from corral.tiers.microvm import MicroVMSandbox, rootdisk
 
 from .leaks import all_leftovers, sandbox_leftovers
 
@@ -450,3 +450,42 @@ def test_killed_owner_is_reaped_by_gc(state_dir: Path, network: str) -> None:
     assert sandbox_id in result.stdout
     assert not _alive(pid)
     assert sandbox_leftovers(sandbox_id, state_dir) == []
+
+
+def test_image_disk_merges_the_layers_keeping_metadata_and_is_built_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (no VM: the disk alone, in a cache of its own)
+    monkeypatch.setenv("CORRAL_MICROVM_CACHE", str(tmp_path / "cache"))
+    top, usr = tmp_path / "top", tmp_path / "usr"
+    (top / "etc").mkdir(parents=True)
+    (top / "usr").mkdir()
+    (top / "etc" / "secret").write_text("s")
+    os.chmod(top / "etc" / "secret", 0o600)
+    os.chown(top / "etc" / "secret", 1234, 5678)
+    os.symlink("usr/bin", top / "bin")
+    (usr / "bin").mkdir(parents=True)
+    (usr / "bin" / "tool").write_text("#!/bin/sh\n")
+    os.chmod(usr / "bin" / "tool", 0o755)
+    os.utime(top / "etc", (1_600_000_000, 1_600_000_000))
+    layout = ImageLayout("test", (("/", top), ("/usr", usr)))
+    disk = rootdisk.image_disk(layout)
+    out = tmp_path / "out"
+    subprocess.run(["fsck.erofs", f"--extract={out}", str(disk.path)], check=True, capture_output=True)
+    secret = (out / "etc" / "secret").stat()
+    assert (secret.st_mode & 0o7777, secret.st_uid, secret.st_gid) == (0o600, 1234, 5678)
+    assert (out / "etc").stat().st_mtime == 1_600_000_000
+    assert os.readlink(out / "bin") == "usr/bin"
+    assert (out / "usr" / "bin" / "tool").read_text() == "#!/bin/sh\n"  # the second layer, merged
+    assert os.access(out / "usr" / "bin" / "tool", os.X_OK)
+    assert not os.path.ismount(top / "usr")  # the bind mounts went with their namespace
+    assert rootdisk.image_disk(layout) == disk  # built once: the same file and build id
+    rootdisk._keys.clear()
+    (top / "etc" / "secret").write_text("t")  # same size, other bytes
+    assert rootdisk.content_key(layout) != disk.key.split("-")[0]
+
+
+def test_the_host_images_disk_is_the_same_in_every_state_dir(tmp_path: Path) -> None:
+    # the skeleton is per state dir; its disk (minutes to build) must not be
+    a, b = resolve("host", tmp_path / "a"), resolve("host", tmp_path / "b")
+    assert a.layers[0][1] != b.layers[0][1]
+    assert rootdisk.content_key(a) == rootdisk.content_key(b)

@@ -83,7 +83,10 @@ def identity_files(hostname: str = "sandbox") -> dict[str, str]:
     }
 
 
-_HOST_SKELETON_VERSION = "4"
+_HOST_SKELETON_VERSION = "5"
+#: every skeleton entry gets this mtime: skeletons built in different state dirs are then
+#: identical, so the microVM tier's disk of the host image (keyed by content) is shared
+_SKELETON_MTIME = 1_700_000_000
 
 
 _skeleton_lock = threading.Lock()
@@ -142,6 +145,10 @@ def _build_host_skeleton(target: Path) -> None:
             if src.is_file():
                 shutil.copyfile(src, tmp / "etc" / name)
         os.chmod(tmp, 0o755)
+        for dirpath, dirnames, filenames in os.walk(tmp, topdown=False):
+            for name in (*dirnames, *filenames):
+                os.utime(os.path.join(dirpath, name), (_SKELETON_MTIME, _SKELETON_MTIME), follow_symlinks=False)
+        os.utime(tmp, (_SKELETON_MTIME, _SKELETON_MTIME))
         os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

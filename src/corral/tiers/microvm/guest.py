@@ -36,12 +36,18 @@ MODULES = (
     "drivers/virtio/virtio.ko",
     "drivers/virtio/virtio_mmio.ko",
     "drivers/char/virtio_console.ko",
+    "drivers/block/virtio_blk.ko",
     "net/9p/9pnet.ko",
     "net/9p/9pnet_virtio.ko",
     "fs/netfs/netfs.ko",
     "fs/fscache/fscache.ko",
     "fs/9p/9p.ko",
     "fs/overlayfs/overlay.ko",
+    # the image's disk (rootdisk): libcrc32c needs a crc32c implementation registered
+    # first (its init would ask for one through modprobe, which the guest lacks)
+    "crypto/crc32c_generic.ko",
+    "lib/libcrc32c.ko",
+    "fs/erofs/erofs.ko",
 )
 KERNEL_META_PACKAGE = "linux-image-amd64"
 INIT_SOURCE = Path(__file__).with_name("guestinit.c")
@@ -115,15 +121,21 @@ def _module_depends(ko: Path) -> list[str]:
     return [d for d in match.group(1).decode().split(",") if d] if match else []
 
 
+def _complete(kdir: Path) -> bool:
+    return all((kdir / "modules" / Path(rel).name).is_file() for rel in MODULES)
+
+
 def kernel_dir() -> Path:
-    """Download and unpack the guest kernel once; returns the cache directory holding it."""
+    """Download and unpack the guest kernel once; returns the cache directory holding it.
+    A cached kernel lacking a module MODULES now lists gets it added (modules are only
+    ever added, each renamed into place: older code sharing the cache keeps working)."""
     root = cache_dir() / "kernels"
     existing = sorted(p for p in root.glob("*") if (p / "vmlinuz").is_file()) if root.is_dir() else []
-    if existing:
+    if existing and _complete(existing[-1]):
         return existing[-1]
     with cache_lock("kernel"):
         existing = sorted(p for p in root.glob("*") if (p / "vmlinuz").is_file()) if root.is_dir() else []
-        if existing:
+        if existing and _complete(existing[-1]):
             return existing[-1]
         package = _newest_kernel_package()
         root.mkdir(parents=True, exist_ok=True)
@@ -155,7 +167,12 @@ def kernel_dir() -> Path:
                 loaded.add(ko.stem)
             (target / "release").write_text(release + "\n")
             final = root / release
-            os.rename(target, final)
+            if final.is_dir():
+                for module in (target / "modules").iterdir():
+                    if not (final / "modules" / module.name).is_file():
+                        os.rename(module, final / "modules" / module.name)
+            else:
+                os.rename(target, final)
             return final
         finally:
             shutil.rmtree(work, ignore_errors=True)

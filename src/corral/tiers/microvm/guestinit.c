@@ -4,24 +4,25 @@
  * Two phases, split by the snapshot:
  *
  *  1. boot (runs once, in the template VM): mount /proc, /sys, /dev, load the
- *     virtio and 9p modules from the initramfs, do everything that does not
- *     depend on the sandbox (cgroups, the /rw tmpfs, open files, start
- *     corral-agent waiting for "go"), open the virtio-serial port named
- *     "corral", say "corral-guest-ready" on it and wait for the sandbox's
- *     configuration.  The host snapshots the VM right here.  Under TCG every
- *     code path a restored VM runs is translated afresh (the translation
- *     cache is not in the snapshot), so the less phase 2 does, the faster
- *     every sandbox starts.
+ *     virtio, 9p and EROFS modules from the initramfs, do everything that does
+ *     not depend on the sandbox (cgroups, the /rw tmpfs, open files, start
+ *     corral-agent waiting for "go"), mount the image's read-only disk under
+ *     an overlay whose upper layer lives on /rw and switch root into it, open
+ *     the virtio-serial port named "corral", say "corral-guest-ready" on it
+ *     and wait for the sandbox's configuration.  The host snapshots the VM
+ *     right here.  Under TCG every code path a restored VM runs is translated
+ *     afresh (the translation cache is not in the snapshot), so the less
+ *     phase 2 does, the faster every sandbox starts.
  *
  *  2. configure (runs in every VM restored from that snapshot): read the
  *     configuration frame (u32 length + NUL-separated key=value), reseed the
  *     kernel RNG with the host's fresh entropy (every restored VM starts from
  *     identical RNG state), set the clock and hostname, set the limits of the
- *     cgroup the sandbox's commands run in, mount the image layers
- *     (virtio-9p, read-only) under overlays whose upper layers live on the
- *     size-limited tmpfs, mount the workspace, switch root and tell the agent
- *     to go (its stdin/stdout are the port).  When the agent exits the VM
- *     powers off.
+ *     cgroup the sandbox's commands run in, size /rw, write the identity
+ *     files, mount the workspace (virtio-9p: QEMU cannot save a VM with a 9p
+ *     export mounted, so it cannot be in the template) and tell the agent to
+ *     go (its stdin/stdout are the port).  When the agent exits the VM powers
+ *     off.
  *
  * Nothing here is a security boundary: the guest kernel and the hypervisor are.
  */
@@ -51,7 +52,6 @@
 
 #define READY_MARKER "corral-guest-ready\n"
 #define MAX_CONFIG 65536
-#define MAX_LAYERS 4 /* qemu.MAX_LAYERS */
 
 static void say(const char *fmt, const char *arg) {
     /* the console (ttyS0) is a log file on the host: for debugging only */
@@ -256,8 +256,7 @@ static void reseed(const char *hex) {
 }
 
 static void mkdir_p(const char *path) {
-    /* one call when the directory or its parent exists (the usual case): each
-     * call through the overlay costs lookups over 9p */
+    /* one call when the directory or its parent exists (the usual case) */
     if (mkdir(path, 0755) == 0 || errno == EEXIST) return;
     char buf[512];
     snprintf(buf, sizeof buf, "%s", path);
@@ -282,13 +281,12 @@ static void write_file(const char *path, const char *data) {
 }
 
 /* The identity files go straight into the root overlay's upper layer (a
- * tmpfs) before the overlay is mounted: writing them through the overlay
- * would copy /etc up, several 9p round trips and much fresh guest code.  The
- * upper /etc takes the lower one's owner, mode and times, so the merged /etc
- * looks as before.  Returns 0 if the lower /etc is not a plain directory
- * (then the files are written through the overlay). */
+ * tmpfs) before the overlay is mounted, so writing them later needs no copy-up
+ * of /etc.  The upper /etc takes the lower one's owner, mode and times, so the
+ * merged /etc looks as before.  Returns 0 if the lower /etc is not a plain
+ * directory (then the files are written through the overlay). */
 static int identity_in_upper(const char *lower, const char *upper) {
-    char path[600], line[300];
+    char path[600];
     struct stat st;
     snprintf(path, sizeof path, "%s/etc", lower);
     if (lstat(path, &st) < 0 || !S_ISDIR(st.st_mode)) return 0;
@@ -296,76 +294,87 @@ static int identity_in_upper(const char *lower, const char *upper) {
     if (mkdir(path, 0700) < 0 && errno != EEXIST) return 0;
     if (chown(path, st.st_uid, st.st_gid) < 0 || chmod(path, st.st_mode & 07777) < 0) return 0;
     snprintf(path, sizeof path, "%s/etc/hostname", upper);
-    snprintf(line, sizeof line, "%s\n", need("hostname"));
-    write_file(path, line);
+    write_file(path, "");
     snprintf(path, sizeof path, "%s/etc/machine-id", upper);
-    snprintf(line, sizeof line, "%s\n", need("machine_id"));
-    write_file(path, line);
+    write_file(path, "");
     struct timespec times[2] = {st.st_atim, st.st_mtim};
     snprintf(path, sizeof path, "%s/etc", upper);
     utimensat(AT_FDCWD, path, times, 0);
     return 1;
 }
 
-static void setup_root(void) {
-    char data[1024], lower[64], target[600];
-    /* /rw (uppers and workdirs) was mounted before the snapshot; only its
-     * size is the sandbox's */
-    snprintf(data, sizeof data, "size=%s", need("disk"));
-    if (mount("rw", "/rw", "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, data) < 0) die("cannot size /rw (%s%s)", "");
-    mark("tmpfs /rw");
-    int identity_done = 0;
-    int layers = atoi(need("layers"));
-    if (layers < 1 || layers > MAX_LAYERS) die("bad layer count %s (%s)", need("layers"));
-    for (int i = 0; i < layers; i++) {
-        char key[32];
-        snprintf(key, sizeof key, "layer%d", i);
-        const char *point = need(key);
-        snprintf(lower, sizeof lower, "/lower/%d", i);
-        do_mount(key, lower, "9p", MS_RDONLY | MS_NOSUID | MS_NODEV,
-                 "trans=virtio,version=9p2000.L,cache=loose,msize=262144");
-        mark("9p layer");
-        char upper[64], work[64];
-        snprintf(upper, sizeof upper, "/rw/u%d", i);
-        snprintf(work, sizeof work, "/rw/w%d", i);
-        mkdir_p(upper);
-        mkdir_p(work);
-        if (!strcmp(point, "/")) identity_done = identity_in_upper(lower, upper);
-        mark("identity in upper");
-        snprintf(target, sizeof target, "/newroot%s", strcmp(point, "/") ? point : "");
-        snprintf(data, sizeof data, "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work);
-        do_mount("overlay", target, "overlay", 0, data);
-        mark("overlay");
+/* Kept from the template: the identity files (opened through the overlay,
+ * already in its upper layer) and a reconfiguration context for /rw, which
+ * the root switch hides — a restored VM then runs no lookup or copy-up code
+ * for them. */
+static int hostname_fd = -1, machine_id_fd = -1, rw_fs_fd = -1;
+
+/* Before the snapshot: the image's disk (/dev/vda, EROFS, read-only, shared
+ * by every VM of the image) under an overlay whose upper layer is on /rw,
+ * then the switch into it.  A block device, unlike a 9p export, does not
+ * keep QEMU from saving the VM, so all of this is in the template and a
+ * restored VM inherits it: its overlay's upper layer, being tmpfs in guest
+ * RAM, is its own (copy-on-write from the template's).  Returns 0 without a
+ * disk (the host's KVM probe boots without one). */
+static int prepare_root(void) {
+    if (access("/dev/vda", F_OK) < 0) return 0;
+    do_mount("/dev/vda", "/lower", "erofs", MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
+    mkdir_p("/rw/u");
+    mkdir_p("/rw/w");
+    int identity = identity_in_upper("/lower", "/rw/u");
+    do_mount("overlay", "/newroot", "overlay", 0, "lowerdir=/lower,upperdir=/rw/u,workdir=/rw/w");
+    if (identity) {
+        hostname_fd = open("/newroot/etc/hostname", O_WRONLY | O_CLOEXEC);
+        machine_id_fd = open("/newroot/etc/machine-id", O_WRONLY | O_CLOEXEC);
+        if (hostname_fd < 0 || machine_id_fd < 0) die("cannot open the identity files (%s%s)", "");
     }
-    const char *ws_mode = need("workspace");
-    do_mount("ws", "/newroot/workspace", "9p", MS_NOSUID | MS_NODEV | (strcmp(ws_mode, "ro") ? 0 : MS_RDONLY),
-             "trans=virtio,version=9p2000.L,cache=none,msize=262144");
-    mark("9p workspace");
-    /* /proc, /sys (with the cgroup tree) and /dev were mounted before the
-     * snapshot: moving them costs less fresh guest code than mounting anew
-     * (under TCG every code path a restored VM runs is translated again) */
-    static const char *const early[] = {"/proc", "/sys", "/dev"};
-    for (size_t i = 0; i < sizeof early / sizeof *early; i++) {
-        snprintf(target, sizeof target, "/newroot%s", early[i]);
-        mkdir_p(target);
-        if (mount(early[i], target, NULL, MS_MOVE, NULL) < 0) die("cannot move %s (%s)", early[i]);
-    }
-    mark("move proc sys dev");
     mkdir_p("/newroot/home/user");
+    mkdir_p("/newroot/workspace");
     mkdir_p("/newroot/tmp");
     struct stat st;
     /* a chmod through the overlay copies the directory up: only if needed */
     if (stat("/newroot/tmp", &st) < 0 || (st.st_mode & 07777) != 01777) chmod("/newroot/tmp", 01777);
-    mark("dirs");
-
-    if (!identity_done) {
-        char line[300];
-        snprintf(line, sizeof line, "%s\n", need("hostname"));
-        write_file("/newroot/etc/hostname", line);
-        snprintf(line, sizeof line, "%s\n", need("machine_id"));
-        write_file("/newroot/etc/machine-id", line);
+    static const char *const early[] = {"/proc", "/sys", "/dev"};
+    for (size_t i = 0; i < sizeof early / sizeof *early; i++) {
+        char target[64];
+        snprintf(target, sizeof target, "/newroot%s", early[i]);
+        mkdir_p(target);
+        if (mount(early[i], target, NULL, MS_MOVE, NULL) < 0) die("cannot move %s (%s)", early[i]);
     }
+    rw_fs_fd = fspick(AT_FDCWD, "/rw", FSPICK_CLOEXEC);
+    if (rw_fs_fd < 0) die("fspick /rw (%s%s)", "");
+    /* the agent shares pid 1's root and working directory (CLONE_FS): it moves too */
+    if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
+    if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
+    if (chroot(".") < 0 || chdir("/") < 0) die("chroot (%s%s)", "");
+    return 1;
+}
+
+static void write_identity(int fd, const char *path, const char *value) {
+    char line[300];
+    int n = snprintf(line, sizeof line, "%s\n", value);
+    if (fd < 0) {
+        write_file(path, line);
+        return;
+    }
+    if (pwrite(fd, line, (size_t)n, 0) != n || ftruncate(fd, n) < 0) die("cannot write %s (%s)", path);
+    close(fd);
+}
+
+/* After the restore: the sandbox's disk limit, identity and workspace. */
+static void setup_root(void) {
+    /* /rw (uppers and workdirs) is in the template; only its size is the sandbox's */
+    if (fsconfig(rw_fs_fd, FSCONFIG_SET_STRING, "size", need("disk"), 0) < 0
+        || fsconfig(rw_fs_fd, FSCONFIG_CMD_RECONFIGURE, NULL, NULL, 0) < 0) die("cannot size /rw (%s%s)", "");
+    close(rw_fs_fd);
+    mark("tmpfs /rw");
+    write_identity(hostname_fd, "/etc/hostname", need("hostname"));
+    write_identity(machine_id_fd, "/etc/machine-id", need("machine_id"));
     mark("identity files");
+    const char *ws_mode = need("workspace");
+    do_mount("ws", "/workspace", "9p", MS_NOSUID | MS_NODEV | (strcmp(ws_mode, "ro") ? 0 : MS_RDONLY),
+             "trans=virtio,version=9p2000.L,cache=none,msize=262144");
+    mark("9p workspace");
 }
 
 /* Before the snapshot: everything that does not depend on the sandbox.  The
@@ -395,15 +404,6 @@ static void early_setup(void) {
     /* the tmpfs for the overlays' upper and work directories, sized per
      * sandbox by a remount after the restore */
     do_mount("rw", "/rw", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755");
-    for (int i = 0; i < MAX_LAYERS; i++) {
-        char path[32];
-        snprintf(path, sizeof path, "/rw/u%d", i);
-        mkdir_p(path);
-        snprintf(path, sizeof path, "/rw/w%d", i);
-        mkdir_p(path);
-        snprintf(path, sizeof path, "/lower/%d", i);
-        mkdir_p(path);
-    }
 }
 
 static void setup_cgroups(void) {
@@ -533,6 +533,10 @@ int main(void) {
     int agent_go = start_agent(port, &agent);
     loopback_up();
     int relay = start_relay(open_port("corral-net"));
+    /* after the agent and the relay started: their binary is in the initramfs,
+     * which the switch hides (the relay keeps the initramfs as its root: it opened
+     * its cgroup file already and touches no path afterwards) */
+    int have_root = prepare_root();
     /* after the agent was cloned: it (and so every command) must not inherit it */
     serial_io = ioperm(0x3f8, 8, 1) == 0;
     /* write every page pid 1 will write after the restore (the configuration
@@ -566,12 +570,9 @@ int main(void) {
 
     setup_cgroups();
     mark("cgroup limits");
+    if (!have_root) die("no image disk (%s%s)", "");
     setup_root();
 
-    if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
-    if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
-    if (chroot(".") < 0 || chdir("/") < 0) die("chroot (%s%s)", "");
-    mark("switch root");
     start_egress(relay);
 
     if (write(agent_go, "g", 1) != 1) die("cannot start the agent (%s%s)", "");

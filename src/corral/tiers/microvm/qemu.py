@@ -3,8 +3,8 @@
 One function builds the command line for both the template boot and every
 restore, because a snapshot only loads into a VM with exactly the same
 devices in the same order: the only things that differ are host-side
-(memory file sharing, socket paths or inherited sockets, 9p export paths,
-``-incoming``).
+(memory file sharing, socket paths or inherited sockets, the workspace's 9p
+export path, ``-incoming``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from typing import Any
 from ...errors import HostNotSupported, SandboxError
 from .guest import GuestAssets
 
-#: 9p shares for image layers in every VM; unused ones export an empty directory
-MAX_LAYERS = 4
 #: ACPI stays on: Debian's kernels find virtio-mmio devices only through it
 #: (CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES is off)
 MACHINE = "microvm,x-option-roms=off,rtc=on,memory-backend=mem"
@@ -125,7 +123,7 @@ def command_line(
     share: bool,
     assets: GuestAssets,
     paths: VMPaths,
-    layers: list[Path],
+    disk: Path | None,
     workspace: Path,
     workspace_readonly: bool,
     incoming: bool = False,
@@ -141,9 +139,9 @@ def command_line(
     queue the configuration) at once instead of polling for QEMU's sockets.
     ``egress_fd``: the egress port's listening socket (network="allow"); without
     it and without ``paths.egress_socket`` the port is backed by ``null``: the
-    device set, and so the snapshot, is the same either way."""
-    if len(layers) != MAX_LAYERS:
-        raise ValueError(f"exactly {MAX_LAYERS} layer exports are needed")
+    device set, and so the snapshot, is the same either way.
+    ``disk``: the image (rootdisk), read-only and shared by every VM of the
+    image; only the KVM probe boots without one."""
     argv = [
         qemu_binary(),
         "-M", MACHINE,
@@ -180,10 +178,12 @@ def command_line(
     else:
         argv += ["-chardev", "null,id=egress"]
     argv += ["-device", f"virtserialport,chardev=egress,name={EGRESS_PORT}"]
-    for index, path in enumerate(layers):
+    if disk is not None:
+        # read-only, so many QEMUs share it (shared image locks) and a guest cannot
+        # write it; the host's page cache holds it once for all of them
         argv += [
-            "-fsdev", f"local,id=layer{index},path={path},security_model=none,readonly=on",
-            "-device", f"virtio-9p-device,fsdev=layer{index},mount_tag=layer{index}",
+            "-drive", f"file={disk},if=none,id=image,format=raw,readonly=on",
+            "-device", "virtio-blk-device,drive=image",
         ]
     ro = ",readonly=on" if workspace_readonly else ""
     argv += [

@@ -10,7 +10,9 @@ writes them, copy-on-write — no copy of the memory is made.
 
 Templates are immutable, shared by every sandbox on the machine and keyed by
 everything that must match for a restore to load: QEMU version, kernel,
-initramfs, accelerator, RAM size, machine and device layout.
+initramfs, accelerator, RAM size, machine and device layout — and the image:
+the template's guest has the image's disk (rootdisk) mounted under its root
+overlay, so there is one template per image and RAM size.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from pathlib import Path
 from ...errors import HostNotSupported, SandboxError
 from . import qemu
 from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
+from .rootdisk import ImageDisk
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "8"  # 8: the egress port "corral-net", loopback up, the relay pre-started
+TEMPLATE_VERSION = "9"  # 8: the egress port "corral-net", loopback up, the relay pre-started; 9: + the image disk
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0
@@ -60,21 +63,22 @@ class Template:
         return self.directory / "state"
 
 
-def _key(assets: GuestAssets, accel: str, ram_mb: int) -> str:
+def _key(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> str:
     parts = [TEMPLATE_VERSION, qemu.qemu_version(), assets.digest, accel, str(ram_mb), qemu.MACHINE,
-             qemu.kernel_args(accel), str(qemu.MAX_LAYERS), qemu.cpu_model(accel)]
+             qemu.kernel_args(accel), disk.key, qemu.cpu_model(accel)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: float
+def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: float, disk: ImageDisk | None
           ) -> tuple[subprocess.Popen[bytes], qemu.QMP, float]:
-    """Boot a guest to its ready marker with RAM in ``work/ram`` (shared); returns (proc, qmp, boot seconds)."""
+    """Boot a guest to its ready marker with RAM in ``work/ram`` (shared); returns (proc, qmp, boot seconds).
+    Without a disk (the KVM probe) the guest skips its root and only says it is ready."""
     empty = work / "empty"
     empty.mkdir(exist_ok=True)
     paths = qemu.VMPaths(work / "agent.sock", work / "qmp.sock", work / "console.log", work / "egress.sock")
     argv = qemu.command_line(
         accel=accel, ram_mb=ram_mb, mem_path=work / "ram", share=True, assets=assets, paths=paths,
-        layers=[empty] * qemu.MAX_LAYERS, workspace=empty, workspace_readonly=False,
+        disk=disk.path if disk else None, workspace=empty, workspace_readonly=False,
     )
     start = time.monotonic()
     with open(work / "qemu.log", "wb") as log:
@@ -125,15 +129,15 @@ def _tail(work: Path) -> str:
     return text.strip() or "(no output)"
 
 
-def get_template(assets: GuestAssets, accel: str, ram_mb: int) -> Template:
-    """The template for this configuration, booting and saving it the first time."""
+def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> Template:
+    """The template for this configuration and image, booting and saving it the first time."""
     root = cache_dir() / "templates"
-    final = root / _key(assets, accel, ram_mb)
+    final = root / _key(assets, accel, ram_mb, disk)
     meta = final / "meta.json"
     if not meta.is_file():
         with cache_lock("template"):
             if not meta.is_file():
-                _build(final, assets, accel, ram_mb)
+                _build(final, assets, accel, ram_mb, disk)
     info = json.loads(meta.read_text())
     try:
         os.utime(meta)  # last use, for pruning
@@ -166,13 +170,13 @@ def _prune(root: Path, keep: Path, initrd: Path) -> None:
             continue
 
 
-def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int) -> None:
+def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale_builds(final.parent)
     _prune(final.parent, keep=final, initrd=assets.initrd)
     work = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     try:
-        proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE)
+        proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE, disk)
         try:
             qmp.command("stop")
             qmp.command("migrate-set-capabilities",
@@ -192,6 +196,7 @@ def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int) -> None:
         (work / "meta.json").write_text(json.dumps({
             "boot_ms": round(boot_seconds * 1000, 1), "accel": accel, "ram_mb": ram_mb,
             "qemu": qemu.qemu_version(), "kernel": assets.kernel_release, "initrd": assets.initrd.name,
+            "disk": disk.key,
         }))
         for path in work.iterdir():
             os.chmod(path, 0o644)
@@ -218,7 +223,7 @@ def probe_kvm(assets: GuestAssets) -> tuple[bool, str]:
     with cache_lock("kvm-probe"), tempfile.TemporaryDirectory(dir=cache_dir(), prefix=".kvm-probe-") as tmp:
         work = Path(tmp)
         try:
-            proc, qmp, seconds = _boot(work, assets, "kvm", 128, time.monotonic() + KVM_PROBE_DEADLINE)
+            proc, qmp, seconds = _boot(work, assets, "kvm", 128, time.monotonic() + KVM_PROBE_DEADLINE, None)
         except (SandboxError, HostNotSupported) as exc:
             detail = _tail(work).splitlines()
             first = next((line for line in detail if "KVM" in line or "kvm" in line), detail[0] if detail else "")

@@ -13,6 +13,10 @@ One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
   dir) and the bridge thread that carries the guest's connections from the
   VM's egress port to it (``egress_bridge.py``).
 
+The image is not the sandbox's: it is a read-only disk shared by every VM of
+that image (rootdisk), already mounted under the root overlay in the
+template the VM is restored from.
+
 Inside the guest, commands run in leaves of a guest cgroup carrying the
 memory and pids limits: OOM is read from the leaf's ``memory.events`` and a
 timeout writes the leaf's ``cgroup.kill``, both through the agent's file
@@ -43,7 +47,7 @@ from ...spec import MiB, SandboxSpec
 from ..agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..rootfs import allocate_uid, release_uid
-from . import guest, qemu, template
+from . import guest, qemu, rootdisk, template
 from .egress_bridge import EgressBridge
 
 #: guest RAM on top of the sandbox's memory limit: kernel, agent, page cache
@@ -97,6 +101,9 @@ class MicroVMTier(Tier):
             _check_host()
         except HostNotSupported as exc:
             return Availability(cls.name, False, str(exc), "see the message")
+        if shutil.which("mkfs.erofs") is None:
+            return Availability(cls.name, False, "mkfs.erofs is missing (it writes each image's read-only disk)",
+                                "apt-get install erofs-utils (or `make install`)")
         built = guest.cached_assets()
         if built is None:
             if shutil.which("apt-get") is None:
@@ -166,11 +173,9 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
         image = resolve(spec.image, self._tier.state_dir)
-        if len(image.layers) > qemu.MAX_LAYERS:
-            raise InvalidSpec(f"image {spec.image!r} has {len(image.layers)} layers; the microvm tier takes "
-                              f"at most {qemu.MAX_LAYERS}")
+        image_disk = rootdisk.image_disk(image)
         ram_mb = self._tier.ram_mb(spec.limits.memory)
-        tmpl = template.get_template(self._tier.assets, self._tier.accel, ram_mb)
+        tmpl = template.get_template(self._tier.assets, self._tier.accel, ram_mb, image_disk)
         self.timings["template"] = time.monotonic() - t0
         host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
         self.cgroup = cgroups.SandboxCgroup(self.id, host_limits, self._tier._layout)
@@ -183,10 +188,6 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         else:
             ws.mkdir(mode=0o755)
             os.chown(ws, uid, uid)
-        empty = run / "empty"
-        empty.mkdir(mode=0o755)
-        layers = [host for _, host in image.layers]
-        layers += [empty] * (qemu.MAX_LAYERS - len(layers))
         config = {
             "seed": secrets.token_hex(64),
             "time_ns": str(time.time_ns()),
@@ -196,17 +197,14 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             "memory": str(spec.limits.memory),
             "pids": str(spec.limits.pids),
             "workspace": spec.workspace.mode if spec.workspace and spec.workspace.mode == "ro" else "rw",
-            "layers": str(len(image.layers)),
         }
-        for index, (point, _) in enumerate(image.layers):
-            config[f"layer{index}"] = point
         if spec.network == "allow":
             # the proxy on the host; the guest's relay listens on this port (guestinit)
             self.network = SandboxNetwork(spec, self.id, run, uid, host_namespace=False)
             config["egress"] = str(PROXY_PORT)
         if self._trace:
             config["trace"] = "1"  # guestinit writes its step timestamps to console.log
-        self._launch(tmpl, layers, ws, config)
+        self._launch(tmpl, image_disk, ws, config)
         self._place_network_files()
         self.timings["total"] = time.monotonic() - t0
 
@@ -219,7 +217,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         for path, data in self.network.files.items():
             channel.write_file(path, data, 0o644)
 
-    def _launch(self, tmpl: template.Template, layers: list[Path], ws: Path, config: dict[str, str]) -> None:
+    def _launch(self, tmpl: template.Template, disk: rootdisk.ImageDisk, ws: Path, config: dict[str, str]) -> None:
         """Start QEMU restoring the template and queue the configuration for the guest.
 
         Nothing here polls: the agent and QMP sockets are created (listening)
@@ -244,7 +242,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         fds = (listeners[0].fileno(), listeners[1].fileno())
         argv = qemu.command_line(
             accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=tmpl.ram, share=False, assets=self._tier.assets,
-            paths=paths, layers=layers, workspace=ws, workspace_readonly=readonly, incoming=True,
+            paths=paths, disk=disk.path, workspace=ws, workspace_readonly=readonly, incoming=True,
             listen_fds=fds, runas=self.uid, egress_fd=listeners[2].fileno() if len(listeners) > 2 else None,
         )
         # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
