@@ -263,26 +263,6 @@ static void accept_client(int listener) {
     close(fd); /* full: the client sees its connection closed */
 }
 
-static int listen_on(int family, int port) {
-    int fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) return -1;
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc;
-    if (family == AF_INET) {
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        rc = bind(fd, (struct sockaddr *)&a, sizeof a);
-    } else {
-        setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
-        struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port)};
-        a.sin6_addr = in6addr_loopback;
-        rc = bind(fd, (struct sockaddr *)&a, sizeof a);
-    }
-    if (rc < 0 || listen(fd, 256) < 0) { close(fd); return -1; }
-    return fd;
-}
-
 int relay_mux_main(int wait_fd) {
     int port = 0; /* the virtio-serial port is stdin */
     signal(SIGPIPE, SIG_IGN);
@@ -314,8 +294,8 @@ int relay_mux_main(int wait_fd) {
     int tcp_port = atoi(msg);
     int l[2] = {-1, -1};
     if (tcp_port > 0 && tcp_port <= 65535) {
-        l[0] = listen_on(AF_INET, tcp_port);
-        l[1] = listen_on(AF_INET6, tcp_port);
+        l[0] = loopback_listener(AF_INET, tcp_port);
+        l[1] = loopback_listener(AF_INET6, tcp_port);
     }
     /* pid 1 lets the agent (and so any command) start only once we listen */
     if (write(wait_fd, l[0] >= 0 ? "l" : "e", 1) != 1 || l[0] < 0) return 2;

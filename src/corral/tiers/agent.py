@@ -41,7 +41,8 @@ _ENTRY = struct.Struct("<cQIq")
 
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "agent.c"
 #: every file the agent is built from (the Makefile's list too): a newer one means a rebuild
-AGENT_SOURCES = (AGENT_SOURCE, AGENT_SOURCE.with_name("relay_mux.c"), AGENT_SOURCE.with_name("relay_mux.h"))
+AGENT_SOURCES = tuple(AGENT_SOURCE.with_name(name) for name in (
+    "agent.c", "exec.c", "files.c", "relay.c", "relay_mux.c", "agent.h", "relay_mux.h"))
 
 
 def agent_binary(state_dir: Path | None = None) -> Path:

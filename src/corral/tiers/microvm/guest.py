@@ -51,6 +51,8 @@ MODULES = (
 )
 KERNEL_META_PACKAGE = "linux-image-amd64"
 INIT_SOURCE = Path(__file__).with_name("guestinit.c")
+#: every file the guest init is built from (the initramfs key hashes them all)
+INIT_SOURCES = tuple(INIT_SOURCE.with_name(name) for name in ("guestinit.c", "guest_root.c", "guest_start.c", "guestinit.h"))
 
 
 def cache_dir() -> Path:
@@ -182,7 +184,7 @@ def _compile_init(out: Path) -> None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise HostNotSupported("no C compiler to build the microVM guest init; run `make install`")
-    _run([cc, "-O2", "-Wall", "-static", "-o", str(out), str(INIT_SOURCE)])
+    _run([cc, "-O2", "-Wall", "-static", "-o", str(out), *(str(src) for src in INIT_SOURCES if src.suffix == ".c")])
 
 
 def _cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
@@ -204,7 +206,7 @@ def assets() -> GuestAssets:
     release = (kdir / "release").read_text().strip()
     agent = agent_binary()
     h = hashlib.sha256()
-    for path in (agent, INIT_SOURCE, *sorted((kdir / "modules").iterdir())):
+    for path in (agent, *INIT_SOURCES, *sorted((kdir / "modules").iterdir())):
         h.update(path.read_bytes())
     initrd = cache_dir() / "initrd" / f"initrd-{h.hexdigest()[:16]}.cpio"
     if initrd.is_file():

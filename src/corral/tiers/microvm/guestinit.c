@@ -27,6 +27,8 @@
  * Nothing here is a security boundary: the guest kernel and the hypervisor are.
  */
 #define _GNU_SOURCE
+#include "guestinit.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/random.h>
@@ -53,7 +55,7 @@
 #define READY_MARKER "corral-guest-ready\n"
 #define MAX_CONFIG 65536
 
-static void say(const char *fmt, const char *arg) {
+void say(const char *fmt, const char *arg) {
     /* the console (ttyS0) is a log file on the host: for debugging only */
     int fd = open("/dev/console", O_WRONLY | O_NOCTTY);
     if (fd >= 0) {
@@ -70,7 +72,7 @@ static void power_off(void) {
     for (;;) pause();
 }
 
-static void die(const char *what, const char *arg) {
+void die(const char *what, const char *arg) {
     say(what, arg);
     power_off();
 }
@@ -184,7 +186,7 @@ static void read_exact(int fd, void *buf, size_t len) {
 static struct { const char *what; struct timespec at; } marks[48];
 static int mark_count, tracing, serial_io;
 
-static void mark(const char *what) {
+void mark(const char *what) {
     if (mark_count < (int)(sizeof marks / sizeof *marks)) {
         marks[mark_count].what = what;
         clock_gettime(CLOCK_MONOTONIC, &marks[mark_count++].at);
@@ -209,14 +211,14 @@ static void print_marks(void) {
 static char *config[512];
 static int config_count;
 
-static const char *get(const char *key) {
+const char *get(const char *key) {
     size_t kl = strlen(key);
     for (int i = 0; i < config_count; i++)
         if (!strncmp(config[i], key, kl) && config[i][kl] == '=') return config[i] + kl + 1;
     return NULL;
 }
 
-static const char *need(const char *key) {
+const char *need(const char *key) {
     const char *v = get(key);
     if (!v) die("configuration lacks %s (%s)", key);
     return v;
@@ -255,7 +257,7 @@ static void reseed(const char *hex) {
     memset(&seed, 0, sizeof seed);
 }
 
-static void mkdir_p(const char *path) {
+void mkdir_p(const char *path) {
     /* one call when the directory or its parent exists (the usual case) */
     if (mkdir(path, 0755) == 0 || errno == EEXIST) return;
     char buf[512];
@@ -269,113 +271,17 @@ static void mkdir_p(const char *path) {
     mkdir(buf, 0755);
 }
 
-static void do_mount(const char *src, const char *target, const char *type, unsigned long flags, const char *data) {
+void do_mount(const char *src, const char *target, const char *type, unsigned long flags, const char *data) {
     mkdir_p(target);
     if (mount(src, target, type, flags, data) < 0) die("cannot mount %s (%s)", target);
 }
 
-static void write_file(const char *path, const char *data) {
+void write_file(const char *path, const char *data) {
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0 || write(fd, data, strlen(data)) < 0) die("cannot write %s (%s)", path);
     close(fd);
 }
 
-/* The identity files go straight into the root overlay's upper layer (a
- * tmpfs) before the overlay is mounted, so writing them later needs no copy-up
- * of /etc.  The upper /etc takes the lower one's owner, mode and times, so the
- * merged /etc looks as before.  Returns 0 if the lower /etc is not a plain
- * directory (then the files are written through the overlay). */
-static int identity_in_upper(const char *lower, const char *upper) {
-    char path[600];
-    struct stat st;
-    snprintf(path, sizeof path, "%s/etc", lower);
-    if (lstat(path, &st) < 0 || !S_ISDIR(st.st_mode)) return 0;
-    snprintf(path, sizeof path, "%s/etc", upper);
-    if (mkdir(path, 0700) < 0 && errno != EEXIST) return 0;
-    if (chown(path, st.st_uid, st.st_gid) < 0 || chmod(path, st.st_mode & 07777) < 0) return 0;
-    snprintf(path, sizeof path, "%s/etc/hostname", upper);
-    write_file(path, "");
-    snprintf(path, sizeof path, "%s/etc/machine-id", upper);
-    write_file(path, "");
-    struct timespec times[2] = {st.st_atim, st.st_mtim};
-    snprintf(path, sizeof path, "%s/etc", upper);
-    utimensat(AT_FDCWD, path, times, 0);
-    return 1;
-}
-
-/* Kept from the template: the identity files (opened through the overlay,
- * already in its upper layer) and a reconfiguration context for /rw, which
- * the root switch hides — a restored VM then runs no lookup or copy-up code
- * for them. */
-static int hostname_fd = -1, machine_id_fd = -1, rw_fs_fd = -1;
-
-/* Before the snapshot: the image's disk (/dev/vda, EROFS, read-only, shared
- * by every VM of the image) under an overlay whose upper layer is on /rw,
- * then the switch into it.  A block device, unlike a 9p export, does not
- * keep QEMU from saving the VM, so all of this is in the template and a
- * restored VM inherits it: its overlay's upper layer, being tmpfs in guest
- * RAM, is its own (copy-on-write from the template's).  Returns 0 without a
- * disk (the host's KVM probe boots without one). */
-static int prepare_root(void) {
-    if (access("/dev/vda", F_OK) < 0) return 0;
-    do_mount("/dev/vda", "/lower", "erofs", MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
-    mkdir_p("/rw/u");
-    mkdir_p("/rw/w");
-    int identity = identity_in_upper("/lower", "/rw/u");
-    do_mount("overlay", "/newroot", "overlay", 0, "lowerdir=/lower,upperdir=/rw/u,workdir=/rw/w");
-    if (identity) {
-        hostname_fd = open("/newroot/etc/hostname", O_WRONLY | O_CLOEXEC);
-        machine_id_fd = open("/newroot/etc/machine-id", O_WRONLY | O_CLOEXEC);
-        if (hostname_fd < 0 || machine_id_fd < 0) die("cannot open the identity files (%s%s)", "");
-    }
-    mkdir_p("/newroot/home/user");
-    mkdir_p("/newroot/workspace");
-    mkdir_p("/newroot/tmp");
-    struct stat st;
-    /* a chmod through the overlay copies the directory up: only if needed */
-    if (stat("/newroot/tmp", &st) < 0 || (st.st_mode & 07777) != 01777) chmod("/newroot/tmp", 01777);
-    static const char *const early[] = {"/proc", "/sys", "/dev"};
-    for (size_t i = 0; i < sizeof early / sizeof *early; i++) {
-        char target[64];
-        snprintf(target, sizeof target, "/newroot%s", early[i]);
-        mkdir_p(target);
-        if (mount(early[i], target, NULL, MS_MOVE, NULL) < 0) die("cannot move %s (%s)", early[i]);
-    }
-    rw_fs_fd = fspick(AT_FDCWD, "/rw", FSPICK_CLOEXEC);
-    if (rw_fs_fd < 0) die("fspick /rw (%s%s)", "");
-    /* the agent shares pid 1's root and working directory (CLONE_FS): it moves too */
-    if (chdir("/newroot") < 0) die("chdir /newroot (%s%s)", "");
-    if (mount(".", "/", NULL, MS_MOVE, NULL) < 0) die("cannot move the new root (%s%s)", "");
-    if (chroot(".") < 0 || chdir("/") < 0) die("chroot (%s%s)", "");
-    return 1;
-}
-
-static void write_identity(int fd, const char *path, const char *value) {
-    char line[300];
-    int n = snprintf(line, sizeof line, "%s\n", value);
-    if (fd < 0) {
-        write_file(path, line);
-        return;
-    }
-    if (pwrite(fd, line, (size_t)n, 0) != n || ftruncate(fd, n) < 0) die("cannot write %s (%s)", path);
-    close(fd);
-}
-
-/* After the restore: the sandbox's disk limit, identity and workspace. */
-static void setup_root(void) {
-    /* /rw (uppers and workdirs) is in the template; only its size is the sandbox's */
-    if (fsconfig(rw_fs_fd, FSCONFIG_SET_STRING, "size", need("disk"), 0) < 0
-        || fsconfig(rw_fs_fd, FSCONFIG_CMD_RECONFIGURE, NULL, NULL, 0) < 0) die("cannot size /rw (%s%s)", "");
-    close(rw_fs_fd);
-    mark("tmpfs /rw");
-    write_identity(hostname_fd, "/etc/hostname", need("hostname"));
-    write_identity(machine_id_fd, "/etc/machine-id", need("machine_id"));
-    mark("identity files");
-    const char *ws_mode = need("workspace");
-    do_mount("ws", "/workspace", "9p", MS_NOSUID | MS_NODEV | (strcmp(ws_mode, "ro") ? 0 : MS_RDONLY),
-             "trans=virtio,version=9p2000.L,cache=none,msize=262144");
-    mark("9p workspace");
-}
 
 /* Before the snapshot: everything that does not depend on the sandbox.  The
  * agent will live in cgroup "agent"; commands in leaves below "sandbox", which
@@ -412,100 +318,6 @@ static void setup_cgroups(void) {
     if (write(pids_max_fd, pids, strlen(pids)) < 0) die("cannot set pids.max (%s%s)", "");
 }
 
-/* Start the agent before the snapshot, so a restored VM neither forks nor
- * execs it (under TCG both are slow: fresh code, fresh page tables).  It
- * shares pid 1's root and working directory (CLONE_FS), so the root switch
- * after the restore moves it too; it waits on a socket for "go" before it
- * speaks on the port, which pid 1 reads the configuration from first.
- * Returns pid 1's end of that socket; *pid gets the agent's pid. */
-static int start_agent(int port, pid_t *pid) {
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) die("socketpair (%s%s)", "");
-    *pid = (pid_t)syscall(SYS_clone, CLONE_FS | SIGCHLD, 0, 0, 0, 0);
-    if (*pid < 0) die("clone (%s%s)", "");
-    if (*pid == 0) {
-        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
-        setsid();
-        /* above 3 first: pid 1 started without stdin/stdout/stderr, so the port
-         * or the socket may itself be fd 0-3 */
-        int p = fcntl(port, F_DUPFD_CLOEXEC, 10), w = fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
-        int null = open("/dev/null", O_WRONLY | O_CLOEXEC);
-        if (p < 0 || w < 0 || null < 0) _exit(127);
-        dup2(p, 0);
-        dup2(p, 1);
-        dup2(null, 2);
-        dup2(w, 3);
-        char *argv[] = {"corral-agent", "--wait-fd", "3", NULL};
-        char *envp[] = {"PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", NULL};
-        execve("/corral-agent", argv, envp);
-        _exit(127);
-    }
-    close(sv[1]);
-    char waiting;
-    if (read(sv[0], &waiting, 1) != 1 || waiting != 'w') die("the agent did not start (%s%s)", "");
-    return sv[0];
-}
-
-/* The egress relay (network="allow"; corral-agent --relay-mux) is started
- * before the snapshot too, on its own virtio-serial port "corral-net", which
- * every VM has (one device set, one template).  It blocks until told the TCP
- * port to listen on; a VM without egress never tells it, so a restored VM runs
- * none of its code.  Returns pid 1's end of the socket it waits on. */
-static int start_relay(int net_port) {
-    /* where it moves once told to listen: its buffers then count against the
-     * sandbox's memory limit, as the relay inside a process-tier sandbox does */
-    mkdir_p("/sys/fs/cgroup/sandbox/relay");
-    int sv[2];
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) die("socketpair (%s%s)", "");
-    pid_t pid = (pid_t)syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
-    if (pid < 0) die("clone (%s%s)", "");
-    if (pid == 0) {
-        /* beside the agent until told to listen (a VM without egress must not
-         * count it in the sandbox's pids) */
-        write_file("/sys/fs/cgroup/agent/cgroup.procs", "0");
-        setsid();
-        int p = fcntl(net_port, F_DUPFD_CLOEXEC, 10), w = fcntl(sv[1], F_DUPFD_CLOEXEC, 10);
-        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-        if (p < 0 || w < 0 || null < 0) _exit(127);
-        dup2(p, 0);
-        dup2(null, 1);
-        dup2(null, 2);
-        dup2(w, 3);
-        char *argv[] = {"corral-agent", "--relay-mux", "3", NULL};
-        char *envp[] = {NULL};
-        execve("/corral-agent", argv, envp);
-        _exit(127);
-    }
-    close(sv[1]);
-    close(net_port);
-    char waiting;
-    if (read(sv[0], &waiting, 1) != 1 || waiting != 'w') die("the egress relay did not start (%s%s)", "");
-    return sv[0];
-}
-
-/* After the restore, with network="allow": the relay listens on the port
- * given before any command can run (the agent is told to go after this). */
-static void start_egress(int relay) {
-    const char *port = get("egress");
-    if (!port) return;
-    char ack = 0;
-    if (write(relay, port, strlen(port)) < 0 || read(relay, &ack, 1) != 1 || ack != 'l')
-        die("the egress relay cannot listen on port %s (%s)", port);
-    close(relay);
-    mark("egress relay listening");
-}
-
-/* The guest's loopback comes up before the snapshot in every VM (the relay
- * listens on it; programs use it as on any host).  It is the only interface. */
-static void loopback_up(void) {
-    struct ifreq ifr = {0};
-    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo");
-    if (fd < 0 || ioctl(fd, SIOCGIFFLAGS, &ifr) < 0) die("loopback (%s%s)", "");
-    ifr.ifr_flags |= IFF_UP;
-    if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0) die("cannot bring up loopback (%s%s)", "");
-    close(fd);
-}
 
 static char config_buf[MAX_CONFIG + 1];
 

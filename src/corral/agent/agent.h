@@ -1,0 +1,71 @@
+/* Shared by the agent's files: the protocol, the command table, framing helpers. */
+#ifndef CORRAL_AGENT_H
+#define CORRAL_AGENT_H
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stddef.h>
+#include <sys/ioctl.h>
+#include <sys/types.h>
+
+enum {
+    /* host -> agent */
+    T_EXEC = 1, T_GO = 2, T_STDIN = 3, T_STDIN_EOF = 4, T_SIGNAL = 5,
+    T_EXEC_PTY = 6, T_RESIZE = 7, T_EXEC_SPARE = 8,
+    T_FREAD = 10, T_FWRITE = 11, T_FAPPEND = 12, T_FLIST = 13, T_FREMOVE = 14,
+    T_FMKDIR = 15, T_FSTAT = 16,
+    /* agent -> host */
+    T_READY = 100, T_STARTED = 101, T_STDOUT = 102, T_STDERR = 103,
+    T_EXIT = 104, T_DATA = 105, T_SPARE = 106, T_OK = 110, T_ERR = 111,
+};
+
+#define MAX_FRAME (64u << 20)
+#define MAX_EXECS 64
+#define CHUNK 65536
+#define GRACE_MS 100
+
+extern char **environ;
+
+struct exec {
+    int used;
+    uint32_t id;
+    pid_t pid;
+    int fd_in, fd_out, fd_err, fd_sync;
+    int exited, status, eof_pending;
+    long long exit_ms;
+    char *inbuf;
+    size_t inlen;
+};
+
+extern struct exec execs[MAX_EXECS];
+
+/* agent.c: framing and small helpers */
+long long now_ms(void);
+void write_all(int fd, const void *buf, size_t len);
+void send_frame(uint8_t type, uint32_t id, const void *data, uint32_t len);
+void send_err(uint32_t id, int err, const char *what);
+int read_full(int fd, void *buf, size_t len);
+int split_strings(char *p, size_t len, char **out, int max);
+struct exec *find_exec(uint32_t id);
+void close_fd(int *fd);
+
+/* exec.c: commands and the spare */
+extern int spares_enabled;
+void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws);
+void do_exec_spare(uint32_t id, char *payload, uint32_t len);
+void fork_spare(void);
+void child_exited(pid_t pid, int status);
+void flush_stdin(struct exec *e);
+void finish_exec(struct exec *e);
+void pump_output(struct exec *e, int *fd, uint8_t type);
+
+/* files.c: the file requests */
+void do_fread(uint32_t id, const char *path);
+void do_fwrite(uint32_t id, char *payload, uint32_t len, int append);
+void do_flist(uint32_t id, const char *path);
+void do_fstat(uint32_t id, const char *path);
+void do_fremove(uint32_t id, char *payload, uint32_t len);
+void do_fmkdir(uint32_t id, char *payload, uint32_t len);
+
+/* relay.c: the egress relay of the process and gVisor tiers (`--relay PORT SOCKET`) */
+void relay_main(int port, const char *path);
+#endif

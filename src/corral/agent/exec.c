@@ -1,0 +1,304 @@
+/* corral-agent: running commands (pipes or a terminal, the cgroup hand-shake, the spare). */
+#include "agent.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <poll.h>
+#include <pty.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <grp.h>
+#include <sched.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+/* An exec payload: cwd \0 argc \0 argv... \0 envc \0 env... \0, parsed in place.
+ * Returns NULL when well formed, else what is wrong. */
+struct command { const char *cwd; char **argv; char **envp; };
+
+static const char *parse_command(char *payload, uint32_t len, char **parts, int max, struct command *c) {
+    if (len == 0 || payload[len - 1] != 0) return "exec";
+    int n = split_strings(payload, len, parts, max - 2);
+    if (n < 3) return "exec";
+    int argc = atoi(parts[1]);
+    if (argc < 1 || 2 + argc >= n) return "exec argv";
+    int envc = atoi(parts[2 + argc]);
+    if (envc < 0 || 3 + argc + envc > n) return "exec env";
+    c->cwd = parts[0];
+    c->argv = &parts[2];
+    c->envp = &parts[3 + argc];
+    /* terminate argv and envp in place: the slot after each list is free */
+    parts[2 + argc] = NULL;
+    parts[3 + argc + envc] = NULL;
+    return NULL;
+}
+
+/* The child's side of a command, with its stdio in place: wait until the host
+ * has placed it in the command's cgroup (the go byte on sync_fd), then exec. */
+static void __attribute__((noreturn)) become_command(int sync_fd, const struct command *c) {
+    char go;
+    if (read(sync_fd, &go, 1) != 1) _exit(126);
+    if (chdir(c->cwd) < 0) {
+        dprintf(2, "corral: cannot enter working directory %s: %s\n", c->cwd, strerror(errno));
+        _exit(126);
+    }
+    environ = c->envp;
+    execvp(c->argv[0], c->argv);
+    int err = errno;
+    dprintf(2, "corral: cannot execute %s: %s\n", c->argv[0], strerror(err));
+    _exit(err == ENOENT ? 127 : 126);
+}
+
+/* A new command's process: default signals, its own session, its stdio. */
+static void child_stdio(int in, int out, int err, int terminal) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    if (terminal) ioctl(in, TIOCSCTTY, 0);
+    dup2(in, 0);
+    dup2(out, 1);
+    dup2(err, 2);
+}
+
+static struct exec *free_exec(void) {
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (!execs[i].used) return &execs[i];
+    return NULL;
+}
+
+void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws) {
+    static char *parts[8192];
+    struct command cmd;
+    const char *bad = parse_command(payload, len, parts, 8192, &cmd);
+    if (bad) { send_err(id, EINVAL, bad); return; }
+    struct exec *e = free_exec();
+    if (!e) { send_err(id, EAGAIN, "too many concurrent commands"); return; }
+
+    int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, psync[2] = {-1, -1};
+    int ok;
+    if (ws) {
+        /* a terminal: the master is both the command's input and its output */
+        ok = openpty(&pout[0], &pin[0], NULL, NULL, ws) == 0;
+        if (ok) {
+            fcntl(pout[0], F_SETFD, FD_CLOEXEC);
+            fcntl(pin[0], F_SETFD, FD_CLOEXEC);
+            pin[1] = fcntl(pout[0], F_DUPFD_CLOEXEC, 3);
+            pout[1] = fcntl(pin[0], F_DUPFD_CLOEXEC, 3);
+            perr[1] = fcntl(pin[0], F_DUPFD_CLOEXEC, 3);
+            ok = pin[1] >= 0 && pout[1] >= 0 && perr[1] >= 0;
+        }
+    } else {
+        ok = pipe2(pin, O_CLOEXEC) == 0 && pipe2(pout, O_CLOEXEC) == 0 && pipe2(perr, O_CLOEXEC) == 0;
+    }
+    if (ok) ok = pipe2(psync, O_CLOEXEC) == 0;
+    if (!ok) {
+        int err = errno;
+        int *all[] = {pin, pout, perr, psync};
+        for (int i = 0; i < 4; i++) { close_fd(&all[i][0]); close_fd(&all[i][1]); }
+        send_err(id, err, ws ? "openpty" : "pipe");
+        return;
+    }
+
+    pid_t pid = fork();
+    if (pid < 0) {
+        int err = errno;
+        int *all[] = {pin, pout, perr, psync};
+        for (int i = 0; i < 4; i++) { close_fd(&all[i][0]); close_fd(&all[i][1]); }
+        send_err(id, err, "fork");
+        return;
+    }
+    if (pid == 0) {
+        child_stdio(pin[0], pout[1], perr[1], ws != NULL);
+        become_command(psync[0], &cmd);
+    }
+    close(pin[0]); close(pout[1]); close(perr[1]); close(psync[0]);
+    if (ws) perr[0] = -1; /* a terminal has one output stream */
+    fcntl(pin[1], F_SETFL, O_NONBLOCK);
+    memset(e, 0, sizeof *e);
+    e->used = 1;
+    e->id = id;
+    e->pid = pid;
+    e->fd_in = pin[1];
+    e->fd_out = pout[0];
+    e->fd_err = perr[0];
+    e->fd_sync = psync[1];
+    uint32_t p32 = (uint32_t)pid;
+    send_frame(T_STARTED, id, &p32, 4);
+}
+
+/*
+ * Spare (`--spare`, the process tier): a child forked ahead of time, with its
+ * pipes made, that the host moves into the next command's cgroup while the
+ * sandbox is idle.  Moving a task between cgroups can wait for an RCU grace
+ * period (milliseconds) when none happened lately; a spare takes that wait off
+ * the path of the next command, which the host then sends as T_EXEC_SPARE.
+ * The host names the spare it has placed; if that one has died meanwhile, the
+ * command is forked as usual (and placed as usual), and a spare is never
+ * used before the host has placed it.
+ */
+int spares_enabled;
+static struct { pid_t pid; int fd_in, fd_out, fd_err, fd_sync; } spare = {0, -1, -1, -1, -1};
+
+static void __attribute__((noreturn)) spare_main(void) {
+    /* fd 3 brings the command (u32 length, payload), then the go byte */
+    static char *parts[8192];
+    uint32_t len;
+    if (read_full(3, &len, 4) <= 0 || len == 0 || len > MAX_FRAME) _exit(126);
+    char *payload = malloc((size_t)len + 1);
+    if (!payload || read_full(3, payload, len) <= 0) _exit(126);
+    payload[len] = 0;
+    struct command cmd;
+    if (parse_command(payload, len, parts, 8192, &cmd)) _exit(126);
+    become_command(3, &cmd);
+}
+
+void fork_spare(void) {
+    if (!spares_enabled || spare.pid > 0) return;
+    int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, psync[2] = {-1, -1};
+    int *all[] = {pin, pout, perr, psync};
+    int ok = pipe2(pin, O_CLOEXEC) == 0 && pipe2(pout, O_CLOEXEC) == 0 && pipe2(perr, O_CLOEXEC) == 0 &&
+             pipe2(psync, O_CLOEXEC) == 0;
+    pid_t pid = ok ? fork() : -1;
+    if (pid == 0) {
+        child_stdio(pin[0], pout[1], perr[1], 0);
+        dup2(psync[0], 3);
+        /* it may wait a long time: hold nothing of the agent's (another command's
+         * stdin pipe kept open here would never see its end of file) */
+        close_range(4, ~0U, 0);
+        prctl(PR_SET_NAME, "corral-spare");
+        spare_main();
+    }
+    if (pid < 0) {
+        for (int i = 0; i < 4; i++) { close_fd(&all[i][0]); close_fd(&all[i][1]); }
+        return;
+    }
+    close(pin[0]); close(pout[1]); close(perr[1]); close(psync[0]);
+    spare.pid = pid;
+    spare.fd_in = pin[1];
+    spare.fd_out = pout[0];
+    spare.fd_err = perr[0];
+    spare.fd_sync = psync[1];
+    uint32_t p32 = (uint32_t)pid;
+    send_frame(T_SPARE, 0, &p32, 4);
+}
+
+static void drop_spare(void) {
+    if (spare.pid > 0) kill(spare.pid, SIGKILL);
+    spare.pid = 0;
+    close_fd(&spare.fd_in); close_fd(&spare.fd_out); close_fd(&spare.fd_err); close_fd(&spare.fd_sync);
+}
+
+static int write_some(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Payload: u32 pid of the spare the host placed, then an exec payload. */
+void do_exec_spare(uint32_t id, char *payload, uint32_t len) {
+    static char *parts[8192];
+    struct command cmd;
+    uint32_t placed;
+    if (len < 4) { send_err(id, EINVAL, "exec"); return; }
+    memcpy(&placed, payload, 4);
+    payload += 4;
+    len -= 4;
+    struct exec *e = free_exec();
+    /* only the spare the host names has been placed; any other is forked as usual */
+    if (spare.pid <= 0 || (uint32_t)spare.pid != placed || !e) { do_exec(id, payload, len, NULL); return; }
+    /* parse a copy only to refuse a malformed command here, as do_exec would */
+    char *copy = malloc((size_t)len + 1);
+    if (!copy) { send_err(id, ENOMEM, "exec"); return; }
+    memcpy(copy, payload, len);
+    copy[len] = 0;
+    const char *bad = parse_command(copy, len, parts, 8192, &cmd);
+    free(copy);
+    if (bad) { send_err(id, EINVAL, bad); return; }
+    uint32_t l32 = len;
+    if (write_some(spare.fd_sync, &l32, 4) < 0 || write_some(spare.fd_sync, payload, len) < 0) {
+        drop_spare(); /* it died: fork this one as usual */
+        do_exec(id, payload, len, NULL);
+        return;
+    }
+    fcntl(spare.fd_in, F_SETFL, O_NONBLOCK);
+    memset(e, 0, sizeof *e);
+    e->used = 1;
+    e->id = id;
+    e->pid = spare.pid;
+    e->fd_in = spare.fd_in;
+    e->fd_out = spare.fd_out;
+    e->fd_err = spare.fd_err;
+    e->fd_sync = spare.fd_sync;
+    spare.pid = 0;
+    spare.fd_in = spare.fd_out = spare.fd_err = spare.fd_sync = -1;
+    uint32_t p32 = (uint32_t)e->pid;
+    send_frame(T_STARTED, id, &p32, 4);
+}
+
+void flush_stdin(struct exec *e) {
+    while (e->fd_in >= 0 && e->inlen > 0) {
+        ssize_t n = write(e->fd_in, e->inbuf, e->inlen);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR) return;
+            e->inlen = 0; /* reader went away: drop the rest */
+            break;
+        }
+        memmove(e->inbuf, e->inbuf + n, e->inlen - (size_t)n);
+        e->inlen -= (size_t)n;
+    }
+    if (e->inlen == 0 && e->eof_pending) close_fd(&e->fd_in);
+}
+
+void finish_exec(struct exec *e) {
+    int32_t st = e->status;
+    send_frame(T_EXIT, e->id, &st, 4);
+    close_fd(&e->fd_in);
+    close_fd(&e->fd_out);
+    close_fd(&e->fd_err);
+    close_fd(&e->fd_sync);
+    free(e->inbuf);
+    memset(e, 0, sizeof *e);
+    fork_spare(); /* between commands, off the next one's path */
+}
+
+/* The main loop reaped ``pid``: a command's end, or a spare that died. */
+void child_exited(pid_t pid, int status) {
+    if (pid == spare.pid) drop_spare();
+    for (int i = 0; i < MAX_EXECS; i++) {
+        if (execs[i].used && execs[i].pid == pid) {
+            execs[i].exited = 1;
+            execs[i].status = status;
+            execs[i].exit_ms = now_ms();
+        }
+    }
+}
+
+void pump_output(struct exec *e, int *fd, uint8_t type) {
+    static char buf[CHUNK];
+    ssize_t n = read(*fd, buf, sizeof buf);
+    if (n > 0) send_frame(type, e->id, buf, (uint32_t)n);
+    else if (n == 0 || (errno != EINTR && errno != EAGAIN)) close_fd(fd);
+}
