@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +40,9 @@ from .config import ANONYMOUS_TENANT, ServerConfig
 from .limits import BodySizeLimit
 from .manager import SandboxManager
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from ..tiers.base import ExecResult
 
 T = TypeVar("T")
 BLOCKING_THREADS = 128
@@ -242,11 +245,17 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant) -> dict[str, Any]:
         entry = manager().get(who, sandbox_id)
         require_unicode(body.model_dump())
-        with manager().exec_slot(entry):
-            result = await run_blocking(entry.sandbox.commands.run, body.cmd, timeout=body.timeout,
-                                        env=body.env, cwd=body.cwd, stdin=body.stdin)
+
+        def run_and_audit() -> ExecResult:
+            # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
+            with manager().exec_slot(entry):
+                result = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env,
+                                                    cwd=body.cwd, stdin=body.stdin)
+            manager().audit(entry)  # counts new egress refusals
+            return result
+
+        result = await run_blocking(run_and_audit)
         metrics.record_exec(result.timed_out, result.oom_killed)
-        await run_blocking(manager().audit, entry)  # counts new egress refusals
         return {"sandbox_id": sandbox_id, **result.to_dict()}
 
     @app.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
