@@ -86,3 +86,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         parent = root / cgroups.PARENT
         if parent.is_dir():
             cgroups.remove_tree(parent)
+
+
+@pytest.fixture
+def forwarding_on() -> Iterator[None]:
+    """IPv4 forwarding on while the test runs (network="open" refuses to start without it), as it was after."""
+    from .egress_net import ip_forwarding
+
+    with ip_forwarding() as sysctl:
+        sysctl.write_text("1")
+        yield

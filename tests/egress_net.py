@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -242,3 +243,28 @@ EOF"""
 
 def attempts(*lines: str) -> str:
     return ATTEMPTS.format(lines=", ".join(repr(line) for line in lines))
+
+
+def assert_open_refusals_audited(sb: Any, net: TargetNet, tag: str) -> list[Any]:
+    """The open mode's walls, the same in every tier: private ranges, the metadata address and the
+    host's own address each refused at once (a reset or admin-prohibited, not a time-out), a UDP
+    datagram too, and each attempt audited once, in order, with its rule.  Returns the events."""
+    refused = [f"http://{net.other}:8080/{tag}-1", f"http://{net.other}:8080/{tag}-2",
+               f"http://{METADATA}:{net.metadata_port}/{tag}-3",
+               f"http://{net.host_side}:{net.loopback_port}/{tag}-4"]
+    for url in refused:
+        started = time.monotonic()
+        result = sb.commands.run(f"curl -sS -m 5 {url}")
+        assert result.exit_code == 7 and time.monotonic() - started < 3, (url, result)
+    # sendto() succeeds (the packet leaves the sandbox; the host refuses it): audited all the same
+    assert sb.commands.run(attempts(f"udp {net.other} 53")).exit_code == 0
+    events: list[Any] = sb.network.audit()
+    seen = [(e.kind, e.protocol, e.destination, e.address, e.rule) for e in events]
+    assert seen == [
+        ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
+        ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
+        ("refused", "tcp", f"{METADATA}:{net.metadata_port}", METADATA, "link-local"),
+        ("refused", "tcp", f"{net.host_side}:{net.loopback_port}", net.host_side, "host-address"),
+        ("refused", "udp", f"{net.other}:53", net.other, "rfc1918"),
+    ], seen
+    return events

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -45,6 +47,16 @@ def processes_naming(text: str) -> list[int]:
         if text in cmdline and state != "Z":
             found.append(int(pid))
     return found
+
+
+def run_gc(sandbox_id: str, timeout: float = 120) -> str:
+    """Run ``corral gc`` as an operator would after a crash; it must succeed and name ``sandbox_id``."""
+    corral = Path(sys.executable).with_name("corral")
+    result = subprocess.run([str(corral), "gc"], capture_output=True, text=True, env=os.environ.copy(),
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    assert sandbox_id in result.stdout, result.stdout
+    return result.stdout
 
 
 def all_leftovers(state_dir: Path) -> list[str]:

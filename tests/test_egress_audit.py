@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
 from corral.egress.audit import AuditLog
 from corral.egress.nflog import NflogListener, parse_messages, parse_packet
-from egress_net import METADATA, TargetNet, attempts, ip_forwarding, target_net
+from egress_net import METADATA, TargetNet, assert_open_refusals_audited, attempts, target_net
 
 CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main(sys.argv[1:]))"]
 
@@ -29,13 +28,6 @@ CLI = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(
 def net() -> Iterator[TargetNet]:
     with target_net(prefix="aud") as testnet:
         yield testnet
-
-
-@pytest.fixture
-def forwarding() -> Iterator[None]:
-    with ip_forwarding() as sysctl:
-        sysctl.write_text("1")
-        yield
 
 
 def test_parser_reads_ipv4_ipv6_and_fragments() -> None:
@@ -68,29 +60,12 @@ def test_group_allocation_and_a_taken_group() -> None:
     again.close()
 
 
-def test_open_mode_audits_each_refused_attempt(net: TargetNet, forwarding: None) -> None:
+def test_open_mode_audits_each_refused_attempt(net: TargetNet, forwarding_on: None) -> None:
     with Sandbox.create(network="open", unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
         ok = sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/audit-open-ok")
         assert ok.stdout == "hello from target\n", ok
         assert sb.network.audit() == []
-        refused = [f"http://{net.other}:8080/audit-open-1", f"http://{net.other}:8080/audit-open-2",
-                   f"http://{METADATA}:{net.metadata_port}/audit-open-3",
-                   f"http://{net.host_side}:{net.loopback_port}/audit-open-4"]
-        for url in refused:
-            started = time.monotonic()
-            result = sb.commands.run(f"curl -sS -m 5 {url}")
-            assert result.exit_code == 7 and time.monotonic() - started < 3, (url, result)
-        # sendto() succeeds here (the packet leaves the sandbox; the host refuses it): audited all the same
-        assert sb.commands.run(attempts(f"udp {net.other} 53")).exit_code == 0
-        events = sb.network.audit()
-        seen = [(e.kind, e.protocol, e.destination, e.address, e.rule) for e in events]
-        assert seen == [
-            ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
-            ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
-            ("refused", "tcp", f"{METADATA}:{net.metadata_port}", METADATA, "link-local"),
-            ("refused", "tcp", f"{net.host_side}:{net.loopback_port}", net.host_side, "host-address"),
-            ("refused", "udp", f"{net.other}:53", net.other, "rfc1918"),
-        ], seen
+        events = assert_open_refusals_audited(sb, net, "audit-open")
         assert all(e.sandbox_id == sb.id and e.time > 0 for e in events)
         # allowed again: still nothing new
         assert sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/audit-open-ok2").exit_code == 0
@@ -98,7 +73,7 @@ def test_open_mode_audits_each_refused_attempt(net: TargetNet, forwarding: None)
     assert not [h for h in net.hits() if h["path"].startswith("/audit-open-") and "ok" not in h["path"]]
 
 
-def test_a_flood_is_refused_whole_but_logged_within_the_rate_limit(net: TargetNet, forwarding: None) -> None:
+def test_a_flood_is_refused_whole_but_logged_within_the_rate_limit(net: TargetNet, forwarding_on: None) -> None:
     with Sandbox.create(network="open") as sb:
         # one packet first, so the sandbox knows its gateway's MAC address: packets queued while
         # it asks could be dropped in the sandbox (never reaching our rules) and spoil the count
@@ -144,7 +119,7 @@ def test_allow_mode_direct_attempts_fail_fast_and_are_audited(net: TargetNet) ->
     assert len(net.hits("metadata")) == before
 
 
-def test_cli_audit_prints_kernel_refusals(net: TargetNet, forwarding: None) -> None:
+def test_cli_audit_prints_kernel_refusals(net: TargetNet, forwarding_on: None) -> None:
     proc = subprocess.run(
         [*CLI, "run", "--allow", "example.com", "--audit", "--", "sh", "-c",
          attempts(f"tcp {METADATA} {net.metadata_port}", f"udp {net.other} 53")],
@@ -164,7 +139,7 @@ def test_cli_audit_prints_kernel_refusals(net: TargetNet, forwarding: None) -> N
         ("tcp", f"{METADATA}:{net.metadata_port}", "link-local")], proc.stdout
 
 
-def test_concurrent_open_sandboxes_each_see_only_their_own_refusals(net: TargetNet, forwarding: None) -> None:
+def test_concurrent_open_sandboxes_each_see_only_their_own_refusals(net: TargetNet, forwarding_on: None) -> None:
     with Sandbox.create(network="open") as a, Sandbox.create(network="open") as b:
         assert a.commands.run(f"curl -sS -m 5 http://{net.other}:8080/audit-a").exit_code == 7
         assert b.commands.run(f"curl -sS -m 5 http://{METADATA}:{net.metadata_port}/audit-b").exit_code == 7

@@ -24,7 +24,7 @@ from corral.tiers.gvisor import GVisorTier
 from corral.tiers.gvisor_platform import PLATFORM_ENV, choose_platform, runsc_binary
 
 from .leaks import processes_naming as _processes_naming
-from .leaks import sandbox_leftovers
+from .leaks import run_gc, sandbox_leftovers
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -261,10 +261,7 @@ def test_owner_killed_then_gc_leaves_nothing(state_dir: Path, network: str) -> N
     finally:
         owner.kill()  # SIGKILL: no cleanup code of the owner runs
         owner.wait()
-    corral = Path(sys.executable).with_name("corral")
-    gc = subprocess.run([str(corral), "gc"], capture_output=True, text=True, env=os.environ.copy())
-    assert gc.returncode == 0, gc.stderr
-    assert sandbox_id in gc.stdout
+    run_gc(sandbox_id)
     assert sandbox_leftovers(sandbox_id, state_dir) == []
     assert _processes_naming(sandbox_id) == []
 

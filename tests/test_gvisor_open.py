@@ -18,7 +18,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +29,8 @@ from corral.host import mounts, netns
 from corral.tiers.gvisor import GVisorTier
 from corral.tiers.gvisor_net import ROOT_TEST, root_test_misfires
 
-from .egress_net import METADATA, TargetNet, attempts, ip_forwarding, target_net
-from .leaks import processes_naming, sandbox_leftovers
+from .egress_net import METADATA, TargetNet, assert_open_refusals_audited, target_net
+from .leaks import processes_naming, run_gc, sandbox_leftovers
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,13 +44,6 @@ def _gvisor_available(state_dir: Path) -> None:
 def net() -> Iterator[TargetNet]:
     with target_net(prefix="gvn") as testnet:
         yield testnet
-
-
-@pytest.fixture
-def forwarding() -> Iterator[None]:
-    with ip_forwarding() as sysctl:
-        sysctl.write_text("1")
-        yield
 
 
 def _network_leftovers(sandbox_id: str) -> list[str]:
@@ -72,7 +64,7 @@ def _hide_mounts() -> list[str]:
 
 
 def test_open_mode_reaches_the_allowed_target_and_refuses_and_audits_the_rest(
-        net: TargetNet, forwarding: None) -> None:
+        net: TargetNet, forwarding_on: None) -> None:
     with Sandbox.create(tier="gvisor", network="open", memory="256M",
                         unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
         assert sb.commands.run(["uname", "-r"]).stdout.strip() != os.uname().release  # gVisor answers
@@ -85,23 +77,7 @@ def test_open_mode_reaches_the_allowed_target_and_refuses_and_audits_the_rest(
                                  stdin=net.ca.read_bytes())
         assert ok_tls.exit_code == 0, ok_tls
         assert sb.network.audit() == []
-        refused = [f"http://{net.other}:8080/gvn-no-1", f"http://{net.other}:8080/gvn-no-2",
-                   f"http://{METADATA}:{net.metadata_port}/gvn-no-3",
-                   f"http://{net.host_side}:{net.loopback_port}/gvn-no-4"]
-        for url in refused:
-            started = time.monotonic()
-            result = sb.commands.run(f"curl -sS -m 5 {url}")
-            # rejected at once (a reset or admin-prohibited reaches gVisor's TCP), not timed out
-            assert result.exit_code == 7 and time.monotonic() - started < 3, (url, result)
-        assert sb.commands.run(attempts(f"udp {net.other} 53")).exit_code == 0
-        seen = [(e.kind, e.protocol, e.destination, e.address, e.rule) for e in sb.network.audit()]
-        assert seen == [
-            ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
-            ("refused", "tcp", f"{net.other}:8080", net.other, "rfc1918"),
-            ("refused", "tcp", f"{METADATA}:{net.metadata_port}", METADATA, "link-local"),
-            ("refused", "tcp", f"{net.host_side}:{net.loopback_port}", net.host_side, "host-address"),
-            ("refused", "udp", f"{net.other}:53", net.other, "rfc1918"),
-        ], seen
+        assert_open_refusals_audited(sb, net, "gvn-no")
         # the host's loopback: 127.0.0.1 in gVisor is gVisor's own loopback, never the host's
         loop = sb.commands.run(f"curl -sS -m 5 http://127.0.0.1:{net.loopback_port}/gvn-loop")
         assert loop.exit_code == 7 and net.loopback_hits == [], loop
@@ -125,7 +101,7 @@ def test_open_mode_reaches_the_allowed_target_and_refuses_and_audits_the_rest(
     assert _network_leftovers(sb.id) == []
 
 
-def test_without_an_unsafe_range_the_private_target_is_refused_too(net: TargetNet, forwarding: None) -> None:
+def test_without_an_unsafe_range_the_private_target_is_refused_too(net: TargetNet, forwarding_on: None) -> None:
     # the same target as above, but no operator range: the RFC1918 rule applies to it
     with Sandbox.create(tier="gvisor", network="open", memory="256M") as sb:
         result = sb.commands.run(f"curl -sS -m 5 http://{net.target}:8080/gvn-private")
@@ -134,7 +110,7 @@ def test_without_an_unsafe_range_the_private_target_is_refused_too(net: TargetNe
     assert not [h for h in net.hits() if h["path"] == "/gvn-private"]
 
 
-def test_two_open_sandboxes_each_audit_only_their_own_refusals(net: TargetNet, forwarding: None) -> None:
+def test_two_open_sandboxes_each_audit_only_their_own_refusals(net: TargetNet, forwarding_on: None) -> None:
     with Sandbox.create(tier="gvisor", network="open") as a, Sandbox.create(tier="gvisor", network="open") as b:
         assert a.commands.run(f"curl -sS -m 5 http://{net.other}:8080/gvn-a").exit_code == 7
         assert b.commands.run(f"curl -sS -m 5 http://{METADATA}:{net.metadata_port}/gvn-b").exit_code == 7
@@ -144,7 +120,7 @@ def test_two_open_sandboxes_each_audit_only_their_own_refusals(net: TargetNet, f
 
 
 def test_close_leaves_no_namespace_table_veth_runsc_state_process_or_mount(
-        forwarding: None, state_dir: Path) -> None:
+        forwarding_on: None, state_dir: Path) -> None:
     sb = Sandbox.create(tier="gvisor", network="open")
     sb.commands.run(["true"])
     run_dir = state_dir / "sandboxes" / sb.id
@@ -158,7 +134,7 @@ def test_close_leaves_no_namespace_table_veth_runsc_state_process_or_mount(
     assert _hide_mounts() == []
 
 
-def test_owner_killed_then_gc_leaves_nothing(forwarding: None, state_dir: Path) -> None:
+def test_owner_killed_then_gc_leaves_nothing(forwarding_on: None, state_dir: Path) -> None:
     owner = subprocess.Popen(
         [sys.executable, "-c", (
             "import time\n"
@@ -179,10 +155,7 @@ def test_owner_killed_then_gc_leaves_nothing(forwarding: None, state_dir: Path) 
     finally:
         owner.kill()  # SIGKILL: no cleanup code of the owner runs
         owner.wait()
-    corral = Path(sys.executable).with_name("corral")
-    gc = subprocess.run([str(corral), "gc"], capture_output=True, text=True, env=os.environ.copy())
-    assert gc.returncode == 0, gc.stderr
-    assert sandbox_id in gc.stdout
+    run_gc(sandbox_id)
     assert _network_leftovers(sandbox_id) == []
     assert sandbox_leftovers(sandbox_id, state_dir) == []
     assert processes_naming(sandbox_id) == []
@@ -200,7 +173,7 @@ def _udp_frame(dst_mac: bytes, src_mac: bytes, src: str, dst: str, port: int, pa
     return dst_mac + src_mac + b"\x08\x00" + header[:10] + struct.pack("!H", checksum) + header[12:] + udp
 
 
-def test_a_forged_source_is_dropped_and_audited(net: TargetNet, forwarding: None) -> None:
+def test_a_forged_source_is_dropped_and_audited(net: TargetNet, forwarding_on: None) -> None:
     """What a compromised Sentry could do with its packet socket on the veth, done from the host
     in the sandbox's namespace: a datagram with the sandbox's own source reaches the (allowed)
     target, the same datagram with a forged source does not, and is audited."""
@@ -244,7 +217,7 @@ def test_a_forged_source_is_dropped_and_audited(net: TargetNet, forwarding: None
 
 
 def test_without_the_hiding_step_this_runsc_refuses_and_nothing_is_left(
-        forwarding: None, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        forwarding_on: None, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the step exists (runsc 20240729 on a kernel with a per-namespace rmem_default), and a
     failed create cleans up: no namespace, veth, table, run dir or process."""
     from corral.egress import open_net

@@ -31,7 +31,7 @@ from corral.images import ImageLayout, resolve
 from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox, rootdisk
 
-from .leaks import all_leftovers, sandbox_leftovers
+from .leaks import all_leftovers, run_gc, sandbox_leftovers
 
 
 def py(code: str) -> list[str]:
@@ -444,10 +444,7 @@ def test_killed_owner_is_reaped_by_gc(state_dir: Path, network: str) -> None:
         owner.wait()
     assert _alive(pid), "QEMU died with its owner: gc is not exercised"
     assert sandbox_leftovers(sandbox_id, state_dir) != []
-    corral = Path(sys.executable).with_name("corral")
-    result = subprocess.run([str(corral), "gc"], capture_output=True, text=True, env=os.environ.copy(), timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert sandbox_id in result.stdout
+    run_gc(sandbox_id)
     assert not _alive(pid)
     assert sandbox_leftovers(sandbox_id, state_dir) == []
 
