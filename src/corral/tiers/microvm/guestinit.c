@@ -344,6 +344,7 @@ int main(void) {
     pid_t agent;
     int agent_go = start_agent(port, &agent);
     loopback_up();
+    net_prepare();
     int relay = start_relay(open_port("corral-net"));
     /* after the agent and the relay started: their binary is in the initramfs,
      * which the switch hides (the relay keeps the initramfs as its root: it opened
@@ -385,6 +386,7 @@ int main(void) {
     if (!have_root) die("no image disk (%s%s)", "");
     setup_root();
 
+    start_net();
     start_egress(relay);
 
     if (write(agent_go, "g", 1) != 1) die("cannot start the agent (%s%s)", "");
