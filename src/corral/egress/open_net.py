@@ -219,8 +219,13 @@ class OpenNetwork:
                     index = socket.if_nametoindex(names.sandbox_if)
                     if self._guest_tap:
                         # layer 2 only: the guest holds the address, the namespace none
-                        bridge = rtnl.add_bridge(names.bridge)
-                        self.tap_fd = open_tap(names.tap)
+                        try:
+                            bridge = rtnl.add_bridge(names.bridge)
+                            self.tap_fd = open_tap(names.tap)
+                        except OSError as exc:  # a kernel without CONFIG_BRIDGE or CONFIG_TUN
+                            raise HostNotSupported(
+                                f"network='open' for a VM needs bridges and /dev/net/tun in the host kernel: {exc}"
+                            ) from None
                         rtnl.set_master(index, bridge)
                         rtnl.set_master(socket.if_nametoindex(names.tap), bridge)
                         rtnl.link_up(bridge)

@@ -20,7 +20,8 @@
  *     identical RNG state), set the clock and hostname, set the limits of the
  *     cgroup the sandbox's commands run in, size /rw, write the identity
  *     files, mount the workspace (virtio-9p: QEMU cannot save a VM with a 9p
- *     export mounted, so it cannot be in the template) and tell the agent to
+ *     export mounted, so it cannot be in the template), with network="open"
+ *     only configure eth0 (guest_start.c), and tell the agent to
  *     go (its stdin/stdout are the port).  When the agent exits the VM powers
  *     off.
  *
