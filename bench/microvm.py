@@ -1,7 +1,7 @@
 """microVM tier figures: restore-from-snapshot vs boot-from-scratch, exec round
 trip, memory per idle VM.
 
-    .venv/bin/python bench/microvm.py [--cold N] [--exec N] [--trace N] [--boots N]
+    .venv/bin/python bench/microvm.py [--cold N] [--exec N] [--trace N] [--boots N] [--allow N] [--open N]
 
 Prints p50/p95 of: cold create -> first command -> destroy (restored from the
 template snapshot) and its parts, the restore itself (QEMU start -> agent
@@ -94,12 +94,12 @@ def trace_steps(inner: MicroVMSandbox) -> list[tuple[str, float]]:
     return steps
 
 
-def traced(count: int) -> None:
+def traced(count: int, network: str = "none") -> None:
     os.environ["CORRAL_MICROVM_TRACE"] = "1"
     try:
         table: dict[str, list[float]] = {}
         for _ in range(count):
-            sb, inner = create()
+            sb, inner = create(network=network)
             try:
                 for name, at in trace_steps(inner):
                     table.setdefault(name, []).append(at)
@@ -107,7 +107,8 @@ def traced(count: int) -> None:
                 sb.kill()
     finally:
         del os.environ["CORRAL_MICROVM_TRACE"]
-    print(f"traced restores (n={count}, load {os.getloadavg()[0]:.1f}): median ms since QEMU was started")
+    print(f"traced restores, network={network} (n={count}, load {os.getloadavg()[0]:.1f}): "
+          "median ms since QEMU was started")
     for name, values in sorted(table.items(), key=lambda item: statistics.median(item[1])):
         print(f"  {statistics.median(values):8.1f}  {name}")
 
@@ -129,13 +130,39 @@ def allowed(count: int) -> None:
     line("  then first command (true)", first)
 
 
+def opened(count: int) -> None:
+    """network="open": the namespace, veth, bridge, tap and table on the host, eth0 configured in the guest."""
+    if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
+        print("network=open: skipped (needs net.ipv4.ip_forward=1, which this bench does not switch on)")
+        return
+    created, ready, first, destroyed = [], [], [], []
+    for _ in range(count):
+        start = time.monotonic()
+        sb, inner = create(network="open")
+        made = time.monotonic()
+        sb.commands.run(["true"])
+        ran = time.monotonic()
+        sb.kill()
+        destroyed.append((time.monotonic() - ran) * 1000)
+        first.append((ran - made) * 1000)
+        created.append((made - start) * 1000)
+        ready.append(inner.timings["ready"] * 1000)
+    line("network=open: create (Sandbox.create)", created)
+    line("  of which QEMU start -> agent ready", ready)
+    line("  then first command (true)", first)
+    line("  destroy", destroyed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cold", type=int, default=5)
     parser.add_argument("--exec", type=int, default=10, dest="execs")
     parser.add_argument("--trace", type=int, default=3)
     parser.add_argument("--boots", type=int, default=1)
+    parser.add_argument("--trace-network", default="none", help="the network mode of the traced restores")
     parser.add_argument("--allow", type=int, default=0, help="also N cold creates with network='allow'")
+    parser.add_argument("--open", type=int, default=0, dest="opens",
+                        help="also N cold creates with network='open' (needs IPv4 forwarding on)")
     args = parser.parse_args()
     os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
 
@@ -167,8 +194,10 @@ def main() -> None:
     line("restore: QEMU start -> agent ready", to_ready)
     if args.allow:
         allowed(args.allow)
+    if args.opens:
+        opened(args.opens)
     if args.trace:
-        traced(args.trace)
+        traced(args.trace, args.trace_network)
 
     sb, inner = create()
     try:

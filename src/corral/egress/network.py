@@ -89,12 +89,14 @@ class SandboxNetwork:
     """Everything network-related one sandbox owns; :meth:`close` releases all of it."""
 
     def __init__(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, uid: int, *,
-                 host_namespace: bool = True, socket_gid: int | None = None) -> None:
-        """``host_namespace=False``: for ``allow``, no host-made namespace (a tier with a network
+                 host_namespace: bool = True, socket_gid: int | None = None, guest_tap: bool = False) -> None:
+        """``guest_tap``: for ``open``, a tap bridged to the veth for a VM (:class:`.open_net.OpenNetwork`).
+        ``host_namespace=False``: for ``allow``, no host-made namespace (a tier with a network
         stack of its own, gVisor's, has nowhere to put one); direct attempts then fail inside that
         stack, unaudited.  ``socket_gid``: a group that may also connect to the proxy's socket."""
         self.mode = spec.network
         self._host_namespace = host_namespace
+        self._guest_tap = guest_tap
         self._socket_gid = socket_gid
         self.sandbox_id = sandbox_id
         self.audit_log = AuditLog()
@@ -127,7 +129,7 @@ class SandboxNetwork:
         ranges = [parse_range(c) for c in (*_settings.unsafe_allow_ranges, *spec.unsafe_allow_ranges)]
         from .open_net import OpenNetwork
 
-        self._open = OpenNetwork(self.sandbox_id, ranges, self.audit_log)
+        self._open = OpenNetwork(self.sandbox_id, ranges, self.audit_log, guest_tap=self._guest_tap)
         self.netns = self._open.names.netns
         servers = "".join(f"nameserver {s}\n" for s in self._open.nameservers)
         self.files["/etc/resolv.conf"] = servers.encode()
@@ -178,6 +180,11 @@ class SandboxNetwork:
             for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO"):
                 self.env[name] = BUNDLE_IN_SANDBOX
             self.env["NODE_EXTRA_CA_CERTS"] = CA_IN_SANDBOX
+
+    @property
+    def open_net(self) -> OpenNetwork | None:
+        """``open``: the namespace's addresses (and a VM's tap)."""
+        return self._open
 
     @property
     def proxy_socket(self) -> Path | None:

@@ -12,11 +12,13 @@ Only our own table is ever created, read or deleted.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import random
 import re
 import socket
+import struct
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,11 +42,14 @@ class OpenNames:
     host_if: str
     sandbox_if: str
     table: str
+    #: a microVM's tap and the bridge joining it to the veth (inside the namespace: they go with it)
+    tap: str = ""
+    bridge: str = ""
 
     @classmethod
     def for_sandbox(cls, sandbox_id: str) -> OpenNames:
         tag = re.sub(r"[^0-9a-f]", "", sandbox_id)[-10:]
-        return cls(f"crl-{tag}", f"crl{tag}h", f"crl{tag}s", f"crl_{tag}")
+        return cls(f"crl-{tag}", f"crl{tag}h", f"crl{tag}s", f"crl_{tag}", f"crl{tag}t", f"crl{tag}b")
 
 
 def _host_nameservers() -> list[str]:
@@ -152,21 +157,48 @@ def check_host() -> None:
         )
 
 
-class OpenNetwork:
-    """The namespace, veth pair and nftables table of one ``open`` sandbox."""
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
 
-    def __init__(self, sandbox_id: str, unsafe: Sequence[IPNetwork], log: AuditLog) -> None:
+
+def open_tap(name: str) -> int:
+    """Create tap ``name`` in the calling thread's namespace and return its fd (not persistent:
+    the device goes when the last fd to it is closed).  No ``IFF_VNET_HDR``: the VM's template
+    negotiated its virtio-net features with a backend that has none, so no offload could be used."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TAP | IFF_NO_PI))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class OpenNetwork:
+    """The namespace, veth pair and nftables table of one ``open`` sandbox.
+
+    ``guest_tap``: for a VM, whose own kernel takes the sandbox's address.  The
+    namespace's end of the veth then keeps no address and is bridged to a tap
+    whose fd (:attr:`tap_fd`) the VM's virtio-net device gets: the guest sits on
+    the veth's link as the process tier's sandbox does, and the host's table
+    sees its packets exactly as it sees theirs."""
+
+    def __init__(self, sandbox_id: str, unsafe: Sequence[IPNetwork], log: AuditLog, *,
+                 guest_tap: bool = False) -> None:
         check_host()
         self.names = OpenNames.for_sandbox(sandbox_id)
         self.nameservers = _host_nameservers()
         self.listener: NflogListener | None = None
+        self.tap_fd: int | None = None
+        self._guest_tap = guest_tap
         try:
             # the group is bound before the rules that log to it exist: none of their
             # messages is lost, and no one else can take the group in between
             self.listener = NflogListener(sandbox_id, log, self.names.table)
             slot = _free_slot()
-            host_addr, self.sandbox_addr = str(slot.network_address + 1), str(slot.network_address + 2)
-            self._make_links(host_addr)
+            self.host_addr, self.sandbox_addr = str(slot.network_address + 1), str(slot.network_address + 2)
+            self.prefix = slot.prefixlen
+            self._make_links(self.host_addr)
             netns.nft_load(ruleset(self.names, self.sandbox_addr, unsafe, self.nameservers, self.listener.group))
             self.listener.start()
         except BaseException:
@@ -185,6 +217,19 @@ class OpenNetwork:
                     rtnl.link_up()  # lo
                     rtnl.add_veth(names.sandbox_if, names.host_if, host_ns)
                     index = socket.if_nametoindex(names.sandbox_if)
+                    if self._guest_tap:
+                        # layer 2 only: the guest holds the address, the namespace none
+                        try:
+                            bridge = rtnl.add_bridge(names.bridge)
+                            self.tap_fd = open_tap(names.tap)
+                        except OSError as exc:  # a kernel without CONFIG_BRIDGE or CONFIG_TUN
+                            raise HostNotSupported(
+                                f"network='open' for a VM needs bridges and /dev/net/tun in the host kernel: {exc}"
+                            ) from None
+                        rtnl.set_master(index, bridge)
+                        rtnl.set_master(socket.if_nametoindex(names.tap), bridge)
+                        rtnl.link_up(bridge)
+                        return
                     rtnl.add_address(f"{self.sandbox_addr}/30", index)
                     rtnl.link_up(index)
                     rtnl.add_default_route_via(host_addr, index)
@@ -202,7 +247,16 @@ class OpenNetwork:
         assert self.listener is not None
         return self.listener.unlogged(netns.nft_counters("inet", self.names.table))
 
+    def take_tap(self) -> int:
+        """The tap's fd, for the VM: the caller closes it (once QEMU holds its own copy)."""
+        assert self.tap_fd is not None
+        fd, self.tap_fd = self.tap_fd, None
+        return fd
+
     def close(self) -> None:
+        if self.tap_fd is not None:
+            os.close(self.tap_fd)
+            self.tap_fd = None
         if self.listener is not None:
             self.listener.close()
             self.listener = None

@@ -3,7 +3,8 @@
 Each ``ip`` run costs 2-3 ms of fork and exec on this loaded host, on every
 such sandbox's create; these requests cost microseconds.  Only what is
 needed: bring an interface up, add an address, add a default route through an
-interface or a gateway, create a veth pair whose peer is in another namespace.
+interface or a gateway, create a veth pair whose peer is in another namespace,
+create a bridge and put an interface in it (the microVM's tap).
 Like every netlink socket, this one acts in the network namespace of the
 thread that opens it.
 """
@@ -24,7 +25,7 @@ IFF_UP = 0x1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 IFA_F_NODAD = 0x02
 RTA_GATEWAY, RTA_OIF = 5, 4
-IFLA_IFNAME, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 18, 28
+IFLA_IFNAME, IFLA_MASTER, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 10, 18, 28
 IFLA_INFO_KIND, IFLA_INFO_DATA, VETH_INFO_PEER = 1, 2, 1
 IFINFOMSG = struct.Struct("=BxHiII")  # family, type, index, flags, change
 RT_TABLE_MAIN, RTPROT_BOOT, RTN_UNICAST = 254, 3, 1
@@ -108,3 +109,16 @@ class Rtnl:
                            RTN_UNICAST, 0)
         body += attr(RTA_GATEWAY, socket.inet_aton(gateway)) + attr(RTA_OIF, struct.pack("=I", index))
         self._request(RTM_NEWROUTE, NLM_F_CREATE | NLM_F_EXCL, body)
+
+    def add_bridge(self, name: str) -> int:
+        """A bridge (``ip link add NAME type bridge``: STP off, so a port forwards at once); its index."""
+        info = attr(IFLA_INFO_KIND, b"bridge")
+        body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0) + attr(IFLA_IFNAME, name.encode() + b"\0") + \
+            attr(IFLA_LINKINFO, info)
+        self._request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body)
+        return socket.if_nametoindex(name)
+
+    def set_master(self, index: int, master: int) -> None:
+        """Make interface ``index`` a port of bridge ``master`` and bring it up (``ip link set X master B up``)."""
+        body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, index, IFF_UP, IFF_UP) + attr(IFLA_MASTER, struct.pack("=I", master))
+        self._request(RTM_NEWLINK, 0, body)

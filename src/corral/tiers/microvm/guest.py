@@ -48,6 +48,10 @@ MODULES = (
     "crypto/crc32c_generic.ko",
     "lib/libcrc32c.ko",
     "fs/erofs/erofs.ko",
+    # the virtio-net device every VM has (network="open" gives it a tap)
+    "net/core/failover.ko",
+    "drivers/net/net_failover.ko",
+    "drivers/net/virtio_net.ko",
 )
 KERNEL_META_PACKAGE = "linux-image-amd64"
 INIT_SOURCE = Path(__file__).with_name("guestinit.c")

@@ -6,7 +6,10 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/random.h>
+#include <arpa/inet.h>
 #include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
 #include <dirent.h>
 #include <sched.h>
 #include <signal.h>
@@ -110,4 +113,58 @@ void loopback_up(void) {
     ifr.ifr_flags |= IFF_UP;
     if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0) die("cannot bring up loopback (%s%s)", "");
     close(fd);
+}
+
+/* The virtio-net device every VM has (eth0).  Before the snapshot: no IPv6 on
+ * it (network="open" is IPv4 only; the host drops IPv6), and a socket kept for
+ * the configuration ioctls.  It stays down: without "open" its backend is a
+ * black hole on the host anyway, and a restored VM runs none of this. */
+static int net_fd = -1;
+
+void net_prepare(void) {
+    int fd = open("/proc/sys/net/ipv6/conf/eth0/disable_ipv6", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (write(fd, "1", 1) != 1) say("cannot disable IPv6 on eth0 (%s%s)", "");
+        close(fd);
+    }
+    net_fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+}
+
+static void set_addr(unsigned long request, const char *what, struct in_addr addr) {
+    struct ifreq ifr = {0};
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "eth0");
+    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    sin->sin_family = AF_INET;
+    sin->sin_addr = addr;
+    if (ioctl(net_fd, request, &ifr) < 0) die("eth0: cannot set the %s (%s)", what);
+}
+
+/* After the restore, with network="open" only (configuration net_addr, net_prefix,
+ * net_gw): the sandbox's address on eth0, up, the default route through the
+ * host's end of the veth.  /etc/resolv.conf is written by the host through the agent. */
+void start_net(void) {
+    const char *addr = get("net_addr");
+    if (!addr) return;
+    struct in_addr ip, gw, mask;
+    int prefix = atoi(need("net_prefix"));
+    if (inet_pton(AF_INET, addr, &ip) != 1 || inet_pton(AF_INET, need("net_gw"), &gw) != 1 || prefix < 1
+        || prefix > 32 || net_fd < 0) die("bad network configuration %s (%s)", addr);
+    mask.s_addr = htonl(0xffffffffu << (32 - prefix));
+    set_addr(SIOCSIFADDR, "address", ip);
+    set_addr(SIOCSIFNETMASK, "netmask", mask);
+    struct ifreq ifr = {0};
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "eth0");
+    if (ioctl(net_fd, SIOCGIFFLAGS, &ifr) < 0) die("eth0 (%s%s)", "");
+    ifr.ifr_flags |= IFF_UP;
+    if (ioctl(net_fd, SIOCSIFFLAGS, &ifr) < 0) die("cannot bring up eth0 (%s%s)", "");
+    struct rtentry route = {0};
+    struct sockaddr_in *dst = (struct sockaddr_in *)&route.rt_dst, *via = (struct sockaddr_in *)&route.rt_gateway,
+                       *genmask = (struct sockaddr_in *)&route.rt_genmask;
+    dst->sin_family = via->sin_family = genmask->sin_family = AF_INET;
+    via->sin_addr = gw;
+    route.rt_flags = RTF_UP | RTF_GATEWAY;
+    route.rt_dev = "eth0";
+    if (ioctl(net_fd, SIOCADDRT, &route) < 0) die("cannot add the default route (%s%s)", "");
+    close(net_fd);
+    mark("eth0 configured");
 }

@@ -20,7 +20,8 @@
  *     identical RNG state), set the clock and hostname, set the limits of the
  *     cgroup the sandbox's commands run in, size /rw, write the identity
  *     files, mount the workspace (virtio-9p: QEMU cannot save a VM with a 9p
- *     export mounted, so it cannot be in the template) and tell the agent to
+ *     export mounted, so it cannot be in the template), with network="open"
+ *     only configure eth0 (guest_start.c), and tell the agent to
  *     go (its stdin/stdout are the port).  When the agent exits the VM powers
  *     off.
  *
@@ -344,6 +345,7 @@ int main(void) {
     pid_t agent;
     int agent_go = start_agent(port, &agent);
     loopback_up();
+    net_prepare();
     int relay = start_relay(open_port("corral-net"));
     /* after the agent and the relay started: their binary is in the initramfs,
      * which the switch hides (the relay keeps the initramfs as its root: it opened
@@ -385,6 +387,7 @@ int main(void) {
     if (!have_root) die("no image disk (%s%s)", "");
     setup_root();
 
+    start_net();
     start_egress(relay);
 
     if (write(agent_go, "g", 1) != 1) die("cannot start the agent (%s%s)", "");

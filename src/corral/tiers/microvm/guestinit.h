@@ -20,4 +20,6 @@ int start_agent(int port, pid_t *pid);
 int start_relay(int net_port);
 void start_egress(int relay);
 void loopback_up(void);
+void net_prepare(void);
+void start_net(void);
 #endif

@@ -31,6 +31,9 @@ AGENT_PORT = "corral"
 #: the second virtio-serial port, in every VM: network="allow"'s connections,
 #: multiplexed (the guest's relay_mux.c, the host's egress_bridge.py)
 EGRESS_PORT = "corral-net"
+#: the virtio-net device every VM has (one device set, one template); every guest
+#: restored from a template has the template's MAC, each on a link of its own
+GUEST_MAC = "52:54:00:c0:44:02"
 
 
 def kernel_args(accel: str) -> str:
@@ -129,6 +132,7 @@ def command_line(
     incoming: bool = False,
     listen_fds: tuple[int, int] | None = None,
     egress_fd: int | None = None,
+    tap_fd: int | None = None,
     runas: int | None = None,
 ) -> list[str]:
     """``incoming``: wait for ``migrate-incoming`` (a restore).  Templates are
@@ -141,7 +145,10 @@ def command_line(
     it and without ``paths.egress_socket`` the port is backed by ``null``: the
     device set, and so the snapshot, is the same either way.
     ``disk``: the image (rootdisk), read-only and shared by every VM of the
-    image; only the KVM probe boots without one."""
+    image; only the KVM probe boots without one.
+    ``tap_fd``: network="open"'s tap (made and opened by the host in the sandbox's
+    namespace); without it the virtio-net device's backend is a port on an
+    otherwise empty hub, where every frame the guest sends is dropped."""
     argv = [
         qemu_binary(),
         "-M", MACHINE,
@@ -178,6 +185,14 @@ def command_line(
     else:
         argv += ["-chardev", "null,id=egress"]
     argv += ["-device", f"virtserialport,chardev=egress,name={EGRESS_PORT}"]
+    # never user-mode networking (slirp): QEMU itself would be the guest's router
+    if tap_fd is not None:
+        argv += ["-netdev", f"tap,id=net,fd={tap_fd},vhost=off"]
+    else:
+        argv += ["-netdev", "hubport,id=net,hubid=0"]
+    # guest_announce=off: no gratuitous ARP from the guest's driver after a restore (guest code
+    # every VM would run); QEMU's own announcement goes to the backend (the hub drops it)
+    argv += ["-device", f"virtio-net-device,netdev=net,mac={GUEST_MAC},guest_announce=off"]
     if disk is not None:
         # read-only, so many QEMUs share it (shared image locks) and a guest cannot
         # write it; the host's page cache holds it once for all of them

@@ -37,7 +37,8 @@ from .rootdisk import ImageDisk
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "9"  # 8: the egress port "corral-net", loopback up, the relay pre-started; 9: + the image disk
+TEMPLATE_VERSION = "10"  # 8: the egress port "corral-net", loopback up, the relay pre-started; 9: + the image disk;
+# 10: + a virtio-net device (network="open")
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0

@@ -11,7 +11,10 @@ One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
   size-limited tmpfs with the workspace copy the guest reaches over 9p;
 - with ``network="allow"``: the egress proxy (a thread, its socket in the run
   dir) and the bridge thread that carries the guest's connections from the
-  VM's egress port to it (``egress_bridge.py``).
+  VM's egress port to it (``egress_bridge.py``);
+- with ``network="open"``: the open mode's namespace, veth pair, nftables
+  table and NFLOG listener (``OpenNetwork``), plus a tap bridged to the veth
+  inside that namespace, whose fd QEMU's virtio-net device gets.
 
 The image is not the sandbox's: it is a read-only disk shared by every VM of
 that image (rootdisk), already mounted under the root overlay in the
@@ -38,8 +41,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ...egress import network as egress_network
 from ...egress.network import PROXY_PORT, SandboxNetwork
-from ...errors import HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
+from ...errors import HostNotSupported, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
@@ -118,18 +122,13 @@ class MicroVMTier(Tier):
                                      "qemu": qemu.qemu_version()})
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
-        if spec.network == "open":
-            # the VM has no network device, only its egress port to the proxy; `open` would
-            # need a virtio-net device (a tap in the open mode's namespace): a different
-            # device set, so templates of their own, and QEMU's network backend as host
-            # attack surface
-            raise InvalidSpec("network 'open' is not available in the microvm tier: the VM has no network "
-                              "device, only a port to the egress proxy; use 'allow' (with an allowlist) or 'none'")
         return MicroVMSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
-        # QEMU lives in the sandbox's host cgroup: killing the cgroup kills it
+        # QEMU lives in the sandbox's host cgroup: killing the cgroup kills it (and closes its tap)
         cgroups.reap(sandbox_id)
+        # `open`: the namespace (veth, bridge), host veth end and table, by name
+        egress_network.reap(sandbox_id, record)
         mounts.unmount_all(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         if "uid" in record:
@@ -202,6 +201,13 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             # the proxy on the host; the guest's relay listens on this port (guestinit)
             self.network = SandboxNetwork(spec, self.id, run, uid, host_namespace=False)
             config["egress"] = str(PROXY_PORT)
+        elif spec.network == "open":
+            # the open mode's namespace with a tap for the guest; the guest takes the
+            # sandbox's address on eth0 after the restore (guestinit's start_net)
+            self.network = SandboxNetwork(spec, self.id, run, uid, guest_tap=True)
+            link = self.network.open_net
+            assert link is not None
+            config.update(net_addr=link.sandbox_addr, net_prefix=str(link.prefix), net_gw=link.host_addr)
         if self._trace:
             config["trace"] = "1"  # guestinit writes its step timestamps to console.log
         self._launch(tmpl, image_disk, ws, config)
@@ -231,7 +237,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         readonly = bool(self.spec.workspace and self.spec.workspace.mode == "ro")
         listeners = []
         sockets = [paths.agent_socket, paths.qmp_socket]
-        if self.network is not None:
+        if self.spec.network == "allow":
             sockets.append(run / "egress.sock")  # the egress port's chardev: connected to the bridge
         for path in sockets:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -240,10 +246,15 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             listener.listen(1)
         state = os.open(tmpl.state, os.O_RDONLY)
         fds = (listeners[0].fileno(), listeners[1].fileno())
+        link = self.network.open_net if self.network is not None else None
+        # QEMU gets its own copy; ours is closed below, so the tap goes when QEMU does
+        tap = link.take_tap() if link is not None else None
+        inherited = [state, *(listener.fileno() for listener in listeners), *([tap] if tap is not None else [])]
         argv = qemu.command_line(
             accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=tmpl.ram, share=False, assets=self._tier.assets,
             paths=paths, disk=disk.path, workspace=ws, workspace_readonly=readonly, incoming=True,
             listen_fds=fds, runas=self.uid, egress_fd=listeners[2].fileno() if len(listeners) > 2 else None,
+            tap_fd=tap,
         )
         # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
         # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
@@ -264,7 +275,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             with open(run / "qemu.log", "wb") as log:
                 self._proc = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
-                    pass_fds=(state, *(listener.fileno() for listener in listeners)),
+                    pass_fds=inherited,
                 )
             self.timings["qemu_spawned"] = time.monotonic() - t0
             # both connects complete at once (the listen backlog): QEMU accepts later
@@ -287,6 +298,8 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             raise SandboxError(f"restoring the VM snapshot failed ({exc}): {self._log_tail()}") from None
         finally:
             os.close(state)
+            if tap is not None:
+                os.close(tap)
             for listener in listeners:
                 listener.close()
         if self._trace:
@@ -391,7 +404,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
                 and self._proc is not None and self._proc.poll() is None)
 
     def reap_record(self) -> dict[str, Any]:
-        return {"uid": self.uid, "qemu_pid": self._proc.pid if self._proc else None}
+        return {"uid": self.uid, "qemu_pid": self._proc.pid if self._proc else None, "network": self.spec.network}
 
     @property
     def kernel_release(self) -> str:
