@@ -35,6 +35,9 @@ def _reap_dead_runs() -> None:
                 pass
             mounts.unmount_all(path)
             shutil.rmtree(path, ignore_errors=True)
+    from .egress_net import reap_dead_target_nets
+
+    reap_dead_target_nets()
     try:
         layout = cgroups.detect()
     except Exception:

@@ -105,6 +105,10 @@ class TargetNet:
         self.table = random.randrange(20000, 30000)
         self.log = self.tmp / "hits.jsonl"
         self.log.touch()
+        # what a killed test run leaves is found again by this file (reap_dead_target_nets)
+        (self.tmp / "owner.json").write_text(json.dumps({
+            "pid": os.getpid(), "ns": self.ns, "host_if": self.host_if, "table": self.table,
+            "rule": self._metadata_rule()}))
         self._server: subprocess.Popen[str] | None = None
         self._rule: list[str] = []
         self.loopback_hits: list[str] = []
@@ -113,6 +117,10 @@ class TargetNet:
         except BaseException:
             self.close()
             raise
+
+    def _metadata_rule(self) -> list[str]:
+        return ["to", f"{METADATA}/32", "ipproto", "tcp", "dport", str(self.metadata_port),
+                "lookup", str(self.table), "priority", str(self.table)]
 
     def _start(self) -> None:
         self.ca, cert, key = make_ca(self.tmp, ["target.test", self.target])
@@ -123,8 +131,7 @@ class TargetNet:
                           (f"{self.other}/24", f"{METADATA}/32"))
         subprocess.run(["ip", "route", "add", f"{METADATA}/32", "via", self.target, "dev", self.host_if,
                         "table", str(self.table)], check=True)
-        self._rule = ["to", f"{METADATA}/32", "ipproto", "tcp", "dport", str(self.metadata_port),
-                      "lookup", str(self.table), "priority", str(self.table)]
+        self._rule = self._metadata_rule()
         subprocess.run(["ip", "rule", "add", *self._rule], check=True)
         config = {
             "log": str(self.log), "git_root": str(self.tmp / "git"),
@@ -190,6 +197,23 @@ class TargetNet:
         netns.delete_link(self.host_if)
         subprocess.run(["rm", "-rf", str(self.tmp)], check=False)
         assert not netns.netns_exists(self.ns) and not netns.link_exists(self.host_if)
+
+
+def reap_dead_target_nets() -> None:
+    """Target networks of test runs that were killed (their close() never ran): namespace, veth,
+    policy rule and route table, found by the owner file each one writes."""
+    for owner_file in Path(tempfile.gettempdir()).glob("crl-testnet-*/owner.json"):
+        try:
+            owner = json.loads(owner_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if Path(f"/proc/{owner['pid']}").exists():
+            continue
+        subprocess.run(["ip", "rule", "del", *owner["rule"]], check=False, capture_output=True)
+        subprocess.run(["ip", "route", "flush", "table", str(owner["table"])], check=False, capture_output=True)
+        netns.delete_netns(owner["ns"])
+        netns.delete_link(owner["host_if"])
+        subprocess.run(["rm", "-rf", str(owner_file.parent)], check=False)
 
 
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
