@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from corral import Sandbox
+from corral import Sandbox, SandboxError
 from corral.images import ImageLayout, resolve
 from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox, rootdisk
 
-from .leaks import run_gc, sandbox_leftovers
+from .leaks import all_leftovers, run_gc, sandbox_leftovers
 
 
 def py(code: str) -> list[str]:
@@ -185,6 +185,25 @@ def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:
     assert not _alive(pid)
     assert not run_dir.exists()
     assert sandbox_leftovers(sb.id, state_dir) == []
+
+
+def test_a_qemu_that_dies_at_restore_fails_the_create_at_once(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the real QEMU, except that a restore exits at once: the host's connections to its
+    # sockets must be reset, not left queued until the 60 s start timeout
+    import shutil
+
+    real = shutil.which("qemu-system-x86_64")
+    wrapper = tmp_path / "qemu-dies-at-restore"
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -incoming "*) exit 1;; esac\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CORRAL_QEMU", str(wrapper))
+    before = set(all_leftovers(state_dir))
+    started = time.monotonic()
+    with pytest.raises(SandboxError, match="restor"):
+        Sandbox.create(tier="microvm", memory="256M")
+    assert time.monotonic() - started < 15
+    assert set(all_leftovers(state_dir)) == before
 
 
 def test_network_none_has_a_loopback_and_nothing_else(vm: Sandbox) -> None:

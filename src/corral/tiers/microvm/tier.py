@@ -278,6 +278,10 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
                     pass_fds=inherited,
                 )
             self.timings["qemu_spawned"] = time.monotonic() - t0
+            # QEMU holds the listening sockets now; with ours closed, a QEMU that dies before it
+            # accepts resets our connections at once instead of leaving them queued for 60 s
+            for listener in listeners:
+                listener.close()
             # both connects complete at once (the listen backlog): QEMU accepts later
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self._sock.connect(str(paths.agent_socket))
@@ -301,7 +305,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
             if tap is not None:
                 os.close(tap)
             for listener in listeners:
-                listener.close()
+                listener.close()  # again, if QEMU never started (closing twice is harmless)
         if self._trace:
             threading.Thread(target=self._trace_restore, args=(qmp, t0), daemon=True).start()
         else:
