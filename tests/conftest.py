@@ -99,3 +99,4 @@ def forwarding_on() -> Iterator[None]:
     with ip_forwarding() as sysctl:
         sysctl.write_text("1")
         yield
+

@@ -29,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -214,6 +215,30 @@ def reap_dead_target_nets() -> None:
         netns.delete_netns(owner["ns"])
         netns.delete_link(owner["host_if"])
         subprocess.run(["rm", "-rf", str(owner_file.parent)], check=False)
+
+
+def udp_sink(net: TargetNet, timeout: float) -> tuple[subprocess.Popen[str], int]:
+    """A UDP listener on the target address that prints each datagram it gets until ``timeout``
+    seconds pass without one (read it with ``communicate``); returns it and its port.  Skips the
+    test where strict reverse-path filtering would drop forged sources before our rules see them."""
+    strict = max(int(Path(f"/proc/sys/net/ipv4/conf/{c}/rp_filter").read_text()) for c in ("all", "default"))
+    if strict == 1:
+        pytest.skip("strict rp_filter on this host drops forged sources before our rule sees them")
+    port = 20000 + os.getpid() % 10000
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", net.ns, sys.executable, "-c", (
+            "import socket\n"
+            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"s.bind(('{net.target}', {port})); s.settimeout({timeout})\n"
+            "print('ready', flush=True)\n"
+            "try:\n"
+            "    while True:\n"
+            "        print(s.recvfrom(100)[0].decode(), flush=True)\n"
+            "except OSError:\n"
+            "    pass\n"
+        )], stdout=subprocess.PIPE, text=True)
+    assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+    return listener, port
 
 
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")

@@ -25,13 +25,12 @@ from corral.tiers.gvisor_platform import PLATFORM_ENV, choose_platform, runsc_bi
 
 from .leaks import processes_naming as _processes_naming
 from .leaks import run_gc, sandbox_leftovers
+from .tier_probe import skip_unless_tier
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _gvisor_available(state_dir: Path) -> None:
-    availability = GVisorTier.probe(state_dir)
-    if not availability.available:
-        pytest.skip(f"tier gvisor unavailable: {availability.reason}")
+    skip_unless_tier("gvisor", state_dir)
 
 
 @pytest.fixture

@@ -26,18 +26,16 @@ import pytest
 from corral import Sandbox
 from corral.egress.open_net import OpenNames
 from corral.host import mounts, netns
-from corral.tiers.gvisor import GVisorTier
 from corral.tiers.gvisor_net import ROOT_TEST, root_test_misfires
 
-from .egress_net import METADATA, TargetNet, assert_open_refusals_audited, target_net
+from .egress_net import METADATA, TargetNet, assert_open_refusals_audited, target_net, udp_sink
 from .leaks import processes_naming, run_gc, sandbox_leftovers
+from .tier_probe import skip_unless_tier
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _gvisor_available(state_dir: Path) -> None:
-    availability = GVisorTier.probe(state_dir)
-    if not availability.available:
-        pytest.skip(f"tier gvisor unavailable: {availability.reason}")
+    skip_unless_tier("gvisor", state_dir)
 
 
 @pytest.fixture(scope="module")
@@ -177,23 +175,7 @@ def test_a_forged_source_is_dropped_and_audited(net: TargetNet, forwarding_on: N
     """What a compromised Sentry could do with its packet socket on the veth, done from the host
     in the sandbox's namespace: a datagram with the sandbox's own source reaches the (allowed)
     target, the same datagram with a forged source does not, and is audited."""
-    strict = max(int(Path(f"/proc/sys/net/ipv4/conf/{c}/rp_filter").read_text()) for c in ("all", "default"))
-    if strict == 1:
-        pytest.skip("strict rp_filter on this host drops forged sources before our rule sees them")
-    port = 20000 + os.getpid() % 10000
-    listener = subprocess.Popen(
-        ["ip", "netns", "exec", net.ns, sys.executable, "-c", (
-            "import socket, sys\n"
-            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-            f"s.bind(('{net.target}', {port})); s.settimeout(3)\n"
-            "print('ready', flush=True)\n"
-            "try:\n"
-            "    while True:\n"
-            "        print(s.recvfrom(100)[0].decode(), flush=True)\n"
-            "except OSError:\n"
-            "    pass\n"
-        )], stdout=subprocess.PIPE, text=True)
-    assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+    listener, port = udp_sink(net, timeout=3)
     with Sandbox.create(tier="gvisor", network="open", memory="256M",
                         unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
         names = OpenNames.for_sandbox(sb.id)

@@ -31,6 +31,7 @@ from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox, rootdisk
 
 from .leaks import all_leftovers, run_gc, sandbox_leftovers
+from .tier_probe import skip_unless_tier
 
 
 def py(code: str) -> list[str]:
@@ -39,9 +40,7 @@ def py(code: str) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _microvm_available(state_dir: Path) -> None:
-    availability = tier_class("microvm").probe(state_dir)
-    if not availability.available:
-        pytest.skip(f"tier microvm unavailable: {availability.reason}")
+    skip_unless_tier("microvm", state_dir)
 
 
 @pytest.fixture(scope="module")

@@ -26,18 +26,16 @@ import pytest
 from corral import Sandbox
 from corral.egress.open_net import OpenNames
 from corral.host import netns
-from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox
 
-from .egress_net import METADATA, TargetNet, assert_open_refusals_audited, target_net
+from .egress_net import METADATA, TargetNet, assert_open_refusals_audited, target_net, udp_sink
 from .leaks import run_gc, sandbox_leftovers
+from .tier_probe import skip_unless_tier
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _microvm_available(state_dir: Path) -> None:
-    availability = tier_class("microvm").probe(state_dir)
-    if not availability.available:
-        pytest.skip(f"tier microvm unavailable: {availability.reason}")
+    skip_unless_tier("microvm", state_dir)
 
 
 @pytest.fixture(scope="module")
@@ -144,23 +142,7 @@ print("sent")
 def test_a_forged_source_from_guest_root_is_dropped_and_audited(net: TargetNet, forwarding_on: None) -> None:
     """Commands are guest root (raw sockets): a datagram with the sandbox's own source reaches the
     allowed target, the same with a forged source does not and is audited (`spoofed-source`)."""
-    strict = max(int(Path(f"/proc/sys/net/ipv4/conf/{c}/rp_filter").read_text()) for c in ("all", "default"))
-    if strict == 1:
-        pytest.skip("strict rp_filter on this host drops forged sources before our rule sees them")
-    port = 20000 + os.getpid() % 10000
-    listener = subprocess.Popen(
-        ["ip", "netns", "exec", net.ns, sys.executable, "-c", (
-            "import socket\n"
-            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-            f"s.bind(('{net.target}', {port})); s.settimeout(5)\n"
-            "print('ready', flush=True)\n"
-            "try:\n"
-            "    while True:\n"
-            "        print(s.recvfrom(100)[0].decode(), flush=True)\n"
-            "except OSError:\n"
-            "    pass\n"
-        )], stdout=subprocess.PIPE, text=True)
-    assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+    listener, port = udp_sink(net, timeout=5)
     with Sandbox.create(tier="microvm", network="open", memory="256M",
                         unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
         own = sb.commands.run("ip -4 -o addr show dev eth0 | awk '{print $4}' | cut -d/ -f1").stdout.strip()
