@@ -90,13 +90,7 @@ def mounts_under(prefix: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
-def unmount_known(points: Sequence[Path]) -> bool:
-    """Unmount mounts this process made, last made first; False if one would not go.
-
-    The owner of a sandbox knows its mounts, so teardown need not read
-    /proc/self/mountinfo, whose size (and parse time) grows with every live
-    sandbox on the host.  On False the caller falls back to :func:`unmount_all`.
-    """
+def _unmount_known(points: Sequence[Path]) -> bool:
     clean = True
     for point in reversed(points):
         try:
@@ -111,8 +105,16 @@ def unmount_known(points: Sequence[Path]) -> bool:
     return clean
 
 
-def unmount_all(prefix: Path) -> None:
-    """Unmount everything at or below ``prefix``; falls back to a lazy detach if busy."""
+def unmount_all(prefix: Path, known: Sequence[Path] | None = None) -> None:
+    """Unmount everything at or below ``prefix``; falls back to a lazy detach if busy.
+
+    ``known``: the mounts the caller made there, in the order it made them.  The owner
+    of a sandbox knows its mounts, so teardown unmounts those (last made first) and
+    need not read /proc/self/mountinfo, whose size (and parse time) grows with every
+    live sandbox on the host; only if one would not go is the table searched.
+    """
+    if known is not None and _unmount_known(known):
+        return
     for _ in range(3):
         points = mounts_under(prefix)
         if not points:

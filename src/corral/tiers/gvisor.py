@@ -214,6 +214,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
         self._closed = False
         self._lock = threading.Lock()
         self.workspace: WorkspaceCopy | None = None
+        self._mounts: list[Path] | None = None
         self.uid = allocate_uid(tier.state_dir, sandbox_id)
         self.root_uid: int | None = None
         self.cgroup: cgroups.SandboxCgroup | None = None
@@ -241,6 +242,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
             files=self.network.files, mount_points=[inside for _, inside in self.network.binds],
         )
         self.workspace = built.workspace
+        self._mounts = built.mounts
         bundle = self._run_dir / "bundle"
         bundle.mkdir(mode=0o700)
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
@@ -400,7 +402,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
         finally:
             if self.network is not None:
                 self.network.close()
-            mounts.unmount_all(self._run_dir)
+            mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
             shutil.rmtree(self._run_dir, ignore_errors=True)
             release_uid(self._tier.state_dir, self.uid)
             if self.root_uid is not None:

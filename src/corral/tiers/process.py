@@ -305,7 +305,6 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         finally:
             if self.network is not None:
                 self.network.close()
-            if self._mounts is None or not mounts.unmount_known(self._mounts):
-                mounts.unmount_all(self._run_dir)  # a half-built root, or a mount that would not go
+            mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
             shutil.rmtree(self._run_dir, ignore_errors=True)
             release_uid(self._tier.state_dir, self.uid)

@@ -66,7 +66,7 @@ class SandboxRoot:
     root: Path
     workspace_dir: Path
     workspace: WorkspaceCopy | None
-    #: in the order they were made (teardown: :func:`mounts.unmount_known`)
+    #: in the order they were made (teardown: ``mounts.unmount_all(run_dir, known=mounts)``)
     mounts: list[Path]
 
 
@@ -84,8 +84,8 @@ def build_root(
     the root; ``mount_points`` are created as empty files for later bind mounts.
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
-    workspace).  The caller unmounts the returned ``mounts`` on teardown
-    (:func:`mounts.unmount_known`, with :func:`mounts.unmount_all` of ``run_dir`` as the fallback).
+    workspace).  The caller unmounts on teardown: :func:`mounts.unmount_all` of ``run_dir``
+    with ``known=`` the returned ``mounts``.
     """
     image = resolve(spec.image, state_dir)
     os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
