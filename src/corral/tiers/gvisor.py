@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..egress import network as egress_network
 from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ..host import cgroups, mounts
@@ -52,7 +51,7 @@ from .base import Availability, ExecRequest, OutputCallback, Process, Tier, Tier
 from .gvisor_memory import MemoryGuard
 from .gvisor_net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
 from .gvisor_platform import Platform, choose_platform, runsc_binary
-from .rootfs import AGENT_PATH, allocate_uid, build_root, release_uid
+from .rootfs import AGENT_PATH, allocate_uid, build_root, reap_host_side, release_uid
 
 START_TIMEOUT = 15.0
 #: how long a command may outlive the SIGKILL sent through the agent before the sandbox is killed
@@ -116,16 +115,8 @@ class GVisorTier(Tier):
         return GVisorSandbox(self, self.host(), spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
-        # the cgroup holds runsc, the Sentry, the gofer and their stubs: killing it
-        # ends the sandbox; its runsc state lives in run_dir and goes with it
-        cgroups.reap(sandbox_id)
-        # `open`: the namespace, veth and table outside the run dir (by name; nothing for none/allow)
-        egress_network.reap(sandbox_id, record)
-        mounts.unmount_all(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        for key in ("uid", "root_uid"):
-            if record.get(key) is not None:
-                release_uid(self.state_dir, int(record[key]))
+        # the cgroup holds runsc, the Sentry, the gofer and their stubs; runsc's state is in run_dir
+        reap_host_side(self.state_dir, sandbox_id, run_dir, record)
 
 
 def host_limits(limits: Limits) -> Limits:

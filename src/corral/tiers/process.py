@@ -19,7 +19,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..egress import network as egress_network
 from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, SandboxClosed
 from ..host import cgroups, mounts
@@ -31,7 +30,7 @@ from ..spec import WORKSPACE_PATH, SandboxSpec
 from .agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from .process_spares import PLACER
-from .rootfs import AGENT_PATH, build_root
+from .rootfs import AGENT_PATH, build_root, reap_host_side
 from .rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
 from .rootfs import release_uid as release_uid
 
@@ -83,12 +82,7 @@ class ProcessTier(Tier):
         return ProcessSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
-        cgroups.reap(sandbox_id)
-        egress_network.reap(sandbox_id, record)
-        mounts.unmount_all(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if "uid" in record:
-            release_uid(self.state_dir, int(record["uid"]))
+        reap_host_side(self.state_dir, sandbox_id, run_dir, record)
 
 
 class ProcessSandbox(AgentFilesMixin, TierSandbox):

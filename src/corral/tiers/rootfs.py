@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..egress import network as egress_network
 from ..errors import HostNotSupported
-from ..host import mounts
+from ..host import cgroups, mounts
 from ..host.workspace import WorkspaceCopy
 from ..images import SANDBOX_HOME, identity_files, resolve
 from ..spec import WORKSPACE_PATH, SandboxSpec
@@ -57,6 +59,21 @@ def release_uid(state_dir: Path, uid: int) -> None:
         (state_dir / "uids" / str(uid)).unlink()
     except FileNotFoundError:
         pass
+
+
+def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict[str, object]) -> None:
+    """The janitor's teardown of a sandbox whose owner died, for the tiers whose every process
+    lives in the sandbox's host cgroup (process, gVisor, microVM): kill it, remove what the
+    network mode made outside the run dir (by name), unmount and remove the run dir, release
+    the sandbox's uids (``uid``, and gVisor's ``root_uid``, from its reap record)."""
+    cgroups.reap(sandbox_id)
+    egress_network.reap(sandbox_id, record)
+    mounts.unmount_all(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for key in ("uid", "root_uid"):
+        value = record.get(key)
+        if value is not None:
+            release_uid(state_dir, int(str(value)))
 
 
 @dataclass

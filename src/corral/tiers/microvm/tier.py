@@ -41,7 +41,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ...egress import network as egress_network
 from ...egress.network import PROXY_PORT, SandboxNetwork
 from ...errors import HostNotSupported, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
@@ -50,7 +49,7 @@ from ...images import resolve
 from ...spec import MiB, SandboxSpec
 from ..agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..rootfs import allocate_uid, release_uid
+from ..rootfs import allocate_uid, reap_host_side, release_uid
 from . import guest, qemu, rootdisk, template
 from .egress_bridge import EgressBridge
 
@@ -125,14 +124,8 @@ class MicroVMTier(Tier):
         return MicroVMSandbox(self, spec, sandbox_id, run_dir)
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
-        # QEMU lives in the sandbox's host cgroup: killing the cgroup kills it (and closes its tap)
-        cgroups.reap(sandbox_id)
-        # `open`: the namespace (veth, bridge), host veth end and table, by name
-        egress_network.reap(sandbox_id, record)
-        mounts.unmount_all(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        if "uid" in record:
-            release_uid(self.state_dir, int(record["uid"]))
+        # QEMU lives in the sandbox's host cgroup (killing it closes the tap too)
+        reap_host_side(self.state_dir, sandbox_id, run_dir, record)
 
     def ram_mb(self, memory: int) -> int:
         """Guest RAM for a memory limit, rounded up to 64 MiB so templates are few."""
