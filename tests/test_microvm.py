@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox, SandboxError
+from corral.errors import ContainmentFailed
 from corral.images import ImageLayout, resolve
 from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox, rootdisk
@@ -170,7 +171,9 @@ def test_a_command_whose_cgroup_leaf_cannot_be_made_is_not_run() -> None:
     with Sandbox.create(tier="microvm", memory="256M") as sb:
         limit = "echo 0 > /sys/fs/cgroup/sandbox/cgroup.max.descendants"
         assert sb.commands.run(["sh", "-c", limit]).exit_code == 0
-        r = sb.commands.run(["touch", "/tmp/ran"])
+        with pytest.raises(ContainmentFailed) as refused:
+            sb.commands.run(["touch", "/tmp/ran"])
+        r = refused.value.result
         assert r.exit_code != 0 and "could not place the command" in r.stderr
         assert not sb.files.exists("/tmp/ran"), "the refused command ran"  # (files: no command needed)
 

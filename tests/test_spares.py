@@ -7,12 +7,15 @@ its own kill tree, its own stdin's end of file, a fresh environment.
 
 from __future__ import annotations
 
-import time
-
 from corral import Sandbox
-from corral.tiers.process_spares import SETTLE
+from corral.tiers.process import ProcessSandbox
 
-IDLE = SETTLE + 0.25  # long enough for the placer to have moved the spare
+
+def placed(sandbox: Sandbox) -> None:
+    """Wait (bounded) until the placer has moved the agent's spare into a fresh leaf."""
+    inner = sandbox._inner
+    assert isinstance(inner, ProcessSandbox)
+    assert inner.spare_placed.wait(10.0), "the spare was not placed within 10 s"
 
 
 def own_cgroup(sandbox: Sandbox) -> str:
@@ -21,19 +24,19 @@ def own_cgroup(sandbox: Sandbox) -> str:
 
 
 def test_a_command_after_a_pause_runs_in_the_spare_in_a_fresh_leaf(sandbox: Sandbox) -> None:
-    time.sleep(IDLE)
+    placed(sandbox)
     first = sandbox.commands.run("echo $$; ps -eo comm=").stdout.split()
     # the spare was forked right after the agent said ready: pid 2 of the sandbox
     assert first[0] == "2" and "corral-spare" not in first[1:]
-    time.sleep(IDLE)
+    placed(sandbox)
     second = own_cgroup(sandbox)
-    time.sleep(IDLE)
+    placed(sandbox)
     third = own_cgroup(sandbox)
     assert second != third and second.rsplit("/", 1)[1].startswith("e")
 
 
 def test_a_spare_command_that_times_out_loses_its_whole_tree(sandbox: Sandbox) -> None:
-    time.sleep(IDLE)
+    placed(sandbox)
     result = sandbox.commands.run("sleep 300 & sleep 301 & wait", timeout=0.5)
     assert result.timed_out and result.exit_code == 124
     left = sandbox.commands.run("ps -eo args=").stdout
@@ -42,10 +45,10 @@ def test_a_spare_command_that_times_out_loses_its_whole_tree(sandbox: Sandbox) -
 
 def test_the_spare_holds_no_other_commands_stdin(sandbox: Sandbox) -> None:
     # a spare forked while `cat` runs must not keep cat's stdin open
-    time.sleep(IDLE)
+    placed(sandbox)
     cat = sandbox.commands.start("cat", timeout=10)  # takes the spare
     sandbox.commands.run("true")  # its end forks the next spare, with cat still running
-    time.sleep(IDLE)
+    placed(sandbox)
     cat.send_stdin("through\n")
     cat.close_stdin()
     result = cat.wait()
@@ -53,17 +56,17 @@ def test_the_spare_holds_no_other_commands_stdin(sandbox: Sandbox) -> None:
 
 
 def test_a_killed_spare_is_replaced_and_commands_still_run(sandbox: Sandbox) -> None:
-    time.sleep(IDLE)
+    placed(sandbox)
     # the spare runs as the sandbox user too: sandboxed code can kill it
     sandbox.commands.run("pkill -KILL -x corral-spare; true")
-    time.sleep(IDLE)
+    placed(sandbox)
     assert sandbox.commands.run("pkill -KILL -x corral-spare; echo killed").stdout == "killed\n"
-    time.sleep(IDLE)  # the host placed a spare that is dead by now: the agent forks afresh
+    placed(sandbox)  # the host placed a spare that may be dead by now: the agent forks afresh
     assert sandbox.commands.run("echo still").stdout == "still\n"
     assert sandbox.commands.run("echo $$ $PPID").stdout.split()[1] == "1"
 
 
 def test_a_spare_command_starts_with_the_requested_env_and_cwd(sandbox: Sandbox) -> None:
-    time.sleep(IDLE)
+    placed(sandbox)
     result = sandbox.commands.run("echo $GREETING; pwd", env={"GREETING": "hi"}, cwd="/tmp")
     assert result.stdout == "hi\n/tmp\n"

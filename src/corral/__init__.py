@@ -21,7 +21,8 @@ _EXPORTS = {
 }
 _ERRORS = (
     "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "ExecError",
-    "ExecTimeout", "OutOfMemory", "ResourceLimit", "FileError", "FileNotFoundInSandbox", "NetworkDenied",
+    "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "FileError", "FileNotFoundInSandbox",
+    "NetworkDenied", "ImageBuildFailed",
 )
 
 __all__ = [*_EXPORTS, *_ERRORS]

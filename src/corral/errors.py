@@ -10,7 +10,8 @@ can catch one class.  The tree::
     ├── SandboxClosed          the sandbox was destroyed or died
     ├── ExecError              a command could not run to an outcome
     │   ├── ExecTimeout        a command hit its wall-clock timeout
-    │   └── OutOfMemory        a command was killed by the memory limit
+    │   ├── OutOfMemory        a command was killed by the memory limit
+    │   └── ContainmentFailed  a process could not be put under the sandbox's limits; it never ran
     ├── ResourceLimit          a quota or limit refused the request
     ├── FileError              a files-API operation failed
     │   └── FileNotFoundInSandbox
@@ -84,6 +85,14 @@ class OutOfMemory(ExecError):
     """A command was killed because the sandbox reached its memory limit."""
 
     code = "out_of_memory"
+
+
+class ContainmentFailed(ExecError):
+    """A process could not be placed in every one of the sandbox's limit groups (memory, pids,
+    cpu, kill tree), so it was killed before its first instruction: Corral fails closed rather
+    than run anything outside the sandbox's limits."""
+
+    code = "containment_failed"
 
 
 class ResourceLimit(SandboxError):

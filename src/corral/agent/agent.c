@@ -248,6 +248,26 @@ int main(int argc, char **argv) {
         argv++;
         argc--;
     }
+    /* --hold (the process tier): bwrap may clone this process before the host
+     * has moved bwrap into the sandbox's limit cgroups, and a child inherits
+     * the cgroups of the moment it is forked.  So say READY, fork nothing, and
+     * wait for the host's GO (sent once this process sits in every limit
+     * group); only then start the relay and the spare. */
+    int hold = 0;
+    if (argc > 1 && strcmp(argv[1], "--hold") == 0) {
+        hold = 1;
+        argv[1] = argv[0];
+        argv++;
+        argc--;
+    }
+    if (hold) {
+        send_frame(T_READY, 0, "corral-agent 1", 14);
+        unsigned char hdr[9];
+        if (read_full(0, hdr, 9) <= 0 || hdr[0] != T_GO) return 0; /* no GO: never run anything */
+        uint32_t len;
+        memcpy(&len, hdr + 5, 4);
+        if (len != 0) return 2;
+    }
     if (argc == 4 && strcmp(argv[1], "--relay") == 0) {
         /* the relay is a child of pid 1; the agent's own protocol is unchanged */
         int port = atoi(argv[2]);
@@ -281,7 +301,7 @@ int main(int argc, char **argv) {
         if (n != 1) return 2;
         close(fd);
     }
-    send_frame(T_READY, 0, "corral-agent 1", 14);
+    if (!hold) send_frame(T_READY, 0, "corral-agent 1", 14);
     fork_spare();
 
     char *payload = NULL;

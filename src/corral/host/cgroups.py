@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import HostNotSupported
+from ..errors import ContainmentFailed, HostNotSupported
 from ..spec import Limits
 from . import mounts
 
@@ -92,6 +92,15 @@ def _has_cgroup_kill(root: Path) -> bool:
     except OSError:
         return False
     return (parent / "cgroup.kill").exists()
+
+
+def _relative(group: Path, root: Path) -> str:
+    """A group's path as ``/proc/PID/cgroup`` shows it: relative to its hierarchy's root."""
+    return "/" + str(group.relative_to(root))
+
+
+def _within(path: str, group: str) -> bool:
+    return path == group or path.startswith(group + "/")
 
 
 def _write(path: Path, value: str) -> None:
@@ -214,6 +223,13 @@ class SandboxCgroup:
         self._memory = self.layout.controllers["memory"] / PARENT / name
         self._pids = self.layout.controllers["pids"] / PARENT / name
         self._cpu = self.layout.controllers["cpu"] / PARENT / name
+        # what /proc/PID/cgroup shows for a contained process (v2: one hierarchy, the kill tree's)
+        self._limit_paths = {
+            controller: (group, _relative(group, self.layout.controllers[controller]))
+            for controller, group in (("memory", self._memory), ("pids", self._pids), ("cpu", self._cpu))
+        } if self.layout.version == 1 else {}
+        self._kill_key = "freezer" if self.layout.kill_mode == "freezer" else ""
+        self._kill_path = (self.kill_group, _relative(self.kill_group, self.layout.kill_root))
         try:
             for group in {*self.limit_groups, self.kill_group}:
                 group.mkdir()
@@ -252,7 +268,10 @@ class SandboxCgroup:
     def leaf(self, leaf: str) -> Path:
         """Create (if needed) a leaf of the kill tree and return its path."""
         path = self.kill_group / leaf
-        path.mkdir(exist_ok=True)
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as exc:  # e.g. cgroup.max.descendants: no leaf, so nothing may run
+            raise ContainmentFailed(f"sandbox {self.name}: cannot make cgroup leaf {leaf}: {exc}") from exc
         return path
 
     def procs_files(self, leaf: Path) -> list[str]:
@@ -265,7 +284,59 @@ class SandboxCgroup:
         return sorted(files)
 
     def attach(self, pid: int, leaf: Path) -> None:
+        """Move ``pid`` into ``leaf`` and make sure it sits in every limit group too.
+
+        On v1 the leaf (kill tree) is another hierarchy than memory, pids and
+        cpu: a process forked before its parent joined those would keep the
+        host's groups whatever leaf it is moved to.  So every move checks every
+        hierarchy and writes the ones that do not hold the process yet; a
+        process that cannot be contained raises :class:`ContainmentFailed` (the
+        caller must not let it run).
+        """
         _write(leaf / "cgroup.procs", str(pid))
+        self.contain(pid, leaf)
+
+    def contain(self, pid: int, leaf: Path | None = None) -> None:
+        """Ensure ``pid`` is in every limit group (and in ``leaf``, or some leaf of the kill tree).
+
+        Reading ``/proc/PID/cgroup`` costs microseconds; a write is only made
+        where a hierarchy is wrong, because a cgroup move may wait for an RCU
+        grace period (milliseconds).  Raises ``ProcessLookupError`` if the
+        process is gone, :class:`ContainmentFailed` if it cannot be contained."""
+        try:
+            wrong = self.misplaced(pid, leaf)
+            for group in wrong:
+                _write(group / "cgroup.procs", str(pid))
+            if wrong:
+                wrong = self.misplaced(pid, leaf)
+        except ProcessLookupError:
+            raise  # gone: nothing of it can run, the caller decides (a dead spare is replaced)
+        except OSError as exc:
+            raise ContainmentFailed(f"process {pid} could not be placed in sandbox {self.name}'s cgroups: {exc}") from exc
+        if wrong:
+            raise ContainmentFailed(
+                f"process {pid} is not in sandbox {self.name}'s cgroups {', '.join(map(str, wrong))}"
+            )
+
+    def misplaced(self, pid: int, leaf: Path | None = None) -> list[Path]:
+        """The groups of this sandbox that should hold ``pid`` and do not (empty: fully contained).
+
+        Raises ``ProcessLookupError`` when the process is gone."""
+        try:
+            with open(f"/proc/{pid}/cgroup") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ProcessLookupError(pid) from None
+        where: dict[str, str] = {}
+        for line in text.splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(",") if controllers else ("",):
+                where[controller] = path
+        wrong = [group for controller, (group, path) in self._limit_paths.items() if where.get(controller) != path]
+        kill_group, kill_path = (leaf, _relative(leaf, self.layout.kill_root)) if leaf is not None else self._kill_path
+        if not _within(where.get(self._kill_key, ""), kill_path):
+            wrong.append(kill_group)
+        return wrong
 
     def kill_leaf(self, leaf: Path) -> None:
         kill_group(leaf, self.layout.kill_mode)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
+from ..errors import ContainmentFailed, FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
 from .base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 
 if TYPE_CHECKING:
@@ -348,6 +348,8 @@ class AgentProcess(Process):
         self._truncated = False
         self._status: int | None = None
         self._error = ""
+        #: why the command could not be placed in the sandbox's cgroups (it was killed before exec)
+        self._unplaced = ""
         self._timed_out = False
         self.pid: int | None = None
         #: set by the tier's ``finish`` hook (from cgroup counters)
@@ -356,16 +358,17 @@ class AgentProcess(Process):
     # reader-thread callbacks
     def _started(self, nspid: int) -> None:
         self.pid = nspid
+        reason = "its process is gone"
         try:
             # None means "nothing to place" (a tier whose kill tree lives elsewhere)
             placed = self._place(nspid) is not False
-        except Exception:  # any failure to place means the command must not run
-            placed = False
+        except Exception as exc:  # any failure to place means the command must not run
+            placed, reason = False, str(exc)
         if placed:
             self._channel.send(T_GO, self._id)
         else:
-            # fail closed: a command outside its cgroup could outlive a timeout
-            self._error = "could not place the command in its cgroup; it was not run"
+            # fail closed: a command outside its cgroups would escape the limits and outlive a timeout
+            self._unplaced = f"could not place the command in the sandbox's cgroups ({reason}); it was not run"
             self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
 
     def _output(self, stream: str, chunk: bytes) -> None:
@@ -423,7 +426,9 @@ class AgentProcess(Process):
                 if self._finish is not None:
                     self._finish(self)
                 self._result = self.result()
-            return self._result
+        if self._unplaced:
+            raise ContainmentFailed(self._unplaced, self._result)
+        return self._result
 
     @property
     def done(self) -> bool:
@@ -440,8 +445,9 @@ class AgentProcess(Process):
         else:
             exit_code = os.WEXITSTATUS(status)
         stderr = self._out["stderr"].decode(errors="replace")
-        if self._error and (status is None or "cgroup" in self._error):
-            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {self._error}\n"
+        error = self._unplaced or self._error
+        if error and (status is None or self._unplaced):
+            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {error}\n"
         if self._timed_out:
             exit_code = 124
         return ExecResult(

@@ -23,11 +23,12 @@ from ..egress.network import SandboxNetwork
 from ..errors import HostNotSupported, SandboxClosed
 from ..host import cgroups, mounts
 from ..host.netns import NETNS_DIR
+from ..host.procs import descendants
 from ..host.seccomp import bpf_path
 from ..host.workspace import WorkspaceCopy
 from ..images import SANDBOX_UID
 from ..spec import WORKSPACE_PATH, SandboxSpec
-from .agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
+from .agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
 from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from .process_spares import PLACER
 from .rootfs import AGENT_PATH, build_root, reap_host_side
@@ -97,8 +98,10 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         self._leaves: list[Path] = []
         self._agent_pid: int | None = None
         self._mounts: list[Path] | None = None
-        #: (pid inside, leaf) of the agent's spare once it sits in a leaf of its own
-        self._spare: tuple[int, Path] | None = None
+        #: (pid inside, pid on the host, leaf) of the agent's spare once it sits in a leaf of its own
+        self._spare: tuple[int, int, Path] | None = None
+        #: set while a placed spare waits for the next command (tests wait on it, not on sleeps)
+        self.spare_placed = threading.Event()
         self.workspace: WorkspaceCopy | None = None
         self.uid = allocate_uid(tier.state_dir, sandbox_id)
         self.cgroup: cgroups.SandboxCgroup | None = None
@@ -146,7 +149,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         for host_path, inside in self.network.binds:
             argv += ["--bind", str(host_path), inside]
         seccomp_fd = os.open(self._tier._seccomp, os.O_RDONLY | os.O_CLOEXEC)
-        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, "--spare", *self.network.agent_args]
+        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, "--spare", "--hold", *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
         netns = str(NETNS_DIR / self.network.netns) if self.network.netns else "-"
@@ -169,13 +172,18 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
             os.close(from_agent_w)
             os.close(seccomp_fd)
         # Joining a v1 memory cgroup waits for an RCU grace period (5-15 ms
-        # here); doing it while bwrap sets up namespaces hides most of it.  No
-        # sandbox code runs before the agent is READY and placed below.
+        # here); doing it while bwrap sets up namespaces hides most of it.  But
+        # bwrap may clone the agent before the move lands, and a child keeps
+        # the cgroups it was forked in: so the agent (``--hold``) forks nothing
+        # -- no relay, no spare, no command -- until every process of the
+        # sandbox has been checked (and, if need be, moved) and GO is sent.
         self._join(self._proc.pid, procs_files)
         self._channel = AgentChannel(from_agent_r, to_agent_w)
         self._channel.on_spare = lambda nspid: PLACER.schedule(lambda: self._place_spare(nspid))
         self._channel.wait_ready(START_TIMEOUT)
-        self._join(self._agent_host_pid(), procs_files)
+        for pid in descendants(self._proc.pid):  # bwrap itself was joined just above
+            self.cgroup.contain(pid, leaf)
+        self._channel.send(T_GO, 0)
 
     @staticmethod
     def _join(pid: int, procs_files: list[str]) -> None:
@@ -228,22 +236,27 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         leaf = self._new_leaf(self.cgroup)
         self.cgroup.attach(host_pid, leaf)
         with self._lock:
-            self._spare = (nspid, leaf)
+            self._spare = (nspid, host_pid, leaf)
+            self.spare_placed.set()
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
         request = self.with_network_env(request)
         spare: int | None = None
+        spare_host_pid = 0
         with self._lock:
             if self._spare is not None and request.pty is None:
-                (spare, leaf), self._spare = self._spare, None
+                (spare, spare_host_pid, leaf), self._spare = self._spare, None
+                self.spare_placed.clear()
         if spare is None:
             leaf = self._new_leaf(cgroup)
         oom_before = cgroup.oom_kills()
 
         def place(nspid: int) -> bool:
             if nspid == spare:
-                return True  # placed while the sandbox was idle
+                # placed while the sandbox was idle: check it is still so (a read, no move)
+                cgroup.contain(spare_host_pid, leaf)
+                return True
             host_pid = self._host_pid(nspid)
             if host_pid is None:
                 return False

@@ -293,9 +293,8 @@ class WasmSandbox(TierSandbox):
     def _place(self, worker: Worker) -> None:
         """Put a worker in this sandbox's cgroup (limits and kill tree)."""
         if self.cgroup is not None:
-            for procs in self.cgroup.procs_files(self._leaf):
-                with open(procs, "w") as f:
-                    f.write(str(worker.pid))
+            # the leaf, then every limit group the worker is not in yet (checked, not assumed)
+            self.cgroup.attach(worker.pid, self._leaf)
 
     def _prestart_soon(self) -> None:
         """Start the next command's interpreter in the background, so that it is ready when asked.

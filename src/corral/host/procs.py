@@ -1,0 +1,35 @@
+"""Process trees as ``/proc`` shows them (host pids)."""
+
+from __future__ import annotations
+
+import os
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (every thread's), empty when it is gone."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.extend(int(child) for child in f.read().split())
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, parents before their children.
+
+    A process forked while the walk runs may be missed: callers use this only
+    where the tree cannot grow (e.g. before the sandbox's agent is let go)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -1,0 +1,368 @@
+"""Every process of a long-lived sandbox stays inside all of its limit groups (issue 11).
+
+Agents use one sandbox for hundreds of commands.  Here one sandbox per tier
+runs a seeded random mix of commands -- timeouts, OOM kills, failures,
+background commands killed, PTY commands, fork sprees, plain ones, some of
+them in the process tier's pre-placed spare -- and after each the host lists
+every process of the sandbox and reads its ``/proc/PID/cgroup``: each must sit
+in the sandbox's memory, pids and cpu groups and in its kill tree.  The
+expected paths are worked out here from the sandbox id, not asked of Corral.
+
+Then, after each kind of command, a memory hog must be a typed OOM and a fork
+spree must stop below ``pids`` (in the library and through the REST server).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import ContainmentFailed, OutOfMemory, Sandbox
+from corral.host import cgroups
+from corral.host.procs import descendants
+from corral.tiers.process import ProcessSandbox
+
+from .leaks import processes_naming
+from .server_fixtures import ServerProcess
+from .tier_probe import skip_unless_tier
+
+MEMORY = "64M"
+PIDS = 48
+HOG = ["python3", "-c", "b = bytearray(400 << 20); print(len(b))"]
+#: forks until refused, counts its children, kills them; prints the count
+SPREE = ["python3", "-c", """
+import os, signal
+kids = []
+for _ in range(200):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        signal.pause()
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(len(kids))
+"""]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def misplaced(pid: int, sandbox_id: str) -> str | None:
+    """Why ``pid`` is not in every limit group of ``sandbox_id`` (None: it is, or it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return None
+    if _state(pid) in ("Z", "X", "gone"):
+        return None
+    group = f"/{cgroups.PARENT}/{sandbox_id}"
+    where: dict[str, str] = {}
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            where[controller] = path
+    layout = cgroups.detect()
+    # the limit controllers hold the group itself on v1, a leaf below it on v2
+    wanted = ["memory", "pids", "cpu"] if layout.version == 1 else []
+    bad = [f"{c}:{where.get(c)}" for c in wanted if where.get(c) != group]
+    kill_key = "freezer" if layout.kill_mode == "freezer" else ""
+    if not where.get(kill_key, "").startswith(group + "/"):
+        bad.append(f"kill tree:{where.get(kill_key)}")
+    if bad:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip() if Path(f"/proc/{pid}/comm").exists() else "?"
+        return f"pid {pid} ({comm}) outside {group}: {', '.join(bad)}"
+    return None
+
+
+def process_tier_pids(sb: Sandbox) -> list[int]:
+    """bwrap and every process in the sandbox's pid namespace (found by namespace, not by tree)."""
+    inner = sb._inner
+    assert isinstance(inner, ProcessSandbox) and inner._proc is not None
+    agent = inner._agent_host_pid()
+    pidns = os.readlink(f"/proc/{agent}/ns/pid")
+    found = [inner._proc.pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == pidns:
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def host_side_pids(sb: Sandbox) -> list[int]:
+    """gVisor and microVM: every host process naming the sandbox (runsc, Sentry, gofer, QEMU)
+    and everything below them (systrap stubs)."""
+    roots = processes_naming(sb.id)
+    return sorted({pid for root in roots for pid in (root, *descendants(root))})
+
+
+def check_contained(sb: Sandbox, pids: Callable[[Sandbox], list[int]], after: str) -> int:
+    listed = pids(sb)
+    problems = [p for p in (misplaced(pid, sb.id) for pid in listed) if p]
+    assert not problems, f"after {after}: {problems}"
+    return len(listed)
+
+
+# -- the command kinds --------------------------------------------------------------------
+
+def plain(sb: Sandbox) -> None:
+    assert sb.commands.run("echo ok").stdout == "ok\n"
+
+
+def failing(sb: Sandbox) -> None:
+    assert sb.commands.run("echo no >&2; exit 3").exit_code == 3
+
+
+def timeout(sb: Sandbox) -> None:
+    r = sb.commands.run("sleep 30 & sleep 31", timeout=0.3)
+    assert r.timed_out and r.exit_code == 124
+
+
+def oom(sb: Sandbox) -> None:
+    r = sb.commands.run(HOG, timeout=30)
+    assert r.oom_killed and r.stdout == "", r
+
+
+def pty(sb: Sandbox) -> None:
+    r = sb.commands.start("tty >/dev/null && echo on-a-tty", pty=(24, 80), timeout=30).wait()
+    assert "on-a-tty" in r.stdout, r
+
+
+def spree(sb: Sandbox) -> None:
+    r = sb.commands.run(SPREE, timeout=30)
+    assert r.exit_code == 0 and 0 < int(r.stdout) < PIDS, r
+
+
+def background_killed(sb: Sandbox, while_running: Callable[[], object] = lambda: None) -> None:
+    started = threading.Event()
+    handle = sb.commands.start("echo up; exec sleep 7.77", timeout=30, on_stdout=lambda _: started.set())
+    assert started.wait(10), "the background command never started"
+    while_running()  # checked while it runs: the case of the issue's reproduction
+    handle.kill()
+    assert handle.wait().exit_code == 137
+
+
+KINDS: dict[str, Callable[[Sandbox], None]] = {
+    "plain": plain, "failing": failing, "timeout": timeout, "oom": oom, "pty": pty, "spree": spree,
+    "background killed": background_killed,
+}
+#: weights of the random mix: mostly what agents run, enough of each kind to matter
+WEIGHTS = {"plain": 8, "failing": 3, "timeout": 2, "oom": 2, "pty": 2, "spree": 1, "background killed": 2}
+
+
+def run_session(sb: Sandbox, count: int, pids: Callable[[Sandbox], list[int]], seed: int,
+                wait_for_spare: Callable[[], None] = lambda: None) -> dict[str, int]:
+    rng = random.Random(seed)
+    names = list(WEIGHTS)
+    done = dict.fromkeys(names, 0)
+    # every kind once (in a seeded order), then a weighted random mix
+    order = rng.sample(names, len(names))
+    order += rng.choices(names, weights=[WEIGHTS[k] for k in names], k=max(0, count - len(names)))
+    for n, kind in enumerate(order[:count]):
+        if rng.random() < 0.3:
+            wait_for_spare()  # the next command then runs in the pre-placed spare
+        label = f"command {n} ({kind})"
+        if kind == "background killed":
+            background_killed(sb, lambda label=label: check_contained(sb, pids, f"{label}, while it ran"))
+        else:
+            KINDS[kind](sb)
+        check_contained(sb, pids, label)
+        done[kind] += 1
+    return done
+
+
+# -- process tier -------------------------------------------------------------------------
+
+def test_three_hundred_commands_never_leave_the_process_tiers_limits() -> None:
+    # network "allow": the egress relay (a child of the agent) is checked too
+    with Sandbox.create(memory=MEMORY, pids=PIDS, allow=["example.invalid"]) as sb:
+        inner = sb._inner
+        assert isinstance(inner, ProcessSandbox)
+        names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in process_tier_pids(sb)}
+        assert {"agent", "bwrap"} <= names, names  # the agent (and its relay) and bwrap
+        done = run_session(sb, 300, process_tier_pids, seed=11,
+                           wait_for_spare=lambda: inner.spare_placed.wait(2.0))
+        assert all(done.values()), done
+
+
+@pytest.mark.parametrize("before", list(KINDS))
+def test_after_each_kind_of_command_a_hog_is_a_typed_oom_and_a_spree_is_held(before: str) -> None:
+    with Sandbox.create(memory=MEMORY, pids=PIDS) as sb:
+        inner = sb._inner
+        assert isinstance(inner, ProcessSandbox)
+        for attempt, use_spare in enumerate((False, True)):
+            KINDS[before](sb)
+            if use_spare:
+                assert inner.spare_placed.wait(5.0), "the spare was never placed"
+            with pytest.raises(OutOfMemory):
+                sb.commands.run(HOG, timeout=30, check=True)
+            KINDS[before](sb)
+            if use_spare:
+                assert inner.spare_placed.wait(5.0), "the spare was never placed"
+            spree(sb)
+            check_contained(sb, process_tier_pids, f"{before}, round {attempt}")
+
+
+# -- through the REST server --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-containment") as srv:
+        yield srv
+
+
+def test_through_the_server_every_command_after_every_kind_is_held(server: ServerProcess) -> None:
+    with server.client() as http:
+        created = http.post("/v1/sandboxes", json={"limits": {"memory": MEMORY, "pids": PIDS}})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+
+        def run(cmd: object, timeout: float = 30) -> dict[str, object]:
+            reply = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": cmd, "timeout": timeout})
+            assert reply.status_code == 200, reply.text
+            result: dict[str, object] = reply.json()
+            return result
+
+        before = {
+            "plain": lambda: run("echo ok"),
+            "failing": lambda: run("exit 3"),
+            "timeout": lambda: run("sleep 30 & sleep 31", timeout=0.3),
+            "oom": lambda: run(HOG),
+        }
+        try:
+            for kind, command in before.items():
+                for _ in range(3):  # spares come and go between commands: several rounds each
+                    command()
+                    hog = run(HOG)
+                    assert hog["oom_killed"] is True and hog["stdout"] == "", (kind, hog)
+                    command()
+                    spree = run(SPREE)
+                    assert 0 < int(str(spree["stdout"])) < PIDS, (kind, spree)
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+# -- gVisor and microVM: their host-side processes ------------------------------------------
+
+def test_gvisor_host_processes_stay_in_the_sandboxs_limits(state_dir: Path) -> None:
+    skip_unless_tier("gvisor", state_dir)
+    with Sandbox.create(tier="gvisor", memory="256M", pids=PIDS) as sb:
+        assert host_side_pids(sb), "runsc's processes carry the sandbox id"
+        check_contained(sb, host_side_pids, "create")
+        done = run_session(sb, 40, host_side_pids, seed=12)
+        assert all(done.values()), done
+
+
+def test_gvisor_holds_a_fork_spree_at_pids_with_memory_to_spare(state_dir: Path) -> None:
+    # with memory far above what the spree needs, it must be pids that stops it, not an OOM
+    skip_unless_tier("gvisor", state_dir)
+    with Sandbox.create(tier="gvisor", memory="1G", pids=PIDS) as sb:
+        r = sb.commands.run(SPREE, timeout=60)
+        assert r.exit_code == 0 and not r.oom_killed, r
+        assert 0 < int(r.stdout) < PIDS, r
+
+
+def test_microvm_host_processes_stay_in_the_sandboxs_limits(state_dir: Path) -> None:
+    skip_unless_tier("microvm", state_dir)
+    started = time.monotonic()
+    with Sandbox.create(tier="microvm", memory="256M", pids=PIDS) as sb:
+        assert host_side_pids(sb), "QEMU's command line carries the sandbox id"
+        check_contained(sb, host_side_pids, "create")
+        done = run_session(sb, 16, host_side_pids, seed=13)
+        assert sum(done.values()) == 16
+    assert time.monotonic() - started < 300
+
+
+# -- failing closed, and repairing what was moved behind Corral's back -----------------------
+
+def test_a_process_that_cannot_be_contained_raises_a_typed_error() -> None:
+    kthreadd = next((int(p) for p in os.listdir("/proc") if p.isdigit() and _comm(int(p)) == "kthreadd"), None)
+    if kthreadd is None:
+        pytest.skip("no kthreadd visible (a pid namespace?)")
+    from corral.spec import Limits
+
+    group = cgroups.SandboxCgroup(f"contain-test-{os.getpid()}", Limits())
+    try:
+        assert group.misplaced(kthreadd), "kthreadd is not in a sandbox's groups"
+        with pytest.raises(ContainmentFailed):  # the kernel refuses to move kthreadd
+            group.contain(kthreadd)
+        with pytest.raises(ProcessLookupError):
+            group.contain(2**22 + 1)  # above pid_max: no such process
+        assert group.misplaced(os.getpid())
+        mine = group.leaf("me")
+        # the allowed direction: a process that can move is placed in every group
+        child = subprocess.Popen(["sleep", "30"])
+        try:
+            group.attach(child.pid, mine)
+            assert group.misplaced(child.pid, mine) == []
+            assert misplaced(child.pid, group.name) is None
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        group.destroy()
+
+
+def test_a_command_whose_leaf_cannot_be_made_is_not_run() -> None:
+    with Sandbox.create() as sb:
+        inner = sb._inner
+        assert isinstance(inner, ProcessSandbox) and inner.cgroup is not None
+        limit = inner.cgroup.kill_group / "cgroup.max.descendants"
+        if not limit.exists():
+            pytest.skip("the kill tree is a v1 freezer: no cgroup.max.descendants to refuse a leaf")
+        limit.write_text(str(sum(1 for p in inner.cgroup.kill_group.iterdir() if p.is_dir())))
+        # a PTY command never runs in the spare, so it needs a new leaf
+        with pytest.raises(ContainmentFailed):
+            sb.commands.start("touch /tmp/ran", pty=(24, 80)).wait()
+        limit.write_text("max")
+        assert not sb.files.exists("/tmp/ran"), "the refused command ran"
+        assert sb.commands.run("echo fine").stdout == "fine\n"
+
+
+def test_a_spare_moved_out_of_the_limits_is_put_back_before_it_runs() -> None:
+    layout = cgroups.detect()
+    with Sandbox.create(memory=MEMORY, pids=PIDS) as sb:
+        inner = sb._inner
+        assert isinstance(inner, ProcessSandbox)
+        assert inner.spare_placed.wait(5.0), "the spare was never placed"
+        assert inner._spare is not None
+        spare = inner._spare[1]
+        # what the bug of issue 11 did: the spare sits in the host's own groups
+        roots = [*layout.controllers.values()] if layout.version == 1 else [cgroups.CGROUP_ROOT]
+        for root in roots:
+            (root / "cgroup.procs").write_text(str(spare))
+        assert misplaced(spare, sb.id) is not None
+        started = threading.Event()
+        handle = sb.commands.start("echo up; exec sleep 7.77", timeout=30, on_stdout=lambda _: started.set())
+        try:
+            assert started.wait(10)
+            assert _comm(spare) == "sleep", "the command did not run in the spare"
+            assert misplaced(spare, sb.id) is None
+        finally:
+            handle.kill()
+            handle.wait()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
