@@ -56,12 +56,15 @@ class _Inflate:
     def __init__(self, gzip: bool) -> None:
         self._gzip = gzip
         self._d: Any = zlib.decompressobj(31) if gzip else None
+        self._first = b""
 
     def feed(self, data: bytes) -> Iterator[bytes]:
-        if self._d is None:  # deflate: a zlib header, or none at all
-            if not data:
+        if self._d is None:  # deflate: a zlib header, or none at all; two bytes tell
+            data = self._first + data
+            if len(data) < 2:
+                self._first = data
                 return
-            zlib_header = len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            zlib_header = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
             self._d = zlib.decompressobj(15 if zlib_header else -15)
         while data:
             if self._d.eof:
@@ -78,6 +81,9 @@ class _Inflate:
                 yield out
 
     def finish(self) -> Iterator[bytes]:
+        if self._d is None and self._first:  # a single byte: no zlib header
+            self._d = zlib.decompressobj(-15)
+            yield from self.feed(self._first)
         if self._d is not None and not self._d.eof:
             tail = self._d.flush()
             if tail:
