@@ -120,12 +120,12 @@ class EchoMatcher:
         #: bytes a stream must hold back: the longest form less one could be a form's start
         self.hold = max(len(p) for p in self._patterns) - 1
 
-    def rewrite(self, data: bytes, before: int, found: Callable[[Form], None]) -> tuple[bytes, int]:
+    def rewrite(self, data: bytes, before: int, found: Callable[[Form], None]) -> tuple[bytes | memoryview, int]:
         """Replace each form that starts before ``before``; return the output and where it ends
         in ``data`` (past ``before`` when a form straddles it: that form is replaced whole)."""
         matches = self._automaton.find_matches_as_indexes(data)
         if not matches or matches[0][1] >= before:
-            return data[:before], before
+            return memoryview(data)[:before], before  # a view: bulk data is not copied again
         pieces: list[bytes] = []
         pos = 0
         for index, start, end in matches:
@@ -149,7 +149,7 @@ class EchoStream:
         self._found = found
         self._held = b""
 
-    def feed(self, chunk: bytes) -> bytes:
+    def feed(self, chunk: bytes) -> bytes | memoryview:
         data = self._held + chunk if self._held else chunk
         before = len(data) - self._matcher.hold
         if before <= 0:
@@ -159,6 +159,6 @@ class EchoStream:
         self._held = data[cut:]
         return out
 
-    def finish(self) -> bytes:
+    def finish(self) -> bytes | memoryview:
         data, self._held = self._held, b""
         return self._matcher.rewrite(data, len(data), self._found)[0] if data else b""
