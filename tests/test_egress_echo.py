@@ -190,12 +190,12 @@ def test_every_split_of_every_form_is_caught() -> None:
     body = echo_body(SECRET)
     for split in range(1, len(body)):
         stream = EchoStream(matcher, lambda form: None)
-        out = stream.feed(body[:split]) + stream.feed(body[split:]) + stream.finish()
+        out = b"".join((stream.feed(body[:split]), stream.feed(body[split:]), stream.finish()))
         assert SECRET.encode() not in out and all(SECRET.encode() not in v for v in decode_echo(out).values())
     ordinary = ordinary_body()
     stream = EchoStream(matcher, lambda form: None)
-    assert b"".join(stream.feed(ordinary[i:i + 4093]) for i in range(0, len(ordinary), 4093)) + stream.finish() \
-        == ordinary
+    pieces = [stream.feed(ordinary[i:i + 4093]) for i in range(0, len(ordinary), 4093)]
+    assert b"".join([*pieces, stream.finish()]) == ordinary
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 3]), body[i:i + 3]) for i in range(0, len(body), 3))
     for head, payload in (
             (b"Content-Length: %d" % len(body), body),
