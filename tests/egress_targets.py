@@ -8,14 +8,21 @@ line to the config's log file, which the test reads to see what arrived.
 
 from __future__ import annotations
 
+import gzip
+import importlib
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
 import threading
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from echo_payloads import echo_body, ordinary_body
 
 LOCK = threading.Lock()
 with open(sys.argv[1]) as _config:
@@ -48,6 +55,8 @@ def make_handler(name: str) -> type[BaseHTTPRequestHandler]:
                     self.wfile.write(block[: min(total, len(block))])
                     total -= min(total, len(block))
                 return
+            if self.path.startswith(("/echoenc", "/ordinary")):
+                return self._encoded()
             if self.path.startswith("/echo"):  # a careless API that echoes a credential back
                 body = f"you sent {self.headers.get('X-Key')}\n".encode()
             else:
@@ -56,6 +65,40 @@ def make_handler(name: str) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def _encoded(self) -> None:
+            """``/echoenc``: X-Key back in every encoding of echo_payloads; ``/ordinary``: data with no
+            secret.  ``?ce=gzip|deflate|br|zstd|bad-gzip`` is applied whatever the client accepts;
+            ``?chunk=N`` sends chunked, N bytes a chunk, each its own write."""
+            query = {k: v[0] for k, v in parse_qs(urlsplit(self.path).query).items()}
+            body = echo_body(self.headers.get("X-Key", "")) if self.path.startswith("/echoenc") else ordinary_body()
+            coding = query.get("ce", "identity")
+            if coding == "gzip":
+                body = gzip.compress(body)
+            elif coding == "bad-gzip":
+                body = gzip.compress(body)[:40] + b"not gzip at all" * 4
+            elif coding == "deflate":
+                body = zlib.compress(body)
+            elif coding in ("br", "zstd"):
+                try:  # the library if installed; if not, bytes that a proxy without it cannot check either
+                    module = importlib.import_module("brotli" if coding == "br" else "zstandard")
+                    body = module.compress(body)
+                except ImportError:
+                    body = b"\x1b opaque " + body[::-1]
+            self.send_response(200)
+            if coding != "identity":
+                self.send_header("Content-Encoding", "gzip" if coding == "bad-gzip" else coding)
+            chunk = int(query.get("chunk", 0))
+            self.send_header("Transfer-Encoding" if chunk else "Content-Length", "chunked" if chunk else str(len(body)))
+            self.end_headers()
+            if not chunk:
+                self.wfile.write(body)
+                return
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for i in range(0, len(body), chunk):
+                piece = body[i:i + chunk]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
 
         def do_POST(self) -> None:
             self._log()

@@ -17,7 +17,6 @@ import fcntl
 import ipaddress
 import os
 import queue
-import select
 import socket
 import ssl
 import struct
@@ -27,8 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..secrets import Redactor, Secret, StreamRedactor
+from ..secrets import Secret
 from .audit import AuditLog
+from .echo_forms import EchoMatcher, Form
+from .echo_guard import ResponseGuard, copy_guarded
 from .policy import Decision, Policy
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ CONNECT_TIMEOUT = 10.0
 PIPE_SIZE = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _HOP_HEADERS = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
+# Towards a secret-bound host: an encoded response is decoded to be scanned anyway, but asking
+# for identity spares that work, and a range could fetch an echoed value in pieces too short to see
+_BOUND_DROPPED = {b"accept-encoding", b"te", b"range", b"if-range"}
 
 
 class ProxyError(Exception):
@@ -94,6 +98,7 @@ class EgressProxy:
         self.ca = ca
         self.upstream_tls = upstream_tls
         self._lock = threading.Lock()
+        self._matchers: dict[str, EchoMatcher] = {}
         self._open: set[socket.socket] = set()
         self._clients = 0
         self._closed = False
@@ -236,17 +241,41 @@ class EgressProxy:
         new_head = self._rewrite_head(parts[0] + b" " + path.encode("latin-1") + b" " + parts[2],
                                       header_block, decision, f"{url.hostname}:{url.port or 80}")
         upstream.sendall(new_head + rest)
-        mask = self._response_mask(decision)
-        if mask is None:
-            pump(conn, upstream, b"")
+        guard = self._response_guard(decision, method, parts[2], "http")
+        if guard is None:
+            pump(conn, upstream, b"")  # no secret bound: spliced, never scanned
         else:
-            copy_masked(conn, upstream, mask)
+            copy_guarded(conn, upstream, guard, self._cut_audit(decision, "http"))
         return upstream
 
-    def _response_mask(self, decision: Decision) -> Redactor | None:
-        """For a host that received real values: a mask that keeps them from coming back in."""
-        bound = [s for s in self.secrets if s.binding.bound_to(decision.host)]
-        return Redactor(bound, same_length=True) if bound else None
+    def _matcher(self, host: str) -> EchoMatcher | None:
+        bound = [s for s in self.secrets if s.binding.bound_to(host)]
+        if not bound:
+            return None
+        with self._lock:
+            matcher = self._matchers.get(host)
+            if matcher is None:
+                matcher = self._matchers[host] = EchoMatcher(bound)
+        return matcher
+
+    def _response_guard(self, decision: Decision, method: str, version: bytes, protocol: str) -> ResponseGuard | None:
+        """For a host that received real values: what keeps them from coming back in, in any form."""
+        matcher = self._matcher(decision.host)
+        if matcher is None:
+            return None
+        asked = f"{decision.host}:{decision.port}"
+
+        def echoed(form: Form, where: str) -> None:
+            self.audit.record(self.sandbox_id, "secret-echo", asked, decision.address,
+                              f"secret {form.secret} echoed as {where}", protocol)
+
+        return ResponseGuard(matcher, echoed, head_request=method == "HEAD", http11_client=version != b"HTTP/1.0")
+
+    def _cut_audit(self, decision: Decision, protocol: str) -> Callable[[str], None]:
+        def record(rule: str) -> None:
+            self.audit.record(self.sandbox_id, "refused", f"{decision.host}:{decision.port}", decision.address,
+                              rule, protocol)
+        return record
 
     def _connect_or_502(self, conn: socket.socket, decision: Decision) -> socket.socket | None:
         try:
@@ -260,13 +289,16 @@ class EgressProxy:
     def _rewrite_head(self, request_line: bytes, header_block: bytes, decision: Decision, asked: str) -> bytes:
         """Drop hop-by-hop headers, force one request per connection, swap placeholders for bound hosts."""
         lines = [request_line]
+        bound = any(s.binding.bound_to(decision.host) for s in self.secrets)
         for line in header_block.split(b"\r\n"):
             if not line:
                 continue
             name = line.split(b":", 1)[0].strip().lower()
-            if name in _HOP_HEADERS:
+            if name in _HOP_HEADERS or (bound and name in _BOUND_DROPPED):
                 continue
             lines.append(self._substitute(line, decision, asked))
+        if bound:
+            lines.append(b"Accept-Encoding: identity")
         lines.append(b"Connection: close")
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
@@ -289,17 +321,22 @@ class EgressProxy:
         if rest:
             raise ProxyError("client sent data before the tunnel was established")
         first = conn.recv(1, socket.MSG_PEEK)
+        protocol = "http"
         if first == b"\x16":  # a TLS handshake record
             client: socket.socket = self.ca.server_context(decision.host).wrap_socket(conn, server_side=True)
             upstream_ctx = self.upstream_tls or ssl.create_default_context()
             server: socket.socket = upstream_ctx.wrap_socket(upstream, server_hostname=decision.host)
+            protocol = "https"
         else:
             client, server = conn, upstream
         head, body = read_head(client)
         request_line, _, header_block = head.partition(b"\r\n")
         asked = f"{decision.host}:{decision.port}"
         server.sendall(self._rewrite_head(request_line, header_block, decision, asked) + body)
-        copy_masked(client, server, self._response_mask(decision) or Redactor(()))
+        words = request_line.split(b" ")
+        guard = self._response_guard(decision, words[0].decode("latin-1"), words[-1], protocol)
+        assert guard is not None  # only tunnels to secret-bound hosts are intercepted
+        copy_guarded(client, server, guard, self._cut_audit(decision, protocol))
 
 
     # -- SOCKS5 ---------------------------------------------------------------
@@ -422,44 +459,6 @@ def pump(client: socket.socket, upstream: socket.socket, early: bytes) -> None:
     _WORKERS.submit(back)
     _splice_one_way(client, upstream, abort)
     back_done.wait()
-
-
-def copy_masked(client: socket.socket, server: socket.socket, mask: Redactor) -> None:
-    """Copy both ways on one thread (an SSL object must not be shared between threads), masking
-    real secret values in what the server sends back, also when one is split across reads."""
-    client.settimeout(None)
-    server.settimeout(None)
-    out: list[bytes] = []
-    back = StreamRedactor(mask, lambda _stream, data: out.append(data))
-    peers = {client: server, server: client}
-    open_ = {client, server}
-    while open_:
-        ready: list[socket.socket] = [s for s in open_ if isinstance(s, ssl.SSLSocket) and s.pending()]
-        if not ready:
-            ready, _, _ = select.select(list(open_), [], [])
-        for sock in ready:
-            try:
-                data = sock.recv(65536)
-            except ssl.SSLWantReadError:
-                continue
-            except (OSError, ssl.SSLError):
-                data = b""
-            if sock is server:
-                if data:
-                    back.feed("response", data)
-                else:
-                    back.flush()
-                data_out, out[:] = b"".join(out), []
-                if data_out:
-                    client.sendall(data_out)
-            elif data:
-                server.sendall(data)
-            if not data:
-                open_.discard(sock)
-                with contextlib.suppress(OSError, ssl.SSLError):
-                    peers[sock].shutdown(socket.SHUT_WR)
-                if sock is server:
-                    return  # the server finished its response: the request is over
 
 
 _SOCKS_OK, _SOCKS_NOT_ALLOWED, _SOCKS_UNREACHABLE, _SOCKS_REFUSED, _SOCKS_BAD_CMD, _SOCKS_BAD_ATYP = 0, 2, 4, 5, 7, 8
