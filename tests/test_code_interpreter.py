@@ -88,7 +88,9 @@ def test_timeout_interrupts_and_keeps_state() -> None:
         sb.run_code("kept = 'yes'")
         started = time.monotonic()
         slow = sb.run_code("import time\nwhile True: time.sleep(0.05)", timeout=1)
-        assert time.monotonic() - started < 4
+        # bounded, not timed: an interrupt that did not land would wait for the restart instead
+        # (and `restarted` says so); 4 s measured too tight at load average 7 on 2 cores
+        assert time.monotonic() - started < 10
         assert slow.timed_out and not slow.restarted
         assert slow.error is not None and slow.error.name == "TimeoutError"
         assert "KeyboardInterrupt" in slow.error.traceback

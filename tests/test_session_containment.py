@@ -344,17 +344,19 @@ def test_a_spare_moved_out_of_the_limits_is_put_back_before_it_runs() -> None:
         assert isinstance(inner, ProcessSandbox)
         assert inner.spare_placed.wait(5.0), "the spare was never placed"
         assert inner._spare is not None
-        spare = inner._spare[1]
+        spare_inside, spare = inner._spare[0], inner._spare[1]
         # what the bug of issue 11 did: the spare sits in the host's own groups
         roots = [*layout.controllers.values()] if layout.version == 1 else [cgroups.CGROUP_ROOT]
         for root in roots:
             (root / "cgroup.procs").write_text(str(spare))
         assert misplaced(spare, sb.id) is not None
         started = threading.Event()
-        handle = sb.commands.start("echo up; exec sleep 7.77", timeout=30, on_stdout=lambda _: started.set())
+        said: list[str] = []
+        handle = sb.commands.start("echo $$; exec sleep 7.77", timeout=30,
+                                   on_stdout=lambda text: (said.append(text), started.set()))
         try:
             assert started.wait(10)
-            assert _comm(spare) == "sleep", "the command did not run in the spare"
+            assert said[0].split()[0] == str(spare_inside), "the command did not run in the spare"
             assert misplaced(spare, sb.id) is None
         finally:
             handle.kill()

@@ -103,6 +103,20 @@ def _within(path: str, group: str) -> bool:
     return path == group or path.startswith(group + "/")
 
 
+_PF_EXITING = 0x4
+
+
+def _exiting(pid: int) -> bool:
+    """True if ``pid`` is gone, a zombie, or on its way out (``PF_EXITING``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    # after the comm: state, ppid, pgrp, session, tty_nr, tpgid, flags
+    return fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
+
+
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
@@ -313,6 +327,9 @@ class SandboxCgroup:
             raise  # gone: nothing of it can run, the caller decides (a dead spare is replaced)
         except OSError as exc:
             raise ContainmentFailed(f"process {pid} could not be placed in sandbox {self.name}'s cgroups: {exc}") from exc
+        if wrong and _exiting(pid):
+            # the kernel silently skips a task that is exiting: it will never run again either
+            raise ProcessLookupError(pid)
         if wrong:
             raise ContainmentFailed(
                 f"process {pid} is not in sandbox {self.name}'s cgroups {', '.join(map(str, wrong))}"
