@@ -23,6 +23,7 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+#: every isolation tier, by name: each is the package ``corral.tiers.<name>`` (the one list of them)
 TIERS = ("process", "gvisor", "microvm", "wasm")
 NETWORK_MODES = ("none", "allow", "open")
 WORKSPACE_MODES = ("rw", "ro", "cow")

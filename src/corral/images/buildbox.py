@@ -25,7 +25,7 @@ from pathlib import Path
 from ..host import cgroups
 from ..host.seccomp import bpf_path
 from ..spec import Limits, parse_size
-from ..tiers.process import _check_host, allocate_uid, release_uid
+from ..tiers.process.tier import _check_host, allocate_uid, release_uid
 
 RECORD_NAME = "buildbox.json"
 BUILD_ENV = {

@@ -47,9 +47,9 @@ from ...host import cgroups, mounts
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import MiB, SandboxSpec
-from ..agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..rootfs import allocate_uid, reap_host_side, release_uid
+from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
+from ..linux.rootfs import allocate_uid, reap_host_side, release_uid
 from . import guest, qemu, rootdisk, template
 from .egress_bridge import EgressBridge
 

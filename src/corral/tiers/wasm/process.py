@@ -18,12 +18,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..spec import MiB
-from .base import ExecRequest, ExecResult, OutputCallback, Process
-from .wasm_runtime import Worker
+from ...spec import MiB
+from ..base import ExecRequest, ExecResult, OutputCallback, Process
+from .runtime import Worker
 
 if TYPE_CHECKING:
-    from .wasm import WasmSandbox
+    from .tier import WasmSandbox
 
 #: how long past its timeout a guest blocked in a host call may take before it is killed
 KILL_GRACE = 0.5

@@ -1,7 +1,7 @@
 """The process tier: Linux namespaces + cgroups + seccomp, launched by bubblewrap.
 
 The sandbox's root (overlay on a size-limited tmpfs, workspace copy) is
-built by :mod:`corral.tiers.rootfs`, shared with the gVisor tier.
+built by :mod:`corral.tiers.linux.rootfs`, shared with the gVisor tier.
 
 The agent (``corral-agent``) is bwrap's pid 1 in a new pid namespace.  Every
 command gets its own kill-tree cgroup leaf, joined before it may exec, so a
@@ -19,21 +19,21 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..egress.network import SandboxNetwork
-from ..errors import HostNotSupported, SandboxClosed
-from ..host import cgroups, mounts
-from ..host.netns import NETNS_DIR
-from ..host.procs import descendants
-from ..host.seccomp import bpf_path
-from ..host.workspace import WorkspaceCopy
-from ..images import SANDBOX_UID
-from ..spec import WORKSPACE_PATH, SandboxSpec
-from .agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
-from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from .process_spares import PLACER
-from .rootfs import AGENT_PATH, build_root, reap_host_side
-from .rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
-from .rootfs import release_uid as release_uid
+from ...egress.network import SandboxNetwork
+from ...errors import HostNotSupported, SandboxClosed
+from ...host import cgroups, mounts
+from ...host.netns import NETNS_DIR
+from ...host.procs import descendants
+from ...host.seccomp import bpf_path
+from ...host.workspace import WorkspaceCopy
+from ...images import SANDBOX_UID
+from ...spec import WORKSPACE_PATH, SandboxSpec
+from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from ..linux.agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
+from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
+from ..linux.rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
+from ..linux.rootfs import release_uid as release_uid
+from .spares import PLACER
 
 START_TIMEOUT = 10.0
 
@@ -226,7 +226,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
             return leaf
 
     def _place_spare(self, nspid: int) -> None:
-        """Move the agent's spare into a leaf of its own (on the placer thread, see process_spares)."""
+        """Move the agent's spare into a leaf of its own (on the placer thread, see .spares)."""
         if self._closed or self.cgroup is None:
             return
         host_pid = self._host_pid(nspid)

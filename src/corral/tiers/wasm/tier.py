@@ -13,7 +13,7 @@ preview 1 has no sockets to open).  Limits:
   command (exhaustion ends it like SIGXCPU: exit 152) and the cgroup's CPU quota;
 - disk: a tmpfs of the disk limit holds both directories (as root).
 
-Each command runs in its own worker process (:mod:`.wasm_worker`), forked
+Each command runs in its own worker process (:mod:`.worker`), forked
 from a zygote that holds wasmtime and the compiled module, as the sandbox's
 own unprivileged host uid.  An idle sandbox keeps one guest started for its
 next command (none with ``prestart=False``); see docs/wasm.md.
@@ -32,19 +32,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
-from ..host import cgroups, mounts
-from ..host.seccomp import bpf_path
-from ..host.workspace import WorkspaceCopy
-from ..spec import MiB, SandboxSpec
-from .base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
-from .process import allocate_uid, release_uid
-from .wasm_files import SandboxFiles, openat2_in_root
-from .wasm_process import RefusedProcess, WasmProcess
-from .wasm_python import PRESTART_ARGV, NotPython, guest_argv, launch_record
-from .wasm_runtime import Runtime, Worker, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
-from .wasm_runtime import cached_module_path as _cached_module_path
-from .wasm_spares import SpareGuests
+from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
+from ...host import cgroups, mounts
+from ...host.seccomp import bpf_path
+from ...host.workspace import WorkspaceCopy
+from ...spec import MiB, SandboxSpec
+from ..base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from ..linux.rootfs import allocate_uid, release_uid
+from .files import SandboxFiles, openat2_in_root
+from .process import RefusedProcess, WasmProcess
+from .python import PRESTART_ARGV, NotPython, guest_argv, launch_record
+from .runtime import Runtime, Worker, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
+from .runtime import cached_module_path as _cached_module_path
+from .spares import SpareGuests
 
 #: instructions per CPU-second, measured here (a busy loop burns ~6e9 fuel per CPU-second)
 FUEL_PER_CPU_SECOND = 6_000_000_000
@@ -78,7 +78,7 @@ class WasmTier(Tier):
         #: keep one interpreter per sandbox started ahead of its next command (faster
         #: commands, one idle worker process per sandbox); False: no process when idle
         self.prestart = prestart
-        #: guests pre-started for sandboxes not created yet (see wasm_spares; root only)
+        #: guests pre-started for sandboxes not created yet (see .spares; root only)
         self.spare_guest_count = spare_guests if prestart else 0
         self.fuel_per_cpu_second = fuel_per_cpu_second
         # the runtime is resolved (and compiled, on a fresh machine) on first create, not
@@ -444,7 +444,7 @@ class WasmSandbox(TierSandbox):
         self.sync()
 
     def _writable(self, path: str) -> None:
-        from ..errors import FileError
+        from ...errors import FileError
 
         ws = self.spec.workspace
         clean = os.path.normpath("/" + path.lstrip("/"))

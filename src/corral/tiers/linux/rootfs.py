@@ -21,12 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..egress import network as egress_network
-from ..errors import HostNotSupported
-from ..host import cgroups, mounts
-from ..host.workspace import WorkspaceCopy
-from ..images import SANDBOX_HOME, identity_files, resolve
-from ..spec import WORKSPACE_PATH, SandboxSpec
+from ...egress import network as egress_network
+from ...errors import HostNotSupported
+from ...host import cgroups, mounts
+from ...host.workspace import WorkspaceCopy
+from ...images import SANDBOX_HOME, identity_files, resolve
+from ...spec import WORKSPACE_PATH, SandboxSpec
 
 #: host uids handed to sandboxes: far above any real or subordinate range
 UID_BASE = 2_100_000_000
