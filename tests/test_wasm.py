@@ -369,7 +369,7 @@ def test_a_sandbox_with_other_limits_does_not_adopt_a_spare(wasm_available: None
 
 def test_spares_of_a_dead_owner_are_reaped(wasm_available: None, state_dir: Path) -> None:
     from corral.host import mounts
-    from corral.tiers.linux.rootfs import allocate_uid
+    from corral.host.uids import allocate_uid
 
     guests = _ready_spare(state_dir)
     dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a live process

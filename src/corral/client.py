@@ -14,15 +14,15 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 from urllib.parse import quote
 
 import httpx
 
 from .egress.audit import AuditEvent
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .sandbox import DEFAULT_MAX_READ, Files, _callbacks, build_spec
 from .spec import SandboxSpec
+from .surface import DEFAULT_MAX_READ, build_spec, download_dir, output_callback, upload_dir
 from .tiers.base import ExecResult, FileEntry
 
 REQUEST_TIMEOUT = 60.0
@@ -159,7 +159,7 @@ class RemoteCommands:
         request = _exec_body(cmd, timeout, env, cwd, None)
         if pty is not None:
             request["pty"] = list(pty)
-        return RemoteCommandHandle(self._sb._client, self._sb.id, request, _callbacks(on_stdout, on_stderr, on_output))
+        return RemoteCommandHandle(self._sb._client, self._sb.id, request, output_callback(on_stdout, on_stderr, on_output))
 
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
             cwd: str | None = None, stdin: str | bytes | None = None,
@@ -245,12 +245,12 @@ class RemoteFiles:
     def make_dir(self, path: str, mode: int = 0o755) -> None:
         self._call("POST", "/dir", path)
 
-    # the directory helpers of the embedded API only use the methods above
+    # the directory copies only use the methods above
     def upload_dir(self, local: str | Path, remote: str) -> int:
-        return Files.upload_dir(cast(Files, self), local, remote)
+        return upload_dir(self, local, remote)
 
     def download_dir(self, remote: str, local: str | Path) -> int:
-        return Files.download_dir(cast(Files, self), remote, local)
+        return download_dir(self, remote, local)
 
 
 def _absolute(path: str) -> str:

@@ -31,7 +31,8 @@ from typing import Any
 from mcp.server.mcpserver import Context, MCPServer
 
 from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
-from .sandbox import Sandbox, build_spec
+from .sandbox import Sandbox
+from .surface import build_spec
 
 #: sandboxes one MCP session may hold at once
 MAX_SANDBOXES_PER_SESSION = 8

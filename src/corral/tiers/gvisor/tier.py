@@ -43,12 +43,13 @@ from typing import Any
 from ...egress.network import SandboxNetwork
 from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ...host import cgroups, mounts
+from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import SANDBOX_UID
 from ...spec import WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
-from ..linux.rootfs import AGENT_PATH, allocate_uid, build_root, reap_host_side, release_uid
+from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
 from .memory import MemoryGuard
 from .net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
 from .platform import Platform, choose_platform, runsc_binary

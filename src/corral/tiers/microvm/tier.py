@@ -44,12 +44,13 @@ from typing import Any
 from ...egress.network import PROXY_PORT, SandboxNetwork
 from ...errors import HostNotSupported, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
+from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import MiB, SandboxSpec
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
-from ..linux.rootfs import allocate_uid, reap_host_side, release_uid
+from ..linux.rootfs import reap_host_side
 from . import guest, qemu, rootdisk, template
 from .egress_bridge import EgressBridge
 

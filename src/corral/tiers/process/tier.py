@@ -22,42 +22,20 @@ from typing import Any
 from ...egress.network import SandboxNetwork
 from ...errors import HostNotSupported, SandboxClosed
 from ...host import cgroups, mounts
+from ...host.bwrap import check_host
 from ...host.netns import NETNS_DIR
 from ...host.procs import descendants
 from ...host.seccomp import bpf_path
+from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import SANDBOX_UID
 from ...spec import WORKSPACE_PATH, SandboxSpec
 from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
 from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
-from ..linux.rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
-from ..linux.rootfs import release_uid as release_uid
 from .spares import PLACER
 
 START_TIMEOUT = 10.0
-
-
-def _check_host() -> str:
-    """Path of bwrap, or HostNotSupported saying what to change."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise HostNotSupported("bubblewrap is not installed: apt-get install bubblewrap (or run `make install`)")
-    if os.geteuid() != 0:
-        raise HostNotSupported("the process tier needs root on the host (for cgroups and mounts); run as root")
-    try:
-        max_ns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
-    except (OSError, ValueError):
-        max_ns = 1
-    if max_ns == 0:
-        raise HostNotSupported("user namespaces are disabled: sysctl -w user.max_user_namespaces=15000")
-    apparmor = Path("/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
-    if apparmor.exists() and apparmor.read_text().strip() == "1":
-        raise HostNotSupported(
-            "AppArmor restricts unprivileged user namespaces (Ubuntu 24.04+): "
-            "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0, or add an AppArmor profile for bwrap"
-        )
-    return bwrap
 
 
 class ProcessTier(Tier):
@@ -65,7 +43,7 @@ class ProcessTier(Tier):
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self._bwrap = _check_host()
+        self._bwrap = check_host()
         self._layout = cgroups.detect()
         self._seccomp = bpf_path(state_dir)
         self._agent = agent_binary(state_dir)
@@ -73,7 +51,7 @@ class ProcessTier(Tier):
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
         try:
-            _check_host()
+            check_host()
             layout = cgroups.detect()
         except HostNotSupported as exc:
             return Availability(cls.name, False, str(exc), "see the message")

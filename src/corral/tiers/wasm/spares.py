@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...host import mounts
-from ...registry import process_start_time
+from ...host.procs import process_start_time
+from ...host.uids import allocate_uid, release_uid
 from ...spec import Limits, SandboxSpec
-from ..linux.rootfs import allocate_uid, release_uid
 from .python import PRESTART_ARGV
 from .runtime import Worker
 

@@ -35,10 +35,10 @@ from typing import Any
 from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ...host import cgroups, mounts
 from ...host.seccomp import bpf_path
+from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...spec import MiB, SandboxSpec
 from ..base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
-from ..linux.rootfs import allocate_uid, release_uid
 from .files import SandboxFiles, openat2_in_root
 from .process import RefusedProcess, WasmProcess
 from .python import PRESTART_ARGV, NotPython, guest_argv, launch_record
