@@ -317,9 +317,8 @@ class CodeInterpreter:
             return execution
 
     def _kernel_over(self) -> bool:
-        """True once the kernel process has ended (tiers expose ``done`` on their Process)."""
-        process = self._handle._process if self._handle is not None else None  # type: ignore[attr-defined]
-        return bool(getattr(process, "done", False))
+        """True once the kernel process has ended."""
+        return self._handle is not None and self._handle.done
 
     def _wait(self, cell: _Cell, seconds: float) -> str:
         """``"done"``, ``"timeout"``, or ``"dead"`` when the kernel process ended without finishing the cell."""

@@ -25,7 +25,7 @@ from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
 from .spec import SandboxSpec, validate_env, validate_sandbox_path
 from .surface import DEFAULT_MAX_READ, build_spec, download_dir, output_callback, upload_dir
-from .tiers import get_tier
+from .tiers import get_tier, tier_class
 from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
 
 BASE_ENV = {
@@ -90,6 +90,16 @@ class CommandHandle:
     def resize(self, rows: int, cols: int) -> None:
         self._process.resize(rows, cols)
 
+    @property
+    def pid(self) -> int | None:
+        """The command's pid inside the sandbox once it started (None until then; 0 in the wasm tier)."""
+        return self._process.pid
+
+    @property
+    def done(self) -> bool:
+        """True once the command has ended; never blocks."""
+        return self._process.done
+
     def wait(self) -> ExecResult:
         result = self._process.wait()
         if self._stream is not None:
@@ -108,6 +118,8 @@ class Commands:
                  cwd: str | None, pty: tuple[int, int] | None = None) -> ExecRequest:
         if pty is not None and not (len(pty) == 2 and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
             raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
+        if pty is not None and not tier_class(self._sb.spec.tier).capabilities.pty:
+            raise InvalidSpec(f"pty: the {self._sb.spec.tier} tier cannot run commands on a terminal")
         limits = self._sb.spec.limits
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 7 * 86400):
             raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, 604800]")

@@ -46,8 +46,8 @@ from ...host import cgroups, mounts
 from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import SANDBOX_UID
-from ...spec import WORKSPACE_PATH, Limits, SandboxSpec
-from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
+from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
 from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
 from .memory import MemoryGuard
@@ -79,6 +79,15 @@ class _Host:
 
 class GVisorTier(Tier):
     name = "gvisor"
+    capabilities = Capabilities(
+        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000 on gVisor's kernel, as a fresh host uid",
+        guarantees=(
+            "every syscall is answered by gVisor's user-space kernel, not the host's",
+            "runsc, the Sentry and the gofer are under the sandbox's host cgroups",
+            "memory overruns are per-command OOM kills (the memory guard)",
+            "nothing survives the sandbox or its owner",
+        ),
+    )
 
     def __init__(self, state_dir: Path) -> None:
         # checked on first create, not here: `corral gc` must be able to reap

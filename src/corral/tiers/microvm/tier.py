@@ -47,8 +47,8 @@ from ...host import cgroups, mounts
 from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
-from ...spec import MiB, SandboxSpec
-from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from ...spec import NETWORK_MODES, MiB, SandboxSpec
+from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
 from ..linux.rootfs import reap_host_side
 from . import guest, qemu, rootdisk, template
@@ -74,6 +74,14 @@ def _check_host() -> None:
 
 class MicroVMTier(Tier):
     name = "microvm"
+    capabilities = Capabilities(
+        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000 in its own guest kernel",
+        guarantees=(
+            "its own guest kernel: the host kernel sees only QEMU",
+            "QEMU runs as a fresh host uid, under the sandbox's host cgroups",
+            "nothing survives the sandbox or its owner",
+        ),
+    )
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir

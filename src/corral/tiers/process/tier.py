@@ -29,8 +29,8 @@ from ...host.seccomp import bpf_path
 from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import SANDBOX_UID
-from ...spec import WORKSPACE_PATH, SandboxSpec
-from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
+from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
 from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
 from .spares import PLACER
@@ -40,6 +40,16 @@ START_TIMEOUT = 10.0
 
 class ProcessTier(Tier):
     name = "process"
+    capabilities = Capabilities(
+        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000, no capabilities, as a fresh host uid",
+        guarantees=(
+            "host files, processes and environment are invisible (mount, pid namespaces; clean env)",
+            "no host root: an unprivileged host uid per sandbox, no capabilities, no_new_privs",
+            "seccomp cuts the kernel's attack surface",
+            "every process is under the memory, pids, CPU and disk limits for its whole life",
+            "a timeout kills the command's whole tree; nothing survives the sandbox or its owner",
+        ),
+    )
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir

@@ -38,7 +38,7 @@ from ...host.seccomp import bpf_path
 from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...spec import MiB, SandboxSpec
-from ..base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from ..base import Availability, Capabilities, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
 from .files import SandboxFiles, openat2_in_root
 from .process import RefusedProcess, WasmProcess
 from .python import PRESTART_ARGV, NotPython, guest_argv, launch_record
@@ -71,6 +71,14 @@ def _check_openat2() -> None:
 
 class WasmTier(Tier):
     name = "wasm"
+    capabilities = Capabilities(
+        network_modes=("none",), pty=False, images=IMAGES, users="a WASI guest: no users, no other program",
+        guarantees=(
+            "no OS underneath: two preopened directories, no sockets, no other program",
+            "memory, wall clock and CPU (fuel) are limited by wasmtime; a host cgroup is the backstop",
+            "each command runs in its own worker process as the sandbox's unprivileged host uid",
+        ),
+    )
 
     def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, spares: int = 2,
                  prestart: bool = True, spare_guests: int = 1) -> None:
@@ -164,12 +172,12 @@ class WasmTier(Tier):
         return Availability(cls.name, True, reason, details=details)
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
-        if spec.image not in IMAGES:
+        if spec.image not in (self.capabilities.images or ()):
             raise InvalidSpec(
                 f"image {spec.image!r} does not exist in the wasm tier; it runs one image, 'python' "
                 "(CPython 3.12 for WASI, standard library only; 'host' means the same)"
             )
-        if spec.network != "none":
+        if spec.network not in self.capabilities.network_modes:
             raise InvalidSpec(
                 f"network {spec.network!r}: the wasm tier has no network at all (WASI preview 1 has no "
                 "sockets); use network='none', or the process, gvisor or microvm tier"
