@@ -184,9 +184,9 @@ class Commands:
         result = handle.wait()
         if check:
             if result.timed_out:
-                raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result)
+                raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result, sandbox_id=self._sb.id)
             if result.oom_killed:
-                raise OutOfMemory("command was killed by the sandbox's memory limit", result)
+                raise OutOfMemory("command was killed by the sandbox's memory limit", result, sandbox_id=self._sb.id)
         return result
 
 
@@ -299,7 +299,7 @@ class Sandbox:
 
     def _tier_sandbox(self) -> TierSandbox:
         if self._inner is None:
-            raise SandboxClosed(f"sandbox {self.id} was destroyed")
+            raise SandboxClosed(f"sandbox {self.id} was destroyed", sandbox_id=self.id)
         return self._inner
 
     def _filter_output(self, data: bytes) -> bytes:
@@ -311,7 +311,7 @@ class Sandbox:
         """The sandbox's network side: ``network.audit()`` lists every refused destination."""
         network = self._tier_sandbox().network
         if network is None:
-            raise SandboxClosed(f"sandbox {self.id}: its tier has no network side")
+            raise SandboxClosed(f"sandbox {self.id}: its tier has no network side", sandbox_id=self.id)
         return network
 
     def is_running(self) -> bool:

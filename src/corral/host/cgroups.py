@@ -271,7 +271,7 @@ class SandboxCgroup:
         try:
             path.mkdir(exist_ok=True)
         except OSError as exc:  # e.g. cgroup.max.descendants: no leaf, so nothing may run
-            raise ContainmentFailed(f"sandbox {self.name}: cannot make cgroup leaf {leaf}: {exc}") from exc
+            raise ContainmentFailed(f"sandbox {self.name}: cannot make cgroup leaf {leaf}: {exc}", sandbox_id=self.name) from exc
         return path
 
     def procs_files(self, leaf: Path) -> list[str]:
@@ -312,10 +312,12 @@ class SandboxCgroup:
         except ProcessLookupError:
             raise  # gone: nothing of it can run, the caller decides (a dead spare is replaced)
         except OSError as exc:
-            raise ContainmentFailed(f"process {pid} could not be placed in sandbox {self.name}'s cgroups: {exc}") from exc
+            raise ContainmentFailed(f"process {pid} could not be placed in sandbox {self.name}'s cgroups: {exc}",
+                                    sandbox_id=self.name) from exc
         if wrong:
             raise ContainmentFailed(
-                f"process {pid} is not in sandbox {self.name}'s cgroups {', '.join(map(str, wrong))}"
+                f"process {pid} is not in sandbox {self.name}'s cgroups {', '.join(map(str, wrong))}",
+                sandbox_id=self.name,
             )
 
     def misplaced(self, pid: int, leaf: Path | None = None) -> list[Path]:

@@ -11,7 +11,7 @@ import os
 import random
 from pathlib import Path
 
-from ..errors import HostNotSupported
+from ..errors import ResourceLimit
 
 #: host uids handed to sandboxes: far above any real or subordinate range
 UID_BASE = 2_100_000_000
@@ -34,7 +34,7 @@ def allocate_uid(state_dir: Path, owner: str) -> int:
         finally:
             os.close(fd)
         return uid
-    raise HostNotSupported("could not reserve a free host uid for the sandbox")
+    raise ResourceLimit("could not reserve a free host uid for the sandbox")
 
 
 def release_uid(state_dir: Path, uid: int) -> None:

@@ -34,6 +34,7 @@ from ..errors import (
     SandboxClosed,
     SandboxError,
     SandboxNotFound,
+    Unauthorized,
 )
 from ..spec import SandboxSpec
 from .config import ANONYMOUS_TENANT, ServerConfig
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 BLOCKING_THREADS = 128
 MAX_DOWNLOAD = 64 << 20
-
-
-class Unauthorized(SandboxError):
-    code = "unauthorized"
 
 
 def status_for(exc: SandboxError) -> int:

@@ -475,9 +475,9 @@ class AgentFilesMixin:
 
     def _channel_or_raise(self) -> AgentChannel:
         if self._closed or self._channel is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         if self._channel.closed.is_set():
-            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)")
+            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)", sandbox_id=self.id)
         return self._channel
 
     def read_file(self, path: str, max_bytes: int) -> bytes:

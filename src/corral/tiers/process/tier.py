@@ -269,7 +269,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()
         if self.cgroup is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         return channel, self.cgroup
 
     # -- lifecycle ---------------------------------------------------------

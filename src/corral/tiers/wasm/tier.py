@@ -357,7 +357,7 @@ class WasmSandbox(TierSandbox):
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         if self._closed:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         try:
             argv = guest_argv(request.argv, request.cwd)
         except NotPython as exc:
@@ -385,7 +385,7 @@ class WasmSandbox(TierSandbox):
         with self._lock:
             if self._closed:
                 process.kill()
-                raise SandboxClosed(f"sandbox {self.id} is closed")
+                raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
             self._running.add(process)
         return process
 
@@ -424,7 +424,7 @@ class WasmSandbox(TierSandbox):
     # -- files -------------------------------------------------------------
     def _files(self) -> SandboxFiles:
         if self._closed:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         return self.files
 
     def read_file(self, path: str, max_bytes: int) -> bytes:
