@@ -177,13 +177,6 @@ class CodeInterpreter:
         with self._run_lock:
             self._stop()
 
-    def restart(self) -> None:
-        """Kill the kernel and start a fresh one (every variable is lost)."""
-        with self._run_lock:
-            self._stop()
-            self._count = 0
-            self._start()
-
     def _on_output(self, stream: str, chunk: bytes) -> None:
         # everything here comes from inside the sandbox: parse defensively, keep memory bounded
         if stream == "stderr":  # stray descriptor-level output (subprocesses, C code)
