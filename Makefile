@@ -37,7 +37,8 @@ bytecode: venv
 demo: install
 	$(PY) scripts/demo.py
 
-test: install
+# ruff and mypy first: a lint or type error fails `make test` (and so CI) before any test runs
+test: lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 lint: install

@@ -55,7 +55,7 @@ def bare_wasmtime(runs: int, module: Path) -> tuple[list[float], list[float]]:
     """Reference: the same compiled module running print(1) in this process, no Corral at all."""
     import wasmtime
 
-    from corral.tiers.wasm_worker import make_engine
+    from corral.tiers.wasm.worker import make_engine
 
     engine = make_engine()
     compiled = wasmtime.Module.deserialize_file(engine, str(module))
@@ -117,7 +117,7 @@ def main() -> None:
     with Sandbox.create(tier="wasm") as sb:
         sb.commands.run(PRINT)
     time.sleep(1.0)
-    from corral.tiers.wasm_runtime import cached_module_path, default_runtime
+    from corral.tiers.wasm.runtime import cached_module_path, default_runtime
 
     ref_wall, ref_cpu = bare_wasmtime(args.runs, cached_module_path(default_runtime()))
 

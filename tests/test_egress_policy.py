@@ -9,8 +9,8 @@ import pytest
 from corral.egress.policy import HostAddresses, Policy
 from corral.errors import InvalidSpec
 from corral.netrules import AllowRule, parse_ip, parse_range
-from corral.sandbox import build_spec
 from corral.spec import SandboxSpec
+from corral.surface import build_spec
 
 
 class FixedHostAddresses(HostAddresses):

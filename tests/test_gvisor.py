@@ -21,7 +21,7 @@ import pytest
 from corral import Sandbox
 from corral.errors import HostNotSupported, InvalidSpec
 from corral.tiers.gvisor import GVisorTier
-from corral.tiers.gvisor_platform import PLATFORM_ENV, choose_platform, runsc_binary
+from corral.tiers.gvisor.platform import PLATFORM_ENV, choose_platform, runsc_binary
 
 from .leaks import processes_naming as _processes_naming
 from .leaks import run_gc, sandbox_leftovers

@@ -26,7 +26,7 @@ import pytest
 from corral import Sandbox
 from corral.egress.open_net import OpenNames
 from corral.host import mounts, netns
-from corral.tiers.gvisor_net import ROOT_TEST, root_test_misfires
+from corral.tiers.gvisor.net import ROOT_TEST, root_test_misfires
 
 from .egress_net import METADATA, TargetNet, assert_open_refusals_audited, target_net, udp_sink
 from .leaks import processes_naming, run_gc, sandbox_leftovers
@@ -204,7 +204,7 @@ def test_without_the_hiding_step_this_runsc_refuses_and_nothing_is_left(
     failed create cleans up: no namespace, veth, table, run dir or process."""
     from corral.egress import open_net
     from corral.errors import SandboxClosed
-    from corral.tiers import gvisor
+    from corral.tiers.gvisor import tier as gvisor
 
     if not _root_test_misfires_here():
         pytest.skip("this kernel has no rmem_default in a new namespace: runsc needs no hiding step")

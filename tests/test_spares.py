@@ -1,5 +1,5 @@
 """The process tier's spare: a child the agent forks ahead of time, placed in the
-next command's cgroup while the sandbox is idle (src/corral/tiers/process_spares.py).
+next command's cgroup while the sandbox is idle (src/corral/tiers/process/spares.py).
 
 A command run in a spare must keep every promise a freshly forked one does:
 its own kill tree, its own stdin's end of file, a fresh environment.

@@ -171,7 +171,7 @@ def test_memory_limit_is_the_stores_limit(wasm_available: None) -> None:
 # -- module cache ----------------------------------------------------------------
 
 def test_compiled_module_is_cached_and_reused(wasm_available: None, state_dir: Path) -> None:
-    from corral.tiers import wasm_runtime
+    from corral.tiers.wasm import runtime as wasm_runtime
 
     runtime = wasm_runtime.default_runtime()
     path, compiled_now = wasm_runtime.ensure_compiled(runtime)
@@ -186,7 +186,7 @@ def test_compiled_module_is_cached_and_reused(wasm_available: None, state_dir: P
 
 
 def test_cache_dir_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
-    from corral.tiers.wasm_runtime import ensure_private_dir
+    from corral.tiers.wasm.runtime import ensure_private_dir
 
     foreign = tmp_path / "cache"
     foreign.mkdir(mode=0o700)
@@ -369,7 +369,7 @@ def test_a_sandbox_with_other_limits_does_not_adopt_a_spare(wasm_available: None
 
 def test_spares_of_a_dead_owner_are_reaped(wasm_available: None, state_dir: Path) -> None:
     from corral.host import mounts
-    from corral.tiers.process import allocate_uid
+    from corral.host.uids import allocate_uid
 
     guests = _ready_spare(state_dir)
     dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a live process

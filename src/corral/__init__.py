@@ -22,7 +22,7 @@ _EXPORTS = {
 _ERRORS = (
     "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "ExecError",
     "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "FileError", "FileNotFoundInSandbox",
-    "NetworkDenied", "ImageBuildFailed",
+    "ImageBuildFailed", "TransportError", "ConnectionLost", "Unauthorized", "ServerError",
 )
 
 __all__ = [*_EXPORTS, *_ERRORS]

@@ -14,21 +14,38 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast, overload
-from urllib.parse import quote
+from typing import Any, Literal, overload
+from urllib.parse import quote, unquote
 
 import httpx
 
 from .egress.audit import AuditEvent
-from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .sandbox import DEFAULT_MAX_READ, Files, _callbacks, build_spec
+from .errors import (
+    ConnectionLost,
+    ExecTimeout,
+    InvalidSpec,
+    OutOfMemory,
+    SandboxClosed,
+    SandboxError,
+    SandboxNotFound,
+    ServerError,
+    Unauthorized,
+    error_from_code,
+)
 from .spec import SandboxSpec
+from .surface import DEFAULT_MAX_READ, build_spec, download_dir, output_callback, upload_dir
 from .tiers.base import ExecResult, FileEntry
 
 REQUEST_TIMEOUT = 60.0
 
 
-def _raise_for(response: httpx.Response) -> None:
+def _sandbox_of(path: str) -> str | None:
+    """The sandbox id in a ``/v1/sandboxes/ID/...`` path, if there is one."""
+    parts = path.split("/")
+    return unquote(parts[3]) if len(parts) > 3 and parts[1:3] == ["v1", "sandboxes"] and parts[3] else None
+
+
+def _raise_for(response: httpx.Response, sandbox_id: str | None = None) -> None:
     if response.is_success:
         return
     try:
@@ -37,10 +54,12 @@ def _raise_for(response: httpx.Response) -> None:
     except ValueError:
         code, message = "", response.text or response.reason_phrase
     if response.status_code == 401:
-        raise SandboxError(f"unauthorized: {message}")
+        raise Unauthorized(f"unauthorized: {message}")
     if response.status_code == 413:
         code = "resource_limit"
-    raise error_from_code(code, message)
+    if response.status_code >= 500 and code in ("", "sandbox_error", "internal_error"):
+        raise ServerError(message, sandbox_id=sandbox_id)
+    raise error_from_code(code, message, sandbox_id)
 
 
 class Client:
@@ -59,8 +78,8 @@ class Client:
         try:
             response = self.http.request(method, path, timeout=timeout, **kwargs)
         except httpx.TransportError as exc:
-            raise SandboxError(f"cannot reach the Corral server at {self.url}: {exc}") from exc
-        _raise_for(response)
+            raise ConnectionLost(f"cannot reach the Corral server at {self.url}: {exc}") from exc
+        _raise_for(response, _sandbox_of(path))
         if response.status_code == 204:
             return None
         if response.headers.get("content-type", "").startswith("application/json"):
@@ -82,6 +101,7 @@ class RemoteCommandHandle:
         from websockets.sync.client import connect
 
         self._on_output = on_output
+        self._sandbox_id = sandbox_id
         self._result: ExecResult | None = None
         self._error: SandboxError | None = None
         self._done = threading.Event()
@@ -90,7 +110,8 @@ class RemoteCommandHandle:
                                additional_headers=client.headers, open_timeout=30, max_size=64 << 20,
                                legacy=True)
         except Exception as exc:
-            raise SandboxError(f"cannot open the exec stream at {client.url}: {exc}") from exc
+            raise ConnectionLost(f"cannot open the exec stream at {client.url}: {exc}",
+                                 sandbox_id=sandbox_id) from exc
         try:
             self._ws.send(json.dumps(request))
         except Exception:
@@ -109,10 +130,10 @@ class RemoteCommandHandle:
                     frame.pop("sandbox_id", None)
                     self._result = ExecResult(**frame)
                 elif kind == "error" and self._result is None:
-                    self._error = error_from_code(frame.get("error", ""), frame.get("message", ""))
+                    self._error = error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
         except Exception as exc:
             if self._result is None and self._error is None:
-                self._error = SandboxClosed(f"exec stream lost: {exc}")
+                self._error = SandboxClosed(f"exec stream lost: {exc}", sandbox_id=self._sandbox_id)
         finally:
             self._done.set()
 
@@ -159,7 +180,7 @@ class RemoteCommands:
         request = _exec_body(cmd, timeout, env, cwd, None)
         if pty is not None:
             request["pty"] = list(pty)
-        return RemoteCommandHandle(self._sb._client, self._sb.id, request, _callbacks(on_stdout, on_stderr, on_output))
+        return RemoteCommandHandle(self._sb._client, self._sb.id, request, output_callback(on_stdout, on_stderr, on_output))
 
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
             cwd: str | None = None, stdin: str | bytes | None = None,
@@ -179,9 +200,9 @@ class RemoteCommands:
             handle.close_stdin()
             result = handle.wait()
         if check and result.timed_out:
-            raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result)
+            raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result, sandbox_id=self._sb.id)
         if check and result.oom_killed:
-            raise OutOfMemory("command was killed by the sandbox's memory limit", result)
+            raise OutOfMemory("command was killed by the sandbox's memory limit", result, sandbox_id=self._sb.id)
         return result
 
 
@@ -245,12 +266,12 @@ class RemoteFiles:
     def make_dir(self, path: str, mode: int = 0o755) -> None:
         self._call("POST", "/dir", path)
 
-    # the directory helpers of the embedded API only use the methods above
+    # the directory copies only use the methods above
     def upload_dir(self, local: str | Path, remote: str) -> int:
-        return Files.upload_dir(cast(Files, self), local, remote)
+        return upload_dir(self, local, remote)
 
     def download_dir(self, remote: str, local: str | Path) -> int:
-        return Files.download_dir(cast(Files, self), remote, local)
+        return download_dir(self, remote, local)
 
 
 def _absolute(path: str) -> str:

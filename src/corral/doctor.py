@@ -50,7 +50,7 @@ def _cgroup_moves() -> Check:
     cgroup2 mount option ``favordynmods`` (Linux 6.0+) removes the wait, and makes every fork and
     exit on the host a little dearer: an operator's choice, so reported, never applied.  The
     process tier hides the wait anyway for a command after a pause (its agent's spare is moved
-    ahead of time, see tiers/process_spares.py); the option still helps bursts of commands."""
+    ahead of time, see tiers/process/spares.py); the option still helps bursts of commands."""
     from .host import cgroups, mounts
 
     try:

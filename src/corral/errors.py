@@ -12,15 +12,27 @@ can catch one class.  The tree::
     │   ├── ExecTimeout        a command hit its wall-clock timeout
     │   ├── OutOfMemory        a command was killed by the memory limit
     │   └── ContainmentFailed  a process could not be put under the sandbox's limits; it never ran
-    ├── ResourceLimit          a quota or limit refused the request
+    ├── ResourceLimit          a quota or limit refused the request (including no free host uid)
     ├── FileError              a files-API operation failed
-    │   └── FileNotFoundInSandbox
-    ├── NetworkDenied          egress policy refused a destination
-    └── ImageBuildFailed       an image recipe step failed (names the step and its log)
+    │   └── FileNotFoundInSandbox  the path does not exist inside the sandbox
+    ├── ImageBuildFailed       an image recipe step failed (names the step and its log)
+    └── TransportError         the remote SDK could not get an answer from the server
+        ├── ConnectionLost     the server cannot be reached, or the connection broke
+        ├── Unauthorized       the server refused the API key (HTTP 401)
+        └── ServerError        the server failed without a typed error (HTTP 5xx)
+
+Errors about one sandbox (:class:`SandboxClosed`, :class:`ExecError` and its
+subclasses, :class:`FileError` and its subclass) carry its id in ``sandbox_id``
+where the raiser knows it (``None`` otherwise); every error takes it as a
+keyword.
 
 An :class:`ExecResult` is returned, not raised, for timeouts and OOM kills
 from ``commands.run``; the exceptions exist for callers that ask for them
 (``check=True``) and for the remote SDK to map HTTP errors back.
+
+A destination refused by the egress policy is not an exception: the
+connection is refused inside the sandbox (the command sees it fail as any
+refused connection) and the refusal is recorded in ``sandbox.network.audit()``.
 """
 
 from __future__ import annotations
@@ -33,6 +45,13 @@ class SandboxError(Exception):
 
     #: short machine-readable name, used by the server and the CLI's JSON output
     code = "sandbox_error"
+    #: the sandbox the error is about, where the raiser knows it
+    sandbox_id: str | None = None
+
+    def __init__(self, message: str = "", *, sandbox_id: str | None = None) -> None:
+        super().__init__(message)
+        if sandbox_id is not None:
+            self.sandbox_id = sandbox_id
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": self.code, "message": str(self)}
@@ -70,8 +89,8 @@ class ExecError(SandboxError):
 
     code = "exec_error"
 
-    def __init__(self, message: str, result: Any = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, result: Any = None, *, sandbox_id: str | None = None) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
         self.result = result
 
 
@@ -106,8 +125,8 @@ class FileError(SandboxError, OSError):
 
     code = "file_error"
 
-    def __init__(self, message: str, errno_: int = 0) -> None:
-        SandboxError.__init__(self, message)
+    def __init__(self, message: str, errno_: int = 0, *, sandbox_id: str | None = None) -> None:
+        SandboxError.__init__(self, message, sandbox_id=sandbox_id)
         self.errno = errno_
 
 
@@ -115,12 +134,6 @@ class FileNotFoundInSandbox(FileError, FileNotFoundError):
     """The path does not exist inside the sandbox."""
 
     code = "file_not_found"
-
-
-class NetworkDenied(SandboxError):
-    """The sandbox's network policy refused a destination."""
-
-    code = "network_denied"
 
 
 class ImageBuildFailed(SandboxError):
@@ -131,10 +144,34 @@ class ImageBuildFailed(SandboxError):
 
     code = "image_build_failed"
 
-    def __init__(self, message: str, step: str = "", log_path: str = "") -> None:
-        super().__init__(message)
+    def __init__(self, message: str, step: str = "", log_path: str = "", *, sandbox_id: str | None = None) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
         self.step = step
         self.log_path = log_path
+
+
+class TransportError(SandboxError):
+    """The remote SDK could not get an answer to a request from the Corral server."""
+
+    code = "transport_error"
+
+
+class ConnectionLost(TransportError):
+    """The server cannot be reached, or the connection (or exec stream) to it could not be opened."""
+
+    code = "connection_lost"
+
+
+class Unauthorized(TransportError):
+    """The server refused the request's API key (HTTP 401): send ``Authorization: Bearer KEY``."""
+
+    code = "unauthorized"
+
+
+class ServerError(TransportError):
+    """The server failed on the request without a typed error (HTTP 5xx); its log says why."""
+
+    code = "server_error"
 
 
 _BY_CODE: dict[str, type[SandboxError]] = {}
@@ -149,9 +186,6 @@ def _index(cls: type[SandboxError]) -> None:
 _index(SandboxError)
 
 
-def error_from_code(code: str, message: str) -> SandboxError:
+def error_from_code(code: str, message: str, sandbox_id: str | None = None) -> SandboxError:
     """Rebuild a typed error from its ``code`` (used by the remote SDK)."""
-    cls = _BY_CODE.get(code, SandboxError)
-    if issubclass(cls, FileError):
-        return cls(message)
-    return cls(message)
+    return _BY_CODE.get(code, SandboxError)(message, sandbox_id=sandbox_id)

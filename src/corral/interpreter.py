@@ -177,13 +177,6 @@ class CodeInterpreter:
         with self._run_lock:
             self._stop()
 
-    def restart(self) -> None:
-        """Kill the kernel and start a fresh one (every variable is lost)."""
-        with self._run_lock:
-            self._stop()
-            self._count = 0
-            self._start()
-
     def _on_output(self, stream: str, chunk: bytes) -> None:
         # everything here comes from inside the sandbox: parse defensively, keep memory bounded
         if stream == "stderr":  # stray descriptor-level output (subprocesses, C code)
@@ -317,9 +310,8 @@ class CodeInterpreter:
             return execution
 
     def _kernel_over(self) -> bool:
-        """True once the kernel process has ended (tiers expose ``done`` on their Process)."""
-        process = self._handle._process if self._handle is not None else None  # type: ignore[attr-defined]
-        return bool(getattr(process, "done", False))
+        """True once the kernel process has ended."""
+        return self._handle is not None and self._handle.done
 
     def _wait(self, cell: _Cell, seconds: float) -> str:
         """``"done"``, ``"timeout"``, or ``"dead"`` when the kernel process ended without finishing the cell."""

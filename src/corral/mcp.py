@@ -31,7 +31,8 @@ from typing import Any
 from mcp.server.mcpserver import Context, MCPServer
 
 from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
-from .sandbox import Sandbox, build_spec
+from .sandbox import Sandbox
+from .surface import build_spec
 
 #: sandboxes one MCP session may hold at once
 MAX_SANDBOXES_PER_SESSION = 8
@@ -233,15 +234,14 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         await sessions.of(ctx).destroy(sandbox_id)
         return {"destroyed": sandbox_id}
 
-    if hasattr(Sandbox, "run_code"):  # the code interpreter, once it exists
-
-        @server.tool()
-        @_anticipated
-        async def run_code(ctx: Context, sandbox_id: str, code: str, language: str = "python") -> dict[str, Any]:
-            """Run code in the sandbox's interpreter."""
-            sb = sessions.of(ctx).get(sandbox_id)
-            result = await asyncio.to_thread(sb.run_code, code, language=language)
-            return dict(result.to_dict()) if hasattr(result, "to_dict") else {"result": result}
+    # the code interpreter (corral.interpreter)
+    @server.tool()
+    @_anticipated
+    async def run_code(ctx: Context, sandbox_id: str, code: str, language: str = "python") -> dict[str, Any]:
+        """Run code in the sandbox's interpreter."""
+        sb = sessions.of(ctx).get(sandbox_id)
+        result = await asyncio.to_thread(sb.run_code, code, language=language)
+        return dict(result.to_dict()) if hasattr(result, "to_dict") else {"result": result}
 
     return server
 

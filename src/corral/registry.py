@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import HostNotSupported
+from .host.procs import process_start_time
 
 DEFAULT_STATE_DIR = Path("/var/lib/corral")
 
@@ -36,15 +37,6 @@ def state_dir(explicit: str | Path | None = None) -> Path:
     except PermissionError as exc:
         raise HostNotSupported(f"cannot use state directory {path}: {exc}; run as root or set CORRAL_STATE_DIR") from exc
     return path
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of a process in clock ticks since boot (tells pid reuse apart)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 _self_identity: tuple[int, int] = (-1, 0)

@@ -22,9 +22,10 @@ from .egress.network import SandboxNetwork, secret_values
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed
 from .images import SANDBOX_HOME, SANDBOX_USER
 from .registry import Registry, gc, state_dir
-from .secrets import SecretBinding, StreamRedactor
-from .spec import Limits, SandboxSpec, Workspace, validate_env, validate_sandbox_path
-from .tiers import get_tier
+from .secrets import StreamRedactor
+from .spec import SandboxSpec, validate_env, validate_sandbox_path
+from .surface import DEFAULT_MAX_READ, build_spec, download_dir, output_callback, upload_dir
+from .tiers import get_tier, tier_class
 from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
 
 BASE_ENV = {
@@ -35,7 +36,6 @@ BASE_ENV = {
     "LANG": "C.UTF-8",
     "SHELL": "/bin/sh",
 }
-DEFAULT_MAX_READ = 256 << 20
 
 _gc_done: set[Path] = set()
 _gc_lock = threading.Lock()
@@ -66,61 +66,6 @@ def _argv(cmd: str | Sequence[str]) -> list[str]:
     return argv
 
 
-def build_spec(
-    spec: SandboxSpec | None = None,
-    *,
-    image: str | None = None,
-    tier: str | None = None,
-    memory: str | int | None = None,
-    pids: int | None = None,
-    cpus: float | None = None,
-    disk: str | int | None = None,
-    timeout: float | None = None,
-    max_output: str | int | None = None,
-    workspace: str | Path | Workspace | None = None,
-    env: Mapping[str, str] | None = None,
-    network: str | None = None,
-    allow: Sequence[str] | None = None,
-    unsafe_allow_ranges: Sequence[str] | None = None,
-    secrets: Sequence[str | SecretBinding] | Mapping[str, Sequence[str]] | None = None,
-) -> SandboxSpec:
-    """A spec from keyword arguments (each overriding ``spec``'s field when given).
-
-    ``allow`` implies ``network="allow"``; ``secrets`` is ``["NAME@host1,host2"]``
-    or ``{"NAME": ["host1", "host2"]}`` (values come from ``secret_values``, the
-    secrets file or the caller's environment, never from the spec)."""
-    base = spec or SandboxSpec()
-    limits = base.limits
-    given = {"memory": memory, "pids": pids, "cpus": cpus, "disk": disk, "timeout": timeout, "max_output": max_output}
-    if any(v is not None for v in given.values()):
-        fresh = Limits.build(memory, pids, cpus, disk, timeout, max_output)
-        limits = Limits(**{name: getattr(fresh if value is not None else limits, name) for name, value in given.items()})
-    ws = base.workspace
-    if isinstance(workspace, Workspace):
-        ws = workspace
-    elif workspace is not None:
-        ws = Workspace.parse(str(workspace))
-    if isinstance(secrets, Mapping):
-        secrets = [SecretBinding(name, tuple(hosts)) for name, hosts in secrets.items()]
-    if isinstance(allow, str) or isinstance(unsafe_allow_ranges, str) or isinstance(secrets, str):
-        raise InvalidSpec("allow, unsafe_allow_ranges and secrets take lists, not a single string")
-    allow_list = tuple(allow) if allow is not None else base.allow
-    return SandboxSpec(
-        image=image or base.image,
-        tier=tier or base.tier,
-        limits=limits,
-        workspace=ws,
-        env=validate_env(env) if env is not None else base.env,
-        network=network or ("allow" if allow_list or secrets else base.network),
-        cwd=base.cwd,
-        allow=allow_list,
-        unsafe_allow_ranges=tuple(unsafe_allow_ranges) if unsafe_allow_ranges is not None
-        else base.unsafe_allow_ranges,
-        secrets=tuple(b if isinstance(b, SecretBinding) else SecretBinding.parse(b) for b in secrets)
-        if secrets is not None else base.secrets,
-    )
-
-
 class CommandHandle:
     """A command started with ``commands.start``: feed stdin, signal, wait for the result."""
 
@@ -145,6 +90,16 @@ class CommandHandle:
     def resize(self, rows: int, cols: int) -> None:
         self._process.resize(rows, cols)
 
+    @property
+    def pid(self) -> int | None:
+        """The command's pid inside the sandbox once it started (None until then; 0 in the wasm tier)."""
+        return self._process.pid
+
+    @property
+    def done(self) -> bool:
+        """True once the command has ended; never blocks."""
+        return self._process.done
+
     def wait(self) -> ExecResult:
         result = self._process.wait()
         if self._stream is not None:
@@ -163,6 +118,8 @@ class Commands:
                  cwd: str | None, pty: tuple[int, int] | None = None) -> ExecRequest:
         if pty is not None and not (len(pty) == 2 and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
             raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
+        if pty is not None and not tier_class(self._sb.spec.tier).capabilities.pty:
+            raise InvalidSpec(f"pty: the {self._sb.spec.tier} tier cannot run commands on a terminal")
         limits = self._sb.spec.limits
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 7 * 86400):
             raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, 604800]")
@@ -193,7 +150,7 @@ class Commands:
         With ``pty=(rows, cols)`` it runs on a terminal: output arrives as stdout only.
         """
         request = self._request(cmd, timeout, env, cwd, pty)
-        callback = _callbacks(on_stdout, on_stderr, on_output)
+        callback = output_callback(on_stdout, on_stderr, on_output)
         inner = self._sb._tier_sandbox()
         network = inner.network
         if network is not None and network.secrets:
@@ -227,33 +184,10 @@ class Commands:
         result = handle.wait()
         if check:
             if result.timed_out:
-                raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result)
+                raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result, sandbox_id=self._sb.id)
             if result.oom_killed:
-                raise OutOfMemory("command was killed by the sandbox's memory limit", result)
+                raise OutOfMemory("command was killed by the sandbox's memory limit", result, sandbox_id=self._sb.id)
         return result
-
-
-def _callbacks(
-    on_stdout: Callable[[str], None] | None,
-    on_stderr: Callable[[str], None] | None,
-    on_output: Callable[[str, bytes], None] | None,
-) -> Callable[[str, bytes], None] | None:
-    if on_stdout is None and on_stderr is None and on_output is None:
-        return None
-    import codecs
-
-    decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
-
-    def callback(stream: str, chunk: bytes) -> None:
-        if on_output is not None:
-            on_output(stream, chunk)
-        target = on_stdout if stream == "stdout" else on_stderr
-        if target is not None:
-            text = decoders[stream].decode(chunk)
-            if text:
-                target(text)
-
-    return callback
 
 
 class Files:
@@ -309,44 +243,11 @@ class Files:
 
     def upload_dir(self, local: str | Path, remote: str) -> int:
         """Copy a host directory into the sandbox (symlinks are skipped). Returns files copied."""
-        local = Path(local)
-        if not local.is_dir():
-            raise InvalidSpec(f"{local} is not a directory")
-        base = validate_sandbox_path(remote).rstrip("/")
-        count = 0
-        self.make_dir(base)
-        for dirpath, dirnames, filenames in os.walk(local):
-            rel = os.path.relpath(dirpath, local)
-            target = base if rel == "." else f"{base}/{rel}"
-            for d in dirnames:
-                if not os.path.islink(os.path.join(dirpath, d)):
-                    self.make_dir(f"{target}/{d}")
-            for name in filenames:
-                src = os.path.join(dirpath, name)
-                if os.path.islink(src) or not os.path.isfile(src):
-                    continue
-                with open(src, "rb") as f:
-                    self.write(f"{target}/{name}", f.read(), os.stat(src).st_mode & 0o755)
-                count += 1
-        return count
+        return upload_dir(self, local, remote)
 
     def download_dir(self, remote: str, local: str | Path) -> int:
         """Copy a sandbox directory to the host. Symlinks are not followed or copied."""
-        local = Path(local)
-        local.mkdir(parents=True, exist_ok=True)
-        count = 0
-        for entry in self.list(remote):
-            if entry.name in (".", "..") or "/" in entry.name:
-                continue
-            dest = local / entry.name
-            if entry.type == "dir":
-                count += self.download_dir(entry.path, dest)
-            elif entry.type == "file":
-                if dest.is_symlink():
-                    dest.unlink()
-                dest.write_bytes(self.read(entry.path, format="bytes"))
-                count += 1
-        return count
+        return download_dir(self, remote, local)
 
 
 class Sandbox:
@@ -398,7 +299,7 @@ class Sandbox:
 
     def _tier_sandbox(self) -> TierSandbox:
         if self._inner is None:
-            raise SandboxClosed(f"sandbox {self.id} was destroyed")
+            raise SandboxClosed(f"sandbox {self.id} was destroyed", sandbox_id=self.id)
         return self._inner
 
     def _filter_output(self, data: bytes) -> bytes:
@@ -410,7 +311,7 @@ class Sandbox:
         """The sandbox's network side: ``network.audit()`` lists every refused destination."""
         network = self._tier_sandbox().network
         if network is None:
-            raise SandboxClosed(f"sandbox {self.id}: its tier has no network side")
+            raise SandboxClosed(f"sandbox {self.id}: its tier has no network side", sandbox_id=self.id)
         return network
 
     def is_running(self) -> bool:

@@ -11,7 +11,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+#: every isolation tier, by name: each is the package ``corral.tiers.<name>`` (the one list of them)
 TIERS = ("process", "gvisor", "microvm", "wasm")
 NETWORK_MODES = ("none", "allow", "open")
 WORKSPACE_MODES = ("rw", "ro", "cow")
@@ -214,9 +215,6 @@ class SandboxSpec:
         dupes = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(self.env)))
         if dupes:
             raise InvalidSpec(f"secrets: {', '.join(dupes)} given twice (as secrets, or as secret and env)")
-
-    def with_limits(self, **changes: Any) -> SandboxSpec:
-        return replace(self, limits=replace(self.limits, **changes))
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral.tiers import TIER_CLASSES, tier_class
+from corral.spec import TIERS as TIER_NAMES
+from corral.tiers import tier_class
 
 from ..leaks import sandbox_leftovers
 
-TIERS = list(TIER_CLASSES)
+TIERS = list(TIER_NAMES)
 
 
 def py(code: str) -> list[str]:

@@ -39,8 +39,8 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
-    from ..sandbox import build_spec
     from ..spec import Limits, SandboxSpec, parse_env_assignments
+    from ..surface import build_spec
 
     limits = Limits.build(args.memory, args.pids, args.cpus, args.disk, args.timeout, args.max_output)
     base = SandboxSpec(limits=limits)

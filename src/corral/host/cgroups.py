@@ -285,7 +285,7 @@ class SandboxCgroup:
         try:
             path.mkdir(exist_ok=True)
         except OSError as exc:  # e.g. cgroup.max.descendants: no leaf, so nothing may run
-            raise ContainmentFailed(f"sandbox {self.name}: cannot make cgroup leaf {leaf}: {exc}") from exc
+            raise ContainmentFailed(f"sandbox {self.name}: cannot make cgroup leaf {leaf}: {exc}", sandbox_id=self.name) from exc
         return path
 
     def procs_files(self, leaf: Path) -> list[str]:
@@ -326,13 +326,15 @@ class SandboxCgroup:
         except ProcessLookupError:
             raise  # gone: nothing of it can run, the caller decides (a dead spare is replaced)
         except OSError as exc:
-            raise ContainmentFailed(f"process {pid} could not be placed in sandbox {self.name}'s cgroups: {exc}") from exc
+            raise ContainmentFailed(f"process {pid} could not be placed in sandbox {self.name}'s cgroups: {exc}",
+                                    sandbox_id=self.name) from exc
         if wrong and _exiting(pid):
             # the kernel silently skips a task that is exiting: it will never run again either
             raise ProcessLookupError(pid)
         if wrong:
             raise ContainmentFailed(
-                f"process {pid} is not in sandbox {self.name}'s cgroups {', '.join(map(str, wrong))}"
+                f"process {pid} is not in sandbox {self.name}'s cgroups {', '.join(map(str, wrong))}",
+                sandbox_id=self.name,
             )
 
     def misplaced(self, pid: int, leaf: Path | None = None) -> list[Path]:

@@ -26,7 +26,6 @@ from .rtnl import Rtnl
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
-PREFIX = "crl"
 T = TypeVar("T")
 
 

@@ -1,8 +1,9 @@
-"""Process trees as ``/proc`` shows them (host pids)."""
+"""Processes and their trees as ``/proc`` shows them (host pids)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def children(pid: int) -> list[int]:
@@ -33,3 +34,12 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (tells pid reuse apart)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])

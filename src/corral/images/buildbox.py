@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 from ..host import cgroups
+from ..host.bwrap import check_host
 from ..host.seccomp import bpf_path
+from ..host.uids import allocate_uid, release_uid
 from ..spec import Limits, parse_size
-from ..tiers.process import _check_host, allocate_uid, release_uid
 
 RECORD_NAME = "buildbox.json"
 BUILD_ENV = {
@@ -101,7 +102,7 @@ class BuildBox:
 
     def __init__(self, rootfs: Path, state_dir: Path, memory: str, binds: dict[str, Path] | None = None) -> None:
         self.rootfs = rootfs
-        self._bwrap = _check_host()
+        self._bwrap = check_host()
         self._seccomp = bpf_path(state_dir)
         self._fake_chown = fake_chown_bpf(state_dir)
         self._state_dir = state_dir

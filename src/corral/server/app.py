@@ -34,6 +34,7 @@ from ..errors import (
     SandboxClosed,
     SandboxError,
     SandboxNotFound,
+    Unauthorized,
 )
 from ..spec import SandboxSpec
 from .config import ANONYMOUS_TENANT, ServerConfig
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 BLOCKING_THREADS = 128
 MAX_DOWNLOAD = 64 << 20
-
-
-class Unauthorized(SandboxError):
-    code = "unauthorized"
 
 
 def status_for(exc: SandboxError) -> int:
@@ -263,7 +260,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         entry = manager().get(who, sandbox_id)
         return {"events": await run_blocking(manager().audit, entry)}
 
-    # Reserved for the code interpreter (written separately): runs only if the sandbox has it.
+    # the code interpreter (corral.interpreter): one cell per call
     @app.post("/v1/sandboxes/{sandbox_id}/code", summary="Run code in the sandbox's interpreter (if available)")
     async def run_code(sandbox_id: str, body: dict[str, Any], who: Tenant) -> dict[str, Any]:
         entry = manager().get(who, sandbox_id)

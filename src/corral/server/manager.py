@@ -110,9 +110,6 @@ class SandboxManager:
     def owned_by(self, tenant: str) -> list[Entry]:
         return sorted((e for e in self._entries.values() if e.tenant == tenant), key=lambda e: e.created)
 
-    def live_count(self) -> int:
-        return len(self._entries)
-
     # -- create / destroy ------------------------------------------------------
     def _reserve(self, tenant: str, memory: int) -> None:
         with self._lock:

@@ -123,9 +123,8 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
 
 
 def _wait_until_forked(handle: CommandHandle, timeout: float = 10.0) -> None:
-    process = getattr(handle, "_process", None)  # the tier's Process; agent tiers report the pid
     deadline = time.monotonic() + timeout
-    while getattr(process, "pid", 0) is None and time.monotonic() < deadline:
+    while handle.pid is None and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

@@ -1,5 +1,10 @@
 """Isolation tiers behind one interface (:mod:`corral.tiers.base`).
 
+One package per tier (``process``, ``gvisor``, ``microvm``, ``wasm``), each
+exposing its :class:`Tier` as ``TIER`` from its ``__init__``; what the Linux
+tiers share is in :mod:`corral.tiers.linux`.  The tier names are listed once,
+in :data:`corral.spec.TIERS`.
+
 Tiers are imported lazily: a host without QEMU or wasmtime must still run
 the process tier, and ``corral run`` must not pay for modules it does not use.
 """
@@ -10,29 +15,20 @@ import importlib
 from pathlib import Path
 
 from ..errors import HostNotSupported, InvalidSpec
+from ..spec import TIERS
 from .base import Availability, Tier
-
-#: tier name -> "module:Class"
-TIER_CLASSES: dict[str, str] = {
-    "process": "corral.tiers.process:ProcessTier",
-    "gvisor": "corral.tiers.gvisor:GVisorTier",
-    "microvm": "corral.tiers.microvm:MicroVMTier",
-    "wasm": "corral.tiers.wasm:WasmTier",
-}
 
 _instances: dict[tuple[str, Path], Tier] = {}
 
 
 def tier_class(name: str) -> type[Tier]:
-    target = TIER_CLASSES.get(name)
-    if target is None:
-        raise InvalidSpec(f"tier {name!r}: use one of {', '.join(TIER_CLASSES)}")
-    module_name, _, cls_name = target.partition(":")
+    if name not in TIERS:
+        raise InvalidSpec(f"tier {name!r}: use one of {', '.join(TIERS)}")
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as exc:
         raise HostNotSupported(f"tier {name!r} is not available in this build ({exc})") from exc
-    cls: type[Tier] = getattr(module, cls_name)
+    cls: type[Tier] = module.TIER
     return cls
 
 
@@ -48,7 +44,7 @@ def get_tier(name: str, state_dir: Path) -> Tier:
 
 def probe_all(state_dir: Path) -> list[Availability]:
     results = []
-    for name in TIER_CLASSES:
+    for name in TIERS:
         try:
             results.append(tier_class(name).probe(state_dir))
         except HostNotSupported as exc:

@@ -6,7 +6,8 @@ pluggable isolation back ends.  It speaks in plain primitives — argv lists,
 byte strings, dicts, paths inside the sandbox — and knows nothing of pools,
 servers or registries.
 
-A tier creates :class:`TierSandbox` objects.  A tier sandbox runs commands
+A tier says up front what it offers (:class:`Capabilities`) and creates
+:class:`TierSandbox` objects.  A tier sandbox runs commands
 (:meth:`TierSandbox.start` returns a :class:`Process`), moves files, and is
 destroyed with :meth:`TierSandbox.close`, which must leave nothing behind.
 The janitor calls :meth:`Tier.reap` with what :meth:`TierSandbox.reap_record`
@@ -94,8 +95,33 @@ class Availability:
     details: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a tier offers, known before any ``create``: callers check here instead of failing."""
+
+    #: the ``network`` modes of a spec the tier can run
+    network_modes: tuple[str, ...]
+    #: whether commands can run on a terminal (``pty=(rows, cols)``, ``resize``)
+    pty: bool
+    #: which images it runs: None for any image of the image store, else these names
+    images: tuple[str, ...] | None
+    #: who a command runs as inside the sandbox
+    users: str
+    #: the isolation guarantees it makes, one short line each (docs list the test of each)
+    guarantees: tuple[str, ...] = ()
+
+
 class Process(ABC):
     """A command running inside a sandbox."""
+
+    #: the command's process id as the sandbox sees it, once its first process exists (None until
+    #: then); 0 for tiers whose commands are not processes (wasm)
+    pid: int | None = None
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """True once the command has ended (exited, killed or timed out); never blocks."""
 
     @abstractmethod
     def write_stdin(self, data: bytes) -> None: ...
@@ -177,6 +203,7 @@ class Tier(ABC):
     """An isolation back end."""
 
     name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir

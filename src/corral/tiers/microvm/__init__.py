@@ -1,5 +1,11 @@
-"""The microVM tier (QEMU ``microvm``, own guest kernel, snapshot restore)."""
+"""The microVM tier (QEMU ``microvm``, own guest kernel, snapshot restore).
+
+``tier`` → ``template`` (the booted, snapshotted guest) → ``qemu`` → ``guest``
+(kernel, initramfs, agent); ``rootdisk`` (the image as a disk), ``egress_bridge``.
+"""
 
 from .tier import MicroVMSandbox, MicroVMTier
 
-__all__ = ["MicroVMSandbox", "MicroVMTier"]
+TIER = MicroVMTier
+
+__all__ = ["TIER", "MicroVMSandbox", "MicroVMTier"]

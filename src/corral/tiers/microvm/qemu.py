@@ -289,12 +289,6 @@ class QMP:
                 raise SandboxError(f"migration did not complete in time (status {status!r})")
             time.sleep(0.005)
 
-    def wait_running(self, deadline: float) -> None:
-        while self.command("query-status").get("status") != "running":
-            if time.monotonic() > deadline:
-                raise SandboxError("the restored VM did not start running in time")
-            time.sleep(0.002)
-
     def wait_resumed(self) -> None:
         """Block until the VM runs: already running, or the RESUME event (no polling)."""
         if self.command("query-status").get("status") == "running":

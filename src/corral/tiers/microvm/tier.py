@@ -44,12 +44,13 @@ from typing import Any
 from ...egress.network import PROXY_PORT, SandboxNetwork
 from ...errors import HostNotSupported, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
+from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
-from ...spec import MiB, SandboxSpec
-from ..agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
-from ..base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..rootfs import allocate_uid, reap_host_side, release_uid
+from ...spec import NETWORK_MODES, MiB, SandboxSpec
+from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
+from ..linux.rootfs import reap_host_side
 from . import guest, qemu, rootdisk, template
 from .egress_bridge import EgressBridge
 
@@ -73,6 +74,14 @@ def _check_host() -> None:
 
 class MicroVMTier(Tier):
     name = "microvm"
+    capabilities = Capabilities(
+        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000 in its own guest kernel",
+        guarantees=(
+            "its own guest kernel: the host kernel sees only QEMU",
+            "QEMU runs as a fresh host uid, under the sandbox's host cgroups",
+            "nothing survives the sandbox or its owner",
+        ),
+    )
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir

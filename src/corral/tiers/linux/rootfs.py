@@ -15,50 +15,20 @@ unprivileged host uid per sandbox.  Layout below ``run_dir`` (root-only)::
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..egress import network as egress_network
-from ..errors import HostNotSupported
-from ..host import cgroups, mounts
-from ..host.workspace import WorkspaceCopy
-from ..images import SANDBOX_HOME, identity_files, resolve
-from ..spec import WORKSPACE_PATH, SandboxSpec
+from ...egress import network as egress_network
+from ...host import cgroups, mounts
+from ...host.uids import release_uid
+from ...host.workspace import WorkspaceCopy
+from ...images import SANDBOX_HOME, identity_files, resolve
+from ...spec import WORKSPACE_PATH, SandboxSpec
 
-#: host uids handed to sandboxes: far above any real or subordinate range
-UID_BASE = 2_100_000_000
-UID_RANGE = 1_000_000
 #: where the agent binary is bound inside every sandbox
 AGENT_PATH = "/.corral/agent"
-
-
-def allocate_uid(state_dir: Path, owner: str) -> int:
-    """Reserve a host uid no other live sandbox uses (a file per uid, O_EXCL)."""
-    uid_dir = state_dir / "uids"
-    uid_dir.mkdir(mode=0o700, exist_ok=True)
-    rng = random.SystemRandom()
-    for _ in range(100):
-        uid = UID_BASE + rng.randrange(UID_RANGE)
-        try:
-            fd = os.open(uid_dir / str(uid), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        except FileExistsError:
-            continue
-        try:
-            os.write(fd, owner.encode())
-        finally:
-            os.close(fd)
-        return uid
-    raise HostNotSupported("could not reserve a free host uid for the sandbox")
-
-
-def release_uid(state_dir: Path, uid: int) -> None:
-    try:
-        (state_dir / "uids" / str(uid)).unlink()
-    except FileNotFoundError:
-        pass
 
 
 def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict[str, object]) -> None:

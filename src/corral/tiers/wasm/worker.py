@@ -1,6 +1,6 @@
 """The wasm tier's worker: one process per command, running one WASI guest.
 
-Run as a script (``python -s -E wasm_worker.py zygote CACHE PARENT_PID SOCKET_FD``;
+Run as a script (``python -s -E worker.py zygote CACHE PARENT_PID SOCKET_FD``;
 ``run`` starts a single worker without a zygote).  It imports only the
 standard library and wasmtime, so that it starts fast and its failure modes
 are few.
@@ -285,7 +285,7 @@ def main(argv: list[str]) -> None:
     elif len(argv) == 3 and argv[0] == "compile":
         compile_module(argv[1], argv[2])
     else:
-        sys.stderr.write("usage: wasm_worker.py run|zygote CACHE PARENT_PID FD | compile WASM OUT\n")
+        sys.stderr.write("usage: worker.py run|zygote CACHE PARENT_PID FD | compile WASM OUT\n")
         sys.exit(2)
 
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from ..errors import HostNotSupported
-from . import wasm_worker
+from ...errors import HostNotSupported
+from . import worker
 
-WORKER_SCRIPT = Path(wasm_worker.__file__)
+WORKER_SCRIPT = Path(worker.__file__)
 COMPILE_TIMEOUT = 900.0
 READY_TIMEOUT = 60.0
 
@@ -121,7 +121,7 @@ def ensure_private_dir(path: Path) -> None:
 
 
 def cache_key(runtime: Runtime) -> str:
-    config = wasm_worker.ENGINE_CONFIG_ID.replace("/", "_").replace("+", "-")
+    config = worker.ENGINE_CONFIG_ID.replace("/", "_").replace("+", "-")
     return f"{runtime.name}-{runtime.sha256[:16]}-wasmtime{wasmtime_version()}-{config}-{platform.machine()}"
 
 
@@ -141,7 +141,7 @@ def ensure_compiled(runtime: Runtime) -> tuple[Path, bool]:
         if target.is_file():
             return target, False
         result = subprocess.run(
-            [sys.executable, "-s", "-E", str(WORKER_SCRIPT), "compile", str(runtime.wasm), str(target)],
+            [sys.executable, "-s", "-E", "-P", str(WORKER_SCRIPT), "compile", str(runtime.wasm), str(target)],
             capture_output=True, text=True, timeout=COMPILE_TIMEOUT, env={"PATH": "/usr/bin:/bin"},
         )
         if result.returncode != 0 or not target.is_file():
@@ -304,7 +304,7 @@ class WorkerPool:
         fd = zygote_end.fileno()
         try:
             self._zygote = subprocess.Popen(
-                [sys.executable, "-s", "-E", str(WORKER_SCRIPT), "zygote", str(self.module), str(os.getpid()),
+                [sys.executable, "-s", "-E", "-P", str(WORKER_SCRIPT), "zygote", str(self.module), str(os.getpid()),
                  str(fd)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr_w, pass_fds=(fd,),
                 close_fds=True, env={"LANG": "C.UTF-8"}, cwd="/", start_new_session=True,

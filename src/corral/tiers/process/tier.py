@@ -1,7 +1,7 @@
 """The process tier: Linux namespaces + cgroups + seccomp, launched by bubblewrap.
 
 The sandbox's root (overlay on a size-limited tmpfs, workspace copy) is
-built by :mod:`corral.tiers.rootfs`, shared with the gVisor tier.
+built by :mod:`corral.tiers.linux.rootfs`, shared with the gVisor tier.
 
 The agent (``corral-agent``) is bwrap's pid 1 in a new pid namespace.  Every
 command gets its own kill-tree cgroup leaf, joined before it may exec, so a
@@ -19,53 +19,41 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..egress.network import SandboxNetwork
-from ..errors import HostNotSupported, SandboxClosed
-from ..host import cgroups, mounts
-from ..host.netns import NETNS_DIR
-from ..host.procs import descendants
-from ..host.seccomp import bpf_path
-from ..host.workspace import WorkspaceCopy
-from ..images import SANDBOX_UID
-from ..spec import WORKSPACE_PATH, SandboxSpec
-from .agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
-from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from .process_spares import PLACER
-from .rootfs import AGENT_PATH, build_root, reap_host_side
-from .rootfs import allocate_uid as allocate_uid  # re-exported: other tiers reserve uids here too
-from .rootfs import release_uid as release_uid
+from ...egress.network import SandboxNetwork
+from ...errors import HostNotSupported, SandboxClosed
+from ...host import cgroups, mounts
+from ...host.bwrap import check_host
+from ...host.netns import NETNS_DIR
+from ...host.procs import descendants
+from ...host.seccomp import bpf_path
+from ...host.uids import allocate_uid, release_uid
+from ...host.workspace import WorkspaceCopy
+from ...images import SANDBOX_UID
+from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
+from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from ..linux.agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
+from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
+from .spares import PLACER
 
 START_TIMEOUT = 10.0
 
 
-def _check_host() -> str:
-    """Path of bwrap, or HostNotSupported saying what to change."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise HostNotSupported("bubblewrap is not installed: apt-get install bubblewrap (or run `make install`)")
-    if os.geteuid() != 0:
-        raise HostNotSupported("the process tier needs root on the host (for cgroups and mounts); run as root")
-    try:
-        max_ns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
-    except (OSError, ValueError):
-        max_ns = 1
-    if max_ns == 0:
-        raise HostNotSupported("user namespaces are disabled: sysctl -w user.max_user_namespaces=15000")
-    apparmor = Path("/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
-    if apparmor.exists() and apparmor.read_text().strip() == "1":
-        raise HostNotSupported(
-            "AppArmor restricts unprivileged user namespaces (Ubuntu 24.04+): "
-            "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0, or add an AppArmor profile for bwrap"
-        )
-    return bwrap
-
-
 class ProcessTier(Tier):
     name = "process"
+    capabilities = Capabilities(
+        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000, no capabilities, as a fresh host uid",
+        guarantees=(
+            "host files, processes and environment are invisible (mount, pid namespaces; clean env)",
+            "no host root: an unprivileged host uid per sandbox, no capabilities, no_new_privs",
+            "seccomp cuts the kernel's attack surface",
+            "every process is under the memory, pids, CPU and disk limits for its whole life",
+            "a timeout kills the command's whole tree; nothing survives the sandbox or its owner",
+        ),
+    )
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self._bwrap = _check_host()
+        self._bwrap = check_host()
         self._layout = cgroups.detect()
         self._seccomp = bpf_path(state_dir)
         self._agent = agent_binary(state_dir)
@@ -73,7 +61,7 @@ class ProcessTier(Tier):
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
         try:
-            _check_host()
+            check_host()
             layout = cgroups.detect()
         except HostNotSupported as exc:
             return Availability(cls.name, False, str(exc), "see the message")
@@ -226,7 +214,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
             return leaf
 
     def _place_spare(self, nspid: int) -> None:
-        """Move the agent's spare into a leaf of its own (on the placer thread, see process_spares)."""
+        """Move the agent's spare into a leaf of its own (on the placer thread, see .spares)."""
         if self._closed or self.cgroup is None:
             return
         host_pid = self._host_pid(nspid)
@@ -281,7 +269,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()
         if self.cgroup is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         return channel, self.cgroup
 
     # -- lifecycle ---------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Every syscall of the sandbox is answered by gVisor's Sentry, not the host
 kernel; the Sentry itself runs under a tight seccomp filter on the host.  The
-rest is shared with the process tier (:mod:`corral.tiers.rootfs`): the OCI
+rest is shared with the process tier (:mod:`corral.tiers.linux.rootfs`): the OCI
 bundle's rootfs is the sandbox's overlay on a size-limited tmpfs, the
 workspace is a bind-mounted copy, and ``corral-agent`` is the container's only
 process, speaking the agent protocol over runsc's stdin/stdout pipes (runsc
@@ -40,18 +40,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..egress.network import SandboxNetwork
-from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
-from ..host import cgroups, mounts
-from ..host.workspace import WorkspaceCopy
-from ..images import SANDBOX_UID
-from ..spec import WORKSPACE_PATH, Limits, SandboxSpec
-from .agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
-from .base import Availability, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from .gvisor_memory import MemoryGuard
-from .gvisor_net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
-from .gvisor_platform import Platform, choose_platform, runsc_binary
-from .rootfs import AGENT_PATH, allocate_uid, build_root, reap_host_side, release_uid
+from ...egress.network import SandboxNetwork
+from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
+from ...host import cgroups, mounts
+from ...host.uids import allocate_uid, release_uid
+from ...host.workspace import WorkspaceCopy
+from ...images import SANDBOX_UID
+from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
+from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
+from ..linux.agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
+from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
+from .memory import MemoryGuard
+from .net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
+from .platform import Platform, choose_platform, runsc_binary
 
 START_TIMEOUT = 15.0
 #: how long a command may outlive the SIGKILL sent through the agent before the sandbox is killed
@@ -78,6 +79,15 @@ class _Host:
 
 class GVisorTier(Tier):
     name = "gvisor"
+    capabilities = Capabilities(
+        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000 on gVisor's kernel, as a fresh host uid",
+        guarantees=(
+            "every syscall is answered by gVisor's user-space kernel, not the host's",
+            "runsc, the Sentry and the gofer are under the sandbox's host cgroups",
+            "memory overruns are per-command OOM kills (the memory guard)",
+            "nothing survives the sandbox or its owner",
+        ),
+    )
 
     def __init__(self, state_dir: Path) -> None:
         # checked on first create, not here: `corral gc` must be able to reap
@@ -265,7 +275,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
         from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
         procs_files = self.cgroup.procs_files(self.cgroup.leaf("runsc"))
         netns_name = self.network.netns if self.network is not None else None
-        # open mode with a runsc that would take our namespace for the root one (see gvisor_net)
+        # open mode with a runsc that would take our namespace for the root one (see .net)
         hide = HideRootTest(netns_name) if netns_name and root_test_misfires(netns_name) else None
 
         def prepare() -> None:
@@ -364,7 +374,7 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()
         if self.cgroup is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         return channel, self.cgroup
 
     # -- lifecycle ---------------------------------------------------------

@@ -18,12 +18,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..spec import MiB
-from .base import ExecRequest, ExecResult, OutputCallback, Process
-from .wasm_runtime import Worker
+from ...spec import MiB
+from ..base import ExecRequest, ExecResult, OutputCallback, Process
+from .runtime import Worker
 
 if TYPE_CHECKING:
-    from .wasm import WasmSandbox
+    from .tier import WasmSandbox
 
 #: how long past its timeout a guest blocked in a host call may take before it is killed
 KILL_GRACE = 0.5
@@ -33,6 +33,8 @@ _MEMORY_ERROR = re.compile(rb"^(MemoryError\b|Fatal Python error: .*(memory|Memo
 
 class RefusedProcess(Process):
     """A command that cannot exist in this tier: exit 127 with the reason, like a shell's 'not found'."""
+
+    pid = 0
 
     def __init__(self, message: str, on_output: OutputCallback | None) -> None:
         self._stderr = f"corral: {message}\n"
@@ -57,9 +59,15 @@ class RefusedProcess(Process):
     def wait(self) -> ExecResult:
         return ExecResult(exit_code=127, stderr=self._stderr)
 
+    @property
+    def done(self) -> bool:
+        return True
+
 
 class WasmProcess(Process):
     """One command in its own worker process; output read straight from the worker's pipes."""
+
+    pid = 0  # a guest is not a process the sandbox could see
 
     def __init__(self, sandbox: WasmSandbox, worker: Worker, request: ExecRequest,
                  on_output: OutputCallback | None, job: dict[str, Any], launch: bytes | None = None) -> None:
@@ -173,6 +181,10 @@ class WasmProcess(Process):
     def join(self, timeout: float) -> None:
         self._done.wait(timeout)
         self._finish()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def wait(self) -> ExecResult:
         deadline = self._start + self._request.timeout + KILL_GRACE

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..host.cgroups import SandboxCgroup
+from ...host.cgroups import SandboxCgroup
 
 MiB = 1 << 20
 #: gVisor's own memory (Sentry ~35 MB, gofer ~20 MB, stubs) on top of the sandbox's budget

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import HostNotSupported
-from ..host import cgroups
-from ..spec import Limits
+from ...errors import HostNotSupported
+from ...host import cgroups
+from ...spec import Limits
 
 #: the oldest runsc known to work: Debian bookworm's 20221219 fails statx (`ls`, `stat`: EINVAL)
 MIN_VERSION = 20240729

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ContainmentFailed, FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
-from .base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
+from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
+from ..base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 
 if TYPE_CHECKING:
-    from ..host.workspace import WorkspaceCopy
-    from ..spec import SandboxSpec
+    from ...host.workspace import WorkspaceCopy
+    from ...spec import SandboxSpec
 
 T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE = 1, 2, 3, 4, 5, 6, 7, 8
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
@@ -39,7 +39,7 @@ WRITE_CHUNK = 4 << 20
 _TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
 _ENTRY = struct.Struct("<cQIq")
 
-AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent" / "agent.c"
+AGENT_SOURCE = Path(__file__).resolve().parents[2] / "agent" / "agent.c"
 #: every file the agent is built from (the Makefile's list too): a newer one means a rebuild
 AGENT_SOURCES = tuple(AGENT_SOURCE.with_name(name) for name in (
     "agent.c", "exec.c", "files.c", "relay.c", "relay_mux.c", "agent.h", "relay_mux.h"))
@@ -475,9 +475,9 @@ class AgentFilesMixin:
 
     def _channel_or_raise(self) -> AgentChannel:
         if self._closed or self._channel is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         if self._channel.closed.is_set():
-            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)")
+            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)", sandbox_id=self.id)
         return self._channel
 
     def read_file(self, path: str, max_bytes: int) -> bytes:

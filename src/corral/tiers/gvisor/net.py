@@ -36,7 +36,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..host import mounts, netns
+from ...host import mounts, netns
 
 #: what this runsc looks at to decide "root network namespace"
 ROOT_TEST = Path("/proc/sys/net/core/rmem_default")

@@ -13,7 +13,7 @@ preview 1 has no sockets to open).  Limits:
   command (exhaustion ends it like SIGXCPU: exit 152) and the cgroup's CPU quota;
 - disk: a tmpfs of the disk limit holds both directories (as root).
 
-Each command runs in its own worker process (:mod:`.wasm_worker`), forked
+Each command runs in its own worker process (:mod:`.worker`), forked
 from a zygote that holds wasmtime and the compiled module, as the sandbox's
 own unprivileged host uid.  An idle sandbox keeps one guest started for its
 next command (none with ``prestart=False``); see docs/wasm.md.
@@ -32,19 +32,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import HostNotSupported, InvalidSpec, SandboxClosed
-from ..host import cgroups, mounts
-from ..host.seccomp import bpf_path
-from ..host.workspace import WorkspaceCopy
-from ..spec import MiB, SandboxSpec
-from .base import Availability, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
-from .process import allocate_uid, release_uid
-from .wasm_files import SandboxFiles, openat2_in_root
-from .wasm_process import RefusedProcess, WasmProcess
-from .wasm_python import PRESTART_ARGV, NotPython, guest_argv, launch_record
-from .wasm_runtime import Runtime, Worker, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
-from .wasm_runtime import cached_module_path as _cached_module_path
-from .wasm_spares import SpareGuests
+from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
+from ...host import cgroups, mounts
+from ...host.seccomp import bpf_path
+from ...host.uids import allocate_uid, release_uid
+from ...host.workspace import WorkspaceCopy
+from ...spec import MiB, SandboxSpec
+from ..base import Availability, Capabilities, ExecRequest, FileEntry, OutputCallback, Process, Tier, TierSandbox
+from .files import SandboxFiles, openat2_in_root
+from .process import RefusedProcess, WasmProcess
+from .python import PRESTART_ARGV, NotPython, guest_argv, launch_record
+from .runtime import Runtime, Worker, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
+from .runtime import cached_module_path as _cached_module_path
+from .spares import SpareGuests
 
 #: instructions per CPU-second, measured here (a busy loop burns ~6e9 fuel per CPU-second)
 FUEL_PER_CPU_SECOND = 6_000_000_000
@@ -71,6 +71,14 @@ def _check_openat2() -> None:
 
 class WasmTier(Tier):
     name = "wasm"
+    capabilities = Capabilities(
+        network_modes=("none",), pty=False, images=IMAGES, users="a WASI guest: no users, no other program",
+        guarantees=(
+            "no OS underneath: two preopened directories, no sockets, no other program",
+            "memory, wall clock and CPU (fuel) are limited by wasmtime; a host cgroup is the backstop",
+            "each command runs in its own worker process as the sandbox's unprivileged host uid",
+        ),
+    )
 
     def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, spares: int = 2,
                  prestart: bool = True, spare_guests: int = 1) -> None:
@@ -78,7 +86,7 @@ class WasmTier(Tier):
         #: keep one interpreter per sandbox started ahead of its next command (faster
         #: commands, one idle worker process per sandbox); False: no process when idle
         self.prestart = prestart
-        #: guests pre-started for sandboxes not created yet (see wasm_spares; root only)
+        #: guests pre-started for sandboxes not created yet (see .spares; root only)
         self.spare_guest_count = spare_guests if prestart else 0
         self.fuel_per_cpu_second = fuel_per_cpu_second
         # the runtime is resolved (and compiled, on a fresh machine) on first create, not
@@ -164,12 +172,12 @@ class WasmTier(Tier):
         return Availability(cls.name, True, reason, details=details)
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
-        if spec.image not in IMAGES:
+        if spec.image not in (self.capabilities.images or ()):
             raise InvalidSpec(
                 f"image {spec.image!r} does not exist in the wasm tier; it runs one image, 'python' "
                 "(CPython 3.12 for WASI, standard library only; 'host' means the same)"
             )
-        if spec.network != "none":
+        if spec.network not in self.capabilities.network_modes:
             raise InvalidSpec(
                 f"network {spec.network!r}: the wasm tier has no network at all (WASI preview 1 has no "
                 "sockets); use network='none', or the process, gvisor or microvm tier"
@@ -349,7 +357,7 @@ class WasmSandbox(TierSandbox):
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         if self._closed:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         try:
             argv = guest_argv(request.argv, request.cwd)
         except NotPython as exc:
@@ -377,7 +385,7 @@ class WasmSandbox(TierSandbox):
         with self._lock:
             if self._closed:
                 process.kill()
-                raise SandboxClosed(f"sandbox {self.id} is closed")
+                raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
             self._running.add(process)
         return process
 
@@ -416,7 +424,7 @@ class WasmSandbox(TierSandbox):
     # -- files -------------------------------------------------------------
     def _files(self) -> SandboxFiles:
         if self._closed:
-            raise SandboxClosed(f"sandbox {self.id} is closed")
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         return self.files
 
     def read_file(self, path: str, max_bytes: int) -> bytes:
@@ -444,7 +452,7 @@ class WasmSandbox(TierSandbox):
         self.sync()
 
     def _writable(self, path: str) -> None:
-        from ..errors import FileError
+        from ...errors import FileError
 
         ws = self.spec.workspace
         clean = os.path.normpath("/" + path.lstrip("/"))

@@ -16,8 +16,8 @@ import shutil
 import stat as stat_mod
 from pathlib import Path
 
-from ..errors import FileError, FileNotFoundInSandbox
-from .base import FileEntry
+from ...errors import FileError, FileNotFoundInSandbox
+from ..base import FileEntry
 
 SYS_OPENAT2 = 437  # same number on x86-64 and arm64
 RESOLVE_NO_MAGICLINKS = 0x02

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..host import mounts
-from ..registry import process_start_time
-from ..spec import Limits, SandboxSpec
-from .process import allocate_uid, release_uid
-from .wasm_python import PRESTART_ARGV
-from .wasm_runtime import Worker
+from ...host import mounts
+from ...host.procs import process_start_time
+from ...host.uids import allocate_uid, release_uid
+from ...spec import Limits, SandboxSpec
+from .python import PRESTART_ARGV
+from .runtime import Worker
 
 if TYPE_CHECKING:
-    from .wasm import WasmTier
+    from .tier import WasmTier
 
 MS_BIND = 0x1000
 MS_REMOUNT = 0x20

@@ -1,0 +1,156 @@
+"""What the local and the remote sandbox share: keyword arguments made into a
+spec, a command's output callbacks, and the files API's directory copies.
+
+:mod:`corral.sandbox` and :mod:`corral.client` both build on this module, so
+neither has to import the other for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal, Protocol
+
+from .errors import InvalidSpec
+from .secrets import SecretBinding
+from .spec import Limits, SandboxSpec, Workspace, validate_env, validate_sandbox_path
+from .tiers.base import FileEntry
+
+#: bytes ``files.read`` returns at most unless told otherwise
+DEFAULT_MAX_READ = 256 << 20
+
+
+class FilesAPI(Protocol):
+    """What the directory copies need of ``sandbox.files`` (local or remote)."""
+
+    def read(self, path: str, format: Literal["bytes"], max_bytes: int = ...) -> bytes: ...
+
+    def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None: ...
+
+    def list(self, path: str = ".") -> list[FileEntry]: ...
+
+    def make_dir(self, path: str, mode: int = 0o755) -> None: ...
+
+
+def build_spec(
+    spec: SandboxSpec | None = None,
+    *,
+    image: str | None = None,
+    tier: str | None = None,
+    memory: str | int | None = None,
+    pids: int | None = None,
+    cpus: float | None = None,
+    disk: str | int | None = None,
+    timeout: float | None = None,
+    max_output: str | int | None = None,
+    workspace: str | Path | Workspace | None = None,
+    env: Mapping[str, str] | None = None,
+    network: str | None = None,
+    allow: Sequence[str] | None = None,
+    unsafe_allow_ranges: Sequence[str] | None = None,
+    secrets: Sequence[str | SecretBinding] | Mapping[str, Sequence[str]] | None = None,
+) -> SandboxSpec:
+    """A spec from keyword arguments (each overriding ``spec``'s field when given).
+
+    ``allow`` implies ``network="allow"``; ``secrets`` is ``["NAME@host1,host2"]``
+    or ``{"NAME": ["host1", "host2"]}`` (values come from ``secret_values``, the
+    secrets file or the caller's environment, never from the spec)."""
+    base = spec or SandboxSpec()
+    limits = base.limits
+    given = {"memory": memory, "pids": pids, "cpus": cpus, "disk": disk, "timeout": timeout, "max_output": max_output}
+    if any(v is not None for v in given.values()):
+        fresh = Limits.build(memory, pids, cpus, disk, timeout, max_output)
+        limits = Limits(**{name: getattr(fresh if value is not None else limits, name) for name, value in given.items()})
+    ws = base.workspace
+    if isinstance(workspace, Workspace):
+        ws = workspace
+    elif workspace is not None:
+        ws = Workspace.parse(str(workspace))
+    if isinstance(secrets, Mapping):
+        secrets = [SecretBinding(name, tuple(hosts)) for name, hosts in secrets.items()]
+    if isinstance(allow, str) or isinstance(unsafe_allow_ranges, str) or isinstance(secrets, str):
+        raise InvalidSpec("allow, unsafe_allow_ranges and secrets take lists, not a single string")
+    allow_list = tuple(allow) if allow is not None else base.allow
+    return SandboxSpec(
+        image=image or base.image,
+        tier=tier or base.tier,
+        limits=limits,
+        workspace=ws,
+        env=validate_env(env) if env is not None else base.env,
+        network=network or ("allow" if allow_list or secrets else base.network),
+        cwd=base.cwd,
+        allow=allow_list,
+        unsafe_allow_ranges=tuple(unsafe_allow_ranges) if unsafe_allow_ranges is not None
+        else base.unsafe_allow_ranges,
+        secrets=tuple(b if isinstance(b, SecretBinding) else SecretBinding.parse(b) for b in secrets)
+        if secrets is not None else base.secrets,
+    )
+
+
+def output_callback(
+    on_stdout: Callable[[str], None] | None,
+    on_stderr: Callable[[str], None] | None,
+    on_output: Callable[[str, bytes], None] | None,
+) -> Callable[[str, bytes], None] | None:
+    """One ``on_output(stream, chunk)`` for the three callbacks a command takes (text ones decoded
+    incrementally as UTF-8), or None when none is given."""
+    if on_stdout is None and on_stderr is None and on_output is None:
+        return None
+    import codecs
+
+    decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+
+    def callback(stream: str, chunk: bytes) -> None:
+        if on_output is not None:
+            on_output(stream, chunk)
+        target = on_stdout if stream == "stdout" else on_stderr
+        if target is not None:
+            text = decoders[stream].decode(chunk)
+            if text:
+                target(text)
+
+    return callback
+
+
+def upload_dir(files: FilesAPI, local: str | Path, remote: str) -> int:
+    """Copy a host directory into the sandbox (symlinks are skipped). Returns files copied."""
+    local = Path(local)
+    if not local.is_dir():
+        raise InvalidSpec(f"{local} is not a directory")
+    base = validate_sandbox_path(remote).rstrip("/")
+    count = 0
+    files.make_dir(base)
+    for dirpath, dirnames, filenames in os.walk(local):
+        rel = os.path.relpath(dirpath, local)
+        target = base if rel == "." else f"{base}/{rel}"
+        for d in dirnames:
+            if not os.path.islink(os.path.join(dirpath, d)):
+                files.make_dir(f"{target}/{d}")
+        for name in filenames:
+            src = os.path.join(dirpath, name)
+            if os.path.islink(src) or not os.path.isfile(src):
+                continue
+            with open(src, "rb") as f:
+                files.write(f"{target}/{name}", f.read(), os.stat(src).st_mode & 0o755)
+            count += 1
+    return count
+
+
+def download_dir(files: FilesAPI, remote: str, local: str | Path) -> int:
+    """Copy a sandbox directory to the host. Symlinks are not followed or copied."""
+    local = Path(local)
+    local.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for entry in files.list(remote):
+        if entry.name in (".", "..") or "/" in entry.name:
+            continue
+        dest = local / entry.name
+        if entry.type == "dir":
+            count += download_dir(files, entry.path, dest)
+        elif entry.type == "file":
+            if dest.is_symlink():
+                dest.unlink()
+            dest.write_bytes(files.read(entry.path, format="bytes"))
+            count += 1
+    return count

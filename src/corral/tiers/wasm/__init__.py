@@ -1,0 +1,13 @@
+"""The wasm tier: CPython compiled to WebAssembly, run by wasmtime, no OS underneath.
+
+``tier`` (tier and sandbox) → ``process`` (one command seen from the host),
+``files`` (files API), ``python`` (which commands exist, boot program),
+``spares`` (guests started before their sandbox exists), ``runtime`` (runtime,
+module cache, worker pool) → ``worker`` (the worker process, run as a script).
+"""
+
+from .tier import WasmSandbox, WasmTier
+
+TIER = WasmTier
+
+__all__ = ["TIER", "WasmSandbox", "WasmTier"]
