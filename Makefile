@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 AGENT := src/corral/agent/corral-agent
 PYTEST_ARGS ?=
 
-.PHONY: install system venv agent bytecode demo test lint typecheck bench clean
+.PHONY: install system venv agent bytecode demo test test-v2 lint typecheck bench clean
 
 install: system venv agent bytecode
 
@@ -40,6 +40,11 @@ demo: install
 # ruff and mypy first: a lint or type error fails `make test` (and so CI) before any test runs
 test: lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# Only the process tier on cgroup v2, inside a microVM guest (`make test` runs it too:
+# tests/test_cgroup_v2_guest.py; about 2 minutes under TCG).
+test-v2: install
+	$(VENV)/bin/pytest -q -rP $(PYTEST_ARGS) tests/test_cgroup_v2_guest.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench scripts

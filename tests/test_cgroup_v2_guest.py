@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import os
 import shlex
 import tarfile
 import time
@@ -39,13 +38,16 @@ GUEST_DIR = "/opt/corral-v2"
 GUEST_STATE = "/tmp/corral-v2-state"
 GUEST_PARENT = "corral-v2-guest"
 GUEST_JUNIT = "/tmp/corral-v2-junit.xml"
-#: the VM: the guest's RAM is this + 96 MiB; the tests' own sandboxes live in cgroups beside
-#: the guest's "sandbox" group, so this bounds only the guest as a whole
-VM_MEMORY = os.environ.get("CORRAL_V2_GUEST_MEMORY", "1G")
-#: the guest's pytest as a whole (TCG: a Python start costs ~1 s in the guest)
-GUEST_TIMEOUT = 600.0
+#: The VM's memory: the default (a 640 MiB guest), whose template the conformance suite's
+#: microVM tests build anyway (a new size costs a template boot, 15-40 s, on a fresh
+#: machine).  The guest's tests make their sandboxes in cgroups beside the guest's
+#: "sandbox" group, so this limit bounds pytest itself; the guest's RAM bounds the rest
+#: (their largest sandbox: 64 MiB).
+VM_MEMORY = "512M"
+#: the guest's pytest as a whole (~60-110 s: a Python start costs ~0.5-1 s under TCG)
+GUEST_TIMEOUT = 420.0
 #: each test in the guest
-GUEST_TEST_TIMEOUT = 180
+GUEST_TEST_TIMEOUT = 120
 
 #: pure-Python packages pytest needs in the guest's /usr/bin/python3 (Debian's 3.11),
 #: copied from this interpreter's environment; Corral itself needs only pyseccomp
@@ -54,14 +56,12 @@ SITE_MODULES = ["pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygmen
 
 #: the process tier's limit, isolation and teardown tests the guest runs
 GUEST_TESTS = [
-    # limits
+    # limits (the conformance suite's OOM and timeout tests add nothing to these but ~10 s)
     "tests/test_isolation.py::test_memory_bomb_is_a_typed_oom",
     "tests/test_isolation.py::test_fork_bomb_is_held_while_the_host_keeps_spawning",
     "tests/test_isolation.py::test_cpu_quota_limits_cpu_time",
     "tests/test_isolation.py::test_disk_limit_bounds_tmp_and_workspace",
     "tests/test_isolation.py::test_timeout_kills_daemonized_children_too",
-    "tests/conformance/test_conformance.py::test_memory_limit_is_reported_as_oom[process]",
-    "tests/conformance/test_conformance.py::test_timeout_is_typed_and_sandbox_stays_usable[process]",
     # isolation
     "tests/test_isolation.py::test_runs_as_unprivileged_user_with_no_capabilities",
     "tests/test_isolation.py::test_denied_syscalls_fail_and_ordinary_ones_work",
@@ -150,6 +150,19 @@ def outcomes(junit_xml: str) -> dict[str, str]:
     return found
 
 
+def leftovers_command() -> str:
+    """Prints whatever the guest's test run left behind: its cgroup parent, mounts under its
+    state dir, run dirs, reserved uids, processes of a process-tier sandbox."""
+    return "; ".join([
+        f"test ! -e /sys/fs/cgroup/{GUEST_PARENT} || echo cgroup parent left: $(ls /sys/fs/cgroup/{GUEST_PARENT})",
+        f"grep -F {GUEST_STATE} /proc/self/mountinfo",
+        f"ls -A {GUEST_STATE}/sandboxes {GUEST_STATE}/uids 2>/dev/null | grep -v -e '^$' -e ':$'",
+        # by name: the guest's own agent is a corral-agent too; an inner one would hold its cgroup
+        "pgrep -a -x 'bwrap|corral-spare'",
+        "true",
+    ])
+
+
 @pytest.fixture(scope="module")
 def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
     workspace = tmp_path_factory.mktemp("v2-guest")
@@ -161,6 +174,7 @@ def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
         sandbox.kill()
 
 
+@pytest.mark.timeout(GUEST_TIMEOUT + 120)
 def test_process_tier_limit_isolation_and_teardown_tests_pass_on_cgroup_v2(guest: Sandbox) -> None:
     layout = guest.commands.run("stat -f -c %T /sys/fs/cgroup; cat /sys/fs/cgroup/cgroup.controllers")
     assert layout.stdout.split()[:1] == ["cgroup2fs"], layout
@@ -177,3 +191,5 @@ def test_process_tier_limit_isolation_and_teardown_tests_pass_on_cgroup_v2(guest
     expected = {node: "passed" for node in GUEST_TESTS}
     assert results == expected, report
     assert run.exit_code == 0, report
+    left = guest.commands.run(leftovers_command())
+    assert left.stdout == "" and left.exit_code == 0, left
