@@ -52,7 +52,9 @@ GUEST_TEST_TIMEOUT = 120
 #: pure-Python packages pytest needs in the guest's /usr/bin/python3 (Debian's 3.11),
 #: copied from this interpreter's environment; Corral itself needs only pyseccomp
 SITE_MODULES = ["pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "pytest_timeout",
-                "pyseccomp", "py"]
+                "pyseccomp", "py",
+                # tests/test_session_containment.py imports server_fixtures, which imports httpx
+                "httpx", "click", "rich", "idna", "certifi", "markdown_it", "mdurl"]
 
 #: the process tier's limit, isolation and teardown tests the guest runs
 GUEST_TESTS = [
@@ -71,6 +73,15 @@ GUEST_TESTS = [
     # teardown
     "tests/test_lifecycle.py::test_closed_sandbox_refuses_work",
     "tests/conformance/test_conformance.py::test_teardown_leaves_nothing[process]",
+    # placement on v2: failing closed, the spare's fresh leaf.  Not yet:
+    # test_a_spare_moved_out_of_the_limits_is_put_back_before_it_runs, whose check that the
+    # command runs in the spare reads its comm as soon as "up" arrives: under TCG that is
+    # before the `exec sleep` (comm still "sh"; it is "sleep" ~15 ms later, in the spare,
+    # put back into its leaf) -- a race of the test, not of the v2 path
+    "tests/test_session_containment.py::test_a_process_that_cannot_be_contained_raises_a_typed_error",
+    "tests/test_session_containment.py::test_a_command_whose_leaf_cannot_be_made_is_not_run",
+    "tests/test_spares.py::test_a_command_after_a_pause_runs_in_the_spare_in_a_fresh_leaf",
+    "tests/test_spares.py::test_a_spare_command_that_times_out_loses_its_whole_tree",
     # the session guarantee of issue 11, and that the guest really ran the v2 path
     "tests/test_session_containment_v2.py::test_the_cgroup_layout_is_the_one_expected",
     "tests/test_session_containment_v2.py::test_every_process_stays_in_the_sandbox_cgroups_across_a_session",
