@@ -42,7 +42,7 @@ test: lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # Only the process tier on cgroup v2, inside a microVM guest (`make test` runs it too:
-# tests/test_cgroup_v2_guest.py; about 2 minutes under TCG).
+# tests/test_cgroup_v2_guest.py; about 1-1.5 minutes under TCG).
 test-v2: install
 	$(VENV)/bin/pytest -q -rP $(PYTEST_ARGS) tests/test_cgroup_v2_guest.py
 

@@ -74,13 +74,10 @@ GUEST_TESTS = [
     "tests/test_lifecycle.py::test_closed_sandbox_refuses_work",
     "tests/conformance/test_conformance.py::test_teardown_leaves_nothing[process]",
     "tests/test_lifecycle.py::test_kill_9_of_the_owner_then_gc_leaves_nothing",
-    # placement on v2: failing closed, the spare's fresh leaf.  Not yet:
-    # test_a_spare_moved_out_of_the_limits_is_put_back_before_it_runs, whose check that the
-    # command runs in the spare reads its comm as soon as "up" arrives: under TCG that is
-    # before the `exec sleep` (comm still "sh"; it is "sleep" ~15 ms later, in the spare,
-    # put back into its leaf) -- a race of the test, not of the v2 path
+    # placement on v2: failing closed, repairing a spare moved out, the spare's fresh leaf
     "tests/test_session_containment.py::test_a_process_that_cannot_be_contained_raises_a_typed_error",
     "tests/test_session_containment.py::test_a_command_whose_leaf_cannot_be_made_is_not_run",
+    "tests/test_session_containment.py::test_a_spare_moved_out_of_the_limits_is_put_back_before_it_runs",
     "tests/test_spares.py::test_a_command_after_a_pause_runs_in_the_spare_in_a_fresh_leaf",
     "tests/test_spares.py::test_a_spare_command_that_times_out_loses_its_whole_tree",
     # the session guarantee of issue 11, and that the guest really ran the v2 path
