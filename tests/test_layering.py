@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("host/egress", {"host", "egress"}),
     ("tiers/images", {"tiers", "images"}),
     ("lifecycle", {"sandbox", "surface", "pool", "registry", "interpreter", "client"}),
-    ("surfaces", {"cli", "server", "mcp", "doctor", "__init__"}),
+    ("surfaces", {"cli", "server", "mcp_server", "host_checks", "__init__"}),
 ]
 #: code that runs inside a sandbox, not on the host: it imports nothing of Corral
 INSIDE = {"kernel"}
