@@ -173,6 +173,14 @@ def test_no_import_cycle_between_packages() -> None:
     assert not cycles, "packages that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def test_the_server_routes_do_not_import_the_app() -> None:
+    """``server/app.py`` assembles the routers; nothing in ``server/`` but its ``__init__`` imports it back."""
+    wrong = [f"{name}:{line}" for name, targets in graph().items()
+             if name.startswith("corral.server.") and name != "corral.server.app"
+             for line, target, _ in targets if target == "corral.server.app"]
+    assert not wrong, "import corral.server.app: " + ", ".join(wrong)
+
+
 if __name__ == "__main__":  # a report: python tests/test_layering.py
     g = graph()
     print(f"{len(g)} modules, {sum(len(t) for t in g.values())} imports of Corral modules")
