@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("host/egress", {"host", "egress"}),
     ("tiers/images", {"tiers", "images"}),
     ("lifecycle", {"sandbox", "surface", "pool", "registry", "interpreter", "client"}),
-    ("surfaces", {"cli", "server", "mcp", "doctor", "__init__"}),
+    ("surfaces", {"cli", "server", "mcp_server", "host_checks", "__init__"}),
 ]
 #: code that runs inside a sandbox, not on the host: it imports nothing of Corral
 INSIDE = {"kernel"}
@@ -171,6 +171,14 @@ def package_cycles() -> list[list[str]]:
 def test_no_import_cycle_between_packages() -> None:
     cycles = package_cycles()
     assert not cycles, "packages that import each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_server_routes_do_not_import_the_app() -> None:
+    """``server/app.py`` assembles the routers; nothing in ``server/`` but its ``__init__`` imports it back."""
+    wrong = [f"{name}:{line}" for name, targets in graph().items()
+             if name.startswith("corral.server.") and name != "corral.server.app"
+             for line, target, _ in targets if target == "corral.server.app"]
+    assert not wrong, "import corral.server.app: " + ", ".join(wrong)
 
 
 if __name__ == "__main__":  # a report: python tests/test_layering.py

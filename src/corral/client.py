@@ -343,6 +343,7 @@ class RemoteSandbox:
             return False
 
     def kill(self) -> None:
+        """Destroy the sandbox on the server (idempotent); :meth:`close` and :meth:`destroy` are aliases."""
         if self._killed:
             return
         self._killed = True

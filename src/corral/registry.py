@@ -152,7 +152,7 @@ def gc(root: Path) -> list[str]:
                 owner = entry.read_text().strip()
             except OSError:
                 continue
-            # only sandbox reservations: other owners (the wasm tier's spares) reap their own
+            # only sandbox reservations: other owners (the wasm tier's standby guests) reap their own
             if owner.startswith("sb-") and owner not in known:
                 entry.unlink(missing_ok=True)
     return reaped

@@ -326,7 +326,9 @@ class Sandbox:
         return run_code(self, code, language=language, timeout=timeout, **callbacks)
 
     def kill(self) -> None:
-        """Destroy the sandbox: every process, mount, cgroup and file of it. Idempotent."""
+        """Destroy the sandbox: every process, mount, cgroup and file of it. Idempotent.
+
+        The primary name (E2B's); :meth:`close` and :meth:`destroy` are aliases."""
         inner, self._inner = self._inner, None
         if inner is None:
             return
@@ -411,6 +413,7 @@ class AsyncSandbox:
         return self._sync.network
 
     async def kill(self) -> None:
+        """Destroy the sandbox (as :meth:`Sandbox.kill`); :meth:`close` is an alias."""
         import asyncio
 
         await asyncio.to_thread(self._sync.kill)

@@ -1,4 +1,4 @@
-"""``corral doctor``: what this host can do, and the fix for what it cannot."""
+"""``corral doctor``, the command: prints the host checks (:mod:`corral.host_checks`) and the tier probes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def register(sub: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from ..doctor import host_checks
+    from ..host_checks import host_checks
     from ..registry import state_dir
     from ..tiers import probe_all
 

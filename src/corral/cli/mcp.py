@@ -1,4 +1,5 @@
-"""``corral mcp``: serve sandboxes as MCP tools over stdio (or streamable HTTP on loopback)."""
+"""``corral mcp``, the command: runs the MCP server (:mod:`corral.mcp_server`) over stdio (or streamable
+HTTP on loopback)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def register(sub: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     import os
 
-    from ..mcp import main
+    from ..mcp_server import main
 
     if args.state_dir:
         os.environ["CORRAL_STATE_DIR"] = args.state_dir

@@ -23,36 +23,38 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
+from fastapi import APIRouter
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..errors import InvalidSpec, SandboxError
+from .context import context_of
+from .wire import StreamExecBody, require_unicode, status_for
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
-
     from ..sandbox import CommandHandle
 
 #: close codes: 4000 + the HTTP status the same error gets over REST
 CLOSE_NORMAL = 1000
 
 
-async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:
-    from .app import status_for
+router = APIRouter()
 
+
+async def _send_error(websocket: WebSocket, exc: SandboxError) -> None:
     with contextlib.suppress(Exception):
         await websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
         await websocket.close(code=4000 + status_for(exc))
 
 
-async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str) -> None:
-    from .app import StreamExecBody, require_unicode
-
+@router.websocket("/v1/sandboxes/{sandbox_id}/exec/stream")
+async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
+    ctx = context_of(websocket)
     await websocket.accept()
-    manager = app.state.manager()
-    metrics = app.state.metrics
+    manager = ctx.manager
+    metrics = ctx.metrics
     try:
-        tenant = app.state.tenant_of(websocket.headers.get("authorization"))
+        tenant = ctx.tenant_of(websocket.headers.get("authorization"))
         entry = manager.get(tenant, sandbox_id)
         try:
             first = await asyncio.wait_for(websocket.receive_text(), timeout=30)
@@ -88,13 +90,13 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
 
     try:
         with manager.exec_slot(entry):
-            handle: CommandHandle = await app.state.run_blocking(
+            handle: CommandHandle = await ctx.run_blocking(
                 entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
                 on_output=on_output, pty=body.pty)
 
             # "started" means the process exists: a signal or kill sent before the agent forked it
             # would find nothing to hit and the command would run on regardless
-            await app.state.run_blocking(_wait_until_forked, handle)
+            await ctx.run_blocking(_wait_until_forked, handle)
 
             def wait_then_report() -> None:
                 # queued after every output chunk the reader thread delivered before the exit
@@ -104,7 +106,7 @@ async def serve_exec_stream(app: FastAPI, websocket: WebSocket, sandbox_id: str)
                 except BaseException as exc:
                     loop.call_soon_threadsafe(queue.put_nowait, ("failed", exc))
 
-            waiter = asyncio.ensure_future(app.state.run_blocking(wait_then_report))
+            waiter = asyncio.ensure_future(ctx.run_blocking(wait_then_report))
             receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None))
             try:
                 await websocket.send_json({"type": "started"})

@@ -13,7 +13,7 @@ the caller down.  A process can always be SIGKILLed and placed in a cgroup.
 Life of a worker::
 
     zygote: import wasmtime, deserialize the cached module, wait for requests
-    -> fork on request -> "ready" on the control socket -> (waits, as a warm spare)
+    -> fork on request -> "ready" on the control socket -> (waits, as an idle worker)
     <- one job (argv, env, preopens, limits, uid, seccomp)  -> drop privileges
     -> "started" -> run the guest's _start -> "exit" with code/trap -> exit
     (a job with "wait": the guest starts and reads its command from stdin;

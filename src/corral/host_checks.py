@@ -1,4 +1,7 @@
-"""What this host can and cannot do, each with the fix (``corral doctor``)."""
+"""The host checks behind ``corral doctor``: what this host can and cannot do, each with the fix.
+
+The command itself (arguments, output, the tier probes beside these) is :mod:`corral.cli.doctor`.
+"""
 
 from __future__ import annotations
 

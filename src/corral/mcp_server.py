@@ -1,4 +1,5 @@
-"""``corral mcp``: sandboxes as Model Context Protocol tools (official ``mcp`` SDK).
+"""The MCP server behind ``corral mcp``: sandboxes as Model Context Protocol tools (official ``mcp`` SDK);
+the command line (transport, port, idle timeout) is :mod:`corral.cli.mcp`.
 
 Tools: ``create_sandbox``, ``run_command``, ``write_file``, ``read_file``,
 ``list_files``, ``destroy_sandbox`` and ``run_code``.  Sandboxes are embedded

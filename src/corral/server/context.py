@@ -1,0 +1,87 @@
+"""The one object every route works through: configuration, metrics, the sandbox manager,
+the thread pool for blocking sandbox work, and who the caller is.
+
+``create_app`` makes one :class:`ServerContext` and keeps it at ``app.state.context``;
+routes ask for it with the :data:`Context` dependency and for the caller's tenant with
+:data:`Tenant`.  The manager exists only between the app's startup and shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import HTTPConnection
+
+from ..errors import Unauthorized
+from .config import ANONYMOUS_TENANT, ServerConfig
+from .manager import SandboxManager
+from .metrics import Metrics
+
+T = TypeVar("T")
+#: threads for blocking sandbox work (commands, file transfers, destroys)
+BLOCKING_THREADS = 128
+
+
+class ServerContext:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.blocking = ThreadPoolExecutor(max_workers=BLOCKING_THREADS, thread_name_prefix="corral-api")
+        self._manager: SandboxManager | None = None
+
+    @property
+    def manager(self) -> SandboxManager:
+        if self._manager is None:
+            raise RuntimeError("the server has not started (its lifespan makes the manager)")
+        return self._manager
+
+    def start(self) -> None:
+        self._manager = SandboxManager(self.config, self.metrics)
+        self._manager.start()
+
+    async def shutdown(self) -> None:
+        try:
+            if self._manager is not None:
+                await self._manager.shutdown()
+        finally:
+            self.blocking.shutdown(wait=False, cancel_futures=True)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.blocking, functools.partial(fn, *args, **kwargs))
+
+    def tenant_of(self, authorization: str | None) -> str:
+        """The tenant an ``Authorization`` header names; raises :class:`Unauthorized` when it names none."""
+        if not self.config.auth_required:
+            return ANONYMOUS_TENANT
+        scheme, _, key = (authorization or "").partition(" ")
+        tenant = self.config.tenant_for(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+        if tenant is None:
+            raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer KEY'")
+        return tenant
+
+
+def context_of(connection: HTTPConnection) -> ServerContext:
+    """The context of the app serving ``connection`` (a request or a WebSocket)."""
+    return connection.app.state.context  # type: ignore[no-any-return]
+
+
+async def _context(request: Request) -> ServerContext:
+    return context_of(request)
+
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+async def _tenant(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+    """The caller's tenant (declared through HTTPBearer so the OpenAPI document shows the scheme)."""
+    return context_of(request).tenant_of(request.headers.get("authorization"))
+
+
+Context = Annotated[ServerContext, Depends(_context)]
+Tenant = Annotated[str, Depends(_tenant)]

@@ -1,0 +1,64 @@
+"""``/v1/sandboxes/{sandbox_id}/files``: list, describe, download, upload, remove, make a directory."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+
+from .context import Context, Tenant
+from .wire import checked_path
+
+#: the largest file a download returns
+MAX_DOWNLOAD = 64 << 20
+FILES = "/v1/sandboxes/{sandbox_id}/files"
+
+router = APIRouter()
+
+
+@router.get(FILES, summary="List a directory")
+async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: str = "/workspace") -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    entries = await ctx.run_blocking(entry.sandbox.files.list, checked_path(path))
+    return {"path": path, "entries": [e.to_dict() for e in entries]}
+
+
+@router.get(FILES + "/stat", summary="Describe one file")
+async def stat_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()]) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    return (await ctx.run_blocking(entry.sandbox.files.stat, checked_path(path))).to_dict()
+
+
+@router.get(FILES + "/content", summary="Download a file", response_class=Response,
+            responses={200: {"content": {"application/octet-stream": {}}}})
+async def download(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()]) -> Response:
+    entry = ctx.manager.get(who, sandbox_id)
+    data = await ctx.run_blocking(entry.sandbox.files.read, checked_path(path), format="bytes",
+                                  max_bytes=MAX_DOWNLOAD)
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.put(FILES + "/content", status_code=204, summary="Upload a file (raw body)",
+            openapi_extra={"requestBody": {"required": True, "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+async def upload(sandbox_id: str, request: Request, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+                 mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644) -> Response:
+    entry = ctx.manager.get(who, sandbox_id)
+    data = await request.body()
+    await ctx.run_blocking(entry.sandbox.files.write, checked_path(path), data, mode)
+    return Response(status_code=204)
+
+
+@router.delete(FILES, status_code=204, summary="Remove a file or directory")
+async def remove_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+                      recursive: bool = False) -> Response:
+    entry = ctx.manager.get(who, sandbox_id)
+    await ctx.run_blocking(entry.sandbox.files.remove, checked_path(path), recursive)
+    return Response(status_code=204)
+
+
+@router.post(FILES + "/dir", status_code=204, summary="Make a directory (and its parents)")
+async def make_dir(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()]) -> Response:
+    entry = ctx.manager.get(who, sandbox_id)
+    await ctx.run_blocking(entry.sandbox.files.make_dir, checked_path(path))
+    return Response(status_code=204)

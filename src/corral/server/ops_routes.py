@@ -1,0 +1,24 @@
+"""``/healthz`` and ``/metrics`` (Prometheus)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from .context import Context, Tenant
+
+router = APIRouter()
+
+
+@router.get("/healthz", summary="Liveness")
+async def healthz() -> dict[str, Any]:
+    return {"ok": True, "pid": os.getpid()}
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}}})
+async def prometheus(_: Tenant, ctx: Context) -> Response:
+    ctx.metrics.pool_idle.set(sum(pool.idle_count() for pool in ctx.manager.pools.pools()))
+    return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,93 @@
+"""``/v1/sandboxes``: create, list, describe, destroy, extend; run a command, a code cell;
+read the egress audit."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Response
+
+from ..errors import InvalidSpec
+from ..spec import SandboxSpec
+from .context import Context, Tenant
+from .wire import CreateSandbox, ExecBody, TimeoutBody, require_unicode
+
+if TYPE_CHECKING:
+    from ..tiers.base import ExecResult
+
+router = APIRouter()
+
+
+@router.post("/v1/sandboxes", status_code=201, summary="Create a sandbox")
+async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context) -> dict[str, Any]:
+    data = body.model_dump(exclude_unset=True)
+    require_unicode(data)
+    idle, life = data.pop("idle_timeout", None), data.pop("lifetime", None)
+    spec = SandboxSpec.from_dict(data)
+    entry = await ctx.manager.create(who, spec, idle, life)
+    if entry.from_pool:
+        ctx.metrics.pool_hits.inc()
+    return entry.to_dict()
+
+
+@router.get("/v1/sandboxes", summary="List your sandboxes")
+async def list_sandboxes(who: Tenant, ctx: Context) -> dict[str, Any]:
+    return {"sandboxes": [e.to_dict() for e in ctx.manager.owned_by(who)]}
+
+
+@router.get("/v1/sandboxes/{sandbox_id}", summary="Describe a sandbox")
+async def get_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
+    return ctx.manager.get(who, sandbox_id).to_dict()
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, summary="Destroy a sandbox")
+async def delete_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> Response:
+    await ctx.manager.destroy(who, sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/timeout", summary="Set the time left before the sandbox is destroyed")
+async def set_timeout(sandbox_id: str, body: TimeoutBody, who: Tenant, ctx: Context) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    ctx.manager.extend(entry, body.timeout)
+    return entry.to_dict()
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/exec", summary="Run a command to completion")
+async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Context) -> dict[str, Any]:
+    manager = ctx.manager
+    entry = manager.get(who, sandbox_id)
+    require_unicode(body.model_dump())
+
+    def run_and_audit() -> ExecResult:
+        # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
+        with manager.exec_slot(entry):
+            result = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env,
+                                                cwd=body.cwd, stdin=body.stdin)
+        manager.audit(entry)  # counts new egress refusals
+        return result
+
+    result = await ctx.run_blocking(run_and_audit)
+    ctx.metrics.record_exec(result.timed_out, result.oom_killed)
+    return {"sandbox_id": sandbox_id, **result.to_dict()}
+
+
+@router.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
+async def network_audit(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    return {"events": await ctx.run_blocking(ctx.manager.audit, entry)}
+
+
+# the code interpreter (corral.interpreter): one cell per call
+@router.post("/v1/sandboxes/{sandbox_id}/code", summary="Run code in the sandbox's interpreter (if available)")
+async def run_code(sandbox_id: str, body: dict[str, Any], who: Tenant, ctx: Context) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    run = getattr(entry.sandbox, "run_code", None)
+    if run is None:
+        raise InvalidSpec("run_code is not available in this build of Corral")
+    with ctx.manager.exec_slot(entry):
+        try:
+            result = await ctx.run_blocking(run, **body)
+        except TypeError as exc:
+            raise InvalidSpec(f"run_code: {exc}") from None
+    return result.to_dict() if hasattr(result, "to_dict") else {"result": result}

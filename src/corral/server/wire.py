@@ -1,0 +1,109 @@
+"""What travels on the wire: request bodies, the error body and its HTTP status, and the
+checks every text from a request goes through.
+
+Every error is a JSON object ``{"error": code, "message": text}`` whose code is a
+:mod:`corral.errors` code, so the remote SDK raises the same exception the embedded
+library would; over the exec stream the same error closes the socket with
+``4000 + status``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import (
+    FileError,
+    FileNotFoundInSandbox,
+    HostNotSupported,
+    InvalidSpec,
+    ResourceLimit,
+    SandboxClosed,
+    SandboxError,
+    SandboxNotFound,
+    Unauthorized,
+)
+
+#: the HTTP status of each error class (the first that matches; anything else is 500)
+STATUS: tuple[tuple[type[SandboxError], int], ...] = (
+    (Unauthorized, 401), (SandboxNotFound, 404), (FileNotFoundInSandbox, 404), (InvalidSpec, 400),
+    (ResourceLimit, 429), (SandboxClosed, 410), (FileError, 400), (HostNotSupported, 503),
+)
+
+
+def status_for(exc: SandboxError) -> int:
+    for cls, status in STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": code, "message": message}, status_code=status, headers=headers)
+
+
+# -- request bodies (unknown fields are refused by name) -----------------------
+class CreateSandbox(BaseModel):
+    """A sandbox spec (as ``SandboxSpec.from_dict``) plus its lifetimes."""
+
+    model_config = ConfigDict(extra="allow")
+    image: str | None = None
+    tier: str | None = None
+    limits: dict[str, int | float | str] | None = None
+    env: dict[str, str] | None = None
+    network: Any = None
+    cwd: str | None = None
+    idle_timeout: float | None = Field(None, description="seconds without use before the sandbox is destroyed")
+    lifetime: float | None = Field(None, description="seconds from creation before the sandbox is destroyed")
+
+
+class ExecBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cmd: str | list[str]
+    timeout: float | None = None
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    stdin: str | None = None
+
+
+class StreamExecBody(ExecBody):
+    """The exec stream's first frame: an exec request, optionally on a terminal of ``pty=[rows, cols]``."""
+
+    pty: tuple[int, int] | None = None
+
+
+class TimeoutBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    timeout: float = Field(description="seconds from now until the sandbox is destroyed")
+
+
+# -- checks on what a request carries ---------------------------------------------
+def require_unicode(value: Any, where: str = "body") -> None:
+    """JSON may carry lone surrogates ("\\ud800"); no argv, environment, path or answer can hold them."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidSpec(f"{where}: text is not valid Unicode (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            require_unicode(key, where)
+            require_unicode(item, f"{where}.{key}" if isinstance(key, str) and key.isprintable() else where)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            require_unicode(item, where)
+
+
+def checked_path(path: str) -> str:
+    """A sandbox path from a request: no NUL, no '..' component (nothing may walk out of where it names)."""
+    if not path or "\0" in path:
+        raise InvalidSpec("path: must be a non-empty path without NUL bytes")
+    require_unicode(path, "path")
+    if ".." in path.split("/"):
+        raise InvalidSpec(f"path {path!r}: '..' components are not allowed")
+    if len(path.encode()) > 4000:
+        raise InvalidSpec("path: longer than 4000 bytes")
+    return path
