@@ -207,11 +207,12 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         return None
 
     def _new_leaf(self, cgroup: cgroups.SandboxCgroup) -> Path:
+        """A fresh kill-tree leaf, owned by the command (or spare) it is made for.  It joins
+        ``_leaves`` (the ones to remove once empty) only when that command has finished: an
+        empty leaf made for a command not placed yet must not be removed by another's finish."""
         with self._lock:
             self._exec_count += 1
-            leaf = cgroup.leaf(f"e{self._exec_count}")
-            self._leaves.append(leaf)
-            return leaf
+            return cgroup.leaf(f"e{self._exec_count}")
 
     def _place_spare(self, nspid: int) -> None:
         """Move the agent's spare into a leaf of its own (on the placer thread, see .spares)."""
@@ -222,8 +223,14 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         if host_pid is None or Path(f"/proc/{host_pid}/comm").read_text().strip() != "corral-spare":
             return
         leaf = self._new_leaf(self.cgroup)
-        self.cgroup.attach(host_pid, leaf)
+        try:
+            self.cgroup.attach(host_pid, leaf)
+        except BaseException:
+            self._retire_leaf(leaf)
+            raise
         with self._lock:
+            if self._spare is not None:
+                self._leaves.append(self._spare[2])  # a spare that died unused: its leaf is done with
             self._spare = (nspid, host_pid, leaf)
             self.spare_placed.set()
 
@@ -255,16 +262,19 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
             proc.oom_killed = cgroup.oom_kills() > oom_before
             if proc.oom_killed:
                 cgroup.kill_leaf(leaf)  # v1 kills only the biggest task; finish the job
-            self._reap_leaves()
+            self._retire_leaf(leaf)
             if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
                 self.workspace.sync_back()
 
         return channel.start(request, on_output, place, lambda: cgroup.kill_leaf(leaf), finish, spare)
 
-    def _reap_leaves(self) -> None:
+    def _retire_leaf(self, leaf: Path) -> None:
+        """``leaf``'s command is over: remove it, and every earlier finished leaf, once empty
+        (background processes keep a leaf until they end or the sandbox is destroyed)."""
         assert self.cgroup is not None
         with self._lock:
-            self._leaves = [leaf for leaf in self._leaves if not self.cgroup.remove_leaf(leaf)]
+            self._leaves.append(leaf)
+            self._leaves = [old for old in self._leaves if not self.cgroup.remove_leaf(old)]
 
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()
