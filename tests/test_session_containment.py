@@ -381,7 +381,7 @@ def test_a_command_started_while_another_finishes_is_always_placed() -> None:
             while not stop.is_set():
                 try:
                     sb.commands.run("true", timeout=10)
-                except BaseException as exc:  # noqa: BLE001 - reported below
+                except BaseException as exc:  # reported below
                     failures.append(exc)
                     return
 
