@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,19 @@ def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path) -> None:
         while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert sandbox_leftovers(sandbox_id, state_dir) == []
+
+
+def test_a_sandbox_outlives_the_thread_that_created_it() -> None:
+    # bwrap dies with the thread that forked it (--die-with-parent): the tier forks it from a
+    # thread of its own, so callers (pools, servers, worker threads) need no launcher of theirs
+    made: list[Sandbox] = []
+    thread = threading.Thread(target=lambda: made.append(Sandbox.create()))
+    thread.start()
+    thread.join()
+    with made[0] as sb:
+        time.sleep(0.2)  # PDEATHSIG would have been delivered by now
+        assert sb.is_running()
+        assert sb.commands.run(["echo", "alive"]).stdout == "alive\n"
 
 
 def test_gc_leaves_live_owners_alone(sandbox: Sandbox, state_dir: Path) -> None:

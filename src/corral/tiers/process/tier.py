@@ -31,6 +31,7 @@ from ..linux.agent import T_GO, AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import AGENT_PATH, reap_host_side
 from ..linux.sandbox import LinuxSandbox
+from .launcher import LAUNCHER
 from .spares import PLACER
 
 START_TIMEOUT = 10.0
@@ -122,8 +123,10 @@ class ProcessSandbox(LinuxSandbox):
         try:
             # the agent's launcher mode drops to the sandbox uid before exec'ing
             # bwrap (nothing in the sandbox ever runs as host root); being a
-            # static binary it lets Popen vfork instead of forking this process
-            self._proc = subprocess.Popen(
+            # static binary it lets Popen vfork instead of forking this process.
+            # Forked from the tier's launcher thread: bwrap dies with the thread
+            # that forked it (--die-with-parent), and that one lives as long as we do
+            self._proc = LAUNCHER.run(lambda: subprocess.Popen(
                 [str(self._tier._agent), "--launch", str(self.uid), netns, "--", *argv],
                 stdin=to_agent_r,
                 stdout=from_agent_w,
@@ -132,7 +135,7 @@ class ProcessSandbox(LinuxSandbox):
                 pass_fds=(seccomp_fd,),
                 close_fds=True,
                 cwd="/",
-            )
+            ))
         finally:
             os.close(to_agent_r)
             os.close(from_agent_w)
