@@ -75,11 +75,15 @@ def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path) -> None:
         assert sandbox_leftovers(sandbox_id, state_dir) == []
 
 
-def test_a_sandbox_outlives_the_thread_that_created_it() -> None:
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_a_sandbox_outlives_the_thread_that_created_it(tier: str, state_dir: Path) -> None:
     # bwrap dies with the thread that forked it (--die-with-parent): the tier forks it from a
     # thread of its own, so callers (pools, servers, worker threads) need no launcher of theirs
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier(tier, state_dir)
     made: list[Sandbox] = []
-    thread = threading.Thread(target=lambda: made.append(Sandbox.create()))
+    thread = threading.Thread(target=lambda: made.append(Sandbox.create(tier=tier)))
     thread.start()
     thread.join()
     with made[0] as sb:
