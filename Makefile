@@ -37,7 +37,7 @@ bytecode: venv
 demo: install
 	$(PY) scripts/demo.py
 
-# ruff and mypy first: a lint or type error fails `make test` (and so CI) before any test runs
+# ruff, mypy and the duplicate-lines check first: a lint or type error fails `make test` (and so CI) before any test runs
 test: lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
@@ -49,6 +49,7 @@ test-v2: install
 lint: install
 	$(VENV)/bin/ruff check src tests bench scripts
 	$(VENV)/bin/mypy
+	$(PY) scripts/check_duplicates.py
 
 bench: install
 	$(PY) bench/startup.py

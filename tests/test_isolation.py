@@ -285,7 +285,7 @@ def test_cpu_quota_limits_cpu_time() -> None:
 
 def test_launcher_drops_to_the_sandbox_uid_and_refuses_root(state_dir: Path) -> None:
     from corral.registry import state_dir as prepare_state_dir
-    from corral.tiers.linux.agent import agent_binary
+    from corral.tiers.linux.agent_build import agent_binary
 
     agent = str(agent_binary(prepare_state_dir(state_dir)))
     ok = subprocess.run([agent, "--launch", "2100000123", "-", "--", "/usr/bin/id"], capture_output=True, text=True)

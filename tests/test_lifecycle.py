@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,23 @@ def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path) -> None:
         while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert sandbox_leftovers(sandbox_id, state_dir) == []
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_a_sandbox_outlives_the_thread_that_created_it(tier: str, state_dir: Path) -> None:
+    # bwrap dies with the thread that forked it (--die-with-parent): the tier forks it from a
+    # thread of its own, so callers (pools, servers, worker threads) need no launcher of theirs
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier(tier, state_dir)
+    made: list[Sandbox] = []
+    thread = threading.Thread(target=lambda: made.append(Sandbox.create(tier=tier)))
+    thread.start()
+    thread.join()
+    with made[0] as sb:
+        time.sleep(0.2)  # PDEATHSIG would have been delivered by now
+        assert sb.is_running()
+        assert sb.commands.run(["echo", "alive"]).stdout == "alive\n"
 
 
 def test_gc_leaves_live_owners_alone(sandbox: Sandbox, state_dir: Path) -> None:
@@ -232,3 +250,39 @@ def test_sandboxes_do_not_leak_file_descriptors() -> None:
             sb.commands.run(["true"])
             sb.files.write("/tmp/f", "x")
     assert open_fds() <= before
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+@pytest.mark.parametrize("network", ["none", "allow"])
+def test_a_create_that_fails_half_way_leaves_nothing(tier: str, network: str, state_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # the tier's launch fails after the base made uid(s), cgroup, network and root: its close
+    # (the one owner of each) releases them all, without the registry's reap as a backstop
+    from corral.registry import state_dir as prepare_state_dir
+    from corral.spec import SandboxSpec
+    from corral.tiers import get_tier
+    from corral.tiers.gvisor import GVisorSandbox
+    from corral.tiers.linux.sandbox import LinuxSandbox
+    from corral.tiers.process import ProcessSandbox
+
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier(tier, state_dir)
+    made: list[LinuxSandbox] = []
+
+    def launch_fails(self: LinuxSandbox, *args: object) -> None:
+        made.append(self)
+        assert self.cgroup is not None and self.network is not None and self._mounts
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(ProcessSandbox if tier == "process" else GVisorSandbox, "_launch", launch_fails)
+    root = prepare_state_dir(state_dir)
+    uids_before = set(os.listdir(root / "uids")) if (root / "uids").is_dir() else set()
+    sandbox_id = f"halfway-{tier}-{network}"
+    run_dir = root / "sandboxes" / sandbox_id
+    run_dir.mkdir(mode=0o700, parents=True)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        get_tier(tier, root).create(SandboxSpec(tier=tier, network=network), sandbox_id, run_dir)
+    assert made and made[0]._closed
+    assert sandbox_leftovers(sandbox_id, root) == []
+    assert set(os.listdir(root / "uids")) == uids_before

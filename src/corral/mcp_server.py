@@ -67,10 +67,7 @@ class Session:
         if os.environ.get("CORRAL_URL"):
             sb: Any = await asyncio.to_thread(Sandbox.create, **kwargs)
         else:
-            from .pool import create_on_launcher
-
-            # created on a launcher thread: the sandbox must not die with a short-lived worker thread
-            sb = await asyncio.wrap_future(create_on_launcher(build_spec(None, **kwargs)))
+            sb = await asyncio.to_thread(Sandbox.create, build_spec(None, **kwargs))
         self.sandboxes[sb.id] = sb
         return sb
 

@@ -7,11 +7,10 @@ then on and no other caller ever sees it (a pool never takes a sandbox back).
 When the pool is empty, acquire falls back to a cold create.  A background
 thread refills the pool, and replaces members that died while waiting.
 
-Why a shared launcher thread pool: the process tier starts bubblewrap with
-``--die-with-parent``, which the kernel ties to the *thread* that forked it.
-A sandbox created on a short-lived worker thread (anyio's idle workers exit
-after seconds) would die with that thread.  :func:`launcher` threads live as
-long as the process, so every sandbox created through it does too.
+Members are created on the refill thread (or the caller's, for a cold
+create): a tier keeps the threads its sandboxes depend on itself (the process
+tier forks bubblewrap from a launcher thread of its own), so a sandbox does
+not die with the thread that created it.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,27 +31,9 @@ from .spec import SandboxSpec
 MAX_POOL_SIZE = 64
 #: idle pool members together may not claim more than this share of host memory (their cgroup limits)
 MAX_POOL_MEMORY_SHARE = 0.5
-LAUNCHER_THREADS = 8
 #: after an acquire, a refill waits this long while the pool still has members: a create takes a
 #: core for ~20 ms, and started at once it would compete with the new owner's first command
 REFILL_SETTLE = 0.1
-
-_launcher: ThreadPoolExecutor | None = None
-_launcher_lock = threading.Lock()
-
-
-def launcher() -> ThreadPoolExecutor:
-    """Process-wide threads that create sandboxes (see the module docstring for why)."""
-    global _launcher
-    with _launcher_lock:
-        if _launcher is None:
-            _launcher = ThreadPoolExecutor(max_workers=LAUNCHER_THREADS, thread_name_prefix="corral-launch")
-        return _launcher
-
-
-def create_on_launcher(spec: SandboxSpec, state: str | Path | None = None) -> Future[Sandbox]:
-    return launcher().submit(Sandbox.create, spec, state=state)
-
 
 def template_key(spec: SandboxSpec) -> str:
     """The identity of a template: two specs share a pool iff their keys are equal."""
@@ -163,10 +143,7 @@ class SandboxPool:
     # -- refill --------------------------------------------------------------
     def _create(self) -> Sandbox:
         t0 = time.perf_counter()
-        if threading.current_thread().name.startswith("corral-launch"):
-            sb = Sandbox.create(self.spec, state=self._state)
-        else:
-            sb = create_on_launcher(self.spec, self._state).result()
+        sb = Sandbox.create(self.spec, state=self._state)
         if self._on_create is not None:
             self._on_create(time.perf_counter() - t0)
         return sb
@@ -192,8 +169,7 @@ class SandboxPool:
             return max(0.0, self._last_acquire + REFILL_SETTLE - time.monotonic())
 
     def _refill_loop(self) -> None:
-        # this thread creates every member itself: it lives as long as the pool, and the
-        # members must outlive it only once handed out (then the launcher owns nothing; see close)
+        # this thread creates every member itself (the members' own threads are their tier's)
         while True:
             self._replace_dead()
             missing = self._deficit()
@@ -211,7 +187,7 @@ class SandboxPool:
             with self._lock:
                 self._creating += 1
             try:
-                sb = create_on_launcher(self.spec, self._state).result()
+                sb = Sandbox.create(self.spec, state=self._state)
                 if not _healthy(sb):
                     sb.kill()
                     raise RuntimeError("a new pool member failed its health check")

@@ -23,12 +23,27 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-#: every isolation tier, by name: each is the package ``corral.tiers.<name>`` (the one list of them)
+#: the built-in isolation tiers, by name: each is the package ``corral.tiers.<name>`` (the one list of them)
 TIERS = ("process", "gvisor", "microvm", "wasm")
+#: tiers registered at run time (``corral.tiers.register_tier``), after the built-in ones
+_REGISTERED_TIERS: list[str] = []
+
 NETWORK_MODES = ("none", "allow", "open")
 WORKSPACE_MODES = ("rw", "ro", "cow")
 #: where the workspace appears inside every sandbox
 WORKSPACE_PATH = "/workspace"
+
+
+def tier_names() -> tuple[str, ...]:
+    """Every tier a spec may name: the built-in ones, then those registered at run time."""
+    return (*TIERS, *_REGISTERED_TIERS)
+
+
+def add_tier_name(name: str) -> None:
+    """Let specs name ``name`` (called by :func:`corral.tiers.register_tier`, which holds the tier)."""
+    if name not in tier_names():
+        _REGISTERED_TIERS.append(name)
+
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
@@ -183,8 +198,8 @@ class SandboxSpec:
     secrets: tuple[SecretBinding, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.tier not in TIERS:
-            raise InvalidSpec(f"tier {self.tier!r}: use one of {', '.join(TIERS)}")
+        if self.tier not in tier_names():
+            raise InvalidSpec(f"tier {self.tier!r}: use one of {', '.join(tier_names())}")
         if not isinstance(self.image, str) or not _IMAGE_RE.match(self.image):
             raise InvalidSpec(
                 f"image {self.image!r}: names are 1-64 characters of a-z, 0-9, '.', '_', '-'"

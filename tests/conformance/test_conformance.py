@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral.spec import TIERS as TIER_NAMES
+from corral.spec import tier_names
 from corral.tiers import tier_class
 
 from ..leaks import sandbox_leftovers
+from . import stub_tier  # noqa: F401 - registers the newcomer's tier (tests only)
 
-TIERS = list(TIER_NAMES)
+#: the built-in tiers and every registered one
+TIERS = list(tier_names())
 
 
 def py(code: str) -> list[str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
-from ..pool import PoolSet, create_on_launcher
+from ..pool import PoolSet
 from ..registry import gc, state_dir
 from ..sandbox import Sandbox
 from ..spec import SandboxSpec, format_size
@@ -165,7 +165,7 @@ class SandboxManager:
             from_pool = sandbox is not None
             if sandbox is None:
                 t0 = time.perf_counter()
-                sandbox = await asyncio.wrap_future(create_on_launcher(spec, self.root))
+                sandbox = await asyncio.to_thread(Sandbox.create, spec, state=self.root)
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
             now = time.time()
             entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)

@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -40,16 +39,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...egress.network import SandboxNetwork
 from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
-from ...host import cgroups, mounts
-from ...host.uids import allocate_uid, release_uid
-from ...host.workspace import WorkspaceCopy
+from ...host import cgroups
 from ...images import SANDBOX_UID
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
-from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
+from ..linux.agent import AgentChannel, AgentProcess
+from ..linux.agent_build import agent_binary
+from ..linux.rootfs import AGENT_PATH, reap_host_side
+from ..linux.sandbox import LinuxSandbox
 from .memory import MemoryGuard
 from .net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
 from .platform import Platform, choose_platform, runsc_binary
@@ -205,51 +203,31 @@ def bundle_config(
     }
 
 
-class GVisorSandbox(AgentFilesMixin, TierSandbox):
+class GVisorSandbox(LinuxSandbox):
     def __init__(self, tier: GVisorTier, host: _Host, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
-        self.id = sandbox_id
         self._host = host
-        self.spec = spec
         self._tier = tier
-        self._run_dir = run_dir
-        self._closed = False
-        self._lock = threading.Lock()
-        self.workspace: WorkspaceCopy | None = None
-        self._mounts: list[Path] | None = None
-        self.uid = allocate_uid(tier.state_dir, sandbox_id)
         self.root_uid: int | None = None
-        self.cgroup: cgroups.SandboxCgroup | None = None
         self._guard: MemoryGuard | None = None
         self._running: set[AgentProcess] = set()
         self._proc: subprocess.Popen[bytes] | None = None
-        self._channel: AgentChannel | None = None
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(tier.state_dir, spec, sandbox_id, run_dir)
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
-        self.root_uid = allocate_uid(self._tier.state_dir, self.id)
-        self.cgroup = cgroups.SandboxCgroup(self.id, host_limits(self.spec.limits), self._host.layout)
-        self._guard = MemoryGuard(self.cgroup, self.spec.limits.memory, self._kill_running)
+        self.root_uid = self._reserve_uid()
+        cgroup = self._make_cgroup(host_limits(self.spec.limits), self._host.layout)
+        self._guard = MemoryGuard(cgroup, self.spec.limits.memory, self._kill_running)
         # the proxy socket is connected to by the gofer (root_uid on the host) on behalf of the
         # agent (uid 1000 inside, user_uid on the host): owner user_uid, group root_uid, 0660
-        self.network = SandboxNetwork(self.spec, self.id, self._run_dir, self.uid, host_namespace=False,
-                                      socket_gid=self.root_uid)
-        built = build_root(
-            self.spec, self._tier.state_dir, self._run_dir, self.uid,
-            files=self.network.files, mount_points=[inside for _, inside in self.network.binds],
-        )
-        self.workspace = built.workspace
-        self._mounts = built.mounts
+        network = self._make_network(host_namespace=False, socket_gid=self.root_uid)
+        built = self._build_root()
         bundle = self._run_dir / "bundle"
         bundle.mkdir(mode=0o700)
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
         config = bundle_config(
             built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids,
-            binds=self.network.binds, agent_args=self.network.agent_args, netns_name=self.network.netns,
+            binds=network.binds, agent_args=network.agent_args, netns_name=network.netns,
         )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
@@ -371,43 +349,22 @@ class GVisorSandbox(AgentFilesMixin, TierSandbox):
         if self.cgroup is not None:
             self.cgroup.kill_all()
 
-    def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
-        channel = self._channel_or_raise()
-        if self.cgroup is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
-        return channel, self.cgroup
-
     # -- lifecycle ---------------------------------------------------------
     def reap_record(self) -> dict[str, Any]:
         return {"uid": self.uid, "root_uid": self.root_uid}
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            # Killing the cgroup ends runsc, the Sentry, the gofer and every stub at
-            # once; `runsc delete` would only do the same, slower.
-            if self._guard is not None:
-                self._guard.close()
-            if self.cgroup is not None:
-                self.cgroup.kill_all()
-            if self._channel is not None:
-                self._channel.close()
-            if self._proc is not None and self._proc.poll() is None:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
-            if self.cgroup is not None:
-                self.cgroup.destroy()
-        finally:
-            if self.network is not None:
-                self.network.close()
-            mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
-            shutil.rmtree(self._run_dir, ignore_errors=True)
-            release_uid(self._tier.state_dir, self.uid)
-            if self.root_uid is not None:
-                release_uid(self._tier.state_dir, self.root_uid)
+    def _stop(self) -> None:
+        # Killing the cgroup ends runsc, the Sentry, the gofer and every stub at
+        # once; `runsc delete` would only do the same, slower.
+        if self._guard is not None:
+            self._guard.close()
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+        if self._channel is not None:
+            self._channel.close()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=5)
 
 
 def _log_tail(log: Path, limit: int = 800) -> str:

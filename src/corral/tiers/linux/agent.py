@@ -11,23 +11,18 @@ ignored, and timeouts are enforced here, by killing the command's cgroup (the
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import struct
-import subprocess
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, HostNotSupported, SandboxClosed
+from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, SandboxClosed
 from ..base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 
 if TYPE_CHECKING:
-    from ...host.workspace import WorkspaceCopy
-    from ...spec import SandboxSpec
+    pass
 
 T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE = 1, 2, 3, 4, 5, 6, 7, 8
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
@@ -38,50 +33,6 @@ MAX_FRAME = 64 << 20
 WRITE_CHUNK = 4 << 20
 _TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
 _ENTRY = struct.Struct("<cQIq")
-
-AGENT_SOURCE = Path(__file__).resolve().parents[2] / "agent" / "agent.c"
-#: every file the agent is built from (the Makefile's list too): a newer one means a rebuild
-AGENT_SOURCES = tuple(AGENT_SOURCE.with_name(name) for name in (
-    "agent.c", "exec.c", "files.c", "relay.c", "relay_mux.c", "agent.h", "relay_mux.h"))
-
-
-def agent_binary(state_dir: Path | None = None) -> Path:
-    """The static agent binary, built by ``make install`` (or here, once, if a compiler exists).
-
-    With ``state_dir``, a copy installed under ``state_dir/bin`` (root-owned,
-    world-readable) is returned: launchers that run as unprivileged sandbox
-    uids must be able to read it wherever the checkout lives (e.g. under a 0700
-    home directory).
-    """
-    binary = AGENT_SOURCE.with_name("corral-agent")
-    if not binary.exists() or binary.stat().st_mtime < max(src.stat().st_mtime for src in AGENT_SOURCES):
-        _build_agent(binary)
-    if state_dir is None:
-        return binary
-    data = binary.read_bytes()
-    installed = state_dir / "bin" / f"corral-agent-{hashlib.sha256(data).hexdigest()[:16]}"
-    if not installed.exists():
-        installed.parent.mkdir(mode=0o755, exist_ok=True)
-        tmp = installed.with_name(f".{installed.name}-{os.getpid()}")
-        tmp.write_bytes(data)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, installed)
-    return installed
-
-
-def _build_agent(binary: Path) -> None:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise HostNotSupported(f"{binary} is missing and no C compiler is installed; run `make install`")
-    tmp = binary.with_name(f".corral-agent-{os.getpid()}")
-    result = subprocess.run(
-        [cc, "-O2", "-static", "-o", str(tmp), *(str(src) for src in AGENT_SOURCES if src.suffix == ".c")],
-        capture_output=True, text=True,
-    )
-    if result.returncode != 0:
-        raise HostNotSupported(f"cannot build the sandbox agent: {result.stderr.strip()[:500]}")
-    os.replace(tmp, binary)
-
 
 class _Pending:
     def __init__(self) -> None:
@@ -460,50 +411,3 @@ class AgentProcess(Process):
             signal=signal_number,
             truncated=self._truncated,
         )
-
-
-class AgentFilesMixin:
-    """File operations, workspace write-back and liveness for tier sandboxes whose
-    guest runs ``corral-agent`` (process, gVisor): they differ in how they start
-    it, not in how they talk to it."""
-
-    id: str
-    spec: SandboxSpec
-    workspace: WorkspaceCopy | None
-    _closed: bool
-    _channel: AgentChannel | None
-
-    def _channel_or_raise(self) -> AgentChannel:
-        if self._closed or self._channel is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
-        if self._channel.closed.is_set():
-            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)", sandbox_id=self.id)
-        return self._channel
-
-    def read_file(self, path: str, max_bytes: int) -> bytes:
-        return self._channel_or_raise().read_file(path, max_bytes)
-
-    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        self._channel_or_raise().write_file(path, data, mode)
-        self.sync()
-
-    def list_dir(self, path: str) -> list[FileEntry]:
-        return self._channel_or_raise().list_dir(path)
-
-    def stat(self, path: str) -> FileEntry:
-        return self._channel_or_raise().stat(path)
-
-    def remove(self, path: str, recursive: bool = False) -> None:
-        self._channel_or_raise().remove(path, recursive)
-        self.sync()
-
-    def make_dir(self, path: str, mode: int = 0o755) -> None:
-        self._channel_or_raise().make_dir(path, mode)
-        self.sync()
-
-    def sync(self) -> None:
-        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
-            self.workspace.sync_back()
-
-    def alive(self) -> bool:
-        return not self._closed and self._channel is not None and not self._channel.closed.is_set()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import HostNotSupported
-from ..linux.agent import agent_binary
+from ..linux.agent_build import agent_binary
 
 #: what the guest loads, in dependency order (checked against each module's depends=)
 MODULES = (

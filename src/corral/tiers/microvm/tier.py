@@ -41,16 +41,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ...egress.network import PROXY_PORT, SandboxNetwork
+from ...egress.network import PROXY_PORT
 from ...errors import HostNotSupported, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
-from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import NETWORK_MODES, MiB, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentFilesMixin, AgentProcess
+from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentProcess
 from ..linux.rootfs import reap_host_side
+from ..linux.sandbox import LinuxSandbox
 from . import guest, qemu, rootdisk, template
 from .egress_bridge import EgressBridge
 
@@ -142,32 +142,19 @@ class MicroVMTier(Tier):
         return -(-mb // 64) * 64
 
 
-class MicroVMSandbox(AgentFilesMixin, TierSandbox):
+class MicroVMSandbox(LinuxSandbox):
     def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
-        self.id = sandbox_id
-        self.spec = spec
         self._tier = tier
-        self._run_dir = run_dir
-        self._closed = False
-        self._lock = threading.Lock()
         self._exec_count = 0
-        self.workspace: WorkspaceCopy | None = None
-        self.uid = allocate_uid(tier.state_dir, sandbox_id)
-        self.cgroup: cgroups.SandboxCgroup | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
-        self._channel: AgentChannel | None = None
         self._bridge: EgressBridge | None = None
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
         #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
         self._trace = bool(os.environ.get("CORRAL_MICROVM_TRACE"))
         self.trace_wall0 = 0.0
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(tier.state_dir, spec, sandbox_id, run_dir)
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
@@ -179,7 +166,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         tmpl = template.get_template(self._tier.assets, self._tier.accel, ram_mb, image_disk)
         self.timings["template"] = time.monotonic() - t0
         host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
-        self.cgroup = cgroups.SandboxCgroup(self.id, host_limits, self._tier._layout)
+        self._make_cgroup(host_limits, self._tier._layout)
         disk = run / "disk"
         disk.mkdir()
         mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o700)
@@ -201,13 +188,12 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         }
         if spec.network == "allow":
             # the proxy on the host; the guest's relay listens on this port (guestinit)
-            self.network = SandboxNetwork(spec, self.id, run, uid, host_namespace=False)
+            self._make_network(host_namespace=False)
             config["egress"] = str(PROXY_PORT)
         elif spec.network == "open":
             # the open mode's namespace with a tap for the guest; the guest takes the
             # sandbox's address on eth0 after the restore (guestinit's start_net)
-            self.network = SandboxNetwork(spec, self.id, run, uid, guest_tap=True)
-            link = self.network.open_net
+            link = self._make_network(guest_tap=True).open_net
             assert link is not None
             config.update(net_addr=link.sandbox_addr, net_prefix=str(link.prefix), net_gw=link.host_addr)
         if self._trace:
@@ -221,7 +207,7 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         guest's root, through the agent: the other tiers build them into the root they mount."""
         if self.network is None:
             return
-        channel = self._live()
+        channel = self._channel_or_raise()
         for path, data in self.network.files.items():
             channel.write_file(path, data, 0o644)
 
@@ -353,17 +339,14 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
         return text.strip() or "(no output)"
 
     # -- commands ----------------------------------------------------------
-    def _live(self) -> AgentChannel:
-        return self._channel_or_raise()
-
     def _fire(self, kind: int, payload: bytes) -> None:
         """Send a request whose answer nobody waits for (safe from the reader thread).
         The agent handles requests in order, so it is done before any later one."""
-        channel = self._live()
+        channel = self._channel_or_raise()
         channel.send(kind, channel.new_id(), payload)
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
-        channel = self._live()
+        channel = self._channel_or_raise()
         request = self.with_network_env(request)
         with self._lock:
             self._exec_count += 1
@@ -419,39 +402,28 @@ class MicroVMSandbox(AgentFilesMixin, TierSandbox):
     def qemu_pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            # the guest's state is thrown away, so there is nothing to shut down
-            # gracefully: the workspace is already on the host (9p, no cache)
-            if self._proc is not None and self._proc.poll() is None:
-                self._proc.kill()
-            if self._proc is not None:
-                self._proc.wait(timeout=10)
-            if self._sock is not None:
-                try:
-                    self._sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-            if self._channel is not None:
-                self._channel.close()
-            if self._sock is not None:
-                self._sock.close()
+    def _stop(self) -> None:
+        # the guest's state is thrown away, so there is nothing to shut down
+        # gracefully: the workspace is already on the host (9p, no cache)
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.wait(timeout=10)
+        if self._sock is not None:
             try:
-                self.sync()
-            except (OSError, SandboxError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
                 pass
-            if self.cgroup is not None:
-                self.cgroup.destroy()
-        finally:
-            # after QEMU: no guest connection can arrive any more
-            if self._bridge is not None:
-                self._bridge.close()
-            if self.network is not None:
-                self.network.close()
-            mounts.unmount_all(self._run_dir)
-            shutil.rmtree(self._run_dir, ignore_errors=True)
-            release_uid(self._tier.state_dir, self.uid)
+        if self._channel is not None:
+            self._channel.close()
+        if self._sock is not None:
+            self._sock.close()
+        try:
+            self.sync()
+        except (OSError, SandboxError):
+            pass
+
+    def _release(self) -> None:
+        # after QEMU: no guest connection can arrive any more; before the proxy it feeds closes
+        if self._bridge is not None:
+            self._bridge.close()

@@ -13,26 +13,25 @@ access.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
-from ...egress.network import SandboxNetwork
 from ...errors import HostNotSupported, SandboxClosed
-from ...host import cgroups, mounts
+from ...host import cgroups
 from ...host.bwrap import check_host
 from ...host.netns import NETNS_DIR
 from ...host.procs import descendants
 from ...host.seccomp import bpf_path
-from ...host.uids import allocate_uid, release_uid
-from ...host.workspace import WorkspaceCopy
 from ...images import SANDBOX_UID
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import T_GO, AgentChannel, AgentFilesMixin, AgentProcess, agent_binary
-from ..linux.rootfs import AGENT_PATH, build_root, reap_host_side
+from ..linux.agent import T_GO, AgentChannel, AgentProcess
+from ..linux.agent_build import agent_binary
+from ..linux.rootfs import AGENT_PATH, reap_host_side
+from ..linux.sandbox import LinuxSandbox
+from .launcher import LAUNCHER
 from .spares import PLACER
 
 START_TIMEOUT = 10.0
@@ -74,44 +73,24 @@ class ProcessTier(Tier):
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
 
 
-class ProcessSandbox(AgentFilesMixin, TierSandbox):
+class ProcessSandbox(LinuxSandbox):
     def __init__(self, tier: ProcessTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
-        self.id = sandbox_id
-        self.spec = spec
         self._tier = tier
-        self._run_dir = run_dir
-        self._closed = False
-        self._lock = threading.Lock()
         self._exec_count = 0
         self._leaves: list[Path] = []
         self._agent_pid: int | None = None
-        self._mounts: list[Path] | None = None
         #: (pid inside, pid on the host, leaf) of the agent's spare once it sits in a leaf of its own
         self._spare: tuple[int, int, Path] | None = None
         #: set while a placed spare waits for the next command (tests wait on it, not on sleeps)
         self.spare_placed = threading.Event()
-        self.workspace: WorkspaceCopy | None = None
-        self.uid = allocate_uid(tier.state_dir, sandbox_id)
-        self.cgroup: cgroups.SandboxCgroup | None = None
-        self.network: SandboxNetwork | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._channel: AgentChannel | None = None
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(tier.state_dir, spec, sandbox_id, run_dir)
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
-        self.cgroup = cgroups.SandboxCgroup(self.id, self.spec.limits, self._tier._layout)
-        self.network = SandboxNetwork(self.spec, self.id, self._run_dir, self.uid)
-        built = build_root(
-            self.spec, self._tier.state_dir, self._run_dir, self.uid,
-            files=self.network.files, mount_points=[inside for _, inside in self.network.binds],
-        )
-        self.workspace = built.workspace
-        self._mounts = built.mounts
+        self._make_cgroup(self.spec.limits, self._tier._layout)
+        self._make_network()
+        built = self._build_root()
         self._launch(built.root, built.workspace_dir)
 
     def _launch(self, root: Path, ws: Path) -> None:
@@ -144,8 +123,10 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
         try:
             # the agent's launcher mode drops to the sandbox uid before exec'ing
             # bwrap (nothing in the sandbox ever runs as host root); being a
-            # static binary it lets Popen vfork instead of forking this process
-            self._proc = subprocess.Popen(
+            # static binary it lets Popen vfork instead of forking this process.
+            # Forked from the tier's launcher thread: bwrap dies with the thread
+            # that forked it (--die-with-parent), and that one lives as long as we do
+            self._proc = LAUNCHER.run(lambda: subprocess.Popen(
                 [str(self._tier._agent), "--launch", str(self.uid), netns, "--", *argv],
                 stdin=to_agent_r,
                 stdout=from_agent_w,
@@ -154,7 +135,7 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
                 pass_fds=(seccomp_fd,),
                 close_fds=True,
                 cwd="/",
-            )
+            ))
         finally:
             os.close(to_agent_r)
             os.close(from_agent_w)
@@ -276,40 +257,21 @@ class ProcessSandbox(AgentFilesMixin, TierSandbox):
             self._leaves.append(leaf)
             self._leaves = [old for old in self._leaves if not self.cgroup.remove_leaf(old)]
 
-    def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
-        channel = self._channel_or_raise()
-        if self.cgroup is None:
-            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
-        return channel, self.cgroup
-
     # -- lifecycle ---------------------------------------------------------
     def reap_record(self) -> dict[str, Any]:
         return {"uid": self.uid, "bwrap_pid": self._proc.pid if self._proc else None, "network": self.spec.network}
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            # Closing the channel makes the agent (pid 1 of the sandbox) exit, which
-            # kills the whole pid namespace and lets bwrap reap it.  Killing the
-            # cgroup first would kill bwrap too and orphan the agent to host init.
-            if self._channel is not None:
-                self._channel.close()
-            if self._proc is not None:
-                try:
-                    self._proc.wait(timeout=2)
-                except subprocess.TimeoutExpired:
-                    if self.cgroup is not None:
-                        self.cgroup.kill_all()
-                    self._proc.kill()
-                    self._proc.wait(timeout=5)
-            if self.cgroup is not None:
-                self.cgroup.destroy()
-        finally:
-            if self.network is not None:
-                self.network.close()
-            mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
-            shutil.rmtree(self._run_dir, ignore_errors=True)
-            release_uid(self._tier.state_dir, self.uid)
+    def _stop(self) -> None:
+        # Closing the channel makes the agent (pid 1 of the sandbox) exit, which
+        # kills the whole pid namespace and lets bwrap reap it.  Killing the
+        # cgroup first would kill bwrap too and orphan the agent to host init.
+        if self._channel is not None:
+            self._channel.close()
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                if self.cgroup is not None:
+                    self.cgroup.kill_all()
+                self._proc.kill()
+                self._proc.wait(timeout=5)

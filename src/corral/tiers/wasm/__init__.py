@@ -1,12 +1,13 @@
 """The wasm tier: CPython compiled to WebAssembly, run by wasmtime, no OS underneath.
 
-``tier`` (tier and sandbox) → ``process`` (one command seen from the host),
+``tier`` (the tier) → ``sandbox`` (one sandbox) → ``process`` (one command seen from the host),
 ``files`` (files API), ``python`` (which commands exist, boot program),
 ``spares`` (guests started before their sandbox exists), ``runtime`` (runtime,
 module cache, worker pool) → ``worker`` (the worker process, run as a script).
 """
 
-from .tier import WasmSandbox, WasmTier
+from .sandbox import WasmSandbox
+from .tier import WasmTier
 
 TIER = WasmTier
 

@@ -23,7 +23,7 @@ from ..base import ExecRequest, ExecResult, OutputCallback, Process
 from .runtime import Worker
 
 if TYPE_CHECKING:
-    from .tier import WasmSandbox
+    from .sandbox import WasmSandbox
 
 #: how long past its timeout a guest blocked in a host call may take before it is killed
 KILL_GRACE = 0.5

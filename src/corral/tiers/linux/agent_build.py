@@ -1,0 +1,55 @@
+"""The in-sandbox agent's binary (``src/corral/agent/*.c``): built by ``make install``
+(or here, once, if a compiler exists) and installed where sandbox launchers can read it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from ...errors import HostNotSupported
+
+AGENT_SOURCE = Path(__file__).resolve().parents[2] / "agent" / "agent.c"
+#: every file the agent is built from (the Makefile's list too): a newer one means a rebuild
+AGENT_SOURCES = tuple(AGENT_SOURCE.with_name(name) for name in (
+    "agent.c", "exec.c", "files.c", "relay.c", "relay_mux.c", "agent.h", "relay_mux.h"))
+
+
+def agent_binary(state_dir: Path | None = None) -> Path:
+    """The static agent binary, built by ``make install`` (or here, once, if a compiler exists).
+
+    With ``state_dir``, a copy installed under ``state_dir/bin`` (root-owned,
+    world-readable) is returned: launchers that run as unprivileged sandbox
+    uids must be able to read it wherever the checkout lives (e.g. under a 0700
+    home directory).
+    """
+    binary = AGENT_SOURCE.with_name("corral-agent")
+    if not binary.exists() or binary.stat().st_mtime < max(src.stat().st_mtime for src in AGENT_SOURCES):
+        _build_agent(binary)
+    if state_dir is None:
+        return binary
+    data = binary.read_bytes()
+    installed = state_dir / "bin" / f"corral-agent-{hashlib.sha256(data).hexdigest()[:16]}"
+    if not installed.exists():
+        installed.parent.mkdir(mode=0o755, exist_ok=True)
+        tmp = installed.with_name(f".{installed.name}-{os.getpid()}")
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, installed)
+    return installed
+
+
+def _build_agent(binary: Path) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise HostNotSupported(f"{binary} is missing and no C compiler is installed; run `make install`")
+    tmp = binary.with_name(f".corral-agent-{os.getpid()}")
+    result = subprocess.run(
+        [cc, "-O2", "-static", "-o", str(tmp), *(str(src) for src in AGENT_SOURCES if src.suffix == ".c")],
+        capture_output=True, text=True,
+    )
+    if result.returncode != 0:
+        raise HostNotSupported(f"cannot build the sandbox agent: {result.stderr.strip()[:500]}")
+    os.replace(tmp, binary)

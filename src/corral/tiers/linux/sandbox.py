@@ -1,0 +1,161 @@
+"""The base of every sandbox that runs Linux userland with ``corral-agent`` in it
+(process, gVisor, microVM): it owns the host-side resources they all have, so
+each tier writes only how it launches its guest.
+
+Resources and their one owner (this class; :meth:`LinuxSandbox.close` releases
+each, and runs for a sandbox whose ``__init__`` failed half way too):
+
+- host uids: reserved with :meth:`_reserve_uid` (``self.uid`` first), released last;
+- the run directory (given by the caller, empty): unmounted and removed;
+- the cgroup (:meth:`_make_cgroup`): killed and removed once the tier's own
+  processes are stopped (:meth:`_stop`);
+- the network side (:meth:`_make_network`): closed;
+- the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory.
+
+A subclass sets its own attributes, then calls ``super().__init__``, which
+reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
+:meth:`_stop` (end its processes, before the cgroup goes) and may extend
+:meth:`_release` (its own extra resources, before the network closes).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from abc import abstractmethod
+from pathlib import Path
+
+from ...egress.network import SandboxNetwork
+from ...errors import SandboxClosed
+from ...host import cgroups, mounts
+from ...host.uids import allocate_uid, release_uid
+from ...host.workspace import WorkspaceCopy
+from ...spec import Limits, SandboxSpec
+from ..base import FileEntry, TierSandbox
+from .agent import AgentChannel
+from .rootfs import SandboxRoot, build_root
+
+
+class LinuxSandbox(TierSandbox):
+    uid: int
+    cgroup: cgroups.SandboxCgroup | None = None
+    workspace: WorkspaceCopy | None = None
+    _channel: AgentChannel | None = None
+    #: the run directory's mounts when known (None: search for them at close)
+    _mounts: list[Path] | None = None
+
+    def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+        self.id = sandbox_id
+        self.spec = spec
+        self._state_dir = state_dir
+        self._run_dir = run_dir
+        self._closed = False
+        self._lock = threading.Lock()
+        self._uids: list[int] = []
+        try:
+            self.uid = self._reserve_uid()
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- what a tier writes ------------------------------------------------
+    @abstractmethod
+    def _setup(self) -> None:
+        """Make the sandbox's resources (with the helpers below) and launch its guest."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """End the tier's own processes (the cgroup is killed and removed right after)."""
+
+    def _release(self) -> None:
+        """Release what the tier owns beyond the base's resources (runs even if :meth:`_stop` failed)."""
+
+    # -- resources, each released by close() -------------------------------
+    def _reserve_uid(self) -> int:
+        uid = allocate_uid(self._state_dir, self.id)
+        self._uids.append(uid)
+        return uid
+
+    def _make_cgroup(self, limits: Limits, layout: cgroups.Layout) -> cgroups.SandboxCgroup:
+        self.cgroup = cgroups.SandboxCgroup(self.id, limits, layout)
+        return self.cgroup
+
+    def _make_network(self, *, host_namespace: bool = True, socket_gid: int | None = None,
+                      guest_tap: bool = False) -> SandboxNetwork:
+        self.network = SandboxNetwork(self.spec, self.id, self._run_dir, self.uid, host_namespace=host_namespace,
+                                      socket_gid=socket_gid, guest_tap=guest_tap)
+        return self.network
+
+    def _build_root(self) -> SandboxRoot:
+        """The overlay root on a disk-limited tmpfs in the run directory, with the network's files."""
+        network = self.network
+        built = build_root(
+            self.spec, self._state_dir, self._run_dir, self.uid,
+            files=network.files if network is not None else {},
+            mount_points=[inside for _, inside in network.binds] if network is not None else [],
+        )
+        self.workspace = built.workspace
+        self._mounts = built.mounts
+        return built
+
+    # -- use ---------------------------------------------------------------
+    def _channel_or_raise(self) -> AgentChannel:
+        if self._closed or self._channel is None:
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
+        if self._channel.closed.is_set():
+            raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)", sandbox_id=self.id)
+        return self._channel
+
+    def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
+        channel = self._channel_or_raise()
+        if self.cgroup is None:
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
+        return channel, self.cgroup
+
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        return self._channel_or_raise().read_file(path, max_bytes)
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._channel_or_raise().write_file(path, data, mode)
+        self.sync()
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        return self._channel_or_raise().list_dir(path)
+
+    def stat(self, path: str) -> FileEntry:
+        return self._channel_or_raise().stat(path)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        self._channel_or_raise().remove(path, recursive)
+        self.sync()
+
+    def make_dir(self, path: str, mode: int = 0o755) -> None:
+        self._channel_or_raise().make_dir(path, mode)
+        self.sync()
+
+    def sync(self) -> None:
+        if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
+            self.workspace.sync_back()
+
+    def alive(self) -> bool:
+        return not self._closed and self._channel is not None and not self._channel.closed.is_set()
+
+    # -- teardown ----------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._stop()
+            if self.cgroup is not None:
+                self.cgroup.destroy()
+        finally:
+            self._release()
+            if self.network is not None:
+                self.network.close()
+            mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            for uid in self._uids:
+                release_uid(self._state_dir, uid)
