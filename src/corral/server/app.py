@@ -4,8 +4,8 @@
 The routes are routers (:mod:`.sandbox_routes`, :mod:`.file_routes`,
 :mod:`.stream`, :mod:`.ops_routes`) over one :class:`~.context.ServerContext`;
 what travels on the wire is in :mod:`.wire`.
-Blocking sandbox work runs on the context's thread pool; sandbox creation runs
-on the long-lived launcher threads (see :mod:`corral.pool`).
+Blocking sandbox work runs on the context's thread pool (creation too: each
+tier owns the thread its sandboxes' processes hang on, so any thread may create).
 """
 
 from __future__ import annotations
