@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import threading
 import time
@@ -397,3 +398,19 @@ def test_a_command_started_while_another_finishes_is_always_placed() -> None:
             for thread in threads:
                 thread.join(30)
         assert not failures, failures
+
+
+def test_commands_start_with_default_signals_whatever_the_host_ignores() -> None:
+    # a server started as a background job of a script runs with SIGINT ignored, and an ignored
+    # signal survives exec: the sandbox's commands (and so the interpreter's KeyboardInterrupt)
+    # must not inherit that
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sb = Sandbox.create()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with sb:
+        ignored = sb.commands.run("grep SigIgn /proc/self/status").stdout.split()[1]
+        assert int(ignored, 16) == 0, ignored
+        r = sb.commands.run(["python3", "-c", "import signal; print(signal.getsignal(signal.SIGINT))"])
+        assert "default_int_handler" in r.stdout, r

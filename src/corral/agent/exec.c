@@ -64,12 +64,16 @@ static void __attribute__((noreturn)) become_command(int sync_fd, const struct c
     _exit(err == ENOENT ? 127 : 126);
 }
 
-/* A new command's process: default signals, its own session, its stdio. */
+/* A new command's process: default signals, its own session, its stdio.  Every
+ * disposition is reset, not only the agent's own SIGPIPE: an ignored signal is
+ * inherited across exec, so a host that started Corral with SIGINT ignored (a
+ * background job of a script, nohup) would otherwise hand that to every
+ * command -- and Python does not install its KeyboardInterrupt handler then. */
 static void child_stdio(int in, int out, int err, int terminal) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
-    signal(SIGPIPE, SIG_DFL);
+    for (int sig = 1; sig < NSIG; sig++) signal(sig, SIG_DFL); /* SIGKILL/SIGSTOP: EINVAL, fine */
     setsid();
     if (terminal) ioctl(in, TIOCSCTTY, 0);
     dup2(in, 0);
