@@ -286,3 +286,23 @@ def test_a_create_that_fails_half_way_leaves_nothing(tier: str, network: str, st
     assert made and made[0]._closed
     assert sandbox_leftovers(sandbox_id, root) == []
     assert set(os.listdir(root / "uids")) == uids_before
+
+
+def test_a_host_failure_is_a_typed_error_naming_the_sandbox(tmp_path: Path) -> None:
+    # a system call failing on the host reaches the caller as a HostError, never a bare OSError
+    import errno
+
+    from corral.errors import HostError, InvalidSpec, ResourceLimit, host_errors
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "sandboxes").write_text("not a directory")  # every sandbox's run dir goes below it
+    with pytest.raises(HostError) as failed:
+        Sandbox.create(state=state)
+    assert failed.value.sandbox_id is not None and failed.value.errno != 0
+    assert "create the sandbox" in str(failed.value) and not isinstance(failed.value, ResourceLimit)
+    # the host running out of something is a ResourceLimit; typed errors pass through untouched
+    with pytest.raises(ResourceLimit, match="out of capacity"), host_errors("write", "sb-x"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(InvalidSpec), host_errors("write", "sb-x"):
+        raise InvalidSpec("bad")

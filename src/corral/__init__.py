@@ -21,7 +21,8 @@ _EXPORTS = {
 }
 _ERRORS = (
     "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "ExecError",
-    "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "FileError", "FileNotFoundInSandbox",
+    "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "HostError", "FileError",
+    "FileNotFoundInSandbox",
     "ImageBuildFailed", "TransportError", "ConnectionLost", "Unauthorized", "ServerError",
 )
 

@@ -13,6 +13,7 @@ can catch one class.  The tree::
     │   ├── OutOfMemory        a command was killed by the memory limit
     │   └── ContainmentFailed  a process could not be put under the sandbox's limits; it never ran
     ├── ResourceLimit          a quota or limit refused the request (including no free host uid)
+    ├── HostError              a system call Corral made on the host failed (errno kept)
     ├── FileError              a files-API operation failed
     │   └── FileNotFoundInSandbox  the path does not exist inside the sandbox
     ├── ImageBuildFailed       an image recipe step failed (names the step and its log)
@@ -37,6 +38,9 @@ refused connection) and the refusal is recorded in ``sandbox.network.audit()``.
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -118,6 +122,39 @@ class ResourceLimit(SandboxError):
     """A quota, capacity or size limit refused the request (too many sandboxes, file too large, ...)."""
 
     code = "resource_limit"
+
+
+class HostError(SandboxError):
+    """A system call Corral made on the host for a sandbox failed (a mount, a cgroup write, a
+    network namespace, a file of the run directory) for a reason that is not the caller's: the
+    message names the operation, ``errno`` is the kernel's error number.  Raised in place of a
+    bare ``OSError`` where the lifecycle calls into the tiers (see :func:`host_errors`)."""
+
+    code = "host_error"
+
+    def __init__(self, message: str, errno_: int = 0, *, sandbox_id: str | None = None) -> None:
+        super().__init__(message, sandbox_id=sandbox_id)
+        self.errno = errno_
+
+
+#: a host error with one of these is the host's capacity running out: a ResourceLimit
+_CAPACITY_ERRNOS = frozenset({errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN,
+                              errno.EDQUOT, errno.EUSERS})
+
+
+@contextmanager
+def host_errors(doing: str, sandbox_id: str | None = None) -> Iterator[None]:
+    """Let typed errors through; turn a bare ``OSError`` from the tiers or the host layer into a
+    :class:`ResourceLimit` (the host ran out of something) or a :class:`HostError`."""
+    try:
+        yield
+    except SandboxError:
+        raise
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno in _CAPACITY_ERRNOS:
+            raise ResourceLimit(f"{doing}: the host is out of capacity ({reason})", sandbox_id=sandbox_id) from exc
+        raise HostError(f"{doing}: {reason}", exc.errno or 0, sandbox_id=sandbox_id) from exc
 
 
 class FileError(SandboxError, OSError):

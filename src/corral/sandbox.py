@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from .egress.network import SandboxNetwork, secret_values
-from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed
+from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed, host_errors
 from .images import SANDBOX_HOME, SANDBOX_USER
 from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
@@ -153,10 +153,12 @@ class Commands:
         callback = output_callback(on_stdout, on_stderr, on_output)
         inner = self._sb._tier_sandbox()
         network = inner.network
-        if network is not None and network.secrets:
-            stream = StreamRedactor(network.redactor, callback) if callback is not None else None
-            return CommandHandle(inner.start(request, stream.feed if stream else None), network.redact_text, stream)
-        return CommandHandle(inner.start(request, callback))
+        with host_errors("start a command", self._sb.id):
+            if network is not None and network.secrets:
+                stream = StreamRedactor(network.redactor, callback) if callback is not None else None
+                return CommandHandle(inner.start(request, stream.feed if stream else None), network.redact_text,
+                                     stream)
+            return CommandHandle(inner.start(request, callback))
 
     def run(
         self,
@@ -208,7 +210,8 @@ class Files:
     def read(self, path: str, format: Literal["bytes"], max_bytes: int = ...) -> bytes: ...
 
     def read(self, path: str, format: str = "text", max_bytes: int = DEFAULT_MAX_READ) -> str | bytes:
-        data = self._sb._tier_sandbox().read_file(validate_sandbox_path(path), max_bytes)
+        with host_errors("read a file", self._sb.id):
+            data = self._sb._tier_sandbox().read_file(validate_sandbox_path(path), max_bytes)
         data = self._sb._filter_output(data)
         if format == "bytes":
             return data
@@ -218,13 +221,16 @@ class Files:
 
     def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
         payload = data.encode() if isinstance(data, str) else bytes(data)
-        self._sb._tier_sandbox().write_file(validate_sandbox_path(path), payload, mode)
+        with host_errors("write a file", self._sb.id):
+            self._sb._tier_sandbox().write_file(validate_sandbox_path(path), payload, mode)
 
     def list(self, path: str = ".") -> list[FileEntry]:
-        return self._sb._tier_sandbox().list_dir(validate_sandbox_path(path))
+        with host_errors("list a directory", self._sb.id):
+            return self._sb._tier_sandbox().list_dir(validate_sandbox_path(path))
 
     def stat(self, path: str) -> FileEntry:
-        return self._sb._tier_sandbox().stat(validate_sandbox_path(path))
+        with host_errors("stat a file", self._sb.id):
+            return self._sb._tier_sandbox().stat(validate_sandbox_path(path))
 
     def exists(self, path: str) -> bool:
         from .errors import FileNotFoundInSandbox
@@ -236,10 +242,12 @@ class Files:
             return False
 
     def remove(self, path: str, recursive: bool = False) -> None:
-        self._sb._tier_sandbox().remove(validate_sandbox_path(path), recursive)
+        with host_errors("remove a file", self._sb.id):
+            self._sb._tier_sandbox().remove(validate_sandbox_path(path), recursive)
 
     def make_dir(self, path: str, mode: int = 0o755) -> None:
-        self._sb._tier_sandbox().make_dir(validate_sandbox_path(path), mode)
+        with host_errors("make a directory", self._sb.id):
+            self._sb._tier_sandbox().make_dir(validate_sandbox_path(path), mode)
 
     def upload_dir(self, local: str | Path, remote: str) -> int:
         """Copy a host directory into the sandbox (symlinks are skipped). Returns files copied."""
@@ -280,21 +288,22 @@ class Sandbox:
             return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[return-value]
         kwargs.pop("api_key", None)
         full_spec = build_spec(spec, **kwargs)
-        root = state_dir(state)
-        _startup_gc(root)
-        registry = Registry.at(root)
         sandbox_id = new_sandbox_id()
-        run_dir = root / "sandboxes" / sandbox_id
-        tier = get_tier(full_spec.tier, root)
-        registry.add(sandbox_id, full_spec.tier, run_dir)
-        try:
-            run_dir.mkdir(mode=0o700)
-            inner = tier.create(full_spec, sandbox_id, run_dir)
-        except BaseException:
-            tier.reap(sandbox_id, run_dir, {})
-            registry.remove(sandbox_id)
-            raise
-        registry.set_record(sandbox_id, inner.reap_record())
+        with host_errors("create the sandbox", sandbox_id):
+            root = state_dir(state)
+            _startup_gc(root)
+            registry = Registry.at(root)
+            run_dir = root / "sandboxes" / sandbox_id
+            tier = get_tier(full_spec.tier, root)
+            registry.add(sandbox_id, full_spec.tier, run_dir)
+            try:
+                run_dir.mkdir(mode=0o700)
+                inner = tier.create(full_spec, sandbox_id, run_dir)
+            except BaseException:
+                tier.reap(sandbox_id, run_dir, {})
+                registry.remove(sandbox_id)
+                raise
+            registry.set_record(sandbox_id, inner.reap_record())
         return cls(full_spec, inner, root, registry)
 
     def _tier_sandbox(self) -> TierSandbox:
