@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/wasm.py [--runs 20] [--pace 0.5]
 
-"Cold" is measured with the compiled module cached and a warm spare worker
+"Cold" is measured with the compiled module cached and a warm idle worker
 ready (``--pace`` seconds between sandboxes let the pool refill, which is what
 a host creating sandboxes at a lower rate than one per spawn time sees);
 "back-to-back" creates them with no pause, so it is bounded by how fast the
@@ -110,7 +110,7 @@ def main() -> None:
     if "CORRAL_STATE_DIR" not in os.environ and "CORRAL_CGROUP_PARENT" not in os.environ:
         os.environ["CORRAL_STATE_DIR"] = tempfile.mkdtemp(prefix="corral-bench-wasm-")
         os.environ["CORRAL_CGROUP_PARENT"] = f"corral-bench-{os.getpid()}"
-        # registered first, so it runs last: after the tier's pool and spares are closed
+        # registered first, so it runs last: after the tier's worker pool and standby guests are closed
         atexit.register(clean_up, Path(os.environ["CORRAL_STATE_DIR"]), os.environ["CORRAL_CGROUP_PARENT"])
 
     # warm-up: module compiled/cached, pool started
@@ -164,7 +164,7 @@ def main() -> None:
         disk = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
         idle = [rss_kib(pid) for pid in idle_pids]
         pool = inner._tier.pool  # type: ignore[attr-defined]
-        spares = [rss_kib(pid) for pid in pool.pids()]
+        idle_workers = [rss_kib(pid) for pid in pool.pids()]
 
     load = os.getloadavg()[0]
     print(f"wasm tier, {os.cpu_count()} CPUs, 1-min load average {load:.1f} at the end (shared machine)")
@@ -181,11 +181,11 @@ def main() -> None:
           f"RSS {idle_rss:.1f} MiB, PSS {idle_pss:.1f} MiB; {disk} bytes of files")
     print(f"{'cold p50 / bare wasmtime p50':<44} {pct(cold, .5) / pct(ref_wall, .5):.2f}x; "
           f"exec round trip p50 / bare {pct(round_trip, .5) / pct(ref_wall, .5):.2f}x")
-    if spares:
-        rss = statistics.mean(r for r, _ in spares) / 1024
-        pss = statistics.mean(p for _, p in spares) / 1024
-        label = "spare warm worker (shared by all sandboxes)"
-        print(f"{label:<44} {len(spares)} x RSS {rss:.1f} MiB (PSS {pss:.1f} MiB)")
+    if idle_workers:
+        rss = statistics.mean(r for r, _ in idle_workers) / 1024
+        pss = statistics.mean(p for _, p in idle_workers) / 1024
+        label = "idle worker (shared by all sandboxes)"
+        print(f"{label:<44} {len(idle_workers)} x RSS {rss:.1f} MiB (PSS {pss:.1f} MiB)")
 
 
 if __name__ == "__main__":

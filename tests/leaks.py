@@ -70,7 +70,8 @@ def all_leftovers(state_dir: Path) -> list[str]:
     found += [f"mount {m}" for m in mounts.mounts_under(sandboxes)]
     uids = state_dir / "uids"
     if uids.is_dir():
-        # a wasm tier's spare guests hold uids for sandboxes not created yet: the tier's, not a sandbox's
+        # a wasm tier's standby guests hold uids for sandboxes not created yet: the tier's, not a
+        # sandbox's (their owner prefix on disk keeps the old name "wasm-spare:")
         found += [f"uid {p.name}" for p in uids.iterdir() if not _owner(p).startswith("wasm-spare:")]
     return found
 

@@ -234,7 +234,7 @@ def test_teardown_leaves_no_runsc_state(state_dir: Path) -> None:
     assert not run_dir.exists()
     assert _processes_naming(sandbox_id) == []
     assert sandbox_leftovers(sandbox_id, state_dir) == []
-    # its reserved host uid is released (other tiers may hold uids of their own: wasm spares)
+    # its reserved host uid is released (other tiers may hold uids of their own: wasm standby guests)
     assert not any(p.read_text() == sandbox_id for p in (state_dir / "uids").iterdir())
 
 

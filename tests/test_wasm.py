@@ -133,7 +133,7 @@ def test_read_only_workspace_is_read_only_in_the_guest(wasm_available: None, tmp
 def test_fuel_exhaustion_ends_a_cpu_loop_but_not_a_short_program(wasm_available: None, state_dir: Path) -> None:
     from corral.tiers.wasm import WasmTier
 
-    tier = WasmTier(state_dir, fuel_per_cpu_second=50_000_000, spares=1)
+    tier = WasmTier(state_dir, fuel_per_cpu_second=50_000_000, idle_workers=1)
     sandbox_id = "sb-" + secrets.token_hex(8)
     run_dir = state_dir / "sandboxes" / sandbox_id
     run_dir.mkdir(mode=0o700)
@@ -276,7 +276,7 @@ def test_an_idle_sandbox_keeps_one_prestarted_guest_confined_in_its_cgroup(sb: S
 def test_without_prestart_an_idle_sandbox_has_no_process(wasm_available: None, state_dir: Path) -> None:
     from corral.tiers.wasm import WasmTier
 
-    tier = WasmTier(state_dir, spares=1, prestart=False)
+    tier = WasmTier(state_dir, idle_workers=1, prestart=False)
     sandbox_id = "sb-" + secrets.token_hex(8)
     run_dir = state_dir / "sandboxes" / sandbox_id
     run_dir.mkdir(mode=0o700)
@@ -321,66 +321,66 @@ def test_disk_limit_and_no_network(wasm_available: None) -> None:
     assert "disk full" in r.stdout and "WROTE" not in r.stdout, r.stdout + r.stderr
 
 
-# -- spare guests (pre-started before a sandbox exists) -------------------------------
+# -- standby guests (pre-started before a sandbox exists) -----------------------------
 
-def _ready_spare(state_dir: Path) -> object:
+def _ready_standby_guests(state_dir: Path) -> object:
     from corral.tiers import get_tier
 
     tier = get_tier("wasm", state_dir)
-    guests = tier.spare_guests()  # type: ignore[attr-defined]
+    guests = tier.standby_guests()  # type: ignore[attr-defined]
     assert guests is not None
     guests.fill()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not guests._ready:
         time.sleep(0.05)
-    assert guests._ready, "no spare guest became ready"
+    assert guests._ready, "no standby guest became ready"
     return guests
 
 
-def test_a_new_sandbox_adopts_a_spare_guest_with_its_own_disk_size_and_uid(wasm_available: None,
-                                                                           state_dir: Path) -> None:
+def test_a_new_sandbox_adopts_a_standby_guest_with_its_own_disk_size_and_uid(wasm_available: None,
+                                                                             state_dir: Path) -> None:
     from corral.host import mounts
 
-    guests = _ready_spare(state_dir)
-    spare = guests._ready[0]  # type: ignore[attr-defined]
+    guests = _ready_standby_guests(state_dir)
+    standby = guests._ready[0]  # type: ignore[attr-defined]
     with Sandbox.create(tier="wasm", disk="8M") as sb:
         inner = sb._tier_sandbox()
-        assert inner._next is spare.worker and inner.uid == spare.uid  # type: ignore[attr-defined]
-        assert (state_dir / "uids" / str(spare.uid)).read_text() == sb.id
+        assert inner._next is standby.worker and inner.uid == standby.uid  # type: ignore[attr-defined]
+        assert (state_dir / "uids" / str(standby.uid)).read_text() == sb.id
         fs = state_dir / "sandboxes" / sb.id / "fs"
-        assert fs in mounts.mounts_under(fs) and not spare.directory.exists()
+        assert fs in mounts.mounts_under(fs) and not standby.directory.exists()
         assert os.statvfs(fs).f_blocks * os.statvfs(fs).f_frsize == 8 << 20
         sb.files.write("note.txt", "from the host")
         r = sb.commands.run(py("print(open('note.txt').read()); open('/tmp/t', 'w').write('x')"))
         assert r.stdout == "from the host\n", r.stderr
         assert sb.files.read("/tmp/t") == "x"
-    assert not (state_dir / "uids" / str(spare.uid)).exists()
-    assert not _alive(spare.worker.pid)
+    assert not (state_dir / "uids" / str(standby.uid)).exists()
+    assert not _alive(standby.worker.pid)
 
 
-def test_a_sandbox_with_other_limits_does_not_adopt_a_spare(wasm_available: None, state_dir: Path) -> None:
-    guests = _ready_spare(state_dir)
-    spare = guests._ready[0]  # type: ignore[attr-defined]
+def test_a_sandbox_with_other_limits_does_not_adopt_a_standby_guest(wasm_available: None, state_dir: Path) -> None:
+    guests = _ready_standby_guests(state_dir)
+    standby = guests._ready[0]  # type: ignore[attr-defined]
     with Sandbox.create(tier="wasm", memory="128M") as sb:
-        assert sb._tier_sandbox().uid != spare.uid  # type: ignore[attr-defined]
+        assert sb._tier_sandbox().uid != standby.uid  # type: ignore[attr-defined]
         assert sb.commands.run(py("print('own guest')")).stdout == "own guest\n"
-    assert spare in guests._ready  # type: ignore[attr-defined]
+    assert standby in guests._ready  # type: ignore[attr-defined]
 
 
-def test_spares_of_a_dead_owner_are_reaped(wasm_available: None, state_dir: Path) -> None:
+def test_standby_guests_of_a_dead_owner_are_reaped(wasm_available: None, state_dir: Path) -> None:
     from corral.host import mounts
     from corral.host.uids import allocate_uid
 
-    guests = _ready_spare(state_dir)
+    guests = _ready_standby_guests(state_dir)
     dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # never a live process
     stale = guests.root / f"{dead_pid}-feedface"  # type: ignore[attr-defined]
     (stale / "fs").mkdir(parents=True)
     mounts.mount_tmpfs(stale / "fs", 1 << 20, 0, 0)
-    uid = allocate_uid(state_dir, f"wasm-spare:{dead_pid}")
+    uid = allocate_uid(state_dir, f"wasm-spare:{dead_pid}")  # the on-disk prefix keeps its old name
     guests.reap_stale()  # type: ignore[attr-defined]
     assert not stale.exists() and mounts.mounts_under(stale) == []
     assert not (state_dir / "uids" / str(uid)).exists()
-    assert guests._ready  # type: ignore[attr-defined]  # our own spares are left alone
+    assert guests._ready  # type: ignore[attr-defined]  # our own standby guests are left alone
 
 
 def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, state_dir: Path) -> None:
@@ -402,7 +402,7 @@ def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, s
     assert zygote is not None
     zygote.kill()
     zygote.wait()
-    for _ in range(3):  # spares forked before the kill may be gone; the pool starts a new zygote
+    for _ in range(3):  # idle workers forked before the kill may be gone; the pool starts a new zygote
         r = sb.commands.run(py("print('after zygote')"))
         if r.stdout == "after zygote\n":
             break

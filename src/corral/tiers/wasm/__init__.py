@@ -2,7 +2,7 @@
 
 ``tier`` (the tier) → ``sandbox`` (one sandbox) → ``process`` (one command seen from the host),
 ``files`` (files API), ``python`` (which commands exist, boot program),
-``spares`` (guests started before their sandbox exists), ``runtime`` (runtime,
+``standby`` (standby guests: started before their sandbox exists), ``runtime`` (runtime,
 module cache, worker pool) → ``worker`` (the worker process, run as a script).
 """
 

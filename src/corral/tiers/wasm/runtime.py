@@ -14,8 +14,8 @@ anyone who can write the cache can run code in every sandbox).
 
 Worker pool: one zygote process imports wasmtime and maps the compiled
 module once (``import wasmtime`` alone takes 60-300 ms of CPU here) and forks
-workers on request (1.5 ms each, pages shared).  A few forked spares wait for
-a job; every command takes one, which is replaced in the background.
+workers on request (1.5 ms each, pages shared).  A few forked idle workers wait
+for a job; every command takes one, which is replaced in the background.
 """
 
 from __future__ import annotations
@@ -254,13 +254,13 @@ class Worker:
 
 
 class WorkerPool:
-    """Keeps ``spares`` warm workers, forked by the zygote.  The zygote is started on
+    """Keeps ``idle_workers`` warm workers, forked by the zygote.  The zygote is started on
     one long-lived thread, because its PR_SET_PDEATHSIG fires when the *thread*
     that forked it ends."""
 
-    def __init__(self, module: Path, spares: int = 2) -> None:
+    def __init__(self, module: Path, idle_workers: int = 2) -> None:
         self.module = module
-        self.spares = spares
+        self.idle_workers = idle_workers
         self._ready: list[Worker] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -276,7 +276,7 @@ class WorkerPool:
     def _spawn_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and (len(self._ready) >= self.spares or self._failures >= 3):
+                while not self._closed and (len(self._ready) >= self.idle_workers or self._failures >= 3):
                     self._cond.wait()
                 if self._closed:
                     return
@@ -401,7 +401,7 @@ class WorkerPool:
         return text[-2000:] or f"exit status {worker.proc.returncode}"
 
     def take(self, timeout: float = READY_TIMEOUT) -> Worker:
-        """A warm worker, waiting for one if none is spare."""
+        """A warm worker, waiting for one if no worker is idle."""
         if os.getpid() != self._owner:
             raise HostNotSupported("the wasm worker pool cannot be used from a forked child; create a new tier")
         deadline = time.monotonic() + timeout
@@ -421,7 +421,7 @@ class WorkerPool:
                 self._cond.wait(remaining)
             worker = self._ready.pop(0)
             self._cond.notify_all()
-        if worker.proc.poll() is not None:  # died while spare (e.g. its zygote was killed)
+        if worker.proc.poll() is not None:  # died while an idle worker (e.g. its zygote was killed)
             worker.close()
             return self.take(max(0.1, deadline - time.monotonic()))
         return worker
@@ -444,9 +444,9 @@ class WorkerPool:
             if self._closed:
                 return
             self._closed = True
-            spares, self._ready = self._ready, []
+            idle, self._ready = self._ready, []
             self._cond.notify_all()
         if os.getpid() == self._owner:
-            for worker in spares:
+            for worker in idle:
                 worker.close()
             self._stop_zygote()

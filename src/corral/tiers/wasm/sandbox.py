@@ -64,19 +64,19 @@ class WasmSandbox(TierSandbox):
         spec, tier = self.spec, self._tier
         root = self._run_dir / "fs"
         root.mkdir()
-        guests = tier.spare_guests()
-        spare = guests.take(spec) if guests is not None else None
+        guests = tier.standby_guests()
+        standby = guests.take(spec) if guests is not None else None
         if tier.privileged:
             os.chmod(self._run_dir, 0o711)  # the worker, as the sandbox uid, must reach fs/
-        if spare is not None and guests is not None:
+        if standby is not None and guests is not None:
             # a guest already started, with its own tmpfs and uid: make them this sandbox's
-            self.uid = self.gid = spare.uid
+            self.uid = self.gid = standby.uid
             self._uid_reserved = True
-            self._next = spare.worker
+            self._next = standby.worker
             try:
-                guests.adopt(spare, self.id, root, spec.limits.disk)
+                guests.adopt(standby, self.id, root, spec.limits.disk)
             except BaseException:
-                guests.discard(spare)  # releases the uid: it is no longer ours to release
+                guests.discard(standby)  # releases the uid: it is no longer ours to release
                 self._next = None
                 self._uid_reserved = False
                 raise
@@ -121,7 +121,7 @@ class WasmSandbox(TierSandbox):
     def _launch_worker(self, job: dict[str, Any], worker: Worker | None = None) -> Worker:
         """A warm worker (from the pool unless given), placed in this sandbox's cgroup, given ``job``.
 
-        A spare can die while it waits (its zygote was killed, the OOM killer):
+        An idle worker can die while it waits (its zygote was killed, the OOM killer):
         then the next one is taken.
         """
         for attempt in range(3):
@@ -165,15 +165,15 @@ class WasmSandbox(TierSandbox):
     def _prestart(self) -> None:
         worker: Worker | None = None
         try:
-            spare = self._tier.pool.take()
+            idle = self._tier.pool.take()
             with self._lock:
                 closed = self._closed
-            if closed:  # destroyed meanwhile: the spare is still clean, give it back
-                self._tier.pool.put_back(spare)
+            if closed:  # destroyed meanwhile: the idle worker is still clean, give it back
+                self._tier.pool.put_back(idle)
             else:
                 job = self._job(list(PRESTART_ARGV), {}, self.spec.limits.timeout)
                 job["wait"] = True
-                worker = self._launch_worker(job, spare)
+                worker = self._launch_worker(job, idle)
                 worker.await_started()
         except Exception:  # commands fall back to a fresh start
             worker = None
@@ -239,7 +239,7 @@ class WasmSandbox(TierSandbox):
         with self._lock:
             self._running.discard(process)
             # Not at once: a sandbox is often destroyed right after its last command,
-            # and an interpreter started for nothing costs a spare and a CPU burst.
+            # and an interpreter started for nothing costs an idle worker and a CPU burst.
             if not self._closed and self._tier.prestart:
                 self._prestart_timer = threading.Timer(PRESTART_DELAY, self._prestart_soon)
                 self._prestart_timer.daemon = True
@@ -316,13 +316,13 @@ class WasmSandbox(TierSandbox):
                 return
             self._closed = True
             running = list(self._running)
-            spare, self._next = self._next, None
+            prestarted, self._next = self._next, None
             timer, self._prestart_timer = self._prestart_timer, None
         if timer is not None:
             timer.cancel()
         try:
-            if spare is not None:
-                spare.close()
+            if prestarted is not None:
+                prestarted.close()
             for process in running:
                 process.kill()
             for process in running:

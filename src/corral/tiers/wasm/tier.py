@@ -38,7 +38,7 @@ from .files import openat2_in_root
 from .runtime import Runtime, WorkerPool, default_runtime, ensure_compiled, wasmtime_version
 from .runtime import cached_module_path as _cached_module_path
 from .sandbox import WasmSandbox
-from .spares import SpareGuests
+from .standby import StandbyGuests
 
 #: instructions per CPU-second, measured here (a busy loop burns ~6e9 fuel per CPU-second)
 FUEL_PER_CPU_SECOND = 6_000_000_000
@@ -68,14 +68,14 @@ class WasmTier(Tier):
         ),
     )
 
-    def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, spares: int = 2,
-                 prestart: bool = True, spare_guests: int = 1) -> None:
+    def __init__(self, state_dir: Path, fuel_per_cpu_second: int = FUEL_PER_CPU_SECOND, idle_workers: int = 2,
+                 prestart: bool = True, standby_guests: int = 1) -> None:
         self.state_dir = state_dir
         #: keep one interpreter per sandbox started ahead of its next command (faster
         #: commands, one idle worker process per sandbox); False: no process when idle
         self.prestart = prestart
-        #: guests pre-started for sandboxes not created yet (see .spares; root only)
-        self.spare_guest_count = spare_guests if prestart else 0
+        #: guests pre-started for sandboxes not created yet (see .standby; root only)
+        self.standby_guest_count = standby_guests if prestart else 0
         self.fuel_per_cpu_second = fuel_per_cpu_second
         # the runtime is resolved (and compiled, on a fresh machine) on first create, not
         # here: the janitor builds tiers to reap sandboxes and must not pay for that
@@ -92,9 +92,9 @@ class WasmTier(Tier):
             self.seccomp = bpf_path(state_dir)
         except HostNotSupported:
             self.seccomp = None  # libseccomp missing: wasmtime alone confines the guest
-        self._spares = spares
+        self._idle_workers = idle_workers
         self._pool: WorkerPool | None = None
-        self._spare_guests: SpareGuests | None = None
+        self._standby_guests: StandbyGuests | None = None
         self._pool_lock = threading.Lock()
 
     def _ensure_ready(self) -> Path:
@@ -111,27 +111,27 @@ class WasmTier(Tier):
         module = self._ensure_ready()
         with self._pool_lock:
             if self._pool is None:
-                self._pool = WorkerPool(module, self._spares)
+                self._pool = WorkerPool(module, self._idle_workers)
             return self._pool
 
-    def spare_guests(self) -> SpareGuests | None:
-        if not self.privileged or not self.spare_guest_count:
+    def standby_guests(self) -> StandbyGuests | None:
+        if not self.privileged or not self.standby_guest_count:
             return None
         with self._pool_lock:
-            if self._spare_guests is None:
-                self._spare_guests = SpareGuests(self, self.spare_guest_count)
-                atexit.register(self._spare_guests.close)
-            return self._spare_guests
+            if self._standby_guests is None:
+                self._standby_guests = StandbyGuests(self, self.standby_guest_count)
+                atexit.register(self._standby_guests.close)
+            return self._standby_guests
 
     def fuel_budget(self, cpus: float, timeout: float) -> int:
         """Fuel for a command: ``cpus x timeout`` CPU-seconds, plus CPython's start-up (not charged)."""
         return int(self.fuel_per_cpu_second * cpus * timeout) + STARTUP_FUEL
 
     def close(self) -> None:
-        """Stop the spare workers and guests (they also die with this process)."""
+        """Stop the idle workers and standby guests (they also die with this process)."""
         with self._pool_lock:
             pool, self._pool = self._pool, None
-            guests, self._spare_guests = self._spare_guests, None
+            guests, self._standby_guests = self._standby_guests, None
         if guests is not None:
             guests.close()
         if pool is not None:

@@ -6,16 +6,16 @@ pre-started guest ready: a worker already running ``python -c BOOT w`` as a
 reserved host uid, with its own empty tmpfs preopened as ``/workspace`` and
 ``/tmp``, blocked reading its launch record.  Creating a sandbox adopts it:
 
-- the spare's tmpfs is bind-mounted at the sandbox's ``fs/`` and its original
+- the standby guest's tmpfs is bind-mounted at the sandbox's ``fs/`` and its original
   mount point lazily detached (the guest's preopened directory fds keep
   pointing at the same tmpfs), then remounted with the sandbox's disk size;
 - the reserved uid is handed to the sandbox, the worker joins its cgroup.
 
-Only sandboxes whose limits the spare was started with can adopt it: the
+Only sandboxes whose limits the standby guest was started with can adopt it: the
 store's memory limit and the fuel budget cannot change once a guest runs.
-Spares are built with the default limits, so the common case is covered;
-other sandboxes start their first guest themselves.  Spare directories carry
-their owner's pid, and a new tier removes those of dead owners.
+Standby guests are built with the default limits, so the common case is covered;
+other sandboxes start their first guest themselves.  Standby guests' directories
+carry their owner's pid, and a new tier removes those of dead owners.
 """
 
 from __future__ import annotations
@@ -41,11 +41,13 @@ if TYPE_CHECKING:
 
 MS_BIND = 0x1000
 MS_REMOUNT = 0x20
+# on-disk names keep the old word "spare", so a new version still reaps an old one's leftovers
 OWNER_PREFIX = "wasm-spare:"
+DIRECTORY = "wasm-spares"
 
 
 @dataclass
-class Spare:
+class StandbyGuest:
     worker: Worker
     uid: int
     directory: Path
@@ -53,19 +55,19 @@ class Spare:
     fs: Path
 
 
-class SpareGuests:
+class StandbyGuests:
     """Keeps ``count`` pre-started guests with the default limits (needs root: tmpfs, uids)."""
 
     def __init__(self, tier: WasmTier, count: int = 1) -> None:
         self.tier = tier
         self.count = count
         self.limits = Limits()
-        self.root = tier.state_dir / "wasm-spares"
-        # the spare's guest runs as its own uid: it must be able to reach its tmpfs
+        self.root = tier.state_dir / DIRECTORY
+        # the standby guest runs as its own uid: it must be able to reach its tmpfs
         os.chmod(tier.state_dir, os.stat(tier.state_dir).st_mode | 0o111)
         self.root.mkdir(mode=0o711, exist_ok=True)
-        os.chmod(self.root, 0o711)  # the spare uid must reach its fs/
-        self._ready: list[Spare] = []
+        os.chmod(self.root, 0o711)  # the standby guest's uid must reach its fs/
+        self._ready: list[StandbyGuest] = []
         self._cond = threading.Condition()
         self._closed = False
         self._building = 0
@@ -77,45 +79,45 @@ class SpareGuests:
         return (not read_only and limits.memory == self.limits.memory
                 and limits.cpus * limits.timeout <= self.limits.cpus * self.limits.timeout)
 
-    def take(self, spec: SandboxSpec) -> Spare | None:
-        """A ready spare for ``spec``, or None (never waits); a replacement is started."""
+    def take(self, spec: SandboxSpec) -> StandbyGuest | None:
+        """A ready standby guest for ``spec``, or None (never waits); a replacement is started."""
         if not self.matches(spec):
             return None
         with self._cond:
-            spare = self._ready.pop(0) if self._ready else None
+            standby = self._ready.pop(0) if self._ready else None
         self.fill()
-        if spare is not None and spare.worker.proc.poll() is not None:
-            self.discard(spare)
+        if standby is not None and standby.worker.proc.poll() is not None:
+            self.discard(standby)
             return None
-        return spare
+        return standby
 
     def fill(self) -> None:
         with self._cond:
             if self._closed or len(self._ready) + self._building >= self.count:
                 return
             self._building += 1
-        threading.Thread(target=self._build, name="corral-wasm-spare", daemon=True).start()
+        threading.Thread(target=self._build, name="corral-wasm-standby", daemon=True).start()
 
     def _build(self) -> None:
-        spare: Spare | None = None
+        standby: StandbyGuest | None = None
         try:
-            spare = self._make()
+            standby = self._make()
         except Exception:  # sandboxes start their own guests instead
-            spare = None
+            standby = None
         with self._cond:
             self._building -= 1
-            if spare is not None and not self._closed:
-                self._ready.append(spare)
-                spare = None
-        if spare is not None:
-            self.discard(spare)
+            if standby is not None and not self._closed:
+                self._ready.append(standby)
+                standby = None
+        if standby is not None:
+            self.discard(standby)
 
-    def _make(self) -> Spare:
+    def _make(self) -> StandbyGuest:
         tier = self.tier
         uid = allocate_uid(tier.state_dir, f"{OWNER_PREFIX}{os.getpid()}")
         directory = self.root / f"{os.getpid()}-{secrets.token_hex(6)}"
         fs = directory / "fs"
-        spare: Spare | None = None
+        standby: StandbyGuest | None = None
         try:
             directory.mkdir(mode=0o711)
             fs.mkdir()
@@ -125,7 +127,7 @@ class SpareGuests:
             for path in (fs / "workspace", fs / "tmp"):
                 os.chown(path, uid, uid)
             worker = tier.pool.take()
-            spare = Spare(worker, uid, directory, fs)
+            standby = StandbyGuest(worker, uid, directory, fs)
             job = {
                 "argv": list(PRESTART_ARGV),
                 "env": {},
@@ -140,40 +142,40 @@ class SpareGuests:
             }
             worker.control.sendall(json.dumps(job).encode() + b"\n")
             worker.await_started()
-            return spare
+            return standby
         except BaseException:
-            if spare is not None:
-                self.discard(spare)
+            if standby is not None:
+                self.discard(standby)
             else:
                 mounts.unmount_all(directory)
                 shutil.rmtree(directory, ignore_errors=True)
                 release_uid(tier.state_dir, uid)
             raise
 
-    def adopt(self, spare: Spare, sandbox_id: str, fs: Path, disk: int) -> None:
-        """Move the spare's tmpfs to ``fs`` (a sandbox's), sized ``disk``; the uid becomes the sandbox's."""
-        mounts.mount(str(spare.fs), fs, "", MS_BIND)
-        mounts.umount(spare.fs, lazy=True)  # the guest's open directories keep it alive
-        shutil.rmtree(spare.directory, ignore_errors=True)
+    def adopt(self, standby: StandbyGuest, sandbox_id: str, fs: Path, disk: int) -> None:
+        """Move the standby guest's tmpfs to ``fs`` (a sandbox's), sized ``disk``; the uid becomes the sandbox's."""
+        mounts.mount(str(standby.fs), fs, "", MS_BIND)
+        mounts.umount(standby.fs, lazy=True)  # the guest's open directories keep it alive
+        shutil.rmtree(standby.directory, ignore_errors=True)
         mounts.mount("", fs, "", MS_REMOUNT | mounts.MS_NOSUID | mounts.MS_NODEV, f"size={disk}")
-        owner = self.tier.state_dir / "uids" / str(spare.uid)
+        owner = self.tier.state_dir / "uids" / str(standby.uid)
         owner.write_text(sandbox_id)
 
-    def discard(self, spare: Spare) -> None:
-        spare.worker.close()
-        mounts.unmount_all(spare.directory)
-        shutil.rmtree(spare.directory, ignore_errors=True)
-        release_uid(self.tier.state_dir, spare.uid)
+    def discard(self, standby: StandbyGuest) -> None:
+        standby.worker.close()
+        mounts.unmount_all(standby.directory)
+        shutil.rmtree(standby.directory, ignore_errors=True)
+        release_uid(self.tier.state_dir, standby.uid)
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            spares, self._ready = self._ready, []
-        for spare in spares:
-            self.discard(spare)
+            guests, self._ready = self._ready, []
+        for standby in guests:
+            self.discard(standby)
 
     def reap_stale(self) -> None:
-        """Remove spares (directories, mounts, uids) of owners that died."""
+        """Remove standby guests (directories, mounts, uids) of owners that died."""
         for directory in self.root.iterdir():
             pid = directory.name.split("-", 1)[0]
             if pid.isdigit() and (int(pid) == os.getpid() or process_start_time(int(pid)) is not None):
