@@ -17,6 +17,7 @@
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -73,7 +74,10 @@ static void child_stdio(int in, int out, int err, int terminal) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
-    for (int sig = 1; sig < NSIG; sig++) signal(sig, SIG_DFL); /* SIGKILL/SIGSTOP: EINVAL, fine */
+    /* the raw system call: glibc's signal()/sigaction() refuse the two real-time signals it
+     * keeps for itself (32, 33), which an ignoring parent hands down all the same */
+    struct { void *handler; unsigned long flags; void *restorer; uint64_t mask; } dfl = {SIG_DFL, 0, NULL, 0};
+    for (int sig = 1; sig <= 64; sig++) syscall(SYS_rt_sigaction, sig, &dfl, NULL, sizeof dfl.mask); /* KILL/STOP: EINVAL */
     setsid();
     if (terminal) ioctl(in, TIOCSCTTY, 0);
     dup2(in, 0);
