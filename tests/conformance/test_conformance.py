@@ -158,7 +158,8 @@ def test_no_host_files_visible(sb: Sandbox) -> None:
 
 def test_teardown_leaves_nothing(tier: str, state_dir: Path) -> None:
     sandbox = Sandbox.create(tier=tier)
-    sandbox.commands.run(py("print(1)"))
-    sandbox_id = sandbox.id
-    sandbox.kill()
-    assert sandbox_leftovers(sandbox_id, state_dir) == []
+    try:
+        sandbox.commands.run(py("print(1)"))  # a tier lacking commands is skipped here: still destroy
+    finally:
+        sandbox.kill()
+    assert sandbox_leftovers(sandbox.id, state_dir) == []
