@@ -229,3 +229,19 @@ def test_gvisor_tier_scans_echoes_too(net: TargetNet, state_dir: Path) -> None:
             for c in ("gzip", "chunked"):
                 _assert_no_secret(_raw_file(sb, f"/tmp/{s}-{c}"), placeholder, f"gvisor {s} {c}")
         assert {e.protocol for e in sb.network.audit() if e.kind == "secret-echo"} == {"http", "https"}
+
+
+def test_microvm_tier_scans_echoes_too(net: TargetNet, state_dir: Path) -> None:
+    """The microVM's allow mode reaches the same proxy through its egress bridge: gzip and chunked
+    echoes over HTTP and HTTPS (one VM, curl only: every command costs TCG time)."""
+    skip_unless_tier("microvm", state_dir)
+    with _sandbox(net, tier="microvm", memory="256M") as sb:
+        placeholder = sb.network.env["API_TOKEN"]
+        script = [CLIENTS["curl"].format(out=f"/tmp/{s}-{c}", url=_url(s, "echoenc/vm", c))
+                  for s in ("http", "https") for c in ("gzip", "chunked")]
+        run = sb.commands.run(" && ".join(script), timeout=120)
+        assert run.exit_code == 0, run
+        for s in ("http", "https"):
+            for c in ("gzip", "chunked"):
+                _assert_no_secret(_raw_file(sb, f"/tmp/{s}-{c}"), placeholder, f"microvm {s} {c}")
+        assert {e.protocol for e in sb.network.audit() if e.kind == "secret-echo"} == {"http", "https"}
