@@ -29,6 +29,9 @@ from pathlib import Path
 from corral import Sandbox
 from corral.host import cgroups
 
+# one reading of /proc/PID/cgroup for both files: the expected paths come from the sandbox id
+from .test_session_containment import misplaced, process_tier_pids
+
 COMMANDS = 30
 SEED = int(os.environ.get("CORRAL_CONTAINMENT_SEED", "11"))
 MEMORY = "64M"
@@ -63,70 +66,8 @@ def test_the_cgroup_layout_is_the_one_expected() -> None:
         assert set(layout.controllers.values()) == {cgroups.CGROUP_ROOT}, layout.describe()
 
 
-def _cgroup_lines(pid: int) -> dict[str, str] | None:
-    """controller -> path from /proc/PID/cgroup ("" for the v2 line); None if pid is gone or a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        text = Path(f"/proc/{pid}/cgroup").read_text()
-    except OSError:
-        return None
-    if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-        return None  # holds no memory; its parent (the sandbox's pid 1) reaps it
-    where: dict[str, str] = {}
-    for line in text.splitlines():
-        _, controllers, path = line.split(":", 2)
-        for controller in controllers.split(",") if controllers else [""]:
-            where[controller] = path
-    return where
-
-
-def misplaced(pid: int, sandbox_id: str) -> str | None:
-    """Why ``pid`` is not in every cgroup of ``sandbox_id``; None if it is (or is gone)."""
-    where = _cgroup_lines(pid)
-    if where is None:
-        return None
-    group = f"/{cgroups.PARENT}/{sandbox_id}"
-    layout = cgroups.detect()
-    bad: list[str] = []
-    if layout.version == 1:
-        for controller in ("memory", "pids", "cpu"):
-            path = where.get(controller, "?")
-            if path != group and not path.startswith(group + "/"):
-                bad.append(f"{controller}:{path}")
-    kill_key = "freezer" if layout.kill_mode == "freezer" else ""
-    if not where.get(kill_key, "?").startswith(group + "/"):
-        bad.append(f"{'v2' if layout.version == 2 else 'kill tree'}:{where.get(kill_key)}")
-    if not bad:
-        return None
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        comm = "?"
-    return f"pid {pid} ({comm}) outside {group}: {', '.join(bad)}"
-
-
-def sandbox_pids(sb: Sandbox) -> list[int]:
-    """Every process in the sandbox's pid namespace, found by namespace (not by process tree)."""
-    record = sb._tier_sandbox().reap_record()
-    bwrap = record["bwrap_pid"]
-    assert isinstance(bwrap, int), record
-    children = Path(f"/proc/{bwrap}/task/{bwrap}/children").read_text().split()
-    assert children, "the sandbox's pid 1 is gone"
-    pidns = os.readlink(f"/proc/{children[0]}/ns/pid")
-    assert pidns != os.readlink("/proc/self/ns/pid")
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.readlink(f"/proc/{entry}/ns/pid") == pidns:
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 def check_contained(sb: Sandbox, after: str) -> int:
-    listed = sandbox_pids(sb)
+    listed = process_tier_pids(sb)
     problems = [p for p in (misplaced(pid, sb.id) for pid in listed) if p]
     assert not problems, f"after {after}: {problems}"
     return len(listed)
@@ -136,7 +77,7 @@ def wait_for_process(sb: Sandbox, cmdline: bytes, deadline: float = 30.0) -> int
     """Host pid of the sandbox's process whose command line is ``cmdline`` (NUL-separated)."""
     end = time.monotonic() + deadline
     while time.monotonic() < end:
-        for pid in sandbox_pids(sb):
+        for pid in process_tier_pids(sb):
             try:
                 if Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0") == cmdline:
                     return pid
