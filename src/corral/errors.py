@@ -144,11 +144,14 @@ _CAPACITY_ERRNOS = frozenset({errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.EN
 
 @contextmanager
 def host_errors(doing: str, sandbox_id: str | None = None) -> Iterator[None]:
-    """Let typed errors through; turn a bare ``OSError`` from the tiers or the host layer into a
-    :class:`ResourceLimit` (the host ran out of something) or a :class:`HostError`."""
+    """Let typed errors through (naming ``sandbox_id`` where they did not yet); turn a bare
+    ``OSError`` from the tiers or the host layer into a :class:`ResourceLimit` (the host ran out
+    of something) or a :class:`HostError`."""
     try:
         yield
-    except SandboxError:
+    except SandboxError as exc:
+        if sandbox_id is not None and exc.sandbox_id is None:
+            exc.sandbox_id = sandbox_id  # raised below the lifecycle, where the id was not known
         raise
     except OSError as exc:
         reason = exc.strerror or str(exc)

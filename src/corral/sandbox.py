@@ -70,10 +70,11 @@ class CommandHandle:
     """A command started with ``commands.start``: feed stdin, signal, wait for the result."""
 
     def __init__(self, process: Process, redact: Callable[[str], str] | None = None,
-                 stream: StreamRedactor | None = None) -> None:
+                 stream: StreamRedactor | None = None, sandbox_id: str | None = None) -> None:
         self._process = process
         self._redact = redact
         self._stream = stream
+        self._sandbox_id = sandbox_id
 
     def send_stdin(self, data: str | bytes) -> None:
         self._process.write_stdin(data.encode() if isinstance(data, str) else data)
@@ -101,7 +102,8 @@ class CommandHandle:
         return self._process.done
 
     def wait(self) -> ExecResult:
-        result = self._process.wait()
+        with host_errors("wait for a command", self._sandbox_id):
+            result = self._process.wait()
         if self._stream is not None:
             self._stream.flush()
         if self._redact is not None:
@@ -157,8 +159,8 @@ class Commands:
             if network is not None and network.secrets:
                 stream = StreamRedactor(network.redactor, callback) if callback is not None else None
                 return CommandHandle(inner.start(request, stream.feed if stream else None), network.redact_text,
-                                     stream)
-            return CommandHandle(inner.start(request, callback))
+                                     stream, self._sb.id)
+            return CommandHandle(inner.start(request, callback), sandbox_id=self._sb.id)
 
     def run(
         self,
