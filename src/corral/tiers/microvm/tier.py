@@ -75,7 +75,7 @@ def _check_host() -> None:
 class MicroVMTier(Tier):
     name = "microvm"
     capabilities = Capabilities(
-        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000 in its own guest kernel",
+        network_modes=NETWORK_MODES, pty=True, images=None, users="root inside its own guest kernel",
         guarantees=(
             "its own guest kernel: the host kernel sees only QEMU",
             "QEMU runs as a fresh host uid, under the sandbox's host cgroups",
