@@ -17,7 +17,7 @@ import errno
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +25,7 @@ from pathlib import Path
 from ..errors import ContainmentFailed, HostNotSupported
 from ..spec import Limits
 from . import mounts
+from .procs import exiting
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: every group Corral makes lives below a parent of this name
@@ -104,20 +105,6 @@ def _within(path: str, group: str) -> bool:
     return path == group or path.startswith(group + "/")
 
 
-_PF_EXITING = 0x4
-
-
-def _exiting(pid: int) -> bool:
-    """True if ``pid`` is gone, a zombie, or on its way out (``PF_EXITING``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-    # after the comm: state, ppid, pgrp, session, tty_nr, tpgid, flags
-    return fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
-
-
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
@@ -139,6 +126,17 @@ def _ensure_parent(layout: Layout) -> None:
                         f"cannot enable memory/pids/cpu controllers in {group}: {exc}. "
                         "Run Corral in a cgroup with delegated controllers and no processes of its own"
                     ) from exc
+
+
+def join(procs_files: Iterable[str], pid: int) -> None:
+    """Write ``pid`` into each of ``procs_files`` (a sandbox's :meth:`SandboxCgroup.procs_files`).
+
+    Only open and write: safe between fork and exec, where the launchers call it with their
+    own pid so that everything they start is born inside the groups."""
+    value = str(pid)
+    for path in procs_files:
+        with open(path, "w") as f:
+            f.write(value)
 
 
 def read_pids(group: Path) -> list[int]:
@@ -333,7 +331,7 @@ class SandboxCgroup:
         except OSError as exc:
             raise ContainmentFailed(f"process {pid} could not be placed in sandbox {self.name}'s cgroups: {exc}",
                                     sandbox_id=self.name) from exc
-        if wrong and _exiting(pid):
+        if wrong and exiting(pid):
             # the kernel silently skips a task that is exiting: it will never run again either
             raise ProcessLookupError(pid)
         if wrong:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
 def children(pid: int) -> list[int]:
@@ -36,10 +35,27 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of a process in clock ticks since boot (tells pid reuse apart)."""
+_PF_EXITING = 0x4
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first); None when gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (tells pid reuse apart)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields is not None else None
+
+
+def exiting(pid: int) -> bool:
+    """True if ``pid`` is gone, a zombie, or on its way out (``PF_EXITING``: the kernel no
+    longer moves it between cgroups, and it will never run again)."""
+    fields = _stat(pid)
+    # state, ppid, pgrp, session, tty_nr, tpgid, flags
+    return fields is None or fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)

@@ -149,10 +149,7 @@ class BuildBox:
         uid = self.uid
 
         def join_and_drop() -> None:
-            pid = str(os.getpid())
-            for path in procs_files:
-                with open(path, "w") as f:
-                    f.write(pid)
+            cgroups.join(procs_files, os.getpid())
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)

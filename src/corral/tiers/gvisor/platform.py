@@ -113,9 +113,7 @@ def probe_platform(runsc: Path, name: str, state_dir: Path, deadline: float) -> 
     procs_files = group.procs_files(group.leaf("probe"))
 
     def join() -> None:
-        for path in procs_files:
-            with open(path, "w") as f:
-                f.write(str(os.getpid()))
+        cgroups.join(procs_files, os.getpid())
 
     argv = [str(runsc), "--root", str(root), "--platform", name, "--network", "none", "--ignore-cgroups",
             "--log", str(root / "log"), "do", "--", "/bin/uname", "-r"]

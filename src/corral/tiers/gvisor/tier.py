@@ -258,10 +258,7 @@ class GVisorSandbox(LinuxSandbox):
 
         def prepare() -> None:
             # between fork and exec: everything runsc starts inherits these groups
-            pid = str(os.getpid())
-            for path in procs_files:
-                with open(path, "w") as f:
-                    f.write(pid)
+            cgroups.join(procs_files, os.getpid())
             if hide is not None:
                 hide()
 

@@ -22,7 +22,7 @@ from ...errors import HostNotSupported, SandboxClosed
 from ...host import cgroups
 from ...host.bwrap import check_host
 from ...host.netns import NETNS_DIR
-from ...host.procs import descendants
+from ...host.procs import children, descendants
 from ...host.seccomp import bpf_path
 from ...images import SANDBOX_UID
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
@@ -146,7 +146,7 @@ class ProcessSandbox(LinuxSandbox):
         # the cgroups it was forked in: so the agent (``--hold``) forks nothing
         # -- no relay, no spare, no command -- until every process of the
         # sandbox has been checked (and, if need be, moved) and GO is sent.
-        self._join(self._proc.pid, procs_files)
+        cgroups.join(procs_files, self._proc.pid)
         self._channel = AgentChannel(from_agent_r, to_agent_w)
         self._channel.on_spare = lambda nspid: PLACER.schedule(lambda: self._place_spare(nspid))
         self._channel.wait_ready(START_TIMEOUT)
@@ -154,29 +154,18 @@ class ProcessSandbox(LinuxSandbox):
             self.cgroup.contain(pid, leaf)
         self._channel.send(T_GO, 0)
 
-    @staticmethod
-    def _join(pid: int, procs_files: list[str]) -> None:
-        for path in procs_files:
-            with open(path, "w") as f:
-                f.write(str(pid))
-
     # -- commands ----------------------------------------------------------
     def _agent_host_pid(self) -> int:
         if self._agent_pid is None:
             assert self._proc is not None
-            children = Path(f"/proc/{self._proc.pid}/task/{self._proc.pid}/children").read_text().split()
-            if not children:
+            below = children(self._proc.pid)
+            if not below:
                 raise SandboxClosed("the sandbox's init process is gone")
-            self._agent_pid = int(children[0])
+            self._agent_pid = below[0]
         return self._agent_pid
 
     def _host_pid(self, nspid: int) -> int | None:
-        agent = self._agent_host_pid()
-        try:
-            children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-        except FileNotFoundError:
-            return None
-        for child in children:
+        for child in children(self._agent_host_pid()):
             try:
                 for line in Path(f"/proc/{child}/status").read_text().splitlines():
                     if line.startswith("NSpid:"):
