@@ -309,20 +309,9 @@ def test_a_host_failure_is_a_typed_error_naming_the_sandbox(tmp_path: Path) -> N
 
 
 def test_errors_about_a_sandbox_name_it(sandbox: Sandbox) -> None:
-    from corral.errors import ContainmentFailed, FileNotFoundInSandbox
+    # (a command's ContainmentFailed: test_session_containment's leaf refusal checks its id)
+    from corral.errors import FileNotFoundInSandbox
 
     with pytest.raises(FileNotFoundInSandbox) as missing:  # raised by the agent channel, below the lifecycle
         sandbox.files.read("/no/such/file")
     assert missing.value.sandbox_id == sandbox.id
-    inner = sandbox._inner
-    cgroup = getattr(inner, "cgroup", None)
-    limit = cgroup.kill_group / "cgroup.max.descendants" if cgroup is not None else None
-    if limit is None or not limit.exists():
-        return
-    limit.write_text(str(sum(1 for p in cgroup.kill_group.iterdir() if p.is_dir())))
-    try:
-        with pytest.raises(ContainmentFailed) as refused:
-            sandbox.commands.start("true", pty=(24, 80)).wait()
-        assert refused.value.sandbox_id == sandbox.id
-    finally:
-        limit.write_text("max")

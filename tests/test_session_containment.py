@@ -330,8 +330,9 @@ def test_a_command_whose_leaf_cannot_be_made_is_not_run() -> None:
             pytest.skip("the kill tree is a v1 freezer: no cgroup.max.descendants to refuse a leaf")
         limit.write_text(str(sum(1 for p in inner.cgroup.kill_group.iterdir() if p.is_dir())))
         # a PTY command never runs in the spare, so it needs a new leaf
-        with pytest.raises(ContainmentFailed):
+        with pytest.raises(ContainmentFailed) as refused:
             sb.commands.start("touch /tmp/ran", pty=(24, 80)).wait()
+        assert refused.value.sandbox_id == sb.id
         limit.write_text("max")
         assert not sb.files.exists("/tmp/ran"), "the refused command ran"
         assert sb.commands.run("echo fine").stdout == "fine\n"
