@@ -458,7 +458,10 @@ def test_killed_owner_is_reaped_by_gc(state_dir: Path, network: str) -> None:
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-    assert _alive(pid), "QEMU died with its owner: gc is not exercised"
+    if not _alive(pid):  # seen once in a background make test run (issue 11's loop): keep what QEMU said
+        log = state_dir / "sandboxes" / sandbox_id / "qemu.log"
+        said = log.read_text(errors="replace")[-2000:] if log.exists() else "(no qemu.log)"
+        pytest.fail(f"QEMU died with its owner: gc is not exercised; its log ends:\n{said}")
     assert sandbox_leftovers(sandbox_id, state_dir) != []
     run_gc(sandbox_id)
     assert not _alive(pid)
