@@ -165,15 +165,19 @@ class ProcessSandbox(LinuxSandbox):
         return self._agent_pid
 
     def _host_pid(self, nspid: int) -> int | None:
-        for child in children(self._agent_host_pid()):
-            try:
-                for line in Path(f"/proc/{child}/status").read_text().splitlines():
-                    if line.startswith("NSpid:"):
-                        if int(line.split()[-1]) == nspid:
-                            return int(child)
-                        break
-            except (FileNotFoundError, ProcessLookupError):
-                continue
+        # /proc/PID/task/TID/children is read by position: a sibling reaped during the read
+        # can make it skip a live child (seen with commands finishing on other threads), so a
+        # miss is read again before the child counts as gone
+        for _ in range(5):
+            for child in children(self._agent_host_pid()):
+                try:
+                    for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                        if line.startswith("NSpid:"):
+                            if int(line.split()[-1]) == nspid:
+                                return int(child)
+                            break
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
         return None
 
     def _new_leaf(self, cgroup: cgroups.SandboxCgroup) -> Path:
