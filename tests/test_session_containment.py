@@ -429,3 +429,22 @@ with Sandbox.create() as sb:
     ignored, handler = out.stdout.split("\n", 1)
     assert int(ignored, 16) == 0, ignored
     assert "default_int_handler" in handler, handler
+
+
+@pytest.mark.parametrize("how", ["signal", "kill"])
+def test_a_command_signalled_before_it_is_placed_ends_by_that_signal_and_never_runs(how: str) -> None:
+    # start() returns before the host has placed the command (it is held, not yet exec'd): the
+    # caller's own SIGTERM or kill() then ends it, which is that signal's result, not a
+    # containment failure (the REST stream test saw ContainmentFailed once in ten runs); and a
+    # kill that lands before placement must still mean the command never runs
+    signum = 15 if how == "signal" else 9
+    with Sandbox.create() as sb:
+        for round_ in range(20):
+            handle = sb.commands.start(f"sleep 1; touch /tmp/ran{round_}", timeout=20)
+            if how == "signal":
+                handle.send_signal(signum)
+            else:
+                handle.kill()
+            result = handle.wait()
+            assert result.exit_code == 128 + signum, (round_, result)
+        assert sb.commands.run("ls /tmp").stdout.split() == []

@@ -11,6 +11,7 @@ ignored, and timeouts are enforced here, by killing the command's cgroup (the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import threading
@@ -301,6 +302,10 @@ class AgentProcess(Process):
         self._error = ""
         #: why the command could not be placed in the sandbox's cgroups (it was killed before exec)
         self._unplaced = ""
+        #: its process was gone when placed: held before exec, it never ran the user's code
+        self._gone_before_placed = False
+        #: signals the caller sent (kill() is 9): a held process they ended is not a containment failure
+        self._requested_signals: set[int] = set()
         self._timed_out = False
         self.pid: int | None = None
         #: set by the tier's ``finish`` hook (from cgroup counters)
@@ -308,11 +313,13 @@ class AgentProcess(Process):
 
     # reader-thread callbacks
     def _started(self, nspid: int) -> None:
-        self.pid = nspid
         reason = "its process is gone"
         try:
             # None means "nothing to place" (a tier whose kill tree lives elsewhere)
             placed = self._place(nspid) is not False
+            self._gone_before_placed = not placed
+        except ProcessLookupError:
+            placed, self._gone_before_placed = False, True
         except Exception as exc:  # any failure to place means the command must not run
             placed, reason = False, str(exc)
         if placed:
@@ -321,6 +328,8 @@ class AgentProcess(Process):
             # fail closed: a command outside its cgroups would escape the limits and outlive a timeout
             self._unplaced = f"could not place the command in the sandbox's cgroups ({reason}); it was not run"
             self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
+        # published only now: a signal sent once the pid is known reaches a placed, running process
+        self.pid = nspid
 
     def _output(self, stream: str, chunk: bytes) -> None:
         buf = self._out[stream]
@@ -357,10 +366,27 @@ class AgentProcess(Process):
         self._channel.send(T_STDIN_EOF, self._id)
 
     def send_signal(self, signum: int) -> None:
+        self._requested_signals.add(signum)
         self._channel.send(T_SIGNAL, self._id, struct.pack("<i", signum))
 
     def kill(self) -> None:
+        self._requested_signals.add(9)
+        # the cgroup kill below misses a command not yet placed in its leaf; the agent's kill
+        # reaches it while it is held, so it never runs
+        with contextlib.suppress(OSError, SandboxClosed):
+            self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
         self._kill()
+
+    def _containment_failed(self) -> bool:
+        """Placement failed, and not because the caller's own signal ended the held process."""
+        if not self._unplaced:
+            return False
+        status = self._status
+        ended_by_caller = (
+            self._gone_before_placed and status is not None and os.WIFSIGNALED(status)
+            and os.WTERMSIG(status) in self._requested_signals
+        )
+        return not ended_by_caller
 
     def resize(self, rows: int, cols: int) -> None:
         self._channel.send(T_RESIZE, self._id, struct.pack("<HH", rows, cols))
@@ -377,7 +403,7 @@ class AgentProcess(Process):
                 if self._finish is not None:
                     self._finish(self)
                 self._result = self.result()
-        if self._unplaced:
+        if self._containment_failed():
             raise ContainmentFailed(self._unplaced, self._result)
         return self._result
 
@@ -396,8 +422,9 @@ class AgentProcess(Process):
         else:
             exit_code = os.WEXITSTATUS(status)
         stderr = self._out["stderr"].decode(errors="replace")
-        error = self._unplaced or self._error
-        if error and (status is None or self._unplaced):
+        unplaced = self._unplaced if self._containment_failed() else ""
+        error = unplaced or self._error
+        if error and (status is None or unplaced):
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {error}\n"
         if self._timed_out:
             exit_code = 124
