@@ -20,7 +20,8 @@ _EXPORTS = {
     "FileEntry": "corral.tiers.base",
 }
 _ERRORS = (
-    "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "ExecError",
+    "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "InvalidState",
+    "SandboxPaused", "ExecError",
     "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "HostError", "FileError",
     "FileNotFoundInSandbox",
     "ImageBuildFailed", "TransportError", "ConnectionLost", "Unauthorized", "ServerError",

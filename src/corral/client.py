@@ -334,11 +334,23 @@ class RemoteSandbox:
         """Destroy the sandbox ``seconds`` from now (within the server's max lifetime)."""
         self.info = self._client.request("POST", f"{self._path}/timeout", json={"timeout": seconds})
 
+    def pause(self) -> None:
+        """As :meth:`corral.Sandbox.pause`."""
+        self.info = self._client.request("POST", f"{self._path}/pause")
+
+    def resume(self) -> None:
+        """As :meth:`corral.Sandbox.resume`."""
+        self.info = self._client.request("POST", f"{self._path}/resume")
+
+    @property
+    def paused(self) -> bool:
+        return not self._killed and self.refresh().get("state") == "paused"
+
     def is_running(self) -> bool:
         if self._killed:
             return False
         try:
-            return self.refresh().get("state") == "running"
+            return self.refresh().get("state") in ("running", "paused")
         except SandboxNotFound:
             return False
 

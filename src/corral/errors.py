@@ -8,6 +8,8 @@ can catch one class.  The tree::
     ├── HostNotSupported       this host cannot run the requested tier
     ├── SandboxNotFound        no live sandbox with that id (or not yours)
     ├── SandboxClosed          the sandbox was destroyed or died
+    ├── InvalidState           the call does not fit the sandbox's state (resume one not paused)
+    │   └── SandboxPaused      the sandbox is paused: resume it first
     ├── ExecError              a command could not run to an outcome
     │   ├── ExecTimeout        a command hit its wall-clock timeout
     │   ├── OutOfMemory        a command was killed by the memory limit
@@ -86,6 +88,20 @@ class SandboxClosed(SandboxError):
     """The sandbox was destroyed, or its processes died, before the operation could run."""
 
     code = "sandbox_closed"
+
+
+class InvalidState(SandboxError):
+    """The call does not fit the sandbox's state: pausing a paused sandbox, resuming one that is
+    not paused, pausing on a tier that cannot."""
+
+    code = "invalid_state"
+
+
+class SandboxPaused(InvalidState):
+    """The sandbox is paused (its processes frozen): commands and file calls wait for ``resume()``;
+    they are refused rather than left to hang."""
+
+    code = "sandbox_paused"
 
 
 class ExecError(SandboxError):

@@ -328,6 +328,23 @@ class Sandbox:
     def is_running(self) -> bool:
         return self._inner is not None and self._inner.alive()
 
+    @property
+    def paused(self) -> bool:
+        return self._inner is not None and self._inner.paused
+
+    def pause(self) -> None:
+        """Freeze the sandbox: its processes stop where they are and keep their memory, no CPU
+        is used, and running commands' timeouts stop counting.  Commands and file calls raise
+        :class:`SandboxPaused` until :meth:`resume`.  Raises :class:`InvalidState` on a tier
+        that cannot pause (``Capabilities.pause``) and on a sandbox already paused."""
+        with host_errors("pause the sandbox", self.id):
+            self._tier_sandbox().pause()
+
+    def resume(self) -> None:
+        """Let a paused sandbox run on from where it stopped (:class:`InvalidState` if it is not paused)."""
+        with host_errors("resume the sandbox", self.id):
+            self._tier_sandbox().resume()
+
     def run_code(self, code: str, *, language: str = "python", timeout: float | None = None,
                  **callbacks: Any) -> Any:
         """Run a cell in this sandbox's persistent interpreter; returns an E2B-shaped
@@ -358,7 +375,7 @@ class Sandbox:
         self.kill()
 
     def __repr__(self) -> str:
-        state = "running" if self.is_running() else "closed"
+        state = ("paused" if self.paused else "running") if self.is_running() else "closed"
         return f"<Sandbox {self.id} {self.spec.tier}:{self.spec.image} {state}>"
 
 
@@ -422,6 +439,20 @@ class AsyncSandbox:
     @property
     def network(self) -> SandboxNetwork:
         return self._sync.network
+
+    @property
+    def paused(self) -> bool:
+        return self._sync.paused
+
+    async def pause(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._sync.pause)
+
+    async def resume(self) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._sync.resume)
 
     async def kill(self) -> None:
         """Destroy the sandbox (as :meth:`Sandbox.kill`); :meth:`close` is an alias."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import ContainmentFailed, HostNotSupported
+from ..errors import ContainmentFailed, HostError, HostNotSupported
 from ..spec import Limits
 from . import mounts
 from .procs import exiting
@@ -390,6 +390,31 @@ class SandboxCgroup:
             return int((self._memory / name).read_text())
         except (FileNotFoundError, ValueError):
             return 0
+
+    def freeze(self, frozen: bool, deadline: float = 5.0) -> None:
+        """Freeze (or thaw) every process of the sandbox, and return once the kernel reports it
+        done.  The kill tree holds every process, so one write covers them all; its leaves, made
+        later too, inherit the state.  A freeze that does not complete is undone."""
+        if self.layout.kill_mode == "freezer":
+            state_file, want = self.kill_group / "freezer.state", "FROZEN" if frozen else "THAWED"
+            _write(state_file, want)
+
+            def reached() -> bool:
+                return state_file.read_text().strip() == want
+        else:
+            events = self.kill_group / "cgroup.events"
+            _write(self.kill_group / "cgroup.freeze", "1" if frozen else "0")
+
+            def reached() -> bool:
+                return f"frozen {int(frozen)}" in events.read_text().splitlines()
+        end = time.monotonic() + deadline
+        while not reached():
+            if time.monotonic() > end:
+                if frozen:
+                    self.freeze(False, deadline)
+                raise HostError(f"cgroup {self.name}: the kernel did not report it {'frozen' if frozen else 'thawed'} "
+                                f"within {deadline:g} s", sandbox_id=self.name)
+            time.sleep(0.0005)
 
     def pids(self) -> list[int]:
         return sorted({pid for g in [self.kill_group, *self.kill_group.rglob("*")] if g.is_dir() for pid in read_pids(g)})

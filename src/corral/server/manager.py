@@ -55,7 +55,7 @@ class Entry:
         spec.pop("workspace", None)
         return {
             "id": self.sandbox.id,
-            "state": "running" if self.sandbox.is_running() else "stopped",
+            "state": ("paused" if self.sandbox.paused else "running") if self.sandbox.is_running() else "stopped",
             "spec": spec,
             "created_at": self.created,
             "expires_at": self.expires_at,
@@ -234,7 +234,9 @@ class SandboxManager:
     def expired(self, now: float) -> list[str]:
         with self._lock:
             return [sid for sid, e in self._entries.items()
-                    if now >= e.expires_at or (e.active_execs == 0 and now - e.last_used >= e.idle_timeout)
+                    # a paused sandbox waits for resume(): only its lifetime ends it
+                    if now >= e.expires_at or (e.active_execs == 0 and not e.sandbox.paused
+                                               and now - e.last_used >= e.idle_timeout)
                     or not e.sandbox.is_running()]
 
     async def _reap_loop(self) -> None:

@@ -1,8 +1,9 @@
-"""``/v1/sandboxes``: create, list, describe, destroy, extend; run a command, a code cell;
-read the egress audit."""
+"""``/v1/sandboxes``: create, list, describe, destroy, extend, pause, resume; run a command, a
+code cell; read the egress audit."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Response
@@ -50,6 +51,21 @@ async def delete_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> Response
 async def set_timeout(sandbox_id: str, body: TimeoutBody, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
     ctx.manager.extend(entry, body.timeout)
+    return entry.to_dict()
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/pause", summary="Freeze a sandbox until it is resumed (409 if already paused)")
+async def pause_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    await ctx.run_blocking(entry.sandbox.pause)
+    return entry.to_dict()
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/resume", summary="Let a paused sandbox run on (409 if not paused)")
+async def resume_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    await ctx.run_blocking(entry.sandbox.resume)
+    entry.last_used = time.time()
     return entry.to_dict()
 
 

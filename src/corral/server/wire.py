@@ -19,6 +19,7 @@ from ..errors import (
     FileNotFoundInSandbox,
     HostNotSupported,
     InvalidSpec,
+    InvalidState,
     ResourceLimit,
     SandboxClosed,
     SandboxError,
@@ -30,6 +31,7 @@ from ..errors import (
 STATUS: tuple[tuple[type[SandboxError], int], ...] = (
     (Unauthorized, 401), (SandboxNotFound, 404), (FileNotFoundInSandbox, 404), (InvalidSpec, 400),
     (ResourceLimit, 429), (SandboxClosed, 410), (FileError, 400), (HostNotSupported, 503),
+    (InvalidState, 409),
 )
 
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..errors import InvalidState
 from ..spec import SandboxSpec
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class Capabilities:
     users: str
     #: the isolation guarantees it makes, one short line each (docs list the test of each)
     guarantees: tuple[str, ...] = ()
+    #: whether its sandboxes can be paused and resumed (:meth:`TierSandbox.pause`)
+    pause: bool = False
 
 
 class Process(ABC):
@@ -189,6 +192,20 @@ class TierSandbox(ABC):
 
     @abstractmethod
     def alive(self) -> bool: ...
+
+    @property
+    def paused(self) -> bool:
+        return False
+
+    def pause(self) -> None:
+        """Freeze every process of the sandbox until :meth:`resume`: memory stays held, no CPU is
+        used, commands' timeouts stop running, and commands and file calls raise
+        :class:`~corral.errors.SandboxPaused` meanwhile."""
+        raise InvalidState(f"sandbox {self.id}: its tier cannot pause sandboxes", sandbox_id=self.id)
+
+    def resume(self) -> None:
+        """Let a paused sandbox run again, from where it stopped."""
+        raise InvalidState(f"sandbox {self.id} is not paused", sandbox_id=self.id)
 
     @abstractmethod
     def close(self) -> None:

@@ -85,6 +85,7 @@ class GVisorTier(Tier):
             "memory overruns are per-command OOM kills (the memory guard)",
             "nothing survives the sandbox or its owner",
         ),
+        pause=True,
     )
 
     def __init__(self, state_dir: Path) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, SandboxClosed
 from ..base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
+from .pause import PauseClock
 
 if TYPE_CHECKING:
     pass
@@ -59,6 +60,8 @@ class AgentChannel:
         self.closed = threading.Event()
         #: called (on the reader thread) with the pid of each spare the agent forks (``--spare``)
         self.on_spare: Callable[[int], None] | None = None
+        #: time the sandbox spent paused: commands' timeouts do not run meanwhile
+        self.pause_clock = PauseClock()
         self._thread = threading.Thread(target=self._read_loop, name="corral-agent-reader", daemon=True)
         self._thread.start()
 
@@ -295,6 +298,7 @@ class AgentProcess(Process):
         self._place = place
         self._kill = kill
         self._start = time.monotonic()
+        self._paused_before = channel.pause_clock.paused_total()
         self._done = threading.Event()
         self._out = {"stdout": bytearray(), "stderr": bytearray()}
         self._truncated = False
@@ -391,9 +395,18 @@ class AgentProcess(Process):
     def resize(self, rows: int, cols: int) -> None:
         self._channel.send(T_RESIZE, self._id, struct.pack("<HH", rows, cols))
 
+    def _deadline(self) -> float:
+        # moved on by every second the sandbox spent paused since the command started
+        paused = self._channel.pause_clock.paused_total() - self._paused_before
+        return self._start + self._request.timeout + paused
+
     def wait(self) -> ExecResult:
-        deadline = self._start + self._request.timeout
-        if not self._done.wait(max(0.0, deadline - time.monotonic())):
+        while not self._done.is_set():
+            remaining = self._deadline() - time.monotonic()
+            if remaining <= 0:
+                break
+            self._done.wait(remaining)
+        if not self._done.is_set():
             self._timed_out = True
             self._kill()
             if not self._done.wait(5.0):

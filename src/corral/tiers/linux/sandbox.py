@@ -20,13 +20,14 @@ reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 from abc import abstractmethod
 from pathlib import Path
 
 from ...egress.network import SandboxNetwork
-from ...errors import SandboxClosed
+from ...errors import InvalidState, SandboxClosed, SandboxError, SandboxPaused
 from ...host import cgroups, mounts
 from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
@@ -105,7 +106,35 @@ class LinuxSandbox(TierSandbox):
             raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         if self._channel.closed.is_set():
             raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)", sandbox_id=self.id)
+        if self._channel.pause_clock.paused:
+            # its agent is frozen: a call would hang until resume() instead of failing
+            raise SandboxPaused(f"sandbox {self.id} is paused: resume() it first", sandbox_id=self.id)
         return self._channel
+
+    # -- pause -------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return self._channel is not None and self._channel.pause_clock.paused
+
+    def pause(self) -> None:
+        with self._lock:
+            channel, cgroup = self._live()  # refuses a closed or already paused sandbox
+            # the clock first: a command's wait must not count frozen time, however short
+            channel.pause_clock.pause()
+            try:
+                cgroup.freeze(True)
+            except BaseException:
+                channel.pause_clock.resume()
+                raise
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._closed or self._channel is None or self.cgroup is None:
+                raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
+            if not self._channel.pause_clock.paused:
+                raise InvalidState(f"sandbox {self.id} is not paused", sandbox_id=self.id)
+            self.cgroup.freeze(False)
+            self._channel.pause_clock.resume()
 
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()
@@ -147,6 +176,12 @@ class LinuxSandbox(TierSandbox):
             if self._closed:
                 return
             self._closed = True
+            if self.paused and self.cgroup is not None:
+                # the tiers stop their guest by asking it to exit, which a frozen one cannot do
+                with contextlib.suppress(OSError, SandboxError):
+                    self.cgroup.freeze(False)
+                if self._channel is not None:
+                    self._channel.pause_clock.resume()
         try:
             self._stop()
             if self.cgroup is not None:

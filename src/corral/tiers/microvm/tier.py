@@ -81,6 +81,7 @@ class MicroVMTier(Tier):
             "QEMU runs as a fresh host uid, under the sandbox's host cgroups",
             "nothing survives the sandbox or its owner",
         ),
+        pause=True,
     )
 
     def __init__(self, state_dir: Path) -> None:

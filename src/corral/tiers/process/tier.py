@@ -48,6 +48,7 @@ class ProcessTier(Tier):
             "every process is under the memory, pids, CPU and disk limits for its whole life",
             "a timeout kills the command's whole tree; nothing survives the sandbox or its owner",
         ),
+        pause=True,
     )
 
     def __init__(self, state_dir: Path) -> None:

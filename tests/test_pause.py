@@ -1,0 +1,166 @@
+"""Pausing and resuming a live sandbox (issue 18, its first part).
+
+A paused sandbox's processes are frozen in its cgroup: a counter loop inside
+does not advance, a running command's timeout does not fire, memory stays
+held; after ``resume()`` everything continues from where it stopped.  Calls
+that need the frozen agent are refused with a typed error instead of hanging,
+and bad state transitions are typed errors (409 over REST).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from corral import InvalidState, Sandbox, SandboxPaused
+from corral.host import cgroups
+
+from .server_fixtures import KEYS, ServerProcess
+from .tier_probe import skip_unless_tier
+
+#: appends a line per 20 ms tick to /tmp/ticks, forever
+COUNTER = "while :; do echo x >> /tmp/ticks; sleep 0.02; done"
+
+
+def ticks(sb: Sandbox) -> int:
+    if not sb.files.exists("/tmp/ticks"):
+        return 0
+    return len(sb.files.read("/tmp/ticks").splitlines())
+
+
+def wait_for_ticks(sb: Sandbox, at_least: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while ticks(sb) < at_least:
+        assert time.monotonic() < deadline, "the counter never ticked"
+        time.sleep(0.02)
+
+
+def pause_and_check_frozen(sb: Sandbox, frozen_for: float) -> None:
+    sb.pause()
+    assert sb.paused
+    with pytest.raises(SandboxPaused):
+        sb.files.read("/tmp/ticks")
+    # frozen: every process of the sandbox is stopped, as the kernel reports it
+    cgroup = sb._tier_sandbox().cgroup  # type: ignore[attr-defined]
+    if cgroup.layout.kill_mode == "freezer":
+        assert (cgroup.kill_group / "freezer.state").read_text().strip() == "FROZEN"
+    else:
+        assert "frozen 1" in (cgroup.kill_group / "cgroup.events").read_text().splitlines()
+    time.sleep(frozen_for)
+    sb.resume()
+    assert not sb.paused
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor", "microvm"])
+def test_a_paused_sandbox_does_not_advance_and_its_timeouts_wait(tier: str, state_dir: Path) -> None:
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    with Sandbox.create(tier=tier, memory="256M") as sb:
+        counter = sb.commands.start(COUNTER, timeout=600)
+        wait_for_ticks(sb, 3)
+        # a command with 3 s left when the sandbox is paused for 4 s still finishes
+        slow = sb.commands.start("sleep 1.5; echo finished", timeout=3)
+        before_pause = ticks(sb)
+        sb.pause()
+        time.sleep(4)
+        sb.resume()
+        after_resume = ticks(sb)
+        # at most the tick in flight when the freeze landed
+        assert after_resume - before_pause <= 1, (before_pause, after_resume)
+        result = slow.wait()
+        assert result.exit_code == 0 and not result.timed_out and result.stdout == "finished\n", result
+        wait_for_ticks(sb, after_resume + 3)  # and it runs on
+        counter.kill()
+        counter.wait()
+
+
+def test_pause_states_are_typed_errors_and_a_paused_sandbox_is_destroyed_whole() -> None:
+    sb = Sandbox.create()
+    try:
+        with pytest.raises(InvalidState):
+            sb.resume()  # not paused
+        sb.commands.start(COUNTER, timeout=600)
+        wait_for_ticks(sb, 2)
+        pause_and_check_frozen(sb, 0.2)
+        sb.pause()
+        with pytest.raises(SandboxPaused):
+            sb.pause()
+        with pytest.raises(SandboxPaused):
+            sb.commands.run("true")
+        assert "paused" in repr(sb)
+        group = sb.id
+    finally:
+        sb.kill()  # while paused: nothing of it may survive
+    assert group not in cgroups.list_sandbox_groups()
+    with pytest.raises(Exception) as closed:
+        sb.resume()
+    assert not isinstance(closed.value, InvalidState)
+
+
+def test_a_tier_that_cannot_pause_says_so(state_dir: Path) -> None:
+    skip_unless_tier("wasm", state_dir)
+    with Sandbox.create(tier="wasm") as sb:
+        with pytest.raises(InvalidState, match="cannot pause"):
+            sb.pause()
+        assert sb.commands.run(["python", "-c", "print(1)"]).stdout == "1\n"
+
+
+def test_many_pause_resume_cycles_lose_no_output() -> None:
+    # the 300th command after pauses behaves as the first: output complete, exit codes right
+    with Sandbox.create() as sb:
+        for round_ in range(30):
+            handle = sb.commands.start(f"for i in 1 2 3; do echo {round_}-$i; sleep 0.01; done; exit {round_ % 5}",
+                                       timeout=30)
+            sb.pause()
+            sb.resume()
+            result = handle.wait()
+            assert result.exit_code == round_ % 5, result
+            assert result.stdout.split() == [f"{round_}-{i}" for i in (1, 2, 3)], result
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-pause", keys=KEYS, config={"idle_timeout": 2}) as srv:
+        yield srv
+
+
+def test_pause_and_resume_over_rest_for_the_owner_only(server: ServerProcess) -> None:
+    with server.client("alice") as alice, server.client("bob") as bob:
+        response = alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}, "idle_timeout": 2})
+        assert response.status_code == 201, response.text
+        sid = response.json()["id"]
+        try:
+            assert alice.post(f"/v1/sandboxes/{sid}/resume").status_code == 409
+            assert bob.post(f"/v1/sandboxes/{sid}/pause").status_code == 404
+            paused = alice.post(f"/v1/sandboxes/{sid}/pause")
+            assert paused.status_code == 200 and paused.json()["state"] == "paused", paused.text
+            refused = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "true"})
+            assert refused.status_code == 409 and refused.json()["error"] == "sandbox_paused", refused.text
+            # paused past its idle timeout: a paused sandbox waits for resume, only its lifetime ends it
+            time.sleep(3.5)
+            resumed = alice.post(f"/v1/sandboxes/{sid}/resume")
+            assert resumed.status_code == 200 and resumed.json()["state"] == "running", resumed.text
+            ran = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo ok"})
+            assert ran.status_code == 200 and ran.json()["stdout"] == "ok\n", ran.text
+        finally:
+            alice.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_the_remote_sdk_pauses_and_resumes(server: ServerProcess) -> None:
+    from corral.client import RemoteSandbox
+
+    with RemoteSandbox.create(url=server.url, api_key=KEYS["alice"], memory="128M") as sb:
+        sb.pause()
+        assert sb.paused and sb.is_running()
+        with pytest.raises(SandboxPaused):
+            sb.commands.run("true")
+        with pytest.raises(InvalidState):
+            sb.pause()
+        sb.resume()
+        assert sb.commands.run("echo back").stdout == "back\n"
+        with httpx.Client(base_url=server.url) as anonymous:
+            assert anonymous.post(f"/v1/sandboxes/{sb.id}/pause").status_code == 401
