@@ -5,7 +5,10 @@ Imports are lazy so that ``corral run`` starts fast.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+# not `from typing import TYPE_CHECKING`: importing typing costs `corral run` several ms,
+# and the fast path through the local daemon imports nothing else of Corral (mypy treats a
+# name TYPE_CHECKING as true either way)
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
@@ -30,6 +33,8 @@ _ERRORS = (
 __all__ = [*_EXPORTS, *_ERRORS]
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from .errors import *  # noqa: F403
     from .sandbox import AsyncSandbox as AsyncSandbox
     from .sandbox import Sandbox as Sandbox

@@ -7,10 +7,14 @@ imported only to build the parser (their heavy imports stay inside handlers).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+
+# not typing.TYPE_CHECKING: `corral run`'s fast path imports nothing it does not need
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
 
 #: sub-command -> the module that registers it (in help order)
 COMMAND_MODULES = {
@@ -21,6 +25,7 @@ COMMAND_MODULES = {
     "image": "corral.cli.image",
     "code": "corral.cli.code",
     "serve": "corral.cli.serve",
+    "daemon": "corral.cli.daemon",
     "ls": "corral.cli.remote",
     "exec": "corral.cli.remote",
     "rm": "corral.cli.remote",
@@ -50,6 +55,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     Importing every sub-command costs tens of milliseconds that ``corral run`` should not pay.
     """
+    import argparse
+
     parser = argparse.ArgumentParser(prog="corral", description="Isolated, ephemeral sandboxes for AI agents.")
     parser.add_argument("--state-dir", help="state directory (default: $CORRAL_STATE_DIR or /var/lib/corral)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -61,9 +68,15 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        from .fast_run import try_fast_run
+
+        fast = try_fast_run(argv)  # through a running `corral daemon`, if there is one
+        if fast is not None:
+            return fast
     from ..errors import SandboxError
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:

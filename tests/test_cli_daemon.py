@@ -1,0 +1,185 @@
+"""`corral daemon` and `corral run`'s fast path through it (issue 16, CLI speed).
+
+The fast path must be invisible but for speed: the same stdout, stderr and exit
+code as the in-process path for every kind of outcome, only for root, and a
+daemon that died (kill -9) neither breaks `corral run` nor leaves its warm
+sandboxes behind once `corral gc` ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from corral.registry import Registry
+
+from .leaks import sandbox_leftovers
+
+CORRAL = str(Path(sys.executable).with_name("corral"))
+
+
+@dataclass
+class Daemon:
+    state: Path
+    proc: subprocess.Popen[str]
+    log: Path
+
+    @property
+    def socket(self) -> Path:
+        return self.state / "daemon.sock"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_NO_DAEMON")}
+        return {**env, "CORRAL_STATE_DIR": str(self.state), **extra}
+
+    def run(self, *args: str, daemon: bool = True) -> subprocess.CompletedProcess[str]:
+        env = self.env() if daemon else self.env(CORRAL_NO_DAEMON="1")
+        return subprocess.run([CORRAL, "run", *args], capture_output=True, text=True, env=env, timeout=120)
+
+    def served(self) -> str:
+        return self.log.read_text()
+
+
+def start_daemon() -> Daemon:
+    # not pytest's tmp_path: its 0700 parents would keep the sandboxes' own uids out
+    state = Path(tempfile.mkdtemp(prefix="corral-test-daemon-"))
+    log = Path(tempfile.mkstemp(prefix="corral-test-daemon-", suffix=".log")[1])
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+    proc = subprocess.Popen([CORRAL, "--state-dir", str(state), "daemon", "--pool", "1"],
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True, env=env)
+    deadline = time.monotonic() + 60
+    while True:
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(state / "daemon.sock"))
+            break
+        except OSError:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the daemon never listened"
+            time.sleep(0.05)
+        finally:
+            probe.close()
+    return Daemon(state, proc, log)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = start_daemon()
+    yield d
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.wait(timeout=60)
+    assert not d.socket.exists()
+    assert Registry.at(d.state).rows() == []  # its warm sandboxes went with it
+    shutil.rmtree(d.state, ignore_errors=True)
+    d.log.unlink()
+
+
+CASES = {
+    "true": ["--", "true"],
+    "false": ["--", "false"],
+    "both streams and a code": ["--", "sh", "-c", "echo out; echo err >&2; exit 3"],
+    "not found": ["--", "no-such-command-here"],
+    "timeout": ["--timeout", "0.5", "--", "sleep", "5"],
+    "bad timeout": ["--timeout", "-1", "--", "true"],
+    "oom": ["--", "python3", "-c", "b = bytearray(900 << 20)"],
+    "no separator": ["echo", "a b", "c"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_fast_path_gives_the_in_process_results(daemon: Daemon, case: str) -> None:
+    args = CASES[case]
+    here = daemon.run(*args, daemon=False)
+    there = daemon.run(*args)
+    assert (there.returncode, there.stdout, there.stderr) == (here.returncode, here.stdout, here.stderr)
+    assert there.returncode == EXPECTED_CODES[case], there.stderr
+
+
+EXPECTED_CODES = {"true": 0, "false": 1, "both streams and a code": 3, "not found": 127, "timeout": 124,
+                  "bad timeout": 125, "oom": 137, "no separator": 0}
+
+
+def test_json_results_match_and_the_daemon_served_them(daemon: Daemon) -> None:
+    here = json.loads(daemon.run("--json", "--", "sh", "-c", "echo hi; exit 4", daemon=False).stdout)
+    there = json.loads(daemon.run("--json", "--", "sh", "-c", "echo hi; exit 4").stdout)
+    for result in (here, there):
+        result.pop("duration_ms")
+    assert there.pop("sandbox_id") in daemon.served()
+    assert here.pop("sandbox_id") not in daemon.served()
+    assert there == here and there["exit_code"] == 4
+
+
+def test_calls_the_daemon_does_not_handle_run_in_process(daemon: Daemon) -> None:
+    before = daemon.served().count("daemon ran")
+    out = daemon.run("--memory", "128M", "--", "cat", "/sys/fs/cgroup/memory.max")
+    assert daemon.served().count("daemon ran") == before
+    assert out.returncode in (0, 1)  # read or not, it ran here: the daemon never saw it
+
+
+def test_only_root_may_use_the_socket(daemon: Daemon) -> None:
+    assert daemon.socket.stat().st_mode & 0o777 == 0o600
+    probe = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except PermissionError:
+    print("refused")
+    raise SystemExit
+try:
+    s.sendall(bytes([5, 0, 0, 0, 0]) + b"true")
+    print("reply", s.recv(16))
+except (BrokenPipeError, ConnectionResetError):
+    print("reply", b"")
+"""
+
+    def as_nobody() -> str:
+        # Debian's python: the venv's may sit where nobody cannot reach
+        out = subprocess.run(["/usr/bin/python3", "-c", probe, str(daemon.socket)], capture_output=True, text=True,
+                             user=65534, group=65534, extra_groups=[], timeout=30, cwd="/")
+        return out.stdout.strip() or out.stderr
+
+    assert as_nobody() == "refused"
+    # with the file mode opened up, the daemon's own peer check still serves no one but root
+    before = daemon.served().count("daemon ran")
+    os.chmod(daemon.state, 0o711)
+    os.chmod(daemon.socket, 0o666)
+    try:
+        assert as_nobody() == "reply b''"
+    finally:
+        os.chmod(daemon.socket, 0o600)
+        os.chmod(daemon.state, 0o700)
+    assert daemon.served().count("daemon ran") == before
+
+
+def test_a_killed_daemon_breaks_nothing_and_gc_reaps_its_sandboxes() -> None:
+    d = start_daemon()
+    deadline = time.monotonic() + 60
+    while not Registry.at(d.state).rows():  # its pool has a warm sandbox
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    warm = [row.id for row in Registry.at(d.state).rows()]
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    assert d.socket.exists()  # stale: nobody listens
+    gc = subprocess.run([CORRAL, "gc"], capture_output=True, text=True, env=d.env(), timeout=120)
+    assert gc.returncode == 0, gc.stderr
+    for sandbox_id in warm:
+        assert sandbox_id in gc.stdout
+        assert sandbox_leftovers(sandbox_id, d.state) == []
+    out = d.run("--", "echo", "still works")
+    assert (out.returncode, out.stdout) == (0, "still works\n"), out.stderr
+    shutil.rmtree(d.state, ignore_errors=True)
+    d.log.unlink()
