@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 AGENT := src/corral/agent/corral-agent
 PYTEST_ARGS ?=
 
-.PHONY: install system venv agent bytecode demo test test-v2 lint typecheck bench clean
+.PHONY: install system venv agent bytecode demo test test-v2 lint typecheck bench prepare clean
 
 install: system venv agent bytecode
 
@@ -50,6 +50,10 @@ lint: install
 	$(VENV)/bin/ruff check src tests bench scripts
 	$(VENV)/bin/mypy
 	$(PY) scripts/check_duplicates.py
+
+# every tier's first-use builds now (microVM kernel, disk and template; wasm compile), with progress
+prepare: install
+	$(VENV)/bin/corral prepare
 
 bench: install
 	$(PY) bench/startup.py

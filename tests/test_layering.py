@@ -23,7 +23,7 @@ ROOT = SRC / "corral"
 
 #: bottom to top; a module's layer is that of its first name below ``corral``
 LAYERS: list[tuple[str, set[str]]] = [
-    ("spec/errors", {"spec", "errors", "secrets", "netrules"}),
+    ("spec/errors", {"spec", "errors", "secrets", "netrules", "progress"}),
     ("host/egress", {"host", "egress"}),
     ("tiers/images", {"tiers", "images"}),
     ("lifecycle", {"sandbox", "surface", "pool", "registry", "interpreter", "client"}),

@@ -21,6 +21,7 @@ COMMAND_MODULES = {
     "run": "corral.cli.run",
     "doctor": "corral.cli.doctor",
     "gc": "corral.cli.gc",
+    "prepare": "corral.cli.prepare",
     "shell": "corral.cli.shell",
     "image": "corral.cli.image",
     "code": "corral.cli.code",

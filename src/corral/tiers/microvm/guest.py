@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ... import progress
 from ...errors import HostNotSupported
 from ..linux.agent_build import agent_binary
 
@@ -139,7 +140,7 @@ def kernel_dir() -> Path:
     existing = sorted(p for p in root.glob("*") if (p / "vmlinuz").is_file()) if root.is_dir() else []
     if existing and _complete(existing[-1]):
         return existing[-1]
-    with cache_lock("kernel"):
+    with progress.step("fetching the microVM guest kernel (apt-get download)", "first use"), cache_lock("kernel"):
         existing = sorted(p for p in root.glob("*") if (p / "vmlinuz").is_file()) if root.is_dir() else []
         if existing and _complete(existing[-1]):
             return existing[-1]
@@ -219,7 +220,8 @@ def assets() -> GuestAssets:
         except OSError:
             pass
         return GuestAssets(kdir / "vmlinuz", initrd, release)
-    with cache_lock("initrd"):
+    with progress.step("building the microVM initramfs", "first use, or Corral's guest code changed"), \
+            cache_lock("initrd"):
         if initrd.is_file():
             return GuestAssets(kdir / "vmlinuz", initrd, release)
         initrd.parent.mkdir(parents=True, exist_ok=True)

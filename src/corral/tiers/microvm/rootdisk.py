@@ -48,6 +48,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ... import progress
 from ...errors import HostNotSupported, SandboxError
 from ...images import ImageLayout
 from .guest import cache_dir, cache_lock, sweep_stale_builds
@@ -161,7 +162,9 @@ def image_disk(layout: ImageLayout) -> ImageDisk:
     final = root / content_key(layout)
     meta = final / "meta.json"
     if not meta.is_file():
-        with cache_lock("disk"):
+        with progress.step(f"building the microVM disk of image {layout.name!r}",
+                           "first use, or the image's files changed; about a minute for the host image"), \
+                cache_lock("disk"):
             if not meta.is_file():
                 _build(final, layout)
     info = json.loads(meta.read_text())

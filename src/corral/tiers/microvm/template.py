@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ... import progress
 from ...errors import HostNotSupported, SandboxError
 from . import qemu
 from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
@@ -136,7 +137,9 @@ def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) 
     final = root / _key(assets, accel, ram_mb, disk)
     meta = final / "meta.json"
     if not meta.is_file():
-        with cache_lock("template"):
+        with progress.step(f"booting a microVM template ({ram_mb} MiB, {accel})",
+                           "first use of this image and memory size; saved for later restores"), \
+                cache_lock("template"):
             if not meta.is_file():
                 _build(final, assets, accel, ram_mb, disk)
     info = json.loads(meta.read_text())

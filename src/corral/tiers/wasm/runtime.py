@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ... import progress
 from ...errors import HostNotSupported
 from . import worker
 
@@ -136,7 +137,8 @@ def ensure_compiled(runtime: Runtime) -> tuple[Path, bool]:
         return target, False
     verify(runtime)
     ensure_private_dir(target.parent)
-    with open(target.parent / ".lock", "w") as lock:
+    with progress.step("compiling the wasm tier's CPython module", "first use; cached after"), \
+            open(target.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be compiling the same module
         if target.is_file():
             return target, False
