@@ -315,3 +315,21 @@ def test_errors_about_a_sandbox_name_it(sandbox: Sandbox) -> None:
     with pytest.raises(FileNotFoundInSandbox) as missing:  # raised by the agent channel, below the lifecycle
         sandbox.files.read("/no/such/file")
     assert missing.value.sandbox_id == sandbox.id
+
+
+def test_an_owner_under_a_low_open_files_limit_still_holds_many_sandboxes() -> None:
+    # a distribution's default soft RLIMIT_NOFILE (1024) would stop an owner at a few hundred
+    # sandboxes; Corral raises its soft limit to the hard one before the first create
+    script = """
+import resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 4096))
+from corral import Sandbox
+live = [Sandbox.create() for _ in range(30)]
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], sum(sb.commands.run("true").exit_code == 0 for sb in live))
+for sb in live:
+    sb.kill()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                         env=os.environ.copy())
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["4096", "30"]

@@ -20,6 +20,7 @@ from typing import Any, Literal, overload
 
 from .egress.network import SandboxNetwork, secret_values
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed, host_errors
+from .host.procs import raise_open_files_limit
 from .images import SANDBOX_HOME, SANDBOX_USER
 from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
@@ -46,6 +47,7 @@ def _startup_gc(root: Path) -> None:
         if root in _gc_done:
             return
         _gc_done.add(root)
+    raise_open_files_limit()  # once per process: a few descriptors per live sandbox add up
     gc(root)
 
 

@@ -59,3 +59,22 @@ def exiting(pid: int) -> bool:
     fields = _stat(pid)
     # state, ppid, pgrp, session, tty_nr, tpgid, flags
     return fields is None or fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the new soft limit.
+
+    Each live sandbox holds a few descriptors in its owner (its agent channel, ~2): under a
+    distribution's default soft limit of 1024 an owner would fail at a few hundred sandboxes,
+    while the hard limit (often 512K+) is there for the asking."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            pass
+    return soft
