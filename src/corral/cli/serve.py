@@ -21,6 +21,8 @@ def register(sub: Any) -> None:
     parser.add_argument("--idle-timeout", type=float, default=None, help="seconds unused before destroy (600)")
     parser.add_argument("--max-lifetime", type=float, default=None, help="seconds any sandbox may live (3600)")
     parser.add_argument("--max-concurrent-execs", type=int, default=None, help="commands at once per sandbox (8)")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open client connections before 503 (16384)")
     parser.add_argument("--pool", action="append", default=[], metavar="MIN:MAX[:SPEC-JSON]",
                         help="a warm pool (repeatable); SPEC-JSON as the POST /v1/sandboxes body")
     parser.add_argument("--log-level", default="warning")
@@ -48,7 +50,8 @@ def handle(args: argparse.Namespace) -> int:
         args.config, args.api_keys_file, host=args.host, port=args.port,
         max_sandboxes_per_tenant=args.max_sandboxes, max_memory_per_tenant=args.max_memory,
         idle_timeout=args.idle_timeout, max_lifetime=args.max_lifetime,
-        max_concurrent_execs=args.max_concurrent_execs, state_dir=args.state_dir,
+        max_concurrent_execs=args.max_concurrent_execs, max_connections=args.max_connections,
+        state_dir=args.state_dir,
     )
     if args.pool:
         config.pools = [*config.pools, *(parse_pool(p) for p in args.pool)]

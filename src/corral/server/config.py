@@ -88,6 +88,8 @@ class ServerConfig:
     max_lifetime: float = 3600.0
     max_request_bytes: int = 32 * MiB
     max_concurrent_execs: int = 8
+    #: open client connections; past it uvicorn answers 503 (each costs a descriptor, not a thread)
+    max_connections: int = 16384
     pools: list[dict[str, Any]] = field(default_factory=list)
     state_dir: str | None = None
 
@@ -99,6 +101,7 @@ class ServerConfig:
         self.max_lifetime = _positive(self.max_lifetime, "max_lifetime")
         self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
+        self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
         if not self.key_digests and not is_loopback(self.host):
             raise InvalidSpec(
                 f"refusing to listen on {self.host} without API keys: anyone who can reach it could run code. "
