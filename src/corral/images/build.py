@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ImageBuildFailed, InvalidSpec
-from . import layering, store
+from . import aptplan, layering, store
 from .buildbox import BuildBox
 from .recipe import Recipe, builtin_path
 from .recipe import load as load_recipe
@@ -126,6 +126,7 @@ class _Builder:
         self.started = time.monotonic()
         self.box: BuildBox | None = None
         self.parent_rootfs: Path | None = None  # set while building on an overlay over the parent
+        self._apt_plan: list[aptplan.Action] = []  # set by the apt download step
 
     def _plan(self) -> list[str]:
         r = self.recipe
@@ -195,9 +196,9 @@ class _Builder:
         elif step == "apt download":
             self._apt_download(log)
         elif step == "apt install":
-            # dpkg as uid 0 of the build's user namespace; maintainer scripts run confined like any step
-            self._in_sandbox(step, log, f"dpkg --force-unsafe-io --force-confdef --force-confold "
-                                        f"-i {DEBS_POINT}/*.deb")
+            # dpkg as uid 0 of the build's user namespace; maintainer scripts run confined like any
+            # step, in the order apt planned on the host (see aptplan)
+            self._in_sandbox(step, log, aptplan.dpkg_script(self._apt_plan, DEBS_POINT))
         elif step == "pip download":
             self._host_command(step, log, [sys.executable, "-m", "pip", "download", "--only-binary=:all:",
                                            "--dest", str(self.staging / "wheels"), "--no-cache-dir",
@@ -294,6 +295,16 @@ class _Builder:
 
         self._host_command("apt download", log, [*argv, "-y", "--download-only", "install", *self.recipe.apt],
                            on_line)
+        # the order dpkg must follow: one `dpkg -i` of every file breaks Pre-Depends (systemd-sysv
+        # pre-depends on systemd, which chromium pulls in through libpam-systemd)
+        simulated = subprocess.run([*argv, "-s", "install", *self.recipe.apt], stdin=subprocess.DEVNULL,
+                                   capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
+        with open(log, "a") as out:
+            out.write(simulated.stdout + simulated.stderr)
+        if simulated.returncode != 0:
+            message, kept = self._failure("apt download", f"apt-get -s exited with {simulated.returncode}", log)
+            raise ImageBuildFailed(message, "apt download", kept)
+        self._apt_plan = aptplan.plan(simulated.stdout, work / "archives")
 
     def _npm_fetch(self, log: Path) -> None:
         npm = shutil.which("npm")
