@@ -57,6 +57,22 @@ def make_handler(name: str) -> type[BaseHTTPRequestHandler]:
                 return
             if self.path.startswith(("/echoenc", "/ordinary")):
                 return self._encoded()
+            if self.path.startswith("/redirect?to="):  # an open redirect (the browser test aims it at metadata)
+                self.send_response(302)
+                self.send_header("Location", parse_qs(urlsplit(self.path).query)["to"][0])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if self.path.startswith("/html/"):  # a page a test wrote next to the log (tests/test_browser.py)
+                page = os.path.join(os.path.dirname(CONFIG["log"]), "html", os.path.basename(self.path))
+                with open(page, "rb") as f:
+                    html = f.read()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(html)))
+                self.end_headers()
+                self.wfile.write(html)
+                return
             if self.path.startswith("/echo"):  # a careless API that echoes a credential back
                 body = f"you sent {self.headers.get('X-Key')}\n".encode()
             else:

@@ -22,6 +22,7 @@ from .egress.network import SandboxNetwork, secret_values
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed, host_errors
 from .host.procs import raise_open_files_limit
 from .images import SANDBOX_HOME, SANDBOX_USER
+from .ports import Ports
 from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
 from .spec import SandboxSpec, validate_env, validate_sandbox_path
@@ -274,6 +275,7 @@ class Sandbox:
         self.cwd = spec.cwd
         self.commands = Commands(self)
         self.files = Files(self)
+        self.ports = Ports(self)
 
     @classmethod
     def create(cls, spec: SandboxSpec | None = None, *, state: str | Path | None = None, **kwargs: Any) -> Sandbox:

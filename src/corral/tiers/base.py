@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import InvalidState
+from ..errors import InvalidSpec, InvalidState
 from ..spec import SandboxSpec
 
 if TYPE_CHECKING:
     from ..egress.network import SandboxNetwork
+    from ..host.portfwd import PortForward
 
 #: ``on_output(stream, chunk)`` with stream ``"stdout"`` or ``"stderr"``
 OutputCallback = Callable[[str, bytes], None]
@@ -186,6 +187,12 @@ class TierSandbox(ABC):
 
     @abstractmethod
     def make_dir(self, path: str, mode: int = 0o755) -> None: ...
+
+    def expose_port(self, port: int, unix: bool = False) -> PortForward:
+        """Forward a new host listener (TCP on 127.0.0.1, or a Unix socket with ``unix``) into
+        ``port`` on the sandbox's own loopback, through the host side: the sandbox's network is
+        left as its mode made it. The forward closes with the sandbox."""
+        raise InvalidSpec(f"sandbox {self.id}: its tier cannot forward ports")
 
     def sync(self) -> None:  # noqa: B027 - optional hook: most tiers have nothing to sync
         """Write workspace changes back to the host, for tiers and modes that do so."""

@@ -46,7 +46,7 @@ from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
-from ..linux.rootfs import AGENT_PATH, reap_host_side
+from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .memory import MemoryGuard
 from .net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
@@ -149,6 +149,7 @@ def _fix_for(reason: str) -> str:
 def bundle_config(
     root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int,
     binds: Sequence[tuple[Path, str]] = (), agent_args: Sequence[str] = (), netns_name: str | None = None,
+    shm: Path | None = None,
 ) -> dict[str, Any]:
     """The OCI runtime config: the agent as the only process, unprivileged, no capabilities.
 
@@ -186,6 +187,10 @@ def bundle_config(
             # without a /tmp mount runsc puts a tmpfs of its own there, in the Sentry's
             # memory and outside the disk limit: keep /tmp on the sandbox's disk
             {"destination": "/tmp", "type": "bind", "source": str(root / "tmp"), "options": ["rbind", "rw"]},
+            # /dev/shm (1777) on the sandbox's disk too: Chromium needs a writable one, and without it
+            # the Sentry's /dev tmpfs holds it, outside the disk limit
+            *({"destination": "/dev/shm", "type": "bind", "source": str(shm), "options": ["rbind", "rw"]}
+              for _ in (() if shm is None else (shm,))),
             {"destination": AGENT_PATH, "type": "bind", "source": str(agent), "options": ["rbind", "ro"]},
             {
                 "destination": WORKSPACE_PATH, "type": "bind", "source": str(workspace_dir),
@@ -223,12 +228,14 @@ class GVisorSandbox(LinuxSandbox):
         # agent (uid 1000 inside, user_uid on the host): owner user_uid, group root_uid, 0660
         network = self._make_network(host_namespace=False, socket_gid=self.root_uid)
         built = self._build_root()
+        (built.root / "dev" / "shm").mkdir(exist_ok=True)  # runsc makes mount points in the root: not its to write
         bundle = self._run_dir / "bundle"
         bundle.mkdir(mode=0o700)
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
         config = bundle_config(
             built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids,
             binds=network.binds, agent_args=network.agent_args, netns_name=network.netns,
+            shm=shm_dir(self._run_dir, self.uid),
         )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)

@@ -131,3 +131,14 @@ def _prepare_root_upper(upper: Path, uid: int, own_etc: bool) -> None:
         os.chmod(upper / "etc", 0o755)
         for rel, content in identity_files().items():
             (upper / rel).write_text(content)
+
+
+def shm_dir(run_dir: Path, uid: int) -> Path:
+    """A directory on the sandbox's disk tmpfs for ``/dev/shm`` (1777, the sandbox's): POSIX
+    shared memory (Chromium's renderers, multiprocessing) then counts against ``disk`` like any
+    write, instead of sitting on ``/dev``'s tmpfs, which has no bound of its own."""
+    shm = run_dir / "disk" / "shm"
+    shm.mkdir(mode=0o700)
+    os.chown(shm, uid, uid)
+    os.chmod(shm, 0o1777)
+    return shm

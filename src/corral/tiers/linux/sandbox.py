@@ -27,8 +27,9 @@ from abc import abstractmethod
 from pathlib import Path
 
 from ...egress.network import SandboxNetwork
-from ...errors import InvalidState, SandboxClosed, SandboxError, SandboxPaused
+from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
 from ...host import cgroups, mounts
+from ...host.portfwd import NetnsConnector, PortForward
 from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
@@ -53,6 +54,8 @@ class LinuxSandbox(TierSandbox):
         self._closed = False
         self._lock = threading.Lock()
         self._uids: list[int] = []
+        self._forwards: list[PortForward] = []
+        self._ports_connector: NetnsConnector | None = None
         try:
             self.uid = self._reserve_uid()
             self._setup()
@@ -163,6 +166,42 @@ class LinuxSandbox(TierSandbox):
         self._channel_or_raise().make_dir(path, mode)
         self.sync()
 
+    # -- ports ---------------------------------------------------------------
+    def _port_netns_pid(self) -> int | None:
+        """A host pid in the sandbox's own network namespace, if the sandbox's loopback is the
+        kernel's (then a forward connects from a host thread inside it); None otherwise."""
+        return None
+
+    def expose_port(self, port: int, unix: bool = False) -> PortForward:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise InvalidSpec(f"port {port!r} must be a TCP port number (1-65535)")
+        self._channel_or_raise()
+        with self._lock:
+            if self._closed:
+                raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
+            if self._ports_connector is None:
+                pid = self._port_netns_pid()
+                if pid is None:
+                    raise InvalidSpec(f"sandbox {self.id}: the {self.spec.tier} tier cannot forward ports "
+                                      f"with network={self.spec.network!r}")
+                self._ports_connector = NetnsConnector(pid, self.id)
+            unix_path = None
+            if unix:
+                (self._run_dir / "ports").mkdir(mode=0o700, exist_ok=True)
+                unix_path = self._run_dir / "ports" / f"{port}-{len(self._forwards)}.sock"
+            forward = PortForward(port, self._ports_connector.connect, unix_path)
+            self._forwards.append(forward)
+            return forward
+
+    def _close_ports(self) -> None:
+        with self._lock:
+            forwards, self._forwards = self._forwards, []
+            connector, self._ports_connector = self._ports_connector, None
+        for forward in forwards:
+            forward.close()
+        if connector is not None:
+            connector.close()
+
     def sync(self) -> None:
         if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
             self.workspace.sync_back()
@@ -183,6 +222,7 @@ class LinuxSandbox(TierSandbox):
                 if self._channel is not None:
                     self._channel.pause_clock.resume()
         try:
+            self._close_ports()  # before the processes go: a relayed connection is cut, not reset
             self._stop()
             if self.cgroup is not None:
                 self.cgroup.destroy()

@@ -29,7 +29,7 @@ from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import T_GO, AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
-from ..linux.rootfs import AGENT_PATH, reap_host_side
+from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .launcher import LAUNCHER
 from .spares import PLACER
@@ -108,6 +108,8 @@ class ProcessSandbox(LinuxSandbox):
             "--ro-bind", str(self._tier._agent), AGENT_PATH,
             "--ro-bind" if ws_mode == "ro" else "--bind", str(ws), WORKSPACE_PATH,
             "--proc", "/proc", "--dev", "/dev",
+            # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
+            "--bind", str(shm_dir(self._run_dir, self.uid)), "/dev/shm",
             "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
             "--chdir", "/", "--clearenv",
         ]
@@ -164,6 +166,9 @@ class ProcessSandbox(LinuxSandbox):
                 raise SandboxClosed("the sandbox's init process is gone")
             self._agent_pid = below[0]
         return self._agent_pid
+
+    def _port_netns_pid(self) -> int | None:
+        return self._agent_host_pid()  # the agent is in the sandbox's network namespace, whatever the mode
 
     def _host_pid(self, nspid: int) -> int | None:
         # /proc/PID/task/TID/children is read by position: a sibling reaped during the read

@@ -1,0 +1,288 @@
+"""Scenario 3: headless Chromium in a sandbox, driven from the host through an exposed port.
+
+The ``browser`` image is built once into the persistent image store (like
+``base`` and ``python-data``; a fresh machine spends ~45 s on it after
+``base``) and reused.  Chromium runs as users first try it, ``chromium
+--headless --no-sandbox``: the sandbox is the boundary (docs/browser.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from corral import Sandbox
+from corral.images import recipe as recipes
+from corral.images.build import build
+from egress_net import METADATA, TargetNet, target_net
+from leaks import processes_naming, sandbox_leftovers
+
+PNG = b"\x89PNG\r\n\x1a\n"
+PAGE = ("<html><head><title>corral page</title></head><body><h1 id=x>static</h1>"
+        "<script>document.getElementById('x').textContent = 'js ran ' + (6 * 7)</script></body></html>")
+BROWSER = {"image": "browser", "memory": "1G", "pids": 512}
+CHROMIUM = "chromium --headless --no-sandbox --disable-gpu --disable-background-networking"
+
+
+@pytest.fixture(scope="module")
+def browser_image(state_dir: Path) -> str:
+    build(recipes.load("browser"), state_dir)  # the store's copy when built before (milliseconds)
+    return "browser"
+
+
+def wait_for(check: object, what: str, timeout: float = 30.0) -> object:
+    """Poll ``check()`` until it returns something truthy (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()  # type: ignore[operator]
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def http_get(url: str, timeout: float = 5.0) -> bytes | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            data: bytes = response.read()
+            return data
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_chromium_dump_dom_and_screenshot(browser_image: str, tier: str) -> None:
+    if tier == "gvisor":
+        from corral.tiers.gvisor.tier import GVisorTier
+
+        if not GVisorTier.probe(Path(os.environ["CORRAL_STATE_DIR"])).available:
+            pytest.skip("gVisor is not available here")
+    with Sandbox.create(tier=tier, **BROWSER) as sb:
+        sb.files.write("/tmp/page.html", PAGE)
+        shm = sb.commands.run("df -B1 --output=size /dev/shm | tail -1; test -w /dev/shm")
+        assert shm.exit_code == 0 and int(shm.stdout) <= sb.spec.limits.disk, shm  # on the disk tmpfs
+        dom = sb.commands.run(f"{CHROMIUM} --dump-dom file:///tmp/page.html", timeout=120)
+        assert dom.exit_code == 0 and '<h1 id="x">js ran 42</h1>' in dom.stdout, dom
+        shot = sb.commands.run(f"cd /tmp && {CHROMIUM} --screenshot --window-size=640,480 file:///tmp/page.html",
+                               timeout=120)
+        assert shot.exit_code == 0, shot
+        assert sb.files.read("/tmp/screenshot.png", format="bytes").startswith(PNG)
+
+
+def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path) -> None:
+    with Sandbox.create() as sb:  # network="none": loopback only, and it stays so
+        server = sb.commands.start("cd /tmp && echo served > index.html && exec python3 -m http.server 8000 "
+                                   "--bind 127.0.0.1", timeout=120)
+        tcp = sb.ports.expose(8000)
+        unix = sb.ports.expose(8000, unix_socket=True)
+        assert tcp.host == "127.0.0.1" and tcp.port > 0 and tcp.url == f"http://127.0.0.1:{tcp.port}/"
+        assert wait_for(lambda: http_get(tcp.url + "index.html"), "the forwarded server") == b"served\n"
+        assert unix.unix_socket is not None and (os.stat(unix.unix_socket).st_mode & 0o777) == 0o600
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(unix.unix_socket)
+            client.sendall(b"GET /index.html HTTP/1.0\r\n\r\n")
+            reply = b"".join(iter(lambda: client.recv(65536), b""))
+        assert reply.startswith(b"HTTP/1.0 200") and reply.endswith(b"served\n")
+        # the forward did not give the sandbox a network: still loopback only
+        links = sb.commands.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+        assert links.stdout.split() == ["lo"], links
+        # denied both ways: a port nothing listens on gives a closed connection, not another one
+        nothing = sb.ports.expose(8001)
+        with socket.create_connection(("127.0.0.1", nothing.port), timeout=5) as client:
+            client.settimeout(10)
+            assert client.recv(1) == b""
+        # a client holding a connection open across destroy (to a server that never closes it)
+        sb.commands.start("python3 -c \"import socket, time; s = socket.create_server(('127.0.0.1', 8002)); "
+                          "c = s.accept()[0]; c.sendall(b'hi'); time.sleep(600)\"", timeout=600)
+        holder = sb.ports.expose(8002)
+        held = wait_for(lambda: _connect_and_read(holder.port, b"hi"), "the holding server")
+        server.kill()
+    # destroyed: the held connection is cut, the listeners are gone, the Unix socket removed
+    with held:  # type: ignore[attr-defined]
+        held.settimeout(10)  # type: ignore[attr-defined]
+        try:
+            assert held.recv(65536) == b""  # type: ignore[attr-defined]
+        except ConnectionResetError:
+            pass
+    for port in (tcp.port, nothing.port, holder.port):
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    assert not os.path.exists(unix.unix_socket)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("portfwd")]
+    assert sandbox_leftovers(sb.id, state_dir) == []
+
+
+def _connect_and_read(port: int, expected: bytes) -> socket.socket | None:
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    client.settimeout(5)
+    try:
+        if client.recv(len(expected)) == expected:
+            return client
+    except OSError:
+        pass
+    client.close()
+    return None
+
+
+class Cdp:
+    """A minimal DevTools protocol client over one WebSocket (the ``websockets`` sync client)."""
+
+    def __init__(self, url: str) -> None:
+        from websockets.sync.client import connect
+
+        self._stack = contextlib.ExitStack()
+        self.ws = self._stack.enter_context(connect(url, max_size=64 << 20, open_timeout=10))
+        self.next_id = 0
+
+    def call(self, method: str, session: str | None = None, **params: object) -> dict[str, object]:
+        self.next_id += 1
+        message: dict[str, object] = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        self.ws.send(json.dumps(message))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            reply = json.loads(self.ws.recv(timeout=60))
+            if reply.get("id") == self.next_id:
+                assert "error" not in reply, reply
+                result: dict[str, object] = reply["result"]
+                return result
+        raise AssertionError(f"no answer to {method}")
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def start_chromium(sb: Sandbox, marker: str, url: str = "about:blank") -> tuple[object, str]:
+    """Chromium with its DevTools endpoint on the sandbox's loopback port 9222, exposed; returns
+    (command handle, the exposed base URL)."""
+    handle = sb.commands.start(f"{CHROMIUM} --remote-debugging-port=9222 --user-data-dir=/tmp/{marker} {url}",
+                               timeout=600)
+    exposed = sb.ports.expose(9222)
+    version = wait_for(lambda: http_get(exposed.url + "json/version"), "Chromium's DevTools endpoint", 60)
+    assert b"webSocketDebuggerUrl" in version  # type: ignore[operator]
+    return handle, exposed.url
+
+
+def open_page(cdp: Cdp, url: str) -> str:
+    target = cdp.call("Target.createTarget", url="about:blank")["targetId"]
+    session = str(cdp.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"])
+    cdp.call("Page.enable", session)
+    cdp.call("Page.navigate", session, url=url)
+    return session
+
+
+def evaluate(cdp: Cdp, session: str, expression: str) -> object:
+    result = cdp.call("Runtime.evaluate", session, expression=expression, returnByValue=True)
+    return result["result"]["value"]  # type: ignore[index]
+
+
+def test_chromium_driven_over_cdp_through_an_exposed_port(browser_image: str) -> None:
+    with Sandbox.create(**BROWSER) as sb:
+        sb.files.write("/tmp/page.html", PAGE)
+        _, base = start_chromium(sb, "cdp-profile")
+        version = json.loads(http_get(base + "json/version") or b"{}")
+        # Chromium names the WebSocket after the Host it was asked by: the forwarded address
+        assert version["webSocketDebuggerUrl"].startswith(base.replace("http://", "ws://")), version
+        cdp = Cdp(version["webSocketDebuggerUrl"])
+        try:
+            session = open_page(cdp, "file:///tmp/page.html")
+            wait_for(lambda: evaluate(cdp, session, "document.readyState") == "complete", "the page to load")
+            assert evaluate(cdp, session, "document.title") == "corral page"
+            html = evaluate(cdp, session, "document.documentElement.outerHTML")
+            assert '<h1 id="x">js ran 42</h1>' in str(html)
+            shot = cdp.call("Page.captureScreenshot", session, format="png")
+            assert base64.b64decode(str(shot["data"])).startswith(PNG)
+        finally:
+            cdp.close()
+
+
+HOSTILE = """<html><head><title>hostile</title></head><body><p id=status>loading</p><script>
+const targets = {targets};
+const tries = targets.map(url => fetch(url, {{mode: 'no-cors', cache: 'no-store'}})
+  .then(() => 'answered', e => 'failed'));
+tries.push(new Promise(done => {{ const img = new Image(); img.onload = img.onerror = () => done('img');
+  img.src = targets[0] + 'img'; }}));
+tries.push(new Promise(done => {{ const f = document.createElement('iframe');
+  f.onload = () => done('iframe'); f.src = {redirect}; document.body.appendChild(f); }}));
+tries.push(fetch('file://{secret}').then(r => r.text(), e => 'no file'));
+Promise.all(tries).then(results => {{
+  document.getElementById('status').textContent = 'rendered';
+  const leaked = results.some(r => String(r).includes('{token}')) ? 'LEAKED' : 'clean';
+  return fetch('/report?' + leaked + '&n=' + results.length);
+}});
+</script></body></html>"""
+
+
+@pytest.fixture
+def hostile_net() -> Iterator[TargetNet]:
+    with target_net(prefix="cbp") as net:
+        yield net
+
+
+def test_hostile_page_reaches_only_the_allowed_site(browser_image: str, hostile_net: TargetNet,
+                                                    tmp_path: Path) -> None:
+    net = hostile_net
+    port = net.metadata_port
+    token = "corral-login-data-" + os.urandom(6).hex()
+    # a host file standing for the browser's password store, in a home the sandbox must not see
+    login_data = tmp_path / "home/.config/chromium/Default/Login Data"
+    login_data.parent.mkdir(parents=True)
+    login_data.write_text(token)
+    targets = [f"http://{METADATA}:{port}/", f"http://metadata.test:{port}/name", f"http://2852039166:{port}/dec",
+               f"http://0xa9fea9fe:{port}/hex", f"http://0251.0376.0251.0376:{port}/oct",
+               f"http://[::ffff:169.254.169.254]:{port}/v6", f"http://{net.other}:8080/rfc1918",
+               "http://other.test:8080/rfc1918-name", f"http://{net.host_side}:{net.loopback_port}/host",
+               f"http://127.0.0.1:{net.loopback_port}/loopback", f"http://loop.test:{net.loopback_port}/loop-name"]
+    redirect = f"'/redirect?to=http://{METADATA}:{port}/redirected'"
+    html = net.tmp / "html"
+    html.mkdir()
+    (html / "hostile.html").write_text(HOSTILE.format(targets=json.dumps(targets), redirect=redirect,
+                                                      secret=login_data, token=token))
+    # control: from the host, without the proxy, the forbidden targets answer
+    for url in (f"http://{METADATA}:{port}/control", f"http://{net.other}:8080/control",
+                f"http://127.0.0.1:{net.loopback_port}/control"):
+        assert http_get(url) is not None, url
+    before = len(net.hits("metadata")), len(net.hits("other")), len(net.loopback_hits)
+    allow = ["target.test"]
+    with Sandbox.create(allow=allow, unsafe_allow_ranges=[f"{net.target}/32"], **BROWSER) as sb:
+        marker = "hostile-" + sb.id
+        _, base = start_chromium(sb, marker)
+        assert processes_naming(marker), "Chromium is running"
+        version = json.loads(http_get(base + "json/version") or b"{}")
+        cdp = Cdp(version["webSocketDebuggerUrl"])
+        try:
+            session = open_page(cdp, "http://target.test:8080/html/hostile.html")
+            report = wait_for(lambda: [h for h in net.hits("target") if h["path"].startswith("/report")],
+                              "the page's report", 60)
+            assert evaluate(cdp, session, "document.getElementById('status').textContent") == "rendered"
+            for secret_url in (f"file://{login_data}", "file:///root/.config/chromium/Default/Login%20Data"):
+                session = open_page(cdp, secret_url)
+                wait_for(lambda s=session: evaluate(cdp, s, "document.readyState") == "complete", "the file page")
+                assert token not in str(evaluate(cdp, session, "document.documentElement.outerHTML"))
+        finally:
+            cdp.close()
+        assert report[0]["path"].startswith("/report?clean&n=14"), report  # type: ignore[index]
+        shell = sb.commands.run(f"cat '{login_data}' /root/.config/chromium/Default/'Login Data'; "
+                                f"grep -rs {token} /tmp /home /root /workspace; true")
+        assert token not in shell.stdout + shell.stderr and "No such file" in shell.stderr, shell
+        refused = {e.destination for e in sb.network.audit() if e.kind == "refused"}
+        # each forbidden kind was tried (and refused by the proxy, with an audit event)
+        assert {f"{METADATA}:{port}", f"{net.other}:8080", f"{net.host_side}:{net.loopback_port}"} <= refused, refused
+        assert any(h["path"].startswith("/redirect?to=") for h in net.hits("target"))
+    # not one connection reached a forbidden target; no Chromium process outlived the sandbox
+    assert (len(net.hits("metadata")), len(net.hits("other")), len(net.loopback_hits)) == before
+    assert processes_naming(marker) == []
