@@ -63,13 +63,17 @@ def http_get(url: str, timeout: float = 5.0) -> bytes | None:
         return None
 
 
-@pytest.mark.parametrize("tier", ["process", "gvisor"])
-def test_chromium_dump_dom_and_screenshot(browser_image: str, tier: str) -> None:
+def need_tier(tier: str) -> None:
     if tier == "gvisor":
         from corral.tiers.gvisor.tier import GVisorTier
 
         if not GVisorTier.probe(Path(os.environ["CORRAL_STATE_DIR"])).available:
             pytest.skip("gVisor is not available here")
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_chromium_dump_dom_and_screenshot(browser_image: str, tier: str) -> None:
+    need_tier(tier)
     with Sandbox.create(tier=tier, **BROWSER) as sb:
         sb.files.write("/tmp/page.html", PAGE)
         shm = sb.commands.run("df -B1 --output=size /dev/shm | tail -1; test -w /dev/shm")
@@ -82,8 +86,10 @@ def test_chromium_dump_dom_and_screenshot(browser_image: str, tier: str) -> None
         assert sb.files.read("/tmp/screenshot.png", format="bytes").startswith(PNG)
 
 
-def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path) -> None:
-    with Sandbox.create() as sb:  # network="none": loopback only, and it stays so
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path, tier: str) -> None:
+    need_tier(tier)
+    with Sandbox.create(tier=tier) as sb:  # network="none": loopback only, and it stays so
         server = sb.commands.start("cd /tmp && echo served > index.html && exec python3 -m http.server 8000 "
                                    "--bind 127.0.0.1", timeout=120)
         tcp = sb.ports.expose(8000)
@@ -190,8 +196,10 @@ def evaluate(cdp: Cdp, session: str, expression: str) -> object:
     return result["result"]["value"]  # type: ignore[index]
 
 
-def test_chromium_driven_over_cdp_through_an_exposed_port(browser_image: str) -> None:
-    with Sandbox.create(**BROWSER) as sb:
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_chromium_driven_over_cdp_through_an_exposed_port(browser_image: str, tier: str) -> None:
+    need_tier(tier)
+    with Sandbox.create(tier=tier, **BROWSER) as sb:
         sb.files.write("/tmp/page.html", PAGE)
         _, base = start_chromium(sb, "cdp-profile")
         version = json.loads(http_get(base + "json/version") or b"{}")

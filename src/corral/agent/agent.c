@@ -242,6 +242,7 @@ int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--relay-mux") == 0) return relay_mux_main(atoi(argv[2]));
     prctl(PR_SET_DUMPABLE, 0);
     signal(SIGPIPE, SIG_IGN);
+    if (argc == 3 && strcmp(argv[1], "--connect") == 0) return connect_main(atoi(argv[2]));
     if (argc > 1 && strcmp(argv[1], "--spare") == 0) {
         spares_enabled = 1;
         argv[1] = argv[0];

@@ -68,4 +68,6 @@ void do_fmkdir(uint32_t id, char *payload, uint32_t len);
 
 /* relay.c: the egress relay of the process and gVisor tiers (`--relay PORT SOCKET`) */
 void relay_main(int port, const char *path);
+/* relay.c: the in-sandbox end of a port forward (`--connect PORT`, run as a command) */
+int connect_main(int port);
 #endif

@@ -157,3 +157,57 @@ void relay_main(int port, const char *path) {
             if (l[i] >= 0 && (pfds[i].revents & POLLIN)) relay_accept(l[i], path);
     }
 }
+
+/*
+ * Port connector (run as a command: `/.corral/agent --connect PORT`): the
+ * in-sandbox end of a forward for tiers whose loopback is not the host
+ * kernel's (gVisor's netstack).  It connects to 127.0.0.1:PORT (then
+ * [::1]:PORT) and copies stdin to the connection and the connection to
+ * stdout; the end of stdin half-closes the connection, the end of the
+ * connection ends the command.  The host carries its stdin and stdout over
+ * the agent channel.  Exit 111 when nothing listens.
+ */
+int connect_main(int port) {
+    struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port),
+                              .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0 || connect(s, (struct sockaddr *)&a4, sizeof a4) < 0) {
+        if (s >= 0) close(s);
+        s = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (s < 0 || connect(s, (struct sockaddr *)&a6, sizeof a6) < 0) return 111;
+    }
+    static char buf[65536];
+    int up = 1, down = 1; /* stdin -> socket, socket -> stdout */
+    while (up || down) {
+        struct pollfd p[2] = {{.fd = up ? 0 : -1, .events = POLLIN}, {.fd = down ? s : -1, .events = POLLIN}};
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return 1;
+        }
+        if (up && p[0].revents) {
+            ssize_t n = read(0, buf, sizeof buf);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                up = 0;
+                shutdown(s, SHUT_WR);
+            } else {
+                write_all(s, buf, (size_t)n);
+            }
+        }
+        if (down && p[1].revents) {
+            ssize_t n = read(s, buf, sizeof buf);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                /* the server is done sending: end here (the host learns of the end of stdout only
+                 * from the exit), so a server's half-close ends the whole connection */
+                down = 0;
+                up = 0;
+            } else {
+                write_all(1, buf, (size_t)n);
+            }
+        }
+    }
+    return 0;
+}

@@ -210,6 +210,8 @@ def bundle_config(
 
 
 class GVisorSandbox(LinuxSandbox):
+    _connector_path = AGENT_PATH  # forwards through the agent: the loopback is the Sentry's (see linux/ports.py)
+
     def __init__(self, tier: GVisorTier, host: _Host, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
         self._host = host
         self._tier = tier

@@ -29,12 +29,13 @@ from pathlib import Path
 from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
 from ...host import cgroups, mounts
-from ...host.portfwd import NetnsConnector, PortForward
+from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
 from .agent import AgentChannel
+from .ports import agent_connect
 from .rootfs import SandboxRoot, build_root
 
 
@@ -167,6 +168,11 @@ class LinuxSandbox(TierSandbox):
         self.sync()
 
     # -- ports ---------------------------------------------------------------
+    #: the agent's path inside the sandbox, for tiers whose forwards run ``agent --connect PORT``
+    #: commands (their loopback is not the host kernel's: see .ports); None: a host thread connects
+    #: from inside the sandbox's network namespace (:meth:`_port_netns_pid`)
+    _connector_path: str | None = None
+
     def _port_netns_pid(self) -> int | None:
         """A host pid in the sandbox's own network namespace, if the sandbox's loopback is the
         kernel's (then a forward connects from a host thread inside it); None otherwise."""
@@ -179,17 +185,22 @@ class LinuxSandbox(TierSandbox):
         with self._lock:
             if self._closed:
                 raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
-            if self._ports_connector is None:
-                pid = self._port_netns_pid()
-                if pid is None:
-                    raise InvalidSpec(f"sandbox {self.id}: the {self.spec.tier} tier cannot forward ports "
-                                      f"with network={self.spec.network!r}")
-                self._ports_connector = NetnsConnector(pid, self.id)
+            connect: Connect
+            if self._connector_path is not None:
+                path = self._connector_path
+                connect = lambda port, _timeout: agent_connect(self.start, path, port)  # noqa: E731
+            else:
+                if self._ports_connector is None:
+                    pid = self._port_netns_pid()
+                    if pid is None:
+                        raise InvalidSpec(f"sandbox {self.id}: the {self.spec.tier} tier cannot forward ports")
+                    self._ports_connector = NetnsConnector(pid, self.id)
+                connect = self._ports_connector.connect
             unix_path = None
             if unix:
                 (self._run_dir / "ports").mkdir(mode=0o700, exist_ok=True)
                 unix_path = self._run_dir / "ports" / f"{port}-{len(self._forwards)}.sock"
-            forward = PortForward(port, self._ports_connector.connect, unix_path)
+            forward = PortForward(port, connect, unix_path)
             self._forwards.append(forward)
             return forward
 
