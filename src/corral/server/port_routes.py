@@ -1,0 +1,156 @@
+"""``/v1/sandboxes/{id}/ports/{port}/…``: an HTTP and WebSocket reverse proxy into a port the
+sandbox listens on (a dev server, Chromium's DevTools endpoint), for the owning tenant only.
+
+Each sandbox port is reached through one forward the server keeps (``sandbox.ports.expose(port,
+unix_socket=True)``: a 0600 Unix socket in the sandbox's run directory, through Corral's host
+side, whatever the sandbox's network mode); it closes with the sandbox.  Requests go to the
+sandbox as ``Host: 127.0.0.1:PORT`` (what a server listening on its loopback expects; Chromium's
+DevTools refuses other hosts), without the caller's ``Authorization`` (the API key never
+reaches the sandbox) and without hop-by-hop headers.  Another tenant's sandbox, like a missing
+one, is a 404 (a WebSocket is closed with 4404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import httpx
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..errors import InvalidSpec, SandboxError
+from .context import Context, Tenant, context_of
+from .wire import status_for
+
+if TYPE_CHECKING:
+    from ..ports import ExposedPort
+    from .manager import Entry
+
+router = APIRouter()
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+#: headers that belong to one hop (RFC 9110 7.6.1), the caller's credentials, and what httpx sets
+_DROP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+         "transfer-encoding", "upgrade", "host", "authorization", "content-length"}
+_WS_DROP = _DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                    "sec-websocket-protocol", "origin"}
+
+_forwards: dict[tuple[str, int], ExposedPort] = {}
+_lock = threading.Lock()
+
+
+def _check_port(port: int) -> None:
+    if not 0 < port < 65536:
+        raise InvalidSpec(f"port {port} must be 1-65535")
+
+
+def _forward(entry: Entry, port: int) -> str:
+    """The Unix socket of this server's forward into ``port`` of ``entry``'s sandbox (made once)."""
+    import os
+
+    key = (entry.sandbox.id, port)
+    with _lock:
+        for stale in [k for k, v in _forwards.items() if v.unix_socket and not os.path.exists(v.unix_socket)]:
+            del _forwards[stale]  # its sandbox was destroyed (the forward closed with it)
+        exposed = _forwards.get(key)
+        if exposed is None:
+            exposed = entry.sandbox.ports.expose(port, unix_socket=True)
+            _forwards[key] = exposed
+    assert exposed.unix_socket is not None
+    return exposed.unix_socket
+
+
+def _target(path: str, query: str) -> str:
+    return f"/{path}" + (f"?{query}" if query else "")
+
+
+@router.api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}", methods=METHODS,
+                  summary="Proxy an HTTP request to a port the sandbox listens on")
+async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, who: Tenant,
+                     ctx: Context) -> Response:
+    _check_port(port)
+    entry = ctx.manager.get(who, sandbox_id)
+    socket_path = await ctx.run_blocking(_forward, entry, port)
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
+    headers.append(("host", f"127.0.0.1:{port}"))
+    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), timeout=60)
+    url = f"http://127.0.0.1:{port}" + _target(path, request.url.query)
+    upstream = client.build_request(request.method, url, headers=headers, content=await request.body())
+    try:
+        response = await client.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        await client.aclose()
+        return Response(f"nothing answered on port {port} of sandbox {sandbox_id}: {exc}\n", status_code=502,
+                        media_type="text/plain")
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()
+            await client.aclose()
+
+    out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP - {"content-length"}}
+    return StreamingResponse(body(), status_code=response.status_code, headers=out_headers)
+
+
+@router.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}")
+async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path: str) -> None:
+    from websockets.asyncio.client import unix_connect
+    from websockets.exceptions import ConnectionClosed
+
+    ctx = context_of(websocket)
+    try:
+        _check_port(port)
+        tenant = ctx.tenant_of(websocket.headers.get("authorization"))
+        entry = ctx.manager.get(tenant, sandbox_id)
+        socket_path = await ctx.run_blocking(_forward, entry, port)
+    except SandboxError as exc:  # as the exec stream does: accepted, then closed with 4000 + the HTTP status
+        await websocket.accept()
+        await websocket.close(code=4000 + status_for(exc), reason=str(exc)[:120])
+        return
+    headers = [(k, v) for k, v in websocket.headers.items() if k.lower() not in _WS_DROP]
+    protocols = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    uri = f"ws://127.0.0.1:{port}" + _target(path, websocket.url.query)
+    try:
+        upstream = await unix_connect(socket_path, uri, additional_headers=headers, max_size=None,
+                                      subprotocols=protocols or None, open_timeout=30)  # type: ignore[arg-type]
+    except Exception as exc:  # any handshake failure: refused, timed out, not a WebSocket
+        await websocket.close(code=1011, reason=f"port {port}: {exc}"[:120])
+        return
+    await websocket.accept(subprotocol=upstream.subprotocol)
+
+    async def down() -> None:  # sandbox -> caller
+        async for message in upstream:
+            if isinstance(message, bytes):
+                await websocket.send_bytes(message)
+            else:
+                await websocket.send_text(message)
+
+    async def up() -> None:  # caller -> sandbox
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("bytes") is not None:
+                await upstream.send(message["bytes"])
+            elif message.get("text") is not None:
+                await upstream.send(message["text"])
+
+    tasks = [asyncio.create_task(down()), asyncio.create_task(up())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, ConnectionClosed, WebSocketDisconnect, Exception):
+                await task
+        await upstream.close()
+        with contextlib.suppress(Exception):
+            await websocket.close()
