@@ -294,3 +294,26 @@ def test_hostile_page_reaches_only_the_allowed_site(browser_image: str, hostile_
     # not one connection reached a forbidden target; no Chromium process outlived the sandbox
     assert (len(net.hits("metadata")), len(net.hits("other")), len(net.loopback_hits)) == before
     assert processes_naming(marker) == []
+
+
+def test_cli_run_expose_prints_the_address() -> None:
+    import subprocess
+
+    server = ("import http.server as h\n"
+              "class H(h.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers(); self.wfile.write(b'from the cli')\n"
+              "h.HTTPServer(('127.0.0.1', 8000), H).handle_request()\n")
+    corral = str(Path(sys.executable).with_name("corral"))
+    proc = subprocess.Popen([corral, "run", "--expose", "8000", "--timeout", "60", "--", "python3", "-c", server],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line.startswith("corral: port 8000 exposed at 127.0.0.1:"), line
+        url = line.rsplit("(", 1)[1].rstrip(")\n")
+        assert wait_for(lambda: http_get(url), "the command's server") == b"from the cli"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()

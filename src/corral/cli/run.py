@@ -57,6 +57,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object with the result")
     parser.add_argument("--audit", action="store_true",
                         help="print every refused destination and withheld secret to stderr afterwards")
+    parser.add_argument("--expose", action="append", default=[], type=int, metavar="PORT",
+                        help="forward a host port on 127.0.0.1 into PORT on the sandbox's loopback while the "
+                        "command runs, whatever the network mode (repeatable); the address goes to stderr "
+                        "(and to the JSON as ports)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
     parser.set_defaults(handler=handle)
 
@@ -84,6 +88,10 @@ def handle(args: argparse.Namespace) -> int:
 
         values = read_secrets_file(args.secrets_file)
     with Sandbox.create(spec, state=args.state_dir, secret_values=values) as sb:
+        exposed = [sb.ports.expose(port) for port in args.expose]
+        for port in exposed:  # before the command starts, so a caller can connect as soon as it listens
+            print(f"corral: port {port.sandbox_port} exposed at {port.host}:{port.port} ({port.url})",
+                  file=sys.stderr, flush=True)
         result = sb.commands.run(cmd, on_output=None if args.json else stream)
         events = []
         if args.audit:  # reading the kernel's counters costs a libnftables call: only when asked
@@ -93,6 +101,8 @@ def handle(args: argparse.Namespace) -> int:
                 pass
         if args.json:
             payload = {"sandbox_id": sb.id, **result.to_dict()}
+            if exposed:
+                payload["ports"] = [p.to_dict() for p in exposed]
             if args.audit:
                 payload["audit"] = [e.to_dict() for e in events]
             print(json.dumps(payload))
