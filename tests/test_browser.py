@@ -64,11 +64,11 @@ def http_get(url: str, timeout: float = 5.0) -> bytes | None:
 
 
 def need_tier(tier: str) -> None:
-    if tier == "gvisor":
-        from corral.tiers.gvisor.tier import GVisorTier
+    from corral.tiers import tier_class
 
-        if not GVisorTier.probe(Path(os.environ["CORRAL_STATE_DIR"])).available:
-            pytest.skip("gVisor is not available here")
+    availability = tier_class(tier).probe(Path(os.environ["CORRAL_STATE_DIR"]))
+    if not availability.available:
+        pytest.skip(f"the {tier} tier is not available here: {availability.reason}")
 
 
 @pytest.mark.parametrize("tier", ["process", "gvisor"])
@@ -86,12 +86,14 @@ def test_chromium_dump_dom_and_screenshot(browser_image: str, tier: str) -> None
         assert sb.files.read("/tmp/screenshot.png", format="bytes").startswith(PNG)
 
 
-@pytest.mark.parametrize("tier", ["process", "gvisor"])
+@pytest.mark.parametrize("tier", ["process", "gvisor", "microvm"])
 def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path, tier: str) -> None:
     need_tier(tier)
     with Sandbox.create(tier=tier) as sb:  # network="none": loopback only, and it stays so
         server = sb.commands.start("cd /tmp && echo served > index.html && exec python3 -m http.server 8000 "
                                    "--bind 127.0.0.1", timeout=120)
+        links = "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '; cat /proc/net/route"
+        before = sb.commands.run(links).stdout
         tcp = sb.ports.expose(8000)
         unix = sb.ports.expose(8000, unix_socket=True)
         assert tcp.host == "127.0.0.1" and tcp.port > 0 and tcp.url == f"http://127.0.0.1:{tcp.port}/"
@@ -103,8 +105,9 @@ def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path, tier: s
             reply = b"".join(iter(lambda: client.recv(65536), b""))
         assert reply.startswith(b"HTTP/1.0 200") and reply.endswith(b"served\n")
         # the forward did not give the sandbox a network: still loopback only
-        links = sb.commands.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
-        assert links.stdout.split() == ["lo"], links
+        assert sb.commands.run(links).stdout == before
+        if tier == "process":
+            assert before.split()[0] == "lo" and "eth" not in before, before
         # denied both ways: a port nothing listens on gives a closed connection, not another one
         nothing = sb.ports.expose(8001)
         with socket.create_connection(("127.0.0.1", nothing.port), timeout=5) as client:
@@ -317,3 +320,30 @@ def test_cli_run_expose_prints_the_address() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_forwards_of_a_killed_owner_are_reaped(state_dir: Path) -> None:
+    import signal
+    import subprocess
+
+    from leaks import run_gc
+
+    script = ("from corral import Sandbox; import sys, time\n"
+              "sb = Sandbox.create()\n"
+              "tcp, unix = sb.ports.expose(8000), sb.ports.expose(8000, unix_socket=True)\n"
+              "print(sb.id, tcp.port, unix.unix_socket, flush=True)\n"
+              "time.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        sandbox_id, port, unix_socket = owner.stdout.readline().split()
+        assert os.path.exists(unix_socket)
+        socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", int(port)), timeout=5):
+        pass  # the listener died with its owner
+    run_gc(sandbox_id)
+    assert not os.path.exists(unix_socket)  # with the run directory
+    assert sandbox_leftovers(sandbox_id, state_dir) == []

@@ -173,6 +173,10 @@ class LinuxSandbox(TierSandbox):
     #: from inside the sandbox's network namespace (:meth:`_port_netns_pid`)
     _connector_path: str | None = None
 
+    def _agent_connector(self) -> str | None:
+        """The agent's path inside the sandbox for ``--connect`` commands (or None: use a netns)."""
+        return self._connector_path
+
     def _port_netns_pid(self) -> int | None:
         """A host pid in the sandbox's own network namespace, if the sandbox's loopback is the
         kernel's (then a forward connects from a host thread inside it); None otherwise."""
@@ -186,8 +190,8 @@ class LinuxSandbox(TierSandbox):
             if self._closed:
                 raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
             connect: Connect
-            if self._connector_path is not None:
-                path = self._connector_path
+            path = self._agent_connector()
+            if path is not None:
                 connect = lambda port, _timeout: agent_connect(self.start, path, port)  # noqa: E731
             else:
                 if self._ports_connector is None:

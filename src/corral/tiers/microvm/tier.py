@@ -54,6 +54,8 @@ from ..linux.sandbox import LinuxSandbox
 from . import guest, qemu, rootdisk, template
 from .egress_bridge import EgressBridge
 
+#: where port forwards' connector (a copy of the agent) goes in the guest
+CONNECTOR_IN_GUEST = "/.corral-connect"
 #: guest RAM on top of the sandbox's memory limit: kernel, agent, page cache
 GUEST_OVERHEAD_MB = 96
 #: host memory on top of guest RAM: QEMU itself and TCG's translation cache
@@ -158,6 +160,16 @@ class MicroVMSandbox(LinuxSandbox):
         super().__init__(tier.state_dir, spec, sandbox_id, run_dir)
 
     # -- creation --------------------------------------------------------
+    def _agent_connector(self) -> str | None:
+        """Port forwards run ``agent --connect PORT`` in the guest (it has no network device to
+        enter); the guest's commands do not see the agent, so a copy goes to the guest's root once."""
+        if self._connector_path is None:
+            from ..linux.agent_build import agent_binary
+
+            self.write_file(CONNECTOR_IN_GUEST, agent_binary().read_bytes(), 0o755)
+            self._connector_path = CONNECTOR_IN_GUEST
+        return self._connector_path
+
     def _setup(self) -> None:
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
