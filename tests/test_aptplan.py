@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def test_pre_dependencies_are_configured_before_their_dependents_unpack(tmp_path
     script = dpkg_script(actions, "/debs").splitlines()
     assert script[0] == "set -e" and script[-2:] == [
         "dpkg --force-unsafe-io --force-confdef --force-confold --configure --pending", "dpkg --audit"]
-    assert script[1].endswith(f"--unpack /debs/{FILES[0]} /debs/{FILES[1]}")  # consecutive ones: one call
+    quoted = " ".join(shlex.quote(f"/debs/{name}") for name in FILES[:2])
+    assert script[1].endswith(f"--unpack {quoted}")  # consecutive ones: one call
     assert script[2].endswith("--configure libsystemd-shared systemd")
 
 
