@@ -17,6 +17,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Request, Response
@@ -65,7 +66,8 @@ def _forward(entry: Entry, port: int) -> str:
 
 
 def _target(path: str, query: str) -> str:
-    return f"/{path}" + (f"?{query}" if query else "")
+    """The request target inside the sandbox: the path re-quoted (it arrives decoded), the query as sent."""
+    return "/" + quote(path, safe="/:@!$&'()*+,;=-._~") + (f"?{query}" if query else "")
 
 
 @router.api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}", methods=METHODS,
@@ -75,11 +77,16 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
     _check_port(port)
     entry = ctx.manager.get(who, sandbox_id)
     socket_path = await ctx.run_blocking(_forward, entry, port)
-    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP]
-    headers.append(("host", f"127.0.0.1:{port}"))
+    # raw bytes both ways: a header is passed on as it came (Latin-1 and all), never re-encoded
+    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _DROP]
+    headers.append((b"host", f"127.0.0.1:{port}".encode()))
     client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), timeout=60)
     url = f"http://127.0.0.1:{port}" + _target(path, request.url.query)
-    upstream = client.build_request(request.method, url, headers=headers, content=await request.body())
+    try:
+        upstream = client.build_request(request.method, url, headers=headers, content=await request.body())
+    except (httpx.InvalidURL, ValueError) as exc:
+        await client.aclose()
+        raise InvalidSpec(f"cannot pass this request on: {exc}") from None
     try:
         response = await client.send(upstream, stream=True)
     except httpx.HTTPError as exc:
