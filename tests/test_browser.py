@@ -130,7 +130,8 @@ def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path, tier: s
         with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
             pass
     assert not os.path.exists(unix.unix_socket)
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("portfwd")]
+    wait_for(lambda: not [t.name for t in threading.enumerate() if t.name.startswith("portfwd")],
+             "the forwards' threads to end", 10)
     assert sandbox_leftovers(sb.id, state_dir) == []
 
 
