@@ -84,6 +84,14 @@ def test_chromium_dump_dom_and_screenshot(browser_image: str, tier: str) -> None
                                timeout=120)
         assert shot.exit_code == 0, shot
         assert sb.files.read("/tmp/screenshot.png", format="bytes").startswith(PNG)
+        # Chromium's own sandbox: refused in the process tier (our seccomp denies the namespaces it
+        # needs), available in gVisor (the Sentry implements them)
+        own = sb.commands.run(CHROMIUM.replace(" --no-sandbox", "") + " --dump-dom file:///tmp/page.html",
+                              timeout=120)
+        if tier == "process":
+            assert own.exit_code != 0 and "No usable sandbox" in own.stderr, own
+        else:
+            assert own.exit_code == 0 and '<h1 id="x">js ran 42</h1>' in own.stdout, own
 
 
 @pytest.mark.parametrize("tier", ["process", "gvisor", "microvm"])
