@@ -88,7 +88,11 @@ def handle(args: argparse.Namespace) -> int:
 
         values = read_secrets_file(args.secrets_file)
     with Sandbox.create(spec, state=args.state_dir, secret_values=values) as sb:
-        exposed = [sb.ports.expose(port) for port in args.expose]
+        ports = getattr(sb, "ports", None)
+        if args.expose and ports is None:  # a server's sandbox (CORRAL_URL): its proxy route instead
+            raise InvalidSpec(f"--expose: sandbox {sb.id} is a server's; reach its port through "
+                              f"/v1/sandboxes/{sb.id}/ports/PORT/ on that server")
+        exposed = [ports.expose(port) for port in args.expose] if ports is not None else []
         for port in exposed:  # before the command starts, so a caller can connect as soon as it listens
             print(f"corral: port {port.sandbox_port} exposed at {port.host}:{port.port} ({port.url})",
                   file=sys.stderr, flush=True)
