@@ -167,8 +167,8 @@ class PortForward:
                 return
             try:
                 inner = self._connect(self.sandbox_port, self._timeout)
-            except OSError:
-                return  # nothing listens there (yet): the client sees the connection close
+            except Exception:  # nothing listens there (yet), or the sandbox is paused or going away:
+                return  # the client sees the connection close
             if not self._track(inner):
                 return
             if client.family != socket.AF_UNIX:
