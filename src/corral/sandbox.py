@@ -425,6 +425,7 @@ class AsyncSandbox:
         self.spec = sync.spec
         self.commands = _AsyncCommands(sync.commands)
         self.files = _AsyncFiles(sync.files)
+        self.ports = sync.ports  # expose() only opens a listener (the microVM: copies a file once): the same object
 
     @classmethod
     async def create(cls, spec: SandboxSpec | None = None, **kwargs: Any) -> AsyncSandbox:
