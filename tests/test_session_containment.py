@@ -448,3 +448,22 @@ def test_a_command_signalled_before_it_is_placed_ends_by_that_signal_and_never_r
             result = handle.wait()
             assert result.exit_code == 128 + signum, (round_, result)
         assert sb.commands.run("ls /tmp").stdout.split() == []
+
+
+def test_a_command_missed_by_the_children_read_is_still_found_and_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # /proc/PID/task/TID/children can skip a live child while siblings are reaped (the REST fuzz
+    # test hit "its process is gone" once in ten runs): the lookup then searches the sandbox's
+    # kill tree, so a held command is never refused for a read that missed it
+    import corral.tiers.process.tier as process_tier
+
+    with Sandbox.create(memory=MEMORY, pids=PIDS) as sb:
+        inner = sb._tier_sandbox()
+        assert isinstance(inner, ProcessSandbox)
+        agent = inner._agent_host_pid()
+        real_children = process_tier.children
+        monkeypatch.setattr(process_tier, "children", lambda pid: [] if pid == agent else real_children(pid))
+        for _ in range(5):
+            handle = sb.commands.start("exec sleep 0.2", pty=(24, 80))  # pty: never the pre-placed spare
+            result = handle.wait()
+            assert result.exit_code == 0, result
+        check_contained(sb, process_tier_pids, "after missed reads")

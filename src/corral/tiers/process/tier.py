@@ -173,17 +173,17 @@ class ProcessSandbox(LinuxSandbox):
     def _host_pid(self, nspid: int) -> int | None:
         # /proc/PID/task/TID/children is read by position: a sibling reaped during the read
         # can make it skip a live child (seen with commands finishing on other threads), so a
-        # miss is read again before the child counts as gone
+        # miss is read again, and then looked for among every process of the sandbox's kill
+        # tree (cgroup.procs does not skip), before the child counts as gone
+        agent = self._agent_host_pid()
         for _ in range(5):
-            for child in children(self._agent_host_pid()):
-                try:
-                    for line in Path(f"/proc/{child}/status").read_text().splitlines():
-                        if line.startswith("NSpid:"):
-                            if int(line.split()[-1]) == nspid:
-                                return int(child)
-                            break
-                except (FileNotFoundError, ProcessLookupError):
-                    continue
+            found = _with_nspid(children(agent), nspid)
+            if found is not None:
+                return found
+        if self.cgroup is not None:
+            found = _with_nspid(self.cgroup.pids(), nspid, parent=agent)
+            if found is not None:
+                return found
         return None
 
     def _new_leaf(self, cgroup: cgroups.SandboxCgroup) -> Path:
@@ -274,3 +274,17 @@ class ProcessSandbox(LinuxSandbox):
                     self.cgroup.kill_all()
                 self._proc.kill()
                 self._proc.wait(timeout=5)
+
+
+def _with_nspid(pids: list[int], nspid: int, parent: int | None = None) -> int | None:
+    """The host pid among ``pids`` whose innermost namespace pid is ``nspid`` (and whose
+    parent is ``parent``, when given: an nspid is only unique within one pid namespace)."""
+    for pid in pids:
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if line.startswith(("NSpid:", "PPid:")))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields["NSpid"].split()[-1]) == nspid and (parent is None or int(fields["PPid"]) == parent):
+            return pid
+    return None
