@@ -9,12 +9,13 @@ the exec WebSocket.  Every error the server sends is raised as the same
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 from urllib.parse import quote, unquote
 
 import httpx
@@ -33,8 +34,18 @@ from .errors import (
     error_from_code,
 )
 from .spec import SandboxSpec
-from .surface import DEFAULT_MAX_READ, build_spec, download_dir, output_callback, upload_dir
+from .surface import (
+    DEFAULT_MAX_READ,
+    build_spec,
+    check_create_arguments,
+    download_dir,
+    output_callback,
+    upload_dir,
+)
 from .tiers.base import ExecResult, FileEntry
+
+if TYPE_CHECKING:
+    from .interpreter import Execution
 
 REQUEST_TIMEOUT = 60.0
 
@@ -146,7 +157,10 @@ class RemoteCommandHandle:
             pass
 
     def send_stdin(self, data: str | bytes) -> None:
-        self._send({"type": "stdin", "data": data if isinstance(data, str) else data.decode()})
+        if isinstance(data, str):
+            self._send({"type": "stdin", "data": data})
+        else:  # any bytes, not only UTF-8: base64 in the JSON frame
+            self._send({"type": "stdin", "data_b64": base64.b64encode(data).decode()})
 
     def close_stdin(self) -> None:
         self._send({"type": "stdin_close"})
@@ -236,7 +250,7 @@ class RemoteFiles:
     def read(self, path: str, format: str = "text", max_bytes: int = DEFAULT_MAX_READ) -> str | bytes:
         if format not in ("text", "bytes"):
             raise InvalidSpec(f"format {format!r}: use 'text' or 'bytes'")
-        data = self._call("GET", "/content", path)
+        data = self._call("GET", "/content", path, params={"max_bytes": max_bytes})
         data = data if isinstance(data, bytes) else json.dumps(data).encode()
         return data if format == "bytes" else data.decode(errors="replace")
 
@@ -264,7 +278,7 @@ class RemoteFiles:
         self._call("DELETE", "", path, params={"recursive": recursive})
 
     def make_dir(self, path: str, mode: int = 0o755) -> None:
-        self._call("POST", "/dir", path)
+        self._call("POST", "/dir", path, params={"mode": mode})
 
     # the directory copies only use the methods above
     def upload_dir(self, local: str | Path, remote: str) -> int:
@@ -295,6 +309,8 @@ class RemoteSandbox:
     def __init__(self, client: Client, info: dict[str, Any]) -> None:
         self._client = client
         self.id: str = info["id"]
+        #: E2B's name for ``id``
+        self.sandbox_id: str = self.id
         self._path = f"/v1/sandboxes/{quote(self.id)}"
         self.info = info
         self.spec = SandboxSpec.from_dict(info["spec"])
@@ -309,6 +325,7 @@ class RemoteSandbox:
                idle_timeout: float | None = None, lifetime: float | None = None,
                state: str | Path | None = None, **kwargs: Any) -> RemoteSandbox:
         del state  # the server owns its state directory
+        check_create_arguments(kwargs)
         full = build_spec(spec, **kwargs)
         body = full.to_dict()
         body.pop("workspace", None)
@@ -333,6 +350,15 @@ class RemoteSandbox:
     def set_timeout(self, seconds: float) -> None:
         """Destroy the sandbox ``seconds`` from now (within the server's max lifetime)."""
         self.info = self._client.request("POST", f"{self._path}/timeout", json={"timeout": seconds})
+
+    def run_code(self, code: str, *, language: str = "python", timeout: float | None = None) -> Execution:
+        """As :meth:`corral.Sandbox.run_code`, in the server's interpreter for this sandbox."""
+        from .interpreter import Execution
+
+        body: dict[str, Any] = {"code": code, "language": language}
+        if timeout is not None:
+            body["timeout"] = timeout
+        return Execution.from_dict(self._client.request("POST", f"{self._path}/code", json=body))
 
     def pause(self) -> None:
         """As :meth:`corral.Sandbox.pause`."""

@@ -112,6 +112,20 @@ class Execution:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Execution:
+        """The inverse of :meth:`to_dict` (what the server's ``POST /code`` returns)."""
+        error = data.get("error")
+        return cls(
+            results=[Result(**r) for r in data.get("results", [])],
+            logs=Logs(**data.get("logs", {})),
+            error=ExecutionError(**error) if error else None,
+            execution_count=data.get("execution_count", 0),
+            timed_out=data.get("timed_out", False),
+            restarted=data.get("restarted", False),
+            truncated=data.get("truncated", False),
+        )
+
 
 class _Cell:
     def __init__(self, cell_id: int, execution: Execution, callbacks: dict[str, Callable[[Any], None] | None]):

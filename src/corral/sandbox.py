@@ -26,7 +26,14 @@ from .ports import Ports
 from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
 from .spec import SandboxSpec, validate_env, validate_sandbox_path
-from .surface import DEFAULT_MAX_READ, build_spec, download_dir, output_callback, upload_dir
+from .surface import (
+    DEFAULT_MAX_READ,
+    build_spec,
+    check_create_arguments,
+    download_dir,
+    output_callback,
+    upload_dir,
+)
 from .tiers import get_tier, tier_class
 from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
 
@@ -269,6 +276,8 @@ class Sandbox:
     def __init__(self, spec: SandboxSpec, inner: TierSandbox, root: Path, registry: Registry) -> None:
         self.spec = spec
         self.id = inner.id
+        #: E2B's name for ``id``
+        self.sandbox_id = inner.id
         self._inner: TierSandbox | None = inner
         self._root = root
         self._registry = registry
@@ -287,12 +296,17 @@ class Sandbox:
         if values is not None:
             with secret_values(values):
                 return cls.create(spec, state=state, **kwargs)
+        check_create_arguments(kwargs, "url", "api_key", "idle_timeout", "lifetime")
         url = kwargs.pop("url", None) or os.environ.get("CORRAL_URL")
         if url:
             from .client import RemoteSandbox  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
             return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[return-value]
         kwargs.pop("api_key", None)
+        for name in ("idle_timeout", "lifetime"):
+            if kwargs.pop(name, None) is not None:
+                raise InvalidSpec(f"{name}: only a server enforces it (Sandbox.create(url=...)); an embedded "
+                                  "sandbox lives until kill()")
         full_spec = build_spec(spec, **kwargs)
         sandbox_id = new_sandbox_id()
         with host_errors("create the sandbox", sandbox_id):
@@ -425,7 +439,9 @@ class AsyncSandbox:
         self.spec = sync.spec
         self.commands = _AsyncCommands(sync.commands)
         self.files = _AsyncFiles(sync.files)
-        self.ports = sync.ports  # expose() only opens a listener (the microVM: copies a file once): the same object
+        # expose() only opens a listener (the microVM: copies a file once): the same object; a server's
+        # sandbox has none yet (its ports go through the server's route)
+        self.ports = getattr(sync, "ports", None)
 
     @classmethod
     async def create(cls, spec: SandboxSpec | None = None, **kwargs: Any) -> AsyncSandbox:

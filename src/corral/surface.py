@@ -154,3 +154,13 @@ def download_dir(files: FilesAPI, remote: str, local: str | Path) -> int:
             dest.write_bytes(files.read(entry.path, format="bytes"))
             count += 1
     return count
+
+
+def check_create_arguments(kwargs: Mapping[str, object], *also: str) -> None:
+    """Refuse an unknown keyword argument to ``create`` by name (not Python's bare TypeError)."""
+    import inspect
+
+    known = {name for name in inspect.signature(build_spec).parameters if name != "spec"} | set(also)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise InvalidSpec(f"unknown argument(s) to create: {', '.join(unknown)}; known: {', '.join(sorted(known))}")

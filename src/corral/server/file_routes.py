@@ -31,10 +31,12 @@ async def stat_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[
 
 @router.get(FILES + "/content", summary="Download a file", response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}}}})
-async def download(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()]) -> Response:
+async def download(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+                   max_bytes: Annotated[int, Query(ge=0)] = MAX_DOWNLOAD) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
+    # the caller's limit, within the server's own (which bounds what it holds in memory)
     data = await ctx.run_blocking(entry.sandbox.files.read, checked_path(path), format="bytes",
-                                  max_bytes=MAX_DOWNLOAD)
+                                  max_bytes=min(max_bytes, MAX_DOWNLOAD))
     return Response(data, media_type="application/octet-stream")
 
 
@@ -58,7 +60,8 @@ async def remove_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotate
 
 
 @router.post(FILES + "/dir", status_code=204, summary="Make a directory (and its parents)")
-async def make_dir(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()]) -> Response:
+async def make_dir(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+                   mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    await ctx.run_blocking(entry.sandbox.files.make_dir, checked_path(path))
+    await ctx.run_blocking(entry.sandbox.files.make_dir, checked_path(path), mode)
     return Response(status_code=204)

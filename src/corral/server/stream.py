@@ -6,7 +6,7 @@ Protocol (JSON text frames):
   (``pty`` optional: the command runs on a terminal and all output arrives as stdout)
 * server: ``{"type": "started"}``, then ``{"type": "stdout"|"stderr", "data": text}`` in the order
   the sandbox produced them, then ``{"type": "result", ...}`` (fields of ``corral run --json``), then close.
-* client, any time: ``{"type": "stdin", "data": text}``, ``{"type": "stdin_close"}``,
+* client, any time: ``{"type": "stdin", "data": text}`` (or ``"data_b64"``: any bytes, base64), ``{"type": "stdin_close"}``,
   ``{"type": "signal", "signal": N}``, ``{"type": "kill"}``, ``{"type": "resize", "rows": R, "cols": C}``
   (a command started with ``pty``; otherwise answered with an error frame).
 * errors: ``{"type": "error", "error": code, "message": text}``, then close.
@@ -17,6 +17,8 @@ Closing the socket kills the command's whole process tree.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import codecs
 import contextlib
 import json
@@ -157,7 +159,13 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle,
         while websocket.application_state == WebSocketState.CONNECTED:
             message = json.loads(await websocket.receive_text())
             kind = message.get("type") if isinstance(message, dict) else None
-            if kind == "stdin" and isinstance(message.get("data"), str):
+            if kind == "stdin" and isinstance(message.get("data_b64"), str):
+                try:
+                    handle.send_stdin(base64.b64decode(message["data_b64"], validate=True))
+                except binascii.Error:
+                    await websocket.send_json({"type": "error", "error": "invalid_spec",
+                                               "message": "stdin: data_b64 is not base64"})
+            elif kind == "stdin" and isinstance(message.get("data"), str):
                 try:
                     data = message["data"].encode()
                 except UnicodeEncodeError:

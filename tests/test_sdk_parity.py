@@ -1,0 +1,75 @@
+"""The embedded and the remote SDK behave the same where they used to differ (issue 14, its bugs).
+
+Each check runs against ``Sandbox.create()`` and against a sandbox of a real
+``corral serve`` on loopback: ``files.read(max_bytes=)``, ``make_dir(mode=)``,
+binary stdin, ``run_code``, ``sandbox_id``, and an unknown keyword argument to
+``create`` (a typed ``InvalidSpec`` naming it, not Python's ``TypeError``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral import FileError, InvalidSpec, Sandbox
+from corral.client import RemoteSandbox
+
+from .server_fixtures import KEYS, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-parity", keys=KEYS) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["embedded", "remote"])
+def sandbox(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[Any]:
+    if request.param == "embedded":
+        sb: Any = Sandbox.create()
+    else:
+        sb = RemoteSandbox.create(url=server.url, api_key=KEYS["alice"])
+    with sb:
+        yield sb
+
+
+def test_read_honours_max_bytes(sandbox: Any) -> None:
+    sandbox.files.write("/tmp/f", b"x" * 100)
+    assert sandbox.files.read("/tmp/f", format="bytes", max_bytes=100) == b"x" * 100
+    with pytest.raises(FileError, match="larger than"):
+        sandbox.files.read("/tmp/f", max_bytes=10)
+
+
+def test_make_dir_honours_mode(sandbox: Any) -> None:
+    sandbox.files.make_dir("/tmp/private", mode=0o700)
+    assert sandbox.files.stat("/tmp/private").mode & 0o777 == 0o700
+
+
+def test_binary_stdin_arrives_byte_for_byte(sandbox: Any) -> None:
+    payload = bytes(range(256)) * 4  # not UTF-8
+    handle = sandbox.commands.start(["sh", "-c", "od -An -v -tx1 | tr -d ' \\n'"])
+    handle.send_stdin(payload)
+    handle.close_stdin()
+    assert handle.wait().stdout == payload.hex()
+
+
+def test_run_code_and_sandbox_id(sandbox: Any) -> None:
+    assert sandbox.sandbox_id == sandbox.id
+    first = sandbox.run_code("x = 20\nx + 1")
+    assert first.text == "21" and first.error is None
+    assert sandbox.run_code("x * 2").text == "40"  # one interpreter, state kept
+    failed = sandbox.run_code("1 / 0")
+    assert failed.error is not None and failed.error.name == "ZeroDivisionError"
+
+
+@pytest.mark.parametrize("where", ["embedded", "remote"])
+def test_an_unknown_argument_is_named(where: str, server: ServerProcess) -> None:
+    options: dict[str, Any] = {"url": server.url, "api_key": KEYS["alice"]} if where == "remote" else {}
+    with pytest.raises(InvalidSpec, match="memroy"):
+        Sandbox.create(memroy="1G", **options)
+    if where == "embedded":
+        with pytest.raises(InvalidSpec, match="lifetime"):
+            Sandbox.create(lifetime=60)
