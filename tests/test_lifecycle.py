@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -333,3 +334,32 @@ for sb in live:
                          env=os.environ.copy())
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["4096", "30"]
+
+
+def test_two_state_directories_never_hand_out_the_same_host_uid(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # uid records live in each state directory; without the host-wide claim two Corral instances
+    # (two servers, parallel test runs) could give two live sandboxes the same host user
+    import random
+
+    from corral.host import uids
+
+    draws = iter([7, 7, 8])
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, n: next(draws))
+    first_dir, second_dir = tmp_path / "a", tmp_path / "b"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    first = uids.allocate_uid(first_dir, "sb-first")
+    second = uids.allocate_uid(second_dir, "sb-second")
+    try:
+        assert first == uids.UID_BASE + 7 and second == uids.UID_BASE + 8
+        assert not (second_dir / "uids" / str(first)).exists()
+        # a claim whose state directory is gone (removed without gc) is stale and taken over
+        shutil.rmtree(first_dir)
+        draws = iter([7])
+        assert uids.allocate_uid(second_dir, "sb-third") == first
+        uids.release_uid(second_dir, first)
+    finally:
+        uids.release_uid(second_dir, second)
+        uids.release_uid(first_dir, first)
+    assert not (uids.CLAIMS / str(first)).exists() and not (uids.CLAIMS / str(second)).exists()

@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import HostNotSupported
 from .host.procs import process_start_time
+from .host.uids import release_uid
 
 DEFAULT_STATE_DIR = Path("/var/lib/corral")
 
@@ -153,6 +154,6 @@ def gc(root: Path) -> list[str]:
             except OSError:
                 continue
             # only sandbox reservations: other owners (the wasm tier's standby guests) reap their own
-            if owner.startswith("sb-") and owner not in known:
-                entry.unlink(missing_ok=True)
+            if owner.startswith("sb-") and owner not in known and entry.name.isdigit():
+                release_uid(root, int(entry.name))  # the record and its host-wide claim
     return reaped
