@@ -13,6 +13,7 @@ import base64
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -48,6 +49,12 @@ if TYPE_CHECKING:
     from .interpreter import Execution
 
 REQUEST_TIMEOUT = 60.0
+#: methods whose repetition changes nothing: retried on connection errors, 429 and 503
+IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+RETRIES = 3
+#: the first wait; each retry doubles it (0.2, 0.4, 0.8 s) unless the server says how long
+BACKOFF = 0.2
+MAX_RETRY_WAIT = 5.0
 
 
 def _sandbox_of(path: str) -> str | None:
@@ -86,10 +93,27 @@ class Client:
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=REQUEST_TIMEOUT)
 
     def request(self, method: str, path: str, *, timeout: float | None = REQUEST_TIMEOUT, **kwargs: Any) -> Any:
-        try:
-            response = self.http.request(method, path, timeout=timeout, **kwargs)
-        except httpx.TransportError as exc:
-            raise ConnectionLost(f"cannot reach the Corral server at {self.url}: {exc}") from exc
+        # an idempotent call is tried again when the server could not be reached or said "later"
+        # (429, 503), a bounded number of times with growing waits (the server's Retry-After, capped);
+        # a POST is never repeated: it could create a second sandbox or run a command twice
+        retries = RETRIES if method in IDEMPOTENT else 0
+        for attempt in range(retries + 1):
+            wait = BACKOFF * 2**attempt
+            try:
+                response = self.http.request(method, path, timeout=timeout, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt < retries:
+                    time.sleep(wait)
+                    continue
+                raise ConnectionLost(f"cannot reach the Corral server at {self.url}: {exc}") from exc
+            if response.status_code in (429, 503) and attempt < retries:
+                try:
+                    wait = float(response.headers.get("retry-after", wait))
+                except ValueError:
+                    pass
+                time.sleep(min(max(wait, 0.0), MAX_RETRY_WAIT))
+                continue
+            break
         _raise_for(response, _sandbox_of(path))
         if response.status_code == 204:
             return None

@@ -8,10 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Response
 
-from ..errors import InvalidSpec
 from ..spec import SandboxSpec
 from .context import Context, Tenant
-from .wire import CreateSandbox, ExecBody, TimeoutBody, require_unicode
+from .wire import CodeBody, CreateSandbox, ExecBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
     from ..tiers.base import ExecResult
@@ -96,14 +95,10 @@ async def network_audit(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str,
 
 # the code interpreter (corral.interpreter): one cell per call
 @router.post("/v1/sandboxes/{sandbox_id}/code", summary="Run code in the sandbox's interpreter (if available)")
-async def run_code(sandbox_id: str, body: dict[str, Any], who: Tenant, ctx: Context) -> dict[str, Any]:
+async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    run = getattr(entry.sandbox, "run_code", None)
-    if run is None:
-        raise InvalidSpec("run_code is not available in this build of Corral")
+    require_unicode(body.model_dump())
     with ctx.manager.exec_slot(entry):
-        try:
-            result = await ctx.run_blocking(run, **body)
-        except TypeError as exc:
-            raise InvalidSpec(f"run_code: {exc}") from None
-    return result.to_dict() if hasattr(result, "to_dict") else {"result": result}
+        result = await ctx.run_blocking(entry.sandbox.run_code, body.code, language=body.language,
+                                        timeout=body.timeout)
+    return dict(result.to_dict())

@@ -42,9 +42,16 @@ def status_for(exc: SandboxError) -> int:
     return 500
 
 
+#: seconds a client should wait before retrying: a quota frees up as sandboxes end (429); a
+#: host that cannot run a tier now may after its operator acts (503)
+RETRY_AFTER = {429: "1", 503: "5"}
+
+
 def error_response(status: int, code: str, message: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": code, "message": message}, status_code=status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    if status in RETRY_AFTER:
+        headers["Retry-After"] = RETRY_AFTER[status]
+    return JSONResponse({"error": code, "message": message}, status_code=status, headers=headers or None)
 
 
 # -- request bodies (unknown fields are refused by name) -----------------------
@@ -69,6 +76,15 @@ class ExecBody(BaseModel):
     env: dict[str, str] | None = None
     cwd: str | None = None
     stdin: str | None = None
+
+
+class CodeBody(BaseModel):
+    """A code cell for the sandbox's interpreter (``POST /v1/sandboxes/{id}/code``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    code: str
+    language: str = "python"
+    timeout: float | None = Field(None, description="seconds before the cell is interrupted")
 
 
 class StreamExecBody(ExecBody):
