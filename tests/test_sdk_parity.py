@@ -73,3 +73,23 @@ def test_an_unknown_argument_is_named(where: str, server: ServerProcess) -> None
     if where == "embedded":
         with pytest.raises(InvalidSpec, match="lifetime"):
             Sandbox.create(lifetime=60)
+
+
+def test_a_background_command_is_found_fed_and_killed_by_pid(sandbox: Any) -> None:
+    handle = sandbox.commands.run("read line; echo got $line; exec sleep 60", background=True)
+    pid = handle.pid
+    assert isinstance(pid, int) and pid > 0
+    running = sandbox.commands.list()
+    assert [c.pid for c in running] == [pid] and running[0].argv[-1].startswith("read line")
+    sandbox.commands.send_stdin(pid, "hi\n")
+    outputs: list[bytes] = []
+    probe = sandbox.commands.run("sleep 0.5; echo other")  # the sandbox goes on meanwhile
+    assert probe.stdout == "other\n"
+    assert sandbox.commands.kill(pid) is True
+    result = handle.wait(on_output=lambda stream, chunk: outputs.append(chunk)) \
+        if isinstance(sandbox, RemoteSandbox) else handle.wait()
+    assert result.stdout == "got hi\n" and result.exit_code == 137, result
+    if isinstance(sandbox, RemoteSandbox):
+        assert b"".join(outputs) == b"got hi\n"  # attached after the fact: what it printed, replayed
+    assert sandbox.commands.kill(pid) is False
+    assert sandbox.commands.list() == []

@@ -21,6 +21,7 @@ from urllib.parse import quote, unquote
 
 import httpx
 
+from .client_background import RemoteBackgroundHandle
 from .egress.audit import AuditEvent
 from .errors import (
     ConnectionLost,
@@ -46,6 +47,7 @@ from .surface import (
 from .tiers.base import ExecResult, FileEntry
 
 if TYPE_CHECKING:
+    from .commands import CommandInfo
     from .interpreter import Execution
 
 REQUEST_TIMEOUT = 60.0
@@ -220,10 +222,30 @@ class RemoteCommands:
             request["pty"] = list(pty)
         return RemoteCommandHandle(self._sb._client, self._sb.id, request, output_callback(on_stdout, on_stderr, on_output))
 
+    @overload
+    def run(self, cmd: str | Sequence[str], *, timeout: float | None = ..., env: Mapping[str, str] | None = ...,
+            cwd: str | None = ..., stdin: str | bytes | None = ..., on_stdout: Callable[[str], None] | None = ...,
+            on_stderr: Callable[[str], None] | None = ..., on_output: Callable[[str, bytes], None] | None = ...,
+            check: bool = ..., background: Literal[False] = ...) -> ExecResult: ...
+
+    @overload
+    def run(self, cmd: str | Sequence[str], *, timeout: float | None = ..., env: Mapping[str, str] | None = ...,
+            cwd: str | None = ..., stdin: str | bytes | None = ..., on_stdout: Callable[[str], None] | None = ...,
+            on_stderr: Callable[[str], None] | None = ..., on_output: Callable[[str, bytes], None] | None = ...,
+            check: bool = ..., background: Literal[True]) -> RemoteBackgroundHandle: ...
+
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = None, env: Mapping[str, str] | None = None,
             cwd: str | None = None, stdin: str | bytes | None = None,
             on_stdout: Callable[[str], None] | None = None, on_stderr: Callable[[str], None] | None = None,
-            on_output: Callable[[str, bytes], None] | None = None, check: bool = False) -> ExecResult:
+            on_output: Callable[[str, bytes], None] | None = None, check: bool = False,
+            background: bool = False) -> ExecResult | RemoteBackgroundHandle:
+        """As :meth:`corral.commands.Commands.run`; ``background=True`` returns a handle with ``pid``
+        (its output is read with ``handle.wait(on_output=...)``, from the start, whenever attached)."""
+        if background:
+            stdin_text = stdin.decode() if isinstance(stdin, bytes) else stdin
+            started = self._sb._client.request("POST", f"{self._sb._path}/commands",
+                                               json=_exec_body(cmd, timeout, env, cwd, stdin_text))
+            return RemoteBackgroundHandle(self._sb._client, self._sb._path, self._sb.id, int(started["pid"]))
         if on_stdout is None and on_stderr is None and on_output is None:
             stdin_text = stdin.decode() if isinstance(stdin, bytes) else stdin
             data = self._sb._client.request("POST", f"{self._sb._path}/exec", timeout=None,
@@ -242,6 +264,22 @@ class RemoteCommands:
         if check and result.oom_killed:
             raise OutOfMemory("command was killed by the sandbox's memory limit", result, sandbox_id=self._sb.id)
         return result
+
+
+    def list(self) -> list[CommandInfo]:
+        """The running commands, by pid."""
+        from .commands import CommandInfo
+
+        return [CommandInfo(**c) for c in self._sb._client.request("GET", f"{self._sb._path}/commands")["commands"]]
+
+    def connect(self, pid: int) -> RemoteBackgroundHandle:
+        return RemoteBackgroundHandle(self._sb._client, self._sb._path, self._sb.id, pid)
+
+    def kill(self, pid: int) -> bool:
+        return self.connect(pid).kill()
+
+    def send_stdin(self, pid: int, data: str | bytes) -> None:
+        self.connect(pid).send_stdin(data)
 
 
 def _exec_body(cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None, cwd: str | None,

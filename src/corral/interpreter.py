@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidSpec, SandboxClosed
 
 if TYPE_CHECKING:
-    from .sandbox import CommandHandle, Sandbox
+    from .commands import CommandHandle
+    from .sandbox import Sandbox
 
 #: seconds a cell may run when the caller does not say
 DEFAULT_TIMEOUT = 60.0

@@ -14,37 +14,29 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
+# re-exported: they were defined here before corral.commands
+from .commands import BASE_ENV as BASE_ENV
+from .commands import CommandHandle as CommandHandle
+from .commands import CommandInfo, Commands
 from .egress.network import SandboxNetwork, secret_values
-from .errors import ExecTimeout, InvalidSpec, OutOfMemory, SandboxClosed, host_errors
+from .errors import InvalidSpec, SandboxClosed, host_errors
 from .host.procs import raise_open_files_limit
-from .images import SANDBOX_HOME, SANDBOX_USER
 from .ports import Ports
 from .registry import Registry, gc, state_dir
-from .secrets import StreamRedactor
-from .spec import SandboxSpec, validate_env, validate_sandbox_path
+from .spec import SandboxSpec, validate_sandbox_path
 from .surface import (
     DEFAULT_MAX_READ,
     build_spec,
     check_create_arguments,
     download_dir,
-    output_callback,
     upload_dir,
 )
-from .tiers import get_tier, tier_class
-from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
-
-BASE_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": SANDBOX_HOME,
-    "USER": SANDBOX_USER,
-    "LOGNAME": SANDBOX_USER,
-    "LANG": "C.UTF-8",
-    "SHELL": "/bin/sh",
-}
+from .tiers import get_tier
+from .tiers.base import ExecResult, FileEntry, TierSandbox
 
 _gc_done: set[Path] = set()
 _gc_lock = threading.Lock()
@@ -61,147 +53,6 @@ def _startup_gc(root: Path) -> None:
 
 def new_sandbox_id() -> str:
     return "sb-" + secrets.token_hex(8)
-
-
-def _argv(cmd: str | Sequence[str]) -> list[str]:
-    if isinstance(cmd, str):
-        if not cmd.strip():
-            raise InvalidSpec("command is empty")
-        return ["/bin/sh", "-c", cmd]
-    argv = list(cmd)
-    if not argv or not all(isinstance(a, str) for a in argv):
-        raise InvalidSpec("command must be a shell string or a non-empty list of strings")
-    if any("\0" in a for a in argv):
-        raise InvalidSpec("command arguments cannot contain NUL bytes")
-    return argv
-
-
-class CommandHandle:
-    """A command started with ``commands.start``: feed stdin, signal, wait for the result."""
-
-    def __init__(self, process: Process, redact: Callable[[str], str] | None = None,
-                 stream: StreamRedactor | None = None, sandbox_id: str | None = None) -> None:
-        self._process = process
-        self._redact = redact
-        self._stream = stream
-        self._sandbox_id = sandbox_id
-
-    def send_stdin(self, data: str | bytes) -> None:
-        self._process.write_stdin(data.encode() if isinstance(data, str) else data)
-
-    def close_stdin(self) -> None:
-        self._process.close_stdin()
-
-    def send_signal(self, signum: int) -> None:
-        self._process.send_signal(signum)
-
-    def kill(self) -> None:
-        self._process.kill()
-
-    def resize(self, rows: int, cols: int) -> None:
-        self._process.resize(rows, cols)
-
-    @property
-    def pid(self) -> int | None:
-        """The command's pid inside the sandbox once it started (None until then; 0 in the wasm tier)."""
-        return self._process.pid
-
-    @property
-    def done(self) -> bool:
-        """True once the command has ended; never blocks."""
-        return self._process.done
-
-    def wait(self) -> ExecResult:
-        with host_errors("wait for a command", self._sandbox_id):
-            result = self._process.wait()
-        if self._stream is not None:
-            self._stream.flush()
-        if self._redact is not None:
-            result.stdout = self._redact(result.stdout)
-            result.stderr = self._redact(result.stderr)
-        return result
-
-
-class Commands:
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._sb = sandbox
-
-    def _request(self, cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None,
-                 cwd: str | None, pty: tuple[int, int] | None = None) -> ExecRequest:
-        if pty is not None and not (len(pty) == 2 and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
-            raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
-        if pty is not None and not tier_class(self._sb.spec.tier).capabilities.pty:
-            raise InvalidSpec(f"pty: the {self._sb.spec.tier} tier cannot run commands on a terminal")
-        limits = self._sb.spec.limits
-        if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 7 * 86400):
-            raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, 604800]")
-        merged = {**BASE_ENV, **self._sb.spec.env, **validate_env(env)}
-        return ExecRequest(
-            argv=_argv(cmd),
-            env=merged,
-            cwd=validate_sandbox_path(cwd or self._sb.cwd, "cwd"),
-            timeout=float(timeout if timeout is not None else limits.timeout),
-            max_output=limits.max_output,
-            pty=tuple(pty) if pty is not None else None,  # type: ignore[arg-type]
-        )
-
-    def start(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        on_stdout: Callable[[str], None] | None = None,
-        on_stderr: Callable[[str], None] | None = None,
-        on_output: Callable[[str, bytes], None] | None = None,
-        pty: tuple[int, int] | None = None,
-    ) -> CommandHandle:
-        """Start a command; output reaches the callbacks as it is produced (on a reader thread).
-
-        With ``pty=(rows, cols)`` it runs on a terminal: output arrives as stdout only.
-        """
-        request = self._request(cmd, timeout, env, cwd, pty)
-        callback = output_callback(on_stdout, on_stderr, on_output)
-        inner = self._sb._tier_sandbox()
-        network = inner.network
-        with host_errors("start a command", self._sb.id):
-            if network is not None and network.secrets:
-                stream = StreamRedactor(network.redactor, callback) if callback is not None else None
-                return CommandHandle(inner.start(request, stream.feed if stream else None), network.redact_text,
-                                     stream, self._sb.id)
-            return CommandHandle(inner.start(request, callback), sandbox_id=self._sb.id)
-
-    def run(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: str | bytes | None = None,
-        on_stdout: Callable[[str], None] | None = None,
-        on_stderr: Callable[[str], None] | None = None,
-        on_output: Callable[[str, bytes], None] | None = None,
-        check: bool = False,
-    ) -> ExecResult:
-        """Run a command to completion. A shell string runs under ``/bin/sh -c``.
-
-        Timeouts and OOM kills come back in the result (``timed_out``,
-        ``oom_killed``); with ``check=True`` they raise ExecTimeout/OutOfMemory.
-        """
-        handle = self.start(cmd, timeout=timeout, env=env, cwd=cwd, on_stdout=on_stdout,
-                            on_stderr=on_stderr, on_output=on_output)
-        if stdin is not None:
-            handle.send_stdin(stdin)
-        handle.close_stdin()
-        result = handle.wait()
-        if check:
-            if result.timed_out:
-                raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result, sandbox_id=self._sb.id)
-            if result.oom_killed:
-                raise OutOfMemory("command was killed by the sandbox's memory limit", result, sandbox_id=self._sb.id)
-        return result
 
 
 class Files:
@@ -409,10 +260,19 @@ class _AsyncCommands:
     def __init__(self, sync: Commands) -> None:
         self._sync = sync
 
-    async def run(self, cmd: str | Sequence[str], **kwargs: Any) -> ExecResult:
+    async def run(self, cmd: str | Sequence[str], **kwargs: Any) -> Any:
+        """As :meth:`Commands.run` (``background=True`` returns the synchronous handle)."""
         import asyncio
 
-        return await asyncio.to_thread(self._sync.run, cmd, **kwargs)
+        return await asyncio.to_thread(lambda: self._sync.run(cmd, **kwargs))
+
+    def list(self) -> list[CommandInfo]:
+        return self._sync.list()
+
+    async def kill(self, pid: int) -> bool:
+        import asyncio
+
+        return await asyncio.to_thread(self._sync.kill, pid)
 
 
 class _AsyncFiles:

@@ -45,6 +45,8 @@ class Entry:
     active_execs: int = 0
     #: egress refusals already counted in the metrics
     refused_seen: int = 0
+    #: background commands by pid: their output so far, for clients that attach (command_routes)
+    background: dict[int, Any] = field(default_factory=dict)
 
     @property
     def spec(self) -> SandboxSpec:

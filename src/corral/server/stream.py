@@ -34,7 +34,7 @@ from .context import context_of
 from .wire import StreamExecBody, require_unicode, status_for
 
 if TYPE_CHECKING:
-    from ..sandbox import CommandHandle
+    from ..commands import CommandHandle
 
 #: close codes: 4000 + the HTTP status the same error gets over REST
 CLOSE_NORMAL = 1000
