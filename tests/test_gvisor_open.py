@@ -69,9 +69,9 @@ def test_open_mode_reaches_the_allowed_target_and_refuses_and_audits_the_rest(
         # gVisor's netstack holds the veth's address; the host's kernel in the namespace no longer does
         links = sb.commands.run("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").stdout.split()
         assert sorted(links) == sorted(["lo", OpenNames.for_sandbox(sb.id).sandbox_if]), links
-        ok = sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/gvn-ok")
+        ok = sb.commands.run(f"curl -fsS -m 30 http://{net.target}:8080/gvn-ok")
         assert ok.stdout == "hello from target\n", ok
-        ok_tls = sb.commands.run(f"curl -fsS -m 5 --cacert /dev/stdin https://{net.target}:8443/gvn-ok-tls",
+        ok_tls = sb.commands.run(f"curl -fsS -m 30 --cacert /dev/stdin https://{net.target}:8443/gvn-ok-tls",
                                  stdin=net.ca.read_bytes())
         assert ok_tls.exit_code == 0, ok_tls
         assert sb.network.audit() == []
@@ -80,7 +80,7 @@ def test_open_mode_reaches_the_allowed_target_and_refuses_and_audits_the_rest(
         loop = sb.commands.run(f"curl -sS -m 5 http://127.0.0.1:{net.loopback_port}/gvn-loop")
         assert loop.exit_code == 7 and net.loopback_hits == [], loop
         # allowed again: no new event
-        assert sb.commands.run(f"curl -fsS -m 5 http://{net.target}:8080/gvn-ok2").exit_code == 0
+        assert sb.commands.run(f"curl -fsS -m 30 http://{net.target}:8080/gvn-ok2").exit_code == 0
         assert len(sb.network.audit()) == 5
         # the hidden /proc/sys/net/core was runsc's alone: never in the host's mounts, and the
         # namespace's own directory is intact for everyone else

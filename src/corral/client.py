@@ -49,6 +49,7 @@ from .tiers.base import ExecResult, FileEntry
 if TYPE_CHECKING:
     from .commands import CommandInfo
     from .interpreter import Execution
+    from .lifecycle import SandboxInfo
 
 REQUEST_TIMEOUT = 60.0
 #: methods whose repetition changes nothing: retried on connection errors, 429 and 503
@@ -385,7 +386,8 @@ class RemoteSandbox:
     @classmethod
     def create(cls, spec: SandboxSpec | None = None, *, url: str | None = None, api_key: str | None = None,
                idle_timeout: float | None = None, lifetime: float | None = None,
-               state: str | Path | None = None, **kwargs: Any) -> RemoteSandbox:
+               state: str | Path | None = None, metadata: dict[str, str] | None = None,
+               **kwargs: Any) -> RemoteSandbox:
         del state  # the server owns its state directory
         check_create_arguments(kwargs)
         full = build_spec(spec, **kwargs)
@@ -395,8 +397,13 @@ class RemoteSandbox:
             raise InvalidSpec("workspace: a remote sandbox cannot mount a host directory; use files.upload_dir")
         if idle_timeout is not None:
             body["idle_timeout"] = idle_timeout
+        # checked here as an embedded create checks them: the same errors both ways
+        from .lifecycle import check_lifetime, check_metadata
+
         if lifetime is not None:
-            body["lifetime"] = lifetime
+            body["lifetime"] = check_lifetime(lifetime)
+        if metadata is not None:
+            body["metadata"] = check_metadata(metadata)
         client = Client(url, api_key)
         return cls(client, client.request("POST", "/v1/sandboxes", json=body))
 
@@ -421,6 +428,19 @@ class RemoteSandbox:
         if timeout is not None:
             body["timeout"] = timeout
         return Execution.from_dict(self._client.request("POST", f"{self._path}/code", json=body))
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.info.get("metadata", {}))
+
+    def get_info(self) -> SandboxInfo:
+        """As :meth:`corral.Sandbox.get_info`, from the server."""
+        from .lifecycle import SandboxInfo
+
+        info = self.refresh()
+        return SandboxInfo(info["id"], info["spec"].get("tier", ""), info["spec"].get("image", ""),
+                           dict(info.get("metadata", {})), info.get("created_at", 0.0), info.get("expires_at"),
+                           info["state"])
 
     def pause(self) -> None:
         """As :meth:`corral.Sandbox.pause`."""

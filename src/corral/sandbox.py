@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -23,8 +24,21 @@ from .commands import BASE_ENV as BASE_ENV
 from .commands import CommandHandle as CommandHandle
 from .commands import CommandInfo, Commands
 from .egress.network import SandboxNetwork, secret_values
-from .errors import InvalidSpec, SandboxClosed, host_errors
+from .errors import InvalidSpec, SandboxClosed, SandboxNotFound, host_errors
 from .host.procs import raise_open_files_limit
+from .lifecycle import (
+    LIVE,
+    InstanceOrClass,
+    Lifetime,
+    SandboxInfo,
+    check_lifetime,
+    check_metadata,
+    kill_embedded,
+    list_embedded,
+    matches,
+    owned_elsewhere,
+    row_of,
+)
 from .ports import Ports
 from .registry import Registry, gc, state_dir
 from .spec import SandboxSpec, validate_sandbox_path
@@ -136,6 +150,9 @@ class Sandbox:
         self.commands = Commands(self)
         self.files = Files(self)
         self.ports = Ports(self)
+        self.metadata: dict[str, str] = {}
+        self._lifetime = Lifetime(self)
+        self._started_at = time.time()
 
     @classmethod
     def create(cls, spec: SandboxSpec | None = None, *, state: str | Path | None = None, **kwargs: Any) -> Sandbox:
@@ -147,17 +164,20 @@ class Sandbox:
         if values is not None:
             with secret_values(values):
                 return cls.create(spec, state=state, **kwargs)
-        check_create_arguments(kwargs, "url", "api_key", "idle_timeout", "lifetime")
+        check_create_arguments(kwargs, "url", "api_key", "idle_timeout", "lifetime", "metadata")
         url = kwargs.pop("url", None) or os.environ.get("CORRAL_URL")
         if url:
             from .client import RemoteSandbox  # type: ignore[import-not-found,import-untyped,unused-ignore]
 
             return RemoteSandbox.create(spec, url=url, **kwargs)  # type: ignore[return-value]
         kwargs.pop("api_key", None)
-        for name in ("idle_timeout", "lifetime"):
-            if kwargs.pop(name, None) is not None:
-                raise InvalidSpec(f"{name}: only a server enforces it (Sandbox.create(url=...)); an embedded "
-                                  "sandbox lives until kill()")
+        if kwargs.pop("idle_timeout", None) is not None:
+            raise InvalidSpec("idle_timeout: only a server tracks use (Sandbox.create(url=...)); an embedded "
+                              "sandbox lives until kill() or its lifetime")
+        metadata = check_metadata(kwargs.pop("metadata", None))
+        lifetime = kwargs.pop("lifetime", None)
+        if lifetime is not None:
+            lifetime = check_lifetime(lifetime)
         full_spec = build_spec(spec, **kwargs)
         sandbox_id = new_sandbox_id()
         with host_errors("create the sandbox", sandbox_id):
@@ -174,8 +194,62 @@ class Sandbox:
                 tier.reap(sandbox_id, run_dir, {})
                 registry.remove(sandbox_id)
                 raise
-            registry.set_record(sandbox_id, inner.reap_record())
-        return cls(full_spec, inner, root, registry)
+            end_at = time.time() + lifetime if lifetime is not None else None
+            registry.set_record(sandbox_id, {**inner.reap_record(), "corral": {
+                "metadata": metadata, "image": full_spec.image, "end_at": end_at}})
+        sandbox = cls(full_spec, inner, root, registry)
+        sandbox.metadata = metadata
+        LIVE[sandbox.id] = sandbox
+        if lifetime is not None:
+            sandbox._lifetime.set(lifetime)
+        return sandbox
+
+    @classmethod
+    def list(cls, metadata: dict[str, str] | None = None, *, state: str | Path | None = None,
+             url: str | None = None, api_key: str | None = None) -> list[SandboxInfo]:
+        """The live sandboxes (of this state directory, or of the server at ``url``/``CORRAL_URL``)
+        whose metadata holds every pair of ``metadata``."""
+        url = url or os.environ.get("CORRAL_URL")
+        if url:
+            from .client import Client
+
+            infos = [SandboxInfo(e["id"], e["spec"].get("tier", ""), e["spec"].get("image", ""),
+                                 e.get("metadata", {}), e.get("created_at", 0.0), e.get("expires_at"), e["state"])
+                     for e in Client(url, api_key).list()]
+            return [i for i in infos if matches(i.metadata, metadata)]
+        return list_embedded(state_dir(state), metadata)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
+                api_key: str | None = None) -> Sandbox:
+        """The sandbox with this id: this process's own, or a server's (``url``/``CORRAL_URL``)."""
+        url = url or os.environ.get("CORRAL_URL")
+        if url:
+            from .client import RemoteSandbox
+
+            return RemoteSandbox.connect(sandbox_id, url=url, api_key=api_key)  # type: ignore[return-value]
+        sandbox = LIVE.get(sandbox_id)
+        if sandbox is not None:
+            return sandbox
+        elsewhere = owned_elsewhere(state_dir(state), sandbox_id)
+        if elsewhere is not None:
+            raise elsewhere
+        raise SandboxNotFound(f"no live sandbox {sandbox_id}", sandbox_id=sandbox_id)
+
+    def set_timeout(self, seconds: float) -> None:
+        """End the sandbox ``seconds`` from now (replaces its lifetime; the owner's timer kills it)."""
+        seconds = check_lifetime(seconds, "timeout")
+        self._tier_sandbox()
+        self._lifetime.set(seconds)
+        row = row_of(self._root, self.id)
+        if row is not None:
+            self._registry.set_record(self.id, {**row.record, "corral": {
+                **row.record.get("corral", {}), "end_at": self._lifetime.end_at}})
+
+    def get_info(self) -> SandboxInfo:
+        self._tier_sandbox()
+        return SandboxInfo(self.id, self.spec.tier, self.spec.image, dict(self.metadata), self._started_at,
+                           self._lifetime.end_at, "paused" if self.paused else "running")
 
     def _tier_sandbox(self) -> TierSandbox:
         if self._inner is None:
@@ -222,10 +296,12 @@ class Sandbox:
 
         return run_code(self, code, language=language, timeout=timeout, **callbacks)
 
-    def kill(self) -> None:
+    def _kill(self) -> None:
         """Destroy the sandbox: every process, mount, cgroup and file of it. Idempotent.
 
-        The primary name (E2B's); :meth:`close` and :meth:`destroy` are aliases."""
+        ``sb.kill()`` (E2B's name); :meth:`close` and :meth:`destroy` are aliases.  On the class,
+        ``Sandbox.kill(sandbox_id)`` kills by id (see :func:`corral.lifecycle.kill_embedded`)."""
+        self._lifetime.cancel()
         inner, self._inner = self._inner, None
         if inner is None:
             return
@@ -233,9 +309,25 @@ class Sandbox:
             inner.close()
         finally:
             self._registry.remove(self.id)
+            LIVE.pop(self.id, None)
 
-    close = kill
-    destroy = kill
+    @staticmethod
+    def _kill_by_id(sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
+                    api_key: str | None = None) -> bool:
+        url = url or os.environ.get("CORRAL_URL")
+        if url:
+            from .client import Client
+
+            try:
+                Client(url, api_key).request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+                return True
+            except SandboxNotFound:
+                return False
+        return kill_embedded(state_dir(state), sandbox_id)
+
+    kill: Any = InstanceOrClass(_kill, _kill_by_id)
+    close = _kill
+    destroy = _kill
 
     def __enter__(self) -> Sandbox:
         return self

@@ -45,6 +45,8 @@ class Entry:
     active_execs: int = 0
     #: egress refusals already counted in the metrics
     refused_seen: int = 0
+    #: the creator's labels (``Sandbox.list(metadata=)``)
+    metadata: dict[str, str] = field(default_factory=dict)
     #: background commands by pid: their output so far, for clients that attach (command_routes)
     background: dict[int, Any] = field(default_factory=dict)
 
@@ -64,6 +66,7 @@ class Entry:
             "idle_timeout": self.idle_timeout,
             "last_used_at": self.last_used,
             "from_pool": self.from_pool,
+            "metadata": self.metadata,
         }
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Response
 
+from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
 from .context import Context, Tenant
 from .wire import CodeBody, CreateSandbox, ExecBody, TimeoutBody, require_unicode
@@ -23,8 +24,10 @@ async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context) -> dict
     data = body.model_dump(exclude_unset=True)
     require_unicode(data)
     idle, life = data.pop("idle_timeout", None), data.pop("lifetime", None)
+    metadata = check_metadata(data.pop("metadata", None))
     spec = SandboxSpec.from_dict(data)
     entry = await ctx.manager.create(who, spec, idle, life)
+    entry.metadata = metadata
     if entry.from_pool:
         ctx.metrics.pool_hits.inc()
     return entry.to_dict()

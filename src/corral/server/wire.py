@@ -67,6 +67,7 @@ class CreateSandbox(BaseModel):
     cwd: str | None = None
     idle_timeout: float | None = Field(None, description="seconds without use before the sandbox is destroyed")
     lifetime: float | None = Field(None, description="seconds from creation before the sandbox is destroyed")
+    metadata: dict[str, str] | None = Field(None, description="your labels; Sandbox.list(metadata=) filters by them")
 
 
 class ExecBody(BaseModel):
