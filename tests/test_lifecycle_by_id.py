@@ -88,9 +88,8 @@ def test_bad_lifecycle_input_is_typed(where: dict[str, Any]) -> None:
     for bad in ({"metadata": {"k": 5}}, {"metadata": "x"}, {"lifetime": -1}, {"lifetime": True}):
         with pytest.raises(InvalidSpec):
             Sandbox.create(**bad, **where)
-    with Sandbox.create(**where) as sb:
-        with pytest.raises(InvalidSpec):
-            sb.set_timeout(0)
+    with Sandbox.create(**where) as sb, pytest.raises(InvalidSpec):
+        sb.set_timeout(0)
 
 
 def test_another_processes_sandbox_is_not_killed_by_id_while_its_owner_lives(tmp_path: Path) -> None:
