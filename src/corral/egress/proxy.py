@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from ..host.sockets import close_listener
 from ..secrets import Secret
 from .audit import AuditLog
 from .echo_forms import EchoMatcher, Form
@@ -119,13 +120,7 @@ class EgressProxy:
                 return
             self._closed = True
             live = list(self._open)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for sock in live:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+        close_listener(self._listener, live, self._thread)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from . import mounts
 from .netns import CLONE_NEWNET
+from .sockets import close_listener
 
 #: connections one forward relays at once; more wait in the listen backlog
 MAX_CONNECTIONS = 128
@@ -201,13 +202,7 @@ class PortForward:
                 return
             self._closed = True
             live = list(self._sockets)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for sock in live:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=5)
+        close_listener(self._listener, live, self._thread)
         if self.unix_path is not None:
             self.unix_path.unlink(missing_ok=True)
 
