@@ -134,12 +134,13 @@ class Daemon:
             gone.set()
         line = json.dumps({"sandbox_id": sandbox.id, **result.to_dict()}).encode()
         head = wire.RESULT_HEAD.pack(result.exit_code, result.timed_out, result.oom_killed, result.duration_ms)
+        # one line per run, written before the reply: what an operator (and the tests, once the
+        # client has its answer) can tell the daemon served
+        print(f"corral: daemon ran {sandbox.id}: exit {result.exit_code}", file=sys.stderr, flush=True)
         try:
             wire.send_frame(conn, wire.RESULT, head + line)
         except OSError:
             pass
-        # one line per run: what an operator (and the tests) can tell the daemon served
-        print(f"corral: daemon ran {sandbox.id}: exit {result.exit_code}", file=sys.stderr, flush=True)
 
 
 def _kill_when_gone(gone: threading.Event, handle: Any) -> None:
