@@ -31,6 +31,7 @@ from .errors import InvalidSpec, SandboxClosed
 
 if TYPE_CHECKING:
     from .commands import CommandHandle
+    from .local_transport import LocalBackend
     from .sandbox import Sandbox
 
 #: seconds a cell may run when the caller does not say
@@ -341,15 +342,38 @@ class CodeInterpreter:
         return "done" if cell.done.is_set() else "timeout"
 
 
-def interpreter_for(sandbox: Sandbox, language: str = "python") -> CodeInterpreter:
-    """The sandbox's interpreter for ``language``, started on first use."""
-    interpreters: dict[str, CodeInterpreter] = sandbox.__dict__.setdefault("_interpreters", {})
-    if language not in interpreters:
-        interpreters[language] = CodeInterpreter(sandbox, language)
-    return interpreters[language]
+def check_language(language: str) -> None:
+    if language not in KERNELS:
+        raise InvalidSpec(f"language {language!r} is not supported; use one of {', '.join(KERNELS)}")
 
 
-def run_code(sandbox: Sandbox, code: str, *, language: str = "python", timeout: float | None = None,
-             **callbacks: Any) -> Execution:
-    """Run one cell in the sandbox's persistent interpreter (for the CLI, server and MCP)."""
-    return interpreter_for(sandbox, language).run(code, timeout=timeout, **callbacks)
+def interpreter_in(backend: LocalBackend, sandbox: Sandbox, language: str, context: str | None) -> CodeInterpreter:
+    """The interpreter of ``context`` (made by ``create_code_context``), or the sandbox's default
+    one for ``language``; started on first use, kept by the sandbox's backend."""
+    if context is not None:
+        if context not in backend.contexts:
+            raise InvalidSpec(f"sandbox {backend.id} has no code context {context!r}", sandbox_id=backend.id)
+        wanted, cwd = backend.contexts[context]
+        if language != wanted:
+            raise InvalidSpec(f"code context {context!r} runs {wanted}, not {language}", sandbox_id=backend.id)
+        key = context
+    else:
+        check_language(language)
+        key, cwd = language, None
+    with backend.interpreters_lock:
+        if key not in backend.interpreters:
+            backend.interpreters[key] = CodeInterpreter(sandbox, language, cwd)
+        return backend.interpreters[key]
+
+
+def replay_callbacks(execution: Execution, callbacks: dict[str, Any]) -> None:
+    """Hand a finished execution's parts to ``run_code``'s callbacks, in the order a live run gives them
+    (a server's ``POST /code`` answers once the cell ended)."""
+    for name, items in (("on_stdout", execution.logs.stdout), ("on_stderr", execution.logs.stderr),
+                        ("on_result", execution.results)):
+        callback = callbacks.get(name)
+        if callback is not None:
+            for item in items:
+                callback(item)
+    if execution.error is not None and callbacks.get("on_error") is not None:
+        callbacks["on_error"](execution.error)
