@@ -242,15 +242,14 @@ class HTTPBackend(SandboxBackend):
     def resume(self) -> None:
         self.data = self._call("POST", "/resume")
 
-    def run_code(self, sandbox: Any, code: str, language: str, timeout: float | None, context: str | None,
-                 callbacks: dict[str, Any]) -> Execution:
+    def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
+                 timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
         from .interpreter import Execution, replay_callbacks
 
-        body: dict[str, Any] = {"code": code, "language": language}
-        if timeout is not None:
-            body["timeout"] = timeout
-        if context is not None:
-            body["context"] = context
+        body: dict[str, Any] = {"code": code}
+        for name, value in (("language", language), ("timeout", timeout), ("context", context), ("envs", envs)):
+            if value is not None:
+                body[name] = value
         execution = Execution.from_dict(self._call("POST", "/code", json=body, timeout=None))
         replay_callbacks(execution, callbacks)
         return execution

@@ -260,20 +260,20 @@ class LocalBackend(SandboxBackend):
         with host_errors("resume the sandbox", self.id):
             self.tier_sandbox().resume()
 
-    def run_code(self, sandbox: Any, code: str, language: str, timeout: float | None, context: str | None,
-                 callbacks: dict[str, Any]) -> Execution:
+    def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
+                 timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
         from .interpreter import interpreter_in
 
         self.tier_sandbox()
-        return interpreter_in(self, sandbox, language, context).run(code, timeout=timeout, **callbacks)
+        return interpreter_in(self, sandbox, language, context).run(code, timeout=timeout, envs=envs, **callbacks)
 
     def create_code_context(self, language: str, cwd: str | None) -> str:
-        from .interpreter import check_language
+        from .interpreter import check_language, language_name
 
         self.tier_sandbox()
         check_language(language)
         name = "ctx-" + secrets.token_hex(6)
-        self.contexts[name] = (language, validate_sandbox_path(cwd, "cwd") if cwd is not None else None)
+        self.contexts[name] = (language_name(language), validate_sandbox_path(cwd, "cwd") if cwd is not None else None)
         return name
 
     def audit(self) -> list[AuditEvent]:

@@ -29,7 +29,7 @@ from .lifecycle import InstanceOrClass, SandboxInfo, check_lifetime, check_metad
 from .local_transport import LocalBackend, LocalTransport
 from .local_transport import new_sandbox_id as new_sandbox_id
 from .ports import Ports
-from .spec import SandboxSpec, validate_sandbox_path
+from .spec import SandboxSpec, validate_env, validate_sandbox_path
 from .surface import DEFAULT_MAX_READ, build_spec, check_create_arguments, download_dir, upload_dir
 from .tiers.base import ExecResult, FileEntry, TierSandbox
 from .transport import CreateOptions, SandboxBackend, Transport
@@ -251,18 +251,21 @@ class Sandbox:
         return CodeContext(self._backend.create_code_context(language, cwd), language, cwd)
 
     def run_code(self, code: str, *, language: str | None = None, context: CodeContext | str | None = None,
-                 timeout: float | None = None, **callbacks: Any) -> Execution:
+                 timeout: float | None = None, envs: dict[str, str] | None = None,
+                 **callbacks: Any) -> Execution:
         """Run a cell in this sandbox's persistent interpreter; returns an E2B-shaped
         :class:`corral.interpreter.Execution` (variables and imports survive across calls).
         ``context`` names an interpreter made by :meth:`create_code_context`; callbacks
-        (``on_stdout``, ``on_stderr``, ``on_result``, ``on_error``) get each part of it."""
+        (``on_stdout``, ``on_stderr``, ``on_result``, ``on_error``) get each part of it; ``envs``
+        are environment variables for this cell only.  Languages: python, javascript (``js``)."""
         unknown = sorted(set(callbacks) - {"on_stdout", "on_stderr", "on_result", "on_error"})
         if unknown:
             raise InvalidSpec(f"unknown argument(s) to run_code: {', '.join(unknown)}")
+        if not isinstance(code, str):
+            raise InvalidSpec("code must be a string")
         name = context.id if isinstance(context, CodeContext) else context
-        if isinstance(context, CodeContext) and language is None:
-            language = context.language
-        return self._backend.run_code(self, code, language or "python", timeout, name, callbacks)
+        return self._backend.run_code(self, code, language=language, context=name, timeout=timeout,
+                                      envs=validate_env(envs) if envs else None, callbacks=callbacks)
 
     def _kill(self) -> None:
         """Destroy the sandbox: every process, mount, cgroup and file of it. Idempotent.

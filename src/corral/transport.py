@@ -155,9 +155,10 @@ class SandboxBackend(ABC):
     def resume(self) -> None: ...
 
     @abstractmethod
-    def run_code(self, sandbox: Any, code: str, language: str, timeout: float | None, context: str | None,
-                 callbacks: dict[str, Any]) -> Execution:
-        """A cell in the interpreter of ``language`` (named ``context``), for the front ``sandbox``."""
+    def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
+                 timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
+        """A cell in the interpreter of ``context`` (made by :meth:`create_code_context`), else in the
+        sandbox's interpreter of ``language`` (default python); ``sandbox`` is the front object."""
 
     @abstractmethod
     def create_code_context(self, language: str, cwd: str | None) -> str:

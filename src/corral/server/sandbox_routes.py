@@ -103,7 +103,7 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -
     require_unicode(body.model_dump())
     with ctx.manager.exec_slot(entry):
         result = await ctx.run_blocking(entry.sandbox.run_code, body.code, language=body.language,
-                                        timeout=body.timeout, context=body.context)
+                                        timeout=body.timeout, context=body.context, envs=body.envs)
     return dict(result.to_dict())
 
 

@@ -98,10 +98,11 @@ class CodeBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     code: str
-    language: str = "python"
+    language: str | None = Field(None, description="python (default) or javascript; a context's own if omitted")
     timeout: float | None = Field(None, description="seconds before the cell is interrupted")
     context: str | None = Field(None, description="a code context made by POST .../contexts (default: the "
                                 "sandbox's interpreter for the language)")
+    envs: dict[str, str] | None = Field(None, description="environment variables for this cell only")
 
 
 class ContextBody(BaseModel):
