@@ -71,8 +71,39 @@ def _raise_for(response: httpx.Response, sandbox_id: str | None = None) -> None:
     raise error_from_code(code, message, sandbox_id)
 
 
-class Client:
-    """A connection to one server, shared by the sandboxes made through it."""
+def retry_wait(method: str, attempt: int, response: httpx.Response | None) -> float | None:
+    """Seconds to wait before trying ``method`` again after try number ``attempt`` (from 0) failed
+    to reach the server (``response`` None) or got ``response``; None: do not try again.
+
+    An idempotent call is tried again when the server could not be reached or said "later" (429,
+    503), a bounded number of times with growing waits (the server's Retry-After, capped); a POST
+    is never repeated: it could create a second sandbox or run a command twice."""
+    if method not in IDEMPOTENT or attempt >= RETRIES:
+        return None
+    wait: float = BACKOFF * 2**attempt
+    if response is None:
+        return wait
+    if response.status_code not in (429, 503):
+        return None
+    try:
+        wait = float(response.headers.get("retry-after", wait))
+    except ValueError:
+        pass
+    return min(max(wait, 0.0), MAX_RETRY_WAIT)
+
+
+def answer(response: httpx.Response, path: str) -> Any:
+    """The body of a response (JSON decoded; None for 204), or the error it carries, raised."""
+    _raise_for(response, _sandbox_of(path))
+    if response.status_code == 204:
+        return None
+    if response.headers.get("content-type", "").startswith("application/json"):
+        return response.json()
+    return response.content
+
+
+class Endpoint:
+    """Where a server is and how to say who calls (``url``/``CORRAL_URL``, ``api_key``/``CORRAL_API_KEY``)."""
 
     def __init__(self, url: str | None = None, api_key: str | None = None) -> None:
         url = url or os.environ.get("CORRAL_URL")
@@ -81,39 +112,6 @@ class Client:
         self.url = url.rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("CORRAL_API_KEY")
         self.headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=REQUEST_TIMEOUT)
-
-    def request(self, method: str, path: str, *, timeout: float | None = REQUEST_TIMEOUT, **kwargs: Any) -> Any:
-        # an idempotent call is tried again when the server could not be reached or said "later"
-        # (429, 503), a bounded number of times with growing waits (the server's Retry-After, capped);
-        # a POST is never repeated: it could create a second sandbox or run a command twice
-        retries = RETRIES if method in IDEMPOTENT else 0
-        for attempt in range(retries + 1):
-            wait = BACKOFF * 2**attempt
-            try:
-                response = self.http.request(method, path, timeout=timeout, **kwargs)
-            except httpx.TransportError as exc:
-                if attempt < retries:
-                    time.sleep(wait)
-                    continue
-                raise ConnectionLost(f"cannot reach the Corral server at {self.url}: {exc}") from exc
-            if response.status_code in (429, 503) and attempt < retries:
-                try:
-                    wait = float(response.headers.get("retry-after", wait))
-                except ValueError:
-                    pass
-                time.sleep(min(max(wait, 0.0), MAX_RETRY_WAIT))
-                continue
-            break
-        _raise_for(response, _sandbox_of(path))
-        if response.status_code == 204:
-            return None
-        if response.headers.get("content-type", "").startswith("application/json"):
-            return response.json()
-        return response.content
-
-    def list(self) -> list[dict[str, Any]]:
-        return list(self.request("GET", "/v1/sandboxes")["sandboxes"])
 
     @staticmethod
     def sandbox_path(sandbox_id: str) -> str:
@@ -121,6 +119,33 @@ class Client:
 
     def ws_url(self, path: str) -> str:
         return ("ws" + self.url[4:] if self.url.startswith("http") else self.url) + path
+
+
+class Client(Endpoint):
+    """A connection to one server, shared by the sandboxes made through it."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None) -> None:
+        super().__init__(url, api_key)
+        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=REQUEST_TIMEOUT)
+
+    def request(self, method: str, path: str, *, timeout: float | None = REQUEST_TIMEOUT, **kwargs: Any) -> Any:
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(method, path, timeout=timeout, **kwargs)
+            except httpx.TransportError as exc:
+                wait = retry_wait(method, attempt, None)
+                if wait is None:
+                    raise ConnectionLost(f"cannot reach the Corral server at {self.url}: {exc}") from exc
+            else:
+                wait = retry_wait(method, attempt, response)
+                if wait is None:
+                    return answer(response, path)
+            time.sleep(wait)
+            attempt += 1
+
+    def list(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/sandboxes")["sandboxes"])
 
     def close(self) -> None:
         self.http.close()
@@ -162,13 +187,13 @@ class HTTPBackend(SandboxBackend):
     def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
         if on_output is not None:
             return super().run(call, stdin, on_output)
-        data = self._call("POST", "/exec", timeout=None, json={**call.body(), **_stdin_field(stdin)})
+        data = self._call("POST", "/exec", timeout=None, json={**call.body(), **stdin_field(stdin)})
         data.pop("sandbox_id", None)
         return ExecResult(**data)
 
     def start_background(self, call: CommandCall, stdin: bytes | None,
                          on_output: OutputCallback | None) -> BackgroundProcess:
-        started = self._call("POST", "/commands", json={**call.body(), **_stdin_field(stdin)})
+        started = self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin)})
         return BackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
 
     def commands(self) -> list[CommandInfo]:
@@ -266,15 +291,7 @@ class HTTPBackend(SandboxBackend):
         return [AuditEvent(**event) for event in self._call("GET", "/network/audit")["events"]]
 
     def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
-        if unix:
-            raise InvalidSpec("unix_socket: a server's sandbox is reached through the server's URL, "
-                              "not a socket on this host", sandbox_id=self.id)
-        if not 0 < port < 65536:
-            raise InvalidSpec(f"port {port} must be 1-65535", sandbox_id=self.id)
-        where = urlsplit(self._client.url)
-        url = f"{self._client.url}{self._path}/ports/{port}/"
-        exposed = ExposedPort(port, where.hostname or "", where.port or (443 if where.scheme == "https" else 80), url)
-        return exposed, lambda: None
+        return server_port(self._client, self.id, port, unix), lambda: None
 
     def close(self) -> None:
         if self.closed:
@@ -286,13 +303,39 @@ class HTTPBackend(SandboxBackend):
             pass
 
 
-def _stdin_field(stdin: bytes | None) -> dict[str, str]:
+def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool) -> ExposedPort:
+    """Where a caller reaches ``port`` of a server's sandbox: the server's proxy route (with the API key)."""
+    if unix:
+        raise InvalidSpec("unix_socket: a server's sandbox is reached through the server's URL, "
+                          "not a socket on this host", sandbox_id=sandbox_id)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidSpec(f"port {port!r} must be 1-65535", sandbox_id=sandbox_id)
+    where = urlsplit(endpoint.url)
+    url = f"{endpoint.url}{endpoint.sandbox_path(sandbox_id)}/ports/{port}/"
+    return ExposedPort(port, where.hostname or "", where.port or (443 if where.scheme == "https" else 80), url)
+
+
+def stdin_field(stdin: bytes | None) -> dict[str, str]:
     if stdin is None:
         return {}
     try:
         return {"stdin": stdin.decode()}
     except UnicodeDecodeError:  # any bytes, not only UTF-8
         return {"stdin_b64": base64.b64encode(stdin).decode()}
+
+
+def create_body(options: CreateOptions) -> dict[str, Any]:
+    """The JSON of ``POST /v1/sandboxes`` for a create."""
+    body = options.spec.to_dict()
+    body.pop("workspace", None)
+    if options.spec.workspace is not None:
+        raise InvalidSpec("workspace: a remote sandbox cannot mount a host directory; use files.upload_dir")
+    for name in ("idle_timeout", "lifetime"):
+        if getattr(options, name) is not None:
+            body[name] = getattr(options, name)
+    if options.metadata:
+        body["metadata"] = options.metadata
+    return body
 
 
 class HTTPTransport(Transport):
@@ -304,16 +347,7 @@ class HTTPTransport(Transport):
         self.client = Client(url, api_key)
 
     def create(self, options: CreateOptions) -> HTTPBackend:
-        body = options.spec.to_dict()
-        body.pop("workspace", None)
-        if options.spec.workspace is not None:
-            raise InvalidSpec("workspace: a remote sandbox cannot mount a host directory; use files.upload_dir")
-        for name in ("idle_timeout", "lifetime"):
-            if getattr(options, name) is not None:
-                body[name] = getattr(options, name)
-        if options.metadata:
-            body["metadata"] = options.metadata
-        return HTTPBackend(self.client, self.client.request("POST", "/v1/sandboxes", json=body))
+        return HTTPBackend(self.client, self.client.request("POST", "/v1/sandboxes", json=create_body(options)))
 
     def connect(self, sandbox_id: str) -> HTTPBackend:
         return HTTPBackend(self.client, self.client.request("GET", self.client.sandbox_path(sandbox_id)))

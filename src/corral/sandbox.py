@@ -53,6 +53,18 @@ def transport_for(url: str | None = None, api_key: str | None = None, state: str
     return LocalTransport(state)
 
 
+def create_options(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> CreateOptions:
+    """``create``'s keyword arguments, checked (unknown ones are named in an :class:`InvalidSpec`)."""
+    check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata")
+    kwargs = dict(kwargs)
+    metadata = check_metadata(kwargs.pop("metadata", None))
+    lifetime = kwargs.pop("lifetime", None)
+    idle_timeout = kwargs.pop("idle_timeout", None)
+    return CreateOptions(build_spec(spec, **kwargs), metadata,
+                         check_lifetime(lifetime) if lifetime is not None else None,
+                         check_lifetime(idle_timeout, "idle_timeout") if idle_timeout is not None else None)
+
+
 class Files:
     """Files inside the sandbox. Relative paths are taken from ``/workspace``.
 
@@ -137,6 +149,8 @@ class Sandbox:
     def __init__(self, backend: SandboxBackend, transport: Transport | None = None) -> None:
         self._backend = backend
         self._transport = transport
+        #: made for this sandbox alone (its connections close with it)
+        self._owns_transport = False
         self.spec: SandboxSpec = backend.spec
         self.id: str = backend.id
         #: E2B's name for ``id``
@@ -159,15 +173,11 @@ class Sandbox:
         if values is not None:
             with secret_values(values):
                 return cls.create(spec, state=state, url=url, api_key=api_key, transport=transport, **kwargs)
-        check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata")
-        metadata = check_metadata(kwargs.pop("metadata", None))
-        lifetime = kwargs.pop("lifetime", None)
-        idle_timeout = kwargs.pop("idle_timeout", None)
-        options = CreateOptions(build_spec(spec, **kwargs), metadata,
-                                check_lifetime(lifetime) if lifetime is not None else None,
-                                check_lifetime(idle_timeout, "idle_timeout") if idle_timeout is not None else None)
+        options = create_options(spec, kwargs)
         chosen = cls._transport_for(url, api_key, state, transport)
-        return cls(chosen.create(options), chosen)
+        sandbox = cls(chosen.create(options), chosen)
+        sandbox._owns_transport = transport is None
+        return sandbox
 
     @classmethod
     def _transport_for(cls, url: str | None, api_key: str | None, state: str | Path | None,
@@ -180,7 +190,12 @@ class Sandbox:
              transport: Transport | None = None) -> list[SandboxInfo]:
         """The live sandboxes (of this state directory, or of the server at ``url``/``CORRAL_URL``)
         whose metadata holds every pair of ``metadata``."""
-        return cls._transport_for(url, api_key, state, transport).list(metadata)
+        chosen = cls._transport_for(url, api_key, state, transport)
+        try:
+            return chosen.list(metadata)
+        finally:
+            if transport is None:
+                chosen.close()
 
     @classmethod
     def connect(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
@@ -189,7 +204,9 @@ class Sandbox:
         An embedded sandbox of another live process raises :class:`InvalidState` (it is driven by
         its owner only: share sandboxes between processes through a server)."""
         chosen = cls._transport_for(url, api_key, state, transport)
-        return cls(chosen.connect(sandbox_id), chosen)
+        sandbox = cls(chosen.connect(sandbox_id), chosen)
+        sandbox._owns_transport = transport is None
+        return sandbox
 
     @property
     def remote(self) -> bool:
@@ -272,12 +289,21 @@ class Sandbox:
 
         ``sb.kill()`` (E2B's name); :meth:`close` and :meth:`destroy` are aliases.  On the class,
         ``Sandbox.kill(sandbox_id)`` kills by id."""
-        self._backend.close()
+        try:
+            self._backend.close()
+        finally:
+            if self._owns_transport and self._transport is not None:
+                self._transport.close()
 
     @classmethod
     def _kill_by_id(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
                     api_key: str | None = None, transport: Transport | None = None) -> bool:
-        return cls._transport_for(url, api_key, state, transport).kill(sandbox_id)
+        chosen = cls._transport_for(url, api_key, state, transport)
+        try:
+            return chosen.kill(sandbox_id)
+        finally:
+            if transport is None:
+                chosen.close()
 
     kill: Any = InstanceOrClass(_kill, _kill_by_id)
     close = _kill
