@@ -111,7 +111,7 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
             waiter = asyncio.ensure_future(ctx.run_blocking(wait_then_report))
             receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None))
             try:
-                await websocket.send_json({"type": "started"})
+                await websocket.send_json({"type": "started", "pid": handle.pid})
                 await _pump(websocket, queue, decoders, metrics, sandbox_id)
             finally:
                 receiver.cancel()
