@@ -1,15 +1,17 @@
 """Sandboxes by id, embedded and through a server (issue 14, part 2 and its acceptance script).
 
 Create with metadata, list by it, reach it from another process, run a background command and
-kill it by pid, run code, kill by id; lifetimes and set_timeout end sandboxes on time.  The one
-difference, asserted as such: an embedded sandbox belongs to the process that made it, so
-another process gets a typed InvalidState, not the sandbox.
+kill it by pid, run code, kill by id; lifetimes and set_timeout end sandboxes on time.  Another
+process drives an embedded sandbox through the process that owns it (corral.owner_link), so the
+script says the same both ways; only the owner's uid (or root) may.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import stat
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from corral import InvalidSpec, InvalidState, Sandbox
+from corral import InvalidSpec, Sandbox, SandboxNotFound
 
 from .server_fixtures import KEYS, ServerProcess
 
@@ -44,6 +46,25 @@ def wait_until(condition: Any, timeout: float = 10) -> bool:
     return True
 
 
+FROM_AFAR = """
+import json, sys
+from corral import Sandbox
+s = Sandbox.connect(sys.argv[1], **eval(sys.argv[2]))
+said = [s.commands.run("echo from-afar").stdout.strip(), s.get_info().sandbox_id == sys.argv[1]]
+parts = []
+s.commands.run("echo out; echo err >&2", on_stdout=lambda t: parts.append(("o", t)),
+               on_stderr=lambda t: parts.append(("e", t)))
+said.append(sorted(parts))
+s.files.write("afar.txt", "written afar")
+said.append(s.files.read("afar.txt"))
+h = s.commands.run("exec sleep 60", background=True)
+said.append([c.pid == h.pid for c in s.commands.list()])
+said.append([s.commands.kill(h.pid), h.wait().exit_code])
+said.append(s.run_code("6 * 7").text)
+print(json.dumps(said))
+"""
+
+
 def acceptance_script(where: dict[str, Any]) -> list[Any]:
     """Issue 14's check, step by step; returns what each step said (ids replaced by names)."""
     said: list[Any] = []
@@ -53,14 +74,11 @@ def acceptance_script(where: dict[str, Any]) -> list[Any]:
     try:
         said.append(["listed", [i.sandbox_id == sb.sandbox_id for i in Sandbox.list(metadata=label, **where)]])
         said.append(["metadata", sb.get_info().metadata == label, type(sb).__name__])
-        # from another process
-        script = ("import sys\nfrom corral import Sandbox, InvalidState\n"
-                  "try:\n    s = Sandbox.connect(sys.argv[1], **eval(sys.argv[2]))\n"
-                  "    print(s.commands.run('echo from-afar').stdout.strip())\n"
-                  "except InvalidState as exc:\n    print('InvalidState', 'belongs to live process' in str(exc))\n")
-        out = subprocess.run([sys.executable, "-c", script, sb.id, repr(where)], capture_output=True, text=True,
-                             timeout=60, env=os.environ.copy())
-        said.append(["another process", out.stdout.strip()])
+        # from another process: commands (streamed, background, by pid), files, code
+        out = subprocess.run([sys.executable, "-c", FROM_AFAR, sb.id, repr(where)], capture_output=True,
+                             text=True, timeout=90, env=os.environ.copy())
+        said.append(["another process", json.loads(out.stdout or "null") or out.stderr[-2000:]])
+        said.append(["written afar", sb.files.read("afar.txt"), sb.commands.list()])
         handle = sb.commands.run("echo started; exec sleep 60", background=True)
         said.append(["background", [c.pid == handle.pid for c in sb.commands.list()]])
         said.append(["killed by pid", sb.commands.kill(handle.pid), handle.wait().exit_code, sb.commands.list()])
@@ -80,11 +98,11 @@ def acceptance_script(where: dict[str, Any]) -> list[Any]:
 def test_the_acceptance_script_gives_the_same_results_both_ways(server: ServerProcess) -> None:
     embedded = acceptance_script({})
     remote = acceptance_script({"url": server.url, "api_key": KEYS["alice"]})
-    # the one difference, asserted as such: an embedded sandbox is driven by the process that owns it
-    assert embedded.pop(2) == ["another process", "InvalidState True"]
-    assert remote.pop(2) == ["another process", "from-afar"]
     assert embedded == remote == [
-        ["listed", [True]], ["metadata", True, "Sandbox"], ["background", [True]],
+        ["listed", [True]], ["metadata", True, "Sandbox"],
+        ["another process", ["from-afar", True, [["e", "err\n"], ["o", "out\n"]], "written afar", [True], [True, 137],
+                             "42"]],
+        ["written afar", "written afar", []], ["background", [True]],
         ["killed by pid", True, 137, []], ["contexts", "1024", "7"], ["js", "[ 2, 4, 6 ]"],
         ["killed by id", True, [], False, False]]
 
@@ -110,19 +128,52 @@ def test_bad_lifecycle_input_is_typed(where: dict[str, Any]) -> None:
         sb.set_timeout(0)
 
 
-def test_another_processes_sandbox_is_not_killed_by_id_while_its_owner_lives(tmp_path: Path) -> None:
-    owner = subprocess.Popen([sys.executable, "-c", "import time\nfrom corral import Sandbox\n"
-                              "sb = Sandbox.create()\nprint(sb.id, flush=True)\ntime.sleep(120)\n"],
-                             stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+OWNER = "import time\nfrom corral import Sandbox\nsb = Sandbox.create()\nprint(sb.id, flush=True)\n" \
+        "while sb.is_running():\n    time.sleep(0.05)\nprint('ended', flush=True)\n"
+
+
+def test_another_processes_sandbox_is_killed_by_id_through_its_owner(state_dir: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         assert owner.stdout is not None
         sandbox_id = owner.stdout.readline().strip()
-        with pytest.raises(InvalidState, match="belongs to live process"):
-            Sandbox.kill(sandbox_id)
-        owner.kill()
-        owner.wait()
-        assert Sandbox.kill(sandbox_id) is True  # its owner is dead: reaped
+        link = state_dir / "owners" / f"{owner.pid}.sock"
+        assert stat.S_IMODE(link.stat().st_mode) == 0o600 and stat.S_IMODE(link.parent.stat().st_mode) == 0o700
+        assert Sandbox.kill(sandbox_id) is True
+        assert owner.stdout.readline().strip() == "ended"  # the owner sees its sandbox gone
+        assert owner.wait(30) == 0
+        assert not link.exists(), "the owner's link outlived its last sandbox"
+        assert Sandbox.kill(sandbox_id) is False
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_a_killed_owners_sandbox_and_link_are_reaped(state_dir: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert owner.stdout is not None
+        sandbox_id = owner.stdout.readline().strip()
+        link = state_dir / "owners" / f"{owner.pid}.sock"
+        assert link.exists()
+    finally:
+        owner.kill()
+        owner.wait()
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect(sandbox_id)  # a dead owner's sandbox is not driven: it is reaped
+    assert Sandbox.kill(sandbox_id) is True
+    assert not link.exists()
+
+
+def test_only_the_owners_uid_may_use_its_link(state_dir: Path) -> None:
+    """The denied direction: an unprivileged uid of this host cannot reach the link (the
+    directory is 0700 root's); root, the owner's uid, can (the acceptance script above)."""
+    with Sandbox.create() as sb:
+        link = state_dir / "owners" / f"{os.getpid()}.sock"
+        probe = ("import os, socket, sys\nos.setgid(65534)\nos.setuid(65534)\n"
+                 "s = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1])\n    print('connected')\n"
+                 "except PermissionError:\n    print('denied')\n")
+        out = subprocess.run([sys.executable, "-c", probe, str(link)], capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip() == "denied", out.stderr
+        assert sb.is_running()

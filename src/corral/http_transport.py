@@ -160,6 +160,8 @@ def info_of(data: dict[str, Any]) -> SandboxInfo:
 class HTTPBackend(SandboxBackend):
     """One sandbox of a server."""
 
+    remote = True
+
     def __init__(self, client: Client, data: dict[str, Any]) -> None:
         self._client = client
         self.id: str = data["id"]

@@ -50,6 +50,14 @@ KERNELS: dict[str, Callable[[], list[str]]] = {
     "python": lambda: ["python3", "-u", "-c", (_KERNEL_DIR / "python_kernel.py").read_text()],
     "javascript": lambda: ["node", "-e", (_KERNEL_DIR / "js_kernel.js").read_text()],
 }
+
+
+def is_kernel(argv: list[str]) -> bool:
+    """True for the command line of an interpreter kernel: Corral's own process, not one the
+    caller started, so ``commands.list()`` leaves it out."""
+    return any(argv == kernel() for kernel in KERNELS.values())
+
+
 #: other names callers use for a language (E2B's "js")
 LANGUAGE_ALIASES = {"js": "javascript", "node": "javascript", "py": "python", "python3": "python"}
 

@@ -1,14 +1,16 @@
 """Sandboxes by id: metadata, listing, lifetimes, and killing or connecting by id (E2B's shape).
 
 An embedded sandbox belongs to the process that created it (its agent channel,
-threads and cgroups are that process's): another process can list it, and kill
-it once its owner is dead (``gc``'s reaping), but not drive or kill it while its
-owner lives -- that is what a server is for.  A lifetime is enforced by a timer
-in the owner; if the owner dies first, ``gc`` reaps the sandbox as always.
+threads and cgroups are that process's).  Another process lists it from the
+registry; it connects to it and kills it through the owner while the owner
+lives (:mod:`corral.owner_link`), and kills it by reaping (``gc``) once the owner
+is dead.  A lifetime is enforced by a timer in the owner; if the owner dies
+first, ``gc`` reaps the sandbox as always.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -117,7 +119,8 @@ def row_of(root: Path, sandbox_id: str) -> Row | None:
 
 
 def kill_embedded(root: Path, sandbox_id: str) -> bool:
-    """Kill a sandbox by id: this process's own, or one whose owner died; False if there is none."""
+    """Kill a sandbox by id: this process's own, or one whose owner died; False if there is none.
+    (A live owner's sandbox is killed through the owner: ``LocalTransport.kill``.)"""
     sandbox = LIVE.get(sandbox_id)
     if sandbox is not None:
         sandbox.close()
@@ -132,12 +135,11 @@ def kill_embedded(root: Path, sandbox_id: str) -> bool:
     return sandbox_id in gc(root)
 
 
-def owned_elsewhere(root: Path, sandbox_id: str) -> InvalidState | None:
+def owner_elsewhere(root: Path, sandbox_id: str) -> int | None:
+    """The pid of the live process (not this one) that owns ``sandbox_id``, if one does."""
     row = row_of(root, sandbox_id)
-    if row is not None and row.owner_alive():
-        return InvalidState(f"sandbox {sandbox_id} belongs to live process {row.owner_pid}: connect to it through "
-                            "a server (Sandbox.connect(id, url=...)) to use it from another process",
-                            sandbox_id=sandbox_id)
+    if row is not None and row.owner_pid != os.getpid() and row.owner_alive():
+        return row.owner_pid
     return None
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import owner_link
 from .commands import BASE_ENV, CommandInfo, argv_of
 from .egress.network import SandboxNetwork
 from .errors import InvalidSpec, SandboxClosed, SandboxNotFound, host_errors
@@ -25,7 +27,7 @@ from .lifecycle import (
     check_lifetime,
     kill_embedded,
     list_embedded,
-    owned_elsewhere,
+    owner_elsewhere,
     row_of,
 )
 from .ports import ExposedPort
@@ -127,6 +129,9 @@ class LocalBackend(SandboxBackend):
         self.interpreters_lock = threading.Lock()
         #: named code contexts: name -> (language, cwd)
         self.contexts: dict[str, tuple[str, str | None]] = {}
+        #: the ``Sandbox`` in front of this backend (set by it): what another process's
+        #: ``run_code`` runs through (owner_link)
+        self.front: weakref.ref[Any] | None = None
 
     def tier_sandbox(self) -> TierSandbox:
         if self.inner is None:
@@ -183,7 +188,10 @@ class LocalBackend(SandboxBackend):
     def commands(self) -> list[CommandInfo]:
         with self._lock:
             self._started = [(p, r) for p, r in self._started if not p.done]
-            return [CommandInfo(p.pid, list(r.argv), r.cwd) for p, r in self._started if p.pid is not None]
+            running = [(p, r) for p, r in self._started if p.pid is not None]
+        from .interpreter import is_kernel
+
+        return [CommandInfo(p.pid, list(r.argv), r.cwd) for p, r in running if not is_kernel(list(r.argv))]
 
     def command(self, pid: int) -> LocalProcess:
         with self._lock:
@@ -294,6 +302,7 @@ class LocalBackend(SandboxBackend):
         finally:
             self._registry.remove(self.id)
             LIVE.pop(self.id, None)
+            owner_link.stop_if_idle(self.root)
 
 
 class LocalTransport(Transport):
@@ -331,21 +340,26 @@ class LocalTransport(Transport):
                 "metadata": options.metadata, "image": spec.image, "end_at": end_at}})
         backend = LocalBackend(spec, inner, root, registry, options.metadata)
         LIVE[backend.id] = backend
+        owner_link.serve(root)
         if options.lifetime is not None:
             backend.set_timeout(check_lifetime(options.lifetime))
         return backend
 
-    def connect(self, sandbox_id: str) -> LocalBackend:
+    def connect(self, sandbox_id: str) -> SandboxBackend:
         backend = LIVE.get(sandbox_id)
         if backend is not None and backend.inner is not None:
             return backend
-        elsewhere = owned_elsewhere(self.root, sandbox_id)
-        if elsewhere is not None:
-            raise elsewhere
+        owner = owner_elsewhere(self.root, sandbox_id)
+        if owner is not None:
+            return owner_link.OwnerBackend(self.root, owner, sandbox_id)
         raise SandboxNotFound(f"no live sandbox {sandbox_id}", sandbox_id=sandbox_id)
 
     def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]:
         return list_embedded(self.root, metadata)
 
     def kill(self, sandbox_id: str) -> bool:
+        owner = owner_elsewhere(self.root, sandbox_id) if sandbox_id not in LIVE else None
+        if owner is not None:  # its owner destroys it, as if it had called kill() itself
+            owner_link.OwnerBackend(self.root, owner, sandbox_id).close()
+            return True
         return kill_embedded(self.root, sandbox_id)

@@ -145,6 +145,7 @@ def gc(root: Path) -> list[str]:
 
                 mounts.unmount_all(run_dir)
                 shutil.rmtree(run_dir, ignore_errors=True)
+    _reap_owner_sockets(root / "owners")
     uids = root / "uids"
     if uids.is_dir():
         known = {r.id for r in registry.rows()}
@@ -157,3 +158,13 @@ def gc(root: Path) -> list[str]:
             if owner.startswith("sb-") and owner not in known and entry.name.isdigit():
                 release_uid(root, int(entry.name))  # the record and its host-wide claim
     return reaped
+
+
+def _reap_owner_sockets(directory: Path) -> None:
+    """Remove the owner-link sockets (``corral.owner_link``) of processes that are gone."""
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        pid = entry.name.removesuffix(".sock")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            entry.unlink(missing_ok=True)

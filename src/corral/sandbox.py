@@ -14,6 +14,7 @@ the same checks and the same errors.  Isolation lives in the tiers.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +160,8 @@ class Sandbox:
         self.commands = Commands(self)
         self.files = Files(self)
         self.ports = Ports(self)
+        if isinstance(backend, LocalBackend):
+            backend.front = weakref.ref(self)
 
     @classmethod
     def create(cls, spec: SandboxSpec | None = None, *, state: str | Path | None = None, url: str | None = None,
@@ -200,9 +203,9 @@ class Sandbox:
     @classmethod
     def connect(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
                 api_key: str | None = None, transport: Transport | None = None) -> Sandbox:
-        """The sandbox with this id: this process's own, or a server's (``url``/``CORRAL_URL``).
-        An embedded sandbox of another live process raises :class:`InvalidState` (it is driven by
-        its owner only: share sandboxes between processes through a server)."""
+        """The sandbox with this id: this process's own, another live process's of the same state
+        directory (driven through that process, :mod:`corral.owner_link`), or a server's
+        (``url``/``CORRAL_URL``)."""
         chosen = cls._transport_for(url, api_key, state, transport)
         sandbox = cls(chosen.connect(sandbox_id), chosen)
         sandbox._owns_transport = transport is None
@@ -211,7 +214,7 @@ class Sandbox:
     @property
     def remote(self) -> bool:
         """True when the sandbox lives in a server."""
-        return not isinstance(self._backend, LocalBackend)
+        return self._backend.remote
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -227,7 +230,8 @@ class Sandbox:
     # -- this process's sandbox only (the tier behind it) ----------------------------
     def _local(self) -> LocalBackend:
         if not isinstance(self._backend, LocalBackend):
-            raise InvalidState(f"sandbox {self.id} lives in a server: its tier is not in this process",
+            raise InvalidState(f"sandbox {self.id} lives in {'a server' if self.remote else 'another process'}: "
+                               "its tier is not in this process",
                                sandbox_id=self.id)
         return self._backend
 

@@ -82,6 +82,8 @@ class SandboxBackend(ABC):
 
     id: str
     spec: SandboxSpec
+    #: True when the sandbox lives in a server
+    remote: bool = False
 
     # -- commands ---------------------------------------------------------------
     @abstractmethod
