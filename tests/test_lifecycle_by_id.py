@@ -142,7 +142,7 @@ def test_another_processes_sandbox_is_killed_by_id_through_its_owner(state_dir: 
         assert Sandbox.kill(sandbox_id) is True
         assert owner.stdout.readline().strip() == "ended"  # the owner sees its sandbox gone
         assert owner.wait(30) == 0
-        assert not link.exists(), "the owner's link outlived its last sandbox"
+        assert not link.exists(), "the owner's link outlived it"
         assert Sandbox.kill(sandbox_id) is False
     finally:
         if owner.poll() is None:

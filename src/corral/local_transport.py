@@ -188,10 +188,10 @@ class LocalBackend(SandboxBackend):
     def commands(self) -> list[CommandInfo]:
         with self._lock:
             self._started = [(p, r) for p, r in self._started if not p.done]
-            running = [(p, r) for p, r in self._started if p.pid is not None]
+            running = [CommandInfo(p.pid, list(r.argv), r.cwd) for p, r in self._started if p.pid is not None]
         from .interpreter import is_kernel
 
-        return [CommandInfo(p.pid, list(r.argv), r.cwd) for p, r in running if not is_kernel(list(r.argv))]
+        return [info for info in running if not is_kernel(info.argv)]
 
     def command(self, pid: int) -> LocalProcess:
         with self._lock:
@@ -302,7 +302,6 @@ class LocalBackend(SandboxBackend):
         finally:
             self._registry.remove(self.id)
             LIVE.pop(self.id, None)
-            owner_link.stop_if_idle(self.root)
 
 
 class LocalTransport(Transport):

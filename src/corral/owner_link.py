@@ -14,12 +14,13 @@ connection also carries the caller's stdin, signals, kill and resize the other w
 A connection's end never kills a background command; it kills a foreground one the
 caller can no longer wait for.
 
-The listener runs while this process has sandboxes and is removed with the last of them;
-a killed owner's socket is removed by ``gc`` (``corral.registry``), which a process's first create runs.
+The listener runs from this process's first sandbox until the process exits; a killed
+owner's socket is removed by ``gc`` (``corral.registry``), which a process's first create runs.
 """
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import json
@@ -111,7 +112,8 @@ class OwnerListener:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.path = socket_path(root, os.getpid())
+        self.pid = os.getpid()
+        self.path = socket_path(root, self.pid)
         owners_dir(root).mkdir(mode=0o700, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
@@ -127,8 +129,9 @@ class OwnerListener:
 
     def close(self) -> None:
         self._closed = True
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if os.getpid() == self.pid:  # a forked child's exit must not remove its parent's socket
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -251,19 +254,23 @@ _listeners_lock = threading.Lock()
 
 
 def serve(root: Path) -> None:
-    """Make sure this process listens for calls on its sandboxes of state directory ``root``."""
+    """Make sure this process listens for calls on its sandboxes of state directory ``root``
+    (from its first sandbox until it exits: starting one costs ~0.6 ms, too much per create)."""
     with _listeners_lock:
-        if root not in _listeners:
+        listener = _listeners.get(root)
+        if listener is None or listener.pid != os.getpid():  # (a forked child listens for itself)
+            if not _listeners:
+                atexit.register(_close_all)
             _listeners[root] = OwnerListener(root)
 
 
-def stop_if_idle(root: Path) -> None:
-    """Close the listener once this process holds no sandbox of ``root``."""
+def _close_all() -> None:
     with _listeners_lock:
-        listener = _listeners.get(root)
-        if listener is not None and not any(b.root == root and b.inner is not None for b in list(LIVE.values())):
+        for listener in _listeners.values():
             listener.close()
-            del _listeners[root]
+        _listeners.clear()
+
+
 
 
 # -- the caller's side -----------------------------------------------------------------------
