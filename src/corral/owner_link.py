@@ -383,6 +383,7 @@ class OwnerBackend(SandboxBackend):
         from .spec import SandboxSpec
 
         self.id = sandbox_id
+        self.owner_pid = owner_pid
         self.path = socket_path(root, owner_pid)
         hello = self._call("hello")
         self.spec = SandboxSpec.from_dict(hello["spec"])
@@ -496,5 +497,18 @@ class OwnerBackend(SandboxBackend):
         if self.closed:
             return
         self.closed = True
-        with contextlib.suppress(SandboxNotFound):
+        try:
             self._call("close")
+        except SandboxNotFound:
+            pass
+        except ConnectionLost:
+            # the owner may exit as soon as its sandbox is gone, before it answers: that is a success
+            if self._owner_alive():
+                raise
+
+    def _owner_alive(self) -> bool:
+        try:
+            os.kill(self.owner_pid, 0)
+        except ProcessLookupError:
+            return False
+        return self.path.exists()

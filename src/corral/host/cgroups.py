@@ -154,8 +154,11 @@ def kill_group(group: Path, mode: str, deadline: float = 5.0) -> None:
     if mode == "cgroup.kill":
         try:
             _write(group / "cgroup.kill", "1")
-        except FileNotFoundError:
-            return
+        except OSError as exc:
+            # ENODEV: the group is being removed (its command just ended and retired it)
+            if exc.errno in (errno.ENOENT, errno.ENODEV):
+                return
+            raise
     else:
         _freeze_kill(group, mode, end)
     while time.monotonic() < end:
@@ -196,8 +199,10 @@ def _populated(group: Path, mode: str) -> bool:
             for line in (group / "cgroup.events").read_text().splitlines():
                 if line.startswith("populated "):
                     return line.split()[1] == "1"
-        except FileNotFoundError:
-            return False
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENODEV):
+                return False
+            raise
     return any(read_pids(g) for g in (group, *(p for p in group.rglob("*") if p.is_dir())))
 
 
