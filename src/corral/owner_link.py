@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 #: a request line (a file written through the link is in it, base64): a server's upload cap
 MAX_REQUEST = 96 << 20
+#: how long an exiting owner waits for a kill by id it is carrying out
+KILL_GRACE = 10.0
 #: how long a caller waits to be accepted and answered by a live owner before giving up
 CONNECT_TIMEOUT = 10.0
 
@@ -125,10 +127,16 @@ class OwnerListener:
             os.umask(old)
         self._sock.listen(64)
         self._closed = False
+        #: kills by id in progress: the process's exit waits for them (a teardown cut short
+        #: by the exit would leave the sandbox to the next gc)
+        self._kills = 0
+        self._kills_done = threading.Condition()
         threading.Thread(target=self._accept, name="corral-owner-link", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True
+        with self._kills_done:
+            self._kills_done.wait_for(lambda: self._kills == 0, timeout=KILL_GRACE)
         if os.getpid() == self.pid:  # a forked child's exit must not remove its parent's socket
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
@@ -156,8 +164,18 @@ class OwnerListener:
                 backend = LIVE.get(str(request.get("id")))
                 if backend is None or backend.inner is None:
                     raise SandboxNotFound(f"no live sandbox {request.get('id')} in process {os.getpid()}")
-                result = serve_call(backend, str(request.get("op")), request.get("args") or {}, conn, frames, lock)
-                _send(conn, {"ok": result}, lock)
+                op = str(request.get("op"))
+                if op == "close":
+                    with self._kills_done:
+                        self._kills += 1
+                try:
+                    result = serve_call(backend, op, request.get("args") or {}, conn, frames, lock)
+                    _send(conn, {"ok": result}, lock)
+                finally:
+                    if op == "close":
+                        with self._kills_done:
+                            self._kills -= 1
+                            self._kills_done.notify_all()
             except SandboxError as exc:
                 with contextlib.suppress(OSError):
                     _send(conn, {"error": exc.code, "message": str(exc)}, lock)
