@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import stat
 import subprocess
 import sys
@@ -22,7 +23,9 @@ from typing import Any
 import pytest
 
 from corral import InvalidSpec, Sandbox, SandboxNotFound
+from corral.registry import LIFETIME_GRACE, gc
 
+from .leaks import sandbox_leftovers
 from .server_fixtures import KEYS, ServerProcess
 
 
@@ -177,3 +180,28 @@ def test_only_the_owners_uid_may_use_its_link(state_dir: Path) -> None:
         out = subprocess.run([sys.executable, "-c", probe, str(link)], capture_output=True, text=True, timeout=30)
         assert out.stdout.strip() == "denied", out.stderr
         assert sb.is_running()
+
+
+def test_the_janitor_ends_a_sandbox_whose_stopped_owner_missed_its_lifetime(state_dir: Path) -> None:
+    """The owner's timer ends a sandbox at its lifetime; if the owner cannot (stopped here with
+    SIGSTOP), ``gc`` does, LIFETIME_GRACE later, and the owner then finds it gone."""
+    script = ("import os, signal, time\nfrom corral import Sandbox\nsb = Sandbox.create(lifetime=1)\n"
+              "print(sb.id, flush=True)\nos.kill(os.getpid(), signal.SIGSTOP)\n"
+              "time.sleep(1.5)\nprint('running' if sb.is_running() else 'gone', flush=True)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env=os.environ.copy())
+    try:
+        assert owner.stdout is not None
+        sandbox_id = owner.stdout.readline().strip()
+        assert wait_until(lambda: Path(f"/proc/{owner.pid}/stat").read_text().split(")")[1].split()[0] == "T")
+        assert sandbox_id not in gc(state_dir)  # within its lifetime: left alone
+        time.sleep(1 + LIFETIME_GRACE)
+        assert sandbox_id in gc(state_dir)
+        assert sandbox_leftovers(sandbox_id, state_dir) == []
+        os.kill(owner.pid, signal.SIGCONT)
+        assert owner.stdout.readline().strip() == "gone"
+        assert owner.wait(30) == 0
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()

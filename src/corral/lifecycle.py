@@ -5,7 +5,8 @@ threads and cgroups are that process's).  Another process lists it from the
 registry; it connects to it and kills it through the owner while the owner
 lives (:mod:`corral.owner_link`), and kills it by reaping (``gc``) once the owner
 is dead.  A lifetime is enforced by a timer in the owner; if the owner dies
-first, ``gc`` reaps the sandbox as always.
+first, ``gc`` reaps the sandbox as always, and if the owner lives but cannot end it
+(stopped, hung), ``gc`` ends it ``LIFETIME_GRACE`` (5 s) after its lifetime.
 """
 
 from __future__ import annotations

@@ -118,15 +118,27 @@ class Registry:
         return [Row(r[0], r[1], Path(r[2]), r[3], r[4], r[5], json.loads(r[6])) for r in cur.fetchall()]
 
 
+#: an owner ends its sandbox when its lifetime is over; past this much later, the janitor does
+#: (an owner that is stopped, hung or swapped out must not keep a sandbox beyond its lifetime)
+LIFETIME_GRACE = 5.0
+
+
+def _lifetime_over(row: Row, now: float) -> bool:
+    end_at = (row.record.get("corral") or {}).get("end_at")
+    return isinstance(end_at, (int, float)) and now > end_at + LIFETIME_GRACE
+
+
 def gc(root: Path) -> list[str]:
-    """Reap every sandbox whose owner is dead, and stray directories. Returns reaped ids."""
+    """Reap every sandbox whose owner is dead or whose lifetime ended more than
+    :data:`LIFETIME_GRACE` seconds ago, and stray directories. Returns reaped ids."""
     from .tiers import get_tier
 
     registry = Registry.at(root)
     reaped: list[str] = []
     live_ids: set[str] = set()
+    now = time.time()
     for row in registry.rows():
-        if row.owner_alive():
+        if row.owner_alive() and not _lifetime_over(row, now):
             live_ids.add(row.id)
             continue
         try:
