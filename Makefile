@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 AGENT := src/corral/agent/corral-agent
 PYTEST_ARGS ?=
 
-.PHONY: install system venv agent bytecode demo test test-v2 lint typecheck bench prepare clean
+.PHONY: install system venv agent launcher bytecode demo test test-v2 lint typecheck bench prepare clean
 
-install: system venv agent bytecode
+install: system venv agent launcher bytecode
 
 system:
 	./scripts/install-system-packages.sh
@@ -28,6 +28,14 @@ $(AGENT): $(AGENT_SOURCES) src/corral/agent/agent.h src/corral/agent/relay_mux.h
 	cc -O2 -Wall -Wextra -static -o $@ $(AGENT_SOURCES)
 
 agent: $(AGENT)
+
+# `corral` itself: a C launcher in place of pip's console script (the same CLI, exec'd), which
+# hands `corral run` straight to a running `corral daemon` without Python's start-up
+$(VENV)/bin/corral: $(VENV)/.installed src/corral/cli/launcher.c
+	cc -O2 -Wall -Wextra -DCORRAL_PYTHON='"$(abspath $(PY))"' -o $(VENV)/bin/.corral-launcher src/corral/cli/launcher.c
+	mv -f $(VENV)/bin/.corral-launcher $@
+
+launcher: $(VENV)/bin/corral
 
 # Byte-compile up front (as a wheel install would): with PYTHONDONTWRITEBYTECODE set,
 # every `corral` invocation would otherwise recompile its modules (~70 ms).

@@ -8,7 +8,9 @@ p50's ratio to bare bubblewrap (the floor; target: corral run p50 <= 20 ms,
 - bare `bwrap --unshare-all ... true` (the floor) and `python -I -S -c pass`
   (the interpreter's own start-up, which any Python CLI pays);
 - `corral run -- true` in-process (no daemon), and through `corral daemon`
-  (started here with its own state directory, stopped at the end);
+  (started here with its own state directory, stopped at the end): `corral` is
+  `make install`'s C launcher (src/corral/cli/launcher.c); the Python CLI's own
+  client of the daemon (cli/fast_run.py) is the `python -m corral.cli` row;
 - the peers, when installed (never a test dependency): firejail, `runsc do`,
   Anthropic's sandbox-runtime (`srt`), Codex's Linux sandbox (`codex sandbox linux`).
 
@@ -75,6 +77,7 @@ def main() -> int:
         "python -I -S -c pass": ([sys.executable, "-I", "-S", "-c", "pass"], base_env),
         "corral run -- true (in-process)": ([corral, "run", "--", "true"], {**base_env, "CORRAL_NO_DAEMON": "1"}),
         "corral run -- true (daemon)": ([corral, "run", "--", "true"], base_env),
+        "python -m corral.cli run (daemon)": ([sys.executable, "-m", "corral.cli", "run", "--", "true"], base_env),
     }
     rows.update({name: (argv, base_env) for name, argv in peers().items()})
     load0 = os.getloadavg()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,11 @@ from corral.registry import Registry
 
 from .leaks import sandbox_leftovers
 
+#: `make install`'s C launcher (src/corral/cli/launcher.c): its own client of the daemon
 CORRAL = str(Path(sys.executable).with_name("corral"))
+#: the Python CLI: corral/cli/fast_run.py is its client of the daemon
+PYTHON_CLI = [sys.executable, "-m", "corral.cli"]
+CLIENTS = {"launcher": [CORRAL], "python": PYTHON_CLI}
 
 
 @dataclass
@@ -44,9 +48,10 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_NO_DAEMON")}
         return {**env, "CORRAL_STATE_DIR": str(self.state), **extra}
 
-    def run(self, *args: str, daemon: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, daemon: bool = True, client: str = "launcher") -> subprocess.CompletedProcess[str]:
         env = self.env() if daemon else self.env(CORRAL_NO_DAEMON="1")
-        return subprocess.run([CORRAL, "run", *args], capture_output=True, text=True, env=env, timeout=120)
+        return subprocess.run([*CLIENTS[client], "run", *args], capture_output=True, text=True, env=env,
+                              timeout=120)
 
     def served(self) -> str:
         return self.log.read_text()
@@ -98,22 +103,36 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("client", list(CLIENTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_fast_path_gives_the_in_process_results(daemon: Daemon, case: str) -> None:
+def test_the_fast_path_gives_the_in_process_results(daemon: Daemon, case: str, client: str) -> None:
     args = CASES[case]
-    here = daemon.run(*args, daemon=False)
-    there = daemon.run(*args)
+    served = daemon.served().count("daemon ran")
+    here = daemon.run(*args, daemon=False, client=client)
+    there = daemon.run(*args, client=client)
     assert (there.returncode, there.stdout, there.stderr) == (here.returncode, here.stdout, here.stderr)
     assert there.returncode == EXPECTED_CODES[case], there.stderr
+    if case != "bad timeout":  # refused before anything ran
+        assert wait_for(lambda: daemon.served().count("daemon ran") == served + 1), "the daemon did not run it"
 
 
 EXPECTED_CODES = {"true": 0, "false": 1, "both streams and a code": 3, "not found": 127, "timeout": 124,
                   "bad timeout": 125, "oom": 137, "no separator": 0}
 
 
-def test_json_results_match_and_the_daemon_served_them(daemon: Daemon) -> None:
-    here = json.loads(daemon.run("--json", "--", "sh", "-c", "echo hi; exit 4", daemon=False).stdout)
-    there = json.loads(daemon.run("--json", "--", "sh", "-c", "echo hi; exit 4").stdout)
+def wait_for(condition: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_json_results_match_and_the_daemon_served_them(daemon: Daemon, client: str) -> None:
+    here = json.loads(daemon.run("--json", "--", "sh", "-c", "echo hi; exit 4", daemon=False, client=client).stdout)
+    there = json.loads(daemon.run("--json", "--", "sh", "-c", "echo hi; exit 4", client=client).stdout)
     for result in (here, there):
         result.pop("duration_ms")
     assert there.pop("sandbox_id") in daemon.served()
