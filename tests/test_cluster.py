@@ -1,0 +1,222 @@
+"""Sandboxes across a Ray cluster: a head and three worker nodes of 8 ``corral_slots`` each,
+all on this host (``ray.cluster_utils.Cluster``), one host actor per worker node.
+
+One cluster for the module (starting it is most of the module's time); the node-loss test
+runs last but one and takes a node away, the driver-kill test uses the two that are left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import ClusterFull, FileNotFoundInSandbox, InvalidSpec, SandboxLost
+
+from .leaks import sandbox_leftovers
+
+ray = pytest.importorskip("ray", reason="the cluster extra is not installed: pip install 'corral[cluster]'")
+
+SLOTS = 8
+WORKERS = 3
+#: a node that dies is marked dead by the GCS after 3 missed health checks a second apart
+HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 1000}
+
+
+def wait_until(check: Any, timeout: float, every: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+class LocalCluster:
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.temp = Path(tempfile.mkdtemp(prefix="c17-ray-"))
+        small = {"num_cpus": 0, "object_store_memory": 80 << 20}
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            **small, "include_dashboard": False, "temp_dir": str(self.temp), "_system_config": HEALTH})
+        self.workers = [self.cluster.add_node(**small, resources={"corral_slots": SLOTS}) for _ in range(WORKERS)]
+        ray.init(address=self.cluster.address, namespace="corral", include_dashboard=False, log_to_driver=False,
+                 logging_level="WARNING")
+        from corral.cluster.node.actor import start_hosts
+
+        self.hosts = start_hosts(ray, janitor_interval=1.0)
+        assert len(self.hosts) == WORKERS
+
+    def node(self, node_id: str) -> Any:
+        return next(n for n in self.workers if n.node_id == node_id)
+
+    def close(self) -> None:
+        from corral.cluster.node.actor import down
+
+        try:
+            down(True)
+        finally:
+            ray.shutdown()
+            self.cluster.shutdown()
+            shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    local = LocalCluster()
+    try:
+        yield local
+    finally:
+        local.close()
+
+
+def test_24_sandboxes_8_per_node_and_the_25th_waits_then_is_refused(cluster: LocalCluster, state_dir: Path) -> None:
+    with ThreadPoolExecutor(24) as pool:
+        sandboxes = list(pool.map(lambda _: Sandbox.create(cluster=True, slot_timeout=30), range(24)))
+    try:
+        assert Counter(sb.node_id for sb in sandboxes) == {node_id: SLOTS for node_id in cluster.hosts}
+        results = [sb.commands.run(f"echo {sb.id}") for sb in sandboxes]
+        assert [r.stdout.strip() for r in results] == [sb.id for sb in sandboxes]
+        loads = ray.get([actor.load.remote() for actor in cluster.hosts.values()])
+        assert all(load["used"] == SLOTS and load["free"] == 0 for load in loads)
+
+        started = time.monotonic()
+        with pytest.raises(ClusterFull):
+            Sandbox.create(cluster=True, slot_timeout=1.5)
+        assert 1.5 <= time.monotonic() - started < 10
+
+        # a create that waits gets the first slot freed, on the node that freed it
+        got: list[Sandbox] = []
+        waiter = threading.Thread(target=lambda: got.append(Sandbox.create(cluster=True, slot_timeout=30)))
+        waiter.start()
+        time.sleep(0.5)
+        freed = sandboxes.pop()
+        freed.kill()
+        waiter.join(30)
+        assert got and got[0].node_id == freed.node_id
+        sandboxes.append(got[0])
+        loads = ray.get([actor.load.remote() for actor in cluster.hosts.values()])
+        assert all(load["used"] <= SLOTS for load in loads)
+    finally:
+        for sb in sandboxes:
+            sb.kill()
+    for sb in sandboxes:
+        assert sandbox_leftovers(sb.id, state_dir) == []
+
+
+def test_the_same_sandbox_streams_files_and_names_its_node(cluster: LocalCluster) -> None:
+    with pytest.raises(InvalidSpec, match="slot_timeout"):
+        Sandbox.create(slot_timeout=1)
+    with Sandbox.create(cluster=True, metadata={"run": "c17"}) as sb:
+        assert sb.node_id in cluster.hosts and sb.remote
+        seen: list[tuple[float, str]] = []
+        result = sb.commands.run("echo one; sleep 0.6; echo two", on_stdout=lambda s: seen.append((time.monotonic(), s)))
+        assert result.exit_code == 0 and result.stdout == "one\ntwo\n"
+        assert "".join(s for _, s in seen) == "one\ntwo\n"
+        assert seen[-1][0] - seen[0][0] > 0.4  # the first line came before the command ended
+
+        handle = sb.commands.run("read x; echo got $x", background=True)
+        assert handle.pid is not None
+        sb.commands.send_stdin(handle.pid, "ping\n")
+        assert sb.commands.connect(handle.pid).wait().stdout == "got ping\n"
+
+        sb.files.write("notes.txt", "hello")
+        assert sb.files.read("notes.txt") == "hello"
+        assert "notes.txt" in [e.name for e in sb.files.list(".")]
+        with pytest.raises(FileNotFoundInSandbox):
+            sb.files.read("missing.txt")
+
+        again = Sandbox.connect(sb.id, cluster=True)
+        assert again.node_id == sb.node_id and again.files.read("notes.txt") == "hello"
+        assert [i.sandbox_id for i in Sandbox.list({"run": "c17"}, cluster=True)] == [sb.id]
+    assert not sb.is_running()
+    assert Sandbox.list({"run": "c17"}, cluster=True) == []
+
+
+def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
+        cluster: LocalCluster, state_dir: Path) -> None:
+    sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]
+    victim = sandboxes[0].node_id
+    assert victim is not None
+    on_victim = [sb for sb in sandboxes if sb.node_id == victim]
+    survivors = [sb for sb in sandboxes if sb.node_id != victim]
+    in_flight: list[BaseException] = []
+
+    def long_command() -> None:
+        try:
+            on_victim[0].commands.run("sleep 60", timeout=90, on_stdout=lambda _: None)
+        except BaseException as exc:
+            in_flight.append(exc)
+
+    runner = threading.Thread(target=long_command)
+    runner.start()
+    time.sleep(0.5)
+    removed_at = time.monotonic()
+    cluster.cluster.remove_node(cluster.node(victim), allow_graceful=False)
+    runner.join(15)
+    assert in_flight and isinstance(in_flight[0], SandboxLost)
+    for sb in on_victim:
+        with pytest.raises(SandboxLost):
+            sb.commands.run("true")
+        with pytest.raises(SandboxLost):
+            sb.files.read("/etc/hostname")
+        with pytest.raises(SandboxLost):
+            sb.get_info()
+        assert not sb.is_running()
+        sb.kill()  # nothing to do: gone with its node
+    assert time.monotonic() - removed_at < 10
+
+    fresh = [Sandbox.create(cluster=True) for _ in range(4)]
+    assert all(sb.node_id != victim for sb in fresh)
+    assert all(sb.commands.run("true").exit_code == 0 for sb in survivors + fresh)
+    for sb in survivors + fresh:
+        sb.kill()
+    # the victim's host died with its sandboxes' owner: a surviving host's janitor reaps what they left
+    left = wait_until(lambda: not any(sandbox_leftovers(sb.id, state_dir) for sb in on_victim), 30)
+    assert left, [sandbox_leftovers(sb.id, state_dir) for sb in on_victim]
+
+
+DRIVER = """
+import sys, time
+import ray
+from corral import Sandbox
+ray.init(address=sys.argv[1], namespace="corral", include_dashboard=False, log_to_driver=False,
+         logging_level="WARNING")
+ids = [Sandbox.create(cluster=True, idle_timeout=float(sys.argv[2])).id for _ in range(2)]
+print(" ".join(ids), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_drivers_sandboxes_are_destroyed_within_their_idle_timeout(
+        cluster: LocalCluster, state_dir: Path) -> None:
+    idle = 3.0
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, cluster.cluster.address, str(idle)],
+                              stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert driver.stdout is not None
+        ids = driver.stdout.readline().split()
+        assert len(ids) == 2
+        listed = {info.sandbox_id for info in Sandbox.list(cluster=True)}
+        assert set(ids) <= listed
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(10)
+    killed_at = time.monotonic()
+    gone = wait_until(lambda: not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(ids), idle + 10)
+    assert gone and time.monotonic() - killed_at < idle + 10
+    assert all(sandbox_leftovers(i, state_dir) == [] for i in ids)
