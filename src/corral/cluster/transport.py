@@ -77,7 +77,7 @@ class ClusterBackend(SandboxBackend):
                  actor: Any, metadata: dict[str, str]) -> None:
         self.id = sandbox_id
         self.spec = spec
-        self.node_id = node_id
+        self.node_id = self._node = node_id
         self._transport = transport
         self._actor = actor
         self._metadata = metadata
@@ -86,14 +86,14 @@ class ClusterBackend(SandboxBackend):
     def call(self, method: str, *args: Any) -> Any:
         """``method`` of the node's host actor, for this sandbox; typed errors, SandboxLost on node loss."""
         registry = self._transport.registry
-        if self.node_id in registry.lost_nodes:
-            raise lost(self.id, self.node_id, "the node was lost earlier")
+        if self._node in registry.lost_nodes:
+            raise lost(self.id, self._node, "the node was lost earlier")
         ray = self._transport.ray
         try:
-            with ray_errors(self.id, self.node_id):
+            with ray_errors(self.id, self._node):
                 return ray.get(getattr(self._actor, method).remote(self.id, *args))
         except SandboxLost:
-            registry.mark_lost(self.node_id)
+            registry.mark_lost(self._node)
             raise
 
     # -- commands ---------------------------------------------------------------
@@ -183,7 +183,7 @@ class ClusterBackend(SandboxBackend):
     def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
                  timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
         execution: Execution = self.call("run_code", code, language, context, timeout, envs)
-        replay = [("on_stdout", line) for line in execution.logs.stdout]
+        replay: list[tuple[str, Any]] = [("on_stdout", line) for line in execution.logs.stdout]
         replay += [("on_stderr", line) for line in execution.logs.stderr]
         replay += [("on_result", result) for result in execution.results]
         if execution.error is not None:
@@ -355,7 +355,7 @@ class ClusterTransport(Transport):
 
     def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]:
         infos: list[SandboxInfo] = []
-        refs = {node_id: actor.list.remote(metadata) for node_id, actor in self.hosts().items()}
+        refs = {node_id: actor.sandboxes.remote(metadata) for node_id, actor in self.hosts().items()}
         for node_id, ref in refs.items():
             try:
                 with ray_errors(None, node_id):

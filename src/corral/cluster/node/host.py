@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ClusterFull, InvalidSpec, SandboxNotFound
 from ...lifecycle import SandboxInfo, matches
 from ...local_transport import LocalBackend, LocalProcess, LocalTransport
-from ...pool import PoolSet, host_memory, template_key
+from ...pool import PoolSet, host_memory
 from ...registry import gc, state_dir
 from ...tiers.base import ExecResult, FileEntry
 from ...transport import CommandCall, CreateOptions
@@ -214,7 +214,7 @@ class NodeHost:
     def owns(self, sandbox_id: str) -> bool:
         return sandbox_id in self._entries
 
-    def list(self, metadata: dict[str, str] | None = None) -> list[SandboxInfo]:
+    def sandboxes(self, metadata: dict[str, str] | None = None) -> list[SandboxInfo]:
         infos = []
         for sandbox_id, entry in list(self._entries.items()):
             try:
