@@ -147,6 +147,24 @@ def test_the_same_sandbox_streams_files_and_names_its_node(cluster: LocalCluster
     assert Sandbox.list({"run": "c17"}, cluster=True) == []
 
 
+def test_corral_serve_cluster_fronts_the_cluster_with_the_rest_api(cluster: LocalCluster, tmp_path: Path) -> None:
+    from .server_fixtures import ServerProcess
+
+    server = ServerProcess(tmp_path / "server-state", "--cluster", cluster.cluster.address).start()
+    try:
+        with Sandbox.create(url=server.url, memory="128M") as sb:
+            seen: list[str] = []
+            assert sb.commands.run("echo over rest", on_stdout=seen.append).stdout == "over rest\n"
+            assert "".join(seen) == "over rest\n"
+            sb.files.write("/tmp/x", "y")
+            assert sb.files.read("/tmp/x") == "y"
+            on_nodes = {info.sandbox_id for info in Sandbox.list(cluster=True)}
+            assert sb.id in on_nodes  # held by a node's host, not by the server's process
+        assert sb.id not in {info.sandbox_id for info in Sandbox.list(cluster=True)}
+    finally:
+        server.stop()
+
+
 def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
         cluster: LocalCluster, state_dir: Path) -> None:
     sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]
@@ -220,3 +238,16 @@ def test_a_killed_drivers_sandboxes_are_destroyed_within_their_idle_timeout(
     gone = wait_until(lambda: not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(ids), idle + 10)
     assert gone and time.monotonic() - killed_at < idle + 10
     assert all(sandbox_leftovers(i, state_dir) == [] for i in ids)
+
+
+def test_placement_prefers_a_warm_pool_then_free_slots_then_memory() -> None:
+    from corral.cluster.placement import rank, sample
+
+    def load(node: str, free: int, memory: int, warm: int = 0) -> dict[str, Any]:
+        return {"node_id": node, "free": free, "free_memory": memory << 30, "warm": warm}
+
+    loads = [load("full", 0, 20, warm=3), load("roomy", 6, 20), load("warm", 1, 2, warm=1), load("tight", 6, 0)]
+    assert [x["node_id"] for x in rank(loads, 1 << 30)] == ["warm", "roomy", "tight"]
+    assert [x["node_id"] for x in rank([load("a", 2, 8), load("b", 2, 9)], 1 << 30)] == ["b", "a"]
+    first, rest = sample(["a", "b", "c", "d"], 2)
+    assert len(first) == 2 and sorted(first + rest) == ["a", "b", "c", "d"]

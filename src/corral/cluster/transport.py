@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ClusterFull, InvalidSpec, InvalidState, SandboxError, SandboxLost, SandboxNotFound
+from ..errors import ClusterFull, ConnectionLost, InvalidSpec, InvalidState, SandboxError, SandboxLost, SandboxNotFound
 from ..lifecycle import SandboxInfo
 from ..spec import SandboxSpec, template_key
 from ..tiers.base import ExecResult, FileEntry
@@ -91,10 +91,31 @@ class ClusterBackend(SandboxBackend):
         ray = self._transport.ray
         try:
             with ray_errors(self.id, self._node):
-                return ray.get(getattr(self._actor, method).remote(self.id, *args))
+                try:
+                    return ray.get(getattr(self._actor, method).remote(self.id, *args))
+                except ray.exceptions.ActorUnavailableError:
+                    if not self._reachable_again():
+                        raise
+                    raise ConnectionLost(f"node {self._node[:12]} did not answer for a moment: the call may or "
+                                         "may not have run", sandbox_id=self.id) from None
         except SandboxLost:
             registry.mark_lost(self._node)
             raise
+
+    def _reachable_again(self) -> bool:
+        """After an unanswered call: True once the host answers again; False when Ray says it died,
+        or it stays unreachable for UNREACHABLE_IS_LOST seconds (then the node counts as lost)."""
+        ray = self._transport.ray
+        deadline = time.monotonic() + UNREACHABLE_IS_LOST
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self._actor.state.remote(self.id), timeout=1.0)
+                return True
+            except ray.exceptions.ActorDiedError:
+                return False
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.2)
+        return False
 
     # -- commands ---------------------------------------------------------------
     def start(self, call: CommandCall, on_output: OutputCallback | None) -> ClusterProcess:

@@ -177,6 +177,7 @@ class NodeHost:
         finally:
             with self._slot_free:
                 self._pending -= 1
+                self._slot_free.notify_all()  # a failed create frees its slot for a waiter
         return backend.id, sandbox is not None
 
     def destroy(self, sandbox_id: str) -> bool:
