@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -207,6 +206,15 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     left = wait_until(lambda: not any(sandbox_leftovers(sb.id, state_dir) for sb in on_victim), 30)
     assert left, [sandbox_leftovers(sb.id, state_dir) for sb in on_victim]
 
+    # a node that joins gets its host from the hosts already there, without another `corral cluster up`
+    joined = cluster.cluster.add_node(num_cpus=0, object_store_memory=80 << 20, resources={"corral_slots": SLOTS})
+    cluster.workers.append(joined)
+    from corral.cluster.transport import ClusterTransport
+
+    transport = ClusterTransport.shared(True)
+    assert wait_until(lambda: joined.node_id in transport.hosts(fresh=True), 30)
+    assert ray.get(transport.hosts()[joined.node_id].load.remote())["free"] == SLOTS
+
 
 DRIVER = """
 import sys, time
@@ -214,26 +222,33 @@ import ray
 from corral import Sandbox
 ray.init(address=sys.argv[1], namespace="corral", include_dashboard=False, log_to_driver=False,
          logging_level="WARNING")
-ids = [Sandbox.create(cluster=True, idle_timeout=float(sys.argv[2])).id for _ in range(2)]
-print(" ".join(ids), flush=True)
-time.sleep(600)
+sandboxes = [Sandbox.create(cluster=True, idle_timeout=float(sys.argv[2])) for _ in range(2)]
+print(" ".join(sb.id for sb in sandboxes), flush=True)
+if sys.argv[3] == "wait":
+    time.sleep(600)
 """
 
 
 def test_a_killed_drivers_sandboxes_are_destroyed_within_their_idle_timeout(
         cluster: LocalCluster, state_dir: Path) -> None:
     idle = 3.0
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, cluster.cluster.address, str(idle)],
-                              stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    drivers = [subprocess.Popen([sys.executable, "-c", DRIVER, cluster.cluster.address, str(long), mode],
+                                stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+               for long, mode in ((idle, "wait"), (600, "exit"))]
     try:
-        assert driver.stdout is not None
-        ids = driver.stdout.readline().split()
+        assert drivers[0].stdout is not None and drivers[1].stdout is not None
+        ids = drivers[0].stdout.readline().split()
         assert len(ids) == 2
         listed = {info.sandbox_id for info in Sandbox.list(cluster=True)}
         assert set(ids) <= listed
+        # a driver that exits without destroying its sandboxes: they go with it, not 600 s later
+        left_behind = drivers[1].stdout.readline().split()
+        assert len(left_behind) == 2 and drivers[1].wait(30) == 0
+        assert not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(left_behind)
     finally:
-        driver.send_signal(signal.SIGKILL)
-        driver.wait(10)
+        for driver in drivers:
+            driver.kill()
+            driver.wait(10)
     killed_at = time.monotonic()
     gone = wait_until(lambda: not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(ids), idle + 10)
     assert gone and time.monotonic() - killed_at < idle + 10
