@@ -7,6 +7,7 @@ runs last but one and takes a node away, the driver-kill test uses the two that 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from corral import Sandbox
+from corral.cluster.transport import ClusterTransport
 from corral.errors import ClusterFull, FileNotFoundInSandbox, InvalidSpec, SandboxLost
 
 from .leaks import sandbox_leftovers
@@ -173,19 +175,21 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     survivors = [sb for sb in sandboxes if sb.node_id != victim]
     in_flight: list[BaseException] = []
 
-    def long_command() -> None:
+    def long_command(streamed: bool) -> None:
         try:
-            on_victim[0].commands.run("sleep 60", timeout=90, on_stdout=lambda _: None)
+            on_victim[0].commands.run("sleep 60", timeout=90, on_stdout=(lambda _: None) if streamed else None)
         except BaseException as exc:
             in_flight.append(exc)
 
-    runner = threading.Thread(target=long_command)
-    runner.start()
+    runners = [threading.Thread(target=long_command, args=(streamed,)) for streamed in (True, False)]
+    for runner in runners:
+        runner.start()
     time.sleep(0.5)
     removed_at = time.monotonic()
     cluster.cluster.remove_node(cluster.node(victim), allow_graceful=False)
-    runner.join(15)
-    assert in_flight and isinstance(in_flight[0], SandboxLost)
+    for runner in runners:
+        runner.join(15)
+    assert len(in_flight) == 2 and all(isinstance(exc, SandboxLost) for exc in in_flight), in_flight
     for sb in on_victim:
         with pytest.raises(SandboxLost):
             sb.commands.run("true")
@@ -209,8 +213,6 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     # a node that joins gets its host from the hosts already there, without another `corral cluster up`
     joined = cluster.cluster.add_node(num_cpus=0, object_store_memory=80 << 20, resources={"corral_slots": SLOTS})
     cluster.workers.append(joined)
-    from corral.cluster.transport import ClusterTransport
-
     transport = ClusterTransport.shared(True)
     assert wait_until(lambda: joined.node_id in transport.hosts(fresh=True), 30)
     assert ray.get(transport.hosts()[joined.node_id].load.remote())["free"] == SLOTS
@@ -220,6 +222,7 @@ DRIVER = """
 import sys, time
 import ray
 from corral import Sandbox
+from corral.cluster.transport import ClusterTransport
 ray.init(address=sys.argv[1], namespace="corral", include_dashboard=False, log_to_driver=False,
          logging_level="WARNING")
 sandboxes = [Sandbox.create(cluster=True, idle_timeout=float(sys.argv[2])) for _ in range(2)]
@@ -232,6 +235,9 @@ if sys.argv[3] == "wait":
 def test_a_killed_drivers_sandboxes_are_destroyed_within_their_idle_timeout(
         cluster: LocalCluster, state_dir: Path) -> None:
     idle = 3.0
+    corral = str(Path(sys.executable).with_name("corral"))
+    status = subprocess.Popen([corral, "cluster", "status", "--address", cluster.cluster.address],
+                              stdout=subprocess.PIPE, text=True)
     drivers = [subprocess.Popen([sys.executable, "-c", DRIVER, cluster.cluster.address, str(long), mode],
                                 stdout=subprocess.PIPE, text=True, env=os.environ.copy())
                for long, mode in ((idle, "wait"), (600, "exit"))]
@@ -250,6 +256,9 @@ def test_a_killed_drivers_sandboxes_are_destroyed_within_their_idle_timeout(
             driver.kill()
             driver.wait(10)
     killed_at = time.monotonic()
+    lines = status.communicate(timeout=60)[0].splitlines()
+    assert status.returncode == 0 and len(lines) == WORKERS
+    assert {json.loads(line)["node_id"] for line in lines} == set(ClusterTransport.shared(True).hosts(fresh=True))
     gone = wait_until(lambda: not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(ids), idle + 10)
     assert gone and time.monotonic() - killed_at < idle + 10
     assert all(sandbox_leftovers(i, state_dir) == [] for i in ids)
