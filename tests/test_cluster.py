@@ -7,6 +7,7 @@ runs last but one and takes a node away, the driver-kill test uses the two that 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -146,6 +147,20 @@ def test_the_same_sandbox_streams_files_and_names_its_node(cluster: LocalCluster
         assert [i.sandbox_id for i in Sandbox.list({"run": "c17"}, cluster=True)] == [sb.id]
     assert not sb.is_running()
     assert Sandbox.list({"run": "c17"}, cluster=True) == []
+
+    async def from_asyncio() -> tuple[str | None, str]:
+        from corral import AsyncSandbox
+
+        asb = await AsyncSandbox.create(cluster=True)
+        try:
+            chunks: list[str] = []
+            result = await asb.commands.run("echo async", on_stdout=chunks.append)
+            return asb._backend.sync.node_id, result.stdout + "".join(chunks)
+        finally:
+            await asb.kill()
+
+    node_id, out = asyncio.run(from_asyncio())
+    assert node_id in cluster.hosts and out == "async\nasync\n"
 
 
 def test_corral_serve_cluster_fronts_the_cluster_with_the_rest_api(cluster: LocalCluster, tmp_path: Path) -> None:

@@ -321,6 +321,9 @@ class ClusterTransport(Transport):
                 if backend is not None:
                     return backend
             left = deadline - time.monotonic()
+            if left <= 0 and not hosts:
+                raise ClusterFull("no node of the cluster offers corral_slots with a Corral host on it: start "
+                                  "nodes with --resources '{\"corral_slots\": N}' and run `corral cluster up`")
             if left <= 0:
                 raise ClusterFull(f"no free slot on any of {len(hosts)} node(s) for {wait_for:g} s "
                                   f"(slot_timeout); every node's corral_slots are taken")
