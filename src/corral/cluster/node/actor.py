@@ -21,6 +21,8 @@ from .host import NodeHost
 MAX_CONCURRENCY = 256
 #: how often a host looks for nodes without one
 SIBLING_INTERVAL = 5.0
+#: how long ``start_hosts`` waits for the hosts to answer
+START_TIMEOUT = 120.0
 
 
 class HostActor(NodeHost):
@@ -50,8 +52,15 @@ class HostActor(NodeHost):
                 pass
 
 
+_actor_class: Any = None
+
+
 def actor_class(ray: Any) -> Any:
-    return ray.remote(HostActor)
+    """The Ray actor class of :class:`HostActor` (made once per process: Ray exports it on first use)."""
+    global _actor_class
+    if _actor_class is None:
+        _actor_class = ray.remote(HostActor)
+    return _actor_class
 
 
 def start_hosts(ray: Any, state: str | None = None, pools: list[dict[str, Any]] | None = None,
@@ -67,8 +76,8 @@ def start_hosts(ray: Any, state: str | None = None, pools: list[dict[str, Any]] 
             num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
         ).remote(node.slots, state, pools, janitor_interval)
-    if wait:
-        ray.get([actor.ping.remote() for actor in hosts.values()])
+    if wait:  # each answers once its node has started it (a node that cannot fails the call here)
+        ray.get([actor.ping.remote() for actor in hosts.values()], timeout=START_TIMEOUT)
     return hosts
 
 
