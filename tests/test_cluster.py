@@ -105,7 +105,8 @@ def test_24_sandboxes_8_per_node_and_the_25th_waits_then_is_refused(cluster: Loc
         got: list[Sandbox] = []
         waiter = threading.Thread(target=lambda: got.append(Sandbox.create(cluster=True, slot_timeout=30)))
         waiter.start()
-        time.sleep(0.5)
+        assert wait_until(lambda: any(load["waiting"] for load in
+                                      ray.get([a.load.remote() for a in cluster.hosts.values()])), 10)
         freed = sandboxes.pop()
         freed.kill()
         waiter.join(30)
@@ -199,7 +200,7 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     runners = [threading.Thread(target=long_command, args=(streamed,)) for streamed in (True, False)]
     for runner in runners:
         runner.start()
-    time.sleep(0.5)
+    assert wait_until(lambda: len(on_victim[0].commands.list()) == 2, 10)  # both running on the node
     removed_at = time.monotonic()
     cluster.cluster.remove_node(cluster.node(victim), allow_graceful=False)
     for runner in runners:

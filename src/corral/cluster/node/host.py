@@ -125,6 +125,8 @@ class NodeHost:
         self._pools = PoolSet.from_config(pools or [], self.root)
         self._entries: dict[str, Entry] = {}
         self._pending = 0
+        #: creates waiting for a slot of this node
+        self._waiting = 0
         self._slot_free = threading.Condition()
         self._handles = itertools.count(1)
         self._janitor_interval = janitor_interval
@@ -138,20 +140,26 @@ class NodeHost:
         """What placement weighs: free slots, memory not yet promised to sandboxes, warm members."""
         with self._slot_free:
             used = len(self._entries) + self._pending
+            waiting = self._waiting
             promised = sum(e.backend.spec.limits.memory for e in self._entries.values())
         pool = next((p for p in self._pools.pools() if p.key == key), None) if key else None
         return {"node_id": self.node_id, "slots": self.slots, "used": used, "free": max(0, self.slots - used),
-                "free_memory": max(0, host_memory() - promised), "warm": pool.idle_count() if pool else 0}
+                "free_memory": max(0, host_memory() - promised), "warm": pool.idle_count() if pool else 0,
+                "waiting": waiting}
 
     # -- create / destroy -------------------------------------------------------------
     def _reserve(self, wait: float) -> None:
         deadline = time.monotonic() + max(0.0, wait)
         with self._slot_free:
-            while len(self._entries) + self._pending >= self.slots:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ClusterFull(f"node {self.node_id}: all {self.slots} slots are taken")
-                self._slot_free.wait(left)
+            self._waiting += 1
+            try:
+                while len(self._entries) + self._pending >= self.slots:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ClusterFull(f"node {self.node_id}: all {self.slots} slots are taken")
+                    self._slot_free.wait(left)
+            finally:
+                self._waiting -= 1
             self._pending += 1
 
     def create(self, options: CreateOptions, wait: float = 0.0) -> tuple[str, bool]:
