@@ -124,6 +124,9 @@ def test_24_sandboxes_8_per_node_and_the_25th_waits_then_is_refused(cluster: Loc
 def test_the_same_sandbox_streams_files_and_names_its_node(cluster: LocalCluster) -> None:
     with pytest.raises(InvalidSpec, match="slot_timeout"):
         Sandbox.create(slot_timeout=1)
+    with pytest.raises(InvalidSpec, match="the node.s environment"):
+        Sandbox.create(cluster=True, network="allow", allow=["example.com"], secrets=["TOKEN@example.com"],
+                       secret_values={"TOKEN": "x"})
     with Sandbox.create(cluster=True, metadata={"run": "c17"}) as sb:
         assert sb.node_id in cluster.hosts and sb.remote
         seen: list[tuple[float, str]] = []
@@ -143,7 +146,8 @@ def test_the_same_sandbox_streams_files_and_names_its_node(cluster: LocalCluster
         with pytest.raises(FileNotFoundInSandbox):
             sb.files.read("missing.txt")
 
-        again = Sandbox.connect(sb.id, cluster=True)
+        assert sb.commands.run("id -u").stdout == "1000\n"  # the node's tier, as unprivileged as ever
+        again = Sandbox.connect(sb.id, transport=ClusterTransport(True))  # a registry that never saw it asks the hosts
         assert again.node_id == sb.node_id and again.files.read("notes.txt") == "hello"
         assert [i.sandbox_id for i in Sandbox.list({"run": "c17"}, cluster=True)] == [sb.id]
     assert not sb.is_running()

@@ -305,6 +305,14 @@ class ClusterTransport(Transport):
         if options.spec.workspace is not None:
             raise InvalidSpec("workspace: a directory of this machine cannot be mounted on a cluster node; "
                               "upload files with sb.files instead")
+        if options.spec.secrets:
+            # a brokered secret's value comes from the creating process's environment: on a node that
+            # would be the node's own, handed to whichever host the caller names
+            raise InvalidSpec("secrets: brokered secrets are not available on a cluster (their values would "
+                              "come from the node's environment)")
+        if options.spec.unsafe_allow_ranges:
+            raise InvalidSpec("unsafe_allow_ranges: private and local ranges cannot be opened on a cluster "
+                              "(they are the nodes' own networks)")
         wait_for = options.slot_timeout if options.slot_timeout is not None else self.slot_timeout
         deadline = time.monotonic() + wait_for
         key = template_key(options.spec)
