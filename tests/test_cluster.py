@@ -124,7 +124,7 @@ def test_24_sandboxes_8_per_node_and_the_25th_waits_then_is_refused(cluster: Loc
 def test_the_same_sandbox_streams_files_and_names_its_node(cluster: LocalCluster) -> None:
     with pytest.raises(InvalidSpec, match="slot_timeout"):
         Sandbox.create(slot_timeout=1)
-    with pytest.raises(InvalidSpec, match="the node.s environment"):
+    with pytest.raises(InvalidSpec, match="the node's environment"):
         Sandbox.create(cluster=True, network="allow", allow=["example.com"], secrets=["TOKEN@example.com"],
                        secret_values={"TOKEN": "x"})
     with Sandbox.create(cluster=True, metadata={"run": "c17"}) as sb:
