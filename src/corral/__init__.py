@@ -23,9 +23,9 @@ _EXPORTS = {
     "FileEntry": "corral.tiers.base",
 }
 _ERRORS = (
-    "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "InvalidState",
+    "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "SandboxLost", "InvalidState",
     "SandboxPaused", "ExecError",
-    "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "HostError", "FileError",
+    "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "ClusterFull", "HostError", "FileError",
     "FileNotFoundInSandbox",
     "ImageBuildFailed", "TransportError", "ConnectionLost", "Unauthorized", "ServerError",
 )

@@ -25,6 +25,6 @@ class RemoteSandbox(Sandbox):
 
     @classmethod
     def _transport_for(cls, url: str | None, api_key: str | None, state: str | Path | None,
-                       transport: Transport | None) -> Transport:
-        del state  # the server owns its state directory
+                       transport: Transport | None, cluster: str | bool | None = None) -> Transport:
+        del state, cluster  # the server owns its state directory and its nodes
         return transport if transport is not None else HTTPTransport(url, api_key)

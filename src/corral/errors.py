@@ -8,6 +8,7 @@ can catch one class.  The tree::
     ├── HostNotSupported       this host cannot run the requested tier
     ├── SandboxNotFound        no live sandbox with that id (or not yours)
     ├── SandboxClosed          the sandbox was destroyed or died
+    │   └── SandboxLost        the cluster node holding it was lost
     ├── InvalidState           the call does not fit the sandbox's state (resume one not paused)
     │   └── SandboxPaused      the sandbox is paused: resume it first
     ├── ExecError              a command could not run to an outcome
@@ -15,6 +16,7 @@ can catch one class.  The tree::
     │   ├── OutOfMemory        a command was killed by the memory limit
     │   └── ContainmentFailed  a process could not be put under the sandbox's limits; it never ran
     ├── ResourceLimit          a quota or limit refused the request (including no free host uid)
+    │   └── ClusterFull        every cluster node's slots stayed taken for the create's whole wait
     ├── HostError              a system call Corral made on the host failed (errno kept)
     ├── FileError              a files-API operation failed
     │   └── FileNotFoundInSandbox  the path does not exist inside the sandbox
@@ -90,6 +92,14 @@ class SandboxClosed(SandboxError):
     code = "sandbox_closed"
 
 
+class SandboxLost(SandboxClosed):
+    """The cluster node that held the sandbox was lost (its Ray node died, or its Corral host
+    actor with it): the sandbox is gone with everything in it, and every call on it raises this.
+    A new ``Sandbox.create(cluster=...)`` lands on a surviving node."""
+
+    code = "sandbox_lost"
+
+
 class InvalidState(SandboxError):
     """The call does not fit the sandbox's state: pausing a paused sandbox, resuming one that is
     not paused, pausing on a tier that cannot."""
@@ -138,6 +148,13 @@ class ResourceLimit(SandboxError):
     """A quota, capacity or size limit refused the request (too many sandboxes, file too large, ...)."""
 
     code = "resource_limit"
+
+
+class ClusterFull(ResourceLimit):
+    """Every node of the cluster had all its ``corral_slots`` taken for the whole time the caller
+    let a create wait (``slot_timeout``); nothing was created."""
+
+    code = "cluster_full"
 
 
 class HostError(SandboxError):

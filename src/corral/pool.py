@@ -15,7 +15,6 @@ not die with the thread that created it.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
@@ -26,6 +25,7 @@ from typing import Any
 from .errors import InvalidSpec
 from .sandbox import Sandbox
 from .spec import SandboxSpec
+from .spec import template_key as template_key  # defined beside the spec (the cluster's placement uses it too)
 
 #: no single pool may hold more idle sandboxes than this
 MAX_POOL_SIZE = 64
@@ -34,11 +34,6 @@ MAX_POOL_MEMORY_SHARE = 0.5
 #: after an acquire, a refill waits this long while the pool still has members: a create takes a
 #: core for ~20 ms, and started at once it would compete with the new owner's first command
 REFILL_SETTLE = 0.1
-
-def template_key(spec: SandboxSpec) -> str:
-    """The identity of a template: two specs share a pool iff their keys are equal."""
-    return json.dumps(spec.to_dict(), sort_keys=True, default=str)
-
 
 def host_memory() -> int:
     with open("/proc/meminfo") as f:

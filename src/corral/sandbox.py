@@ -41,11 +41,22 @@ if TYPE_CHECKING:
 
 
 def transport_for(url: str | None = None, api_key: str | None = None, state: str | Path | None = None,
-                  transport: Transport | None = None) -> Transport:
-    """The transport a call means: ``transport`` if given; a server at ``url`` (or ``CORRAL_URL``);
-    else this process's sandboxes in the state directory ``state``."""
+                  transport: Transport | None = None, cluster: str | bool | None = None) -> Transport:
+    """The transport a call means: ``transport`` if given; a Ray cluster at ``cluster`` (or
+    ``CORRAL_CLUSTER``); a server at ``url`` (or ``CORRAL_URL``); else this process's sandboxes
+    in the state directory ``state``."""
     if transport is not None:
         return transport
+    if cluster is None and not url:
+        from .cluster.nodes import address_from_env
+
+        cluster = address_from_env()
+    if cluster is not None and cluster is not False:
+        if url:
+            raise InvalidSpec("cluster= and url=: a sandbox lives either in a cluster or in a server")
+        from .cluster.transport import ClusterTransport
+
+        return ClusterTransport.shared(cluster)
     url = url or os.environ.get("CORRAL_URL")
     if url:
         from .http_transport import HTTPTransport
@@ -56,14 +67,19 @@ def transport_for(url: str | None = None, api_key: str | None = None, state: str
 
 def create_options(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> CreateOptions:
     """``create``'s keyword arguments, checked (unknown ones are named in an :class:`InvalidSpec`)."""
-    check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata")
+    check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata", "slot_timeout")
     kwargs = dict(kwargs)
     metadata = check_metadata(kwargs.pop("metadata", None))
     lifetime = kwargs.pop("lifetime", None)
     idle_timeout = kwargs.pop("idle_timeout", None)
+    slot_timeout = kwargs.pop("slot_timeout", None)
+    if slot_timeout is not None and (isinstance(slot_timeout, bool) or not isinstance(slot_timeout, (int, float))
+                                     or not 0 <= slot_timeout <= 3600):
+        raise InvalidSpec(f"slot_timeout: {slot_timeout!r} must be seconds in [0, 3600]")
     return CreateOptions(build_spec(spec, **kwargs), metadata,
                          check_lifetime(lifetime) if lifetime is not None else None,
-                         check_lifetime(idle_timeout, "idle_timeout") if idle_timeout is not None else None)
+                         check_lifetime(idle_timeout, "idle_timeout") if idle_timeout is not None else None,
+                         float(slot_timeout) if slot_timeout is not None else None)
 
 
 class Files:
@@ -165,35 +181,41 @@ class Sandbox:
 
     @classmethod
     def create(cls, spec: SandboxSpec | None = None, *, state: str | Path | None = None, url: str | None = None,
-               api_key: str | None = None, transport: Transport | None = None, **kwargs: Any) -> Sandbox:
+               api_key: str | None = None, transport: Transport | None = None,
+               cluster: str | bool | None = None, **kwargs: Any) -> Sandbox:
         """Create a sandbox. Keyword arguments: image, tier, memory, pids, cpus, disk, timeout,
         max_output, workspace (``DIR[:rw|ro|cow]``), env, network, allow, unsafe_allow_ranges,
         secrets (``["NAME@host1,host2"]``) and secret_values (``{"NAME": value}``; default: the
         caller's environment); metadata (labels for ``list``), lifetime (seconds until it is
-        destroyed), idle_timeout (a server's only).  ``url``/``api_key`` (or ``CORRAL_URL``) make
-        it in a server; ``state`` names this process's state directory; ``transport`` is any."""
+        destroyed), idle_timeout (a server's or a cluster's).  ``url``/``api_key`` (or ``CORRAL_URL``)
+        make it in a server; ``cluster`` (a Ray address, or True for the Ray this process joined;
+        or ``CORRAL_CLUSTER``) on a node of a Ray cluster, waiting up to ``slot_timeout`` seconds
+        for a free slot; ``state`` names this process's state directory; ``transport`` is any."""
         values = kwargs.pop("secret_values", None)
         if values is not None:
             with secret_values(values):
-                return cls.create(spec, state=state, url=url, api_key=api_key, transport=transport, **kwargs)
+                return cls.create(spec, state=state, url=url, api_key=api_key, transport=transport,
+                                  cluster=cluster, **kwargs)
         options = create_options(spec, kwargs)
-        chosen = cls._transport_for(url, api_key, state, transport)
+        chosen = cls._transport_for(url, api_key, state, transport, cluster)
+        if options.slot_timeout is not None and not chosen.places:
+            raise InvalidSpec("slot_timeout: only a cluster's creates wait for a slot (cluster=...)")
         sandbox = cls(chosen.create(options), chosen)
         sandbox._owns_transport = transport is None
         return sandbox
 
     @classmethod
     def _transport_for(cls, url: str | None, api_key: str | None, state: str | Path | None,
-                       transport: Transport | None) -> Transport:
-        return transport_for(url, api_key, state, transport)
+                       transport: Transport | None, cluster: str | bool | None = None) -> Transport:
+        return transport_for(url, api_key, state, transport, cluster)
 
     @classmethod
     def list(cls, metadata: dict[str, str] | None = None, *, state: str | Path | None = None,
              url: str | None = None, api_key: str | None = None,
-             transport: Transport | None = None) -> list[SandboxInfo]:
-        """The live sandboxes (of this state directory, or of the server at ``url``/``CORRAL_URL``)
-        whose metadata holds every pair of ``metadata``."""
-        chosen = cls._transport_for(url, api_key, state, transport)
+             transport: Transport | None = None, cluster: str | bool | None = None) -> list[SandboxInfo]:
+        """The live sandboxes (of this state directory, of the server at ``url``/``CORRAL_URL``, or
+        of the cluster at ``cluster``/``CORRAL_CLUSTER``) whose metadata holds every pair of ``metadata``."""
+        chosen = cls._transport_for(url, api_key, state, transport, cluster)
         try:
             return chosen.list(metadata)
         finally:
@@ -202,19 +224,25 @@ class Sandbox:
 
     @classmethod
     def connect(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
-                api_key: str | None = None, transport: Transport | None = None) -> Sandbox:
+                api_key: str | None = None, transport: Transport | None = None,
+                cluster: str | bool | None = None) -> Sandbox:
         """The sandbox with this id: this process's own, another live process's of the same state
-        directory (driven through that process, :mod:`corral.owner_link`), or a server's
-        (``url``/``CORRAL_URL``)."""
-        chosen = cls._transport_for(url, api_key, state, transport)
+        directory (driven through that process, :mod:`corral.owner_link`), a server's
+        (``url``/``CORRAL_URL``) or a cluster's (``cluster``/``CORRAL_CLUSTER``)."""
+        chosen = cls._transport_for(url, api_key, state, transport, cluster)
         sandbox = cls(chosen.connect(sandbox_id), chosen)
         sandbox._owns_transport = transport is None
         return sandbox
 
     @property
     def remote(self) -> bool:
-        """True when the sandbox lives in a server."""
+        """True when the sandbox lives in a server or on a cluster node."""
         return self._backend.remote
+
+    @property
+    def node_id(self) -> str | None:
+        """The Ray node the sandbox lives on (a cluster's sandbox; None otherwise)."""
+        return self._backend.node_id
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -301,8 +329,9 @@ class Sandbox:
 
     @classmethod
     def _kill_by_id(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
-                    api_key: str | None = None, transport: Transport | None = None) -> bool:
-        chosen = cls._transport_for(url, api_key, state, transport)
+                    api_key: str | None = None, transport: Transport | None = None,
+                    cluster: str | bool | None = None) -> bool:
+        chosen = cls._transport_for(url, api_key, state, transport, cluster)
         try:
             return chosen.kill(sandbox_id)
         finally:

@@ -276,6 +276,13 @@ class SandboxSpec:
         return cls(**kwargs)
 
 
+def template_key(spec: SandboxSpec) -> str:
+    """The identity of a warm-pool template: two specs share a pool iff their keys are equal."""
+    import json
+
+    return json.dumps(spec.to_dict(), sort_keys=True, default=str)
+
+
 def validate_env(env: Mapping[str, str] | None) -> dict[str, str]:
     if env is None:
         return {}

@@ -65,8 +65,10 @@ class CreateOptions:
     metadata: dict[str, str] = field(default_factory=dict)
     #: seconds from creation until the sandbox is destroyed
     lifetime: float | None = None
-    #: seconds without use until a server destroys it (a server only)
+    #: seconds without use until a server (or a cluster node) destroys it
     idle_timeout: float | None = None
+    #: seconds a create may wait for a free slot (a cluster only)
+    slot_timeout: float | None = None
 
 
 class CommandProcess(Process):
@@ -84,6 +86,8 @@ class SandboxBackend(ABC):
     spec: SandboxSpec
     #: True when the sandbox lives in a server
     remote: bool = False
+    #: the Ray node the sandbox lives on (a cluster's sandboxes; None elsewhere)
+    node_id: str | None = None
 
     # -- commands ---------------------------------------------------------------
     @abstractmethod
@@ -181,8 +185,10 @@ class SandboxBackend(ABC):
 class Transport(ABC):
     """Makes, finds, lists and kills sandboxes of one place (this process's state directory, or a server)."""
 
-    #: True when the sandboxes live in another process (a server)
+    #: True when the sandboxes live in another process (a server, a cluster)
     remote: bool = False
+    #: True when a create is placed on one of several nodes and may wait for a slot (a cluster)
+    places: bool = False
 
     @abstractmethod
     def create(self, options: CreateOptions) -> SandboxBackend: ...

@@ -26,6 +26,7 @@ COMMAND_MODULES = {
     "image": "corral.cli.image",
     "code": "corral.cli.code",
     "serve": "corral.cli.serve",
+    "cluster": "corral.cli.cluster",
     "daemon": "corral.cli.daemon",
     "ls": "corral.cli.remote",
     "exec": "corral.cli.remote",

@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
                         help="open client connections before 503 (16384)")
     parser.add_argument("--pool", action="append", default=[], metavar="MIN:MAX[:SPEC-JSON]",
                         help="a warm pool (repeatable); SPEC-JSON as the POST /v1/sandboxes body")
+    parser.add_argument("--cluster", default=None, metavar="ADDRESS",
+                        help="hold the sandboxes on the nodes of this Ray cluster (docs/cluster.md)")
     parser.add_argument("--log-level", default="warning")
     parser.set_defaults(handler=handle)
 
@@ -51,11 +53,16 @@ def handle(args: argparse.Namespace) -> int:
         max_sandboxes_per_tenant=args.max_sandboxes, max_memory_per_tenant=args.max_memory,
         idle_timeout=args.idle_timeout, max_lifetime=args.max_lifetime,
         max_concurrent_execs=args.max_concurrent_execs, max_connections=args.max_connections,
-        state_dir=args.state_dir,
+        state_dir=args.state_dir, cluster=args.cluster,
     )
     if args.pool:
         config.pools = [*config.pools, *(parse_pool(p) for p in args.pool)]
+    if config.cluster is not None:  # join now, in the main thread, and fail before listening if it cannot
+        from ..cluster.transport import ClusterTransport
+
+        ClusterTransport.shared(config.cluster)
     print(f"corral: serving on http://{config.host}:{config.port} "
-          f"({'API keys required' if config.auth_required else 'no auth: loopback only'})", file=sys.stderr)
+          f"({'API keys required' if config.auth_required else 'no auth: loopback only'})"
+          + (f", sandboxes on the Ray cluster {config.cluster}" if config.cluster else ""), file=sys.stderr)
     serve(config, args.log_level)
     return 0

@@ -92,6 +92,8 @@ class ServerConfig:
     max_connections: int = 16384
     pools: list[dict[str, Any]] = field(default_factory=list)
     state_dir: str | None = None
+    #: a Ray cluster whose nodes hold the sandboxes (``corral serve --cluster ADDRESS``); None: this host
+    cluster: str | None = None
 
     def validate(self) -> ServerConfig:
         _positive(self.port, "port", integer=True)
@@ -102,6 +104,9 @@ class ServerConfig:
         self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
+        if self.cluster is not None and self.pools:
+            raise InvalidSpec("pools: with --cluster the warm pools are the nodes' own "
+                              "(corral cluster up --pool MIN:MAX:SPEC), not the server's")
         if not self.key_digests and not is_loopback(self.host):
             raise InvalidSpec(
                 f"refusing to listen on {self.host} without API keys: anyone who can reach it could run code. "

@@ -170,7 +170,11 @@ class SandboxManager:
             from_pool = sandbox is not None
             if sandbox is None:
                 t0 = time.perf_counter()
-                sandbox = await asyncio.to_thread(Sandbox.create, spec, state=self.root)
+                if self.config.cluster is not None:  # on a node; the node destroys it too if this server dies
+                    sandbox = await asyncio.to_thread(Sandbox.create, spec, cluster=self.config.cluster,
+                                                      idle_timeout=idle)
+                else:
+                    sandbox = await asyncio.to_thread(Sandbox.create, spec, state=self.root)
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
             now = time.time()
             entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)

@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 from ...errors import HostNotSupported
@@ -34,7 +35,8 @@ def agent_binary(state_dir: Path | None = None) -> Path:
     installed = state_dir / "bin" / f"corral-agent-{hashlib.sha256(data).hexdigest()[:16]}"
     if not installed.exists():
         installed.parent.mkdir(mode=0o755, exist_ok=True)
-        tmp = installed.with_name(f".{installed.name}-{os.getpid()}")
+        # one name per thread: concurrent first creates of one process each install their own copy
+        tmp = installed.with_name(f".{installed.name}-{os.getpid()}-{threading.get_ident()}")
         tmp.write_bytes(data)
         os.chmod(tmp, 0o755)
         os.replace(tmp, installed)

@@ -1,0 +1,297 @@
+"""Sandboxes across a Ray cluster: a head and three worker nodes of 8 ``corral_slots`` each,
+all on this host (``ray.cluster_utils.Cluster``), one host actor per worker node.
+
+One cluster for the module (starting it is most of the module's time); the node-loss test
+runs last but one and takes a node away, the driver-kill test uses the two that are left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral import Sandbox
+from corral.cluster.transport import ClusterTransport
+from corral.errors import ClusterFull, FileNotFoundInSandbox, InvalidSpec, SandboxLost
+
+from .leaks import sandbox_leftovers
+
+ray = pytest.importorskip("ray", reason="the cluster extra is not installed: pip install 'corral[cluster]'")
+
+SLOTS = 8
+WORKERS = 3
+#: a node that dies is marked dead by the GCS after 3 missed health checks a second apart
+HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 1000}
+
+
+def wait_until(check: Any, timeout: float, every: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+class LocalCluster:
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.temp = Path(tempfile.mkdtemp(prefix="c17-ray-"))
+        small = {"num_cpus": 0, "object_store_memory": 80 << 20}
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            **small, "include_dashboard": False, "temp_dir": str(self.temp), "_system_config": HEALTH})
+        self.workers = [self.cluster.add_node(**small, resources={"corral_slots": SLOTS}) for _ in range(WORKERS)]
+        ray.init(address=self.cluster.address, namespace="corral", include_dashboard=False, log_to_driver=False,
+                 logging_level="WARNING")
+        from corral.cluster.node.actor import start_hosts
+
+        self.hosts = start_hosts(ray, janitor_interval=1.0)
+        assert len(self.hosts) == WORKERS
+
+    def node(self, node_id: str) -> Any:
+        return next(n for n in self.workers if n.node_id == node_id)
+
+    def close(self) -> None:
+        from corral.cluster.node.actor import down
+
+        try:
+            down(True)
+        finally:
+            ray.shutdown()
+            self.cluster.shutdown()
+            shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    local = LocalCluster()
+    try:
+        yield local
+    finally:
+        local.close()
+
+
+def test_24_sandboxes_8_per_node_and_the_25th_waits_then_is_refused(cluster: LocalCluster, state_dir: Path) -> None:
+    with ThreadPoolExecutor(24) as pool:
+        sandboxes = list(pool.map(lambda _: Sandbox.create(cluster=True, slot_timeout=30), range(24)))
+    try:
+        assert Counter(sb.node_id for sb in sandboxes) == {node_id: SLOTS for node_id in cluster.hosts}
+        results = [sb.commands.run(f"echo {sb.id}") for sb in sandboxes]
+        assert [r.stdout.strip() for r in results] == [sb.id for sb in sandboxes]
+        loads = ray.get([actor.load.remote() for actor in cluster.hosts.values()])
+        assert all(load["used"] == SLOTS and load["free"] == 0 for load in loads)
+
+        started = time.monotonic()
+        with pytest.raises(ClusterFull):
+            Sandbox.create(cluster=True, slot_timeout=1.5)
+        assert 1.5 <= time.monotonic() - started < 10
+
+        # a create that waits gets the first slot freed, on the node that freed it
+        got: list[Sandbox] = []
+        waiter = threading.Thread(target=lambda: got.append(Sandbox.create(cluster=True, slot_timeout=30)))
+        waiter.start()
+        assert wait_until(lambda: any(load["waiting"] for load in
+                                      ray.get([a.load.remote() for a in cluster.hosts.values()])), 10)
+        freed = sandboxes.pop()
+        freed.kill()
+        waiter.join(30)
+        assert got and got[0].node_id == freed.node_id
+        sandboxes.append(got[0])
+        loads = ray.get([actor.load.remote() for actor in cluster.hosts.values()])
+        assert all(load["used"] <= SLOTS for load in loads)
+    finally:
+        for sb in sandboxes:
+            sb.kill()
+    for sb in sandboxes:
+        assert sandbox_leftovers(sb.id, state_dir) == []
+
+
+def test_the_same_sandbox_streams_files_and_names_its_node(cluster: LocalCluster) -> None:
+    with pytest.raises(InvalidSpec, match="slot_timeout"):
+        Sandbox.create(slot_timeout=1)
+    with pytest.raises(InvalidSpec, match="the node's environment"):
+        Sandbox.create(cluster=True, network="allow", allow=["example.com"], secrets=["TOKEN@example.com"],
+                       secret_values={"TOKEN": "x"})
+    with Sandbox.create(cluster=True, metadata={"run": "c17"}) as sb:
+        assert sb.node_id in cluster.hosts and sb.remote
+        seen: list[tuple[float, str]] = []
+        result = sb.commands.run("echo one; sleep 0.6; echo two", on_stdout=lambda s: seen.append((time.monotonic(), s)))
+        assert result.exit_code == 0 and result.stdout == "one\ntwo\n"
+        assert "".join(s for _, s in seen) == "one\ntwo\n"
+        assert seen[-1][0] - seen[0][0] > 0.4  # the first line came before the command ended
+
+        handle = sb.commands.run("read x; echo got $x", background=True)
+        assert handle.pid is not None
+        sb.commands.send_stdin(handle.pid, "ping\n")
+        assert sb.commands.connect(handle.pid).wait().stdout == "got ping\n"
+
+        sb.files.write("notes.txt", "hello")
+        assert sb.files.read("notes.txt") == "hello"
+        assert "notes.txt" in [e.name for e in sb.files.list(".")]
+        with pytest.raises(FileNotFoundInSandbox):
+            sb.files.read("missing.txt")
+
+        assert sb.commands.run("id -u").stdout == "1000\n"  # the node's tier, as unprivileged as ever
+        again = Sandbox.connect(sb.id, transport=ClusterTransport(True))  # a registry that never saw it asks the hosts
+        assert again.node_id == sb.node_id and again.files.read("notes.txt") == "hello"
+        assert [i.sandbox_id for i in Sandbox.list({"run": "c17"}, cluster=True)] == [sb.id]
+    assert not sb.is_running()
+    assert Sandbox.list({"run": "c17"}, cluster=True) == []
+
+    async def from_asyncio() -> tuple[str | None, str]:
+        from corral import AsyncSandbox
+
+        asb = await AsyncSandbox.create(cluster=True)
+        try:
+            chunks: list[str] = []
+            result = await asb.commands.run("echo async", on_stdout=chunks.append)
+            return asb._backend.sync.node_id, result.stdout + "".join(chunks)
+        finally:
+            await asb.kill()
+
+    node_id, out = asyncio.run(from_asyncio())
+    assert node_id in cluster.hosts and out == "async\nasync\n"
+
+
+def test_corral_serve_cluster_fronts_the_cluster_with_the_rest_api(cluster: LocalCluster, tmp_path: Path) -> None:
+    from .server_fixtures import ServerProcess
+
+    server = ServerProcess(tmp_path / "server-state", "--cluster", cluster.cluster.address).start()
+    try:
+        with Sandbox.create(url=server.url, memory="128M") as sb:
+            seen: list[str] = []
+            assert sb.commands.run("echo over rest", on_stdout=seen.append).stdout == "over rest\n"
+            assert "".join(seen) == "over rest\n"
+            sb.files.write("/tmp/x", "y")
+            assert sb.files.read("/tmp/x") == "y"
+            on_nodes = {info.sandbox_id for info in Sandbox.list(cluster=True)}
+            assert sb.id in on_nodes  # held by a node's host, not by the server's process
+        assert sb.id not in {info.sandbox_id for info in Sandbox.list(cluster=True)}
+    finally:
+        server.stop()
+
+
+def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
+        cluster: LocalCluster, state_dir: Path) -> None:
+    sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]
+    victim = sandboxes[0].node_id
+    assert victim is not None
+    on_victim = [sb for sb in sandboxes if sb.node_id == victim]
+    survivors = [sb for sb in sandboxes if sb.node_id != victim]
+    in_flight: list[BaseException] = []
+
+    def long_command(streamed: bool) -> None:
+        try:
+            on_victim[0].commands.run("sleep 60", timeout=90, on_stdout=(lambda _: None) if streamed else None)
+        except BaseException as exc:
+            in_flight.append(exc)
+
+    runners = [threading.Thread(target=long_command, args=(streamed,)) for streamed in (True, False)]
+    for runner in runners:
+        runner.start()
+    assert wait_until(lambda: len(on_victim[0].commands.list()) == 2, 10)  # both running on the node
+    removed_at = time.monotonic()
+    cluster.cluster.remove_node(cluster.node(victim), allow_graceful=False)
+    for runner in runners:
+        runner.join(15)
+    assert len(in_flight) == 2 and all(isinstance(exc, SandboxLost) for exc in in_flight), in_flight
+    for sb in on_victim:
+        with pytest.raises(SandboxLost):
+            sb.commands.run("true")
+        with pytest.raises(SandboxLost):
+            sb.files.read("/etc/hostname")
+        with pytest.raises(SandboxLost):
+            sb.get_info()
+        assert not sb.is_running()
+        sb.kill()  # nothing to do: gone with its node
+    assert time.monotonic() - removed_at < 10
+
+    fresh = [Sandbox.create(cluster=True) for _ in range(4)]
+    assert all(sb.node_id != victim for sb in fresh)
+    assert all(sb.commands.run("true").exit_code == 0 for sb in survivors + fresh)
+    for sb in survivors + fresh:
+        sb.kill()
+    # the victim's host died with its sandboxes' owner: a surviving host's janitor reaps what they left
+    left = wait_until(lambda: not any(sandbox_leftovers(sb.id, state_dir) for sb in on_victim), 30)
+    assert left, [sandbox_leftovers(sb.id, state_dir) for sb in on_victim]
+
+    # a node that joins gets its host from the hosts already there, without another `corral cluster up`
+    joined = cluster.cluster.add_node(num_cpus=0, object_store_memory=80 << 20, resources={"corral_slots": SLOTS})
+    cluster.workers.append(joined)
+    transport = ClusterTransport.shared(True)
+    assert wait_until(lambda: joined.node_id in transport.hosts(fresh=True), 30)
+    assert ray.get(transport.hosts()[joined.node_id].load.remote())["free"] == SLOTS
+
+
+DRIVER = """
+import sys, time
+import ray
+from corral import Sandbox
+from corral.cluster.transport import ClusterTransport
+ray.init(address=sys.argv[1], namespace="corral", include_dashboard=False, log_to_driver=False,
+         logging_level="WARNING")
+sandboxes = [Sandbox.create(cluster=True, idle_timeout=float(sys.argv[2])) for _ in range(2)]
+print(" ".join(sb.id for sb in sandboxes), flush=True)
+if sys.argv[3] == "wait":
+    time.sleep(600)
+"""
+
+
+def test_a_killed_drivers_sandboxes_are_destroyed_within_their_idle_timeout(
+        cluster: LocalCluster, state_dir: Path) -> None:
+    idle = 3.0
+    corral = str(Path(sys.executable).with_name("corral"))
+    status = subprocess.Popen([corral, "cluster", "status", "--address", cluster.cluster.address],
+                              stdout=subprocess.PIPE, text=True)
+    drivers = [subprocess.Popen([sys.executable, "-c", DRIVER, cluster.cluster.address, str(long), mode],
+                                stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+               for long, mode in ((idle, "wait"), (600, "exit"))]
+    try:
+        assert drivers[0].stdout is not None and drivers[1].stdout is not None
+        ids = drivers[0].stdout.readline().split()
+        assert len(ids) == 2
+        listed = {info.sandbox_id for info in Sandbox.list(cluster=True)}
+        assert set(ids) <= listed
+        # a driver that exits without destroying its sandboxes: they go with it, not 600 s later
+        left_behind = drivers[1].stdout.readline().split()
+        assert len(left_behind) == 2 and drivers[1].wait(30) == 0
+        assert not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(left_behind)
+    finally:
+        for driver in drivers:
+            driver.kill()
+            driver.wait(10)
+    killed_at = time.monotonic()
+    lines = status.communicate(timeout=60)[0].splitlines()
+    assert status.returncode == 0 and len(lines) == WORKERS
+    assert {json.loads(line)["node_id"] for line in lines} == set(ClusterTransport.shared(True).hosts(fresh=True))
+    gone = wait_until(lambda: not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(ids), idle + 10)
+    assert gone and time.monotonic() - killed_at < idle + 10
+    assert all(sandbox_leftovers(i, state_dir) == [] for i in ids)
+
+
+def test_placement_prefers_a_warm_pool_then_free_slots_then_memory() -> None:
+    from corral.cluster.placement import rank, sample
+
+    def load(node: str, free: int, memory: int, warm: int = 0) -> dict[str, Any]:
+        return {"node_id": node, "free": free, "free_memory": memory << 30, "warm": warm}
+
+    loads = [load("full", 0, 20, warm=3), load("roomy", 6, 20), load("warm", 1, 2, warm=1), load("tight", 6, 0)]
+    assert [x["node_id"] for x in rank(loads, 1 << 30)] == ["warm", "roomy", "tight"]
+    assert [x["node_id"] for x in rank([load("a", 2, 8), load("b", 2, 9)], 1 << 30)] == ["b", "a"]
+    first, rest = sample(["a", "b", "c", "d"], 2)
+    assert len(first) == 2 and sorted(first + rest) == ["a", "b", "c", "d"]
