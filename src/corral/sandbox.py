@@ -38,6 +38,10 @@ from .transport import CreateOptions, SandboxBackend, Transport
 if TYPE_CHECKING:
     from .egress.audit import AuditEvent
     from .interpreter import Execution
+    from .snapshots import Snapshot
+
+#: sandboxes one ``fork`` may make
+MAX_FORKS = 64
 
 
 def transport_for(url: str | None = None, api_key: str | None = None, state: str | Path | None = None,
@@ -56,14 +60,23 @@ def transport_for(url: str | None = None, api_key: str | None = None, state: str
 
 def create_options(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> CreateOptions:
     """``create``'s keyword arguments, checked (unknown ones are named in an :class:`InvalidSpec`)."""
-    check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata")
+    check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata", "snapshot")
     kwargs = dict(kwargs)
+    snapshot = kwargs.pop("snapshot", None)
+    if snapshot is not None:
+        if not isinstance(snapshot, str):
+            raise InvalidSpec(f"snapshot: {snapshot!r} must be a snapshot id")
+        fixed = sorted({"tier", "image", "workspace"} & set(kwargs))
+        if fixed:
+            raise InvalidSpec(f"{', '.join(fixed)}: a sandbox made from a snapshot has the snapshot's tier, image "
+                              "and /workspace")
     metadata = check_metadata(kwargs.pop("metadata", None))
     lifetime = kwargs.pop("lifetime", None)
     idle_timeout = kwargs.pop("idle_timeout", None)
     return CreateOptions(build_spec(spec, **kwargs), metadata,
                          check_lifetime(lifetime) if lifetime is not None else None,
-                         check_lifetime(idle_timeout, "idle_timeout") if idle_timeout is not None else None)
+                         check_lifetime(idle_timeout, "idle_timeout") if idle_timeout is not None else None,
+                         snapshot)
 
 
 class Files:
@@ -170,7 +183,8 @@ class Sandbox:
         max_output, workspace (``DIR[:rw|ro|cow]``), env, network, allow, unsafe_allow_ranges,
         secrets (``["NAME@host1,host2"]``) and secret_values (``{"NAME": value}``; default: the
         caller's environment); metadata (labels for ``list``), lifetime (seconds until it is
-        destroyed), idle_timeout (a server's only).  ``url``/``api_key`` (or ``CORRAL_URL``) make
+        destroyed), idle_timeout (a server's only); snapshot (an id from :meth:`snapshot`: the
+        sandbox starts with its files, tier and image).  ``url``/``api_key`` (or ``CORRAL_URL``) make
         it in a server; ``state`` names this process's state directory; ``transport`` is any."""
         values = kwargs.pop("secret_values", None)
         if values is not None:
@@ -266,6 +280,48 @@ class Sandbox:
     def resume(self) -> None:
         """Let a paused sandbox run on from where it stopped (:class:`InvalidState` if it is not paused)."""
         self._backend.resume()
+
+    # -- snapshots (corral.snapshots) -----------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Save the sandbox's files (process and gVisor tiers: what it changed of its image, deletions
+        included, and its /workspace) -- not its processes, memory, network rules or secrets.  The
+        sandbox is paused while they are copied, then runs on.  ``Sandbox.create(snapshot=s.id)``
+        starts from it.  Raises :class:`InvalidState` on a tier that cannot."""
+        return self._backend.snapshot()
+
+    def fork(self, count: int = 1) -> list[Sandbox]:
+        """``count`` new sandboxes, each starting from this one's files as they are now, with fresh
+        processes and a fresh identity (id, hostname, machine id), this sandbox's limits, env and
+        cwd, and no network (none) or secrets.  This sandbox keeps running unchanged."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise InvalidSpec(f"count: {count!r} must be a whole number in [1, {MAX_FORKS}]")
+        transport = self._transport
+        if transport is None:
+            raise InvalidState(f"sandbox {self.id}: forked only through the transport that made it",
+                               sandbox_id=self.id)
+        return [type(self)(backend, transport) for backend in transport.fork(self._backend, count)]
+
+    @classmethod
+    def list_snapshots(cls, *, state: str | Path | None = None, url: str | None = None, api_key: str | None = None,
+                       transport: Transport | None = None) -> list[Snapshot]:
+        """The stored snapshots (of this state directory, or yours in the server at ``url``)."""
+        chosen = cls._transport_for(url, api_key, state, transport)
+        try:
+            return chosen.list_snapshots()
+        finally:
+            if transport is None:
+                chosen.close()
+
+    @classmethod
+    def delete_snapshot(cls, snapshot_id: str, *, state: str | Path | None = None, url: str | None = None,
+                        api_key: str | None = None, transport: Transport | None = None) -> bool:
+        """Remove a snapshot; False if there is none (of yours)."""
+        chosen = cls._transport_for(url, api_key, state, transport)
+        try:
+            return chosen.delete_snapshot(snapshot_id)
+        finally:
+            if transport is None:
+                chosen.close()
 
     def create_code_context(self, language: str = "python", cwd: str | None = None) -> CodeContext:
         """A new interpreter with its own variables (``run_code(..., context=ctx)``)."""
