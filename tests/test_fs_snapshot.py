@@ -1,0 +1,198 @@
+"""Filesystem snapshots and forks of process and gVisor sandboxes (issue 18).
+
+A snapshot carries the sandbox's files -- what it wrote, what it deleted of its image (overlay
+whiteouts and opaque directories), its workspace -- into new sandboxes, and nothing else: no
+processes, no brokered secrets, no network rules; each new sandbox has a fresh identity.  Bad
+input is a typed error that leaves nothing half-made.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import InvalidSpec, InvalidState, Sandbox, SnapshotCorrupt, SnapshotNotFound
+from corral.images import ImageLayout, host_image, register_resolver
+from corral.registry import Registry, gc
+from corral.snapshots import DIRECTORY, SnapshotStore
+
+from .leaks import sandbox_leftovers
+from .tier_probe import skip_unless_tier
+
+IMAGE = "c18-snapshot-test"
+SECRET = "c18-real-secret-value-0123456789"
+#: in the original: a file, a package-like dir, an image file deleted, an image dir replaced, a process
+PREPARE = (
+    "mkdir -p /home/user/.local/lib/c18pkg && echo 'VERSION = 7' > /home/user/.local/lib/c18pkg/__init__.py"
+    " && echo written > /workspace/notes.txt && echo scratch > /tmp/scratch"
+    " && rm /c18/gone.txt && rm -r /c18/dir && mkdir /c18/dir && echo new > /c18/dir/fresh.txt"
+)
+CHECK = ("cat /home/user/.local/lib/c18pkg/__init__.py /workspace/notes.txt /tmp/scratch /c18/kept.txt;"
+         " test -e /c18/gone.txt && echo GONE-CAME-BACK; ls /c18/dir; echo token=$API_TOKEN;"
+         " ps -eo comm | grep -cx sleep")
+EXPECTED = "VERSION = 7\nwritten\nscratch\nkept\nfresh.txt\ntoken=\n0\n"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory, state_dir: Path) -> Iterator[str]:
+    """The host image plus /c18, whose files (in a 0777 directory of the image) the sandbox user
+    may delete: what it deletes becomes a whiteout in its upper layer, not a missing file."""
+    host = host_image(state_dir)
+    root = tmp_path_factory.mktemp("c18-image") / "root"
+    shutil.copytree(host.layers[0][1], root, symlinks=True)
+    os.chmod(root, 0o755)
+    (root / "c18" / "dir").mkdir(parents=True)
+    os.chmod(root / "c18", 0o777)
+    os.chmod(root / "c18" / "dir", 0o777)
+    for name, text in (("gone.txt", "gone"), ("kept.txt", "kept"), ("dir/old.txt", "old")):
+        (root / "c18" / name).write_text(text + "\n")
+        os.chmod(root / "c18" / name, 0o666)
+    layout = ImageLayout(IMAGE, ((("/", root),) + host.layers[1:]), own_etc=host.own_etc)
+    register_resolver(lambda name, _state: layout if name == IMAGE else None)
+    yield IMAGE
+
+
+def identity(sb: Sandbox) -> tuple[str, str]:
+    result = sb.commands.run("hostname; cat /etc/machine-id 2>/dev/null || echo none")
+    assert result.exit_code == 0, result
+    host, machine = result.stdout.split()
+    return host, machine
+
+
+def test_a_snapshot_carries_files_and_deletions_into_a_new_sandbox_and_each_fork(image: str, state_dir: Path) -> None:
+    with Sandbox.create(image=image, allow=["c18.invalid"], secrets=["API_TOKEN@c18.invalid"],
+                        secret_values={"API_TOKEN": SECRET}) as parent:
+        placeholder = parent.network.env["API_TOKEN"]
+        assert parent.commands.run(PREPARE).exit_code == 0
+        parent.commands.run("sleep 1000", background=True)
+        parent_identity = identity(parent)
+
+        snap = parent.snapshot()
+        assert (snap.kind, snap.tier, snap.image, snap.sandbox_id) == ("filesystem", "process", image, parent.id)
+        assert snap.size > 0 and snap.id in [s.id for s in Sandbox.list_snapshots()]
+        stored = state_dir / DIRECTORY / snap.id
+        for secret in (SECRET, placeholder):  # neither the value nor its placeholder is in the files
+            assert subprocess.run(["grep", "-rqF", secret, str(stored)]).returncode == 1
+
+        with Sandbox.create(snapshot=snap.id) as child:
+            assert child.spec.image == image and child.spec.network == "none"
+            assert child.commands.run(CHECK).stdout == EXPECTED
+            assert identity(child)[0] != parent_identity[0]
+            assert child.files.read("/c18/dir/fresh.txt") == "new\n"
+
+        forks = parent.fork(3)
+        try:
+            identities = {identity(parent)} | {identity(f) for f in forks}
+            assert len({h for h, _ in identities}) == len({m for _, m in identities}) == 4
+            for fork in forks:
+                assert fork.commands.run(CHECK).stdout == EXPECTED
+            forks[0].files.write("/workspace/notes.txt", "changed in fork 0")
+            assert forks[1].files.read("/workspace/notes.txt") == "written\n"
+        finally:
+            for fork in forks:
+                fork.kill()
+        # the parent: running, unchanged, its process still there
+        assert not parent.paused
+        assert identity(parent) == parent_identity
+        assert parent.commands.run(CHECK).stdout == EXPECTED.replace(
+            "token=\n0", f"token={placeholder}\n1")
+        assert Sandbox.delete_snapshot(snap.id) and not stored.exists()
+        assert not Sandbox.delete_snapshot(snap.id)
+
+
+def test_gvisor_snapshot_and_fork_carry_files_and_deletions_only(image: str, state_dir: Path) -> None:
+    skip_unless_tier("gvisor", state_dir)
+    with Sandbox.create(tier="gvisor", image=image) as parent:
+        assert parent.commands.run(PREPARE).exit_code == 0
+        parent.commands.run("sleep 1000", background=True)
+        forks = parent.fork(2)
+        try:
+            assert {f.spec.tier for f in forks} == {"gvisor"}
+            for fork in forks:
+                assert fork.commands.run(CHECK).stdout == EXPECTED
+            assert len({identity(f) for f in [parent, *forks]}) == 3
+        finally:
+            for fork in forks:
+                fork.kill()
+        assert parent.commands.run("ps -eo comm | grep -cx sleep").stdout == "1\n"
+    assert Sandbox.list_snapshots() == [] or all(s.tier != "gvisor" for s in Sandbox.list_snapshots())
+
+
+def nothing_left(state_dir: Path, before: set[str]) -> None:
+    rows = {row.id for row in Registry.at(state_dir).rows()}
+    assert rows <= before, rows - before
+    for sandbox_id in set(os.listdir(state_dir / "sandboxes")) - before:
+        assert not sandbox_leftovers(sandbox_id, state_dir), sandbox_id
+
+
+def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> None:
+    for missing in ("snap-0000000000000000", "../sandboxes", ""):
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(snapshot=missing)
+    with pytest.raises(InvalidSpec):
+        Sandbox.create(snapshot="snap-0000000000000000", tier="gvisor")
+    with Sandbox.create() as sb:
+        with pytest.raises(InvalidState):
+            sb.resume()  # not paused
+        sb.commands.run("head -c 300000 /dev/urandom > /workspace/blob && echo x > /home/user/x")
+        snap = sb.snapshot()
+        sb.pause()
+        paused_snap = sb.snapshot()  # a paused sandbox can be snapshot, and stays paused
+        assert sb.paused
+        sb.resume()
+    with pytest.raises(InvalidSpec, match="disk"):
+        Sandbox.create(snapshot=snap.id, disk="100K")
+    before = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
+
+    files = state_dir / DIRECTORY / snap.id / "files"
+    blob = max((files / "blobs").iterdir(), key=lambda p: p.stat().st_size)
+    with open(blob, "r+b") as f:  # one flipped byte in the middle of the content
+        f.seek(150000)
+        byte = f.read(1)
+        f.seek(150000)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(SnapshotCorrupt, match="checksum"):
+        Sandbox.create(snapshot=snap.id)
+    nothing_left(state_dir, before)
+
+    manifest = state_dir / DIRECTORY / paused_snap.id / "files" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"ws"', b'"L9"', 1))
+    with pytest.raises(SnapshotCorrupt):
+        Sandbox.create(snapshot=paused_snap.id)
+    (state_dir / DIRECTORY / paused_snap.id / "meta.json").write_text("{")
+    with pytest.raises(SnapshotCorrupt):
+        Sandbox.create(snapshot=paused_snap.id)
+    nothing_left(state_dir, before)
+    assert Sandbox.delete_snapshot(snap.id) and Sandbox.delete_snapshot(paused_snap.id)
+
+
+def test_tiers_that_cannot_snapshot_say_why(state_dir: Path) -> None:
+    from corral.tiers import tier_class
+
+    assert tier_class("microvm").capabilities.snapshot == "" and tier_class("wasm").capabilities.snapshot == ""
+    skip_unless_tier("wasm", state_dir)
+    with Sandbox.create(tier="wasm") as sb, pytest.raises(InvalidState, match="wasm tier cannot take snapshots"):
+        sb.snapshot()
+    assert Sandbox.list_snapshots() == [] or all(s.tier != "wasm" for s in Sandbox.list_snapshots())
+
+
+def test_gc_removes_half_written_snapshots_of_dead_writers_only(state_dir: Path) -> None:
+    store = SnapshotStore(state_dir)
+    store.dir.mkdir(mode=0o700, exist_ok=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    from corral.host.procs import process_start_time
+
+    orphan = store.dir / f".tmp-snap-00000000000000aa-{dead.pid}-{int(time.time())}"
+    working = store.dir / f".tmp-snap-00000000000000bb-{os.getpid()}-{process_start_time(os.getpid())}"
+    for d in (orphan, working):
+        (d / "files").mkdir(parents=True)
+    gc(state_dir)
+    assert not orphan.exists() and working.exists()
+    shutil.rmtree(working)
