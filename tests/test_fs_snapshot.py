@@ -53,7 +53,7 @@ def image(tmp_path_factory: pytest.TempPathFactory, state_dir: Path) -> Iterator
     for name, text in (("gone.txt", "gone"), ("kept.txt", "kept"), ("dir/old.txt", "old")):
         (root / "c18" / name).write_text(text + "\n")
         os.chmod(root / "c18" / name, 0o666)
-    layout = ImageLayout(IMAGE, ((("/", root),) + host.layers[1:]), own_etc=host.own_etc)
+    layout = ImageLayout(IMAGE, (("/", root), *host.layers[1:]), own_etc=host.own_etc)
     register_resolver(lambda name, _state: layout if name == IMAGE else None)
     yield IMAGE
 

@@ -7,6 +7,7 @@ started (found again by pid) and its code interpreters.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import secrets
 import threading
@@ -371,7 +372,7 @@ class LocalTransport(Transport):
     def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]:
         return list_embedded(self.root, metadata)
 
-    def list_snapshots(self) -> list[Snapshot]:
+    def list_snapshots(self) -> builtins.list[Snapshot]:
         return SnapshotStore(self.root).list()
 
     def delete_snapshot(self, snapshot_id: str) -> bool:

@@ -13,6 +13,7 @@ the same checks and the same errors.  Isolation lives in the tiers.
 
 from __future__ import annotations
 
+import builtins
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -165,6 +166,8 @@ class Sandbox:
         self._transport = transport
         #: made for this sandbox alone (its connections close with it)
         self._owns_transport = False
+        #: [how many sandboxes still use the transport] when forks share this one's
+        self._transport_users: list[int] | None = None
         self.spec: SandboxSpec = backend.spec
         self.id: str = backend.id
         #: E2B's name for ``id``
@@ -289,7 +292,7 @@ class Sandbox:
         starts from it.  Raises :class:`InvalidState` on a tier that cannot."""
         return self._backend.snapshot()
 
-    def fork(self, count: int = 1) -> list[Sandbox]:
+    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
         """``count`` new sandboxes, each starting from this one's files as they are now, with fresh
         processes and a fresh identity (id, hostname, machine id), this sandbox's limits, env and
         cwd, and no network (none) or secrets.  This sandbox keeps running unchanged."""
@@ -299,11 +302,17 @@ class Sandbox:
         if transport is None:
             raise InvalidState(f"sandbox {self.id}: forked only through the transport that made it",
                                sandbox_id=self.id)
-        return [type(self)(backend, transport) for backend in transport.fork(self._backend, count)]
+        children = [type(self)(backend, transport) for backend in transport.fork(self._backend, count)]
+        if self._owns_transport:  # the last of them to be killed closes it
+            users = self._transport_users = self._transport_users or [1]
+            users[0] += len(children)
+            for child in children:
+                child._owns_transport, child._transport_users = True, users
+        return children
 
     @classmethod
     def list_snapshots(cls, *, state: str | Path | None = None, url: str | None = None, api_key: str | None = None,
-                       transport: Transport | None = None) -> list[Snapshot]:
+                       transport: Transport | None = None) -> builtins.list[Snapshot]:
         """The stored snapshots (of this state directory, or yours in the server at ``url``)."""
         chosen = cls._transport_for(url, api_key, state, transport)
         try:
@@ -353,7 +362,12 @@ class Sandbox:
             self._backend.close()
         finally:
             if self._owns_transport and self._transport is not None:
-                self._transport.close()
+                self._owns_transport = False
+                users = self._transport_users
+                if users is not None:
+                    users[0] -= 1
+                if users is None or users[0] <= 0:
+                    self._transport.close()
 
     @classmethod
     def _kill_by_id(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,

@@ -65,6 +65,12 @@ class Snapshot:
                    str(data["tier"]), str(data["image"]), str(data.get("sandbox_id", "")))
 
 
+def fork_spec(parent: SandboxSpec) -> SandboxSpec:
+    """What a fork of a sandbox with ``parent`` gets: its tier, image, limits, env and cwd -- not its
+    network rules, secrets or workspace (the files come from the snapshot)."""
+    return SandboxSpec(tier=parent.tier, image=parent.image, limits=parent.limits, env=parent.env, cwd=parent.cwd)
+
+
 def new_snapshot_id() -> str:
     return "snap-" + secrets.token_hex(8)
 

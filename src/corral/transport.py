@@ -17,6 +17,7 @@ then carries it (the HTTP one as a field of the request body).
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -208,7 +209,7 @@ class Transport(ABC):
         """Destroy the sandbox with this id; False if there is none."""
 
     # -- snapshots -----------------------------------------------------------------
-    def list_snapshots(self) -> list[Snapshot]:
+    def list_snapshots(self) -> builtins.list[Snapshot]:
         from .errors import InvalidState
 
         raise InvalidState("this transport keeps no snapshots")
@@ -219,14 +220,15 @@ class Transport(ABC):
 
         raise InvalidState("this transport keeps no snapshots")
 
-    def fork(self, backend: SandboxBackend, count: int) -> list[SandboxBackend]:
+    def fork(self, backend: SandboxBackend, count: int) -> builtins.list[SandboxBackend]:
         """``count`` new sandboxes from a snapshot of ``backend``'s files (the parent keeps running;
         the snapshot is removed once they exist).  Each gets the parent's limits, env and cwd."""
+        from .snapshots import fork_spec
+
         snapshot = backend.snapshot()
-        made: list[SandboxBackend] = []
+        made: builtins.list[SandboxBackend] = []
         try:
-            spec = SandboxSpec(tier=backend.spec.tier, image=backend.spec.image, limits=backend.spec.limits,
-                               env=backend.spec.env, cwd=backend.spec.cwd)
+            spec = fork_spec(backend.spec)
             for _ in range(count):
                 made.append(self.create(CreateOptions(spec, snapshot=snapshot.id)))
         except BaseException:
