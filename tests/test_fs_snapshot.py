@@ -23,6 +23,7 @@ from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore
 
 from .leaks import sandbox_leftovers
+from .server_fixtures import KEYS, ServerProcess
 from .tier_probe import skip_unless_tier
 
 IMAGE = "c18-snapshot-test"
@@ -196,3 +197,66 @@ def test_gc_removes_half_written_snapshots_of_dead_writers_only(state_dir: Path)
     gc(state_dir)
     assert not orphan.exists() and working.exists()
     shutil.rmtree(working)
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-c18-snap", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "256K"}) as srv:
+        yield srv
+
+
+def test_snapshots_over_rest_belong_to_their_tenant_and_count_against_its_quota(server: ServerProcess) -> None:
+    with server.client("alice") as alice, server.client("bob") as bob:
+        made = alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}})
+        assert made.status_code == 201, made.text
+        sid = made.json()["id"]
+        assert alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo kept > /home/user/k"}).status_code == 200
+        assert bob.post(f"/v1/sandboxes/{sid}/snapshot").status_code == 404
+        taken = alice.post(f"/v1/sandboxes/{sid}/snapshot")
+        assert taken.status_code == 201, taken.text
+        snap = taken.json()
+        assert snap["kind"] == "filesystem" and snap["size"] > 0
+        assert [s["id"] for s in alice.get("/v1/snapshots").json()["snapshots"]] == [snap["id"]]
+        assert bob.get("/v1/snapshots").json()["snapshots"] == []
+        # another tenant's snapshot is a missing one: not listed, not usable, not removable
+        refused = bob.post("/v1/sandboxes", json={"snapshot": snap["id"]})
+        assert (refused.status_code, refused.json()["error"]) == (404, "snapshot_not_found")
+        assert bob.delete(f"/v1/snapshots/{snap['id']}").status_code == 404
+        child = alice.post("/v1/sandboxes", json={"snapshot": snap["id"]})
+        assert child.status_code == 201, child.text
+        cid = child.json()["id"]
+        assert alice.post(f"/v1/sandboxes/{cid}/exec", json={"cmd": "cat /home/user/k"}).json()["stdout"] == "kept\n"
+        # over the quota: refused, nothing kept
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 300000 /dev/urandom > /home/user/big"})
+        over = alice.post(f"/v1/sandboxes/{sid}/snapshot")
+        assert (over.status_code, over.json()["error"]) == (429, "resource_limit"), over.text
+        assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 1
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "rm /home/user/big"})
+        forked = alice.post(f"/v1/sandboxes/{sid}/fork", json={"count": 2})
+        assert forked.status_code == 201, forked.text
+        kids = [s["id"] for s in forked.json()["sandboxes"]]
+        assert len(set(kids)) == 2 and sid not in kids
+        for kid in kids:
+            assert alice.post(f"/v1/sandboxes/{kid}/exec", json={"cmd": "cat /home/user/k"}).json()["stdout"] == "kept\n"
+        assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 1  # the fork's own is gone
+        assert alice.delete(f"/v1/snapshots/{snap['id']}").status_code == 204
+        for box in (sid, cid, *kids):
+            assert alice.delete(f"/v1/sandboxes/{box}").status_code == 204
+
+
+def test_the_remote_sdk_snapshots_and_forks(server: ServerProcess) -> None:
+    with Sandbox.create(url=server.url, api_key=KEYS["alice"], memory="128M") as sb:
+        sb.files.write("/home/user/r.txt", "remote")
+        snap = sb.snapshot()
+        assert snap.id in [s.id for s in Sandbox.list_snapshots(url=server.url, api_key=KEYS["alice"])]
+        assert Sandbox.list_snapshots(url=server.url, api_key=KEYS["bob"]) == []
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(url=server.url, api_key=KEYS["bob"], snapshot=snap.id)
+        forks = sb.fork(2)
+        with Sandbox.create(url=server.url, api_key=KEYS["alice"], snapshot=snap.id) as child:
+            assert child.files.read("/home/user/r.txt") == "remote"
+        sb.kill()  # the forks keep their connection to the server
+        for fork in forks:
+            assert fork.files.read("/home/user/r.txt") == "remote"
+            fork.kill()
+        assert Sandbox.delete_snapshot(snap.id, url=server.url, api_key=KEYS["alice"])
