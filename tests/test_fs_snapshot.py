@@ -260,3 +260,19 @@ def test_the_remote_sdk_snapshots_and_forks(server: ServerProcess) -> None:
             assert fork.files.read("/home/user/r.txt") == "remote"
             fork.kill()
         assert Sandbox.delete_snapshot(snap.id, url=server.url, api_key=KEYS["alice"])
+
+
+def test_corral_snapshot_ls_and_rm(state_dir: Path) -> None:
+    import json
+    import sys
+
+    corral = [sys.executable, "-m", "corral.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+    with Sandbox.create() as sb:
+        snap = sb.snapshot()
+    listed = subprocess.run([*corral, "snapshot", "ls", "--json"], capture_output=True, text=True, env=env, check=True)
+    assert snap.id in [s["id"] for s in json.loads(listed.stdout)]
+    removed = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
+    assert (removed.returncode, removed.stdout) == (0, snap.id + "\n")
+    again = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
+    assert again.returncode == 1 and snap.id not in [s.id for s in Sandbox.list_snapshots()]
