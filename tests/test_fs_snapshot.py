@@ -276,3 +276,38 @@ def test_corral_snapshot_ls_and_rm(state_dir: Path) -> None:
     assert (removed.returncode, removed.stdout) == (0, snap.id + "\n")
     again = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
     assert again.returncode == 1 and snap.id not in [s.id for s in Sandbox.list_snapshots()]
+
+
+def test_mcp_fork_sandbox(state_dir: Path) -> None:
+    import asyncio
+    import json
+
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from .server_fixtures import CORRAL
+
+    state = state_dir / "mcp-c18"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)  # sandbox launchers (unprivileged uids) traverse it
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+
+    async def session() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+
+            async def call(tool: str, **args: object) -> dict[str, object]:
+                result = await client.call_tool(tool, args)
+                assert not result.is_error, result
+                return dict(json.loads(result.content[0].text))
+
+            sid = (await call("create_sandbox", memory="128M"))["sandbox_id"]
+            await call("write_file", sandbox_id=sid, path="n.txt", content="carried")
+            kids = (await call("fork_sandbox", sandbox_id=sid, count=2))["sandbox_ids"]
+            assert isinstance(kids, list) and len(set(kids)) == 2
+            for kid in kids:
+                assert (await call("read_file", sandbox_id=kid, path="n.txt"))["content"] == "carried"
+
+    asyncio.run(session())
+    assert list((state / "sandboxes").iterdir()) == []
+    assert SnapshotStore(state).list() == []

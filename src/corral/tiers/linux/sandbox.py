@@ -180,7 +180,8 @@ class LinuxSandbox(TierSandbox):
             return fs_snapshot.capture(layers, dest, self._id_map(), {"L0": {p.lstrip("/") for p in own}})
         finally:
             if not was_paused:
-                self.resume()
+                with contextlib.suppress(InvalidState, SandboxClosed):  # resumed meanwhile, or closed
+                    self.resume()
 
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()
