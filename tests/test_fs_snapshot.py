@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from corral import InvalidSpec, InvalidState, Sandbox, SnapshotCorrupt, SnapshotNotFound
+from corral import InvalidSpec, InvalidState, ResourceLimit, Sandbox, SnapshotCorrupt, SnapshotNotFound
 from corral.images import ImageLayout, host_image, register_resolver
 from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore
@@ -142,6 +142,11 @@ def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> N
         with pytest.raises(InvalidState):
             sb.resume()  # not paused
         sb.commands.run("head -c 300000 /dev/urandom > /workspace/blob && echo x > /home/user/x")
+        sb.commands.run("truncate -s 2G /tmp/sparse")  # claims more than the disk: not written out
+        with pytest.raises(ResourceLimit, match="sparse"):
+            sb.snapshot()
+        assert not sb.paused and not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+        sb.commands.run("rm /tmp/sparse")
         snap = sb.snapshot()
         sb.pause()
         paused_snap = sb.snapshot()  # a paused sandbox can be snapshot, and stays paused

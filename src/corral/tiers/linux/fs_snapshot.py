@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import SnapshotCorrupt
+from ...errors import ResourceLimit, SnapshotCorrupt
 from ...images import SANDBOX_UID
 
 #: overlay xattrs that name the inode of one mount (copy-up origin, hard-link counts): not carried
@@ -109,7 +109,11 @@ def _store_blob(path: Path, blobs: Path) -> tuple[str, int]:
     digest = hashlib.sha256()
     temp = blobs / f".in-{secrets.token_hex(6)}"
     size = 0
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    # never follows a link, never blocks on a fifo put in the file's place
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SnapshotCorrupt(f"{path.name} changed while the snapshot was taken")
     try:
         with os.fdopen(fd, "rb", closefd=False) as src, open(temp, "xb") as dst:
             while chunk := src.read(CHUNK):
@@ -127,10 +131,16 @@ def _store_blob(path: Path, blobs: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dict[str, set[str]]) -> int:
+def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dict[str, set[str]],
+            max_bytes: int) -> int:
     """Copy every entry of each ``(key, directory)`` into ``dest`` (made here, must not exist);
-    ``exclude[key]`` lists relative paths (and their subtrees) left out.  Returns bytes written."""
+    ``exclude[key]`` lists relative paths (and their subtrees) left out.  Returns bytes written.
+
+    Files' sizes may add up to ``max_bytes`` (the sandbox's disk limit), checked before each is
+    read: a sparse file claims more than the disk holds, and is refused (:class:`ResourceLimit`)
+    rather than written out in full to the host."""
     dest.mkdir(mode=0o700)
+    total = 0
     blobs = dest / "blobs"
     blobs.mkdir(mode=0o700)
     entries: list[dict[str, Any]] = []
@@ -146,6 +156,10 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
             if stat.S_ISDIR(mode):
                 entry["y"] = "d"
             elif stat.S_ISREG(mode):
+                total += st.st_size
+                if total > max_bytes:
+                    raise ResourceLimit(f"snapshot: the files add up to more than the sandbox's disk limit of "
+                                        f"{max_bytes} bytes (sparse files, such as {key}:{rel}, are not carried)")
                 entry["y"] = "f"
                 entry["h"], entry["s"] = _store_blob(path, blobs)
             elif stat.S_ISLNK(mode):
@@ -208,6 +222,7 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
     :class:`SnapshotCorrupt` (the caller destroys the half-made sandbox)."""
     blobs = directory / "blobs"
     skipped: list[str] = []
+    links: list[str] = []
     dirs: list[tuple[Path, dict[str, Any]]] = []
     for entry in entries:
         if entry["k"] != key or entry["p"] == ".":
@@ -215,6 +230,8 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
         rel = str(entry["p"])
         if not _safe(rel):
             raise SnapshotCorrupt(f"snapshot {directory.name}: bad path {rel!r} in its manifest")
+        if any(rel.startswith(s + "/") for s in links):
+            raise SnapshotCorrupt(f"snapshot {directory.name}: {rel!r} lies below a symlink")
         if any(rel.startswith(s + "/") for s in skipped):
             continue
         path = top / rel
@@ -231,6 +248,7 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
             _copy_blob(blobs / str(entry["h"]), path, str(entry["h"]), directory.name)
         elif kind == "l":
             os.symlink(str(entry["l"]), path)
+            links.append(rel)
         elif kind == "w":
             os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
         elif kind == "p":
@@ -266,13 +284,19 @@ def _copy_blob(blob: Path, target: Path, digest: str, name: str) -> None:
 def fresh_identity(upper: Path, hostname: str) -> None:
     """A new machine id and hostname in a restored root's upper (``/etc`` made if need be)."""
     etc = upper / "etc"
-    if not etc.exists():
+    if os.path.lexists(etc) and not stat.S_ISDIR(os.lstat(etc).st_mode):
+        return  # the sandbox replaced /etc (a link, a file): nothing is written through it
+    if not os.path.lexists(etc):
         etc.mkdir(mode=0o755)
     for name, content in (("machine-id", secrets.token_hex(16) + "\n"), ("hostname", hostname + "\n")):
         target = etc / name
-        target.unlink(missing_ok=True)
-        target.write_text(content)
-        os.chmod(target, 0o444)
+        if os.path.lexists(target):
+            if stat.S_ISDIR(os.lstat(target).st_mode):
+                continue
+            target.unlink()
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
 
 
 def check_fits(entries: list[dict[str, Any]], disk: int, name: str) -> None:

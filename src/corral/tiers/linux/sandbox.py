@@ -177,7 +177,8 @@ class LinuxSandbox(TierSandbox):
                    *(network.files if network is not None else ()),
                    *(inside for _, inside in (network.binds if network is not None else ()))}
             layers = [(p.name.partition("-")[0], p) for p in uppers] + [("ws", disk / "ws")]
-            return fs_snapshot.capture(layers, dest, self._id_map(), {"L0": {p.lstrip("/") for p in own}})
+            return fs_snapshot.capture(layers, dest, self._id_map(), {"L0": {p.lstrip("/") for p in own}},
+                                       self.spec.limits.disk)
         finally:
             if not was_paused:
                 with contextlib.suppress(InvalidState, SandboxClosed):  # resumed meanwhile, or closed
