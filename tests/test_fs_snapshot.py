@@ -316,3 +316,37 @@ def test_mcp_fork_sandbox(state_dir: Path) -> None:
     asyncio.run(session())
     assert list((state / "sandboxes").iterdir()) == []
     assert SnapshotStore(state).list() == []
+
+
+def test_a_restore_never_writes_through_a_link(state_dir: Path, tmp_path: Path) -> None:
+    """A snapshot whose /etc is a link to a host directory (a root inside the sandbox could make
+    one) and whose entries lie below a link: the new sandbox's identity files are not written
+    through it, and an entry below a link is a corrupt snapshot."""
+    import hashlib
+    import json
+
+    target = tmp_path / "c18-host-etc"
+    target.mkdir()
+    with Sandbox.create() as sb:
+        snap = sb.snapshot()
+    where = state_dir / DIRECTORY / snap.id
+    manifest = where / "files" / "manifest.json"
+    body = json.loads(manifest.read_bytes())
+    link = {"k": "L0", "p": "etc", "y": "l", "l": str(target), "m": 0o777, "u": 0, "g": 0, "t": 0}
+
+    def forge(entries: list[dict[str, object]]) -> None:
+        kept = [e for e in body["entries"] if not (e["k"] == "L0" and str(e["p"]).split("/")[0] == "etc")]
+        data = json.dumps({**body, "entries": kept + entries}).encode()
+        manifest.write_bytes(data)
+        meta = json.loads((where / "meta.json").read_text())
+        (where / "meta.json").write_text(json.dumps({**meta, "digest": hashlib.sha256(data).hexdigest()}))
+
+    forge([link])
+    with Sandbox.create(snapshot=snap.id) as child:
+        assert child.commands.run("true").exit_code == 0
+    assert list(target.iterdir()) == []
+    forge([link, {"k": "L0", "p": "etc/passwd", "y": "p", "m": 0o644, "u": 0, "g": 0, "t": 0}])
+    with pytest.raises(SnapshotCorrupt, match="below a symlink"):
+        Sandbox.create(snapshot=snap.id)
+    assert list(target.iterdir()) == []
+    Sandbox.delete_snapshot(snap.id)
