@@ -350,3 +350,23 @@ def test_a_restore_never_writes_through_a_link(state_dir: Path, tmp_path: Path) 
         Sandbox.create(snapshot=snap.id)
     assert list(target.iterdir()) == []
     Sandbox.delete_snapshot(snap.id)
+
+
+def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerProcess) -> None:
+    import asyncio
+
+    from corral import AsyncSandbox
+
+    async def both() -> None:
+        for where in ({}, {"url": server.url, "api_key": KEYS["alice"]}):
+            async with await AsyncSandbox.create(memory="128M", **where) as sb:
+                await sb.files.write("/home/user/a.txt", "async")
+                snap = await sb.snapshot()
+                assert snap.kind == "filesystem"
+                [fork] = await sb.fork(1)
+                async with fork:
+                    assert await fork.files.read("/home/user/a.txt") == "async"
+                    assert fork.id != sb.id
+                assert Sandbox.delete_snapshot(snap.id, **({"state": None} if not where else where))
+
+    asyncio.run(both())
