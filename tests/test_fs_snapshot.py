@@ -367,6 +367,6 @@ def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerPro
                 async with fork:
                     assert await fork.files.read("/home/user/a.txt") == "async"
                     assert fork.id != sb.id
-                assert Sandbox.delete_snapshot(snap.id, **({"state": None} if not where else where))
+                assert Sandbox.delete_snapshot(snap.id, **where)
 
     asyncio.run(both())
