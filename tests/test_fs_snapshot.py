@@ -132,6 +132,14 @@ def nothing_left(state_dir: Path, before: set[str]) -> None:
         assert not sandbox_leftovers(sandbox_id, state_dir), sandbox_id
 
 
+def flip_a_byte(blob: Path) -> None:
+    with open(blob, "r+b") as f:  # one flipped byte in the middle of the content
+        f.seek(150000)
+        byte = f.read(1)
+        f.seek(150000)
+        f.write(bytes([byte[0] ^ 1]))
+
+
 def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> None:
     for missing in ("snap-0000000000000000", "../sandboxes", ""):
         with pytest.raises(SnapshotNotFound):
@@ -148,34 +156,40 @@ def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> N
         assert not sb.paused and not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
         sb.commands.run("rm /tmp/sparse")
         snap = sb.snapshot()
+        assert snap.written >= 300000
         sb.pause()
         paused_snap = sb.snapshot()  # a paused sandbox can be snapshot, and stays paused
         assert sb.paused
         sb.resume()
+        # content-addressed: the second snapshot links the 300 kB it shares with the first
+        assert paused_snap.size == snap.size and paused_snap.written < 20000
+        blob = max((state_dir / DIRECTORY / snap.id / "files" / "blobs").iterdir(), key=lambda p: p.stat().st_size)
+        flip_a_byte(blob)  # the shared content is damaged: a new snapshot copies it afresh
+        healed = sb.snapshot()
+        assert healed.written >= 300000
     with pytest.raises(InvalidSpec, match="disk"):
         Sandbox.create(snapshot=snap.id, disk="100K")
     before = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
 
-    files = state_dir / DIRECTORY / snap.id / "files"
-    blob = max((files / "blobs").iterdir(), key=lambda p: p.stat().st_size)
-    with open(blob, "r+b") as f:  # one flipped byte in the middle of the content
-        f.seek(150000)
-        byte = f.read(1)
-        f.seek(150000)
-        f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(SnapshotCorrupt, match="checksum"):
-        Sandbox.create(snapshot=snap.id)
+    for damaged in (snap, paused_snap):
+        with pytest.raises(SnapshotCorrupt, match="checksum"):
+            Sandbox.create(snapshot=damaged.id)
     nothing_left(state_dir, before)
+    with Sandbox.create(snapshot=healed.id) as child:
+        assert child.commands.run("wc -c < /workspace/blob").stdout == "300000\n"
 
     manifest = state_dir / DIRECTORY / paused_snap.id / "files" / "manifest.json"
     manifest.write_bytes(manifest.read_bytes().replace(b'"ws"', b'"L9"', 1))
-    with pytest.raises(SnapshotCorrupt):
+    with pytest.raises(SnapshotCorrupt, match="manifest"):
         Sandbox.create(snapshot=paused_snap.id)
     (state_dir / DIRECTORY / paused_snap.id / "meta.json").write_text("{")
     with pytest.raises(SnapshotCorrupt):
         Sandbox.create(snapshot=paused_snap.id)
     nothing_left(state_dir, before)
-    assert Sandbox.delete_snapshot(snap.id) and Sandbox.delete_snapshot(paused_snap.id)
+    for made in (snap, paused_snap, healed):
+        assert Sandbox.delete_snapshot(made.id)
+    # what no snapshot links to any more is gone from the shared contents
+    assert all(p.stat().st_nlink > 1 for p in (state_dir / DIRECTORY / "blobs").iterdir())
 
 
 def test_tiers_that_cannot_snapshot_say_why(state_dir: Path) -> None:

@@ -11,6 +11,9 @@ Stored under ``<state>/snapshots/`` (0700)::
     snap-<16 hex>/meta.json        id, kind, tier, image, created, size, owner tenant,
                                    the sha256 of files/manifest.json
     snap-<16 hex>/files/           manifest + content blobs (corral.tiers.linux.fs_snapshot)
+    blobs/SHA256                   every content once: each snapshot's blobs are hard links to these
+                                   (content-addressed: a fork or a second snapshot of a sandbox
+                                   writes only what changed); one no snapshot links to is removed
     .tmp-<id>-<pid>-<start>/       a snapshot being written: renamed into place when whole
     .del-<id>-<token>/             a snapshot being removed
 
@@ -35,9 +38,11 @@ from .host.procs import process_start_time
 from .spec import SandboxSpec
 from .tiers import tier_class
 from .tiers.base import TierSandbox
-from .tiers.linux.fs_snapshot import manifest_digest
+from .tiers.linux.fs_snapshot import manifest_digest, prune_shared
 
 DIRECTORY = "snapshots"
+#: the contents every snapshot links to
+SHARED = "blobs"
 _ID = re.compile(r"snap-[0-9a-f]{16}\Z")
 
 
@@ -48,13 +53,15 @@ class Snapshot:
     id: str
     #: what it holds: "filesystem" (files only: no processes, memory, network rules or secrets)
     kind: str
-    #: bytes it takes in the store
+    #: bytes of its files and manifest (contents shared with other snapshots included)
     size: int
     created: float
     tier: str
     image: str
     #: the sandbox it was taken of
     sandbox_id: str = ""
+    #: bytes taking it wrote (contents other snapshots already hold are shared, not written)
+    written: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,7 +69,7 @@ class Snapshot:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Snapshot:
         return cls(str(data["id"]), str(data["kind"]), int(data["size"]), float(data["created"]),
-                   str(data["tier"]), str(data["image"]), str(data.get("sandbox_id", "")))
+                   str(data["tier"]), str(data["image"]), str(data.get("sandbox_id", "")), int(data.get("written", 0)))
 
 
 def fork_spec(parent: SandboxSpec) -> SandboxSpec:
@@ -97,13 +104,18 @@ class SnapshotStore:
         temp = self._ensure() / f".tmp-{snapshot_id}-{pid}-{process_start_time(pid) or 0}"
         temp.mkdir(mode=0o700)
         try:
-            size = inner.snapshot(temp / "files")
-            snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id)
+            shared = self.dir / SHARED
+            shared.mkdir(mode=0o700, exist_ok=True)
+            written = inner.snapshot(temp / "files", shared)
+            files = temp / "files"
+            size = (files / "manifest.json").stat().st_size + sum(p.stat().st_size for p in (files / "blobs").iterdir())
+            snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id, written)
             meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files")}
             (temp / "meta.json").write_text(json.dumps(meta))
             temp.rename(self.dir / snapshot_id)  # whole, or not there at all
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
+            prune_shared(self.dir / SHARED)
             raise
         return snapshot
 
@@ -162,6 +174,7 @@ class SnapshotStore:
         except FileNotFoundError:
             return False
         shutil.rmtree(gone, ignore_errors=True)
+        prune_shared(self.dir / SHARED)
         return True
 
 
@@ -194,4 +207,6 @@ def reap_leftovers(root: Path) -> list[str]:
             continue
         shutil.rmtree(entry, ignore_errors=True)
         reaped.append(name)
+    if reaped:
+        prune_shared(directory / SHARED)
     return reaped

@@ -216,9 +216,10 @@ class TierSandbox(ABC):
         """Let a paused sandbox run again, from where it stopped."""
         raise InvalidState(f"sandbox {self.id} is not paused", sandbox_id=self.id)
 
-    def snapshot(self, dest: Path) -> int:
+    def snapshot(self, dest: Path, shared: Path | None = None) -> int:
         """Write the sandbox's files (what it changed of its image, and its workspace) into the new
-        directory ``dest``, consistently (the sandbox is paused meanwhile); returns bytes written.
+        directory ``dest``, consistently (the sandbox is paused meanwhile); contents already in
+        ``shared`` (other snapshots' blobs) are linked, not written.  Returns bytes written.
         :meth:`Tier.create_from_snapshot` starts a sandbox from such a directory."""
         raise InvalidState(f"sandbox {self.id}: its tier cannot take snapshots", sandbox_id=self.id)
 

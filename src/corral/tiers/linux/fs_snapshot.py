@@ -22,6 +22,7 @@ checks each content's sha256 while copying: a corrupted snapshot raises :class:`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -104,43 +105,77 @@ def _walk(top: Path) -> Iterator[tuple[str, os.stat_result]]:
             stack.extend(f"{rel}/{n}" if rel else n for n in names)
 
 
-def _store_blob(path: Path, blobs: Path) -> tuple[str, int]:
-    """Copy ``path``'s content into ``blobs`` under its sha256 (once per content)."""
-    digest = hashlib.sha256()
-    temp = blobs / f".in-{secrets.token_hex(6)}"
-    size = 0
+def _store_blob(path: Path, blobs: Path, shared: Path | None) -> tuple[str, int, int]:
+    """Put ``path``'s content in ``blobs`` under its sha256: a hard link to the same content in
+    ``shared`` (other snapshots') when there is one, else a copy (then shared).  Returns the
+    digest, the size and the bytes written."""
     # never follows a link, never blocks on a fifo put in the file's place
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SnapshotCorrupt(f"{path.name} changed while the snapshot was taken")
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as src, open(temp, "xb") as dst:
+    with os.fdopen(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SnapshotCorrupt(f"{path.name} changed while the snapshot was taken")
+        digest = hashlib.file_digest(src, "sha256").hexdigest()
+        size = src.tell()
+        final = blobs / digest
+        if final.exists():
+            return digest, size, 0
+        if shared is not None and _holds(shared / digest, digest):
+            with contextlib.suppress(OSError):  # gone meanwhile, or too many links: copy it
+                os.link(shared / digest, final)
+                return digest, size, 0
+        src.seek(0)
+        temp = blobs / f".in-{secrets.token_hex(6)}"
+        again = hashlib.sha256()
+        with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as dst:
             while chunk := src.read(CHUNK):
-                digest.update(chunk)
+                again.update(chunk)
                 dst.write(chunk)
-                size += len(chunk)
-    finally:
-        os.close(fd)
-    final = blobs / digest.hexdigest()
-    if final.exists():
-        temp.unlink()
-    else:
-        os.chmod(temp, 0o600)
-        temp.rename(final)
-    return digest.hexdigest(), size
+        if again.hexdigest() != digest:  # the sandbox is frozen: this is not a race of its making
+            raise SnapshotCorrupt(f"{path.name} changed while the snapshot was taken")
+    temp.rename(final)
+    if shared is not None:
+        with contextlib.suppress(FileNotFoundError):
+            (shared / digest).unlink()  # a damaged one (see _holds): this copy replaces it
+        with contextlib.suppress(FileExistsError):
+            os.link(final, shared / digest)
+    return digest, size, size
+
+
+def _holds(blob: Path, digest: str) -> bool:
+    """Whether a shared content is still what its name says (read back: a damaged one must not
+    be linked into new snapshots)."""
+    try:
+        with open(blob, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest() == digest
+    except OSError:
+        return False
+
+
+def prune_shared(shared: Path) -> int:
+    """Remove shared contents no snapshot links to any more; returns how many went."""
+    if not shared.is_dir():
+        return 0
+    gone = 0
+    for blob in shared.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if blob.stat().st_nlink <= 1:
+                blob.unlink()
+                gone += 1
+    return gone
 
 
 def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dict[str, set[str]],
-            max_bytes: int) -> int:
+            max_bytes: int, shared: Path | None = None) -> int:
     """Copy every entry of each ``(key, directory)`` into ``dest`` (made here, must not exist);
-    ``exclude[key]`` lists relative paths (and their subtrees) left out.  Returns bytes written.
+    ``exclude[key]`` lists relative paths (and their subtrees) left out.  Contents already in
+    ``shared`` (a directory of blobs on the same file system) are linked, not copied, and new
+    ones are added to it.  Returns the bytes written.
 
     Files' sizes may add up to ``max_bytes`` (the sandbox's disk limit), checked before each is
     read: a sparse file claims more than the disk holds, and is refused (:class:`ResourceLimit`)
     rather than written out in full to the host."""
     dest.mkdir(mode=0o700)
-    total = 0
+    total = written = 0
     blobs = dest / "blobs"
     blobs.mkdir(mode=0o700)
     entries: list[dict[str, Any]] = []
@@ -161,7 +196,8 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
                     raise ResourceLimit(f"snapshot: the files add up to more than the sandbox's disk limit of "
                                         f"{max_bytes} bytes (sparse files, such as {key}:{rel}, are not carried)")
                 entry["y"] = "f"
-                entry["h"], entry["s"] = _store_blob(path, blobs)
+                entry["h"], entry["s"], new = _store_blob(path, blobs, shared)
+                written += new
             elif stat.S_ISLNK(mode):
                 entry["y"] = "l"
                 entry["l"] = os.readlink(path)
@@ -177,7 +213,7 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
             entries.append(entry)
     data = json.dumps({"format": FORMAT, "entries": entries}, separators=(",", ":")).encode()
     (dest / MANIFEST).write_bytes(data)
-    return len(data) + sum(p.stat().st_size for p in blobs.iterdir())
+    return len(data) + written
 
 
 def manifest_digest(directory: Path) -> str:

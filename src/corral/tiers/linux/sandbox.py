@@ -160,9 +160,9 @@ class LinuxSandbox(TierSandbox):
     def _before_snapshot(self) -> None:
         """What the tier does before its sandbox is paused for a snapshot (flush caches)."""
 
-    def snapshot(self, dest: Path) -> int:
+    def snapshot(self, dest: Path, shared: Path | None = None) -> int:
         if not self._filesystem_snapshots:
-            return super().snapshot(dest)
+            return super().snapshot(dest, shared)
         if self._closed or self._channel is None or self._channel.closed.is_set():
             raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         was_paused = self.paused
@@ -178,7 +178,7 @@ class LinuxSandbox(TierSandbox):
                    *(inside for _, inside in (network.binds if network is not None else ()))}
             layers = [(p.name.partition("-")[0], p) for p in uppers] + [("ws", disk / "ws")]
             return fs_snapshot.capture(layers, dest, self._id_map(), {"L0": {p.lstrip("/") for p in own}},
-                                       self.spec.limits.disk)
+                                       self.spec.limits.disk, shared)
         finally:
             if not was_paused:
                 with contextlib.suppress(InvalidState, SandboxClosed):  # resumed meanwhile, or closed
