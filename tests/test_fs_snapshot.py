@@ -384,3 +384,24 @@ def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerPro
                 assert Sandbox.delete_snapshot(snap.id, **where)
 
     asyncio.run(both())
+
+
+def test_snapshots_outlive_a_killed_server_and_a_corrupt_one_starts_nothing(server: ServerProcess) -> None:
+    with server.client("alice") as alice:
+        sid = alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo survived > /home/user/s"})
+        snap = alice.post(f"/v1/sandboxes/{sid}/snapshot").json()["id"]
+    server.kill9()  # its sandboxes die with it (and are reaped at the next start); snapshots stay
+    server.start()
+    with server.client("alice") as alice:
+        assert [s["id"] for s in alice.get("/v1/snapshots").json()["snapshots"]] == [snap]
+        child = alice.post("/v1/sandboxes", json={"snapshot": snap}).json()["id"]
+        assert alice.post(f"/v1/sandboxes/{child}/exec", json={"cmd": "cat /home/user/s"}).json()["stdout"] == "survived\n"
+        assert alice.delete(f"/v1/sandboxes/{child}").status_code == 204
+        manifest = server.state / DIRECTORY / snap / "files" / "manifest.json"
+        manifest.write_bytes(manifest.read_bytes() + b" ")
+        bad = alice.post("/v1/sandboxes", json={"snapshot": snap})
+        assert (bad.status_code, bad.json()["error"]) == (422, "snapshot_corrupt"), bad.text
+        assert alice.get("/v1/sandboxes").json()["sandboxes"] == []
+        assert os.listdir(server.state / "sandboxes") == []
+        assert alice.delete(f"/v1/snapshots/{snap}").status_code == 204
