@@ -180,8 +180,8 @@ class SnapshotStore:
 
 def _why_not(tier: str) -> str:
     if tier == "microvm":
-        return (" here: a microVM's live state cannot be saved while its workspace is shared with "
-                "the host over 9p (QEMU refuses to migrate it)")
+        return (": its files live on the guest's own disk, which Corral does not copy, and a live "
+                "snapshot is refused by QEMU 7.2 while the 9p workspace is mounted")
     if tier == "wasm":
         return ": its files live in the interpreter's memory file system, not in layers Corral can copy"
     return ""
