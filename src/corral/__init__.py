@@ -21,10 +21,11 @@ _EXPORTS = {
     "Workspace": "corral.spec",
     "ExecResult": "corral.tiers.base",
     "FileEntry": "corral.tiers.base",
+    "Snapshot": "corral.snapshots",
 }
 _ERRORS = (
     "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "SandboxLost", "InvalidState",
-    "SandboxPaused", "ExecError",
+    "SandboxPaused", "SnapshotNotFound", "SnapshotCorrupt", "ExecError",
     "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "ClusterFull", "HostError", "FileError",
     "FileNotFoundInSandbox",
     "ImageBuildFailed", "TransportError", "ConnectionLost", "Unauthorized", "ServerError",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .errors import *  # noqa: F403
     from .sandbox import Sandbox as Sandbox
     from .sandbox import run as run
+    from .snapshots import Snapshot as Snapshot
     from .spec import Limits as Limits
     from .spec import SandboxSpec as SandboxSpec
     from .spec import Workspace as Workspace

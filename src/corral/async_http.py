@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .commands import CommandInfo
     from .egress.audit import AuditEvent
     from .interpreter import Execution
+    from .snapshots import Snapshot
 
 #: an output callback of the async API: ``(stream, chunk)``, plain or ``async def``
 AsyncOutput = Callable[[str, bytes], Any]
@@ -333,6 +334,17 @@ class AsyncHTTPBackend:
         from .egress.audit import AuditEvent
 
         return [AuditEvent(**event) for event in (await self._call("GET", "/network/audit"))["events"]]
+
+    async def snapshot(self) -> Snapshot:
+        from .snapshots import Snapshot
+
+        return Snapshot.from_dict(await self._call("POST", "/snapshot", timeout=None))
+
+    async def fork(self, count: int) -> list[AsyncHTTPBackend]:
+        made = await self._call("POST", "/fork", json={"count": count}, timeout=None)
+        # each AsyncSandbox closes its own client: every fork gets one
+        return [AsyncHTTPBackend(AsyncClient(self._client.url, self._client.api_key), data)
+                for data in made["sandboxes"]]
 
     async def close(self) -> None:
         if self.closed:

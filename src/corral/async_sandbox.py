@@ -9,22 +9,26 @@ event loop, before the call that feeds them returns.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import codecs
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .async_http import AsyncHTTPBackend, AsyncHTTPTransport, AsyncOutput, call_maybe_async
 from .commands import CommandInfo, check_call
 from .errors import FileNotFoundInSandbox, InvalidSpec
 from .lifecycle import InstanceOrClass, SandboxInfo, check_lifetime
 from .ports import ExposedPort
-from .sandbox import CodeContext, Sandbox, create_options
+from .sandbox import MAX_FORKS, CodeContext, Sandbox, create_options
 from .spec import SandboxSpec, validate_env, validate_sandbox_path
 from .surface import DEFAULT_MAX_READ, download_dir, upload_dir
 from .tiers.base import ExecResult, FileEntry
+
+if TYPE_CHECKING:
+    from .snapshots import Snapshot
 
 
 def async_output(on_stdout: Callable[[str], Any] | None, on_stderr: Callable[[str], Any] | None,
@@ -384,6 +388,21 @@ class AsyncSandbox:
 
     async def resume(self) -> None:
         await self._backend.resume()
+
+    async def snapshot(self) -> Snapshot:
+        """As :meth:`corral.Sandbox.snapshot`."""
+        if isinstance(self._backend, ThreadedBackend):
+            return await asyncio.to_thread(self._backend.sync.snapshot)
+        return await self._backend.snapshot()
+
+    async def fork(self, count: int = 1) -> builtins.list[AsyncSandbox]:
+        """As :meth:`corral.Sandbox.fork`."""
+        if isinstance(self._backend, ThreadedBackend):
+            forks = await asyncio.to_thread(self._backend.sync.fork, count)
+            return [AsyncSandbox(ThreadedBackend(sb)) for sb in forks]
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise InvalidSpec(f"count: {count!r} must be a whole number in [1, {MAX_FORKS}]")
+        return [AsyncSandbox(backend) for backend in await self._backend.fork(count)]
 
     async def create_code_context(self, language: str = "python", cwd: str | None = None) -> CodeContext:
         return CodeContext(await self._backend.create_code_context(language, cwd), language, cwd)

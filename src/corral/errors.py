@@ -7,6 +7,7 @@ can catch one class.  The tree::
     ├── InvalidSpec            a spec, a limit or an argument is wrong
     ├── HostNotSupported       this host cannot run the requested tier
     ├── SandboxNotFound        no live sandbox with that id (or not yours)
+    │   └── SnapshotNotFound   no snapshot with that id (or not yours)
     ├── SandboxClosed          the sandbox was destroyed or died
     │   └── SandboxLost        the cluster node holding it was lost
     ├── InvalidState           the call does not fit the sandbox's state (resume one not paused)
@@ -15,6 +16,7 @@ can catch one class.  The tree::
     │   ├── ExecTimeout        a command hit its wall-clock timeout
     │   ├── OutOfMemory        a command was killed by the memory limit
     │   └── ContainmentFailed  a process could not be put under the sandbox's limits; it never ran
+    ├── SnapshotCorrupt        a snapshot's files do not match its checksums; nothing was started
     ├── ResourceLimit          a quota or limit refused the request (including no free host uid)
     │   └── ClusterFull        every cluster node's slots stayed taken for the create's whole wait
     ├── HostError              a system call Corral made on the host failed (errno kept)
@@ -86,6 +88,19 @@ class SandboxNotFound(SandboxError, LookupError):
     code = "not_found"
 
 
+class SnapshotNotFound(SandboxNotFound):
+    """No snapshot has this id, or it belongs to another tenant (the two are not told apart)."""
+
+    code = "snapshot_not_found"
+
+
+class SnapshotCorrupt(SandboxError):
+    """A snapshot's manifest or one of its files does not match the checksum recorded when it was
+    taken (or is missing): nothing of the sandbox that was to start from it is left behind."""
+
+    code = "snapshot_corrupt"
+
+
 class SandboxClosed(SandboxError):
     """The sandbox was destroyed, or its processes died, before the operation could run."""
 
@@ -102,7 +117,7 @@ class SandboxLost(SandboxClosed):
 
 class InvalidState(SandboxError):
     """The call does not fit the sandbox's state: pausing a paused sandbox, resuming one that is
-    not paused, pausing on a tier that cannot."""
+    not paused, pausing or snapshotting on a tier that cannot."""
 
     code = "invalid_state"
 

@@ -11,6 +11,7 @@ Idempotent calls are retried on connection errors, 429 and 503 (bounded backoff)
 from __future__ import annotations
 
 import base64
+import builtins
 import os
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .commands import CommandInfo
     from .egress.audit import AuditEvent
     from .interpreter import Execution
+    from .snapshots import Snapshot
 
 REQUEST_TIMEOUT = 60.0
 #: methods whose repetition changes nothing: retried on connection errors, 429 and 503
@@ -295,6 +297,11 @@ class HTTPBackend(SandboxBackend):
     def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
         return server_port(self._client, self.id, port, unix), lambda: None
 
+    def snapshot(self) -> Snapshot:
+        from .snapshots import Snapshot
+
+        return Snapshot.from_dict(self._call("POST", "/snapshot", timeout=None))
+
     def close(self) -> None:
         if self.closed:
             return
@@ -337,6 +344,10 @@ def create_body(options: CreateOptions) -> dict[str, Any]:
             body[name] = getattr(options, name)
     if options.metadata:
         body["metadata"] = options.metadata
+    if options.snapshot is not None:
+        body["snapshot"] = options.snapshot
+        body.pop("tier", None)
+        body.pop("image", None)
     return body
 
 
@@ -363,6 +374,23 @@ class HTTPTransport(Transport):
             return True
         except SandboxNotFound:
             return False
+
+    def list_snapshots(self) -> builtins.list[Snapshot]:
+        from .snapshots import Snapshot
+
+        return [Snapshot.from_dict(d) for d in self.client.request("GET", "/v1/snapshots")["snapshots"]]
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        try:
+            self.client.request("DELETE", f"/v1/snapshots/{quote(snapshot_id, safe='')}")
+            return True
+        except SandboxNotFound:
+            return False
+
+    def fork(self, backend: SandboxBackend, count: int) -> builtins.list[SandboxBackend]:
+        made = self.client.request("POST", self.client.sandbox_path(backend.id) + "/fork", json={"count": count},
+                                   timeout=None)
+        return [HTTPBackend(self.client, data) for data in made["sandboxes"]]
 
     def close(self) -> None:
         self.client.close()

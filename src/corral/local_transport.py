@@ -7,6 +7,8 @@ started (found again by pid) and its code interpreters.
 
 from __future__ import annotations
 
+import builtins
+import dataclasses
 import secrets
 import threading
 import time
@@ -33,6 +35,7 @@ from .lifecycle import (
 from .ports import ExposedPort
 from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
+from .snapshots import Snapshot, SnapshotStore
 from .spec import SandboxSpec, validate_sandbox_path
 from .tiers import get_tier, tier_class
 from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
@@ -292,6 +295,11 @@ class LocalBackend(SandboxBackend):
             forward = self.tier_sandbox().expose_port(port, unix=unix)
         return ExposedPort.of(forward), forward.close
 
+    def snapshot(self, tenant: str | None = None) -> Snapshot:
+        """Snapshot the sandbox's files into this state directory's store (owned by ``tenant``)."""
+        with host_errors("snapshot the sandbox", self.id):
+            return SnapshotStore(self.root).take(self.tier_sandbox(), self.spec, tenant)
+
     def close(self) -> None:
         self._lifetime.cancel()
         inner, self.inner = self.inner, None
@@ -320,6 +328,13 @@ class LocalTransport(Transport):
                               "sandbox lives until kill() or its lifetime")
         spec = options.spec
         sandbox_id = new_sandbox_id()
+        seed: tuple[Path, str] | None = None
+        if options.snapshot is not None:
+            if spec.workspace is not None:
+                raise InvalidSpec("workspace: a sandbox made from a snapshot gets the snapshot's /workspace")
+            snapshot, files, digest = SnapshotStore(self.root).files(options.snapshot)
+            spec = dataclasses.replace(spec, tier=snapshot.tier, image=snapshot.image)
+            seed = (files, digest)
         with host_errors("create the sandbox", sandbox_id):
             root = self.root
             _startup_gc(root)
@@ -329,7 +344,8 @@ class LocalTransport(Transport):
             registry.add(sandbox_id, spec.tier, run_dir)
             try:
                 run_dir.mkdir(mode=0o700)
-                inner = tier.create(spec, sandbox_id, run_dir)
+                inner = (tier.create(spec, sandbox_id, run_dir) if seed is None
+                         else tier.create_from_snapshot(spec, sandbox_id, run_dir, *seed))
             except BaseException:
                 tier.reap(sandbox_id, run_dir, {})
                 registry.remove(sandbox_id)
@@ -355,6 +371,12 @@ class LocalTransport(Transport):
 
     def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]:
         return list_embedded(self.root, metadata)
+
+    def list_snapshots(self) -> builtins.list[Snapshot]:
+        return SnapshotStore(self.root).list()
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        return SnapshotStore(self.root).delete(snapshot_id)
 
     def kill(self, sandbox_id: str) -> bool:
         owner = owner_elsewhere(self.root, sandbox_id) if sandbox_id not in LIVE else None

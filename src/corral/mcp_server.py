@@ -75,11 +75,23 @@ class Session:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} in this session")
         return sb
 
-    async def create(self, **kwargs: Any) -> Any:
-        if len(self.sandboxes) >= MAX_SANDBOXES_PER_SESSION:
-            raise ResourceLimit(f"this session already has {MAX_SANDBOXES_PER_SESSION} sandboxes; destroy one first")
-        if self._sessions is not None and self._sessions.sandbox_count() >= MAX_SANDBOXES:
+    def _room_for(self, count: int) -> None:
+        if len(self.sandboxes) + count > MAX_SANDBOXES_PER_SESSION:
+            raise ResourceLimit(f"this session already has {len(self.sandboxes)} of {MAX_SANDBOXES_PER_SESSION} "
+                                "sandboxes; destroy one first")
+        if self._sessions is not None and self._sessions.sandbox_count() + count > MAX_SANDBOXES:
             raise ResourceLimit(f"this MCP server already holds {MAX_SANDBOXES} sandboxes; try again later")
+
+    async def fork(self, sandbox_id: str, count: int) -> list[Any]:
+        parent = self.get(sandbox_id)
+        self._room_for(count)
+        forks: list[Any] = await asyncio.to_thread(parent.fork, count)
+        for sb in forks:
+            self.sandboxes[sb.id] = sb
+        return forks
+
+    async def create(self, **kwargs: Any) -> Any:
+        self._room_for(1)
         if os.environ.get("CORRAL_URL"):
             sb: Any = await asyncio.to_thread(Sandbox.create, **kwargs)
         else:
@@ -287,6 +299,14 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
             return {"path": path, "entries": shown}
         return {"path": path, "entries": shown, "cut": {"entries": {"total": len(entries), "shown": MAX_ENTRIES}},
                 "note": f"only the first {MAX_ENTRIES} entries: list a subdirectory, or run_command 'ls' with a filter"}
+
+    @server.tool()
+    @_anticipated
+    async def fork_sandbox(ctx: Context, sandbox_id: str, count: int = 1) -> dict[str, Any]:
+        """Make ``count`` new sandboxes that start with this sandbox's files as they are now (fresh
+        processes, no network); this one runs on unchanged. Returns their ids."""
+        forks = await sessions.of(ctx).fork(sandbox_id, count)
+        return {"sandbox_ids": [sb.id for sb in forks]}
 
     @server.tool()
     @_anticipated

@@ -158,6 +158,9 @@ def gc(root: Path) -> list[str]:
                 mounts.unmount_all(run_dir)
                 shutil.rmtree(run_dir, ignore_errors=True)
     _reap_owner_sockets(root / "owners")
+    from .snapshots import reap_leftovers
+
+    reap_leftovers(root)  # half-written snapshots of dead writers
     uids = root / "uids"
     if uids.is_dir():
         known = {r.id for r in registry.rows()}

@@ -13,6 +13,7 @@ the same checks and the same errors.  Isolation lives in the tiers.
 
 from __future__ import annotations
 
+import builtins
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,6 +39,10 @@ from .transport import CreateOptions, SandboxBackend, Transport
 if TYPE_CHECKING:
     from .egress.audit import AuditEvent
     from .interpreter import Execution
+    from .snapshots import Snapshot
+
+#: sandboxes one ``fork`` may make
+MAX_FORKS = 64
 
 
 def transport_for(url: str | None = None, api_key: str | None = None, state: str | Path | None = None,
@@ -67,8 +72,16 @@ def transport_for(url: str | None = None, api_key: str | None = None, state: str
 
 def create_options(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> CreateOptions:
     """``create``'s keyword arguments, checked (unknown ones are named in an :class:`InvalidSpec`)."""
-    check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata", "slot_timeout")
+    check_create_arguments(kwargs, "idle_timeout", "lifetime", "metadata", "slot_timeout", "snapshot")
     kwargs = dict(kwargs)
+    snapshot = kwargs.pop("snapshot", None)
+    if snapshot is not None:
+        if not isinstance(snapshot, str):
+            raise InvalidSpec(f"snapshot: {snapshot!r} must be a snapshot id")
+        fixed = sorted({"tier", "image", "workspace"} & set(kwargs))
+        if fixed:
+            raise InvalidSpec(f"{', '.join(fixed)}: a sandbox made from a snapshot has the snapshot's tier, image "
+                              "and /workspace")
     metadata = check_metadata(kwargs.pop("metadata", None))
     lifetime = kwargs.pop("lifetime", None)
     idle_timeout = kwargs.pop("idle_timeout", None)
@@ -79,7 +92,7 @@ def create_options(spec: SandboxSpec | None, kwargs: dict[str, Any]) -> CreateOp
     return CreateOptions(build_spec(spec, **kwargs), metadata,
                          check_lifetime(lifetime) if lifetime is not None else None,
                          check_lifetime(idle_timeout, "idle_timeout") if idle_timeout is not None else None,
-                         float(slot_timeout) if slot_timeout is not None else None)
+                         float(slot_timeout) if slot_timeout is not None else None, snapshot)
 
 
 class Files:
@@ -168,6 +181,8 @@ class Sandbox:
         self._transport = transport
         #: made for this sandbox alone (its connections close with it)
         self._owns_transport = False
+        #: [how many sandboxes still use the transport] when forks share this one's
+        self._transport_users: list[int] | None = None
         self.spec: SandboxSpec = backend.spec
         self.id: str = backend.id
         #: E2B's name for ``id``
@@ -187,7 +202,8 @@ class Sandbox:
         max_output, workspace (``DIR[:rw|ro|cow]``), env, network, allow, unsafe_allow_ranges,
         secrets (``["NAME@host1,host2"]``) and secret_values (``{"NAME": value}``; default: the
         caller's environment); metadata (labels for ``list``), lifetime (seconds until it is
-        destroyed), idle_timeout (a server's or a cluster's).  ``url``/``api_key`` (or ``CORRAL_URL``)
+        destroyed), idle_timeout (a server's or a cluster's); snapshot (an id from :meth:`snapshot`:
+        the sandbox starts with its files, tier and image).  ``url``/``api_key`` (or ``CORRAL_URL``)
         make it in a server; ``cluster`` (a Ray address, or True for the Ray this process joined;
         or ``CORRAL_CLUSTER``) on a node of a Ray cluster, waiting up to ``slot_timeout`` seconds
         for a free slot; ``state`` names this process's state directory; ``transport`` is any."""
@@ -295,6 +311,54 @@ class Sandbox:
         """Let a paused sandbox run on from where it stopped (:class:`InvalidState` if it is not paused)."""
         self._backend.resume()
 
+    # -- snapshots (corral.snapshots) -----------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Save the sandbox's files (process and gVisor tiers: what it changed of its image, deletions
+        included, and its /workspace) -- not its processes, memory, network rules or secrets.  The
+        sandbox is paused while they are copied, then runs on.  ``Sandbox.create(snapshot=s.id)``
+        starts from it.  Raises :class:`InvalidState` on a tier that cannot."""
+        return self._backend.snapshot()
+
+    def fork(self, count: int = 1) -> builtins.list[Sandbox]:
+        """``count`` new sandboxes, each starting from this one's files as they are now, with fresh
+        processes and a fresh identity (id, hostname, machine id), this sandbox's limits, env and
+        cwd, and no network (none) or secrets.  This sandbox keeps running unchanged."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise InvalidSpec(f"count: {count!r} must be a whole number in [1, {MAX_FORKS}]")
+        transport = self._transport
+        if transport is None:
+            raise InvalidState(f"sandbox {self.id}: forked only through the transport that made it",
+                               sandbox_id=self.id)
+        children = [type(self)(backend, transport) for backend in transport.fork(self._backend, count)]
+        if self._owns_transport:  # the last of them to be killed closes it
+            users = self._transport_users = self._transport_users or [1]
+            users[0] += len(children)
+            for child in children:
+                child._owns_transport, child._transport_users = True, users
+        return children
+
+    @classmethod
+    def list_snapshots(cls, *, state: str | Path | None = None, url: str | None = None, api_key: str | None = None,
+                       transport: Transport | None = None) -> builtins.list[Snapshot]:
+        """The stored snapshots (of this state directory, or yours in the server at ``url``)."""
+        chosen = cls._transport_for(url, api_key, state, transport)
+        try:
+            return chosen.list_snapshots()
+        finally:
+            if transport is None:
+                chosen.close()
+
+    @classmethod
+    def delete_snapshot(cls, snapshot_id: str, *, state: str | Path | None = None, url: str | None = None,
+                        api_key: str | None = None, transport: Transport | None = None) -> bool:
+        """Remove a snapshot; False if there is none (of yours)."""
+        chosen = cls._transport_for(url, api_key, state, transport)
+        try:
+            return chosen.delete_snapshot(snapshot_id)
+        finally:
+            if transport is None:
+                chosen.close()
+
     def create_code_context(self, language: str = "python", cwd: str | None = None) -> CodeContext:
         """A new interpreter with its own variables (``run_code(..., context=ctx)``)."""
         return CodeContext(self._backend.create_code_context(language, cwd), language, cwd)
@@ -325,7 +389,12 @@ class Sandbox:
             self._backend.close()
         finally:
             if self._owns_transport and self._transport is not None:
-                self._transport.close()
+                self._owns_transport = False
+                users = self._transport_users
+                if users is not None:
+                    users[0] -= 1
+                if users is None or users[0] <= 0:
+                    self._transport.close()
 
     @classmethod
     def _kill_by_id(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,

@@ -17,6 +17,7 @@ then carries it (the HTTP one as a field of the request body).
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from .interpreter import Execution
     from .lifecycle import SandboxInfo
     from .ports import ExposedPort
+    from .snapshots import Snapshot
 
 OutputCallback = Callable[[str, bytes], None]
 
@@ -69,6 +71,8 @@ class CreateOptions:
     idle_timeout: float | None = None
     #: seconds a create may wait for a free slot (a cluster only)
     slot_timeout: float | None = None
+    #: a snapshot id to start from (its tier and image replace the spec's)
+    snapshot: str | None = None
 
 
 class CommandProcess(Process):
@@ -177,6 +181,13 @@ class SandboxBackend(ABC):
     def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
         """Where the caller reaches ``port`` of the sandbox, and how to close that way."""
 
+    def snapshot(self) -> Snapshot:
+        """Snapshot the sandbox's files (see :mod:`corral.snapshots`)."""
+        from .errors import InvalidState
+
+        raise InvalidState(f"sandbox {self.id}: snapshots are not taken through this transport",
+                           sandbox_id=self.id)
+
     @abstractmethod
     def close(self) -> None:
         """Destroy the sandbox (idempotent)."""
@@ -202,6 +213,37 @@ class Transport(ABC):
     @abstractmethod
     def kill(self, sandbox_id: str) -> bool:
         """Destroy the sandbox with this id; False if there is none."""
+
+    # -- snapshots -----------------------------------------------------------------
+    def list_snapshots(self) -> builtins.list[Snapshot]:
+        from .errors import InvalidState
+
+        raise InvalidState("this transport keeps no snapshots")
+
+    def delete_snapshot(self, snapshot_id: str) -> bool:
+        """Remove a snapshot; False if there is none."""
+        from .errors import InvalidState
+
+        raise InvalidState("this transport keeps no snapshots")
+
+    def fork(self, backend: SandboxBackend, count: int) -> builtins.list[SandboxBackend]:
+        """``count`` new sandboxes from a snapshot of ``backend``'s files (the parent keeps running;
+        the snapshot is removed once they exist).  Each gets the parent's limits, env and cwd."""
+        from .snapshots import fork_spec
+
+        snapshot = backend.snapshot()
+        made: builtins.list[SandboxBackend] = []
+        try:
+            spec = fork_spec(backend.spec)
+            for _ in range(count):
+                made.append(self.create(CreateOptions(spec, snapshot=snapshot.id)))
+        except BaseException:
+            for child in made:
+                child.close()
+            raise
+        finally:
+            self.delete_snapshot(snapshot.id)
+        return made
 
     def close(self) -> None:  # noqa: B027 - a transport may hold nothing to release
         """Release what the transport holds (connections); its sandboxes are left as they are."""

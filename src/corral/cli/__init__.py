@@ -33,6 +33,7 @@ COMMAND_MODULES = {
     "rm": "corral.cli.remote",
     "cp": "corral.cli.remote",
     "mcp": "corral.cli.mcp",
+    "snapshot": "corral.cli.snapshot",
 }
 
 #: exit code when the sandbox itself could not be made (like `docker run`)

@@ -302,6 +302,8 @@ class ClusterTransport(Transport):
 
     # -- create ---------------------------------------------------------------------
     def create(self, options: CreateOptions) -> ClusterBackend:
+        if options.snapshot is not None:
+            raise InvalidSpec("snapshot: snapshots live in one host's state directory, not on a cluster's nodes")
         if options.spec.workspace is not None:
             raise InvalidSpec("workspace: a directory of this machine cannot be mounted on a cluster node; "
                               "upload files with sb.files instead")

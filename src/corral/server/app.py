@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InvalidSpec, SandboxError
-from . import command_routes, file_routes, ops_routes, port_routes, sandbox_routes, stream
+from . import command_routes, file_routes, ops_routes, port_routes, sandbox_routes, snapshot_routes, stream
 from .config import ServerConfig
 from .context import ServerContext, context_of
 from .limits import BodySizeLimit
@@ -43,7 +43,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     for handled, handler in ERROR_HANDLERS:
         app.add_exception_handler(handled, handler)
-    for module in (sandbox_routes, command_routes, file_routes, stream, ops_routes, port_routes):
+    for module in (sandbox_routes, command_routes, file_routes, stream, ops_routes, port_routes, snapshot_routes):
         app.include_router(module.router)
     return app
 

@@ -146,7 +146,8 @@ class SandboxManager:
         return (idle_timeout or min(self.config.idle_timeout, cap)), (lifetime or cap)
 
     async def create(self, tenant: str, spec: SandboxSpec, idle_timeout: float | None = None,
-                     lifetime: float | None = None) -> Entry:
+                     lifetime: float | None = None, snapshot: str | None = None) -> Entry:
+        """A sandbox for ``tenant`` (from its ``snapshot`` if given: see .snapshot_routes)."""
         if spec.workspace is not None:
             raise InvalidSpec("workspace: host directories cannot be mounted through the server; "
                               "upload files with the files API instead")
@@ -165,16 +166,18 @@ class SandboxManager:
         idle, life = self.deadlines(idle_timeout, lifetime)
         self._reserve(tenant, spec.limits.memory)
         try:
-            pool = self.pools.get(spec)
+            pool = self.pools.get(spec) if snapshot is None else None
             sandbox = pool.try_acquire() if pool is not None else None
             from_pool = sandbox is not None
             if sandbox is None:
                 t0 = time.perf_counter()
                 if self.config.cluster is not None:  # on a node; the node destroys it too if this server dies
+                    if snapshot is not None:
+                        raise InvalidSpec("snapshot: a cluster's sandboxes cannot start from a snapshot of this host")
                     sandbox = await asyncio.to_thread(Sandbox.create, spec, cluster=self.config.cluster,
                                                       idle_timeout=idle)
                 else:
-                    sandbox = await asyncio.to_thread(Sandbox.create, spec, state=self.root)
+                    sandbox = await asyncio.to_thread(Sandbox.create, spec, state=self.root, snapshot=snapshot)
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
             now = time.time()
             entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)

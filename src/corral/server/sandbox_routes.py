@@ -10,6 +10,7 @@ from fastapi import APIRouter, Response
 
 from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
+from . import snapshot_routes
 from .context import Context, Tenant
 from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, TimeoutBody, require_unicode
 
@@ -25,8 +26,11 @@ async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context) -> dict
     require_unicode(data)
     idle, life = data.pop("idle_timeout", None), data.pop("lifetime", None)
     metadata = check_metadata(data.pop("metadata", None))
+    snapshot = data.pop("snapshot", None)
+    if snapshot is not None:  # the tenant's own snapshot (another's is a 404), its tier and image
+        data.update(snapshot_routes.spec_fields(ctx, who, snapshot, data))
     spec = SandboxSpec.from_dict(data)
-    entry = await ctx.manager.create(who, spec, idle, life)
+    entry = await ctx.manager.create(who, spec, idle, life, snapshot)
     entry.metadata = metadata
     if entry.from_pool:
         ctx.metrics.pool_hits.inc()

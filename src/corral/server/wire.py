@@ -24,6 +24,7 @@ from ..errors import (
     SandboxClosed,
     SandboxError,
     SandboxNotFound,
+    SnapshotCorrupt,
     Unauthorized,
 )
 
@@ -31,7 +32,7 @@ from ..errors import (
 STATUS: tuple[tuple[type[SandboxError], int], ...] = (
     (Unauthorized, 401), (SandboxNotFound, 404), (FileNotFoundInSandbox, 404), (InvalidSpec, 400),
     (ResourceLimit, 429), (SandboxClosed, 410), (FileError, 400), (HostNotSupported, 503),
-    (InvalidState, 409),
+    (InvalidState, 409), (SnapshotCorrupt, 422),
 )
 
 
@@ -68,6 +69,12 @@ class CreateSandbox(BaseModel):
     idle_timeout: float | None = Field(None, description="seconds without use before the sandbox is destroyed")
     lifetime: float | None = Field(None, description="seconds from creation before the sandbox is destroyed")
     metadata: dict[str, str] | None = Field(None, description="your labels; Sandbox.list(metadata=) filters by them")
+    snapshot: str | None = Field(None, description="start from this snapshot of yours (its tier, image and files)")
+
+
+class ForkBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(1, ge=1, le=64, description="how many sandboxes to make from the sandbox's files")
 
 
 class ExecBody(BaseModel):

@@ -113,6 +113,8 @@ class Capabilities:
     guarantees: tuple[str, ...] = ()
     #: whether its sandboxes can be paused and resumed (:meth:`TierSandbox.pause`)
     pause: bool = False
+    #: what :meth:`TierSandbox.snapshot` holds: "filesystem", or "" when the tier cannot snapshot
+    snapshot: str = ""
 
 
 class Process(ABC):
@@ -214,6 +216,13 @@ class TierSandbox(ABC):
         """Let a paused sandbox run again, from where it stopped."""
         raise InvalidState(f"sandbox {self.id} is not paused", sandbox_id=self.id)
 
+    def snapshot(self, dest: Path, shared: Path | None = None) -> int:
+        """Write the sandbox's files (what it changed of its image, and its workspace) into the new
+        directory ``dest``, consistently (the sandbox is paused meanwhile); contents already in
+        ``shared`` (other snapshots' blobs) are linked, not written.  Returns bytes written.
+        :meth:`Tier.create_from_snapshot` starts a sandbox from such a directory."""
+        raise InvalidState(f"sandbox {self.id}: its tier cannot take snapshots", sandbox_id=self.id)
+
     @abstractmethod
     def close(self) -> None:
         """Destroy the sandbox: no process, mount, cgroup or file of it survives. Idempotent."""
@@ -240,6 +249,13 @@ class Tier(ABC):
     @abstractmethod
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
         """Create a sandbox. ``run_dir`` is an empty, root-only directory the sandbox owns."""
+
+    def create_from_snapshot(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, snapshot: Path,
+                             digest: str) -> TierSandbox:
+        """Create a sandbox whose files start as ``snapshot`` (written by :meth:`TierSandbox.snapshot`,
+        its manifest's sha256 ``digest``), with a fresh identity; a corrupted snapshot raises
+        :class:`~corral.errors.SnapshotCorrupt` and leaves nothing behind."""
+        raise InvalidState(f"the {self.name} tier cannot start sandboxes from snapshots")
 
     @abstractmethod
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ what ``runsc delete --force`` would do, without its ~1.5 s of waiting.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,13 +40,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
+from ...errors import HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
 from ...host import cgroups
 from ...images import SANDBOX_UID
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
+from ..linux.fs_snapshot import IdMap, id_map
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .memory import MemoryGuard
@@ -86,6 +88,7 @@ class GVisorTier(Tier):
             "nothing survives the sandbox or its owner",
         ),
         pause=True,
+        snapshot="filesystem",
     )
 
     def __init__(self, state_dir: Path) -> None:
@@ -123,6 +126,12 @@ class GVisorTier(Tier):
             )
         return GVisorSandbox(self, self.host(), spec, sandbox_id, run_dir)
 
+    def create_from_snapshot(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, snapshot: Path,
+                             digest: str) -> TierSandbox:
+        if spec.limits.memory < MIN_MEMORY:
+            return self.create(spec, sandbox_id, run_dir)  # refused there
+        return GVisorSandbox(self, self.host(), spec, sandbox_id, run_dir, seed=(snapshot, digest))
+
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # the cgroup holds runsc, the Sentry, the gofer and their stubs; runsc's state is in run_dir
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
@@ -149,7 +158,7 @@ def _fix_for(reason: str) -> str:
 def bundle_config(
     root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int,
     binds: Sequence[tuple[Path, str]] = (), agent_args: Sequence[str] = (), netns_name: str | None = None,
-    shm: Path | None = None,
+    shm: Path | None = None, hostname: str = "sandbox",
 ) -> dict[str, Any]:
     """The OCI runtime config: the agent as the only process, unprivileged, no capabilities.
 
@@ -179,7 +188,7 @@ def bundle_config(
             ],
         },
         "root": {"path": str(root), "readonly": False},
-        "hostname": "sandbox",
+        "hostname": hostname,
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
@@ -211,15 +220,17 @@ def bundle_config(
 
 class GVisorSandbox(LinuxSandbox):
     _connector_path = AGENT_PATH  # forwards through the agent: the loopback is the Sentry's (see linux/ports.py)
+    _filesystem_snapshots = True
 
-    def __init__(self, tier: GVisorTier, host: _Host, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+    def __init__(self, tier: GVisorTier, host: _Host, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
+                 seed: tuple[Path, str] | None = None) -> None:
         self._host = host
         self._tier = tier
         self.root_uid: int | None = None
         self._guard: MemoryGuard | None = None
         self._running: set[AgentProcess] = set()
         self._proc: subprocess.Popen[bytes] | None = None
-        super().__init__(tier.state_dir, spec, sandbox_id, run_dir)
+        super().__init__(tier.state_dir, spec, sandbox_id, run_dir, seed)
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
@@ -237,7 +248,7 @@ class GVisorSandbox(LinuxSandbox):
         config = bundle_config(
             built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids,
             binds=network.binds, agent_args=network.agent_args, netns_name=network.netns,
-            shm=shm_dir(self._run_dir, self.uid),
+            shm=shm_dir(self._run_dir, self.uid), hostname=self.hostname,
         )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
@@ -301,6 +312,16 @@ class GVisorSandbox(LinuxSandbox):
                 raise SandboxClosed(f"gVisor sandbox did not start: {_log_tail(log)}")
         # reap the launcher when it exits rather than keep a zombie for the sandbox's life
         threading.Thread(target=self._proc.wait, name="corral-runsc-reaper", daemon=True).start()
+
+    # -- snapshot ----------------------------------------------------------
+    def _id_map(self) -> IdMap:
+        return id_map(self.uid, self.root_uid)
+
+    def _before_snapshot(self) -> None:
+        # the Sentry may hold written file data in its own page cache: sync(2) writes it through
+        # the gofer to the upper layers the snapshot copies (best effort: an image without sync)
+        with contextlib.suppress(SandboxError):
+            self.exec(ExecRequest(["sync"], {"PATH": "/usr/bin:/bin"}, "/", 30.0, 4096))
 
     # -- commands ----------------------------------------------------------
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:

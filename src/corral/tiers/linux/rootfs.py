@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,11 +64,15 @@ def build_root(
     uid: int,
     files: Mapping[str, bytes] | None = None,
     mount_points: Sequence[str] = (),
+    fill: Callable[[str, Path], None] | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
 
     ``files`` (absolute in-sandbox path -> content, world-readable) are added to
     the root; ``mount_points`` are created as empty files for later bind mounts.
+
+    ``fill(key, directory)``, if given, writes into each upper (key ``L0``, ``L1``, ...) before
+    it is mounted and into the workspace copy (key ``ws``): a snapshot's files (.fs_snapshot).
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
     workspace).  The caller unmounts on teardown: :func:`mounts.unmount_all` of ``run_dir``
@@ -88,6 +92,8 @@ def build_root(
         if point == "/":
             _prepare_root_upper(upper, uid, own_etc=image.own_etc)
             _add_files(upper, files or {}, mount_points)
+        if fill is not None:
+            fill(f"L{index}", upper)
         target = root / point.lstrip("/") if point != "/" else root
         mounts.mount_overlay(target, [lower], upper, work)
         made.append(target)
@@ -98,6 +104,8 @@ def build_root(
     else:
         ws.mkdir(mode=0o755)
         os.chown(ws, uid, uid)
+        if fill is not None:
+            fill("ws", ws)
     return SandboxRoot(root, ws, workspace, made)
 
 

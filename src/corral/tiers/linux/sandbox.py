@@ -34,9 +34,10 @@ from ...host.uids import allocate_uid, release_uid
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
+from . import fs_snapshot
 from .agent import AgentChannel
 from .ports import agent_connect
-from .rootfs import SandboxRoot, build_root
+from .rootfs import AGENT_PATH, SandboxRoot, build_root
 
 
 class LinuxSandbox(TierSandbox):
@@ -46,8 +47,16 @@ class LinuxSandbox(TierSandbox):
     _channel: AgentChannel | None = None
     #: the run directory's mounts when known (None: search for them at close)
     _mounts: list[Path] | None = None
+    #: whether the tier's root is the overlay of .rootfs, whose files :meth:`snapshot` copies
+    _filesystem_snapshots = False
+    hostname = "sandbox"
 
-    def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+    def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
+                 seed: tuple[Path, str] | None = None) -> None:
+        #: a snapshot to start from: (its directory, its manifest's sha256); a fresh identity then
+        self._seed = seed
+        if seed is not None:
+            self.hostname = sandbox_id
         self.id = sandbox_id
         self.spec = spec
         self._state_dir = state_dir
@@ -95,10 +104,14 @@ class LinuxSandbox(TierSandbox):
     def _build_root(self) -> SandboxRoot:
         """The overlay root on a disk-limited tmpfs in the run directory, with the network's files."""
         network = self.network
+        fill = None
+        if self._seed is not None:
+            fill = fs_snapshot.filler(*self._seed, self._id_map(), self.hostname, self.spec.limits.disk)
         built = build_root(
             self.spec, self._state_dir, self._run_dir, self.uid,
             files=network.files if network is not None else {},
             mount_points=[inside for _, inside in network.binds] if network is not None else [],
+            fill=fill,
         )
         self.workspace = built.workspace
         self._mounts = built.mounts
@@ -139,6 +152,37 @@ class LinuxSandbox(TierSandbox):
                 raise InvalidState(f"sandbox {self.id} is not paused", sandbox_id=self.id)
             self.cgroup.freeze(False)
             self._channel.pause_clock.resume()
+
+    # -- snapshot --------------------------------------------------------------
+    def _id_map(self) -> fs_snapshot.IdMap:
+        return fs_snapshot.id_map(self.uid)
+
+    def _before_snapshot(self) -> None:
+        """What the tier does before its sandbox is paused for a snapshot (flush caches)."""
+
+    def snapshot(self, dest: Path, shared: Path | None = None) -> int:
+        if not self._filesystem_snapshots:
+            return super().snapshot(dest, shared)
+        if self._closed or self._channel is None or self._channel.closed.is_set():
+            raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
+        was_paused = self.paused
+        if not was_paused:
+            self._before_snapshot()
+            self.pause()
+        try:
+            disk = self._run_dir / "disk"
+            uppers = sorted(disk.glob("L*-upper"), key=lambda p: int(p.name[1:].partition("-")[0]))
+            network = self.network
+            own = {AGENT_PATH, "/etc/hostname", "/etc/hosts", "/etc/machine-id",
+                   *(network.files if network is not None else ()),
+                   *(inside for _, inside in (network.binds if network is not None else ()))}
+            layers = [(p.name.partition("-")[0], p) for p in uppers] + [("ws", disk / "ws")]
+            return fs_snapshot.capture(layers, dest, self._id_map(), {"L0": {p.lstrip("/") for p in own}},
+                                       self.spec.limits.disk, shared)
+        finally:
+            if not was_paused:
+                with contextlib.suppress(InvalidState, SandboxClosed):  # resumed meanwhile, or closed
+                    self.resume()
 
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()

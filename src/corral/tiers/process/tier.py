@@ -49,6 +49,7 @@ class ProcessTier(Tier):
             "a timeout kills the command's whole tree; nothing survives the sandbox or its owner",
         ),
         pause=True,
+        snapshot="filesystem",
     )
 
     def __init__(self, state_dir: Path) -> None:
@@ -70,12 +71,19 @@ class ProcessTier(Tier):
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
         return ProcessSandbox(self, spec, sandbox_id, run_dir)
 
+    def create_from_snapshot(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, snapshot: Path,
+                             digest: str) -> TierSandbox:
+        return ProcessSandbox(self, spec, sandbox_id, run_dir, seed=(snapshot, digest))
+
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
 
 
 class ProcessSandbox(LinuxSandbox):
-    def __init__(self, tier: ProcessTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+    _filesystem_snapshots = True
+
+    def __init__(self, tier: ProcessTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
+                 seed: tuple[Path, str] | None = None) -> None:
         self._tier = tier
         self._exec_count = 0
         self._leaves: list[Path] = []
@@ -85,7 +93,7 @@ class ProcessSandbox(LinuxSandbox):
         #: set while a placed spare waits for the next command (tests wait on it, not on sleeps)
         self.spare_placed = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
-        super().__init__(tier.state_dir, spec, sandbox_id, run_dir)
+        super().__init__(tier.state_dir, spec, sandbox_id, run_dir, seed)
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
@@ -103,7 +111,7 @@ class ProcessSandbox(LinuxSandbox):
             "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             *(() if self.network and self.network.netns else ("--unshare-net",)),
             "--unshare-cgroup",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", self.hostname,
             "--bind", str(root), "/",
             "--ro-bind", str(self._tier._agent), AGENT_PATH,
             "--ro-bind" if ws_mode == "ro" else "--bind", str(ws), WORKSPACE_PATH,

@@ -1,0 +1,88 @@
+"""Snapshots through the server: take one of a sandbox, list and remove yours, fork a sandbox.
+
+A snapshot belongs to the tenant that took it: another tenant's id is answered like a missing one
+(404).  The bytes a tenant's snapshots take in the store count against
+``max_snapshot_bytes_per_tenant``; a snapshot that would pass it is refused (429,
+``resource_limit``) and nothing of it is kept.  ``POST /v1/sandboxes`` with ``"snapshot": ID``
+starts a sandbox from one (:mod:`.sandbox_routes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from ..errors import InvalidSpec, ResourceLimit, SnapshotNotFound
+from ..snapshots import Snapshot, SnapshotStore, fork_spec
+from ..spec import format_size
+from .context import Context, ServerContext, Tenant
+from .wire import ForkBody
+
+router = APIRouter()
+
+
+def store(ctx: ServerContext) -> SnapshotStore:
+    return SnapshotStore(ctx.manager.root)
+
+
+def spec_fields(ctx: ServerContext, tenant: str, snapshot_id: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The spec fields a create from ``snapshot_id`` takes from it (after checking it is the tenant's)."""
+    snapshot = store(ctx).get(snapshot_id, tenant)
+    fixed = sorted(name for name in ("tier", "image") if data.get(name) not in (None, getattr(snapshot, name)))
+    if fixed:
+        raise InvalidSpec(f"{', '.join(fixed)}: a sandbox made from a snapshot has the snapshot's tier and image")
+    return {"tier": snapshot.tier, "image": snapshot.image}
+
+
+def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
+    """Snapshot the tenant's sandbox, within its snapshot quota (blocking: call on a worker thread)."""
+    entry = ctx.manager.get(tenant, sandbox_id)
+    snapshots = store(ctx)
+    cap = ctx.config.max_snapshot_bytes_per_tenant
+    used = snapshots.bytes_of(tenant)
+    if used >= cap:
+        raise ResourceLimit(f"quota: tenant {tenant!r} holds {format_size(used)} of snapshots "
+                            f"(max {format_size(cap)}); remove one first")
+    snapshot = entry.sandbox._local().snapshot(tenant)
+    if used + snapshot.size > cap:
+        snapshots.delete(snapshot.id, tenant)
+        raise ResourceLimit(f"quota: a snapshot of {format_size(snapshot.size)} does not fit in tenant "
+                            f"{tenant!r}'s {format_size(cap - used)} left of {format_size(cap)} for snapshots")
+    return snapshot
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201,
+             summary="Snapshot a sandbox's files (process and gVisor tiers; 409 on others)")
+async def snapshot_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
+    return (await ctx.run_blocking(take, ctx, who, sandbox_id)).to_dict()
+
+
+@router.get("/v1/snapshots", summary="List your snapshots")
+async def list_snapshots(who: Tenant, ctx: Context) -> dict[str, Any]:
+    return {"snapshots": [s.to_dict() for s in await ctx.run_blocking(store(ctx).list, who)]}
+
+
+@router.delete("/v1/snapshots/{snapshot_id}", status_code=204, summary="Remove a snapshot of yours")
+async def delete_snapshot(snapshot_id: str, who: Tenant, ctx: Context) -> Response:
+    if not await ctx.run_blocking(store(ctx).delete, snapshot_id, who):
+        raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201,
+             summary="New sandboxes from a sandbox's files as they are now (fresh processes and identity)")
+async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Context) -> dict[str, Any]:
+    parent = ctx.manager.get(who, sandbox_id)
+    snapshot = await ctx.run_blocking(take, ctx, who, sandbox_id)
+    made = []
+    try:
+        for _ in range(body.count):
+            made.append(await ctx.manager.create(who, fork_spec(parent.spec), snapshot=snapshot.id))
+    except BaseException:
+        for entry in made:
+            await ctx.manager.destroy(who, entry.sandbox.id)
+        raise
+    finally:
+        await ctx.run_blocking(store(ctx).delete, snapshot.id, who)
+    return {"sandboxes": [entry.to_dict() for entry in made]}

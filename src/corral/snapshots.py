@@ -1,0 +1,212 @@
+"""Snapshots of sandboxes: taken, stored, listed, removed, and reaped when their writer died.
+
+A snapshot of a process or gVisor sandbox is its *filesystem*: what it changed of its image (the
+overlay's writable layers, deletions included) and its workspace copy.  It holds no processes,
+no memory, no network rules and no secrets: a sandbox made from it (``Sandbox.create(snapshot=)``,
+``sb.fork(n)``) starts fresh processes with a fresh identity (sandbox id, hostname, machine id)
+on the same tier and image.  The microVM and wasm tiers cannot take one (:class:`InvalidState`).
+
+Stored under ``<state>/snapshots/`` (0700)::
+
+    snap-<16 hex>/meta.json        id, kind, tier, image, created, size, owner tenant,
+                                   the sha256 of files/manifest.json
+    snap-<16 hex>/files/           manifest + content blobs (corral.tiers.linux.fs_snapshot)
+    blobs/SHA256                   every content once: each snapshot's blobs are hard links to these
+                                   (content-addressed: a fork or a second snapshot of a sandbox
+                                   writes only what changed); one no snapshot links to is removed
+    .tmp-<id>-<pid>-<start>/       a snapshot being written: renamed into place when whole
+    .del-<id>-<token>/             a snapshot being removed
+
+A writer that dies leaves its ``.tmp-`` directory; :func:`reap_leftovers` (run by ``gc`` and at
+every library start) removes those whose writer is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidState, SnapshotCorrupt, SnapshotNotFound
+from .host.procs import process_start_time
+from .spec import SandboxSpec
+from .tiers import tier_class
+from .tiers.base import TierSandbox
+from .tiers.linux.fs_snapshot import manifest_digest, prune_shared
+
+DIRECTORY = "snapshots"
+#: the contents every snapshot links to
+SHARED = "blobs"
+_ID = re.compile(r"snap-[0-9a-f]{16}\Z")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One stored snapshot."""
+
+    id: str
+    #: what it holds: "filesystem" (files only: no processes, memory, network rules or secrets)
+    kind: str
+    #: bytes of its files and manifest (contents shared with other snapshots included)
+    size: int
+    created: float
+    tier: str
+    image: str
+    #: the sandbox it was taken of
+    sandbox_id: str = ""
+    #: bytes taking it wrote (contents other snapshots already hold are shared, not written)
+    written: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Snapshot:
+        return cls(str(data["id"]), str(data["kind"]), int(data["size"]), float(data["created"]),
+                   str(data["tier"]), str(data["image"]), str(data.get("sandbox_id", "")), int(data.get("written", 0)))
+
+
+def fork_spec(parent: SandboxSpec) -> SandboxSpec:
+    """What a fork of a sandbox with ``parent`` gets: its tier, image, limits, env and cwd -- not its
+    network rules, secrets or workspace (the files come from the snapshot)."""
+    return SandboxSpec(tier=parent.tier, image=parent.image, limits=parent.limits, env=parent.env, cwd=parent.cwd)
+
+
+def new_snapshot_id() -> str:
+    return "snap-" + secrets.token_hex(8)
+
+
+class SnapshotStore:
+    """The snapshots of one state directory.  ``tenant`` (a server's API key name) scopes every
+    call to the snapshots that tenant took; None (this process's own SDK) sees every one."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / DIRECTORY
+
+    def _ensure(self) -> Path:
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        return self.dir
+
+    def take(self, inner: TierSandbox, spec: SandboxSpec, tenant: str | None = None) -> Snapshot:
+        """Snapshot a live sandbox (paused while its files are copied, then running again)."""
+        kind = tier_class(spec.tier).capabilities.snapshot
+        if not kind:
+            raise InvalidState(f"sandbox {inner.id}: the {spec.tier} tier cannot take snapshots"
+                               + _why_not(spec.tier), sandbox_id=inner.id)
+        snapshot_id = new_snapshot_id()
+        pid = os.getpid()
+        temp = self._ensure() / f".tmp-{snapshot_id}-{pid}-{process_start_time(pid) or 0}"
+        temp.mkdir(mode=0o700)
+        try:
+            shared = self.dir / SHARED
+            shared.mkdir(mode=0o700, exist_ok=True)
+            written = inner.snapshot(temp / "files", shared)
+            files = temp / "files"
+            size = (files / "manifest.json").stat().st_size + sum(p.stat().st_size for p in (files / "blobs").iterdir())
+            snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id, written)
+            meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files")}
+            (temp / "meta.json").write_text(json.dumps(meta))
+            temp.rename(self.dir / snapshot_id)  # whole, or not there at all
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            prune_shared(self.dir / SHARED)
+            raise
+        return snapshot
+
+    def _meta(self, snapshot_id: str, tenant: str | None) -> dict[str, Any]:
+        if not isinstance(snapshot_id, str) or not _ID.match(snapshot_id):
+            raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
+        path = self.dir / snapshot_id / "meta.json"
+        if not path.parent.is_dir():
+            raise SnapshotNotFound(f"no snapshot {snapshot_id}")
+        try:
+            meta = json.loads(path.read_text())
+            Snapshot.from_dict(meta)
+            str(meta["digest"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise SnapshotCorrupt(f"snapshot {snapshot_id}: its description is unreadable") from None
+        if tenant is not None and meta.get("tenant") != tenant:
+            raise SnapshotNotFound(f"no snapshot {snapshot_id}")
+        return dict(meta)
+
+    def get(self, snapshot_id: str, tenant: str | None = None) -> Snapshot:
+        return Snapshot.from_dict(self._meta(snapshot_id, tenant))
+
+    def files(self, snapshot_id: str, tenant: str | None = None) -> tuple[Snapshot, Path, str]:
+        """The snapshot, its files directory and its manifest's recorded sha256 (for a create)."""
+        meta = self._meta(snapshot_id, tenant)
+        return Snapshot.from_dict(meta), self.dir / snapshot_id / "files", str(meta["digest"])
+
+    def list(self, tenant: str | None = None) -> list[Snapshot]:
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for entry in sorted(self.dir.iterdir()):
+            if not _ID.match(entry.name):
+                continue
+            try:
+                found.append(self.get(entry.name, tenant))
+            except (SnapshotNotFound, SnapshotCorrupt):
+                continue
+        return sorted(found, key=lambda s: s.created)
+
+    def bytes_of(self, tenant: str | None) -> int:
+        return sum(s.size for s in self.list(tenant))
+
+    def delete(self, snapshot_id: str, tenant: str | None = None) -> bool:
+        """Remove a snapshot; False if there is none (of this tenant).  A corrupted one goes too."""
+        try:
+            self._meta(snapshot_id, tenant)
+        except SnapshotNotFound:
+            return False
+        except SnapshotCorrupt:
+            if tenant is not None:
+                return False  # whose it is cannot be told: only the operator's own SDK removes it
+        gone = self.dir / f".del-{snapshot_id}-{secrets.token_hex(4)}"
+        try:
+            (self.dir / snapshot_id).rename(gone)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(gone, ignore_errors=True)
+        prune_shared(self.dir / SHARED)
+        return True
+
+
+def _why_not(tier: str) -> str:
+    if tier == "microvm":
+        return (": its files live on the guest's own disk, which Corral does not copy, and a live "
+                "snapshot is refused by QEMU 7.2 while the 9p workspace is mounted")
+    if tier == "wasm":
+        return ": its files live in the interpreter's memory file system, not in layers Corral can copy"
+    return ""
+
+
+def reap_leftovers(root: Path) -> list[str]:
+    """Remove half-written snapshots whose writer is gone, and interrupted removals."""
+    directory = root / DIRECTORY
+    if not directory.is_dir():
+        return []
+    reaped = []
+    for entry in directory.iterdir():
+        name = entry.name
+        if name.startswith(".tmp-"):
+            parts = name.split("-")
+            try:
+                pid, start = int(parts[-2]), int(parts[-1])
+            except (ValueError, IndexError):
+                continue
+            if process_start_time(pid) == start:
+                continue  # its writer still works on it
+        elif not name.startswith(".del-"):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        reaped.append(name)
+    if reaped:
+        prune_shared(directory / SHARED)
+    return reaped

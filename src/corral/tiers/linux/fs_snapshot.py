@@ -1,0 +1,359 @@
+"""Filesystem snapshots of the process and gVisor tiers: a sandbox's writable layers, copied out
+and back in.
+
+A sandbox's root is an overlay: the image's read-only layers, one writable *upper* per layer on
+the sandbox's disk tmpfs, and the workspace copy beside them (:mod:`.rootfs`).  A snapshot is
+what those hold: every file, directory, symlink and fifo the sandbox wrote, and overlayfs's own
+marks -- *whiteouts* (a 0/0 character device: "this image file was deleted") and *opaque*
+directories (``trusted.overlay.opaque``: "hide the image's entries below") -- so a file deleted
+in the sandbox stays deleted in every sandbox made from the snapshot.
+
+On disk (a directory the caller names; :mod:`corral.snapshots` owns where)::
+
+    manifest.json   one entry per path: layer key (L0, L1, ..., ws), relative path, type,
+                    mode, *inside-the-sandbox* uid/gid, xattrs, size and sha256 of the content
+    blobs/SHA256    each distinct content once, root-only
+
+Ownership is stored with the ids the sandbox itself sees, translated by :class:`IdMap` (the one
+place that knows how host ids and inside ids relate), so a snapshot does not depend on which host
+uid its sandbox happened to get.  Restoring writes every file with the new sandbox's host ids and
+checks each content's sha256 while copying: a corrupted snapshot raises :class:`SnapshotCorrupt`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...errors import ResourceLimit, SnapshotCorrupt
+from ...images import SANDBOX_UID
+
+#: overlay xattrs that name the inode of one mount (copy-up origin, hard-link counts): not carried
+_NOT_CARRIED = ("trusted.overlay.origin", "trusted.overlay.impure", "trusted.overlay.nlink",
+                "trusted.overlay.uuid")
+#: an id the sandbox cannot see (the kernel's overflow id)
+OVERFLOW_ID = 65534
+CHUNK = 1 << 20
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class IdMap:
+    """How one sandbox's host ids and the ids its processes see correspond.
+
+    ``inside_id`` is used when a snapshot is taken, ``host_id`` when one is restored; an id with
+    no counterpart becomes the overflow id (``nobody``).  Built by :func:`id_map`."""
+
+    to_inside: dict[int, int]
+    to_host: dict[int, int]
+
+    def inside_id(self, host_id: int) -> int:
+        return self.to_inside.get(host_id, OVERFLOW_ID)
+
+    def host_id(self, inside_id: int) -> int:
+        return self.to_host.get(inside_id, OVERFLOW_ID)
+
+
+def id_map(uid: int, root_uid: int | None = None) -> IdMap:
+    """THE translation between a sandbox's host ids and its inside ids, from what its tier knows.
+
+    Today: the sandbox user (uid and gid 1000 inside) is the sandbox's host ``uid``; files of the
+    image and of Corral's own setup are host root, stored as 0; gVisor's sandbox root
+    (``root_uid`` on the host) is 0 inside.  A tier that maps a whole range of host ids changes
+    this function, and nothing else here."""
+    to_inside = {uid: SANDBOX_UID, 0: 0}
+    if root_uid is not None:
+        to_inside[root_uid] = 0
+    return IdMap(to_inside, {SANDBOX_UID: uid, 0: 0})
+
+
+def _xattrs(path: Path) -> dict[str, str]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        if name.startswith(_NOT_CARRIED):
+            continue
+        try:
+            out[name] = os.getxattr(path, name, follow_symlinks=False).hex()
+        except OSError:
+            continue
+    return out
+
+
+def _walk(top: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative path, lstat) of ``top`` and everything below it, parents first, in name order."""
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        path = top / rel if rel else top
+        st = os.lstat(path)
+        yield rel or ".", st
+        if stat.S_ISDIR(st.st_mode):
+            names = sorted(os.listdir(path), reverse=True)
+            stack.extend(f"{rel}/{n}" if rel else n for n in names)
+
+
+def _store_blob(path: Path, blobs: Path, shared: Path | None) -> tuple[str, int, int]:
+    """Put ``path``'s content in ``blobs`` under its sha256: a hard link to the same content in
+    ``shared`` (other snapshots') when there is one, else a copy (then shared).  Returns the
+    digest, the size and the bytes written."""
+    # never follows a link, never blocks on a fifo put in the file's place
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as src:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SnapshotCorrupt(f"{path.name} changed while the snapshot was taken")
+        digest = hashlib.file_digest(src, "sha256").hexdigest()
+        size = src.tell()
+        final = blobs / digest
+        if final.exists():
+            return digest, size, 0
+        if shared is not None and _holds(shared / digest, digest):
+            with contextlib.suppress(OSError):  # gone meanwhile, or too many links: copy it
+                os.link(shared / digest, final)
+                return digest, size, 0
+        src.seek(0)
+        temp = blobs / f".in-{secrets.token_hex(6)}"
+        again = hashlib.sha256()
+        with open(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb") as dst:
+            while chunk := src.read(CHUNK):
+                again.update(chunk)
+                dst.write(chunk)
+        if again.hexdigest() != digest:  # the sandbox is frozen: this is not a race of its making
+            raise SnapshotCorrupt(f"{path.name} changed while the snapshot was taken")
+    temp.rename(final)
+    if shared is not None:
+        with contextlib.suppress(FileNotFoundError):
+            (shared / digest).unlink()  # a damaged one (see _holds): this copy replaces it
+        with contextlib.suppress(FileExistsError):
+            os.link(final, shared / digest)
+    return digest, size, size
+
+
+def _holds(blob: Path, digest: str) -> bool:
+    """Whether a shared content is still what its name says (read back: a damaged one must not
+    be linked into new snapshots)."""
+    try:
+        with open(blob, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest() == digest
+    except OSError:
+        return False
+
+
+def prune_shared(shared: Path) -> int:
+    """Remove shared contents no snapshot links to any more; returns how many went."""
+    if not shared.is_dir():
+        return 0
+    gone = 0
+    for blob in shared.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if blob.stat().st_nlink <= 1:
+                blob.unlink()
+                gone += 1
+    return gone
+
+
+def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dict[str, set[str]],
+            max_bytes: int, shared: Path | None = None) -> int:
+    """Copy every entry of each ``(key, directory)`` into ``dest`` (made here, must not exist);
+    ``exclude[key]`` lists relative paths (and their subtrees) left out.  Contents already in
+    ``shared`` (a directory of blobs on the same file system) are linked, not copied, and new
+    ones are added to it.  Returns the bytes written.
+
+    Files' sizes may add up to ``max_bytes`` (the sandbox's disk limit), checked before each is
+    read: a sparse file claims more than the disk holds, and is refused (:class:`ResourceLimit`)
+    rather than written out in full to the host."""
+    dest.mkdir(mode=0o700)
+    total = written = 0
+    blobs = dest / "blobs"
+    blobs.mkdir(mode=0o700)
+    entries: list[dict[str, Any]] = []
+    for key, top in layers:
+        skipped = exclude.get(key, set())
+        for rel, st in _walk(top):
+            if rel in skipped or any(rel.startswith(s + "/") for s in skipped):
+                continue
+            mode = st.st_mode
+            entry: dict[str, Any] = {"k": key, "p": rel, "m": stat.S_IMODE(mode), "u": ids.inside_id(st.st_uid),
+                                     "g": ids.inside_id(st.st_gid), "t": st.st_mtime_ns}
+            path = top / rel
+            if stat.S_ISDIR(mode):
+                entry["y"] = "d"
+            elif stat.S_ISREG(mode):
+                total += st.st_size
+                if total > max_bytes:
+                    raise ResourceLimit(f"snapshot: the files add up to more than the sandbox's disk limit of "
+                                        f"{max_bytes} bytes (sparse files, such as {key}:{rel}, are not carried)")
+                entry["y"] = "f"
+                entry["h"], entry["s"], new = _store_blob(path, blobs, shared)
+                written += new
+            elif stat.S_ISLNK(mode):
+                entry["y"] = "l"
+                entry["l"] = os.readlink(path)
+            elif stat.S_ISCHR(mode) and st.st_rdev == 0:
+                entry["y"] = "w"  # an overlay whiteout: the image's file at this path was deleted
+            elif stat.S_ISFIFO(mode):
+                entry["y"] = "p"
+            else:
+                continue  # sockets and devices are not files a snapshot can carry
+            xattrs = _xattrs(path)
+            if xattrs:
+                entry["x"] = xattrs
+            entries.append(entry)
+    data = json.dumps({"format": FORMAT, "entries": entries}, separators=(",", ":")).encode()
+    (dest / MANIFEST).write_bytes(data)
+    return len(data) + written
+
+
+def manifest_digest(directory: Path) -> str:
+    try:
+        return hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise SnapshotCorrupt(f"snapshot {directory.name}: manifest unreadable ({exc.strerror})") from None
+
+
+def load_manifest(directory: Path, digest: str) -> list[dict[str, Any]]:
+    """The manifest's entries, if its sha256 is ``digest`` (else :class:`SnapshotCorrupt`)."""
+    try:
+        data = (directory / MANIFEST).read_bytes()
+    except OSError as exc:
+        raise SnapshotCorrupt(f"snapshot {directory.name}: manifest unreadable ({exc.strerror})") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise SnapshotCorrupt(f"snapshot {directory.name}: its manifest does not match its checksum")
+    try:
+        body = json.loads(data)
+        entries = body["entries"]
+        assert body["format"] == FORMAT and isinstance(entries, list)
+    except (ValueError, KeyError, AssertionError, TypeError):
+        raise SnapshotCorrupt(f"snapshot {directory.name}: its manifest is not one Corral wrote") from None
+    return entries
+
+
+def keys(entries: list[dict[str, Any]]) -> set[str]:
+    return {str(e["k"]) for e in entries}
+
+
+def _safe(rel: str) -> bool:
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts
+
+
+def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path, ids: IdMap) -> None:
+    """Write the entries of layer ``key`` into ``top`` (a new sandbox's upper or workspace,
+    not mounted yet) with the new sandbox's host ids.
+
+    What ``top`` already holds that is not a directory wins: the new sandbox's own identity,
+    network and mount-point files.  A content whose sha256 differs from the manifest's raises
+    :class:`SnapshotCorrupt` (the caller destroys the half-made sandbox)."""
+    blobs = directory / "blobs"
+    skipped: list[str] = []
+    links: list[str] = []
+    dirs: list[tuple[Path, dict[str, Any]]] = []
+    for entry in entries:
+        if entry["k"] != key or entry["p"] == ".":
+            continue
+        rel = str(entry["p"])
+        if not _safe(rel):
+            raise SnapshotCorrupt(f"snapshot {directory.name}: bad path {rel!r} in its manifest")
+        if any(rel.startswith(s + "/") for s in links):
+            raise SnapshotCorrupt(f"snapshot {directory.name}: {rel!r} lies below a symlink")
+        if any(rel.startswith(s + "/") for s in skipped):
+            continue
+        path = top / rel
+        kind = entry["y"]
+        if os.path.lexists(path) and not (kind == "d" and path.is_dir() and not path.is_symlink()):
+            skipped.append(rel)
+            continue
+        uid, gid = ids.host_id(int(entry["u"])), ids.host_id(int(entry["g"]))
+        if kind == "d":
+            if not path.is_dir():
+                path.mkdir(mode=0o700)
+            dirs.append((path, entry))  # mode and times once its children are written
+        elif kind == "f":
+            _copy_blob(blobs / str(entry["h"]), path, str(entry["h"]), directory.name)
+        elif kind == "l":
+            os.symlink(str(entry["l"]), path)
+            links.append(rel)
+        elif kind == "w":
+            os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+        elif kind == "p":
+            os.mkfifo(path, 0o600)
+        else:
+            raise SnapshotCorrupt(f"snapshot {directory.name}: unknown entry type {kind!r}")
+        os.chown(path, uid, gid, follow_symlinks=False)
+        for name, value in entry.get("x", {}).items():
+            os.setxattr(path, name, bytes.fromhex(value), follow_symlinks=False)
+        if kind not in ("d", "l"):
+            os.chmod(path, int(entry["m"]))  # after chown, which clears set-id bits
+        if kind != "d":
+            os.utime(path, ns=(int(entry["t"]), int(entry["t"])), follow_symlinks=False)
+    for path, entry in reversed(dirs):
+        os.chmod(path, int(entry["m"]))
+        os.utime(path, ns=(int(entry["t"]), int(entry["t"])))
+
+
+def _copy_blob(blob: Path, target: Path, digest: str, name: str) -> None:
+    hasher = hashlib.sha256()
+    try:
+        src = open(blob, "rb")  # noqa: SIM115 - closed below, with the target
+    except OSError as exc:
+        raise SnapshotCorrupt(f"snapshot {name}: content {digest[:12]} is missing ({exc.strerror})") from None
+    with src, open(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "wb") as dst:
+        while chunk := src.read(CHUNK):
+            hasher.update(chunk)
+            dst.write(chunk)
+    if hasher.hexdigest() != digest:
+        raise SnapshotCorrupt(f"snapshot {name}: content {digest[:12]} does not match its checksum")
+
+
+def fresh_identity(upper: Path, hostname: str) -> None:
+    """A new machine id and hostname in a restored root's upper (``/etc`` made if need be)."""
+    etc = upper / "etc"
+    if os.path.lexists(etc) and not stat.S_ISDIR(os.lstat(etc).st_mode):
+        return  # the sandbox replaced /etc (a link, a file): nothing is written through it
+    if not os.path.lexists(etc):
+        etc.mkdir(mode=0o755)
+    for name, content in (("machine-id", secrets.token_hex(16) + "\n"), ("hostname", hostname + "\n")):
+        target = etc / name
+        if os.path.lexists(target):
+            if stat.S_ISDIR(os.lstat(target).st_mode):
+                continue
+            target.unlink()
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+
+
+def check_fits(entries: list[dict[str, Any]], disk: int, name: str) -> None:
+    """Refuse a restore that cannot fit in the new sandbox's disk (before anything is made)."""
+    from ...errors import InvalidSpec
+
+    needed = sum(int(e.get("s", 0)) for e in entries)
+    if needed > disk:
+        raise InvalidSpec(f"disk: snapshot {name} holds {needed} bytes of files, more than the disk "
+                          f"limit of {disk} bytes")
+
+
+def filler(directory: Path, digest: str, ids: IdMap, hostname: str, disk: int) -> Callable[[str, Path], None]:
+    """``build_root``'s ``fill`` for a sandbox made from the snapshot in ``directory``: its
+    manifest is checked (and must fit in ``disk``) before anything is written."""
+    entries = load_manifest(directory, digest)
+    check_fits(entries, disk, directory.name)
+
+    def fill(key: str, top: Path) -> None:
+        restore(directory, entries, key, top, ids)
+        if key == "L0":
+            fresh_identity(top, hostname)
+
+    return fill

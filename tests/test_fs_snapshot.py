@@ -1,0 +1,407 @@
+"""Filesystem snapshots and forks of process and gVisor sandboxes (issue 18).
+
+A snapshot carries the sandbox's files -- what it wrote, what it deleted of its image (overlay
+whiteouts and opaque directories), its workspace -- into new sandboxes, and nothing else: no
+processes, no brokered secrets, no network rules; each new sandbox has a fresh identity.  Bad
+input is a typed error that leaves nothing half-made.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import InvalidSpec, InvalidState, ResourceLimit, Sandbox, SnapshotCorrupt, SnapshotNotFound
+from corral.images import ImageLayout, host_image, register_resolver
+from corral.registry import Registry, gc
+from corral.snapshots import DIRECTORY, SnapshotStore
+
+from .leaks import sandbox_leftovers
+from .server_fixtures import KEYS, ServerProcess
+from .tier_probe import skip_unless_tier
+
+IMAGE = "c18-snapshot-test"
+SECRET = "c18-real-secret-value-0123456789"
+#: in the original: a file, a package-like dir, an image file deleted, an image dir replaced, a process
+PREPARE = (
+    "mkdir -p /home/user/.local/lib/c18pkg && echo 'VERSION = 7' > /home/user/.local/lib/c18pkg/__init__.py"
+    " && echo written > /workspace/notes.txt && echo scratch > /tmp/scratch"
+    " && rm /c18/gone.txt && rm -r /c18/dir && mkdir /c18/dir && echo new > /c18/dir/fresh.txt"
+)
+CHECK = ("cat /home/user/.local/lib/c18pkg/__init__.py /workspace/notes.txt /tmp/scratch /c18/kept.txt;"
+         " test -e /c18/gone.txt && echo GONE-CAME-BACK; ls /c18/dir; echo token=$API_TOKEN;"
+         " ps -eo comm | grep -cx sleep")
+EXPECTED = "VERSION = 7\nwritten\nscratch\nkept\nfresh.txt\ntoken=\n0\n"
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory, state_dir: Path) -> Iterator[str]:
+    """The host image plus /c18, whose files (in a 0777 directory of the image) the sandbox user
+    may delete: what it deletes becomes a whiteout in its upper layer, not a missing file."""
+    host = host_image(state_dir)
+    root = tmp_path_factory.mktemp("c18-image") / "root"
+    shutil.copytree(host.layers[0][1], root, symlinks=True)
+    os.chmod(root, 0o755)
+    (root / "c18" / "dir").mkdir(parents=True)
+    os.chmod(root / "c18", 0o777)
+    os.chmod(root / "c18" / "dir", 0o777)
+    for name, text in (("gone.txt", "gone"), ("kept.txt", "kept"), ("dir/old.txt", "old")):
+        (root / "c18" / name).write_text(text + "\n")
+        os.chmod(root / "c18" / name, 0o666)
+    layout = ImageLayout(IMAGE, (("/", root), *host.layers[1:]), own_etc=host.own_etc)
+    register_resolver(lambda name, _state: layout if name == IMAGE else None)
+    yield IMAGE
+
+
+def identity(sb: Sandbox) -> tuple[str, str]:
+    result = sb.commands.run("hostname; cat /etc/machine-id 2>/dev/null || echo none")
+    assert result.exit_code == 0, result
+    host, machine = result.stdout.split()
+    return host, machine
+
+
+def test_a_snapshot_carries_files_and_deletions_into_a_new_sandbox_and_each_fork(image: str, state_dir: Path) -> None:
+    with Sandbox.create(image=image, allow=["c18.invalid"], secrets=["API_TOKEN@c18.invalid"],
+                        secret_values={"API_TOKEN": SECRET}) as parent:
+        placeholder = parent.network.env["API_TOKEN"]
+        assert parent.commands.run(PREPARE).exit_code == 0
+        parent.commands.run("sleep 1000", background=True)
+        parent_identity = identity(parent)
+
+        snap = parent.snapshot()
+        assert (snap.kind, snap.tier, snap.image, snap.sandbox_id) == ("filesystem", "process", image, parent.id)
+        assert snap.size > 0 and snap.id in [s.id for s in Sandbox.list_snapshots()]
+        stored = state_dir / DIRECTORY / snap.id
+        for secret in (SECRET, placeholder):  # neither the value nor its placeholder is in the files
+            assert subprocess.run(["grep", "-rqF", secret, str(stored)]).returncode == 1
+
+        with Sandbox.create(snapshot=snap.id) as child:
+            assert child.spec.image == image and child.spec.network == "none"
+            assert child.commands.run(CHECK).stdout == EXPECTED
+            assert identity(child)[0] != parent_identity[0]
+            assert child.files.read("/c18/dir/fresh.txt") == "new\n"
+
+        forks = parent.fork(3)
+        try:
+            identities = {identity(parent)} | {identity(f) for f in forks}
+            assert len({h for h, _ in identities}) == len({m for _, m in identities}) == 4
+            for fork in forks:
+                assert fork.commands.run(CHECK).stdout == EXPECTED
+            forks[0].files.write("/workspace/notes.txt", "changed in fork 0")
+            assert forks[1].files.read("/workspace/notes.txt") == "written\n"
+        finally:
+            for fork in forks:
+                fork.kill()
+        # the parent: running, unchanged, its process still there
+        assert not parent.paused
+        assert identity(parent) == parent_identity
+        assert parent.commands.run(CHECK).stdout == EXPECTED.replace(
+            "token=\n0", f"token={placeholder}\n1")
+        assert Sandbox.delete_snapshot(snap.id) and not stored.exists()
+        assert not Sandbox.delete_snapshot(snap.id)
+
+
+def test_gvisor_snapshot_and_fork_carry_files_and_deletions_only(image: str, state_dir: Path) -> None:
+    skip_unless_tier("gvisor", state_dir)
+    with Sandbox.create(tier="gvisor", image=image) as parent:
+        assert parent.commands.run(PREPARE).exit_code == 0
+        parent.commands.run("sleep 1000", background=True)
+        forks = parent.fork(2)
+        try:
+            assert {f.spec.tier for f in forks} == {"gvisor"}
+            for fork in forks:
+                assert fork.commands.run(CHECK).stdout == EXPECTED
+            assert len({identity(f) for f in [parent, *forks]}) == 3
+        finally:
+            for fork in forks:
+                fork.kill()
+        assert parent.commands.run("ps -eo comm | grep -cx sleep").stdout == "1\n"
+    assert Sandbox.list_snapshots() == [] or all(s.tier != "gvisor" for s in Sandbox.list_snapshots())
+
+
+def nothing_left(state_dir: Path, before: set[str]) -> None:
+    rows = {row.id for row in Registry.at(state_dir).rows()}
+    assert rows <= before, rows - before
+    for sandbox_id in set(os.listdir(state_dir / "sandboxes")) - before:
+        assert not sandbox_leftovers(sandbox_id, state_dir), sandbox_id
+
+
+def flip_a_byte(blob: Path) -> None:
+    with open(blob, "r+b") as f:  # one flipped byte in the middle of the content
+        f.seek(150000)
+        byte = f.read(1)
+        f.seek(150000)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> None:
+    for missing in ("snap-0000000000000000", "../sandboxes", ""):
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(snapshot=missing)
+    with pytest.raises(InvalidSpec):
+        Sandbox.create(snapshot="snap-0000000000000000", tier="gvisor")
+    with Sandbox.create() as sb:
+        with pytest.raises(InvalidState):
+            sb.resume()  # not paused
+        sb.commands.run("head -c 300000 /dev/urandom > /workspace/blob && echo x > /home/user/x")
+        sb.commands.run("truncate -s 2G /tmp/sparse")  # claims more than the disk: not written out
+        with pytest.raises(ResourceLimit, match="sparse"):
+            sb.snapshot()
+        assert not sb.paused and not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+        sb.commands.run("rm /tmp/sparse")
+        snap = sb.snapshot()
+        assert snap.written >= 300000
+        sb.pause()
+        paused_snap = sb.snapshot()  # a paused sandbox can be snapshot, and stays paused
+        assert sb.paused
+        sb.resume()
+        # content-addressed: the second snapshot links the 300 kB it shares with the first
+        assert paused_snap.size == snap.size and paused_snap.written < 20000
+        blob = max((state_dir / DIRECTORY / snap.id / "files" / "blobs").iterdir(), key=lambda p: p.stat().st_size)
+        flip_a_byte(blob)  # the shared content is damaged: a new snapshot copies it afresh
+        healed = sb.snapshot()
+        assert healed.written >= 300000
+    with pytest.raises(InvalidSpec, match="disk"):
+        Sandbox.create(snapshot=snap.id, disk="100K")
+    before = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
+
+    for damaged in (snap, paused_snap):
+        with pytest.raises(SnapshotCorrupt, match="checksum"):
+            Sandbox.create(snapshot=damaged.id)
+    nothing_left(state_dir, before)
+    with Sandbox.create(snapshot=healed.id) as child:
+        assert child.commands.run("wc -c < /workspace/blob").stdout == "300000\n"
+
+    manifest = state_dir / DIRECTORY / paused_snap.id / "files" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"ws"', b'"L9"', 1))
+    with pytest.raises(SnapshotCorrupt, match="manifest"):
+        Sandbox.create(snapshot=paused_snap.id)
+    (state_dir / DIRECTORY / paused_snap.id / "meta.json").write_text("{")
+    with pytest.raises(SnapshotCorrupt):
+        Sandbox.create(snapshot=paused_snap.id)
+    nothing_left(state_dir, before)
+    for made in (snap, paused_snap, healed):
+        assert Sandbox.delete_snapshot(made.id)
+    # what no snapshot links to any more is gone from the shared contents
+    assert all(p.stat().st_nlink > 1 for p in (state_dir / DIRECTORY / "blobs").iterdir())
+
+
+def test_tiers_that_cannot_snapshot_say_why(state_dir: Path) -> None:
+    from corral.tiers import tier_class
+
+    assert tier_class("microvm").capabilities.snapshot == "" and tier_class("wasm").capabilities.snapshot == ""
+    skip_unless_tier("wasm", state_dir)
+    with Sandbox.create(tier="wasm") as sb, pytest.raises(InvalidState, match="wasm tier cannot take snapshots"):
+        sb.snapshot()
+    assert Sandbox.list_snapshots() == [] or all(s.tier != "wasm" for s in Sandbox.list_snapshots())
+
+
+def test_gc_removes_half_written_snapshots_of_dead_writers_only(state_dir: Path) -> None:
+    store = SnapshotStore(state_dir)
+    store.dir.mkdir(mode=0o700, exist_ok=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    from corral.host.procs import process_start_time
+
+    orphan = store.dir / f".tmp-snap-00000000000000aa-{dead.pid}-{int(time.time())}"
+    working = store.dir / f".tmp-snap-00000000000000bb-{os.getpid()}-{process_start_time(os.getpid())}"
+    for d in (orphan, working):
+        (d / "files").mkdir(parents=True)
+    gc(state_dir)
+    assert not orphan.exists() and working.exists()
+    shutil.rmtree(working)
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-c18-snap", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "256K"}) as srv:
+        yield srv
+
+
+def test_snapshots_over_rest_belong_to_their_tenant_and_count_against_its_quota(server: ServerProcess) -> None:
+    with server.client("alice") as alice, server.client("bob") as bob:
+        made = alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}})
+        assert made.status_code == 201, made.text
+        sid = made.json()["id"]
+        assert alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo kept > /home/user/k"}).status_code == 200
+        assert bob.post(f"/v1/sandboxes/{sid}/snapshot").status_code == 404
+        taken = alice.post(f"/v1/sandboxes/{sid}/snapshot")
+        assert taken.status_code == 201, taken.text
+        snap = taken.json()
+        assert snap["kind"] == "filesystem" and snap["size"] > 0
+        assert [s["id"] for s in alice.get("/v1/snapshots").json()["snapshots"]] == [snap["id"]]
+        assert bob.get("/v1/snapshots").json()["snapshots"] == []
+        # another tenant's snapshot is a missing one: not listed, not usable, not removable
+        refused = bob.post("/v1/sandboxes", json={"snapshot": snap["id"]})
+        assert (refused.status_code, refused.json()["error"]) == (404, "snapshot_not_found")
+        assert bob.delete(f"/v1/snapshots/{snap['id']}").status_code == 404
+        child = alice.post("/v1/sandboxes", json={"snapshot": snap["id"]})
+        assert child.status_code == 201, child.text
+        cid = child.json()["id"]
+        assert alice.post(f"/v1/sandboxes/{cid}/exec", json={"cmd": "cat /home/user/k"}).json()["stdout"] == "kept\n"
+        # over the quota: refused, nothing kept
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 300000 /dev/urandom > /home/user/big"})
+        over = alice.post(f"/v1/sandboxes/{sid}/snapshot")
+        assert (over.status_code, over.json()["error"]) == (429, "resource_limit"), over.text
+        assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 1
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "rm /home/user/big"})
+        forked = alice.post(f"/v1/sandboxes/{sid}/fork", json={"count": 2})
+        assert forked.status_code == 201, forked.text
+        kids = [s["id"] for s in forked.json()["sandboxes"]]
+        assert len(set(kids)) == 2 and sid not in kids
+        for kid in kids:
+            assert alice.post(f"/v1/sandboxes/{kid}/exec", json={"cmd": "cat /home/user/k"}).json()["stdout"] == "kept\n"
+        assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 1  # the fork's own is gone
+        assert alice.delete(f"/v1/snapshots/{snap['id']}").status_code == 204
+        for box in (sid, cid, *kids):
+            assert alice.delete(f"/v1/sandboxes/{box}").status_code == 204
+
+
+def test_the_remote_sdk_snapshots_and_forks(server: ServerProcess) -> None:
+    with Sandbox.create(url=server.url, api_key=KEYS["alice"], memory="128M") as sb:
+        sb.files.write("/home/user/r.txt", "remote")
+        snap = sb.snapshot()
+        assert snap.id in [s.id for s in Sandbox.list_snapshots(url=server.url, api_key=KEYS["alice"])]
+        assert Sandbox.list_snapshots(url=server.url, api_key=KEYS["bob"]) == []
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(url=server.url, api_key=KEYS["bob"], snapshot=snap.id)
+        forks = sb.fork(2)
+        with Sandbox.create(url=server.url, api_key=KEYS["alice"], snapshot=snap.id) as child:
+            assert child.files.read("/home/user/r.txt") == "remote"
+        sb.kill()  # the forks keep their connection to the server
+        for fork in forks:
+            assert fork.files.read("/home/user/r.txt") == "remote"
+            fork.kill()
+        assert Sandbox.delete_snapshot(snap.id, url=server.url, api_key=KEYS["alice"])
+
+
+def test_corral_snapshot_ls_and_rm(state_dir: Path) -> None:
+    import json
+    import sys
+
+    corral = [sys.executable, "-m", "corral.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+    with Sandbox.create() as sb:
+        snap = sb.snapshot()
+    listed = subprocess.run([*corral, "snapshot", "ls", "--json"], capture_output=True, text=True, env=env, check=True)
+    assert snap.id in [s["id"] for s in json.loads(listed.stdout)]
+    removed = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
+    assert (removed.returncode, removed.stdout) == (0, snap.id + "\n")
+    again = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
+    assert again.returncode == 1 and snap.id not in [s.id for s in Sandbox.list_snapshots()]
+
+
+def test_mcp_fork_sandbox(state_dir: Path) -> None:
+    import asyncio
+    import json
+
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from .server_fixtures import CORRAL
+
+    state = state_dir / "mcp-c18"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)  # sandbox launchers (unprivileged uids) traverse it
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+
+    async def session() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+
+            async def call(tool: str, **args: object) -> dict[str, object]:
+                result = await client.call_tool(tool, args)
+                assert not result.is_error, result
+                return dict(json.loads(result.content[0].text))
+
+            sid = (await call("create_sandbox", memory="128M"))["sandbox_id"]
+            await call("write_file", sandbox_id=sid, path="n.txt", content="carried")
+            kids = (await call("fork_sandbox", sandbox_id=sid, count=2))["sandbox_ids"]
+            assert isinstance(kids, list) and len(set(kids)) == 2
+            for kid in kids:
+                assert (await call("read_file", sandbox_id=kid, path="n.txt"))["content"] == "carried"
+
+    asyncio.run(session())
+    assert list((state / "sandboxes").iterdir()) == []
+    assert SnapshotStore(state).list() == []
+
+
+def test_a_restore_never_writes_through_a_link(state_dir: Path, tmp_path: Path) -> None:
+    """A snapshot whose /etc is a link to a host directory (a root inside the sandbox could make
+    one) and whose entries lie below a link: the new sandbox's identity files are not written
+    through it, and an entry below a link is a corrupt snapshot."""
+    import hashlib
+    import json
+
+    target = tmp_path / "c18-host-etc"
+    target.mkdir()
+    with Sandbox.create() as sb:
+        snap = sb.snapshot()
+    where = state_dir / DIRECTORY / snap.id
+    manifest = where / "files" / "manifest.json"
+    body = json.loads(manifest.read_bytes())
+    link = {"k": "L0", "p": "etc", "y": "l", "l": str(target), "m": 0o777, "u": 0, "g": 0, "t": 0}
+
+    def forge(entries: list[dict[str, object]]) -> None:
+        kept = [e for e in body["entries"] if not (e["k"] == "L0" and str(e["p"]).split("/")[0] == "etc")]
+        data = json.dumps({**body, "entries": kept + entries}).encode()
+        manifest.write_bytes(data)
+        meta = json.loads((where / "meta.json").read_text())
+        (where / "meta.json").write_text(json.dumps({**meta, "digest": hashlib.sha256(data).hexdigest()}))
+
+    forge([link])
+    with Sandbox.create(snapshot=snap.id) as child:
+        assert child.commands.run("true").exit_code == 0
+    assert list(target.iterdir()) == []
+    forge([link, {"k": "L0", "p": "etc/passwd", "y": "p", "m": 0o644, "u": 0, "g": 0, "t": 0}])
+    with pytest.raises(SnapshotCorrupt, match="below a symlink"):
+        Sandbox.create(snapshot=snap.id)
+    assert list(target.iterdir()) == []
+    Sandbox.delete_snapshot(snap.id)
+
+
+def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerProcess) -> None:
+    import asyncio
+
+    from corral import AsyncSandbox
+
+    async def both() -> None:
+        for where in ({}, {"url": server.url, "api_key": KEYS["alice"]}):
+            async with await AsyncSandbox.create(memory="128M", **where) as sb:
+                await sb.files.write("/home/user/a.txt", "async")
+                snap = await sb.snapshot()
+                assert snap.kind == "filesystem"
+                [fork] = await sb.fork(1)
+                async with fork:
+                    assert await fork.files.read("/home/user/a.txt") == "async"
+                    assert fork.id != sb.id
+                assert Sandbox.delete_snapshot(snap.id, **where)
+
+    asyncio.run(both())
+
+
+def test_snapshots_outlive_a_killed_server_and_a_corrupt_one_starts_nothing(server: ServerProcess) -> None:
+    with server.client("alice") as alice:
+        sid = alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo survived > /home/user/s"})
+        snap = alice.post(f"/v1/sandboxes/{sid}/snapshot").json()["id"]
+    server.kill9()  # its sandboxes die with it (and are reaped at the next start); snapshots stay
+    server.start()
+    with server.client("alice") as alice:
+        assert [s["id"] for s in alice.get("/v1/snapshots").json()["snapshots"]] == [snap]
+        child = alice.post("/v1/sandboxes", json={"snapshot": snap}).json()["id"]
+        assert alice.post(f"/v1/sandboxes/{child}/exec", json={"cmd": "cat /home/user/s"}).json()["stdout"] == "survived\n"
+        assert alice.delete(f"/v1/sandboxes/{child}").status_code == 204
+        manifest = server.state / DIRECTORY / snap / "files" / "manifest.json"
+        manifest.write_bytes(manifest.read_bytes() + b" ")
+        bad = alice.post("/v1/sandboxes", json={"snapshot": snap})
+        assert (bad.status_code, bad.json()["error"]) == (422, "snapshot_corrupt"), bad.text
+        assert alice.get("/v1/sandboxes").json()["sandboxes"] == []
+        assert os.listdir(server.state / "sandboxes") == []
+        assert alice.delete(f"/v1/snapshots/{snap}").status_code == 204
