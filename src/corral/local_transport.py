@@ -32,6 +32,7 @@ from .lifecycle import (
     owner_elsewhere,
     row_of,
 )
+from .owner_backend import OwnerBackend
 from .ports import ExposedPort
 from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
@@ -366,7 +367,7 @@ class LocalTransport(Transport):
             return backend
         owner = owner_elsewhere(self.root, sandbox_id)
         if owner is not None:
-            return owner_link.OwnerBackend(self.root, owner, sandbox_id)
+            return OwnerBackend(self.root, owner, sandbox_id)
         raise SandboxNotFound(f"no live sandbox {sandbox_id}", sandbox_id=sandbox_id)
 
     def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]:
@@ -381,6 +382,6 @@ class LocalTransport(Transport):
     def kill(self, sandbox_id: str) -> bool:
         owner = owner_elsewhere(self.root, sandbox_id) if sandbox_id not in LIVE else None
         if owner is not None:  # its owner destroys it, as if it had called kill() itself
-            owner_link.OwnerBackend(self.root, owner, sandbox_id).close()
+            OwnerBackend(self.root, owner, sandbox_id).close()
             return True
         return kill_embedded(self.root, sandbox_id)

@@ -1,0 +1,264 @@
+"""The caller's side of :mod:`corral.owner_link`: another process's embedded sandbox,
+driven through the process that owns it (one Unix-socket connection per call)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConnectionLost, SandboxNotFound, error_from_code
+from .lifecycle import SandboxInfo
+from .owner_link import CONNECT_TIMEOUT, b64, call_to_dict, read_frames, send_frame, socket_path, unb64
+from .ports import ExposedPort
+from .tiers.base import ExecResult, FileEntry
+from .transport import CommandCall, CommandProcess, OutputCallback, SandboxBackend
+
+if TYPE_CHECKING:
+    from .commands import CommandInfo
+    from .egress.audit import AuditEvent
+    from .interpreter import Execution
+
+
+class _Call:
+    """One open call to an owner."""
+
+    def __init__(self, path: Path, sandbox_id: str, op: str, args: dict[str, Any]) -> None:
+        self.sandbox_id = sandbox_id
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(CONNECT_TIMEOUT)
+        try:
+            self.sock.connect(str(path))
+        except OSError as exc:
+            self.sock.close()
+            raise SandboxNotFound(f"sandbox {sandbox_id}'s owner does not answer ({exc.strerror})",
+                                  sandbox_id=sandbox_id) from None
+        self.sock.settimeout(None)  # commands run as long as their own timeout
+        self.lock = threading.Lock()
+        send_frame(self.sock, {"id": sandbox_id, "op": op, "args": args})
+        self.frames = read_frames(self.sock)
+
+    def answer(self, on_frame: Callable[[dict[str, Any]], None] | None = None) -> Any:
+        """Frames until the final one; its value, or its error raised."""
+        with self.sock:
+            for frame in self.frames:
+                if "ok" in frame:
+                    return frame["ok"]
+                if "error" in frame:
+                    raise error_from_code(frame["error"], frame.get("message", ""), self.sandbox_id)
+                if on_frame is not None:
+                    on_frame(frame)
+        raise ConnectionLost(f"sandbox {self.sandbox_id}'s owner went away during the call",
+                             sandbox_id=self.sandbox_id)
+
+    def control(self, frame: dict[str, Any]) -> None:
+        try:
+            send_frame(self.sock, frame, self.lock)
+        except OSError:
+            raise ConnectionLost(f"sandbox {self.sandbox_id}'s owner went away", sandbox_id=self.sandbox_id) from None
+
+
+class OwnerProcess(CommandProcess):
+    """A command of another process's sandbox, followed over one owner-link call."""
+
+    def __init__(self, call: _Call, on_output: OutputCallback | None) -> None:
+        self._call = call
+        self._on_output = on_output
+        self._started = threading.Event()
+        self._finished = threading.Event()
+        self._result: ExecResult | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._read, name="corral-owner-process", daemon=True).start()
+        self._started.wait(CONNECT_TIMEOUT)
+        if self._error is not None:
+            raise self._error
+
+    def _read(self) -> None:
+        def frame(data: dict[str, Any]) -> None:
+            if "started" in data:
+                self.pid = data["started"]
+                self._started.set()
+            elif "out" in data and self._on_output is not None:
+                self._on_output(data["out"], unb64(data["data"]))
+
+        try:
+            self._result = ExecResult(**self._call.answer(frame))
+        except BaseException as exc:  # handed to the waiter
+            self._error = exc
+        finally:
+            self._finished.set()
+            self._started.set()
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def write_stdin(self, data: bytes) -> None:
+        self._call.control({"stdin": b64(data)})
+
+    def close_stdin(self) -> None:
+        self._call.control({"close_stdin": True})
+
+    def send_signal(self, signum: int) -> None:
+        self._call.control({"signal": signum})
+
+    def kill(self) -> None:
+        if not self.done:
+            with contextlib.suppress(ConnectionLost):
+                self._call.control({"kill": True})
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._call.control({"resize": [rows, cols]})
+
+    def wait(self, on_output: OutputCallback | None = None) -> ExecResult:
+        self._finished.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        if on_output is not None and self._on_output is None:  # attached late: replayed, as locally
+            for stream, text in (("stdout", self._result.stdout), ("stderr", self._result.stderr)):
+                if text:
+                    on_output(stream, text.encode())
+        return self._result
+
+
+class OwnerBackend(SandboxBackend):
+    """A sandbox of another live process of this host, driven through that process."""
+
+    def __init__(self, root: Path, owner_pid: int, sandbox_id: str) -> None:
+        from .spec import SandboxSpec
+
+        self.id = sandbox_id
+        self.owner_pid = owner_pid
+        self.path = socket_path(root, owner_pid)
+        hello = self._call("hello")
+        self.spec = SandboxSpec.from_dict(hello["spec"])
+        self._metadata: dict[str, str] = dict(hello["metadata"])
+        self.closed = False
+
+    def _open(self, op: str, **args: Any) -> _Call:
+        return _Call(self.path, self.id, op, args)
+
+    def _call(self, op: str, **args: Any) -> Any:
+        return self._open(op, **args).answer()
+
+    # -- commands ---------------------------------------------------------------
+    def start(self, call: CommandCall, on_output: OutputCallback | None) -> OwnerProcess:
+        return OwnerProcess(self._open("start", call=call_to_dict(call)), on_output)
+
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
+        def frame(data: dict[str, Any]) -> None:
+            if "out" in data and on_output is not None:
+                on_output(data["out"], unb64(data["data"]))
+
+        opened = self._open("run", call=call_to_dict(call), stdin=b64(stdin) if stdin is not None else None,
+                            stream=on_output is not None)
+        return ExecResult(**opened.answer(frame))
+
+    def start_background(self, call: CommandCall, stdin: bytes | None,
+                         on_output: OutputCallback | None) -> OwnerProcess:
+        return OwnerProcess(self._open("start_background", call=call_to_dict(call),
+                                       stdin=b64(stdin) if stdin is not None else None), on_output)
+
+    def commands(self) -> list[CommandInfo]:
+        from .commands import CommandInfo
+
+        return [CommandInfo(**c) for c in self._call("commands")]
+
+    def command(self, pid: int) -> OwnerProcess:
+        return OwnerProcess(self._open("attach", pid=pid), None)
+
+    def kill_command(self, pid: int) -> bool:
+        return bool(self._call("kill_command", pid=pid))
+
+    # -- files --------------------------------------------------------------------
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        return unb64(self._call("read_file", path=path, max_bytes=max_bytes))
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None:
+        self._call("write_file", path=path, data=b64(data), mode=mode)
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        return [FileEntry(**e) for e in self._call("list_dir", path=path)]
+
+    def stat(self, path: str) -> FileEntry:
+        return FileEntry(**self._call("stat", path=path))
+
+    def remove(self, path: str, recursive: bool) -> None:
+        self._call("remove", path=path, recursive=recursive)
+
+    def make_dir(self, path: str, mode: int) -> None:
+        self._call("make_dir", path=path, mode=mode)
+
+    # -- the sandbox --------------------------------------------------------------
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self._metadata)
+
+    def info(self) -> SandboxInfo:
+        return SandboxInfo(**self._call("info"))
+
+    def set_timeout(self, seconds: float) -> None:
+        self._call("set_timeout", seconds=seconds)
+
+    def alive(self) -> bool:
+        if self.closed:
+            return False
+        try:
+            return bool(self._call("alive"))
+        except SandboxNotFound:
+            return False
+
+    @property
+    def paused(self) -> bool:
+        return not self.closed and bool(self._call("paused"))
+
+    def pause(self) -> None:
+        self._call("pause")
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
+                 timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
+        from .interpreter import Execution, replay_callbacks
+
+        execution = Execution.from_dict(self._call("run_code", code=code, language=language, context=context,
+                                                   timeout=timeout, envs=envs))
+        replay_callbacks(execution, callbacks)
+        return execution
+
+    def create_code_context(self, language: str, cwd: str | None) -> str:
+        return str(self._call("create_code_context", language=language, cwd=cwd))
+
+    def audit(self) -> list[AuditEvent]:
+        from .egress.audit import AuditEvent
+
+        return [AuditEvent(**event) for event in self._call("audit")]
+
+    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
+        return ExposedPort(**self._call("expose_port", port=port, unix=unix)), lambda: None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._call("close")
+        except SandboxNotFound:
+            pass
+        except ConnectionLost:
+            # the owner may exit as soon as its sandbox is gone, before it answers: that is a success
+            if self._owner_alive():
+                raise
+
+    def _owner_alive(self) -> bool:
+        try:
+            os.kill(self.owner_pid, 0)
+        except ProcessLookupError:
+            return False
+        return self.path.exists()
