@@ -64,6 +64,9 @@ h = s.commands.run("exec sleep 60", background=True)
 said.append([c.pid == h.pid for c in s.commands.list()])
 said.append([s.commands.kill(h.pid), h.wait().exit_code])
 said.append(s.run_code("6 * 7").text)
+child = s.fork(1)[0]  # embedded: a snapshot taken by the owner, a fork this process owns
+said.append(child.files.read("afar.txt"))
+child.kill()
 print(json.dumps(said))
 """
 
@@ -104,7 +107,7 @@ def test_the_acceptance_script_gives_the_same_results_both_ways(server: ServerPr
     assert embedded == remote == [
         ["listed", [True]], ["metadata", True, "Sandbox"],
         ["another process", ["from-afar", True, [["e", "err\n"], ["o", "out\n"]], "written afar", [True], [True, 137],
-                             "42"]],
+                             "42", "written afar"]],
         ["written afar", "written afar", []], ["background", [True]],
         ["killed by pid", True, 137, []], ["contexts", "1024", "7"], ["js", "[ 2, 4, 6 ]"],
         ["killed by id", True, [], False, False]]

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .commands import CommandInfo
     from .egress.audit import AuditEvent
     from .interpreter import Execution
+    from .snapshots import Snapshot
 
 
 class _Call:
@@ -242,6 +243,11 @@ class OwnerBackend(SandboxBackend):
 
     def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
         return ExposedPort(**self._call("expose_port", port=port, unix=unix)), lambda: None
+
+    def snapshot(self) -> Snapshot:
+        from .snapshots import Snapshot
+
+        return Snapshot.from_dict(self._call("snapshot"))
 
     def close(self) -> None:
         if self.closed:

@@ -201,6 +201,7 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         "create_code_context": lambda: backend.create_code_context(args["language"], args.get("cwd")),
         "audit": lambda: [event.to_dict() for event in backend.audit()],
         "expose_port": lambda: _expose(backend, int(args["port"]), bool(args["unix"])),
+        "snapshot": lambda: backend.snapshot().to_dict(),
         "close": backend.close,
     }
     if op in simple:
