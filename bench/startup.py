@@ -6,10 +6,11 @@ Prints p50/p95/p99 over N iterations of:
   - exec round trip (`true`) in a live sandbox
   - `corral run -- true` as a whole new process (CLI start-up included)
   - the floor: bare `bwrap --unshare-all ... true`
+  - a sandbox's range of 65,536 host uids: reserve + release (host-wide claim and state-dir record)
 and each figure's ratio to the floor.
 
 Targets on a 2-core machine: cold p50 <= 30 ms, p99 <= 60 ms; exec p50 <= 5 ms;
-`corral run -- true` p50 <= 200 ms.
+`corral run -- true` p50 <= 200 ms; the uid range p50 <= 1 ms (issue 13).
 
 Usage: python bench/startup.py [--iterations 100] [--cli-iterations 30] [--allow-iterations 50]
 """
@@ -54,7 +55,11 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
 
+    from pathlib import Path
+
     from corral import Sandbox
+    from corral.host.uids import allocate_range, release_range
+    from corral.registry import state_dir
 
     floor_argv = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
                   "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc",
@@ -80,6 +85,9 @@ def main() -> int:
         cli = [entry, "run", "--", "true"]
     cli_samples = measure(lambda: subprocess.run(cli, check=True), args.cli_iterations, warmup=2)
 
+    state = state_dir(Path(os.environ["CORRAL_STATE_DIR"]))
+    uid_samples = measure(lambda: release_range(state, allocate_range(state, "sb-bench").base), args.iterations)
+
     floor_p50 = percentiles(floor)[0]
     rows = [
         ("bwrap --unshare-all true (floor)", floor, ""),
@@ -87,6 +95,7 @@ def main() -> int:
         ("  the same, network=allow", allow_samples, ""),
         ("exec round trip in a live sandbox", exec_samples, "p50 <= 5"),
         ("`corral run -- true` (whole process)", cli_samples, "p50 <= 200"),
+        ("uid range: reserve + release", uid_samples, "p50 <= 1"),
     ]
     print(f"load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus; iterations {args.iterations}")
     print(f"{'what':<40} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'p50/floor':>10}  target")

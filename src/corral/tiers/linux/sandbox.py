@@ -5,7 +5,8 @@ each tier writes only how it launches its guest.
 Resources and their one owner (this class; :meth:`LinuxSandbox.close` releases
 each, and runs for a sandbox whose ``__init__`` failed half way too):
 
-- host uids: reserved with :meth:`_reserve_uid` (``self.uid`` first), released last;
+- host uid ranges: reserved with :meth:`_reserve_range` (``self.uid_range`` first; ``self.uid``
+  is its sandbox user's host uid), released last;
 - the run directory (given by the caller, empty): unmounted and removed;
 - the cgroup (:meth:`_make_cgroup`): killed and removed once the tier's own
   processes are stopped (:meth:`_stop`);
@@ -30,7 +31,7 @@ from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
 from ...host import cgroups, mounts
 from ...host.portfwd import Connect, NetnsConnector, PortForward
-from ...host.uids import allocate_uid, release_uid
+from ...host.uids import UidRange, allocate_range, release_range
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
@@ -40,6 +41,9 @@ from .rootfs import SandboxRoot, build_root
 
 
 class LinuxSandbox(TierSandbox):
+    #: the sandbox's 65,536 host ids (root inside is its base)
+    uid_range: UidRange
+    #: the host uid of the sandbox user (uid 1000 inside): it owns the sandbox's files on the host
     uid: int
     cgroup: cgroups.SandboxCgroup | None = None
     workspace: WorkspaceCopy | None = None
@@ -58,7 +62,8 @@ class LinuxSandbox(TierSandbox):
         self._forwards: list[PortForward] = []
         self._ports_connector: NetnsConnector | None = None
         try:
-            self.uid = self._reserve_uid()
+            self.uid_range = self._reserve_range()
+            self.uid = self.uid_range.user
             self._setup()
         except BaseException:
             self.close()
@@ -77,10 +82,15 @@ class LinuxSandbox(TierSandbox):
         """Release what the tier owns beyond the base's resources (runs even if :meth:`_stop` failed)."""
 
     # -- resources, each released by close() -------------------------------
+    def _reserve_range(self) -> UidRange:
+        """A range of 65,536 host ids of the sandbox's own (recorded before anything uses it)."""
+        reserved = allocate_range(self._state_dir, self.id)
+        self._uids.append(reserved.base)
+        return reserved
+
     def _reserve_uid(self) -> int:
-        uid = allocate_uid(self._state_dir, self.id)
-        self._uids.append(uid)
-        return uid
+        """One more host uid of the sandbox's own (a range's sandbox-user uid)."""
+        return self._reserve_range().user
 
     def _make_cgroup(self, limits: Limits, layout: cgroups.Layout) -> cgroups.SandboxCgroup:
         self.cgroup = cgroups.SandboxCgroup(self.id, limits, layout)
@@ -248,4 +258,4 @@ class LinuxSandbox(TierSandbox):
             mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for uid in self._uids:
-                release_uid(self._state_dir, uid)
+                release_range(self._state_dir, uid)
