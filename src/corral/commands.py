@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal, overload
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory, host_errors
 from .images import SANDBOX_HOME, SANDBOX_USER
 from .secrets import StreamRedactor
-from .spec import validate_env, validate_sandbox_path
+from .spec import validate_env, validate_sandbox_path, validate_user
 from .surface import output_callback
 from .tiers import tier_class
 from .tiers.base import ExecRequest, ExecResult, Process
@@ -31,6 +31,8 @@ BASE_ENV = {
     "LANG": "C.UTF-8",
     "SHELL": "/bin/sh",
 }
+#: what differs for a command run as root
+ROOT_ENV = {"HOME": "/root", "USER": "root", "LOGNAME": "root"}
 
 
 
@@ -151,15 +153,19 @@ class Commands:
         self.connect(pid).send_stdin(data)
 
     def _request(self, cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None,
-                 cwd: str | None, pty: tuple[int, int] | None = None) -> ExecRequest:
+                 cwd: str | None, pty: tuple[int, int] | None = None, user: str | None = None) -> ExecRequest:
         if pty is not None and not (len(pty) == 2 and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
             raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
-        if pty is not None and not tier_class(self._sb.spec.tier).capabilities.pty:
+        capabilities = tier_class(self._sb.spec.tier).capabilities
+        if pty is not None and not capabilities.pty:
             raise InvalidSpec(f"pty: the {self._sb.spec.tier} tier cannot run commands on a terminal")
+        if user is not None:
+            capabilities.check_user(validate_user(user), self._sb.spec.tier)
         limits = self._sb.spec.limits
         if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 7 * 86400):
             raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, 604800]")
-        merged = {**BASE_ENV, **self._sb.spec.env, **validate_env(env)}
+        as_root = (user or self._sb.spec.user) == "root"
+        merged = {**BASE_ENV, **(ROOT_ENV if as_root else {}), **self._sb.spec.env, **validate_env(env)}
         return ExecRequest(
             argv=_argv(cmd),
             env=merged,
@@ -167,6 +173,7 @@ class Commands:
             timeout=float(timeout if timeout is not None else limits.timeout),
             max_output=limits.max_output,
             pty=tuple(pty) if pty is not None else None,  # type: ignore[arg-type]
+            user=user,
         )
 
     def start(
@@ -180,12 +187,15 @@ class Commands:
         on_stderr: Callable[[str], None] | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
         pty: tuple[int, int] | None = None,
+        user: str | None = None,
     ) -> CommandHandle:
         """Start a command; output reaches the callbacks as it is produced (on a reader thread).
 
         With ``pty=(rows, cols)`` it runs on a terminal: output arrives as stdout only.
+        ``user="root"`` runs it as root of the sandbox's own user namespace (tiers that offer
+        it), ``user="user"`` as the unprivileged sandbox user; None: the sandbox's ``user``.
         """
-        request = self._request(cmd, timeout, env, cwd, pty)
+        request = self._request(cmd, timeout, env, cwd, pty, user)
         callback = output_callback(on_stdout, on_stderr, on_output)
         inner = self._sb._tier_sandbox()
         network = inner.network
@@ -200,13 +210,13 @@ class Commands:
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ..., env: Mapping[str, str] | None = ...,
             cwd: str | None = ..., stdin: str | bytes | None = ..., on_stdout: Callable[[str], None] | None = ...,
             on_stderr: Callable[[str], None] | None = ..., on_output: Callable[[str, bytes], None] | None = ...,
-            check: bool = ..., background: Literal[False] = ...) -> ExecResult: ...
+            check: bool = ..., background: Literal[False] = ..., user: str | None = ...) -> ExecResult: ...
 
     @overload
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ..., env: Mapping[str, str] | None = ...,
             cwd: str | None = ..., stdin: str | bytes | None = ..., on_stdout: Callable[[str], None] | None = ...,
             on_stderr: Callable[[str], None] | None = ..., on_output: Callable[[str, bytes], None] | None = ...,
-            check: bool = ..., background: Literal[True]) -> CommandHandle: ...
+            check: bool = ..., background: Literal[True], user: str | None = ...) -> CommandHandle: ...
 
     def run(
         self,
@@ -221,6 +231,7 @@ class Commands:
         on_output: Callable[[str, bytes], None] | None = None,
         check: bool = False,
         background: bool = False,
+        user: str | None = None,
     ) -> ExecResult | CommandHandle:
         """Run a command to completion. A shell string runs under ``/bin/sh -c``.
 
@@ -230,7 +241,7 @@ class Commands:
         known and its stdin open (``commands.list/connect/kill/send_stdin`` find it by pid).
         """
         handle = self.start(cmd, timeout=timeout, env=env, cwd=cwd, on_stdout=on_stdout,
-                            on_stderr=on_stderr, on_output=on_output)
+                            on_stderr=on_stderr, on_output=on_output, user=user)
         if stdin is not None:
             handle.send_stdin(stdin)
         if background:

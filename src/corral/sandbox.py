@@ -49,7 +49,7 @@ from .surface import (
     download_dir,
     upload_dir,
 )
-from .tiers import get_tier
+from .tiers import get_tier, tier_class
 from .tiers.base import ExecResult, FileEntry, TierSandbox
 
 _gc_done: set[Path] = set()
@@ -158,8 +158,9 @@ class Sandbox:
     def create(cls, spec: SandboxSpec | None = None, *, state: str | Path | None = None, **kwargs: Any) -> Sandbox:
         """Create a sandbox. Keyword arguments: image, tier, memory, pids, cpus, disk, timeout,
         max_output, workspace (``DIR[:rw|ro|cow]``), env, network, allow, unsafe_allow_ranges,
-        secrets (``["NAME@host1,host2"]``) and secret_values (``{"NAME": value}``; default: the
-        caller's environment)."""
+        secrets (``["NAME@host1,host2"]``), secret_values (``{"NAME": value}``; default: the
+        caller's environment) and user (``"user"``, the default: uid 1000; ``"root"``: root of
+        the sandbox's own user namespace, on tiers that offer it)."""
         values = kwargs.pop("secret_values", None)
         if values is not None:
             with secret_values(values):
@@ -179,6 +180,7 @@ class Sandbox:
         if lifetime is not None:
             lifetime = check_lifetime(lifetime)
         full_spec = build_spec(spec, **kwargs)
+        tier_class(full_spec.tier).capabilities.check_user(full_spec.user, full_spec.tier)
         sandbox_id = new_sandbox_id()
         with host_errors("create the sandbox", sandbox_id):
             root = state_dir(state)

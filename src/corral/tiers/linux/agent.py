@@ -62,6 +62,9 @@ class AgentChannel:
         self.on_spare: Callable[[int], None] | None = None
         #: time the sandbox spent paused: commands' timeouts do not run meanwhile
         self.pause_clock = PauseClock()
+        #: a request's ``user`` -> the uid the agent makes the command (agents that can switch
+        #: users: root of the sandbox's user namespace); a user not here runs as the agent's default
+        self.user_ids: dict[str, int] = {}
         self._thread = threading.Thread(target=self._read_loop, name="corral-agent-reader", daemon=True)
         self._thread.start()
 
@@ -259,7 +262,9 @@ class AgentChannel:
         ident = self.new_id()
         proc = AgentProcess(self, ident, request, on_output, place, kill, finish)
         self._execs[ident] = proc
-        parts = [request.cwd, str(len(request.argv)), *request.argv, str(len(request.env))]
+        uid = self.user_ids.get(request.user) if request.user is not None else None
+        parts = ["" if uid is None else str(uid), request.cwd, str(len(request.argv)), *request.argv,
+                 str(len(request.env))]
         parts += [f"{k}={v}" for k, v in request.env.items()]
         payload = b"".join(p.encode() + b"\0" for p in parts)
         kind = T_EXEC

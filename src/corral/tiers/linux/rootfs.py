@@ -10,6 +10,14 @@ unprivileged host uid per sandbox.  Layout below ``run_dir`` (root-only)::
       L1-upper/ ...            one upper per extra image layer (e.g. /usr)
       ws/                      the sandbox's copy of the workspace
     root/           the merged root (overlay), other layers mounted below it
+    lower/          while the root is built: the idmapped view of one image layer
+
+Given the sandbox's user namespace (``userns_fd``, its whole uid range mapped),
+each image layer is first mounted idmapped (:mod:`corral.host.idmap`): inside,
+the image's files show their real owners (``root:root``, not ``nobody``), and
+root of the sandbox may change any of them -- in the overlay's upper layer on
+the disk tmpfs, never in the image; what Corral itself puts in the upper
+layers belongs to root of the sandbox too (``root_uid`` on the host).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...egress import network as egress_network
-from ...host import cgroups, mounts
+from ...host import cgroups, idmap, mounts
 from ...host.uids import release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import SANDBOX_HOME, identity_files, resolve
@@ -64,6 +72,8 @@ def build_root(
     uid: int,
     files: Mapping[str, bytes] | None = None,
     mount_points: Sequence[str] = (),
+    userns_fd: int | None = None,
+    root_uid: int | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
 
@@ -71,8 +81,10 @@ def build_root(
     the root; ``mount_points`` are created as empty files for later bind mounts.
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
-    workspace).  The caller unmounts on teardown: :func:`mounts.unmount_all` of ``run_dir``
-    with ``known=`` the returned ``mounts``.
+    workspace).  With ``userns_fd`` (the sandbox's user namespace) the image's
+    layers are idmapped into it and the upper layers belong to ``root_uid``
+    (root inside).  The caller unmounts on teardown: :func:`mounts.unmount_all`
+    of ``run_dir`` with ``known=`` the returned ``mounts``.
     """
     image = resolve(spec.image, state_dir)
     os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
@@ -81,15 +93,23 @@ def build_root(
     root.mkdir()
     mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
     made = [disk]
+    mapped = userns_fd is not None and root_uid is not None
     for index, (point, lower) in enumerate(image.layers):
         upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
         upper.mkdir()
         work.mkdir()
         if point == "/":
-            _prepare_root_upper(upper, uid, own_etc=image.own_etc)
+            _prepare_root_upper(upper, uid, own_etc=image.own_etc, image_etc=lower / "etc" if image.own_etc else None)
             _add_files(upper, files or {}, mount_points)
+        if mapped:
+            assert root_uid is not None
+            _give_to(upper, root_uid)
         target = root / point.lstrip("/") if point != "/" else root
-        mounts.mount_overlay(target, [lower], upper, work)
+        if mapped:
+            assert userns_fd is not None
+            _mount_mapped_overlay(run_dir / "lower", target, lower, upper, work, userns_fd)
+        else:
+            mounts.mount_overlay(target, [lower], upper, work)
         made.append(target)
     ws = disk / "ws"
     workspace: WorkspaceCopy | None = None
@@ -99,6 +119,27 @@ def build_root(
         ws.mkdir(mode=0o755)
         os.chown(ws, uid, uid)
     return SandboxRoot(root, ws, workspace, made)
+
+
+def _mount_mapped_overlay(view: Path, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int) -> None:
+    """The overlay at ``target`` on an idmapped view of ``lower`` (mounted at ``view`` only
+    while the overlay is made: the overlay keeps a private clone of it)."""
+    view.mkdir(exist_ok=True)
+    idmap.mount_idmapped(lower, view, userns_fd)
+    try:
+        mounts.mount_overlay(target, [view], upper, work)
+    finally:
+        mounts.umount(view, lazy=True)
+
+
+def _give_to(upper: Path, root_uid: int) -> None:
+    """Hand what Corral made as host root in an upper layer to root of the sandbox (``root_uid``):
+    inside, host root is nobody, and a directory of nobody's would shadow the image's own."""
+    for dirpath, dirnames, filenames in os.walk(upper):
+        for path in (dirpath, *(os.path.join(dirpath, n) for n in (*dirnames, *filenames))):
+            st = os.lstat(path)
+            if st.st_uid == 0 or st.st_gid == 0:
+                os.lchown(path, root_uid if st.st_uid == 0 else -1, root_uid if st.st_gid == 0 else -1)
 
 
 def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[str]) -> None:
@@ -112,7 +153,7 @@ def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[s
         os.chmod(target, 0o644)
 
 
-def _prepare_root_upper(upper: Path, uid: int, own_etc: bool) -> None:
+def _prepare_root_upper(upper: Path, uid: int, own_etc: bool, image_etc: Path | None = None) -> None:
     # mount points and the home directory must exist before the sandbox starts:
     # inside it, host-root-owned directories cannot be written to
     (upper / ".corral").mkdir()
@@ -130,7 +171,22 @@ def _prepare_root_upper(upper: Path, uid: int, own_etc: bool) -> None:
         (upper / "etc").mkdir(exist_ok=True)
         os.chmod(upper / "etc", 0o755)
         for rel, content in identity_files().items():
+            if image_etc is not None and rel in ("etc/passwd", "etc/group"):
+                content = _merged_ids(image_etc / rel.removeprefix("etc/"), content)
             (upper / rel).write_text(content)
+
+
+def _merged_ids(image_file: Path, ours: str) -> str:
+    """The image's passwd/group with the sandbox's entries whose name or id it lacks added:
+    its system users (``_apt``, ``www-data``...) stay, so package tools find them."""
+    try:
+        theirs = image_file.read_text()
+    except OSError:
+        return ours
+    rows = [line.split(":") for line in theirs.splitlines() if line.count(":") >= 3]
+    names, ids = {r[0] for r in rows}, {r[2] for r in rows}
+    extra = [line for line in ours.splitlines() if line.split(":")[0] not in names and line.split(":")[2] not in ids]
+    return theirs.rstrip("\n") + "\n" + "".join(f"{line}\n" for line in extra)
 
 
 def shm_dir(run_dir: Path, uid: int) -> Path:

@@ -11,6 +11,8 @@ each, and runs for a sandbox whose ``__init__`` failed half way too):
 - the cgroup (:meth:`_make_cgroup`): killed and removed once the tier's own
   processes are stopped (:meth:`_stop`);
 - the network side (:meth:`_make_network`): closed;
+- the user namespace that maps the whole uid range (:meth:`_make_userns`): its descriptor closed
+  (:meth:`_drop_userns` once the guest holds the namespace, else at close);
 - the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory.
 
 A subclass sets its own attributes, then calls ``super().__init__``, which
@@ -22,6 +24,7 @@ reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
 from abc import abstractmethod
@@ -32,6 +35,7 @@ from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, Sa
 from ...host import cgroups, mounts
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
+from ...host.userns import make_userns
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
@@ -50,6 +54,8 @@ class LinuxSandbox(TierSandbox):
     _channel: AgentChannel | None = None
     #: the run directory's mounts when known (None: search for them at close)
     _mounts: list[Path] | None = None
+    #: the sandbox's user namespace (whole range mapped), while the host holds it
+    _userns_fd: int | None = None
 
     def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
         self.id = sandbox_id
@@ -92,6 +98,17 @@ class LinuxSandbox(TierSandbox):
         """One more host uid of the sandbox's own (a range's sandbox-user uid)."""
         return self._reserve_range().user
 
+    def _make_userns(self, helper: Path) -> int:
+        """The sandbox's user namespace: its uid range mapped to 0-65535 inside (``helper``: the agent
+        binary, run as ``--userns``).  :meth:`_build_root` then idmaps the image into it."""
+        self._userns_fd = make_userns(helper, self.uid_range)
+        return self._userns_fd
+
+    def _drop_userns(self) -> None:
+        fd, self._userns_fd = self._userns_fd, None
+        if fd is not None:
+            os.close(fd)
+
     def _make_cgroup(self, limits: Limits, layout: cgroups.Layout) -> cgroups.SandboxCgroup:
         self.cgroup = cgroups.SandboxCgroup(self.id, limits, layout)
         return self.cgroup
@@ -109,6 +126,7 @@ class LinuxSandbox(TierSandbox):
             self.spec, self._state_dir, self._run_dir, self.uid,
             files=network.files if network is not None else {},
             mount_points=[inside for _, inside in network.binds] if network is not None else [],
+            userns_fd=self._userns_fd, root_uid=self.uid_range.base,
         )
         self.workspace = built.workspace
         self._mounts = built.mounts
@@ -252,6 +270,7 @@ class LinuxSandbox(TierSandbox):
             if self.cgroup is not None:
                 self.cgroup.destroy()
         finally:
+            self._drop_userns()
             self._release()
             if self.network is not None:
                 self.network.close()
