@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
+from corral.commands import check_call
 from egress_net import METADATA, TargetNet, ip_forwarding, target_net
 
 
@@ -202,8 +203,8 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
         # a bound host echoing the value back cannot put it in the sandbox: the proxy swaps the
         # placeholder back in (every other encoding: test_egress_echo.py)
         for url in ("http://target.test:8080/echo", "https://target.test:8443/echo"):
-            echo = sb._tier_sandbox().start(sb.commands._request(
-                f'curl -fsS -H "X-Key: $API_TOKEN" {url}', 30, None, None), lambda _s, _c: None).wait()
+            echo = sb._tier_sandbox().start(sb._local().request(check_call(
+                f'curl -fsS -H "X-Key: $API_TOKEN" {url}', 30, None, None)), lambda _s, _c: None).wait()
             assert echo.stdout == f"you sent {placeholder}\n", (url, echo)
         assert [h["headers"]["X-Key"] for h in net.hits() if h["path"] == "/echo"] == [SECRET, SECRET]
         assert [e.rule for e in sb.network.audit() if e.kind == "secret-echo"] == [
@@ -213,7 +214,7 @@ def test_secret_reaches_only_its_host_and_never_the_sandbox(net: TargetNet) -> N
         # the CA key never enters the sandbox; the real value is nowhere inside
         dump = "env; cat /proc/1/environ /etc/ssl/certs/ca-certificates.crt /.corral/egress-ca.crt; ls -la /.corral"
         raw = b""
-        handle = sb._tier_sandbox().start(sb.commands._request(dump, 30, None, None),
+        handle = sb._tier_sandbox().start(sb._local().request(check_call(dump, 30, None, None)),
                                           lambda _s, chunk: None)
         raw_result = handle.wait()
         raw = (raw_result.stdout + raw_result.stderr).encode()

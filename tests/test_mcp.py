@@ -125,3 +125,57 @@ def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> 
         server.terminate()
         server.wait(timeout=30)
     assert list((state / "sandboxes").iterdir()) == []
+
+
+def test_mcp_run_code_gives_images_and_every_text_is_capped(state_dir: Path) -> None:
+    import base64
+    import struct
+    import zlib
+
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from corral.mcp_server import TEXT_CAP
+
+    def png() -> bytes:  # a valid 1x1 PNG, made by hand (the sandbox's python needs no imaging library)
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(b"\x00\xff\x00\x00")) + chunk(b"IEND", b""))
+
+    state = state_dir / "mcp-content"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    image = png()
+
+    async def session() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            sid = _payload(await client.call_tool("create_sandbox", {"memory": "256M"}))["sandbox_id"]
+            code = (f"import base64\nclass Dot:\n    def _repr_png_(self):\n"
+                    f"        return base64.b64decode({base64.b64encode(image).decode()!r})\n"
+                    "print('x' * 30000)\nDot()")
+            ran = await client.call_tool("run_code", {"sandbox_id": sid, "code": code})
+            assert not ran.is_error and [c.type for c in ran.content] == ["text", "image"]
+            assert ran.content[1].mime_type == "image/png" and base64.b64decode(ran.content[1].data) == image
+            answer = json.loads(ran.content[0].text)
+            assert len(answer["stdout"]) == TEXT_CAP and answer["cut"]["stdout"]["total_chars"] == 30001
+            assert "read_file" in answer["note"] and answer["results"][0]["png"] == "(image content below)"
+            big = _payload(await client.call_tool("run_command", {"sandbox_id": sid,
+                                                                  "command": "head -c 50000 /dev/zero | tr '\\0' y"}))
+            assert len(big["stdout"]) == TEXT_CAP and big["cut"]["stdout"]["total_chars"] == 50000
+            small = _payload(await client.call_tool("run_command", {"sandbox_id": sid, "command": "echo ok"}))
+            assert small["stdout"] == "ok\n" and small["truncated"] is False and "cut" not in small
+            await client.call_tool("run_command", {"sandbox_id": sid,
+                                                   "command": "head -c 45000 /dev/zero | tr '\\0' z > big.txt"})
+            pages, offset = [], 0
+            while offset is not None:  # bounded: three pages of a 45000-character file
+                page = _payload(await client.call_tool("read_file", {"sandbox_id": sid, "path": "big.txt",
+                                                                     "offset": offset}))
+                pages.append(page["content"])
+                offset = page["next_offset"]
+                assert len(pages) <= 3
+            assert "".join(pages) == "z" * 45000 and [len(p) for p in pages] == [TEXT_CAP, TEXT_CAP, 5000]
+
+    asyncio.run(session())

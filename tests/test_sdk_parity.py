@@ -86,10 +86,67 @@ def test_a_background_command_is_found_fed_and_killed_by_pid(sandbox: Any) -> No
     probe = sandbox.commands.run("sleep 0.5; echo other")  # the sandbox goes on meanwhile
     assert probe.stdout == "other\n"
     assert sandbox.commands.kill(pid) is True
-    result = handle.wait(on_output=lambda stream, chunk: outputs.append(chunk)) \
-        if isinstance(sandbox, RemoteSandbox) else handle.wait()
+    result = handle.wait(on_output=lambda stream, chunk: outputs.append(chunk))
     assert result.stdout == "got hi\n" and result.exit_code == 137, result
-    if isinstance(sandbox, RemoteSandbox):
-        assert b"".join(outputs) == b"got hi\n"  # attached after the fact: what it printed, replayed
+    assert b"".join(outputs) == b"got hi\n"  # attached after the fact: what it printed, replayed
     assert sandbox.commands.kill(pid) is False
     assert sandbox.commands.list() == []
+
+
+def test_one_class_whichever_transport(sandbox: Any, server: ServerProcess) -> None:
+    assert type(sandbox) in (Sandbox, RemoteSandbox) and isinstance(sandbox, Sandbox)
+    remote = sandbox.remote
+    made = Sandbox.create(url=server.url, api_key=KEYS["alice"]) if remote else Sandbox.create()
+    with made:
+        assert type(made) is Sandbox and made.remote is remote  # no other class, no type-ignore
+        again = Sandbox.connect(made.id, **({"url": server.url, "api_key": KEYS["alice"]} if remote else {}))
+        assert type(again) is Sandbox and again.commands.run("echo same").stdout == "same\n"
+
+
+def test_binary_stdin_to_run_and_to_a_background_command(sandbox: Any) -> None:
+    payload = bytes(range(256))  # not UTF-8: base64 over the wire
+    assert sandbox.commands.run("od -An -v -tx1 | tr -d ' \\n'", stdin=payload).stdout == payload.hex()
+    handle = sandbox.commands.run("od -An -v -tx1 | tr -d ' \\n'", stdin=payload, background=True)
+    handle.send_stdin(b"\xff")
+    handle.close_stdin()  # by pid over REST too
+    assert handle.wait().stdout == payload.hex() + "ff"
+
+
+def test_a_background_command_takes_a_signal_by_pid(sandbox: Any) -> None:
+    handle = sandbox.commands.run("trap 'echo got-term; exit 3' TERM; touch /tmp/trapped; "
+                                  "while :; do sleep 0.05; done", background=True)
+    for _ in range(200):  # until the trap is set (bounded)
+        if sandbox.files.exists("/tmp/trapped"):
+            break
+    found = sandbox.commands.connect(handle.pid)
+    assert found.pid == handle.pid and not found.done
+    found.send_signal(15)
+    result = found.wait()
+    assert (result.exit_code, result.stdout) == (3, "got-term\n")
+    with pytest.raises(InvalidSpec, match="no running command"):
+        sandbox.commands.connect(handle.pid)
+
+
+def test_an_exposed_port_is_reached_both_ways(sandbox: Any, server: ServerProcess) -> None:
+    import httpx
+
+    sandbox.files.write("/workspace/hello.txt", "served")
+    sandbox.commands.run("exec python3 -m http.server 8000 --bind 127.0.0.1 --directory /workspace",
+                         background=True)
+    exposed = sandbox.ports.expose(8000)
+    assert exposed.sandbox_port == 8000 and exposed in sandbox.ports.list()
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"} if sandbox.remote else {}
+    deadline = 50
+    for _ in range(deadline):  # until the server in the sandbox listens (bounded)
+        try:
+            response = httpx.get(exposed.url + "hello.txt", headers=headers, timeout=5)
+            if response.status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        import time
+
+        time.sleep(0.1)
+    assert response.status_code == 200 and response.text == "served"
+    sandbox.ports.close(exposed)
+    assert sandbox.ports.list() == []

@@ -33,7 +33,7 @@ def server(state_dir: Path) -> Iterator[ServerProcess]:
 
 def test_sdk_same_api_remotely(server: ServerProcess) -> None:
     with Sandbox.create(url=server.url, api_key=KEYS["alice"], memory="128M") as sb:
-        assert isinstance(sb, RemoteSandbox)
+        assert isinstance(sb, Sandbox) and sb.remote  # one class, whichever transport
         result = sb.commands.run("echo hi; echo oops >&2; exit 2")
         assert (result.exit_code, result.stdout, result.stderr, result.ok) == (2, "hi\n", "oops\n", False)
         seen: list[str] = []

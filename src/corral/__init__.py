@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Sandbox": "corral.sandbox",
-    "AsyncSandbox": "corral.sandbox",
+    "AsyncSandbox": "corral.async_sandbox",
     "run": "corral.sandbox",
     "SandboxSpec": "corral.spec",
     "Limits": "corral.spec",
@@ -35,8 +35,8 @@ __all__ = [*_EXPORTS, *_ERRORS]
 if TYPE_CHECKING:
     from typing import Any
 
+    from .async_sandbox import AsyncSandbox as AsyncSandbox
     from .errors import *  # noqa: F403
-    from .sandbox import AsyncSandbox as AsyncSandbox
     from .sandbox import Sandbox as Sandbox
     from .sandbox import run as run
     from .spec import Limits as Limits

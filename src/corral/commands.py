@@ -1,24 +1,22 @@
 """Commands inside a sandbox: ``sandbox.commands.run/start`` and the handle of a running one.
 
-Split from :mod:`corral.sandbox` (which re-exports both classes): a command's request is built
-and validated here, then handed to the tier; background commands are tracked here by pid.
+One class for every transport (see :mod:`corral.transport`): a command's arguments are
+checked here, then carried by the sandbox's transport.  Background commands are found again
+by pid (``list``, ``connect``, ``kill``, ``send_stdin``), in this process or in a server.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, overload
 
-from .errors import ExecTimeout, InvalidSpec, OutOfMemory, host_errors
+from .errors import ExecTimeout, InvalidSpec, OutOfMemory
 from .images import SANDBOX_HOME, SANDBOX_USER
-from .secrets import StreamRedactor
 from .spec import validate_env, validate_sandbox_path, validate_user
 from .surface import output_callback
-from .tiers import tier_class
-from .tiers.base import ExecRequest, ExecResult, Process
+from .tiers.base import ExecResult
+from .transport import CommandCall, CommandProcess, OutputCallback
 
 if TYPE_CHECKING:
     from .sandbox import Sandbox
@@ -31,13 +29,14 @@ BASE_ENV = {
     "LANG": "C.UTF-8",
     "SHELL": "/bin/sh",
 }
+#: the longest timeout a command may ask for
+MAX_TIMEOUT = 7 * 86400
 #: what differs for a command run as root
 ROOT_ENV = {"HOME": "/root", "USER": "root", "LOGNAME": "root"}
 
 
-
-
-def _argv(cmd: str | Sequence[str]) -> list[str]:
+def argv_of(cmd: str | Sequence[str]) -> list[str]:
+    """The argv of a command: a shell string runs under ``/bin/sh -c``."""
     if isinstance(cmd, str):
         if not cmd.strip():
             raise InvalidSpec("command is empty")
@@ -50,18 +49,33 @@ def _argv(cmd: str | Sequence[str]) -> list[str]:
     return argv
 
 
-class CommandHandle:
-    """A command started with ``commands.start``: feed stdin, signal, wait for the result."""
+def check_call(cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None, cwd: str | None,
+               pty: tuple[int, int] | None = None, user: str | None = None) -> CommandCall:
+    """A command's arguments, checked the same way whichever transport carries them."""
+    argv_of(cmd)
+    if pty is not None and not (isinstance(pty, (tuple, list)) and len(pty) == 2
+                                and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
+        raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout <= MAX_TIMEOUT):
+        raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, {MAX_TIMEOUT}]")
+    return CommandCall(cmd if isinstance(cmd, str) else list(cmd), timeout,
+                       validate_env(env) if env is not None else None,
+                       validate_sandbox_path(cwd, "cwd") if cwd is not None else None,
+                       (int(pty[0]), int(pty[1])) if pty is not None else None,
+                       validate_user(user) if user is not None else None)
 
-    def __init__(self, process: Process, redact: Callable[[str], str] | None = None,
-                 stream: StreamRedactor | None = None, sandbox_id: str | None = None) -> None:
+
+class CommandHandle:
+    """A running command (``commands.start``, ``run(background=True)``, ``commands.connect``):
+    feed stdin, signal, wait for the result."""
+
+    def __init__(self, process: CommandProcess, sandbox_id: str | None = None) -> None:
         self._process = process
-        self._redact = redact
-        self._stream = stream
         self._sandbox_id = sandbox_id
 
     def send_stdin(self, data: str | bytes) -> None:
-        self._process.write_stdin(data.encode() if isinstance(data, str) else data)
+        self._process.write_stdin(data.encode() if isinstance(data, str) else bytes(data))
 
     def close_stdin(self) -> None:
         self._process.close_stdin()
@@ -85,15 +99,10 @@ class CommandHandle:
         """True once the command has ended; never blocks."""
         return self._process.done
 
-    def wait(self) -> ExecResult:
-        with host_errors("wait for a command", self._sandbox_id):
-            result = self._process.wait()
-        if self._stream is not None:
-            self._stream.flush()
-        if self._redact is not None:
-            result.stdout = self._redact(result.stdout)
-            result.stderr = self._redact(result.stderr)
-        return result
+    def wait(self, on_output: OutputCallback | None = None) -> ExecResult:
+        """Its result, once it ended.  ``on_output(stream, chunk)`` also gets what it printed, from
+        its start (for a handle found by pid, which was started without callbacks)."""
+        return self._process.wait(on_output)
 
 
 @dataclass(frozen=True)
@@ -108,73 +117,25 @@ class CommandInfo:
         return {"pid": self.pid, "argv": list(self.argv), "cwd": self.cwd}
 
 
-#: how long ``run(background=True)`` waits for the command to exist, so its pid is known
-BACKGROUND_START_TIMEOUT = 10.0
-
-
 class Commands:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
-        self._lock = threading.Lock()
-        #: every command started and not yet seen to end, with its request (for list/connect/kill by pid)
-        self._started: list[tuple[CommandHandle, ExecRequest]] = []
-
-    def _track(self, handle: CommandHandle, request: ExecRequest) -> CommandHandle:
-        with self._lock:
-            self._started = [(h, r) for h, r in self._started if not h.done]
-            self._started.append((handle, request))
-        return handle
 
     def list(self) -> list[CommandInfo]:
         """The commands running now (started with ``start`` or ``run(background=True)``), by pid."""
-        with self._lock:
-            self._started = [(h, r) for h, r in self._started if not h.done]
-            return [CommandInfo(h.pid, list(r.argv), r.cwd) for h, r in self._started if h.pid is not None]
+        return self._sb._backend.commands()
 
     def connect(self, pid: int) -> CommandHandle:
-        """The handle of the running command with this pid (as ``start`` returned it)."""
-        with self._lock:
-            for handle, _ in self._started:
-                if handle.pid == pid and not handle.done:
-                    return handle
-        raise InvalidSpec(f"sandbox {self._sb.id} has no running command with pid {pid}")
+        """A handle of the running command with this pid (InvalidSpec if none runs)."""
+        return CommandHandle(self._sb._backend.command(pid), self._sb.id)
 
     def kill(self, pid: int) -> bool:
         """Kill the running command with this pid (its whole tree); False if none runs."""
-        try:
-            handle = self.connect(pid)
-        except InvalidSpec:
-            return False
-        handle.kill()
-        return True
+        return self._sb._backend.kill_command(pid)
 
     def send_stdin(self, pid: int, data: str | bytes) -> None:
         """Write to the stdin of the running command with this pid."""
         self.connect(pid).send_stdin(data)
-
-    def _request(self, cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None,
-                 cwd: str | None, pty: tuple[int, int] | None = None, user: str | None = None) -> ExecRequest:
-        if pty is not None and not (len(pty) == 2 and all(isinstance(n, int) and 0 < n < 10000 for n in pty)):
-            raise InvalidSpec(f"pty: expected (rows, cols) of positive whole numbers, got {pty!r}")
-        capabilities = tier_class(self._sb.spec.tier).capabilities
-        if pty is not None and not capabilities.pty:
-            raise InvalidSpec(f"pty: the {self._sb.spec.tier} tier cannot run commands on a terminal")
-        if user is not None:
-            capabilities.check_user(validate_user(user), self._sb.spec.tier)
-        limits = self._sb.spec.limits
-        if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 < timeout <= 7 * 86400):
-            raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, 604800]")
-        as_root = (user or self._sb.spec.user) == "root"
-        merged = {**BASE_ENV, **(ROOT_ENV if as_root else {}), **self._sb.spec.env, **validate_env(env)}
-        return ExecRequest(
-            argv=_argv(cmd),
-            env=merged,
-            cwd=validate_sandbox_path(cwd or self._sb.cwd, "cwd"),
-            timeout=float(timeout if timeout is not None else limits.timeout),
-            max_output=limits.max_output,
-            pty=tuple(pty) if pty is not None else None,  # type: ignore[arg-type]
-            user=user,
-        )
 
     def start(
         self,
@@ -195,16 +156,9 @@ class Commands:
         ``user="root"`` runs it as root of the sandbox's own user namespace (tiers that offer
         it), ``user="user"`` as the unprivileged sandbox user; None: the sandbox's ``user``.
         """
-        request = self._request(cmd, timeout, env, cwd, pty, user)
+        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, pty, user)
         callback = output_callback(on_stdout, on_stderr, on_output)
-        inner = self._sb._tier_sandbox()
-        network = inner.network
-        with host_errors("start a command", self._sb.id):
-            if network is not None and network.secrets:
-                stream = StreamRedactor(network.redactor, callback) if callback is not None else None
-                return self._track(CommandHandle(inner.start(request, stream.feed if stream else None),
-                                                 network.redact_text, stream, self._sb.id), request)
-            return self._track(CommandHandle(inner.start(request, callback), sandbox_id=self._sb.id), request)
+        return CommandHandle(self._sb._backend.start(call, callback), self._sb.id)
 
     @overload
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ..., env: Mapping[str, str] | None = ...,
@@ -240,17 +194,13 @@ class Commands:
         With ``background=True`` it returns the running command's handle at once, its ``pid``
         known and its stdin open (``commands.list/connect/kill/send_stdin`` find it by pid).
         """
-        handle = self.start(cmd, timeout=timeout, env=env, cwd=cwd, on_stdout=on_stdout,
-                            on_stderr=on_stderr, on_output=on_output, user=user)
-        if stdin is not None:
-            handle.send_stdin(stdin)
+        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, user=user)
+        callback = output_callback(on_stdout, on_stderr, on_output)
+        data = stdin.encode() if isinstance(stdin, str) else bytes(stdin) if stdin is not None else None
+        backend = self._sb._backend
         if background:
-            deadline = time.monotonic() + BACKGROUND_START_TIMEOUT
-            while handle.pid is None and not handle.done and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            return handle
-        handle.close_stdin()
-        result = handle.wait()
+            return CommandHandle(backend.start_background(call, data, callback), self._sb.id)
+        result = backend.run(call, data, callback)
         if check:
             if result.timed_out:
                 raise ExecTimeout(f"command timed out after {result.duration_ms:.0f} ms", result, sandbox_id=self._sb.id)

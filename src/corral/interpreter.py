@@ -13,8 +13,10 @@ and the execution says ``timed_out``.  If the kernel does not come back within
 :data:`INTERRUPT_GRACE` seconds, or it died, it is killed and restarted and the
 execution says ``restarted`` (state lost).
 
-Languages are entries of :data:`KERNELS`; Python exists, a Node.js kernel
-speaking the same protocol slots in next to it.
+Languages are entries of :data:`KERNELS`: Python (``kernel/python_kernel.py``) and
+JavaScript under node (``kernel/js_kernel.js``), speaking the same protocol.  Each
+sandbox has one interpreter per language by default; ``create_code_context`` makes
+more (their own variables and working directory).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .errors import InvalidSpec, SandboxClosed
 
 if TYPE_CHECKING:
     from .commands import CommandHandle
+    from .local_transport import LocalBackend
     from .sandbox import Sandbox
 
 #: seconds a cell may run when the caller does not say
@@ -45,7 +48,14 @@ KERNEL_LIFETIME = 7 * 86400
 _KERNEL_DIR = Path(__file__).parent / "kernel"
 KERNELS: dict[str, Callable[[], list[str]]] = {
     "python": lambda: ["python3", "-u", "-c", (_KERNEL_DIR / "python_kernel.py").read_text()],
+    "javascript": lambda: ["node", "-e", (_KERNEL_DIR / "js_kernel.js").read_text()],
 }
+#: other names callers use for a language (E2B's "js")
+LANGUAGE_ALIASES = {"js": "javascript", "node": "javascript", "py": "python", "python3": "python"}
+
+
+def language_name(language: str) -> str:
+    return LANGUAGE_ALIASES.get(language, language)
 _FORMATS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json", "javascript")
 
 
@@ -176,7 +186,7 @@ class CodeInterpreter:
         if not self._ready.wait(START_TIMEOUT):
             self._stop()
             raise SandboxClosed(f"the {self.language} interpreter did not start within {START_TIMEOUT:.0f} s "
-                                f"(does image {self._sandbox.spec.image!r} have python3?)")
+                                f"(does image {self._sandbox.spec.image!r} have {KERNELS[self.language]()[0]}?)")
 
     def _stop(self) -> None:
         handle, self._handle = self._handle, None
@@ -262,7 +272,7 @@ class CodeInterpreter:
             callback(value)
 
     # -- cells ---------------------------------------------------------------
-    def run(self, code: str, *, timeout: float | None = None,
+    def run(self, code: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
             on_stdout: Callable[[str], None] | None = None, on_stderr: Callable[[str], None] | None = None,
             on_result: Callable[[Result], None] | None = None,
             on_error: Callable[[ExecutionError], None] | None = None) -> Execution:
@@ -285,16 +295,17 @@ class CodeInterpreter:
                                                     "on_result": on_result, "on_error": on_error})
             cell.budget = self._sandbox.spec.limits.max_output
             self._cell = cell
+            request = json.dumps({"id": cell.id, "code": code, **({"env": envs} if envs else {})}) + "\n"
             try:
                 assert self._handle is not None
                 try:
-                    self._handle.send_stdin(json.dumps({"id": cell.id, "code": code}) + "\n")
+                    self._handle.send_stdin(request)
                 except Exception:
                     restarted = True  # the kernel died between cells
                     self._stop()
                     self._start()
                     assert self._handle is not None
-                    self._handle.send_stdin(json.dumps({"id": cell.id, "code": code}) + "\n")
+                    self._handle.send_stdin(request)
                 outcome = self._wait(cell, limit)
                 if outcome == "timeout":
                     execution.timed_out = True
@@ -341,15 +352,41 @@ class CodeInterpreter:
         return "done" if cell.done.is_set() else "timeout"
 
 
-def interpreter_for(sandbox: Sandbox, language: str = "python") -> CodeInterpreter:
-    """The sandbox's interpreter for ``language``, started on first use."""
-    interpreters: dict[str, CodeInterpreter] = sandbox.__dict__.setdefault("_interpreters", {})
-    if language not in interpreters:
-        interpreters[language] = CodeInterpreter(sandbox, language)
-    return interpreters[language]
+def check_language(language: str) -> None:
+    if language_name(language) not in KERNELS:
+        raise InvalidSpec(f"language {language!r} is not supported; use one of {', '.join(KERNELS)}")
 
 
-def run_code(sandbox: Sandbox, code: str, *, language: str = "python", timeout: float | None = None,
-             **callbacks: Any) -> Execution:
-    """Run one cell in the sandbox's persistent interpreter (for the CLI, server and MCP)."""
-    return interpreter_for(sandbox, language).run(code, timeout=timeout, **callbacks)
+def interpreter_in(backend: LocalBackend, sandbox: Sandbox, language: str | None,
+                   context: str | None) -> CodeInterpreter:
+    """The interpreter of ``context`` (made by ``create_code_context``), or the sandbox's default
+    one for ``language``; started on first use, kept by the sandbox's backend."""
+    if context is not None:
+        if context not in backend.contexts:
+            raise InvalidSpec(f"sandbox {backend.id} has no code context {context!r}", sandbox_id=backend.id)
+        wanted, cwd = backend.contexts[context]
+        language = language or wanted
+        if language_name(language) != wanted:
+            raise InvalidSpec(f"code context {context!r} runs {wanted}, not {language}", sandbox_id=backend.id)
+        key = context
+    else:
+        language = language or "python"
+        check_language(language)
+        key, cwd = language_name(language), None
+    with backend.interpreters_lock:
+        if key not in backend.interpreters:
+            backend.interpreters[key] = CodeInterpreter(sandbox, language_name(language), cwd)
+        return backend.interpreters[key]
+
+
+def replay_callbacks(execution: Execution, callbacks: dict[str, Any]) -> None:
+    """Hand a finished execution's parts to ``run_code``'s callbacks, in the order a live run gives them
+    (a server's ``POST /code`` answers once the cell ended)."""
+    for name, items in (("on_stdout", execution.logs.stdout), ("on_stderr", execution.logs.stderr),
+                        ("on_result", execution.results)):
+        callback = callbacks.get(name)
+        if callback is not None:
+            for item in items:
+                callback(item)
+    if execution.error is not None and callbacks.get("on_error") is not None:
+        callbacks["on_error"](execution.error)

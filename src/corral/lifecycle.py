@@ -20,10 +20,10 @@ from .errors import InvalidSpec, InvalidState
 from .registry import Registry, Row, gc
 
 if TYPE_CHECKING:
-    from .sandbox import Sandbox
+    from .local_transport import LocalBackend
 
 #: sandboxes of this process by id (connect/kill by id find them here)
-LIVE: weakref.WeakValueDictionary[str, Sandbox] = weakref.WeakValueDictionary()
+LIVE: weakref.WeakValueDictionary[str, LocalBackend] = weakref.WeakValueDictionary()
 MAX_METADATA_KEYS = 64
 MAX_METADATA_TEXT = 1024
 
@@ -69,7 +69,7 @@ def matches(metadata: dict[str, str], wanted: dict[str, str] | None) -> bool:
 class Lifetime:
     """The owner's timer that kills a sandbox when its lifetime ends."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
+    def __init__(self, sandbox: LocalBackend) -> None:
         self._ref = weakref.ref(sandbox)
         self._timer: threading.Timer | None = None
         self.end_at: float | None = None
@@ -84,7 +84,7 @@ class Lifetime:
     def _expire(self) -> None:
         sandbox = self._ref()
         if sandbox is not None:
-            sandbox.kill()
+            sandbox.close()
 
     def cancel(self) -> None:
         if self._timer is not None:
@@ -120,7 +120,7 @@ def kill_embedded(root: Path, sandbox_id: str) -> bool:
     """Kill a sandbox by id: this process's own, or one whose owner died; False if there is none."""
     sandbox = LIVE.get(sandbox_id)
     if sandbox is not None:
-        sandbox.kill()
+        sandbox.close()
         return True
     row = row_of(root, sandbox_id)
     if row is None:

@@ -5,6 +5,13 @@ Tools: ``create_sandbox``, ``run_command``, ``write_file``, ``read_file``,
 ``list_files``, ``destroy_sandbox`` and ``run_code``.  Sandboxes are embedded
 (this process owns them) unless ``CORRAL_URL`` names a server.
 
+No tool hands the model more than :data:`TEXT_CAP` characters of any one text
+(a command's stdout or stderr, a file, a cell's output): past it the text is cut,
+the answer's ``cut`` says how much there was, and ``note`` says how to read
+the rest (``read_file`` pages through a file with ``offset``; redirect long output
+to a file first).  ``run_code`` answers with MCP content: the execution as JSON
+text, and each PNG/JPEG result as image content.
+
 Every sandbox belongs to the MCP session that created it, and only that session
 can use it (another session's id answers "no sandbox", like a missing one).  It
 is destroyed when its session ends:
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import threading
 import time
@@ -30,6 +38,7 @@ from typing import Any
 
 # at runtime, not under TYPE_CHECKING: the SDK finds a tool's Context parameter by its resolved annotation
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import ImageContent, TextContent
 
 from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
 from .sandbox import Sandbox
@@ -39,7 +48,14 @@ from .surface import build_spec
 MAX_SANDBOXES_PER_SESSION = 8
 #: and all sessions of one server together (streamable HTTP serves many)
 MAX_SANDBOXES = 64
-MAX_READ = 1 << 20
+#: the largest file read_file pages through
+MAX_READ = 16 << 20
+#: directory entries list_files hands the model at most
+MAX_ENTRIES = 1000
+#: characters of one text a tool hands the model at most
+TEXT_CAP = 20_000
+CUT_NOTE = (f"texts over {TEXT_CAP} characters are cut (see 'cut'): redirect long output to a file "
+            "(command > out.txt 2>&1) and page through it with read_file(path, offset=...)")
 #: an HTTP session with no tool call for this long is ended and its sandboxes destroyed (the SDK's default)
 SESSION_IDLE_TIMEOUT = 30 * 60.0
 SESSION_HEADER = "mcp-session-id"
@@ -148,12 +164,47 @@ def end_sessions_on_delete(app: Any, sessions: Sessions) -> Any:
     return wrapped
 
 
-def _anticipated(fn: Callable[..., Awaitable[dict[str, Any]]]) -> Callable[..., Awaitable[dict[str, Any]]]:
+def capped(fields: dict[str, Any], *names: str) -> dict[str, Any]:
+    """``fields`` with each text among ``names`` cut to :data:`TEXT_CAP` characters; says what was cut."""
+    out = dict(fields)
+    cut: dict[str, int] = {}
+    for name in names:
+        text = out.get(name)
+        if isinstance(text, str) and len(text) > TEXT_CAP:
+            out[name] = text[:TEXT_CAP]
+            cut[name] = len(text)
+    if cut:
+        out["cut"] = {name: {"total_chars": total, "shown_chars": TEXT_CAP} for name, total in cut.items()}
+        out["note"] = CUT_NOTE
+    return out
+
+
+def code_content(execution: Any) -> list[TextContent | ImageContent]:
+    """A cell's execution as MCP content: its JSON (texts capped, images left out) and each image."""
+    data = execution.to_dict()
+    images: list[ImageContent] = []
+    results = []
+    for result in data.get("results", []):
+        for fmt in ("png", "jpeg"):
+            if isinstance(result.get(fmt), str):
+                images.append(ImageContent(type="image", data=result.pop(fmt), mime_type=f"image/{fmt}"))
+                result[fmt] = "(image content below)"
+        results.append(capped({k: v for k, v in result.items() if v not in (None, {})}, "text", "html", "markdown",
+                              "svg", "latex", "javascript"))
+    logs = data.get("logs", {})
+    answer = capped({"stdout": "".join(logs.get("stdout", [])), "stderr": "".join(logs.get("stderr", [])),
+                     "error": data.get("error"), "results": results, "text": execution.text,
+                     **{k: data.get(k) for k in ("execution_count", "timed_out", "restarted", "truncated")}},
+                    "stdout", "stderr", "text")
+    return [TextContent(type="text", text=json.dumps(answer)), *images]
+
+
+def _anticipated(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Report Corral's own errors to the model as tool errors with their message (not as crashes)."""
     from mcp.server.mcpserver.exceptions import ToolError
 
     @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return await fn(*args, **kwargs)
         except SandboxError as exc:
@@ -187,22 +238,27 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     @_anticipated
     async def create_sandbox(ctx: Context, image: str = "host", memory: str = "512M", cpus: float = 1.0,
                              timeout: float = 60.0, env: dict[str, str] | None = None,
-                             allow: list[str] | None = None) -> dict[str, Any]:
+                             allow: list[str] | None = None, user: str = "user") -> dict[str, Any]:
         """Create a sandbox; returns its id. memory like 512M, timeout = default seconds per command.
-        No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port)."""
+        No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port).
+        user: "user" (uid 1000, default) or "root" (root inside the sandbox only, e.g. to install
+        packages; no privilege on the host)."""
         # secrets are deliberately not offered: the model would choose where they may be sent
         sb = await sessions.of(ctx).create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env,
-                                  allow=allow or None)
+                                  allow=allow or None, user=user)
         return {"sandbox_id": sb.id}
 
     @server.tool()
     @_anticipated
     async def run_command(ctx: Context, sandbox_id: str, command: str, timeout: float | None = None,
-                          cwd: str | None = None) -> dict[str, Any]:
-        """Run a shell command to completion; returns exit_code, stdout, stderr, timed_out, oom_killed."""
+                          cwd: str | None = None, user: str | None = None) -> dict[str, Any]:
+        """Run a shell command to completion; returns exit_code, stdout, stderr, timed_out, oom_killed.
+        user: "root" or "user" for this command (default: the sandbox's).
+        stdout and stderr are cut at 20000 characters each ('cut' says so): redirect long output to a
+        file and page through it with read_file."""
         sb = sessions.of(ctx).get(sandbox_id)
-        result = await asyncio.to_thread(sb.commands.run, command, timeout=timeout, cwd=cwd)
-        return dict(result.to_dict())
+        result = await asyncio.to_thread(sb.commands.run, command, timeout=timeout, cwd=cwd, user=user)
+        return capped(dict(result.to_dict()), "stdout", "stderr")
 
     @server.tool()
     @_anticipated
@@ -213,17 +269,27 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
 
     @server.tool()
     @_anticipated
-    async def read_file(ctx: Context, sandbox_id: str, path: str) -> dict[str, Any]:
-        """Read a text file (at most 1 MiB)."""
+    async def read_file(ctx: Context, sandbox_id: str, path: str, offset: int = 0) -> dict[str, Any]:
+        """Read a text file (at most 16 MiB), 20000 characters from ``offset`` at a time; 'next_offset'
+        is where the rest starts (null at the end)."""
+        if offset < 0:
+            raise InvalidSpec(f"offset {offset} must be 0 or more")
         content = await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.read, path, "text", MAX_READ)
-        return {"path": path, "content": content}
+        page = content[offset:offset + TEXT_CAP]
+        end = offset + len(page)
+        return {"path": path, "content": page, "offset": offset, "total_chars": len(content),
+                "next_offset": end if end < len(content) else None}
 
     @server.tool()
     @_anticipated
     async def list_files(ctx: Context, sandbox_id: str, path: str = ".") -> dict[str, Any]:
-        """List a directory: name, type, size of each entry."""
+        """List a directory: name, type, size of each entry (the first 1000)."""
         entries = await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.list, path)
-        return {"path": path, "entries": [{"name": e.name, "type": e.type, "size": e.size} for e in entries]}
+        shown = [{"name": e.name, "type": e.type, "size": e.size} for e in entries[:MAX_ENTRIES]]
+        if len(entries) <= MAX_ENTRIES:
+            return {"path": path, "entries": shown}
+        return {"path": path, "entries": shown, "cut": {"entries": {"total": len(entries), "shown": MAX_ENTRIES}},
+                "note": f"only the first {MAX_ENTRIES} entries: list a subdirectory, or run_command 'ls' with a filter"}
 
     @server.tool()
     @_anticipated
@@ -235,11 +301,13 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     # the code interpreter (corral.interpreter)
     @server.tool()
     @_anticipated
-    async def run_code(ctx: Context, sandbox_id: str, code: str, language: str = "python") -> dict[str, Any]:
-        """Run code in the sandbox's interpreter."""
+    async def run_code(ctx: Context, sandbox_id: str, code: str,
+                       language: str = "python") -> list[TextContent | ImageContent]:
+        """Run code in the sandbox's interpreter (python or javascript; variables persist between calls).
+        Answers the execution as JSON (stdout, stderr, error, results, text; texts cut at 20000 characters)
+        and each image result (matplotlib figures, PNG/JPEG reprs) as image content."""
         sb = sessions.of(ctx).get(sandbox_id)
-        result = await asyncio.to_thread(sb.run_code, code, language=language)
-        return dict(result.to_dict()) if hasattr(result, "to_dict") else {"result": result}
+        return code_content(await asyncio.to_thread(sb.run_code, code, language=language))
 
     return server
 

@@ -12,10 +12,9 @@ forward lives until :meth:`Ports.close` or the sandbox is destroyed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
-
-from .errors import host_errors
 
 if TYPE_CHECKING:
     from .host.portfwd import PortForward
@@ -49,23 +48,22 @@ class ExposedPort:
 class Ports:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
-        self._forwards: list[PortForward] = []
+        self._forwards: list[tuple[ExposedPort, Callable[[], None]]] = []
 
     def expose(self, port: int, *, unix_socket: bool = False) -> ExposedPort:
         """Forward a new listener on the host (TCP on 127.0.0.1, or a 0600 Unix socket in the
         sandbox's run directory with ``unix_socket=True``) into ``port`` on the sandbox's loopback.
         Each connection is made when a client connects: the port need not be listening yet."""
-        with host_errors("expose a port", self._sb.id):
-            forward = self._sb._tier_sandbox().expose_port(port, unix=unix_socket)
-        self._forwards.append(forward)
-        return ExposedPort.of(forward)
+        exposed = self._sb._backend.expose_port(port, unix_socket)
+        self._forwards.append(exposed)
+        return exposed[0]
 
     def list(self) -> list[ExposedPort]:
-        return [ExposedPort.of(f) for f in self._forwards]
+        return [exposed for exposed, _ in self._forwards]
 
     def close(self, exposed: ExposedPort) -> None:
         """Close one forward (its relayed connections are cut)."""
-        for forward in list(self._forwards):
-            if ExposedPort.of(forward) == exposed:
-                forward.close()
-                self._forwards.remove(forward)
+        for entry in list(self._forwards):
+            if entry[0] == exposed:
+                entry[1]()
+                self._forwards.remove(entry)

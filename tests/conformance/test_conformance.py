@@ -1,4 +1,6 @@
-"""What every tier promises, run against every tier this machine can run.
+"""What every tier promises, run against every tier this machine can run, and through both
+transports: embedded (this process owns the sandbox) and through a real ``corral serve`` on
+loopback (the same ``Sandbox`` class over HTTP and WebSocket).
 
 A tier the machine cannot run is skipped with the reason its probe gave —
 never silently passed.  Commands are Python invocations so that the wasm tier
@@ -11,18 +13,37 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from corral import Sandbox
+from corral import InvalidSpec, Sandbox
 from corral.spec import tier_names
 from corral.tiers import tier_class
 
 from ..leaks import sandbox_leftovers
-from . import stub_tier  # noqa: F401 - registers the newcomer's tier (tests only)
+from ..server_fixtures import KEYS, ServerProcess
+from . import stub_tier  # registers the newcomer's tier (tests only)
 
 #: the built-in tiers and every registered one
 TIERS = list(tier_names())
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-conformance", keys=KEYS) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["embedded", "server"])
+def where(request: pytest.FixtureRequest, tier: str) -> dict[str, Any]:
+    """How ``Sandbox.create`` is reached: in this process, or through a server (started once)."""
+    if request.param == "embedded":
+        return {}
+    if tier == stub_tier.NAME:
+        pytest.skip("the stub tier is registered in the test process only, not in the server's")
+    server: ServerProcess = request.getfixturevalue("server")
+    return {"url": server.url, "api_key": KEYS["alice"]}
 
 
 def py(code: str) -> list[str]:
@@ -42,8 +63,8 @@ def tier(request: pytest.FixtureRequest, state_dir: Path) -> str:
 
 
 @pytest.fixture
-def sb(tier: str) -> Iterator[Sandbox]:
-    sandbox = Sandbox.create(tier=tier, memory="256M")
+def sb(tier: str, where: dict[str, Any]) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(tier=tier, memory="256M", **where)
     try:
         yield sandbox
     finally:
@@ -93,8 +114,12 @@ def test_files_in_and_out(sb: Sandbox) -> None:
     assert not sb.files.exists("made.txt")
 
 
-def test_workspace_is_mounted_and_written_back(tier: str, tmp_path: Path) -> None:
+def test_workspace_is_mounted_and_written_back(tier: str, where: dict[str, Any], tmp_path: Path) -> None:
     (tmp_path / "input.txt").write_text("hello workspace")
+    if where:  # the one asserted difference: a server cannot mount its client's directory
+        with pytest.raises(InvalidSpec, match="upload_dir"):
+            Sandbox.create(tier=tier, workspace=str(tmp_path), **where)
+        return
     with Sandbox.create(tier=tier, workspace=str(tmp_path)) as sb:
         r = sb.commands.run(py("print(open('/workspace/input.txt').read())"))
         assert r.stdout.strip() == "hello workspace"
@@ -102,10 +127,10 @@ def test_workspace_is_mounted_and_written_back(tier: str, tmp_path: Path) -> Non
     assert (tmp_path / "output.txt").read_text() == "result"
 
 
-def test_env_is_passed_and_host_env_is_not(tier: str) -> None:
+def test_env_is_passed_and_host_env_is_not(tier: str, where: dict[str, Any]) -> None:
     os.environ["CORRAL_TEST_HOST_SECRET"] = "host-secret-value"
     try:
-        with Sandbox.create(tier=tier, env={"FROM_SPEC": "spec-value"}) as sb:
+        with Sandbox.create(tier=tier, env={"FROM_SPEC": "spec-value"}, **where) as sb:
             r = sb.commands.run(py("import os; print(dict(os.environ))"), env={"FROM_CALL": "call-value"})
     finally:
         del os.environ["CORRAL_TEST_HOST_SECRET"]
@@ -129,11 +154,11 @@ def test_memory_limit_is_reported_as_oom(sb: Sandbox) -> None:
     assert sb.commands.run(py("print('alive')")).stdout == "alive\n"
 
 
-def test_nothing_persists_between_sandboxes(tier: str) -> None:
-    with Sandbox.create(tier=tier) as first:
+def test_nothing_persists_between_sandboxes(tier: str, where: dict[str, Any]) -> None:
+    with Sandbox.create(tier=tier, **where) as first:
         first.files.write("/tmp/marker", "x")
         first.files.write("/workspace/marker", "x")
-    with Sandbox.create(tier=tier) as second:
+    with Sandbox.create(tier=tier, **where) as second:
         assert not second.files.exists("/tmp/marker")
         assert not second.files.exists("/workspace/marker")
 
@@ -156,10 +181,11 @@ def test_no_host_files_visible(sb: Sandbox) -> None:
     assert "root:" not in r.stdout
 
 
-def test_teardown_leaves_nothing(tier: str, state_dir: Path) -> None:
-    sandbox = Sandbox.create(tier=tier)
+def test_teardown_leaves_nothing(tier: str, where: dict[str, Any], state_dir: Path) -> None:
+    sandbox = Sandbox.create(tier=tier, **where)
     try:
         sandbox.commands.run(py("print(1)"))  # a tier lacking commands is skipped here: still destroy
     finally:
         sandbox.kill()
-    assert sandbox_leftovers(sandbox.id, state_dir) == []
+    owner_state = state_dir / "srv-conformance" if where else state_dir
+    assert sandbox_leftovers(sandbox.id, owner_state) == []

@@ -91,6 +91,35 @@ _REPR_METHODS = (
 )
 
 
+_MIME_KEYS = {
+    "text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
+    "image/png": "png", "image/jpeg": "jpeg", "text/latex": "latex", "application/json": "json",
+    "application/javascript": "javascript", "application/pdf": "pdf",
+}
+
+
+def _mimebundle(obj: Any) -> dict[str, Any]:
+    """What ``obj._repr_mimebundle_()`` offers, under the result's format names."""
+    method = getattr(obj, "_repr_mimebundle_", None)
+    if not callable(method):
+        return {}
+    try:
+        bundle = method()
+    except Exception:
+        return {}
+    if isinstance(bundle, tuple):  # (data, metadata)
+        bundle = bundle[0]
+    data: dict[str, Any] = {}
+    for mime, value in (bundle.items() if isinstance(bundle, dict) else ()):
+        key = _MIME_KEYS.get(mime)
+        if key is None or value is None:
+            continue
+        if isinstance(value, bytes):
+            value = base64.b64encode(value).decode("ascii")
+        data[key] = json.loads(json.dumps(value, default=str)) if key == "json" else value
+    return data
+
+
 def _is_figure(obj: Any) -> bool:
     module = sys.modules.get("matplotlib.figure")
     return module is not None and isinstance(obj, module.Figure)  # type: ignore[attr-defined]
@@ -107,9 +136,11 @@ def _figure_data(fig: Any) -> dict[str, Any]:
 def formats(obj: Any) -> dict[str, Any]:
     if _is_figure(obj):
         return _figure_data(obj)
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = _mimebundle(obj) if not isinstance(obj, type) else {}
     if not isinstance(obj, type):
         for key, method_name in _REPR_METHODS:
+            if key in data:
+                continue
             method = getattr(obj, method_name, None)
             if not callable(method):
                 continue
@@ -126,10 +157,11 @@ def formats(obj: Any) -> dict[str, Any]:
             elif key == "json":
                 value = json.loads(json.dumps(value, default=str))
             data[key] = value
-    try:
-        data["text"] = repr(obj)
-    except Exception as exc:
-        data["text"] = f"<repr failed: {exc!r}>"
+    if "text" not in data:
+        try:
+            data["text"] = repr(obj)
+        except Exception as exc:
+            data["text"] = f"<repr failed: {exc!r}>"
     return data
 
 
@@ -206,15 +238,24 @@ def main() -> None:
         try:
             request = json.loads(line)
             cell_id, code = int(request["id"]), str(request["code"])
+            env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
         except (ValueError, KeyError, TypeError) as exc:
             send({"type": "error", "id": 0, "name": "ProtocolError", "value": str(exc), "traceback": ""})
             continue
         count += 1
         _current["id"] = cell_id
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)  # this cell's envs=, then back as they were
         try:
             run_cell(cell_id, code, namespace, count)
         except KeyboardInterrupt:
             send({"type": "error", "id": cell_id, "name": "KeyboardInterrupt", "value": "", "traceback": ""})
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         send({"type": "done", "id": cell_id})
 
 

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidSpec, SandboxError
 from .context import Context, Tenant, context_of
-from .wire import ExecBody, error_response, require_unicode
+from .wire import ExecBody, SignalBody, error_response, require_unicode
 
 router = APIRouter()
 PREFIX = "/v1/sandboxes/{sandbox_id}/commands"
@@ -75,8 +75,9 @@ async def start_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Conte
     recorded = Recorded(entry.spec.limits.max_output)
 
     def start() -> Any:
-        handle = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
-                                            stdin=body.stdin, on_output=recorded.output, background=True)
+        handle = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, user=body.user,
+                                            stdin=body.stdin_bytes(), on_output=recorded.output,
+                                            background=True)
 
         def wait() -> None:
             try:
@@ -113,12 +114,32 @@ async def kill_command(sandbox_id: str, pid: int, who: Tenant, ctx: Context) -> 
     return Response(status_code=204)
 
 
-@router.post(PREFIX + "/{pid}/stdin", status_code=204, summary="Write the raw body to a running command's stdin")
-async def command_stdin(sandbox_id: str, pid: int, request: Request, who: Tenant, ctx: Context) -> Response:
+@router.post(PREFIX + "/{pid}/stdin", status_code=204,
+             summary="Write the raw body to a running command's stdin (then close it with ?close=true)")
+async def command_stdin(sandbox_id: str, pid: int, request: Request, who: Tenant, ctx: Context,
+                        close: bool = False) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     data = await request.body()
+
+    def feed() -> None:
+        handle = entry.sandbox.commands.connect(pid)
+        if data:
+            handle.send_stdin(data)
+        if close:
+            handle.close_stdin()
+
     try:
-        await ctx.run_blocking(entry.sandbox.commands.send_stdin, pid, data)
+        await ctx.run_blocking(feed)
+    except InvalidSpec as exc:
+        return error_response(404, "not_found", str(exc))
+    return Response(status_code=204)
+
+
+@router.post(PREFIX + "/{pid}/signal", status_code=204, summary="Send a signal to a running command")
+async def command_signal(sandbox_id: str, pid: int, body: SignalBody, who: Tenant, ctx: Context) -> Response:
+    entry = ctx.manager.get(who, sandbox_id)
+    try:
+        await ctx.run_blocking(lambda: entry.sandbox.commands.connect(pid).send_signal(body.signal))
     except InvalidSpec as exc:
         return error_response(404, "not_found", str(exc))
     return Response(status_code=204)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Response
 from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
 from .context import Context, Tenant
-from .wire import CodeBody, CreateSandbox, ExecBody, TimeoutBody, require_unicode
+from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
     from ..tiers.base import ExecResult
@@ -81,7 +81,7 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
         # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
         with manager.exec_slot(entry):
             result = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env,
-                                                cwd=body.cwd, stdin=body.stdin)
+                                                cwd=body.cwd, stdin=body.stdin_bytes(), user=body.user)
         manager.audit(entry)  # counts new egress refusals
         return result
 
@@ -103,5 +103,14 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -
     require_unicode(body.model_dump())
     with ctx.manager.exec_slot(entry):
         result = await ctx.run_blocking(entry.sandbox.run_code, body.code, language=body.language,
-                                        timeout=body.timeout)
+                                        timeout=body.timeout, context=body.context, envs=body.envs)
     return dict(result.to_dict())
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/contexts", status_code=201,
+             summary="Make a code context: an interpreter with its own variables")
+async def create_context(sandbox_id: str, body: ContextBody, who: Tenant, ctx: Context) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    require_unicode(body.model_dump())
+    made = entry.sandbox.create_code_context(body.language, body.cwd)
+    return {"id": made.id, "language": made.language, "cwd": made.cwd}

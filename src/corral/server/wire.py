@@ -65,6 +65,8 @@ class CreateSandbox(BaseModel):
     env: dict[str, str] | None = None
     network: Any = None
     cwd: str | None = None
+    user: str | None = Field(None, description="who commands run as: 'user' (uid 1000, the default) or 'root' "
+                             "(root of the sandbox's own user namespace; process and gVisor tiers)")
     idle_timeout: float | None = Field(None, description="seconds without use before the sandbox is destroyed")
     lifetime: float | None = Field(None, description="seconds from creation before the sandbox is destroyed")
     metadata: dict[str, str] | None = Field(None, description="your labels; Sandbox.list(metadata=) filters by them")
@@ -76,7 +78,22 @@ class ExecBody(BaseModel):
     timeout: float | None = None
     env: dict[str, str] | None = None
     cwd: str | None = None
+    user: str | None = Field(None, description="'root' or 'user' for this command (default: the sandbox's user)")
     stdin: str | None = None
+    stdin_b64: str | None = Field(None, description="stdin as base64, for bytes that are not UTF-8")
+
+    def stdin_bytes(self) -> bytes | None:
+        if self.stdin is not None and self.stdin_b64 is not None:
+            raise InvalidSpec("stdin and stdin_b64: give one")
+        if self.stdin_b64 is not None:
+            import base64
+            import binascii
+
+            try:
+                return base64.b64decode(self.stdin_b64, validate=True)
+            except binascii.Error:
+                raise InvalidSpec("stdin_b64: not base64") from None
+        return self.stdin.encode() if self.stdin is not None else None
 
 
 class CodeBody(BaseModel):
@@ -84,8 +101,24 @@ class CodeBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     code: str
-    language: str = "python"
+    language: str | None = Field(None, description="python (default) or javascript; a context's own if omitted")
     timeout: float | None = Field(None, description="seconds before the cell is interrupted")
+    context: str | None = Field(None, description="a code context made by POST .../contexts (default: the "
+                                "sandbox's interpreter for the language)")
+    envs: dict[str, str] | None = Field(None, description="environment variables for this cell only")
+
+
+class ContextBody(BaseModel):
+    """A new code context (``POST /v1/sandboxes/{id}/contexts``): an interpreter with its own variables."""
+
+    model_config = ConfigDict(extra="forbid")
+    language: str = "python"
+    cwd: str | None = None
+
+
+class SignalBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    signal: int = Field(ge=1, le=64)
 
 
 class StreamExecBody(ExecBody):

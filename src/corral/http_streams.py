@@ -1,0 +1,214 @@
+"""The commands of a server's sandbox as processes: over the exec WebSocket (``start``), or by
+pid through ``/commands`` (background commands, found again from anywhere)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
+from .tiers.base import ExecResult
+from .transport import CommandProcess, OutputCallback
+
+if TYPE_CHECKING:
+    from .http_transport import Client
+
+
+def ws_connect(url: str, headers: dict[str, str], max_size: int | None) -> Any:
+    """A plain sync WebSocket connection (websockets 17 asks ``legacy=True`` for that; 13-16 know no such flag)."""
+    import inspect
+
+    from websockets.sync.client import connect
+
+    extra: dict[str, Any] = {"legacy": True} if "legacy" in inspect.signature(connect).parameters else {}
+    return connect(url, additional_headers=headers, open_timeout=30, max_size=max_size, **extra)
+
+
+def result_of(frame: dict[str, Any]) -> ExecResult:
+    frame = {k: v for k, v in frame.items() if k not in ("type", "sandbox_id")}
+    return ExecResult(**frame)
+
+
+class StreamProcess(CommandProcess):
+    """A command streaming over the exec WebSocket: output to ``on_output`` as it comes."""
+
+    def __init__(self, client: Client, sandbox_id: str, request: dict[str, Any],
+                 on_output: OutputCallback | None) -> None:
+        self._on_output = on_output
+        self._sandbox_id = sandbox_id
+        self._result: ExecResult | None = None
+        self._error: SandboxError | None = None
+        self._done = threading.Event()
+        self._started = threading.Event()
+        self.pid = None
+        try:
+            self._ws = ws_connect(client.ws_url(f"{client.sandbox_path(sandbox_id)}/exec/stream"),
+                                  client.headers, 64 << 20)
+        except Exception as exc:
+            raise ConnectionLost(f"cannot open the exec stream at {client.url}: {exc}",
+                                 sandbox_id=sandbox_id) from exc
+        try:
+            self._ws.send(json.dumps(request))
+        except Exception:
+            pass  # refused before the request was read (not found, unauthorized): the reader gets the error frame
+        self._reader = threading.Thread(target=self._read, name="corral-remote-exec", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for raw in self._ws:
+                frame = json.loads(raw)
+                kind = frame.get("type")
+                if kind == "started":
+                    self.pid = frame.get("pid")
+                    self._started.set()
+                elif kind in ("stdout", "stderr") and self._on_output is not None:
+                    self._on_output(kind, frame["data"].encode())
+                elif kind == "result":
+                    self._result = result_of(frame)
+                elif kind == "error" and self._result is None:
+                    self._error = error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+        except Exception as exc:
+            if self._result is None and self._error is None:
+                self._error = SandboxClosed(f"exec stream lost: {exc}", sandbox_id=self._sandbox_id)
+        finally:
+            self._started.set()
+            self._done.set()
+
+    def wait_started(self, timeout: float) -> None:
+        self._started.wait(timeout)
+
+    def _send(self, frame: dict[str, Any]) -> None:
+        if self._done.is_set():
+            return
+        try:
+            self._ws.send(json.dumps(frame))
+        except Exception:
+            pass
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def write_stdin(self, data: bytes) -> None:
+        # any bytes, not only UTF-8: base64 in the JSON frame
+        self._send({"type": "stdin", "data_b64": base64.b64encode(data).decode()})
+
+    def close_stdin(self) -> None:
+        self._send({"type": "stdin_close"})
+
+    def send_signal(self, signum: int) -> None:
+        self._send({"type": "signal", "signal": int(signum)})
+
+    def kill(self) -> None:
+        self._send({"type": "kill"})
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._send({"type": "resize", "rows": int(rows), "cols": int(cols)})
+
+    def wait(self, on_output: OutputCallback | None = None) -> ExecResult:
+        self._done.wait()
+        self._ws.close()
+        if self._result is None:
+            raise self._error or SandboxClosed("exec stream ended without a result", sandbox_id=self._sandbox_id)
+        if on_output is not None:  # asked for after the fact: what it printed
+            for stream in ("stdout", "stderr"):
+                text = getattr(self._result, stream)
+                if text:
+                    on_output(stream, text.encode())
+        return self._result
+
+
+class BackgroundProcess(CommandProcess):
+    """A command running in the background on the server, by pid (``/v1/sandboxes/ID/commands/PID``)."""
+
+    def __init__(self, client: Client, sandbox_id: str, pid: int, on_output: OutputCallback | None = None) -> None:
+        self._client = client
+        self._path = f"{client.sandbox_path(sandbox_id)}/commands/{pid}"
+        self._sandbox_id = sandbox_id
+        self.pid = pid
+        self._result: ExecResult | None = None
+        self._lock = threading.Lock()
+        self._follower: threading.Thread | None = None
+        self._error: SandboxError | None = None
+        if on_output is not None:  # the caller's callbacks get its output as it comes, as a local start gives it
+            self._follower = threading.Thread(target=self._follow, args=(on_output,), daemon=True,
+                                              name="corral-remote-background")
+            self._follower.start()
+
+    def _follow(self, on_output: OutputCallback) -> None:
+        try:
+            self._attach(on_output)
+        except SandboxError as exc:
+            self._error = exc
+
+    @property
+    def done(self) -> bool:
+        if self._result is not None:
+            return True
+        return all(c.pid != self.pid for c in self._commands())
+
+    def _commands(self) -> list[Any]:
+        from .commands import CommandInfo
+
+        data = self._client.request("GET", self._path.rsplit("/", 1)[0])
+        return [CommandInfo(**c) for c in data["commands"]]
+
+    def write_stdin(self, data: bytes) -> None:
+        try:
+            self._client.request("POST", f"{self._path}/stdin", content=data,
+                                 headers={"content-type": "application/octet-stream"})
+        except SandboxNotFound as exc:
+            raise InvalidSpec(str(exc), sandbox_id=self._sandbox_id) from None
+
+    def close_stdin(self) -> None:
+        self._client.request("POST", f"{self._path}/stdin", params={"close": "true"}, content=b"",
+                             headers={"content-type": "application/octet-stream"})
+
+    def send_signal(self, signum: int) -> None:
+        self._client.request("POST", f"{self._path}/signal", json={"signal": int(signum)})
+
+    def kill(self) -> None:
+        self.kill_if_running()
+
+    def kill_if_running(self) -> bool:
+        """Kill it (its whole tree); False if it had already ended."""
+        try:
+            self._client.request("DELETE", self._path)
+            return True
+        except SandboxNotFound:
+            return False
+
+    def resize(self, rows: int, cols: int) -> None:
+        raise InvalidSpec("resize: a background command has no terminal", sandbox_id=self._sandbox_id)
+
+    def wait(self, on_output: OutputCallback | None = None) -> ExecResult:
+        """Attach, get what it printed so far and then as it comes (to ``on_output``), and its result."""
+        if self._follower is not None:
+            self._follower.join()
+            if self._error is not None:
+                raise self._error
+        if self._result is None or on_output is not None:
+            self._attach(on_output)
+        assert self._result is not None
+        return self._result
+
+    def _attach(self, on_output: OutputCallback | None) -> None:
+        try:
+            ws = ws_connect(self._client.ws_url(f"{self._path}/stream"), self._client.headers, None)
+        except Exception as exc:
+            raise ConnectionLost(f"cannot attach to command {self.pid}: {exc}", sandbox_id=self._sandbox_id) from exc
+        with ws:
+            for raw in ws:
+                frame: dict[str, Any] = json.loads(raw)
+                kind = frame.get("type")
+                if kind in ("stdout", "stderr") and on_output is not None:
+                    on_output(kind, frame["data"].encode())
+                elif kind == "result":
+                    self._result = result_of(frame)
+                    return
+                elif kind == "error":
+                    raise error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+        raise SandboxClosed("the command's stream ended without a result", sandbox_id=self._sandbox_id)

@@ -1,0 +1,366 @@
+"""The transport of a server's sandboxes: ``corral serve``'s REST and WebSocket API.
+
+``Sandbox.create(url=..., api_key=...)`` (or ``CORRAL_URL``/``CORRAL_API_KEY``) uses
+:class:`HTTPTransport`.  ``commands.run`` without callbacks is one HTTP request; with
+output callbacks, and ``commands.start``, it streams over the exec WebSocket; background
+commands live under ``/commands`` and are found again by pid.  Every error the server sends
+is raised as the same :mod:`corral.errors` class the embedded library would raise.
+Idempotent calls are retried on connection errors, 429 and 503 (bounded backoff).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote, urlsplit
+
+import httpx
+
+from .errors import (
+    ConnectionLost,
+    InvalidSpec,
+    SandboxNotFound,
+    ServerError,
+    Unauthorized,
+    error_from_code,
+)
+from .http_streams import BackgroundProcess, StreamProcess
+from .lifecycle import SandboxInfo, matches
+from .ports import ExposedPort
+from .spec import SandboxSpec
+from .tiers.base import ExecResult, FileEntry
+from .transport import CommandCall, CreateOptions, OutputCallback, SandboxBackend, Transport
+
+if TYPE_CHECKING:
+    from .commands import CommandInfo
+    from .egress.audit import AuditEvent
+    from .interpreter import Execution
+
+REQUEST_TIMEOUT = 60.0
+#: methods whose repetition changes nothing: retried on connection errors, 429 and 503
+IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+RETRIES = 3
+#: the first wait; each retry doubles it (0.2, 0.4, 0.8 s) unless the server says how long
+BACKOFF = 0.2
+MAX_RETRY_WAIT = 5.0
+
+
+def _sandbox_of(path: str) -> str | None:
+    """The sandbox id in a ``/v1/sandboxes/ID/...`` path, if there is one."""
+    parts = path.split("/")
+    return unquote(parts[3]) if len(parts) > 3 and parts[1:3] == ["v1", "sandboxes"] and parts[3] else None
+
+
+def _raise_for(response: httpx.Response, sandbox_id: str | None = None) -> None:
+    if response.is_success:
+        return
+    try:
+        body = response.json()
+        code, message = str(body.get("error", "")), str(body.get("message", response.text))
+    except ValueError:
+        code, message = "", response.text or response.reason_phrase
+    if response.status_code == 401:
+        raise Unauthorized(f"unauthorized: {message}")
+    if response.status_code == 413:
+        code = "resource_limit"
+    if response.status_code >= 500 and code in ("", "sandbox_error", "internal_error"):
+        raise ServerError(message, sandbox_id=sandbox_id)
+    raise error_from_code(code, message, sandbox_id)
+
+
+def retry_wait(method: str, attempt: int, response: httpx.Response | None) -> float | None:
+    """Seconds to wait before trying ``method`` again after try number ``attempt`` (from 0) failed
+    to reach the server (``response`` None) or got ``response``; None: do not try again.
+
+    An idempotent call is tried again when the server could not be reached or said "later" (429,
+    503), a bounded number of times with growing waits (the server's Retry-After, capped); a POST
+    is never repeated: it could create a second sandbox or run a command twice."""
+    if method not in IDEMPOTENT or attempt >= RETRIES:
+        return None
+    wait: float = BACKOFF * 2**attempt
+    if response is None:
+        return wait
+    if response.status_code not in (429, 503):
+        return None
+    try:
+        wait = float(response.headers.get("retry-after", wait))
+    except ValueError:
+        pass
+    return min(max(wait, 0.0), MAX_RETRY_WAIT)
+
+
+def answer(response: httpx.Response, path: str) -> Any:
+    """The body of a response (JSON decoded; None for 204), or the error it carries, raised."""
+    _raise_for(response, _sandbox_of(path))
+    if response.status_code == 204:
+        return None
+    if response.headers.get("content-type", "").startswith("application/json"):
+        return response.json()
+    return response.content
+
+
+class Endpoint:
+    """Where a server is and how to say who calls (``url``/``CORRAL_URL``, ``api_key``/``CORRAL_API_KEY``)."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None) -> None:
+        url = url or os.environ.get("CORRAL_URL")
+        if not url:
+            raise InvalidSpec("no server URL: pass url=... or set CORRAL_URL")
+        self.url = url.rstrip("/")
+        self.api_key = api_key if api_key is not None else os.environ.get("CORRAL_API_KEY")
+        self.headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @staticmethod
+    def sandbox_path(sandbox_id: str) -> str:
+        return f"/v1/sandboxes/{quote(sandbox_id, safe='')}"
+
+    def ws_url(self, path: str) -> str:
+        return ("ws" + self.url[4:] if self.url.startswith("http") else self.url) + path
+
+
+class Client(Endpoint):
+    """A connection to one server, shared by the sandboxes made through it."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None) -> None:
+        super().__init__(url, api_key)
+        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=REQUEST_TIMEOUT)
+
+    def request(self, method: str, path: str, *, timeout: float | None = REQUEST_TIMEOUT, **kwargs: Any) -> Any:
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(method, path, timeout=timeout, **kwargs)
+            except httpx.TransportError as exc:
+                wait = retry_wait(method, attempt, None)
+                if wait is None:
+                    raise ConnectionLost(f"cannot reach the Corral server at {self.url}: {exc}") from exc
+            else:
+                wait = retry_wait(method, attempt, response)
+                if wait is None:
+                    return answer(response, path)
+            time.sleep(wait)
+            attempt += 1
+
+    def list(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/sandboxes")["sandboxes"])
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def info_of(data: dict[str, Any]) -> SandboxInfo:
+    spec = data.get("spec", {})
+    return SandboxInfo(data["id"], spec.get("tier", ""), spec.get("image", ""), dict(data.get("metadata", {})),
+                       data.get("created_at", 0.0), data.get("expires_at"), data.get("state", "running"))
+
+
+class HTTPBackend(SandboxBackend):
+    """One sandbox of a server."""
+
+    def __init__(self, client: Client, data: dict[str, Any]) -> None:
+        self._client = client
+        self.id: str = data["id"]
+        self.data = data
+        self.spec = SandboxSpec.from_dict(data["spec"])
+        self._path = client.sandbox_path(self.id)
+        self.closed = False
+
+    def _call(self, method: str, suffix: str, **kwargs: Any) -> Any:
+        return self._client.request(method, self._path + suffix, **kwargs)
+
+    def refresh(self) -> dict[str, Any]:
+        self.data = self._call("GET", "")
+        return self.data
+
+    # -- commands ---------------------------------------------------------------
+    def start(self, call: CommandCall, on_output: OutputCallback | None) -> StreamProcess:
+        body = call.body()
+        if call.pty is not None:
+            body["pty"] = list(call.pty)
+        process = StreamProcess(self._client, self.id, body, on_output)
+        process.wait_started(30)  # as a local start: the command exists when start returns
+        return process
+
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
+        if on_output is not None:
+            return super().run(call, stdin, on_output)
+        data = self._call("POST", "/exec", timeout=None, json={**call.body(), **stdin_field(stdin)})
+        data.pop("sandbox_id", None)
+        return ExecResult(**data)
+
+    def start_background(self, call: CommandCall, stdin: bytes | None,
+                         on_output: OutputCallback | None) -> BackgroundProcess:
+        started = self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin)})
+        return BackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
+
+    def commands(self) -> list[CommandInfo]:
+        from .commands import CommandInfo
+
+        return [CommandInfo(**c) for c in self._call("GET", "/commands")["commands"]]
+
+    def command(self, pid: int) -> BackgroundProcess:
+        if all(c.pid != pid for c in self.commands()):
+            raise InvalidSpec(f"sandbox {self.id} has no running command with pid {pid}", sandbox_id=self.id)
+        return BackgroundProcess(self._client, self.id, pid)
+
+    def kill_command(self, pid: int) -> bool:
+        return BackgroundProcess(self._client, self.id, pid).kill_if_running()
+
+    # -- files --------------------------------------------------------------------
+    def _file(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
+        params = {"path": path, **kwargs.pop("params", {})}
+        return self._call(method, "/files" + suffix, params=params, **kwargs)
+
+    def read_file(self, path: str, max_bytes: int) -> bytes:
+        data = self._file("GET", "/content", path, params={"max_bytes": max_bytes})
+        if not isinstance(data, bytes):  # a file whose bytes happen to parse as JSON
+            import json
+
+            data = json.dumps(data).encode()
+        return data
+
+    def write_file(self, path: str, data: bytes, mode: int) -> None:
+        self._file("PUT", "/content", path, params={"mode": mode}, content=data,
+                   headers={"content-type": "application/octet-stream"})
+
+    def list_dir(self, path: str) -> list[FileEntry]:
+        return [FileEntry(**e) for e in self._file("GET", "", path)["entries"]]
+
+    def stat(self, path: str) -> FileEntry:
+        return FileEntry(**self._file("GET", "/stat", path))
+
+    def remove(self, path: str, recursive: bool) -> None:
+        self._file("DELETE", "", path, params={"recursive": recursive})
+
+    def make_dir(self, path: str, mode: int) -> None:
+        self._file("POST", "/dir", path, params={"mode": mode})
+
+    # -- the sandbox --------------------------------------------------------------
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self.data.get("metadata", {}))
+
+    def info(self) -> SandboxInfo:
+        return info_of(self.refresh())
+
+    def set_timeout(self, seconds: float) -> None:
+        self.data = self._call("POST", "/timeout", json={"timeout": seconds})
+
+    def alive(self) -> bool:
+        if self.closed:
+            return False
+        try:
+            return self.refresh().get("state") in ("running", "paused")
+        except SandboxNotFound:
+            return False
+
+    @property
+    def paused(self) -> bool:
+        return not self.closed and self.refresh().get("state") == "paused"
+
+    def pause(self) -> None:
+        self.data = self._call("POST", "/pause")
+
+    def resume(self) -> None:
+        self.data = self._call("POST", "/resume")
+
+    def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
+                 timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
+        from .interpreter import Execution, replay_callbacks
+
+        body: dict[str, Any] = {"code": code}
+        for name, value in (("language", language), ("timeout", timeout), ("context", context), ("envs", envs)):
+            if value is not None:
+                body[name] = value
+        execution = Execution.from_dict(self._call("POST", "/code", json=body, timeout=None))
+        replay_callbacks(execution, callbacks)
+        return execution
+
+    def create_code_context(self, language: str, cwd: str | None) -> str:
+        body: dict[str, Any] = {"language": language}
+        if cwd is not None:
+            body["cwd"] = cwd
+        return str(self._call("POST", "/contexts", json=body)["id"])
+
+    def audit(self) -> list[AuditEvent]:
+        from .egress.audit import AuditEvent
+
+        return [AuditEvent(**event) for event in self._call("GET", "/network/audit")["events"]]
+
+    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
+        return server_port(self._client, self.id, port, unix), lambda: None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._call("DELETE", "")
+        except SandboxNotFound:
+            pass
+
+
+def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool) -> ExposedPort:
+    """Where a caller reaches ``port`` of a server's sandbox: the server's proxy route (with the API key)."""
+    if unix:
+        raise InvalidSpec("unix_socket: a server's sandbox is reached through the server's URL, "
+                          "not a socket on this host", sandbox_id=sandbox_id)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidSpec(f"port {port!r} must be 1-65535", sandbox_id=sandbox_id)
+    where = urlsplit(endpoint.url)
+    url = f"{endpoint.url}{endpoint.sandbox_path(sandbox_id)}/ports/{port}/"
+    return ExposedPort(port, where.hostname or "", where.port or (443 if where.scheme == "https" else 80), url)
+
+
+def stdin_field(stdin: bytes | None) -> dict[str, str]:
+    if stdin is None:
+        return {}
+    try:
+        return {"stdin": stdin.decode()}
+    except UnicodeDecodeError:  # any bytes, not only UTF-8
+        return {"stdin_b64": base64.b64encode(stdin).decode()}
+
+
+def create_body(options: CreateOptions) -> dict[str, Any]:
+    """The JSON of ``POST /v1/sandboxes`` for a create."""
+    body = options.spec.to_dict()
+    body.pop("workspace", None)
+    if options.spec.workspace is not None:
+        raise InvalidSpec("workspace: a remote sandbox cannot mount a host directory; use files.upload_dir")
+    for name in ("idle_timeout", "lifetime"):
+        if getattr(options, name) is not None:
+            body[name] = getattr(options, name)
+    if options.metadata:
+        body["metadata"] = options.metadata
+    return body
+
+
+class HTTPTransport(Transport):
+    """The sandboxes of one server (``url``; ``api_key`` names the tenant)."""
+
+    remote = True
+
+    def __init__(self, url: str | None = None, api_key: str | None = None) -> None:
+        self.client = Client(url, api_key)
+
+    def create(self, options: CreateOptions) -> HTTPBackend:
+        return HTTPBackend(self.client, self.client.request("POST", "/v1/sandboxes", json=create_body(options)))
+
+    def connect(self, sandbox_id: str) -> HTTPBackend:
+        return HTTPBackend(self.client, self.client.request("GET", self.client.sandbox_path(sandbox_id)))
+
+    def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]:
+        return [info for info in map(info_of, self.client.list()) if matches(info.metadata, metadata)]
+
+    def kill(self, sandbox_id: str) -> bool:
+        try:
+            self.client.request("DELETE", self.client.sandbox_path(sandbox_id))
+            return True
+        except SandboxNotFound:
+            return False
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,201 @@
+"""Where a :class:`corral.Sandbox` lives: in this process, or in a server over HTTP.
+
+As httpx's ``Client(transport=...)`` separates the friendly API from how a
+request is carried, ``Sandbox`` (with its ``commands``, ``files``, ``ports``)
+is one class whose every call goes to a :class:`Transport` and the
+:class:`SandboxBackend` it made for one sandbox:
+
+- :class:`corral.local_transport.LocalTransport`: tiers and the registry of a state directory;
+- :class:`corral.http_transport.HTTPTransport`: a ``corral serve`` (REST and WebSocket).
+
+Arguments are checked once, in the front classes, before any transport sees
+them, so both raise the same errors for the same mistakes.  A new option for
+every command (issue 13's ``user=``) is one field of :class:`CommandCall`; a
+new option for create is one field of :class:`CreateOptions`; each transport
+then carries it (the HTTP one as a field of the request body).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .spec import SandboxSpec
+from .tiers.base import ExecResult, FileEntry, Process
+
+if TYPE_CHECKING:
+    from .commands import CommandInfo
+    from .egress.audit import AuditEvent
+    from .interpreter import Execution
+    from .lifecycle import SandboxInfo
+    from .ports import ExposedPort
+
+OutputCallback = Callable[[str, bytes], None]
+
+
+@dataclass(frozen=True)
+class CommandCall:
+    """One command as the caller asked for it (already checked): what both transports carry."""
+
+    #: a shell string (``/bin/sh -c``) or an argv list
+    cmd: str | Sequence[str]
+    timeout: float | None = None
+    env: Mapping[str, str] | None = None
+    #: an absolute in-sandbox path, or None for the sandbox's working directory
+    cwd: str | None = None
+    pty: tuple[int, int] | None = None
+    #: ``"root"`` or ``"user"`` (``spec.USERS``); None: the sandbox's own ``user``
+    user: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The JSON request of the REST API (only the fields given)."""
+        out: dict[str, Any] = {"cmd": self.cmd if isinstance(self.cmd, str) else list(self.cmd)}
+        for name, value in (("timeout", self.timeout), ("env", dict(self.env) if self.env is not None else None),
+                            ("cwd", self.cwd), ("user", self.user)):
+            if value is not None:
+                out[name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class CreateOptions:
+    """What ``Sandbox.create`` was asked for, beyond the spec."""
+
+    spec: SandboxSpec
+    metadata: dict[str, str] = field(default_factory=dict)
+    #: seconds from creation until the sandbox is destroyed
+    lifetime: float | None = None
+    #: seconds without use until a server destroys it (a server only)
+    idle_timeout: float | None = None
+
+
+class CommandProcess(Process):
+    """A command as a transport returns it: a :class:`~corral.tiers.base.Process` whose ``wait``
+    can also hand what the command printed to ``on_output`` (attaching late replays it)."""
+
+    @abstractmethod
+    def wait(self, on_output: OutputCallback | None = None) -> ExecResult: ...  # type: ignore[override]
+
+
+class SandboxBackend(ABC):
+    """One sandbox as a transport reaches it.  Every method may raise :mod:`corral.errors`."""
+
+    id: str
+    spec: SandboxSpec
+
+    # -- commands ---------------------------------------------------------------
+    @abstractmethod
+    def start(self, call: CommandCall, on_output: OutputCallback | None) -> CommandProcess:
+        """Start a command, its output reaching ``on_output`` as it comes."""
+
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
+        """Run a command to its end (a transport may do it in one round trip)."""
+        process = self.start(call, on_output)
+        if stdin is not None:
+            process.write_stdin(stdin)
+        process.close_stdin()
+        return process.wait()
+
+    @abstractmethod
+    def start_background(self, call: CommandCall, stdin: bytes | None,
+                         on_output: OutputCallback | None) -> CommandProcess:
+        """Start a command that is found again by pid; returns once its pid is known."""
+
+    @abstractmethod
+    def commands(self) -> list[CommandInfo]: ...
+
+    @abstractmethod
+    def command(self, pid: int) -> CommandProcess:
+        """The running command with this pid (:class:`~corral.errors.InvalidSpec` if none)."""
+
+    @abstractmethod
+    def kill_command(self, pid: int) -> bool: ...
+
+    # -- files --------------------------------------------------------------------
+    @abstractmethod
+    def read_file(self, path: str, max_bytes: int) -> bytes: ...
+
+    @abstractmethod
+    def write_file(self, path: str, data: bytes, mode: int) -> None: ...
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[FileEntry]: ...
+
+    @abstractmethod
+    def stat(self, path: str) -> FileEntry: ...
+
+    @abstractmethod
+    def remove(self, path: str, recursive: bool) -> None: ...
+
+    @abstractmethod
+    def make_dir(self, path: str, mode: int) -> None: ...
+
+    # -- the sandbox --------------------------------------------------------------
+    @property
+    @abstractmethod
+    def metadata(self) -> dict[str, str]: ...
+
+    @abstractmethod
+    def info(self) -> SandboxInfo: ...
+
+    @abstractmethod
+    def set_timeout(self, seconds: float) -> None: ...
+
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def paused(self) -> bool: ...
+
+    @abstractmethod
+    def pause(self) -> None: ...
+
+    @abstractmethod
+    def resume(self) -> None: ...
+
+    @abstractmethod
+    def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
+                 timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
+        """A cell in the interpreter of ``context`` (made by :meth:`create_code_context`), else in the
+        sandbox's interpreter of ``language`` (default python); ``sandbox`` is the front object."""
+
+    @abstractmethod
+    def create_code_context(self, language: str, cwd: str | None) -> str:
+        """A new interpreter of its own; returns its name."""
+
+    @abstractmethod
+    def audit(self) -> list[AuditEvent]: ...
+
+    @abstractmethod
+    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
+        """Where the caller reaches ``port`` of the sandbox, and how to close that way."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Destroy the sandbox (idempotent)."""
+
+
+class Transport(ABC):
+    """Makes, finds, lists and kills sandboxes of one place (this process's state directory, or a server)."""
+
+    #: True when the sandboxes live in another process (a server)
+    remote: bool = False
+
+    @abstractmethod
+    def create(self, options: CreateOptions) -> SandboxBackend: ...
+
+    @abstractmethod
+    def connect(self, sandbox_id: str) -> SandboxBackend: ...
+
+    @abstractmethod
+    def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]: ...
+
+    @abstractmethod
+    def kill(self, sandbox_id: str) -> bool:
+        """Destroy the sandbox with this id; False if there is none."""
+
+    def close(self) -> None:  # noqa: B027 - a transport may hold nothing to release
+        """Release what the transport holds (connections); its sandboxes are left as they are."""

@@ -1,0 +1,80 @@
+"""Named code contexts, the JavaScript kernel, rich results and per-cell envs (issue 14, part 4),
+embedded and through a real ``corral serve``: the same calls, the same answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral import InvalidSpec, Sandbox
+
+from .server_fixtures import KEYS, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-contexts", keys=KEYS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module", params=["embedded", "remote"])
+def sandbox(request: pytest.FixtureRequest, server: ServerProcess) -> Iterator[Sandbox]:
+    where: dict[str, Any] = {"url": server.url, "api_key": KEYS["alice"]} if request.param == "remote" else {}
+    with Sandbox.create(memory="512M", **where) as sb:
+        yield sb
+
+
+def test_two_python_contexts_keep_their_own_variables(sandbox: Sandbox) -> None:
+    sandbox.files.make_dir("/tmp/elsewhere")
+    first = sandbox.create_code_context()
+    second = sandbox.create_code_context(language="python", cwd="/tmp/elsewhere")
+    assert first.id != second.id and first.language == "python"
+    sandbox.run_code("x = 'first'", context=first)
+    sandbox.run_code("x = 'second'", context=second)
+    assert sandbox.run_code("x", context=first).text == "'first'"
+    assert sandbox.run_code("x", context=second.id).text == "'second'"  # by name too
+    assert sandbox.run_code("import os; os.getcwd()", context=second).text == "'/tmp/elsewhere'"
+    missing = sandbox.run_code("x")  # the default interpreter is a third one
+    assert missing.error is not None and missing.error.name == "NameError"
+    with pytest.raises(InvalidSpec, match="no code context"):
+        sandbox.run_code("1", context="ctx-000000000000")
+
+
+def test_javascript_keeps_state_prints_and_raises(sandbox: Sandbox) -> None:
+    first = sandbox.run_code("let total = 20; total + 1", language="js")
+    assert first.text == "21" and first.error is None
+    seen: list[str] = []
+    second = sandbox.run_code("console.log('twice', total * 2); ({ok: true})", language="javascript",
+                              on_stdout=seen.append)
+    assert second.logs.stdout == ["twice 40\n"] == seen and second.text == "{ ok: true }"
+    failed = sandbox.run_code("null.x", language="javascript")
+    assert failed.error is not None and failed.error.name == "TypeError" and "<cell-" in failed.error.traceback
+    context = sandbox.create_code_context(language="javascript")
+    assert sandbox.run_code("typeof total", context=context).text == "undefined"  # its own globals
+    assert sandbox.run_code("typeof total", language="javascript").text == "number"
+
+
+def test_a_javascript_cell_past_its_timeout_is_interrupted_and_state_kept(sandbox: Sandbox) -> None:
+    sandbox.run_code("var kept = 'yes'", language="javascript")
+    looped = sandbox.run_code("while (true) {}", language="javascript", timeout=1)
+    assert looped.timed_out and looped.error is not None and looped.error.name == "TimeoutError"
+    assert not looped.restarted
+    assert sandbox.run_code("kept", language="javascript").text == "yes"
+
+
+def test_rich_results_and_envs_per_cell(sandbox: Sandbox) -> None:
+    code = ("class Bundle:\n"
+            "    def _repr_mimebundle_(self, include=None, exclude=None):\n"
+            "        return {'text/html': '<b>bold</b>', 'image/svg+xml': '<svg/>', 'text/plain': 'Bundle!'}\n"
+            "Bundle()")
+    rich = sandbox.run_code(code)
+    main = rich.results[0]
+    assert (main.html, main.svg, main.text, rich.text) == ("<b>bold</b>", "<svg/>", "Bundle!", "Bundle!")
+    assert set(main.formats()) >= {"html", "svg", "text"}
+    assert sandbox.run_code("import os; os.environ.get('CELL_ONLY')", envs={"CELL_ONLY": "here"}).text == "'here'"
+    assert sandbox.run_code("os.environ.get('CELL_ONLY')").text is None  # gone after the cell
+    js = sandbox.run_code("process.env.CELL_ONLY", language="javascript", envs={"CELL_ONLY": "js"})
+    assert js.text == "js"
