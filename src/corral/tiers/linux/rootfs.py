@@ -172,8 +172,26 @@ def _prepare_root_upper(upper: Path, uid: int, own_etc: bool, image_etc: Path | 
         os.chmod(upper / "etc", 0o755)
         for rel, content in identity_files().items():
             if image_etc is not None and rel in ("etc/passwd", "etc/group"):
+                if rel == "etc/passwd" and not (image_etc / "shadow").exists():
+                    content = content.replace(":x:", ":*:")  # no shadow to look the password up in
                 content = _merged_ids(image_etc / rel.removeprefix("etc/"), content)
             (upper / rel).write_text(content)
+        if image_etc is not None:
+            _add_shadow(upper / "etc", image_etc / "shadow", identity_files()["etc/passwd"])
+
+
+def _add_shadow(etc: Path, image_shadow: Path, ours: str) -> None:
+    """The image's shadow with a locked entry for each of our users it lacks: PAM's account
+    check (``su user`` as root) refuses a user with no shadow entry."""
+    try:
+        theirs = image_shadow.read_text()
+    except OSError:
+        return
+    names = {line.split(":")[0] for line in theirs.splitlines()}
+    extra = "".join(f"{line.split(':')[0]}:*:19000:0:99999:7:::\n" for line in ours.splitlines()
+                    if line.split(":")[0] not in names)
+    (etc / "shadow").write_text(theirs.rstrip("\n") + "\n" + extra)
+    os.chmod(etc / "shadow", 0o640)
 
 
 def _merged_ids(image_file: Path, ours: str) -> str:
