@@ -14,7 +14,8 @@
  * The agent's own file requests run with the default user's file-system ids
  * (setfsuid/setfsgid): a file the files API writes belongs to that user, and
  * the kernel drops the file capabilities from the agent's effective set while
- * its fsuid is not 0.
+ * its fsuid is not 0.  gVisor has no setfsuid: there the agent's effective ids
+ * are the default user's instead (real and saved stay 0).
  *
  * `--userns UID` (run by the host as root): drop to UID, make a user namespace
  * (owned by UID), say so on stdout and wait for end of file on stdin.  The
@@ -51,10 +52,18 @@ int set_default_user(long uid) {
     /* file requests as that user: its ids on new files, its permissions */
     setfsgid((gid_t)uid);
     setfsuid((uid_t)uid);
-    return (long)setfsuid((uid_t)-1) == uid ? 0 : -1;
+    if ((long)setfsuid((uid_t)-1) == uid) return 0;
+    /* a kernel without set*fsid (gVisor's: ENOSYS): the effective ids instead, real and
+     * saved staying 0 so a command may still become root (become_user takes euid 0 back) */
+    if (setresgid((gid_t)-1, (gid_t)uid, (gid_t)-1) < 0 || setresuid((uid_t)-1, (uid_t)uid, (uid_t)-1) < 0)
+        return -1;
+    return geteuid() == (uid_t)uid ? 0 : -1;
 }
 
 int become_user(uid_t uid) {
+    /* back to euid 0 if set_default_user left the agent at the default user's (the
+     * permitted capabilities come back with it) */
+    if (geteuid() != 0 && setresuid((uid_t)-1, 0, (uid_t)-1) < 0) return -1;
     if (setgroups(0, NULL) < 0) return -1;
     if (uid == 0) {
         if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) return -1;
