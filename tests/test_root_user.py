@@ -221,3 +221,21 @@ def _mcp_round(state: Path, env: dict[str, str]) -> None:
             return out
 
     assert anyio.run(session) == ["0\n", "0\n", "1000\n"]
+
+
+def test_gvisor_root_and_real_owners(state_dir: Path) -> None:
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier("gvisor", state_dir)
+    with Sandbox.create(tier="gvisor", memory="256M") as sb:
+        assert sb.commands.run("id -u; stat -c %U:%G /usr/bin/env; stat -c %U ~").stdout == "1000\nroot:root\nuser\n"
+        assert sb.commands.run("touch /usr/bin/c13-x").exit_code != 0
+        root = _status(sb, "root")
+        # ROOT_CAPS but CAP_NET_RAW, which runsc leaves out without --net-raw
+        assert root["uid"] == "0" and int(root["CapEff:"], 16) == int(ROOT_MASK, 16) & ~(1 << 13)
+        done = sb.commands.run("echo hi > /usr/bin/c13-x && chown 4242 /usr/bin/c13-x && stat -c %u /usr/bin/c13-x"
+                               " && setpriv --reuid=4242 --regid=4242 --clear-groups id -u", user="root")
+        assert done.stdout.split() == ["4242", "4242"], done
+        sb.files.write("/home/user/by-files-api", "x")  # the files API writes as the default user
+        assert sb.commands.run("stat -c %u /home/user/by-files-api").stdout == "1000\n"
+    assert not Path("/usr/bin/c13-x").exists()
