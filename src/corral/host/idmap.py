@@ -23,13 +23,11 @@ from pathlib import Path
 from .mounts import check, libc
 
 SYS_OPEN_TREE = 428
-SYS_MOVE_MOUNT = 429
 SYS_MOUNT_SETATTR = 442
 
 OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 AT_EMPTY_PATH = 0x1000
-MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
@@ -47,9 +45,10 @@ def _syscall(number: int, *args: object) -> int:
     return int(fn(ctypes.c_long(number), *args))
 
 
-def mount_idmapped(source: Path, target: Path, userns_fd: int) -> None:
-    """Mount a read-only, nosuid, nodev view of ``source`` at ``target`` whose ids are
-    those of the user namespace ``userns_fd`` (on-disk id N shows as what N maps to)."""
+def idmapped_tree(source: Path, userns_fd: int) -> int:
+    """A detached, read-only, nosuid, nodev mount of ``source`` whose ids are those of the user
+    namespace ``userns_fd`` (on-disk id N shows as what N maps to): its descriptor (O_CLOEXEC),
+    usable as a path through ``/proc/self/fd/N`` (an overlay's lower layer) until closed."""
     tree = _syscall(SYS_OPEN_TREE, ctypes.c_int(-100), str(source).encode(),
                     ctypes.c_uint(OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC))
     if tree < 0:
@@ -59,8 +58,8 @@ def mount_idmapped(source: Path, target: Path, userns_fd: int) -> None:
         check(_syscall(SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(AT_EMPTY_PATH),
                        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))),
               f"idmap {source}")
-        check(_syscall(SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(-100), str(target).encode(),
-                       ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)),
-              f"move_mount {source} to {target}")
-    finally:
+    except BaseException:
         os.close(tree)
+        raise
+    return tree
+

@@ -10,7 +10,6 @@ unprivileged host uid per sandbox.  Layout below ``run_dir`` (root-only)::
       L1-upper/ ...            one upper per extra image layer (e.g. /usr)
       ws/                      the sandbox's copy of the workspace
     root/           the merged root (overlay), other layers mounted below it
-    lower/          while the root is built: the idmapped view of one image layer
 
 Given the sandbox's user namespace (``userns_fd``, its whole uid range mapped),
 each image layer is first mounted idmapped (:mod:`corral.host.idmap`): inside,
@@ -107,7 +106,7 @@ def build_root(
         target = root / point.lstrip("/") if point != "/" else root
         if mapped:
             assert userns_fd is not None
-            _mount_mapped_overlay(run_dir / "lower", target, lower, upper, work, userns_fd)
+            _mount_mapped_overlay(target, lower, upper, work, userns_fd)
         else:
             mounts.mount_overlay(target, [lower], upper, work)
         made.append(target)
@@ -121,15 +120,14 @@ def build_root(
     return SandboxRoot(root, ws, workspace, made)
 
 
-def _mount_mapped_overlay(view: Path, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int) -> None:
-    """The overlay at ``target`` on an idmapped view of ``lower`` (mounted at ``view`` only
-    while the overlay is made: the overlay keeps a private clone of it)."""
-    view.mkdir(exist_ok=True)
-    idmap.mount_idmapped(lower, view, userns_fd)
+def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, userns_fd: int) -> None:
+    """The overlay at ``target`` on an idmapped view of ``lower``: a detached mount, named to
+    overlayfs as ``/proc/self/fd/N`` (the overlay keeps its own clone of it)."""
+    tree = idmap.idmapped_tree(lower, userns_fd)
     try:
-        mounts.mount_overlay(target, [view], upper, work)
+        mounts.mount_overlay(target, [Path(f"/proc/self/fd/{tree}")], upper, work)
     finally:
-        mounts.umount(view, lazy=True)
+        os.close(tree)
 
 
 def _give_to(upper: Path, root_uid: int) -> None:

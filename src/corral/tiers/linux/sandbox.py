@@ -35,7 +35,7 @@ from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, Sa
 from ...host import cgroups, mounts
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
-from ...host.userns import make_userns
+from ...host.userns import PendingUserns, start_userns
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
@@ -56,6 +56,7 @@ class LinuxSandbox(TierSandbox):
     _mounts: list[Path] | None = None
     #: the sandbox's user namespace (whole range mapped), while the host holds it
     _userns_fd: int | None = None
+    _userns_pending: PendingUserns | None = None
 
     def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
         self.id = sandbox_id
@@ -98,16 +99,27 @@ class LinuxSandbox(TierSandbox):
         """One more host uid of the sandbox's own (a range's sandbox-user uid)."""
         return self._reserve_range().user
 
+    def _start_userns(self, helper: Path) -> None:
+        """Start making the sandbox's user namespace (``helper``: the agent binary, run as
+        ``--userns``); other set-up may run meanwhile, then :meth:`_make_userns`."""
+        self._userns_pending = start_userns(helper, self.uid_range)
+
     def _make_userns(self, helper: Path) -> int:
-        """The sandbox's user namespace: its uid range mapped to 0-65535 inside (``helper``: the agent
-        binary, run as ``--userns``).  :meth:`_build_root` then idmaps the image into it."""
-        self._userns_fd = make_userns(helper, self.uid_range)
+        """The sandbox's user namespace: its uid range mapped to 0-65535 inside.  :meth:`_build_root`
+        then idmaps the image into it."""
+        if self._userns_pending is None:
+            self._start_userns(helper)
+        assert self._userns_pending is not None
+        self._userns_fd = self._userns_pending.finish()
         return self._userns_fd
 
     def _drop_userns(self) -> None:
         fd, self._userns_fd = self._userns_fd, None
         if fd is not None:
             os.close(fd)
+        pending, self._userns_pending = self._userns_pending, None
+        if pending is not None:
+            pending.close()
 
     def _make_cgroup(self, limits: Limits, layout: cgroups.Layout) -> cgroups.SandboxCgroup:
         self.cgroup = cgroups.SandboxCgroup(self.id, limits, layout)
