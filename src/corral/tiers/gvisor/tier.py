@@ -43,11 +43,10 @@ from ...errors import HostNotSupported, InvalidSpec, SandboxClosed
 from ...host import cgroups
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import AgentChannel, AgentProcess
+from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
-from ..process.tier import ROOT_CAPS, USER_IDS
 from .memory import MemoryGuard
 from .net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
 from .platform import Platform, choose_platform, runsc_binary

@@ -20,8 +20,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, SandboxClosed
+from ...images import SANDBOX_UID
 from ..base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 from .pause import PauseClock
+
+#: what root inside holds (Docker's default set without MKNOD and SYS_CHROOT), within the
+#: sandbox's own user namespace (or guest kernel) only
+ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+             "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_AUDIT_WRITE", "CAP_SETFCAP")
+#: the uid inside of each ``user`` (``spec.USERS``)
+USER_IDS = {"root": 0, "user": SANDBOX_UID}
 
 if TYPE_CHECKING:
     pass

@@ -32,10 +32,9 @@ from ...host.bwrap import check_host
 from ...host.netns import NETNS_DIR
 from ...host.procs import children, descendants
 from ...host.seccomp import bpf_path
-from ...images import SANDBOX_UID
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import T_GO, AgentChannel, AgentProcess
+from ..linux.agent import ROOT_CAPS, T_GO, USER_IDS, AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
@@ -43,12 +42,6 @@ from .launcher import LAUNCHER
 from .spares import PLACER
 
 START_TIMEOUT = 10.0
-#: what root inside holds (Docker's default set without MKNOD and SYS_CHROOT, which the
-#: kernel and the seccomp filter refuse in a sandbox anyway), within its user namespace only
-ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
-             "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_AUDIT_WRITE", "CAP_SETFCAP")
-#: the agent's uid for each ``user`` (``spec.USERS``)
-USER_IDS = {"root": 0, "user": SANDBOX_UID}
 
 
 class ProcessTier(Tier):
