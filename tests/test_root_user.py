@@ -239,3 +239,16 @@ def test_gvisor_root_and_real_owners(state_dir: Path) -> None:
         sb.files.write("/home/user/by-files-api", "x")  # the files API writes as the default user
         assert sb.commands.run("stat -c %u /home/user/by-files-api").stdout == "1000\n"
     assert not Path("/usr/bin/c13-x").exists()
+
+
+def test_microvm_runs_a_command_as_uid_1000_when_asked(state_dir: Path) -> None:
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier("microvm", state_dir)
+    with Sandbox.create(tier="microvm", memory="256M") as vm:
+        # without user= a command runs as the guest agent (root of its own kernel), as before
+        assert vm.commands.run("id -u").stdout == "0\n"
+        user = _status(vm, "user")
+        assert user["uid"] == "1000" and user["CapEff:"] == user["CapBnd:"] == "0" * 16
+        assert vm.commands.run("id -u", user="root").stdout == "0\n"
+        assert vm.commands.run("touch /usr/bin/c13-x", user="user").exit_code != 0
