@@ -24,10 +24,11 @@ from ...images import SANDBOX_UID
 from ..base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 from .pause import PauseClock
 
-#: what root inside holds (Docker's default set without MKNOD and SYS_CHROOT), within the
-#: sandbox's own user namespace (or guest kernel) only
+#: what root inside holds, within the sandbox's own user namespace only: Docker's default set
+#: without MKNOD, SYS_CHROOT (refused by the seccomp filter anyway) and NET_RAW (raw packets are
+#: not what package installs need, and the egress rules were not written against forged ones)
 ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
-             "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_NET_RAW", "CAP_AUDIT_WRITE", "CAP_SETFCAP")
+             "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE", "CAP_SETFCAP")
 #: the uid inside of each ``user`` (``spec.USERS``)
 USER_IDS = {"root": 0, "user": SANDBOX_UID}
 
