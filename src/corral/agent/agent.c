@@ -262,7 +262,7 @@ int main(int argc, char **argv) {
         argv++;
         argc--;
     }
-    /* --user UID (the process tier, whose agent is root of the sandbox's user namespace):
+    /* --user UID (process and gVisor tiers, whose agent is root of the sandbox's user namespace):
      * commands and file requests run as UID unless a command names its own user */
     if (argc > 2 && strcmp(argv[1], "--user") == 0) {
         char *end;
