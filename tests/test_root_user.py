@@ -251,3 +251,21 @@ def test_microvm_runs_a_command_as_uid_1000_when_asked(state_dir: Path) -> None:
         assert user["uid"] == "1000" and user["CapEff:"] == user["CapBnd:"] == "0" * 16
         assert vm.commands.run("id -u", user="root").stdout == "0\n"
         assert vm.commands.run("touch /usr/bin/c13-x", user="user").exit_code != 0
+
+
+def test_a_host_that_cannot_idmap_still_runs_sandboxes_with_unmapped_image_files(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from corral.host import idmap
+    from corral.tiers.linux import rootfs
+
+    def unsupported(source: Path, userns_fd: int) -> int:
+        raise OSError(errno.EINVAL, "mount_setattr: Invalid argument")
+
+    monkeypatch.setattr(idmap, "idmapped_tree", unsupported)
+    monkeypatch.setattr(rootfs, "IDMAP_UNSUPPORTED", None)
+    with Sandbox.create(user="root") as sb:
+        r = sb.commands.run("id -u; stat -c %U /usr/bin/env; touch /usr/bin/c13-y; echo x > /tmp/t && cat /tmp/t")
+        assert r.stdout == "0\nnobody\nx\n" and "Permission denied" in r.stderr, r
+    assert rootfs.IDMAP_UNSUPPORTED is not None and "Invalid argument" in rootfs.IDMAP_UNSUPPORTED

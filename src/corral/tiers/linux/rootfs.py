@@ -21,6 +21,8 @@ layers belongs to root of the sandbox too (``root_uid`` on the host).
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -51,6 +53,9 @@ def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict
         value = record.get(key)
         if value is not None:
             release_uid(state_dir, int(str(value)))
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,14 +125,32 @@ def build_root(
     return SandboxRoot(root, ws, workspace, made)
 
 
+#: why this host cannot idmap image layers (None: it can, or has not been asked yet)
+IDMAP_UNSUPPORTED: str | None = None
+
+
 def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, userns_fd: int) -> None:
     """The overlay at ``target`` on an idmapped view of ``lower``: a detached mount, named to
-    overlayfs as ``/proc/self/fd/N`` (the overlay keeps its own clone of it)."""
-    tree = idmap.idmapped_tree(lower, userns_fd)
-    try:
-        mounts.mount_overlay(target, [Path(f"/proc/self/fd/{tree}")], upper, work)
-    finally:
-        os.close(tree)
+    overlayfs as ``/proc/self/fd/N`` (the overlay keeps its own clone of it).
+
+    A kernel or file system that cannot idmap (Linux < 5.12; a layer on tmpfs before 6.3;
+    overlayfs on idmapped layers before 5.19) gets the plain layer: everything works but the
+    image's files show as ``nobody`` inside and root inside cannot change them."""
+    global IDMAP_UNSUPPORTED
+    if IDMAP_UNSUPPORTED is None:
+        try:
+            tree = idmap.idmapped_tree(lower, userns_fd)
+            try:
+                mounts.mount_overlay(target, [Path(f"/proc/self/fd/{tree}")], upper, work)
+            finally:
+                os.close(tree)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            IDMAP_UNSUPPORTED = str(exc)
+            log.warning("image layers are not idmapped on this host (%s): image files show as nobody", exc)
+    mounts.mount_overlay(target, [lower], upper, work)
 
 
 def _give_to(upper: Path, root_uid: int) -> None:
