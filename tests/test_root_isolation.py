@@ -42,11 +42,16 @@ DENIED = {
     "bpf": "python3 -c 'import ctypes,sys; sys.exit(ctypes.CDLL(None).syscall(321, 0, 0, 0) < 0)'",
     "add a network link": "ip link add c13x type veth peer name c13y",
     "sysrq": "echo c > /proc/sysrq-trigger",
+    "read the agent memory": "head -c1 /proc/1/mem",
 }
+#: the agent's protocol pipes: gVisor lets root of its namespace open another root process's
+#: descriptors (no dumpable check there); what it could send, the host does not trust anyway
+AGENT_PIPES = {"open the agent pipes": "sh -c 'exec 3>/proc/1/fd/1'"}
 #: what the process tier (the host kernel, behind seccomp) refuses and gVisor's own kernel answers
 DENIED_ON_THE_HOST_KERNEL = {
     "unshare user ns": "unshare -U true",
     "dmesg (syslog)": "dmesg",
+    "read the agent environment": "cat /proc/1/environ",  # gVisor shows it (it holds only PATH)
 }
 
 
@@ -64,8 +69,9 @@ def case(request: pytest.FixtureRequest, state_dir: Path) -> Iterator[tuple[Sand
 
 
 def test_privileged_operations_are_refused(case: tuple[Sandbox, str, str]) -> None:
-    sb, tier, _ = case
-    checks = {**DENIED, **(DENIED_ON_THE_HOST_KERNEL if tier == "process" else {})}
+    sb, tier, user = case
+    checks = {**DENIED, **(DENIED_ON_THE_HOST_KERNEL if tier == "process" else {}),
+              **(AGENT_PIPES if (tier, user) != ("gvisor", "root") else {})}
     script = "".join(f"if ( {cmd} ) >/dev/null 2>&1; then echo 'ALLOWED: {what}'; fi\n" for what, cmd in checks.items())
     host_before = Path("/proc/sys/kernel/hostname").read_text(), Path("/proc/sys/net/ipv4/ip_forward").read_text()
     r = sb.commands.run(script + "echo done")

@@ -51,6 +51,7 @@ void close_fd(int *fd);
 /* users.c: who commands run as (the agent itself may be root of the sandbox's user namespace) */
 extern long default_uid;
 int set_default_user(long uid);
+void give_new_file(int fd, const char *path);
 int become_user(uid_t uid);
 int userns_main(const char *uid_text);
 

@@ -14,8 +14,8 @@
  * The agent's own file requests run with the default user's file-system ids
  * (setfsuid/setfsgid): a file the files API writes belongs to that user, and
  * the kernel drops the file capabilities from the agent's effective set while
- * its fsuid is not 0.  gVisor has no setfsuid: there the agent's effective ids
- * are the default user's instead (real and saved stay 0).
+ * its fsuid is not 0.  gVisor has no setfsuid: there the agent stays root and
+ * gives what file requests create to the default user (give_new_file).
  *
  * `--userns UID` (run by the host as root): drop to UID, make a user namespace
  * (owned by UID), say so on stdout and wait for end of file on stdin.  The
@@ -46,6 +46,9 @@ static int capset_all(uint32_t lo, uint32_t hi) {
     return (int)syscall(SYS_capset, &hdr, data);
 }
 
+/* where set*fsid is missing (gVisor): the default user, to give what file requests create */
+static long owner_of_new = -1;
+
 int set_default_user(long uid) {
     if (uid < 0 || uid > 65535) return -1;
     default_uid = uid;
@@ -53,17 +56,21 @@ int set_default_user(long uid) {
     setfsgid((gid_t)uid);
     setfsuid((uid_t)uid);
     if ((long)setfsuid((uid_t)-1) == uid) return 0;
-    /* a kernel without set*fsid (gVisor's: ENOSYS): the effective ids instead, real and
-     * saved staying 0 so a command may still become root (become_user takes euid 0 back) */
-    if (setresgid((gid_t)-1, (gid_t)uid, (gid_t)-1) < 0 || setresuid((uid_t)-1, (uid_t)uid, (uid_t)-1) < 0)
-        return -1;
-    return geteuid() == (uid_t)uid ? 0 : -1;
+    /* a kernel without set*fsid (gVisor's: ENOSYS): the agent keeps all its ids 0 (an
+     * effective uid of the user's would let the user's commands open the agent's
+     * descriptors there) and hands what file requests create to the user instead */
+    owner_of_new = uid;
+    return 0;
+}
+
+void give_new_file(int fd, const char *path) {
+    if (owner_of_new < 0) return;
+    int r = fd >= 0 ? fchown(fd, (uid_t)owner_of_new, (gid_t)owner_of_new)
+                    : lchown(path, (uid_t)owner_of_new, (gid_t)owner_of_new);
+    (void)r; /* the file exists either way; its owner is cosmetic to the request */
 }
 
 int become_user(uid_t uid) {
-    /* back to euid 0 if set_default_user left the agent at the default user's (the
-     * permitted capabilities come back with it) */
-    if (geteuid() != 0 && setresuid((uid_t)-1, 0, (uid_t)-1) < 0) return -1;
     if (setgroups(0, NULL) < 0) return -1;
     if (uid == 0) {
         if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) return -1;
