@@ -177,8 +177,9 @@ def bundle_config(
             "noNewPrivileges": True,
             "rlimits": [
                 {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
-                # gVisor enforces this on fork/clone: the sandbox's own task limit
-                {"type": "RLIMIT_NPROC", "hard": pids, "soft": pids},
+                # gVisor enforces this on fork/clone, per uid: the sandbox's own task limit. The
+                # agent (root) no longer counts among the user's processes: one fewer for them
+                {"type": "RLIMIT_NPROC", "hard": max(1, pids - 1), "soft": max(1, pids - 1)},
             ],
         },
         "root": {"path": str(root), "readonly": False},
