@@ -234,8 +234,7 @@ class GVisorSandbox(LinuxSandbox):
         # the proxy socket is connected to by the gofer (root_uid on the host) on behalf of the
         # agent (uid 1000 inside, user_uid on the host): owner user_uid, group root_uid, 0660
         network = self._make_network(host_namespace=False, socket_gid=self.root_uid)
-        self._make_userns(self._host.agent)  # the image's layers idmapped: real owners inside
-        try:
+        try:  # the image's layers idmapped into the range's namespace: real owners inside
             built = self._build_root()
         finally:
             self._drop_userns()  # runsc makes its own namespace with the same map

@@ -25,7 +25,7 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +76,7 @@ def build_root(
     uid: int,
     files: Mapping[str, bytes] | None = None,
     mount_points: Sequence[str] = (),
-    userns_fd: int | None = None,
+    userns: Callable[[], int] | None = None,
     root_uid: int | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
@@ -85,10 +85,12 @@ def build_root(
     the root; ``mount_points`` are created as empty files for later bind mounts.
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
-    workspace).  With ``userns_fd`` (the sandbox's user namespace) the image's
-    layers are idmapped into it and the upper layers belong to ``root_uid``
-    (root inside).  The caller unmounts on teardown: :func:`mounts.unmount_all`
-    of ``run_dir`` with ``known=`` the returned ``mounts``.
+    workspace).  With ``userns`` (gives the sandbox's user namespace; asked as
+    late as possible, after everything but the overlays is ready, so that its
+    making overlaps this) the image's layers are idmapped into it and the upper
+    layers belong to ``root_uid`` (root inside).  The caller unmounts on
+    teardown: :func:`mounts.unmount_all` of ``run_dir`` with ``known=`` the
+    returned ``mounts``.
     """
     image = resolve(spec.image, state_dir)
     os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
@@ -97,7 +99,8 @@ def build_root(
     root.mkdir()
     mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
     made = [disk]
-    mapped = userns_fd is not None and root_uid is not None
+    mapped = userns is not None and root_uid is not None
+    layers = []
     for index, (point, lower) in enumerate(image.layers):
         upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
         upper.mkdir()
@@ -108,13 +111,7 @@ def build_root(
         if mapped:
             assert root_uid is not None
             _give_to(upper, root_uid)
-        target = root / point.lstrip("/") if point != "/" else root
-        if mapped:
-            assert userns_fd is not None
-            _mount_mapped_overlay(target, lower, upper, work, userns_fd)
-        else:
-            mounts.mount_overlay(target, [lower], upper, work)
-        made.append(target)
+        layers.append((root / point.lstrip("/") if point != "/" else root, lower, upper, work))
     ws = disk / "ws"
     workspace: WorkspaceCopy | None = None
     if spec.workspace is not None:
@@ -122,6 +119,13 @@ def build_root(
     else:
         ws.mkdir(mode=0o755)
         os.chown(ws, uid, uid)
+    userns_fd = userns() if mapped and userns is not None else None
+    for target, lower, upper, work in layers:
+        if userns_fd is not None:
+            _mount_mapped_overlay(target, lower, upper, work, userns_fd)
+        else:
+            mounts.mount_overlay(target, [lower], upper, work)
+        made.append(target)
     return SandboxRoot(root, ws, workspace, made)
 
 

@@ -11,7 +11,7 @@ each, and runs for a sandbox whose ``__init__`` failed half way too):
 - the cgroup (:meth:`_make_cgroup`): killed and removed once the tier's own
   processes are stopped (:meth:`_stop`);
 - the network side (:meth:`_make_network`): closed;
-- the user namespace that maps the whole uid range (:meth:`_make_userns`): its descriptor closed
+- the user namespace that maps the whole uid range (:meth:`_start_userns`, :meth:`_userns`): its descriptor closed
   (:meth:`_drop_userns` once the guest holds the namespace, else at close);
 - the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory.
 
@@ -101,16 +101,15 @@ class LinuxSandbox(TierSandbox):
 
     def _start_userns(self, helper: Path) -> None:
         """Start making the sandbox's user namespace (``helper``: the agent binary, run as
-        ``--userns``); other set-up may run meanwhile, then :meth:`_make_userns`."""
+        ``--userns``); other set-up may run meanwhile, then :meth:`_userns`."""
         self._userns_pending = start_userns(helper, self.uid_range)
 
-    def _make_userns(self, helper: Path) -> int:
-        """The sandbox's user namespace: its uid range mapped to 0-65535 inside.  :meth:`_build_root`
-        then idmaps the image into it."""
-        if self._userns_pending is None:
-            self._start_userns(helper)
-        assert self._userns_pending is not None
-        self._userns_fd = self._userns_pending.finish()
+    def _userns(self) -> int:
+        """The sandbox's user namespace (its uid range mapped to 0-65535 inside), started by
+        :meth:`_start_userns`: :meth:`_build_root` asks for it once the rest of the root is ready."""
+        if self._userns_fd is None:
+            assert self._userns_pending is not None, "_start_userns first"
+            self._userns_fd = self._userns_pending.finish()
         return self._userns_fd
 
     def _drop_userns(self) -> None:
@@ -138,7 +137,7 @@ class LinuxSandbox(TierSandbox):
             self.spec, self._state_dir, self._run_dir, self.uid,
             files=network.files if network is not None else {},
             mount_points=[inside for _, inside in network.binds] if network is not None else [],
-            userns_fd=self._userns_fd, root_uid=self.uid_range.base,
+            userns=self._userns if self._userns_pending is not None else None, root_uid=self.uid_range.base,
         )
         self.workspace = built.workspace
         self._mounts = built.mounts

@@ -99,10 +99,9 @@ class ProcessSandbox(LinuxSandbox):
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
-        self._start_userns(self._tier._agent)  # its helper starts while the cgroup and network are made
+        self._start_userns(self._tier._agent)  # its helper starts while the cgroup, network and root are made
         self._make_cgroup(self.spec.limits, self._tier._layout)
         self._make_network()
-        self._make_userns(self._tier._agent)
         built = self._build_root()
         self._launch(built.root, built.workspace_dir)
 
