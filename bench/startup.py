@@ -6,10 +6,14 @@ Prints p50/p95/p99 over N iterations of:
   - exec round trip (`true`) in a live sandbox
   - `corral run -- true` as a whole new process (CLI start-up included)
   - the floor: bare `bwrap --unshare-all ... true`
+  - a sandbox's range of 65,536 host uids: reserve + release (host-wide claim and state-dir record)
+  - its user namespace mapping the range (helper start, maps, descriptor) and one idmapped image
+    layer (open_tree + mount_setattr), the parts of create that real owners and root inside add
 and each figure's ratio to the floor.
 
 Targets on a 2-core machine: cold p50 <= 30 ms, p99 <= 60 ms; exec p50 <= 5 ms;
-`corral run -- true` p50 <= 200 ms.
+`corral run -- true` p50 <= 200 ms; the uid range p50 <= 1 ms (issue 13); the user
+namespace and idmapped layers together p50 <= 1 ms (issue 13: root inside, real owners).
 
 Usage: python bench/startup.py [--iterations 100] [--cli-iterations 30] [--allow-iterations 50]
 """
@@ -54,7 +58,11 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
 
+    from pathlib import Path
+
     from corral import Sandbox
+    from corral.host.uids import allocate_range, release_range
+    from corral.registry import state_dir
 
     floor_argv = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
                   "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc",
@@ -80,13 +88,37 @@ def main() -> int:
         cli = [entry, "run", "--", "true"]
     cli_samples = measure(lambda: subprocess.run(cli, check=True), args.cli_iterations, warmup=2)
 
+    def cold_root() -> None:
+        with Sandbox.create(user="root") as sb:
+            sb.commands.run(["true"])
+
+    root_samples = measure(cold_root, args.iterations)
+
+    state = state_dir(Path(os.environ["CORRAL_STATE_DIR"]))
+    uid_samples = measure(lambda: release_range(state, allocate_range(state, "sb-bench").base), args.iterations)
+    ids = allocate_range(state, "sb-bench-userns")
+    from corral.host.idmap import idmapped_tree
+    from corral.host.userns import make_userns
+    from corral.tiers.linux.agent_build import agent_binary
+
+    helper = agent_binary(state)
+    userns_samples = measure(lambda: os.close(make_userns(helper, ids)), args.iterations)
+    userns_fd = make_userns(helper, ids)
+    idmap_samples = measure(lambda: os.close(idmapped_tree(Path("/usr"), userns_fd)), args.iterations)
+    os.close(userns_fd)
+    release_range(state, ids.base)
+
     floor_p50 = percentiles(floor)[0]
     rows = [
         ("bwrap --unshare-all true (floor)", floor, ""),
         ("cold create -> true -> destroy (API)", cold_samples, "p50 <= 30, p99 <= 60"),
         ("  the same, network=allow", allow_samples, ""),
+        ("  the same, user=root", root_samples, ""),
         ("exec round trip in a live sandbox", exec_samples, "p50 <= 5"),
         ("`corral run -- true` (whole process)", cli_samples, "p50 <= 200"),
+        ("uid range: reserve + release", uid_samples, "p50 <= 1"),
+        ("user namespace of the range (whole)", userns_samples, "(create overlaps it)"),
+        ("one idmapped image layer", idmap_samples, "x layers per create"),
     ]
     print(f"load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus; iterations {args.iterations}")
     print(f"{'what':<40} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'p50/floor':>10}  target")

@@ -30,6 +30,18 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
             continue
     if any(row.id == sandbox_id for row in Registry.at(state_dir).rows()):
         found.append("registry row")
+    found += [f"uid range {base}" for base in ranges_of(sandbox_id, state_dir)]
+    return found
+
+
+def ranges_of(owner: str, state_dir: Path) -> list[int]:
+    """Bases of the host uid ranges still reserved for ``owner`` (its records in the state dir)."""
+    records = state_dir / "uids"
+    found = []
+    if records.is_dir():
+        for record in records.iterdir():
+            if _owner(record) == owner:
+                found.append(int(record.name))
     return found
 
 

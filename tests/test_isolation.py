@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.host import uids as host_uids
 
 PY = "/usr/bin/python3"
 
@@ -52,7 +53,7 @@ def test_host_uid_outside_is_unprivileged(sandbox: Sandbox) -> None:
                 except OSError:
                     continue
             time.sleep(0.05)
-        assert uids and all(uid >= 2_000_000_000 for uid in uids), uids
+        assert uids and all(host_uids.UID_BASE <= uid < host_uids.UID_TOP for uid in uids), uids
     finally:
         handle.kill()
         handle.wait()

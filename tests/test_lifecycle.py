@@ -338,28 +338,30 @@ for sb in live:
 
 def test_two_state_directories_never_hand_out_the_same_host_uid(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # uid records live in each state directory; without the host-wide claim two Corral instances
-    # (two servers, parallel test runs) could give two live sandboxes the same host user
+    # range records live in each state directory; without the host-wide claim two Corral instances
+    # (two servers, parallel test runs) could give two live sandboxes the same host users
     import random
 
     from corral.host import uids
 
-    draws = iter([7, 7, 8])
+    free = sorted(set(range(uids.SLOTS)) - uids.host_slots())[:2]
+    draws = iter([free[0], free[0], free[1]])
     monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, n: next(draws))
     first_dir, second_dir = tmp_path / "a", tmp_path / "b"
     first_dir.mkdir()
     second_dir.mkdir()
-    first = uids.allocate_uid(first_dir, "sb-first")
-    second = uids.allocate_uid(second_dir, "sb-second")
+    first = uids.allocate_range(first_dir, "sb-first")
+    second = uids.allocate_range(second_dir, "sb-second")
     try:
-        assert first == uids.UID_BASE + 7 and second == uids.UID_BASE + 8
-        assert not (second_dir / "uids" / str(first)).exists()
+        assert first.base == uids.UID_BASE + free[0] * uids.RANGE_SIZE
+        assert second.base == uids.UID_BASE + free[1] * uids.RANGE_SIZE
+        assert not (second_dir / "uids" / str(first.base)).exists()
         # a claim whose state directory is gone (removed without gc) is stale and taken over
         shutil.rmtree(first_dir)
-        draws = iter([7])
-        assert uids.allocate_uid(second_dir, "sb-third") == first
-        uids.release_uid(second_dir, first)
+        draws = iter([free[0]])
+        assert uids.allocate_range(second_dir, "sb-third") == first
+        uids.release_range(second_dir, first.user)  # any uid of the range releases it
     finally:
-        uids.release_uid(second_dir, second)
-        uids.release_uid(first_dir, first)
-    assert not (uids.CLAIMS / str(first)).exists() and not (uids.CLAIMS / str(second)).exists()
+        uids.release_range(second_dir, second.base)
+        uids.release_range(first_dir, first.base)
+    assert not (uids.CLAIMS / str(first.base)).exists() and not (uids.CLAIMS / str(second.base)).exists()

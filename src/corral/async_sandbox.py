@@ -218,19 +218,19 @@ class AsyncCommands:
                     env: Mapping[str, str] | None = None, cwd: str | None = None,
                     on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
                     on_output: Callable[[str, bytes], Any] | None = None,
-                    pty: tuple[int, int] | None = None) -> AsyncCommandHandle:
-        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, pty)
+                    pty: tuple[int, int] | None = None, user: str | None = None) -> AsyncCommandHandle:
+        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, pty, user)
         return AsyncCommandHandle(await self._sb._backend.start(call, async_output(on_stdout, on_stderr, on_output)))
 
     async def run(self, cmd: str | Sequence[str], *, timeout: float | None = None,
                   env: Mapping[str, str] | None = None, cwd: str | None = None, stdin: str | bytes | None = None,
                   on_stdout: Callable[[str], Any] | None = None, on_stderr: Callable[[str], Any] | None = None,
                   on_output: Callable[[str, bytes], Any] | None = None, check: bool = False,
-                  background: bool = False) -> Any:
+                  background: bool = False, user: str | None = None) -> Any:
         """As :meth:`corral.commands.Commands.run` (``background=True`` returns an :class:`AsyncCommandHandle`)."""
         from .errors import ExecTimeout, OutOfMemory
 
-        call = check_call(cmd, timeout, env, cwd or self._sb.cwd)
+        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, user=user)
         callback = async_output(on_stdout, on_stderr, on_output)
         data = stdin.encode() if isinstance(stdin, str) else bytes(stdin) if stdin is not None else None
         if background:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory
 from .images import SANDBOX_HOME, SANDBOX_USER
-from .spec import validate_env, validate_sandbox_path
+from .spec import validate_env, validate_sandbox_path, validate_user
 from .surface import output_callback
 from .tiers.base import ExecResult
 from .transport import CommandCall, CommandProcess, OutputCallback
@@ -31,6 +31,8 @@ BASE_ENV = {
 }
 #: the longest timeout a command may ask for
 MAX_TIMEOUT = 7 * 86400
+#: what differs for a command run as root
+ROOT_ENV = {"HOME": "/root", "USER": "root", "LOGNAME": "root"}
 
 
 def argv_of(cmd: str | Sequence[str]) -> list[str]:
@@ -48,7 +50,7 @@ def argv_of(cmd: str | Sequence[str]) -> list[str]:
 
 
 def check_call(cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None, cwd: str | None,
-               pty: tuple[int, int] | None = None) -> CommandCall:
+               pty: tuple[int, int] | None = None, user: str | None = None) -> CommandCall:
     """A command's arguments, checked the same way whichever transport carries them."""
     argv_of(cmd)
     if pty is not None and not (isinstance(pty, (tuple, list)) and len(pty) == 2
@@ -60,7 +62,8 @@ def check_call(cmd: str | Sequence[str], timeout: float | None, env: Mapping[str
     return CommandCall(cmd if isinstance(cmd, str) else list(cmd), timeout,
                        validate_env(env) if env is not None else None,
                        validate_sandbox_path(cwd, "cwd") if cwd is not None else None,
-                       (int(pty[0]), int(pty[1])) if pty is not None else None)
+                       (int(pty[0]), int(pty[1])) if pty is not None else None,
+                       validate_user(user) if user is not None else None)
 
 
 class CommandHandle:
@@ -145,12 +148,15 @@ class Commands:
         on_stderr: Callable[[str], None] | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
         pty: tuple[int, int] | None = None,
+        user: str | None = None,
     ) -> CommandHandle:
         """Start a command; output reaches the callbacks as it is produced (on a reader thread).
 
         With ``pty=(rows, cols)`` it runs on a terminal: output arrives as stdout only.
+        ``user="root"`` runs it as root of the sandbox's own user namespace (tiers that offer
+        it), ``user="user"`` as the unprivileged sandbox user; None: the sandbox's ``user``.
         """
-        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, pty)
+        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, pty, user)
         callback = output_callback(on_stdout, on_stderr, on_output)
         return CommandHandle(self._sb._backend.start(call, callback), self._sb.id)
 
@@ -158,13 +164,13 @@ class Commands:
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ..., env: Mapping[str, str] | None = ...,
             cwd: str | None = ..., stdin: str | bytes | None = ..., on_stdout: Callable[[str], None] | None = ...,
             on_stderr: Callable[[str], None] | None = ..., on_output: Callable[[str, bytes], None] | None = ...,
-            check: bool = ..., background: Literal[False] = ...) -> ExecResult: ...
+            check: bool = ..., background: Literal[False] = ..., user: str | None = ...) -> ExecResult: ...
 
     @overload
     def run(self, cmd: str | Sequence[str], *, timeout: float | None = ..., env: Mapping[str, str] | None = ...,
             cwd: str | None = ..., stdin: str | bytes | None = ..., on_stdout: Callable[[str], None] | None = ...,
             on_stderr: Callable[[str], None] | None = ..., on_output: Callable[[str, bytes], None] | None = ...,
-            check: bool = ..., background: Literal[True]) -> CommandHandle: ...
+            check: bool = ..., background: Literal[True], user: str | None = ...) -> CommandHandle: ...
 
     def run(
         self,
@@ -179,6 +185,7 @@ class Commands:
         on_output: Callable[[str, bytes], None] | None = None,
         check: bool = False,
         background: bool = False,
+        user: str | None = None,
     ) -> ExecResult | CommandHandle:
         """Run a command to completion. A shell string runs under ``/bin/sh -c``.
 
@@ -187,7 +194,7 @@ class Commands:
         With ``background=True`` it returns the running command's handle at once, its ``pid``
         known and its stdin open (``commands.list/connect/kill/send_stdin`` find it by pid).
         """
-        call = check_call(cmd, timeout, env, cwd or self._sb.cwd)
+        call = check_call(cmd, timeout, env, cwd or self._sb.cwd, user=user)
         callback = output_callback(on_stdout, on_stderr, on_output)
         data = stdin.encode() if isinstance(stdin, str) else bytes(stdin) if stdin is not None else None
         backend = self._sb._backend

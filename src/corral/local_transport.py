@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import owner_link
-from .commands import BASE_ENV, CommandInfo, argv_of
+from .commands import BASE_ENV, ROOT_ENV, CommandInfo, argv_of
 from .egress.network import SandboxNetwork
 from .errors import InvalidSpec, SandboxClosed, SandboxNotFound, host_errors
 from .host.procs import raise_open_files_limit
@@ -153,14 +153,17 @@ class LocalBackend(SandboxBackend):
     def request(self, call: CommandCall) -> ExecRequest:
         if call.pty is not None and not tier_class(self.spec.tier).capabilities.pty:
             raise InvalidSpec(f"pty: the {self.spec.tier} tier cannot run commands on a terminal")
+        tier_class(self.spec.tier).capabilities.check_user(call.user, self.spec.tier)
         limits = self.spec.limits
+        as_root = (call.user or self.spec.user) == "root"
         return ExecRequest(
             argv=argv_of(call.cmd),
-            env={**BASE_ENV, **self.spec.env, **(call.env or {})},
+            env={**BASE_ENV, **(ROOT_ENV if as_root else {}), **self.spec.env, **(call.env or {})},
             cwd=validate_sandbox_path(call.cwd or self.spec.cwd, "cwd"),
             timeout=float(call.timeout if call.timeout is not None else limits.timeout),
             max_output=limits.max_output,
             pty=call.pty,
+            user=call.user,
         )
 
     def start(self, call: CommandCall, on_output: OutputCallback | None) -> LocalProcess:
@@ -328,6 +331,7 @@ class LocalTransport(Transport):
             raise InvalidSpec("idle_timeout: only a server tracks use (Sandbox.create(url=...)); an embedded "
                               "sandbox lives until kill() or its lifetime")
         spec = options.spec
+        tier_class(spec.tier).capabilities.check_user(spec.user, spec.tier)
         sandbox_id = new_sandbox_id()
         seed: tuple[Path, str] | None = None
         if options.snapshot is not None:

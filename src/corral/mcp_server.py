@@ -250,23 +250,26 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     @_anticipated
     async def create_sandbox(ctx: Context, image: str = "host", memory: str = "512M", cpus: float = 1.0,
                              timeout: float = 60.0, env: dict[str, str] | None = None,
-                             allow: list[str] | None = None) -> dict[str, Any]:
+                             allow: list[str] | None = None, user: str = "user") -> dict[str, Any]:
         """Create a sandbox; returns its id. memory like 512M, timeout = default seconds per command.
-        No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port)."""
+        No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port).
+        user: "user" (uid 1000, default) or "root" (root inside the sandbox only, e.g. to install
+        packages; no privilege on the host)."""
         # secrets are deliberately not offered: the model would choose where they may be sent
         sb = await sessions.of(ctx).create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env,
-                                  allow=allow or None)
+                                  allow=allow or None, user=user)
         return {"sandbox_id": sb.id}
 
     @server.tool()
     @_anticipated
     async def run_command(ctx: Context, sandbox_id: str, command: str, timeout: float | None = None,
-                          cwd: str | None = None) -> dict[str, Any]:
+                          cwd: str | None = None, user: str | None = None) -> dict[str, Any]:
         """Run a shell command to completion; returns exit_code, stdout, stderr, timed_out, oom_killed.
+        user: "root" or "user" for this command (default: the sandbox's).
         stdout and stderr are cut at 20000 characters each ('cut' says so): redirect long output to a
         file and page through it with read_file."""
         sb = sessions.of(ctx).get(sandbox_id)
-        result = await asyncio.to_thread(sb.commands.run, command, timeout=timeout, cwd=cwd)
+        result = await asyncio.to_thread(sb.commands.run, command, timeout=timeout, cwd=cwd, user=user)
         return capped(dict(result.to_dict()), "stdout", "stderr")
 
     @server.tool()

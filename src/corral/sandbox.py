@@ -201,12 +201,14 @@ class Sandbox:
         """Create a sandbox. Keyword arguments: image, tier, memory, pids, cpus, disk, timeout,
         max_output, workspace (``DIR[:rw|ro|cow]``), env, network, allow, unsafe_allow_ranges,
         secrets (``["NAME@host1,host2"]``) and secret_values (``{"NAME": value}``; default: the
-        caller's environment); metadata (labels for ``list``), lifetime (seconds until it is
-        destroyed), idle_timeout (a server's or a cluster's); snapshot (an id from :meth:`snapshot`:
-        the sandbox starts with its files, tier and image).  ``url``/``api_key`` (or ``CORRAL_URL``)
-        make it in a server; ``cluster`` (a Ray address, or True for the Ray this process joined;
-        or ``CORRAL_CLUSTER``) on a node of a Ray cluster, waiting up to ``slot_timeout`` seconds
-        for a free slot; ``state`` names this process's state directory; ``transport`` is any."""
+        caller's environment); user (``"user"``, the default: uid 1000; ``"root"``: root of the
+        sandbox's own user namespace, on tiers that offer it); metadata (labels for ``list``),
+        lifetime (seconds until it is destroyed), idle_timeout (a server's or a cluster's);
+        snapshot (an id from :meth:`snapshot`: the sandbox starts with its files, tier and image).
+        ``url``/``api_key`` (or ``CORRAL_URL``) make it in a server; ``cluster`` (a Ray address,
+        or True for the Ray this process joined; or ``CORRAL_CLUSTER``) on a node of a Ray
+        cluster, waiting up to ``slot_timeout`` seconds for a free slot; ``state`` names this
+        process's state directory; ``transport`` is any."""
         values = kwargs.pop("secret_values", None)
         if values is not None:
             with secret_values(values):

@@ -29,6 +29,9 @@ TIERS = ("process", "gvisor", "microvm", "wasm")
 _REGISTERED_TIERS: list[str] = []
 
 NETWORK_MODES = ("none", "allow", "open")
+#: who commands run as inside: the unprivileged sandbox user (uid 1000), or root of the
+#: sandbox's own user namespace (tiers that offer it: ``Capabilities.root``)
+USERS = ("user", "root")
 WORKSPACE_MODES = ("rw", "ro", "cow")
 #: where the workspace appears inside every sandbox
 WORKSPACE_PATH = "/workspace"
@@ -196,6 +199,8 @@ class SandboxSpec:
     unsafe_allow_ranges: tuple[str, ...] = ()
     #: secrets bound to hosts; values are never part of the spec
     secrets: tuple[SecretBinding, ...] = ()
+    #: who commands (and file calls) run as unless a command names its own ``user``: see USERS
+    user: str = "user"
 
     def __post_init__(self) -> None:
         if self.tier not in tier_names():
@@ -209,6 +214,7 @@ class SandboxSpec:
         object.__setattr__(self, "env", validate_env(self.env))  # before the network: secrets check env names
         self._validate_network()
         validate_sandbox_path(self.cwd, "cwd")
+        validate_user(self.user)
 
     def _validate_network(self) -> None:
         for name in ("allow", "unsafe_allow_ranges", "secrets"):
@@ -247,11 +253,11 @@ class SandboxSpec:
         if not isinstance(data, Mapping):
             raise InvalidSpec("spec: expected an object")
         known = {"image", "tier", "limits", "workspace", "env", "network", "cwd", "allow", "unsafe_allow_ranges",
-                 "secrets"}
+                 "secrets", "user"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise InvalidSpec(f"spec: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        kwargs: dict[str, Any] = {k: data[k] for k in ("image", "tier", "network", "cwd") if k in data}
+        kwargs: dict[str, Any] = {k: data[k] for k in ("image", "tier", "network", "cwd", "user") if k in data}
         limits = data.get("limits") or {}
         if not isinstance(limits, Mapping):
             raise InvalidSpec("limits: expected an object")
@@ -281,6 +287,13 @@ def template_key(spec: SandboxSpec) -> str:
     import json
 
     return json.dumps(spec.to_dict(), sort_keys=True, default=str)
+
+
+def validate_user(user: object, what: str = "user") -> str:
+    """``"user"`` (uid 1000 inside) or ``"root"`` (root of the sandbox's user namespace only)."""
+    if not isinstance(user, str) or user not in USERS:
+        raise InvalidSpec(f"{what}: {user!r}: use one of {', '.join(repr(u) for u in USERS)}")
+    return user
 
 
 def validate_env(env: Mapping[str, str] | None) -> dict[str, str]:

@@ -50,6 +50,7 @@ def build_spec(
     allow: Sequence[str] | None = None,
     unsafe_allow_ranges: Sequence[str] | None = None,
     secrets: Sequence[str | SecretBinding] | Mapping[str, Sequence[str]] | None = None,
+    user: str | None = None,
 ) -> SandboxSpec:
     """A spec from keyword arguments (each overriding ``spec``'s field when given).
 
@@ -85,6 +86,7 @@ def build_spec(
         else base.unsafe_allow_ranges,
         secrets=tuple(b if isinstance(b, SecretBinding) else SecretBinding.parse(b) for b in secrets)
         if secrets is not None else base.secrets,
+        user=user if user is not None else base.user,
     )
 
 

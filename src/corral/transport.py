@@ -48,12 +48,14 @@ class CommandCall:
     #: an absolute in-sandbox path, or None for the sandbox's working directory
     cwd: str | None = None
     pty: tuple[int, int] | None = None
+    #: ``"root"`` or ``"user"`` (``spec.USERS``); None: the sandbox's own ``user``
+    user: str | None = None
 
     def body(self) -> dict[str, Any]:
         """The JSON request of the REST API (only the fields given)."""
         out: dict[str, Any] = {"cmd": self.cmd if isinstance(self.cmd, str) else list(self.cmd)}
         for name, value in (("timeout", self.timeout), ("env", dict(self.env) if self.env is not None else None),
-                            ("cwd", self.cwd)):
+                            ("cwd", self.cwd), ("user", self.user)):
             if value is not None:
                 out[name] = value
         return out

@@ -238,6 +238,7 @@ static int launch_main(int argc, char **argv) {
 
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--launch") == 0) return launch_main(argc, argv);
+    if (argc == 3 && strcmp(argv[1], "--userns") == 0) return userns_main(argv[2]);
     /* the microVM guest's egress relay, started by its pid 1 (relay_mux.c) */
     if (argc == 3 && strcmp(argv[1], "--relay-mux") == 0) return relay_mux_main(atoi(argv[2]));
     prctl(PR_SET_DUMPABLE, 0);
@@ -261,6 +262,16 @@ int main(int argc, char **argv) {
         argv++;
         argc--;
     }
+    /* --user UID (process and gVisor tiers, whose agent is root of the sandbox's user namespace):
+     * commands and file requests run as UID unless a command names its own user */
+    if (argc > 2 && strcmp(argv[1], "--user") == 0) {
+        char *end;
+        long uid = strtol(argv[2], &end, 10);
+        if (*end || set_default_user(uid) < 0) return 2;
+        argv[2] = argv[0];
+        argv += 2;
+        argc -= 2;
+    }
     if (hold) {
         send_frame(T_READY, 0, "corral-agent 1", 14);
         unsigned char hdr[9];
@@ -275,7 +286,10 @@ int main(int argc, char **argv) {
         if (port <= 0 || port > 65535) return 2;
         pid_t pid = fork();
         if (pid < 0) return 2;
-        if (pid == 0) relay_main(port, argv[3]);
+        if (pid == 0) {
+            if (default_uid >= 0 && become_user((uid_t)default_uid) < 0) _exit(2);
+            relay_main(port, argv[3]);
+        }
     }
     sigset_t mask;
     sigemptyset(&mask);

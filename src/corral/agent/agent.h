@@ -48,6 +48,13 @@ int split_strings(char *p, size_t len, char **out, int max);
 struct exec *find_exec(uint32_t id);
 void close_fd(int *fd);
 
+/* users.c: who commands run as (the agent itself may be root of the sandbox's user namespace) */
+extern long default_uid;
+int set_default_user(long uid);
+void give_new_file(int fd, const char *path);
+int become_user(uid_t uid);
+int userns_main(const char *uid_text);
+
 /* exec.c: commands and the spare */
 extern int spares_enabled;
 void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws);

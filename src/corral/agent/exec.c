@@ -28,32 +28,44 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-/* An exec payload: cwd \0 argc \0 argv... \0 envc \0 env... \0, parsed in place.
+/* An exec payload: user \0 cwd \0 argc \0 argv... \0 envc \0 env... \0, parsed in
+ * place; user is "" (the agent's default, see --user) or a uid inside the sandbox.
  * Returns NULL when well formed, else what is wrong. */
-struct command { const char *cwd; char **argv; char **envp; };
+struct command { long uid; const char *cwd; char **argv; char **envp; };
 
 static const char *parse_command(char *payload, uint32_t len, char **parts, int max, struct command *c) {
     if (len == 0 || payload[len - 1] != 0) return "exec";
     int n = split_strings(payload, len, parts, max - 2);
-    if (n < 3) return "exec";
-    int argc = atoi(parts[1]);
-    if (argc < 1 || 2 + argc >= n) return "exec argv";
-    int envc = atoi(parts[2 + argc]);
-    if (envc < 0 || 3 + argc + envc > n) return "exec env";
-    c->cwd = parts[0];
-    c->argv = &parts[2];
-    c->envp = &parts[3 + argc];
+    if (n < 4) return "exec";
+    c->uid = default_uid;
+    if (parts[0][0]) {
+        char *end;
+        c->uid = strtol(parts[0], &end, 10);
+        if (*end || c->uid < 0 || c->uid > 65535) return "exec user";
+    }
+    int argc = atoi(parts[2]);
+    if (argc < 1 || 3 + argc >= n) return "exec argv";
+    int envc = atoi(parts[3 + argc]);
+    if (envc < 0 || 4 + argc + envc > n) return "exec env";
+    c->cwd = parts[1];
+    c->argv = &parts[3];
+    c->envp = &parts[4 + argc];
     /* terminate argv and envp in place: the slot after each list is free */
-    parts[2 + argc] = NULL;
-    parts[3 + argc + envc] = NULL;
+    parts[3 + argc] = NULL;
+    parts[4 + argc + envc] = NULL;
     return NULL;
 }
 
 /* The child's side of a command, with its stdio in place: wait until the host
- * has placed it in the command's cgroup (the go byte on sync_fd), then exec. */
+ * has placed it in the command's cgroup (the go byte on sync_fd), become its
+ * user, then exec. */
 static void __attribute__((noreturn)) become_command(int sync_fd, const struct command *c) {
     char go;
     if (read(sync_fd, &go, 1) != 1) _exit(126);
+    if (c->uid >= 0 && become_user((uid_t)c->uid) < 0) {
+        dprintf(2, "corral: cannot run as uid %ld: %s\n", c->uid, strerror(errno));
+        _exit(126);
+    }
     if (chdir(c->cwd) < 0) {
         dprintf(2, "corral: cannot enter working directory %s: %s\n", c->cwd, strerror(errno));
         _exit(126);

@@ -53,6 +53,7 @@ static int mkdir_parents(char *path, mode_t mode) {
         if (*p != '/') continue;
         *p = 0;
         int r = mkdir(path, mode);
+        if (r == 0) give_new_file(-1, path);
         *p = '/';
         if (r < 0 && errno != EEXIST) return -1;
     }
@@ -71,7 +72,10 @@ void do_fwrite(uint32_t id, char *payload, uint32_t len, int append) {
     size_t dlen = len - 8 - plen - 1;
     if ((flags & 1) && mkdir_parents(path, 0755) < 0) { send_err(id, errno, path); return; }
     int oflags = O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC);
-    int fd = open(path, oflags, mode & 07777);
+    /* O_EXCL first: a file made here is given to the default user (give_new_file) */
+    int fd = open(path, oflags | O_EXCL, mode & 07777);
+    if (fd >= 0) give_new_file(fd, NULL);
+    else if (errno == EEXIST) fd = open(path, oflags, mode & 07777);
     if (fd < 0) { send_err(id, errno, path); return; }
     while (dlen > 0) {
         ssize_t n = write(fd, data, dlen);

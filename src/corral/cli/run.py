@@ -36,6 +36,9 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
                         "the sandbox only sees a placeholder")
     parser.add_argument("--secrets-file", default=None, metavar="FILE",
                         help="NAME=VALUE lines to take secret values from (must not be world-readable)")
+    parser.add_argument("--user", default=None, choices=("user", "root"),
+                        help="run as the sandbox user (uid 1000, default) or as root of the sandbox's own "
+                             "user namespace (no host privilege; process and gVisor tiers)")
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
@@ -46,7 +49,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     base = SandboxSpec(limits=limits)
     return build_spec(base, image=args.image, tier=args.tier, workspace=args.workspace,
                       env=parse_env_assignments(args.env), network=args.network, allow=args.allow or None,
-                      unsafe_allow_ranges=args.unsafe_allow_range or None, secrets=args.secret or None)
+                      unsafe_allow_ranges=args.unsafe_allow_range or None, secrets=args.secret or None,
+                      user=args.user)
 
 
 def register(sub: Any) -> None:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from ..errors import InvalidSpec
 
-#: the uid/gid of the sandbox user inside every sandbox
-SANDBOX_UID = 1000
+#: the uid/gid of the sandbox user inside every sandbox (its host uid is its range's base + this)
+from ..host.uids import SANDBOX_UID as SANDBOX_UID
+
 SANDBOX_USER = "user"
 SANDBOX_HOME = "/home/user"
 

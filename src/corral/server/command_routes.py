@@ -75,7 +75,7 @@ async def start_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Conte
     recorded = Recorded(entry.spec.limits.max_output)
 
     def start() -> Any:
-        handle = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
+        handle = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, user=body.user,
                                             stdin=body.stdin_bytes(), on_output=recorded.output,
                                             background=True)
 

@@ -85,7 +85,7 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
         # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
         with manager.exec_slot(entry):
             result = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env,
-                                                cwd=body.cwd, stdin=body.stdin_bytes())
+                                                cwd=body.cwd, stdin=body.stdin_bytes(), user=body.user)
         manager.audit(entry)  # counts new egress refusals
         return result
 

@@ -2,7 +2,7 @@
 
 Protocol (JSON text frames):
 
-* client, first frame: ``{"cmd": "..." | [...], "timeout": s, "env": {...}, "cwd": "...", "pty": [rows, cols]}``
+* client, first frame: ``{"cmd": "..." | [...], "timeout": s, "env": {...}, "cwd": "...", "pty": [rows, cols], "user": "root"}``
   (``pty`` optional: the command runs on a terminal and all output arrives as stdout)
 * server: ``{"type": "started"}``, then ``{"type": "stdout"|"stderr", "data": text}`` in the order
   the sandbox produced them, then ``{"type": "result", ...}`` (fields of ``corral run --json``), then close.
@@ -94,7 +94,7 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
         with manager.exec_slot(entry):
             handle: CommandHandle = await ctx.run_blocking(
                 entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
-                on_output=on_output, pty=body.pty)
+                on_output=on_output, pty=body.pty, user=body.user)
 
             # "started" means the process exists: a signal or kill sent before the agent forked it
             # would find nothing to hit and the command would run on regardless

@@ -66,6 +66,8 @@ class CreateSandbox(BaseModel):
     env: dict[str, str] | None = None
     network: Any = None
     cwd: str | None = None
+    user: str | None = Field(None, description="who commands run as: 'user' (uid 1000, the default) or 'root' "
+                             "(root of the sandbox's own user namespace; process and gVisor tiers)")
     idle_timeout: float | None = Field(None, description="seconds without use before the sandbox is destroyed")
     lifetime: float | None = Field(None, description="seconds from creation before the sandbox is destroyed")
     metadata: dict[str, str] | None = Field(None, description="your labels; Sandbox.list(metadata=) filters by them")
@@ -83,6 +85,7 @@ class ExecBody(BaseModel):
     timeout: float | None = None
     env: dict[str, str] | None = None
     cwd: str | None = None
+    user: str | None = Field(None, description="'root' or 'user' for this command (default: the sandbox's user)")
     stdin: str | None = None
     stdin_b64: str | None = Field(None, description="stdin as base64, for bytes that are not UTF-8")
 

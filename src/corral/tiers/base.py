@@ -45,6 +45,8 @@ class ExecRequest:
     max_output: int
     #: (rows, cols) to run on a terminal (stdout and stderr then arrive merged as stdout)
     pty: tuple[int, int] | None = None
+    #: who it runs as (``spec.USERS``); None: the sandbox's user (its spec's ``user``)
+    user: str | None = None
 
 
 @dataclass
@@ -115,6 +117,13 @@ class Capabilities:
     pause: bool = False
     #: what :meth:`TierSandbox.snapshot` holds: "filesystem", or "" when the tier cannot snapshot
     snapshot: str = ""
+    #: whether ``user="root"`` is offered (root of the sandbox's own user namespace, no host capability)
+    root: bool = False
+
+    def check_user(self, user: str | None, tier: str) -> None:
+        """Refuse ``user="root"`` up front on a tier that does not offer it."""
+        if user == "root" and not self.root:
+            raise InvalidSpec(f"user: the {tier} tier cannot run commands as root (it runs {self.users})")
 
 
 class Process(ABC):

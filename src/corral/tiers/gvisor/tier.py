@@ -42,10 +42,9 @@ from typing import Any
 
 from ...errors import HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
 from ...host import cgroups
-from ...images import SANDBOX_UID
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import AgentChannel, AgentProcess
+from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
 from ..linux.fs_snapshot import IdMap, id_map
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
@@ -80,7 +79,9 @@ class _Host:
 class GVisorTier(Tier):
     name = "gvisor"
     capabilities = Capabilities(
-        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000 on gVisor's kernel, as a fresh host uid",
+        network_modes=NETWORK_MODES, pty=True, images=None,
+        users="uid 1000 on gVisor's kernel, or root of its own user namespace there (user='root'), "
+              "its 65,536 host uids its own",
         guarantees=(
             "every syscall is answered by gVisor's user-space kernel, not the host's",
             "runsc, the Sentry and the gofer are under the sandbox's host cgroups",
@@ -89,6 +90,7 @@ class GVisorTier(Tier):
         ),
         pause=True,
         snapshot="filesystem",
+        root=True,
     )
 
     def __init__(self, state_dir: Path) -> None:
@@ -156,35 +158,37 @@ def _fix_for(reason: str) -> str:
 
 
 def bundle_config(
-    root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, user_uid: int, root_uid: int, pids: int,
+    root: Path, workspace_dir: Path, agent: Path, workspace_ro: bool, base_uid: int, pids: int,
     binds: Sequence[tuple[Path, str]] = (), agent_args: Sequence[str] = (), netns_name: str | None = None,
-    shm: Path | None = None, hostname: str = "sandbox",
+    shm: Path | None = None, hostname: str = "sandbox", user: str = "user",
 ) -> dict[str, Any]:
-    """The OCI runtime config: the agent as the only process, unprivileged, no capabilities.
+    """The OCI runtime config: the agent as the only process.
 
-    The user namespace maps the sandbox user to ``user_uid`` (which owns its
-    files on the host) and the sandbox's root to ``root_uid``; runsc then runs
-    the Sentry and the gofer as ``root_uid``, so no part of the sandbox is
-    host root, not even for file access.  Host files of other owners (the
-    image) appear as ``nobody``, as in the process tier.
+    The user namespace maps the sandbox's 65,536 host ids from ``base_uid`` to
+    0-65535 (the sandbox user, 1000, is ``base_uid + 1000`` and owns its files
+    on the host); runsc then runs the Sentry and the gofer as ``base_uid``, so
+    no part of the sandbox is host root, not even for file access.  The agent
+    is root of gVisor's user namespace holding only ROOT_CAPS, and makes each
+    command its user (``--user``: uid 1000 with no capability unless a command
+    asks for root), as in the process tier.
     """
-    ids = [
-        {"containerID": 0, "hostID": root_uid, "size": 1},
-        {"containerID": SANDBOX_UID, "hostID": user_uid, "size": 1},
-    ]
+    ids = [{"containerID": 0, "hostID": base_uid, "size": 65536}]
+    caps = list(ROOT_CAPS)
     return {
         "ociVersion": "1.0.0",
         "process": {
-            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID},
-            "args": [AGENT_PATH, *agent_args],
+            "user": {"uid": 0, "gid": 0},
+            "args": [AGENT_PATH, "--user", str(USER_IDS[user]), *agent_args],
             "env": ["PATH=/usr/local/bin:/usr/bin:/bin"],
             "cwd": "/",
-            "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
+            "capabilities": {"bounding": caps, "effective": caps, "inheritable": [], "permitted": caps,
+                             "ambient": []},
             "noNewPrivileges": True,
             "rlimits": [
                 {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
-                # gVisor enforces this on fork/clone: the sandbox's own task limit
-                {"type": "RLIMIT_NPROC", "hard": pids, "soft": pids},
+                # gVisor enforces this on fork/clone, per uid: the sandbox's own task limit. The
+                # agent (root) no longer counts among the user's processes: one fewer for them
+                {"type": "RLIMIT_NPROC", "hard": max(1, pids - 1), "soft": max(1, pids - 1)},
             ],
         },
         "root": {"path": str(root), "readonly": False},
@@ -234,21 +238,25 @@ class GVisorSandbox(LinuxSandbox):
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
-        self.root_uid = self._reserve_uid()
+        self.root_uid = self.uid_range.base
+        self._start_userns(self._host.agent)
         cgroup = self._make_cgroup(host_limits(self.spec.limits), self._host.layout)
         self._guard = MemoryGuard(cgroup, self.spec.limits.memory, self._kill_running)
         # the proxy socket is connected to by the gofer (root_uid on the host) on behalf of the
         # agent (uid 1000 inside, user_uid on the host): owner user_uid, group root_uid, 0660
         network = self._make_network(host_namespace=False, socket_gid=self.root_uid)
-        built = self._build_root()
+        try:  # the image's layers idmapped into the range's namespace: real owners inside
+            built = self._build_root()
+        finally:
+            self._drop_userns()  # runsc makes its own namespace with the same map
         (built.root / "dev" / "shm").mkdir(exist_ok=True)  # runsc makes mount points in the root: not its to write
         bundle = self._run_dir / "bundle"
         bundle.mkdir(mode=0o700)
         ws_ro = self.spec.workspace is not None and self.spec.workspace.mode == "ro"
         config = bundle_config(
-            built.root, built.workspace_dir, self._host.agent, ws_ro, self.uid, self.root_uid, self.spec.limits.pids,
+            built.root, built.workspace_dir, self._host.agent, ws_ro, self.root_uid, self.spec.limits.pids,
             binds=network.binds, agent_args=network.agent_args, netns_name=network.netns,
-            shm=shm_dir(self._run_dir, self.uid), hostname=self.hostname,
+            shm=shm_dir(self._run_dir, self.uid), hostname=self.hostname, user=self.spec.user,
         )
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
@@ -303,6 +311,7 @@ class GVisorSandbox(LinuxSandbox):
             if hide is not None:
                 hide.close()
         self._channel = AgentChannel(from_agent_r, to_agent_w)
+        self._channel.user_ids = USER_IDS
         # The agent's READY comes ~50-100 ms before `run --detach` exits (runsc
         # still saves its state): wait for READY, or for runsc failing first.
         deadline = time.monotonic() + START_TIMEOUT
@@ -315,7 +324,7 @@ class GVisorSandbox(LinuxSandbox):
 
     # -- snapshot ----------------------------------------------------------
     def _id_map(self) -> IdMap:
-        return id_map(self.uid, self.root_uid)
+        return id_map(self.uid, self.root_uid, (self.uid_range.base, self.uid_range.size))
 
     def _before_snapshot(self) -> None:
         # the Sentry may hold written file data in its own page cache: sync(2) writes it through

@@ -20,8 +20,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, SandboxClosed
+from ...images import SANDBOX_UID
 from ..base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
 from .pause import PauseClock
+
+#: what root inside holds, within the sandbox's own user namespace only: Docker's default set
+#: without MKNOD, SYS_CHROOT (refused by the seccomp filter anyway) and NET_RAW (raw packets are
+#: not what package installs need, and the egress rules were not written against forged ones)
+ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+             "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE", "CAP_SETFCAP")
+#: the uid inside of each ``user`` (``spec.USERS``)
+USER_IDS = {"root": 0, "user": SANDBOX_UID}
 
 if TYPE_CHECKING:
     pass
@@ -62,6 +71,9 @@ class AgentChannel:
         self.on_spare: Callable[[int], None] | None = None
         #: time the sandbox spent paused: commands' timeouts do not run meanwhile
         self.pause_clock = PauseClock()
+        #: a request's ``user`` -> the uid the agent makes the command (agents that can switch
+        #: users: root of the sandbox's user namespace); a user not here runs as the agent's default
+        self.user_ids: dict[str, int] = {}
         self._thread = threading.Thread(target=self._read_loop, name="corral-agent-reader", daemon=True)
         self._thread.start()
 
@@ -259,7 +271,9 @@ class AgentChannel:
         ident = self.new_id()
         proc = AgentProcess(self, ident, request, on_output, place, kill, finish)
         self._execs[ident] = proc
-        parts = [request.cwd, str(len(request.argv)), *request.argv, str(len(request.env))]
+        uid = self.user_ids.get(request.user) if request.user is not None else None
+        parts = ["" if uid is None else str(uid), request.cwd, str(len(request.argv)), *request.argv,
+                 str(len(request.env))]
         parts += [f"{k}={v}" for k, v in request.env.items()]
         payload = b"".join(p.encode() + b"\0" for p in parts)
         kind = T_EXEC

@@ -55,25 +55,31 @@ class IdMap:
 
     to_inside: dict[int, int]
     to_host: dict[int, int]
+    #: the sandbox's whole range of host ids (base, size), mapped to 0 .. size - 1 inside
+    id_range: tuple[int, int] | None = None
 
     def inside_id(self, host_id: int) -> int:
+        if self.id_range is not None and self.id_range[0] <= host_id < sum(self.id_range):
+            return host_id - self.id_range[0]
         return self.to_inside.get(host_id, OVERFLOW_ID)
 
     def host_id(self, inside_id: int) -> int:
+        if self.id_range is not None and 0 <= inside_id < self.id_range[1]:
+            return self.id_range[0] + inside_id
         return self.to_host.get(inside_id, OVERFLOW_ID)
 
 
-def id_map(uid: int, root_uid: int | None = None) -> IdMap:
+def id_map(uid: int, root_uid: int | None = None, id_range: tuple[int, int] | None = None) -> IdMap:
     """THE translation between a sandbox's host ids and its inside ids, from what its tier knows.
 
-    Today: the sandbox user (uid and gid 1000 inside) is the sandbox's host ``uid``; files of the
-    image and of Corral's own setup are host root, stored as 0; gVisor's sandbox root
-    (``root_uid`` on the host) is 0 inside.  A tier that maps a whole range of host ids changes
-    this function, and nothing else here."""
+    A sandbox with a range of host ids (``id_range``: base, size) sees host id ``base + N`` as
+    ``N``; host root (files the image or Corral's setup made) is stored as 0.  Without a range:
+    the sandbox user (uid and gid 1000 inside) is the sandbox's host ``uid``, and gVisor's sandbox
+    root (``root_uid`` on the host) is 0 inside."""
     to_inside = {uid: SANDBOX_UID, 0: 0}
     if root_uid is not None:
         to_inside[root_uid] = 0
-    return IdMap(to_inside, {SANDBOX_UID: uid, 0: 0})
+    return IdMap(to_inside, {SANDBOX_UID: uid, 0: 0}, id_range)
 
 
 def _xattrs(path: Path) -> dict[str, str]:
@@ -317,13 +323,15 @@ def _copy_blob(blob: Path, target: Path, digest: str, name: str) -> None:
         raise SnapshotCorrupt(f"snapshot {name}: content {digest[:12]} does not match its checksum")
 
 
-def fresh_identity(upper: Path, hostname: str) -> None:
-    """A new machine id and hostname in a restored root's upper (``/etc`` made if need be)."""
+def fresh_identity(upper: Path, hostname: str, root: int = 0) -> None:
+    """A new machine id and hostname in a restored root's upper (``/etc`` made if need be),
+    owned by ``root``: the host id of the sandbox's root."""
     etc = upper / "etc"
     if os.path.lexists(etc) and not stat.S_ISDIR(os.lstat(etc).st_mode):
         return  # the sandbox replaced /etc (a link, a file): nothing is written through it
     if not os.path.lexists(etc):
         etc.mkdir(mode=0o755)
+        os.chown(etc, root, root)
     for name, content in (("machine-id", secrets.token_hex(16) + "\n"), ("hostname", hostname + "\n")):
         target = etc / name
         if os.path.lexists(target):
@@ -333,6 +341,7 @@ def fresh_identity(upper: Path, hostname: str) -> None:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
         with os.fdopen(fd, "w") as f:
             f.write(content)
+            os.fchown(f.fileno(), root, root)
 
 
 def check_fits(entries: list[dict[str, Any]], disk: int, name: str) -> None:
@@ -354,6 +363,6 @@ def filler(directory: Path, digest: str, ids: IdMap, hostname: str, disk: int) -
     def fill(key: str, top: Path) -> None:
         restore(directory, entries, key, top, ids)
         if key == "L0":
-            fresh_identity(top, hostname)
+            fresh_identity(top, hostname, ids.host_id(0))
 
     return fill

@@ -10,10 +10,19 @@ unprivileged host uid per sandbox.  Layout below ``run_dir`` (root-only)::
       L1-upper/ ...            one upper per extra image layer (e.g. /usr)
       ws/                      the sandbox's copy of the workspace
     root/           the merged root (overlay), other layers mounted below it
+
+Given the sandbox's user namespace (``userns_fd``, its whole uid range mapped),
+each image layer is first mounted idmapped (:mod:`corral.host.idmap`): inside,
+the image's files show their real owners (``root:root``, not ``nobody``), and
+root of the sandbox may change any of them -- in the overlay's upper layer on
+the disk tmpfs, never in the image; what Corral itself puts in the upper
+layers belongs to root of the sandbox too (``root_uid`` on the host).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...egress import network as egress_network
-from ...host import cgroups, mounts
+from ...host import cgroups, idmap, mounts
 from ...host.uids import release_uid
 from ...host.workspace import WorkspaceCopy
 from ...images import SANDBOX_HOME, identity_files, resolve
@@ -46,6 +55,9 @@ def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict
             release_uid(state_dir, int(str(value)))
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass
 class SandboxRoot:
     """What :func:`build_root` made: the merged root, the workspace dir and its copy, its mounts."""
@@ -65,6 +77,8 @@ def build_root(
     files: Mapping[str, bytes] | None = None,
     mount_points: Sequence[str] = (),
     fill: Callable[[str, Path], None] | None = None,
+    userns: Callable[[], int] | None = None,
+    root_uid: int | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
 
@@ -75,8 +89,12 @@ def build_root(
     it is mounted and into the workspace copy (key ``ws``): a snapshot's files (.fs_snapshot).
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
-    workspace).  The caller unmounts on teardown: :func:`mounts.unmount_all` of ``run_dir``
-    with ``known=`` the returned ``mounts``.
+    workspace).  With ``userns`` (gives the sandbox's user namespace; asked as
+    late as possible, after everything but the overlays is ready, so that its
+    making overlaps this) the image's layers are idmapped into it and the upper
+    layers belong to ``root_uid`` (root inside).  The caller unmounts on
+    teardown: :func:`mounts.unmount_all` of ``run_dir`` with ``known=`` the
+    returned ``mounts``.
     """
     image = resolve(spec.image, state_dir)
     os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
@@ -85,18 +103,21 @@ def build_root(
     root.mkdir()
     mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
     made = [disk]
+    mapped = userns is not None and root_uid is not None
+    layers = []
     for index, (point, lower) in enumerate(image.layers):
         upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
         upper.mkdir()
         work.mkdir()
         if point == "/":
-            _prepare_root_upper(upper, uid, own_etc=image.own_etc)
+            _prepare_root_upper(upper, uid, own_etc=image.own_etc, image_etc=lower / "etc" if image.own_etc else None)
             _add_files(upper, files or {}, mount_points)
-        if fill is not None:
+        if mapped:
+            assert root_uid is not None
+            _give_to(upper, root_uid)
+        if fill is not None:  # after _give_to: a restored snapshot's files carry their own owners
             fill(f"L{index}", upper)
-        target = root / point.lstrip("/") if point != "/" else root
-        mounts.mount_overlay(target, [lower], upper, work)
-        made.append(target)
+        layers.append((root / point.lstrip("/") if point != "/" else root, lower, upper, work))
     ws = disk / "ws"
     workspace: WorkspaceCopy | None = None
     if spec.workspace is not None:
@@ -106,7 +127,52 @@ def build_root(
         os.chown(ws, uid, uid)
         if fill is not None:
             fill("ws", ws)
+    userns_fd = userns() if mapped and userns is not None else None
+    for target, lower, upper, work in layers:
+        if userns_fd is not None:
+            _mount_mapped_overlay(target, lower, upper, work, userns_fd)
+        else:
+            mounts.mount_overlay(target, [lower], upper, work)
+        made.append(target)
     return SandboxRoot(root, ws, workspace, made)
+
+
+#: why this host cannot idmap image layers (None: it can, or has not been asked yet)
+IDMAP_UNSUPPORTED: str | None = None
+
+
+def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, userns_fd: int) -> None:
+    """The overlay at ``target`` on an idmapped view of ``lower``: a detached mount, named to
+    overlayfs as ``/proc/self/fd/N`` (the overlay keeps its own clone of it).
+
+    A kernel or file system that cannot idmap (Linux < 5.12; a layer on tmpfs before 6.3;
+    overlayfs on idmapped layers before 5.19) gets the plain layer: everything works but the
+    image's files show as ``nobody`` inside and root inside cannot change them."""
+    global IDMAP_UNSUPPORTED
+    if IDMAP_UNSUPPORTED is None:
+        try:
+            tree = idmap.idmapped_tree(lower, userns_fd)
+            try:
+                mounts.mount_overlay(target, [Path(f"/proc/self/fd/{tree}")], upper, work)
+            finally:
+                os.close(tree)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            IDMAP_UNSUPPORTED = str(exc)
+            log.warning("image layers are not idmapped on this host (%s): image files show as nobody", exc)
+    mounts.mount_overlay(target, [lower], upper, work)
+
+
+def _give_to(upper: Path, root_uid: int) -> None:
+    """Hand what Corral made as host root in an upper layer to root of the sandbox (``root_uid``):
+    inside, host root is nobody, and a directory of nobody's would shadow the image's own."""
+    for dirpath, dirnames, filenames in os.walk(upper):
+        for path in (dirpath, *(os.path.join(dirpath, n) for n in (*dirnames, *filenames))):
+            st = os.lstat(path)
+            if st.st_uid == 0 or st.st_gid == 0:
+                os.lchown(path, root_uid if st.st_uid == 0 else -1, root_uid if st.st_gid == 0 else -1)
 
 
 def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[str]) -> None:
@@ -120,7 +186,7 @@ def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[s
         os.chmod(target, 0o644)
 
 
-def _prepare_root_upper(upper: Path, uid: int, own_etc: bool) -> None:
+def _prepare_root_upper(upper: Path, uid: int, own_etc: bool, image_etc: Path | None = None) -> None:
     # mount points and the home directory must exist before the sandbox starts:
     # inside it, host-root-owned directories cannot be written to
     (upper / ".corral").mkdir()
@@ -138,7 +204,40 @@ def _prepare_root_upper(upper: Path, uid: int, own_etc: bool) -> None:
         (upper / "etc").mkdir(exist_ok=True)
         os.chmod(upper / "etc", 0o755)
         for rel, content in identity_files().items():
+            if image_etc is not None and rel in ("etc/passwd", "etc/group"):
+                if rel == "etc/passwd" and not (image_etc / "shadow").exists():
+                    content = content.replace(":x:", ":*:")  # no shadow to look the password up in
+                content = _merged_ids(image_etc / rel.removeprefix("etc/"), content)
             (upper / rel).write_text(content)
+        if image_etc is not None:
+            _add_shadow(upper / "etc", image_etc / "shadow", identity_files()["etc/passwd"])
+
+
+def _add_shadow(etc: Path, image_shadow: Path, ours: str) -> None:
+    """The image's shadow with a locked entry for each of our users it lacks: PAM's account
+    check (``su user`` as root) refuses a user with no shadow entry."""
+    try:
+        theirs = image_shadow.read_text()
+    except OSError:
+        return
+    names = {line.split(":")[0] for line in theirs.splitlines()}
+    extra = "".join(f"{line.split(':')[0]}:*:19000:0:99999:7:::\n" for line in ours.splitlines()
+                    if line.split(":")[0] not in names)
+    (etc / "shadow").write_text(theirs.rstrip("\n") + "\n" + extra)
+    os.chmod(etc / "shadow", 0o640)
+
+
+def _merged_ids(image_file: Path, ours: str) -> str:
+    """The image's passwd/group with the sandbox's entries whose name or id it lacks added:
+    its system users (``_apt``, ``www-data``...) stay, so package tools find them."""
+    try:
+        theirs = image_file.read_text()
+    except OSError:
+        return ours
+    rows = [line.split(":") for line in theirs.splitlines() if line.count(":") >= 3]
+    names, ids = {r[0] for r in rows}, {r[2] for r in rows}
+    extra = [line for line in ours.splitlines() if line.split(":")[0] not in names and line.split(":")[2] not in ids]
+    return theirs.rstrip("\n") + "\n" + "".join(f"{line}\n" for line in extra)
 
 
 def shm_dir(run_dir: Path, uid: int) -> Path:

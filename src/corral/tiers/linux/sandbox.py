@@ -5,11 +5,14 @@ each tier writes only how it launches its guest.
 Resources and their one owner (this class; :meth:`LinuxSandbox.close` releases
 each, and runs for a sandbox whose ``__init__`` failed half way too):
 
-- host uids: reserved with :meth:`_reserve_uid` (``self.uid`` first), released last;
+- host uid ranges: reserved with :meth:`_reserve_range` (``self.uid_range`` first; ``self.uid``
+  is its sandbox user's host uid), released last;
 - the run directory (given by the caller, empty): unmounted and removed;
 - the cgroup (:meth:`_make_cgroup`): killed and removed once the tier's own
   processes are stopped (:meth:`_stop`);
 - the network side (:meth:`_make_network`): closed;
+- the user namespace that maps the whole uid range (:meth:`_start_userns`, :meth:`_userns`): its descriptor closed
+  (:meth:`_drop_userns` once the guest holds the namespace, else at close);
 - the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory.
 
 A subclass sets its own attributes, then calls ``super().__init__``, which
@@ -21,6 +24,7 @@ reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import threading
 from abc import abstractmethod
@@ -30,7 +34,8 @@ from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
 from ...host import cgroups, mounts
 from ...host.portfwd import Connect, NetnsConnector, PortForward
-from ...host.uids import allocate_uid, release_uid
+from ...host.uids import UidRange, allocate_range, release_range
+from ...host.userns import PendingUserns, start_userns
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
@@ -41,6 +46,9 @@ from .rootfs import AGENT_PATH, SandboxRoot, build_root
 
 
 class LinuxSandbox(TierSandbox):
+    #: the sandbox's 65,536 host ids (root inside is its base)
+    uid_range: UidRange
+    #: the host uid of the sandbox user (uid 1000 inside): it owns the sandbox's files on the host
     uid: int
     cgroup: cgroups.SandboxCgroup | None = None
     workspace: WorkspaceCopy | None = None
@@ -50,6 +58,9 @@ class LinuxSandbox(TierSandbox):
     #: whether the tier's root is the overlay of .rootfs, whose files :meth:`snapshot` copies
     _filesystem_snapshots = False
     hostname = "sandbox"
+    #: the sandbox's user namespace (whole range mapped), while the host holds it
+    _userns_fd: int | None = None
+    _userns_pending: PendingUserns | None = None
 
     def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
                  seed: tuple[Path, str] | None = None) -> None:
@@ -67,7 +78,8 @@ class LinuxSandbox(TierSandbox):
         self._forwards: list[PortForward] = []
         self._ports_connector: NetnsConnector | None = None
         try:
-            self.uid = self._reserve_uid()
+            self.uid_range = self._reserve_range()
+            self.uid = self.uid_range.user
             self._setup()
         except BaseException:
             self.close()
@@ -86,10 +98,36 @@ class LinuxSandbox(TierSandbox):
         """Release what the tier owns beyond the base's resources (runs even if :meth:`_stop` failed)."""
 
     # -- resources, each released by close() -------------------------------
+    def _reserve_range(self) -> UidRange:
+        """A range of 65,536 host ids of the sandbox's own (recorded before anything uses it)."""
+        reserved = allocate_range(self._state_dir, self.id)
+        self._uids.append(reserved.base)
+        return reserved
+
     def _reserve_uid(self) -> int:
-        uid = allocate_uid(self._state_dir, self.id)
-        self._uids.append(uid)
-        return uid
+        """One more host uid of the sandbox's own (a range's sandbox-user uid)."""
+        return self._reserve_range().user
+
+    def _start_userns(self, helper: Path) -> None:
+        """Start making the sandbox's user namespace (``helper``: the agent binary, run as
+        ``--userns``); other set-up may run meanwhile, then :meth:`_userns`."""
+        self._userns_pending = start_userns(helper, self.uid_range)
+
+    def _userns(self) -> int:
+        """The sandbox's user namespace (its uid range mapped to 0-65535 inside), started by
+        :meth:`_start_userns`: :meth:`_build_root` asks for it once the rest of the root is ready."""
+        if self._userns_fd is None:
+            assert self._userns_pending is not None, "_start_userns first"
+            self._userns_fd = self._userns_pending.finish()
+        return self._userns_fd
+
+    def _drop_userns(self) -> None:
+        fd, self._userns_fd = self._userns_fd, None
+        if fd is not None:
+            os.close(fd)
+        pending, self._userns_pending = self._userns_pending, None
+        if pending is not None:
+            pending.close()
 
     def _make_cgroup(self, limits: Limits, layout: cgroups.Layout) -> cgroups.SandboxCgroup:
         self.cgroup = cgroups.SandboxCgroup(self.id, limits, layout)
@@ -112,6 +150,7 @@ class LinuxSandbox(TierSandbox):
             files=network.files if network is not None else {},
             mount_points=[inside for _, inside in network.binds] if network is not None else [],
             fill=fill,
+            userns=self._userns if self._userns_pending is not None else None, root_uid=self.uid_range.base,
         )
         self.workspace = built.workspace
         self._mounts = built.mounts
@@ -155,7 +194,7 @@ class LinuxSandbox(TierSandbox):
 
     # -- snapshot --------------------------------------------------------------
     def _id_map(self) -> fs_snapshot.IdMap:
-        return fs_snapshot.id_map(self.uid)
+        return fs_snapshot.id_map(self.uid, id_range=(self.uid_range.base, self.uid_range.size))
 
     def _before_snapshot(self) -> None:
         """What the tier does before its sandbox is paused for a snapshot (flush caches)."""
@@ -286,10 +325,11 @@ class LinuxSandbox(TierSandbox):
             if self.cgroup is not None:
                 self.cgroup.destroy()
         finally:
+            self._drop_userns()
             self._release()
             if self.network is not None:
                 self.network.close()
             mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for uid in self._uids:
-                release_uid(self._state_dir, uid)
+                release_range(self._state_dir, uid)

@@ -48,7 +48,7 @@ from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import NETWORK_MODES, MiB, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, AgentChannel, AgentProcess
+from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, AgentChannel, AgentProcess
 from ..linux.rootfs import reap_host_side
 from ..linux.sandbox import LinuxSandbox
 from . import guest, qemu, rootdisk, template
@@ -77,13 +77,15 @@ def _check_host() -> None:
 class MicroVMTier(Tier):
     name = "microvm"
     capabilities = Capabilities(
-        network_modes=NETWORK_MODES, pty=True, images=None, users="root inside its own guest kernel",
+        network_modes=NETWORK_MODES, pty=True, images=None,
+        users="root inside its own guest kernel (uid 1000 with no capability for a command that asks, user='user')",
         guarantees=(
             "its own guest kernel: the host kernel sees only QEMU",
             "QEMU runs as a fresh host uid, under the sandbox's host cgroups",
             "nothing survives the sandbox or its owner",
         ),
         pause=True,
+        root=True,
     )
 
     def __init__(self, state_dir: Path) -> None:
@@ -312,6 +314,9 @@ class MicroVMSandbox(LinuxSandbox):
         else:
             qmp.close()
         self._channel = AgentChannel(os.dup(self._sock.fileno()), os.dup(self._sock.fileno()))
+        # a command's own user= is honoured (uid 1000 drops every capability); without one it runs as
+        # the guest agent, root: the workspace (9p) and /home/user are root's in the guest
+        self._channel.user_ids = USER_IDS
         try:
             # a failed load makes QEMU exit, which closes the channel: no need to watch it
             self._channel.wait_ready(START_TIMEOUT)

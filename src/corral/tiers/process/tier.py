@@ -8,6 +8,14 @@ command gets its own kill-tree cgroup leaf, joined before it may exec, so a
 timeout kills daemonized children too.  bwrap is started as a per-sandbox
 unprivileged host uid: nothing in the sandbox is host root, not even for file
 access.
+
+Users: the sandbox's user namespace maps its whole host uid range to 0-65535
+(made by the host, :mod:`corral.host.userns`, joined by bwrap with
+``--userns``).  The agent is root of that namespace holding only ROOT_CAPS;
+each command becomes the sandbox user (uid 1000, every capability dropped) or,
+with ``user="root"``, stays uid 0 with ROOT_CAPS -- capabilities over the
+sandbox's own namespaces and the files of its own uid range, none on the host.
+The seccomp filter is the same for both (see ``docs/root.md``).
 """
 
 from __future__ import annotations
@@ -24,10 +32,9 @@ from ...host.bwrap import check_host
 from ...host.netns import NETNS_DIR
 from ...host.procs import children, descendants
 from ...host.seccomp import bpf_path
-from ...images import SANDBOX_UID
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import T_GO, AgentChannel, AgentProcess
+from ..linux.agent import ROOT_CAPS, T_GO, USER_IDS, AgentChannel, AgentProcess
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
@@ -40,7 +47,9 @@ START_TIMEOUT = 10.0
 class ProcessTier(Tier):
     name = "process"
     capabilities = Capabilities(
-        network_modes=NETWORK_MODES, pty=True, images=None, users="uid 1000, no capabilities, as a fresh host uid",
+        network_modes=NETWORK_MODES, pty=True, images=None,
+        users="uid 1000 with no capabilities, or root of its own user namespace (user='root'), "
+              "its 65,536 host uids its own",
         guarantees=(
             "host files, processes and environment are invisible (mount, pid namespaces; clean env)",
             "no host root: an unprivileged host uid per sandbox, no capabilities, no_new_privs",
@@ -50,6 +59,7 @@ class ProcessTier(Tier):
         ),
         pause=True,
         snapshot="filesystem",
+        root=True,
     )
 
     def __init__(self, state_dir: Path) -> None:
@@ -97,6 +107,7 @@ class ProcessSandbox(LinuxSandbox):
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
+        self._start_userns(self._tier._agent)  # its helper starts while the cgroup, network and root are made
         self._make_cgroup(self.spec.limits, self._tier._layout)
         self._make_network()
         built = self._build_root()
@@ -106,12 +117,14 @@ class ProcessSandbox(LinuxSandbox):
         assert self.cgroup is not None
         spec = self.spec
         ws_mode = spec.workspace.mode if spec.workspace else "rw"
+        assert self._userns_fd is not None
+        userns_fd = self._userns_fd
         argv = [
             self._tier._bwrap,
-            "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--userns", str(userns_fd), "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             *(() if self.network and self.network.netns else ("--unshare-net",)),
             "--unshare-cgroup",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", self.hostname,
+            "--uid", "0", "--gid", "0", "--hostname", self.hostname,
             "--bind", str(root), "/",
             "--ro-bind", str(self._tier._agent), AGENT_PATH,
             "--ro-bind" if ws_mode == "ro" else "--bind", str(ws), WORKSPACE_PATH,
@@ -119,6 +132,7 @@ class ProcessSandbox(LinuxSandbox):
             # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
             "--bind", str(shm_dir(self._run_dir, self.uid)), "/dev/shm",
             "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
+            *(arg for cap in ROOT_CAPS for arg in ("--cap-add", cap)),
             "--chdir", "/", "--clearenv",
         ]
         to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
@@ -127,23 +141,25 @@ class ProcessSandbox(LinuxSandbox):
         for host_path, inside in self.network.binds:
             argv += ["--bind", str(host_path), inside]
         seccomp_fd = os.open(self._tier._seccomp, os.O_RDONLY | os.O_CLOEXEC)
-        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, "--spare", "--hold", *self.network.agent_args]
+        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, "--spare", "--hold", "--user", str(USER_IDS[spec.user]),
+                 *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
         netns = str(NETNS_DIR / self.network.netns) if self.network.netns else "-"
         try:
-            # the agent's launcher mode drops to the sandbox uid before exec'ing
-            # bwrap (nothing in the sandbox ever runs as host root); being a
-            # static binary it lets Popen vfork instead of forking this process.
+            # the agent's launcher mode drops to the sandbox's root uid (the owner of its
+            # user namespace, which bwrap then joins) before exec'ing bwrap (nothing in
+            # the sandbox ever runs as host root); being a static binary it lets Popen
+            # vfork instead of forking this process.
             # Forked from the tier's launcher thread: bwrap dies with the thread
             # that forked it (--die-with-parent), and that one lives as long as we do
             self._proc = LAUNCHER.run(lambda: subprocess.Popen(
-                [str(self._tier._agent), "--launch", str(self.uid), netns, "--", *argv],
+                [str(self._tier._agent), "--launch", str(self.uid_range.base), netns, "--", *argv],
                 stdin=to_agent_r,
                 stdout=from_agent_w,
                 stderr=subprocess.DEVNULL,
                 env={"PATH": "/usr/bin:/bin"},
-                pass_fds=(seccomp_fd,),
+                pass_fds=(seccomp_fd, userns_fd),
                 close_fds=True,
                 cwd="/",
             ))
@@ -151,6 +167,7 @@ class ProcessSandbox(LinuxSandbox):
             os.close(to_agent_r)
             os.close(from_agent_w)
             os.close(seccomp_fd)
+            self._drop_userns()  # bwrap holds it now (and the image's idmapped layers do)
         # Joining a v1 memory cgroup waits for an RCU grace period (5-15 ms
         # here); doing it while bwrap sets up namespaces hides most of it.  But
         # bwrap may clone the agent before the move lands, and a child keeps
@@ -159,6 +176,7 @@ class ProcessSandbox(LinuxSandbox):
         # sandbox has been checked (and, if need be, moved) and GO is sent.
         cgroups.join(procs_files, self._proc.pid)
         self._channel = AgentChannel(from_agent_r, to_agent_w)
+        self._channel.user_ids = USER_IDS
         self._channel.on_spare = lambda nspid: PLACER.schedule(lambda: self._place_spare(nspid))
         self._channel.wait_ready(START_TIMEOUT)
         for pid in descendants(self._proc.pid):  # bwrap itself was joined just above

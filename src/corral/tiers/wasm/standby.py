@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from ...host import mounts
 from ...host.procs import process_start_time
-from ...host.uids import allocate_uid, release_uid
+from ...host.uids import allocate_uid, release_uid, set_owner
 from ...spec import Limits, SandboxSpec
 from .python import PRESTART_ARGV
 from .runtime import Worker
@@ -158,8 +158,7 @@ class StandbyGuests:
         mounts.umount(standby.fs, lazy=True)  # the guest's open directories keep it alive
         shutil.rmtree(standby.directory, ignore_errors=True)
         mounts.mount("", fs, "", MS_REMOUNT | mounts.MS_NOSUID | mounts.MS_NODEV, f"size={disk}")
-        owner = self.tier.state_dir / "uids" / str(standby.uid)
-        owner.write_text(sandbox_id)
+        set_owner(self.tier.state_dir, standby.uid, sandbox_id)
 
     def discard(self, standby: StandbyGuest) -> None:
         standby.worker.close()

@@ -1,0 +1,113 @@
+/*
+ * corral-agent: who commands run as.
+ *
+ * In the process tier the agent is root of the sandbox's own user namespace
+ * (its 65,536 host ids mapped to 0-65535 inside), holding only the
+ * capabilities bwrap left it (--cap-add: root's set, see tiers/process).  Each
+ * command becomes its user just before exec:
+ *
+ *   uid 0  keeps that set (in the sandbox's user namespace only: no host
+ *          capability; seccomp and no_new_privs as for everyone);
+ *   uid N  drops every capability (effective, permitted, inheritable, ambient
+ *          and the bounding set) and all supplementary groups.
+ *
+ * The agent's own file requests run with the default user's file-system ids
+ * (setfsuid/setfsgid): a file the files API writes belongs to that user, and
+ * the kernel drops the file capabilities from the agent's effective set while
+ * its fsuid is not 0.  gVisor has no setfsuid: there the agent stays root and
+ * gives what file requests create to the default user (give_new_file).
+ *
+ * `--userns UID` (run by the host as root): drop to UID, make a user namespace
+ * (owned by UID), say so on stdout and wait for end of file on stdin.  The
+ * host writes its uid and gid maps meanwhile (only root can map a range) and
+ * keeps a file descriptor of it: bwrap joins it (--userns), the sandbox's
+ * idmapped image layers are made with it.
+ */
+#include "agent.h"
+
+#include <errno.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/fsuid.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* -1: the agent's own user (no --user given) */
+long default_uid = -1;
+
+static int capset_all(uint32_t lo, uint32_t hi) {
+    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2] = {{lo, lo, 0}, {hi, hi, 0}};
+    return (int)syscall(SYS_capset, &hdr, data);
+}
+
+/* where set*fsid is missing (gVisor): the default user, to give what file requests create */
+static long owner_of_new = -1;
+
+int set_default_user(long uid) {
+    if (uid < 0 || uid > 65535) return -1;
+    default_uid = uid;
+    /* file requests as that user: its ids on new files, its permissions */
+    setfsgid((gid_t)uid);
+    setfsuid((uid_t)uid);
+    if ((long)setfsuid((uid_t)-1) == uid) return 0;
+    /* a kernel without set*fsid (gVisor's: ENOSYS): the agent keeps all its ids 0 (an
+     * effective uid of the user's would let the user's commands open the agent's
+     * descriptors there) and hands what file requests create to the user instead */
+    owner_of_new = uid;
+    return 0;
+}
+
+void give_new_file(int fd, const char *path) {
+    if (owner_of_new < 0) return;
+    int r = fd >= 0 ? fchown(fd, (uid_t)owner_of_new, (gid_t)owner_of_new)
+                    : lchown(path, (uid_t)owner_of_new, (gid_t)owner_of_new);
+    (void)r; /* the file exists either way; its owner is cosmetic to the request */
+}
+
+int become_user(uid_t uid) {
+    if (setgroups(0, NULL) < 0) return -1;
+    if (uid == 0) {
+        if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) return -1;
+        /* the file-system ids back to 0 give the file capabilities back (setresuid does not) */
+        setfsgid(0);
+        setfsuid(0);
+        return 0;
+    }
+    /* the bounding set first (it needs CAP_SETPCAP, gone with the uid change) */
+    for (int cap = 0; cap <= 63; cap++)
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL && errno != EPERM) return -1;
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    if (setresgid(uid, uid, uid) < 0 || setresuid(uid, uid, uid) < 0) return -1;
+    if (getuid() != uid || geteuid() != uid) { errno = EPERM; return -1; }
+    /* permitted and effective went with the uid; inheritable stays unless cleared */
+    return capset_all(0, 0);
+}
+
+int userns_main(const char *uid_text) {
+    char *end;
+    unsigned long uid = strtoul(uid_text, &end, 10);
+    if (*end || uid == 0 || uid >= 0xFFFFFFFFul) {
+        dprintf(2, "corral-agent: refusing uid %s\n", uid_text);
+        return 125;
+    }
+    if (setgroups(0, NULL) < 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) < 0 ||
+        setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 || getuid() != (uid_t)uid) {
+        dprintf(2, "corral-agent: cannot drop to uid %lu: %s\n", uid, strerror(errno));
+        return 125;
+    }
+    if (unshare(CLONE_NEWUSER) < 0) {
+        dprintf(2, "corral-agent: cannot make a user namespace: %s\n", strerror(errno));
+        return 125;
+    }
+    char made = 'u';
+    if (write(1, &made, 1) != 1) return 125;
+    char buf[64];
+    while (read(0, buf, sizeof buf) > 0) {}
+    return 0;
+}

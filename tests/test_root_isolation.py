@@ -1,0 +1,122 @@
+"""The walls hold for root inside too (issue 13): each check runs as the sandbox user and as
+``user="root"``, on the process and gVisor tiers.
+
+Root inside holds ROOT_CAPS in the sandbox's own user namespace only: no CAP_SYS_ADMIN,
+CAP_SYS_MODULE, CAP_SYSLOG, CAP_MKNOD, CAP_SYS_CHROOT..., and the seccomp filter (process
+tier) is the one the sandbox user has.  gVisor answers a few of these from its own kernel
+(a user namespace of its own, its own dmesg, its own netstack's sysctls): what is checked
+there is that nothing reaches the host's.
+
+Cost: 4 sandboxes (and 4 neighbours), ~8 s on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+
+from .tier_probe import skip_unless_tier
+
+CASES = [(tier, user) for tier in ("process", "gvisor") for user in ("user", "root")]
+
+#: (what, command): each must fail wherever it runs
+DENIED = {
+    "mount tmpfs": "mount -t tmpfs none /mnt",
+    "mount cgroup (release_agent)": "mount -t cgroup -o memory none /mnt",
+    "write a release_agent": "echo /x > /sys/fs/cgroup/memory/release_agent",
+    "unshare mount ns": "unshare -m true",
+    "unshare net ns": "unshare -n true",
+    "write a kernel sysctl": "echo c13 > /proc/sys/kernel/hostname",
+    "sysctl -w": "sysctl -w kernel.domainname=c13",
+    "read /dev/kmsg": "head -c1 /dev/kmsg",
+    "mknod a disk": "mknod /tmp/c13dev b 8 0",
+    "chroot": "chroot / true",
+    "sethostname": "hostname c13",
+    "ptrace pid 1": "python3 -c 'import ctypes,sys; sys.exit(ctypes.CDLL(None).ptrace(16, 1, 0, 0) != 0)'",
+    "bpf": "python3 -c 'import ctypes,sys; sys.exit(ctypes.CDLL(None).syscall(321, 0, 0, 0) < 0)'",
+    "add a network link": "ip link add c13x type veth peer name c13y",
+    "sysrq": "echo c > /proc/sysrq-trigger",
+    "read the agent memory": "head -c1 /proc/1/mem",
+}
+#: the agent's protocol pipes: gVisor lets root of its namespace open another root process's
+#: descriptors (no dumpable check there); what it could send, the host does not trust anyway
+AGENT_PIPES = {"open the agent pipes": "sh -c 'exec 3>/proc/1/fd/1'"}
+#: what the process tier (the host kernel, behind seccomp) refuses and gVisor's own kernel answers
+DENIED_ON_THE_HOST_KERNEL = {
+    "unshare user ns": "unshare -U true",
+    "dmesg (syslog)": "dmesg",
+    "read the agent environment": "cat /proc/1/environ",  # gVisor shows it (it holds only PATH)
+}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{t}-{u}" for t, u in CASES])
+def case(request: pytest.FixtureRequest, state_dir: Path) -> Iterator[tuple[Sandbox, str, str]]:
+    tier, user = request.param
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    sb = Sandbox.create(tier=tier, user=user, memory="256M")
+    try:
+        assert sb.commands.run("id -u").stdout == ("0\n" if user == "root" else "1000\n")
+        yield sb, tier, user
+    finally:
+        sb.kill()
+
+
+def test_privileged_operations_are_refused(case: tuple[Sandbox, str, str]) -> None:
+    sb, tier, user = case
+    checks = {**DENIED, **(DENIED_ON_THE_HOST_KERNEL if tier == "process" else {}),
+              **(AGENT_PIPES if (tier, user) != ("gvisor", "root") else {})}
+    script = "".join(f"if ( {cmd} ) >/dev/null 2>&1; then echo 'ALLOWED: {what}'; fi\n" for what, cmd in checks.items())
+    host_before = Path("/proc/sys/kernel/hostname").read_text(), Path("/proc/sys/net/ipv4/ip_forward").read_text()
+    r = sb.commands.run(script + "echo done")
+    assert r.stdout == "done\n", r.stdout
+    # the allowed direction: the same shell runs ordinary commands, and gVisor's own answers stay its own
+    assert sb.commands.run("echo 1 > /proc/sys/net/ipv4/ip_forward; dmesg; true; echo ok").stdout.endswith("ok\n")
+    assert (Path("/proc/sys/kernel/hostname").read_text(), Path("/proc/sys/net/ipv4/ip_forward").read_text()) \
+        == host_before
+
+
+def test_host_files_stay_invisible_and_unwritten(case: tuple[Sandbox, str, str]) -> None:
+    sb, _, user = case
+    canary = Path("/root/.c13-canary")
+    canary.write_text("C13-TOPSECRET")
+    try:
+        r = sb.commands.run("cat /root/.c13-canary; cat /etc/shadow; ls -a /root /work; "
+                            "echo x > /etc/c13-written; echo done")
+        assert "C13-TOPSECRET" not in r.stdout + r.stderr and r.stdout.endswith("done\n")
+        assert sb.commands.run("test -e /root/.c13-canary || test -e /work").exit_code == 1
+        assert not Path("/etc/c13-written").exists()
+        # root's write lands in the sandbox's own /etc (the allowed direction), the user's is refused
+        wrote = sb.commands.run("cat /etc/c13-written").stdout
+        assert wrote == ("x\n" if user == "root" else "")
+    finally:
+        canary.unlink()
+
+
+def test_neighbours_and_host_processes_are_out_of_reach(case: tuple[Sandbox, str, str]) -> None:
+    sb, tier, user = case
+    victim = subprocess.Popen(["sleep", "60"])
+    neighbour = Sandbox.create(tier=tier, user=user, memory="256M")
+    try:
+        other = neighbour.commands.start("exec sleep 27.1828")
+        r = sb.commands.run(f"kill -9 {victim.pid}; kill -9 -1; ls /proc | grep -cE '^[0-9]+$'; echo done")
+        assert r.stdout.endswith("done\n") and int(r.stdout.split()[-2]) < 20, r
+        assert "No such process" in r.stderr, r.stderr  # the host's pid names nothing inside
+        assert victim.poll() is None, "the host process survived"
+        assert not other.done, "the neighbour's command survived"
+        assert neighbour.commands.run("echo alive").stdout == "alive\n"
+        other.kill()
+        other.wait()
+    finally:
+        neighbour.kill()
+        victim.kill()
+        victim.wait()
+    # the sandbox itself is fine after its own `kill -9 -1` (the agent is outside its reach too)
+    assert sb.commands.run("echo still").stdout == "still\n"
+    assert os.path.exists(f"/proc/{os.getpid()}")

@@ -1,0 +1,114 @@
+"""Host uid ranges: every sandbox gets 65,536 host uids and gids of its own, from a range
+reserved for Corral, never a host user's, a subordinate range's or another live sandbox's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.host import uids
+
+from .leaks import ranges_of
+
+
+def _host_ids(sb: Sandbox) -> set[int]:
+    """The host uids and gids of every process of the sandbox (from its cgroup)."""
+    from corral.host import cgroups
+
+    group = cgroups.detect().kill_root / cgroups.PARENT / sb.id
+    found: set[int] = set()
+    for pid in {pid for g in [group, *group.rglob("*")] if g.is_dir() for pid in cgroups.read_pids(g)}:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("Uid:", "Gid:")):
+                    found |= {int(v) for v in line.split()[1:]}
+        except OSError:
+            continue
+    return found
+
+
+def test_host_users_and_subordinate_ranges_are_never_handed_out(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    slot = lambda n: uids.UID_BASE + n * uids.RANGE_SIZE  # noqa: E731
+    passwd, group, subuid, subgid = (tmp_path / n for n in ("passwd", "group", "subuid", "subgid"))
+    passwd.write_text(f"root:x:0:0::/root:/bin/sh\nbig:x:{slot(3) + 5}:100::/:/bin/sh\nbad:x:notanumber\n")
+    group.write_text(f"grp:x:{slot(4)}:\n")
+    subuid.write_text(f"alice:{slot(6) - 10}:{uids.RANGE_SIZE + 20}\n")  # the end of slot 5 to the start of 7
+    subgid.write_text(f"bob:{slot(9)}:1\n")
+    taken = uids.host_slots((passwd, group, subuid, subgid))
+    assert {3, 4, 5, 6, 7, 9} <= taken and not {0, 1, 2, 8, 10} & taken
+    # the single uids of earlier Corral versions (which may still run on this host) are left alone too
+    assert set(range((uids.LEGACY[0] - uids.UID_BASE) // uids.RANGE_SIZE,
+                     (uids.LEGACY[1] - uids.UID_BASE) // uids.RANGE_SIZE + 1)) <= taken
+
+    # allocation reads the host's files (again when they change) and skips what they use
+    monkeypatch.setattr(uids, "ID_FILES", (passwd, group, subuid, subgid))
+    draws = iter([3, 5, 9, 8])
+    monkeypatch.setattr(uids.random.SystemRandom, "randrange", lambda self, n: next(draws))
+    state = tmp_path / "state"
+    state.mkdir()
+    got = uids.allocate_range(state, "sb-x")
+    try:
+        assert got.base == slot(8) and got.user == slot(8) + 1000 and got.host(0) == slot(8)
+        assert got.user in got and slot(9) not in got
+    finally:
+        uids.release_range(state, got.user)
+    assert not list((state / "uids").iterdir()) and not (uids.CLAIMS / str(got.base)).exists()
+    passwd.write_text(f"now:x:{slot(8) + 77}:1::/:/bin/sh\n")
+    os.utime(passwd, ns=(1, 1))  # a different mtime: the cache must notice
+    draws = iter([8, 10])
+    got = uids.allocate_range(state, "sb-y")
+    uids.release_range(state, got.base)
+    assert got.base == slot(10)
+
+
+def test_the_real_host_ids_are_outside_every_range() -> None:
+    ids = []
+    for path in (Path("/etc/passwd"), Path("/etc/group")):
+        ids += [int(line.split(":")[2]) for line in path.read_text().splitlines() if line.count(":") >= 2]
+    taken = uids.host_slots()
+    for i in ids:
+        if uids.UID_BASE <= i < uids.UID_TOP:
+            assert (i - uids.UID_BASE) // uids.RANGE_SIZE in taken
+
+
+def test_live_sandboxes_have_disjoint_ranges_and_run_inside_their_own(state_dir: Path) -> None:
+    with Sandbox.create() as a, Sandbox.create() as b:
+        handles = [sb.commands.start("exec sleep 30") for sb in (a, b)]
+        try:
+            (ra,), (rb,) = ranges_of(a.id, state_dir), ranges_of(b.id, state_dir)
+            assert ra != rb and abs(ra - rb) >= uids.RANGE_SIZE
+            for sb, base in ((a, ra), (b, rb)):
+                ids = _host_ids(sb)
+                assert ids and all(base <= i < base + uids.RANGE_SIZE for i in ids), (base, ids)
+                assert (uids.CLAIMS / str(base)).read_text() == str((state_dir / "uids" / str(base)).resolve())
+        finally:
+            for handle in handles:
+                handle.kill()
+                handle.wait()
+    assert ranges_of(a.id, state_dir) == [] and not (uids.CLAIMS / str(ra)).exists()
+
+
+def test_gc_frees_the_range_of_a_killed_owner(state_dir: Path) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import time\nfrom corral import Sandbox\nsb = Sandbox.create()\nprint(sb.id, flush=True)\ntime.sleep(300)\n"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )
+    assert owner.stdout is not None
+    sandbox_id = owner.stdout.readline().strip()
+    try:
+        (base,) = ranges_of(sandbox_id, state_dir)
+        assert (uids.CLAIMS / str(base)).exists()
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and sandbox_id in out.stdout, out.stderr
+    assert ranges_of(sandbox_id, state_dir) == [] and not (uids.CLAIMS / str(base)).exists()
