@@ -269,3 +269,17 @@ def test_a_host_that_cannot_idmap_still_runs_sandboxes_with_unmapped_image_files
         r = sb.commands.run("id -u; stat -c %U /usr/bin/env; touch /usr/bin/c13-y; echo x > /tmp/t && cat /tmp/t")
         assert r.stdout == "0\nnobody\nx\n" and "Permission denied" in r.stderr, r
     assert rootfs.IDMAP_UNSUPPORTED is not None and "Invalid argument" in rootfs.IDMAP_UNSUPPORTED
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_the_user_can_open_its_own_stdin_and_terminal_again(tier: str, state_dir: Path) -> None:
+    # the agent (root where it runs) made them: they are handed to the command's user
+    from .tier_probe import skip_unless_tier
+
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    with Sandbox.create(tier=tier, memory="256M") as sb:
+        assert sb.commands.run("cat /dev/stdin", stdin="again\n").stdout == "again\n"
+        out: list[bytes] = []
+        sb.commands.start("echo x > $(tty) && echo tty-ok", pty=(24, 80), on_output=lambda _, b: out.append(b)).wait()
+        assert b"tty-ok" in b"".join(out)

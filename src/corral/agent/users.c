@@ -34,6 +34,8 @@
 #include <string.h>
 #include <sys/fsuid.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -70,7 +72,21 @@ void give_new_file(int fd, const char *path) {
     (void)r; /* the file exists either way; its owner is cosmetic to the request */
 }
 
+/* The command's stdio as its own: the agent made its pipes and terminal, and where the agent's
+ * file-system uid is not the user's (gVisor: root) a pipe or terminal of root's could not be
+ * opened again by the command (/dev/stdin, /proc/self/fd/N, /dev/tty). */
+static void give_stdio(uid_t uid) {
+    for (int fd = 0; fd <= 2; fd++) {
+        struct stat st;
+        if (fstat(fd, &st) < 0 || st.st_uid == uid) continue;
+        int pty_slave = S_ISCHR(st.st_mode) && major(st.st_rdev) >= 136 && major(st.st_rdev) <= 143;
+        if (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) || pty_slave)
+            if (fchown(fd, uid, (gid_t)-1) < 0) {} /* best effort: the command runs either way */
+    }
+}
+
 int become_user(uid_t uid) {
+    if (uid != 0) give_stdio(uid);
     if (setgroups(0, NULL) < 0) return -1;
     if (uid == 0) {
         if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) return -1;
