@@ -69,10 +69,10 @@ GUEST_TESTS = [
     "tests/test_isolation.py::test_denied_syscalls_fail_and_ordinary_ones_work",
     "tests/test_isolation.py::test_host_processes_are_invisible_and_unkillable",
     "tests/test_isolation.py::test_host_secrets_are_not_visible",
-    "tests/conformance/test_conformance.py::test_no_host_files_visible[process]",
+    "tests/conformance/test_conformance.py::test_no_host_files_visible[process-embedded]",
     # teardown
     "tests/test_lifecycle.py::test_closed_sandbox_refuses_work",
-    "tests/conformance/test_conformance.py::test_teardown_leaves_nothing[process]",
+    "tests/conformance/test_conformance.py::test_teardown_leaves_nothing[process-embedded]",
     "tests/test_lifecycle.py::test_kill_9_of_the_owner_then_gc_leaves_nothing",
     # placement on v2: failing closed, repairing a spare moved out, the spare's fresh leaf
     "tests/test_session_containment.py::test_a_process_that_cannot_be_contained_raises_a_typed_error",
