@@ -23,11 +23,13 @@ from pathlib import Path
 from .mounts import check, libc
 
 SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
 SYS_MOUNT_SETATTR = 442
 
 OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 AT_EMPTY_PATH = 0x1000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
@@ -63,3 +65,8 @@ def idmapped_tree(source: Path, userns_fd: int) -> int:
         raise
     return tree
 
+
+def attach(tree: int, target: Path) -> None:
+    """Mount the detached tree ``tree`` (from :func:`idmapped_tree`) on the directory ``target``."""
+    check(_syscall(SYS_MOVE_MOUNT, ctypes.c_int(tree), b"", ctypes.c_int(-100), str(target).encode(),
+                   ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH)), f"move_mount to {target}")

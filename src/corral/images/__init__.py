@@ -40,6 +40,12 @@ class ImageLayout:
     own_etc: bool = False
 
 
+def image_mark(digest: str) -> str:
+    """The name by which a sandbox's mounts say they use the image ``digest`` (the image store's
+    ``in_use`` looks for it in ``/proc/self/mountinfo``)."""
+    return "image-" + (digest.partition(":")[2] or digest or "unknown")
+
+
 Resolver = Callable[[str, Path], "ImageLayout | None"]
 _resolvers: list[Resolver] = []
 

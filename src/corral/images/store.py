@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..errors import InvalidSpec, ResourceLimit
 from ..host import mounts
-from . import ImageLayout
+from . import ImageLayout, image_mark
 
 DEFAULT_IMAGE_DIR = Path("/var/lib/corral/images/built")
 FAILED_LOG_DAYS = 7
@@ -176,9 +176,11 @@ def list_images(root: Path | None = None) -> list[ImageRecord]:
 
 def in_use(rec: ImageRecord) -> bool:
     """True while some sandbox's overlay has this image as its lower layer."""
-    needle = f"lowerdir={rec.rootfs}"
+    # a plain overlay names the image's directory; one on an idmapped view of it names the
+    # view, whose name carries the digest (tiers/linux/rootfs.py)
+    needles = (f"lowerdir={rec.rootfs}", f"/lower/{image_mark(rec.digest)}-L")
     with open("/proc/self/mountinfo") as f:
-        return any(needle in line for line in f)
+        return any(needle in line for line in f for needle in needles)
 
 
 def remove(ref: str, root: Path | None = None) -> ImageRecord:

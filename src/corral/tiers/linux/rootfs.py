@@ -33,7 +33,7 @@ from ...egress import network as egress_network
 from ...host import cgroups, idmap, mounts
 from ...host.uids import release_uid
 from ...host.workspace import WorkspaceCopy
-from ...images import SANDBOX_HOME, identity_files, resolve
+from ...images import SANDBOX_HOME, identity_files, image_mark, resolve
 from ...spec import WORKSPACE_PATH, SandboxSpec
 
 #: where the agent binary is bound inside every sandbox
@@ -128,9 +128,10 @@ def build_root(
         if fill is not None:
             fill("ws", ws)
     userns_fd = userns() if mapped and userns is not None else None
-    for target, lower, upper, work in layers:
+    for index, (target, lower, upper, work) in enumerate(layers):
         if userns_fd is not None:
-            _mount_mapped_overlay(target, lower, upper, work, userns_fd)
+            view = run_dir / "lower" / f"{image_mark(image.digest)}-L{index}"
+            _mount_mapped_overlay(target, lower, upper, work, userns_fd, view)
         else:
             mounts.mount_overlay(target, [lower], upper, work)
         made.append(target)
@@ -141,9 +142,14 @@ def build_root(
 IDMAP_UNSUPPORTED: str | None = None
 
 
-def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, userns_fd: int) -> None:
-    """The overlay at ``target`` on an idmapped view of ``lower``: a detached mount, named to
-    overlayfs as ``/proc/self/fd/N`` (the overlay keeps its own clone of it).
+def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, userns_fd: int,
+                          view: Path) -> None:
+    """The overlay at ``target`` on an idmapped view of ``lower``, mounted at ``view`` while the
+    overlay is made (the overlay keeps its own clone of it) and detached right after.
+
+    ``view``'s name carries the image's digest: the overlay's ``lowerdir=`` in
+    ``/proc/self/mountinfo`` is how the image store sees that a sandbox still uses an image
+    (``images.store.in_use``), on every state directory of the host.
 
     A kernel or file system that cannot idmap (Linux < 5.12; a layer on tmpfs before 6.3;
     overlayfs on idmapped layers before 5.19) gets the plain layer: everything works but the
@@ -153,9 +159,15 @@ def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, us
         try:
             tree = idmap.idmapped_tree(lower, userns_fd)
             try:
-                mounts.mount_overlay(target, [Path(f"/proc/self/fd/{tree}")], upper, work)
+                view.mkdir(parents=True)
+                idmap.attach(tree, view)
             finally:
                 os.close(tree)
+            try:
+                mounts.mount_overlay(target, [view], upper, work)
+            finally:
+                mounts.umount(view, lazy=True)
+                view.rmdir()
             return
         except OSError as exc:
             if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
