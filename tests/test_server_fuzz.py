@@ -75,6 +75,7 @@ def check_case(case: Any, live: Live) -> None:
     # the port proxy's 502 is its answer for a port nothing listens on (the fuzzed sandboxes listen on none)
     bad_gateway = case.path.startswith("/v1/sandboxes/{sandbox_id}/ports/") and response.status_code == 502
     assert response.status_code < 500 or bad_gateway, \
-        f"{case.method} {case.path}: {response.status_code} {response.text[:500]}"
+        f"{case.method} {case.path}: {response.status_code} {response.text[:500]}\n" \
+        f"body: {case.body!r}\nserver log (end):\n{live.server.log()[-3000:]}"
     if case.method == "POST" and case.path == "/v1/sandboxes" and response.status_code == 201:
         httpx.delete(live.server.url + f"/v1/sandboxes/{response.json()['id']}", headers=live.server.headers("alice"))

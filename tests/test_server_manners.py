@@ -126,3 +126,17 @@ def test_code_takes_a_typed_body(server: ServerProcess) -> None:
                 assert refused.status_code in (400, 422) and refused.json()["error"] == "invalid_spec", refused.text
         finally:
             http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_stdin_b64_that_is_not_base64_is_a_typed_400(server: ServerProcess) -> None:
+    with server.client("alice") as http:
+        sid = http.post("/v1/sandboxes", json={"limits": {"memory": "64M"}}).json()["id"]
+        try:
+            ran = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cat", "stdin_b64": "/w=="})
+            assert ran.status_code == 200 and ran.json()["exit_code"] == 0, ran.text
+            # not base64, and not even ASCII (b64decode refuses that before it looks: a 500 once)
+            for bad in ("***", "\x80", "é"):
+                refused = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "cat", "stdin_b64": bad})
+                assert refused.status_code in (400, 422) and refused.json()["error"] == "invalid_spec", refused.text
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")

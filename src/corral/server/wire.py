@@ -94,11 +94,10 @@ class ExecBody(BaseModel):
             raise InvalidSpec("stdin and stdin_b64: give one")
         if self.stdin_b64 is not None:
             import base64
-            import binascii
 
             try:
                 return base64.b64decode(self.stdin_b64, validate=True)
-            except binascii.Error:
+            except ValueError:  # binascii.Error, and non-ASCII text (which b64decode refuses first)
                 raise InvalidSpec("stdin_b64: not base64") from None
         return self.stdin.encode() if self.stdin is not None else None
 
