@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -336,6 +337,39 @@ def _ready_standby_guests(state_dir: Path) -> object:
         time.sleep(0.05)
     assert guests._ready, "no standby guest became ready"
     return guests
+
+
+def test_gc_reaps_the_standby_guests_of_a_killed_owner(wasm_available: None) -> None:
+    """A process killed with pre-started wasm guests leaves their tmpfs mounts and uids: ``gc``
+    (``corral gc``, any process's first create) removes them, not only a later wasm tier."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from corral.host import mounts
+    from corral.registry import gc
+
+    state = Path(tempfile.mkdtemp(prefix="corral-test-wasm-gc-"))  # not pytest's tmp_path: 0700 parents
+    script = ("import sys, time\nfrom pathlib import Path\nfrom corral.tiers import get_tier\n"
+              "g = get_tier('wasm', Path(sys.argv[1])).standby_guests()\ng.fill()\n"
+              "while not g._ready:\n    time.sleep(0.05)\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script, str(state)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"
+        spares = state / "wasm-spares"
+        assert mounts.mounts_under(spares), "the standby guest has no tmpfs"
+    finally:
+        owner.kill()
+        owner.wait()
+    try:
+        assert mounts.mounts_under(spares)  # left behind by the kill
+        gc(state)
+        assert mounts.mounts_under(spares) == [] and list(spares.iterdir()) == []
+        uids = state / "uids"
+        assert not uids.is_dir() or not any(uids.iterdir()), "the standby guest's uid was not released"
+    finally:
+        mounts.unmount_all(state)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_a_new_sandbox_adopts_a_standby_guest_with_its_own_disk_size_and_uid(wasm_available: None,

@@ -158,6 +158,9 @@ def gc(root: Path) -> list[str]:
                 mounts.unmount_all(run_dir)
                 shutil.rmtree(run_dir, ignore_errors=True)
     _reap_owner_sockets(root / "owners")
+    from .tiers.wasm.standby import reap_stale as reap_stale_standby_guests
+
+    reap_stale_standby_guests(root)  # a killed owner's pre-started wasm guests (tmpfs, uid)
     from .snapshots import reap_leftovers
 
     reap_leftovers(root)  # half-written snapshots of dead writers

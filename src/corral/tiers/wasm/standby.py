@@ -175,19 +175,28 @@ class StandbyGuests:
 
     def reap_stale(self) -> None:
         """Remove standby guests (directories, mounts, uids) of owners that died."""
-        for directory in self.root.iterdir():
-            pid = directory.name.split("-", 1)[0]
-            if pid.isdigit() and (int(pid) == os.getpid() or process_start_time(int(pid)) is not None):
+        reap_stale(self.tier.state_dir)
+
+
+def reap_stale(state_dir: Path) -> None:
+    """Remove the standby guests (directories, mounts, uids) of owners that died, in
+    ``state_dir`` (a new wasm tier does it, and so does ``gc``)."""
+    root = state_dir / DIRECTORY
+    if not root.is_dir():
+        return
+    for directory in root.iterdir():
+        pid = directory.name.split("-", 1)[0]
+        if pid.isdigit() and (int(pid) == os.getpid() or process_start_time(int(pid)) is not None):
+            continue
+        mounts.unmount_all(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+    uids = state_dir / "uids"
+    if uids.is_dir():
+        for entry in uids.iterdir():
+            try:
+                owner = entry.read_text()
+            except OSError:
                 continue
-            mounts.unmount_all(directory)
-            shutil.rmtree(directory, ignore_errors=True)
-        uids = self.tier.state_dir / "uids"
-        if uids.is_dir():
-            for entry in uids.iterdir():
-                try:
-                    owner = entry.read_text()
-                except OSError:
-                    continue
-                pid = owner.removeprefix(OWNER_PREFIX)
-                if owner.startswith(OWNER_PREFIX) and pid.isdigit() and process_start_time(int(pid)) is None:
-                    release_uid(self.tier.state_dir, int(entry.name))
+            pid = owner.removeprefix(OWNER_PREFIX)
+            if owner.startswith(OWNER_PREFIX) and pid.isdigit() and process_start_time(int(pid)) is None:
+                release_uid(state_dir, int(entry.name))
