@@ -24,6 +24,7 @@ from corral.host import cgroups
 from corral.images import recipe as recipes
 from corral.images import resolve, store
 from corral.images.build import build
+from corral.registry import gc
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -193,7 +194,7 @@ def test_broken_recipe_fails_cleanly(base_image: store.ImageRecord, state_dir: P
     assert set(os.listdir(state_dir / "uids")) == uids_before
 
 
-def test_killed_build_leaves_nothing_after_prune(base_image: store.ImageRecord, tmp_path: Path) -> None:
+def test_killed_build_leaves_nothing_after_gc(base_image: store.ImageRecord, tmp_path: Path) -> None:
     recipe = _derived_recipe(tmp_path, ["sleep 600"])
     script = f"from corral.images import recipe, build; build.build(recipe.load({str(tmp_path / 'derived.toml')!r}), " \
              f"__import__('pathlib').Path({os.environ['CORRAL_STATE_DIR']!r}))"
@@ -205,9 +206,17 @@ def test_killed_build_leaves_nothing_after_prune(base_image: store.ImageRecord, 
         assert _build_groups(), "the build never reached its sandboxed step"
         os.killpg(proc.pid, signal.SIGKILL)  # no cleanup code runs
         proc.wait()
-        assert _leftovers()
-        store.prune()
+        left = _leftovers()
+        assert left
+        state = Path(os.environ["CORRAL_STATE_DIR"])
+        gc(state)  # the janitor leaves a fresh one alone: another build may not have locked it yet
+        assert _leftovers() == left
+        old = time.time() - 2 * store.STALE_BUILD_AGE
+        for name in left:
+            os.utime(store.image_dir() / name, (old, old))
+        gc(state)  # `corral gc` (and any process's first create) removes it once stale
         assert not _leftovers() and not _build_groups()
+        store.prune()
         assert store.lookup(recipe.name) is None
     finally:
         if proc.poll() is None:

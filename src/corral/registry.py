@@ -161,6 +161,10 @@ def gc(root: Path) -> list[str]:
     from .tiers.wasm.standby import reap_stale as reap_stale_standby_guests
 
     reap_stale_standby_guests(root)  # a killed owner's pre-started wasm guests (tmpfs, uid)
+    from .images import store
+
+    images = store.image_dir()
+    store.remove_leftovers(images, min_age=store.STALE_BUILD_AGE)  # killed image builds' staging dirs
     from .snapshots import reap_leftovers
 
     reap_leftovers(root)  # half-written snapshots of dead writers

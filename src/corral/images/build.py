@@ -100,6 +100,8 @@ def build(recipe: Recipe, state_dir: Path, *, force: bool = False, progress: Pro
         return BuildResult(store.record(root, digest) or existing, False, time.monotonic() - started)
     with store.digest_lock(root, digest):
         store.remove_leftovers(root, digest)
+        # and what killed builds of other images left (a staging dir can hold a whole rootfs)
+        store.remove_leftovers(root, min_age=store.STALE_BUILD_AGE)
         existing = store.record(root, digest)
         if existing is not None and force:
             store.delete_image(root, existing)

@@ -240,14 +240,22 @@ def prune(root: Path | None = None) -> tuple[list[ImageRecord], int]:
     return deleted, remove_leftovers(root)
 
 
-def leftovers(root: Path, digest: str | None = None) -> list[Path]:
-    """Staging and trash directories whose build is not running any more."""
+def leftovers(root: Path, digest: str | None = None, min_age: float = 0.0) -> list[Path]:
+    """Staging and trash directories whose build is not running any more (of ``digest`` only,
+    if given; at least ``min_age`` seconds old: a build of another digest may have made its
+    directory and not yet locked it)."""
     found = []
+    now = time.time()
     for path in root.iterdir():
         if not path.name.startswith((".build-", ".trash-")):
             continue
         prefix = path.name.split("-")[1]
         if digest is not None and not hex_of(digest).startswith(prefix):
+            continue
+        try:
+            if now - path.stat().st_mtime < min_age:
+                continue
+        except FileNotFoundError:
             continue
         owner = path / "owner.lock"
         if owner.exists():
@@ -265,12 +273,16 @@ def leftovers(root: Path, digest: str | None = None) -> list[Path]:
     return found
 
 
-def remove_leftovers(root: Path, digest: str | None = None) -> int:
+#: how old another digest's build leftover must be before a build or ``gc`` removes it
+STALE_BUILD_AGE = 60.0
+
+
+def remove_leftovers(root: Path, digest: str | None = None, min_age: float = 0.0) -> int:
     """Remove what interrupted builds left: staging directories, their cgroups and uids."""
     from .buildbox import reap_leftover
 
     count = 0
-    for path in leftovers(root, digest):
+    for path in leftovers(root, digest, min_age):
         reap_leftover(path)
         remove_tree(path)
         count += 1
