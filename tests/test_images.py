@@ -24,7 +24,6 @@ from corral.host import cgroups
 from corral.images import recipe as recipes
 from corral.images import resolve, store
 from corral.images.build import build
-from corral.registry import gc
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -208,13 +207,14 @@ def test_killed_build_leaves_nothing_after_gc(base_image: store.ImageRecord, tmp
         proc.wait()
         left = _leftovers()
         assert left
-        state = Path(os.environ["CORRAL_STATE_DIR"])
-        gc(state)  # the janitor leaves a fresh one alone: another build may not have locked it yet
-        assert _leftovers() == left
+        janitor = [str(Path(sys.executable).with_name("corral")), "gc"]
+        subprocess.run(janitor, check=True, capture_output=True, timeout=120)
+        assert _leftovers() == left  # fresh: another build may not have locked it yet
         old = time.time() - 2 * store.STALE_BUILD_AGE
         for name in left:
             os.utime(store.image_dir() / name, (old, old))
-        gc(state)  # `corral gc` (and any process's first create) removes it once stale
+        gone = subprocess.run(janitor, check=True, capture_output=True, text=True, timeout=120)
+        assert "removed 1 stale image build directory" in gone.stdout  # once stale
         assert not _leftovers() and not _build_groups()
         store.prune()
         assert store.lookup(recipe.name) is None

@@ -157,14 +157,14 @@ def gc(root: Path) -> list[str]:
 
                 mounts.unmount_all(run_dir)
                 shutil.rmtree(run_dir, ignore_errors=True)
-    _reap_owner_sockets(root / "owners")
-    from .tiers.wasm.standby import reap_stale as reap_stale_standby_guests
+    for entry in _of_dead_processes(root / "owners"):  # owner-link sockets (corral.owner_link)
+        entry.unlink(missing_ok=True)
+    if any(_of_dead_processes(root / "wasm-spares")):
+        # a killed owner's pre-started wasm guests (tmpfs, uid); the wasm tier's import costs
+        # ~40 ms, so only when there is one: this runs on every process's first create
+        from .tiers.wasm.standby import reap_stale as reap_stale_standby_guests
 
-    reap_stale_standby_guests(root)  # a killed owner's pre-started wasm guests (tmpfs, uid)
-    from .images import store
-
-    images = store.image_dir()
-    store.remove_leftovers(images, min_age=store.STALE_BUILD_AGE)  # killed image builds' staging dirs
+        reap_stale_standby_guests(root)
     from .snapshots import reap_leftovers
 
     reap_leftovers(root)  # half-written snapshots of dead writers
@@ -182,11 +182,13 @@ def gc(root: Path) -> list[str]:
     return reaped
 
 
-def _reap_owner_sockets(directory: Path) -> None:
-    """Remove the owner-link sockets (``corral.owner_link``) of processes that are gone."""
+def _of_dead_processes(directory: Path) -> list[Path]:
+    """Entries of ``directory`` named for a process (``PID.sock``, ``PID-...``) that is gone."""
     if not directory.is_dir():
-        return
+        return []
+    found = []
     for entry in directory.iterdir():
-        pid = entry.name.removesuffix(".sock")
+        pid = entry.name.removesuffix(".sock").split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            entry.unlink(missing_ok=True)
+            found.append(entry)
+    return found

@@ -273,7 +273,7 @@ def leftovers(root: Path, digest: str | None = None, min_age: float = 0.0) -> li
     return found
 
 
-#: how old another digest's build leftover must be before a build or ``gc`` removes it
+#: how old another digest's build leftover must be before a build or ``corral gc`` removes it
 STALE_BUILD_AGE = 60.0
 
 
