@@ -21,6 +21,7 @@ more (their own variables and working directory).
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import threading
@@ -55,7 +56,12 @@ KERNELS: dict[str, Callable[[], list[str]]] = {
 def is_kernel(argv: list[str]) -> bool:
     """True for the command line of an interpreter kernel: Corral's own process, not one the
     caller started, so ``commands.list()`` leaves it out."""
-    return any(argv == kernel() for kernel in KERNELS.values())
+    return tuple(argv) in _kernel_argvs()
+
+
+@functools.cache
+def _kernel_argvs() -> frozenset[tuple[str, ...]]:
+    return frozenset(tuple(kernel()) for kernel in KERNELS.values())  # each reads its source file
 
 
 #: other names callers use for a language (E2B's "js")
