@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .http_streams import result_of
+from .http_streams import ExecFrames, printed, result_of
 from .http_transport import REQUEST_TIMEOUT, Endpoint, answer, create_body, info_of, retry_wait, stdin_field
 from .lifecycle import SandboxInfo, matches
 from .spec import SandboxSpec
@@ -76,7 +76,7 @@ class AsyncClient(Endpoint):
         await self.http.aclose()
 
 
-class AsyncStreamProcess:
+class AsyncStreamProcess(ExecFrames):
     """A command over the exec WebSocket, read by a task of the running loop."""
 
     def __init__(self, ws: Any, sandbox_id: str, on_output: AsyncOutput | None) -> None:
@@ -92,20 +92,13 @@ class AsyncStreamProcess:
     async def _read(self) -> None:
         try:
             async for raw in self._ws:
-                frame = json.loads(raw)
-                kind = frame.get("type")
+                kind, data = self._take(raw)
                 if kind == "started":
-                    self.pid = frame.get("pid")
                     self._started.set()
-                elif kind in ("stdout", "stderr") and self._on_output is not None:
-                    await call_maybe_async(self._on_output, kind, frame["data"].encode())
-                elif kind == "result":
-                    self._result = result_of(frame)
-                elif kind == "error" and self._result is None:
-                    self._error = error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+                elif data is not None and self._on_output is not None:
+                    await call_maybe_async(self._on_output, kind, data)
         except Exception as exc:
-            if self._result is None and self._error is None:
-                self._error = SandboxClosed(f"exec stream lost: {exc}", sandbox_id=self._sandbox_id)
+            self._lost(exc)
         finally:
             self._started.set()
 
@@ -136,14 +129,11 @@ class AsyncStreamProcess:
     async def wait(self, on_output: AsyncOutput | None = None) -> ExecResult:
         await self._reader
         await self._ws.close()
-        if self._result is None:
-            raise self._error or SandboxClosed("exec stream ended without a result", sandbox_id=self._sandbox_id)
+        result = self._outcome()
         if on_output is not None:
-            for stream in ("stdout", "stderr"):
-                text = getattr(self._result, stream)
-                if text:
-                    await call_maybe_async(on_output, stream, text.encode())
-        return self._result
+            for stream, data in printed(result):
+                await call_maybe_async(on_output, stream, data)
+        return result
 
 
 class AsyncBackgroundProcess:

@@ -31,7 +31,45 @@ def result_of(frame: dict[str, Any]) -> ExecResult:
     return ExecResult(**frame)
 
 
-class StreamProcess(CommandProcess):
+def printed(result: ExecResult) -> list[tuple[str, bytes]]:
+    """What a finished command printed, stream by stream (for a caller that attached late)."""
+    return [(stream, getattr(result, stream).encode()) for stream in ("stdout", "stderr") if getattr(result, stream)]
+
+
+class ExecFrames:
+    """What the exec WebSocket says, frame by frame: the thread reader here and the asyncio one
+    (corral.async_http) share it and differ only in how they wait and call back."""
+
+    _sandbox_id: str
+    _result: ExecResult | None
+    _error: SandboxError | None
+    pid: int | None
+
+    def _take(self, raw: str | bytes) -> tuple[str, bytes | None]:
+        """The frame's type, and for output its bytes; the pid, result or error is kept."""
+        frame = json.loads(raw)
+        kind = str(frame.get("type"))
+        if kind == "started":
+            self.pid = frame.get("pid")
+        elif kind in ("stdout", "stderr"):
+            return kind, frame["data"].encode()
+        elif kind == "result":
+            self._result = result_of(frame)
+        elif kind == "error" and self._result is None:
+            self._error = error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+        return kind, None
+
+    def _lost(self, exc: Exception) -> None:
+        if self._result is None and self._error is None:
+            self._error = SandboxClosed(f"exec stream lost: {exc}", sandbox_id=self._sandbox_id)
+
+    def _outcome(self) -> ExecResult:
+        if self._result is None:
+            raise self._error or SandboxClosed("exec stream ended without a result", sandbox_id=self._sandbox_id)
+        return self._result
+
+
+class StreamProcess(ExecFrames, CommandProcess):
     """A command streaming over the exec WebSocket: output to ``on_output`` as it comes."""
 
     def __init__(self, client: Client, sandbox_id: str, request: dict[str, Any],
@@ -59,20 +97,13 @@ class StreamProcess(CommandProcess):
     def _read(self) -> None:
         try:
             for raw in self._ws:
-                frame = json.loads(raw)
-                kind = frame.get("type")
+                kind, data = self._take(raw)
                 if kind == "started":
-                    self.pid = frame.get("pid")
                     self._started.set()
-                elif kind in ("stdout", "stderr") and self._on_output is not None:
-                    self._on_output(kind, frame["data"].encode())
-                elif kind == "result":
-                    self._result = result_of(frame)
-                elif kind == "error" and self._result is None:
-                    self._error = error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+                elif data is not None and self._on_output is not None:
+                    self._on_output(kind, data)
         except Exception as exc:
-            if self._result is None and self._error is None:
-                self._error = SandboxClosed(f"exec stream lost: {exc}", sandbox_id=self._sandbox_id)
+            self._lost(exc)
         finally:
             self._started.set()
             self._done.set()
@@ -111,14 +142,11 @@ class StreamProcess(CommandProcess):
     def wait(self, on_output: OutputCallback | None = None) -> ExecResult:
         self._done.wait()
         self._ws.close()
-        if self._result is None:
-            raise self._error or SandboxClosed("exec stream ended without a result", sandbox_id=self._sandbox_id)
+        result = self._outcome()
         if on_output is not None:  # asked for after the fact: what it printed
-            for stream in ("stdout", "stderr"):
-                text = getattr(self._result, stream)
-                if text:
-                    on_output(stream, text.encode())
-        return self._result
+            for stream, data in printed(result):
+                on_output(stream, data)
+        return result
 
 
 class BackgroundProcess(CommandProcess):
