@@ -14,9 +14,10 @@ the same checks and the same errors.  Isolation lives in the tiers.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -228,17 +229,25 @@ class Sandbox:
         return transport_for(url, api_key, state, transport, cluster)
 
     @classmethod
+    @contextlib.contextmanager
+    def _transport_for_one_call(cls, url: str | None, api_key: str | None, state: str | Path | None,
+                                transport: Transport | None, cluster: str | bool | None = None) -> Iterator[Transport]:
+        """The transport of one class-level call (list, kill by id...): one made here is closed after it."""
+        chosen = cls._transport_for(url, api_key, state, transport, cluster)
+        try:
+            yield chosen
+        finally:
+            if transport is None:
+                chosen.close()
+
+    @classmethod
     def list(cls, metadata: dict[str, str] | None = None, *, state: str | Path | None = None,
              url: str | None = None, api_key: str | None = None,
              transport: Transport | None = None, cluster: str | bool | None = None) -> list[SandboxInfo]:
         """The live sandboxes (of this state directory, of the server at ``url``/``CORRAL_URL``, or
         of the cluster at ``cluster``/``CORRAL_CLUSTER``) whose metadata holds every pair of ``metadata``."""
-        chosen = cls._transport_for(url, api_key, state, transport, cluster)
-        try:
+        with cls._transport_for_one_call(url, api_key, state, transport, cluster) as chosen:
             return chosen.list(metadata)
-        finally:
-            if transport is None:
-                chosen.close()
 
     @classmethod
     def connect(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
@@ -343,23 +352,15 @@ class Sandbox:
     def list_snapshots(cls, *, state: str | Path | None = None, url: str | None = None, api_key: str | None = None,
                        transport: Transport | None = None) -> builtins.list[Snapshot]:
         """The stored snapshots (of this state directory, or yours in the server at ``url``)."""
-        chosen = cls._transport_for(url, api_key, state, transport)
-        try:
+        with cls._transport_for_one_call(url, api_key, state, transport) as chosen:
             return chosen.list_snapshots()
-        finally:
-            if transport is None:
-                chosen.close()
 
     @classmethod
     def delete_snapshot(cls, snapshot_id: str, *, state: str | Path | None = None, url: str | None = None,
                         api_key: str | None = None, transport: Transport | None = None) -> bool:
         """Remove a snapshot; False if there is none (of yours)."""
-        chosen = cls._transport_for(url, api_key, state, transport)
-        try:
+        with cls._transport_for_one_call(url, api_key, state, transport) as chosen:
             return chosen.delete_snapshot(snapshot_id)
-        finally:
-            if transport is None:
-                chosen.close()
 
     def create_code_context(self, language: str = "python", cwd: str | None = None) -> CodeContext:
         """A new interpreter with its own variables (``run_code(..., context=ctx)``)."""
@@ -402,12 +403,8 @@ class Sandbox:
     def _kill_by_id(cls, sandbox_id: str, *, state: str | Path | None = None, url: str | None = None,
                     api_key: str | None = None, transport: Transport | None = None,
                     cluster: str | bool | None = None) -> bool:
-        chosen = cls._transport_for(url, api_key, state, transport, cluster)
-        try:
+        with cls._transport_for_one_call(url, api_key, state, transport, cluster) as chosen:
             return chosen.kill(sandbox_id)
-        finally:
-            if transport is None:
-                chosen.close()
 
     kill: Any = InstanceOrClass(_kill, _kill_by_id)
     close = _kill
