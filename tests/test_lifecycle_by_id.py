@@ -8,6 +8,7 @@ script says the same both ways; only the owner's uid (or root) may.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -208,3 +209,23 @@ def test_the_janitor_ends_a_sandbox_whose_stopped_owner_missed_its_lifetime(stat
         if owner.poll() is None:
             owner.kill()
             owner.wait()
+
+
+def test_a_large_file_crosses_the_owner_link_and_an_oversized_write_is_typed() -> None:
+    script = ("import time\nfrom corral import Sandbox\nsb = Sandbox.create()\n"
+              "sb.commands.run('head -c 100M /dev/urandom > big; sha256sum big > big.sum')\n"
+              "print(sb.id, flush=True)\ntime.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env=os.environ.copy())
+    try:
+        assert owner.stdout is not None
+        sb = Sandbox.connect(owner.stdout.readline().strip())
+        data = sb.files.read("big", format="bytes")  # 133 MiB of base64 in one answer
+        assert len(data) == 100 << 20
+        assert hashlib.sha256(data).hexdigest() == sb.files.read("big.sum").split()[0]
+        with pytest.raises(InvalidSpec, match="over"):
+            sb.files.write("huge", b"x" * (80 << 20))  # over the link's 96 MiB request cap
+        assert sb.commands.run("test -e huge").exit_code == 1
+    finally:
+        owner.kill()
+        owner.wait()

@@ -13,7 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConnectionLost, SandboxNotFound, error_from_code
 from .lifecycle import SandboxInfo
-from .owner_link import CONNECT_TIMEOUT, b64, call_to_dict, read_frames, send_frame, socket_path, unb64
+from .owner_link import (
+    CONNECT_TIMEOUT,
+    MAX_REQUEST,
+    b64,
+    b64_size,
+    call_to_dict,
+    read_frames,
+    send_frame,
+    socket_path,
+    unb64,
+)
 from .ports import ExposedPort
 from .tiers.base import ExecResult, FileEntry
 from .transport import CommandCall, CommandProcess, OutputCallback, SandboxBackend
@@ -28,7 +38,8 @@ if TYPE_CHECKING:
 class _Call:
     """One open call to an owner."""
 
-    def __init__(self, path: Path, sandbox_id: str, op: str, args: dict[str, Any]) -> None:
+    def __init__(self, path: Path, sandbox_id: str, op: str, args: dict[str, Any],
+                 answer_limit: int = MAX_REQUEST) -> None:
         self.sandbox_id = sandbox_id
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(CONNECT_TIMEOUT)
@@ -40,8 +51,11 @@ class _Call:
                                   sandbox_id=sandbox_id) from None
         self.sock.settimeout(None)  # commands run as long as their own timeout
         self.lock = threading.Lock()
-        send_frame(self.sock, {"id": sandbox_id, "op": op, "args": args})
-        self.frames = read_frames(self.sock)
+        try:
+            send_frame(self.sock, {"id": sandbox_id, "op": op, "args": args})
+        except OSError:
+            pass  # refused before it read it all (too large): its answer says why, or there is none
+        self.frames = read_frames(self.sock, answer_limit)
 
     def answer(self, on_frame: Callable[[dict[str, Any]], None] | None = None) -> Any:
         """Frames until the final one; its value, or its error raised."""
@@ -141,11 +155,11 @@ class OwnerBackend(SandboxBackend):
         self._metadata: dict[str, str] = dict(hello["metadata"])
         self.closed = False
 
-    def _open(self, op: str, **args: Any) -> _Call:
-        return _Call(self.path, self.id, op, args)
+    def _open(self, op: str, answer_limit: int = MAX_REQUEST, **args: Any) -> _Call:
+        return _Call(self.path, self.id, op, args, answer_limit)
 
-    def _call(self, op: str, **args: Any) -> Any:
-        return self._open(op, **args).answer()
+    def _call(self, op: str, answer_limit: int = MAX_REQUEST, **args: Any) -> Any:
+        return self._open(op, answer_limit, **args).answer()
 
     # -- commands ---------------------------------------------------------------
     def start(self, call: CommandCall, on_output: OutputCallback | None) -> OwnerProcess:
@@ -178,7 +192,8 @@ class OwnerBackend(SandboxBackend):
 
     # -- files --------------------------------------------------------------------
     def read_file(self, path: str, max_bytes: int) -> bytes:
-        return unb64(self._call("read_file", path=path, max_bytes=max_bytes))
+        # the answer is the file in base64: as long as the largest file the caller accepts
+        return unb64(self._call("read_file", b64_size(max_bytes) + 4096, path=path, max_bytes=max_bytes))
 
     def write_file(self, path: str, data: bytes, mode: int) -> None:
         self._call("write_file", path=path, data=b64(data), mode=mode)

@@ -66,20 +66,31 @@ def send_frame(sock: socket.socket, frame: dict[str, Any], lock: threading.Lock 
 
 
 def read_frames(sock: socket.socket, limit: int = MAX_REQUEST) -> Iterator[dict[str, Any]]:
-    """The JSON frames a peer sends, until it closes its side."""
-    buffer = b""
+    """The JSON frames a peer sends, until it closes its side; one longer than ``limit`` bytes
+    is refused.  (A frame can hold a whole file: the buffer grows in place and each byte is
+    scanned for the newline once.)"""
+    buffer = bytearray()
+    scanned = 0
     while True:
-        newline = buffer.find(b"\n")
+        newline = buffer.find(b"\n", scanned)
         if newline >= 0:
-            line, buffer = buffer[:newline], buffer[newline + 1:]
+            line = bytes(buffer[:newline])
+            del buffer[:newline + 1]
+            scanned = 0
             yield json.loads(line)
             continue
-        if len(buffer) > limit:
-            raise InvalidSpec(f"a request over {limit} bytes")
-        chunk = sock.recv(1 << 16)
+        scanned = len(buffer)
+        if scanned > limit:
+            raise InvalidSpec(f"a frame over {limit} bytes")
+        chunk = sock.recv(1 << 20)
         if not chunk:
             return
         buffer += chunk
+
+
+def b64_size(n: int) -> int:
+    """How long ``n`` bytes are in base64."""
+    return 4 * ((n + 2) // 3)
 
 
 def b64(data: bytes) -> str:
