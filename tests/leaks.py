@@ -19,7 +19,7 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
         found.append(f"run dir {run_dir}")
     if sandbox_id in cgroups.list_sandbox_groups():
         found.append(f"cgroup {sandbox_id}")
-    found += [f"mount {m}" for m in mounts.mounts_under(run_dir)]
+    found += [f"mount {m}" for m in mounts.mounted_anywhere(run_dir)]  # its own namespace too
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -79,7 +79,7 @@ def all_leftovers(state_dir: Path) -> list[str]:
     sandboxes = state_dir / "sandboxes"
     if sandboxes.is_dir():
         found += [f"run dir {p}" for p in sandboxes.iterdir()]
-    found += [f"mount {m}" for m in mounts.mounts_under(sandboxes)]
+    found += [f"mount {m}" for m in mounts.mounted_anywhere(sandboxes)]
     uids = state_dir / "uids"
     if uids.is_dir():
         # a wasm tier's standby guests hold uids for sandboxes not created yet: the tier's, not a

@@ -55,6 +55,9 @@ void give_new_file(int fd, const char *path);
 int become_user(uid_t uid);
 int userns_main(const char *uid_text);
 
+/* mountns.c: a sandbox's own mount namespace (`--mountns FD`) */
+int mountns_main(const char *fd_text);
+
 /* exec.c: commands and the spare */
 extern int spares_enabled;
 void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws);

@@ -13,7 +13,9 @@ each, and runs for a sandbox whose ``__init__`` failed half way too):
 - the network side (:meth:`_make_network`): closed;
 - the user namespace that maps the whole uid range (:meth:`_start_userns`, :meth:`_userns`): its descriptor closed
   (:meth:`_drop_userns` once the guest holds the namespace, else at close);
-- the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory.
+- the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory,
+  or, made in the sandbox's own mount namespace (``_mountns``, the process tier's), with that
+  namespace: its holder is closed here, or became the tier's launcher and ends with the sandbox.
 
 A subclass sets its own attributes, then calls ``super().__init__``, which
 reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
@@ -33,6 +35,7 @@ from pathlib import Path
 from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
 from ...host import cgroups, mounts
+from ...host.mountns import MountNamespace
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
 from ...host.userns import PendingUserns, start_userns
@@ -61,6 +64,8 @@ class LinuxSandbox(TierSandbox):
     #: the sandbox's user namespace (whole range mapped), while the host holds it
     _userns_fd: int | None = None
     _userns_pending: PendingUserns | None = None
+    #: the sandbox's own mount namespace, where :meth:`_build_root` mounts (None: the host's)
+    _mountns: MountNamespace | None = None
 
     def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
                  seed: tuple[Path, str] | None = None) -> None:
@@ -151,6 +156,7 @@ class LinuxSandbox(TierSandbox):
             mount_points=[inside for _, inside in network.binds] if network is not None else [],
             fill=fill,
             userns=self._userns if self._userns_pending is not None else None, root_uid=self.uid_range.base,
+            mounter=self._mountns,
         )
         self.workspace = built.workspace
         self._mounts = built.mounts
@@ -193,6 +199,11 @@ class LinuxSandbox(TierSandbox):
             self._channel.pause_clock.resume()
 
     # -- snapshot --------------------------------------------------------------
+    def _on_disk(self) -> Path:
+        """The sandbox's disk tmpfs (uppers, workspace copy) as this process reaches it."""
+        disk = self._run_dir / "disk"
+        return self._mountns.view(disk) if self._mountns is not None else disk
+
     def _id_map(self) -> fs_snapshot.IdMap:
         return fs_snapshot.id_map(self.uid, id_range=(self.uid_range.base, self.uid_range.size))
 
@@ -209,7 +220,7 @@ class LinuxSandbox(TierSandbox):
             self._before_snapshot()
             self.pause()
         try:
-            disk = self._run_dir / "disk"
+            disk = self._on_disk()
             uppers = sorted(disk.glob("L*-upper"), key=lambda p: int(p.name[1:].partition("-")[0]))
             network = self.network
             own = {AGENT_PATH, "/etc/hostname", "/etc/hosts", "/etc/machine-id",
@@ -327,6 +338,8 @@ class LinuxSandbox(TierSandbox):
         finally:
             self._drop_userns()
             self._release()
+            if self._mountns is not None:
+                self._mountns.close()  # a holder that never launched: it exits, its mounts with it
             if self.network is not None:
                 self.network.close()
             mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
