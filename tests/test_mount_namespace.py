@@ -26,7 +26,7 @@ def test_live_sandboxes_add_no_mount_to_the_hosts_namespace(state_dir: Path) -> 
     sandboxes = state_dir / "sandboxes"
     live = [Sandbox.create() for _ in range(3)]
     try:
-        assert _host_mounts_under(state_dir) == []
+        assert _host_mounts_under(sandboxes) == []
         for sb in live:
             run_dir = sandboxes / sb.id
             # its root and disk are mounted, in its own namespace (seen through its processes)
