@@ -65,6 +65,20 @@ def python_wall() -> float:
     return statistics.median(samples)
 
 
+FLOOR = ["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+         "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "true"]
+
+
+def floor_p50(n: int = 20) -> float:
+    """bare bwrap (every namespace, no Corral): what the kernel's own share of a create costs now."""
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        subprocess.run(FLOOR, check=True)
+        samples.append((time.perf_counter() - start) * 1000)
+    return statistics.median(samples)
+
+
 def meminfo(key: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -117,11 +131,12 @@ def main() -> int:
     cold_p50(Sandbox, 3)  # warm: the image, the agent binary, the seccomp filter
     empty = cold_p50(Sandbox)
     python_empty = python_wall()
+    floor_empty = floor_p50()
     mem0, slab0, shmem0, mounts0 = mem_available(), meminfo("Slab"), meminfo("Shmem"), host_mounts()
     fds0, threads0 = len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
     pids0 = len([p for p in os.listdir("/proc") if p.isdigit()])
-    print(f"cold create p50 with none alive: {empty:.1f} ms; python3 -c pass {python_empty:.1f} ms; "
-          f"host mounts {mounts0}")
+    print(f"cold create p50 with none alive: {empty:.1f} ms; bare bwrap {floor_empty:.1f} ms; "
+          f"python3 -c pass {python_empty:.1f} ms; host mounts {mounts0}")
     live: list[object] = []
     stop = ""
     try:
@@ -143,11 +158,12 @@ def main() -> int:
             n = len(live)
             if not n:
                 break
-            full = cold_p50(Sandbox)
+            full, floor = cold_p50(Sandbox), floor_p50()
             tenth = max(1, len(creates) // 10)
             print(f"-- {n} idle sandboxes alive (load average {os.getloadavg()[0]:.2f})")
             print(f"cold create p50: {empty:.1f} ms with none alive, {full:.1f} ms with {n} alive: "
-                  f"ratio {full / empty:.2f} (target <= 1.5)")
+                  f"ratio {full / empty:.2f} (target <= 1.5); bare bwrap {floor_empty:.1f} -> {floor:.1f} ms "
+                  f"(ratio {floor / floor_empty:.2f}: the kernel's own share)")
             if creates:
                 print("create p50 by tenth of this stage's fill (ms): " + " ".join(
                     f"{statistics.median(creates[i:i + tenth]):.1f}" for i in range(0, len(creates), tenth)))

@@ -260,12 +260,12 @@ def test_a_host_that_cannot_idmap_still_runs_sandboxes_with_unmapped_image_files
     from corral.host.mountns import HostMounts, MountNamespace
     from corral.tiers.linux import rootfs
 
-    def unsupported(self: HostMounts, lower: Path, view: Path, userns_fd: int) -> None:
+    def unsupported(self: HostMounts, *args: object) -> None:
         raise OSError(errno.EINVAL, "mount_setattr: Invalid argument")
 
     # in the host's mount namespace (gVisor) and in a sandbox's own (the process tier)
-    monkeypatch.setattr(HostMounts, "attach_idmapped", unsupported)
-    monkeypatch.setattr(MountNamespace, "attach_idmapped", unsupported)
+    monkeypatch.setattr(HostMounts, "mapped_overlay", unsupported)
+    monkeypatch.setattr(MountNamespace, "mapped_overlay", unsupported)
     monkeypatch.setattr(rootfs, "IDMAP_UNSUPPORTED", None)
     with Sandbox.create(user="root") as sb:
         r = sb.commands.run("id -u; stat -c %U /usr/bin/env; touch /usr/bin/c13-y; echo x > /tmp/t && cat /tmp/t")

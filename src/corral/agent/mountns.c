@@ -18,6 +18,9 @@
  *                                                        (read-only, nosuid, nodev) at VIEW
  *   'x' UID \0 NETNS \0 PROGRAM \0 ARGS...  + fds         exec PROGRAM (bubblewrap) as UID
  *
+ * 'M' is 'm' only if the request before it succeeded (else ECANCELED), so that the host can
+ * send a chain at once (idmap a layer, mount the overlay on it, detach the view: one round trip).
+ *
  * Each gets an answer: a 4-byte errno (0: done) and a message.  For 'x' the
  * fds received go to 3, 4, ... in order (NETNS "1": the first is a network
  * namespace to enter, and is not passed on); a successful exec closes FD (the
@@ -118,6 +121,7 @@ int mountns_main(const char *fd_text) {
     int start_err = 0;
     if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) start_err = errno;
     static char buf[1 << 18];
+    int last_err = 0;
     char *args[MNS_MAX_ARGS + 1];
     for (;;) {
         int fds[MNS_MAX_FDS];
@@ -147,7 +151,10 @@ int mountns_main(const char *fd_text) {
             what = "cannot make a mount namespace";
         } else if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
             err = E2BIG;
-        } else if (buf[0] == 'm' && nargs == 5) {
+        } else if (buf[0] == 'M' && last_err) {
+            err = ECANCELED;
+            what = "mount (after a failed request)";
+        } else if ((buf[0] == 'm' || buf[0] == 'M') && nargs == 5) {
             what = "mount";
             if (mount(args[0], args[1], args[2][0] ? args[2] : NULL, strtoul(args[3], NULL, 10), args[4]) < 0)
                 err = errno;
@@ -164,6 +171,7 @@ int mountns_main(const char *fd_text) {
             err = EINVAL;
         }
         for (int i = 0; i < nfds; i++) close(fds[i]);
+        last_err = err;
         answer(sock, err, what);
     }
 }

@@ -57,6 +57,16 @@ class HostMounts:
     def umount(self, target: Path, lazy: bool = False) -> None:
         mounts.umount(target, lazy)
 
+    def mapped_overlay(self, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int, view: Path) -> None:
+        """The overlay at ``target`` on an idmapped view of ``lower`` (:meth:`attach_idmapped` at
+        ``view``, an empty directory, detached once the overlay holds its own clone of it).
+        Raises the first step's error: that of the view itself if it cannot be made."""
+        self.attach_idmapped(lower, view, userns_fd)
+        try:
+            self.mount_overlay(target, [view], upper, work)
+        finally:
+            self.umount(view, lazy=True)
+
 
 class MountNamespace(HostMounts):
     """A sandbox's own mount namespace, held by its future launcher (see the module's docstring).
@@ -93,7 +103,7 @@ class MountNamespace(HostMounts):
         holder (or, after :meth:`exec`, the program it became) lives."""
         return Path(f"/proc/{self.proc.pid}/root") / path.relative_to("/")
 
-    def _ask(self, op: str, args: Sequence[str], fds: Sequence[int] = ()) -> bytes:
+    def _send(self, op: str, args: Sequence[str], fds: Sequence[int] = ()) -> socket.socket:
         if self._sock is None:
             raise OSError(9, "the sandbox's mount namespace is closed")
         payload = op.encode() + b"\0".join(a.encode() for a in args)
@@ -101,15 +111,22 @@ class MountNamespace(HostMounts):
             self._sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         else:
             self._sock.send(payload)
-        return self._sock.recv(4096)
+        return self._sock
+
+    def _ask(self, op: str, args: Sequence[str], fds: Sequence[int] = ()) -> bytes:
+        return self._send(op, args, fds).recv(4096)
+
+    @staticmethod
+    def _error(reply: bytes) -> OSError | None:
+        if not reply:
+            return OSError(5, "the sandbox's mount namespace helper died")
+        err = int.from_bytes(reply[:4], "little", signed=True)
+        return OSError(err, reply[4:].decode(errors="replace")) if err else None
 
     def _check(self, op: str, args: Sequence[str], fds: Sequence[int] = ()) -> None:
-        reply = self._ask(op, args, fds)
-        if not reply:
-            raise OSError(5, "the sandbox's mount namespace helper died")
-        err = int.from_bytes(reply[:4], "little", signed=True)
-        if err:
-            raise OSError(err, reply[4:].decode(errors="replace"))
+        error = self._error(self._ask(op, args, fds))
+        if error is not None:
+            raise error
 
     def _mount(self, source: str, target: Path, fstype: str, flags: int, options: str) -> None:
         self._check("m", [source, str(target), fstype, str(flags), options])
@@ -127,6 +144,17 @@ class MountNamespace(HostMounts):
 
     def umount(self, target: Path, lazy: bool = False) -> None:
         self._check("u", [str(target), str(mounts.MNT_DETACH if lazy else 0)])
+
+    def mapped_overlay(self, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int, view: Path) -> None:
+        # one round trip for the three steps: the overlay ('M') only if the view was made
+        fstype, flags, options = mounts.overlay_args([view], upper, work)
+        self._send("i", [str(lower), str(view)], [userns_fd])
+        sock = self._send("M", ["overlay", str(target), fstype, str(flags), options])
+        self._send("u", [str(view), str(mounts.MNT_DETACH)])
+        attached, mounted, _detached = (self._error(sock.recv(4096)) for _ in range(3))
+        error = attached or mounted
+        if error is not None:
+            raise error
 
     def exec(self, uid: int, argv: Sequence[str], fds: Sequence[int] = (), netns: int | None = None) -> subprocess.Popen[bytes]:
         """Turn the holder into ``argv`` run as host ``uid`` (in the network namespace ``netns``,

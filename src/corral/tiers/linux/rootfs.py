@@ -169,11 +169,7 @@ def _mount_mapped_overlay(mounter: HostMounts, target: Path, lower: Path, upper:
         try:
             view.mkdir(parents=True)
             try:
-                mounter.attach_idmapped(lower, view, userns_fd)
-                try:
-                    mounter.mount_overlay(target, [view], upper, work)
-                finally:
-                    mounter.umount(view, lazy=True)
+                mounter.mapped_overlay(target, lower, upper, work, userns_fd, view)
             finally:
                 view.rmdir()
             return
