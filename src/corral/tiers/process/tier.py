@@ -9,6 +9,10 @@ timeout kills daemonized children too.  bwrap is started as a per-sandbox
 unprivileged host uid: nothing in the sandbox is host root, not even for file
 access.
 
+Mounts: the sandbox's disk tmpfs and overlay root are made in a mount namespace of its own
+(:mod:`corral.host.mountns`), by the helper that then execs bwrap there: the host's mount
+table, which bwrap copies into every new sandbox, stays the same size however many live.
+
 Users: the sandbox's user namespace maps its whole host uid range to 0-65535
 (made by the host, :mod:`corral.host.userns`, joined by bwrap with
 ``--userns``).  The agent is root of that namespace holding only ROOT_CAPS;
