@@ -55,8 +55,8 @@ void give_new_file(int fd, const char *path);
 int become_user(uid_t uid);
 int userns_main(const char *uid_text);
 
-/* mountns.c: a sandbox's own mount namespace (`--mountns FD`) */
-int mountns_main(const char *fd_text);
+/* mountns.c: a sandbox's own mount namespace (`--mountns FD [UID]`) */
+int mountns_main(const char *fd_text, const char *userns_uid);
 
 /* exec.c: commands and the spare */
 extern int spares_enabled;

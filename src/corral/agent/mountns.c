@@ -1,5 +1,5 @@
 /*
- * corral-agent: a sandbox's own mount namespace (`--mountns FD`, run by the host as root).
+ * corral-agent: a sandbox's own mount namespace (`--mountns FD [UID]`, run by the host as root).
  *
  * Every mount a sandbox needs (its disk tmpfs, its overlay root, the idmapped
  * views of its image layers) is made here, in a mount namespace of this
@@ -21,7 +21,14 @@
  * 'M' is 'm' only if the request before it succeeded (else ECANCELED), so that the host can
  * send a chain at once (idmap a layer, mount the overlay on it, detach the view: one round trip).
  *
- * Each gets an answer: a 4-byte errno (0: done) and a message.  For 'x' the
+ * With UID it also forks, at once, the maker of the sandbox's user namespace (`--userns UID`,
+ * users.c), which saves the host starting one of its own:
+ *
+ *   'n'                        wait until it made the namespace; answer: its pid (text)
+ *   'N'                        the host has mapped it and holds it: the maker may exit (reaped
+ *                              at the exec or the end; the one request with no answer)
+ *
+ * Each other request gets an answer: a 4-byte errno (0: done) and a message.  For 'x' the
  * fds received go to 3, 4, ... in order (NETNS "1": the first is a network
  * namespace to enter, and is not passed on); a successful exec closes FD (the
  * host reads end of file), a failed one answers.  End of file on FD ends this
@@ -41,6 +48,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define MNS_MAX_FDS 8
@@ -60,12 +68,56 @@ struct mns_attr {
     uint64_t attr_set, attr_clr, propagation, userns_fd;
 };
 
-static void answer(int sock, int err, const char *what) {
+/* the user namespace's maker: its pid, where it says it is done, where it waits for end of file */
+static pid_t maker = 0;
+static int maker_said = -1, maker_waits = -1;
+
+static void start_maker(const char *uid, int sock) {
+    int up[2], down[2];
+    if (pipe2(up, O_CLOEXEC) < 0) return;
+    if (pipe2(down, O_CLOEXEC) < 0) {
+        close(up[0]);
+        close(up[1]);
+        return;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        /* no exec follows: close-on-exec closes nothing, so the ends that are not its own go by
+         * hand (were the write end of ``down`` kept, its end of file would never come) */
+        close(sock);
+        close(up[0]);
+        close(down[1]);
+        if (dup2(down[0], 0) < 0 || dup2(up[1], 1) < 0) _exit(125);
+        _exit(userns_main(uid));
+    }
+    close(up[1]);
+    close(down[0]);
+    if (pid < 0) {
+        close(up[0]);
+        close(down[1]);
+        return;
+    }
+    maker = pid;
+    maker_said = up[0];
+    maker_waits = down[1];
+}
+
+static void end_maker(void) {
+    if (maker_waits >= 0) close(maker_waits);
+    if (maker_said >= 0) close(maker_said);
+    maker_waits = maker_said = -1;
+    if (maker > 0) waitpid(maker, NULL, 0);
+    maker = 0;
+}
+
+/* errno and what failed, or 0 and ``text`` (may be NULL) */
+static void answer(int sock, int err, const char *what, const char *text) {
     char buf[512];
     int32_t e = err;
     memcpy(buf, &e, 4);
     size_t n = 0;
     if (err) n = (size_t)snprintf(buf + 4, sizeof buf - 4, "%s: %s", what, strerror(err));
+    else if (text) n = (size_t)snprintf(buf + 4, sizeof buf - 4, "%s", text);
     if (n > sizeof buf - 5) n = sizeof buf - 5;
     if (send(sock, buf, 4 + n, MSG_NOSIGNAL) < 0) _exit(1);
 }
@@ -86,6 +138,7 @@ static int idmap_at(const char *lower, const char *view, int userns) {
 /* 'x': never returns on success */
 static int exec_as(int sock, char **args, int nargs, int *fds, int nfds) {
     char *end;
+    end_maker(); /* first: its descriptors must not be (or close) the ones placed below */
     if (nargs < 3 || args[2][0] != '/') return EINVAL;
     unsigned long uid = strtoul(args[0], &end, 10);
     if (*end || uid == 0 || uid >= 0xFFFFFFFFul) return EPERM;
@@ -110,7 +163,7 @@ static int exec_as(int sock, char **args, int nargs, int *fds, int nfds) {
     return errno;
 }
 
-int mountns_main(const char *fd_text) {
+int mountns_main(const char *fd_text, const char *userns_uid) {
     int sock = atoi(fd_text);
     /* above any fd 'x' places (3, 4, ...), closed by the exec */
     int moved = fcntl(sock, F_DUPFD_CLOEXEC, 200);
@@ -118,6 +171,7 @@ int mountns_main(const char *fd_text) {
     close(sock);
     sock = moved;
     prctl(PR_SET_PDEATHSIG, SIGKILL); /* cleared by the uid change before an exec */
+    if (userns_uid) start_maker(userns_uid, sock);
     int start_err = 0;
     if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) start_err = errno;
     static char buf[1 << 18];
@@ -134,7 +188,10 @@ int mountns_main(const char *fd_text) {
         msg.msg_control = control;
         msg.msg_controllen = sizeof control;
         ssize_t n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-        if (n <= 0) return 0; /* the owner is gone or done: the namespace goes with this process */
+        if (n <= 0) { /* the owner is gone or done: the namespace goes with this process */
+            end_maker();
+            return 0;
+        }
         for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c))
             if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
                 int got = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
@@ -146,6 +203,8 @@ int mountns_main(const char *fd_text) {
         args[nargs] = NULL;
         int err = 0;
         const char *what = "request";
+        char said[16];
+        const char *text = NULL;
         if (start_err) {
             err = start_err;
             what = "cannot make a mount namespace";
@@ -164,6 +223,19 @@ int mountns_main(const char *fd_text) {
         } else if (buf[0] == 'i' && nargs == 2 && nfds == 1) {
             what = "idmap";
             err = idmap_at(args[0], args[1], fds[0]);
+        } else if (buf[0] == 'n' && nargs == 0) {
+            char c = 0;
+            what = "cannot make the sandbox's user namespace";
+            if (maker_said < 0 || read(maker_said, &c, 1) != 1 || c != 'u') err = EPERM;
+            else {
+                snprintf(said, sizeof said, "%d", (int)maker);
+                text = said;
+            }
+        } else if (buf[0] == 'N' && nargs == 0) {
+            if (maker_waits >= 0) close(maker_waits); /* its end of file: it exits */
+            maker_waits = -1;
+            for (int i = 0; i < nfds; i++) close(fds[i]);
+            continue;
         } else if (buf[0] == 'x') {
             what = "exec";
             err = exec_as(sock, args, nargs, fds, nfds);
@@ -172,6 +244,6 @@ int mountns_main(const char *fd_text) {
         }
         for (int i = 0; i < nfds; i++) close(fds[i]);
         last_err = err;
-        answer(sock, err, what);
+        answer(sock, err, what, text);
     }
 }

@@ -26,7 +26,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TypeVar
 
+from ..errors import HostNotSupported
 from . import idmap, mounts
+from .uids import UidRange
+from .userns import map_and_open
 
 T = TypeVar("T")
 
@@ -77,13 +80,17 @@ class MountNamespace(HostMounts):
     private = True
 
     def __init__(self, helper: Path, stdin: int | IO[bytes] | None, stdout: int | IO[bytes] | None,
-                 run: Callable[[Callable[[], subprocess.Popen[bytes]]], subprocess.Popen[bytes]] = lambda f: f()) -> None:
+                 run: Callable[[Callable[[], subprocess.Popen[bytes]]], subprocess.Popen[bytes]] = lambda f: f(),
+                 userns: UidRange | None = None) -> None:
         """Start the helper (``run`` calls the Popen: e.g. on the thread that must be its parent);
-        ``stdin``/``stdout`` become the launched program's."""
+        ``stdin``/``stdout`` become the launched program's.  With ``userns``, the helper also
+        starts making the user namespace of that range at once (:meth:`userns`)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        extra = [str(userns.base)] if userns is not None else []
+        self._ids = userns
         try:
             self.proc = run(lambda: subprocess.Popen(
-                [str(helper), "--mountns", str(theirs.fileno())], stdin=stdin, stdout=stdout,
+                [str(helper), "--mountns", str(theirs.fileno()), *extra], stdin=stdin, stdout=stdout,
                 stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True, cwd="/", env={},
             ))
         except BaseException:
@@ -156,6 +163,13 @@ class MountNamespace(HostMounts):
         if error is not None:
             raise error
 
+    def userns(self) -> HolderUserns:
+        """The user namespace the helper started making (``userns=`` given), as
+        :class:`corral.host.userns.PendingUserns` would give it: its maker is a child of the
+        helper, not a process of this one's."""
+        assert self._ids is not None, "MountNamespace(..., userns=ids) first"
+        return HolderUserns(self, self._ids)
+
     def exec(self, uid: int, argv: Sequence[str], fds: Sequence[int] = (), netns: int | None = None) -> subprocess.Popen[bytes]:
         """Turn the holder into ``argv`` run as host ``uid`` (in the network namespace ``netns``,
         if given), with ``fds`` at 3, 4, ... in order; its Popen (the same process) is returned.
@@ -180,3 +194,25 @@ class MountNamespace(HostMounts):
         self._close_socket()
         if not self.exec_done:
             self.proc.wait()
+
+
+class HolderUserns:
+    """The sandbox's user namespace made by its mount namespace's helper (:meth:`MountNamespace.userns`)."""
+
+    def __init__(self, holder: MountNamespace, ids: UidRange) -> None:
+        self._holder = holder
+        self.ids = ids
+
+    def finish(self) -> int:
+        """A descriptor (O_CLOEXEC) of the namespace, mapped: the caller closes it."""
+        reply = self._holder._ask("n", [])
+        error = self._holder._error(reply)
+        if error is not None:
+            raise HostNotSupported(f"cannot make the sandbox's user namespace: {error.strerror}")
+        try:
+            return map_and_open(int(reply[4:]), self.ids)
+        finally:
+            self._holder._send("N", [])  # no answer: its maker exits, the descriptor holds the namespace
+
+    def close(self) -> None:
+        """Nothing of this process's: the helper reaps the maker (at 'N', its exec or its end)."""

@@ -38,7 +38,7 @@ from ...host import cgroups, mounts
 from ...host.mountns import MountNamespace
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
-from ...host.userns import PendingUserns, start_userns
+from ...host.userns import UsernsMaking, start_userns
 from ...host.workspace import WorkspaceCopy
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
@@ -63,7 +63,7 @@ class LinuxSandbox(TierSandbox):
     hostname = "sandbox"
     #: the sandbox's user namespace (whole range mapped), while the host holds it
     _userns_fd: int | None = None
-    _userns_pending: PendingUserns | None = None
+    _userns_pending: UsernsMaking | None = None
     #: the sandbox's own mount namespace, where :meth:`_build_root` mounts (None: the host's)
     _mountns: MountNamespace | None = None
 

@@ -114,17 +114,20 @@ class ProcessSandbox(LinuxSandbox):
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
-        self._start_userns(self._tier._agent)  # its helper starts while the cgroup, network and root are made
         # the sandbox's own mount namespace: its root is mounted there, never in the host's
         # table (which bwrap would copy, making every create cost more per live sandbox), by
         # the helper that then becomes bwrap's launcher, with the agent's pipes as stdio.
+        # It also starts making the sandbox's user namespace at once, while the cgroup,
+        # network and root are made (one process started here, not two).
         # Forked from the tier's launcher thread: bwrap dies with the thread that forked it
         # (--die-with-parent), and that one lives as long as we do
         to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
         from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
         self._agent_pipes = (from_agent_r, to_agent_w)
         try:
-            self._mountns = MountNamespace(self._tier._agent, to_agent_r, from_agent_w, run=LAUNCHER.run)
+            self._mountns = MountNamespace(self._tier._agent, to_agent_r, from_agent_w, run=LAUNCHER.run,
+                                           userns=self.uid_range)
+            self._userns_pending = self._mountns.userns()
         finally:
             os.close(to_agent_r)
             os.close(from_agent_w)
