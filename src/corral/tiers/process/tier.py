@@ -217,7 +217,9 @@ class ProcessSandbox(LinuxSandbox):
         # tree (cgroup.procs does not skip), before the child counts as gone
         agent = self._agent_host_pid()
         for _ in range(5):
-            found = _with_nspid(children(agent), nspid)
+            # newest first: the command just forked is last in the list, its spare (forked
+            # after the previous command) before it, and each one tried costs a status read
+            found = _with_nspid(children(agent)[::-1], nspid)
             if found is not None:
                 return found
         if self.cgroup is not None:
