@@ -51,7 +51,8 @@ class Snapshot:
     """One stored snapshot."""
 
     id: str
-    #: what it holds: "filesystem" (files only: no processes, memory, network rules or secrets)
+    #: what it holds: "filesystem" (files only: no processes, memory, network rules or secrets), or
+    #: "live" (a microVM: memory, devices, processes and its workspace; docs/snapshots.md)
     kind: str
     #: bytes of its files and manifest (contents shared with other snapshots included)
     size: int
@@ -107,8 +108,7 @@ class SnapshotStore:
             shared = self.dir / SHARED
             shared.mkdir(mode=0o700, exist_ok=True)
             written = inner.snapshot(temp / "files", shared)
-            files = temp / "files"
-            size = (files / "manifest.json").stat().st_size + sum(p.stat().st_size for p in (files / "blobs").iterdir())
+            size = _stored_size(temp)
             snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id, written)
             meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files")}
             (temp / "meta.json").write_text(json.dumps(meta))
@@ -178,10 +178,21 @@ class SnapshotStore:
         return True
 
 
+def _stored_size(snapshot: Path) -> int:
+    """Bytes a snapshot holds: its manifest and blobs (shared ones included), and a live one's VM
+    memory and state as allocated on disk (the image disk it links to is the cache's, not counted)."""
+    files = snapshot / "files"
+    size = (files / "manifest.json").stat().st_size + sum(p.stat().st_size for p in (files / "blobs").iterdir())
+    vm = snapshot / "vm"
+    if vm.is_dir():
+        for path in vm.iterdir():
+            st = path.stat()
+            if path.name != "disk" and path.is_file():
+                size += min(st.st_size, st.st_blocks * 512)
+    return size
+
+
 def _why_not(tier: str) -> str:
-    if tier == "microvm":
-        return (": its files live on the guest's own disk, which Corral does not copy, and a live "
-                "snapshot is refused by QEMU 7.2 while the 9p workspace is mounted")
     if tier == "wasm":
         return ": its files live in the interpreter's memory file system, not in layers Corral can copy"
     return ""

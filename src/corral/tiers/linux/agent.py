@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE = 1, 2, 3, 4, 5, 6, 7, 8
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
+#: the microVM guest around a live snapshot (agent's guest_ops.c)
+T_GUEST = 17
 T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_SPARE, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 106, 110, 111
 
 HEADER = struct.Struct("<BII")
@@ -96,6 +98,23 @@ class AgentChannel:
             ident = self._next_id
             self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
             return ident
+
+    def skip_ids(self, past: int) -> None:
+        """Number later requests above ``past``: a VM restored from a live snapshot has an agent
+        that still holds the requests of the VM it was taken of, under ids up to there."""
+        with self._lock:
+            self._next_id = max(self._next_id, (past + 1) & 0xFFFFFFFF or 1)
+
+    @property
+    def last_id(self) -> int:
+        """The id of the latest request sent (see :meth:`skip_ids`)."""
+        with self._lock:
+            return self._next_id - 1
+
+    def guest(self, *args: str, timeout: float = 60.0) -> None:
+        """A microVM guest operation around a live snapshot (the agent's guest_ops.c): "detach"
+        or "attach" the workspace, a fresh "identity"; refused ones raise :class:`FileError`."""
+        self.call(T_GUEST, b"".join(arg.encode() + b"\0" for arg in args), timeout=timeout)
 
     def _read_exact(self, n: int) -> bytes | None:
         data = self._rfile.read(n)

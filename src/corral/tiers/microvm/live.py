@@ -1,0 +1,385 @@
+"""Live snapshots of a microVM: its memory, devices and processes, and its workspace.
+
+Taking one (:func:`capture`), the VM runs on afterwards:
+
+1. the guest's commands are frozen (its ``sandbox`` cgroup), and the agent unmounts the 9p
+   workspace: QEMU 7.2 refuses to migrate a VM while a 9p export is attached (the blocker
+   goes when the guest clunks the export's root fid).  A process whose working directory or
+   open file is under ``/workspace`` keeps it busy: :class:`~corral.errors.InvalidState`
+   naming it, and nothing changes;
+2. a *converter* QEMU is started with the same devices, its RAM a new ``share=on`` file in
+   the snapshot, ``-S`` (it never runs the guest) and ``migrate-incoming`` on one end of a
+   socket pair; the VM is stopped and migrated into the other end (its RAM is a private
+   copy-on-write mapping of its template's, so all of it goes: zero pages compactly);
+3. the workspace copy is written (content-addressed, as the other tiers' snapshots) while the
+   VM is stopped, then it runs on, remounts its workspace and thaws;
+4. the converter saves its device state with ``x-ignore-shared``: the snapshot becomes a pair
+   like a template's -- ``vm/ram`` (the memory image) and ``vm/state`` (~70 KB) -- so each VM
+   made from it maps the RAM ``share=off`` (copy-on-write, no copy, nothing read up front) and
+   restores as fast as from a template.
+
+A VM restored from it (:func:`restore_identity`) has the snapshot's processes, frozen; it gets a
+fresh identity (RNG reseeded from 64 host bytes, wall clock, hostname = its sandbox id, machine
+id, boot id bind-mounted over ``/proc/sys/kernel/random/boot_id``), its own copy of the
+workspace mounted, and only then are its processes thawed.
+
+The snapshot's description (RAM size, the image disk, QEMU and guest versions, the state's and
+the RAM's sha256) is part of its manifest, whose sha256 the store records: a changed file is
+:class:`~corral.errors.SnapshotCorrupt` before any VM starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import FileError, InvalidSpec, InvalidState, SandboxError, SnapshotCorrupt
+from ...host import mounts
+from ...spec import MiB
+from ..linux import fs_snapshot
+from ..linux.agent import AgentChannel
+from . import qemu, template
+from .rootdisk import ImageDisk
+
+if TYPE_CHECKING:
+    from .tier import MicroVMSandbox
+
+VM_DIR = "vm"
+WORKSPACE = "/workspace"
+GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
+#: the 9p workspace as guest_root.c mounts it (the same options after every restore)
+WS_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144"
+FREEZE_TIMEOUT = 10.0
+MIGRATE_TIMEOUT = 120.0
+#: requests the agent of a restored VM may still hold from the VM it was taken of: the new
+#: host side numbers its own above the last one sent plus this margin
+ID_MARGIN = 1 << 16
+#: RAM files whose sha256 this process wrote or checked, by (path, inode, size, ctime):
+#: checked once per process and version of the file, not at every fork
+_checked: set[tuple[str, int, int, int]] = set()
+_checked_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class VMImage:
+    """What the ``vm`` part of a live snapshot is and needs."""
+
+    ram_mb: int
+    accel: str
+    qemu: str
+    assets: str
+    disk_key: str
+    #: the image disk: the snapshot's own hard link to it if the store shares the cache's file
+    #: system, else the cache's file (which must still be the same build)
+    disk_path: str
+    state_sha256: str
+    ram_sha256: str
+    #: the last agent request id of the VM it was taken of
+    last_id: int
+    #: the guest cgroup leaves its commands used (e1 ... eN): a restored VM's start after them
+    leaves: int
+    readonly_workspace: bool
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VMImage:
+        return cls(int(data["ram_mb"]), str(data["accel"]), str(data["qemu"]), str(data["assets"]),
+                   str(data["disk_key"]), str(data["disk_path"]), str(data["state_sha256"]),
+                   str(data["ram_sha256"]), int(data["last_id"]), int(data["leaves"]),
+                   bool(data["readonly_workspace"]))
+
+
+def ram_digest(path: Path) -> str:
+    """sha256 of a RAM file's data extents and where they lie (holes read as zeros and are
+    skipped: a sparse 384 MiB guest with 130 MB in use hashes 130 MB)."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        h.update(f"{size}\0".encode())
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(fd, offset, os.SEEK_DATA)
+            except OSError:
+                break  # no data after offset
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            h.update(f"{start}:{end}\0".encode())
+            pos = start
+            while pos < end:
+                chunk = os.pread(fd, min(1 << 22, end - pos), pos)
+                if not chunk:
+                    break
+                h.update(chunk)
+                pos += len(chunk)
+            offset = end
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def _file_key(path: Path) -> tuple[str, int, int, int]:
+    st = os.stat(path)
+    return (str(path), st.st_ino, st.st_size, st.st_ctime_ns)
+
+
+def freeze(channel: AgentChannel, frozen: bool) -> None:
+    """Freeze (and wait until frozen) or thaw the guest's commands; the agent lives outside."""
+    channel.write_file(f"{GUEST_CGROUP}/cgroup.freeze", b"1" if frozen else b"0", 0o644)
+    if not frozen:
+        return
+    deadline = time.monotonic() + FREEZE_TIMEOUT
+    while b"frozen 1" not in channel.read_file(f"{GUEST_CGROUP}/cgroup.events", 4096):
+        if time.monotonic() > deadline:
+            raise SandboxError("the guest's processes did not freeze in time")
+        time.sleep(0.002)
+
+
+def attach_workspace(channel: AgentChannel, readonly: bool) -> None:
+    channel.guest("attach", "ws", WORKSPACE, "9p", ("ro," if readonly else "") + WS_OPTIONS)
+
+
+def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
+               ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
+    """A QEMU with the VM's devices and its RAM in ``vm_dir/ram`` (shared), that loads the
+    stream from ``incoming`` and never runs the guest (``-S``)."""
+    empty = vm_dir / "empty"
+    empty.mkdir(mode=0o755)
+    listeners = []
+    for name in ("conv-agent.sock", "conv-qmp.sock"):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        (vm._run_dir / name).unlink(missing_ok=True)
+        listener.bind(str(vm._run_dir / name))
+        listener.listen(1)
+        listeners.append(listener)
+    try:
+        paths = qemu.VMPaths(vm._run_dir / "conv-agent.sock", vm._run_dir / "conv-qmp.sock", vm_dir / "console.log")
+        argv = qemu.command_line(
+            accel=vm._tier.accel, ram_mb=vm.ram_mb, mem_path=vm_dir / "ram", share=True, assets=vm._tier.assets,
+            paths=paths, disk=vm.image_disk.path, workspace=empty, workspace_readonly=False, incoming=True,
+            listen_fds=(listeners[0].fileno(), listeners[1].fileno()), runas=vm.uid,
+        )
+        argv.append("-S")  # loads, never runs
+        with open(vm_dir / "qemu.log", "wb") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
+                                    pass_fds=[listener.fileno() for listener in listeners],
+                                    preexec_fn=template._die_with_parent)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.connect(str(paths.qmp_socket))
+            qmp = qemu.QMP(sock, timeout=MIGRATE_TIMEOUT)
+            qmp.send_fd("in", incoming.fileno())
+            qmp.command("migrate-incoming", uri="fd:in")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return proc, qmp
+    finally:
+        for listener in listeners:
+            listener.close()
+        for name in ("conv-agent.sock", "conv-qmp.sock"):
+            (vm._run_dir / name).unlink(missing_ok=True)
+
+
+def _wait_loaded(qmp: qemu.QMP, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    while True:
+        status = qmp.command("query-migrate").get("status", "")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled") or proc.poll() is not None:
+            raise SandboxError(f"the snapshot's converter could not load the VM (status {status!r})")
+        if time.monotonic() > deadline:
+            raise SandboxError("the snapshot's converter did not load the VM in time")
+        time.sleep(0.005)
+
+
+def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None) -> int:
+    """Write a live snapshot of ``vm`` into the new directory ``dest``; returns bytes written."""
+    readonly = bool(vm.spec.workspace and vm.spec.workspace.mode == "ro")
+    freeze(channel, True)
+    try:
+        try:
+            channel.guest("detach", WORKSPACE)
+        except FileError as exc:
+            raise InvalidState(f"sandbox {vm.id}: a live snapshot needs /workspace unmounted for a moment, "
+                               f"and a process holds it ({exc}); run long-lived processes with another "
+                               f"working directory (cwd='/tmp')", sandbox_id=vm.id) from None
+        try:
+            return _capture_detached(vm, channel, dest, shared, readonly)
+        finally:
+            attach_workspace(channel, readonly)
+    finally:
+        freeze(channel, False)
+
+
+def _capture_detached(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
+                      readonly: bool) -> int:
+    # every answer is in: the agent is idle in its poll, nothing half-sent on the port
+    channel.stat("/")
+    last_id = channel.last_id
+    ws = vm._run_dir / "disk" / "ws"
+    # ``dest`` is the snapshot's ``files`` (the workspace's manifest and blobs): the VM goes beside it
+    vm_dir = dest.parent / VM_DIR
+    vm_dir.mkdir(mode=0o700)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc: subprocess.Popen[bytes] | None = None
+    conv: qemu.QMP | None = None
+    try:
+        proc, conv = _converter(vm, vm_dir, theirs)
+        theirs.close()
+        qmp = vm.qmp()
+        stopped = False
+        try:
+            qmp.command("stop")
+            stopped = True
+            # the VM's RAM is private (not shared): it all goes into the stream
+            qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": False}])
+            qmp.send_fd("snapshot", ours.fileno())
+            ours.close()
+            qmp.command("migrate", uri="fd:snapshot")
+            qmp.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
+            # the workspace as the stopped VM left it
+            written = fs_snapshot.capture([("ws", ws)], dest, vm._id_map(), {}, vm.spec.limits.disk, shared)
+        finally:
+            if stopped:
+                qmp.command("cont")
+            qmp.close()
+        _wait_loaded(conv, proc, time.monotonic() + MIGRATE_TIMEOUT)
+        conv.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
+        state = os.open(vm_dir / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            conv.send_fd("state", state)
+        finally:
+            os.close(state)
+        conv.command("migrate", uri="fd:state")
+        conv.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
+        conv.command("quit")
+        proc.wait(timeout=30)
+    finally:
+        ours.close()
+        theirs.close()
+        if conv is not None:
+            conv.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for name in ("empty", "console.log", "qemu.log"):
+        path = vm_dir / name
+        if path.is_dir():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+    ram = vm_dir / "ram"
+    os.chmod(ram, 0o600)
+    os.chown(ram, 0, 0)
+    disk_path = vm.image_disk.path
+    with contextlib.suppress(OSError):  # another file system: the cache's disk is named instead
+        os.link(disk_path, vm_dir / "disk")
+        disk_path = vm_dir / "disk"
+    image = VMImage(
+        ram_mb=vm.ram_mb, accel=vm._tier.accel, qemu=qemu.qemu_version(), assets=vm._tier.assets.digest,
+        disk_key=vm.image_disk.key, disk_path="disk" if disk_path == vm_dir / "disk" else str(disk_path), state_sha256=hashlib.sha256((vm_dir / "state").read_bytes()).hexdigest(),
+        ram_sha256=ram_digest(ram), last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
+    )
+    with _checked_lock:
+        _checked.add(_file_key(ram))
+    # the VM's description joins the workspace's manifest: the store's checksum covers both
+    files = dest
+    manifest = json.loads((files / fs_snapshot.MANIFEST).read_bytes())
+    manifest["vm"] = asdict(image)
+    data = json.dumps(manifest, separators=(",", ":")).encode()
+    (files / fs_snapshot.MANIFEST).write_bytes(data)
+    allocated = sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in (ram, vm_dir / "state"))
+    return written + allocated + len(data)
+
+
+def load(files: Path, digest: str) -> tuple[VMImage, list[dict[str, Any]], Path]:
+    """A live snapshot's description and workspace entries, checked against ``digest`` (the
+    manifest's sha256) and its state and RAM against theirs; returns (image, entries, vm dir)."""
+    entries = fs_snapshot.load_manifest(files, digest)
+    name = files.parent.name
+    try:
+        image = VMImage.from_dict(json.loads((files / fs_snapshot.MANIFEST).read_bytes())["vm"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SnapshotCorrupt(f"snapshot {name}: it holds no VM description") from None
+    vm_dir = files.parent / VM_DIR
+    try:
+        state = (vm_dir / "state").read_bytes()
+        key = _file_key(vm_dir / "ram")
+    except OSError as exc:
+        raise SnapshotCorrupt(f"snapshot {name}: its VM state is unreadable ({exc.strerror})") from None
+    if hashlib.sha256(state).hexdigest() != image.state_sha256:
+        raise SnapshotCorrupt(f"snapshot {name}: its VM state does not match its checksum")
+    if key[2] != image.ram_mb << 20:
+        raise SnapshotCorrupt(f"snapshot {name}: its memory image is {key[2]} bytes, not {image.ram_mb} MiB")
+    with _checked_lock:
+        known = key in _checked
+    if not known:
+        if ram_digest(vm_dir / "ram") != image.ram_sha256:
+            raise SnapshotCorrupt(f"snapshot {name}: its memory image does not match its checksum")
+        with _checked_lock:
+            _checked.add(key)
+    return image, entries, vm_dir
+
+
+def check_compatible(image: VMImage, vm: MicroVMSandbox, vm_dir: Path) -> ImageDisk:
+    """Refuse a snapshot taken with another QEMU, guest or accelerator; returns its image disk."""
+    name = vm_dir.parent.name
+    if (image.qemu, image.assets, image.accel) != (qemu.qemu_version(), vm._tier.assets.digest, vm._tier.accel):
+        raise InvalidState(f"snapshot {name} was taken with another QEMU, guest kernel or accelerator "
+                           f"({image.qemu}, {image.accel}): it loads only into the same one")
+    disk = vm_dir / image.disk_path  # its own link, or the cache's file (an absolute path)
+    if not disk.is_file():
+        raise InvalidState(f"snapshot {name}: the image disk it was taken on ({disk}) is gone")
+    return ImageDisk(disk, image.disk_key)
+
+
+def identity(hostname: str, machine_id: str, boot_id: str, seed: str) -> list[str]:
+    """The agent's "identity" request for a restored VM."""
+    return ["identity", seed, str(time.time_ns()), hostname, machine_id, boot_id]
+
+
+def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
+    """Start ``vm`` from the live snapshot whose files are ``files``: checked first (nothing is
+    made for a corrupted or incompatible one), then its host side as a new VM's, QEMU restoring
+    the snapshot's RAM and state, and a fresh identity before its processes thaw."""
+    from .tier import VMM_OVERHEAD, VMM_PIDS
+
+    spec, run, uid = vm.spec, vm._run_dir, vm.uid
+    t0 = time.monotonic()
+    name = files.parent.name
+    if spec.network != "none":
+        raise InvalidSpec(f"network: a microVM made from live snapshot {name} runs without a network "
+                          f"(its guest's network state is the snapshot's)")
+    image, entries, vm_dir = load(files, digest)
+    disk = check_compatible(image, vm, vm_dir)
+    fs_snapshot.check_fits(entries, spec.limits.disk, name)
+    vm.ram_mb, vm.image_disk, vm._exec_count = image.ram_mb, disk, image.leaves
+    host_limits = dataclasses.replace(spec.limits, memory=image.ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
+    vm._make_cgroup(host_limits, vm._tier._layout)
+    (run / "disk").mkdir()
+    mounts.mount_tmpfs(run / "disk", spec.limits.disk, uid, uid, 0o700)
+    ws = run / "disk" / "ws"
+    ws.mkdir(mode=0o755)
+    os.chown(ws, uid, uid)
+    fs_snapshot.restore(files, entries, "ws", ws, vm._id_map())
+    vm.timings["files"] = time.monotonic() - t0
+    vm._launch(template.Template(vm_dir, image.ram_mb, image.accel, 0.0), disk, ws, None)
+    channel = vm._channel
+    assert channel is not None
+    channel.skip_ids(image.last_id + ID_MARGIN)
+    channel.guest(*identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex()))
+    attach_workspace(channel, image.readonly_workspace)
+    freeze(channel, False)
+    vm.timings["total"] = time.monotonic() - t0
