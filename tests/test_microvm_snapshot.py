@@ -1,0 +1,157 @@
+"""Live snapshots, forks and pause-to-disk of microVM sandboxes (issue 18).
+
+A microVM's snapshot is its whole live state: a Python process holding a value in memory keeps
+it in every VM made from the snapshot, while each of them gets a fresh identity (boot id, RNG,
+hostname, machine id) and its own copy of the workspace; the original runs on unchanged.  Bad
+input is a typed error that leaves nothing half-made.
+
+Each VM costs seconds of TCG time on a shared machine: the checks share few VMs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import InvalidSpec, InvalidState, Sandbox, SnapshotCorrupt
+from corral.registry import Registry
+from corral.snapshots import DIRECTORY
+
+from .leaks import sandbox_leftovers
+from .tier_probe import skip_unless_tier
+
+#: a long-lived Python process (working directory /tmp: /workspace is unmounted for a moment
+#: while a snapshot is taken) holding a value only in its memory, answering on a Unix socket
+HOLDER = r"""
+import os, socket
+value = os.urandom(16).hex()
+server = socket.socket(socket.AF_UNIX)
+server.bind("/tmp/vs-holder.sock")
+server.listen()
+while True:
+    conn, _ = server.accept()
+    conn.send(f"{value} {os.urandom(32).hex()} {os.getpid()}".encode())
+    conn.close()
+"""
+#: what a VM says: the holder's value, its fresh random bytes and pid; then from a new process:
+#: boot id, 32 random bytes, hostname, machine id, the workspace's file
+ASK = r"""
+import os, socket, time
+for _ in range(600):
+    try:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect("/tmp/vs-holder.sock")
+        break
+    except OSError:
+        time.sleep(0.05)
+print(conn.recv(300).decode())
+print(open("/proc/sys/kernel/random/boot_id").read().strip(), os.urandom(32).hex(), socket.gethostname(),
+      open("/etc/machine-id").read().strip(), open("/workspace/w.txt").read())
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _microvm_available(state_dir: Path) -> None:
+    skip_unless_tier("microvm", state_dir)
+
+
+@pytest.fixture(scope="module")
+def parent() -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(tier="microvm", memory="256M")
+    try:
+        sandbox.files.write("/workspace/w.txt", "parent-file")
+        sandbox.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def state_of(sb: Sandbox) -> dict[str, str]:
+    result = sb.commands.run(["python3", "-c", ASK], cwd="/")
+    assert result.exit_code == 0, result
+    held, fresh = result.stdout.splitlines()
+    value, held_random, pid = held.split()
+    boot_id, random, hostname, machine_id, ws = fresh.split()
+    return {"value": value, "held_random": held_random, "pid": pid, "boot_id": boot_id, "random": random,
+            "hostname": hostname, "machine_id": machine_id, "ws": ws}
+
+
+def test_snapshot_and_forks_keep_memory_and_processes_with_a_fresh_identity(parent: Sandbox, state_dir: Path) -> None:
+    before = state_of(parent)
+    parent.pause()
+    parent.resume()
+    assert state_of(parent)["value"] == before["value"]
+
+    snap = parent.snapshot()
+    assert (snap.kind, snap.tier) == ("live", "microvm") and snap.size > 0 and snap.written > 0
+    forks = parent.fork(3)
+    try:
+        seen = [state_of(fork) for fork in forks]
+        after = state_of(parent)
+        # the parent runs on unchanged: same process, same value, same identity, its workspace back
+        for key in ("value", "pid", "boot_id", "hostname", "machine_id", "ws"):
+            assert after[key] == before[key], key
+        for state, fork in zip(seen, forks, strict=True):
+            assert (state["value"], state["pid"], state["ws"]) == (before["value"], before["pid"], "parent-file")
+            assert state["hostname"] == fork.id
+        # no two of them share random numbers, boot id or machine id (the parent included)
+        for key in ("boot_id", "random", "held_random", "hostname", "machine_id"):
+            values = [before[key], *(state[key] for state in seen)]
+            assert len(set(values)) == 4, (key, values)
+        # each fork's workspace is its own copy
+        forks[0].files.write("/workspace/w.txt", "fork-0")
+        assert parent.files.read("/workspace/w.txt") == "parent-file"
+        assert forks[1].files.read("/workspace/w.txt") == "parent-file"
+        # a fork can be forked (its boot id mount is replaced, not stacked), and commands run on
+        with Sandbox.create(snapshot=snap.id) as again:
+            assert state_of(again)["value"] == before["value"]
+            assert again.commands.run("echo ok").stdout == "ok\n"
+    finally:
+        for fork in forks:
+            fork.kill()
+        Sandbox.delete_snapshot(snap.id)
+    assert all(not sandbox_leftovers(fork.id, state_dir) for fork in forks)
+
+
+def test_bad_input_is_a_typed_error_that_starts_nothing(parent: Sandbox, state_dir: Path) -> None:
+    with pytest.raises(InvalidState, match="not paused"):
+        parent.resume()
+    # a process working in /workspace keeps it busy: refused, naming it, and nothing changes
+    busy = parent.commands.run(["sleep", "600"], cwd="/workspace", background=True)
+    running = (f'for i in $(seq 200); do [ "$(cat /proc/{busy.pid}/comm)" = sleep ] && exit 0; sleep 0.05; done;'
+               ' exit 1')
+    assert parent.commands.run(running, cwd="/").exit_code == 0
+    with pytest.raises(InvalidState, match=r"sleep.*working directory"):
+        parent.snapshot()
+    busy.kill()
+    busy.wait()
+    assert parent.files.read("/workspace/w.txt") == "parent-file"
+    assert not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+
+    snap = parent.snapshot()
+    with pytest.raises(InvalidSpec, match="network"):
+        Sandbox.create(snapshot=snap.id, network="allow")
+    before = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
+    vm = state_dir / DIRECTORY / snap.id / "vm"
+    state = (vm / "state").read_bytes()
+    (vm / "state").write_bytes(state[:-1] + bytes([state[-1] ^ 1]))
+    with pytest.raises(SnapshotCorrupt, match="state"):
+        Sandbox.create(snapshot=snap.id)
+    (vm / "state").write_bytes(state)
+    # the memory image: flipped (a copy, so its inode and times change as a restore's would)
+    ram = bytearray((vm / "ram").read_bytes())
+    ram[len(ram) // 2] ^= 1
+    (vm / "ram").unlink()
+    (vm / "ram").write_bytes(bytes(ram))
+    with pytest.raises(SnapshotCorrupt, match="memory"):
+        Sandbox.create(snapshot=snap.id)
+    with open(vm / "ram", "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(SnapshotCorrupt, match="memory"):
+        Sandbox.create(snapshot=snap.id)
+    after = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
+    assert after == before
+    assert Sandbox.delete_snapshot(snap.id)
