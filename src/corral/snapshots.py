@@ -94,8 +94,11 @@ class SnapshotStore:
         self.dir.mkdir(mode=0o700, exist_ok=True)
         return self.dir
 
-    def take(self, inner: TierSandbox, spec: SandboxSpec, tenant: str | None = None) -> Snapshot:
-        """Snapshot a live sandbox (paused while its files are copied, then running again)."""
+    def take(self, inner: TierSandbox, spec: SandboxSpec, tenant: str | None = None,
+             parked_by: str | None = None) -> Snapshot:
+        """Snapshot a live sandbox (paused while its files are copied, then running again).
+        ``parked_by``: the state of that sandbox paused to disk (:mod:`corral.parked`): not listed,
+        not usable or removable as a snapshot, but counted in its tenant's bytes."""
         kind = tier_class(spec.tier).capabilities.snapshot
         if not kind:
             raise InvalidState(f"sandbox {inner.id}: the {spec.tier} tier cannot take snapshots"
@@ -110,7 +113,8 @@ class SnapshotStore:
             written = inner.snapshot(temp / "files", shared)
             size = _stored_size(temp)
             snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id, written)
-            meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files")}
+            meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files"),
+                    "parked_by": parked_by}
             (temp / "meta.json").write_text(json.dumps(meta))
             temp.rename(self.dir / snapshot_id)  # whole, or not there at all
         except BaseException:
@@ -119,7 +123,7 @@ class SnapshotStore:
             raise
         return snapshot
 
-    def _meta(self, snapshot_id: str, tenant: str | None) -> dict[str, Any]:
+    def _meta(self, snapshot_id: str, tenant: str | None, parked: bool = False) -> dict[str, Any]:
         if not isinstance(snapshot_id, str) or not _ID.match(snapshot_id):
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
         path = self.dir / snapshot_id / "meta.json"
@@ -131,19 +135,20 @@ class SnapshotStore:
             str(meta["digest"])
         except (OSError, ValueError, KeyError, TypeError):
             raise SnapshotCorrupt(f"snapshot {snapshot_id}: its description is unreadable") from None
-        if tenant is not None and meta.get("tenant") != tenant:
+        if (tenant is not None and meta.get("tenant") != tenant) or bool(meta.get("parked_by")) != parked:
             raise SnapshotNotFound(f"no snapshot {snapshot_id}")
         return dict(meta)
 
-    def get(self, snapshot_id: str, tenant: str | None = None) -> Snapshot:
-        return Snapshot.from_dict(self._meta(snapshot_id, tenant))
+    def get(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> Snapshot:
+        return Snapshot.from_dict(self._meta(snapshot_id, tenant, parked))
 
-    def files(self, snapshot_id: str, tenant: str | None = None) -> tuple[Snapshot, Path, str]:
-        """The snapshot, its files directory and its manifest's recorded sha256 (for a create)."""
-        meta = self._meta(snapshot_id, tenant)
+    def files(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> tuple[Snapshot, Path, str]:
+        """The snapshot, its files directory and its manifest's recorded sha256 (for a create;
+        ``parked``: the state of a sandbox paused to disk, for its resume)."""
+        meta = self._meta(snapshot_id, tenant, parked)
         return Snapshot.from_dict(meta), self.dir / snapshot_id / "files", str(meta["digest"])
 
-    def list(self, tenant: str | None = None) -> list[Snapshot]:
+    def list(self, tenant: str | None = None, parked: bool = False) -> list[Snapshot]:
         if not self.dir.is_dir():
             return []
         found = []
@@ -151,18 +156,19 @@ class SnapshotStore:
             if not _ID.match(entry.name):
                 continue
             try:
-                found.append(self.get(entry.name, tenant))
+                found.append(self.get(entry.name, tenant, parked))
             except (SnapshotNotFound, SnapshotCorrupt):
                 continue
         return sorted(found, key=lambda s: s.created)
 
     def bytes_of(self, tenant: str | None) -> int:
-        return sum(s.size for s in self.list(tenant))
+        """What the tenant's snapshots take, the states of its sandboxes paused to disk included."""
+        return sum(s.size for s in (*self.list(tenant), *self.list(tenant, parked=True)))
 
-    def delete(self, snapshot_id: str, tenant: str | None = None) -> bool:
+    def delete(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> bool:
         """Remove a snapshot; False if there is none (of this tenant).  A corrupted one goes too."""
         try:
-            self._meta(snapshot_id, tenant)
+            self._meta(snapshot_id, tenant, parked)
         except SnapshotNotFound:
             return False
         except SnapshotCorrupt:

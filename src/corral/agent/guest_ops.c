@@ -6,7 +6,8 @@
  * original VM and in every VM restored from the snapshot ("attach").  A VM
  * restored from a live snapshot then gets a fresh identity ("identity"): its
  * RNG reseeded from host bytes, the wall clock, a hostname, a machine id and
- * a boot id.  The guest's commands are frozen (their cgroup) meanwhile, by
+ * a boot id ("resume": the same VM back from disk, reseeded and its clock set,
+ * keeps its identity).  The guest's commands are frozen (their cgroup) meanwhile, by
  * the host through the file requests.
  *
  * Payload: NUL-terminated strings, the operation first.
@@ -161,12 +162,14 @@ void do_guest(uint32_t id, char *payload, uint32_t len) {
         const char *options = a[4];
         if (strncmp(options, "ro,", 3) == 0) { flags |= MS_RDONLY; options += 3; }
         if (mount(a[1], a[2], a[3], flags, options) < 0) { send_err(id, errno, a[2]); return; }
-    } else if (strcmp(a[0], "identity") == 0 && n == 6) {
-        /* identity SEED_HEX TIME_NS HOSTNAME MACHINE_ID BOOT_ID */
+    } else if ((strcmp(a[0], "identity") == 0 && n == 6) || (strcmp(a[0], "resume") == 0 && n == 3)) {
+        /* identity SEED_HEX TIME_NS HOSTNAME MACHINE_ID BOOT_ID: a new VM from a snapshot;
+         * resume SEED_HEX TIME_NS: the same VM back from disk (its identity stays) */
         if (reseed(a[1]) < 0) { send_err(id, errno, "reseed the RNG"); return; }
         long long ns = atoll(a[2]);
         struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000LL), .tv_nsec = (long)(ns % 1000000000LL)};
         if (clock_settime(CLOCK_REALTIME, &ts) < 0) { send_err(id, errno, "set the clock"); return; }
+        if (n == 3) { send_frame(T_OK, id, NULL, 0); return; }
         if (sethostname(a[3], strlen(a[3])) < 0) { send_err(id, errno, "sethostname"); return; }
         if (write_text("/etc/hostname", a[3], 0644) < 0) { send_err(id, errno, "/etc/hostname"); return; }
         if (write_text("/etc/machine-id", a[4], 0444) < 0) { send_err(id, errno, "/etc/machine-id"); return; }

@@ -90,13 +90,17 @@ class VMImage:
     #: the guest cgroup leaves its commands used (e1 ... eN): a restored VM's start after them
     leaves: int
     readonly_workspace: bool
+    #: the sandbox it was taken of and its hostname: restored into the same sandbox id (a resume
+    #: from pause(to_disk=True)) it keeps its identity
+    sandbox_id: str = ""
+    hostname: str = ""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VMImage:
         return cls(int(data["ram_mb"]), str(data["accel"]), str(data["qemu"]), str(data["assets"]),
                    str(data["disk_key"]), str(data["disk_path"]), str(data["state_sha256"]),
                    str(data["ram_sha256"]), int(data["last_id"]), int(data["leaves"]),
-                   bool(data["readonly_workspace"]))
+                   bool(data["readonly_workspace"]), str(data.get("sandbox_id", "")), str(data.get("hostname", "")))
 
 
 def ram_digest(path: Path) -> str:
@@ -174,15 +178,20 @@ def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
                                     pass_fds=[listener.fileno() for listener in listeners],
                                     preexec_fn=template._die_with_parent)
+        for listener in listeners:
+            listener.close()  # QEMU's now: one that dies resets our connection instead of leaving it queued
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             sock.connect(str(paths.qmp_socket))
             qmp = qemu.QMP(sock, timeout=MIGRATE_TIMEOUT)
             qmp.send_fd("in", incoming.fileno())
             qmp.command("migrate-incoming", uri="fd:in")
-        except BaseException:
+        except BaseException as exc:
             proc.kill()
             proc.wait()
+            if isinstance(exc, OSError):
+                raise SandboxError(f"the snapshot's converter QEMU failed ({exc}): "
+                                   f"{(vm_dir / 'qemu.log').read_text(errors='replace')[-400:]}") from None
             raise
         return proc, qmp
     finally:
@@ -291,6 +300,7 @@ def _capture_detached(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
         ram_mb=vm.ram_mb, accel=vm._tier.accel, qemu=qemu.qemu_version(), assets=vm._tier.assets.digest,
         disk_key=vm.image_disk.key, disk_path="disk" if disk_path == vm_dir / "disk" else str(disk_path), state_sha256=hashlib.sha256((vm_dir / "state").read_bytes()).hexdigest(),
         ram_sha256=ram_digest(ram), last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
+        sandbox_id=vm.id, hostname=vm.hostname,
     )
     with _checked_lock:
         _checked.add(_file_key(ram))
@@ -365,6 +375,9 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     image, entries, vm_dir = load(files, digest)
     disk = check_compatible(image, vm, vm_dir)
     fs_snapshot.check_fits(entries, spec.limits.disk, name)
+    if disk.path.parent == vm_dir:  # the snapshot's link to the disk: the VM gets its own (the snapshot may go)
+        os.link(disk.path, run / "image.erofs")
+        disk = ImageDisk(run / "image.erofs", disk.key)
     vm.ram_mb, vm.image_disk, vm._exec_count = image.ram_mb, disk, image.leaves
     host_limits = dataclasses.replace(spec.limits, memory=image.ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
     vm._make_cgroup(host_limits, vm._tier._layout)
@@ -379,7 +392,11 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     channel = vm._channel
     assert channel is not None
     channel.skip_ids(image.last_id + ID_MARGIN)
-    channel.guest(*identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex()))
+    if image.sandbox_id == vm.id:  # the same sandbox back from disk: reseeded, clock set, identity kept
+        vm.hostname = image.hostname
+        channel.guest("resume", os.urandom(64).hex(), str(time.time_ns()))
+    else:
+        channel.guest(*identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex()))
     attach_workspace(channel, image.readonly_workspace)
     freeze(channel, False)
     vm.timings["total"] = time.monotonic() - t0
