@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from corral import InvalidSpec, InvalidState, Sandbox, SnapshotCorrupt
+from corral import InvalidSpec, InvalidState, Sandbox, SandboxNotFound, SandboxPaused, SnapshotCorrupt, SnapshotNotFound
 from corral.registry import Registry
 from corral.snapshots import DIRECTORY
 
 from .leaks import sandbox_leftovers
+from .server_fixtures import KEYS, ServerProcess
 from .tier_probe import skip_unless_tier
 
 #: a long-lived Python process (working directory /tmp: /workspace is unmounted for a moment
@@ -155,3 +156,61 @@ def test_bad_input_is_a_typed_error_that_starts_nothing(parent: Sandbox, state_d
     after = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
     assert after == before
     assert Sandbox.delete_snapshot(snap.id)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sandbox, state_dir: Path) -> None:
+    before = state_of(parent)
+    qemu = parent._inner.qemu_pid()  # type: ignore[attr-defined]  # the real VM behind the API
+    parent.pause(to_disk=True)
+    assert parent.paused and parent.is_running() and not _alive(qemu)
+    assert not sandbox_leftovers(parent.id, state_dir)  # nothing live: no QEMU, cgroup, mount or registry row
+    with pytest.raises(SandboxPaused):
+        parent.commands.run("true")
+    with pytest.raises(InvalidState, match="already paused"):
+        parent.pause(to_disk=True)
+    assert Sandbox.list_snapshots() == []  # its state is not a snapshot of the user's
+    parent.resume()
+    after = state_of(parent)
+    # the same VM: its process and memory, and its identity (no fresh one: it is not a copy)
+    for key in ("value", "pid", "boot_id", "hostname", "machine_id", "ws"):
+        assert after[key] == before[key], key
+    assert after["random"] != before["random"]
+    with Sandbox.create(tier="process") as other, pytest.raises(InvalidState, match="cannot pause to disk"):
+        other.pause(to_disk=True)
+
+
+def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_dir: Path) -> None:
+    alice, bob = ({"url": "", "api_key": KEYS[who]} for who in ("alice", "bob"))
+    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS) as server:
+        alice["url"] = bob["url"] = server.url
+        sb = Sandbox.create(tier="microvm", memory="256M", **alice)
+        sb.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
+        sb.files.write("/workspace/w.txt", "remote-file")
+        before = state_of(sb)
+        snap = sb.snapshot()  # a live snapshot is the tenant's, as any other
+        assert snap.kind == "live"
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(snapshot=snap.id, **bob)
+        sb.pause(to_disk=True)
+        server.kill9()  # the server dies; the sandbox paused to disk held nothing live
+        server.start()
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(sb.id, **bob)
+        back = Sandbox.connect(sb.id, **alice)
+        assert back.paused
+        back.resume()
+        after = state_of(back)
+        for key in ("value", "pid", "boot_id", "ws"):
+            assert after[key] == before[key], key
+        with Sandbox.create(snapshot=snap.id, **alice) as child:
+            assert state_of(child)["value"] == before["value"]
+        back.kill()
+        assert Sandbox.delete_snapshot(snap.id, **alice)
+        assert not list((server.state / "parked").iterdir())

@@ -276,6 +276,8 @@ class LocalBackend(SandboxBackend):
     def pause(self, to_disk: bool = False, tenant: str | None = None, server: dict[str, Any] | None = None) -> None:
         """``to_disk``: save the whole live state as a snapshot and release everything (a
         microVM's QEMU exits); ``tenant`` and ``server``: the server's facts, kept for its restart."""
+        if self.parked is not None:
+            raise InvalidState(f"sandbox {self.id} is already paused (to disk)", sandbox_id=self.id)
         if to_disk:
             self._park(tenant, server or {})
             return
