@@ -16,8 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from corral import InvalidSpec, InvalidState, Sandbox, SandboxNotFound, SandboxPaused, SnapshotCorrupt, SnapshotNotFound
-from corral.registry import Registry
+from corral import (
+    InvalidSpec,
+    InvalidState,
+    ResourceLimit,
+    Sandbox,
+    SandboxNotFound,
+    SandboxPaused,
+    SnapshotCorrupt,
+    SnapshotNotFound,
+    parked,
+)
+from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY
 
 from .leaks import sandbox_leftovers
@@ -188,7 +198,8 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
 
 def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_dir: Path) -> None:
     alice, bob = ({"url": "", "api_key": KEYS[who]} for who in ("alice", "bob"))
-    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS) as server:
+    # room for one live snapshot (~140 MB of memory image) and not two
+    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "200M"}) as server:
         alice["url"] = bob["url"] = server.url
         sb = Sandbox.create(tier="microvm", memory="256M", **alice)
         sb.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
@@ -211,6 +222,26 @@ def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_di
             assert after[key] == before[key], key
         with Sandbox.create(snapshot=snap.id, **alice) as child:
             assert state_of(child)["value"] == before["value"]
+            with pytest.raises(ResourceLimit):  # counted against the tenant's snapshot quota
+                child.snapshot()
         back.kill()
         assert Sandbox.delete_snapshot(snap.id, **alice)
         assert not list((server.state / "parked").iterdir())
+
+
+def test_gc_removes_a_saved_state_whose_pause_to_disk_never_finished(state_dir: Path) -> None:
+    store = state_dir / DIRECTORY
+    store.mkdir(mode=0o700, exist_ok=True)
+    made = {}
+    for name, owner in (("snap-00000000000000c1", "sb-00000000000000c1"), ("snap-00000000000000c2", "sb-00000000000000c2")):
+        (store / name / "files").mkdir(parents=True)
+        (store / name / "meta.json").write_text(f'{{"parked_by": "{owner}"}}')
+        os.utime(store / name / "meta.json", (1.0, 1.0))  # written long ago
+        made[name] = owner
+    # the second one's sandbox was paused to disk (its record names it); the first one's never was
+    parked.save(state_dir, parked.Parked("sb-00000000000000c2", "snap-00000000000000c2", {}, {}, 0.0))
+    gc(state_dir)
+    assert not (store / "snap-00000000000000c1").exists() and (store / "snap-00000000000000c2").exists()
+    parked.remove(state_dir, "sb-00000000000000c2")
+    gc(state_dir)
+    assert not (store / "snap-00000000000000c2").exists()

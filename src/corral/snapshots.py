@@ -35,6 +35,7 @@ from typing import Any
 
 from .errors import InvalidState, SnapshotCorrupt, SnapshotNotFound
 from .host.procs import process_start_time
+from .parked import load as load_parked
 from .spec import SandboxSpec
 from .tiers import tier_class
 from .tiers.base import TierSandbox
@@ -204,15 +205,37 @@ def _why_not(tier: str) -> str:
     return ""
 
 
+#: a sandbox's state paused to disk is written before its record (corral.parked): older than this
+#: with no record, its writer died in between
+PARKED_GRACE = 120.0
+
+
+def _orphaned_state(entry: Path, root: Path) -> bool:
+    """A sandbox's state paused to disk whose record never came (its writer died in between)."""
+    try:
+        owner = json.loads((entry / "meta.json").read_text()).get("parked_by")
+        old = time.time() - (entry / "meta.json").stat().st_mtime > PARKED_GRACE
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not owner or not old:
+        return False
+    record = load_parked(root, str(owner))
+    return record is None or record.snapshot_id != entry.name
+
+
 def reap_leftovers(root: Path) -> list[str]:
-    """Remove half-written snapshots whose writer is gone, and interrupted removals."""
+    """Remove half-written snapshots whose writer is gone, interrupted removals, and the saved
+    states of sandboxes paused to disk that no record names."""
     directory = root / DIRECTORY
     if not directory.is_dir():
         return []
     reaped = []
     for entry in directory.iterdir():
         name = entry.name
-        if name.startswith(".tmp-"):
+        if _ID.match(name):
+            if not _orphaned_state(entry, root):
+                continue
+        elif name.startswith(".tmp-"):
             parts = name.split("-")
             try:
                 pid, start = int(parts[-2]), int(parts[-1])
