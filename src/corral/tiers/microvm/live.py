@@ -457,6 +457,8 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
         channel.guest("resume", os.urandom(64).hex(), str(time.time_ns()))
     else:
         channel.guest(*identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex()))
+    vm.timings["identity"] = time.monotonic() - t0  # the VM loaded, its agent answered
     attach_workspace(channel, image.readonly_workspace)
+    vm.timings["workspace"] = time.monotonic() - t0
     freeze(channel, False)
     vm.timings["total"] = time.monotonic() - t0
