@@ -186,6 +186,7 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
     with pytest.raises(InvalidState, match="already paused"):
         parent.pause(to_disk=True)
     assert Sandbox.list_snapshots() == []  # its state is not a snapshot of the user's
+    assert [(i.sandbox_id, i.state) for i in Sandbox.list() if i.sandbox_id == parent.id] == [(parent.id, "paused")]
     parent.resume()
     after = state_of(parent)
     # the same VM: its process and memory, and its identity (no fresh one: it is not a copy)

@@ -335,7 +335,9 @@ class Sandbox:
     def snapshot(self) -> Snapshot:
         """Save the sandbox's files (process and gVisor tiers: what it changed of its image, deletions
         included, and its /workspace) -- not its processes, memory, network rules or secrets.  The
-        sandbox is paused while they are copied, then runs on.  ``Sandbox.create(snapshot=s.id)``
+        sandbox is paused while they are copied, then runs on.  On the microVM the snapshot is its
+        live state (kind "live": memory, devices, processes, /workspace), and a VM made from it
+        gets a fresh identity (RNG, boot id, hostname, machine id).  ``Sandbox.create(snapshot=s.id)``
         starts from it.  Raises :class:`InvalidState` on a tier that cannot."""
         return self._backend.snapshot()
 

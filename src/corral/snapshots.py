@@ -4,7 +4,9 @@ A snapshot of a process or gVisor sandbox is its *filesystem*: what it changed o
 overlay's writable layers, deletions included) and its workspace copy.  It holds no processes,
 no memory, no network rules and no secrets: a sandbox made from it (``Sandbox.create(snapshot=)``,
 ``sb.fork(n)``) starts fresh processes with a fresh identity (sandbox id, hostname, machine id)
-on the same tier and image.  The microVM and wasm tiers cannot take one (:class:`InvalidState`).
+on the same tier and image.  A microVM's is *live* (kind "live": memory, devices, processes and
+its workspace; :mod:`corral.tiers.microvm.live`), and is also how a sandbox pauses to disk
+(:mod:`corral.parked`).  The wasm tier cannot take one (:class:`InvalidState`).
 
 Stored under ``<state>/snapshots/`` (0700)::
 

@@ -70,7 +70,7 @@ def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201,
-             summary="Snapshot a sandbox's files (process and gVisor tiers; 409 on others)")
+             summary="Snapshot a sandbox (its files on process and gVisor, its live state on microvm; 409 on wasm)")
 async def snapshot_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
     return (await ctx.run_blocking(take, ctx, who, sandbox_id)).to_dict()
 
