@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, SandboxClosed
@@ -59,8 +59,10 @@ class _Pending:
 class AgentChannel:
     """A framed, multiplexed connection to one agent."""
 
-    def __init__(self, reader: int, writer: int) -> None:
+    def __init__(self, reader: int, writer: int, initial: bytes = b"") -> None:
         self._rfile = os.fdopen(reader, "rb", buffering=1 << 16)
+        #: bytes already read from ``reader`` by the caller, read first
+        self._initial = initial
         self._wfd = writer
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
@@ -117,8 +119,36 @@ class AgentChannel:
         self.call(T_GUEST, b"".join(arg.encode() + b"\0" for arg in args), timeout=timeout)
 
     def _read_exact(self, n: int) -> bytes | None:
-        data = self._rfile.read(n)
-        return data if data is not None and len(data) == n else None
+        data = b""
+        if self._initial:
+            data, self._initial = self._initial[:n], self._initial[n:]
+        if len(data) < n:
+            more = self._rfile.read(n - len(data))
+            if more is None:
+                return None
+            data += more
+        return data if len(data) == n else None
+
+    @contextlib.contextmanager
+    def quiesced(self, timeout: float = 60.0) -> Iterator[None]:
+        """No request half-sent while the caller works (a microVM's live snapshot): sends from
+        other threads wait, and the agent has read every earlier request whole (it answered a
+        no-op sent last)."""
+        with self._wlock:
+            if self.closed.is_set():
+                raise SandboxClosed("the sandbox is no longer running")
+            ident = self.new_id()
+            pending = _Pending()
+            self._pending[ident] = pending
+            view = memoryview(HEADER.pack(T_FSTAT, ident, 2) + b"/\0")
+            try:
+                while view:
+                    view = view[os.write(self._wfd, view):]
+            except OSError as exc:
+                self._pending.pop(ident, None)
+                raise SandboxClosed(f"the sandbox is no longer running ({exc.strerror})") from None
+            self._answer(ident, pending, MAX_FRAME, timeout)
+            yield
 
     def _read_loop(self) -> None:
         try:

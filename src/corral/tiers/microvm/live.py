@@ -50,7 +50,7 @@ from ...errors import FileError, InvalidSpec, InvalidState, SandboxError, Snapsh
 from ...host import mounts
 from ...spec import MiB
 from ..linux import fs_snapshot
-from ..linux.agent import T_FWRITE, T_GUEST, AgentChannel
+from ..linux.agent import HEADER, T_ERR, T_FWRITE, T_GUEST, T_OK, USER_IDS, AgentChannel
 from . import qemu, template
 from .rootdisk import ImageDisk
 
@@ -293,8 +293,12 @@ def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path 
 
 def _capture_detached(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
                       readonly: bool) -> int:
-    # every answer is in: the agent is idle in its poll, nothing half-sent on the port
-    channel.stat("/")
+    with channel.quiesced():  # no request half-sent to the guest while it is saved
+        return _capture_quiesced(vm, channel, dest, shared, readonly)
+
+
+def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
+                      readonly: bool) -> int:
     last_id = channel.last_id
     ws = vm._run_dir / "disk" / "ws"
     # ``dest`` is the snapshot's ``files`` (the workspace's manifest and blobs): the VM goes beside it
@@ -433,6 +437,42 @@ def identity(hostname: str, machine_id: str, boot_id: str, seed: str) -> list[st
     return ["identity", seed, str(time.time_ns()), hostname, machine_id, boot_id]
 
 
+def _first_answer(vm: MicroVMSandbox, ident: int, request: list[str]) -> AgentChannel:
+    """Send the restored VM's agent its first request straight on the socket and find the
+    answer's header in what comes back: the guest may first deliver what it was writing when the
+    snapshot was taken (frames of the original's commands, perhaps the tail of one), all of it
+    dropped.  Returns the VM's channel, with request ids above ``ident``."""
+    sock = vm._sock
+    assert sock is not None
+    payload = _strings(request)
+    sock.sendall(HEADER.pack(T_GUEST, ident, len(payload)) + payload)
+    ok, err = HEADER.pack(T_OK, ident, 0), struct.pack("<BI", T_ERR, ident)
+    sock.settimeout(MIGRATE_TIMEOUT)
+    seen = b""
+    try:
+        while True:
+            if (at := seen.find(ok)) >= 0:
+                rest = seen[at + len(ok):]
+                break
+            if (at := seen.find(err)) >= 0 and len(seen) >= at + HEADER.size:
+                length = HEADER.unpack_from(seen, at)[2]
+                if len(seen) >= at + HEADER.size + length:
+                    message = seen[at + HEADER.size + 4 : at + HEADER.size + length].decode(errors="replace")
+                    raise SandboxError(f"the restored VM's agent refused its new identity: {message}")
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise SandboxError(f"the restored VM stopped: {vm._log_tail()}")
+            seen = seen[-(1 << 20):] + chunk  # what precedes the answer is bounded: the guest's pending output
+    except TimeoutError:
+        raise SandboxError(f"the restored VM's agent did not answer: {vm._log_tail()}") from None
+    finally:
+        sock.settimeout(None)
+    channel = vm._channel = AgentChannel(os.dup(sock.fileno()), os.dup(sock.fileno()), initial=rest)
+    channel.user_ids = USER_IDS
+    channel.skip_ids(ident)
+    return channel
+
+
 def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     """Start ``vm`` from the live snapshot whose files are ``files``: checked first (nothing is
     made for a corrupted or incompatible one), then its host side as a new VM's, QEMU restoring
@@ -462,20 +502,17 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     fs_snapshot.restore(files, entries, "ws", ws, vm._id_map())
     vm.timings["files"] = time.monotonic() - t0
     vm._launch(template.Template(vm_dir, image.ram_mb, image.accel, 0.0), disk, ws, None)
-    channel = vm._channel
-    assert channel is not None
-    channel.skip_ids(image.last_id + ID_MARGIN)
     if image.sandbox_id == vm.id:  # the same sandbox back from disk: reseeded, clock set, identity kept
         vm.hostname = image.hostname
         wake = ["resume", os.urandom(64).hex(), str(time.time_ns())]
     else:
         wake = identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
-    # all three at once, answered in order (one round trip): a fresh identity, the workspace, then
-    # the processes thaw -- each only if the one before it succeeded, or the VM is destroyed
-    answers = [channel.begin(T_GUEST, _strings(wake)),
-               channel.begin(T_GUEST, _strings(_attach(image.readonly_workspace))),
+    channel = _first_answer(vm, image.last_id + ID_MARGIN, wake)
+    vm.timings["identity"] = time.monotonic() - t0
+    # both at once, answered in order: the workspace, then the processes thaw
+    answers = [channel.begin(T_GUEST, _strings(_attach(image.readonly_workspace))),
                channel.begin(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{GUEST_CGROUP}/cgroup.freeze".encode()
                              + b"\0" + b"0")]
-    for name, answer in zip(("identity", "workspace", "total"), answers, strict=True):
+    for name, answer in zip(("workspace", "total"), answers, strict=True):
         answer(MIGRATE_TIMEOUT)
         vm.timings[name] = time.monotonic() - t0

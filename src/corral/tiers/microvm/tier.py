@@ -334,12 +334,12 @@ class MicroVMSandbox(LinuxSandbox):
             threading.Thread(target=self._trace_restore, args=(qmp, t0), daemon=True).start()
         else:
             qmp.close()
+        if config is None:
+            return  # its agent is past "ready": live.setup_restored finds its answer in the stream
         self._channel = AgentChannel(os.dup(self._sock.fileno()), os.dup(self._sock.fileno()))
         # a command's own user= is honoured (uid 1000 drops every capability); without one it runs as
         # the guest agent, root: the workspace (9p) and /home/user are root's in the guest
         self._channel.user_ids = USER_IDS
-        if config is None:
-            return  # its agent is past "ready": live.setup_restored asks it for a fresh identity
         try:
             # a failed load makes QEMU exit, which closes the channel: no need to watch it
             self._channel.wait_ready(START_TIMEOUT)
