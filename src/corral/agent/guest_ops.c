@@ -7,8 +7,8 @@
  * restored from a live snapshot then gets a fresh identity ("identity"): its
  * RNG reseeded from host bytes, the wall clock, a hostname, a machine id and
  * a boot id ("resume": the same VM back from disk, reseeded and its clock set,
- * keeps its identity).  The guest's commands are frozen (their cgroup) meanwhile, by
- * the host through the file requests.
+ * keeps its identity).  The guest's commands are frozen meanwhile ("freeze 1",
+ * until "freeze 0"): their cgroup, which the agent is outside of.
  *
  * Payload: NUL-terminated strings, the operation first.
  */
@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#define SANDBOX_CGROUP "/sys/fs/cgroup/sandbox"
+#define FREEZE_WAIT_MS 10000
 #define BOOT_ID "/proc/sys/kernel/random/boot_id"
 #define BOOT_ID_SOURCE "/dev/.corral-boot-id"
 
@@ -142,6 +144,31 @@ static int new_boot_id(const char *boot_id) {
     return r;
 }
 
+/* Freeze (and wait until the kernel says frozen) or thaw the commands' cgroup; the agent is
+ * outside it.  Done here, as root of the guest, whoever file requests run as. */
+static int freeze(int frozen) {
+    int fd = open(SANDBOX_CGROUP "/cgroup.freeze", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    int r = write(fd, frozen ? "1" : "0", 1) == 1 ? 0 : -1;
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    if (r < 0 || !frozen) return r;
+    for (int waited = 0; waited < FREEZE_WAIT_MS; waited++) {
+        char events[512];
+        fd = open(SANDBOX_CGROUP "/cgroup.events", O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return -1;
+        ssize_t n = read(fd, events, sizeof events - 1);
+        close(fd);
+        events[n > 0 ? n : 0] = 0;
+        if (strstr(events, "frozen 1")) return 0;
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+    errno = ETIMEDOUT;
+    return -1;
+}
+
 void do_guest(uint32_t id, char *payload, uint32_t len) {
     char *a[8] = {0};
     int n = split_strings(payload, len, a, 8);
@@ -156,6 +183,8 @@ void do_guest(uint32_t id, char *payload, uint32_t len) {
             send_err(id, err, what);
             return;
         }
+    } else if (strcmp(a[0], "freeze") == 0 && n == 2) {
+        if (freeze(strcmp(a[1], "1") == 0) < 0) { send_err(id, errno, "freeze the commands"); return; }
     } else if (strcmp(a[0], "attach") == 0 && n == 5) {
         /* attach SOURCE TARGET FSTYPE OPTIONS, read-only if OPTIONS starts with "ro," */
         unsigned long flags = MS_NOSUID | MS_NODEV;

@@ -50,7 +50,7 @@ from ...errors import FileError, InvalidSpec, InvalidState, SandboxError, Snapsh
 from ...host import mounts
 from ...spec import MiB
 from ..linux import fs_snapshot
-from ..linux.agent import HEADER, T_ERR, T_FWRITE, T_GUEST, T_OK, USER_IDS, AgentChannel
+from ..linux.agent import HEADER, T_ERR, T_GUEST, T_OK, USER_IDS, AgentChannel
 from . import qemu, template
 from .rootdisk import ImageDisk
 
@@ -59,10 +59,8 @@ if TYPE_CHECKING:
 
 VM_DIR = "vm"
 WORKSPACE = "/workspace"
-GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
 #: the 9p workspace as guest_root.c mounts it (the same options after every restore)
 WS_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144"
-FREEZE_TIMEOUT = 10.0
 #: bytes per second: unlimited, in effect
 MAX_BANDWIDTH = 1 << 40
 SOCKET_BUFFER = 4 << 20
@@ -182,15 +180,9 @@ def _file_key(path: Path) -> tuple[int, int, int, int]:
 
 
 def freeze(channel: AgentChannel, frozen: bool) -> None:
-    """Freeze (and wait until frozen) or thaw the guest's commands; the agent lives outside."""
-    channel.write_file(f"{GUEST_CGROUP}/cgroup.freeze", b"1" if frozen else b"0", 0o644)
-    if not frozen:
-        return
-    deadline = time.monotonic() + FREEZE_TIMEOUT
-    while b"frozen 1" not in channel.read_file(f"{GUEST_CGROUP}/cgroup.events", 4096):
-        if time.monotonic() > deadline:
-            raise SandboxError("the guest's processes did not freeze in time")
-        time.sleep(0.002)
+    """Freeze (the agent waits until the kernel says frozen) or thaw the guest's commands; the
+    agent lives outside their cgroup."""
+    channel.guest("freeze", "1" if frozen else "0")
 
 
 def _attach(readonly: bool) -> list[str]:
@@ -511,8 +503,7 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     vm.timings["identity"] = time.monotonic() - t0
     # both at once, answered in order: the workspace, then the processes thaw
     answers = [channel.begin(T_GUEST, _strings(_attach(image.readonly_workspace))),
-               channel.begin(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{GUEST_CGROUP}/cgroup.freeze".encode()
-                             + b"\0" + b"0")]
+               channel.begin(T_GUEST, _strings(["freeze", "0"]))]
     for name, answer in zip(("workspace", "total"), answers, strict=True):
         answer(MIGRATE_TIMEOUT)
         vm.timings[name] = time.monotonic() - t0
