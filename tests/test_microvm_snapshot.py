@@ -10,7 +10,10 @@ Each VM costs seconds of TCG time on a shared machine: the checks share few VMs.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -170,7 +173,14 @@ def test_bad_input_is_a_typed_error_that_starts_nothing(parent: Sandbox, state_d
         Sandbox.create(snapshot=snap.id)
     after = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
     assert after == before
-    assert Sandbox.delete_snapshot(snap.id)
+    # the CLI lists it as a live snapshot and removes it
+    corral = [sys.executable, "-m", "corral.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+    listed = subprocess.run([*corral, "snapshot", "ls", "--json"], capture_output=True, text=True, env=env, check=True)
+    assert [(s["kind"], s["tier"]) for s in json.loads(listed.stdout) if s["id"] == snap.id] == [("live", "microvm")]
+    removed = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
+    assert (removed.returncode, removed.stdout) == (0, snap.id + "\n")
+    assert not (state_dir / DIRECTORY / snap.id).exists()
 
 
 def _alive(pid: int) -> bool:
