@@ -99,8 +99,8 @@ def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
 
 def test_image_is_shared_read_only_with_a_private_writable_layer(vm: Sandbox) -> None:
     marker = "/usr/corral-microvm-write-test"
-    r = vm.commands.run(py(f"open({marker!r}, 'w').write('guest'); print(open({marker!r}).read())"))
-    assert r.stdout == "guest\n", r  # the guest's overlay takes the write...
+    r = vm.commands.run(py(f"open({marker!r}, 'w').write('guest'); print(open({marker!r}).read())"), user="root")
+    assert r.stdout == "guest\n", r  # the guest's overlay takes guest root's write...
     assert not Path(marker).exists()  # ...and the host's /usr never sees it
 
 
@@ -160,7 +160,8 @@ def test_identity_files_leave_the_images_etc_as_it_was(vm: Sandbox, state_dir: P
 def test_agent_runs_outside_the_commands_cgroup_and_in_the_new_root(vm: Sandbox) -> None:
     # the agent is started before the snapshot (in the initramfs) and shares pid 1's
     # root: after the restore it must see the sandbox's root and sit in cgroup "agent"
-    r = vm.commands.run(["sh", "-c", "cat /proc/$PPID/comm /proc/$PPID/cgroup /proc/$PPID/root/etc/hostname"])
+    r = vm.commands.run(["sh", "-c", "cat /proc/$PPID/comm /proc/$PPID/cgroup /proc/$PPID/root/etc/hostname"],
+                        user="root")  # (another user's /proc/PID/root is not the user's to follow)
     assert r.exit_code == 0, r.stderr
     assert r.stdout.splitlines() == ["corral-agent", "0::/agent", "sandbox"]
 
@@ -168,7 +169,7 @@ def test_agent_runs_outside_the_commands_cgroup_and_in_the_new_root(vm: Sandbox)
 def test_a_command_whose_cgroup_leaf_cannot_be_made_is_not_run() -> None:
     # the leaf's mkdir is sent with the exec, not waited for: its failure must still
     # keep the command from running (here guest root forbade new leaves)
-    with Sandbox.create(tier="microvm", memory="256M") as sb:
+    with Sandbox.create(tier="microvm", memory="256M", user="root") as sb:
         limit = "echo 0 > /sys/fs/cgroup/sandbox/cgroup.max.descendants"
         assert sb.commands.run(["sh", "-c", limit]).exit_code == 0
         with pytest.raises(ContainmentFailed) as refused:

@@ -272,6 +272,7 @@ class MicroVMSandbox(LinuxSandbox):
             listen_fds=fds, confined=True, egress_fd=listeners[2].fileno() if len(listeners) > 2 else None,
             tap_fd=tap,
         )
+        argv += ["-name", self.id]  # its files are descriptors now: the name says whose it is (ps, leak checks)
         # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
         # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
         # fork the whole (large, threaded) Python process, 10-20 ms per sandbox.
