@@ -199,7 +199,7 @@ def command_line(
     ro = ",readonly=on" if workspace_readonly else ""
     # passthrough: the guest's owners and modes are the files' own.  QEMU runs as root of the
     # sandbox's user namespace (uid N in the guest = the range's N on the host, as in the
-    # process tier) with only the file capabilities this needs (tier.py's VMM_CAPS)
+    # process tier) with only the file capabilities this needs (vmm.py's VMM_CAPS)
     argv += [
         "-fsdev", f"local,id=ws,path={workspace},security_model=passthrough{ro}",
         "-device", "virtio-9p-device,fsdev=ws,mount_tag=ws",
