@@ -259,6 +259,8 @@ def test_microvm_defaults_to_uid_1000_root_is_asked_for_and_both_own_their_works
     with Sandbox.create(tier="microvm", memory="256M", workspace=str(ws)) as vm:
         user = _status(vm)
         assert user["uid"] == "1000" and user["CapEff:"] == user["CapBnd:"] == "0" * 16, user
+        with pytest.raises(InvalidSpec):  # the same values and errors as on the other tiers
+            vm.commands.run("id -u", user="admin")
         r = vm.commands.run(
             "stat -c %U:%G /usr/bin/env; stat -c %U ~ /workspace /workspace/given.txt; "
             "echo new > /workspace/new && mkdir /workspace/d && ln -s ../given.txt /workspace/d/link && "

@@ -82,7 +82,8 @@ class MicroVMTier(Tier):
         users="uid 1000 with no capability by default; user='root' is root of its own guest kernel",
         guarantees=(
             "its own guest kernel: the host kernel sees only QEMU",
-            "QEMU runs as a fresh host uid, under the sandbox's host cgroups",
+            "QEMU runs as root of the sandbox's own uid range (4 file capabilities there, none on the host), "
+            "under the sandbox's host cgroups",
             "nothing survives the sandbox or its owner",
         ),
         pause=True,
