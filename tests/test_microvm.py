@@ -191,22 +191,30 @@ def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:
 
 
 def test_a_qemu_that_dies_at_restore_fails_the_create_at_once(
-        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the real QEMU, except that a restore exits at once: the host's connections to its
     # sockets must be reset, not left queued until the 60 s start timeout
     import shutil
+    import tempfile
 
     real = shutil.which("qemu-system-x86_64")
-    wrapper = tmp_path / "qemu-dies-at-restore"
-    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -incoming "*) exit 1;; esac\nexec {real} "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CORRAL_QEMU", str(wrapper))
-    before = set(all_leftovers(state_dir))
-    started = time.monotonic()
-    with pytest.raises(SandboxError, match="restor"):
-        Sandbox.create(tier="microvm", memory="256M")
-    assert time.monotonic() - started < 15
-    assert set(all_leftovers(state_dir)) == before
+    # where QEMU's user (the sandbox range's root, not host root) may run it: not under tmp_path's 0700
+    home = Path(tempfile.mkdtemp(prefix="corral-test-qemu-"))
+    try:
+        home.chmod(0o755)
+        wrapper = home / "qemu-dies-at-restore"
+        wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -incoming "*) exit 1;; esac\nexec {real} "$@"\n')
+        wrapper.chmod(0o755)
+        monkeypatch.setenv("CORRAL_QEMU", str(wrapper))
+        before = set(all_leftovers(state_dir))
+        started = time.monotonic()
+        with pytest.raises(SandboxError, match="restor") as failed:
+            Sandbox.create(tier="microvm", memory="256M")
+        assert time.monotonic() - started < 15
+        assert "cannot execute" not in str(failed.value)  # the wrapper ran, and QEMU exited at restore
+        assert set(all_leftovers(state_dir)) == before
+    finally:
+        shutil.rmtree(home)
 
 
 def test_network_none_has_a_loopback_and_nothing_else(vm: Sandbox) -> None:
