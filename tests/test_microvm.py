@@ -86,6 +86,26 @@ def test_probe_says_which_accelerator_and_why(vm: Sandbox, state_dir: Path) -> N
         assert "did not boot" in availability.reason or "/dev/kvm" in availability.reason
 
 
+def test_probe_says_so_where_the_ram_file_cannot_be_idmapped(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # QEMU (root of the sandbox's uid range only) gets the template's RAM file through an idmapped
+    # mount: a host that refuses one is told by the probe (corral doctor), not by a failed create
+    import errno
+
+    from corral.host import idmap
+
+    def refused(source: Path, userns_fd: int, *, read_only: bool = True) -> int:
+        raise OSError(errno.EINVAL, "mount_setattr: Invalid argument")
+
+    assert tier_class("microvm").probe(state_dir).available
+    monkeypatch.setattr(idmap, "idmapped_tree", refused)
+    availability = tier_class("microvm").probe(state_dir)
+    assert not availability.available and "idmapped mount" in availability.reason, availability
+    assert "Invalid argument" in availability.reason
+    # the check's own range is released either way
+    assert not [r for r in (state_dir / "uids").iterdir() if r.read_text() == "microvm-probe"]
+
+
 def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
     r = vm.commands.run(py("import platform; print(platform.release()); print(open('/proc/version').read())"))
     release, version = r.stdout.split("\n", 1)

@@ -123,6 +123,10 @@ class MicroVMTier(Tier):
         if shutil.which("mkfs.erofs") is None:
             return Availability(cls.name, False, "mkfs.erofs is missing (it writes each image's read-only disk)",
                                 "apt-get install erofs-utils (or `make install`)")
+        unsupported = vmm.idmap_unsupported(guest.cache_dir(), state_dir)
+        if unsupported is not None:
+            return Availability(cls.name, False, unsupported, "keep the microVM cache (CORRAL_MICROVM_CACHE) on"
+                                " ext4, xfs, btrfs or tmpfs (Linux 6.3+), on Linux 5.12 or later")
         built = guest.cached_assets()
         if built is None:
             if shutil.which("apt-get") is None:

@@ -74,3 +74,24 @@ def open_files(*, ram: Path, disk: Path, workspace: Path, console: Path, userns:
             os.close(fd)
         raise
     return files
+
+
+def idmap_unsupported(directory: Path, state_dir: Path) -> str | None:
+    """Why QEMU's RAM file could not be handed to it here (an idmapped mount in ``directory``,
+    for a throwaway user namespace of a range reserved for the check), or None if it can."""
+    from ...host.uids import allocate_range, release_range
+    from ...host.userns import make_userns
+    from ..linux.agent_build import agent_binary
+
+    ids = allocate_range(state_dir, "microvm-probe")
+    try:
+        userns = make_userns(agent_binary(state_dir), ids)
+        try:
+            os.close(idmap.idmapped_tree(directory, userns, read_only=False))
+        finally:
+            os.close(userns)
+    except (OSError, HostNotSupported) as exc:
+        return f"QEMU's guest RAM file needs an idmapped mount in {directory}, which this host refuses: {exc}"
+    finally:
+        release_range(state_dir, ids.base)
+    return None
