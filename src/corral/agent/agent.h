@@ -13,6 +13,8 @@ enum {
     T_EXEC_PTY = 6, T_RESIZE = 7, T_EXEC_SPARE = 8,
     T_FREAD = 10, T_FWRITE = 11, T_FAPPEND = 12, T_FLIST = 13, T_FREMOVE = 14,
     T_FMKDIR = 15, T_FSTAT = 16, T_GUEST = 17,
+    /* on a file request: run it with the agent's own ids (agent_ids) */
+    T_AS_AGENT = 0x80,
     /* agent -> host */
     T_READY = 100, T_STARTED = 101, T_STDOUT = 102, T_STDERR = 103,
     T_EXIT = 104, T_DATA = 105, T_SPARE = 106, T_OK = 110, T_ERR = 111,
@@ -54,6 +56,8 @@ int set_default_user(long uid);
 void give_new_file(int fd, const char *path);
 int become_user(uid_t uid);
 int userns_main(const char *uid_text);
+int vmm_main(int argc, char **argv);
+void agent_ids(int on);
 
 /* exec.c: commands and the spare */
 extern int spares_enabled;

@@ -39,6 +39,9 @@ T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
 #: the microVM guest around a live snapshot (agent's guest_ops.c)
 T_GUEST = 17
+#: or'd into a file request's type: run it with the agent's own ids, not the default user's (the
+#: host's own requests: the microVM's guest cgroup leaves and network files)
+T_AS_AGENT = 0x80
 T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_SPARE, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 106, 110, 111
 
 HEADER = struct.Struct("<BII")
@@ -265,15 +268,16 @@ class AgentChannel:
             raise FileError(f"file is larger than the {limit} byte limit", 27)
         return bytes(pending.data)
 
-    def read_file(self, path: str, max_bytes: int) -> bytes:
-        return self.call(T_FREAD, path.encode() + b"\0", limit=max_bytes)
+    def read_file(self, path: str, max_bytes: int, *, as_agent: bool = False) -> bytes:
+        return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), path.encode() + b"\0", limit=max_bytes)
 
-    def write_file(self, path: str, data: bytes, mode: int) -> None:
+    def write_file(self, path: str, data: bytes, mode: int, *, as_agent: bool = False) -> None:
+        """``as_agent``: with the agent's own ids (the host's own files), not the default user's."""
         encoded = path.encode() + b"\0"
         first = True
         for offset in range(0, max(len(data), 1), WRITE_CHUNK):
             chunk = data[offset : offset + WRITE_CHUNK]
-            kind = T_FWRITE if first else T_FAPPEND
+            kind = (T_FWRITE if first else T_FAPPEND) | (T_AS_AGENT if as_agent else 0)
             self.call(kind, struct.pack("<II", mode, 1) + encoded + chunk)
             first = False
 

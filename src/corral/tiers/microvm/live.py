@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -51,7 +52,8 @@ from ...host import mounts
 from ...spec import MiB
 from ..linux import fs_snapshot
 from ..linux.agent import HEADER, T_ERR, T_GUEST, T_OK, USER_IDS, AgentChannel
-from . import qemu, template
+from ..linux.agent_build import agent_binary
+from . import qemu, template, vmm
 from .rootdisk import ImageDisk
 
 if TYPE_CHECKING:
@@ -199,10 +201,28 @@ def attach_workspace(channel: AgentChannel, readonly: bool) -> None:
 
 def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
                ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
-    """A QEMU with the VM's devices and its RAM in ``vm_dir/ram`` (shared), that loads the
-    stream from ``incoming`` and never runs the guest (``-S``)."""
+    """A QEMU with the VM's devices and its RAM in a memfd (shared), that loads the stream from
+    ``incoming`` and never runs the guest (``-S``); confined as the VM's own QEMU is (root of
+    the sandbox's user namespace, taken from it, with its files as descriptors: vmm.py)."""
     empty = vm_dir / "empty"
     empty.mkdir(mode=0o755)
+    qemu_pid = vm.qemu_pid()
+    if qemu_pid is None:
+        raise SandboxError(f"sandbox {vm.id} has no QEMU")
+    files = {"userns": os.open(f"/proc/{qemu_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)}
+    try:
+        files["disk"] = os.open(vm.image_disk.path, os.O_PATH | os.O_CLOEXEC)
+        files["ws"] = os.open(empty, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        files["console"] = os.open(vm_dir / "console.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.fchown(files["console"], vm.uid_range.base, vm.uid_range.base)
+        return _start_converter(vm, vm_dir, incoming, files)
+    finally:
+        for fd in files.values():
+            os.close(fd)
+
+
+def _start_converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dict[str, int]
+                     ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
     listeners = []
     for name in ("conv-agent.sock", "conv-qmp.sock"):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -211,11 +231,13 @@ def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
         listener.listen(1)
         listeners.append(listener)
     try:
-        paths = qemu.VMPaths(vm._run_dir / "conv-agent.sock", vm._run_dir / "conv-qmp.sock", vm_dir / "console.log")
+        paths = qemu.VMPaths(vm._run_dir / "conv-agent.sock", vm._run_dir / "conv-qmp.sock",
+                             vmm.fd_path(files["console"]))
         argv = qemu.command_line(
             accel=vm._tier.accel, ram_mb=vm.ram_mb, mem_path=vm_dir / "ram", share=True, assets=vm._tier.assets,
-            paths=paths, disk=vm.image_disk.path, workspace=empty, workspace_readonly=False, incoming=True,
-            listen_fds=(listeners[0].fileno(), listeners[1].fileno()), runas=vm.uid,
+            paths=paths, disk=vmm.fd_path(files["disk"]), workspace=vmm.fd_path(files["ws"]),
+            workspace_readonly=False, incoming=True, listen_fds=(listeners[0].fileno(), listeners[1].fileno()),
+            confined=True,
         )
         # its RAM in a memfd: loading the stream into a shared mapping of a file on disk faults
         # every page through the file system (~6 s for 400 MB on ext4 here, ~1 s on shmem); the
@@ -223,9 +245,12 @@ def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
         backend = next(i for i, arg in enumerate(argv) if arg.startswith("memory-backend-file,id=mem,"))
         argv[backend] = f"memory-backend-memfd,id=mem,size={vm.ram_mb}M,share=on"
         argv.append("-S")  # loads, never runs
+        argv += ["-name", converter_name(vm.id)]  # outside the sandbox's cgroup (its memory would not fit
+        # beside the VM's): found by this name if the owner dies meanwhile (kill_converters)
+        argv = [*vmm.launcher(agent_binary(vm._tier.state_dir), files["userns"], vm._tier.accel), *argv]
         with open(vm_dir / "qemu.log", "wb") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
-                                    pass_fds=[listener.fileno() for listener in listeners],
+                                    pass_fds=[*(listener.fileno() for listener in listeners), *files.values()],
                                     preexec_fn=template._die_with_parent)
         for listener in listeners:
             listener.close()  # QEMU's now: one that dies resets our connection instead of leaving it queued
@@ -248,6 +273,23 @@ def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
             listener.close()
         for name in ("conv-agent.sock", "conv-qmp.sock"):
             (vm._run_dir / name).unlink(missing_ok=True)
+
+
+def converter_name(sandbox_id: str) -> str:
+    return f"corral-snapshot-{sandbox_id}"
+
+
+def kill_converters(sandbox_id: str) -> None:
+    """SIGKILL the snapshot converters of ``sandbox_id`` a dead owner left (MicroVMTier.reap)."""
+    wanted = f"\0{converter_name(sandbox_id)}\0".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if wanted in Path(f"/proc/{entry}/cmdline").read_bytes():
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
 
 
 def _wait_loaded(qmp: qemu.QMP, proc: subprocess.Popen[bytes], deadline: float) -> None:
@@ -493,6 +535,7 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     os.chown(ws, uid, uid)
     fs_snapshot.restore(files, entries, "ws", ws, vm._id_map())
     vm.timings["files"] = time.monotonic() - t0
+    vm._start_userns(agent_binary(vm._tier.state_dir))  # QEMU's user namespace (vmm.py), as a new VM's
     vm._launch(template.Template(vm_dir, image.ram_mb, image.accel, 0.0), disk, ws, None)
     if image.sandbox_id == vm.id:  # the same sandbox back from disk: reseeded, clock set, identity kept
         vm.hostname = image.hostname
