@@ -201,6 +201,14 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
     with pytest.raises(InvalidState, match="already paused"):
         parent.pause(to_disk=True)
     assert Sandbox.list_snapshots() == []  # its state is not a snapshot of the user's
+    # a damaged state: resume is a typed error that starts nothing, and the sandbox stays paused
+    [saved] = [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith("snap-")]
+    good = (saved / "vm" / "state").read_bytes()
+    (saved / "vm" / "state").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(SnapshotCorrupt):
+        parent.resume()
+    assert parent.paused and not sandbox_leftovers(parent.id, state_dir)
+    (saved / "vm" / "state").write_bytes(good)
     assert [(i.sandbox_id, i.state) for i in Sandbox.list() if i.sandbox_id == parent.id] == [(parent.id, "paused")]
     parent.resume()
     after = state_of(parent)
