@@ -2,26 +2,30 @@
 
 Taking one (:func:`capture`), the VM runs on afterwards:
 
-1. the guest's commands are frozen (its ``sandbox`` cgroup), and the agent unmounts the 9p
-   workspace: QEMU 7.2 refuses to migrate a VM while a 9p export is attached (the blocker
-   goes when the guest clunks the export's root fid).  A process whose working directory or
-   open file is under ``/workspace`` keeps it busy: :class:`~corral.errors.InvalidState`
-   naming it, and nothing changes;
-2. a *converter* QEMU is started with the same devices, its RAM a new ``share=on`` file in
-   the snapshot, ``-S`` (it never runs the guest) and ``migrate-incoming`` on one end of a
-   socket pair; the VM is stopped and migrated into the other end (its RAM is a private
-   copy-on-write mapping of its template's, so all of it goes: zero pages compactly);
+1. the guest's commands are frozen (its ``sandbox`` cgroup, by the agent: ``T_GUEST``), and the
+   agent unmounts the 9p workspace: QEMU 7.2 refuses to migrate a VM while a 9p export is
+   attached (the blocker goes when the guest clunks the export's root fid).  A process whose
+   working directory or open file is under ``/workspace`` keeps it busy:
+   :class:`~corral.errors.InvalidState` naming it, and nothing changes;
+2. a *converter* QEMU is started with the same devices, confined as the VM's own (its user
+   namespace), its RAM a memfd, ``-S`` (it never runs the guest) and ``migrate-incoming`` on
+   one end of a socket pair; the agent channel is quiesced (no request half-sent), the VM is
+   stopped and migrated into the other end (its RAM is a private copy-on-write mapping of its
+   template's, so all of it goes: zero pages compactly);
 3. the workspace copy is written (content-addressed, as the other tiers' snapshots) while the
    VM is stopped, then it runs on, remounts its workspace and thaws;
-4. the converter saves its device state with ``x-ignore-shared``: the snapshot becomes a pair
-   like a template's -- ``vm/ram`` (the memory image) and ``vm/state`` (~70 KB) -- so each VM
-   made from it maps the RAM ``share=off`` (copy-on-write, no copy, nothing read up front) and
-   restores as fast as from a template.
+4. the converter saves its device state with ``x-ignore-shared`` and its memfd is copied out,
+   sparse and hashed on the way: the snapshot becomes a pair like a template's -- ``vm/ram``
+   (the memory image) and ``vm/state`` (~70 KB) -- so each VM made from it maps the RAM
+   ``share=off`` (copy-on-write, nothing read up front) and restores as fast as from a template.
 
-A VM restored from it (:func:`restore_identity`) has the snapshot's processes, frozen; it gets a
-fresh identity (RNG reseeded from 64 host bytes, wall clock, hostname = its sandbox id, machine
-id, boot id bind-mounted over ``/proc/sys/kernel/random/boot_id``), its own copy of the
-workspace mounted, and only then are its processes thawed.
+A VM restored from it (:func:`setup_restored`) has the snapshot's processes, frozen; its first
+request (sent straight on the socket: :func:`_first_answer` drops what the guest was still
+sending when the snapshot was taken) gives it a fresh identity (RNG reseeded from 64 host
+bytes, wall clock, hostname = its sandbox id, machine id, boot id bind-mounted over
+``/proc/sys/kernel/random/boot_id``) -- or, restored under the id it was taken of (a resume
+from ``pause(to_disk=True)``), only a reseed and the clock; then its own copy of the workspace
+is mounted, and only then are its processes thawed.
 
 The snapshot's description (RAM size, the image disk, QEMU and guest versions, the state's and
 the RAM's sha256) is part of its manifest, whose sha256 the store records: a changed file is
