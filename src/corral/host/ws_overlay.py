@@ -29,7 +29,8 @@ previous walk, and applies what changed with the rules of :mod:`.workspace` (dir
 descriptors opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's
 owner; only symlinks that stay inside the workspace):
 
-- a regular file, symlink or directory that is new or changed: copied to the host;
+- a regular file, symlink or directory that is new or changed: copied to the host (a symlink
+  leading out of the workspace is not: the host's entry at its path is deleted);
 - a new whiteout: the host's entry is deleted;
 - a directory that became opaque (``trusted.overlay.opaque``: deleted and made anew inside):
   the host's entries that the upper directory does not hold are deleted;
@@ -46,14 +47,26 @@ deletion undone), every other host change is kept.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
 from pathlib import Path
 
 from . import idmap, mounts
-from .workspace import _DIR_FLAGS, Manifest, _copy_entry, _kind, _open_dir_beneath, _remove_beneath
+from .workspace import (
+    _DIR_FLAGS,
+    Manifest,
+    _copy_entry,
+    _kind,
+    _open_dir_beneath,
+    _remove_beneath,
+    link_stays_inside,
+)
 
+#: False: the process and gVisor tiers copy the workspace instead, as before the overlay
+#: (bench/workspace.py sets it to compare the two)
+ENABLED = True
 #: the overlay's options beyond its layers (see the module docstring)
 OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
 OPAQUE = "trusted.overlay.opaque"
@@ -169,15 +182,31 @@ def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: 
             if kind in ("w", "o") or previous.get(rel) == entry:
                 continue
             try:
+                if kind == "l" and not _link_inside(src_fd, rel, uid, gid):
+                    _delete(dst_fd, rel, uid, gid)  # a link Corral does not plant: the host's entry goes
+                    continue
                 _copy_entry(src_fd, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
                             inside_links_only=True)
                 if kind == "D" and previous.get(rel, ("",))[0] != "D":
                     _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
-            except FileNotFoundError:
-                continue  # vanished while we copied: the next write-back sees it gone
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    raise
+                continue  # changed while we copied (a directory made a link...): the next write-back sees it
     finally:
         os.close(src_fd)
         os.close(dst_fd)
+
+
+def _link_inside(src_fd: int, rel: str, uid: int, gid: int) -> bool:
+    *dirs, name = rel.split("/")
+    fd = _open_dir_beneath(src_fd, dirs, create=False, uid=uid, gid=gid)
+    try:
+        return link_stays_inside(rel, os.readlink(name, dir_fd=fd))
+    except OSError:
+        return True  # no longer a link: _copy_entry sees what it is now
+    finally:
+        os.close(fd)
 
 
 def _delete(dst_fd: int, rel: str, uid: int, gid: int) -> None:

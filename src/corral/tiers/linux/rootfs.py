@@ -171,6 +171,9 @@ def _workspace_overlay(spec: SandboxSpec, disk: Path, uid: int,
         if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
             raise
         log.warning("workspace %s cannot be idmapped (%s): copied instead", host, exc)
+        for unused in (upper, work):
+            if unused.exists():
+                unused.rmdir()
         return WorkspaceCopy.create(host, ws, uid, uid, spec.limits.disk)
     return None if read_only else WorkspaceOverlay(host, upper)
 

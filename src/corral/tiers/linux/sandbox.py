@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
-from ...host import cgroups, mounts
+from ...host import cgroups, mounts, ws_overlay
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
 from ...host.userns import PendingUserns, start_userns
@@ -117,7 +117,7 @@ class LinuxSandbox(TierSandbox):
         """Start making the sandbox's user namespace (``helper``: the agent binary, run as
         ``--userns``); other set-up may run meanwhile, then :meth:`_userns`."""
         self._userns_pending = start_userns(helper, self.uid_range)
-        if self.spec.workspace is not None and self._seed is None:
+        if self.spec.workspace is not None and self._seed is None and ws_overlay.ENABLED:
             self._ws_userns_pending = start_userns(helper, self.uid_range)
 
     def _userns(self) -> int:
