@@ -2,7 +2,7 @@
 
 Shared by the process tier (bubblewrap) and the gVisor tier (runsc): both run
 the sandbox on an overlay of the image's read-only layers, with the writable
-layers and the workspace copy on a size-limited tmpfs the sandbox owns, and an
+layers and the workspace (overlay or copy) on a size-limited tmpfs the sandbox owns, and an
 unprivileged host uid per sandbox.  Layout below ``run_dir`` (root-only)::
 
     disk/           tmpfs, size = disk limit, owned by the sandbox's host uid
@@ -90,7 +90,7 @@ def build_root(
     the root; ``mount_points`` are created as empty files for later bind mounts.
 
     ``fill(key, directory)``, if given, writes into each upper (key ``L0``, ``L1``, ...) before
-    it is mounted and into the workspace copy (key ``ws``): a snapshot's files (.fs_snapshot).
+    it is mounted and into the workspace directory (key ``ws``, no host workspace): a snapshot's files (.fs_snapshot).
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
     workspace).  With ``userns`` (gives the sandbox's user namespace; asked as

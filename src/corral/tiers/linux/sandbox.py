@@ -14,7 +14,7 @@ each, and runs for a sandbox whose ``__init__`` failed half way too):
 - the user namespace that maps the whole uid range (:meth:`_start_userns`, :meth:`_userns`): its descriptor closed
   (:meth:`_drop_userns` once the guest holds the namespace, else at close); likewise the workspace's (its
   owner mapped to the sandbox user, for the idmapped view under the workspace overlay);
-- the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory.
+- the root overlay and the workspace (overlay or copy) (:meth:`_build_root`): its mounts go with the run directory.
 
 A subclass sets its own attributes, then calls ``super().__init__``, which
 reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
