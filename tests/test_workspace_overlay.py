@@ -4,7 +4,7 @@ sandbox changed (files, directories, deletions, renames, opaque directories), sy
 never followed on either side, files end up owned by the workspace's owner, the disk limit
 bounds copy-ups, and what happens when the host changes the directory meanwhile.
 
-Cost: ~8 process sandboxes and 2 gVisor sandboxes, ~15 s on a loaded 2-core machine.
+Cost: 9 process and 6 gVisor sandboxes, ~8 s on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_each_command_writes_back_what_it_changed_and_nothing_is_copied(tier: st
         assert (path.lstat().st_uid, path.lstat().st_gid) == OWNER, path
 
 
-def test_the_sandbox_sees_its_owner_as_itself_and_other_users_files_as_nobody(tmp_path: Path) -> None:
+def test_the_sandbox_sees_its_owner_as_itself_and_other_users_files_as_nobody(tier: str, tmp_path: Path) -> None:
     ws = owned_workspace(tmp_path)
     (ws / "theirs.txt").write_text("theirs")
     os.chown(ws / "theirs.txt", 777, 777)
@@ -104,7 +104,7 @@ def test_the_sandbox_sees_its_owner_as_itself_and_other_users_files_as_nobody(tm
     (ws / "secret.txt").write_text("secret")
     os.chown(ws / "secret.txt", 777, 777)
     os.chmod(ws / "secret.txt", 0o600)
-    with Sandbox.create(workspace=str(ws)) as sb:
+    with Sandbox.create(tier=tier, workspace=str(ws), memory="256M") as sb:
         owners = sb.commands.run("stat -c '%n %u %g' /workspace/edit.txt /workspace/theirs.txt").stdout
         assert owners.splitlines() == ["/workspace/edit.txt 1000 1000", "/workspace/theirs.txt 65534 65534"]
         assert sb.commands.run("cat /workspace/theirs.txt").stdout == "theirs"
@@ -117,14 +117,14 @@ def test_the_sandbox_sees_its_owner_as_itself_and_other_users_files_as_nobody(tm
     assert (ws / "edit.txt").read_text() == "v1mine\n"
 
 
-def test_symlinks_are_never_followed_on_either_side(tmp_path: Path) -> None:
+def test_symlinks_are_never_followed_on_either_side(tier: str, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "file").write_text("HOST-ONLY")
     ws = owned_workspace(tmp_path)
     os.symlink(outside, ws / "hostlink")  # the user's own link, to a host directory
     os.lchown(ws / "hostlink", *OWNER)
-    with Sandbox.create(workspace=str(ws)) as sb:
+    with Sandbox.create(tier=tier, workspace=str(ws), memory="256M") as sb:
         # inside, the host's link leads into the sandbox's own tree, never to the host's
         assert sb.commands.run("cat /workspace/hostlink/file").exit_code != 0
         # replace it with a real directory, and a host directory with a link out: the host's
@@ -136,11 +136,12 @@ def test_symlinks_are_never_followed_on_either_side(tmp_path: Path) -> None:
     assert not (ws / "redo").exists() and not (ws / "redo").is_symlink()
 
 
-def test_the_disk_limit_bounds_copy_ups_not_the_workspace_size(tmp_path: Path) -> None:
+def test_the_disk_limit_bounds_copy_ups_not_the_workspace_size(tier: str, tmp_path: Path) -> None:
     ws = owned_workspace(tmp_path)
     with open(ws / "big.bin", "wb") as f:
         f.truncate(40 << 20)
-    with Sandbox.create(workspace=str(ws), disk="16M") as sb:  # the copy refused this workspace
+    # the copy refused a workspace larger than the disk
+    with Sandbox.create(tier=tier, workspace=str(ws), disk="16M", memory="256M") as sb:
         assert sb.commands.run("wc -c < /workspace/big.bin").stdout == f"{40 << 20}\n"
         r = sb.commands.run("echo more >> /workspace/big.bin")  # a copy-up of 40 MB onto 16 MB
         assert r.exit_code != 0
@@ -148,9 +149,9 @@ def test_the_disk_limit_bounds_copy_ups_not_the_workspace_size(tmp_path: Path) -
     assert (ws / "big.bin").stat().st_size == 40 << 20 and (ws / "small.txt").read_text() == "fits\n"
 
 
-def test_host_changes_meanwhile_the_sandboxs_changes_win_for_what_it_changed(tmp_path: Path) -> None:
+def test_host_changes_meanwhile_the_sandboxs_changes_win_for_what_it_changed(tier: str, tmp_path: Path) -> None:
     ws = owned_workspace(tmp_path)
-    with Sandbox.create(workspace=str(ws)) as sb:
+    with Sandbox.create(tier=tier, workspace=str(ws), memory="256M") as sb:
         ok(sb, "echo sandbox > /workspace/edit.txt")
         # the host edits what the sandbox changed and what it did not, and adds a file
         (ws / "edit.txt").write_text("host")
@@ -177,9 +178,9 @@ def test_a_changed_hard_link_is_a_file_of_its_own(tmp_path: Path) -> None:
     assert (ws / "edit.txt").read_text() == "v2\n" and (ws / "alias.txt").read_text() == "v1"
 
 
-def test_ro_workspace_is_the_live_read_only_view_even_for_root(tmp_path: Path) -> None:
+def test_ro_workspace_is_the_live_read_only_view_even_for_root(tier: str, tmp_path: Path) -> None:
     ws = owned_workspace(tmp_path)
-    with Sandbox.create(workspace=f"{ws}:ro") as sb:
+    with Sandbox.create(tier=tier, workspace=f"{ws}:ro", memory="256M") as sb:
         (ws / "later.txt").write_text("later")
         assert sb.commands.run("cat /workspace/later.txt").stdout == "later"
         for cmd in ("echo x > /workspace/keep.txt", "mount -o remount,rw /workspace"):
