@@ -72,10 +72,14 @@ def tier(request: pytest.FixtureRequest, state_dir: Path) -> Iterator[str]:
 
 def test_each_command_writes_back_what_it_changed_and_nothing_is_copied(tier: str, tmp_path: Path) -> None:
     ws = owned_workspace(tmp_path)
+    for path in (ws / "keep.txt", ws / "old"):
+        os.utime(path, ns=(10**18, 10**18))  # atime = mtime: a relatime read would update it
     with Sandbox.create(tier=tier, workspace=str(ws), memory="256M") as sb:
         upper = run_dir(sb) / "disk" / "ws-upper"
-        assert sb.commands.run("cat /workspace/keep.txt /workspace/old/a.txt").stdout == "keepa"
+        assert sb.commands.run("ls /workspace/old; cat /workspace/keep.txt /workspace/old/a.txt").stdout == "a.txt\nkeepa"
         assert list(upper.iterdir()) == []  # nothing copied, and reading copies nothing up
+        for path in (ws / "keep.txt", ws / "old"):  # nor does it touch the host's files
+            assert path.stat().st_atime_ns == 10**18, path
         ok(sb, "echo v2 > /workspace/edit.txt && rm /workspace/gone.txt && rm -r /workspace/old"
                " && rm -r /workspace/redo && mkdir /workspace/redo && echo fresh > /workspace/redo/new.txt"
                " && mkdir -p /workspace/n/e/w && echo deep > /workspace/n/e/w/f"

@@ -8,7 +8,7 @@ Layout, on the sandbox's disk tmpfs (the disk limit bounds every write, copy-ups
     ws-work/    overlayfs's work directory
     ws/         the merged view, bound at /workspace
 
-The lower layer is an idmapped, read-only, nosuid, nodev view of the host directory
+The lower layer is an idmapped, read-only, nosuid, nodev, noatime view of the host directory
 (:mod:`.idmap`) through a user namespace that maps only the directory's owner (its uid, and
 its gid) to the sandbox user's host ids.  Inside, the owner's files belong to the sandbox user
 (uid 1000); files of any other host user show as ``nobody`` (65534): readable as their mode
@@ -83,7 +83,8 @@ def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd
     """The one mount a sandbox's set-up makes for its workspace: the overlay of the idmapped view
     of ``host`` (ids of ``userns_fd``) and ``upper`` at ``merged``; with ``read_only`` the
     view itself (read-only, locked so inside a sandbox's mount namespace), no upper layer."""
-    tree = idmap.idmapped_tree(host, userns_fd)
+    # overlayfs opens lower files O_NOATIME already; noatime covers whatever else reads the view
+    tree = idmap.idmapped_tree(host, userns_fd, noatime=True)
     try:
         if read_only:
             idmap.attach(tree, merged)
