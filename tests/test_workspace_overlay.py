@@ -169,6 +169,10 @@ def test_host_changes_meanwhile_the_sandboxs_changes_win_for_what_it_changed(tie
         assert (ws / "edit.txt").read_text() == "host"
         ok(sb, "echo again >> /workspace/edit.txt")
         assert (ws / "edit.txt").read_text() == "sandbox\nagain\n"  # changed again: the sandbox's wins
+        # a change that keeps the size and sets the mtime back is a change all the same
+        ok(sb, "cd /workspace && touch -r edit.txt /tmp/ref && tr a-z A-Z < edit.txt > /tmp/up"
+               " && cat /tmp/up > edit.txt && touch -r /tmp/ref edit.txt")
+        assert (ws / "edit.txt").read_text() == "SANDBOX\nAGAIN\n"
     assert (ws / "keep.txt").read_text() == "host edit"
     assert (ws / "hostnew.txt").read_text() == "from the host"
 

@@ -101,7 +101,8 @@ def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd
 
 def scan_upper(upper: Path) -> Manifest:
     """Every entry of an overlay's upper layer, kinds as :func:`.workspace.scan`'s plus ``w`` (a
-    whiteout) and ``D`` (an opaque directory)."""
+    whiteout) and ``D`` (an opaque directory).  Its time is the change time, which no one can
+    set back (a write that keeps a file's size and resets its mtime is still a change)."""
     out: Manifest = {}
     fd = os.open(upper, _DIR_FLAGS)
     try:
@@ -122,14 +123,14 @@ def _scan(dir_fd: int, prefix: str, out: Manifest) -> None:
         rel = f"{prefix}{entry.name}"
         kind = "w" if _is_whiteout(st) else _kind(st.st_mode)
         if kind != "d":
-            out[rel] = (kind, st.st_size, st.st_mtime_ns, st.st_mode & 0o7777, st.st_ino)
+            out[rel] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
             continue
         try:
             fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
         except OSError:
             continue
         try:
-            out[rel] = ("D" if _opaque(fd) else "d", st.st_size, st.st_mtime_ns, st.st_mode & 0o7777, st.st_ino)
+            out[rel] = ("D" if _opaque(fd) else "d", st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
             _scan(fd, rel + "/", out)
         finally:
             os.close(fd)
