@@ -164,8 +164,10 @@ class WorkspaceOverlay:
     def sync_back(self) -> None:
         """Write what changed in the upper layer since the last write-back to the host directory."""
         with self._lock:
-            host_st = os.stat(self.host)
             current = scan_upper(self.upper)
+            if current == self.manifest:
+                return  # the common case: a command that changed nothing in the workspace
+            host_st = os.stat(self.host)
             _apply(self.upper, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
             self.manifest = current
 
