@@ -48,15 +48,18 @@ deletion undone), every other host change is kept.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from . import idmap, mounts
 from .workspace import (
     _DIR_FLAGS,
     Manifest,
+    WorkspaceCopy,
     _copy_entry,
     _kind,
     _open_dir_beneath,
@@ -97,6 +100,37 @@ def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd
         mounts.mount("overlay", merged, "overlay", mounts.MS_NOSUID | mounts.MS_NODEV, options)
     finally:
         os.close(tree)
+
+
+log = logging.getLogger(__name__)
+
+
+def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
+                   userns: Callable[[tuple[str, str]], int]) -> tuple[WorkspaceCopy | WorkspaceOverlay | None, bool]:
+    """The workspace of a sandbox whose disk tmpfs is ``disk`` and whose user is host uid ``uid``,
+    at ``disk/ws`` (an empty directory): the overlay (``ro``: the read-only view), or the copy
+    when ``host`` cannot be idmapped (its file system, an older kernel).  ``userns(maps)`` gives
+    a user namespace with those maps (:func:`owner_maps`).  Returns what writes it back (None
+    for ``ro``) and whether ``disk/ws`` is now a mount point."""
+    ws, upper, work = disk / "ws", disk / "ws-upper", disk / "ws-work"
+    read_only = mode == "ro"
+    if not read_only:
+        upper.mkdir()
+        work.mkdir()
+        # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
+        os.chown(upper, uid, uid)
+        os.chmod(upper, os.stat(host).st_mode & 0o7777)
+    try:
+        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid)), read_only)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+            raise
+        log.warning("workspace %s cannot be idmapped (%s): copied instead", host, exc)
+        for unused in (upper, work):
+            if unused.exists():
+                unused.rmdir()
+        return WorkspaceCopy.create(host, ws, uid, uid, max_bytes), False
+    return (None if read_only else WorkspaceOverlay(host, upper)), True
 
 
 def scan_upper(upper: Path) -> Manifest:

@@ -35,7 +35,7 @@ from ...egress import network as egress_network
 from ...host import cgroups, idmap, mounts
 from ...host.uids import release_uid
 from ...host.workspace import WorkspaceCopy
-from ...host.ws_overlay import WorkspaceOverlay, mount_workspace, owner_maps
+from ...host.ws_overlay import WorkspaceOverlay, make_workspace
 from ...images import SANDBOX_HOME, identity_files, image_mark, resolve
 from ...spec import WORKSPACE_PATH, SandboxSpec
 
@@ -145,37 +145,11 @@ def build_root(
             mounts.mount_overlay(target, [lower], upper, work)
         made.append(target)
     if spec.workspace is not None and workspace_userns is not None:
-        workspace = _workspace_overlay(spec, disk, uid, workspace_userns)
-        if not isinstance(workspace, WorkspaceCopy):  # mounted (a copy is a plain directory)
+        workspace, mounted = make_workspace(spec.workspace.path, spec.workspace.mode, disk, uid, spec.limits.disk,
+                                            workspace_userns)
+        if mounted:
             made.append(ws)
     return SandboxRoot(root, ws, workspace, made)
-
-
-def _workspace_overlay(spec: SandboxSpec, disk: Path, uid: int,
-                       userns: Callable[[tuple[str, str]], int]) -> WorkspaceCopy | WorkspaceOverlay | None:
-    """Mount the workspace as an overlay on the host directory (read-only view in ``ro`` mode);
-    a host directory that cannot be idmapped (its file system, an older kernel) gets the copy."""
-    assert spec.workspace is not None
-    host, ws = spec.workspace.path, disk / "ws"
-    upper, work = disk / "ws-upper", disk / "ws-work"
-    read_only = spec.workspace.mode == "ro"
-    if not read_only:
-        upper.mkdir()
-        work.mkdir()
-        # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
-        os.chown(upper, uid, uid)
-        os.chmod(upper, os.stat(host).st_mode & 0o7777)
-    try:
-        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid)), read_only)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
-            raise
-        log.warning("workspace %s cannot be idmapped (%s): copied instead", host, exc)
-        for unused in (upper, work):
-            if unused.exists():
-                unused.rmdir()
-        return WorkspaceCopy.create(host, ws, uid, uid, spec.limits.disk)
-    return None if read_only else WorkspaceOverlay(host, upper)
 
 
 #: why this host cannot idmap image layers (None: it can, or has not been asked yet)
