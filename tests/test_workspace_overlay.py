@@ -10,6 +10,10 @@ Cost: 9 process and 6 gVisor sandboxes, ~8 s on a loaded 2-core machine.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import pytest
 
 from corral import Sandbox
 
+from .leaks import sandbox_leftovers
 from .tier_probe import skip_unless_tier
 
 OWNER = (4321, 4322)
@@ -224,3 +229,31 @@ def test_a_workspace_that_cannot_be_idmapped_is_copied_as_before(tmp_path: Path)
         assert (ws / "g.txt").read_text() == "back\n"
     finally:
         mounts.umount(ws, lazy=True)
+
+
+def test_a_killed_owners_workspace_overlay_is_reaped_and_the_host_directory_kept(tmp_path: Path,
+                                                                                 state_dir: Path) -> None:
+    ws = owned_workspace(tmp_path)
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from corral import Sandbox\n"
+         f"sb = Sandbox.create(workspace={str(ws)!r})\n"
+         "sb.commands.run('echo changed > /workspace/edit.txt; echo lost > /workspace/keep.txt.swp')\n"
+         "print(sb.id, flush=True)\n"
+         "time.sleep(300)\n"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )
+    assert owner.stdout is not None
+    sandbox_id = owner.stdout.readline().strip()
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and sandbox_id in out.stdout, out.stderr
+    deadline = time.monotonic() + 5
+    while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_leftovers(sandbox_id, state_dir) == []  # the overlay's mount included
+    # what was written back stays; the host directory is otherwise as it was
+    assert tree(ws)["edit.txt"] == "changed\n" and tree(ws)["keep.txt.swp"] == "lost\n"
+    assert tree(ws)["keep.txt"] == "keep" and tree(ws)["old/a.txt"] == "a"
