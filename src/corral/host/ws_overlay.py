@@ -74,6 +74,8 @@ ENABLED = True
 OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
 OPAQUE = "trusted.overlay.opaque"
 
+log = logging.getLogger(__name__)
+
 
 def owner_maps(host: Path, sandbox_user: int) -> tuple[str, str]:
     """``uid_map`` and ``gid_map`` of the workspace's user namespace: the host directory's owner
@@ -100,9 +102,6 @@ def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd
         mounts.mount("overlay", merged, "overlay", mounts.MS_NOSUID | mounts.MS_NODEV, options)
     finally:
         os.close(tree)
-
-
-log = logging.getLogger(__name__)
 
 
 def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
