@@ -114,8 +114,16 @@ def main() -> int:
     parser.add_argument("--changed", type=int, default=1000)
     parser.add_argument("--tier", default="process")
     args = parser.parse_args()
-    os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
+    own_state = "CORRAL_STATE_DIR" not in os.environ
+    os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-ws-state-"))
+    try:
+        return run(args)
+    finally:
+        if own_state:  # every sandbox is closed by now: nothing is mounted there
+            shutil.rmtree(os.environ["CORRAL_STATE_DIR"], ignore_errors=True)
 
+
+def run(args: argparse.Namespace) -> int:
     from corral import Sandbox
     from corral.host import ws_overlay
 
