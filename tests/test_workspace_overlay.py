@@ -4,7 +4,7 @@ sandbox changed (files, directories, deletions, renames, opaque directories), sy
 never followed on either side, files end up owned by the workspace's owner, the disk limit
 bounds copy-ups, and what happens when the host changes the directory meanwhile.
 
-Cost: 9 process and 6 gVisor sandboxes, ~8 s on a loaded 2-core machine.
+Cost: 16 tests (10 process and 6 gVisor sandboxes), ~5 s on a loaded 2-core machine.
 """
 
 from __future__ import annotations
