@@ -66,6 +66,7 @@ class LinuxSandbox(TierSandbox):
     #: the workspace's user namespace (its owner mapped to the sandbox user), while being made
     _ws_userns_pending: PendingUserns | None = None
     _ws_userns_fd: int | None = None
+    _userns_helper: Path | None = None
 
     def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
                  seed: tuple[Path, str] | None = None) -> None:
@@ -117,8 +118,7 @@ class LinuxSandbox(TierSandbox):
         """Start making the sandbox's user namespace (``helper``: the agent binary, run as
         ``--userns``); other set-up may run meanwhile, then :meth:`_userns`."""
         self._userns_pending = start_userns(helper, self.uid_range)
-        if self.spec.workspace is not None and self._seed is None and ws_overlay.ENABLED:
-            self._ws_userns_pending = start_userns(helper, self.uid_range)
+        self._userns_helper = helper
 
     def _userns(self) -> int:
         """The sandbox's user namespace (its uid range mapped to 0-65535 inside), started by
@@ -158,7 +158,13 @@ class LinuxSandbox(TierSandbox):
         return self.network
 
     def _build_root(self) -> SandboxRoot:
-        """The overlay root on a disk-limited tmpfs in the run directory, with the network's files."""
+        """The overlay root on a disk-limited tmpfs in the run directory, with the network's files;
+        a host workspace is an overlay on it (:mod:`corral.host.ws_overlay`) where the tier maps a
+        uid range (:meth:`_start_userns`), else a copy."""
+        if (self.spec.workspace is not None and self._seed is None and ws_overlay.ENABLED
+                and self._userns_helper is not None):
+            # its helper starts while the image's layers are mounted
+            self._ws_userns_pending = start_userns(self._userns_helper, self.uid_range)
         network = self.network
         fill = None
         if self._seed is not None:
