@@ -33,9 +33,11 @@ class PendingUserns:
             env={},
         )
 
-    def finish(self) -> int:
+    def finish(self, maps: tuple[str, str] | None = None) -> int:
         """A descriptor (O_CLOEXEC) of the new user namespace, owned by ``ids.base`` and mapping
-        ``ids`` to ``0 .. ids.size - 1`` for uids and gids alike.  The caller closes it."""
+        ``ids`` to ``0 .. ids.size - 1`` for uids and gids alike (or ``maps``: its ``uid_map``
+        and ``gid_map`` lines, e.g. a workspace's owner to the sandbox user for an idmapped
+        mount, :mod:`corral.host.ws_overlay`).  The caller closes it."""
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         try:
@@ -43,11 +45,11 @@ class PendingUserns:
                 proc.stdin.close()
                 err = proc.stderr.read().decode(errors="replace").strip()
                 raise HostNotSupported(f"cannot make the sandbox's user namespace: {err or 'the helper failed'}")
-            line = f"0 {self.ids.base} {self.ids.size}\n".encode()
-            for name in ("uid_map", "gid_map"):
+            line = f"0 {self.ids.base} {self.ids.size}\n"
+            for name, text in zip(("uid_map", "gid_map"), maps or (line, line), strict=True):
                 fd = os.open(f"/proc/{proc.pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
                 try:
-                    os.write(fd, line)
+                    os.write(fd, text.encode())
                 finally:
                     os.close(fd)
             return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)

@@ -1,6 +1,6 @@
 """The process tier: Linux namespaces + cgroups + seccomp, launched by bubblewrap.
 
-The sandbox's root (overlay on a size-limited tmpfs, workspace copy) is
+The sandbox's root (overlay on a size-limited tmpfs, workspace overlay) is
 built by :mod:`corral.tiers.linux.rootfs`, shared with the gVisor tier.
 
 The agent (``corral-agent``) is bwrap's pid 1 in a new pid namespace.  Every
