@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -53,8 +54,17 @@ def main() -> int:
     parser.add_argument("--snapshots", type=int, default=7, help="snapshot iterations per tier")
     parser.add_argument("--tiers", default="process,gvisor,microvm")
     args = parser.parse_args()
-    os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
+    made = None
+    if "CORRAL_STATE_DIR" not in os.environ:
+        made = os.environ["CORRAL_STATE_DIR"] = tempfile.mkdtemp(prefix="corral-bench-")
+    try:
+        return run(args)
+    finally:
+        if made is not None:  # (every sandbox of it is gone: each was closed above)
+            shutil.rmtree(made, ignore_errors=True)
 
+
+def run(args: argparse.Namespace) -> int:
     from corral import Sandbox
     from corral.registry import state_dir
     from corral.tiers import tier_class
