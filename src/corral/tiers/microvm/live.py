@@ -34,6 +34,7 @@ the RAM's sha256) is part of its manifest, whose sha256 the store records: a cha
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -72,6 +73,8 @@ MAX_BANDWIDTH = 1 << 40
 SOCKET_BUFFER = 4 << 20
 #: a memory image is hashed and kept sparse by chunks of this size
 CHUNK = 1 << 16
+#: chunks hashed per task of the hashing thread
+HASH_BATCH = 64
 MIGRATE_TIMEOUT = 120.0
 #: requests the agent of a restored VM may still hold from the VM it was taken of: the new
 #: host side numbers its own above the last one sent plus this margin
@@ -159,14 +162,26 @@ def _write_sparse(source: int, size: int, target: Path) -> str:
     holes; returns its :func:`ram_digest`, computed on the way."""
     h = hashlib.sha256()
     h.update(size.to_bytes(8, "little"))
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        for offset, chunk in _chunks(source, size):
+
+    def hash_batch(batch: list[tuple[int, bytes]]) -> None:
+        for offset, chunk in batch:
             _hash_chunk(h, offset, chunk)
-            os.pwrite(fd, chunk, offset)
-    finally:
-        os.close(fd)
+
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    # hashing (sha256 releases the GIL) overlaps reading and writing: one worker, batches in order
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="corral-ram-hash") as hasher:
+        try:
+            os.ftruncate(fd, size)
+            batch: list[tuple[int, bytes]] = []
+            for offset, chunk in _chunks(source, size):
+                os.pwrite(fd, chunk, offset)
+                batch.append((offset, chunk))
+                if len(batch) == HASH_BATCH:
+                    hasher.submit(hash_batch, batch)
+                    batch = []
+            hasher.submit(hash_batch, batch)
+        finally:
+            os.close(fd)
     return h.hexdigest()
 
 
