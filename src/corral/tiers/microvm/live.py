@@ -34,7 +34,6 @@ the RAM's sha256) is part of its manifest, whose sha256 the store records: a cha
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -44,10 +43,8 @@ import signal
 import socket
 import struct
 import subprocess
-import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,7 +55,7 @@ from ...spec import MiB
 from ..linux import fs_snapshot
 from ..linux.agent import HEADER, T_ERR, T_GUEST, T_OK, USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
-from . import qemu, template, vmm
+from . import memimage, qemu, template, vmm
 from .rootdisk import ImageDisk
 
 if TYPE_CHECKING:
@@ -71,18 +68,10 @@ WS_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144"
 #: bytes per second: unlimited, in effect
 MAX_BANDWIDTH = 1 << 40
 SOCKET_BUFFER = 4 << 20
-#: a memory image is hashed and kept sparse by chunks of this size
-CHUNK = 1 << 16
-#: chunks hashed per task of the hashing thread
-HASH_BATCH = 64
 MIGRATE_TIMEOUT = 120.0
 #: requests the agent of a restored VM may still hold from the VM it was taken of: the new
 #: host side numbers its own above the last one sent plus this margin
 ID_MARGIN = 1 << 16
-#: RAM files whose sha256 this process wrote or checked, by (device, inode, size, ctime): checked
-#: once per process and version of the file, not at every fork (the store renames its directory)
-_checked: set[tuple[int, int, int, int]] = set()
-_checked_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -115,89 +104,6 @@ class VMImage:
                    str(data["disk_key"]), str(data["disk_path"]), str(data["state_sha256"]),
                    str(data["ram_sha256"]), int(data["last_id"]), int(data["leaves"]),
                    bool(data["readonly_workspace"]), str(data.get("sandbox_id", "")), str(data.get("hostname", "")))
-
-
-def _chunks(fd: int, size: int) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) of every CHUNK-aligned chunk of the file that is not all zeros; holes
-    (SEEK_HOLE) are skipped unread."""
-    offset = 0
-    zero = bytes(CHUNK)
-    while offset < size:
-        try:
-            start = os.lseek(fd, offset, os.SEEK_DATA)
-        except OSError:
-            return  # nothing but a hole after offset
-        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-        pos = start - start % CHUNK
-        while pos < end:
-            chunk = os.pread(fd, CHUNK, pos)
-            if chunk != zero[: len(chunk)]:
-                yield pos, chunk
-            pos += CHUNK
-        offset = pos
-
-
-def _hash_chunk(h: Any, offset: int, chunk: bytes) -> None:
-    h.update(offset.to_bytes(8, "little"))
-    h.update(chunk)
-
-
-def ram_digest(path: Path) -> str:
-    """sha256 of a memory image's non-zero CHUNK-aligned chunks and their offsets (how much of
-    it is a hole does not matter: a hole reads as zeros)."""
-    h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        h.update(size.to_bytes(8, "little"))
-        for offset, chunk in _chunks(fd, size):
-            _hash_chunk(h, offset, chunk)
-    finally:
-        os.close(fd)
-    return h.hexdigest()
-
-
-def _write_sparse(source: int, size: int, target: Path) -> str:
-    """Copy a memory image (the converter's memfd) into ``target``, leaving its zero chunks
-    holes; returns its :func:`ram_digest`, computed on the way."""
-    h = hashlib.sha256()
-    h.update(size.to_bytes(8, "little"))
-
-    def hash_batch(batch: list[tuple[int, bytes]]) -> None:
-        for offset, chunk in batch:
-            _hash_chunk(h, offset, chunk)
-
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    # hashing (sha256 releases the GIL) overlaps reading and writing: one worker, batches in order
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="corral-ram-hash") as hasher:
-        try:
-            os.ftruncate(fd, size)
-            batch: list[tuple[int, bytes]] = []
-            for offset, chunk in _chunks(source, size):
-                os.pwrite(fd, chunk, offset)
-                batch.append((offset, chunk))
-                if len(batch) == HASH_BATCH:
-                    hasher.submit(hash_batch, batch)
-                    batch = []
-            hasher.submit(hash_batch, batch)
-        finally:
-            os.close(fd)
-    return h.hexdigest()
-
-
-def _memfd_of(pid: int) -> int:
-    """The converter's guest RAM (its only memfd), opened through /proc."""
-    fds = Path(f"/proc/{pid}/fd")
-    for entry in fds.iterdir():
-        with contextlib.suppress(OSError):
-            if os.readlink(entry).startswith("/memfd:"):
-                return os.open(entry, os.O_RDONLY | os.O_CLOEXEC)
-    raise SandboxError("the snapshot's converter QEMU has no memory file")
-
-
-def _file_key(path: Path) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 def freeze(channel: AgentChannel, frozen: bool) -> None:
@@ -260,7 +166,7 @@ def _start_converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, 
         )
         # its RAM in a memfd: loading the stream into a shared mapping of a file on disk faults
         # every page through the file system (~6 s for 400 MB on ext4 here, ~1 s on shmem); the
-        # image is copied out afterwards, sparse (_write_sparse)
+        # image is copied out afterwards, sparse (memimage.write_sparse)
         backend = next(i for i, arg in enumerate(argv) if arg.startswith("memory-backend-file,id=mem,"))
         argv[backend] = f"memory-backend-memfd,id=mem,size={vm.ram_mb}M,share=on"
         argv.append("-S")  # loads, never runs
@@ -398,9 +304,9 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
         conv.command("migrate", uri="fd:state")
         conv.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
         t1 = time.monotonic()
-        memory = _memfd_of(proc.pid)
+        memory = memimage.memfd_of(proc.pid)
         try:
-            ram_sha256 = _write_sparse(memory, vm.ram_mb << 20, vm_dir / "ram")
+            ram_sha256 = memimage.write_sparse(memory, vm.ram_mb << 20, vm_dir / "ram")
         finally:
             os.close(memory)
         vm.timings["snapshot_write_ram"] = time.monotonic() - t1
@@ -432,8 +338,7 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
         ram_sha256=ram_sha256, last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
         sandbox_id=vm.id, hostname=vm.hostname,
     )
-    with _checked_lock:
-        _checked.add(_file_key(ram))
+    memimage.remember(ram)
     # the VM's description joins the workspace's manifest: the store's checksum covers both
     files = dest
     manifest = json.loads((files / fs_snapshot.MANIFEST).read_bytes())
@@ -456,20 +361,17 @@ def load(files: Path, digest: str) -> tuple[VMImage, list[dict[str, Any]], Path]
     vm_dir = files.parent / VM_DIR
     try:
         state = (vm_dir / "state").read_bytes()
-        key = _file_key(vm_dir / "ram")
+        ram_size = (vm_dir / "ram").stat().st_size
     except OSError as exc:
         raise SnapshotCorrupt(f"snapshot {name}: its VM state is unreadable ({exc.strerror})") from None
     if hashlib.sha256(state).hexdigest() != image.state_sha256:
         raise SnapshotCorrupt(f"snapshot {name}: its VM state does not match its checksum")
-    if key[2] != image.ram_mb << 20:
-        raise SnapshotCorrupt(f"snapshot {name}: its memory image is {key[2]} bytes, not {image.ram_mb} MiB")
-    with _checked_lock:
-        known = key in _checked
-    if not known:
-        if ram_digest(vm_dir / "ram") != image.ram_sha256:
+    if ram_size != image.ram_mb << 20:
+        raise SnapshotCorrupt(f"snapshot {name}: its memory image is {ram_size} bytes, not {image.ram_mb} MiB")
+    if not memimage.checked(vm_dir / "ram"):
+        if memimage.ram_digest(vm_dir / "ram") != image.ram_sha256:
             raise SnapshotCorrupt(f"snapshot {name}: its memory image does not match its checksum")
-        with _checked_lock:
-            _checked.add(key)
+        memimage.remember(vm_dir / "ram")
     return image, entries, vm_dir
 
 
