@@ -229,6 +229,9 @@ def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_di
         sb.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
         sb.files.write("/workspace/w.txt", "remote-file")
         before = state_of(sb)
+        [kid] = sb.fork(1)  # through the server's fork route: its snapshot is made and removed there
+        assert state_of(kid)["value"] == before["value"]
+        kid.kill()
         snap = sb.snapshot()  # a live snapshot is the tenant's, as any other
         assert snap.kind == "live"
         with pytest.raises(SnapshotNotFound):
