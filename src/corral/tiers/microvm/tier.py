@@ -52,7 +52,7 @@ from ..linux.agent import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, A
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import reap_host_side
 from ..linux.sandbox import LinuxSandbox
-from . import guest, qemu, rootdisk, template, vmm
+from . import guest, live, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
 
 #: where port forwards' connector (a copy of the agent) goes in the guest
@@ -87,6 +87,7 @@ class MicroVMTier(Tier):
             "nothing survives the sandbox or its owner",
         ),
         pause=True,
+        snapshot="live",
         root=True,
     )
 
@@ -143,9 +144,15 @@ class MicroVMTier(Tier):
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
         return MicroVMSandbox(self, spec, sandbox_id, run_dir)
 
+    def create_from_snapshot(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, snapshot: Path,
+                             digest: str) -> TierSandbox:
+        """A VM restored from a live snapshot (live.py): its processes and memory, a fresh identity."""
+        return MicroVMSandbox(self, spec, sandbox_id, run_dir, seed=(snapshot, digest))
+
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # QEMU lives in the sandbox's host cgroup (killing it closes the tap too)
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
+        live.kill_converters(sandbox_id)  # a snapshot's, if its owner died taking it
 
     def ram_mb(self, memory: int) -> int:
         """Guest RAM for a memory limit, rounded up to 64 MiB so templates are few."""
@@ -154,12 +161,22 @@ class MicroVMTier(Tier):
 
 
 class MicroVMSandbox(LinuxSandbox):
-    def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+    #: guest RAM and the image's disk (what a live snapshot of it records)
+    ram_mb: int
+    image_disk: rootdisk.ImageDisk
+
+    def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
+                 seed: tuple[Path, str] | None = None) -> None:
         self._tier = tier
+        #: a live snapshot to restore (its files directory, its manifest's sha256)
+        self._live_seed = seed
+        if seed is not None:
+            self.hostname = sandbox_id
         self._exec_count = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
+        self._snapshot_lock = threading.Lock()
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
         #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
@@ -177,13 +194,16 @@ class MicroVMSandbox(LinuxSandbox):
         return self._connector_path
 
     def _setup(self) -> None:
+        if self._live_seed is not None:
+            live.setup_restored(self, *self._live_seed)
+            return
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
         # QEMU's user namespace (the uid range mapped): its helper starts while the rest is made
         self._start_userns(agent_binary(self._tier.state_dir))
         image = resolve(spec.image, self._tier.state_dir)
-        image_disk = rootdisk.image_disk(image)
-        ram_mb = self._tier.ram_mb(spec.limits.memory)
+        image_disk = self.image_disk = rootdisk.image_disk(image)
+        ram_mb = self.ram_mb = self._tier.ram_mb(spec.limits.memory)
         tmpl = template.get_template(self._tier.assets, self._tier.accel, ram_mb, image_disk)
         self.timings["template"] = time.monotonic() - t0
         host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
@@ -233,7 +253,8 @@ class MicroVMSandbox(LinuxSandbox):
         for path, data in self.network.files.items():
             channel.write_file(path, data, 0o644, as_agent=True)
 
-    def _launch(self, tmpl: template.Template, disk: rootdisk.ImageDisk, ws: Path, config: dict[str, str]) -> None:
+    def _launch(self, tmpl: template.Template, disk: rootdisk.ImageDisk, ws: Path,
+                config: dict[str, str] | None) -> None:
         """Start QEMU restoring the template and queue the configuration for the guest.
 
         Nothing here polls: the agent and QMP sockets are created (listening)
@@ -309,8 +330,9 @@ class MicroVMSandbox(LinuxSandbox):
             # both connects complete at once (the listen backlog): QEMU accepts later
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self._sock.connect(str(paths.agent_socket))
-            payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
-            self._sock.sendall(struct.pack("<I", len(payload)) + payload)
+            if config is not None:  # (a live snapshot's guest is past its configuration: live.py)
+                payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
+                self._sock.sendall(struct.pack("<I", len(payload)) + payload)
             if len(sockets) > 2:
                 self._start_bridge(sockets[2])
             qmp_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -337,6 +359,8 @@ class MicroVMSandbox(LinuxSandbox):
             threading.Thread(target=self._trace_restore, args=(qmp, t0), daemon=True).start()
         else:
             qmp.close()
+        if config is None:
+            return  # its agent is past "ready": live.setup_restored finds its answer in the stream
         self._channel = AgentChannel(os.dup(self._sock.fileno()), os.dup(self._sock.fileno()))
         # a command's own user= is honoured; without one it runs as the agent's default user, told
         # at "go" (uid 1000 with no capability, or guest root for a sandbox created with user="root")
@@ -379,6 +403,30 @@ class MicroVMSandbox(LinuxSandbox):
             except OSError:
                 pass
         return text.strip() or "(no output)"
+
+    # -- live snapshots (live.py) --------------------------------------------
+    def qmp(self) -> qemu.QMP:
+        """A new QMP connection to the running QEMU (its listener takes one client at a time)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(self._run_dir / "qmp.sock"))
+            return qemu.QMP(sock, timeout=live.MIGRATE_TIMEOUT)
+        except BaseException:
+            sock.close()
+            raise
+
+    def snapshot(self, dest: Path, shared: Path | None = None) -> int:
+        """A live snapshot (memory, devices, processes, workspace) into ``dest``; the VM runs on.
+        A paused VM is let run for the snapshot (its commands stay frozen) and paused again."""
+        with self._snapshot_lock:
+            was_paused = self.paused
+            if was_paused:
+                self.resume()
+            try:
+                return live.capture(self, self._channel_or_raise(), dest, shared)
+            finally:
+                if was_paused:
+                    self.pause()
 
     # -- commands ----------------------------------------------------------
     def _fire(self, kind: int, payload: bytes) -> None:
