@@ -34,6 +34,25 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
     return found
 
 
+def sandbox_disk(sandbox_id: str, run_dir: Path) -> Path:
+    """The sandbox's disk tmpfs as the host reaches it: at ``run_dir/disk`` where it was mounted in
+    the host's namespace (gVisor), else through a process of the sandbox's own mount namespace
+    (the process tier's bwrap: ``/proc/PID/root``)."""
+    disk = run_dir / "disk"
+    if os.path.ismount(disk):
+        return disk
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if sandbox_id not in Path(f"/proc/{pid}/cgroup").read_text():
+                continue
+            seen = Path(f"/proc/{pid}/root") / disk.relative_to("/")
+            if seen.is_dir() and os.path.ismount(seen):
+                return seen
+        except OSError:
+            continue
+    return disk
+
+
 def ranges_of(owner: str, state_dir: Path) -> list[int]:
     """Bases of the host uid ranges still reserved for ``owner`` (its records in the state dir)."""
     records = state_dir / "uids"

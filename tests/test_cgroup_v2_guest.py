@@ -2,7 +2,7 @@
 
 This machine is cgroup v1 hybrid, so the rest of the suite only ever runs the
 process tier's v1 path.  A microVM guest has a pure v2 hierarchy with every
-controller, bubblewrap and python3, and commands run there as root: enough to
+controller, bubblewrap and python3, and commands run there as root (``user="root"``): enough to
 run Corral's process tier.  One VM gets (as one tarball through its workspace,
 unpacked in the guest) Corral's ``src/corral`` with the static agent, pyseccomp,
 pytest with its pure-Python dependencies, and ``tests/``; pytest then runs in
@@ -176,7 +176,7 @@ def leftovers_command() -> str:
 def guest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
     workspace = tmp_path_factory.mktemp("v2-guest")
     build_payload(workspace)
-    sandbox = Sandbox.create(tier="microvm", memory=VM_MEMORY, workspace=f"{workspace}:ro")
+    sandbox = Sandbox.create(tier="microvm", memory=VM_MEMORY, workspace=f"{workspace}:ro", user="root")
     try:
         yield sandbox
     finally:

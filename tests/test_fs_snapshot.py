@@ -195,7 +195,7 @@ def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> N
 def test_tiers_that_cannot_snapshot_say_why(state_dir: Path) -> None:
     from corral.tiers import tier_class
 
-    assert tier_class("microvm").capabilities.snapshot == "" and tier_class("wasm").capabilities.snapshot == ""
+    assert tier_class("microvm").capabilities.snapshot == "live" and tier_class("wasm").capabilities.snapshot == ""
     skip_unless_tier("wasm", state_dir)
     with Sandbox.create(tier="wasm") as sb, pytest.raises(InvalidState, match="wasm tier cannot take snapshots"):
         sb.snapshot()

@@ -86,6 +86,26 @@ def test_probe_says_which_accelerator_and_why(vm: Sandbox, state_dir: Path) -> N
         assert "did not boot" in availability.reason or "/dev/kvm" in availability.reason
 
 
+def test_probe_says_so_where_the_ram_file_cannot_be_idmapped(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # QEMU (root of the sandbox's uid range only) gets the template's RAM file through an idmapped
+    # mount: a host that refuses one is told by the probe (corral doctor), not by a failed create
+    import errno
+
+    from corral.host import idmap
+
+    def refused(source: Path, userns_fd: int, *, read_only: bool = True) -> int:
+        raise OSError(errno.EINVAL, "mount_setattr: Invalid argument")
+
+    assert tier_class("microvm").probe(state_dir).available
+    monkeypatch.setattr(idmap, "idmapped_tree", refused)
+    availability = tier_class("microvm").probe(state_dir)
+    assert not availability.available and "idmapped mount" in availability.reason, availability
+    assert "Invalid argument" in availability.reason
+    # the check's own range is released either way
+    assert not [r for r in (state_dir / "uids").iterdir() if r.read_text() == "microvm-probe"]
+
+
 def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
     r = vm.commands.run(py("import platform; print(platform.release()); print(open('/proc/version').read())"))
     release, version = r.stdout.split("\n", 1)
@@ -99,8 +119,8 @@ def test_guest_runs_its_own_kernel(vm: Sandbox) -> None:
 
 def test_image_is_shared_read_only_with_a_private_writable_layer(vm: Sandbox) -> None:
     marker = "/usr/corral-microvm-write-test"
-    r = vm.commands.run(py(f"open({marker!r}, 'w').write('guest'); print(open({marker!r}).read())"))
-    assert r.stdout == "guest\n", r  # the guest's overlay takes the write...
+    r = vm.commands.run(py(f"open({marker!r}, 'w').write('guest'); print(open({marker!r}).read())"), user="root")
+    assert r.stdout == "guest\n", r  # the guest's overlay takes guest root's write...
     assert not Path(marker).exists()  # ...and the host's /usr never sees it
 
 
@@ -160,7 +180,8 @@ def test_identity_files_leave_the_images_etc_as_it_was(vm: Sandbox, state_dir: P
 def test_agent_runs_outside_the_commands_cgroup_and_in_the_new_root(vm: Sandbox) -> None:
     # the agent is started before the snapshot (in the initramfs) and shares pid 1's
     # root: after the restore it must see the sandbox's root and sit in cgroup "agent"
-    r = vm.commands.run(["sh", "-c", "cat /proc/$PPID/comm /proc/$PPID/cgroup /proc/$PPID/root/etc/hostname"])
+    r = vm.commands.run(["sh", "-c", "cat /proc/$PPID/comm /proc/$PPID/cgroup /proc/$PPID/root/etc/hostname"],
+                        user="root")  # (another user's /proc/PID/root is not the user's to follow)
     assert r.exit_code == 0, r.stderr
     assert r.stdout.splitlines() == ["corral-agent", "0::/agent", "sandbox"]
 
@@ -168,7 +189,7 @@ def test_agent_runs_outside_the_commands_cgroup_and_in_the_new_root(vm: Sandbox)
 def test_a_command_whose_cgroup_leaf_cannot_be_made_is_not_run() -> None:
     # the leaf's mkdir is sent with the exec, not waited for: its failure must still
     # keep the command from running (here guest root forbade new leaves)
-    with Sandbox.create(tier="microvm", memory="256M") as sb:
+    with Sandbox.create(tier="microvm", memory="256M", user="root") as sb:
         limit = "echo 0 > /sys/fs/cgroup/sandbox/cgroup.max.descendants"
         assert sb.commands.run(["sh", "-c", limit]).exit_code == 0
         with pytest.raises(ContainmentFailed) as refused:
@@ -190,22 +211,30 @@ def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:
 
 
 def test_a_qemu_that_dies_at_restore_fails_the_create_at_once(
-        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the real QEMU, except that a restore exits at once: the host's connections to its
     # sockets must be reset, not left queued until the 60 s start timeout
     import shutil
+    import tempfile
 
     real = shutil.which("qemu-system-x86_64")
-    wrapper = tmp_path / "qemu-dies-at-restore"
-    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -incoming "*) exit 1;; esac\nexec {real} "$@"\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CORRAL_QEMU", str(wrapper))
-    before = set(all_leftovers(state_dir))
-    started = time.monotonic()
-    with pytest.raises(SandboxError, match="restor"):
-        Sandbox.create(tier="microvm", memory="256M")
-    assert time.monotonic() - started < 15
-    assert set(all_leftovers(state_dir)) == before
+    # where QEMU's user (the sandbox range's root, not host root) may run it: not under tmp_path's 0700
+    home = Path(tempfile.mkdtemp(prefix="corral-test-qemu-"))
+    try:
+        home.chmod(0o755)
+        wrapper = home / "qemu-dies-at-restore"
+        wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -incoming "*) exit 1;; esac\nexec {real} "$@"\n')
+        wrapper.chmod(0o755)
+        monkeypatch.setenv("CORRAL_QEMU", str(wrapper))
+        before = set(all_leftovers(state_dir))
+        started = time.monotonic()
+        with pytest.raises(SandboxError, match="restor") as failed:
+            Sandbox.create(tier="microvm", memory="256M")
+        assert time.monotonic() - started < 15
+        assert "cannot execute" not in str(failed.value)  # the wrapper ran, and QEMU exited at restore
+        assert set(all_leftovers(state_dir)) == before
+    finally:
+        shutil.rmtree(home)
 
 
 def test_network_none_has_a_loopback_and_nothing_else(vm: Sandbox) -> None:

@@ -5,7 +5,7 @@ The namespace, veth, NAT, nftables table and NFLOG audit are the process tier's
 veth, whose fd QEMU's virtio-net device gets, and the guest taking the
 sandbox's address on eth0 after the restore.  Every VM has that device: with
 ``none``/``allow`` its backend is a port on an empty QEMU hub, and a guest
-(commands run as guest root) that configures eth0 itself reaches nothing.
+(a sandbox created with ``user="root"``) that configures eth0 itself reaches nothing.
 Each check goes both ways, on the shared test network (``egress_net``; this
 area's names start with ``vmopen``).
 
@@ -140,10 +140,10 @@ print("sent")
 
 
 def test_a_forged_source_from_guest_root_is_dropped_and_audited(net: TargetNet, forwarding_on: None) -> None:
-    """Commands are guest root (raw sockets): a datagram with the sandbox's own source reaches the
+    """Commands are guest root (``user="root"``, raw sockets): a datagram with the sandbox's own source reaches the
     allowed target, the same with a forged source does not and is audited (`spoofed-source`)."""
     listener, port = udp_sink(net, timeout=5)
-    with Sandbox.create(tier="microvm", network="open", memory="256M",
+    with Sandbox.create(tier="microvm", network="open", memory="256M", user="root",
                         unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
         own = sb.commands.run("ip -4 -o addr show dev eth0 | awk '{print $4}' | cut -d/ -f1").stdout.strip()
         sent = sb.commands.run(["python3", "-c", FORGE, own, net.target, str(port)])
@@ -161,7 +161,7 @@ def test_without_open_the_network_device_is_a_black_hole(net: TargetNet, mode: s
     and reach nothing (QEMU's hub has no other port): no answer, no neighbour, nothing received."""
     kind: dict[str, Any] = {"none": {}, "allow": {"allow": [f"{net.target}:8080"],
                                                  "unsafe_allow_ranges": [f"{net.target}/32"]}}[mode]
-    with Sandbox.create(tier="microvm", network=mode, memory="256M", **kind) as sb:
+    with Sandbox.create(tier="microvm", network=mode, memory="256M", user="root", **kind) as sb:
         guest = net.target.rsplit(".", 1)[0] + ".77"
         script = (f"ip addr add {guest}/24 dev eth0 && ip link set eth0 up && "
                   f"curl -sS -m 3 --noproxy '*' http://{net.target}:8080/vmopen-hole; echo curl=$?; "

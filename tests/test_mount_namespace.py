@@ -22,9 +22,12 @@ def _host_mounts_under(path: Path) -> list[Path]:
     return mounts.mounts_under(path)  # this process's namespace: the host's
 
 
-def test_live_sandboxes_add_no_mount_to_the_hosts_namespace(state_dir: Path) -> None:
+def test_live_sandboxes_add_no_mount_to_the_hosts_namespace(state_dir: Path, tmp_path: Path) -> None:
     sandboxes = state_dir / "sandboxes"
-    live = [Sandbox.create() for _ in range(3)]
+    workspace = tmp_path / "dn-ws"
+    workspace.mkdir()
+    # the first with a host workspace: its overlay (ws_overlay) is mounted in its namespace too
+    live = [Sandbox.create(workspace=str(workspace)), Sandbox.create(), Sandbox.create()]
     try:
         assert _host_mounts_under(sandboxes) == []
         for sb in live:
@@ -35,6 +38,8 @@ def test_live_sandboxes_add_no_mount_to_the_hosts_namespace(state_dir: Path) -> 
             # and work: the overlay root takes writes, the workspace copy too
             result = sb.commands.run("echo hi > /tmp/f && cat /tmp/f && echo w > /workspace/w && cat /workspace/w")
             assert result.stdout == "hi\nw\n", result.stderr
+        assert str(sandboxes / live[0].id / "disk" / "ws") in mounts.mounted_anywhere(sandboxes / live[0].id)
+        assert (workspace / "w").read_text() == "w\n"  # written back from the overlay's upper layer
         # each sees only its own: no sandbox's namespace holds another's mounts
         first = sandboxes / live[0].id
         others = _pids_of(live[1].id)

@@ -240,17 +240,66 @@ def test_gvisor_root_and_real_owners(state_dir: Path) -> None:
     assert not Path("/usr/bin/c13-x").exists()
 
 
-def test_microvm_runs_a_command_as_uid_1000_when_asked(state_dir: Path) -> None:
+def test_microvm_defaults_to_uid_1000_root_is_asked_for_and_both_own_their_workspace_files(
+        state_dir: Path, tmp_path: Path) -> None:
+    """The microVM as the other tiers: uid 1000 with no capability by default, guest root on create
+    or per command.  /workspace is a passthrough 9p export from a QEMU that is root of the sandbox's
+    uid range (and nothing more): guest uid N is host ``base + N``, so the user writes it, a file
+    shows who made it, root's chown is real; write-back gives every file the workspace's owner."""
+    from corral.tiers.microvm import MicroVMSandbox
+    from corral.tiers.microvm.vmm import VMM_CAPS
+
     from .tier_probe import skip_unless_tier
 
     skip_unless_tier("microvm", state_dir)
-    with Sandbox.create(tier="microvm", memory="256M") as vm:
-        # without user= a command runs as the guest agent (root of its own kernel), as before
-        assert vm.commands.run("id -u").stdout == "0\n"
-        user = _status(vm, "user")
-        assert user["uid"] == "1000" and user["CapEff:"] == user["CapBnd:"] == "0" * 16
-        assert vm.commands.run("id -u", user="root").stdout == "0\n"
-        assert vm.commands.run("touch /usr/bin/c13-x", user="user").exit_code != 0
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "given.txt").write_text("host\n")
+    os.chown(ws, 4321, 4322)
+    with Sandbox.create(tier="microvm", memory="256M", workspace=str(ws)) as vm:
+        user = _status(vm)
+        assert user["uid"] == "1000" and user["CapEff:"] == user["CapBnd:"] == "0" * 16, user
+        with pytest.raises(InvalidSpec):  # the same values and errors as on the other tiers
+            vm.commands.run("id -u", user="admin")
+        r = vm.commands.run(
+            "stat -c %U:%G /usr/bin/env; stat -c %U ~ /workspace /workspace/given.txt; "
+            "echo new > /workspace/new && mkdir /workspace/d && ln -s ../given.txt /workspace/d/link && "
+            "echo more >> /workspace/given.txt && touch ~/h && stat -c %u /workspace/new ~/h && "
+            "echo x > /workspace/gone && rm /workspace/gone && echo done")
+        assert r.stdout == "root:root\nuser\nuser\nuser\n1000\n1000\ndone\n", r
+        # the user cannot do root's things: write the image's files, give a file away
+        denied = vm.commands.run("for c in 'touch /etc/c13-vm' 'chown 0 /workspace/given.txt' 'chown 0 ~/h' "
+                                 "'chmod u+s /usr/bin/env'; do $c 2>/dev/null && echo ALLOWED: $c; done; echo end")
+        assert denied.stdout == "end\n", denied
+        root = vm.commands.run("id -u; chown 1234:1235 /workspace/given.txt && stat -c %u:%g /workspace/given.txt; "
+                               "echo r > /workspace/by-root", user="root")
+        assert root.stdout == "0\n1234:1235\n", root
+        vm.files.write("/workspace/by-api", "x")  # the files API writes as the default user
+        vm.files.write("/home/user/by-api", "x")
+        owners = vm.commands.run("stat -c %u /workspace/by-api /home/user/by-api /workspace/by-root")
+        assert owners.stdout == "1000\n1000\n0\n", owners
+        # on the host: the copy's owners are the range's, QEMU is the range's root with VMM_CAPS only
+        inner = vm._inner
+        assert isinstance(inner, MicroVMSandbox) and inner.workspace is not None
+        base = inner.uid_range.base
+        copy = inner.workspace.copy
+        assert [os.lstat(copy / n).st_uid - base for n in ("given.txt", "new", "by-root", "d/link")] \
+            == [1234, 1000, 0, 1000]
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{inner.qemu_pid()}/status").read_text().splitlines())
+        assert {int(u) for u in status["Uid"].split()} == {base}, status["Uid"]
+        assert status["CapEff"].strip() == status["CapBnd"].strip() == f"{VMM_CAPS:016x}"
+        assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2"
+    # write-back: whoever made a file inside, the host's copy is the workspace directory's owner's
+    for path in (ws / "given.txt", ws / "new", ws / "by-root", ws / "by-api", ws / "d", ws / "d" / "link"):
+        st = os.lstat(path)
+        assert (st.st_uid, st.st_gid) == (4321, 4322), path
+    assert (ws / "given.txt").read_text() == "host\nmore\n" and os.readlink(ws / "d" / "link") == "../given.txt"
+    assert not (ws / "gone").exists()
+    with Sandbox.create(tier="microvm", memory="256M", user="root") as vm:
+        assert vm.commands.run("id -u; stat -c %U /home/user").stdout == "0\nuser\n"
+        assert _status(vm, "user")["uid"] == "1000"
+        vm.files.write("/root/by-api", "x")  # root's sandbox: the files API writes as root
+        assert vm.commands.run("stat -c %u /root/by-api").stdout == "0\n"
 
 
 def test_a_host_that_cannot_idmap_still_runs_sandboxes_with_unmapped_image_files(

@@ -298,8 +298,8 @@ class AsyncHTTPBackend:
     async def is_paused(self) -> bool:
         return not self.closed and (await self.info()).state == "paused"
 
-    async def pause(self) -> None:
-        self.data = await self._call("POST", "/pause")
+    async def pause(self, to_disk: bool = False) -> None:
+        self.data = await self._call("POST", "/pause", json={"to_disk": True} if to_disk else None)
 
     async def resume(self) -> None:
         self.data = await self._call("POST", "/resume")

@@ -383,8 +383,12 @@ class AsyncSandbox:
     async def is_paused(self) -> bool:
         return await self._backend.is_paused()
 
-    async def pause(self) -> None:
-        await self._backend.pause()
+    async def pause(self, to_disk: bool = False) -> None:
+        """As :meth:`corral.Sandbox.pause`."""
+        if to_disk:
+            await self._backend.pause(True)
+        else:
+            await self._backend.pause()
 
     async def resume(self) -> None:
         await self._backend.resume()

@@ -265,8 +265,8 @@ class HTTPBackend(SandboxBackend):
     def paused(self) -> bool:
         return not self.closed and self.refresh().get("state") == "paused"
 
-    def pause(self) -> None:
-        self.data = self._call("POST", "/pause")
+    def pause(self, to_disk: bool = False) -> None:
+        self.data = self._call("POST", "/pause", json={"to_disk": True} if to_disk else None)
 
     def resume(self) -> None:
         self.data = self._call("POST", "/resume")

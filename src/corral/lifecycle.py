@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import parked
 from .errors import InvalidSpec, InvalidState
 from .registry import Registry, Row, gc
 
@@ -102,7 +103,9 @@ def info_of_row(row: Row) -> SandboxInfo:
 
 
 def list_embedded(root: Path, metadata: dict[str, str] | None) -> list[SandboxInfo]:
-    infos = []
+    infos = [SandboxInfo(record.sandbox_id, str(record.spec.get("tier", "")), str(record.spec.get("image", "")),
+                         dict(record.metadata), record.started_at, record.end_at, "paused")
+             for record in parked.every(root) if matches(record.metadata, metadata)]
     for row in Registry.at(root).rows():
         if not row.owner_alive():
             continue

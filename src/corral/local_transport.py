@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import owner_link
+from . import owner_link, parked
 from .commands import BASE_ENV, ROOT_ENV, CommandInfo, argv_of
 from .egress.network import SandboxNetwork
-from .errors import InvalidSpec, SandboxClosed, SandboxNotFound, host_errors
+from .errors import InvalidSpec, InvalidState, SandboxClosed, SandboxNotFound, SandboxPaused, host_errors
 from .host.procs import raise_open_files_limit
 from .lifecycle import (
     LIVE,
@@ -33,6 +33,7 @@ from .lifecycle import (
     row_of,
 )
 from .owner_backend import OwnerBackend
+from .parked import Parked
 from .ports import ExposedPort
 from .registry import Registry, gc, state_dir
 from .secrets import StreamRedactor
@@ -116,9 +117,11 @@ class LocalProcess(CommandProcess):
 class LocalBackend(SandboxBackend):
     """One sandbox of this process."""
 
-    def __init__(self, spec: SandboxSpec, inner: TierSandbox, root: Path, registry: Registry,
-                 metadata: dict[str, str]) -> None:
-        self.id = inner.id
+    def __init__(self, spec: SandboxSpec, inner: TierSandbox | None, root: Path, registry: Registry,
+                 metadata: dict[str, str], parked_record: Parked | None = None) -> None:
+        self.id = inner.id if inner is not None else parked_record.sandbox_id if parked_record else ""
+        #: paused to disk (``pause(to_disk=True)``, :mod:`corral.parked`): its record, and no ``inner``
+        self.parked = parked_record
         self.spec = spec
         self.inner: TierSandbox | None = inner
         self.root = root
@@ -138,6 +141,8 @@ class LocalBackend(SandboxBackend):
         self.front: weakref.ref[Any] | None = None
 
     def tier_sandbox(self) -> TierSandbox:
+        if self.inner is None and self.parked is not None:
+            raise SandboxPaused(f"sandbox {self.id} is paused to disk: resume() it first", sandbox_id=self.id)
         if self.inner is None:
             raise SandboxClosed(f"sandbox {self.id} was destroyed", sandbox_id=self.id)
         return self.inner
@@ -248,7 +253,8 @@ class LocalBackend(SandboxBackend):
         return dict(self._metadata)
 
     def info(self) -> SandboxInfo:
-        self.tier_sandbox()
+        if self.parked is None:
+            self.tier_sandbox()
         return SandboxInfo(self.id, self.spec.tier, self.spec.image, dict(self._metadata), self._started_at,
                            self._lifetime.end_at, "paused" if self.paused else "running")
 
@@ -261,19 +267,73 @@ class LocalBackend(SandboxBackend):
                 **row.record.get("corral", {}), "end_at": self._lifetime.end_at}})
 
     def alive(self) -> bool:
-        return self.inner is not None and self.inner.alive()
+        return self.parked is not None or (self.inner is not None and self.inner.alive())
 
     @property
     def paused(self) -> bool:
-        return self.inner is not None and self.inner.paused
+        return self.parked is not None or (self.inner is not None and self.inner.paused)
 
-    def pause(self) -> None:
+    def pause(self, to_disk: bool = False, tenant: str | None = None, server: dict[str, Any] | None = None) -> None:
+        """``to_disk``: save the whole live state as a snapshot and release everything (a
+        microVM's QEMU exits); ``tenant`` and ``server``: the server's facts, kept for its restart."""
+        if self.parked is not None:
+            raise InvalidState(f"sandbox {self.id} is already paused (to disk)", sandbox_id=self.id)
+        if to_disk:
+            self._park(tenant, server or {})
+            return
         with host_errors("pause the sandbox", self.id):
             self.tier_sandbox().pause()
 
     def resume(self) -> None:
+        if self.parked is not None:
+            self._unpark()
+            return
         with host_errors("resume the sandbox", self.id):
             self.tier_sandbox().resume()
+
+    def _park(self, tenant: str | None, server: dict[str, Any]) -> None:
+        inner = self.tier_sandbox()
+        spec = self.spec
+        if inner.paused:
+            raise InvalidState(f"sandbox {self.id} is already paused", sandbox_id=self.id)
+        if tier_class(spec.tier).capabilities.snapshot != "live":
+            raise InvalidState(f"sandbox {self.id}: the {spec.tier} tier cannot pause to disk (it saves processes "
+                               "and memory only on a tier with live snapshots: microvm); pause() keeps it in memory",
+                               sandbox_id=self.id)
+        if spec.workspace is not None or spec.network != "none":
+            raise InvalidState(f"sandbox {self.id}: a sandbox with a host workspace or a network cannot pause to "
+                               "disk (neither is part of its saved state)", sandbox_id=self.id)
+        with host_errors("pause the sandbox to disk", self.id):
+            snapshot = SnapshotStore(self.root).take(inner, spec, tenant, parked_by=self.id)
+        record = Parked(self.id, snapshot.id, spec.to_dict(), dict(self._metadata), self._started_at,
+                        self._lifetime.end_at, server)
+        parked.save(self.root, record)
+        with self._lock:
+            self._started = []
+        self.inner, self.parked = None, record
+        try:
+            inner.close()  # its memory goes with its QEMU
+        finally:
+            self._registry.remove(self.id)
+
+    def _unpark(self) -> None:
+        try:
+            with parked.claimed(self.root, self.id) as record:
+                if record is None:
+                    self.parked = None
+                    LIVE.pop(self.id, None)
+                    raise SandboxNotFound(f"sandbox {self.id} was resumed or killed by another process",
+                                          sandbox_id=self.id)
+                store = SnapshotStore(self.root)
+                _, files, digest = store.files(record.snapshot_id, parked=True)
+                with host_errors("resume the sandbox from disk", self.id):
+                    self.inner, self._registry = start_inner(self.root, self.spec, self.id, (files, digest),
+                                                             self._metadata, self._lifetime.end_at)
+                self.parked = None
+                store.delete(record.snapshot_id, parked=True)
+                parked.remove(self.root, self.id)
+        except BlockingIOError:
+            raise InvalidState(f"sandbox {self.id} is being resumed by another process", sandbox_id=self.id) from None
 
     def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
                  timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
@@ -307,6 +367,11 @@ class LocalBackend(SandboxBackend):
     def close(self) -> None:
         self._lifetime.cancel()
         inner, self.inner = self.inner, None
+        record, self.parked = self.parked, None
+        if record is not None:  # paused to disk: its saved state goes
+            SnapshotStore(self.root).delete(record.snapshot_id, parked=True)
+            parked.remove(self.root, self.id)
+            LIVE.pop(self.id, None)
         if inner is None:
             return
         try:
@@ -314,6 +379,43 @@ class LocalBackend(SandboxBackend):
         finally:
             self._registry.remove(self.id)
             LIVE.pop(self.id, None)
+
+
+def start_inner(root: Path, spec: SandboxSpec, sandbox_id: str, seed: tuple[Path, str] | None,
+                metadata: dict[str, str], end_at: float | None) -> tuple[TierSandbox, Registry]:
+    """Make a sandbox's tier side (from a snapshot's files with ``seed``), registered; nothing is
+    left of it if that fails."""
+    registry = Registry.at(root)
+    run_dir = root / "sandboxes" / sandbox_id
+    tier = get_tier(spec.tier, root)
+    registry.add(sandbox_id, spec.tier, run_dir)
+    try:
+        run_dir.mkdir(mode=0o700)
+        inner = (tier.create(spec, sandbox_id, run_dir) if seed is None
+                 else tier.create_from_snapshot(spec, sandbox_id, run_dir, *seed))
+    except BaseException:
+        tier.reap(sandbox_id, run_dir, {})
+        registry.remove(sandbox_id)
+        raise
+    registry.set_record(sandbox_id, {**inner.reap_record(), "corral": {
+        "metadata": metadata, "image": spec.image, "end_at": end_at}})
+    return inner, registry
+
+
+def adopt_parked(root: Path, record: Parked) -> LocalBackend:
+    """This process's backend of a sandbox paused to disk (by it, or by a process gone since)."""
+    backend = LIVE.get(record.sandbox_id)
+    if backend is not None and backend.inner is None:
+        backend.parked = record  # as it is now: another process may have resumed and paused it since
+        return backend
+    spec = SandboxSpec.from_dict(record.spec)
+    backend = LocalBackend(spec, None, root, Registry.at(root), record.metadata, record)
+    backend._started_at = record.started_at
+    LIVE[backend.id] = backend
+    owner_link.serve(root)
+    if record.end_at is not None:
+        backend._lifetime.set(max(1.0, record.end_at - time.time()))
+    return backend
 
 
 class LocalTransport(Transport):
@@ -343,21 +445,8 @@ class LocalTransport(Transport):
         with host_errors("create the sandbox", sandbox_id):
             root = self.root
             _startup_gc(root)
-            registry = Registry.at(root)
-            run_dir = root / "sandboxes" / sandbox_id
-            tier = get_tier(spec.tier, root)
-            registry.add(sandbox_id, spec.tier, run_dir)
-            try:
-                run_dir.mkdir(mode=0o700)
-                inner = (tier.create(spec, sandbox_id, run_dir) if seed is None
-                         else tier.create_from_snapshot(spec, sandbox_id, run_dir, *seed))
-            except BaseException:
-                tier.reap(sandbox_id, run_dir, {})
-                registry.remove(sandbox_id)
-                raise
             end_at = time.time() + options.lifetime if options.lifetime is not None else None
-            registry.set_record(sandbox_id, {**inner.reap_record(), "corral": {
-                "metadata": options.metadata, "image": spec.image, "end_at": end_at}})
+            inner, registry = start_inner(root, spec, sandbox_id, seed, options.metadata, end_at)
         backend = LocalBackend(spec, inner, root, registry, options.metadata)
         LIVE[backend.id] = backend
         owner_link.serve(root)
@@ -372,6 +461,9 @@ class LocalTransport(Transport):
         owner = owner_elsewhere(self.root, sandbox_id)
         if owner is not None:
             return OwnerBackend(self.root, owner, sandbox_id)
+        record = parked.load(self.root, sandbox_id)
+        if record is not None:  # paused to disk, by this process or one gone since: ours now
+            return adopt_parked(self.root, record)
         raise SandboxNotFound(f"no live sandbox {sandbox_id}", sandbox_id=sandbox_id)
 
     def list(self, metadata: dict[str, str] | None) -> list[SandboxInfo]:
@@ -384,6 +476,10 @@ class LocalTransport(Transport):
         return SnapshotStore(self.root).delete(snapshot_id)
 
     def kill(self, sandbox_id: str) -> bool:
+        record = parked.load(self.root, sandbox_id) if sandbox_id not in LIVE else None
+        if record is not None:
+            adopt_parked(self.root, record).close()
+            return True
         owner = owner_elsewhere(self.root, sandbox_id) if sandbox_id not in LIVE else None
         if owner is not None:  # its owner destroys it, as if it had called kill() itself
             OwnerBackend(self.root, owner, sandbox_id).close()

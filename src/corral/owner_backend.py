@@ -233,8 +233,8 @@ class OwnerBackend(SandboxBackend):
     def paused(self) -> bool:
         return not self.closed and bool(self._call("paused"))
 
-    def pause(self) -> None:
-        self._call("pause")
+    def pause(self, to_disk: bool = False) -> None:
+        self._call("pause", to_disk=to_disk)
 
     def resume(self) -> None:
         self._call("resume")

@@ -207,7 +207,7 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         "set_timeout": lambda: backend.set_timeout(float(args["seconds"])),
         "alive": backend.alive,
         "paused": lambda: backend.paused,
-        "pause": backend.pause,
+        "pause": lambda: backend.pause(to_disk=bool(args.get("to_disk"))),
         "resume": backend.resume,
         "create_code_context": lambda: backend.create_code_context(args["language"], args.get("cwd")),
         "audit": lambda: [event.to_dict() for event in backend.audit()],

@@ -311,12 +311,21 @@ class Sandbox:
     def paused(self) -> bool:
         return self._backend.paused
 
-    def pause(self) -> None:
+    def pause(self, to_disk: bool = False) -> None:
         """Freeze the sandbox: its processes stop where they are and keep their memory, no CPU
         is used, and running commands' timeouts stop counting.  Commands and file calls raise
         :class:`SandboxPaused` until :meth:`resume`.  Raises :class:`InvalidState` on a tier
-        that cannot pause (``Capabilities.pause``) and on a sandbox already paused."""
-        self._backend.pause()
+        that cannot pause (``Capabilities.pause``) and on a sandbox already paused.
+
+        ``to_disk=True`` (microVM, ``Capabilities.snapshot == "live"``): its memory, devices,
+        processes and workspace are written to the snapshot store and everything it held is
+        released (QEMU exits).  It survives this process and a server's restart:
+        ``Sandbox.connect(id).resume()`` brings it back with its processes and memory and the
+        same identity (docs/snapshots.md)."""
+        if to_disk:
+            self._backend.pause(to_disk=True)
+        else:
+            self._backend.pause()
 
     def resume(self) -> None:
         """Let a paused sandbox run on from where it stopped (:class:`InvalidState` if it is not paused)."""
@@ -326,7 +335,9 @@ class Sandbox:
     def snapshot(self) -> Snapshot:
         """Save the sandbox's files (process and gVisor tiers: what it changed of its image, deletions
         included, and its /workspace) -- not its processes, memory, network rules or secrets.  The
-        sandbox is paused while they are copied, then runs on.  ``Sandbox.create(snapshot=s.id)``
+        sandbox is paused while they are copied, then runs on.  On the microVM the snapshot is its
+        live state (kind "live": memory, devices, processes, /workspace), and a VM made from it
+        gets a fresh identity (RNG, boot id, hostname, machine id).  ``Sandbox.create(snapshot=s.id)``
         starts from it.  Raises :class:`InvalidState` on a tier that cannot."""
         return self._backend.snapshot()
 

@@ -4,7 +4,9 @@ A snapshot of a process or gVisor sandbox is its *filesystem*: what it changed o
 overlay's writable layers, deletions included) and its workspace copy.  It holds no processes,
 no memory, no network rules and no secrets: a sandbox made from it (``Sandbox.create(snapshot=)``,
 ``sb.fork(n)``) starts fresh processes with a fresh identity (sandbox id, hostname, machine id)
-on the same tier and image.  The microVM and wasm tiers cannot take one (:class:`InvalidState`).
+on the same tier and image.  A microVM's is *live* (kind "live": memory, devices, processes and
+its workspace; :mod:`corral.tiers.microvm.live`), and is also how a sandbox pauses to disk
+(:mod:`corral.parked`).  The wasm tier cannot take one (:class:`InvalidState`).
 
 Stored under ``<state>/snapshots/`` (0700)::
 
@@ -35,6 +37,7 @@ from typing import Any
 
 from .errors import InvalidState, SnapshotCorrupt, SnapshotNotFound
 from .host.procs import process_start_time
+from .parked import load as load_parked
 from .spec import SandboxSpec
 from .tiers import tier_class
 from .tiers.base import TierSandbox
@@ -51,7 +54,8 @@ class Snapshot:
     """One stored snapshot."""
 
     id: str
-    #: what it holds: "filesystem" (files only: no processes, memory, network rules or secrets)
+    #: what it holds: "filesystem" (files only: no processes, memory, network rules or secrets), or
+    #: "live" (a microVM: memory, devices, processes and its workspace; docs/snapshots.md)
     kind: str
     #: bytes of its files and manifest (contents shared with other snapshots included)
     size: int
@@ -93,8 +97,11 @@ class SnapshotStore:
         self.dir.mkdir(mode=0o700, exist_ok=True)
         return self.dir
 
-    def take(self, inner: TierSandbox, spec: SandboxSpec, tenant: str | None = None) -> Snapshot:
-        """Snapshot a live sandbox (paused while its files are copied, then running again)."""
+    def take(self, inner: TierSandbox, spec: SandboxSpec, tenant: str | None = None,
+             parked_by: str | None = None) -> Snapshot:
+        """Snapshot a live sandbox (paused while its files are copied, then running again).
+        ``parked_by``: the state of that sandbox paused to disk (:mod:`corral.parked`): not listed,
+        not usable or removable as a snapshot, but counted in its tenant's bytes."""
         kind = tier_class(spec.tier).capabilities.snapshot
         if not kind:
             raise InvalidState(f"sandbox {inner.id}: the {spec.tier} tier cannot take snapshots"
@@ -107,10 +114,10 @@ class SnapshotStore:
             shared = self.dir / SHARED
             shared.mkdir(mode=0o700, exist_ok=True)
             written = inner.snapshot(temp / "files", shared)
-            files = temp / "files"
-            size = (files / "manifest.json").stat().st_size + sum(p.stat().st_size for p in (files / "blobs").iterdir())
+            size = _stored_size(temp)
             snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id, written)
-            meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files")}
+            meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files"),
+                    "parked_by": parked_by}
             (temp / "meta.json").write_text(json.dumps(meta))
             temp.rename(self.dir / snapshot_id)  # whole, or not there at all
         except BaseException:
@@ -119,7 +126,7 @@ class SnapshotStore:
             raise
         return snapshot
 
-    def _meta(self, snapshot_id: str, tenant: str | None) -> dict[str, Any]:
+    def _meta(self, snapshot_id: str, tenant: str | None, parked: bool = False) -> dict[str, Any]:
         if not isinstance(snapshot_id, str) or not _ID.match(snapshot_id):
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
         path = self.dir / snapshot_id / "meta.json"
@@ -131,19 +138,20 @@ class SnapshotStore:
             str(meta["digest"])
         except (OSError, ValueError, KeyError, TypeError):
             raise SnapshotCorrupt(f"snapshot {snapshot_id}: its description is unreadable") from None
-        if tenant is not None and meta.get("tenant") != tenant:
+        if (tenant is not None and meta.get("tenant") != tenant) or bool(meta.get("parked_by")) != parked:
             raise SnapshotNotFound(f"no snapshot {snapshot_id}")
         return dict(meta)
 
-    def get(self, snapshot_id: str, tenant: str | None = None) -> Snapshot:
-        return Snapshot.from_dict(self._meta(snapshot_id, tenant))
+    def get(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> Snapshot:
+        return Snapshot.from_dict(self._meta(snapshot_id, tenant, parked))
 
-    def files(self, snapshot_id: str, tenant: str | None = None) -> tuple[Snapshot, Path, str]:
-        """The snapshot, its files directory and its manifest's recorded sha256 (for a create)."""
-        meta = self._meta(snapshot_id, tenant)
+    def files(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> tuple[Snapshot, Path, str]:
+        """The snapshot, its files directory and its manifest's recorded sha256 (for a create;
+        ``parked``: the state of a sandbox paused to disk, for its resume)."""
+        meta = self._meta(snapshot_id, tenant, parked)
         return Snapshot.from_dict(meta), self.dir / snapshot_id / "files", str(meta["digest"])
 
-    def list(self, tenant: str | None = None) -> list[Snapshot]:
+    def list(self, tenant: str | None = None, parked: bool = False) -> list[Snapshot]:
         if not self.dir.is_dir():
             return []
         found = []
@@ -151,18 +159,19 @@ class SnapshotStore:
             if not _ID.match(entry.name):
                 continue
             try:
-                found.append(self.get(entry.name, tenant))
+                found.append(self.get(entry.name, tenant, parked))
             except (SnapshotNotFound, SnapshotCorrupt):
                 continue
         return sorted(found, key=lambda s: s.created)
 
     def bytes_of(self, tenant: str | None) -> int:
-        return sum(s.size for s in self.list(tenant))
+        """What the tenant's snapshots take, the states of its sandboxes paused to disk included."""
+        return sum(s.size for s in (*self.list(tenant), *self.list(tenant, parked=True)))
 
-    def delete(self, snapshot_id: str, tenant: str | None = None) -> bool:
+    def delete(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> bool:
         """Remove a snapshot; False if there is none (of this tenant).  A corrupted one goes too."""
         try:
-            self._meta(snapshot_id, tenant)
+            self._meta(snapshot_id, tenant, parked)
         except SnapshotNotFound:
             return False
         except SnapshotCorrupt:
@@ -178,24 +187,57 @@ class SnapshotStore:
         return True
 
 
+def _stored_size(snapshot: Path) -> int:
+    """Bytes a snapshot holds: its manifest and blobs (shared ones included), and a live one's VM
+    memory and state as allocated on disk (the image disk it links to is the cache's, not counted)."""
+    files = snapshot / "files"
+    size = (files / "manifest.json").stat().st_size + sum(p.stat().st_size for p in (files / "blobs").iterdir())
+    vm = snapshot / "vm"
+    if vm.is_dir():
+        for path in vm.iterdir():
+            st = path.stat()
+            if path.name != "disk" and path.is_file():
+                size += min(st.st_size, st.st_blocks * 512)
+    return size
+
+
 def _why_not(tier: str) -> str:
-    if tier == "microvm":
-        return (": its files live on the guest's own disk, which Corral does not copy, and a live "
-                "snapshot is refused by QEMU 7.2 while the 9p workspace is mounted")
     if tier == "wasm":
         return ": its files live in the interpreter's memory file system, not in layers Corral can copy"
     return ""
 
 
+#: a sandbox's state paused to disk is written before its record (corral.parked): older than this
+#: with no record, its writer died in between
+PARKED_GRACE = 120.0
+
+
+def _orphaned_state(entry: Path, root: Path) -> bool:
+    """A sandbox's state paused to disk whose record never came (its writer died in between)."""
+    try:
+        owner = json.loads((entry / "meta.json").read_text()).get("parked_by")
+        old = time.time() - (entry / "meta.json").stat().st_mtime > PARKED_GRACE
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not owner or not old:
+        return False
+    record = load_parked(root, str(owner))
+    return record is None or record.snapshot_id != entry.name
+
+
 def reap_leftovers(root: Path) -> list[str]:
-    """Remove half-written snapshots whose writer is gone, and interrupted removals."""
+    """Remove half-written snapshots whose writer is gone, interrupted removals, and the saved
+    states of sandboxes paused to disk that no record names."""
     directory = root / DIRECTORY
     if not directory.is_dir():
         return []
     reaped = []
     for entry in directory.iterdir():
         name = entry.name
-        if name.startswith(".tmp-"):
+        if _ID.match(name):
+            if not _orphaned_state(entry, root):
+                continue
+        elif name.startswith(".tmp-"):
             parts = name.split("-")
             try:
                 pid, start = int(parts[-2]), int(parts[-1])

@@ -196,6 +196,7 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
     case T_FSTAT: if (len) do_fstat(id, payload); else send_err(id, EINVAL, "stat"); break;
     case T_FREMOVE: do_fremove(id, payload, len); break;
     case T_FMKDIR: do_fmkdir(id, payload, len); break;
+    case T_GUEST: agent_ids(1); do_guest(id, payload, len); agent_ids(0); break; /* as the guest's root */
     default: send_err(id, ENOSYS, "unknown request"); break;
     }
 }
@@ -241,6 +242,7 @@ int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--userns") == 0) return userns_main(argv[2]);
     if ((argc == 3 || argc == 4) && strcmp(argv[1], "--mountns") == 0)
         return mountns_main(argv[2], argc == 4 ? argv[3] : NULL);
+    if (argc > 1 && strcmp(argv[1], "--vmm") == 0) return vmm_main(argc, argv);
     /* the microVM guest's egress relay, started by its pid 1 (relay_mux.c) */
     if (argc == 3 && strcmp(argv[1], "--relay-mux") == 0) return relay_mux_main(atoi(argv[2]));
     prctl(PR_SET_DUMPABLE, 0);
@@ -317,6 +319,9 @@ int main(int argc, char **argv) {
         do n = read(fd, &go, 1); while (n < 0 && errno == EINTR);
         if (n != 1) return 2;
         close(fd);
+        /* "u": commands and file requests as the sandbox user (uid 1000) unless a command names
+         * its own; "g": as the agent (guest root), as a sandbox created with user="root" asks */
+        if (go == 'u' && set_default_user(1000) < 0) return 2;
     }
     if (!hold) send_frame(T_READY, 0, "corral-agent 1", 14);
     fork_spare();
@@ -371,7 +376,13 @@ int main(int argc, char **argv) {
             if (!payload) return 2;
             if (len && read_full(0, payload, len) <= 0) return 0;
             payload[len] = 0;
-            handle_request(hdr[0], id, payload, len);
+            if (hdr[0] & T_AS_AGENT) {
+                /* a file request of the host's own (the microVM's cgroup leaves, its network
+                 * files): with the agent's ids, not the default user's */
+                agent_ids(1);
+                handle_request(hdr[0] & ~T_AS_AGENT, id, payload, len);
+                agent_ids(0);
+            } else handle_request(hdr[0], id, payload, len);
         }
     }
 }

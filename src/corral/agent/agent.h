@@ -12,7 +12,9 @@ enum {
     T_EXEC = 1, T_GO = 2, T_STDIN = 3, T_STDIN_EOF = 4, T_SIGNAL = 5,
     T_EXEC_PTY = 6, T_RESIZE = 7, T_EXEC_SPARE = 8,
     T_FREAD = 10, T_FWRITE = 11, T_FAPPEND = 12, T_FLIST = 13, T_FREMOVE = 14,
-    T_FMKDIR = 15, T_FSTAT = 16,
+    T_FMKDIR = 15, T_FSTAT = 16, T_GUEST = 17,
+    /* on a file request: run it with the agent's own ids (agent_ids) */
+    T_AS_AGENT = 0x80,
     /* agent -> host */
     T_READY = 100, T_STARTED = 101, T_STDOUT = 102, T_STDERR = 103,
     T_EXIT = 104, T_DATA = 105, T_SPARE = 106, T_OK = 110, T_ERR = 111,
@@ -54,6 +56,8 @@ int set_default_user(long uid);
 void give_new_file(int fd, const char *path);
 int become_user(uid_t uid);
 int userns_main(const char *uid_text);
+int vmm_main(int argc, char **argv);
+void agent_ids(int on);
 
 /* mountns.c: a sandbox's own mount namespace (`--mountns FD [UID]`) */
 int mountns_main(const char *fd_text, const char *userns_uid);
@@ -75,6 +79,9 @@ void do_flist(uint32_t id, const char *path);
 void do_fstat(uint32_t id, const char *path);
 void do_fremove(uint32_t id, char *payload, uint32_t len);
 void do_fmkdir(uint32_t id, char *payload, uint32_t len);
+
+/* guest_ops.c: the microVM guest around a live snapshot (unmount, mount, fresh identity) */
+void do_guest(uint32_t id, char *payload, uint32_t len);
 
 /* relay.c: the egress relay of the process and gVisor tiers (`--relay PORT SOCKET`) */
 void relay_main(int port, const char *path);

@@ -15,7 +15,7 @@
  *   'm' SOURCE \0 TARGET \0 FSTYPE \0 FLAGS \0 DATA     mount(2) ("" FSTYPE: none)
  *   'u' TARGET \0 FLAGS                                  umount2(2)
  *   'i' LOWER \0 VIEW          + fd: a user namespace    LOWER cloned, idmapped to it
- *                                                        (read-only, nosuid, nodev) at VIEW
+ *                                                        (read-only, nosuid, nodev, noatime) at VIEW
  *   'x' UID \0 NETNS \0 PROGRAM \0 ARGS...  + fds         exec PROGRAM (bubblewrap) as UID
  *
  * 'M' is 'm' only if the request before it succeeded (else ECANCELED), so that the host can
@@ -125,8 +125,10 @@ static void answer(int sock, int err, const char *what, const char *text) {
 static int idmap_at(const char *lower, const char *view, int userns) {
     int tree = (int)syscall(SYS_open_tree, AT_FDCWD, lower, 1 /* OPEN_TREE_CLONE */ | O_CLOEXEC);
     if (tree < 0) return errno;
-    struct mns_attr attr = {0x100000 /* IDMAP */ | 0x1 /* RDONLY */ | 0x2 /* NOSUID */ | 0x4 /* NODEV */,
-                            0, 0, (uint64_t)userns};
+    /* no atime updates through it either (what reads the view other than overlayfs: a read-only
+     * workspace is the view itself) */
+    struct mns_attr attr = {0x100000 /* IDMAP */ | 0x1 /* RDONLY */ | 0x2 /* NOSUID */ | 0x4 /* NODEV */ |
+                            0x10 /* NOATIME */, 0x70 /* _ATIME */, 0, (uint64_t)userns};
     int err = 0;
     if (syscall(SYS_mount_setattr, tree, "", 0x1000 /* AT_EMPTY_PATH */, &attr, sizeof attr) < 0 ||
         syscall(SYS_move_mount, tree, "", AT_FDCWD, view, 0x4 /* MOVE_MOUNT_F_EMPTY_PATH */) < 0)

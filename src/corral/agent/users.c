@@ -72,6 +72,23 @@ void give_new_file(int fd, const char *path) {
     (void)r; /* the file exists either way; its owner is cosmetic to the request */
 }
 
+/* on (1): the agent's own ids for one file request of the host's (setfsuid 0 gives the file
+ * capabilities back; nothing is handed to the default user); off (0): the default user's again */
+void agent_ids(int on) {
+    static long saved_owner = -1;
+    if (default_uid <= 0) return;
+    if (on) {
+        saved_owner = owner_of_new;
+        owner_of_new = -1;
+        setfsgid(0);
+        setfsuid(0);
+    } else {
+        setfsgid((gid_t)default_uid);
+        setfsuid((uid_t)default_uid);
+        owner_of_new = saved_owner;
+    }
+}
+
 /* The command's stdio as its own: the agent made its pipes and terminal, and where the agent's
  * file-system uid is not the user's (gVisor: root) a pipe or terminal of root's could not be
  * opened again by the command (/dev/stdin, /proc/self/fd/N, /dev/tty). */
@@ -126,4 +143,46 @@ int userns_main(const char *uid_text) {
     char buf[64];
     while (read(0, buf, sizeof buf) > 0) {}
     return 0;
+}
+
+/*
+ * `--vmm USERNS_FD CAPS GROUPS -- /PROGRAM ARGS...` (run by the host as root; the microVM tier's
+ * QEMU): keep only the supplementary groups GROUPS ("-" for none; e.g. /dev/kvm's), enter the
+ * sandbox's user namespace USERNS_FD, become its uid and gid 0 (the range's base on the host),
+ * cut the bounding set to the capability mask CAPS (hex), set no_new_privs and exec PROGRAM,
+ * which then holds exactly CAPS — over files and ids of the sandbox's own range only.
+ */
+int vmm_main(int argc, char **argv) {
+    if (argc < 7 || strcmp(argv[5], "--") != 0 || argv[6][0] != '/') {
+        dprintf(2, "corral-agent: usage: --vmm USERNS_FD CAPS GROUPS -- /PROGRAM [ARGS...]\n");
+        return 125;
+    }
+    int fd = atoi(argv[2]);
+    unsigned long long keep = strtoull(argv[3], NULL, 16);
+    gid_t groups[8];
+    size_t ngroups = 0;
+    for (char *g = strcmp(argv[4], "-") ? argv[4] : NULL, *next; g && *g && ngroups < 8; g = next) {
+        groups[ngroups++] = (gid_t)strtoul(g, &next, 10);
+        if (*next == ',') next++;
+    }
+    /* the groups first: inside, an unmapped group can no longer be added (it still grants access) */
+    if (setgroups(ngroups, groups) < 0 || setns(fd, CLONE_NEWUSER) < 0 || setresgid(0, 0, 0) < 0 ||
+        setresuid(0, 0, 0) < 0) {
+        dprintf(2, "corral-agent: cannot enter the sandbox's user namespace: %s\n", strerror(errno));
+        return 125;
+    }
+    close(fd);
+    for (int cap = 0; cap <= 63; cap++)
+        if (!(keep >> cap & 1) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) {
+            dprintf(2, "corral-agent: cannot drop capability %d: %s\n", cap, strerror(errno));
+            return 125;
+        }
+    /* exec as root of the namespace gives the bounding set: exactly CAPS, nothing to gain later */
+    if (capset_all((uint32_t)keep, (uint32_t)(keep >> 32)) < 0 || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) {
+        dprintf(2, "corral-agent: cannot limit capabilities: %s\n", strerror(errno));
+        return 125;
+    }
+    execv(argv[6], &argv[6]);
+    dprintf(2, "corral-agent: cannot execute %s: %s\n", argv[6], strerror(errno));
+    return 125;
 }

@@ -195,7 +195,9 @@ class ClusterBackend(SandboxBackend):
     def paused(self) -> bool:
         return self._state()[1]
 
-    def pause(self) -> None:
+    def pause(self, to_disk: bool = False) -> None:
+        if to_disk:  # its state would be on the node's disk, which a restart of this process cannot find
+            raise InvalidState(f"sandbox {self.id}: a cluster's sandboxes cannot pause to disk", sandbox_id=self.id)
         self.call("pause")
 
     def resume(self) -> None:

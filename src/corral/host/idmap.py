@@ -33,6 +33,8 @@ MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOATIME = 0x10
+MOUNT_ATTR__ATIME = 0x70
 MOUNT_ATTR_IDMAP = 0x100000
 
 
@@ -47,16 +49,20 @@ def _syscall(number: int, *args: object) -> int:
     return int(fn(ctypes.c_long(number), *args))
 
 
-def idmapped_tree(source: Path, userns_fd: int) -> int:
-    """A detached, read-only, nosuid, nodev mount of ``source`` whose ids are those of the user
-    namespace ``userns_fd`` (on-disk id N shows as what N maps to): its descriptor (O_CLOEXEC),
-    usable as a path through ``/proc/self/fd/N`` (an overlay's lower layer) until closed."""
+def idmapped_tree(source: Path, userns_fd: int, *, read_only: bool = True, noatime: bool = False) -> int:
+    """A detached, read-only (unless ``read_only=False``), nosuid, nodev mount of ``source`` (a
+    directory or a single file) whose ids are those of the user namespace ``userns_fd`` (on-disk
+    id N shows as what N maps to): its descriptor (O_CLOEXEC), usable as a path through
+    ``/proc/self/fd/N`` (an overlay's lower layer, QEMU's guest RAM file) until closed.
+    With ``noatime``, reads through it do not update access times either."""
     tree = _syscall(SYS_OPEN_TREE, ctypes.c_int(-100), str(source).encode(),
                     ctypes.c_uint(OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC))
     if tree < 0:
         check(-1, f"open_tree {source}")
     try:
-        attr = _MountAttr(MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0, 0, userns_fd)
+        flags = MOUNT_ATTR_IDMAP | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (MOUNT_ATTR_RDONLY if read_only else 0)
+        attr = _MountAttr(flags | (MOUNT_ATTR_NOATIME if noatime else 0), MOUNT_ATTR__ATIME if noatime else 0, 0,
+                          userns_fd)
         check(_syscall(SYS_MOUNT_SETATTR, ctypes.c_int(tree), b"", ctypes.c_uint(AT_EMPTY_PATH),
                        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))),
               f"idmap {source}")

@@ -152,9 +152,13 @@ class MountNamespace(HostMounts):
     def umount(self, target: Path, lazy: bool = False) -> None:
         self._check("u", [str(target), str(mounts.MNT_DETACH if lazy else 0)])
 
-    def mapped_overlay(self, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int, view: Path) -> None:
+    def mapped_overlay(self, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int, view: Path,
+                       extra: str = "") -> None:
+        """As :meth:`HostMounts.mapped_overlay`, with ``extra`` overlay options (``a=b,c=d``)."""
         # one round trip for the three steps: the overlay ('M') only if the view was made
         fstype, flags, options = mounts.overlay_args([view], upper, work)
+        if extra:
+            options += "," + extra
         self._send("i", [str(lower), str(view)], [userns_fd])
         sock = self._send("M", ["overlay", str(target), fstype, str(flags), options])
         self._send("u", [str(view), str(mounts.MNT_DETACH)])
@@ -203,14 +207,15 @@ class HolderUserns:
         self._holder = holder
         self.ids = ids
 
-    def finish(self) -> int:
-        """A descriptor (O_CLOEXEC) of the namespace, mapped: the caller closes it."""
+    def finish(self, maps: tuple[str, str] | None = None) -> int:
+        """A descriptor (O_CLOEXEC) of the namespace, mapped (as :meth:`PendingUserns.finish`):
+        the caller closes it."""
         reply = self._holder._ask("n", [])
         error = self._holder._error(reply)
         if error is not None:
             raise HostNotSupported(f"cannot make the sandbox's user namespace: {error.strerror}")
         try:
-            return map_and_open(int(reply[4:]), self.ids)
+            return map_and_open(int(reply[4:]), self.ids, maps)
         finally:
             self._holder._send("N", [])  # no answer: its maker exits, the descriptor holds the namespace
 

@@ -29,19 +29,20 @@ from .uids import UidRange
 class UsernsMaking(Protocol):
     """A user namespace on its way: :meth:`finish` gives its descriptor, :meth:`close` ends its maker."""
 
-    def finish(self) -> int: ...
+    def finish(self, maps: tuple[str, str] | None = None) -> int: ...
 
     def close(self) -> None: ...
 
 
-def map_and_open(pid: int, ids: UidRange) -> int:
+def map_and_open(pid: int, ids: UidRange, maps: tuple[str, str] | None = None) -> int:
     """Write the uid and gid maps of the user namespace of ``pid`` (its maker, which has made it
-    and waits) mapping ``ids`` to ``0 .. ids.size - 1``; a descriptor of it (O_CLOEXEC)."""
-    line = f"0 {ids.base} {ids.size}\n".encode()
-    for name in ("uid_map", "gid_map"):
+    and waits) mapping ``ids`` to ``0 .. ids.size - 1`` (or ``maps``: its ``uid_map`` and
+    ``gid_map`` lines); a descriptor of it (O_CLOEXEC)."""
+    line = f"0 {ids.base} {ids.size}\n"
+    for name, text in zip(("uid_map", "gid_map"), maps or (line, line), strict=True):
         fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
         try:
-            os.write(fd, line)
+            os.write(fd, text.encode())
         finally:
             os.close(fd)
     return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
@@ -59,9 +60,11 @@ class PendingUserns:
             env={},
         )
 
-    def finish(self) -> int:
+    def finish(self, maps: tuple[str, str] | None = None) -> int:
         """A descriptor (O_CLOEXEC) of the new user namespace, owned by ``ids.base`` and mapping
-        ``ids`` to ``0 .. ids.size - 1`` for uids and gids alike.  The caller closes it."""
+        ``ids`` to ``0 .. ids.size - 1`` for uids and gids alike (or ``maps``: its ``uid_map``
+        and ``gid_map`` lines, e.g. a workspace's owner to the sandbox user for an idmapped
+        mount, :mod:`corral.host.ws_overlay`).  The caller closes it."""
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         try:
@@ -69,7 +72,7 @@ class PendingUserns:
                 proc.stdin.close()
                 err = proc.stderr.read().decode(errors="replace").strip()
                 raise HostNotSupported(f"cannot make the sandbox's user namespace: {err or 'the helper failed'}")
-            return map_and_open(proc.pid, self.ids)
+            return map_and_open(proc.pid, self.ids, maps)
         finally:
             proc.stdin.close()  # the helper exits on end of file: reaped by close()
             proc.stdout.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import ResourceLimit
 
-# (kind, size, mtime_ns, mode, inode)
+# (kind, size, ctime_ns, mode, inode): the change time, which no one can set back
 Entry = tuple[str, int, int, int, int]
 Manifest = dict[str, Entry]
 
@@ -57,7 +57,7 @@ def _scan(dir_fd: int, prefix: str, out: Manifest) -> None:
             continue
         rel = f"{prefix}{entry.name}"
         kind = _kind(st.st_mode)
-        out[rel] = (kind, st.st_size, st.st_mtime_ns, st.st_mode & 0o7777, st.st_ino)
+        out[rel] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
         if kind == "d":
             try:
                 fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import parked
 from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
 from ..pool import PoolSet
 from ..registry import gc, state_dir
@@ -101,6 +102,16 @@ class SandboxManager:
         previous = [row[0] for row in self._sql("SELECT id FROM server_sandboxes")]
         gc(self.root)  # the registry janitor: reaps every sandbox whose owning process is dead
         self._sql("DELETE FROM server_sandboxes")
+        for record in parked.every(self.root):  # paused to disk: they hold nothing live, and stay
+            facts = record.server
+            if not facts:
+                continue
+            sandbox = Sandbox.connect(record.sandbox_id, state=self.root)
+            entry = Entry(sandbox, str(facts["tenant"]), float(facts["created"]), float(facts["expires_at"]),
+                          float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
+            self._entries[sandbox.id] = entry
+            self._sql("INSERT INTO server_sandboxes VALUES (?, ?, ?, ?)",
+                      (sandbox.id, entry.tenant, entry.created, entry.expires_at))
         return previous
 
     # -- lookup ----------------------------------------------------------------
@@ -269,7 +280,9 @@ class SandboxManager:
         await asyncio.to_thread(self._destroy_all)
 
     def _destroy_all(self) -> None:
-        list(self._destroyers.map(self.destroy_now, list(self._entries)))
+        # a sandbox paused to disk holds nothing live: it waits for the next start (recover)
+        live = [sid for sid, entry in self._entries.items() if not getattr(entry.sandbox._backend, "parked", None)]
+        list(self._destroyers.map(self.destroy_now, live))
         self._destroyers.shutdown()
         self.pools.close()
         with self._db_lock:

@@ -12,7 +12,7 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
 from . import snapshot_routes
 from .context import Context, Tenant
-from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, TimeoutBody, require_unicode
+from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
     from ..tiers.base import ExecResult
@@ -61,9 +61,12 @@ async def set_timeout(sandbox_id: str, body: TimeoutBody, who: Tenant, ctx: Cont
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/pause", summary="Freeze a sandbox until it is resumed (409 if already paused)")
-async def pause_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
+async def pause_sandbox(sandbox_id: str, who: Tenant, ctx: Context, body: PauseBody | None = None) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    await ctx.run_blocking(entry.sandbox.pause)
+    if body is not None and body.to_disk:  # the state goes to the snapshot store, within the tenant's quota
+        await ctx.run_blocking(snapshot_routes.park, ctx, who, sandbox_id)
+    else:
+        await ctx.run_blocking(entry.sandbox.pause)
     return entry.to_dict()
 
 

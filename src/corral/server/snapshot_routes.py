@@ -35,15 +35,32 @@ def spec_fields(ctx: ServerContext, tenant: str, snapshot_id: str, data: dict[st
     return {"tier": snapshot.tier, "image": snapshot.image}
 
 
+def _room(ctx: ServerContext, tenant: str) -> int:
+    """Bytes the tenant's snapshots use (429 if there is no room left)."""
+    cap = ctx.config.max_snapshot_bytes_per_tenant
+    used = store(ctx).bytes_of(tenant)
+    if used >= cap:
+        raise ResourceLimit(f"quota: tenant {tenant!r} holds {format_size(used)} of snapshots "
+                            f"(max {format_size(cap)}); remove one first")
+    return used
+
+
+def park(ctx: ServerContext, tenant: str, sandbox_id: str) -> None:
+    """Pause the tenant's sandbox to disk (its state counts as a snapshot of the tenant's), with
+    what the server needs to take it back after a restart (manager.recover)."""
+    entry = ctx.manager.get(tenant, sandbox_id)
+    _room(ctx, tenant)
+    entry.sandbox._local().pause(to_disk=True, tenant=tenant, server={
+        "tenant": tenant, "created": entry.created, "expires_at": entry.expires_at,
+        "idle_timeout": entry.idle_timeout, "metadata": entry.metadata})
+
+
 def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
     """Snapshot the tenant's sandbox, within its snapshot quota (blocking: call on a worker thread)."""
     entry = ctx.manager.get(tenant, sandbox_id)
     snapshots = store(ctx)
     cap = ctx.config.max_snapshot_bytes_per_tenant
-    used = snapshots.bytes_of(tenant)
-    if used >= cap:
-        raise ResourceLimit(f"quota: tenant {tenant!r} holds {format_size(used)} of snapshots "
-                            f"(max {format_size(cap)}); remove one first")
+    used = _room(ctx, tenant)
     snapshot = entry.sandbox._local().snapshot(tenant)
     if used + snapshot.size > cap:
         snapshots.delete(snapshot.id, tenant)
@@ -53,7 +70,7 @@ def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201,
-             summary="Snapshot a sandbox's files (process and gVisor tiers; 409 on others)")
+             summary="Snapshot a sandbox (its files on process and gVisor, its live state on microvm; 409 on wasm)")
 async def snapshot_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
     return (await ctx.run_blocking(take, ctx, who, sandbox_id)).to_dict()
 

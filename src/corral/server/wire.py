@@ -74,6 +74,12 @@ class CreateSandbox(BaseModel):
     snapshot: str | None = Field(None, description="start from this snapshot of yours (its tier, image and files)")
 
 
+class PauseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    to_disk: bool = Field(False, description="save the live state to disk and release the sandbox's memory "
+                                             "(microvm); it survives a server restart")
+
+
 class ForkBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     count: int = Field(1, ge=1, le=64, description="how many sandboxes to make from the sandbox's files")

@@ -115,7 +115,8 @@ class Capabilities:
     guarantees: tuple[str, ...] = ()
     #: whether its sandboxes can be paused and resumed (:meth:`TierSandbox.pause`)
     pause: bool = False
-    #: what :meth:`TierSandbox.snapshot` holds: "filesystem", or "" when the tier cannot snapshot
+    #: what :meth:`TierSandbox.snapshot` holds: "filesystem", "live" (memory, devices, processes and
+    #: files: the microVM; it can also pause to disk), or "" when the tier cannot snapshot
     snapshot: str = ""
     #: whether ``user="root"`` is offered (root of the sandbox's own user namespace, no host capability)
     root: bool = False

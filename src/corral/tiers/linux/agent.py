@@ -16,7 +16,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, SandboxClosed
@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE = 1, 2, 3, 4, 5, 6, 7, 8
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
+#: the microVM guest around a live snapshot (agent's guest_ops.c)
+T_GUEST = 17
+#: or'd into a file request's type: run it with the agent's own ids, not the default user's (the
+#: host's own requests: the microVM's guest cgroup leaves and network files)
+T_AS_AGENT = 0x80
 T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_SPARE, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 106, 110, 111
 
 HEADER = struct.Struct("<BII")
@@ -57,8 +62,10 @@ class _Pending:
 class AgentChannel:
     """A framed, multiplexed connection to one agent."""
 
-    def __init__(self, reader: int, writer: int) -> None:
+    def __init__(self, reader: int, writer: int, initial: bytes = b"") -> None:
         self._rfile = os.fdopen(reader, "rb", buffering=1 << 16)
+        #: bytes already read from ``reader`` by the caller, read first
+        self._initial = initial
         self._wfd = writer
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
@@ -97,9 +104,54 @@ class AgentChannel:
             self._next_id = (self._next_id + 1) & 0xFFFFFFFF or 1
             return ident
 
+    def skip_ids(self, past: int) -> None:
+        """Number later requests above ``past``: a VM restored from a live snapshot has an agent
+        that still holds the requests of the VM it was taken of, under ids up to there."""
+        with self._lock:
+            self._next_id = max(self._next_id, (past + 1) & 0xFFFFFFFF or 1)
+
+    @property
+    def last_id(self) -> int:
+        """The id of the latest request sent (see :meth:`skip_ids`)."""
+        with self._lock:
+            return self._next_id - 1
+
+    def guest(self, *args: str, timeout: float = 60.0) -> None:
+        """A microVM guest operation around a live snapshot (the agent's guest_ops.c): "detach"
+        or "attach" the workspace, a fresh "identity"; refused ones raise :class:`FileError`."""
+        self.call(T_GUEST, b"".join(arg.encode() + b"\0" for arg in args), timeout=timeout)
+
     def _read_exact(self, n: int) -> bytes | None:
-        data = self._rfile.read(n)
-        return data if data is not None and len(data) == n else None
+        data = b""
+        if self._initial:
+            data, self._initial = self._initial[:n], self._initial[n:]
+        if len(data) < n:
+            more = self._rfile.read(n - len(data))
+            if more is None:
+                return None
+            data += more
+        return data if len(data) == n else None
+
+    @contextlib.contextmanager
+    def quiesced(self, timeout: float = 60.0) -> Iterator[None]:
+        """No request half-sent while the caller works (a microVM's live snapshot): sends from
+        other threads wait, and the agent has read every earlier request whole (it answered a
+        no-op sent last)."""
+        with self._wlock:
+            if self.closed.is_set():
+                raise SandboxClosed("the sandbox is no longer running")
+            ident = self.new_id()
+            pending = _Pending()
+            self._pending[ident] = pending
+            view = memoryview(HEADER.pack(T_FSTAT, ident, 2) + b"/\0")
+            try:
+                while view:
+                    view = view[os.write(self._wfd, view):]
+            except OSError as exc:
+                self._pending.pop(ident, None)
+                raise SandboxClosed(f"the sandbox is no longer running ({exc.strerror})") from None
+            self._answer(ident, pending, MAX_FRAME, timeout)
+            yield
 
     def _read_loop(self) -> None:
         try:
@@ -216,15 +268,16 @@ class AgentChannel:
             raise FileError(f"file is larger than the {limit} byte limit", 27)
         return bytes(pending.data)
 
-    def read_file(self, path: str, max_bytes: int) -> bytes:
-        return self.call(T_FREAD, path.encode() + b"\0", limit=max_bytes)
+    def read_file(self, path: str, max_bytes: int, *, as_agent: bool = False) -> bytes:
+        return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), path.encode() + b"\0", limit=max_bytes)
 
-    def write_file(self, path: str, data: bytes, mode: int) -> None:
+    def write_file(self, path: str, data: bytes, mode: int, *, as_agent: bool = False) -> None:
+        """``as_agent``: with the agent's own ids (the host's own files), not the default user's."""
         encoded = path.encode() + b"\0"
         first = True
         for offset in range(0, max(len(data), 1), WRITE_CHUNK):
             chunk = data[offset : offset + WRITE_CHUNK]
-            kind = T_FWRITE if first else T_FAPPEND
+            kind = (T_FWRITE if first else T_FAPPEND) | (T_AS_AGENT if as_agent else 0)
             self.call(kind, struct.pack("<II", mode, 1) + encoded + chunk)
             first = False
 

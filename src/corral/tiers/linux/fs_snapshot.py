@@ -2,8 +2,8 @@
 and back in.
 
 A sandbox's root is an overlay: the image's read-only layers, one writable *upper* per layer on
-the sandbox's disk tmpfs, and the workspace copy beside them (:mod:`.rootfs`).  A snapshot is
-what those hold: every file, directory, symlink and fifo the sandbox wrote, and overlayfs's own
+the sandbox's disk tmpfs, and the workspace beside them, read whole through its mount point
+(:mod:`.rootfs`).  A snapshot is what those hold: every file, directory, symlink and fifo the sandbox wrote, and overlayfs's own
 marks -- *whiteouts* (a 0/0 character device: "this image file was deleted") and *opaque*
 directories (``trusted.overlay.opaque``: "hide the image's entries below") -- so a file deleted
 in the sandbox stays deleted in every sandbox made from the snapshot.

@@ -2,13 +2,15 @@
 
 Shared by the process tier (bubblewrap) and the gVisor tier (runsc): both run
 the sandbox on an overlay of the image's read-only layers, with the writable
-layers and the workspace copy on a size-limited tmpfs the sandbox owns, and an
+layers and the workspace (overlay or copy) on a size-limited tmpfs the sandbox owns, and an
 unprivileged host uid per sandbox.  Layout below ``run_dir`` (root-only)::
 
     disk/           tmpfs, size = disk limit, owned by the sandbox's host uid
       L0-upper/ L0-work/       overlay upper for "/"
       L1-upper/ ...            one upper per extra image layer (e.g. /usr)
-      ws/                      the sandbox's copy of the workspace
+      ws/                      the workspace: an overlay on the host directory
+                               (:mod:`corral.host.ws_overlay`), or the sandbox's copy of it
+      ws-upper/ ws-work/       that overlay's upper layer and work directory
     root/           the merged root (overlay), other layers mounted below it
 
 Given the sandbox's user namespace (``userns_fd``, its whole uid range mapped),
@@ -34,6 +36,7 @@ from ...host import cgroups, mounts
 from ...host.mountns import HostMounts
 from ...host.uids import release_uid
 from ...host.workspace import WorkspaceCopy
+from ...host.ws_overlay import WorkspaceOverlay, make_workspace
 from ...images import SANDBOX_HOME, identity_files, image_mark, resolve
 from ...spec import WORKSPACE_PATH, SandboxSpec
 
@@ -65,7 +68,7 @@ class SandboxRoot:
 
     root: Path
     workspace_dir: Path
-    workspace: WorkspaceCopy | None
+    workspace: WorkspaceCopy | WorkspaceOverlay | None
     #: in the order they were made (teardown: ``mounts.unmount_all(run_dir, known=mounts)``)
     mounts: list[Path]
 
@@ -81,6 +84,7 @@ def build_root(
     userns: Callable[[], int] | None = None,
     root_uid: int | None = None,
     mounter: HostMounts | None = None,
+    workspace_userns: Callable[[tuple[str, str]], int] | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
 
@@ -88,7 +92,7 @@ def build_root(
     the root; ``mount_points`` are created as empty files for later bind mounts.
 
     ``fill(key, directory)``, if given, writes into each upper (key ``L0``, ``L1``, ...) before
-    it is mounted and into the workspace copy (key ``ws``): a snapshot's files (.fs_snapshot).
+    it is mounted and into the workspace directory (key ``ws``, no host workspace): a snapshot's files (.fs_snapshot).
 
     ``uid`` is the host uid that owns the sandbox's files (its disk, home and
     workspace).  With ``userns`` (gives the sandbox's user namespace; asked as
@@ -101,6 +105,10 @@ def build_root(
     ``mounter`` makes the mounts: in the host's namespace (the default), or in the sandbox's own
     (:class:`corral.host.mountns.MountNamespace`: then nothing is left for the caller to unmount,
     ``mounts`` is empty, and the files on them are written through ``mounter.view``).
+
+    ``workspace_userns(maps)`` (a user namespace with those uid and gid maps, see
+    :func:`corral.host.ws_overlay.owner_maps`), if given, makes the workspace an overlay on the
+    host directory instead of a copy: nothing is copied, and write-back walks only what changed.
     """
     mounter = mounter or HostMounts()
     image = resolve(spec.image, state_dir)
@@ -129,13 +137,14 @@ def build_root(
             fill(f"L{index}", files_upper)
         layers.append((root / point.lstrip("/") if point != "/" else root, lower, upper, work))
     ws = disk / "ws"
-    workspace: WorkspaceCopy | None = None
-    if spec.workspace is not None:
+    workspace: WorkspaceCopy | WorkspaceOverlay | None = None
+    overlay_ws = spec.workspace is not None and workspace_userns is not None
+    if spec.workspace is not None and not overlay_ws:
         workspace = WorkspaceCopy.create(spec.workspace.path, on_disk / "ws", uid, uid, spec.limits.disk)
     else:
         (on_disk / "ws").mkdir(mode=0o755)
         os.chown(on_disk / "ws", uid, uid)
-        if fill is not None:
+        if fill is not None and spec.workspace is None:
             fill("ws", on_disk / "ws")
     userns_fd = userns() if mapped and userns is not None else None
     for index, (target, lower, upper, work) in enumerate(layers):
@@ -145,6 +154,11 @@ def build_root(
         else:
             mounter.mount_overlay(target, [lower], upper, work)
         made.append(target)
+    if spec.workspace is not None and workspace_userns is not None:
+        workspace, mounted = make_workspace(spec.workspace.path, spec.workspace.mode, disk, uid, spec.limits.disk,
+                                            workspace_userns, mounter)
+        if mounted:
+            made.append(ws)
     return SandboxRoot(root, ws, workspace, [] if mounter.private else made)
 
 

@@ -12,9 +12,10 @@ each, and runs for a sandbox whose ``__init__`` failed half way too):
   processes are stopped (:meth:`_stop`);
 - the network side (:meth:`_make_network`): closed;
 - the user namespace that maps the whole uid range (:meth:`_start_userns`, :meth:`_userns`): its descriptor closed
-  (:meth:`_drop_userns` once the guest holds the namespace, else at close);
-- the root overlay and workspace copy (:meth:`_build_root`): its mounts go with the run directory,
-  or, made in the sandbox's own mount namespace (``_mountns``, the process tier's), with that
+  (:meth:`_drop_userns` once the guest holds the namespace, else at close); likewise the workspace's (its
+  owner mapped to the sandbox user, for the idmapped view under the workspace overlay);
+- the root overlay and the workspace (overlay or copy) (:meth:`_build_root`): its mounts go with the run
+  directory, or, made in the sandbox's own mount namespace (``_mountns``, the process tier's), with that
   namespace: its holder is closed here, or became the tier's launcher and ends with the sandbox.
 
 A subclass sets its own attributes, then calls ``super().__init__``, which
@@ -34,12 +35,13 @@ from pathlib import Path
 
 from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
-from ...host import cgroups, mounts
+from ...host import cgroups, mounts, ws_overlay
 from ...host.mountns import MountNamespace
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
-from ...host.userns import UsernsMaking, start_userns
+from ...host.userns import PendingUserns, UsernsMaking, start_userns
 from ...host.workspace import WorkspaceCopy
+from ...host.ws_overlay import WorkspaceOverlay
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
 from . import fs_snapshot
@@ -54,7 +56,7 @@ class LinuxSandbox(TierSandbox):
     #: the host uid of the sandbox user (uid 1000 inside): it owns the sandbox's files on the host
     uid: int
     cgroup: cgroups.SandboxCgroup | None = None
-    workspace: WorkspaceCopy | None = None
+    workspace: WorkspaceCopy | WorkspaceOverlay | None = None
     _channel: AgentChannel | None = None
     #: the run directory's mounts when known (None: search for them at close)
     _mounts: list[Path] | None = None
@@ -64,6 +66,10 @@ class LinuxSandbox(TierSandbox):
     #: the sandbox's user namespace (whole range mapped), while the host holds it
     _userns_fd: int | None = None
     _userns_pending: UsernsMaking | None = None
+    #: the workspace's user namespace (its owner mapped to the sandbox user), while being made
+    _ws_userns_pending: PendingUserns | None = None
+    _ws_userns_fd: int | None = None
+    _userns_helper: Path | None = None
     #: the sandbox's own mount namespace, where :meth:`_build_root` mounts (None: the host's)
     _mountns: MountNamespace | None = None
 
@@ -117,6 +123,7 @@ class LinuxSandbox(TierSandbox):
         """Start making the sandbox's user namespace (``helper``: the agent binary, run as
         ``--userns``); other set-up may run meanwhile, then :meth:`_userns`."""
         self._userns_pending = start_userns(helper, self.uid_range)
+        self._userns_helper = helper
 
     def _userns(self) -> int:
         """The sandbox's user namespace (its uid range mapped to 0-65535 inside), started by
@@ -126,13 +133,24 @@ class LinuxSandbox(TierSandbox):
             self._userns_fd = self._userns_pending.finish()
         return self._userns_fd
 
+    def _workspace_userns(self, maps: tuple[str, str]) -> int:
+        """The workspace's user namespace with ``maps`` (:func:`corral.host.ws_overlay.owner_maps`)."""
+        if self._ws_userns_fd is None:
+            assert self._ws_userns_pending is not None
+            self._ws_userns_fd = self._ws_userns_pending.finish(maps)
+        return self._ws_userns_fd
+
     def _drop_userns(self) -> None:
-        fd, self._userns_fd = self._userns_fd, None
-        if fd is not None:
-            os.close(fd)
-        pending, self._userns_pending = self._userns_pending, None
-        if pending is not None:
-            pending.close()
+        fds = (self._userns_fd, self._ws_userns_fd)
+        pendings = (self._userns_pending, self._ws_userns_pending)
+        self._userns_fd = self._ws_userns_fd = None
+        self._userns_pending = self._ws_userns_pending = None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+        for pending in pendings:
+            if pending is not None:
+                pending.close()
 
     def _make_cgroup(self, limits: Limits, layout: cgroups.Layout) -> cgroups.SandboxCgroup:
         self.cgroup = cgroups.SandboxCgroup(self.id, limits, layout)
@@ -145,7 +163,13 @@ class LinuxSandbox(TierSandbox):
         return self.network
 
     def _build_root(self) -> SandboxRoot:
-        """The overlay root on a disk-limited tmpfs in the run directory, with the network's files."""
+        """The overlay root on a disk-limited tmpfs in the run directory, with the network's files;
+        a host workspace is an overlay on it (:mod:`corral.host.ws_overlay`) where the tier maps a
+        uid range (:meth:`_start_userns`), else a copy."""
+        if (self.spec.workspace is not None and self._seed is None and ws_overlay.ENABLED
+                and self._userns_helper is not None):
+            # its helper starts while the image's layers are mounted
+            self._ws_userns_pending = start_userns(self._userns_helper, self.uid_range)
         network = self.network
         fill = None
         if self._seed is not None:
@@ -156,6 +180,7 @@ class LinuxSandbox(TierSandbox):
             mount_points=[inside for _, inside in network.binds] if network is not None else [],
             fill=fill,
             userns=self._userns if self._userns_pending is not None else None, root_uid=self.uid_range.base,
+            workspace_userns=self._workspace_userns if self._ws_userns_pending is not None else None,
             mounter=self._mountns,
         )
         self.workspace = built.workspace

@@ -76,6 +76,8 @@ int prepare_root(void) {
         if (hostname_fd < 0 || machine_id_fd < 0) die("cannot open the identity files (%s%s)", "");
     }
     mkdir_p("/newroot/home/user");
+    /* the sandbox user's home, as on the other tiers (copied up into the template's upper layer) */
+    if (chown("/newroot/home/user", 1000, 1000) < 0) die("cannot chown /home/user (%s%s)", "");
     mkdir_p("/newroot/workspace");
     mkdir_p("/newroot/tmp");
     struct stat st;

@@ -390,7 +390,10 @@ int main(void) {
     start_net();
     start_egress(relay);
 
-    if (write(agent_go, "g", 1) != 1) die("cannot start the agent (%s%s)", "");
+    /* the agent's default user: "u" (uid 1000) unless the sandbox was created with user="root" */
+    const char *user = get("user");
+    if (write(agent_go, user && strcmp(user, "root") == 0 ? "g" : "u", 1) != 1)
+        die("cannot start the agent (%s%s)", "");
     close(agent_go);
     close(port);
     mark("agent told to go");

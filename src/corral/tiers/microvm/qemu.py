@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -113,11 +112,6 @@ def qemu_version() -> str:
     return out.splitlines()[0] if out else "unknown"
 
 
-def qemu_major() -> int:
-    match = re.search(r"version (\d+)\.", qemu_version())
-    return int(match.group(1)) if match else 0
-
-
 def command_line(
     *,
     accel: str,
@@ -133,7 +127,7 @@ def command_line(
     listen_fds: tuple[int, int] | None = None,
     egress_fd: int | None = None,
     tap_fd: int | None = None,
-    runas: int | None = None,
+    confined: bool = False,
 ) -> list[str]:
     """``incoming``: wait for ``migrate-incoming`` (a restore).  Templates are
     saved without the "global state" section (``store-global-state=off``), so
@@ -148,7 +142,9 @@ def command_line(
     image; only the KVM probe boots without one.
     ``tap_fd``: network="open"'s tap (made and opened by the host in the sandbox's
     namespace); without it the virtio-net device's backend is a port on an
-    otherwise empty hub, where every frame the guest sends is dropped."""
+    otherwise empty hub, where every frame the guest sends is dropped.
+    ``confined``: QEMU runs in the sandbox's user namespace (tier.py's ``_launch``), so its own
+    seccomp filter may refuse every set*id call too."""
     argv = [
         qemu_binary(),
         "-M", MACHINE,
@@ -201,8 +197,11 @@ def command_line(
             "-device", "virtio-blk-device,drive=image",
         ]
     ro = ",readonly=on" if workspace_readonly else ""
+    # passthrough: the guest's owners and modes are the files' own.  QEMU runs as root of the
+    # sandbox's user namespace (uid N in the guest = the range's N on the host, as in the
+    # process tier) with only the file capabilities this needs (vmm.py's VMM_CAPS)
     argv += [
-        "-fsdev", f"local,id=ws,path={workspace},security_model=none{ro}",
+        "-fsdev", f"local,id=ws,path={workspace},security_model=passthrough{ro}",
         "-device", "virtio-9p-device,fsdev=ws,mount_tag=ws",
     ]
     argv += ["-global", "migration.store-global-state=off"]
@@ -212,18 +211,11 @@ def command_line(
         argv += ["-incoming", "defer"]
     else:
         argv += ["-kernel", str(assets.kernel), "-initrd", str(assets.initrd), "-append", kernel_args(accel)]
-    if runas is not None:
-        # drop to an unprivileged host uid once the memory file and sockets are open:
-        # the 9p server then touches the workspace as that uid, never as root
-        if qemu_major() >= 9:  # -runas was replaced by -run-with user= (9.1 removed it)
-            argv += ["-run-with", f"user={runas}:{runas}"]
-        else:
-            argv += ["-runas", f"{runas}:{runas}"]
-        # QEMU's own seccomp filter: no obsolete or resource-control syscalls and
-        # no spawning (the snapshot comes through an inherited fd: migrate-incoming
-        # fd:N, where QEMU 7.2 has no file: URI); set*id stays
-        # allowed, -runas needs it after the filter is in place
-        argv += ["-sandbox", "on,obsolete=deny,resourcecontrol=deny,spawn=deny"]
+    if confined:
+        # QEMU's own seccomp filter: no obsolete or resource-control syscalls, no spawning (the
+        # snapshot comes through an inherited fd: migrate-incoming fd:N, where QEMU 7.2 has no
+        # file: URI) and no set*id (it starts as the user it stays)
+        argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny,spawn=deny"]
     return argv
 
 
@@ -277,6 +269,20 @@ class QMP:
             if "error" in message:
                 raise SandboxError(f"QMP {name}: {message['error'].get('desc', message['error'])}")
             return message.get("return")
+
+    def send_fd(self, name: str, fd: int) -> None:
+        """Hand QEMU a file descriptor (``getfd``, the fd rides along as SCM_RIGHTS) for a later
+        ``migrate fd:NAME`` or ``migrate-incoming fd:NAME``."""
+        request = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
+        socket.send_fds(self._sock, [request], [fd])
+        while True:
+            message = self._read()
+            if "event" in message:
+                self.events.append(message)
+                continue
+            if "error" in message:
+                raise SandboxError(f"QMP getfd: {message['error'].get('desc', message['error'])}")
+            return
 
     def wait_migration(self, deadline: float) -> None:
         while True:

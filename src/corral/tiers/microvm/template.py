@@ -38,8 +38,8 @@ from .rootdisk import ImageDisk
 
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "10"  # 8: the egress port "corral-net", loopback up, the relay pre-started; 9: + the image disk;
-# 10: + a virtio-net device (network="open")
+TEMPLATE_VERSION = "11"  # 8: the egress port "corral-net", loopback up, the relay pre-started; 9: + the image disk;
+# 10: + a virtio-net device (network="open"); 11: /home/user is uid 1000's, the agent's default user is told at "go"
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0

@@ -5,8 +5,8 @@ One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
 :meth:`MicroVMTier.reap` after its owner died):
 
 - a QEMU process, started in the sandbox's host cgroup (memory = guest RAM +
-  QEMU's own overhead, cpu quota, pids) and running as a per-sandbox
-  unprivileged host uid once its files are open (``-runas``);
+  QEMU's own overhead, cpu quota, pids) as root of the sandbox's user namespace
+  (its uid range, ``VMM_CAPS`` only), given its files as descriptors;
 - its ``run_dir``: the QMP and agent sockets, the console log and a
   size-limited tmpfs with the workspace copy the guest reaches over 9p;
 - with ``network="allow"``: the egress proxy (a thread, its socket in the run
@@ -48,10 +48,11 @@ from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import NETWORK_MODES, MiB, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, AgentChannel, AgentProcess
+from ..linux.agent import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, AgentChannel, AgentProcess
+from ..linux.agent_build import agent_binary
 from ..linux.rootfs import reap_host_side
 from ..linux.sandbox import LinuxSandbox
-from . import guest, qemu, rootdisk, template
+from . import guest, live, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
 
 #: where port forwards' connector (a copy of the agent) goes in the guest
@@ -78,13 +79,15 @@ class MicroVMTier(Tier):
     name = "microvm"
     capabilities = Capabilities(
         network_modes=NETWORK_MODES, pty=True, images=None,
-        users="root inside its own guest kernel (uid 1000 with no capability for a command that asks, user='user')",
+        users="uid 1000 with no capability by default; user='root' is root of its own guest kernel",
         guarantees=(
             "its own guest kernel: the host kernel sees only QEMU",
-            "QEMU runs as a fresh host uid, under the sandbox's host cgroups",
+            "QEMU runs as root of the sandbox's own uid range (4 file capabilities there, none on the host), "
+            "under the sandbox's host cgroups",
             "nothing survives the sandbox or its owner",
         ),
         pause=True,
+        snapshot="live",
         root=True,
     )
 
@@ -121,6 +124,10 @@ class MicroVMTier(Tier):
         if shutil.which("mkfs.erofs") is None:
             return Availability(cls.name, False, "mkfs.erofs is missing (it writes each image's read-only disk)",
                                 "apt-get install erofs-utils (or `make install`)")
+        unsupported = vmm.idmap_unsupported(guest.cache_dir(), state_dir)
+        if unsupported is not None:
+            return Availability(cls.name, False, unsupported, "keep the microVM cache (CORRAL_MICROVM_CACHE) on"
+                                " ext4, xfs, btrfs or tmpfs (Linux 6.3+), on Linux 5.12 or later")
         built = guest.cached_assets()
         if built is None:
             if shutil.which("apt-get") is None:
@@ -137,9 +144,15 @@ class MicroVMTier(Tier):
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
         return MicroVMSandbox(self, spec, sandbox_id, run_dir)
 
+    def create_from_snapshot(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, snapshot: Path,
+                             digest: str) -> TierSandbox:
+        """A VM restored from a live snapshot (live.py): its processes and memory, a fresh identity."""
+        return MicroVMSandbox(self, spec, sandbox_id, run_dir, seed=(snapshot, digest))
+
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # QEMU lives in the sandbox's host cgroup (killing it closes the tap too)
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
+        live.kill_converters(sandbox_id)  # a snapshot's, if its owner died taking it
 
     def ram_mb(self, memory: int) -> int:
         """Guest RAM for a memory limit, rounded up to 64 MiB so templates are few."""
@@ -148,12 +161,22 @@ class MicroVMTier(Tier):
 
 
 class MicroVMSandbox(LinuxSandbox):
-    def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> None:
+    #: guest RAM and the image's disk (what a live snapshot of it records)
+    ram_mb: int
+    image_disk: rootdisk.ImageDisk
+
+    def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
+                 seed: tuple[Path, str] | None = None) -> None:
         self._tier = tier
+        #: a live snapshot to restore (its files directory, its manifest's sha256)
+        self._live_seed = seed
+        if seed is not None:
+            self.hostname = sandbox_id
         self._exec_count = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
+        self._snapshot_lock = threading.Lock()
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
         #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
@@ -166,18 +189,21 @@ class MicroVMSandbox(LinuxSandbox):
         """Port forwards run ``agent --connect PORT`` in the guest (it has no network device to
         enter); the guest's commands do not see the agent, so a copy goes to the guest's root once."""
         if self._connector_path is None:
-            from ..linux.agent_build import agent_binary
-
-            self.write_file(CONNECTOR_IN_GUEST, agent_binary().read_bytes(), 0o755)
+            self._channel_or_raise().write_file(CONNECTOR_IN_GUEST, agent_binary().read_bytes(), 0o755, as_agent=True)
             self._connector_path = CONNECTOR_IN_GUEST
         return self._connector_path
 
     def _setup(self) -> None:
+        if self._live_seed is not None:
+            live.setup_restored(self, *self._live_seed)
+            return
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
+        # QEMU's user namespace (the uid range mapped): its helper starts while the rest is made
+        self._start_userns(agent_binary(self._tier.state_dir))
         image = resolve(spec.image, self._tier.state_dir)
-        image_disk = rootdisk.image_disk(image)
-        ram_mb = self._tier.ram_mb(spec.limits.memory)
+        image_disk = self.image_disk = rootdisk.image_disk(image)
+        ram_mb = self.ram_mb = self._tier.ram_mb(spec.limits.memory)
         tmpl = template.get_template(self._tier.assets, self._tier.accel, ram_mb, image_disk)
         self.timings["template"] = time.monotonic() - t0
         host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
@@ -200,6 +226,7 @@ class MicroVMSandbox(LinuxSandbox):
             "memory": str(spec.limits.memory),
             "pids": str(spec.limits.pids),
             "workspace": spec.workspace.mode if spec.workspace and spec.workspace.mode == "ro" else "rw",
+            "user": spec.user,  # the agent's default user (guestinit tells it at "go")
         }
         if spec.network == "allow":
             # the proxy on the host; the guest's relay listens on this port (guestinit)
@@ -224,9 +251,10 @@ class MicroVMSandbox(LinuxSandbox):
             return
         channel = self._channel_or_raise()
         for path, data in self.network.files.items():
-            channel.write_file(path, data, 0o644)
+            channel.write_file(path, data, 0o644, as_agent=True)
 
-    def _launch(self, tmpl: template.Template, disk: rootdisk.ImageDisk, ws: Path, config: dict[str, str]) -> None:
+    def _launch(self, tmpl: template.Template, disk: rootdisk.ImageDisk, ws: Path,
+                config: dict[str, str] | None) -> None:
         """Start QEMU restoring the template and queue the configuration for the guest.
 
         Nothing here polls: the agent and QMP sockets are created (listening)
@@ -247,23 +275,37 @@ class MicroVMSandbox(LinuxSandbox):
             listeners.append(listener)
             listener.bind(str(path))
             listener.listen(1)
+        userns = self._userns()
+        try:
+            files = vmm.open_files(ram=tmpl.ram, disk=disk.path, workspace=ws, console=paths.console_log,
+                                   userns=userns, owner=self.uid_range.base)
+        except BaseException:
+            for listener in listeners:
+                listener.close()
+            raise
         state = os.open(tmpl.state, os.O_RDONLY)
         fds = (listeners[0].fileno(), listeners[1].fileno())
         link = self.network.open_net if self.network is not None else None
         # QEMU gets its own copy; ours is closed below, so the tap goes when QEMU does
         tap = link.take_tap() if link is not None else None
-        inherited = [state, *(listener.fileno() for listener in listeners), *([tap] if tap is not None else [])]
+        inherited = [state, *(listener.fileno() for listener in listeners), *([tap] if tap is not None else []),
+                     *files.values(), userns]
         argv = qemu.command_line(
-            accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=tmpl.ram, share=False, assets=self._tier.assets,
-            paths=paths, disk=disk.path, workspace=ws, workspace_readonly=readonly, incoming=True,
-            listen_fds=fds, runas=self.uid, egress_fd=listeners[2].fileno() if len(listeners) > 2 else None,
+            accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=vmm.fd_path(files["ram"]), share=False,
+            assets=self._tier.assets, paths=dataclasses.replace(paths, console_log=vmm.fd_path(files["console"])),
+            disk=vmm.fd_path(files["disk"]), workspace=vmm.fd_path(files["ws"]), workspace_readonly=readonly,
+            incoming=True,
+            listen_fds=fds, confined=True, egress_fd=listeners[2].fileno() if len(listeners) > 2 else None,
             tap_fd=tap,
         )
+        argv += ["-name", self.id]  # its files are descriptors now: the name says whose it is (ps, leak checks)
         # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
         # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
-        # fork the whole (large, threaded) Python process, 10-20 ms per sandbox
+        # fork the whole (large, threaded) Python process, 10-20 ms per sandbox.
+        # The agent binary between them makes QEMU root of the sandbox's user namespace (vmm.py)
         procs_files = [str(path) for path in self.cgroup.procs_files(self.cgroup.leaf("vmm"))]
-        argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--", *argv]
+        argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--",
+                *vmm.launcher(agent_binary(self._tier.state_dir), userns, tmpl.accel), *argv]
         if self._trace:
             # QEMU timestamps (host clock) the guest's step bytes on the serial port and
             # the virtio-serial and 9p events around them: bench/microvm.py --trace
@@ -288,8 +330,9 @@ class MicroVMSandbox(LinuxSandbox):
             # both connects complete at once (the listen backlog): QEMU accepts later
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             self._sock.connect(str(paths.agent_socket))
-            payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
-            self._sock.sendall(struct.pack("<I", len(payload)) + payload)
+            if config is not None:  # (a live snapshot's guest is past its configuration: live.py)
+                payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
+                self._sock.sendall(struct.pack("<I", len(payload)) + payload)
             if len(sockets) > 2:
                 self._start_bridge(sockets[2])
             qmp_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -307,15 +350,20 @@ class MicroVMSandbox(LinuxSandbox):
             os.close(state)
             if tap is not None:
                 os.close(tap)
+            for fd in files.values():
+                os.close(fd)
+            self._drop_userns()  # QEMU holds the namespace now
             for listener in listeners:
                 listener.close()  # again, if QEMU never started (closing twice is harmless)
         if self._trace:
             threading.Thread(target=self._trace_restore, args=(qmp, t0), daemon=True).start()
         else:
             qmp.close()
+        if config is None:
+            return  # its agent is past "ready": live.setup_restored finds its answer in the stream
         self._channel = AgentChannel(os.dup(self._sock.fileno()), os.dup(self._sock.fileno()))
-        # a command's own user= is honoured (uid 1000 drops every capability); without one it runs as
-        # the guest agent, root: the workspace (9p) and /home/user are root's in the guest
+        # a command's own user= is honoured; without one it runs as the agent's default user, told
+        # at "go" (uid 1000 with no capability, or guest root for a sandbox created with user="root")
         self._channel.user_ids = USER_IDS
         try:
             # a failed load makes QEMU exit, which closes the channel: no need to watch it
@@ -356,6 +404,30 @@ class MicroVMSandbox(LinuxSandbox):
                 pass
         return text.strip() or "(no output)"
 
+    # -- live snapshots (live.py) --------------------------------------------
+    def qmp(self) -> qemu.QMP:
+        """A new QMP connection to the running QEMU (its listener takes one client at a time)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(self._run_dir / "qmp.sock"))
+            return qemu.QMP(sock, timeout=live.MIGRATE_TIMEOUT)
+        except BaseException:
+            sock.close()
+            raise
+
+    def snapshot(self, dest: Path, shared: Path | None = None) -> int:
+        """A live snapshot (memory, devices, processes, workspace) into ``dest``; the VM runs on.
+        A paused VM is let run for the snapshot (its commands stay frozen) and paused again."""
+        with self._snapshot_lock:
+            was_paused = self.paused
+            if was_paused:
+                self.resume()
+            try:
+                return live.capture(self, self._channel_or_raise(), dest, shared)
+            finally:
+                if was_paused:
+                    self.pause()
+
     # -- commands ----------------------------------------------------------
     def _fire(self, kind: int, payload: bytes) -> None:
         """Send a request whose answer nobody waits for (safe from the reader thread).
@@ -371,18 +443,19 @@ class MicroVMSandbox(LinuxSandbox):
             leaf = f"{GUEST_CGROUP}/e{self._exec_count}"
         # not waited for here: the agent handles requests in order, so its answer
         # arrives before the command's "started", where place() checks it
-        made = channel.begin(T_FMKDIR, struct.pack("<I", 0o755) + leaf.encode() + b"\0")
+        made = channel.begin(T_FMKDIR | T_AS_AGENT, struct.pack("<I", 0o755) + leaf.encode() + b"\0")
 
         def place(nspid: int) -> None:
             # runs on the reader thread before the agent lets the command exec;
             # no leaf (an error here) refuses the command, as a failed make_dir did
             made(0)
-            self._fire(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.procs".encode() + b"\0"
+            self._fire(T_FWRITE | T_AS_AGENT, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.procs".encode() + b"\0"
                        + str(nspid).encode())
 
         def kill() -> None:
             try:
-                self._fire(T_FWRITE, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
+                self._fire(T_FWRITE | T_AS_AGENT,
+                           struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
             except SandboxClosed:
                 pass
 
@@ -392,13 +465,13 @@ class MicroVMSandbox(LinuxSandbox):
             except (SandboxClosed, SandboxError):
                 pass
             try:
-                events = channel.read_file(f"{leaf}/memory.events", 4096).decode()
+                events = channel.read_file(f"{leaf}/memory.events", 4096, as_agent=True).decode()
                 counts = dict(line.split() for line in events.splitlines() if len(line.split()) == 2)
                 proc.oom_killed = int(counts.get("oom_kill", "0")) > 0
                 if proc.oom_killed:
                     kill()  # the OOM killer takes one task; finish the tree
                 # an emptied leaf goes; one with background processes stays (harmless)
-                self._fire(T_FREMOVE, struct.pack("<I", 0) + leaf.encode() + b"\0")
+                self._fire(T_FREMOVE | T_AS_AGENT, struct.pack("<I", 0) + leaf.encode() + b"\0")
             except (SandboxClosed, SandboxError, ValueError):
                 pass
             self.sync()

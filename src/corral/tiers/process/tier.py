@@ -1,6 +1,6 @@
 """The process tier: Linux namespaces + cgroups + seccomp, launched by bubblewrap.
 
-The sandbox's root (overlay on a size-limited tmpfs, workspace copy) is
+The sandbox's root (overlay on a size-limited tmpfs, workspace overlay) is
 built by :mod:`corral.tiers.linux.rootfs`, shared with the gVisor tier.
 
 The agent (``corral-agent``) is bwrap's pid 1 in a new pid namespace.  Every
@@ -128,6 +128,7 @@ class ProcessSandbox(LinuxSandbox):
             self._mountns = MountNamespace(self._tier._agent, to_agent_r, from_agent_w, run=LAUNCHER.run,
                                            userns=self.uid_range)
             self._userns_pending = self._mountns.userns()
+            self._userns_helper = self._tier._agent  # a workspace's own namespace (ws_overlay) is made by it
         finally:
             os.close(to_agent_r)
             os.close(from_agent_w)

@@ -1,0 +1,297 @@
+"""A workspace as an overlay on the host directory: nothing is copied when the sandbox is made,
+and each write-back walks only what the sandbox changed.
+
+Layout, on the sandbox's disk tmpfs (the disk limit bounds every write, copy-ups included)::
+
+    ws-upper/   the overlay's upper layer: every file the sandbox created or changed,
+                a whiteout (character device 0/0) per deletion, opaque directories
+    ws-work/    overlayfs's work directory
+    ws/         the merged view, bound at /workspace
+
+The lower layer is an idmapped, read-only, nosuid, nodev, noatime view of the host directory
+(:mod:`.idmap`) through a user namespace that maps only the directory's owner (its uid, and
+its gid) to the sandbox user's host ids.  Inside, the owner's files belong to the sandbox user
+(uid 1000); files of any other host user show as ``nobody`` (65534): readable as their mode
+allows, never writable (a copy-up could not give the copy an owner the sandbox can name).  The
+sandbox never writes the host directory: the view is read-only, overlayfs writes only its
+upper layer, and only Corral's write-back (running as host root, outside the sandbox) writes
+the host directory.
+
+The overlay is mounted with ``redirect_dir=off``, ``metacopy=off`` and ``index=off`` (this
+kernel's defaults, spelled out because the write-back relies on them): the upper layer holds
+whole copies and never points back into the lower one.  Renaming a directory that exists on
+the host fails with ``EXDEV`` inside, which ``mv`` and most tools answer by copying and
+deleting.  Hard links in the host directory are separate files once one of them is changed
+(overlayfs copies up one name), as they are after today's write-back.
+
+Write-back (:meth:`WorkspaceOverlay.sync_back`) walks the upper layer, compares it with the
+previous walk, and applies what changed with the rules of :mod:`.workspace` (directory
+descriptors opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's
+owner; only symlinks that stay inside the workspace):
+
+- a regular file, symlink or directory that is new or changed: copied to the host (a symlink
+  leading out of the workspace is not: the host's entry at its path is deleted);
+- a new whiteout: the host's entry is deleted;
+- a directory that became opaque (``trusted.overlay.opaque``: deleted and made anew inside):
+  the host's entries that the upper directory does not hold are deleted;
+- an entry of the previous walk that is gone: deleted on the host (overlayfs removes an entry
+  without leaving a whiteout when no lower layer had it when it was removed).
+
+Changes made on the host while the sandbox is live: overlayfs calls them undefined (never a
+crash) -- inside, a host change to a path the sandbox has not changed may show or not
+(lookups are cached), and a path the sandbox changed is its own copy, which host changes do
+not reach.  At write-back only the paths the sandbox changed since the previous write-back
+are written: for those the sandbox's version wins (a host edit of them is replaced, a host
+deletion undone), every other host change is kept.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from . import idmap, mounts
+from .mountns import HostMounts, MountNamespace
+from .workspace import (
+    _DIR_FLAGS,
+    Manifest,
+    WorkspaceCopy,
+    _copy_entry,
+    _kind,
+    _open_dir_beneath,
+    _remove_beneath,
+    link_stays_inside,
+)
+
+#: False: the process and gVisor tiers copy the workspace instead, as before the overlay
+#: (bench/workspace.py sets it to compare the two)
+ENABLED = True
+#: the overlay's options beyond its layers (see the module docstring)
+OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
+OPAQUE = "trusted.overlay.opaque"
+
+log = logging.getLogger(__name__)
+
+
+def owner_maps(host: Path, sandbox_user: int) -> tuple[str, str]:
+    """``uid_map`` and ``gid_map`` of the workspace's user namespace: the host directory's owner
+    (uid; gid) is the sandbox user's host uid (``sandbox_user``, uid 1000 inside)."""
+    st = os.stat(host)
+    return f"{st.st_uid} {sandbox_user} 1\n", f"{st.st_gid} {sandbox_user} 1\n"
+
+
+def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd: int, read_only: bool,
+                    mounter: HostMounts | None = None) -> None:
+    """The one mount a sandbox's set-up makes for its workspace: the overlay of the idmapped view
+    of ``host`` (ids of ``userns_fd``) and ``upper`` at ``merged``; with ``read_only`` the
+    view itself (read-only, locked so inside a sandbox's mount namespace), no upper layer.
+    A ``mounter`` of the sandbox's own mount namespace makes them there (the view then goes
+    through an empty directory of the run dir, ``lower/workspace``, for the time of the mount)."""
+    if isinstance(mounter, MountNamespace):
+        if read_only:
+            mounter.attach_idmapped(host, merged, userns_fd)
+            return
+        view = merged.parent.parent / "lower" / "workspace"
+        view.mkdir(parents=True)
+        try:
+            mounter.mapped_overlay(merged, host, upper, work, userns_fd, view, extra=OVERLAY_OPTIONS)
+        finally:
+            view.rmdir()
+        return
+    # overlayfs opens lower files O_NOATIME already; noatime covers whatever else reads the view
+    tree = idmap.idmapped_tree(host, userns_fd, noatime=True)
+    try:
+        if read_only:
+            idmap.attach(tree, merged)
+            return
+        # the detached view by its descriptor: overlayfs keeps its own clone of it
+        options = f"lowerdir=/proc/self/fd/{tree},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
+        for path in (upper, work):
+            if any(c in str(path) for c in ",:\\"):
+                raise ValueError(f"overlay path {path} contains a character overlayfs cannot take")
+        mounts.mount("overlay", merged, "overlay", mounts.MS_NOSUID | mounts.MS_NODEV, options)
+    finally:
+        os.close(tree)
+
+
+def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
+                   userns: Callable[[tuple[str, str]], int],
+                   mounter: HostMounts | None = None) -> tuple[WorkspaceCopy | WorkspaceOverlay | None, bool]:
+    """The workspace of a sandbox whose disk tmpfs is ``disk`` and whose user is host uid ``uid``,
+    at ``disk/ws`` (an empty directory): the overlay (``ro``: the read-only view), or the copy
+    when ``host`` cannot be idmapped (its file system, an older kernel).  ``userns(maps)`` gives
+    a user namespace with those maps (:func:`owner_maps`).  Returns what writes it back (None
+    for ``ro``) and whether ``disk/ws`` is now a mount point."""
+    ws, upper, work = disk / "ws", disk / "ws-upper", disk / "ws-work"
+    # the files as this process reaches them (through the sandbox's mount namespace, if its own)
+    on_disk = mounter.view if mounter is not None else (lambda path: path)
+    read_only = mode == "ro"
+    if not read_only:
+        on_disk(upper).mkdir()
+        on_disk(work).mkdir()
+        # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
+        os.chown(on_disk(upper), uid, uid)
+        os.chmod(on_disk(upper), os.stat(host).st_mode & 0o7777)
+    try:
+        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid)), read_only, mounter)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+            raise
+        log.warning("workspace %s cannot be idmapped (%s): copied instead", host, exc)
+        for unused in (on_disk(upper), on_disk(work)):
+            if unused.exists():
+                unused.rmdir()
+        return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
+    return (None if read_only else WorkspaceOverlay(host, on_disk(upper))), True
+
+
+def scan_upper(upper: Path) -> Manifest:
+    """Every entry of an overlay's upper layer, kinds as :func:`.workspace.scan`'s plus ``w`` (a
+    whiteout) and ``D`` (an opaque directory).  Its time is the change time, which no one can
+    set back (a write that keeps a file's size and resets its mtime is still a change)."""
+    out: Manifest = {}
+    fd = os.open(upper, _DIR_FLAGS)
+    try:
+        _scan(fd, "", out)
+    finally:
+        os.close(fd)
+    return out
+
+
+def _scan(dir_fd: int, prefix: str, out: Manifest) -> None:
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        rel = f"{prefix}{entry.name}"
+        kind = "w" if _is_whiteout(st) else _kind(st.st_mode)
+        if kind != "d":
+            out[rel] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
+            continue
+        try:
+            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            out[rel] = ("D" if _opaque(fd) else "d", st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
+            _scan(fd, rel + "/", out)
+        finally:
+            os.close(fd)
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _opaque(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, OPAQUE) == b"y"
+    except OSError:
+        return False
+
+
+def _depth(rel: str) -> int:
+    return rel.count("/")
+
+
+class WorkspaceOverlay:
+    """A workspace mounted by :func:`mount_workspace`: ``host`` is the user's directory, ``upper``
+    the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``."""
+
+    def __init__(self, host: Path, upper: Path) -> None:
+        self.host = host
+        self.upper = upper
+        self.manifest: Manifest = {}
+        self._lock = threading.Lock()  # commands finishing at once write back one at a time
+
+    def sync_back(self) -> None:
+        """Write what changed in the upper layer since the last write-back to the host directory."""
+        with self._lock:
+            current = scan_upper(self.upper)
+            if current == self.manifest:
+                return  # the common case: a command that changed nothing in the workspace
+            host_st = os.stat(self.host)
+            _apply(self.upper, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
+            self.manifest = current
+
+
+def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
+    src_fd = os.open(upper, _DIR_FLAGS)
+    dst_fd = os.open(host, _DIR_FLAGS)
+    try:
+        gone = [rel for rel in previous if rel not in current]
+        gone += [rel for rel, entry in current.items() if entry[0] == "w" and previous.get(rel) != entry]
+        for rel in sorted(gone, key=_depth, reverse=True):
+            _delete(dst_fd, rel, uid, gid)
+        for rel in sorted(current, key=_depth):
+            entry = current[rel]
+            kind = entry[0]
+            if kind in ("w", "o") or previous.get(rel) == entry:
+                continue
+            try:
+                if kind == "l" and not _link_inside(src_fd, rel, uid, gid):
+                    _delete(dst_fd, rel, uid, gid)  # a link Corral does not plant: the host's entry goes
+                    continue
+                _copy_entry(src_fd, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
+                            inside_links_only=True)
+                if kind == "D" and previous.get(rel, ("",))[0] != "D":
+                    _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    raise
+                continue  # changed while we copied (a directory made a link...): the next write-back sees it
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+
+
+def _link_inside(src_fd: int, rel: str, uid: int, gid: int) -> bool:
+    *dirs, name = rel.split("/")
+    fd = _open_dir_beneath(src_fd, dirs, create=False, uid=uid, gid=gid)
+    try:
+        return link_stays_inside(rel, os.readlink(name, dir_fd=fd))
+    except OSError:
+        return True  # no longer a link: _copy_entry sees what it is now
+    finally:
+        os.close(fd)
+
+
+def _delete(dst_fd: int, rel: str, uid: int, gid: int) -> None:
+    *dirs, name = rel.split("/")
+    try:
+        fd = _open_dir_beneath(dst_fd, dirs, create=False, uid=uid, gid=gid)
+    except OSError:
+        return  # its directory is gone already
+    try:
+        _remove_beneath(fd, name)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int) -> None:
+    """An opaque directory hides the lower layer's entries: delete the host's that the upper
+    directory does not hold (whiteouts in it count as absent)."""
+    parts = rel.split("/")
+    src = _open_dir_beneath(src_fd, parts, create=False, uid=uid, gid=gid)
+    try:
+        with os.scandir(src) as it:
+            keep = {e.name for e in it if not _is_whiteout(e.stat(follow_symlinks=False))}
+    finally:
+        os.close(src)
+    dst = _open_dir_beneath(dst_fd, parts, create=True, uid=uid, gid=gid)
+    try:
+        for name in os.listdir(dst):
+            if name not in keep:
+                _remove_beneath(dst, name)
+    finally:
+        os.close(dst)

@@ -1,0 +1,473 @@
+"""Live snapshots of a microVM: its memory, devices and processes, and its workspace.
+
+Taking one (:func:`capture`), the VM runs on afterwards:
+
+1. the guest's commands are frozen (its ``sandbox`` cgroup, by the agent: ``T_GUEST``), and the
+   agent unmounts the 9p workspace: QEMU 7.2 refuses to migrate a VM while a 9p export is
+   attached (the blocker goes when the guest clunks the export's root fid).  A process whose
+   working directory or open file is under ``/workspace`` keeps it busy:
+   :class:`~corral.errors.InvalidState` naming it, and nothing changes;
+2. a *converter* QEMU is started with the same devices, confined as the VM's own (its user
+   namespace), its RAM a memfd, ``-S`` (it never runs the guest) and ``migrate-incoming`` on
+   one end of a socket pair; the agent channel is quiesced (no request half-sent), the VM is
+   stopped and migrated into the other end (its RAM is a private copy-on-write mapping of its
+   template's, so all of it goes: zero pages compactly);
+3. the workspace copy is written (content-addressed, as the other tiers' snapshots) while the
+   VM is stopped, then it runs on, remounts its workspace and thaws;
+4. the converter saves its device state with ``x-ignore-shared`` and its memfd is copied out,
+   sparse and hashed on the way: the snapshot becomes a pair like a template's -- ``vm/ram``
+   (the memory image) and ``vm/state`` (~70 KB) -- so each VM made from it maps the RAM
+   ``share=off`` (copy-on-write, nothing read up front) and restores as fast as from a template.
+
+A VM restored from it (:func:`setup_restored`) has the snapshot's processes, frozen; its first
+request (sent straight on the socket: :func:`_first_answer` drops what the guest was still
+sending when the snapshot was taken) gives it a fresh identity (RNG reseeded from 64 host
+bytes, wall clock, hostname = its sandbox id, machine id, boot id bind-mounted over
+``/proc/sys/kernel/random/boot_id``) -- or, restored under the id it was taken of (a resume
+from ``pause(to_disk=True)``), only a reseed and the clock; then its own copy of the workspace
+is mounted, and only then are its processes thawed.
+
+The snapshot's description (RAM size, the image disk, QEMU and guest versions, the state's and
+the RAM's sha256) is part of its manifest, whose sha256 the store records: a changed file is
+:class:`~corral.errors.SnapshotCorrupt` before any VM starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import FileError, InvalidSpec, InvalidState, SandboxError, SnapshotCorrupt
+from ...host import mounts
+from ...spec import MiB
+from ..linux import fs_snapshot
+from ..linux.agent import HEADER, T_ERR, T_GUEST, T_OK, USER_IDS, AgentChannel
+from ..linux.agent_build import agent_binary
+from . import memimage, qemu, template, vmm
+from .rootdisk import ImageDisk
+
+if TYPE_CHECKING:
+    from .tier import MicroVMSandbox
+
+VM_DIR = "vm"
+WORKSPACE = "/workspace"
+#: the 9p workspace as guest_root.c mounts it (the same options after every restore)
+WS_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144"
+#: bytes per second: unlimited, in effect
+MAX_BANDWIDTH = 1 << 40
+SOCKET_BUFFER = 4 << 20
+MIGRATE_TIMEOUT = 120.0
+#: requests the agent of a restored VM may still hold from the VM it was taken of: the new
+#: host side numbers its own above the last one sent plus this margin
+ID_MARGIN = 1 << 16
+
+
+@dataclass(frozen=True)
+class VMImage:
+    """What the ``vm`` part of a live snapshot is and needs."""
+
+    ram_mb: int
+    accel: str
+    qemu: str
+    assets: str
+    disk_key: str
+    #: the image disk: the snapshot's own hard link to it if the store shares the cache's file
+    #: system, else the cache's file (which must still be the same build)
+    disk_path: str
+    state_sha256: str
+    ram_sha256: str
+    #: the last agent request id of the VM it was taken of
+    last_id: int
+    #: the guest cgroup leaves its commands used (e1 ... eN): a restored VM's start after them
+    leaves: int
+    readonly_workspace: bool
+    #: the sandbox it was taken of and its hostname: restored into the same sandbox id (a resume
+    #: from pause(to_disk=True)) it keeps its identity
+    sandbox_id: str = ""
+    hostname: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VMImage:
+        return cls(int(data["ram_mb"]), str(data["accel"]), str(data["qemu"]), str(data["assets"]),
+                   str(data["disk_key"]), str(data["disk_path"]), str(data["state_sha256"]),
+                   str(data["ram_sha256"]), int(data["last_id"]), int(data["leaves"]),
+                   bool(data["readonly_workspace"]), str(data.get("sandbox_id", "")), str(data.get("hostname", "")))
+
+
+def freeze(channel: AgentChannel, frozen: bool) -> None:
+    """Freeze (the agent waits until the kernel says frozen) or thaw the guest's commands; the
+    agent lives outside their cgroup."""
+    channel.guest("freeze", "1" if frozen else "0")
+
+
+def _attach(readonly: bool) -> list[str]:
+    return ["attach", "ws", WORKSPACE, "9p", ("ro," if readonly else "") + WS_OPTIONS]
+
+
+def _strings(args: list[str]) -> bytes:
+    return b"".join(arg.encode() + b"\0" for arg in args)
+
+
+def attach_workspace(channel: AgentChannel, readonly: bool) -> None:
+    channel.guest(*_attach(readonly))
+
+
+def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
+               ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
+    """A QEMU with the VM's devices and its RAM in a memfd (shared), that loads the stream from
+    ``incoming`` and never runs the guest (``-S``); confined as the VM's own QEMU is (root of
+    the sandbox's user namespace, taken from it, with its files as descriptors: vmm.py)."""
+    empty = vm_dir / "empty"
+    empty.mkdir(mode=0o755)
+    qemu_pid = vm.qemu_pid()
+    if qemu_pid is None:
+        raise SandboxError(f"sandbox {vm.id} has no QEMU")
+    files = {"userns": os.open(f"/proc/{qemu_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)}
+    try:
+        files["disk"] = os.open(vm.image_disk.path, os.O_PATH | os.O_CLOEXEC)
+        files["ws"] = os.open(empty, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        files["console"] = os.open(vm_dir / "console.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.fchown(files["console"], vm.uid_range.base, vm.uid_range.base)
+        return _start_converter(vm, vm_dir, incoming, files)
+    finally:
+        for fd in files.values():
+            os.close(fd)
+
+
+def _start_converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dict[str, int]
+                     ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
+    listeners = []
+    for name in ("conv-agent.sock", "conv-qmp.sock"):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        (vm._run_dir / name).unlink(missing_ok=True)
+        listener.bind(str(vm._run_dir / name))
+        listener.listen(1)
+        listeners.append(listener)
+    try:
+        paths = qemu.VMPaths(vm._run_dir / "conv-agent.sock", vm._run_dir / "conv-qmp.sock",
+                             vmm.fd_path(files["console"]))
+        argv = qemu.command_line(
+            accel=vm._tier.accel, ram_mb=vm.ram_mb, mem_path=vm_dir / "ram", share=True, assets=vm._tier.assets,
+            paths=paths, disk=vmm.fd_path(files["disk"]), workspace=vmm.fd_path(files["ws"]),
+            workspace_readonly=False, incoming=True, listen_fds=(listeners[0].fileno(), listeners[1].fileno()),
+            confined=True,
+        )
+        # its RAM in a memfd: loading the stream into a shared mapping of a file on disk faults
+        # every page through the file system (~6 s for 400 MB on ext4 here, ~1 s on shmem); the
+        # image is copied out afterwards, sparse (memimage.write_sparse)
+        backend = next(i for i, arg in enumerate(argv) if arg.startswith("memory-backend-file,id=mem,"))
+        argv[backend] = f"memory-backend-memfd,id=mem,size={vm.ram_mb}M,share=on"
+        argv.append("-S")  # loads, never runs
+        argv += ["-name", converter_name(vm.id)]  # outside the sandbox's cgroup (its memory would not fit
+        # beside the VM's): found by this name if the owner dies meanwhile (kill_converters)
+        argv = [*vmm.launcher(agent_binary(vm._tier.state_dir), files["userns"], vm._tier.accel), *argv]
+        with open(vm_dir / "qemu.log", "wb") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
+                                    pass_fds=[*(listener.fileno() for listener in listeners), *files.values()],
+                                    preexec_fn=template._die_with_parent)
+        for listener in listeners:
+            listener.close()  # QEMU's now: one that dies resets our connection instead of leaving it queued
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.connect(str(paths.qmp_socket))
+            qmp = qemu.QMP(sock, timeout=MIGRATE_TIMEOUT)
+            qmp.send_fd("in", incoming.fileno())
+            qmp.command("migrate-incoming", uri="fd:in")
+        except BaseException as exc:
+            proc.kill()
+            proc.wait()
+            if isinstance(exc, OSError):
+                raise SandboxError(f"the snapshot's converter QEMU failed ({exc}): "
+                                   f"{(vm_dir / 'qemu.log').read_text(errors='replace')[-400:]}") from None
+            raise
+        return proc, qmp
+    finally:
+        for listener in listeners:
+            listener.close()
+        for name in ("conv-agent.sock", "conv-qmp.sock"):
+            (vm._run_dir / name).unlink(missing_ok=True)
+
+
+def converter_name(sandbox_id: str) -> str:
+    return f"corral-snapshot-{sandbox_id}"
+
+
+def kill_converters(sandbox_id: str) -> None:
+    """SIGKILL the snapshot converters of ``sandbox_id`` a dead owner left (MicroVMTier.reap)."""
+    wanted = f"\0{converter_name(sandbox_id)}\0".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if wanted in Path(f"/proc/{entry}/cmdline").read_bytes():
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
+def _wait_loaded(qmp: qemu.QMP, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    while True:
+        status = qmp.command("query-migrate").get("status", "")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled") or proc.poll() is not None:
+            raise SandboxError(f"the snapshot's converter could not load the VM (status {status!r})")
+        if time.monotonic() > deadline:
+            raise SandboxError("the snapshot's converter did not load the VM in time")
+        time.sleep(0.005)
+
+
+def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None) -> int:
+    """Write a live snapshot of ``vm`` into the new directory ``dest``; returns bytes written."""
+    readonly = bool(vm.spec.workspace and vm.spec.workspace.mode == "ro")
+    t0 = time.monotonic()
+    freeze(channel, True)
+    try:
+        try:
+            channel.guest("detach", WORKSPACE)
+            vm.timings["snapshot_quiesce"] = time.monotonic() - t0  # frozen, workspace unmounted
+        except FileError as exc:
+            raise InvalidState(f"sandbox {vm.id}: a live snapshot needs /workspace unmounted for a moment, "
+                               f"and a process holds it ({exc}); run long-lived processes with another "
+                               f"working directory (cwd='/tmp')", sandbox_id=vm.id) from None
+        try:
+            return _capture_detached(vm, channel, dest, shared, readonly)
+        finally:
+            attach_workspace(channel, readonly)
+    finally:
+        freeze(channel, False)
+
+
+def _capture_detached(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
+                      readonly: bool) -> int:
+    with channel.quiesced():  # no request half-sent to the guest while it is saved
+        return _capture_quiesced(vm, channel, dest, shared, readonly)
+
+
+def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
+                      readonly: bool) -> int:
+    last_id = channel.last_id
+    ws = vm._run_dir / "disk" / "ws"
+    # ``dest`` is the snapshot's ``files`` (the workspace's manifest and blobs): the VM goes beside it
+    vm_dir = dest.parent / VM_DIR
+    vm_dir.mkdir(mode=0o700)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end in (ours, theirs):  # fewer wake-ups of the two QEMUs for the same bytes
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+    proc: subprocess.Popen[bytes] | None = None
+    conv: qemu.QMP | None = None
+    try:
+        proc, conv = _converter(vm, vm_dir, theirs)
+        theirs.close()
+        qmp = vm.qmp()
+        stopped = False
+        try:
+            qmp.command("stop")
+            stopped = True
+            t0 = time.monotonic()
+            # the VM's RAM is private (not shared): it all goes into the stream
+            qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": False}])
+            # the VM is stopped: no reason to pace the stream (QEMU's default is 128 MiB/s)
+            qmp.command("migrate-set-parameters", **{"max-bandwidth": MAX_BANDWIDTH})
+            qmp.send_fd("snapshot", ours.fileno())
+            ours.close()
+            qmp.command("migrate", uri="fd:snapshot")
+            qmp.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
+            # the workspace as the stopped VM left it
+            written = fs_snapshot.capture([("ws", ws)], dest, vm._id_map(), {}, vm.spec.limits.disk, shared)
+        finally:
+            if stopped:
+                qmp.command("cont")
+                vm.timings["snapshot_stopped"] = time.monotonic() - t0  # migrated, workspace copied
+            qmp.close()
+        t0 = time.monotonic()
+        _wait_loaded(conv, proc, time.monotonic() + MIGRATE_TIMEOUT)
+        conv.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
+        state = os.open(vm_dir / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            conv.send_fd("state", state)
+        finally:
+            os.close(state)
+        conv.command("migrate", uri="fd:state")
+        conv.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
+        t1 = time.monotonic()
+        memory = memimage.memfd_of(proc.pid)
+        try:
+            ram_sha256 = memimage.write_sparse(memory, vm.ram_mb << 20, vm_dir / "ram")
+        finally:
+            os.close(memory)
+        vm.timings["snapshot_write_ram"] = time.monotonic() - t1
+        conv.command("quit")
+        vm.timings["snapshot_convert"] = time.monotonic() - t0  # after the VM runs on
+        proc.wait(timeout=30)
+    finally:
+        ours.close()
+        theirs.close()
+        if conv is not None:
+            conv.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for name in ("empty", "console.log", "qemu.log"):
+        path = vm_dir / name
+        if path.is_dir():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+    ram = vm_dir / "ram"
+    disk_path = vm.image_disk.path
+    with contextlib.suppress(OSError):  # another file system: the cache's disk is named instead
+        os.link(disk_path, vm_dir / "disk")
+        disk_path = vm_dir / "disk"
+    image = VMImage(
+        ram_mb=vm.ram_mb, accel=vm._tier.accel, qemu=qemu.qemu_version(), assets=vm._tier.assets.digest,
+        disk_key=vm.image_disk.key, disk_path="disk" if disk_path == vm_dir / "disk" else str(disk_path), state_sha256=hashlib.sha256((vm_dir / "state").read_bytes()).hexdigest(),
+        ram_sha256=ram_sha256, last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
+        sandbox_id=vm.id, hostname=vm.hostname,
+    )
+    memimage.remember(ram)
+    # the VM's description joins the workspace's manifest: the store's checksum covers both
+    files = dest
+    manifest = json.loads((files / fs_snapshot.MANIFEST).read_bytes())
+    manifest["vm"] = asdict(image)
+    data = json.dumps(manifest, separators=(",", ":")).encode()
+    (files / fs_snapshot.MANIFEST).write_bytes(data)
+    allocated = sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in (ram, vm_dir / "state"))
+    return written + allocated + len(data)
+
+
+def load(files: Path, digest: str) -> tuple[VMImage, list[dict[str, Any]], Path]:
+    """A live snapshot's description and workspace entries, checked against ``digest`` (the
+    manifest's sha256) and its state and RAM against theirs; returns (image, entries, vm dir)."""
+    entries = fs_snapshot.load_manifest(files, digest)
+    name = files.parent.name
+    try:
+        image = VMImage.from_dict(json.loads((files / fs_snapshot.MANIFEST).read_bytes())["vm"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SnapshotCorrupt(f"snapshot {name}: it holds no VM description") from None
+    vm_dir = files.parent / VM_DIR
+    try:
+        state = (vm_dir / "state").read_bytes()
+        ram_size = (vm_dir / "ram").stat().st_size
+    except OSError as exc:
+        raise SnapshotCorrupt(f"snapshot {name}: its VM state is unreadable ({exc.strerror})") from None
+    if hashlib.sha256(state).hexdigest() != image.state_sha256:
+        raise SnapshotCorrupt(f"snapshot {name}: its VM state does not match its checksum")
+    if ram_size != image.ram_mb << 20:
+        raise SnapshotCorrupt(f"snapshot {name}: its memory image is {ram_size} bytes, not {image.ram_mb} MiB")
+    if not memimage.checked(vm_dir / "ram"):
+        if memimage.ram_digest(vm_dir / "ram") != image.ram_sha256:
+            raise SnapshotCorrupt(f"snapshot {name}: its memory image does not match its checksum")
+        memimage.remember(vm_dir / "ram")
+    return image, entries, vm_dir
+
+
+def check_compatible(image: VMImage, vm: MicroVMSandbox, vm_dir: Path) -> ImageDisk:
+    """Refuse a snapshot taken with another QEMU, guest or accelerator; returns its image disk."""
+    name = vm_dir.parent.name
+    if (image.qemu, image.assets, image.accel) != (qemu.qemu_version(), vm._tier.assets.digest, vm._tier.accel):
+        raise InvalidState(f"snapshot {name} was taken with another QEMU, guest kernel or accelerator "
+                           f"({image.qemu}, {image.accel}): it loads only into the same one")
+    disk = vm_dir / image.disk_path  # its own link, or the cache's file (an absolute path)
+    if not disk.is_file():
+        raise InvalidState(f"snapshot {name}: the image disk it was taken on ({disk}) is gone")
+    return ImageDisk(disk, image.disk_key)
+
+
+def identity(hostname: str, machine_id: str, boot_id: str, seed: str) -> list[str]:
+    """The agent's "identity" request for a restored VM."""
+    return ["identity", seed, str(time.time_ns()), hostname, machine_id, boot_id]
+
+
+def _first_answer(vm: MicroVMSandbox, ident: int, request: list[str]) -> AgentChannel:
+    """Send the restored VM's agent its first request straight on the socket and find the
+    answer's header in what comes back: the guest may first deliver what it was writing when the
+    snapshot was taken (frames of the original's commands, perhaps the tail of one), all of it
+    dropped.  Returns the VM's channel, with request ids above ``ident``."""
+    sock = vm._sock
+    assert sock is not None
+    payload = _strings(request)
+    sock.sendall(HEADER.pack(T_GUEST, ident, len(payload)) + payload)
+    ok, err = HEADER.pack(T_OK, ident, 0), struct.pack("<BI", T_ERR, ident)
+    sock.settimeout(MIGRATE_TIMEOUT)
+    seen = b""
+    try:
+        while True:
+            if (at := seen.find(ok)) >= 0:
+                rest = seen[at + len(ok):]
+                break
+            if (at := seen.find(err)) >= 0 and len(seen) >= at + HEADER.size:
+                length = HEADER.unpack_from(seen, at)[2]
+                if len(seen) >= at + HEADER.size + length:
+                    message = seen[at + HEADER.size + 4 : at + HEADER.size + length].decode(errors="replace")
+                    raise SandboxError(f"the restored VM's agent refused its new identity: {message}")
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise SandboxError(f"the restored VM stopped: {vm._log_tail()}")
+            seen = seen[-(1 << 20):] + chunk  # what precedes the answer is bounded: the guest's pending output
+    except TimeoutError:
+        raise SandboxError(f"the restored VM's agent did not answer: {vm._log_tail()}") from None
+    finally:
+        sock.settimeout(None)
+    channel = vm._channel = AgentChannel(os.dup(sock.fileno()), os.dup(sock.fileno()), initial=rest)
+    channel.user_ids = USER_IDS
+    channel.skip_ids(ident)
+    return channel
+
+
+def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
+    """Start ``vm`` from the live snapshot whose files are ``files``: checked first (nothing is
+    made for a corrupted or incompatible one), then its host side as a new VM's, QEMU restoring
+    the snapshot's RAM and state, and a fresh identity before its processes thaw."""
+    from .tier import VMM_OVERHEAD, VMM_PIDS
+
+    spec, run, uid = vm.spec, vm._run_dir, vm.uid
+    t0 = time.monotonic()
+    name = files.parent.name
+    if spec.network != "none":
+        raise InvalidSpec(f"network: a microVM made from live snapshot {name} runs without a network "
+                          f"(its guest's network state is the snapshot's)")
+    image, entries, vm_dir = load(files, digest)
+    disk = check_compatible(image, vm, vm_dir)
+    fs_snapshot.check_fits(entries, spec.limits.disk, name)
+    if disk.path.parent == vm_dir:  # the snapshot's link to the disk: the VM gets its own (the snapshot may go)
+        os.link(disk.path, run / "image.erofs")
+        disk = ImageDisk(run / "image.erofs", disk.key)
+    vm.ram_mb, vm.image_disk, vm._exec_count = image.ram_mb, disk, image.leaves
+    host_limits = dataclasses.replace(spec.limits, memory=image.ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
+    vm._make_cgroup(host_limits, vm._tier._layout)
+    (run / "disk").mkdir()
+    mounts.mount_tmpfs(run / "disk", spec.limits.disk, uid, uid, 0o700)
+    ws = run / "disk" / "ws"
+    ws.mkdir(mode=0o755)
+    os.chown(ws, uid, uid)
+    fs_snapshot.restore(files, entries, "ws", ws, vm._id_map())
+    vm.timings["files"] = time.monotonic() - t0
+    vm._start_userns(agent_binary(vm._tier.state_dir))  # QEMU's user namespace (vmm.py), as a new VM's
+    vm._launch(template.Template(vm_dir, image.ram_mb, image.accel, 0.0), disk, ws, None)
+    if image.sandbox_id == vm.id:  # the same sandbox back from disk: reseeded, clock set, identity kept
+        vm.hostname = image.hostname
+        wake = ["resume", os.urandom(64).hex(), str(time.time_ns())]
+    else:
+        wake = identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
+    channel = _first_answer(vm, image.last_id + ID_MARGIN, wake)
+    vm.timings["identity"] = time.monotonic() - t0
+    # both at once, answered in order: the workspace, then the processes thaw
+    answers = [channel.begin(T_GUEST, _strings(_attach(image.readonly_workspace))),
+               channel.begin(T_GUEST, _strings(["freeze", "0"]))]
+    for name, answer in zip(("workspace", "total"), answers, strict=True):
+        answer(MIGRATE_TIMEOUT)
+        vm.timings[name] = time.monotonic() - t0

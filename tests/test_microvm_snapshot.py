@@ -1,0 +1,274 @@
+"""Live snapshots, forks and pause-to-disk of microVM sandboxes (issue 18).
+
+A microVM's snapshot is its whole live state: a Python process holding a value in memory keeps
+it in every VM made from the snapshot, while each of them gets a fresh identity (boot id, RNG,
+hostname, machine id) and its own copy of the workspace; the original runs on unchanged.  Bad
+input is a typed error that leaves nothing half-made.
+
+Each VM costs seconds of TCG time on a shared machine: the checks share few VMs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import (
+    InvalidSpec,
+    InvalidState,
+    ResourceLimit,
+    Sandbox,
+    SandboxNotFound,
+    SandboxPaused,
+    SnapshotCorrupt,
+    SnapshotNotFound,
+    parked,
+)
+from corral.registry import Registry, gc
+from corral.snapshots import DIRECTORY
+
+from .leaks import sandbox_leftovers
+from .server_fixtures import KEYS, ServerProcess
+from .tier_probe import skip_unless_tier
+
+#: a long-lived Python process (working directory /tmp: /workspace is unmounted for a moment
+#: while a snapshot is taken) holding a value only in its memory, answering on a Unix socket
+HOLDER = r"""
+import os, socket
+value = os.urandom(16).hex()
+server = socket.socket(socket.AF_UNIX)
+server.bind("/tmp/vs-holder.sock")
+server.listen()
+while True:
+    conn, _ = server.accept()
+    conn.send(f"{value} {os.urandom(32).hex()} {os.getpid()}".encode())
+    conn.close()
+"""
+#: what a VM says: the holder's value, its fresh random bytes and pid; then from a new process:
+#: boot id, 32 random bytes, hostname, machine id, the workspace's file
+ASK = r"""
+import os, socket, time
+for _ in range(600):
+    try:
+        conn = socket.socket(socket.AF_UNIX)
+        conn.connect("/tmp/vs-holder.sock")
+        break
+    except OSError:
+        time.sleep(0.05)
+print(conn.recv(300).decode())
+print(open("/proc/sys/kernel/random/boot_id").read().strip(), os.urandom(32).hex(), socket.gethostname(),
+      open("/etc/machine-id").read().strip(), open("/workspace/w.txt").read())
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _microvm_available(state_dir: Path) -> None:
+    skip_unless_tier("microvm", state_dir)
+
+
+@pytest.fixture(scope="module")
+def parent() -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(tier="microvm", memory="256M")
+    try:
+        sandbox.files.write("/workspace/w.txt", "parent-file")
+        sandbox.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def state_of(sb: Sandbox) -> dict[str, str]:
+    result = sb.commands.run(["python3", "-c", ASK], cwd="/")
+    assert result.exit_code == 0, result
+    held, fresh = result.stdout.splitlines()
+    value, held_random, pid = held.split()
+    boot_id, random, hostname, machine_id, ws = fresh.split()
+    return {"value": value, "held_random": held_random, "pid": pid, "boot_id": boot_id, "random": random,
+            "hostname": hostname, "machine_id": machine_id, "ws": ws}
+
+
+def test_snapshot_and_forks_keep_memory_and_processes_with_a_fresh_identity(parent: Sandbox, state_dir: Path) -> None:
+    before = state_of(parent)
+    parent.pause()
+    parent.resume()
+    assert state_of(parent)["value"] == before["value"]
+
+    # a command streaming output when the snapshot is taken: the copies' agents may send the
+    # rest of what it wrote, which their hosts drop before their first answer
+    noisy = parent.commands.run(["sh", "-c", "for i in $(seq 8); do head -c 60000 /dev/zero | tr '\\0' x; sleep 0.05; done"],
+                                cwd="/tmp", background=True)
+    snap = parent.snapshot()
+    assert (snap.kind, snap.tier) == ("live", "microvm") and snap.size > 0 and snap.written > 0
+    forks = parent.fork(3)
+    noisy.kill()
+    try:
+        seen = [state_of(fork) for fork in forks]
+        after = state_of(parent)
+        # the parent runs on unchanged: same process, same value, same identity, its workspace back
+        for key in ("value", "pid", "boot_id", "hostname", "machine_id", "ws"):
+            assert after[key] == before[key], key
+        for state, fork in zip(seen, forks, strict=True):
+            assert (state["value"], state["pid"], state["ws"]) == (before["value"], before["pid"], "parent-file")
+            assert state["hostname"] == fork.id
+        # no two of them share random numbers, boot id or machine id (the parent included)
+        for key in ("boot_id", "random", "held_random", "hostname", "machine_id"):
+            values = [before[key], *(state[key] for state in seen)]
+            assert len(set(values)) == 4, (key, values)
+        # each fork's workspace is its own copy
+        forks[0].files.write("/workspace/w.txt", "fork-0")
+        assert parent.files.read("/workspace/w.txt") == "parent-file"
+        assert forks[1].files.read("/workspace/w.txt") == "parent-file"
+        # a fork can be forked (its boot id mount is replaced, not stacked), and commands run on
+        with Sandbox.create(snapshot=snap.id) as again:
+            assert state_of(again)["value"] == before["value"]
+            assert again.commands.run("echo ok").stdout == "ok\n"
+    finally:
+        for fork in forks:
+            fork.kill()
+        Sandbox.delete_snapshot(snap.id)
+    assert all(not sandbox_leftovers(fork.id, state_dir) for fork in forks)
+
+
+def test_bad_input_is_a_typed_error_that_starts_nothing(parent: Sandbox, state_dir: Path) -> None:
+    with pytest.raises(InvalidState, match="not paused"):
+        parent.resume()
+    # a process working in /workspace keeps it busy: refused, naming it, and nothing changes
+    busy = parent.commands.run(["sleep", "600"], cwd="/workspace", background=True)
+    running = (f'for i in $(seq 200); do [ "$(cat /proc/{busy.pid}/comm)" = sleep ] && exit 0; sleep 0.05; done;'
+               ' exit 1')
+    assert parent.commands.run(running, cwd="/").exit_code == 0
+    with pytest.raises(InvalidState, match=r"sleep.*working directory"):
+        parent.snapshot()
+    busy.kill()
+    busy.wait()
+    assert parent.files.read("/workspace/w.txt") == "parent-file"
+    assert not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+
+    snap = parent.snapshot()
+    with pytest.raises(InvalidSpec, match="network"):
+        Sandbox.create(snapshot=snap.id, network="allow")
+    before = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
+    vm = state_dir / DIRECTORY / snap.id / "vm"
+    state = (vm / "state").read_bytes()
+    (vm / "state").write_bytes(state[:-1] + bytes([state[-1] ^ 1]))
+    with pytest.raises(SnapshotCorrupt, match="state"):
+        Sandbox.create(snapshot=snap.id)
+    (vm / "state").write_bytes(state)
+    # the memory image: flipped (a copy, so its inode and times change as a restore's would)
+    ram = bytearray((vm / "ram").read_bytes())
+    ram[len(ram) // 2] ^= 1
+    (vm / "ram").unlink()
+    (vm / "ram").write_bytes(bytes(ram))
+    with pytest.raises(SnapshotCorrupt, match="memory"):
+        Sandbox.create(snapshot=snap.id)
+    with open(vm / "ram", "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(SnapshotCorrupt, match="memory"):
+        Sandbox.create(snapshot=snap.id)
+    after = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
+    assert after == before
+    # the CLI lists it as a live snapshot and removes it
+    corral = [sys.executable, "-m", "corral.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+    listed = subprocess.run([*corral, "snapshot", "ls", "--json"], capture_output=True, text=True, env=env, check=True)
+    assert [(s["kind"], s["tier"]) for s in json.loads(listed.stdout) if s["id"] == snap.id] == [("live", "microvm")]
+    removed = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
+    assert (removed.returncode, removed.stdout) == (0, snap.id + "\n")
+    assert not (state_dir / DIRECTORY / snap.id).exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sandbox, state_dir: Path) -> None:
+    before = state_of(parent)
+    qemu = parent._inner.qemu_pid()  # type: ignore[attr-defined]  # the real VM behind the API
+    parent.pause(to_disk=True)
+    assert parent.paused and parent.is_running() and not _alive(qemu)
+    assert not sandbox_leftovers(parent.id, state_dir)  # nothing live: no QEMU, cgroup, mount or registry row
+    with pytest.raises(SandboxPaused):
+        parent.commands.run("true")
+    with pytest.raises(InvalidState, match="already paused"):
+        parent.pause(to_disk=True)
+    assert Sandbox.list_snapshots() == []  # its state is not a snapshot of the user's
+    # a damaged state: resume is a typed error that starts nothing, and the sandbox stays paused
+    [saved] = [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith("snap-")]
+    good = (saved / "vm" / "state").read_bytes()
+    (saved / "vm" / "state").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(SnapshotCorrupt):
+        parent.resume()
+    assert parent.paused and not sandbox_leftovers(parent.id, state_dir)
+    (saved / "vm" / "state").write_bytes(good)
+    assert [(i.sandbox_id, i.state) for i in Sandbox.list() if i.sandbox_id == parent.id] == [(parent.id, "paused")]
+    parent.resume()
+    after = state_of(parent)
+    # the same VM: its process and memory, and its identity (no fresh one: it is not a copy)
+    for key in ("value", "pid", "boot_id", "hostname", "machine_id", "ws"):
+        assert after[key] == before[key], key
+    assert after["random"] != before["random"]
+    with Sandbox.create(tier="process") as other, pytest.raises(InvalidState, match="cannot pause to disk"):
+        other.pause(to_disk=True)
+
+
+def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_dir: Path) -> None:
+    alice, bob = ({"url": "", "api_key": KEYS[who]} for who in ("alice", "bob"))
+    # room for one live snapshot (~140 MB of memory image) and not two
+    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "200M"}) as server:
+        alice["url"] = bob["url"] = server.url
+        sb = Sandbox.create(tier="microvm", memory="256M", **alice)
+        sb.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
+        sb.files.write("/workspace/w.txt", "remote-file")
+        before = state_of(sb)
+        [kid] = sb.fork(1)  # through the server's fork route: its snapshot is made and removed there
+        assert state_of(kid)["value"] == before["value"]
+        kid.kill()
+        snap = sb.snapshot()  # a live snapshot is the tenant's, as any other
+        assert snap.kind == "live"
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(snapshot=snap.id, **bob)
+        sb.pause(to_disk=True)
+        server.kill9()  # the server dies; the sandbox paused to disk held nothing live
+        server.start()
+        with pytest.raises(SandboxNotFound):
+            Sandbox.connect(sb.id, **bob)
+        back = Sandbox.connect(sb.id, **alice)
+        assert back.paused
+        back.resume()
+        after = state_of(back)
+        for key in ("value", "pid", "boot_id", "ws"):
+            assert after[key] == before[key], key
+        with Sandbox.create(snapshot=snap.id, **alice) as child:
+            assert state_of(child)["value"] == before["value"]
+            with pytest.raises(ResourceLimit):  # counted against the tenant's snapshot quota
+                child.snapshot()
+        back.kill()
+        assert Sandbox.delete_snapshot(snap.id, **alice)
+        assert not list((server.state / "parked").iterdir())
+
+
+def test_gc_removes_a_saved_state_whose_pause_to_disk_never_finished(state_dir: Path) -> None:
+    store = state_dir / DIRECTORY
+    store.mkdir(mode=0o700, exist_ok=True)
+    made = {}
+    for name, owner in (("snap-00000000000000c1", "sb-00000000000000c1"), ("snap-00000000000000c2", "sb-00000000000000c2")):
+        (store / name / "files").mkdir(parents=True)
+        (store / name / "meta.json").write_text(f'{{"parked_by": "{owner}"}}')
+        os.utime(store / name / "meta.json", (1.0, 1.0))  # written long ago
+        made[name] = owner
+    # the second one's sandbox was paused to disk (its record names it); the first one's never was
+    parked.save(state_dir, parked.Parked("sb-00000000000000c2", "snap-00000000000000c2", {}, {}, 0.0))
+    gc(state_dir)
+    assert not (store / "snap-00000000000000c1").exists() and (store / "snap-00000000000000c2").exists()
+    parked.remove(state_dir, "sb-00000000000000c2")
+    gc(state_dir)
+    assert not (store / "snap-00000000000000c2").exists()
