@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-AGENT_SOURCES := $(addprefix src/corral/agent/,agent.c exec.c files.c guest_ops.c relay.c relay_mux.c users.c)
+AGENT_SOURCES := $(addprefix src/corral/agent/,agent.c exec.c files.c guest_ops.c relay.c relay_mux.c users.c mountns.c)
 
 $(AGENT): $(AGENT_SOURCES) src/corral/agent/agent.h src/corral/agent/relay_mux.h
 	cc -O2 -Wall -Wextra -static -o $@ $(AGENT_SOURCES)

@@ -19,7 +19,7 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
         found.append(f"run dir {run_dir}")
     if sandbox_id in cgroups.list_sandbox_groups():
         found.append(f"cgroup {sandbox_id}")
-    found += [f"mount {m}" for m in mounts.mounts_under(run_dir)]
+    found += [f"mount {m}" for m in mounts.mounted_anywhere(run_dir)]  # its own namespace too
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -32,6 +32,25 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
         found.append("registry row")
     found += [f"uid range {base}" for base in ranges_of(sandbox_id, state_dir)]
     return found
+
+
+def sandbox_disk(sandbox_id: str, run_dir: Path) -> Path:
+    """The sandbox's disk tmpfs as the host reaches it: at ``run_dir/disk`` where it was mounted in
+    the host's namespace (gVisor), else through a process of the sandbox's own mount namespace
+    (the process tier's bwrap: ``/proc/PID/root``)."""
+    disk = run_dir / "disk"
+    if os.path.ismount(disk):
+        return disk
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if sandbox_id not in Path(f"/proc/{pid}/cgroup").read_text():
+                continue
+            seen = Path(f"/proc/{pid}/root") / disk.relative_to("/")
+            if seen.is_dir() and os.path.ismount(seen):
+                return seen
+        except OSError:
+            continue
+    return disk
 
 
 def ranges_of(owner: str, state_dir: Path) -> list[int]:
@@ -79,7 +98,7 @@ def all_leftovers(state_dir: Path) -> list[str]:
     sandboxes = state_dir / "sandboxes"
     if sandboxes.is_dir():
         found += [f"run dir {p}" for p in sandboxes.iterdir()]
-    found += [f"mount {m}" for m in mounts.mounts_under(sandboxes)]
+    found += [f"mount {m}" for m in mounts.mounted_anywhere(sandboxes)]
     uids = state_dir / "uids"
     if uids.is_dir():
         # a wasm tier's standby guests hold uids for sandboxes not created yet: the tier's, not a

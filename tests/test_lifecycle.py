@@ -259,6 +259,7 @@ def test_a_create_that_fails_half_way_leaves_nothing(tier: str, network: str, st
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # the tier's launch fails after the base made uid(s), cgroup, network and root: its close
     # (the one owner of each) releases them all, without the registry's reap as a backstop
+    from corral.host.mounts import mounted_anywhere
     from corral.registry import state_dir as prepare_state_dir
     from corral.spec import SandboxSpec
     from corral.tiers import get_tier
@@ -273,7 +274,8 @@ def test_a_create_that_fails_half_way_leaves_nothing(tier: str, network: str, st
 
     def launch_fails(self: LinuxSandbox, *args: object) -> None:
         made.append(self)
-        assert self.cgroup is not None and self.network is not None and self._mounts
+        # its root is mounted (the process tier's in a mount namespace of its own)
+        assert self.cgroup is not None and self.network is not None and mounted_anywhere(self._run_dir)
         raise RuntimeError("launch failed")
 
     monkeypatch.setattr(ProcessSandbox if tier == "process" else GVisorSandbox, "_launch", launch_fails)

@@ -306,13 +306,15 @@ def test_a_host_that_cannot_idmap_still_runs_sandboxes_with_unmapped_image_files
         monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from corral.host import idmap
+    from corral.host.mountns import HostMounts, MountNamespace
     from corral.tiers.linux import rootfs
 
-    def unsupported(source: Path, userns_fd: int) -> int:
+    def unsupported(self: HostMounts, *args: object) -> None:
         raise OSError(errno.EINVAL, "mount_setattr: Invalid argument")
 
-    monkeypatch.setattr(idmap, "idmapped_tree", unsupported)
+    # in the host's mount namespace (gVisor) and in a sandbox's own (the process tier)
+    monkeypatch.setattr(HostMounts, "mapped_overlay", unsupported)
+    monkeypatch.setattr(MountNamespace, "mapped_overlay", unsupported)
     monkeypatch.setattr(rootfs, "IDMAP_UNSUPPORTED", None)
     with Sandbox.create(user="root") as sb:
         r = sb.commands.run("id -u; stat -c %U /usr/bin/env; touch /usr/bin/c13-y; echo x > /tmp/t && cat /tmp/t")

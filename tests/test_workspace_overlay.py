@@ -21,7 +21,7 @@ import pytest
 
 from corral import Sandbox
 
-from .leaks import sandbox_leftovers
+from .leaks import sandbox_disk, sandbox_leftovers
 from .tier_probe import skip_unless_tier
 
 OWNER = (4321, 4322)
@@ -80,7 +80,7 @@ def test_each_command_writes_back_what_it_changed_and_nothing_is_copied(tier: st
     for path in (ws / "keep.txt", ws / "old"):
         os.utime(path, ns=(10**18, 10**18))  # atime = mtime: a relatime read would update it
     with Sandbox.create(tier=tier, workspace=str(ws), memory="256M") as sb:
-        upper = run_dir(sb) / "disk" / "ws-upper"
+        upper = sandbox_disk(sb.id, run_dir(sb)) / "ws-upper"
         assert sb.commands.run("ls /workspace/old; cat /workspace/keep.txt /workspace/old/a.txt").stdout == "a.txt\nkeepa"
         assert list(upper.iterdir()) == []  # nothing copied, and reading copies nothing up
         for path in (ws / "keep.txt", ws / "old"):  # nor does it touch the host's files
@@ -225,7 +225,7 @@ def test_a_workspace_that_cannot_be_idmapped_is_copied_as_before(tmp_path: Path)
         (ws / "f.txt").write_text("on ramfs")
         with Sandbox.create(workspace=str(ws)) as sb:
             assert ok(sb, "cat /workspace/f.txt && echo back > /workspace/g.txt") == "on ramfs"
-            assert not (run_dir(sb) / "disk" / "ws-upper").exists()
+            assert not (sandbox_disk(sb.id, run_dir(sb)) / "ws-upper").exists()
         assert (ws / "g.txt").read_text() == "back\n"
     finally:
         mounts.umount(ws, lazy=True)

@@ -240,6 +240,8 @@ static int launch_main(int argc, char **argv) {
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--launch") == 0) return launch_main(argc, argv);
     if (argc == 3 && strcmp(argv[1], "--userns") == 0) return userns_main(argv[2]);
+    if ((argc == 3 || argc == 4) && strcmp(argv[1], "--mountns") == 0)
+        return mountns_main(argv[2], argc == 4 ? argv[3] : NULL);
     if (argc > 1 && strcmp(argv[1], "--vmm") == 0) return vmm_main(argc, argv);
     /* the microVM guest's egress relay, started by its pid 1 (relay_mux.c) */
     if (argc == 3 && strcmp(argv[1], "--relay-mux") == 0) return relay_mux_main(atoi(argv[2]));

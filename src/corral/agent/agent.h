@@ -59,6 +59,9 @@ int userns_main(const char *uid_text);
 int vmm_main(int argc, char **argv);
 void agent_ids(int on);
 
+/* mountns.c: a sandbox's own mount namespace (`--mountns FD [UID]`) */
+int mountns_main(const char *fd_text, const char *userns_uid);
+
 /* exec.c: commands and the spare */
 extern int spares_enabled;
 void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws);

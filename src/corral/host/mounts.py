@@ -10,7 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -45,19 +45,29 @@ def mount(source: str, target: Path, fstype: str | None, flags: int = 0, options
     )
 
 
-def mount_tmpfs(target: Path, size: int, uid: int, gid: int, mode: int = 0o700) -> None:
+def tmpfs_args(size: int, uid: int, gid: int, mode: int = 0o700) -> tuple[str, int, str]:
+    """(fstype, flags, options) of a sandbox's size-limited tmpfs owned by ``uid``:``gid``."""
     # an inode cap too: millions of empty files would otherwise cost host memory, not disk
     inodes = max(16384, size // 4096)
-    mount("corral", target, "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={gid}")
+    return "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={gid}"
 
 
-def mount_overlay(target: Path, lower: list[Path], upper: Path, work: Path) -> None:
+def mount_tmpfs(target: Path, size: int, uid: int, gid: int, mode: int = 0o700) -> None:
+    fstype, flags, options = tmpfs_args(size, uid, gid, mode)
+    mount("corral", target, fstype, flags, options)
+
+
+def overlay_args(lower: list[Path], upper: Path, work: Path) -> tuple[str, int, str]:
+    """(fstype, flags, options) of an overlay of ``lower`` (top first) under ``upper``."""
     for p in (*lower, upper, work):
         if any(c in str(p) for c in ",:\\"):
             raise ValueError(f"overlay path {p} contains a character overlayfs cannot take")
-    options = f"lowerdir={':'.join(map(str, lower))},upperdir={upper},workdir={work}"
-    mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, options)
+    return "overlay", MS_NOSUID | MS_NODEV, f"lowerdir={':'.join(map(str, lower))},upperdir={upper},workdir={work}"
+
+
+def mount_overlay(target: Path, lower: list[Path], upper: Path, work: Path) -> None:
+    fstype, flags, options = overlay_args(lower, upper, work)
+    mount("overlay", target, fstype, flags, options)
 
 
 def umount(target: Path, lazy: bool = False) -> None:
@@ -72,6 +82,36 @@ def mountinfo() -> list[tuple[str, str]]:
             left, _, right = line.partition(" - ")
             entries.append((left.split()[4].replace("\\040", " "), right.strip()))
     return entries
+
+
+def mountinfo_everywhere() -> Iterator[str]:
+    """Every line of ``/proc/PID/mountinfo`` of every mount namespace on the host (this process's
+    first; one process read per namespace): sandboxes mount in namespaces of their own
+    (:mod:`corral.host.mountns`), where the host's table does not show them."""
+    seen: set[str] = set()
+    for pid in ("self", *(p for p in os.listdir("/proc") if p.isdigit())):
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/mnt")
+            if ns in seen:
+                continue
+            seen.add(ns)
+            with open(f"/proc/{pid}/mountinfo") as f:
+                lines = f.readlines()
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+        yield from lines
+
+
+def mounted_anywhere(prefix: Path) -> list[str]:
+    """Mount points at or below ``prefix`` in any mount namespace of the host (as each one's
+    process sees it), for leak checks."""
+    base = str(prefix).rstrip("/")
+    found = []
+    for line in mountinfo_everywhere():
+        point = line.split()[4].replace("\\040", " ")
+        if point == base or point.startswith(base + "/"):
+            found.append(point)
+    return found
 
 
 def superblock_options(point: Path) -> str:

@@ -9,6 +9,10 @@ bubblewrap's own would: bwrap, dropped to the same uid, may join it with
 ``gid_map`` and keeps a descriptor of it.  The helper then exits; the
 descriptor keeps the namespace alive until the sandbox's processes (and its
 idmapped image layers, :mod:`corral.host.idmap`) hold it.
+
+The process tier has the same maker forked by the helper of the sandbox's mount
+namespace instead (:class:`corral.host.mountns.HolderUserns`): one process started
+from here per sandbox, not two.
 """
 
 from __future__ import annotations
@@ -16,9 +20,32 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import HostNotSupported
 from .uids import UidRange
+
+
+class UsernsMaking(Protocol):
+    """A user namespace on its way: :meth:`finish` gives its descriptor, :meth:`close` ends its maker."""
+
+    def finish(self, maps: tuple[str, str] | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def map_and_open(pid: int, ids: UidRange, maps: tuple[str, str] | None = None) -> int:
+    """Write the uid and gid maps of the user namespace of ``pid`` (its maker, which has made it
+    and waits) mapping ``ids`` to ``0 .. ids.size - 1`` (or ``maps``: its ``uid_map`` and
+    ``gid_map`` lines); a descriptor of it (O_CLOEXEC)."""
+    line = f"0 {ids.base} {ids.size}\n"
+    for name, text in zip(("uid_map", "gid_map"), maps or (line, line), strict=True):
+        fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+    return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
 
 
 class PendingUserns:
@@ -45,14 +72,7 @@ class PendingUserns:
                 proc.stdin.close()
                 err = proc.stderr.read().decode(errors="replace").strip()
                 raise HostNotSupported(f"cannot make the sandbox's user namespace: {err or 'the helper failed'}")
-            line = f"0 {self.ids.base} {self.ids.size}\n"
-            for name, text in zip(("uid_map", "gid_map"), maps or (line, line), strict=True):
-                fd = os.open(f"/proc/{proc.pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
-                try:
-                    os.write(fd, text.encode())
-                finally:
-                    os.close(fd)
-            return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+            return map_and_open(proc.pid, self.ids, maps)
         finally:
             proc.stdin.close()  # the helper exits on end of file: reaped by close()
             proc.stdout.close()

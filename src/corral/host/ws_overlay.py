@@ -56,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import idmap, mounts
+from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
     Manifest,
@@ -84,10 +85,24 @@ def owner_maps(host: Path, sandbox_user: int) -> tuple[str, str]:
     return f"{st.st_uid} {sandbox_user} 1\n", f"{st.st_gid} {sandbox_user} 1\n"
 
 
-def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd: int, read_only: bool) -> None:
+def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd: int, read_only: bool,
+                    mounter: HostMounts | None = None) -> None:
     """The one mount a sandbox's set-up makes for its workspace: the overlay of the idmapped view
     of ``host`` (ids of ``userns_fd``) and ``upper`` at ``merged``; with ``read_only`` the
-    view itself (read-only, locked so inside a sandbox's mount namespace), no upper layer."""
+    view itself (read-only, locked so inside a sandbox's mount namespace), no upper layer.
+    A ``mounter`` of the sandbox's own mount namespace makes them there (the view then goes
+    through an empty directory of the run dir, ``lower/workspace``, for the time of the mount)."""
+    if isinstance(mounter, MountNamespace):
+        if read_only:
+            mounter.attach_idmapped(host, merged, userns_fd)
+            return
+        view = merged.parent.parent / "lower" / "workspace"
+        view.mkdir(parents=True)
+        try:
+            mounter.mapped_overlay(merged, host, upper, work, userns_fd, view, extra=OVERLAY_OPTIONS)
+        finally:
+            view.rmdir()
+        return
     # overlayfs opens lower files O_NOATIME already; noatime covers whatever else reads the view
     tree = idmap.idmapped_tree(host, userns_fd, noatime=True)
     try:
@@ -105,31 +120,34 @@ def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd
 
 
 def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
-                   userns: Callable[[tuple[str, str]], int]) -> tuple[WorkspaceCopy | WorkspaceOverlay | None, bool]:
+                   userns: Callable[[tuple[str, str]], int],
+                   mounter: HostMounts | None = None) -> tuple[WorkspaceCopy | WorkspaceOverlay | None, bool]:
     """The workspace of a sandbox whose disk tmpfs is ``disk`` and whose user is host uid ``uid``,
     at ``disk/ws`` (an empty directory): the overlay (``ro``: the read-only view), or the copy
     when ``host`` cannot be idmapped (its file system, an older kernel).  ``userns(maps)`` gives
     a user namespace with those maps (:func:`owner_maps`).  Returns what writes it back (None
     for ``ro``) and whether ``disk/ws`` is now a mount point."""
     ws, upper, work = disk / "ws", disk / "ws-upper", disk / "ws-work"
+    # the files as this process reaches them (through the sandbox's mount namespace, if its own)
+    on_disk = mounter.view if mounter is not None else (lambda path: path)
     read_only = mode == "ro"
     if not read_only:
-        upper.mkdir()
-        work.mkdir()
+        on_disk(upper).mkdir()
+        on_disk(work).mkdir()
         # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
-        os.chown(upper, uid, uid)
-        os.chmod(upper, os.stat(host).st_mode & 0o7777)
+        os.chown(on_disk(upper), uid, uid)
+        os.chmod(on_disk(upper), os.stat(host).st_mode & 0o7777)
     try:
-        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid)), read_only)
+        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid)), read_only, mounter)
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
             raise
         log.warning("workspace %s cannot be idmapped (%s): copied instead", host, exc)
-        for unused in (upper, work):
+        for unused in (on_disk(upper), on_disk(work)):
             if unused.exists():
                 unused.rmdir()
-        return WorkspaceCopy.create(host, ws, uid, uid, max_bytes), False
-    return (None if read_only else WorkspaceOverlay(host, upper)), True
+        return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
+    return (None if read_only else WorkspaceOverlay(host, on_disk(upper))), True
 
 
 def scan_upper(upper: Path) -> Manifest:

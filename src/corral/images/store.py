@@ -178,9 +178,10 @@ def in_use(rec: ImageRecord) -> bool:
     """True while some sandbox's overlay has this image as its lower layer."""
     # a plain overlay names the image's directory; one on an idmapped view of it names the
     # view, whose name carries the digest (tiers/linux/rootfs.py)
+    # (tiers/linux/rootfs.py), in whichever mount namespace it was made: the host's, or the
+    # sandbox's own (the process tier's, host/mountns.py)
     needles = (f"lowerdir={rec.rootfs}", f"/lower/{image_mark(rec.digest)}-L")
-    with open("/proc/self/mountinfo") as f:
-        return any(needle in line for line in f for needle in needles)
+    return any(needle in line for line in mounts.mountinfo_everywhere() for needle in needles)
 
 
 def remove(ref: str, root: Path | None = None) -> ImageRecord:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...egress import network as egress_network
-from ...host import cgroups, idmap, mounts
+from ...host import cgroups, mounts
+from ...host.mountns import HostMounts
 from ...host.uids import release_uid
 from ...host.workspace import WorkspaceCopy
 from ...host.ws_overlay import WorkspaceOverlay, make_workspace
@@ -82,6 +83,7 @@ def build_root(
     fill: Callable[[str, Path], None] | None = None,
     userns: Callable[[], int] | None = None,
     root_uid: int | None = None,
+    mounter: HostMounts | None = None,
     workspace_userns: Callable[[tuple[str, str]], int] | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
@@ -100,64 +102,72 @@ def build_root(
     teardown: :func:`mounts.unmount_all` of ``run_dir`` with ``known=`` the
     returned ``mounts``.
 
+    ``mounter`` makes the mounts: in the host's namespace (the default), or in the sandbox's own
+    (:class:`corral.host.mountns.MountNamespace`: then nothing is left for the caller to unmount,
+    ``mounts`` is empty, and the files on them are written through ``mounter.view``).
+
     ``workspace_userns(maps)`` (a user namespace with those uid and gid maps, see
     :func:`corral.host.ws_overlay.owner_maps`), if given, makes the workspace an overlay on the
     host directory instead of a copy: nothing is copied, and write-back walks only what changed.
     """
+    mounter = mounter or HostMounts()
     image = resolve(spec.image, state_dir)
     os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
     disk, root = run_dir / "disk", run_dir / "root"
     disk.mkdir()
     root.mkdir()
-    mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
+    mounter.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
     made = [disk]
+    on_disk = mounter.view(disk)  # the tmpfs as this process reaches it
     mapped = userns is not None and root_uid is not None
     layers = []
     for index, (point, lower) in enumerate(image.layers):
         upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
-        upper.mkdir()
-        work.mkdir()
+        files_upper = on_disk / upper.name
+        files_upper.mkdir()
+        (on_disk / work.name).mkdir()
         if point == "/":
-            _prepare_root_upper(upper, uid, own_etc=image.own_etc, image_etc=lower / "etc" if image.own_etc else None)
-            _add_files(upper, files or {}, mount_points)
+            _prepare_root_upper(files_upper, uid, own_etc=image.own_etc,
+                                image_etc=lower / "etc" if image.own_etc else None)
+            _add_files(files_upper, files or {}, mount_points)
         if mapped:
             assert root_uid is not None
-            _give_to(upper, root_uid)
+            _give_to(files_upper, root_uid)
         if fill is not None:  # after _give_to: a restored snapshot's files carry their own owners
-            fill(f"L{index}", upper)
+            fill(f"L{index}", files_upper)
         layers.append((root / point.lstrip("/") if point != "/" else root, lower, upper, work))
     ws = disk / "ws"
     workspace: WorkspaceCopy | WorkspaceOverlay | None = None
     overlay_ws = spec.workspace is not None and workspace_userns is not None
     if spec.workspace is not None and not overlay_ws:
-        workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, spec.limits.disk)
+        workspace = WorkspaceCopy.create(spec.workspace.path, on_disk / "ws", uid, uid, spec.limits.disk)
     else:
-        ws.mkdir(mode=0o755)
-        os.chown(ws, uid, uid)
+        (on_disk / "ws").mkdir(mode=0o755)
+        os.chown(on_disk / "ws", uid, uid)
         if fill is not None and spec.workspace is None:
-            fill("ws", ws)
+            fill("ws", on_disk / "ws")
     userns_fd = userns() if mapped and userns is not None else None
     for index, (target, lower, upper, work) in enumerate(layers):
         if userns_fd is not None:
             view = run_dir / "lower" / f"{image_mark(image.digest)}-L{index}"
-            _mount_mapped_overlay(target, lower, upper, work, userns_fd, view)
+            _mount_mapped_overlay(mounter, target, lower, upper, work, userns_fd, view)
         else:
-            mounts.mount_overlay(target, [lower], upper, work)
+            mounter.mount_overlay(target, [lower], upper, work)
         made.append(target)
     if spec.workspace is not None and workspace_userns is not None:
         workspace, mounted = make_workspace(spec.workspace.path, spec.workspace.mode, disk, uid, spec.limits.disk,
-                                            workspace_userns)
+                                            workspace_userns, mounter)
         if mounted:
             made.append(ws)
-    return SandboxRoot(root, ws, workspace, made)
+    return SandboxRoot(root, ws, workspace, [] if mounter.private else made)
 
 
 #: why this host cannot idmap image layers (None: it can, or has not been asked yet)
 IDMAP_UNSUPPORTED: str | None = None
 
 
-def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, userns_fd: int,
-                          view: Path) -> None:
+def _mount_mapped_overlay(mounter: HostMounts, target: Path, lower: Path, upper: Path, work: Path,
+                          userns_fd: int, view: Path) -> None:
     """The overlay at ``target`` on an idmapped view of ``lower``, mounted at ``view`` while the
     overlay is made (the overlay keeps its own clone of it) and detached right after.
 
@@ -171,16 +181,10 @@ def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, us
     global IDMAP_UNSUPPORTED
     if IDMAP_UNSUPPORTED is None:
         try:
-            tree = idmap.idmapped_tree(lower, userns_fd)
+            view.mkdir(parents=True)
             try:
-                view.mkdir(parents=True)
-                idmap.attach(tree, view)
+                mounter.mapped_overlay(target, lower, upper, work, userns_fd, view)
             finally:
-                os.close(tree)
-            try:
-                mounts.mount_overlay(target, [view], upper, work)
-            finally:
-                mounts.umount(view, lazy=True)
                 view.rmdir()
             return
         except OSError as exc:
@@ -188,7 +192,7 @@ def _mount_mapped_overlay(target: Path, lower: Path, upper: Path, work: Path, us
                 raise
             IDMAP_UNSUPPORTED = str(exc)
             log.warning("image layers are not idmapped on this host (%s): image files show as nobody", exc)
-    mounts.mount_overlay(target, [lower], upper, work)
+    mounter.mount_overlay(target, [lower], upper, work)
 
 
 def _give_to(upper: Path, root_uid: int) -> None:
@@ -266,12 +270,14 @@ def _merged_ids(image_file: Path, ours: str) -> str:
     return theirs.rstrip("\n") + "\n" + "".join(f"{line}\n" for line in extra)
 
 
-def shm_dir(run_dir: Path, uid: int) -> Path:
+def shm_dir(run_dir: Path, uid: int, mounter: HostMounts | None = None) -> Path:
     """A directory on the sandbox's disk tmpfs for ``/dev/shm`` (1777, the sandbox's): POSIX
     shared memory (Chromium's renderers, multiprocessing) then counts against ``disk`` like any
-    write, instead of sitting on ``/dev``'s tmpfs, which has no bound of its own."""
+    write, instead of sitting on ``/dev``'s tmpfs, which has no bound of its own.  Its path
+    in the sandbox's mount namespace (made through ``mounter``'s view of it)."""
     shm = run_dir / "disk" / "shm"
-    shm.mkdir(mode=0o700)
-    os.chown(shm, uid, uid)
-    os.chmod(shm, 0o1777)
+    made = mounter.view(shm) if mounter is not None else shm
+    made.mkdir(mode=0o700)
+    os.chown(made, uid, uid)
+    os.chmod(made, 0o1777)
     return shm

@@ -14,7 +14,9 @@ each, and runs for a sandbox whose ``__init__`` failed half way too):
 - the user namespace that maps the whole uid range (:meth:`_start_userns`, :meth:`_userns`): its descriptor closed
   (:meth:`_drop_userns` once the guest holds the namespace, else at close); likewise the workspace's (its
   owner mapped to the sandbox user, for the idmapped view under the workspace overlay);
-- the root overlay and the workspace (overlay or copy) (:meth:`_build_root`): its mounts go with the run directory.
+- the root overlay and the workspace (overlay or copy) (:meth:`_build_root`): its mounts go with the run
+  directory, or, made in the sandbox's own mount namespace (``_mountns``, the process tier's), with that
+  namespace: its holder is closed here, or became the tier's launcher and ends with the sandbox.
 
 A subclass sets its own attributes, then calls ``super().__init__``, which
 reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
@@ -34,9 +36,10 @@ from pathlib import Path
 from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
 from ...host import cgroups, mounts, ws_overlay
+from ...host.mountns import MountNamespace
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
-from ...host.userns import PendingUserns, start_userns
+from ...host.userns import PendingUserns, UsernsMaking, start_userns
 from ...host.workspace import WorkspaceCopy
 from ...host.ws_overlay import WorkspaceOverlay
 from ...spec import Limits, SandboxSpec
@@ -62,11 +65,13 @@ class LinuxSandbox(TierSandbox):
     hostname = "sandbox"
     #: the sandbox's user namespace (whole range mapped), while the host holds it
     _userns_fd: int | None = None
-    _userns_pending: PendingUserns | None = None
+    _userns_pending: UsernsMaking | None = None
     #: the workspace's user namespace (its owner mapped to the sandbox user), while being made
     _ws_userns_pending: PendingUserns | None = None
     _ws_userns_fd: int | None = None
     _userns_helper: Path | None = None
+    #: the sandbox's own mount namespace, where :meth:`_build_root` mounts (None: the host's)
+    _mountns: MountNamespace | None = None
 
     def __init__(self, state_dir: Path, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
                  seed: tuple[Path, str] | None = None) -> None:
@@ -176,6 +181,7 @@ class LinuxSandbox(TierSandbox):
             fill=fill,
             userns=self._userns if self._userns_pending is not None else None, root_uid=self.uid_range.base,
             workspace_userns=self._workspace_userns if self._ws_userns_pending is not None else None,
+            mounter=self._mountns,
         )
         self.workspace = built.workspace
         self._mounts = built.mounts
@@ -218,6 +224,11 @@ class LinuxSandbox(TierSandbox):
             self._channel.pause_clock.resume()
 
     # -- snapshot --------------------------------------------------------------
+    def _on_disk(self) -> Path:
+        """The sandbox's disk tmpfs (uppers, workspace copy) as this process reaches it."""
+        disk = self._run_dir / "disk"
+        return self._mountns.view(disk) if self._mountns is not None else disk
+
     def _id_map(self) -> fs_snapshot.IdMap:
         return fs_snapshot.id_map(self.uid, id_range=(self.uid_range.base, self.uid_range.size))
 
@@ -234,7 +245,7 @@ class LinuxSandbox(TierSandbox):
             self._before_snapshot()
             self.pause()
         try:
-            disk = self._run_dir / "disk"
+            disk = self._on_disk()
             uppers = sorted(disk.glob("L*-upper"), key=lambda p: int(p.name[1:].partition("-")[0]))
             network = self.network
             own = {AGENT_PATH, "/etc/hostname", "/etc/hosts", "/etc/machine-id",
@@ -352,6 +363,8 @@ class LinuxSandbox(TierSandbox):
         finally:
             self._drop_userns()
             self._release()
+            if self._mountns is not None:
+                self._mountns.close()  # a holder that never launched: it exits, its mounts with it
             if self.network is not None:
                 self.network.close()
             mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search

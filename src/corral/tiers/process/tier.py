@@ -9,6 +9,10 @@ timeout kills daemonized children too.  bwrap is started as a per-sandbox
 unprivileged host uid: nothing in the sandbox is host root, not even for file
 access.
 
+Mounts: the sandbox's disk tmpfs and overlay root are made in a mount namespace of its own
+(:mod:`corral.host.mountns`), by the helper that then execs bwrap there: the host's mount
+table, which bwrap copies into every new sandbox, stays the same size however many live.
+
 Users: the sandbox's user namespace maps its whole host uid range to 0-65535
 (made by the host, :mod:`corral.host.userns`, joined by bwrap with
 ``--userns``).  The agent is root of that namespace holding only ROOT_CAPS;
@@ -29,6 +33,7 @@ from typing import Any
 from ...errors import HostNotSupported, SandboxClosed
 from ...host import cgroups
 from ...host.bwrap import check_host
+from ...host.mountns import MountNamespace
 from ...host.netns import NETNS_DIR
 from ...host.procs import children, descendants
 from ...host.seccomp import bpf_path
@@ -103,11 +108,30 @@ class ProcessSandbox(LinuxSandbox):
         #: set while a placed spare waits for the next command (tests wait on it, not on sleeps)
         self.spare_placed = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
+        #: the host's ends of the agent's pipes (from it, to it) until its channel takes them
+        self._agent_pipes: tuple[int, int] | None = None
         super().__init__(tier.state_dir, spec, sandbox_id, run_dir, seed)
 
     # -- creation --------------------------------------------------------
     def _setup(self) -> None:
-        self._start_userns(self._tier._agent)  # its helper starts while the cgroup, network and root are made
+        # the sandbox's own mount namespace: its root is mounted there, never in the host's
+        # table (which bwrap would copy, making every create cost more per live sandbox), by
+        # the helper that then becomes bwrap's launcher, with the agent's pipes as stdio.
+        # It also starts making the sandbox's user namespace at once, while the cgroup,
+        # network and root are made (one process started here, not two).
+        # Forked from the tier's launcher thread: bwrap dies with the thread that forked it
+        # (--die-with-parent), and that one lives as long as we do
+        to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
+        from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
+        self._agent_pipes = (from_agent_r, to_agent_w)
+        try:
+            self._mountns = MountNamespace(self._tier._agent, to_agent_r, from_agent_w, run=LAUNCHER.run,
+                                           userns=self.uid_range)
+            self._userns_pending = self._mountns.userns()
+            self._userns_helper = self._tier._agent  # a workspace's own namespace (ws_overlay) is made by it
+        finally:
+            os.close(to_agent_r)
+            os.close(from_agent_w)
         self._make_cgroup(self.spec.limits, self._tier._layout)
         self._make_network()
         built = self._build_root()
@@ -121,7 +145,7 @@ class ProcessSandbox(LinuxSandbox):
         userns_fd = self._userns_fd
         argv = [
             self._tier._bwrap,
-            "--userns", str(userns_fd), "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--userns", "4", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             *(() if self.network and self.network.netns else ("--unshare-net",)),
             "--unshare-cgroup",
             "--uid", "0", "--gid", "0", "--hostname", self.hostname,
@@ -130,43 +154,33 @@ class ProcessSandbox(LinuxSandbox):
             "--ro-bind" if ws_mode == "ro" else "--bind", str(ws), WORKSPACE_PATH,
             "--proc", "/proc", "--dev", "/dev",
             # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
-            "--bind", str(shm_dir(self._run_dir, self.uid)), "/dev/shm",
+            "--bind", str(shm_dir(self._run_dir, self.uid, self._mountns)), "/dev/shm",
             "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
             *(arg for cap in ROOT_CAPS for arg in ("--cap-add", cap)),
             "--chdir", "/", "--clearenv",
         ]
-        to_agent_r, to_agent_w = os.pipe2(os.O_CLOEXEC)
-        from_agent_r, from_agent_w = os.pipe2(os.O_CLOEXEC)
         assert self.network is not None
         for host_path, inside in self.network.binds:
             argv += ["--bind", str(host_path), inside]
-        seccomp_fd = os.open(self._tier._seccomp, os.O_RDONLY | os.O_CLOEXEC)
-        argv += ["--seccomp", str(seccomp_fd), AGENT_PATH, "--spare", "--hold", "--user", str(USER_IDS[spec.user]),
+        argv += ["--seccomp", "3", AGENT_PATH, "--spare", "--hold", "--user", str(USER_IDS[spec.user]),
                  *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
         procs_files = self.cgroup.procs_files(leaf)
-        netns = str(NETNS_DIR / self.network.netns) if self.network.netns else "-"
+        assert self._mountns is not None and self._agent_pipes is not None
+        seccomp_fd = os.open(self._tier._seccomp, os.O_RDONLY | os.O_CLOEXEC)
+        netns_fd = None
         try:
-            # the agent's launcher mode drops to the sandbox's root uid (the owner of its
-            # user namespace, which bwrap then joins) before exec'ing bwrap (nothing in
-            # the sandbox ever runs as host root); being a static binary it lets Popen
-            # vfork instead of forking this process.
-            # Forked from the tier's launcher thread: bwrap dies with the thread
-            # that forked it (--die-with-parent), and that one lives as long as we do
-            self._proc = LAUNCHER.run(lambda: subprocess.Popen(
-                [str(self._tier._agent), "--launch", str(self.uid_range.base), netns, "--", *argv],
-                stdin=to_agent_r,
-                stdout=from_agent_w,
-                stderr=subprocess.DEVNULL,
-                env={"PATH": "/usr/bin:/bin"},
-                pass_fds=(seccomp_fd, userns_fd),
-                close_fds=True,
-                cwd="/",
-            ))
+            if self.network.netns:
+                netns_fd = os.open(NETNS_DIR / self.network.netns, os.O_RDONLY | os.O_CLOEXEC)
+            # the holder of the sandbox's mount namespace enters its network namespace, drops to
+            # the sandbox's root uid (the owner of its user namespace, which bwrap then joins)
+            # and execs bwrap (nothing in the sandbox ever runs as host root), with the seccomp
+            # filter at fd 3 and the user namespace at fd 4
+            self._proc = self._mountns.exec(self.uid_range.base, argv, [seccomp_fd, userns_fd], netns=netns_fd)
         finally:
-            os.close(to_agent_r)
-            os.close(from_agent_w)
             os.close(seccomp_fd)
+            if netns_fd is not None:
+                os.close(netns_fd)
             self._drop_userns()  # bwrap holds it now (and the image's idmapped layers do)
         # Joining a v1 memory cgroup waits for an RCU grace period (5-15 ms
         # here); doing it while bwrap sets up namespaces hides most of it.  But
@@ -175,6 +189,7 @@ class ProcessSandbox(LinuxSandbox):
         # -- no relay, no spare, no command -- until every process of the
         # sandbox has been checked (and, if need be, moved) and GO is sent.
         cgroups.join(procs_files, self._proc.pid)
+        (from_agent_r, to_agent_w), self._agent_pipes = self._agent_pipes, None
         self._channel = AgentChannel(from_agent_r, to_agent_w)
         self._channel.user_ids = USER_IDS
         self._channel.on_spare = lambda nspid: PLACER.schedule(lambda: self._place_spare(nspid))
@@ -203,7 +218,9 @@ class ProcessSandbox(LinuxSandbox):
         # tree (cgroup.procs does not skip), before the child counts as gone
         agent = self._agent_host_pid()
         for _ in range(5):
-            found = _with_nspid(children(agent), nspid)
+            # newest first: the command just forked is last in the list, its spare (forked
+            # after the previous command) before it, and each one tried costs a status read
+            found = _with_nspid(children(agent)[::-1], nspid)
             if found is not None:
                 return found
         if self.cgroup is not None:
@@ -285,6 +302,11 @@ class ProcessSandbox(LinuxSandbox):
     # -- lifecycle ---------------------------------------------------------
     def reap_record(self) -> dict[str, Any]:
         return {"uid": self.uid, "bwrap_pid": self._proc.pid if self._proc else None, "network": self.spec.network}
+
+    def _release(self) -> None:
+        pipes, self._agent_pipes = self._agent_pipes, None
+        for fd in pipes or ():
+            os.close(fd)
 
     def _stop(self) -> None:
         # Closing the channel makes the agent (pid 1 of the sandbox) exit, which
