@@ -127,7 +127,9 @@ def test_host_files_stay_invisible_and_unwritten(case: tuple[Sandbox, str, str])
 
 def test_neighbours_and_host_processes_are_out_of_reach(case: tuple[Sandbox, str, str]) -> None:
     sb, tier, user = case
-    victim = subprocess.Popen(["sleep", "60"])
+    # long enough to outlast a neighbour VM's template boot and guest root's 30 s `kill -9 -1` wait
+    # under load: a sleep that ends by itself would look killed-from-inside (exit 0 after 60 s did)
+    victim = subprocess.Popen(["sleep", "3600"])
     neighbour = Sandbox.create(tier=tier, user=user, memory="256M")
     # guest root's `kill -9 -1` reaches the guest's agent (not pid 1 there): it ends its own VM, last
     vm_root = (tier, user) == ("microvm", "root")
@@ -141,7 +143,7 @@ def test_neighbours_and_host_processes_are_out_of_reach(case: tuple[Sandbox, str
         if vm_root:
             with contextlib.suppress(SandboxError):
                 sb.commands.run("kill -9 -1", timeout=30)
-        assert victim.poll() is None, "the host process survived"
+        assert victim.poll() is None, f"the host process ended ({victim.returncode}): reached from inside"
         assert not other.done, "the neighbour's command survived"
         assert neighbour.commands.run("echo alive").stdout == "alive\n"
         other.kill()
