@@ -12,6 +12,7 @@ Each VM costs seconds of TCG time on a shared machine: keep their number small.
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import signal
 import socket
@@ -197,6 +198,31 @@ def test_a_command_whose_cgroup_leaf_cannot_be_made_is_not_run() -> None:
         r = refused.value.result
         assert r.exit_code != 0 and "could not place the command" in r.stderr
         assert not sb.files.exists("/tmp/ran"), "the refused command ran"  # (files: no command needed)
+
+
+def test_a_template_changed_on_disk_is_never_restored_from(tmp_path: Path) -> None:
+    # QEMU 7.2 holds the template's RAM file writable: a write (even of the same bytes), a chmod or
+    # a utime moves its change time, and the next create builds the template again
+    from corral.tiers.microvm import template
+
+    with Sandbox.create(tier="microvm", memory="192M") as sb:
+        assert isinstance(sb._inner, MicroVMSandbox)
+        tmpl = sb._inner.source_template
+    info = json.loads((tmpl.directory / "meta.json").read_text())
+    assert template.tampered(tmpl.directory, info) is None
+    before = os.stat(tmpl.ram).st_ino
+    fd = os.open(tmpl.ram, os.O_RDWR)
+    try:
+        os.pwrite(fd, os.pread(fd, 1, 4096), 4096)  # the same byte back: only the stamps tell
+    finally:
+        os.close(fd)
+    assert template.tampered(tmpl.directory, info) == "ram: size, inode or change time differs"
+    with Sandbox.create(tier="microvm", memory="192M") as sb:
+        assert sb.commands.run("echo fine").stdout == "fine\n"
+        assert isinstance(sb._inner, MicroVMSandbox)
+        rebuilt = sb._inner.source_template
+    assert rebuilt.directory == tmpl.directory and os.stat(rebuilt.ram).st_ino != before
+    assert template.tampered(rebuilt.directory, json.loads((rebuilt.directory / "meta.json").read_text())) is None
 
 
 def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:

@@ -13,6 +13,14 @@ everything that must match for a restore to load: QEMU version, kernel,
 initramfs, accelerator, RAM size, machine and device layout — and the image:
 the template's guest has the image's disk (rootdisk) mounted under its root
 overlay, so there is one template per image and RAM size.
+
+QEMU 7.2 opens a ``share=off`` memory file read-write (it maps it privately,
+but the descriptor could write): a QEMU that a guest took over could change
+the template every later VM of it starts from.  So a template records its
+files' stamps when it is saved (size, inode, change time -- the change time
+moves with any write, truncate, chmod or utime, and no unprivileged process
+can set it) and :func:`get_template` checks them before every restore: a
+template that changed is removed and built again, never restored from.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -36,10 +45,12 @@ from . import qemu
 from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
 from .rootdisk import ImageDisk
 
+log = logging.getLogger(__name__)
+
 READY_MARKER = b"corral-guest-ready\n"
 #: bump when guestinit's pre-snapshot behaviour or the device layout changes
-TEMPLATE_VERSION = "11"  # 8: the egress port "corral-net", loopback up, the relay pre-started; 9: + the image disk;
-# 10: + a virtio-net device (network="open"); 11: /home/user is uid 1000's, the agent's default user is told at "go"
+TEMPLATE_VERSION = "12"  # 8: the egress port "corral-net", loopback up, the relay pre-started; 9: + the image disk;
+# 10: + a virtio-net device (network="open"); 11: /home/user is uid 1000's, the agent's default user is told at "go"; 12: files' stamps in meta.json
 #: a TCG boot takes ~2 s on an idle core; a loaded shared machine needs slack
 BOOT_DEADLINE = 120.0
 KVM_PROBE_DEADLINE = 10.0
@@ -143,11 +154,47 @@ def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) 
             if not meta.is_file():
                 _build(final, assets, accel, ram_mb, disk)
     info = json.loads(meta.read_text())
+    changed = tampered(final, info)
+    if changed:
+        with cache_lock("template"):
+            info = json.loads(meta.read_text()) if meta.is_file() else {}
+            if not info or tampered(final, info):  # not already rebuilt by another process
+                log.warning("microVM template %s changed since it was saved (%s): removed, built again",
+                            final.name, changed)
+                shutil.rmtree(final)  # VMs running from it keep their private mapping
+                with progress.step(f"booting a microVM template ({ram_mb} MiB, {accel})",
+                                   "the saved one changed on disk"):
+                    _build(final, assets, accel, ram_mb, disk)
+                info = json.loads(meta.read_text())
     try:
         os.utime(meta)  # last use, for pruning
     except OSError:
         pass
     return Template(final, ram_mb, accel, float(info["boot_ms"]))
+
+
+#: a template's files whose stamps it records (the RAM is what QEMU holds writable)
+STAMPED = ("ram", "state")
+
+
+def _stamp(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_ino, st.st_ctime_ns]
+
+
+def tampered(directory: Path, info: dict[str, object]) -> str | None:
+    """What changed in a saved template's files since it was saved (None: nothing)."""
+    stamps = info.get("stamps")
+    if not isinstance(stamps, dict):
+        return "no stamps recorded"
+    for name in STAMPED:
+        try:
+            now = _stamp(directory / name)
+        except OSError as exc:
+            return f"{name}: {exc.strerror}"
+        if stamps.get(name) != now:
+            return f"{name}: size, inode or change time differs"
+    return None
 
 
 def _prune(root: Path, keep: Path, initrd: Path) -> None:
@@ -197,13 +244,15 @@ def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int, disk: Imag
         for name in ("agent.sock", "qmp.sock", "egress.sock", "qemu.log", "console.log"):
             (work / name).unlink(missing_ok=True)
         (work / "empty").rmdir()
+        for path in work.iterdir():
+            os.chmod(path, 0o644)
+        # stamped after the last chmod (a chmod moves the change time); a rename of the directory does not
         (work / "meta.json").write_text(json.dumps({
             "boot_ms": round(boot_seconds * 1000, 1), "accel": accel, "ram_mb": ram_mb,
             "qemu": qemu.qemu_version(), "kernel": assets.kernel_release, "initrd": assets.initrd.name,
-            "disk": disk.key,
+            "disk": disk.key, "stamps": {name: _stamp(work / name) for name in STAMPED},
         }))
-        for path in work.iterdir():
-            os.chmod(path, 0o644)
+        os.chmod(work / "meta.json", 0o644)
         os.chmod(work, 0o755)
         os.rename(work, final)
     except BaseException:

@@ -164,6 +164,7 @@ class MicroVMSandbox(LinuxSandbox):
     #: guest RAM and the image's disk (what a live snapshot of it records)
     ram_mb: int
     image_disk: rootdisk.ImageDisk
+    source_template: template.Template
 
     def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
                  seed: tuple[Path, str] | None = None) -> None:
@@ -204,7 +205,7 @@ class MicroVMSandbox(LinuxSandbox):
         image = resolve(spec.image, self._tier.state_dir)
         image_disk = self.image_disk = rootdisk.image_disk(image)
         ram_mb = self.ram_mb = self._tier.ram_mb(spec.limits.memory)
-        tmpl = template.get_template(self._tier.assets, self._tier.accel, ram_mb, image_disk)
+        tmpl = self.source_template = template.get_template(self._tier.assets, self._tier.accel, ram_mb, image_disk)
         self.timings["template"] = time.monotonic() - t0
         host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
         self._make_cgroup(host_limits, self._tier._layout)
