@@ -126,6 +126,7 @@ def main() -> int:
     stages = [args.count] if args.count else [int(x) for x in args.stages.split(",")]
     state = tempfile.mkdtemp(prefix="corral-bench-density-")
     os.environ["CORRAL_STATE_DIR"] = state
+    own_parent = "CORRAL_CGROUP_PARENT" not in os.environ
     parent = os.environ.setdefault("CORRAL_CGROUP_PARENT", "corral-bench-density")
 
     from corral import Sandbox
@@ -198,6 +199,12 @@ def main() -> int:
         print(f"destroyed {len(live)} in {time.perf_counter() - start:.1f} s; "
               f"load average at end: {os.getloadavg()[0]:.2f}")
         shutil.rmtree(state, ignore_errors=True)
+        if own_parent:  # the bench's own parent groups, empty now: leave no cgroup behind
+            from corral.host import cgroups
+
+            layout = cgroups.detect()
+            for root in {*layout.controllers.values(), layout.kill_root}:
+                cgroups.remove_tree(root / parent)
     return 0
 
 

@@ -112,3 +112,83 @@ def test_gc_frees_the_range_of_a_killed_owner(state_dir: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and sandbox_id in out.stdout, out.stderr
     assert ranges_of(sandbox_id, state_dir) == [] and not (uids.CLAIMS / str(base)).exists()
+
+
+def _proc(tmp_path: Path, name: str, ppid: int) -> Path:
+    """A /proc whose pid 2 is ``name`` with parent ``ppid`` (kthreadd, 0: the host's pid namespace)."""
+    proc = tmp_path / f"proc-{name}-{ppid}"
+    (proc / "2").mkdir(parents=True)
+    (proc / "2" / "status").write_text(f"Name:\t{name}\nUmask:\t0022\nPPid:\t{ppid}\n")
+    return proc
+
+
+def test_the_pool_takes_systemds_container_range_only_where_systemd_is_not_init(tmp_path: Path) -> None:
+    marker, host = tmp_path / "run-systemd-system", _proc(tmp_path, "kthreadd", 0)
+    assert uids.detect_pool(marker, host, override="") == uids.WIDE_BASE == 0x4000_0000
+    marker.mkdir()  # systemd is init: nspawn --private-users=pick may draw up to 0x6FFFFFFF
+    assert uids.detect_pool(marker, host, override="") == uids.NARROW_BASE == 0x7000_0000
+    marker.rmdir()
+    # not the host's pid namespace (a container sharing the host's ids): the host's init is unknown
+    assert uids.detect_pool(marker, _proc(tmp_path, "sh", 1), override="") == uids.NARROW_BASE
+    assert uids.detect_pool(marker, tmp_path / "no-proc", override="") == uids.NARROW_BASE
+    # the override wins either way, and nothing else is accepted
+    assert uids.detect_pool(marker, host, override="narrow") == uids.NARROW_BASE
+    marker.mkdir()
+    assert uids.detect_pool(marker, host, override="wide") == uids.WIDE_BASE
+    with pytest.raises(ValueError):
+        uids.detect_pool(marker, host, override="huge")
+    # the pool in use is the one the real /run and /proc give (this VM: no systemd, so the wide one)
+    expected = uids.detect_pool(Path("/run/systemd/system"), Path("/proc"), override="")
+    if not os.environ.get("CORRAL_UID_POOL"):
+        assert (expected, (uids.UID_TOP - expected) // uids.RANGE_SIZE) == (uids.UID_BASE, uids.SLOTS)
+    assert (uids.UID_TOP - uids.WIDE_BASE) // uids.RANGE_SIZE == 16382
+    assert (uids.UID_TOP - uids.NARROW_BASE) // uids.RANGE_SIZE == 4094
+
+
+def test_the_wide_pool_skips_host_users_and_subordinate_ranges_in_its_extended_part(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wide, narrow = uids.WIDE_BASE, uids.NARROW_BASE
+    slot = lambda n: wide + n * uids.RANGE_SIZE  # noqa: E731
+    passwd, group, subuid, subgid = (tmp_path / n for n in ("passwd", "group", "subuid", "subgid"))
+    passwd.write_text(f"lxd:x:{slot(1) + 7}:100::/:/bin/sh\n")
+    group.write_text(f"g:x:{slot(2)}:\n")
+    subuid.write_text(f"root:{slot(5) - 1}:{3 * uids.RANGE_SIZE}\n")  # slots 4 to 7
+    subgid.write_text(f"root:{narrow}:{uids.RANGE_SIZE}\n")  # the narrow pool's first slot
+    files = (passwd, group, subuid, subgid)
+    first_narrow = (narrow - wide) // uids.RANGE_SIZE
+    taken = uids.host_slots(files, base=wide)
+    assert {1, 2, 4, 5, 6, 7, first_narrow} <= taken and not {0, 3, 8, first_narrow + 1} & taken
+    assert 0 in uids.host_slots(files, base=narrow) and 1 not in uids.host_slots(files, base=narrow)
+    # allocation from the wide pool draws over it and skips them; a narrow-pool slot is one of its slots
+    monkeypatch.setattr(uids, "ID_FILES", files)
+    draws = iter([1, 2, 4, 7, first_narrow, 3, first_narrow + 1])
+    monkeypatch.setattr(uids.random.SystemRandom, "randrange", lambda self, n: next(draws))
+    state = tmp_path / "state"
+    state.mkdir()
+    got = [uids.allocate_range(state, "sb-w", pool=wide) for _ in range(2)]
+    try:
+        assert [g.base for g in got] == [slot(3), narrow + uids.RANGE_SIZE]
+        assert uids.range_of(got[0].user) == got[0] and uids.range_of(got[1].base + 65535) == got[1]
+        assert all((uids.CLAIMS / str(g.base)).exists() for g in got)
+    finally:
+        for g in got:
+            uids.release_range(state, g.user)
+    assert not list((state / "uids").iterdir()) and not any((uids.CLAIMS / str(g.base)).exists() for g in got)
+
+
+def test_a_nearly_full_pool_still_hands_out_its_last_free_slot(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # every slot of the narrow pool but its last is a host user's: random draws miss, the pass finds it
+    narrow_slots = (uids.UID_TOP - uids.NARROW_BASE) // uids.RANGE_SIZE
+    lines = [f"u{n}:x:{uids.NARROW_BASE + n * uids.RANGE_SIZE}:1::/:/bin/sh" for n in range(narrow_slots)]
+    passwd = tmp_path / "passwd"
+    passwd.write_text("\n".join(lines[:narrow_slots - 1]) + "\n")
+    monkeypatch.setattr(uids, "ID_FILES", (passwd,))
+    state = tmp_path / "state"
+    state.mkdir()
+    got = uids.allocate_range(state, "sb-last", pool=uids.NARROW_BASE)
+    uids.release_range(state, got.user)
+    assert got.base == uids.UID_TOP - uids.RANGE_SIZE
+    passwd.write_text("\n".join(lines[:narrow_slots]) + "\n")
+    with pytest.raises(uids.ResourceLimit):
+        uids.allocate_range(state, "sb-none", pool=uids.NARROW_BASE)

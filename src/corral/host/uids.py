@@ -5,9 +5,27 @@ uids and gids ``base .. base + 65535``, mapped to ``0 .. 65535`` inside the
 sandbox's user namespace where the tier maps a whole range.  The sandbox user
 (uid 1000 inside) is ``base + 1000`` on the host; root inside is ``base``.
 
-Slots come from a range reserved for Corral, ``UID_BASE .. UID_TOP``: below
-2^31 (tools that keep ids in a signed int), above systemd's container range
-(``0x00080000 .. 0x6FFFFFFF``) and below its "foreign" range (``0x7FFE0000``).
+Slots come from a pool reserved for Corral, ``UID_BASE .. UID_TOP``, aligned
+to 65,536 ids, below 2^31 (tools that keep ids in a signed int) and below
+systemd's "foreign" range (``0x7FFE0000``).  Its floor is detected once, at
+import (:func:`detect_pool`):
+
+- on a host whose init is systemd (``/run/systemd/system`` exists, as
+  ``sd_booted(3)`` checks), or when Corral does not run in the host's initial
+  pid namespace (a container may share the host's ids while the host's systemd
+  is out of sight), the pool starts at ``0x70000000``, above systemd's
+  container range (``0x00080000 .. 0x6FFFFFFF``) that ``systemd-nspawn
+  --private-users=pick`` and ``machined`` draw from: 4,094 slots;
+- on a host whose init is not systemd, nothing draws from that range, and the
+  pool also takes its upper part: it starts at ``0x40000000``, above the ids
+  LXD/Incus map by default (``1000000 .. 1000999999``) and above anything
+  ``useradd`` hands out: 16,382 slots;
+- ``CORRAL_UID_POOL=narrow`` (or ``wide``) overrides the detection, e.g. on a
+  host that runs a container manager of its own in that range.
+
+Every Corral process on a host detects the same pool; a narrow pool's slots
+are slots of the wide one (same alignment), so the claims below keep two
+instances apart whichever pool each uses.
 A slot is never handed out if it overlaps a user or group of ``/etc/passwd``,
 ``/etc/group``, or a subordinate range of ``/etc/subuid`` or ``/etc/subgid``
 (read again whenever one of them changes), nor the single uids earlier Corral
@@ -42,9 +60,39 @@ from ..errors import ResourceLimit
 
 #: host ids per sandbox: a whole 16-bit id space, as a Linux system expects
 RANGE_SIZE = 65536
-#: the range reserved for Corral (see the module docstring)
-UID_BASE = 0x7000_0000
+#: the top of Corral's pool, the start of systemd's "foreign" range (see the module docstring)
 UID_TOP = 0x7FFE_0000
+#: the pool's floor where something may draw from systemd's container range (a systemd host)
+NARROW_BASE = 0x7000_0000
+#: the pool's floor on a host whose init is not systemd: the container range's upper part too
+WIDE_BASE = 0x4000_0000
+#: present when systemd is the host's init (sd_booted(3))
+SYSTEMD_MARKER = Path("/run/systemd/system")
+
+
+def detect_pool(systemd_marker: Path = SYSTEMD_MARKER, proc: Path = Path("/proc"),
+                override: str | None = None) -> int:
+    """The pool's floor on this host: :data:`WIDE_BASE` where nothing else draws from systemd's
+    container range, else :data:`NARROW_BASE` (``override``: ``CORRAL_UID_POOL``)."""
+    choice = os.environ.get("CORRAL_UID_POOL", "") if override is None else override
+    if choice in ("narrow", "wide"):
+        return NARROW_BASE if choice == "narrow" else WIDE_BASE
+    if choice:
+        raise ValueError(f"CORRAL_UID_POOL must be 'narrow' or 'wide', not {choice!r}")
+    if systemd_marker.exists():
+        return NARROW_BASE
+    try:  # the host's initial pid namespace is the only one where kthreadd is pid 2, with no parent
+        status = (proc / "2" / "status").read_text()
+    except OSError:
+        return NARROW_BASE
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields.get("Name", "").strip() == "kthreadd" and fields.get("PPid", "").strip() == "0":
+        return WIDE_BASE
+    return NARROW_BASE
+
+
+#: this host's pool: ``UID_BASE .. UID_TOP``, ``SLOTS`` slots of ``RANGE_SIZE`` ids
+UID_BASE = detect_pool()
 SLOTS = (UID_TOP - UID_BASE) // RANGE_SIZE
 #: single host uids handed out by Corral before ranges (other instances may still use them)
 LEGACY = (2_100_000_000, 2_101_000_000)
@@ -79,29 +127,31 @@ class UidRange:
 
 
 def range_of(uid: int) -> UidRange:
-    """The slot that holds host uid ``uid`` (any uid of it, its base included)."""
-    if not UID_BASE <= uid < UID_TOP:
+    """The slot that holds host uid ``uid`` (any uid of it, its base included; either pool's)."""
+    if not WIDE_BASE <= uid < UID_TOP:
         raise ValueError(f"uid {uid} is not one of Corral's")
-    return UidRange(UID_BASE + (uid - UID_BASE) // RANGE_SIZE * RANGE_SIZE)
+    return UidRange(WIDE_BASE + (uid - WIDE_BASE) // RANGE_SIZE * RANGE_SIZE)
 
 
 # -- slots the host uses itself ---------------------------------------------------
 _taken_lock = threading.Lock()
-_taken_cache: tuple[tuple[tuple[int, int], ...], frozenset[int]] | None = None
+_taken_cache: tuple[tuple[object, ...], frozenset[int]] | None = None
 
 
-def _slots_between(first: int, last: int) -> range:
-    """The slots that ids ``first .. last`` (inclusive) touch."""
-    lo = max(first, UID_BASE)
+def _slots_between(first: int, last: int, base: int) -> range:
+    """The slots of the pool from ``base`` that ids ``first .. last`` (inclusive) touch."""
+    lo = max(first, base)
     hi = min(last, UID_TOP - 1)
     if lo > hi:
         return range(0)
-    return range((lo - UID_BASE) // RANGE_SIZE, (hi - UID_BASE) // RANGE_SIZE + 1)
+    return range((lo - base) // RANGE_SIZE, (hi - base) // RANGE_SIZE + 1)
 
 
-def host_slots(files: tuple[Path, ...] | None = None) -> frozenset[int]:
-    """Slots that overlap a host user or group, a subordinate id range, or the legacy uids."""
-    taken: set[int] = set(_slots_between(LEGACY[0], LEGACY[1] - 1))
+def host_slots(files: tuple[Path, ...] | None = None, base: int | None = None) -> frozenset[int]:
+    """Slots of the pool from ``base`` (default: this host's) that overlap a host user or group,
+    a subordinate id range, or the legacy uids."""
+    base = UID_BASE if base is None else base
+    taken: set[int] = set(_slots_between(LEGACY[0], LEGACY[1] - 1, base))
     for path in ID_FILES if files is None else files:
         try:
             lines = path.read_text(errors="replace").splitlines()
@@ -113,19 +163,19 @@ def host_slots(files: tuple[Path, ...] | None = None) -> frozenset[int]:
             try:
                 if subordinate and len(fields) >= 3:
                     start, count = int(fields[1]), int(fields[2])
-                    taken.update(_slots_between(start, start + count - 1))
+                    taken.update(_slots_between(start, start + count - 1, base))
                 elif not subordinate and len(fields) >= 3:
                     ident = int(fields[2])
-                    taken.update(_slots_between(ident, ident))
+                    taken.update(_slots_between(ident, ident, base))
             except ValueError:
                 continue
     return frozenset(taken)
 
 
-def _host_slots_cached() -> frozenset[int]:
+def _host_slots_cached(base: int) -> frozenset[int]:
     """:func:`host_slots`, read again only when one of the files changed (a stat each)."""
     global _taken_cache
-    signature = []
+    signature: list[object] = [base]
     for path in ID_FILES:
         try:
             st = path.stat()
@@ -135,7 +185,7 @@ def _host_slots_cached() -> frozenset[int]:
     key = tuple(signature)
     with _taken_lock:
         if _taken_cache is None or _taken_cache[0] != key:
-            _taken_cache = (key, host_slots())
+            _taken_cache = (key, host_slots(base=base))
         return _taken_cache[1]
 
 
@@ -182,23 +232,36 @@ def _records(state_dir: Path) -> Path:
     return records
 
 
-def allocate_range(state_dir: Path, owner: str) -> UidRange:
-    """Reserve a range of host ids no host user and no other live sandbox on this host uses."""
+def _reserve(records: Path, base: int, owner: str) -> bool:
+    record = records / str(base)
+    if not _create(record, owner):
+        return False
+    if _claim(base, record):
+        return True
+    record.unlink(missing_ok=True)  # another state directory's live sandbox holds it
+    return False
+
+
+def allocate_range(state_dir: Path, owner: str, pool: int | None = None) -> UidRange:
+    """Reserve a range of host ids no host user and no other live sandbox on this host uses,
+    from the pool starting at ``pool`` (default: this host's, :data:`UID_BASE`).
+
+    Random draws (O(1) while the pool is not nearly full); after 100 misses, one pass over
+    every slot from a random one, so that a nearly full pool still yields its last slots."""
+    pool = UID_BASE if pool is None else pool
+    slots = (UID_TOP - pool) // RANGE_SIZE
     records = _records(state_dir)
-    taken = _host_slots_cached()
+    taken = _host_slots_cached(pool)
     rng = random.SystemRandom()
     for _ in range(100):
-        slot = rng.randrange(SLOTS)
-        if slot in taken:
-            continue
-        base = UID_BASE + slot * RANGE_SIZE
-        record = records / str(base)
-        if not _create(record, owner):
-            continue
-        if _claim(base, record):
-            return UidRange(base)
-        record.unlink(missing_ok=True)  # another state directory's live sandbox holds it
-    raise ResourceLimit("could not reserve a free range of host uids for the sandbox")
+        slot = rng.randrange(slots)
+        if slot not in taken and _reserve(records, pool + slot * RANGE_SIZE, owner):
+            return UidRange(pool + slot * RANGE_SIZE)
+    first = rng.randrange(slots)
+    for slot in [*range(first, slots), *range(first)]:
+        if slot not in taken and _reserve(records, pool + slot * RANGE_SIZE, owner):
+            return UidRange(pool + slot * RANGE_SIZE)
+    raise ResourceLimit(f"all {slots} ranges of host uids are in use (or a host user's): no sandbox can start")
 
 
 def release_range(state_dir: Path, uid: int) -> None:
