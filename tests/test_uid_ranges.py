@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.errors import InvalidSpec
 from corral.host import uids
 
 from .leaks import ranges_of
@@ -135,7 +136,7 @@ def test_the_pool_takes_systemds_container_range_only_where_systemd_is_not_init(
     assert uids.detect_pool(marker, host, override="narrow") == uids.NARROW_BASE
     marker.mkdir()
     assert uids.detect_pool(marker, host, override="wide") == uids.WIDE_BASE
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidSpec, match="narrow' or 'wide'"):
         uids.detect_pool(marker, host, override="huge")
     # the pool in use is the one the real /run and /proc give (this VM: no systemd, so the wide one)
     expected = uids.detect_pool(Path("/run/systemd/system"), Path("/proc"), override="")
@@ -143,6 +144,15 @@ def test_the_pool_takes_systemds_container_range_only_where_systemd_is_not_init(
         assert (expected, (uids.UID_TOP - expected) // uids.RANGE_SIZE) == (uids.UID_BASE, uids.SLOTS)
     assert (uids.UID_TOP - uids.WIDE_BASE) // uids.RANGE_SIZE == 16382
     assert (uids.UID_TOP - uids.NARROW_BASE) // uids.RANGE_SIZE == 4094
+
+
+def test_a_bad_pool_setting_is_a_typed_error_at_the_first_create_not_a_failed_import(tmp_path: Path) -> None:
+    env = {**os.environ, "CORRAL_UID_POOL": "huge", "CORRAL_STATE_DIR": str(tmp_path / "state")}
+    r = subprocess.run([sys.executable, "-m", "corral.cli", "run", "--", "true"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert "CORRAL_UID_POOL must be 'narrow' or 'wide', not 'huge'" in r.stderr
+    assert not any((tmp_path / "state").glob("uids/*"))  # nothing reserved
 
 
 def test_the_wide_pool_skips_host_users_and_subordinate_ranges_in_its_extended_part(

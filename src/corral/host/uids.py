@@ -56,7 +56,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ResourceLimit
+from ..errors import InvalidSpec, ResourceLimit
 
 #: host ids per sandbox: a whole 16-bit id space, as a Linux system expects
 RANGE_SIZE = 65536
@@ -78,7 +78,7 @@ def detect_pool(systemd_marker: Path = SYSTEMD_MARKER, proc: Path = Path("/proc"
     if choice in ("narrow", "wide"):
         return NARROW_BASE if choice == "narrow" else WIDE_BASE
     if choice:
-        raise ValueError(f"CORRAL_UID_POOL must be 'narrow' or 'wide', not {choice!r}")
+        raise InvalidSpec(f"CORRAL_UID_POOL must be 'narrow' or 'wide', not {choice!r}")
     if systemd_marker.exists():
         return NARROW_BASE
     try:  # the host's initial pid namespace is the only one where kthreadd is pid 2, with no parent
@@ -92,7 +92,11 @@ def detect_pool(systemd_marker: Path = SYSTEMD_MARKER, proc: Path = Path("/proc"
 
 
 #: this host's pool: ``UID_BASE .. UID_TOP``, ``SLOTS`` slots of ``RANGE_SIZE`` ids
-UID_BASE = detect_pool()
+try:
+    UID_BASE = detect_pool()
+    _POOL_ERROR: InvalidSpec | None = None
+except InvalidSpec as exc:  # said at the first allocation, as a typed error, not as a failed import
+    UID_BASE, _POOL_ERROR = NARROW_BASE, exc
 SLOTS = (UID_TOP - UID_BASE) // RANGE_SIZE
 #: single host uids handed out by Corral before ranges (other instances may still use them)
 LEGACY = (2_100_000_000, 2_101_000_000)
@@ -248,6 +252,8 @@ def allocate_range(state_dir: Path, owner: str, pool: int | None = None) -> UidR
 
     Random draws (O(1) while the pool is not nearly full); after 100 misses, one pass over
     every slot from a random one, so that a nearly full pool still yields its last slots."""
+    if pool is None and _POOL_ERROR is not None:
+        raise _POOL_ERROR
     pool = UID_BASE if pool is None else pool
     slots = (UID_TOP - pool) // RANGE_SIZE
     records = _records(state_dir)
