@@ -85,10 +85,12 @@ def test_over_http_no_call_takes_a_thread(server: ServerProcess) -> None:
     async def main() -> tuple[int, int, list[str]]:
         async with await AsyncSandbox.create(url=server.url, api_key=KEYS["alice"]) as sb:
             before = threading.active_count()
-            outputs = await asyncio.gather(*(sb.commands.run(f"echo {i}") for i in range(12)),
+            # 8 commands: the server's per-sandbox limit on commands at once (12 overlapped under
+            # load and the server refused the 9th, rightly); files calls are not commands
+            outputs = await asyncio.gather(*(sb.commands.run(f"echo {i}") for i in range(8)),
                                            *(sb.files.exists("/tmp") for _ in range(12)))
-            return before, threading.active_count(), [r.stdout for r in outputs[:12]]
+            return before, threading.active_count(), [r.stdout for r in outputs[:8]]
 
     before, after, outputs = asyncio.run(main())
-    assert outputs == [f"{i}\n" for i in range(12)]
+    assert outputs == [f"{i}\n" for i in range(8)]
     assert after == before, "a worker thread was started for an HTTP call"
