@@ -36,18 +36,38 @@ def _kind(mode: int) -> str:
     return "o"
 
 
-def scan(root: Path) -> Manifest:
-    """Every entry below ``root`` (not following symlinks)."""
+def scan(root: Path, upper: bool = False) -> Manifest:
+    """Every entry below ``root`` (not following symlinks).
+
+    ``upper``: ``root`` is an overlay's upper layer, whose kinds add ``w`` (a whiteout) and ``D``
+    (an opaque directory); a directory that cannot be opened there is left out (it went away
+    while the walk ran)."""
     manifest: Manifest = {}
     root_fd = os.open(root, _DIR_FLAGS)
     try:
-        _scan(root_fd, "", manifest)
+        _scan(root_fd, "", manifest, upper)
     finally:
         os.close(root_fd)
     return manifest
 
 
-def _scan(dir_fd: int, prefix: str, out: Manifest) -> None:
+#: the extended attribute overlayfs marks an upper directory with when it hides the lower one
+OPAQUE = "trusted.overlay.opaque"
+
+
+def is_whiteout(st: os.stat_result) -> bool:
+    """An overlay's mark of a deleted lower entry: a character device 0/0."""
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _opaque(fd: int) -> bool:
+    try:
+        return os.getxattr(fd, OPAQUE) == b"y"
+    except OSError:
+        return False
+
+
+def _scan(dir_fd: int, prefix: str, out: Manifest, upper: bool) -> None:
     with os.scandir(dir_fd) as it:
         entries = list(it)
     for entry in entries:
@@ -56,17 +76,22 @@ def _scan(dir_fd: int, prefix: str, out: Manifest) -> None:
         except FileNotFoundError:
             continue
         rel = f"{prefix}{entry.name}"
-        kind = _kind(st.st_mode)
+        kind = "w" if upper and is_whiteout(st) else _kind(st.st_mode)
         out[rel] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
-        if kind == "d":
-            try:
-                fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-            except OSError:
-                continue
-            try:
-                _scan(fd, rel + "/", out)
-            finally:
-                os.close(fd)
+        if kind != "d":
+            continue
+        try:
+            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            if upper:
+                del out[rel]
+            continue
+        try:
+            if upper and _opaque(fd):
+                out[rel] = ("D", *out[rel][1:])
+            _scan(fd, rel + "/", out, upper)
+        finally:
+            os.close(fd)
 
 
 def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gid: int) -> int:

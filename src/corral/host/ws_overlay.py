@@ -50,7 +50,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -62,10 +61,11 @@ from .workspace import (
     Manifest,
     WorkspaceCopy,
     _copy_entry,
-    _kind,
     _open_dir_beneath,
     _remove_beneath,
+    is_whiteout,
     link_stays_inside,
+    scan,
 )
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
@@ -73,7 +73,6 @@ from .workspace import (
 ENABLED = True
 #: the overlay's options beyond its layers (see the module docstring)
 OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
-OPAQUE = "trusted.overlay.opaque"
 
 log = logging.getLogger(__name__)
 
@@ -154,48 +153,7 @@ def scan_upper(upper: Path) -> Manifest:
     """Every entry of an overlay's upper layer, kinds as :func:`.workspace.scan`'s plus ``w`` (a
     whiteout) and ``D`` (an opaque directory).  Its time is the change time, which no one can
     set back (a write that keeps a file's size and resets its mtime is still a change)."""
-    out: Manifest = {}
-    fd = os.open(upper, _DIR_FLAGS)
-    try:
-        _scan(fd, "", out)
-    finally:
-        os.close(fd)
-    return out
-
-
-def _scan(dir_fd: int, prefix: str, out: Manifest) -> None:
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        rel = f"{prefix}{entry.name}"
-        kind = "w" if _is_whiteout(st) else _kind(st.st_mode)
-        if kind != "d":
-            out[rel] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
-            continue
-        try:
-            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-        except OSError:
-            continue
-        try:
-            out[rel] = ("D" if _opaque(fd) else "d", st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
-            _scan(fd, rel + "/", out)
-        finally:
-            os.close(fd)
-
-
-def _is_whiteout(st: os.stat_result) -> bool:
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
-
-
-def _opaque(fd: int) -> bool:
-    try:
-        return os.getxattr(fd, OPAQUE) == b"y"
-    except OSError:
-        return False
+    return scan(upper, upper=True)
 
 
 def _depth(rel: str) -> int:
@@ -285,7 +243,7 @@ def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int) -> 
     src = _open_dir_beneath(src_fd, parts, create=False, uid=uid, gid=gid)
     try:
         with os.scandir(src) as it:
-            keep = {e.name for e in it if not _is_whiteout(e.stat(follow_symlinks=False))}
+            keep = {e.name for e in it if not is_whiteout(e.stat(follow_symlinks=False))}
     finally:
         os.close(src)
     dst = _open_dir_beneath(dst_fd, parts, create=True, uid=uid, gid=gid)
