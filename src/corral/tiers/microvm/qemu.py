@@ -261,6 +261,17 @@ class QMP:
         if arguments:
             request["arguments"] = arguments
         self._sock.sendall(json.dumps(request).encode() + b"\n")
+        return self._reply(name)
+
+    def send_fd(self, name: str, fd: int) -> None:
+        """Hand QEMU a file descriptor (``getfd``, the fd rides along as SCM_RIGHTS) for a later
+        ``migrate fd:NAME`` or ``migrate-incoming fd:NAME``."""
+        request = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
+        socket.send_fds(self._sock, [request], [fd])
+        self._reply("getfd")
+
+    def _reply(self, name: str) -> Any:
+        """The answer to the command just sent (events meanwhile are kept in ``events``)."""
         while True:
             message = self._read()
             if "event" in message:
@@ -269,20 +280,6 @@ class QMP:
             if "error" in message:
                 raise SandboxError(f"QMP {name}: {message['error'].get('desc', message['error'])}")
             return message.get("return")
-
-    def send_fd(self, name: str, fd: int) -> None:
-        """Hand QEMU a file descriptor (``getfd``, the fd rides along as SCM_RIGHTS) for a later
-        ``migrate fd:NAME`` or ``migrate-incoming fd:NAME``."""
-        request = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
-        socket.send_fds(self._sock, [request], [fd])
-        while True:
-            message = self._read()
-            if "event" in message:
-                self.events.append(message)
-                continue
-            if "error" in message:
-                raise SandboxError(f"QMP getfd: {message['error'].get('desc', message['error'])}")
-            return
 
     def wait_migration(self, deadline: float) -> None:
         while True:
