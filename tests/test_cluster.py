@@ -92,7 +92,7 @@ def test_24_sandboxes_8_per_node_and_the_25th_waits_then_is_refused(cluster: Loc
     try:
         assert Counter(sb.node_id for sb in sandboxes) == {node_id: SLOTS for node_id in cluster.hosts}
         results = [sb.commands.run(f"echo {sb.id}") for sb in sandboxes]
-        assert [r.stdout.strip() for r in results] == [sb.id for sb in sandboxes]
+        assert [(r.exit_code, r.stdout, r.stderr) for r in results] == [(0, f"{sb.id}\n", "") for sb in sandboxes]
         loads = ray.get([actor.load.remote() for actor in cluster.hosts.values()])
         assert all(load["used"] == SLOTS and load["free"] == 0 for load in loads)
 

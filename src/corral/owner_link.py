@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidSpec, SandboxError, SandboxNotFound
+from .host.sockets import bind_private
 from .lifecycle import LIVE
 from .transport import CommandCall, CommandProcess
 
@@ -126,11 +127,7 @@ class OwnerListener:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
-        try:
-            self._sock.bind(str(self.path))
-        finally:
-            os.umask(old)
+        bind_private(self._sock, self.path)
         self._sock.listen(64)
         self._closed = False
         #: kills by id in progress: the process's exit waits for them (a teardown cut short

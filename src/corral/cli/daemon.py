@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..host.sockets import bind_private
 from . import local_wire as wire
 
 #: commands run at once; further connections wait their turn (never refused)
@@ -57,11 +58,7 @@ def _listen(path: Path) -> socket.socket:
     finally:
         probe.close()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    old = os.umask(0o177)
-    try:
-        listener.bind(str(path))  # 0600 from the start: no moment where others may connect
-    finally:
-        os.umask(old)
+    bind_private(listener, path)  # 0600 from the start: no moment where others may connect
     listener.listen(128)
     return listener
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from . import mounts
 from .netns import CLONE_NEWNET
-from .sockets import close_listener
+from .sockets import bind_private, close_listener
 
 #: connections one forward relays at once; more wait in the listen backlog
 MAX_CONNECTIONS = 128
@@ -123,11 +123,7 @@ class PortForward:
         if unix_path is not None:
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             unix_path.unlink(missing_ok=True)
-            old = os.umask(0o177)  # 0600: only the owner (root) may connect
-            try:
-                self._listener.bind(str(unix_path))
-            finally:
-                os.umask(old)
+            bind_private(self._listener, unix_path)  # 0600: only the owner (root) may connect
             self.host, self.port = "", 0
         else:
             self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

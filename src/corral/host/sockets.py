@@ -1,11 +1,38 @@
-"""Closing a listener and the connections it accepted, shared by the egress proxy and port forwards."""
+"""Listening sockets: binding a Unix socket only its owner may connect to, and closing a
+listener with the connections it accepted (the egress proxy, port forwards, owner links, the daemon)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import socket
+import tempfile
 import threading
 from collections.abc import Iterable
+from pathlib import Path
+
+
+def bind_private(sock: socket.socket, path: Path) -> None:
+    """Bind ``sock`` (AF_UNIX) to ``path`` as mode 0600 from the moment it appears there.
+
+    The socket is bound in a fresh 0700 directory beside ``path``, made 0600 and linked into
+    place (a link, not a rename: like ``bind``, it fails with EADDRINUSE if ``path`` exists).  A temporary ``umask(0o177)`` around ``bind`` would do the same in one thread, but the
+    umask is the process's: a sandbox being built meanwhile in another thread got 0600
+    directories (its ``/usr`` and ``/workspace`` mount points), and nothing ran in it."""
+    private = Path(tempfile.mkdtemp(dir=path.parent, prefix=".bind-"))
+    try:
+        staged = private / "s"
+        sock.bind(str(staged))
+        os.chmod(staged, 0o600)
+        try:
+            os.link(staged, path)
+        except FileExistsError:
+            raise OSError(errno.EADDRINUSE, f"{path} exists") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            (private / "s").unlink()
+        private.rmdir()
 
 
 def close_listener(listener: socket.socket, connections: Iterable[socket.socket], thread: threading.Thread) -> None:
