@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +204,45 @@ def test_a_nearly_full_pool_still_hands_out_its_last_free_slot(tmp_path: Path,
     passwd.write_text("\n".join(lines[:narrow_slots]) + "\n")
     with pytest.raises(uids.ResourceLimit):
         uids.allocate_range(state, "sb-none", pool=uids.NARROW_BASE)
+
+
+def test_a_janitor_running_beside_creates_never_frees_a_live_sandboxs_range(tmp_path: Path) -> None:
+    """A sandbox's row comes before its range; a janitor that read the rows and then the ranges
+    took a range reserved in between for an orphan's and released it while its sandbox ran."""
+    from corral.registry import Registry, gc, state_dir
+
+    root = state_dir(tmp_path / "state")
+    registry = Registry.at(root)
+    for n in range(40):  # orphans: a range with no row, which the janitor must release
+        uids.allocate_range(root, f"sb-orphan-{n}")
+    stop = threading.Event()
+    janitor_rounds = 0
+
+    def janitor() -> None:
+        nonlocal janitor_rounds
+        while not stop.is_set():
+            gc(root)
+            janitor_rounds += 1
+
+    thread = threading.Thread(target=janitor)
+    thread.start()
+    live: list[tuple[str, uids.UidRange]] = []
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and len(live) < 3000:
+            sandbox_id = f"sb-live-{len(live)}"
+            registry.add(sandbox_id, "process", root / "sandboxes" / sandbox_id)  # as start_inner does
+            live.append((sandbox_id, uids.allocate_range(root, sandbox_id)))
+    finally:
+        stop.set()
+        thread.join()
+    try:
+        assert janitor_rounds > 2
+        freed = [sandbox_id for sandbox_id, got in live
+                 if not (root / "uids" / str(got.base)).exists() or not (uids.CLAIMS / str(got.base)).exists()]
+        assert freed == [], f"the janitor released the ranges of {len(freed)} of {len(live)} live sandboxes"
+        assert sorted(e.read_text() for e in (root / "uids").iterdir()) == sorted(i for i, _ in live)
+    finally:
+        for sandbox_id, got in live:
+            uids.release_range(root, got.base)
+            registry.remove(sandbox_id)

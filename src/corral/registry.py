@@ -66,6 +66,36 @@ class Row:
         return process_start_time(self.owner_pid) == self.owner_start
 
 
+#: how long a first connection retries a database another connection is turning to WAL
+PREPARE_TIMEOUT = 30.0
+
+
+def _prepare(db: sqlite3.Connection) -> None:
+    """WAL mode and the table, on a connection of a database other threads and processes may be
+    preparing at the same moment (the first creates of a burst on a new state directory).
+
+    Turning a database to WAL takes an exclusive lock, and SQLite answers "database is locked"
+    at once, without waiting out the busy timeout, when another connection holds a lock it
+    cannot wait for: so the mode is read first (WAL persists in the file) and the whole is
+    retried until :data:`PREPARE_TIMEOUT`."""
+    deadline = time.monotonic() + PREPARE_TIMEOUT
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, tier TEXT NOT NULL, "
+                "run_dir TEXT NOT NULL, owner_pid INTEGER NOT NULL, owner_start INTEGER NOT NULL, "
+                "created REAL NOT NULL, record TEXT NOT NULL DEFAULT '{}')"
+            )
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
 class Registry:
     """Rows of live sandboxes. One instance per state dir (:meth:`at`), one connection per thread."""
 
@@ -89,13 +119,7 @@ class Registry:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None or getattr(self._local, "pid", None) != os.getpid():
             db = sqlite3.connect(self.root / "registry.db", timeout=30, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS sandboxes (id TEXT PRIMARY KEY, tier TEXT NOT NULL, "
-                "run_dir TEXT NOT NULL, owner_pid INTEGER NOT NULL, owner_start INTEGER NOT NULL, "
-                "created REAL NOT NULL, record TEXT NOT NULL DEFAULT '{}')"
-            )
+            _prepare(db)
             self._local.db = db
             self._local.pid = os.getpid()
         return db
@@ -168,18 +192,41 @@ def gc(root: Path) -> list[str]:
     from .snapshots import reap_leftovers
 
     reap_leftovers(root)  # half-written snapshots of dead writers
-    uids = root / "uids"
-    if uids.is_dir():
-        known = {r.id for r in registry.rows()}
-        for entry in uids.iterdir():
-            try:
-                owner = entry.read_text().strip()
-            except OSError:
-                continue
-            # only sandbox reservations: other owners (the wasm tier's standby guests) reap their own
-            if owner.startswith("sb-") and owner not in known and entry.name.isdigit():
-                release_uid(root, int(entry.name))  # the record and its host-wide claim
+    _release_orphan_ranges(root, registry)
     return reaped
+
+
+def _release_orphan_ranges(root: Path, registry: Registry) -> None:
+    """Release uid ranges reserved for a sandbox that has no row (a crash between the two).
+
+    The ranges are read *before* the rows: a sandbox's row is added before its range is
+    reserved, so a range seen here whose owner has no row afterwards is an orphan.  Read the
+    other way round, a sandbox created in between (row, then range) had its range released
+    while it ran, and the next create could be handed the same host uids."""
+    uids = root / "uids"
+    if not uids.is_dir():
+        return
+    reserved: dict[Path, str] = {}
+    for entry in uids.iterdir():
+        try:
+            owner = entry.read_text().strip()
+        except OSError:
+            continue
+        # only sandbox reservations: other owners (the wasm tier's standby guests) reap their own
+        if owner.startswith("sb-") and entry.name.isdigit():
+            reserved[entry] = owner
+    if not reserved:
+        return
+    known = {r.id for r in registry.rows()}
+    for entry, owner in reserved.items():
+        if owner in known:
+            continue
+        try:
+            if entry.read_text().strip() != owner:
+                continue  # released and reserved again meanwhile, by a sandbox with a row
+        except OSError:
+            continue
+        release_uid(root, int(entry.name))  # the record and its host-wide claim
 
 
 def _of_dead_processes(directory: Path) -> list[Path]:
