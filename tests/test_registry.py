@@ -1,4 +1,4 @@
-"""The on-disk registry of live sandboxes under concurrent first use."""
+"""The on-disk registry of live sandboxes, and the tier instances, under concurrent first use."""
 
 from __future__ import annotations
 
@@ -34,3 +34,23 @@ def test_a_burst_of_first_creates_on_a_new_state_directory_all_register(tmp_path
             thread.join()
         assert errors == []
         assert sorted(row.id for row in registry.rows()) == [f"sb-{n}" for n in range(8)]
+
+
+def test_threads_asking_for_a_tier_at_once_share_one_instance(tmp_path: Path) -> None:
+    """A tier instance holds state of its own (spares, caches); the first creates of a burst each
+    made one, and all but the last were dropped with whatever they had started."""
+    from corral.tiers import get_tier
+
+    got: list[object] = []
+    start = threading.Barrier(16)
+
+    def ask() -> None:
+        start.wait()
+        got.append(get_tier("process", tmp_path))
+
+    threads = [threading.Thread(target=ask) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(got) == 16 and len({id(tier) for tier in got}) == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import threading
 from pathlib import Path
 
 from ..errors import HostNotSupported, InvalidSpec
@@ -21,6 +22,7 @@ from ..spec import TIERS, add_tier_name, tier_names
 from .base import Availability, Tier
 
 _instances: dict[tuple[str, Path], Tier] = {}
+_instances_lock = threading.Lock()
 _registered: dict[str, type[Tier]] = {}
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
@@ -57,8 +59,11 @@ def get_tier(name: str, state_dir: Path) -> Tier:
     key = (name, state_dir)
     tier = _instances.get(key)
     if tier is None:
-        tier = tier_class(name)(state_dir)  # type: ignore[call-arg]
-        _instances[key] = tier
+        cls = tier_class(name)  # the import outside the lock: it takes the import lock
+        with _instances_lock:  # one instance per key: a second would hold state of its own (spares)
+            tier = _instances.get(key)
+            if tier is None:
+                tier = _instances[key] = cls(state_dir)  # type: ignore[call-arg]
     return tier
 
 
