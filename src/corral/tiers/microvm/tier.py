@@ -178,6 +178,8 @@ class MicroVMSandbox(LinuxSandbox):
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
         self._snapshot_lock = threading.Lock()
+        #: the memory image of its last live snapshot, perhaps still being written
+        self._ram_write: live.RamWrite | None = None
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
         #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
@@ -417,14 +419,29 @@ class MicroVMSandbox(LinuxSandbox):
             raise
 
     def snapshot(self, dest: Path, shared: Path | None = None) -> int:
-        """A live snapshot (memory, devices, processes, workspace) into ``dest``; the VM runs on.
-        A paused VM is let run for the snapshot (its commands stay frozen) and paused again."""
+        """A live snapshot (memory, devices, processes, workspace) into ``dest``, whole; the VM
+        runs on."""
+        written, rest = self.snapshot_begin(dest, shared)
+        try:
+            return written + rest.finish(dest)
+        finally:
+            rest.abandon()
+
+    def snapshot_begin(self, dest: Path, shared: Path | None = None) -> tuple[int, live.RamWrite]:
+        """A live snapshot into ``dest`` but for its memory image, held in memory until
+        ``finish`` writes it (the VM runs on meanwhile).  A paused VM is let run for the snapshot
+        (its commands stay frozen) and paused again.  One image of a VM is held at a time: a
+        second snapshot waits for the first one's to be written."""
         with self._snapshot_lock:
+            if self._ram_write is not None:
+                self._ram_write.done.wait()
             was_paused = self.paused
             if was_paused:
                 self.resume()
             try:
-                return live.capture(self, self._channel_or_raise(), dest, shared)
+                written, rest = live.capture(self, self._channel_or_raise(), dest, shared)
+                self._ram_write = rest
+                return written, rest
             finally:
                 if was_paused:
                     self.pause()
