@@ -17,10 +17,13 @@ Stored under ``<state>/snapshots/`` (0700)::
                                    (content-addressed: a fork or a second snapshot of a sandbox
                                    writes only what changed); one no snapshot links to is removed
     .tmp-<id>-<pid>-<start>/       a snapshot being written: renamed into place when whole
+    snap-<16 hex>/writing.lock     a live snapshot named while its memory image is written: its
+                                   meta.json says "writing" while its writer holds this (flock)
     .del-<id>-<token>/             a snapshot being removed
 
-A writer that dies leaves its ``.tmp-`` directory; :func:`reap_leftovers` (run by ``gc`` and at
-every library start) removes those whose writer is gone.
+A writer that dies leaves its ``.tmp-`` directory, or a snapshot still marked "writing" whose
+lock nobody holds; :func:`reap_leftovers` (run by ``gc`` and at every library start) removes
+those whose writer is gone.
 """
 
 from __future__ import annotations

@@ -7,17 +7,20 @@ Taking one (:func:`capture`), the VM runs on afterwards:
    attached (the blocker goes when the guest clunks the export's root fid).  A process whose
    working directory or open file is under ``/workspace`` keeps it busy:
    :class:`~corral.errors.InvalidState` naming it, and nothing changes;
-2. a *converter* QEMU is started with the same devices, confined as the VM's own (its user
-   namespace), its RAM a memfd, ``-S`` (it never runs the guest) and ``migrate-incoming`` on
-   one end of a socket pair; the agent channel is quiesced (no request half-sent), the VM is
-   stopped and migrated into the other end (its RAM is a private copy-on-write mapping of its
-   template's, so all of it goes: zero pages compactly);
-3. the workspace copy is written (content-addressed, as the other tiers' snapshots) while the
-   VM is stopped, then it runs on, remounts its workspace and thaws;
-4. the converter saves its device state with ``x-ignore-shared`` and its memfd is copied out,
-   sparse and hashed on the way: the snapshot becomes a pair like a template's -- ``vm/ram``
-   (the memory image) and ``vm/state`` (~70 KB) -- so each VM made from it maps the RAM
-   ``share=off`` (copy-on-write, nothing read up front) and restores as fast as from a template.
+2. the workspace copy is written (content-addressed, as the other tiers' snapshots): nothing in
+   the VM can write it now;
+3. a *converter* QEMU is started with the same devices, confined as the VM's own (its user
+   namespace), its RAM a preallocated memfd, ``-S`` (it never runs the guest) and
+   ``migrate-incoming`` on one end of a socket pair; the agent channel is quiesced (no request
+   half-sent), the VM is stopped and migrated into the other end (its RAM is a private
+   copy-on-write mapping of its template's, so all of it goes: zero pages compactly), then it
+   runs on, remounts its workspace and thaws;
+4. the converter saves its device state with ``x-ignore-shared``, its memfd is opened and it
+   quits: :func:`capture` returns, and :class:`RamWrite` (run by the store in the background:
+   corral.snapshots) copies the memfd out, sparse and hashed on the way: the snapshot becomes a
+   pair like a template's -- ``vm/ram`` (the memory image) and ``vm/state`` (~70 KB) -- so each
+   VM made from it maps the RAM ``share=off`` (copy-on-write, nothing read up front) and
+   restores as fast as from a template.
 
 A VM restored from it (:func:`setup_restored`) has the snapshot's processes, frozen; its first
 request (sent straight on the socket: :func:`_first_answer` drops what the guest was still
