@@ -31,7 +31,7 @@ from corral import (
     parked,
 )
 from corral.registry import Registry, gc
-from corral.snapshots import DIRECTORY
+from corral.snapshots import DIRECTORY, SnapshotStore
 
 from .leaks import sandbox_leftovers
 from .server_fixtures import KEYS, ServerProcess
@@ -105,7 +105,10 @@ def test_snapshot_and_forks_keep_memory_and_processes_with_a_fresh_identity(pare
                                 cwd="/tmp", background=True)
     snap = parent.snapshot()
     assert (snap.kind, snap.tier) == ("live", "microvm") and snap.size > 0 and snap.written > 0
-    forks = parent.fork(3)
+    forks = parent.fork(3)  # (its snapshot waits for the first one's memory image to be written)
+    whole = SnapshotStore(state_dir).whole(snap.id)  # returned before its memory image was on disk:
+    assert 0 < whole.written <= snap.written and whole.size <= snap.size  # upper bounds until then
+    assert "writing" not in json.loads((state_dir / DIRECTORY / snap.id / "meta.json").read_text())
     noisy.kill()
     try:
         seen = [state_of(fork) for fork in forks]
