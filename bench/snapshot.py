@@ -196,7 +196,8 @@ def bench_live(tier: str, iterations: int) -> None:
     print(f"{tier:8s} live snapshot of a guest holding 256 MiB: p50 {p50 * 1000:7.1f} ms (target 1000 ms: ratio "
           f"{p50:.2f}), {statistics.median(written) / 1e6:.1f} MB written; {p50 / gib:.2f} s per GiB held "
           f"(E2B's pause ~{E2B_SECONDS_PER_GIB:g} s per GiB: ratio {p50 / gib / E2B_SECONDS_PER_GIB:.2f})")
-    for name in ("snapshot_quiesce", "snapshot_stopped", "snapshot_convert", "snapshot_write_ram"):
+    for name in ("snapshot_quiesce", "snapshot_workspace", "snapshot_converter", "snapshot_stopped",
+                 "snapshot_convert", "snapshot_write_ram"):
         print(f"{tier:8s}   {name:18s} p50 {statistics.median(s.get(name, 0.0) for s in steps) * 1000:7.1f} ms"
               + ("  (after snapshot() returned)" if name == "snapshot_write_ram" else ""))
     print(f"{tier:8s}   whole on disk      p50 {statistics.median(whole) * 1000:7.1f} ms after snapshot() was called")

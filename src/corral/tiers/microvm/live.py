@@ -280,8 +280,11 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
     conv: qemu.QMP | None = None
     try:
         # the workspace as the frozen guest left it (unmounted there: nothing in the VM writes it)
+        t0 = time.monotonic()
         written = fs_snapshot.capture([("ws", ws)], dest, vm._id_map(), {}, vm.spec.limits.disk, shared)
+        t1 = time.monotonic()
         proc, conv = _converter(vm, vm_dir, theirs)
+        vm.timings["snapshot_workspace"], vm.timings["snapshot_converter"] = t1 - t0, time.monotonic() - t1
         theirs.close()
         qmp = vm.qmp()
         stopped = False
