@@ -52,7 +52,7 @@ from ..linux.agent import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, A
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import reap_host_side
 from ..linux.sandbox import LinuxSandbox
-from . import guest, live, qemu, rootdisk, template, vmm
+from . import converter, guest, live, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
 
 #: where port forwards' connector (a copy of the agent) goes in the guest
@@ -152,7 +152,7 @@ class MicroVMTier(Tier):
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # QEMU lives in the sandbox's host cgroup (killing it closes the tap too)
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
-        live.kill_converters(sandbox_id)  # a snapshot's, if its owner died taking it
+        converter.kill_converters(sandbox_id)  # a snapshot's, if its owner died taking it
 
     def ram_mb(self, memory: int) -> int:
         """Guest RAM for a memory limit, rounded up to 64 MiB so templates are few."""
@@ -413,7 +413,7 @@ class MicroVMSandbox(LinuxSandbox):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.connect(str(self._run_dir / "qmp.sock"))
-            return qemu.QMP(sock, timeout=live.MIGRATE_TIMEOUT)
+            return qemu.QMP(sock, timeout=converter.MIGRATE_TIMEOUT)
         except BaseException:
             sock.close()
             raise
