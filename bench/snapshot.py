@@ -199,7 +199,7 @@ def bench_live(tier: str, iterations: int) -> None:
     for name in ("snapshot_quiesce", "snapshot_workspace", "snapshot_converter", "snapshot_stopped",
                  "snapshot_convert", "snapshot_write_ram"):
         print(f"{tier:8s}   {name:18s} p50 {statistics.median(s.get(name, 0.0) for s in steps) * 1000:7.1f} ms"
-              + ("  (after snapshot() returned)" if name == "snapshot_write_ram" else ""))
+              + ("  (after snapshot() returned)" if name in ("snapshot_convert", "snapshot_write_ram") else ""))
     print(f"{tier:8s}   whole on disk      p50 {statistics.median(whole) * 1000:7.1f} ms after snapshot() was called")
     print(f"{tier:8s} create from live snapshot -> first command p50 {statistics.median(creates) * 1000:7.1f} ms "
           f"(target 250 ms: ratio {statistics.median(creates) / 0.25:.2f}); restore steps p50: "
