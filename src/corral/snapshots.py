@@ -17,19 +17,25 @@ Stored under ``<state>/snapshots/`` (0700)::
                                    (content-addressed: a fork or a second snapshot of a sandbox
                                    writes only what changed); one no snapshot links to is removed
     .tmp-<id>-<pid>-<start>/       a snapshot being written: renamed into place when whole
+    snap-<16 hex>/writing.lock     a live snapshot named while its memory image is written: its
+                                   meta.json says "writing" while its writer holds this (flock)
     .del-<id>-<token>/             a snapshot being removed
 
-A writer that dies leaves its ``.tmp-`` directory; :func:`reap_leftovers` (run by ``gc`` and at
-every library start) removes those whose writer is gone.
+A writer that dies leaves its ``.tmp-`` directory, or a snapshot still marked "writing" whose
+lock nobody holds; :func:`reap_leftovers` (run by ``gc`` and at every library start) removes
+those whose writer is gone.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,13 +46,16 @@ from .host.procs import process_start_time
 from .parked import load as load_parked
 from .spec import SandboxSpec
 from .tiers import tier_class
-from .tiers.base import TierSandbox
+from .tiers.base import PendingWrite, TierSandbox
 from .tiers.linux.fs_snapshot import manifest_digest, prune_shared
 
 DIRECTORY = "snapshots"
 #: the contents every snapshot links to
 SHARED = "blobs"
 _ID = re.compile(r"snap-[0-9a-f]{16}\Z")
+#: held (flock, exclusive) by the process writing the snapshot it is in, until it is whole
+WRITING = "writing.lock"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,9 @@ class SnapshotStore:
              parked_by: str | None = None) -> Snapshot:
         """Snapshot a live sandbox (paused while its files are copied, then running again).
         ``parked_by``: the state of that sandbox paused to disk (:mod:`corral.parked`): not listed,
-        not usable or removable as a snapshot, but counted in its tenant's bytes."""
+        not usable or removable as a snapshot, but counted in its tenant's bytes.  A microVM's
+        snapshot is returned once the VM runs on, its memory image still being written in the
+        background (:meth:`_finish`): ``size`` and ``written`` are then upper bounds."""
         kind = tier_class(spec.tier).capabilities.snapshot
         if not kind:
             raise InvalidState(f"sandbox {inner.id}: the {spec.tier} tier cannot take snapshots"
@@ -110,21 +121,60 @@ class SnapshotStore:
         pid = os.getpid()
         temp = self._ensure() / f".tmp-{snapshot_id}-{pid}-{process_start_time(pid) or 0}"
         temp.mkdir(mode=0o700)
+        rest: PendingWrite | None = None
+        lock = -1
         try:
             shared = self.dir / SHARED
             shared.mkdir(mode=0o700, exist_ok=True)
-            written = inner.snapshot(temp / "files", shared)
+            if parked_by is None:
+                written, rest = inner.snapshot_begin(temp / "files", shared)
+            else:  # a sandbox's state paused to disk: whole before its record is written
+                written = inner.snapshot(temp / "files", shared)
             size = _stored_size(temp)
+            meta: dict[str, Any] = {"tenant": tenant, "parked_by": parked_by}
+            if rest is not None:  # named, but being written: readers wait on its lock (_whole)
+                lock = os.open(temp / WRITING, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                size, written = size + rest.bytes_at_most, written + rest.bytes_at_most
+                meta.update(digest="", writing=True)
+            else:
+                meta["digest"] = manifest_digest(temp / "files")
             snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id, written)
-            meta = {**snapshot.to_dict(), "tenant": tenant, "digest": manifest_digest(temp / "files"),
-                    "parked_by": parked_by}
-            (temp / "meta.json").write_text(json.dumps(meta))
-            temp.rename(self.dir / snapshot_id)  # whole, or not there at all
+            (temp / "meta.json").write_text(json.dumps({**snapshot.to_dict(), **meta}))
+            temp.rename(self.dir / snapshot_id)  # whole (or marked as being written), or not there at all
         except BaseException:
+            if rest is not None:
+                rest.abandon()
+            if lock >= 0:
+                os.close(lock)
             shutil.rmtree(temp, ignore_errors=True)
             prune_shared(self.dir / SHARED)
             raise
+        if rest is not None:
+            threading.Thread(target=self._finish, args=(snapshot, rest, lock), daemon=False,
+                             name=f"corral-snapshot-{snapshot_id}").start()
         return snapshot
+
+    def _finish(self, snapshot: Snapshot, rest: PendingWrite, lock: int) -> None:
+        """Write the rest of a snapshot named while being written, then its final description
+        (atomically: the ``writing`` mark goes with it) and let its readers in; a failure removes
+        it (a reader then finds no snapshot)."""
+        directory = self.dir / snapshot.id
+        try:
+            try:
+                written = snapshot.written - rest.bytes_at_most + rest.finish(directory / "files")
+            finally:
+                rest.abandon()
+            meta = json.loads((directory / "meta.json").read_text())
+            meta.update(size=_stored_size(directory), written=written, digest=manifest_digest(directory / "files"))
+            del meta["writing"]
+            (directory / "meta.new").write_text(json.dumps(meta))
+            (directory / "meta.new").rename(directory / "meta.json")
+        except Exception:
+            log.exception("writing snapshot %s failed: it is removed", snapshot.id)
+            self._remove(snapshot.id)
+        finally:
+            os.close(lock)
 
     def _meta(self, snapshot_id: str, tenant: str | None, parked: bool = False) -> dict[str, Any]:
         if not isinstance(snapshot_id, str) or not _ID.match(snapshot_id):
@@ -136,19 +186,37 @@ class SnapshotStore:
             meta = json.loads(path.read_text())
             Snapshot.from_dict(meta)
             str(meta["digest"])
+        except FileNotFoundError:  # removed meanwhile
+            raise SnapshotNotFound(f"no snapshot {snapshot_id}") from None
         except (OSError, ValueError, KeyError, TypeError):
             raise SnapshotCorrupt(f"snapshot {snapshot_id}: its description is unreadable") from None
         if (tenant is not None and meta.get("tenant") != tenant) or bool(meta.get("parked_by")) != parked:
             raise SnapshotNotFound(f"no snapshot {snapshot_id}")
         return dict(meta)
 
+    def _whole(self, snapshot_id: str, tenant: str | None, parked: bool = False) -> dict[str, Any]:
+        """Its description once it is whole: waits for a writer still at it; one whose writer died
+        before it was whole is :class:`SnapshotCorrupt` (``gc`` removes it)."""
+        meta = self._meta(snapshot_id, tenant, parked)
+        if meta.get("writing"):
+            _writer_alive(self.dir / snapshot_id, wait=True)  # returns once it finished, failed or died
+            meta = self._meta(snapshot_id, tenant, parked)
+            if meta.get("writing"):
+                raise SnapshotCorrupt(f"snapshot {snapshot_id}: its writer died before it was whole")
+        return meta
+
     def get(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> Snapshot:
         return Snapshot.from_dict(self._meta(snapshot_id, tenant, parked))
+
+    def whole(self, snapshot_id: str, tenant: str | None = None) -> Snapshot:
+        """The snapshot once it is whole (one returned while its memory image is still being
+        written: its real size and bytes written)."""
+        return Snapshot.from_dict(self._whole(snapshot_id, tenant))
 
     def files(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> tuple[Snapshot, Path, str]:
         """The snapshot, its files directory and its manifest's recorded sha256 (for a create;
         ``parked``: the state of a sandbox paused to disk, for its resume)."""
-        meta = self._meta(snapshot_id, tenant, parked)
+        meta = self._whole(snapshot_id, tenant, parked)
         return Snapshot.from_dict(meta), self.dir / snapshot_id / "files", str(meta["digest"])
 
     def list(self, tenant: str | None = None, parked: bool = False) -> list[Snapshot]:
@@ -171,12 +239,15 @@ class SnapshotStore:
     def delete(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> bool:
         """Remove a snapshot; False if there is none (of this tenant).  A corrupted one goes too."""
         try:
-            self._meta(snapshot_id, tenant, parked)
+            self._whole(snapshot_id, tenant, parked)  # (one being written: once it is whole)
         except SnapshotNotFound:
             return False
         except SnapshotCorrupt:
             if tenant is not None:
                 return False  # whose it is cannot be told: only the operator's own SDK removes it
+        return self._remove(snapshot_id)
+
+    def _remove(self, snapshot_id: str) -> bool:
         gone = self.dir / f".del-{snapshot_id}-{secrets.token_hex(4)}"
         try:
             (self.dir / snapshot_id).rename(gone)
@@ -225,6 +296,35 @@ def _orphaned_state(entry: Path, root: Path) -> bool:
     return record is None or record.snapshot_id != entry.name
 
 
+def _writer_alive(directory: Path, wait: bool) -> bool:
+    """Whether a process still holds the writing lock of the snapshot in ``directory`` (``wait``:
+    until it lets go, then False).  The lock goes with its holder, however that ends."""
+    try:
+        fd = os.open(directory / WRITING, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | (0 if wait else fcntl.LOCK_NB))
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _writing(entry: Path) -> bool:
+    try:
+        return bool(json.loads((entry / "meta.json").read_text()).get("writing"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _abandoned(entry: Path) -> bool:
+    """A snapshot named while being written whose writer is gone (it died before it was whole;
+    looked at again after the lock: the writer may have finished just now)."""
+    return _writing(entry) and not _writer_alive(entry, wait=False) and _writing(entry)
+
+
 def reap_leftovers(root: Path) -> list[str]:
     """Remove half-written snapshots whose writer is gone, interrupted removals, and the saved
     states of sandboxes paused to disk that no record names."""
@@ -235,7 +335,7 @@ def reap_leftovers(root: Path) -> list[str]:
     for entry in directory.iterdir():
         name = entry.name
         if _ID.match(name):
-            if not _orphaned_state(entry, root):
+            if not _orphaned_state(entry, root) and not _abandoned(entry):
                 continue
         elif name.startswith(".tmp-"):
             parts = name.split("-")

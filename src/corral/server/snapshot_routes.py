@@ -62,6 +62,8 @@ def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
     cap = ctx.config.max_snapshot_bytes_per_tenant
     used = _room(ctx, tenant)
     snapshot = entry.sandbox._local().snapshot(tenant)
+    if used + snapshot.size > cap:  # (an upper bound while a live snapshot's memory image is written)
+        snapshot = snapshots.whole(snapshot.id, tenant)  # its real size
     if used + snapshot.size > cap:
         snapshots.delete(snapshot.id, tenant)
         raise ResourceLimit(f"quota: a snapshot of {format_size(snapshot.size)} does not fit in tenant "

@@ -162,6 +162,23 @@ class Process(ABC):
         """Block until the command ended or timed out (its tree is killed) and return the result."""
 
 
+class PendingWrite(ABC):
+    """The rest of a snapshot :meth:`TierSandbox.snapshot_begin` returned before it was whole
+    (a microVM's memory image, copied out of memory the sandbox no longer uses)."""
+
+    #: the rest adds at most this many bytes to the snapshot
+    bytes_at_most: int = 0
+
+    @abstractmethod
+    def finish(self, dest: Path) -> int:
+        """Write the rest into ``dest`` (the snapshot's files directory where it is now); returns
+        bytes written.  Releases what it holds, also when it fails."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """Release what it holds without writing (the snapshot is dropped)."""
+
+
 class TierSandbox(ABC):
     """One live sandbox of some tier. Thread-safe: commands and file calls may overlap."""
 
@@ -225,6 +242,12 @@ class TierSandbox(ABC):
     def resume(self) -> None:
         """Let a paused sandbox run again, from where it stopped."""
         raise InvalidState(f"sandbox {self.id} is not paused", sandbox_id=self.id)
+
+    def snapshot_begin(self, dest: Path, shared: Path | None = None) -> tuple[int, PendingWrite | None]:
+        """As :meth:`snapshot`, but may return once the sandbox runs on and what is left to write
+        no longer depends on it: (bytes written, the rest to write or None).  The caller marks
+        the snapshot as being written until :meth:`PendingWrite.finish` returns."""
+        return self.snapshot(dest, shared), None
 
     def snapshot(self, dest: Path, shared: Path | None = None) -> int:
         """Write the sandbox's files (what it changed of its image, and its workspace) into the new

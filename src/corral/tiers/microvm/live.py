@@ -7,17 +7,20 @@ Taking one (:func:`capture`), the VM runs on afterwards:
    attached (the blocker goes when the guest clunks the export's root fid).  A process whose
    working directory or open file is under ``/workspace`` keeps it busy:
    :class:`~corral.errors.InvalidState` naming it, and nothing changes;
-2. a *converter* QEMU is started with the same devices, confined as the VM's own (its user
-   namespace), its RAM a memfd, ``-S`` (it never runs the guest) and ``migrate-incoming`` on
-   one end of a socket pair; the agent channel is quiesced (no request half-sent), the VM is
-   stopped and migrated into the other end (its RAM is a private copy-on-write mapping of its
-   template's, so all of it goes: zero pages compactly);
-3. the workspace copy is written (content-addressed, as the other tiers' snapshots) while the
-   VM is stopped, then it runs on, remounts its workspace and thaws;
-4. the converter saves its device state with ``x-ignore-shared`` and its memfd is copied out,
-   sparse and hashed on the way: the snapshot becomes a pair like a template's -- ``vm/ram``
-   (the memory image) and ``vm/state`` (~70 KB) -- so each VM made from it maps the RAM
-   ``share=off`` (copy-on-write, nothing read up front) and restores as fast as from a template.
+2. the workspace copy is written (content-addressed, as the other tiers' snapshots): nothing in
+   the VM can write it now;
+3. a *converter* QEMU is started with the same devices, confined as the VM's own (its user
+   namespace), its RAM a preallocated memfd, ``-S`` (it never runs the guest) and
+   ``migrate-incoming`` on one end of a socket pair; the agent channel is quiesced (no request
+   half-sent), the VM is stopped and migrated into the other end (its RAM is a private
+   copy-on-write mapping of its template's, so all of it goes: zero pages compactly), then it
+   runs on, remounts its workspace and thaws;
+4. :func:`capture` returns, and :class:`RamWrite` (run by the store in the background:
+   corral.snapshots) has the converter save its device state with ``x-ignore-shared``, opens
+   its memfd, lets it quit and copies the memfd out, sparse and hashed on the way: the snapshot
+   becomes a pair like a template's -- ``vm/ram`` (the memory image) and ``vm/state`` (~70 KB)
+   -- so each VM made from it maps the RAM ``share=off`` (copy-on-write, nothing read up front)
+   and restores as fast as from a template.
 
 A VM restored from it (:func:`setup_restored`) has the snapshot's processes, frozen; its first
 request (sent straight on the socket: :func:`_first_answer` drops what the guest was still
@@ -39,10 +42,10 @@ import dataclasses
 import hashlib
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -52,10 +55,12 @@ from typing import TYPE_CHECKING, Any
 from ...errors import FileError, InvalidSpec, InvalidState, SandboxError, SnapshotCorrupt
 from ...host import mounts
 from ...spec import MiB
+from ..base import PendingWrite
 from ..linux import fs_snapshot
 from ..linux.agent import HEADER, T_ERR, T_GUEST, T_OK, USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
-from . import memimage, qemu, template, vmm
+from . import converter, memimage, qemu, template
+from .converter import MIGRATE_TIMEOUT
 from .rootdisk import ImageDisk
 
 if TYPE_CHECKING:
@@ -68,7 +73,6 @@ WS_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144"
 #: bytes per second: unlimited, in effect
 MAX_BANDWIDTH = 1 << 40
 SOCKET_BUFFER = 4 << 20
-MIGRATE_TIMEOUT = 120.0
 #: requests the agent of a restored VM may still hold from the VM it was taken of: the new
 #: host side numbers its own above the last one sent plus this margin
 ID_MARGIN = 1 << 16
@@ -124,113 +128,9 @@ def attach_workspace(channel: AgentChannel, readonly: bool) -> None:
     channel.guest(*_attach(readonly))
 
 
-def _converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket
-               ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
-    """A QEMU with the VM's devices and its RAM in a memfd (shared), that loads the stream from
-    ``incoming`` and never runs the guest (``-S``); confined as the VM's own QEMU is (root of
-    the sandbox's user namespace, taken from it, with its files as descriptors: vmm.py)."""
-    empty = vm_dir / "empty"
-    empty.mkdir(mode=0o755)
-    qemu_pid = vm.qemu_pid()
-    if qemu_pid is None:
-        raise SandboxError(f"sandbox {vm.id} has no QEMU")
-    files = {"userns": os.open(f"/proc/{qemu_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)}
-    try:
-        files["disk"] = os.open(vm.image_disk.path, os.O_PATH | os.O_CLOEXEC)
-        files["ws"] = os.open(empty, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        files["console"] = os.open(vm_dir / "console.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.fchown(files["console"], vm.uid_range.base, vm.uid_range.base)
-        return _start_converter(vm, vm_dir, incoming, files)
-    finally:
-        for fd in files.values():
-            os.close(fd)
-
-
-def _start_converter(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dict[str, int]
-                     ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
-    listeners = []
-    for name in ("conv-agent.sock", "conv-qmp.sock"):
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        (vm._run_dir / name).unlink(missing_ok=True)
-        listener.bind(str(vm._run_dir / name))
-        listener.listen(1)
-        listeners.append(listener)
-    try:
-        paths = qemu.VMPaths(vm._run_dir / "conv-agent.sock", vm._run_dir / "conv-qmp.sock",
-                             vmm.fd_path(files["console"]))
-        argv = qemu.command_line(
-            accel=vm._tier.accel, ram_mb=vm.ram_mb, mem_path=vm_dir / "ram", share=True, assets=vm._tier.assets,
-            paths=paths, disk=vmm.fd_path(files["disk"]), workspace=vmm.fd_path(files["ws"]),
-            workspace_readonly=False, incoming=True, listen_fds=(listeners[0].fileno(), listeners[1].fileno()),
-            confined=True,
-        )
-        # its RAM in a memfd: loading the stream into a shared mapping of a file on disk faults
-        # every page through the file system (~6 s for 400 MB on ext4 here, ~1 s on shmem); the
-        # image is copied out afterwards, sparse (memimage.write_sparse)
-        backend = next(i for i, arg in enumerate(argv) if arg.startswith("memory-backend-file,id=mem,"))
-        argv[backend] = f"memory-backend-memfd,id=mem,size={vm.ram_mb}M,share=on"
-        argv.append("-S")  # loads, never runs
-        argv += ["-name", converter_name(vm.id)]  # outside the sandbox's cgroup (its memory would not fit
-        # beside the VM's): found by this name if the owner dies meanwhile (kill_converters)
-        argv = [*vmm.launcher(agent_binary(vm._tier.state_dir), files["userns"], vm._tier.accel), *argv]
-        with open(vm_dir / "qemu.log", "wb") as log:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
-                                    pass_fds=[*(listener.fileno() for listener in listeners), *files.values()],
-                                    preexec_fn=template._die_with_parent)
-        for listener in listeners:
-            listener.close()  # QEMU's now: one that dies resets our connection instead of leaving it queued
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            sock.connect(str(paths.qmp_socket))
-            qmp = qemu.QMP(sock, timeout=MIGRATE_TIMEOUT)
-            qmp.send_fd("in", incoming.fileno())
-            qmp.command("migrate-incoming", uri="fd:in")
-        except BaseException as exc:
-            proc.kill()
-            proc.wait()
-            if isinstance(exc, OSError):
-                raise SandboxError(f"the snapshot's converter QEMU failed ({exc}): "
-                                   f"{(vm_dir / 'qemu.log').read_text(errors='replace')[-400:]}") from None
-            raise
-        return proc, qmp
-    finally:
-        for listener in listeners:
-            listener.close()
-        for name in ("conv-agent.sock", "conv-qmp.sock"):
-            (vm._run_dir / name).unlink(missing_ok=True)
-
-
-def converter_name(sandbox_id: str) -> str:
-    return f"corral-snapshot-{sandbox_id}"
-
-
-def kill_converters(sandbox_id: str) -> None:
-    """SIGKILL the snapshot converters of ``sandbox_id`` a dead owner left (MicroVMTier.reap)."""
-    wanted = f"\0{converter_name(sandbox_id)}\0".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if wanted in Path(f"/proc/{entry}/cmdline").read_bytes():
-                os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
-
-
-def _wait_loaded(qmp: qemu.QMP, proc: subprocess.Popen[bytes], deadline: float) -> None:
-    while True:
-        status = qmp.command("query-migrate").get("status", "")
-        if status == "completed":
-            return
-        if status in ("failed", "cancelled") or proc.poll() is not None:
-            raise SandboxError(f"the snapshot's converter could not load the VM (status {status!r})")
-        if time.monotonic() > deadline:
-            raise SandboxError("the snapshot's converter did not load the VM in time")
-        time.sleep(0.005)
-
-
-def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None) -> int:
-    """Write a live snapshot of ``vm`` into the new directory ``dest``; returns bytes written."""
+def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None) -> tuple[int, RamWrite]:
+    """Write a live snapshot of ``vm`` into the new directory ``dest`` but for its memory image:
+    returns bytes written and the image still to write (:class:`RamWrite`), once the VM runs on."""
     readonly = bool(vm.spec.workspace and vm.spec.workspace.mode == "ro")
     t0 = time.monotonic()
     freeze(channel, True)
@@ -251,13 +151,13 @@ def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path 
 
 
 def _capture_detached(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
-                      readonly: bool) -> int:
+                      readonly: bool) -> tuple[int, RamWrite]:
     with channel.quiesced():  # no request half-sent to the guest while it is saved
         return _capture_quiesced(vm, channel, dest, shared, readonly)
 
 
 def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
-                      readonly: bool) -> int:
+                      readonly: bool) -> tuple[int, RamWrite]:
     last_id = channel.last_id
     ws = vm._run_dir / "disk" / "ws"
     # ``dest`` is the snapshot's ``files`` (the workspace's manifest and blobs): the VM goes beside it
@@ -270,7 +170,12 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
     proc: subprocess.Popen[bytes] | None = None
     conv: qemu.QMP | None = None
     try:
-        proc, conv = _converter(vm, vm_dir, theirs)
+        # the workspace as the frozen guest left it (unmounted there: nothing in the VM writes it)
+        t0 = time.monotonic()
+        written = fs_snapshot.capture([("ws", ws)], dest, vm._id_map(), {}, vm.spec.limits.disk, shared)
+        t1 = time.monotonic()
+        proc, conv = converter.start(vm, vm_dir, theirs)
+        vm.timings["snapshot_workspace"], vm.timings["snapshot_converter"] = t1 - t0, time.monotonic() - t1
         theirs.close()
         qmp = vm.qmp()
         stopped = False
@@ -286,33 +191,24 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
             ours.close()
             qmp.command("migrate", uri="fd:snapshot")
             qmp.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
-            # the workspace as the stopped VM left it
-            written = fs_snapshot.capture([("ws", ws)], dest, vm._id_map(), {}, vm.spec.limits.disk, shared)
         finally:
             if stopped:
                 qmp.command("cont")
-                vm.timings["snapshot_stopped"] = time.monotonic() - t0  # migrated, workspace copied
+                vm.timings["snapshot_stopped"] = time.monotonic() - t0  # migrated
             qmp.close()
-        t0 = time.monotonic()
-        _wait_loaded(conv, proc, time.monotonic() + MIGRATE_TIMEOUT)
-        conv.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
-        state = os.open(vm_dir / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            conv.send_fd("state", state)
-        finally:
-            os.close(state)
-        conv.command("migrate", uri="fd:state")
-        conv.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
-        t1 = time.monotonic()
-        memory = memimage.memfd_of(proc.pid)
-        try:
-            ram_sha256 = memimage.write_sparse(memory, vm.ram_mb << 20, vm_dir / "ram")
-        finally:
-            os.close(memory)
-        vm.timings["snapshot_write_ram"] = time.monotonic() - t1
-        conv.command("quit")
-        vm.timings["snapshot_convert"] = time.monotonic() - t0  # after the VM runs on
-        proc.wait(timeout=30)
+        disk_path = vm.image_disk.path
+        with contextlib.suppress(OSError):  # another file system: the cache's disk is named instead
+            os.link(disk_path, vm_dir / "disk")
+            disk_path = vm_dir / "disk"
+        image = VMImage(
+            ram_mb=vm.ram_mb, accel=vm._tier.accel, qemu=qemu.qemu_version(), assets=vm._tier.assets.digest,
+            disk_key=vm.image_disk.key, disk_path="disk" if disk_path == vm_dir / "disk" else str(disk_path),
+            state_sha256="", ram_sha256="", last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
+            sandbox_id=vm.id, hostname=vm.hostname,
+        )
+        rest = RamWrite(proc, conv, image, vm.timings)
+        proc = conv = None  # the rest's now
+        return written, rest
     finally:
         ours.close()
         theirs.close()
@@ -321,32 +217,86 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-    for name in ("empty", "console.log", "qemu.log"):
-        path = vm_dir / name
-        if path.is_dir():
-            path.rmdir()
-        else:
-            path.unlink(missing_ok=True)
-    ram = vm_dir / "ram"
-    disk_path = vm.image_disk.path
-    with contextlib.suppress(OSError):  # another file system: the cache's disk is named instead
-        os.link(disk_path, vm_dir / "disk")
-        disk_path = vm_dir / "disk"
-    image = VMImage(
-        ram_mb=vm.ram_mb, accel=vm._tier.accel, qemu=qemu.qemu_version(), assets=vm._tier.assets.digest,
-        disk_key=vm.image_disk.key, disk_path="disk" if disk_path == vm_dir / "disk" else str(disk_path), state_sha256=hashlib.sha256((vm_dir / "state").read_bytes()).hexdigest(),
-        ram_sha256=ram_sha256, last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
-        sandbox_id=vm.id, hostname=vm.hostname,
-    )
-    memimage.remember(ram)
-    # the VM's description joins the workspace's manifest: the store's checksum covers both
-    files = dest
-    manifest = json.loads((files / fs_snapshot.MANIFEST).read_bytes())
-    manifest["vm"] = asdict(image)
-    data = json.dumps(manifest, separators=(",", ":")).encode()
-    (files / fs_snapshot.MANIFEST).write_bytes(data)
-    allocated = sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in (ram, vm_dir / "state"))
-    return written + allocated + len(data)
+
+
+class RamWrite(PendingWrite):
+    """What is left of a live snapshot once the VM runs on: the converter (which has, or will
+    have, loaded the whole stream) saves the device state, then its memfd is copied out and
+    hashed, and the VM's description joins the manifest.  Owns the converter (killed if it is
+    abandoned: it also dies with this process, and ``gc`` kills it by name)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], conv: qemu.QMP, image: VMImage,
+                 timings: dict[str, float]) -> None:
+        self.proc: subprocess.Popen[bytes] | None = proc
+        self.conv: qemu.QMP | None = conv
+        self.image = image
+        self.timings = timings
+        self.bytes_at_most = (image.ram_mb << 20) + (1 << 20)
+        #: set once it is written or abandoned (the next snapshot of the same VM waits for it)
+        self.done = threading.Event()
+
+    def _save_state(self, vm_dir: Path) -> int:
+        """The converter's device state into ``vm_dir/state``; returns its memfd, the converter gone."""
+        proc, conv = self.proc, self.conv
+        assert proc is not None and conv is not None, "written once"
+        t0 = time.monotonic()
+        converter.wait_loaded(conv, proc, time.monotonic() + MIGRATE_TIMEOUT)
+        conv.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
+        state = os.open(vm_dir / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            conv.send_fd("state", state)
+        finally:
+            os.close(state)
+        conv.command("migrate", uri="fd:state")
+        conv.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
+        memory = memimage.memfd_of(proc.pid)  # the RAM outlives the converter while we hold it
+        try:
+            conv.command("quit")
+            proc.wait(timeout=30)
+        except BaseException:
+            os.close(memory)
+            raise
+        self.timings["snapshot_convert"] = time.monotonic() - t0
+        for name in ("empty", "console.log", "qemu.log"):
+            path = vm_dir / name
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
+        return memory
+
+    def finish(self, dest: Path) -> int:
+        """Save the device state and copy the memory image into ``dest``'s ``vm/``, sparse and
+        hashed, and add the VM's description to ``dest``'s manifest; returns bytes written."""
+        vm_dir = dest.parent / VM_DIR
+        ram = vm_dir / "ram"
+        try:
+            memory = self._save_state(vm_dir)
+            t0 = time.monotonic()
+            try:
+                ram_sha256 = memimage.write_sparse(memory, self.image.ram_mb << 20, ram)
+            finally:
+                os.close(memory)
+        finally:
+            self.abandon()
+        self.timings["snapshot_write_ram"] = time.monotonic() - t0
+        memimage.remember(ram)
+        # the VM's description joins the workspace's manifest: the store's checksum covers both
+        state_sha256 = hashlib.sha256((vm_dir / "state").read_bytes()).hexdigest()
+        manifest = json.loads((dest / fs_snapshot.MANIFEST).read_bytes())
+        manifest["vm"] = asdict(dataclasses.replace(self.image, state_sha256=state_sha256, ram_sha256=ram_sha256))
+        data = json.dumps(manifest, separators=(",", ":")).encode()
+        (dest / fs_snapshot.MANIFEST).write_bytes(data)
+        return sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in (ram, vm_dir / "state")) + len(data)
+
+    def abandon(self) -> None:
+        proc, conv, self.proc, self.conv = self.proc, self.conv, None, None
+        if conv is not None:
+            conv.close()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.done.set()
 
 
 def load(files: Path, digest: str) -> tuple[VMImage, list[dict[str, Any]], Path]:

@@ -52,7 +52,7 @@ from ..linux.agent import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, A
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import reap_host_side
 from ..linux.sandbox import LinuxSandbox
-from . import guest, live, qemu, rootdisk, template, vmm
+from . import converter, guest, live, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
 
 #: where port forwards' connector (a copy of the agent) goes in the guest
@@ -152,7 +152,7 @@ class MicroVMTier(Tier):
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # QEMU lives in the sandbox's host cgroup (killing it closes the tap too)
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
-        live.kill_converters(sandbox_id)  # a snapshot's, if its owner died taking it
+        converter.kill_converters(sandbox_id)  # a snapshot's, if its owner died taking it
 
     def ram_mb(self, memory: int) -> int:
         """Guest RAM for a memory limit, rounded up to 64 MiB so templates are few."""
@@ -178,6 +178,8 @@ class MicroVMSandbox(LinuxSandbox):
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
         self._snapshot_lock = threading.Lock()
+        #: the memory image of its last live snapshot, perhaps still being written
+        self._ram_write: live.RamWrite | None = None
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
         #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
@@ -411,20 +413,35 @@ class MicroVMSandbox(LinuxSandbox):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.connect(str(self._run_dir / "qmp.sock"))
-            return qemu.QMP(sock, timeout=live.MIGRATE_TIMEOUT)
+            return qemu.QMP(sock, timeout=converter.MIGRATE_TIMEOUT)
         except BaseException:
             sock.close()
             raise
 
     def snapshot(self, dest: Path, shared: Path | None = None) -> int:
-        """A live snapshot (memory, devices, processes, workspace) into ``dest``; the VM runs on.
-        A paused VM is let run for the snapshot (its commands stay frozen) and paused again."""
+        """A live snapshot (memory, devices, processes, workspace) into ``dest``, whole; the VM
+        runs on."""
+        written, rest = self.snapshot_begin(dest, shared)
+        try:
+            return written + rest.finish(dest)
+        finally:
+            rest.abandon()
+
+    def snapshot_begin(self, dest: Path, shared: Path | None = None) -> tuple[int, live.RamWrite]:
+        """A live snapshot into ``dest`` but for its memory image, held in memory until
+        ``finish`` writes it (the VM runs on meanwhile).  A paused VM is let run for the snapshot
+        (its commands stay frozen) and paused again.  One image of a VM is held at a time: a
+        second snapshot waits for the first one's to be written."""
         with self._snapshot_lock:
+            if self._ram_write is not None:
+                self._ram_write.done.wait()
             was_paused = self.paused
             if was_paused:
                 self.resume()
             try:
-                return live.capture(self, self._channel_or_raise(), dest, shared)
+                written, rest = live.capture(self, self._channel_or_raise(), dest, shared)
+                self._ram_write = rest
+                return written, rest
             finally:
                 if was_paused:
                     self.pause()
