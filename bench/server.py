@@ -130,11 +130,11 @@ def bench_http(server: Server, rounds: int) -> None:
         report("cold create + first command (HTTP)", cold, 50)
 
 
-def process_cpu(pid: int) -> tuple[float, float]:
-    """(own, reaped children's) CPU seconds of ``pid``, from /proc/PID/stat."""
+def process_cpu(pid: int) -> tuple[float, float, float]:
+    """(own, reaped children's, own in user mode) CPU seconds of ``pid``, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick, int(fields[11]) / tick
 
 
 def host_busy_cpu() -> float:
@@ -198,7 +198,8 @@ def bench_burst(server: Server, count: int, spec: dict[str, object], label: str)
         print(f"  failure x{failures.count(reason)}: {reason}")
     print(f"burst of {count} concurrent create+exec+destroy ({label}): success {len(done)}/{count} "
           f"({100 * len(done) / count:.0f} %), wall {wall:.2f} s", flush=True)
-    print(f"  CPU during the burst: server process {cpu1[0] - cpu0[0]:.2f} s, its reaped children "
+    print(f"  CPU during the burst: server process {cpu1[0] - cpu0[0]:.2f} s ({cpu1[2] - cpu0[2]:.2f} s of it in "
+          f"user mode, {1000 * (cpu1[0] - cpu0[0]) / count:.1f} ms per lifecycle), its reaped children "
           f"{cpu1[1] - cpu0[1]:.2f} s, whole host {busy1 - busy0:.2f} s of {wall * os.cpu_count():.2f} s")
     if done:
         report(f"  burst workflow latency (n={count})", done, 2000)
