@@ -44,4 +44,4 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
 
-__all__ = ["ServerConfig", "serve"]
+__all__ = ["GC_YOUNG_THRESHOLD", "ServerConfig", "serve", "settle_garbage_collector"]
