@@ -1,4 +1,4 @@
-"""Server and pool latencies: prints p50/p95/p99 against the targets of issue 4.
+"""Server and pool latencies: prints p50/p95/p99 against the targets of issue 4 (and issue 16's).
 
     .venv/bin/python bench/server.py [--rounds 30] [--burst 100]
 
@@ -32,6 +32,8 @@ import httpx
 POOL_SPEC = {"limits": {"memory": "128M"}}
 COLD_SPEC = {"limits": {"memory": "192M"}}
 POOL_MIN, POOL_MAX = 4, 4
+#: issue 16's targets: pooled create + first command, and the wall time of a 1,000 burst on 2 cores
+ISSUE16_POOL_P50, ISSUE16_POOL_P99, ISSUE16_BURST_WALL = 3.0, 6.0, 5.0
 
 
 def pct(values: list[float], q: float) -> float:
@@ -120,6 +122,9 @@ def bench_http(server: Server, rounds: int) -> None:
             warm.append(ms)
             http.delete(f"/v1/sandboxes/{sid}")
         report("create from pool + first command (HTTP)", warm, 15)
+        p50, p99 = pct(warm, 0.5), pct(warm, 0.99)
+        print(f"  issue 16 target p50 <= {ISSUE16_POOL_P50:g} ms, p99 <= {ISSUE16_POOL_P99:g} ms: "
+              f"p50 {p50 / ISSUE16_POOL_P50:.2f}x, p99 {p99 / ISSUE16_POOL_P99:.2f}x of it", flush=True)
         if misses:
             print(f"  ({misses} of {rounds} missed the pool)")
         cold: list[float] = []
@@ -130,11 +135,11 @@ def bench_http(server: Server, rounds: int) -> None:
         report("cold create + first command (HTTP)", cold, 50)
 
 
-def process_cpu(pid: int) -> tuple[float, float]:
-    """(own, reaped children's) CPU seconds of ``pid``, from /proc/PID/stat."""
+def process_cpu(pid: int) -> tuple[float, float, float]:
+    """(own, reaped children's, own in user mode) CPU seconds of ``pid``, from /proc/PID/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick, int(fields[11]) / tick
 
 
 def host_busy_cpu() -> float:
@@ -198,7 +203,10 @@ def bench_burst(server: Server, count: int, spec: dict[str, object], label: str)
         print(f"  failure x{failures.count(reason)}: {reason}")
     print(f"burst of {count} concurrent create+exec+destroy ({label}): success {len(done)}/{count} "
           f"({100 * len(done) / count:.0f} %), wall {wall:.2f} s", flush=True)
-    print(f"  CPU during the burst: server process {cpu1[0] - cpu0[0]:.2f} s, its reaped children "
+    if count == 1000:
+        print(f"  issue 16 target wall <= {ISSUE16_BURST_WALL:g} s on 2 cores: {wall / ISSUE16_BURST_WALL:.2f}x of it")
+    print(f"  CPU during the burst: server process {cpu1[0] - cpu0[0]:.2f} s ({cpu1[2] - cpu0[2]:.2f} s of it in "
+          f"user mode, {1000 * (cpu1[0] - cpu0[0]) / count:.1f} ms per lifecycle), its reaped children "
           f"{cpu1[1] - cpu0[1]:.2f} s, whole host {busy1 - busy0:.2f} s of {wall * os.cpu_count():.2f} s")
     if done:
         report(f"  burst workflow latency (n={count})", done, 2000)

@@ -44,3 +44,36 @@ def test_bad_keys_and_configs_are_refused(tmp_path: Path, monkeypatch: pytest.Mo
         ServerConfig.load(str(bad))
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.1")
+
+
+def test_serve_runs_on_uvloop_and_httptools() -> None:
+    """``corral serve`` leaves uvicorn's loop and HTTP parser on "auto": both must resolve to the
+    fast ones, which are the server's dependencies (without them: asyncio's loop and h11)."""
+    import uvloop
+    from uvicorn.config import Config
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    assert AutoHTTPProtocol is HttpToolsProtocol
+    factory = Config(app=lambda *_: None, loop="auto").get_loop_factory()
+    assert factory is not None
+    loop = factory()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+
+
+def test_serve_keeps_the_start_up_heap_out_of_the_collector() -> None:
+    import gc
+
+    from corral.server import GC_YOUNG_THRESHOLD, settle_garbage_collector
+
+    before = gc.get_threshold()
+    try:
+        settle_garbage_collector()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -1,18 +1,18 @@
 """The server's sandboxes: ownership by tenant, quotas, lifetimes, persistence.
 
-Every sandbox the server creates is recorded twice in SQLite in the state
-directory: in the library's registry (which the janitor uses to release its
-resources when the owning process is gone) and in ``server.db`` (tenant and
-deadlines).  After a ``kill -9`` the sandboxes' processes die with the server
-(bubblewrap's ``--die-with-parent``); on the next start :meth:`recover` runs the
-janitor and forgets the previous run's rows, so nothing of it is left.
+Every sandbox the server creates is recorded in the library's registry (SQLite in
+the state directory), which the janitor uses to release its resources when the
+owning process is gone.  Tenants and deadlines live in memory only: after a
+``kill -9`` the sandboxes' processes die with the server (bubblewrap's
+``--die-with-parent``) and on the next start :meth:`recover` runs the janitor, so
+nothing of the previous run is left to own (sandboxes paused to disk keep their
+tenant and deadlines in their parked record and are taken back).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -80,28 +80,19 @@ class SandboxManager:
         #: quota reservations for creates in flight: tenant -> [count, memory]
         self._pending: dict[str, list[int]] = {}
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "server.db", isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # a lost row after power loss is reaped by the registry janitor
-        self._db.execute("CREATE TABLE IF NOT EXISTS server_sandboxes (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
-                         "created REAL NOT NULL, expires_at REAL NOT NULL)")
-        self._db_lock = threading.Lock()
-        self.recovered = self.recover()
+        self.recover()
         self.pools = PoolSet.from_config(config.pools, self.root, on_create=metrics.create_seconds.observe)
         self._reaper: asyncio.Task[None] | None = None
         # destroying waits (for processes to die, cgroups to empty): many may overlap
         self._destroyers = ThreadPoolExecutor(max_workers=DESTROY_THREADS, thread_name_prefix="corral-destroy")
 
     # -- persistence -----------------------------------------------------------
-    def _sql(self, query: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        with self._db_lock:
-            return self._db.execute(query, args).fetchall()
+    def recover(self) -> None:
+        """Release everything a previous run of the server left (it was killed, or crashed).
 
-    def recover(self) -> list[str]:
-        """Release everything a previous run of the server left (it was killed, or crashed)."""
-        previous = [row[0] for row in self._sql("SELECT id FROM server_sandboxes")]
+        No table of the server's own is needed for it (nor written on the request path): the
+        registry knows every sandbox's resources and its owner, and reaps those whose owner is dead."""
         gc(self.root)  # the registry janitor: reaps every sandbox whose owning process is dead
-        self._sql("DELETE FROM server_sandboxes")
         for record in parked.every(self.root):  # paused to disk: they hold nothing live, and stay
             facts = record.server
             if not facts:
@@ -110,9 +101,6 @@ class SandboxManager:
             entry = Entry(sandbox, str(facts["tenant"]), float(facts["created"]), float(facts["expires_at"]),
                           float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
             self._entries[sandbox.id] = entry
-            self._sql("INSERT INTO server_sandboxes VALUES (?, ?, ?, ?)",
-                      (sandbox.id, entry.tenant, entry.created, entry.expires_at))
-        return previous
 
     # -- lookup ----------------------------------------------------------------
     def get(self, tenant: str, sandbox_id: str) -> Entry:
@@ -194,7 +182,6 @@ class SandboxManager:
             entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)
             with self._lock:
                 self._entries[sandbox.id] = entry
-            self._sql("INSERT INTO server_sandboxes VALUES (?, ?, ?, ?)", (sandbox.id, tenant, now, entry.expires_at))
         finally:
             self._release(tenant, spec.limits.memory)
         self.metrics.live.set(len(self._entries))
@@ -221,7 +208,6 @@ class SandboxManager:
             raise InvalidSpec(f"timeout: {seconds!r} s would outlive the server's max lifetime of "
                               f"{self.config.max_lifetime:g} s from creation ({left:.0f} s left)")
         entry.expires_at = wanted
-        self._sql("UPDATE server_sandboxes SET expires_at = ? WHERE id = ?", (wanted, entry.sandbox.id))
 
     def destroy_now(self, sandbox_id: str) -> None:
         with self._lock:
@@ -231,7 +217,6 @@ class SandboxManager:
         try:
             entry.sandbox.kill()
         finally:
-            self._sql("DELETE FROM server_sandboxes WHERE id = ?", (sandbox_id,))
             self.metrics.live.set(len(self._entries))
 
     async def destroy(self, tenant: str, sandbox_id: str) -> None:
@@ -285,5 +270,3 @@ class SandboxManager:
         list(self._destroyers.map(self.destroy_now, live))
         self._destroyers.shutdown()
         self.pools.close()
-        with self._db_lock:
-            self._db.close()
