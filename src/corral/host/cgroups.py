@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -252,6 +253,9 @@ class SandboxCgroup:
         } if self.layout.version == 1 else {}
         self._kill_key = "freezer" if self.layout.kill_mode == "freezer" else ""
         self._kill_path = (self.kill_group, _relative(self.kill_group, self.layout.kill_root))
+        #: the OOM counter's file, held open once read (read twice a command: a pread, no path walk)
+        self._oom_fd: int | None = None
+        self._oom_lock = threading.Lock()
         try:
             for group in {*self.limit_groups, self.kill_group}:
                 group.mkdir()
@@ -350,10 +354,15 @@ class SandboxCgroup:
 
         Raises ``ProcessLookupError`` when the process is gone."""
         try:
-            with open(f"/proc/{pid}/cgroup") as f:
-                text = f.read()
+            fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ProcessLookupError(pid) from None
+        try:
+            text = os.read(fd, 65536).decode()
+        except ProcessLookupError:
+            raise  # ESRCH: it ended between the open and the read
+        finally:
+            os.close(fd)
         where: dict[str, str] = {}
         for line in text.splitlines():
             _, controllers, path = line.split(":", 2)
@@ -379,15 +388,27 @@ class SandboxCgroup:
             return False
 
     def oom_kills(self) -> int:
-        name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
-        try:
-            for line in (self._memory / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-        except FileNotFoundError:
-            pass
-        return 0
+        with self._oom_lock:  # the descriptor is closed under it too (destroy): never a reused number
+            try:
+                if self._oom_fd is None:
+                    name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
+                    self._oom_fd = os.open(self._memory / name, os.O_RDONLY | os.O_CLOEXEC)
+                text = b"\n" + os.pread(self._oom_fd, 4096, 0)  # a read at offset 0 makes the text anew
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENODEV):  # the group is gone
+                    return 0
+                raise
+        at = text.find(b"\noom_kill ")
+        if at < 0:
+            return 0
+        end = text.find(b"\n", at + 10)
+        return int(text[at + 10 : end if end >= 0 else len(text)])
+
+    def _close_oom(self) -> None:
+        with self._oom_lock:
+            if self._oom_fd is not None:
+                os.close(self._oom_fd)
+                self._oom_fd = None
 
     def memory_usage(self) -> int:
         name = "memory.current" if self.layout.version == 2 else "memory.usage_in_bytes"
@@ -441,6 +462,7 @@ class SandboxCgroup:
         ``leaves``: the kill tree's leaves, when the caller knows them all: they and the
         sandbox's groups are removed without walking the directories (~600 stat calls on
         cgroup v1); whatever is left then (an unknown leaf) is removed by the walk."""
+        self._close_oom()
         self.kill_all()
         if leaves:
             try:

@@ -319,10 +319,11 @@ class AgentChannel:
         or an exception refuses the command);
         ``kill()`` kills its whole tree (called on timeout or :meth:`AgentProcess.kill`);
         ``finish(proc)`` runs once when it ended, before its result is built;
-        ``spare``: the pid of a spare already placed, for the agent to run the command in
-        (if it has died, the agent forks as usual and ``place`` gets the new pid)."""
+        ``spare``: the pid of a spare already placed and checked, for the agent to run the
+        command in at once (no GO: ``place`` is not called for it); if it has died, the agent
+        forks as usual and ``place`` gets the new pid."""
         ident = self.new_id()
-        proc = AgentProcess(self, ident, request, on_output, place, kill, finish)
+        proc = AgentProcess(self, ident, request, on_output, place, kill, finish, spare)
         self._execs[ident] = proc
         uid = self.user_ids.get(request.user) if request.user is not None else None
         parts = ["" if uid is None else str(uid), request.cwd, str(len(request.argv)), *request.argv,
@@ -354,8 +355,11 @@ class AgentProcess(Process):
         place: Callable[[int], bool | None],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
+        spare: int | None = None,
     ) -> None:
         self._channel = channel
+        #: the placed spare the command was sent to: the agent lets it go without a GO
+        self._spare = spare
         self._finish = finish
         self._finished = threading.Lock()
         self._result: ExecResult | None = None
@@ -384,6 +388,9 @@ class AgentProcess(Process):
 
     # reader-thread callbacks
     def _started(self, nspid: int) -> None:
+        if nspid == self._spare:
+            self.pid = nspid  # placed and checked before it was sent; the agent let it go
+            return
         reason = "its process is gone"
         try:
             # None means "nothing to place" (a tier whose kill tree lives elsewhere)
