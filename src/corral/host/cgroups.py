@@ -99,7 +99,10 @@ def _has_cgroup_kill(root: Path) -> bool:
 
 def _relative(group: Path, root: Path) -> str:
     """A group's path as ``/proc/PID/cgroup`` shows it: relative to its hierarchy's root."""
-    return "/" + str(group.relative_to(root))
+    path, top = str(group), str(root).rstrip("/")
+    if not path.startswith(top + "/"):  # string work: read on every command's placement check
+        raise ValueError(f"{group} is not below {root}")
+    return path[len(top):]
 
 
 def _within(path: str, group: str) -> bool:

@@ -278,6 +278,7 @@ class ProcessSandbox(LinuxSandbox):
                 self._leaves.append(self._spare[2])  # a spare that died unused: its leaf is done with
             self._spare = (nspid, host_pid, leaf)
             self.spare_placed.set()
+        self._retire_leaf(None)  # the leaves of commands run in earlier spares (see start's finish)
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
@@ -313,19 +314,26 @@ class ProcessSandbox(LinuxSandbox):
             proc.oom_killed = cgroup.oom_kills() > oom_before
             if proc.oom_killed:
                 cgroup.kill_leaf(leaf)  # v1 kills only the biggest task; finish the job
-            self._retire_leaf(leaf)
+            # a command run in a spare made the agent fork the next one, whose placement (on the
+            # placer thread) removes this leaf, off the command's path; else it goes now
+            self._retire_leaf(leaf, remove=spare is None)
             if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
                 self.workspace.sync_back()
 
         return channel.start(request, on_output, place, lambda: cgroup.kill_leaf(leaf), finish, spare)
 
-    def _retire_leaf(self, leaf: Path) -> None:
+    def _retire_leaf(self, leaf: Path | None, remove: bool = True) -> None:
         """``leaf``'s command is over: remove it, and every earlier finished leaf, once empty
-        (background processes keep a leaf until they end or the sandbox is destroyed)."""
-        assert self.cgroup is not None
+        (background processes keep a leaf until they end or the sandbox is destroyed).  With
+        ``remove`` False it only joins the finished ones, for the next removal (or destroy)."""
+        cgroup = self.cgroup
+        if cgroup is None:
+            return
         with self._lock:
-            self._leaves.append(leaf)
-            self._leaves = [old for old in self._leaves if not self.cgroup.remove_leaf(old)]
+            if leaf is not None:
+                self._leaves.append(leaf)
+            if remove:
+                self._leaves = [old for old in self._leaves if not cgroup.remove_leaf(old)]
 
     # -- lifecycle ---------------------------------------------------------
     def reap_record(self) -> dict[str, Any]:
