@@ -86,9 +86,12 @@ class AgentChannel:
 
     # -- framing -------------------------------------------------------
     def send(self, kind: int, ident: int, payload: bytes = b"") -> None:
+        self._write(HEADER.pack(kind, ident, len(payload)) + payload)
+
+    def _write(self, frame: bytes) -> None:
+        """Whole frames, in one write where the pipe takes it."""
         if self.closed.is_set():
             raise SandboxClosed("the sandbox is no longer running")
-        frame = HEADER.pack(kind, ident, len(payload)) + payload
         with self._wlock:
             try:
                 view = memoryview(frame)
@@ -337,11 +340,15 @@ class AgentChannel:
         elif spare is not None:
             kind = T_EXEC_SPARE
             payload = struct.pack("<I", spare) + payload
+        frame = HEADER.pack(kind, ident, len(payload)) + payload
+        if request.stdin_closed:
+            frame += HEADER.pack(T_STDIN_EOF, ident, 0)  # with it: the agent reads both in one wake-up
         try:
-            self.send(kind, ident, payload)
+            self._write(frame)
         except BaseException:
             self._execs.pop(ident, None)
             raise
+        proc._eof_sent = request.stdin_closed
         return proc
 
 
@@ -360,6 +367,8 @@ class AgentProcess(Process):
         self._channel = channel
         #: the placed spare the command was sent to: the agent lets it go without a GO
         self._spare = spare
+        #: stdin's end of file went to the agent (with the command, or by close_stdin)
+        self._eof_sent = False
         self._finish = finish
         self._finished = threading.Lock()
         self._result: ExecResult | None = None
@@ -441,7 +450,9 @@ class AgentProcess(Process):
             self._channel.send(T_STDIN, self._id, data[offset : offset + (1 << 20)])
 
     def close_stdin(self) -> None:
-        self._channel.send(T_STDIN_EOF, self._id)
+        if not self._eof_sent:
+            self._eof_sent = True
+            self._channel.send(T_STDIN_EOF, self._id)
 
     def send_signal(self, signum: int) -> None:
         self._requested_signals.add(signum)
