@@ -146,8 +146,25 @@ def join(procs_files: Iterable[str], pid: int) -> None:
 def read_pids(group: Path) -> list[int]:
     try:
         return [int(x) for x in (group / "cgroup.procs").read_text().split()]
-    except FileNotFoundError:
-        return []
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENODEV):  # gone, or going (removed while read)
+            return []
+        raise
+
+
+def _groups(group: Path) -> list[Path]:
+    """``group`` and every group below it, as they are now: a child removed during the walk
+    (a command's leaf retired on another thread) is skipped, never an error."""
+    found, todo = [], [group]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            with os.scandir(current) as entries:
+                todo += [Path(entry.path) for entry in entries if entry.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return found
 
 
 def kill_group(group: Path, mode: str, deadline: float = 5.0) -> None:
@@ -177,7 +194,7 @@ def _freeze_kill(group: Path, mode: str, end: float) -> None:
         ("freezer.state", "FROZEN", "THAWED") if mode == "freezer" else ("cgroup.freeze", "1", "0")
     )
     while time.monotonic() < end:
-        groups = [group, *(p for p in group.rglob("*") if p.is_dir())]
+        groups = _groups(group)
         pids = [pid for g in groups for pid in read_pids(g)]
         if not pids:
             return
@@ -207,7 +224,7 @@ def _populated(group: Path, mode: str) -> bool:
             if exc.errno in (errno.ENOENT, errno.ENODEV):
                 return False
             raise
-    return any(read_pids(g) for g in (group, *(p for p in group.rglob("*") if p.is_dir())))
+    return any(read_pids(g) for g in _groups(group))
 
 
 def _rmdir(path: Path, tries: int = 400) -> None:
@@ -407,12 +424,6 @@ class SandboxCgroup:
         end = text.find(b"\n", at + 10)
         return int(text[at + 10 : end if end >= 0 else len(text)])
 
-    def _close_oom(self) -> None:
-        with self._oom_lock:
-            if self._oom_fd is not None:
-                os.close(self._oom_fd)
-                self._oom_fd = None
-
     def memory_usage(self) -> int:
         name = "memory.current" if self.layout.version == 2 else "memory.usage_in_bytes"
         try:
@@ -446,7 +457,7 @@ class SandboxCgroup:
             time.sleep(0.0005)
 
     def pids(self) -> list[int]:
-        return sorted({pid for g in [self.kill_group, *self.kill_group.rglob("*")] if g.is_dir() for pid in read_pids(g)})
+        return sorted({pid for g in _groups(self.kill_group) for pid in read_pids(g)})
 
     def kill_all(self) -> None:
         kill_group(self.kill_group, self.layout.kill_mode)
@@ -465,7 +476,10 @@ class SandboxCgroup:
         ``leaves``: the kill tree's leaves, when the caller knows them all: they and the
         sandbox's groups are removed without walking the directories (~600 stat calls on
         cgroup v1); whatever is left then (an unknown leaf) is removed by the walk."""
-        self._close_oom()
+        with self._oom_lock:
+            if self._oom_fd is not None:
+                os.close(self._oom_fd)
+                self._oom_fd = None
         self.kill_all()
         if leaves:
             try:
