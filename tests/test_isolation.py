@@ -252,6 +252,19 @@ def test_stdin_reaches_the_command(sandbox: Sandbox) -> None:
     assert sandbox.commands.run("wc -c", stdin=b"x" * 300_000).stdout.strip() == "300000"
 
 
+def test_a_command_run_without_input_sees_end_of_file_at_once(sandbox: Sandbox) -> None:
+    # the end of file travels with the command (one frame after it, one write); a started
+    # command keeps its stdin open until closed, and a second close is harmless
+    for _ in range(3):  # in a spare, and in the next one (placed while the previous command ran)
+        r = sandbox.commands.run("cat; echo end", timeout=10)
+        assert (r.stdout, r.exit_code, r.timed_out) == ("end\n", 0, False)
+    handle = sandbox.commands.start("cat", timeout=10)
+    handle.send_stdin("kept\n")
+    handle.close_stdin()
+    handle.close_stdin()
+    assert handle.wait().stdout == "kept\n"
+
+
 def test_missing_program_and_bad_cwd(sandbox: Sandbox) -> None:
     r = sandbox.commands.run(["no-such-program"])
     assert r.exit_code == 127 and "cannot execute" in r.stderr

@@ -7,6 +7,8 @@ its own kill tree, its own stdin's end of file, a fresh environment.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from corral import Sandbox
 from corral.tiers.process import ProcessSandbox
 
@@ -25,9 +27,12 @@ def own_cgroup(sandbox: Sandbox) -> str:
 
 def test_a_command_after_a_pause_runs_in_the_spare_in_a_fresh_leaf(sandbox: Sandbox) -> None:
     placed(sandbox)
-    first = sandbox.commands.run("echo $$; ps -eo comm=").stdout.split()
-    # the spare was forked right after the agent said ready: pid 2 of the sandbox
-    assert first[0] == "2" and "corral-spare" not in first[1:]
+    first = sandbox.commands.run("echo $$; ps -eo pid=,comm=").stdout.split()
+    # the spare was forked right after the agent said ready: pid 2 of the sandbox; taking it
+    # forked the next one (a later pid), as the command ran
+    assert first[0] == "2"
+    spares = [int(pid) for pid, comm in zip(first[1::2], first[2::2], strict=True) if comm == "corral-spare"]
+    assert all(pid > 2 for pid in spares)
     placed(sandbox)
     second = own_cgroup(sandbox)
     placed(sandbox)
@@ -70,3 +75,34 @@ def test_a_spare_command_starts_with_the_requested_env_and_cwd(sandbox: Sandbox)
     placed(sandbox)
     result = sandbox.commands.run("echo $GREETING; pwd", env={"GREETING": "hi"}, cwd="/tmp")
     assert result.stdout == "hi\n/tmp\n"
+
+
+def _leaf_of(host_pid: int) -> str:
+    return next(line for line in Path(f"/proc/{host_pid}/cgroup").read_text().splitlines()
+                if line.startswith("0::"))
+
+
+def test_back_to_back_commands_each_find_a_spare_placed_while_the_previous_one_ran(sandbox: Sandbox) -> None:
+    inner = sandbox._inner
+    assert isinstance(inner, ProcessSandbox)
+    placed(sandbox)
+    cat = sandbox.commands.start("cat", timeout=10)  # takes the spare: the next one is forked now
+    try:
+        # placed while cat still runs, in a leaf of its own (not cat's, not the agent's)
+        placed(sandbox)
+        assert not cat.done
+        assert inner._spare is not None
+        spare_inside, spare, leaf = inner._spare
+        where = _leaf_of(spare)
+        assert where.endswith("/" + leaf.name) and where != _leaf_of(inner._agent_host_pid())
+        said = sandbox.commands.run("echo $$; cat /proc/self/cgroup").stdout.split()
+        # the next command ran in it, at once, in that leaf (seen from inside: the sandbox's
+        # cgroup namespace shows the path from the host's root here, v1 hybrid, or its own)
+        assert said[0] == str(spare_inside)
+        assert any(line.startswith("0::") and line.endswith("/" + leaf.name) for line in said)
+    finally:
+        cat.close_stdin()
+        assert cat.wait().exit_code == 0
+    # and so on: every command of a quick series runs in its own fresh leaf
+    leaves = [own_cgroup(sandbox) for _ in range(5)]
+    assert len(set(leaves)) == 5

@@ -155,7 +155,7 @@ class LocalBackend(SandboxBackend):
         return network
 
     # -- commands ---------------------------------------------------------------
-    def request(self, call: CommandCall) -> ExecRequest:
+    def request(self, call: CommandCall, stdin_closed: bool = False) -> ExecRequest:
         if call.pty is not None and not tier_class(self.spec.tier).capabilities.pty:
             raise InvalidSpec(f"pty: the {self.spec.tier} tier cannot run commands on a terminal")
         tier_class(self.spec.tier).capabilities.check_user(call.user, self.spec.tier)
@@ -169,10 +169,20 @@ class LocalBackend(SandboxBackend):
             max_output=limits.max_output,
             pty=call.pty,
             user=call.user,
+            stdin_closed=stdin_closed,
         )
 
-    def start(self, call: CommandCall, on_output: OutputCallback | None) -> LocalProcess:
-        request = self.request(call)
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
+        if stdin is not None:
+            return super().run(call, stdin, on_output)
+        # no input: the tier may send stdin's end of file with the command (one write, one
+        # wake-up of the agent less); closing it again is a no-op then
+        process = self.start(call, on_output, stdin_closed=True)
+        process.close_stdin()
+        return process.wait()
+
+    def start(self, call: CommandCall, on_output: OutputCallback | None, stdin_closed: bool = False) -> LocalProcess:
+        request = self.request(call, stdin_closed)
         inner = self.tier_sandbox()
         network = inner.network
         with host_errors("start a command", self.id):

@@ -169,9 +169,12 @@ void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws) {
  * sandbox is idle.  Moving a task between cgroups can wait for an RCU grace
  * period (milliseconds) when none happened lately; a spare takes that wait off
  * the path of the next command, which the host then sends as T_EXEC_SPARE.
- * The host names the spare it has placed; if that one has died meanwhile, the
- * command is forked as usual (and placed as usual), and a spare is never
- * used before the host has placed it.
+ * The host names the spare it has placed, and checked just before it sent the
+ * command: the spare runs it at once, with no GO to wait for.  If that one has
+ * died meanwhile, the command is forked as usual (and placed, and let go, as
+ * usual), and a spare is never used before the host has placed it.  Once a
+ * spare is taken the next one is forked at once, so the host places it while
+ * the command runs: back-to-back commands each find a placed spare.
  */
 int spares_enabled;
 static struct { pid_t pid; int fd_in, fd_out, fd_err, fd_sync; } spare = {0, -1, -1, -1, -1};
@@ -195,6 +198,11 @@ void fork_spare(void) {
     int *all[] = {pin, pout, perr, psync};
     int ok = pipe2(pin, O_CLOEXEC) == 0 && pipe2(pout, O_CLOEXEC) == 0 && pipe2(perr, O_CLOEXEC) == 0 &&
              pipe2(psync, O_CLOEXEC) == 0;
+    /* born with its name: the host places it as soon as it is announced (while a command
+     * runs) and only moves a process named so; the agent takes its own name back at once */
+    char own[16] = {0};
+    prctl(PR_GET_NAME, own);
+    prctl(PR_SET_NAME, "corral-spare");
     pid_t pid = ok ? fork() : -1;
     if (pid == 0) {
         child_stdio(pin[0], pout[1], perr[1], 0);
@@ -202,9 +210,9 @@ void fork_spare(void) {
         /* it may wait a long time: hold nothing of the agent's (another command's
          * stdin pipe kept open here would never see its end of file) */
         close_range(4, ~0U, 0);
-        prctl(PR_SET_NAME, "corral-spare");
         spare_main();
     }
+    prctl(PR_SET_NAME, own);
     if (pid < 0) {
         for (int i = 0; i < 4; i++) { close_fd(&all[i][0]); close_fd(&all[i][1]); }
         return;
@@ -257,8 +265,16 @@ void do_exec_spare(uint32_t id, char *payload, uint32_t len) {
     const char *bad = parse_command(copy, len, parts, 8192, &cmd);
     free(copy);
     if (bad) { send_err(id, EINVAL, bad); return; }
+    /* the command and the go byte in one write: the host placed and checked this spare */
     uint32_t l32 = len;
-    if (write_some(spare.fd_sync, &l32, 4) < 0 || write_some(spare.fd_sync, payload, len) < 0) {
+    char *msg = malloc((size_t)len + 5);
+    if (!msg) { send_err(id, ENOMEM, "exec"); return; }
+    memcpy(msg, &l32, 4);
+    memcpy(msg + 4, payload, len);
+    msg[4 + len] = 1;
+    int sent = write_some(spare.fd_sync, msg, (size_t)len + 5);
+    free(msg);
+    if (sent < 0) {
         drop_spare(); /* it died: fork this one as usual */
         do_exec(id, payload, len, NULL);
         return;
@@ -271,11 +287,13 @@ void do_exec_spare(uint32_t id, char *payload, uint32_t len) {
     e->fd_in = spare.fd_in;
     e->fd_out = spare.fd_out;
     e->fd_err = spare.fd_err;
-    e->fd_sync = spare.fd_sync;
+    e->fd_sync = -1; /* let go already: a GO for it finds nothing to write */
+    close_fd(&spare.fd_sync);
     spare.pid = 0;
-    spare.fd_in = spare.fd_out = spare.fd_err = spare.fd_sync = -1;
+    spare.fd_in = spare.fd_out = spare.fd_err = -1;
     uint32_t p32 = (uint32_t)e->pid;
     send_frame(T_STARTED, id, &p32, 4);
+    fork_spare(); /* the next one, placed by the host while this command runs */
 }
 
 void flush_stdin(struct exec *e) {

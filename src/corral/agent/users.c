@@ -113,8 +113,11 @@ int become_user(uid_t uid) {
         return 0;
     }
     /* the bounding set first (it needs CAP_SETPCAP, gone with the uid change) */
-    for (int cap = 0; cap <= 63; cap++)
-        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL && errno != EPERM) return -1;
+    for (int cap = 0; cap <= 63; cap++) {
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0 || errno == EPERM) continue;
+        if (errno == EINVAL) break; /* past the kernel's last capability (they are numbered 0..last) */
+        return -1;
+    }
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
     if (setresgid(uid, uid, uid) < 0 || setresuid(uid, uid, uid) < 0) return -1;
     if (getuid() != uid || geteuid() != uid) { errno = EPERM; return -1; }

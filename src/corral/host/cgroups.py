@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -98,7 +99,10 @@ def _has_cgroup_kill(root: Path) -> bool:
 
 def _relative(group: Path, root: Path) -> str:
     """A group's path as ``/proc/PID/cgroup`` shows it: relative to its hierarchy's root."""
-    return "/" + str(group.relative_to(root))
+    path, top = str(group), str(root).rstrip("/")
+    if not path.startswith(top + "/"):  # string work: read on every command's placement check
+        raise ValueError(f"{group} is not below {root}")
+    return path[len(top):]
 
 
 def _within(path: str, group: str) -> bool:
@@ -142,8 +146,25 @@ def join(procs_files: Iterable[str], pid: int) -> None:
 def read_pids(group: Path) -> list[int]:
     try:
         return [int(x) for x in (group / "cgroup.procs").read_text().split()]
-    except FileNotFoundError:
-        return []
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENODEV):  # gone, or going (removed while read)
+            return []
+        raise
+
+
+def _groups(group: Path) -> list[Path]:
+    """``group`` and every group below it, as they are now: a child removed during the walk
+    (a command's leaf retired on another thread) is skipped, never an error."""
+    found, todo = [], [group]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            with os.scandir(current) as entries:
+                todo += [Path(entry.path) for entry in entries if entry.is_dir(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return found
 
 
 def kill_group(group: Path, mode: str, deadline: float = 5.0) -> None:
@@ -173,7 +194,7 @@ def _freeze_kill(group: Path, mode: str, end: float) -> None:
         ("freezer.state", "FROZEN", "THAWED") if mode == "freezer" else ("cgroup.freeze", "1", "0")
     )
     while time.monotonic() < end:
-        groups = [group, *(p for p in group.rglob("*") if p.is_dir())]
+        groups = _groups(group)
         pids = [pid for g in groups for pid in read_pids(g)]
         if not pids:
             return
@@ -203,7 +224,7 @@ def _populated(group: Path, mode: str) -> bool:
             if exc.errno in (errno.ENOENT, errno.ENODEV):
                 return False
             raise
-    return any(read_pids(g) for g in (group, *(p for p in group.rglob("*") if p.is_dir())))
+    return any(read_pids(g) for g in _groups(group))
 
 
 def _rmdir(path: Path, tries: int = 400) -> None:
@@ -252,6 +273,9 @@ class SandboxCgroup:
         } if self.layout.version == 1 else {}
         self._kill_key = "freezer" if self.layout.kill_mode == "freezer" else ""
         self._kill_path = (self.kill_group, _relative(self.kill_group, self.layout.kill_root))
+        #: the OOM counter's file, held open once read (read twice a command: a pread, no path walk)
+        self._oom_fd: int | None = None
+        self._oom_lock = threading.Lock()
         try:
             for group in {*self.limit_groups, self.kill_group}:
                 group.mkdir()
@@ -350,10 +374,15 @@ class SandboxCgroup:
 
         Raises ``ProcessLookupError`` when the process is gone."""
         try:
-            with open(f"/proc/{pid}/cgroup") as f:
-                text = f.read()
+            fd = os.open(f"/proc/{pid}/cgroup", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ProcessLookupError(pid) from None
+        try:
+            text = os.read(fd, 65536).decode()
+        except ProcessLookupError:
+            raise  # ESRCH: it ended between the open and the read
+        finally:
+            os.close(fd)
         where: dict[str, str] = {}
         for line in text.splitlines():
             _, controllers, path = line.split(":", 2)
@@ -379,15 +408,21 @@ class SandboxCgroup:
             return False
 
     def oom_kills(self) -> int:
-        name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
-        try:
-            for line in (self._memory / name).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-        except FileNotFoundError:
-            pass
-        return 0
+        with self._oom_lock:  # the descriptor is closed under it too (destroy): never a reused number
+            try:
+                if self._oom_fd is None:
+                    name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
+                    self._oom_fd = os.open(self._memory / name, os.O_RDONLY | os.O_CLOEXEC)
+                text = b"\n" + os.pread(self._oom_fd, 4096, 0)  # a read at offset 0 makes the text anew
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENODEV):  # the group is gone
+                    return 0
+                raise
+        at = text.find(b"\noom_kill ")
+        if at < 0:
+            return 0
+        end = text.find(b"\n", at + 10)
+        return int(text[at + 10 : end if end >= 0 else len(text)])
 
     def memory_usage(self) -> int:
         name = "memory.current" if self.layout.version == 2 else "memory.usage_in_bytes"
@@ -422,7 +457,7 @@ class SandboxCgroup:
             time.sleep(0.0005)
 
     def pids(self) -> list[int]:
-        return sorted({pid for g in [self.kill_group, *self.kill_group.rglob("*")] if g.is_dir() for pid in read_pids(g)})
+        return sorted({pid for g in _groups(self.kill_group) for pid in read_pids(g)})
 
     def kill_all(self) -> None:
         kill_group(self.kill_group, self.layout.kill_mode)
@@ -441,6 +476,10 @@ class SandboxCgroup:
         ``leaves``: the kill tree's leaves, when the caller knows them all: they and the
         sandbox's groups are removed without walking the directories (~600 stat calls on
         cgroup v1); whatever is left then (an unknown leaf) is removed by the walk."""
+        with self._oom_lock:
+            if self._oom_fd is not None:
+                os.close(self._oom_fd)
+                self._oom_fd = None
         self.kill_all()
         if leaves:
             try:

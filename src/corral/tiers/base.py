@@ -47,6 +47,9 @@ class ExecRequest:
     pty: tuple[int, int] | None = None
     #: who it runs as (``spec.USERS``); None: the sandbox's user (its spec's ``user``)
     user: str | None = None
+    #: the caller has no input for it: a tier may send stdin's end of file with the command
+    #: (the caller still calls ``close_stdin``, which must then be harmless)
+    stdin_closed: bool = False
 
 
 @dataclass

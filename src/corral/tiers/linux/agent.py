@@ -86,9 +86,12 @@ class AgentChannel:
 
     # -- framing -------------------------------------------------------
     def send(self, kind: int, ident: int, payload: bytes = b"") -> None:
+        self._write(HEADER.pack(kind, ident, len(payload)) + payload)
+
+    def _write(self, frame: bytes) -> None:
+        """Whole frames, in one write where the pipe takes it."""
         if self.closed.is_set():
             raise SandboxClosed("the sandbox is no longer running")
-        frame = HEADER.pack(kind, ident, len(payload)) + payload
         with self._wlock:
             try:
                 view = memoryview(frame)
@@ -319,10 +322,11 @@ class AgentChannel:
         or an exception refuses the command);
         ``kill()`` kills its whole tree (called on timeout or :meth:`AgentProcess.kill`);
         ``finish(proc)`` runs once when it ended, before its result is built;
-        ``spare``: the pid of a spare already placed, for the agent to run the command in
-        (if it has died, the agent forks as usual and ``place`` gets the new pid)."""
+        ``spare``: the pid of a spare already placed and checked, for the agent to run the
+        command in at once (no GO: ``place`` is not called for it); if it has died, the agent
+        forks as usual and ``place`` gets the new pid."""
         ident = self.new_id()
-        proc = AgentProcess(self, ident, request, on_output, place, kill, finish)
+        proc = AgentProcess(self, ident, request, on_output, place, kill, finish, spare)
         self._execs[ident] = proc
         uid = self.user_ids.get(request.user) if request.user is not None else None
         parts = ["" if uid is None else str(uid), request.cwd, str(len(request.argv)), *request.argv,
@@ -336,11 +340,15 @@ class AgentChannel:
         elif spare is not None:
             kind = T_EXEC_SPARE
             payload = struct.pack("<I", spare) + payload
+        frame = HEADER.pack(kind, ident, len(payload)) + payload
+        if request.stdin_closed:
+            frame += HEADER.pack(T_STDIN_EOF, ident, 0)  # with it: the agent reads both in one wake-up
         try:
-            self.send(kind, ident, payload)
+            self._write(frame)
         except BaseException:
             self._execs.pop(ident, None)
             raise
+        proc._eof_sent = request.stdin_closed
         return proc
 
 
@@ -354,8 +362,13 @@ class AgentProcess(Process):
         place: Callable[[int], bool | None],
         kill: Callable[[], None],
         finish: Callable[[AgentProcess], None] | None = None,
+        spare: int | None = None,
     ) -> None:
         self._channel = channel
+        #: the placed spare the command was sent to: the agent lets it go without a GO
+        self._spare = spare
+        #: stdin's end of file went to the agent (with the command, or by close_stdin)
+        self._eof_sent = False
         self._finish = finish
         self._finished = threading.Lock()
         self._result: ExecResult | None = None
@@ -384,6 +397,9 @@ class AgentProcess(Process):
 
     # reader-thread callbacks
     def _started(self, nspid: int) -> None:
+        if nspid == self._spare:
+            self.pid = nspid  # placed and checked before it was sent; the agent let it go
+            return
         reason = "its process is gone"
         try:
             # None means "nothing to place" (a tier whose kill tree lives elsewhere)
@@ -434,7 +450,9 @@ class AgentProcess(Process):
             self._channel.send(T_STDIN, self._id, data[offset : offset + (1 << 20)])
 
     def close_stdin(self) -> None:
-        self._channel.send(T_STDIN_EOF, self._id)
+        if not self._eof_sent:
+            self._eof_sent = True
+            self._channel.send(T_STDIN_EOF, self._id)
 
     def send_signal(self, signum: int) -> None:
         self._requested_signals.add(signum)

@@ -44,7 +44,7 @@ from ..linux.agent_build import agent_binary
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .launcher import LAUNCHER
-from .spares import PLACER
+from .spares import PLACER, SETTLE
 
 START_TIMEOUT = 10.0
 
@@ -192,7 +192,7 @@ class ProcessSandbox(LinuxSandbox):
         (from_agent_r, to_agent_w), self._agent_pipes = self._agent_pipes, None
         self._channel = AgentChannel(from_agent_r, to_agent_w)
         self._channel.user_ids = USER_IDS
-        self._channel.on_spare = lambda nspid: PLACER.schedule(lambda: self._place_spare(nspid))
+        self._channel.on_spare = self._spare_forked
         self._channel.wait_ready(START_TIMEOUT)
         for pid in descendants(self._proc.pid):  # bwrap itself was joined just above
             self.cgroup.contain(pid, leaf)
@@ -229,6 +229,22 @@ class ProcessSandbox(LinuxSandbox):
                 return found
         return None
 
+    def _spare_host_pid(self, nspid: int) -> int | None:
+        """The host pid of the spare ``nspid`` if it is alive and still a spare (the name guards
+        against a reused pid: only a live spare may be moved).  It is the agent's newest child
+        as a rule (the agent is single-threaded: its main thread's list has them all), so one
+        list and one status read find it; else the search of :meth:`_host_pid`."""
+        agent = self._agent_host_pid()
+        listing = _read_proc(f"/proc/{agent}/task/{agent}/children")
+        for pid in reversed((listing or b"").split()):
+            status = _read_proc(f"/proc/{int(pid)}/status")
+            if status is not None and int(_status_field(status, b"NSpid:").split()[-1]) == nspid:
+                return int(pid) if _status_field(status, b"Name:").strip() == b"corral-spare" else None
+        host_pid = self._host_pid(nspid)
+        if host_pid is None or _read_proc(f"/proc/{host_pid}/comm") != b"corral-spare\n":
+            return None
+        return host_pid
+
     def _new_leaf(self, cgroup: cgroups.SandboxCgroup) -> Path:
         """A fresh kill-tree leaf, owned by the command (or spare) it is made for.  It joins
         ``_leaves`` (the ones to remove once empty) only when that command has finished: an
@@ -237,13 +253,19 @@ class ProcessSandbox(LinuxSandbox):
             self._exec_count += 1
             return cgroup.leaf(f"e{self._exec_count}")
 
+    def _spare_forked(self, nspid: int) -> None:
+        """The agent announced a new spare (on the reader thread).  The first one, forked as the
+        sandbox starts, is placed once the sandbox has been idle a while (``SETTLE``): a sandbox
+        destroyed after one command is not worth the move.  Every later one is forked as the
+        previous spare's command starts, and placed at once, while that command runs."""
+        PLACER.schedule(lambda: self._place_spare(nspid), 0.0 if self._exec_count else SETTLE)
+
     def _place_spare(self, nspid: int) -> None:
         """Move the agent's spare into a leaf of its own (on the placer thread, see .spares)."""
         if self._closed or self.cgroup is None:
             return
-        host_pid = self._host_pid(nspid)
-        # the name guards against a reused pid: only a live spare may be moved
-        if host_pid is None or Path(f"/proc/{host_pid}/comm").read_text().strip() != "corral-spare":
+        host_pid = self._spare_host_pid(nspid)
+        if host_pid is None:
             return
         leaf = self._new_leaf(self.cgroup)
         try:
@@ -256,6 +278,7 @@ class ProcessSandbox(LinuxSandbox):
                 self._leaves.append(self._spare[2])  # a spare that died unused: its leaf is done with
             self._spare = (nspid, host_pid, leaf)
             self.spare_placed.set()
+        self._retire_leaf(None)  # the leaves of commands run in earlier spares (see start's finish)
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
@@ -266,15 +289,21 @@ class ProcessSandbox(LinuxSandbox):
             if self._spare is not None and request.pty is None:
                 (spare, spare_host_pid, leaf), self._spare = self._spare, None
                 self.spare_placed.clear()
-        if spare is None:
+        if spare is not None:
+            # placed ahead of time: check it is still so (a read; a move only if it is not), now,
+            # for the agent lets it run the command as soon as it gets it, with no GO to wait for
+            try:
+                cgroup.contain(spare_host_pid, leaf)
+            except ProcessLookupError:
+                spare = None  # it died: the agent forks the command, placed in this leaf below
+            except BaseException:
+                self._retire_leaf(leaf)
+                raise
+        else:
             leaf = self._new_leaf(cgroup)
         oom_before = cgroup.oom_kills()
 
         def place(nspid: int) -> bool:
-            if nspid == spare:
-                # placed while the sandbox was idle: check it is still so (a read, no move)
-                cgroup.contain(spare_host_pid, leaf)
-                return True
             host_pid = self._host_pid(nspid)
             if host_pid is None:
                 return False
@@ -285,19 +314,26 @@ class ProcessSandbox(LinuxSandbox):
             proc.oom_killed = cgroup.oom_kills() > oom_before
             if proc.oom_killed:
                 cgroup.kill_leaf(leaf)  # v1 kills only the biggest task; finish the job
-            self._retire_leaf(leaf)
+            # a command run in a spare made the agent fork the next one, whose placement (on the
+            # placer thread) removes this leaf, off the command's path; else it goes now
+            self._retire_leaf(leaf, remove=spare is None)
             if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
                 self.workspace.sync_back()
 
         return channel.start(request, on_output, place, lambda: cgroup.kill_leaf(leaf), finish, spare)
 
-    def _retire_leaf(self, leaf: Path) -> None:
+    def _retire_leaf(self, leaf: Path | None, remove: bool = True) -> None:
         """``leaf``'s command is over: remove it, and every earlier finished leaf, once empty
-        (background processes keep a leaf until they end or the sandbox is destroyed)."""
-        assert self.cgroup is not None
+        (background processes keep a leaf until they end or the sandbox is destroyed).  With
+        ``remove`` False it only joins the finished ones, for the next removal (or destroy)."""
+        cgroup = self.cgroup
+        if cgroup is None:
+            return
         with self._lock:
-            self._leaves.append(leaf)
-            self._leaves = [old for old in self._leaves if not self.cgroup.remove_leaf(old)]
+            if leaf is not None:
+                self._leaves.append(leaf)
+            if remove:
+                self._leaves = [old for old in self._leaves if not cgroup.remove_leaf(old)]
 
     # -- lifecycle ---------------------------------------------------------
     def reap_record(self) -> dict[str, Any]:
@@ -328,11 +364,31 @@ def _with_nspid(pids: list[int], nspid: int, parent: int | None = None) -> int |
     """The host pid among ``pids`` whose innermost namespace pid is ``nspid`` (and whose
     parent is ``parent``, when given: an nspid is only unique within one pid namespace)."""
     for pid in pids:
-        try:
-            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                          if line.startswith(("NSpid:", "PPid:")))
-        except (FileNotFoundError, ProcessLookupError):
+        text = _read_proc(f"/proc/{pid}/status")
+        if text is None:
             continue
-        if int(fields["NSpid"].split()[-1]) == nspid and (parent is None or int(fields["PPid"]) == parent):
+        if int(_status_field(text, b"NSpid:").split()[-1]) == nspid and (
+                parent is None or int(_status_field(text, b"PPid:")) == parent):
             return pid
     return None
+
+
+def _read_proc(path: str) -> bytes | None:
+    """A small /proc file's bytes (one read), None when its process is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        return os.read(fd, 16384)
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _status_field(status: bytes, key: bytes) -> bytes:
+    """One field's value in the text of ``/proc/PID/status``."""
+    at = (0 if status.startswith(key) else status.index(b"\n" + key) + 1) + len(key)
+    end = status.find(b"\n", at)
+    return status[at : end if end >= 0 else len(status)]
