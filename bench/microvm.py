@@ -18,8 +18,10 @@ shared, and counts are small on purpose.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -164,7 +166,9 @@ def main() -> None:
     parser.add_argument("--open", type=int, default=0, dest="opens",
                         help="also N cold creates with network='open' (needs IPv4 forwarding on)")
     args = parser.parse_args()
-    os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
+    if "CORRAL_STATE_DIR" not in os.environ:  # a private one, removed at exit
+        os.environ["CORRAL_STATE_DIR"] = tempfile.mkdtemp(prefix="corral-bench-")
+        atexit.register(shutil.rmtree, os.environ["CORRAL_STATE_DIR"], True)
 
     # warm the template cache (first use on a machine boots and saves it)
     sb, inner = create()

@@ -30,8 +30,10 @@ round trip's host CPU (every thread of this process) per command.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,7 +94,9 @@ def main() -> int:
     parser.add_argument("--allow-iterations", type=int, default=50)
     parser.add_argument("--exec-only", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-bench-"))
+    if "CORRAL_STATE_DIR" not in os.environ:  # a private one, removed at exit
+        os.environ["CORRAL_STATE_DIR"] = tempfile.mkdtemp(prefix="corral-bench-")
+        atexit.register(shutil.rmtree, os.environ["CORRAL_STATE_DIR"], True)
     if args.exec_only:
         return exec_only(args.iterations)
 
