@@ -106,3 +106,29 @@ def test_back_to_back_commands_each_find_a_spare_placed_while_the_previous_one_r
     # and so on: every command of a quick series runs in its own fresh leaf
     leaves = [own_cgroup(sandbox) for _ in range(5)]
     assert len(set(leaves)) == 5
+
+
+def test_a_spares_host_pid_taken_by_a_host_process_is_never_moved_into_the_sandbox(sandbox: Sandbox) -> None:
+    """A spare that died leaves its host pid free, and a sandbox can churn pids until a host
+    process gets it: that process must not be moved into the sandbox's tree (whose destroy kills
+    everything in it).  The host process here stands for the reused pid."""
+    import subprocess
+
+    placed(sandbox)
+    inner = sandbox._inner
+    assert isinstance(inner, ProcessSandbox)
+    host = subprocess.Popen(["sleep", "60"])
+    try:
+        cgroup_before = Path(f"/proc/{host.pid}/cgroup").read_text()
+        with inner._lock:
+            assert inner._spare is not None
+            nspid, _, leaf = inner._spare
+            inner._spare = (nspid, host.pid, leaf)  # the spare's number, now a host process's
+        result = sandbox.commands.run("echo ran")
+        assert result.exit_code == 0 and result.stdout == "ran\n"
+        assert Path(f"/proc/{host.pid}/cgroup").read_text() == cgroup_before
+        assert host.poll() is None
+    finally:
+        host.kill()
+        host.wait()
+    assert sandbox.commands.run("echo still").stdout == "still\n"

@@ -293,6 +293,10 @@ class ProcessSandbox(LinuxSandbox):
             # placed ahead of time: check it is still so (a read; a move only if it is not), now,
             # for the agent lets it run the command as soon as it gets it, with no GO to wait for
             try:
+                if not _is_spare(spare_host_pid, spare):
+                    # gone, and its host pid maybe another process's by now (a sandbox can churn
+                    # pids): never move that one into the sandbox's tree (destroy would kill it)
+                    raise ProcessLookupError(spare_host_pid)
                 cgroup.contain(spare_host_pid, leaf)
             except ProcessLookupError:
                 spare = None  # it died: the agent forks the command, placed in this leaf below
@@ -371,6 +375,16 @@ def _with_nspid(pids: list[int], nspid: int, parent: int | None = None) -> int |
                 parent is None or int(_status_field(text, b"PPid:")) == parent):
             return pid
     return None
+
+
+def _is_spare(host_pid: int, nspid: int) -> bool:
+    """Whether host pid ``host_pid`` is still a sandbox's spare ``nspid`` (its name, and its pid in
+    the sandbox's namespace: a host process that reused the number has neither)."""
+    status = _read_proc(f"/proc/{host_pid}/status")
+    if status is None or _status_field(status, b"Name:").strip() != b"corral-spare":
+        return False
+    nspids = _status_field(status, b"NSpid:").split()
+    return len(nspids) > 1 and int(nspids[-1]) == nspid
 
 
 def _read_proc(path: str) -> bytes | None:
