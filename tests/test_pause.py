@@ -115,10 +115,14 @@ def test_a_tier_that_cannot_pause_says_so(state_dir: Path) -> None:
         assert sb.commands.run(["python", "-c", "print(1)"]).stdout == "1\n"
 
 
-def test_many_pause_resume_cycles_lose_no_output() -> None:
-    # the 300th command after pauses behaves as the first: output complete, exit codes right
-    with Sandbox.create() as sb:
-        for round_ in range(30):
+@pytest.mark.parametrize("tier", ["process", "microvm"])
+def test_many_pause_resume_cycles_lose_no_output(tier: str, state_dir: Path) -> None:
+    # the 300th command after pauses behaves as the first: output complete, exit codes right;
+    # each pause lands as its command starts
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    with Sandbox.create(tier=tier) as sb:
+        for round_ in range(30 if tier == "process" else 12):
             handle = sb.commands.start(f"for i in 1 2 3; do echo {round_}-$i; sleep 0.01; done; exit {round_ % 5}",
                                        timeout=30)
             sb.pause()
@@ -170,3 +174,25 @@ def test_the_remote_sdk_pauses_and_resumes(server: ServerProcess) -> None:
         assert sb.commands.run("echo back").stdout == "back\n"
         with httpx.Client(base_url=server.url) as anonymous:
             assert anonymous.post(f"/v1/sandboxes/{sb.id}/pause").status_code == 401
+
+
+@pytest.mark.parametrize("tier", ["process", "microvm"])
+def test_a_pause_landing_as_a_command_starts_does_not_refuse_it(tier: str, state_dir: Path) -> None:
+    """pause() starts its clock, then freezes: a command whose "started" arrives in between is
+    placed and runs.  The microVM placed it through a call that refused a paused sandbox, and
+    killed it as not contained (seen once in bench/snapshot.py at load 9.5).  The window is
+    held open here by taking pause()'s first step alone."""
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    with Sandbox.create(tier=tier) as sb:
+        channel = sb._tier_sandbox()._channel  # type: ignore[attr-defined]
+        handle = sb.commands.start("echo placed", timeout=30)
+        channel.pause_clock.pause()
+        try:
+            deadline = time.monotonic() + 20
+            while handle.pid is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+        finally:
+            channel.pause_clock.resume()
+        result = handle.wait()
+        assert result.exit_code == 0 and result.stdout == "placed\n", result

@@ -467,8 +467,10 @@ class MicroVMSandbox(LinuxSandbox):
             # runs on the reader thread before the agent lets the command exec;
             # no leaf (an error here) refuses the command, as a failed make_dir did
             made(0)
-            self._fire(T_FWRITE | T_AS_AGENT, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.procs".encode() + b"\0"
-                       + str(nspid).encode())
+            # the channel itself, not _fire: a pause landing as the command starts must not refuse
+            # its placement (the frame waits in the socket until the VM runs again)
+            channel.send(T_FWRITE | T_AS_AGENT, channel.new_id(), struct.pack("<II", 0o644, 0)
+                         + f"{leaf}/cgroup.procs".encode() + b"\0" + str(nspid).encode())
 
         def kill() -> None:
             try:
