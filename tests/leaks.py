@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,28 @@ def processes_naming(text: str) -> list[int]:
         if text in cmdline and state != "Z":
             found.append(int(pid))
     return found
+
+
+def start_owner(body: str, sleep: int = 300) -> tuple[subprocess.Popen[str], list[str]]:
+    """A process that owns sandboxes as an application does, for a test to kill -9: it runs
+    ``body`` (Python, with ``Sandbox`` imported, that makes them and prints their ids on one line,
+    flushed), then sleeps ``sleep`` s.  Returns it and the ids it printed."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", f"import time\nfrom corral import Sandbox\n{body}\ntime.sleep({sleep})\n"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+    )
+    assert owner.stdout is not None
+    try:
+        return owner, owner.stdout.readline().split()
+    except BaseException:
+        kill_9(owner)
+        raise
+
+
+def kill_9(owner: subprocess.Popen[str]) -> None:
+    """SIGKILL ``owner`` and reap it: none of its cleanup code runs."""
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
 
 
 def run_gc(sandbox_id: str, timeout: float = 120) -> str:

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +23,8 @@ from corral.host import uids as host_uids
 from corral.tiers.gvisor import GVisorTier
 from corral.tiers.gvisor.platform import PLATFORM_ENV, choose_platform, runsc_binary
 
+from .leaks import kill_9, run_gc, sandbox_leftovers, start_owner
 from .leaks import processes_naming as _processes_naming
-from .leaks import run_gc, sandbox_leftovers
 from .tier_probe import skip_unless_tier
 
 
@@ -242,25 +241,15 @@ def test_teardown_leaves_no_runsc_state(state_dir: Path) -> None:
 @pytest.mark.parametrize("network", ["none", "allow"])
 def test_owner_killed_then_gc_leaves_nothing(state_dir: Path, network: str) -> None:
     # allow: the proxy's socket and egress dir are in the run dir, the proxy a thread of the owner
-    owner = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys, time\n"
-            "from corral import Sandbox\n"
-            f"sb = Sandbox.create(tier='gvisor', network={network!r})\n"
-            "sb.commands.run(['sh', '-c', 'sleep 600 &'])\n"
-            "print(sb.id, flush=True)\n"
-            "time.sleep(600)\n"
-        )],
-        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
-    )
+    owner, ids = start_owner(f"sb = Sandbox.create(tier='gvisor', network={network!r})\n"
+                             "sb.commands.run(['sh', '-c', 'sleep 600 &'])\n"
+                             "print(sb.id, flush=True)", sleep=600)
     try:
-        assert owner.stdout is not None
-        sandbox_id = owner.stdout.readline().strip()
+        (sandbox_id,) = ids
         assert sandbox_id.startswith("sb-"), sandbox_id
         assert _processes_naming(sandbox_id)
     finally:
-        owner.kill()  # SIGKILL: no cleanup code of the owner runs
-        owner.wait()
+        kill_9(owner)
     run_gc(sandbox_id)
     assert sandbox_leftovers(sandbox_id, state_dir) == []
     assert _processes_naming(sandbox_id) == []

@@ -18,7 +18,7 @@ import pytest
 
 from corral import AsyncSandbox, Sandbox, SandboxClosed, run
 
-from .leaks import all_leftovers, sandbox_leftovers
+from .leaks import all_leftovers, kill_9, sandbox_leftovers, start_owner
 
 
 def test_state_is_kept_between_execs(sandbox: Sandbox) -> None:
@@ -51,21 +51,11 @@ def test_two_hundred_cycles_leave_nothing(state_dir: Path) -> None:
 
 
 def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path) -> None:
-    owner = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\n"
-         "from corral import Sandbox\n"
-         "a = Sandbox.create(); b = Sandbox.create()\n"
-         "a.commands.run('nohup sleep 300 >/dev/null 2>&1 &')\n"
-         "print(a.id, b.id, flush=True)\n"
-         "time.sleep(300)\n"],
-        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
-    )
-    assert owner.stdout is not None
-    ids = owner.stdout.readline().split()
+    owner, ids = start_owner("a = Sandbox.create(); b = Sandbox.create()\n"
+                             "a.commands.run('nohup sleep 300 >/dev/null 2>&1 &')\n"
+                             "print(a.id, b.id, flush=True)")
+    kill_9(owner)
     assert len(ids) == 2
-    owner.send_signal(signal.SIGKILL)
-    owner.wait()
     out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for sandbox_id in ids:

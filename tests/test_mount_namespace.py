@@ -7,15 +7,12 @@ sandbox's mounts in the host's table, each create would cost more per live sandb
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from corral import Sandbox
 from corral.host import mounts
 
-from .leaks import run_gc, sandbox_leftovers
+from .leaks import kill_9, run_gc, sandbox_leftovers, start_owner
 
 
 def _host_mounts_under(path: Path) -> list[Path]:
@@ -67,24 +64,13 @@ def _pids_of(sandbox_id: str) -> list[int]:
 
 
 def test_no_mount_survives_kill_9_of_the_owner_and_gc(state_dir: Path) -> None:
-    owner = subprocess.Popen(
-        [sys.executable, "-c",
-         "import time\n"
-         "from corral import Sandbox\n"
-         "a = Sandbox.create()\n"
-         "print(a.id, flush=True)\n"
-         "time.sleep(300)\n"],
-        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
-    )
-    assert owner.stdout is not None
+    owner, (sandbox_id,) = start_owner("a = Sandbox.create()\nprint(a.id, flush=True)")
     try:
-        sandbox_id = owner.stdout.readline().strip()
         run_dir = state_dir / "sandboxes" / sandbox_id
         assert str(run_dir / "root") in mounts.mounted_anywhere(run_dir)
         assert _host_mounts_under(run_dir) == []
     finally:
-        owner.send_signal(signal.SIGKILL)
-        owner.wait()
+        kill_9(owner)
     run_gc(sandbox_id)
     assert mounts.mounted_anywhere(run_dir) == []
     assert sandbox_leftovers(sandbox_id, state_dir) == []

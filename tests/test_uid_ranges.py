@@ -4,7 +4,6 @@ reserved for Corral, never a host user's, a subordinate range's or another live 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from corral import Sandbox
 from corral.errors import InvalidSpec
 from corral.host import uids
 
-from .leaks import ranges_of
+from .leaks import kill_9, ranges_of, run_gc, start_owner
 
 
 def _host_ids(sb: Sandbox) -> set[int]:
@@ -99,21 +98,13 @@ def test_live_sandboxes_have_disjoint_ranges_and_run_inside_their_own(state_dir:
 
 
 def test_gc_frees_the_range_of_a_killed_owner(state_dir: Path) -> None:
-    owner = subprocess.Popen(
-        [sys.executable, "-c",
-         "import time\nfrom corral import Sandbox\nsb = Sandbox.create()\nprint(sb.id, flush=True)\ntime.sleep(300)\n"],
-        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
-    )
-    assert owner.stdout is not None
-    sandbox_id = owner.stdout.readline().strip()
+    owner, (sandbox_id,) = start_owner("sb = Sandbox.create()\nprint(sb.id, flush=True)")
     try:
         (base,) = ranges_of(sandbox_id, state_dir)
         assert (uids.CLAIMS / str(base)).exists()
     finally:
-        owner.send_signal(signal.SIGKILL)
-        owner.wait()
-    out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and sandbox_id in out.stdout, out.stderr
+        kill_9(owner)
+    run_gc(sandbox_id, timeout=60)
     assert ranges_of(sandbox_id, state_dir) == [] and not (uids.CLAIMS / str(base)).exists()
 
 

@@ -10,9 +10,6 @@ Cost: 16 tests (10 process and 6 gVisor sandboxes), ~5 s on a loaded 2-core mach
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +18,7 @@ import pytest
 
 from corral import Sandbox
 
-from .leaks import sandbox_disk, sandbox_leftovers
+from .leaks import kill_9, run_gc, sandbox_disk, sandbox_leftovers, start_owner
 from .tier_probe import skip_unless_tier
 
 OWNER = (4321, 4322)
@@ -234,22 +231,12 @@ def test_a_workspace_that_cannot_be_idmapped_is_copied_as_before(tmp_path: Path)
 def test_a_killed_owners_workspace_overlay_is_reaped_and_the_host_directory_kept(tmp_path: Path,
                                                                                  state_dir: Path) -> None:
     ws = owned_workspace(tmp_path)
-    owner = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\n"
-         "from corral import Sandbox\n"
-         f"sb = Sandbox.create(workspace={str(ws)!r})\n"
-         "sb.commands.run('echo changed > /workspace/edit.txt; echo lost > /workspace/keep.txt.swp')\n"
-         "print(sb.id, flush=True)\n"
-         "time.sleep(300)\n"],
-        stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
-    )
-    assert owner.stdout is not None
-    sandbox_id = owner.stdout.readline().strip()
-    owner.send_signal(signal.SIGKILL)
-    owner.wait()
-    out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and sandbox_id in out.stdout, out.stderr
+    owner, (sandbox_id,) = start_owner(
+        f"sb = Sandbox.create(workspace={str(ws)!r})\n"
+        "sb.commands.run('echo changed > /workspace/edit.txt; echo lost > /workspace/keep.txt.swp')\n"
+        "print(sb.id, flush=True)")
+    kill_9(owner)
+    run_gc(sandbox_id, timeout=60)
     deadline = time.monotonic() + 5
     while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
         time.sleep(0.1)
