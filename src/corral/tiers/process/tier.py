@@ -237,13 +237,10 @@ class ProcessSandbox(LinuxSandbox):
         agent = self._agent_host_pid()
         listing = _read_proc(f"/proc/{agent}/task/{agent}/children")
         for pid in reversed((listing or b"").split()):
-            status = _read_proc(f"/proc/{int(pid)}/status")
-            if status is not None and int(_status_field(status, b"NSpid:").split()[-1]) == nspid:
-                return int(pid) if _status_field(status, b"Name:").strip() == b"corral-spare" else None
+            if _is_spare(int(pid), nspid):
+                return int(pid)
         host_pid = self._host_pid(nspid)
-        if host_pid is None or _read_proc(f"/proc/{host_pid}/comm") != b"corral-spare\n":
-            return None
-        return host_pid
+        return host_pid if host_pid is not None and _is_spare(host_pid, nspid) else None
 
     def _new_leaf(self, cgroup: cgroups.SandboxCgroup) -> Path:
         """A fresh kill-tree leaf, owned by the command (or spare) it is made for.  It joins
