@@ -9,9 +9,11 @@ and bad state transitions are typed errors (409 over REST).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -82,6 +84,29 @@ def test_a_paused_sandbox_does_not_advance_and_its_timeouts_wait(tier: str, stat
         wait_for_ticks(sb, after_resume + 3)  # and it runs on
         counter.kill()
         counter.wait()
+
+
+def test_a_paused_sandbox_does_not_time_out_a_code_cell() -> None:
+    # run_code's timeout counts only time the sandbox could run, as a command's does
+    with Sandbox.create() as sb:
+        sb.run_code("import time")
+        started = threading.Event()
+        outcome: list[Any] = []
+
+        def cell() -> None:
+            outcome.append(sb.run_code("print('begun', flush=True)\ntime.sleep(1.0)\nprint('woke')", timeout=2,
+                                       on_stdout=lambda text: started.set()))
+
+        runner = threading.Thread(target=cell)
+        runner.start()
+        assert started.wait(30), "the cell never began"
+        sb.pause()
+        time.sleep(2.5)  # longer than the cell's whole timeout
+        sb.resume()
+        runner.join(30)
+        execution = outcome[0]
+        assert not execution.timed_out and execution.error is None, execution
+        assert "".join(execution.logs.stdout) == "begun\nwoke\n"
 
 
 def test_pause_states_are_typed_errors_and_a_paused_sandbox_is_destroyed_whole() -> None:

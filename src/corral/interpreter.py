@@ -25,6 +25,7 @@ import functools
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -354,12 +355,18 @@ class CodeInterpreter:
         return self._handle is not None and self._handle.done
 
     def _wait(self, cell: _Cell, seconds: float) -> str:
-        """``"done"``, ``"timeout"``, or ``"dead"`` when the kernel process ended without finishing the cell."""
+        """``"done"``, ``"timeout"``, or ``"dead"`` when the kernel process ended without finishing the cell.
+
+        Only time the sandbox could run counts, as for a command's timeout: a step that began or
+        ended with the sandbox paused is not counted (the kernel was frozen for some of it)."""
         step, waited = 0.02, 0.0
         while waited < seconds:
+            paused_before = self._sandbox.paused
+            began = time.monotonic()
             if cell.done.wait(min(step, seconds - waited)):
                 return "done"
-            waited += step
+            if not (paused_before or self._sandbox.paused):
+                waited += time.monotonic() - began
             step = min(step * 2, 0.25)
             if self._kernel_over():
                 return "done" if cell.done.wait(0.2) else "dead"
