@@ -7,6 +7,12 @@ directory is written only here.  Both sides are walked one component at a
 time with ``O_NOFOLLOW`` directory descriptors, so a symlink the sandbox
 plants (even while a sync runs) can neither make us read a host file into the
 workspace nor write outside it.
+
+What a sync writes to the host is bounded by what the sandbox's disk holds: only a file's
+data extents are copied (a hole, which costs the sandbox nothing, stays a hole), and the
+names of one file (hard links) become names of one host file, not one copy each.  Without
+that a sandbox with a 64 MiB disk wrote 4 GiB into the host directory with ``truncate -s
+2G f; ln f g`` (``test_workspace_write_back_is_bounded_by_the_sandboxs_disk``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from ..errors import ResourceLimit
 # (kind, size, ctime_ns, mode, inode): the change time, which no one can set back
 Entry = tuple[str, int, int, int, int]
 Manifest = dict[str, Entry]
+#: within one sync, a source file with more than one name, by (st_dev, st_ino): the path of the
+#: destination file its first name was copied to, and that file's inode
+Links = dict[tuple[int, int], tuple[str, int]]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -129,9 +138,54 @@ def link_stays_inside(rel: str, target: str) -> bool:
     return resolved != ".." and not resolved.startswith("../")
 
 
+def _copy_data(src: int, dst: int, size: int) -> None:
+    """Copy the first ``size`` bytes of ``src`` to the empty ``dst``, data extents only: a hole
+    stays a hole (the file systems that cannot tell report the whole file as data)."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(src, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                break  # only a hole is left
+            raise
+        end = min(os.lseek(src, start, os.SEEK_HOLE), size)
+        os.lseek(dst, start, os.SEEK_SET)
+        while start < end:
+            sent = os.sendfile(dst, src, start, min(end - start, 1 << 30))
+            if sent == 0:
+                return  # the file shrank meanwhile: the next sync sees its new size
+            start += sent
+        offset = end
+    os.ftruncate(dst, size)
+
+
+def _link_to_copied(dst_root: int, dst_dir: int, tmp: str, earlier: tuple[str, int], uid: int, gid: int) -> bool:
+    """Make ``tmp`` in ``dst_dir`` another name of the file this sync copied to ``earlier``'s path,
+    if that path still names the file copied there; False if it does not (copy it anew)."""
+    *dirs, name = earlier[0].split("/")
+    try:
+        fd = _open_dir_beneath(dst_root, dirs, create=False, uid=uid, gid=gid)
+    except OSError:
+        return False
+    try:
+        if os.stat(name, dir_fd=fd, follow_symlinks=False).st_ino != earlier[1]:
+            return False
+        os.link(name, tmp, src_dir_fd=fd, dst_dir_fd=dst_dir, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _copy_entry(
-    src_root: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int, inside_links_only: bool
+    src_root: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int, inside_links_only: bool,
+    links: Links | None = None,
 ) -> None:
+    """Copy one entry (a directory, a symlink or a regular file) from ``src_root`` to ``dst_root``.
+    ``links``: the sync's map of multiply-linked files, so that every name of one source file
+    names one destination file."""
     *dirs, name = rel.split("/")
     src_dir = _open_dir_beneath(src_root, dirs, create=False, uid=uid, gid=gid)
     try:
@@ -150,16 +204,22 @@ def _copy_entry(
             else:
                 src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=src_dir)
                 try:
-                    if not stat.S_ISREG(os.fstat(src).st_mode):
+                    st = os.fstat(src)
+                    if not stat.S_ISREG(st.st_mode):
                         return
-                    dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
-                    try:
-                        while chunk := os.read(src, 1 << 20):
-                            os.write(dst, chunk)
-                        os.fchown(dst, uid, gid)
-                        os.fchmod(dst, mode & 0o777)
-                    finally:
-                        os.close(dst)
+                    key = (st.st_dev, st.st_ino)
+                    earlier = links.get(key) if links is not None and st.st_nlink > 1 else None
+                    if earlier is None or not _link_to_copied(dst_root, dst_dir, tmp, earlier, uid, gid):
+                        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600,
+                                      dir_fd=dst_dir)
+                        try:
+                            _copy_data(src, dst, st.st_size)
+                            os.fchown(dst, uid, gid)
+                            os.fchmod(dst, mode & 0o777)
+                            if links is not None and st.st_nlink > 1:
+                                links[key] = (rel, os.fstat(dst).st_ino)
+                        finally:
+                            os.close(dst)
                 finally:
                     os.close(src)
             try:
@@ -227,6 +287,7 @@ def _apply(
 ) -> None:
     src_fd = os.open(src, _DIR_FLAGS)
     dst_fd = os.open(dst, _DIR_FLAGS)
+    links: Links = {}
     try:
         for rel in sorted(set(previous) - set(current), key=lambda r: r.count("/"), reverse=True):
             *dirs, name = rel.split("/")
@@ -245,7 +306,7 @@ def _apply(
             if entry[0] == "o" or previous.get(rel) == entry:
                 continue
             try:
-                _copy_entry(src_fd, dst_fd, rel, entry[0], entry[3], uid, gid, inside_links_only)
+                _copy_entry(src_fd, dst_fd, rel, entry[0], entry[3], uid, gid, inside_links_only, links)
             except FileNotFoundError:
                 continue  # vanished while we copied: the next sync sees it gone
     finally:

@@ -58,6 +58,7 @@ from . import idmap, mounts
 from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
+    Links,
     Manifest,
     WorkspaceCopy,
     _copy_entry,
@@ -184,6 +185,7 @@ class WorkspaceOverlay:
 def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
     src_fd = os.open(upper, _DIR_FLAGS)
     dst_fd = os.open(host, _DIR_FLAGS)
+    links: Links = {}
     try:
         gone = [rel for rel in previous if rel not in current]
         gone += [rel for rel, entry in current.items() if entry[0] == "w" and previous.get(rel) != entry]
@@ -199,7 +201,7 @@ def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: 
                     _delete(dst_fd, rel, uid, gid)  # a link Corral does not plant: the host's entry goes
                     continue
                 _copy_entry(src_fd, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
-                            inside_links_only=True)
+                            inside_links_only=True, links=links)
                 if kind == "D" and previous.get(rel, ("",))[0] != "D":
                     _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
             except OSError as exc:
