@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,19 +46,64 @@ def _kind(mode: int) -> str:
     return "o"
 
 
+#: entries deeper than this many directories, or whose path below the workspace is longer
+#: than ``MAX_PATH`` bytes, are not written back (nor copied in): a walk holds one descriptor
+#: per level, and a sandbox's chain of thousands of directories (free on its tmpfs) made the
+#: write-back raise ``RecursionError`` at every command and could make the host hold
+#: gigabytes of path names
+MAX_DEPTH = 128
+MAX_PATH = 4096
+
+
 def scan(root: Path, upper: bool = False) -> Manifest:
-    """Every entry below ``root`` (not following symlinks).
+    """Every entry below ``root`` (not following symlinks), down to ``MAX_DEPTH`` levels and
+    ``MAX_PATH`` bytes of path.
 
     ``upper``: ``root`` is an overlay's upper layer, whose kinds add ``w`` (a whiteout) and ``D``
     (an opaque directory); a directory that cannot be opened there is left out (it went away
     while the walk ran)."""
     manifest: Manifest = {}
     root_fd = os.open(root, _DIR_FLAGS)
+    # depth first, one open directory per level: (descriptor, its path prefix, what is left of it)
+    stack: list[tuple[int, str, Iterator[os.DirEntry[str]]]] = [(root_fd, "", _entries(root_fd))]
     try:
-        _scan(root_fd, "", manifest, upper)
+        while stack:
+            dir_fd, prefix, entries = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                stack.pop()
+                os.close(dir_fd)
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            rel = f"{prefix}{entry.name}"
+            if len(os.fsencode(rel)) > MAX_PATH:
+                continue
+            kind = "w" if upper and is_whiteout(st) else _kind(st.st_mode)
+            manifest[rel] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
+            if kind != "d" or len(stack) >= MAX_DEPTH:
+                continue
+            try:
+                fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError:
+                if upper:
+                    del manifest[rel]
+                continue
+            if upper and _opaque(fd):
+                manifest[rel] = ("D", *manifest[rel][1:])
+            stack.append((fd, rel + "/", _entries(fd)))
     finally:
-        os.close(root_fd)
+        for dir_fd, _, _ in stack:
+            os.close(dir_fd)
     return manifest
+
+
+def _entries(dir_fd: int) -> Iterator[os.DirEntry[str]]:
+    """The entries of an open directory, read at once (the descriptor stays open for the walk)."""
+    with os.scandir(dir_fd) as it:
+        return iter(list(it))
 
 
 #: the extended attribute overlayfs marks an upper directory with when it hides the lower one
@@ -74,33 +120,6 @@ def _opaque(fd: int) -> bool:
         return os.getxattr(fd, OPAQUE) == b"y"
     except OSError:
         return False
-
-
-def _scan(dir_fd: int, prefix: str, out: Manifest, upper: bool) -> None:
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        rel = f"{prefix}{entry.name}"
-        kind = "w" if upper and is_whiteout(st) else _kind(st.st_mode)
-        out[rel] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
-        if kind != "d":
-            continue
-        try:
-            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-        except OSError:
-            if upper:
-                del out[rel]
-            continue
-        try:
-            if upper and _opaque(fd):
-                out[rel] = ("D", *out[rel][1:])
-            _scan(fd, rel + "/", out, upper)
-        finally:
-            os.close(fd)
 
 
 def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gid: int) -> int:
@@ -234,20 +253,38 @@ def _copy_entry(
 
 
 def _remove_beneath(dir_fd: int, name: str) -> None:
+    """Remove ``name`` in ``dir_fd`` and, if it is a directory, everything below it, never
+    following a symlink; without recursion, as a tree may be deeper than Python's stack."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
-    if stat.S_ISDIR(st.st_mode):
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-        try:
-            for child in os.listdir(fd):
-                _remove_beneath(fd, child)
-        finally:
-            os.close(fd)
-        os.rmdir(name, dir_fd=dir_fd)
-    else:
+    if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dir_fd)
+        return
+    # (a directory's descriptor, its name in its parent's, its entries left): the parent is the one below
+    top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    stack = [(top, name, iter(os.listdir(top)))]
+    try:
+        while stack:
+            fd, _, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                fd, done, _ = stack.pop()
+                os.close(fd)
+                os.rmdir(done, dir_fd=stack[-1][0] if stack else dir_fd)
+                continue
+            try:
+                if stat.S_ISDIR(os.stat(child, dir_fd=fd, follow_symlinks=False).st_mode):
+                    sub = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                    stack.append((sub, child, iter(os.listdir(sub))))
+                else:
+                    os.unlink(child, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
 
 
 @dataclass
