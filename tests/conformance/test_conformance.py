@@ -164,12 +164,13 @@ def test_nothing_persists_between_sandboxes(tier: str, where: dict[str, Any]) ->
 
 
 def test_no_host_files_visible(sb: Sandbox) -> None:
-    canary = Path("/root/corral-canary.txt")
+    # a name of this run's own: parallel suite runs must not remove each other's canary
+    canary = Path(f"/root/corral-canary-{os.getpid()}-{sb.id}.txt")
     canary.write_text("host secret")
     try:
         r = sb.commands.run(py(
             "import os\n"
-            "for p in ['/root/corral-canary.txt', '/etc/shadow']:\n"
+            f"for p in [{str(canary)!r}, '/etc/shadow']:\n"
             "    try:\n"
             "        print(open(p).read())\n"
             "    except OSError as e:\n"
