@@ -58,14 +58,18 @@ from . import idmap, mounts
 from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
+    DirsBeneath,
     Links,
     Manifest,
     WorkspaceCopy,
     _copy_entry,
     _open_dir_beneath,
     _remove_beneath,
+    depth_order,
     is_whiteout,
     link_stays_inside,
+    rel_of,
+    remove_gone,
     scan,
 )
 
@@ -157,10 +161,6 @@ def scan_upper(upper: Path) -> Manifest:
     return scan(upper, upper=True)
 
 
-def _depth(rel: str) -> int:
-    return rel.count("/")
-
-
 class WorkspaceOverlay:
     """A workspace mounted by :func:`mount_workspace`: ``host`` is the user's directory, ``upper``
     the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``."""
@@ -185,57 +185,45 @@ class WorkspaceOverlay:
 def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
     src_fd = os.open(upper, _DIR_FLAGS)
     dst_fd = os.open(host, _DIR_FLAGS)
+    sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
     try:
-        gone = [rel for rel in previous if rel not in current]
-        gone += [rel for rel, entry in current.items() if entry[0] == "w" and previous.get(rel) != entry]
-        for rel in sorted(gone, key=_depth, reverse=True):
-            _delete(dst_fd, rel, uid, gid)
-        for rel in sorted(current, key=_depth):
-            entry = current[rel]
+        gone = [key for key in previous if key not in current]
+        gone += [key for key, entry in current.items() if entry[0] == "w" and previous.get(key) != entry]
+        remove_gone(dst_fd, gone, uid, gid)
+        for key in depth_order(current):
+            entry = current[key]
             kind = entry[0]
-            if kind in ("w", "o") or previous.get(rel) == entry:
+            if kind in ("w", "o") or previous.get(key) == entry:
                 continue
+            rel = rel_of(key)
             try:
-                if kind == "l" and not _link_inside(src_fd, rel, uid, gid):
-                    _delete(dst_fd, rel, uid, gid)  # a link Corral does not plant: the host's entry goes
+                src_dir, dst_dir = sources.open(key[0]), targets.open(key[0])
+                if kind == "l" and not _link_inside(src_dir, rel):
+                    _remove_beneath(dst_dir, key[1])  # a link Corral does not plant: the host's entry goes
                     continue
-                _copy_entry(src_fd, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
+                _copy_entry(src_dir, dst_dir, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
                             inside_links_only=True, links=links)
-                if kind == "D" and previous.get(rel, ("",))[0] != "D":
+                if kind == "D" and previous.get(key, ("",))[0] != "D":
                     _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
             except OSError as exc:
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     raise
+                sources.forget()
+                targets.forget()
                 continue  # changed while we copied (a directory made a link...): the next write-back sees it
     finally:
+        sources.close()
+        targets.close()
         os.close(src_fd)
         os.close(dst_fd)
 
 
-def _link_inside(src_fd: int, rel: str, uid: int, gid: int) -> bool:
-    *dirs, name = rel.split("/")
-    fd = _open_dir_beneath(src_fd, dirs, create=False, uid=uid, gid=gid)
+def _link_inside(src_dir: int, rel: str) -> bool:
     try:
-        return link_stays_inside(rel, os.readlink(name, dir_fd=fd))
+        return link_stays_inside(rel, os.readlink(rel.rsplit("/", 1)[-1], dir_fd=src_dir))
     except OSError:
         return True  # no longer a link: _copy_entry sees what it is now
-    finally:
-        os.close(fd)
-
-
-def _delete(dst_fd: int, rel: str, uid: int, gid: int) -> None:
-    *dirs, name = rel.split("/")
-    try:
-        fd = _open_dir_beneath(dst_fd, dirs, create=False, uid=uid, gid=gid)
-    except OSError:
-        return  # its directory is gone already
-    try:
-        _remove_beneath(fd, name)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int) -> None:
