@@ -21,6 +21,7 @@ from corral import InvalidSpec, InvalidState, ResourceLimit, Sandbox, SnapshotCo
 from corral.images import ImageLayout, host_image, register_resolver
 from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore
+from corral.tiers.linux import fs_snapshot
 
 from .leaks import sandbox_leftovers
 from .server_fixtures import KEYS, ServerProcess
@@ -190,6 +191,28 @@ def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> N
         assert Sandbox.delete_snapshot(made.id)
     # what no snapshot links to any more is gone from the shared contents
     assert all(p.stat().st_nlink > 1 for p in (state_dir / DIRECTORY / "blobs").iterdir())
+
+
+def test_a_snapshot_whose_description_outgrows_its_budget_is_refused_and_leaves_nothing(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # entries are free on a tmpfs: 100,000 empty files 120 directories down made a 389 MB
+    # manifest (and an owner of 1.2 GB); the budget (64 MiB at the default disk) is lowered
+    # here so that a few hundred such files reach it
+    monkeypatch.setattr(fs_snapshot, "manifest_budget", lambda max_bytes: 1 << 20)
+    deep = "import os\nfor _ in range(120):\n    os.mkdir('d' * 30)\n    os.chdir('d' * 30)\n" \
+           "for i in range({n}):\n    open(f'f{{i}}', 'w').close()"
+    with Sandbox.create() as sb:
+        assert sb.commands.run(["python3", "-c", deep.format(n=50)], cwd="/tmp").exit_code == 0
+        small = sb.snapshot()  # ~200 KB of description: allowed
+        assert sb.commands.run(["python3", "-c", deep.format(n=400)], cwd="/home/user").exit_code == 0
+        with pytest.raises(ResourceLimit, match="description"):
+            sb.snapshot()
+        assert not sb.paused and sb.commands.run("echo alive").stdout == "alive\n"
+        assert [s.id for s in Sandbox.list_snapshots()] == [small.id]
+        assert not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+    with Sandbox.create(snapshot=small.id) as child:
+        assert child.commands.run("find /tmp -name 'f*' -type f | wc -l").stdout == "50\n"
+    assert Sandbox.delete_snapshot(small.id)
 
 
 def test_tiers_that_cannot_snapshot_say_why(state_dir: Path) -> None:
