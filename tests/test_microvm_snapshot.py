@@ -113,7 +113,7 @@ def test_snapshot_and_forks_keep_memory_and_processes_with_a_fresh_identity(pare
     taker.join()
     [snap] = taken
     assert (snap.kind, snap.tier) == ("live", "microvm") and snap.size > 0 and snap.written > 0
-    forks = parent.fork(3)  # (its snapshot waits for the first one's memory image to be written)
+    forks = parent.fork(3)  # (straight from the running VM: its stream copied to each of the 3)
     whole = SnapshotStore(state_dir).whole(snap.id)  # returned before its memory image was on disk:
     assert 0 < whole.written <= snap.written and whole.size <= snap.size  # upper bounds until then
     assert "writing" not in json.loads((state_dir / DIRECTORY / snap.id / "meta.json").read_text())
@@ -192,6 +192,50 @@ def test_bad_input_is_a_typed_error_that_starts_nothing(parent: Sandbox, state_d
     removed = subprocess.run([*corral, "snapshot", "rm", snap.id], capture_output=True, text=True, env=env)
     assert (removed.returncode, removed.stdout) == (0, snap.id + "\n")
     assert not (state_dir / DIRECTORY / snap.id).exists()
+
+
+def test_a_fork_loads_the_running_vm_into_memory_of_its_own_and_a_failed_one_leaves_nothing(
+        parent: Sandbox, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import corral.local_transport as local
+
+    made: list[str] = []
+    new_id = local.new_sandbox_id
+    monkeypatch.setattr(local, "new_sandbox_id", lambda: made.append(new_id()) or made[-1])
+    store = state_dir / DIRECTORY
+    stored = sorted(os.listdir(store)) if store.is_dir() else []
+    # 96 MiB the parent wrote (its root is in guest RAM): in no template or snapshot file
+    big = ["python3", "-c", "open('/tmp/vf-big', 'wb').write(b'x' * (96 << 20))"]
+    assert parent.commands.run(big, cwd="/").exit_code == 0
+    [kid] = parent.fork(1)
+    try:
+        qemu = kid._inner.qemu_pid()  # type: ignore[attr-defined]  # the real VM behind the API
+        ram = kid._inner.ram_mb << 20  # type: ignore[attr-defined]
+        spans = [line.split() for line in Path(f"/proc/{qemu}/maps").read_text().splitlines()]
+        [guest] = [f for f in spans if (lambda lo, hi: int(hi, 16) - int(lo, 16))(*f[0].split("-")) == ram]
+        assert guest[4] == "0", guest  # guest RAM is QEMU's own (anonymous), no file's copy-on-write
+        # ... so charged to the fork's own host cgroup: the 96 MiB and the rest of what the guest holds
+        assert kid._inner.cgroup.memory_usage() >= (96 + 64) << 20  # type: ignore[attr-defined]
+        assert kid.commands.run("wc -c < /tmp/vf-big").stdout.strip() == str(96 << 20)
+    finally:
+        kid.kill()
+        parent.commands.run(["rm", "-f", "/tmp/vf-big"])
+    assert (sorted(os.listdir(store)) if store.is_dir() else []) == stored  # nothing stored on the way
+    assert not sandbox_leftovers(kid.id, state_dir)
+
+    # a process working in /workspace keeps it busy: the fork is refused, naming it; the forks
+    # already starting (their QEMUs wait for the stream) are gone, the parent runs on unchanged
+    busy = parent.commands.run(["sleep", "600"], cwd="/workspace", background=True)
+    running = (f'for i in $(seq 200); do [ "$(cat /proc/{busy.pid}/comm)" = sleep ] && exit 0; sleep 0.05; done;'
+               ' exit 1')
+    assert parent.commands.run(running, cwd="/").exit_code == 0
+    made.clear()
+    with pytest.raises(InvalidState, match=r"sleep.*working directory"):
+        parent.fork(2)
+    busy.kill()
+    busy.wait()
+    assert len(made) == 2 and all(not sandbox_leftovers(sandbox_id, state_dir) for sandbox_id in made)
+    assert parent.files.read("/workspace/w.txt") == "parent-file"
+    assert parent.commands.run("echo ok").stdout == "ok\n"
 
 
 def _alive(pid: int) -> bool:
