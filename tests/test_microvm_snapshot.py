@@ -113,7 +113,9 @@ def test_snapshot_and_forks_keep_memory_and_processes_with_a_fresh_identity(pare
     taker.join()
     [snap] = taken
     assert (snap.kind, snap.tier) == ("live", "microvm") and snap.size > 0 and snap.written > 0
-    forks = parent.fork(3)  # (straight from the running VM: its stream copied to each of the 3)
+    # (3 > MicroVMTier.direct_forks: through a snapshot whose memory image the forks share; it
+    # waits for the first snapshot's memory image to be written)
+    forks = parent.fork(3)
     whole = SnapshotStore(state_dir).whole(snap.id)  # returned before its memory image was on disk:
     assert 0 < whole.written <= snap.written and whole.size <= snap.size  # upper bounds until then
     assert "writing" not in json.loads((state_dir / DIRECTORY / snap.id / "meta.json").read_text())
@@ -206,21 +208,23 @@ def test_a_fork_loads_the_running_vm_into_memory_of_its_own_and_a_failed_one_lea
     # 96 MiB the parent wrote (its root is in guest RAM): in no template or snapshot file
     big = ["python3", "-c", "open('/tmp/vf-big', 'wb').write(b'x' * (96 << 20))"]
     assert parent.commands.run(big, cwd="/").exit_code == 0
-    [kid] = parent.fork(1)
+    kids = parent.fork(2)  # (the stream copied to both)
     try:
-        qemu = kid._inner.qemu_pid()  # type: ignore[attr-defined]  # the real VM behind the API
-        ram = kid._inner.ram_mb << 20  # type: ignore[attr-defined]
-        spans = [line.split() for line in Path(f"/proc/{qemu}/maps").read_text().splitlines()]
-        [guest] = [f for f in spans if (lambda lo, hi: int(hi, 16) - int(lo, 16))(*f[0].split("-")) == ram]
-        assert guest[4] == "0", guest  # guest RAM is QEMU's own (anonymous), no file's copy-on-write
-        # ... so charged to the fork's own host cgroup: the 96 MiB and the rest of what the guest holds
-        assert kid._inner.cgroup.memory_usage() >= (96 + 64) << 20  # type: ignore[attr-defined]
-        assert kid.commands.run("wc -c < /tmp/vf-big").stdout.strip() == str(96 << 20)
+        for kid in kids:
+            qemu = kid._inner.qemu_pid()  # type: ignore[attr-defined]  # the real VM behind the API
+            ram = kid._inner.ram_mb << 20  # type: ignore[attr-defined]
+            spans = [line.split() for line in Path(f"/proc/{qemu}/maps").read_text().splitlines()]
+            [guest] = [f for f in spans if (lambda lo, hi: int(hi, 16) - int(lo, 16))(*f[0].split("-")) == ram]
+            assert guest[4] == "0", guest  # guest RAM is QEMU's own (anonymous), no file's copy-on-write
+            # ... so charged to the fork's own host cgroup: the 96 MiB and the rest the guest holds
+            assert kid._inner.cgroup.memory_usage() >= (96 + 64) << 20  # type: ignore[attr-defined]
+            assert kid.commands.run("wc -c < /tmp/vf-big").stdout.strip() == str(96 << 20)
     finally:
-        kid.kill()
+        for kid in kids:
+            kid.kill()
         parent.commands.run(["rm", "-f", "/tmp/vf-big"])
     assert (sorted(os.listdir(store)) if store.is_dir() else []) == stored  # nothing stored on the way
-    assert not sandbox_leftovers(kid.id, state_dir)
+    assert all(not sandbox_leftovers(kid.id, state_dir) for kid in kids)
 
     # a process working in /workspace keeps it busy: the fork is refused, naming it; the forks
     # already starting (their QEMUs wait for the stream) are gone, the parent runs on unchanged

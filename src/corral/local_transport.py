@@ -515,8 +515,8 @@ class LocalTransport(Transport):
         return SnapshotStore(self.root).list()
 
     def fork(self, backend: SandboxBackend, count: int) -> builtins.list[SandboxBackend]:
-        # a tier with live snapshots (microVM) forks straight from the running sandbox: no snapshot
-        if isinstance(backend, LocalBackend) and tier_class(backend.spec.tier).capabilities.snapshot == "live":
+        # a few forks of a microVM straight from the running sandbox: no snapshot (Tier.direct_forks)
+        if isinstance(backend, LocalBackend) and count <= tier_class(backend.spec.tier).direct_forks:
             return list(fork_live(self.root, backend, count))
         return super().fork(backend, count)
 

@@ -3,8 +3,9 @@
 No snapshot is stored and nothing goes to disk or through a converter (live.py): a fork's
 memory is loaded from the stream into QEMU's own anonymous RAM, so it is the fork's alone,
 charged to the fork's own host cgroup and gone with its QEMU -- nothing else to own or reap.
-The price: n forks hold n copies of what the parent's memory holds (a stored snapshot's VMs
-share its RAM file copy-on-write instead: ``snapshot()`` + ``create(snapshot=)``).
+The price: n forks hold n copies of what the parent's memory holds, and the parent stays stopped
+until the slowest has loaded: so only up to ``MicroVMTier.direct_forks`` at once; more forks go
+through a stored snapshot (live.py), whose memory image they share copy-on-write.
 
 1. each fork is started as a new VM is (host cgroup, tmpfs, user namespace, QEMU), its QEMU
    waiting for a migration on its end of a socket pair (:func:`setup_forked`, on a thread per

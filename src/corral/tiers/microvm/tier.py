@@ -91,6 +91,10 @@ class MicroVMTier(Tier):
         root=True,
     )
 
+    #: forks migrated straight into (each holds its own copy of the memory); more go through a
+    #: stored snapshot whose memory image they share copy-on-write (livefork.py)
+    direct_forks = 2
+
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         _check_host()
