@@ -282,14 +282,18 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
 def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_dir: Path) -> None:
     alice, bob = ({"url": "", "api_key": KEYS[who]} for who in ("alice", "bob"))
     # room for one live snapshot (~140 MB of memory image) and not two
-    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "200M"}) as server:
+    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "200M",
+                                                                         "max_sandboxes_per_tenant": 3}) as server:
         alice["url"] = bob["url"] = server.url
         sb = Sandbox.create(tier="microvm", memory="256M", **alice)
         sb.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
         sb.files.write("/workspace/w.txt", "remote-file")
         before = state_of(sb)
-        [kid] = sb.fork(1)  # through the server's fork route: its snapshot is made and removed there
+        [kid] = sb.fork(1)  # through the server's fork route: straight from the VM (Sandbox.fork)
         assert state_of(kid)["value"] == before["value"]
+        with pytest.raises(ResourceLimit, match="live sandboxes"):  # each fork counts: 4 > 3
+            sb.fork(2)
+        assert len([i for i in Sandbox.list(**alice)]) == 2
         kid.kill()
         snap = sb.snapshot()  # a live snapshot is the tenant's, as any other
         assert snap.kind == "live"
@@ -310,6 +314,10 @@ def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_di
             assert state_of(child)["value"] == before["value"]
             with pytest.raises(ResourceLimit):  # counted against the tenant's snapshot quota
                 child.snapshot()
+            # a fork stores no snapshot: the snapshot quota does not hold it back
+            [grandchild] = child.fork(1)
+            assert grandchild.commands.run("echo ok").stdout == "ok\n"
+            grandchild.kill()
         back.kill()
         assert Sandbox.delete_snapshot(snap.id, **alice)
         assert not list((server.state / "parked").iterdir())
