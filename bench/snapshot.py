@@ -215,7 +215,7 @@ def bench_live(tier: str, iterations: int) -> None:
     print(f"{tier:8s} fork(1) -> first command p50 {fork_p50 * 1000:7.1f} ms (target 250 ms: ratio "
           f"{fork_p50 / 0.25:.2f}; load {os.getloadavg()[0]:.2f}); steps p50 (ms since fork() was called; the "
           f"parent's are durations):")
-    names = ("fork_quiesce", "fork_workspace", "fork_stopped", "fork's qemu_up", "fork's files", "fork's identity",
+    names = ("fork_quiesce", "fork_workspace", "fork_children_up", "fork_stopped", "fork's qemu_up", "fork's files", "fork's identity",
              "fork's workspace", "fork() returned", "first command")
     print(f"{tier:8s}   " + ", ".join(f"{name} {statistics.median(s.get(name, 0.0) for s in fork_steps) * 1000:.0f}"
                                       for name in names if any(name in s for s in fork_steps)))
