@@ -113,7 +113,9 @@ def test_snapshot_and_forks_keep_memory_and_processes_with_a_fresh_identity(pare
     taker.join()
     [snap] = taken
     assert (snap.kind, snap.tier) == ("live", "microvm") and snap.size > 0 and snap.written > 0
-    forks = parent.fork(3)  # (its snapshot waits for the first one's memory image to be written)
+    # (3 > MicroVMTier.direct_forks: through a snapshot whose memory image the forks share; it
+    # waits for the first snapshot's memory image to be written)
+    forks = parent.fork(3)
     whole = SnapshotStore(state_dir).whole(snap.id)  # returned before its memory image was on disk:
     assert 0 < whole.written <= snap.written and whole.size <= snap.size  # upper bounds until then
     assert "writing" not in json.loads((state_dir / DIRECTORY / snap.id / "meta.json").read_text())
@@ -194,6 +196,52 @@ def test_bad_input_is_a_typed_error_that_starts_nothing(parent: Sandbox, state_d
     assert not (state_dir / DIRECTORY / snap.id).exists()
 
 
+def test_a_fork_loads_the_running_vm_into_memory_of_its_own_and_a_failed_one_leaves_nothing(
+        parent: Sandbox, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import corral.local_transport as local
+
+    made: list[str] = []
+    new_id = local.new_sandbox_id
+    monkeypatch.setattr(local, "new_sandbox_id", lambda: made.append(new_id()) or made[-1])
+    store = state_dir / DIRECTORY
+    stored = sorted(os.listdir(store)) if store.is_dir() else []
+    # 96 MiB the parent wrote (its root is in guest RAM): in no template or snapshot file
+    big = ["python3", "-c", "open('/tmp/vf-big', 'wb').write(b'x' * (96 << 20))"]
+    assert parent.commands.run(big, cwd="/").exit_code == 0
+    kids = parent.fork(2)  # (the stream copied to both)
+    try:
+        for kid in kids:
+            qemu = kid._inner.qemu_pid()  # type: ignore[attr-defined]  # the real VM behind the API
+            ram = kid._inner.ram_mb << 20  # type: ignore[attr-defined]
+            spans = [line.split() for line in Path(f"/proc/{qemu}/maps").read_text().splitlines()]
+            [guest] = [f for f in spans if (lambda lo, hi: int(hi, 16) - int(lo, 16))(*f[0].split("-")) == ram]
+            assert guest[4] == "0", guest  # guest RAM is QEMU's own (anonymous), no file's copy-on-write
+            # ... so charged to the fork's own host cgroup: the 96 MiB and the rest the guest holds
+            assert kid._inner.cgroup.memory_usage() >= (96 + 64) << 20  # type: ignore[attr-defined]
+            assert kid.commands.run("wc -c < /tmp/vf-big").stdout.strip() == str(96 << 20)
+    finally:
+        for kid in kids:
+            kid.kill()
+        parent.commands.run(["rm", "-f", "/tmp/vf-big"])
+    assert (sorted(os.listdir(store)) if store.is_dir() else []) == stored  # nothing stored on the way
+    assert all(not sandbox_leftovers(kid.id, state_dir) for kid in kids)
+
+    # a process working in /workspace keeps it busy: the fork is refused, naming it; the forks
+    # already starting (their QEMUs wait for the stream) are gone, the parent runs on unchanged
+    busy = parent.commands.run(["sleep", "600"], cwd="/workspace", background=True)
+    running = (f'for i in $(seq 200); do [ "$(cat /proc/{busy.pid}/comm)" = sleep ] && exit 0; sleep 0.05; done;'
+               ' exit 1')
+    assert parent.commands.run(running, cwd="/").exit_code == 0
+    made.clear()
+    with pytest.raises(InvalidState, match=r"sleep.*working directory"):
+        parent.fork(2)
+    busy.kill()
+    busy.wait()
+    assert len(made) == 2 and all(not sandbox_leftovers(sandbox_id, state_dir) for sandbox_id in made)
+    assert parent.files.read("/workspace/w.txt") == "parent-file"
+    assert parent.commands.run("echo ok").stdout == "ok\n"
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -234,14 +282,18 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
 def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_dir: Path) -> None:
     alice, bob = ({"url": "", "api_key": KEYS[who]} for who in ("alice", "bob"))
     # room for one live snapshot (~140 MB of memory image) and not two
-    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "200M"}) as server:
+    with ServerProcess(state_dir / "srv-vs-live", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "200M",
+                                                                         "max_sandboxes_per_tenant": 3}) as server:
         alice["url"] = bob["url"] = server.url
         sb = Sandbox.create(tier="microvm", memory="256M", **alice)
         sb.commands.run(["python3", "-c", HOLDER], cwd="/tmp", background=True)
         sb.files.write("/workspace/w.txt", "remote-file")
         before = state_of(sb)
-        [kid] = sb.fork(1)  # through the server's fork route: its snapshot is made and removed there
+        [kid] = sb.fork(1)  # through the server's fork route: straight from the VM (Sandbox.fork)
         assert state_of(kid)["value"] == before["value"]
+        with pytest.raises(ResourceLimit, match="live sandboxes"):  # each fork counts: 4 > 3
+            sb.fork(2)
+        assert len([i for i in Sandbox.list(**alice)]) == 2
         kid.kill()
         snap = sb.snapshot()  # a live snapshot is the tenant's, as any other
         assert snap.kind == "live"
@@ -262,6 +314,10 @@ def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_di
             assert state_of(child)["value"] == before["value"]
             with pytest.raises(ResourceLimit):  # counted against the tenant's snapshot quota
                 child.snapshot()
+            # a fork stores no snapshot: the snapshot quota does not hold it back
+            [grandchild] = child.fork(1)
+            assert grandchild.commands.run("echo ok").stdout == "ok\n"
+            grandchild.kill()
         back.kill()
         assert Sandbox.delete_snapshot(snap.id, **alice)
         assert not list((server.state / "parked").iterdir())

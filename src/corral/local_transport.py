@@ -412,6 +412,38 @@ def start_inner(root: Path, spec: SandboxSpec, sandbox_id: str, seed: tuple[Path
     return inner, registry
 
 
+def fork_live(root: Path, parent: LocalBackend, count: int) -> list[LocalBackend]:
+    """``count`` sandboxes straight from ``parent``'s live state (a microVM: no snapshot stored;
+    ``Tier.fork_live``), registered; all made or none, and nothing left of a failed one."""
+    from .snapshots import fork_spec
+
+    spec = fork_spec(parent.spec)
+    registry = Registry.at(root)
+    tier = get_tier(spec.tier, root)
+    children = [(sandbox_id, root / "sandboxes" / sandbox_id) for sandbox_id in
+                (new_sandbox_id() for _ in range(count))]
+    with host_errors("fork the sandbox", parent.id):
+        inner_parent = parent.tier_sandbox()
+        try:
+            for sandbox_id, run_dir in children:
+                registry.add(sandbox_id, spec.tier, run_dir)
+                run_dir.mkdir(mode=0o700)
+            inners = tier.fork_live(inner_parent, spec, children)
+        except BaseException:
+            for sandbox_id, run_dir in children:
+                tier.reap(sandbox_id, run_dir, {})
+                registry.remove(sandbox_id)
+            raise
+    made = []
+    for inner in inners:
+        registry.set_record(inner.id, {**inner.reap_record(), "corral": {
+            "metadata": {}, "image": spec.image, "end_at": None}})
+        backend = LIVE[inner.id] = LocalBackend(spec, inner, root, registry, {})
+        made.append(backend)
+    owner_link.serve(root)
+    return made
+
+
 def adopt_parked(root: Path, record: Parked) -> LocalBackend:
     """This process's backend of a sandbox paused to disk (by it, or by a process gone since)."""
     backend = LIVE.get(record.sandbox_id)
@@ -481,6 +513,12 @@ class LocalTransport(Transport):
 
     def list_snapshots(self) -> builtins.list[Snapshot]:
         return SnapshotStore(self.root).list()
+
+    def fork(self, backend: SandboxBackend, count: int) -> builtins.list[SandboxBackend]:
+        # a few forks of a microVM straight from the running sandbox: no snapshot (Tier.direct_forks)
+        if isinstance(backend, LocalBackend) and count <= tier_class(backend.spec.tier).direct_forks:
+            return list(fork_live(self.root, backend, count))
+        return super().fork(backend, count)
 
     def delete_snapshot(self, snapshot_id: str) -> bool:
         return SnapshotStore(self.root).delete(snapshot_id)

@@ -187,6 +187,27 @@ class SandboxManager:
         self.metrics.live.set(len(self._entries))
         return entry
 
+    async def fork(self, tenant: str, parent: Entry, count: int) -> list[Entry]:
+        """``count`` forks of ``parent`` straight from its live state (``Sandbox.fork``: a microVM's
+        stream, no snapshot), each counted against the tenant's sandbox and memory quotas."""
+        reserved = 0
+        try:
+            for _ in range(count):
+                self._reserve(tenant, parent.spec.limits.memory)
+                reserved += 1
+            idle, life = self.deadlines(None, None)
+            kids = await asyncio.to_thread(parent.sandbox.fork, count)
+            now = time.time()
+            made = [Entry(kid, tenant, now, now + life, idle, False) for kid in kids]
+            with self._lock:
+                for entry in made:
+                    self._entries[entry.sandbox.id] = entry
+        finally:
+            for _ in range(reserved):
+                self._release(tenant, parent.spec.limits.memory)
+        self.metrics.live.set(len(self._entries))
+        return made
+
     def audit(self, entry: Entry) -> list[dict[str, Any]]:
         """The sandbox's egress refusals so far; feeds the refused-egress counter with what is new."""
         try:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Response
 from ..errors import InvalidSpec, ResourceLimit, SnapshotNotFound
 from ..snapshots import Snapshot, SnapshotStore, fork_spec
 from ..spec import format_size
+from ..tiers import tier_class
 from .context import Context, ServerContext, Tenant
 from .wire import ForkBody
 
@@ -93,6 +94,9 @@ async def delete_snapshot(snapshot_id: str, who: Tenant, ctx: Context) -> Respon
              summary="New sandboxes from a sandbox's files as they are now (fresh processes and identity)")
 async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Context) -> dict[str, Any]:
     parent = ctx.manager.get(who, sandbox_id)
+    if ctx.config.cluster is None and body.count <= tier_class(parent.spec.tier).direct_forks:
+        # (a microVM: straight from the running VM, no snapshot; tiers/microvm/livefork.py)
+        return {"sandboxes": [entry.to_dict() for entry in await ctx.manager.fork(who, parent, body.count)]}
     snapshot = await ctx.run_blocking(take, ctx, who, sandbox_id)
     made = []
     try:

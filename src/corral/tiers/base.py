@@ -293,6 +293,17 @@ class Tier(ABC):
         :class:`~corral.errors.SnapshotCorrupt` and leaves nothing behind."""
         raise InvalidState(f"the {self.name} tier cannot start sandboxes from snapshots")
 
+    #: up to how many forks at once :meth:`fork_live` makes (more go through a stored snapshot,
+    #: whose memory they share); 0: the tier always forks through a snapshot
+    direct_forks: ClassVar[int] = 0
+
+    def fork_live(self, parent: TierSandbox, spec: SandboxSpec,
+                  children: list[tuple[str, Path]]) -> list[TierSandbox]:
+        """New sandboxes straight from ``parent``'s live state, no snapshot stored (at most
+        ``direct_forks``), one per (sandbox id, empty run dir) of ``children``: all made, or none
+        (a failure closes those made and raises)."""
+        raise InvalidState(f"the {self.name} tier forks through a snapshot")
+
     @abstractmethod
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         """Release everything a sandbox left behind after its owner died. Idempotent."""

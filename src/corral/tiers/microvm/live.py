@@ -48,6 +48,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,23 +132,57 @@ def attach_workspace(channel: AgentChannel, readonly: bool) -> None:
 def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None) -> tuple[int, RamWrite]:
     """Write a live snapshot of ``vm`` into the new directory ``dest`` but for its memory image:
     returns bytes written and the image still to write (:class:`RamWrite`), once the VM runs on."""
-    readonly = bool(vm.spec.workspace and vm.spec.workspace.mode == "ro")
+    readonly = readonly_workspace(vm)
+    with frozen_and_detached(vm, channel, "snapshot"):
+        return _capture_detached(vm, channel, dest, shared, readonly)
+
+
+def readonly_workspace(vm: MicroVMSandbox) -> bool:
+    return bool(vm.spec.workspace and vm.spec.workspace.mode == "ro")
+
+
+@contextlib.contextmanager
+def frozen_and_detached(vm: MicroVMSandbox, channel: AgentChannel, what: str) -> Iterator[None]:
+    """The guest's commands frozen and its workspace unmounted (QEMU 7.2 migrates no VM with a
+    9p export attached) while the caller migrates it; remounted and thawed afterwards."""
     t0 = time.monotonic()
     freeze(channel, True)
     try:
         try:
             channel.guest("detach", WORKSPACE)
-            vm.timings["snapshot_quiesce"] = time.monotonic() - t0  # frozen, workspace unmounted
+            vm.timings[f"{what}_quiesce"] = time.monotonic() - t0  # frozen, workspace unmounted
         except FileError as exc:
-            raise InvalidState(f"sandbox {vm.id}: a live snapshot needs /workspace unmounted for a moment, "
+            raise InvalidState(f"sandbox {vm.id}: a live {what} needs /workspace unmounted for a moment, "
                                f"and a process holds it ({exc}); run long-lived processes with another "
                                f"working directory (cwd='/tmp')", sandbox_id=vm.id) from None
         try:
-            return _capture_detached(vm, channel, dest, shared, readonly)
+            yield
         finally:
-            attach_workspace(channel, readonly)
+            attach_workspace(channel, readonly_workspace(vm))
     finally:
         freeze(channel, False)
+
+
+def migrate_out(vm: MicroVMSandbox, fd: int, what: str) -> None:
+    """Stop the VM, migrate all of it (its RAM is a private copy-on-write mapping of its
+    template's, or QEMU's own: none of it is shared) into ``fd``, and let it run on."""
+    qmp = vm.qmp()
+    stopped = False
+    try:
+        qmp.command("stop")
+        stopped = True
+        t0 = time.monotonic()
+        qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": False}])
+        # the VM is stopped: no reason to pace the stream (QEMU's default is 128 MiB/s)
+        qmp.command("migrate-set-parameters", **{"max-bandwidth": MAX_BANDWIDTH})
+        qmp.send_fd("out", fd)
+        qmp.command("migrate", uri="fd:out")
+        qmp.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
+    finally:
+        if stopped:
+            qmp.command("cont")
+            vm.timings[f"{what}_stopped"] = time.monotonic() - t0  # migrated
+        qmp.close()
 
 
 def _capture_detached(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path | None,
@@ -177,25 +212,8 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
         proc, conv = converter.start(vm, vm_dir, theirs)
         vm.timings["snapshot_workspace"], vm.timings["snapshot_converter"] = t1 - t0, time.monotonic() - t1
         theirs.close()
-        qmp = vm.qmp()
-        stopped = False
-        try:
-            qmp.command("stop")
-            stopped = True
-            t0 = time.monotonic()
-            # the VM's RAM is private (not shared): it all goes into the stream
-            qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": False}])
-            # the VM is stopped: no reason to pace the stream (QEMU's default is 128 MiB/s)
-            qmp.command("migrate-set-parameters", **{"max-bandwidth": MAX_BANDWIDTH})
-            qmp.send_fd("snapshot", ours.fileno())
-            ours.close()
-            qmp.command("migrate", uri="fd:snapshot")
-            qmp.wait_migration(time.monotonic() + MIGRATE_TIMEOUT)
-        finally:
-            if stopped:
-                qmp.command("cont")
-                vm.timings["snapshot_stopped"] = time.monotonic() - t0  # migrated
-            qmp.close()
+        migrate_out(vm, ours.fileno(), "snapshot")
+        ours.close()
         disk_path = vm.image_disk.path
         with contextlib.suppress(OSError):  # another file system: the cache's disk is named instead
             os.link(disk_path, vm_dir / "disk")
@@ -413,10 +431,15 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
         wake = ["resume", os.urandom(64).hex(), str(time.time_ns())]
     else:
         wake = identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
-    channel = _first_answer(vm, image.last_id + ID_MARGIN, wake)
+    awaken(vm, image.last_id + ID_MARGIN, wake, image.readonly_workspace, t0)
+
+
+def awaken(vm: MicroVMSandbox, ident: int, wake: list[str], readonly: bool, t0: float) -> None:
+    """A restored VM's first request (its identity), then its workspace, then its processes thaw."""
+    channel = _first_answer(vm, ident, wake)
     vm.timings["identity"] = time.monotonic() - t0
     # both at once, answered in order: the workspace, then the processes thaw
-    answers = [channel.begin(T_GUEST, _strings(_attach(image.readonly_workspace))),
+    answers = [channel.begin(T_GUEST, _strings(_attach(readonly))),
                channel.begin(T_GUEST, _strings(["freeze", "0"]))]
     for name, answer in zip(("workspace", "total"), answers, strict=True):
         answer(MIGRATE_TIMEOUT)

@@ -116,7 +116,7 @@ def command_line(
     *,
     accel: str,
     ram_mb: int,
-    mem_path: Path,
+    mem_path: Path | None,
     share: bool,
     assets: GuestAssets,
     paths: VMPaths,
@@ -129,7 +129,9 @@ def command_line(
     tap_fd: int | None = None,
     confined: bool = False,
 ) -> list[str]:
-    """``incoming``: wait for ``migrate-incoming`` (a restore).  Templates are
+    """``mem_path``: the RAM file (a template's or a snapshot's, mapped privately unless ``share``);
+    None: anonymous RAM of QEMU's own (a fork, loaded from its parent's migration stream).
+    ``incoming``: wait for ``migrate-incoming`` (a restore).  Templates are
     saved without the "global state" section (``store-global-state=off``), so
     a restored VM starts running as soon as it is loaded, without a ``cont``
     round trip.  ``listen_fds``: (agent, QMP)
@@ -152,7 +154,8 @@ def command_line(
         "-cpu", cpu_model(accel),
         "-smp", "1",
         "-m", f"{ram_mb}M",
-        "-object", f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={mem_path},share={'on' if share else 'off'}",
+        "-object", (f"memory-backend-file,id=mem,size={ram_mb}M,mem-path={mem_path},share={'on' if share else 'off'}"
+                    if mem_path is not None else f"memory-backend-ram,id=mem,size={ram_mb}M"),
         "-nographic", "-nodefaults", "-no-reboot", "-no-user-config",
         "-serial", f"file:{paths.console_log}",
         "-device", "virtio-serial-device",

@@ -52,7 +52,7 @@ from ..linux.agent import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, A
 from ..linux.agent_build import agent_binary
 from ..linux.rootfs import reap_host_side
 from ..linux.sandbox import LinuxSandbox
-from . import converter, guest, live, qemu, rootdisk, template, vmm
+from . import converter, guest, live, livefork, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
 
 #: where port forwards' connector (a copy of the agent) goes in the guest
@@ -90,6 +90,10 @@ class MicroVMTier(Tier):
         snapshot="live",
         root=True,
     )
+
+    #: forks migrated straight into (each holds its own copy of the memory); more go through a
+    #: stored snapshot whose memory image they share copy-on-write (livefork.py)
+    direct_forks = 2
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
@@ -149,6 +153,12 @@ class MicroVMTier(Tier):
         """A VM restored from a live snapshot (live.py): its processes and memory, a fresh identity."""
         return MicroVMSandbox(self, spec, sandbox_id, run_dir, seed=(snapshot, digest))
 
+    def fork_live(self, parent: TierSandbox, spec: SandboxSpec,
+                  children: list[tuple[str, Path]]) -> list[TierSandbox]:
+        """Forks of a running VM straight from its migration stream (livefork.py): no snapshot."""
+        assert isinstance(parent, MicroVMSandbox)
+        return list(livefork.fork(self, parent, spec, children))
+
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # QEMU lives in the sandbox's host cgroup (killing it closes the tap too)
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
@@ -167,11 +177,13 @@ class MicroVMSandbox(LinuxSandbox):
     source_template: template.Template
 
     def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
-                 seed: tuple[Path, str] | None = None) -> None:
+                 seed: tuple[Path, str] | None = None, fork: livefork.ForkSource | None = None) -> None:
         self._tier = tier
         #: a live snapshot to restore (its files directory, its manifest's sha256)
         self._live_seed = seed
-        if seed is not None:
+        #: or a running VM's migration stream to load (a fork)
+        self._fork_source = fork
+        if seed is not None or fork is not None:
             self.hostname = sandbox_id
         self._exec_count = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -199,6 +211,9 @@ class MicroVMSandbox(LinuxSandbox):
     def _setup(self) -> None:
         if self._live_seed is not None:
             live.setup_restored(self, *self._live_seed)
+            return
+        if self._fork_source is not None:
+            livefork.setup_forked(self, self._fork_source)
             return
         spec, run, uid = self.spec, self._run_dir, self.uid
         t0 = time.monotonic()
@@ -257,8 +272,11 @@ class MicroVMSandbox(LinuxSandbox):
             channel.write_file(path, data, 0o644, as_agent=True)
 
     def _launch(self, tmpl: template.Template, disk: rootdisk.ImageDisk, ws: Path,
-                config: dict[str, str] | None) -> None:
-        """Start QEMU restoring the template and queue the configuration for the guest.
+                config: dict[str, str] | None, incoming: socket.socket | None = None) -> None:
+        """Start QEMU restoring the template and queue the configuration for the guest;
+        ``incoming``: a fork's end of its parent's migration stream instead (livefork.py): its
+        RAM is then QEMU's own (anonymous, charged to this sandbox's host cgroup), loaded whole
+        from the stream.
 
         Nothing here polls: the agent and QMP sockets are created (listening)
         before QEMU starts, so the configuration frame is written at once and
@@ -280,13 +298,13 @@ class MicroVMSandbox(LinuxSandbox):
             listener.listen(1)
         userns = self._userns()
         try:
-            files = vmm.open_files(ram=tmpl.ram, disk=disk.path, workspace=ws, console=paths.console_log,
+            files = vmm.open_files(ram=tmpl.ram if incoming is None else None, disk=disk.path, workspace=ws, console=paths.console_log,
                                    userns=userns, owner=self.uid_range.base)
         except BaseException:
             for listener in listeners:
                 listener.close()
             raise
-        state = os.open(tmpl.state, os.O_RDONLY)
+        state = os.open(tmpl.state, os.O_RDONLY) if incoming is None else os.dup(incoming.fileno())
         fds = (listeners[0].fileno(), listeners[1].fileno())
         link = self.network.open_net if self.network is not None else None
         # QEMU gets its own copy; ours is closed below, so the tap goes when QEMU does
@@ -294,7 +312,8 @@ class MicroVMSandbox(LinuxSandbox):
         inherited = [state, *(listener.fileno() for listener in listeners), *([tap] if tap is not None else []),
                      *files.values(), userns]
         argv = qemu.command_line(
-            accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=vmm.fd_path(files["ram"]), share=False,
+            accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=vmm.fd_path(files["ram"]) if "ram" in files else None,
+            share=False,
             assets=self._tier.assets, paths=dataclasses.replace(paths, console_log=vmm.fd_path(files["console"])),
             disk=vmm.fd_path(files["disk"]), workspace=vmm.fd_path(files["ws"]), workspace_readonly=readonly,
             incoming=True,
@@ -342,7 +361,9 @@ class MicroVMSandbox(LinuxSandbox):
             qmp_sock.connect(str(paths.qmp_socket))
             qmp = qemu.QMP(qmp_sock, timeout=START_TIMEOUT)  # returns once QEMU is up
             self.timings["qemu_start"] = time.monotonic() - t0
-            qmp.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            # a template's or snapshot's RAM is the file mapped, not in the stream; a fork's all is
+            qmp.command("migrate-set-capabilities",
+                        capabilities=[{"capability": "x-ignore-shared", "state": incoming is None}])
             qmp.command("migrate-incoming", uri=f"fd:{state}")
             self.timings["migrate_incoming"] = time.monotonic() - t0  # restoring, not booting
         except (OSError, SandboxError) as exc:

@@ -49,7 +49,7 @@ def launcher(agent: Path, userns: int, accel: str) -> list[str]:
     return [str(agent), "--vmm", str(userns), f"{VMM_CAPS:x}", kvm_groups(accel), "--"]
 
 
-def open_files(*, ram: Path, disk: Path, workspace: Path, console: Path, userns: int, owner: int) -> dict[str, int]:
+def open_files(*, ram: Path | None, disk: Path, workspace: Path, console: Path, userns: int, owner: int) -> dict[str, int]:
     """What QEMU would open by path, opened here as descriptors it inherits (each key's path is
     ``fd_path`` of its value; the caller closes them once QEMU runs).
 
@@ -60,11 +60,12 @@ def open_files(*, ram: Path, disk: Path, workspace: Path, console: Path, userns:
     template) shows it as the namespace root's.  The console log is made here for ``owner``."""
     files: dict[str, int] = {}
     try:
-        try:
-            files["ram"] = idmap.idmapped_tree(ram, userns, read_only=False)
-        except OSError as exc:
-            raise HostNotSupported(f"the microvm tier needs idmapped mounts where its templates are ({ram.parent}):"
-                                   f" {exc}") from None
+        if ram is not None:  # (None: QEMU's own anonymous RAM, a fork's)
+            try:
+                files["ram"] = idmap.idmapped_tree(ram, userns, read_only=False)
+            except OSError as exc:
+                raise HostNotSupported(f"the microvm tier needs idmapped mounts where its templates are "
+                                       f"({ram.parent}): {exc}") from None
         files["disk"] = os.open(disk, os.O_PATH | os.O_CLOEXEC)
         files["ws"] = os.open(workspace, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         files["console"] = os.open(console, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
