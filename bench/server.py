@@ -206,12 +206,41 @@ def bench_http(server: Server, rounds: int) -> None:
         report_phases(floor)
         if misses:
             print(f"  ({misses} of {rounds} missed the pool)")
+        bare = bare_client_rounds(server, http, rounds)
+        report("  the same through http.client (bare client)", bare)
         cold: list[float] = []
         for _ in range(rounds):
             ms, sid, _ = create_and_run(http, COLD_SPEC)
             cold.append(ms)
             http.delete(f"/v1/sandboxes/{sid}")
         report("cold create + first command (HTTP)", cold, 50)
+
+
+def bare_client_rounds(server: Server, http: httpx.Client, rounds: int) -> list[float]:
+    """Pool create + first command through the stdlib's ``http.client`` on one kept-alive
+    connection: what is left when the client costs next to nothing (the SDK uses httpx)."""
+    conn = http_client_connection(server)
+    times: list[float] = []
+    body = json.dumps(POOL_SPEC).encode()
+    headers = {"Content-Type": "application/json"}
+    for _ in range(rounds):
+        deadline = time.monotonic() + 10
+        while pool_idle(http) < POOL_MAX and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/sandboxes", body=body, headers=headers)
+        sid = json.loads(conn.getresponse().read())["id"]
+        conn.request("POST", f"/v1/sandboxes/{sid}/exec", body=b'{"cmd": ["true"]}', headers=headers)
+        conn.getresponse().read()
+        times.append((time.perf_counter() - t0) * 1000)
+        conn.request("DELETE", f"/v1/sandboxes/{sid}")
+        conn.getresponse().read()
+    conn.close()
+    return times
+
+
+def http_client_connection(server: Server) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
 
 
 def process_cpu(pid: int) -> tuple[float, float, float]:
@@ -363,7 +392,8 @@ def main() -> None:
                     "--max-sandboxes", str(args.burst + 10), "--max-memory", "1T")
     try:
         bench_http(server, args.rounds)
-        bench_burst(server, args.burst, COLD_SPEC, "cold")
+        if args.burst:
+            bench_burst(server, args.burst, COLD_SPEC, "cold")
     finally:
         server.stop()
     if args.library_floor and args.burst:
@@ -371,7 +401,7 @@ def main() -> None:
         if BURST_WALL:
             print(f"  the HTTP burst took {BURST_WALL[-1] / floor:.2f}x the library's wall time "
                   f"(issue 16's 5 s is {5.0 / floor:.2f}x the floor)", flush=True)
-    if args.burst_pool:
+    if args.burst_pool and args.burst:
         # the same burst against a full pool of the largest allowed size (64): most creates are hits
         server = Server(state, "--pool", f"64:64:{json.dumps(POOL_SPEC)}", "--max-sandboxes", str(args.burst + 10),
                         "--max-memory", "1T")

@@ -240,6 +240,11 @@ class PoolSet:
         return pool
 
     def get(self, spec: SandboxSpec) -> SandboxPool | None:
+        # an equal spec has an equal key: comparing the fields first spares a pool hit the key's
+        # JSON (~40 us on the request path); anything else is looked up by key as before
+        for pool in self._pools.values():
+            if pool.spec == spec:
+                return pool
         return self._pools.get(template_key(spec))
 
     def pools(self) -> list[SandboxPool]:
