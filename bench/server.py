@@ -360,7 +360,8 @@ def bench_library_floor(state: Path, count: int, spec: dict[str, object], thread
     children = after.children_user + after.children_system - before.children_user - before.children_system
     print(f"library floor, {count} cold create + echo + kill on {threads} threads, no HTTP: "
           f"{count - len(failures)}/{count} in {wall:.2f} s; CPU {own:.2f} s in-process "
-          f"({1000 * own / count:.1f} ms per lifecycle), children {children:.2f} s "
+          f"({after.user - before.user:.2f} s of it in user mode, {1000 * own / count:.1f} ms per lifecycle), "
+          f"children {children:.2f} s "
           f"({1000 * children / count:.1f} ms), whole host {busy1 - busy0:.2f} s of {wall * (os.cpu_count() or 1):.2f} s",
           flush=True)
     return wall
