@@ -87,7 +87,8 @@ class FastRoutes:
         self.error_handlers = error_handlers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not context_of(Request(scope)).config.fast_routes:
+        ctx = context_of(Request(scope)) if scope["type"] == "http" else None
+        if ctx is None or not ctx.config.fast_routes:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "GET" and scope["path"] == "/healthz":  # the floor: no body, no caller
@@ -97,7 +98,6 @@ class FastRoutes:
         if route is None:
             await self.app(scope, receive, send)
             return
-        ctx = context_of(Request(scope))
         marks = trace.begin() if ctx.timing else None
         handler, model, sandbox_id = route
         body = await _read_body(receive)
