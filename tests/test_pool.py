@@ -79,3 +79,21 @@ def test_a_pool_is_found_for_an_equal_template_and_only_for_it(tmp_path: Path) -
             assert pools.get(SandboxSpec.from_dict(spec)) is None, spec
     finally:
         pools.close()
+
+
+def test_a_member_is_pooled_with_its_first_command_ready() -> None:
+    """On the process tier the health check's spare is placed before the member is handed out,
+    so the owner's first command finds it (taken the moment the pool has a member)."""
+    from corral.tiers.process import ProcessSandbox
+
+    with SandboxPool(SPEC, min_idle=1, max_idle=1) as pool:
+        for _ in range(2):
+            _wait_idle(pool, 1)
+            sb = pool.acquire()
+            try:
+                inner = sb._inner
+                assert isinstance(inner, ProcessSandbox)
+                assert inner.spare_placed.is_set()
+                assert sb.commands.run(["true"]).exit_code == 0
+            finally:
+                sb.kill()
