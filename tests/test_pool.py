@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from corral.errors import InvalidSpec
-from corral.pool import MAX_POOL_SIZE, SandboxPool
+from corral.pool import MAX_POOL_SIZE, PoolSet, SandboxPool
 from corral.spec import SandboxSpec, Workspace
 
 SPEC = SandboxSpec.from_dict({"limits": {"memory": "64M"}})
@@ -65,3 +65,35 @@ def test_pools_are_capped(tmp_path: Path) -> None:
         SandboxPool(SandboxSpec.from_dict({"limits": {"memory": "512G"}}), min_idle=1, max_idle=2)
     with pytest.raises(InvalidSpec, match="workspace"):
         SandboxPool(SandboxSpec(workspace=Workspace(tmp_path)), min_idle=1)
+
+
+def test_a_pool_is_found_for_an_equal_template_and_only_for_it(tmp_path: Path) -> None:
+    pools = PoolSet(state=tmp_path)
+    try:
+        mine = pools.add(SPEC, min_idle=0, max_idle=1)  # min_idle 0: nothing is created
+        other = pools.add(SandboxSpec.from_dict({"limits": {"memory": "96M"}, "env": {"A": "1"}}), 0, 1)
+        assert pools.get(SandboxSpec.from_dict({"limits": {"memory": "64M"}})) is mine
+        assert pools.get(SandboxSpec.from_dict({"env": {"A": "1"}, "limits": {"memory": "96M"}})) is other
+        for spec in ({"limits": {"memory": "96M"}}, {"limits": {"memory": "96M"}, "env": {"A": "2"}},
+                     {"limits": {"memory": "64M"}, "user": "root"}, {"limits": {"memory": "64M"}, "cwd": "/tmp"}):
+            assert pools.get(SandboxSpec.from_dict(spec)) is None, spec
+    finally:
+        pools.close()
+
+
+def test_a_member_is_pooled_with_its_first_command_ready() -> None:
+    """On the process tier the health check's spare is placed before the member is handed out,
+    so the owner's first command finds it (taken the moment the pool has a member)."""
+    from corral.tiers.process import ProcessSandbox
+
+    with SandboxPool(SPEC, min_idle=1, max_idle=1) as pool:
+        for _ in range(2):
+            _wait_idle(pool, 1)
+            sb = pool.acquire()
+            try:
+                inner = sb._inner
+                assert isinstance(inner, ProcessSandbox)
+                assert inner.spare_placed.is_set()
+                assert sb.commands.run(["true"]).exit_code == 0
+            finally:
+                sb.kill()

@@ -186,6 +186,7 @@ class SandboxPool:
                 if not _healthy(sb):
                     sb.kill()
                     raise RuntimeError("a new pool member failed its health check")
+                _settled(sb)
             except Exception:  # a failed create is counted and retried after a pause
                 self.stats["failed"] += 1
                 time.sleep(min(5.0, 0.2 * self.stats["failed"]))
@@ -221,6 +222,22 @@ def _healthy(sb: Sandbox) -> bool:
         return False
 
 
+#: seconds a new member may take to get its tier ready for the next command before it is pooled anyway
+SETTLE_TIMEOUT = 1.0
+
+
+def _settled(sb: Sandbox) -> None:
+    """Wait (bounded) until the member is as ready as it will get: on the process tier, until the
+    spare the health check made the agent fork sits in its own cgroup leaf.  Pooled before that,
+    a member taken at once would run its owner's first command the slow way (fork, then a cgroup
+    move that may wait for an RCU grace period), and the placement would run on the host while
+    that command does."""
+    inner = sb._inner
+    placed = getattr(inner, "spare_placed", None) if inner is not None else None
+    if isinstance(placed, threading.Event):
+        placed.wait(SETTLE_TIMEOUT)
+
+
 class PoolSet:
     """Several pools, looked up by template; what the server and MCP use."""
 
@@ -240,6 +257,11 @@ class PoolSet:
         return pool
 
     def get(self, spec: SandboxSpec) -> SandboxPool | None:
+        # an equal spec has an equal key: comparing the fields first spares a pool hit the key's
+        # JSON (~40 us on the request path); anything else is looked up by key as before
+        for pool in self._pools.values():
+            if pool.spec == spec:
+                return pool
         return self._pools.get(template_key(spec))
 
     def pools(self) -> list[SandboxPool]:

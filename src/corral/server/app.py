@@ -22,6 +22,7 @@ from ..errors import InvalidSpec, SandboxError
 from . import command_routes, file_routes, ops_routes, port_routes, sandbox_routes, snapshot_routes, stream
 from .config import ServerConfig
 from .context import ServerContext, context_of
+from .fast_routes import FastRoutes
 from .limits import BodySizeLimit
 from .wire import error_response, status_for
 
@@ -40,6 +41,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Corral", version="1", lifespan=lifespan,
                   description="Isolated, ephemeral, resource-limited sandboxes for AI agents.")
     app.state.context = context
+    # the fast routes run inside the size limit: the last middleware added is the outermost
+    app.add_middleware(FastRoutes, error_handlers=ERROR_HANDLERS)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
     for handled, handler in ERROR_HANDLERS:
         app.add_exception_handler(handled, handler)

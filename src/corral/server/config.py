@@ -96,6 +96,9 @@ class ServerConfig:
     state_dir: str | None = None
     #: a Ray cluster whose nodes hold the sandboxes (``corral serve --cluster ADDRESS``); None: this host
     cluster: str | None = None
+    #: create, exec, destroy and /healthz served by lean handlers (.fast_routes); False sends them
+    #: through FastAPI's routing like every other request (the same answers, slower)
+    fast_routes: bool = True
 
     def validate(self) -> ServerConfig:
         _positive(self.port, "port", integer=True)
@@ -107,6 +110,8 @@ class ServerConfig:
         self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
+        if not isinstance(self.fast_routes, bool):
+            raise InvalidSpec(f"fast_routes: {self.fast_routes!r} must be true or false")
         if self.cluster is not None and self.pools:
             raise InvalidSpec("pools: with --cluster the warm pools are the nodes' own "
                               "(corral cluster up --pool MIN:MAX:SPEC), not the server's")

@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection
 
 from ..errors import Unauthorized
+from . import trace
 from .config import ANONYMOUS_TENANT, ServerConfig
 from .manager import SandboxManager
 from .metrics import Metrics
@@ -34,6 +35,8 @@ class ServerContext:
         self.metrics = Metrics()
         self.blocking = ThreadPoolExecutor(max_workers=BLOCKING_THREADS, thread_name_prefix="corral-api")
         self._manager: SandboxManager | None = None
+        #: fast-path responses carry a Server-Timing header (CORRAL_SERVER_TIMING=1; see .trace)
+        self.timing = trace.enabled()
 
     @property
     def manager(self) -> SandboxManager:
@@ -53,7 +56,23 @@ class ServerContext:
             self.blocking.shutdown(wait=False, cancel_futures=True)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.blocking, functools.partial(fn, *args, **kwargs))
+        call = functools.partial(fn, *args, **kwargs)
+        marks = trace.current()
+        if marks is None:
+            return await asyncio.get_running_loop().run_in_executor(self.blocking, call)
+        trace.mark("handler", marks)
+
+        def traced() -> T:
+            trace.mark("to_thread", marks)
+            try:
+                return call()
+            finally:
+                trace.mark("work", marks)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.blocking, traced)
+        finally:
+            trace.mark("to_loop", marks)
 
     def tenant_of(self, authorization: str | None) -> str:
         """The tenant an ``Authorization`` header names; raises :class:`Unauthorized` when it names none."""

@@ -79,6 +79,9 @@ class SandboxManager:
         self._entries: dict[str, Entry] = {}
         #: quota reservations for creates in flight: tenant -> [count, memory]
         self._pending: dict[str, list[int]] = {}
+        #: what each tenant's live sandboxes hold: tenant -> [count, memory] (kept with _entries, under
+        #: _lock, so a quota check does not walk every sandbox of every tenant)
+        self._usage: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self.recover()
         self.pools = PoolSet.from_config(config.pools, self.root, on_create=metrics.create_seconds.observe)
@@ -100,7 +103,25 @@ class SandboxManager:
             sandbox = Sandbox.connect(record.sandbox_id, state=self.root)
             entry = Entry(sandbox, str(facts["tenant"]), float(facts["created"]), float(facts["expires_at"]),
                           float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
-            self._entries[sandbox.id] = entry
+            self._add(entry)
+
+    def _add(self, entry: Entry) -> None:
+        with self._lock:
+            self._entries[entry.sandbox.id] = entry
+            usage = self._usage.setdefault(entry.tenant, [0, 0])
+            usage[0] += 1
+            usage[1] += entry.spec.limits.memory
+
+    def _remove(self, sandbox_id: str) -> Entry | None:
+        with self._lock:
+            entry = self._entries.pop(sandbox_id, None)
+            if entry is not None:
+                usage = self._usage[entry.tenant]
+                usage[0] -= 1
+                usage[1] -= entry.spec.limits.memory
+                if usage[0] == 0:
+                    del self._usage[entry.tenant]
+            return entry
 
     # -- lookup ----------------------------------------------------------------
     def get(self, tenant: str, sandbox_id: str) -> Entry:
@@ -117,10 +138,10 @@ class SandboxManager:
     # -- create / destroy ------------------------------------------------------
     def _reserve(self, tenant: str, memory: int) -> None:
         with self._lock:
-            mine = [e for e in self._entries.values() if e.tenant == tenant]
+            live = self._usage.get(tenant, [0, 0])
             pending = self._pending.setdefault(tenant, [0, 0])
-            count = len(mine) + pending[0]
-            used = sum(e.spec.limits.memory for e in mine) + pending[1]
+            count = live[0] + pending[0]
+            used = live[1] + pending[1]
             if count + 1 > self.config.max_sandboxes_per_tenant:
                 raise ResourceLimit(f"quota: tenant {tenant!r} already has {count} live sandboxes "
                                     f"(max {self.config.max_sandboxes_per_tenant}); destroy one first")
@@ -180,8 +201,7 @@ class SandboxManager:
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
             now = time.time()
             entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)
-            with self._lock:
-                self._entries[sandbox.id] = entry
+            self._add(entry)
         finally:
             self._release(tenant, spec.limits.memory)
         self.metrics.live.set(len(self._entries))
@@ -231,8 +251,7 @@ class SandboxManager:
         entry.expires_at = wanted
 
     def destroy_now(self, sandbox_id: str) -> None:
-        with self._lock:
-            entry = self._entries.pop(sandbox_id, None)
+        entry = self._remove(sandbox_id)
         if entry is None:
             return
         try:
