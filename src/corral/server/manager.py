@@ -219,9 +219,8 @@ class SandboxManager:
             kids = await asyncio.to_thread(parent.sandbox.fork, count)
             now = time.time()
             made = [Entry(kid, tenant, now, now + life, idle, False) for kid in kids]
-            with self._lock:
-                for entry in made:
-                    self._entries[entry.sandbox.id] = entry
+            for entry in made:
+                self._add(entry)  # counted in the tenant's usage, as every entry is
         finally:
             for _ in range(reserved):
                 self._release(tenant, parent.spec.limits.memory)
