@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from corral.server.trace import parse_header  # the server's own reading of its Server-Timing
+
 POOL_SPEC = {"limits": {"memory": "128M"}}
 COLD_SPEC = {"limits": {"memory": "192M"}}
 POOL_MIN, POOL_MAX = 4, 4
@@ -116,17 +118,8 @@ def timed(http: httpx.Client, kind: str, method: str, path: str, **kwargs: objec
     t0 = time.perf_counter()
     response = http.request(method, path, **kwargs)  # type: ignore[arg-type]
     ms = (time.perf_counter() - t0) * 1000
-    TRACES.setdefault(kind, []).append((ms, parse_server_timing(response.headers.get("server-timing", ""))))
+    TRACES.setdefault(kind, []).append((ms, parse_header(response.headers.get("server-timing", ""))))
     return response
-
-
-def parse_server_timing(value: str) -> dict[str, float]:
-    spent: dict[str, float] = {}
-    for item in value.split(","):
-        name, _, rest = item.strip().partition(";dur=")
-        if name and rest:
-            spent[name] = float(rest)
-    return spent
 
 
 def create_and_run(http: httpx.Client, spec: dict[str, object], kind: str = "") -> tuple[float, str, bool]:

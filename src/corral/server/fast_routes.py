@@ -30,11 +30,12 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import SandboxError
 from . import ops_routes, sandbox_routes, trace
 from .context import context_of
+from .limits import replay_body
 from .wire import CreateSandbox, ExecBody
 
 PREFIX = "/v1/sandboxes"
@@ -101,7 +102,7 @@ class FastRoutes:
         marks = trace.begin() if ctx.timing else None
         handler, model, sandbox_id = route
         body = await _read_body(receive)
-        request = Request(scope, _replay(body, receive))
+        request = Request(scope, replay_body(body, receive))
         trace.mark("read")
         try:
             who = ctx.tenant_of(request.headers.get("authorization"))
@@ -111,7 +112,7 @@ class FastRoutes:
                 parsed = _parse(model, body) if _is_json(scope) else None
                 if parsed is None:  # FastAPI says what is wrong with it, as before
                     trace.end()
-                    await self.app(scope, _replay(body, receive), send)
+                    await self.app(scope, replay_body(body, receive), send)
                     return
                 trace.mark("parse")
             response = await handler(request, who, sandbox_id, parsed)
@@ -147,16 +148,3 @@ async def _read_body(receive: Receive) -> bytes:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

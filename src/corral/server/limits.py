@@ -54,16 +54,19 @@ class BodySizeLimit:
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replay_body(b"".join(chunks), receive), send)
 
 
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app ``body`` (already read from ``receive``) as one message,
+    then whatever ``receive`` says next (a disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
