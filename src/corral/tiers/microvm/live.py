@@ -400,9 +400,7 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     """Start ``vm`` from the live snapshot whose files are ``files``: checked first (nothing is
     made for a corrupted or incompatible one), then its host side as a new VM's, QEMU restoring
     the snapshot's RAM and state, and a fresh identity before its processes thaw."""
-    from .tier import VMM_OVERHEAD, VMM_PIDS
-
-    spec, run, uid = vm.spec, vm._run_dir, vm.uid
+    spec, run = vm.spec, vm._run_dir
     t0 = time.monotonic()
     name = files.parent.name
     if spec.network != "none":
@@ -414,14 +412,7 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     if disk.path.parent == vm_dir:  # the snapshot's link to the disk: the VM gets its own (the snapshot may go)
         os.link(disk.path, run / "image.erofs")
         disk = ImageDisk(run / "image.erofs", disk.key)
-    vm.ram_mb, vm.image_disk, vm._exec_count = image.ram_mb, disk, image.leaves
-    host_limits = dataclasses.replace(spec.limits, memory=image.ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
-    vm._make_cgroup(host_limits, vm._tier._layout)
-    (run / "disk").mkdir()
-    mounts.mount_tmpfs(run / "disk", spec.limits.disk, uid, uid, 0o700)
-    ws = run / "disk" / "ws"
-    ws.mkdir(mode=0o755)
-    os.chown(ws, uid, uid)
+    ws = host_side(vm, image.ram_mb, disk, image.leaves)
     fs_snapshot.restore(files, entries, "ws", ws, vm._id_map())
     vm.timings["files"] = time.monotonic() - t0
     vm._start_userns(agent_binary(vm._tier.state_dir))  # QEMU's user namespace (vmm.py), as a new VM's
@@ -432,6 +423,24 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     else:
         wake = identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
     awaken(vm, image.last_id + ID_MARGIN, wake, image.readonly_workspace, t0)
+
+
+def host_side(vm: MicroVMSandbox, ram_mb: int, disk: ImageDisk, leaves: int) -> Path:
+    """What a VM made from a live state (a snapshot's, a fork's) holds on the host before its QEMU
+    starts: its cgroup, sized for ``ram_mb`` of guest RAM, and its disk tmpfs; returns the
+    (empty) directory its workspace copy goes to."""
+    from .tier import VMM_OVERHEAD, VMM_PIDS
+
+    spec, run, uid = vm.spec, vm._run_dir, vm.uid
+    vm.ram_mb, vm.image_disk, vm._exec_count = ram_mb, disk, leaves
+    host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
+    vm._make_cgroup(host_limits, vm._tier._layout)
+    (run / "disk").mkdir()
+    mounts.mount_tmpfs(run / "disk", spec.limits.disk, uid, uid, 0o700)
+    ws = run / "disk" / "ws"
+    ws.mkdir(mode=0o755)
+    os.chown(ws, uid, uid)
+    return ws
 
 
 def awaken(vm: MicroVMSandbox, ident: int, wake: list[str], readonly: bool, t0: float) -> None:

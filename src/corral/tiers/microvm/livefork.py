@@ -22,7 +22,6 @@ through a stored snapshot (live.py), whose memory image they share copy-on-write
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import secrets
 import shutil
@@ -35,8 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import SandboxError
-from ...host import mounts
-from ...spec import MiB, SandboxSpec
+from ...spec import SandboxSpec
 from ..linux import fs_snapshot
 from ..linux.agent import AgentChannel
 from ..linux.agent_build import agent_binary
@@ -76,23 +74,14 @@ class ForkSource:
 def setup_forked(vm: MicroVMSandbox, source: ForkSource) -> None:
     """Start ``vm`` as a fork: its host side as a new VM's, QEMU waiting for the parent's stream;
     then, loaded, its own workspace copy and a fresh identity before its processes thaw."""
-    from .tier import VMM_OVERHEAD, VMM_PIDS
-
-    spec, run, uid = vm.spec, vm._run_dir, vm.uid
+    run = vm._run_dir
     t0 = time.monotonic()
     try:
         disk = source.disk
         with contextlib.suppress(OSError):  # its own link: the parent's may be in a run dir that goes first
             os.link(disk.path, run / "image.erofs")
             disk = ImageDisk(run / "image.erofs", disk.key)
-        vm.ram_mb, vm.image_disk, vm._exec_count = source.ram_mb, disk, source.leaves
-        host_limits = dataclasses.replace(spec.limits, memory=source.ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
-        vm._make_cgroup(host_limits, vm._tier._layout)
-        (run / "disk").mkdir()
-        mounts.mount_tmpfs(run / "disk", spec.limits.disk, uid, uid, 0o700)
-        ws = run / "disk" / "ws"
-        ws.mkdir(mode=0o755)
-        os.chown(ws, uid, uid)
+        ws = live.host_side(vm, source.ram_mb, disk, source.leaves)
         vm._start_userns(agent_binary(vm._tier.state_dir))
         vm._launch(template.Template(run, source.ram_mb, vm._tier.accel, 0.0), disk, ws, None,
                    incoming=source.incoming)
