@@ -91,7 +91,7 @@ def install(timers: Timers) -> list[str]:
     for module, owner, attr, name in PHASES:
         mod = importlib.import_module(module)
         target = getattr(mod, owner) if owner else mod
-        original = getattr(target, attr)
+        original: Callable[..., Any] = getattr(target, attr)
         setattr(target, attr, timers.wrap(name, original))
         if not owner:  # a module function imported by name elsewhere: patch those names too
             for user in ("corral.tiers.process.tier", "corral.tiers.linux.sandbox"):
