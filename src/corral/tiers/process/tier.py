@@ -196,7 +196,7 @@ class ProcessSandbox(LinuxSandbox):
         self._channel.user_ids = USER_IDS
         self._channel.on_spare = self._spare_forked
         self._channel.wait_ready(START_TIMEOUT)
-        for pid in descendants(self._proc.pid):  # bwrap itself was joined just above
+        for pid in descendants(self._proc.pid):  # bwrap itself joined before its exec, above
             self.cgroup.contain(pid, leaf)
         self._channel.send(T_GO, 0)
 
