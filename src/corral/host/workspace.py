@@ -68,11 +68,11 @@ def scan(root: Path, upper: bool = False) -> Manifest:
     while the walk ran)."""
     manifest: Manifest = {}
     root_fd = os.open(root, _DIR_FLAGS)
-    # depth first, one open directory per level: (descriptor, its path prefix, what is left of it)
-    stack: list[tuple[int, str, Iterator[os.DirEntry[str]]]] = [(root_fd, "", _entries(root_fd))]
+    # depth first, one open directory per level: (descriptor, its path, that path's length in bytes, what is left of it)
+    stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = [(root_fd, "", 0, _entries(root_fd))]
     try:
         while stack:
-            dir_fd, prefix, entries = stack[-1]
+            dir_fd, prefix, prefix_bytes, entries = stack[-1]
             entry = next(entries, None)
             if entry is None:
                 stack.pop()
@@ -83,7 +83,7 @@ def scan(root: Path, upper: bool = False) -> Manifest:
             except FileNotFoundError:
                 continue
             key = (prefix, entry.name)
-            if len(os.fsencode(prefix)) + len(os.fsencode(entry.name)) >= MAX_PATH:
+            if prefix_bytes + len(os.fsencode(entry.name)) >= MAX_PATH:
                 continue
             kind = "w" if upper and is_whiteout(st) else _kind(st.st_mode)
             manifest[key] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
@@ -97,9 +97,10 @@ def scan(root: Path, upper: bool = False) -> Manifest:
                 continue
             if upper and _opaque(fd):
                 manifest[key] = ("D", *manifest[key][1:])
-            stack.append((fd, rel_of(key), _entries(fd)))
+            rel = rel_of(key)
+            stack.append((fd, rel, len(os.fsencode(rel)), _entries(fd)))
     finally:
-        for dir_fd, _, _ in stack:
+        for dir_fd, _, _, _ in stack:
             os.close(dir_fd)
     return manifest
 
@@ -140,11 +141,8 @@ class DirsBeneath:
             self._path = path
         return self._fd
 
-    def forget(self) -> None:
-        """What was opened may be gone or replaced (an entry was removed): open it anew next time."""
-        self.close()
-
     def close(self) -> None:
+        """Close what is open; also when it may be gone or replaced (the next open walks anew)."""
         if self._fd >= 0:
             os.close(self._fd)
         self._path, self._fd = None, -1
@@ -391,7 +389,7 @@ def _apply(
                 _copy_entry(sources.open(key[0]), targets.open(key[0]), dst_fd, rel_of(key), entry[0], entry[3],
                             uid, gid, inside_links_only, links)
             except FileNotFoundError:
-                targets.forget()
+                targets.close()  # what it held may be gone
                 continue  # vanished while we copied: the next sync sees it gone
     finally:
         sources.close()

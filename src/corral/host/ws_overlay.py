@@ -209,8 +209,8 @@ def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: 
             except OSError as exc:
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     raise
-                sources.forget()
-                targets.forget()
+                sources.close()  # what they held may be gone
+                targets.close()
                 continue  # changed while we copied (a directory made a link...): the next write-back sees it
     finally:
         sources.close()
