@@ -351,6 +351,7 @@ int main(void) {
      * which the switch hides (the relay keeps the initramfs as its root: it opened
      * its cgroup file already and touches no path afterwards) */
     int have_root = prepare_root();
+    if (have_root) warm_page_cache();
     /* after the agent was cloned: it (and so every command) must not inherit it */
     serial_io = ioperm(0x3f8, 8, 1) == 0;
     /* write every page pid 1 will write after the restore (the configuration

@@ -14,6 +14,7 @@ void do_mount(const char *src, const char *target, const char *type, unsigned lo
 void write_file(const char *path, const char *data);
 
 int prepare_root(void);
+void warm_page_cache(void);
 void setup_root(void);
 
 int start_agent(int port, pid_t *pid);
