@@ -58,6 +58,7 @@ from . import idmap, mounts
 from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
+    CHANGED_MEANWHILE,
     DirsBeneath,
     Links,
     Manifest,
@@ -207,7 +208,7 @@ def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: 
                 if kind == "D" and previous.get(key, ("",))[0] != "D":
                     _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
             except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                if exc.errno not in CHANGED_MEANWHILE:
                     raise
                 sources.close()  # what they held may be gone
                 targets.close()
