@@ -324,8 +324,6 @@ def _make_temporary(
         return False  # no longer a file: the next sync sees what it is now
     try:
         st = os.fstat(src)
-        if not stat.S_ISREG(st.st_mode):
-            return False
         key = (st.st_dev, st.st_ino)
         earlier = links.get(key) if links is not None and st.st_nlink > 1 else None
         if earlier is None or not _link_to_copied(dst_root, dst_dir, tmp, earlier, uid, gid):
@@ -344,16 +342,17 @@ def _make_temporary(
 
 
 def _open_file(dir_fd: int, name: str) -> int | None:
-    """``name`` in ``dir_fd`` opened to read, never following a link nor waiting on a fifo; None
-    if it is no longer a regular file.  What the sandbox made of it since its walk fails the open
-    as no file does: a link (``ELOOP``), a socket or whiteout (``ENXIO``), a whiteout on a
-    ``nodev`` mount (``EACCES``: a background ``rm f; ln g f`` made commands fail)."""
+    """``name`` in ``dir_fd`` opened to read if it is a regular file, else None.  It is looked at
+    (``O_PATH``, which opens nothing) before it is opened, through that descriptor: a name the
+    sandbox swaps meanwhile for a fifo, socket, whiteout or link (a background ``rm f; ln g f``
+    made commands fail with ``EACCES``) is never opened, nor followed."""
+    path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        if stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-            raise
-        return None
+        if not stat.S_ISREG(os.fstat(path_fd).st_mode):
+            return None
+        return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(path_fd)
 
 
 def _remove_beneath(dir_fd: int, name: str) -> None:
