@@ -231,6 +231,21 @@ def test_commands_finishing_at_once_write_back_one_at_a_time(tier: str, tmp_path
     assert (ws / "same1").read_text() + (ws / "same6").read_text() == inside
 
 
+def test_a_long_name_of_many_byte_characters_is_written_back(tmp_path: Path) -> None:
+    # the write-back's temporary name was cut to 255 characters, not bytes: a file named with
+    # 127 "é" (254 bytes) made that command and every later one fail with ENAMETOOLONG
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    long = "é" * 127
+    with Sandbox.create(workspace=str(ws)) as sb:
+        r = sb.commands.run(["python3", "-c", f"open('{long}', 'w').write('long')"], cwd="/workspace")
+        assert r.exit_code == 0, r.stderr
+        assert sb.commands.run("echo after > after", cwd="/workspace").exit_code == 0
+    assert (ws / long).read_text() == "long"
+    assert (ws / "after").read_text() == "after\n"
+    assert sorted(p.name for p in ws.iterdir()) == sorted(["after", long])
+
+
 #: a listing of the workspace as the sandbox sees it: {path: kind and, for a file, its sha256}
 LISTING = """
 import hashlib, json, os

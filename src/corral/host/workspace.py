@@ -282,7 +282,9 @@ def _copy_entry(
     if kind == "d":
         os.close(_open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid))
         return
-    tmp = f".corral-tmp-{os.getpid()}-{name}"[:255]
+    # 255 bytes at most, not characters: a name of 127 "é" (254 bytes, valid) made every write-back
+    # of the session fail with ENAMETOOLONG
+    tmp = os.fsdecode(os.fsencode(f".corral-tmp-{os.getpid()}-{name}")[:255])
     # a sync that failed (or an owner killed) midway left its temporary entry: every later one
     # failed on it (``FileExistsError``), for good
     _remove_beneath(dst_dir, tmp)
