@@ -9,7 +9,8 @@ each followed by a write-back.  Afterwards, on the host: nothing outside the wor
 into it or written, every entry is the workspace owner's, no link leads out, no write-back hung
 or raised an untyped error, and the host holds at most the sandbox's disk.  Before, such races
 failed commands with ``HostError`` (a file made a whiteout, socket or link under the walk), and a
-write-back that failed midway left a temporary file that failed every later one.
+write-back that failed midway left a temporary file that failed every later one, and a sandbox
+moving its data ahead of the copy filled the host with several times its disk.
 
 Cost: ~20 s at load 4 on 2 cores (gVisor's ~10 s of it where that tier runs).
 """
@@ -205,6 +206,49 @@ def test_a_background_process_racing_the_write_back_reaches_nothing_outside(tier
     check_host(tmp_path, ws, outside, before)
     assert allocated(ws) <= DISK, f"the host holds {allocated(ws)} bytes of a {DISK}-byte sandbox's files"
     assert slowest < 5.0
+
+
+#: a 1 GiB sparse file whose 8 MiB of data move ahead of the host's copy: written, then the
+#: 8 MiB before punched, for argv[1] seconds
+MOVING = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+SIZE, CHUNK = 1 << 30, 8 << 20
+fd = os.open("/workspace/big", os.O_RDWR | os.O_CREAT, 0o644)
+os.ftruncate(fd, SIZE)
+end, pos, n = time.monotonic() + float(sys.argv[1]), 0, 0
+while time.monotonic() < end:
+    os.pwrite(fd, b"z" * CHUNK, pos)
+    assert libc.fallocate(fd, 3, (pos - CHUNK) % SIZE, CHUNK) == 0  # PUNCH_HOLE | KEEP_SIZE
+    pos, n = (pos + CHUNK) % SIZE, n + 1
+print(n, flush=True)
+"""
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["overlay", "copy"])
+def test_data_moving_ahead_of_the_copy_does_not_fill_the_host(copy: bool, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # each write-back copied whatever data it met, and the sandbox kept moving its 8 MiB ahead of
+    # the copy: a 32 MiB sandbox put 216-240 MiB in the user's directory; now a write-back copies
+    # at most the sandbox's disk (the host holds a file's old copy beside its new one until the
+    # rename: at most twice that, for an instant)
+    if copy:
+        monkeypatch.setattr(ws_overlay, "ENABLED", False)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    peak = 0
+    with Sandbox.create(workspace=str(ws), disk=str(DISK), memory="256M") as sb:
+        sb.files.write("/tmp/moving.py", MOVING)
+        assert sb.commands.run("setsid python3 /tmp/moving.py 2 > /tmp/attack.out 2>&1 &").exit_code == 0
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            assert sb.commands.run("true", cwd="/workspace").exit_code == 0
+            peak = max(peak, allocated(ws))
+        rounds = int(sb.commands.run(WAIT_FOR_ATTACKER).stdout)
+    assert rounds > 20
+    assert peak <= 2 * DISK, f"the host held {peak >> 20} MiB of a {DISK >> 20} MiB sandbox's files"
+    assert allocated(ws) <= DISK and (ws / "big").stat().st_size == 1 << 30
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["overlay", "copy"])

@@ -225,9 +225,42 @@ def link_stays_inside(rel: str, target: str) -> bool:
     return resolved != ".." and not resolved.startswith("../")
 
 
-def _copy_data(src: int, dst: int, size: int) -> None:
+class Budget:
+    """The data bytes one sync may still copy: what the file system of the tree it copies holds.  A
+    quiet tree never needs more; a sandbox moving 8 MiB of data ahead of the copy in a sparse file
+    made a 32 MiB sandbox's write-back put 216 MiB in the user's directory."""
+
+    def __init__(self, src_fd: int) -> None:
+        st = os.fstatvfs(src_fd)
+        self.left = st.f_blocks * st.f_frsize
+
+    def take(self, wanted: int) -> int:
+        """Up to ``wanted`` bytes of what is left; :class:`OverBudget` if nothing is."""
+        if self.left <= 0:
+            raise OverBudget()
+        got = min(wanted, self.left)
+        self.left -= got
+        return got
+
+
+class OverBudget(Exception):
+    """A sync used up its :class:`Budget`: what it did not copy waits for the next one."""
+
+
+def defer(current: Manifest, previous: Manifest, keys: Iterable[Key]) -> None:
+    """Record ``keys`` in ``current`` (the manifest a sync leaves) as the sync found them, so that
+    the next sync copies them: their previous entries, or none."""
+    for key in keys:
+        if key in previous:
+            current[key] = previous[key]
+        else:
+            current.pop(key, None)
+
+
+def _copy_data(src: int, dst: int, size: int, budget: Budget | None = None) -> None:
     """Copy the first ``size`` bytes of ``src`` to the empty ``dst``, data extents only: a hole
-    stays a hole (the file systems that cannot tell report the whole file as data)."""
+    stays a hole (the file systems that cannot tell report the whole file as data).  ``budget``
+    bounds the bytes copied."""
     offset = 0
     while offset < size:
         try:
@@ -244,7 +277,10 @@ def _copy_data(src: int, dst: int, size: int) -> None:
             raise
         os.lseek(dst, start, os.SEEK_SET)
         while start < end:
-            sent = os.sendfile(dst, src, start, min(end - start, 1 << 30))
+            wanted = min(end - start, 1 << 30)
+            sent = os.sendfile(dst, src, start, budget.take(wanted) if budget is not None else wanted)
+            if budget is not None:
+                budget.left += wanted - sent  # what the file did not have
             if sent == 0:
                 return  # the file shrank meanwhile: the next sync sees its new size
             start += sent
@@ -273,23 +309,22 @@ def _link_to_copied(dst_root: int, dst_dir: int, tmp: str, earlier: tuple[str, i
 
 def _copy_entry(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int,
-    inside_links_only: bool, links: Links | None = None,
+    inside_links_only: bool, links: Links | None = None, budget: Budget | None = None,
 ) -> None:
     """Copy the entry ``rel`` (a directory, a symlink or a regular file), whose directories are
     open as ``src_dir`` and ``dst_dir``, to the destination (``dst_root``).  ``links``: the sync's
-    map of multiply-linked files, so that every name of one source file names one destination file."""
+    map of multiply-linked files, so that every name of one source file names one destination file;
+    ``budget``: the sync's :class:`Budget` (:class:`OverBudget` once it is spent, nothing copied)."""
     name = rel.rsplit("/", 1)[-1]
     if kind == "d":
         os.close(_open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid))
         return
-    # 255 bytes at most, not characters: a name of 127 "é" (254 bytes, valid) made every write-back
-    # of the session fail with ENAMETOOLONG
+    # 255 bytes, not characters: a name of 127 "é" made every later write-back fail (ENAMETOOLONG)
     tmp = os.fsdecode(os.fsencode(f".corral-tmp-{os.getpid()}-{name}")[:255])
-    # a sync that failed (or an owner killed) midway left its temporary entry: every later one
-    # failed on it (``FileExistsError``), for good
-    _remove_beneath(dst_dir, tmp)
+    _remove_beneath(dst_dir, tmp)  # left by a sync that failed midway: every later one failed on it
     try:
-        if not _make_temporary(src_dir, dst_dir, dst_root, rel, tmp, kind, mode, uid, gid, inside_links_only, links):
+        if not _make_temporary(src_dir, dst_dir, dst_root, rel, tmp, kind, mode, uid, gid, inside_links_only, links,
+                               budget):
             return
     except BaseException:
         with contextlib.suppress(OSError):
@@ -304,7 +339,7 @@ def _copy_entry(
 
 def _make_temporary(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, tmp: str, kind: str, mode: int, uid: int, gid: int,
-    inside_links_only: bool, links: Links | None,
+    inside_links_only: bool, links: Links | None, budget: Budget | None,
 ) -> bool:
     """Make ``tmp`` in ``dst_dir`` a copy of the link or file ``rel`` (:func:`_copy_entry`); False
     if there is nothing to copy (a link that leads out of the tree, an entry no longer of its kind)."""
@@ -331,7 +366,7 @@ def _make_temporary(
         if earlier is None or not _link_to_copied(dst_root, dst_dir, tmp, earlier, uid, gid):
             dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
             try:
-                _copy_data(src, dst, st.st_size)
+                _copy_data(src, dst, st.st_size, budget)
                 os.fchown(dst, uid, gid)
                 os.fchmod(dst, mode & 0o777)
                 if links is not None and st.st_nlink > 1:
@@ -436,15 +471,20 @@ def _apply(
     dst_fd = os.open(dst, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
+    budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in
     try:
         remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid)
-        for key in depth_order(current):
+        order = depth_order(current)
+        for i, key in enumerate(order):
             entry = current[key]
             if entry[0] == "o" or previous.get(key) == entry:
                 continue
             try:
                 _copy_entry(sources.open(key[0]), targets.open(key[0]), dst_fd, rel_of(key), entry[0], entry[3],
-                            uid, gid, inside_links_only, links)
+                            uid, gid, inside_links_only, links, budget)
+            except OverBudget:
+                defer(current, previous, order[i:])
+                break
             except OSError as exc:
                 if exc.errno not in CHANGED_MEANWHILE:
                     raise
