@@ -17,11 +17,13 @@ that a sandbox with a 64 MiB disk wrote 4 GiB into the host directory with ``tru
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ResourceLimit
@@ -49,6 +51,10 @@ def _kind(mode: int) -> str:
         return "l"
     return "o"
 
+
+#: what a walk or a copy meets where the sandbox changed a path meanwhile (gone; a directory made
+#: a file or a link): the entry is skipped, and the next sync sees what it is now
+CHANGED_MEANWHILE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 #: entries deeper than this many directories, or whose path below the workspace is longer
 #: than ``MAX_PATH`` bytes, are not written back (nor copied in): a walk holds one descriptor
@@ -219,9 +225,42 @@ def link_stays_inside(rel: str, target: str) -> bool:
     return resolved != ".." and not resolved.startswith("../")
 
 
-def _copy_data(src: int, dst: int, size: int) -> None:
+class Budget:
+    """The data bytes one sync may still copy: what the file system of the tree it copies holds.  A
+    quiet tree never needs more; a sandbox moving 8 MiB of data ahead of the copy in a sparse file
+    made a 32 MiB sandbox's write-back put 216 MiB in the user's directory."""
+
+    def __init__(self, src_fd: int) -> None:
+        st = os.fstatvfs(src_fd)
+        self.left = st.f_blocks * st.f_frsize
+
+    def take(self, wanted: int) -> int:
+        """Up to ``wanted`` bytes of what is left; :class:`OverBudget` if nothing is."""
+        if self.left <= 0:
+            raise OverBudget()
+        got = min(wanted, self.left)
+        self.left -= got
+        return got
+
+
+class OverBudget(Exception):
+    """A sync used up its :class:`Budget`: what it did not copy waits for the next one."""
+
+
+def defer(current: Manifest, previous: Manifest, keys: Iterable[Key]) -> None:
+    """Record ``keys`` in ``current`` (the manifest a sync leaves) as the sync found them, so that
+    the next sync copies them: their previous entries, or none."""
+    for key in keys:
+        if key in previous:
+            current[key] = previous[key]
+        else:
+            current.pop(key, None)
+
+
+def _copy_data(src: int, dst: int, size: int, budget: Budget | None = None) -> None:
     """Copy the first ``size`` bytes of ``src`` to the empty ``dst``, data extents only: a hole
-    stays a hole (the file systems that cannot tell report the whole file as data)."""
+    stays a hole (the file systems that cannot tell report the whole file as data).  ``budget``
+    bounds the bytes copied."""
     offset = 0
     while offset < size:
         try:
@@ -230,10 +269,18 @@ def _copy_data(src: int, dst: int, size: int) -> None:
             if exc.errno == errno.ENXIO:
                 break  # only a hole is left
             raise
-        end = min(os.lseek(src, start, os.SEEK_HOLE), size)
+        try:
+            end = min(os.lseek(src, start, os.SEEK_HOLE), size)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                return  # the file shrank meanwhile (a command rewrote it): the next sync sees its new size
+            raise
         os.lseek(dst, start, os.SEEK_SET)
         while start < end:
-            sent = os.sendfile(dst, src, start, min(end - start, 1 << 30))
+            wanted = min(end - start, 1 << 30)
+            sent = os.sendfile(dst, src, start, budget.take(wanted) if budget is not None else wanted)
+            if budget is not None:
+                budget.left += wanted - sent  # what the file did not have
             if sent == 0:
                 return  # the file shrank meanwhile: the next sync sees its new size
             start += sent
@@ -262,47 +309,87 @@ def _link_to_copied(dst_root: int, dst_dir: int, tmp: str, earlier: tuple[str, i
 
 def _copy_entry(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int,
-    inside_links_only: bool, links: Links | None = None,
+    inside_links_only: bool, links: Links | None = None, budget: Budget | None = None,
 ) -> None:
     """Copy the entry ``rel`` (a directory, a symlink or a regular file), whose directories are
     open as ``src_dir`` and ``dst_dir``, to the destination (``dst_root``).  ``links``: the sync's
-    map of multiply-linked files, so that every name of one source file names one destination file."""
+    map of multiply-linked files, so that every name of one source file names one destination file;
+    ``budget``: the sync's :class:`Budget` (:class:`OverBudget` once it is spent, nothing copied)."""
     name = rel.rsplit("/", 1)[-1]
     if kind == "d":
         os.close(_open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid))
         return
-    tmp = f".corral-tmp-{os.getpid()}-{name}"[:255]
-    if kind == "l":
-        target = os.readlink(name, dir_fd=src_dir)
-        if inside_links_only and not link_stays_inside(rel, target):
-            return  # never plant a link to host paths in the user's directory
-        os.symlink(target, tmp, dir_fd=dst_dir)
-        os.chown(tmp, uid, gid, dir_fd=dst_dir, follow_symlinks=False)
-    else:
-        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=src_dir)
-        try:
-            st = os.fstat(src)
-            if not stat.S_ISREG(st.st_mode):
-                return
-            key = (st.st_dev, st.st_ino)
-            earlier = links.get(key) if links is not None and st.st_nlink > 1 else None
-            if earlier is None or not _link_to_copied(dst_root, dst_dir, tmp, earlier, uid, gid):
-                dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
-                try:
-                    _copy_data(src, dst, st.st_size)
-                    os.fchown(dst, uid, gid)
-                    os.fchmod(dst, mode & 0o777)
-                    if links is not None and st.st_nlink > 1:
-                        links[key] = (rel, os.fstat(dst).st_ino)
-                finally:
-                    os.close(dst)
-        finally:
-            os.close(src)
+    # 255 bytes, not characters: a name of 127 "é" made every later write-back fail (ENAMETOOLONG)
+    tmp = os.fsdecode(os.fsencode(f".corral-tmp-{os.getpid()}-{name}")[:255])
+    _remove_beneath(dst_dir, tmp)  # left by a sync that failed midway: every later one failed on it
+    try:
+        if not _make_temporary(src_dir, dst_dir, dst_root, rel, tmp, kind, mode, uid, gid, inside_links_only, links,
+                               budget):
+            return
+    except BaseException:
+        with contextlib.suppress(OSError):
+            _remove_beneath(dst_dir, tmp)
+        raise
     try:
         os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
     except IsADirectoryError:
         _remove_beneath(dst_dir, name)
         os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
+
+
+def _make_temporary(
+    src_dir: int, dst_dir: int, dst_root: int, rel: str, tmp: str, kind: str, mode: int, uid: int, gid: int,
+    inside_links_only: bool, links: Links | None, budget: Budget | None,
+) -> bool:
+    """Make ``tmp`` in ``dst_dir`` a copy of the link or file ``rel`` (:func:`_copy_entry`); False
+    if there is nothing to copy (a link that leads out of the tree, an entry no longer of its kind)."""
+    name = rel.rsplit("/", 1)[-1]
+    if kind == "l":
+        try:
+            target = os.readlink(name, dir_fd=src_dir)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return False  # no longer a link: the next sync sees what it is now
+            raise
+        if inside_links_only and not link_stays_inside(rel, target):
+            return False  # never plant a link to host paths in the user's directory
+        os.symlink(target, tmp, dir_fd=dst_dir)
+        os.chown(tmp, uid, gid, dir_fd=dst_dir, follow_symlinks=False)
+        return True
+    src = _open_file(src_dir, name)
+    if src is None:
+        return False  # no longer a file: the next sync sees what it is now
+    try:
+        st = os.fstat(src)
+        key = (st.st_dev, st.st_ino)
+        earlier = links.get(key) if links is not None and st.st_nlink > 1 else None
+        if earlier is None or not _link_to_copied(dst_root, dst_dir, tmp, earlier, uid, gid):
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
+            try:
+                _copy_data(src, dst, st.st_size, budget)
+                os.fchown(dst, uid, gid)
+                os.fchmod(dst, mode & 0o777)
+                if links is not None and st.st_nlink > 1:
+                    links[key] = (rel, os.fstat(dst).st_ino)
+            finally:
+                os.close(dst)
+        return True
+    finally:
+        os.close(src)
+
+
+def _open_file(dir_fd: int, name: str) -> int | None:
+    """``name`` in ``dir_fd`` opened to read if it is a regular file, else None.  It is looked at
+    (``O_PATH``, which opens nothing) before it is opened, through that descriptor: a name the
+    sandbox swaps meanwhile for a fifo, socket, whiteout or link (a background ``rm f; ln g f``
+    made commands fail with ``EACCES``) is never opened, nor followed."""
+    path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(path_fd).st_mode):
+            return None
+        return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(path_fd)
 
 
 def _remove_beneath(dir_fd: int, name: str) -> None:
@@ -349,6 +436,9 @@ class WorkspaceCopy:
     uid: int
     gid: int
     manifest: Manifest
+    #: commands finishing at once write back one at a time: two syncs at once raced for the same
+    #: temporary names (``FileExistsError``, and a temporary file left in the user's directory)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @classmethod
     def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int) -> WorkspaceCopy:
@@ -366,10 +456,12 @@ class WorkspaceCopy:
 
     def sync_back(self) -> None:
         """Write what changed in the copy since the last sync to the host directory."""
-        host_st = os.stat(self.host)
-        current = scan(self.copy)
-        _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid, inside_links_only=True)
-        self.manifest = current
+        with self._lock:
+            host_st = os.stat(self.host)
+            current = scan(self.copy)
+            _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid,
+                   inside_links_only=True)
+            self.manifest = current
 
 
 def _apply(
@@ -379,18 +471,26 @@ def _apply(
     dst_fd = os.open(dst, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
+    budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in
     try:
         remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid)
-        for key in depth_order(current):
+        order = depth_order(current)
+        for i, key in enumerate(order):
             entry = current[key]
             if entry[0] == "o" or previous.get(key) == entry:
                 continue
             try:
                 _copy_entry(sources.open(key[0]), targets.open(key[0]), dst_fd, rel_of(key), entry[0], entry[3],
-                            uid, gid, inside_links_only, links)
-            except FileNotFoundError:
-                targets.close()  # what it held may be gone
-                continue  # vanished while we copied: the next sync sees it gone
+                            uid, gid, inside_links_only, links, budget)
+            except OverBudget:
+                defer(current, previous, order[i:])
+                break
+            except OSError as exc:
+                if exc.errno not in CHANGED_MEANWHILE:
+                    raise
+                sources.close()  # what they held may be gone
+                targets.close()
+                continue  # changed while we copied (a directory made a link...): the next sync sees it
     finally:
         sources.close()
         targets.close()

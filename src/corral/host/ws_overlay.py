@@ -58,13 +58,17 @@ from . import idmap, mounts
 from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
+    CHANGED_MEANWHILE,
+    Budget,
     DirsBeneath,
     Links,
     Manifest,
+    OverBudget,
     WorkspaceCopy,
     _copy_entry,
     _open_dir_beneath,
     _remove_beneath,
+    defer,
     depth_order,
     is_whiteout,
     link_stays_inside,
@@ -187,11 +191,13 @@ def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: 
     dst_fd = os.open(host, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
+    budget = Budget(src_fd)
     try:
         gone = [key for key in previous if key not in current]
         gone += [key for key, entry in current.items() if entry[0] == "w" and previous.get(key) != entry]
         remove_gone(dst_fd, gone, uid, gid)
-        for key in depth_order(current):
+        order = depth_order(current)
+        for i, key in enumerate(order):
             entry = current[key]
             kind = entry[0]
             if kind in ("w", "o") or previous.get(key) == entry:
@@ -203,11 +209,14 @@ def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: 
                     _remove_beneath(dst_dir, key[1])  # a link Corral does not plant: the host's entry goes
                     continue
                 _copy_entry(src_dir, dst_dir, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
-                            inside_links_only=True, links=links)
+                            inside_links_only=True, links=links, budget=budget)
                 if kind == "D" and previous.get(key, ("",))[0] != "D":
                     _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
+            except OverBudget:
+                defer(current, previous, order[i:])
+                break
             except OSError as exc:
-                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                if exc.errno not in CHANGED_MEANWHILE:
                     raise
                 sources.close()  # what they held may be gone
                 targets.close()
