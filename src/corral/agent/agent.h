@@ -55,6 +55,7 @@ extern long default_uid;
 int set_default_user(long uid);
 void give_new_file(int fd, const char *path);
 int become_user(uid_t uid);
+void capbset_read(void);
 int userns_main(const char *uid_text);
 int vmm_main(int argc, char **argv);
 void agent_ids(int on);
