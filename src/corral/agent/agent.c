@@ -84,6 +84,14 @@ void send_frame(uint8_t type, uint32_t id, const void *data, uint32_t len) {
     write_all(1, data, len);
 }
 
+size_t put_frame(unsigned char *out, uint8_t type, uint32_t id, const void *data, uint32_t len) {
+    out[0] = type;
+    memcpy(out + 1, &id, 4);
+    memcpy(out + 5, &len, 4);
+    if (len) memcpy(out + 9, data, len);
+    return 9 + (size_t)len;
+}
+
 void send_err(uint32_t id, int err, const char *what) {
     char buf[512];
     int32_t e = err;
