@@ -326,13 +326,18 @@ class ProcessSandbox(LinuxSandbox):
             if placed is not None:
                 spare, host_pid, leaf = placed
                 # placed ahead of time: check it is still so (a read; a move only if it is not),
-                # now, for the agent lets it run the command as soon as it gets it, with no GO
+                # now, for the agent lets it run the command as soon as it gets it, with no GO.
+                # Found in every group and in its own leaf, it is the spare: that leaf was made
+                # for it alone and nothing else is ever moved there, nor forked there (a spare
+                # forks nothing), so a host pid reused by another process fails this read
                 try:
-                    if not _is_spare(host_pid, spare):
-                        # gone, and its host pid maybe another process's by now (a sandbox can churn
-                        # pids): never move that one into the sandbox's tree (destroy would kill it)
-                        raise ProcessLookupError(host_pid)
-                    cgroup.contain(host_pid, leaf)
+                    if cgroup.misplaced(host_pid, leaf):
+                        # not where it was put: gone, and its host pid maybe another process's by
+                        # now (a sandbox can churn pids), is never moved into the sandbox's tree
+                        # (destroy would kill it); only a spare still known by name and number is
+                        if not _is_spare(host_pid, spare):
+                            raise ProcessLookupError(host_pid)
+                        cgroup.contain(host_pid, leaf)
                 except ProcessLookupError:
                     return None, leaf  # it died: the agent forks the command, placed in this leaf
                 except BaseException:
