@@ -62,8 +62,24 @@ def measure(fn: Callable[[], object], n: int, warmup: int = 3) -> list[float]:
     return samples
 
 
+def context_switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of every thread of ``pid`` so far: a voluntary
+    one is a sleep, each ended by a wake-up (costly on this VM), so they count the wake-ups."""
+    counts = [0, 0]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as status:
+                for line in status:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        counts[line.startswith("non")] += int(line.split()[1])
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return counts[0], counts[1]
+
+
 def exec_only(iterations: int) -> int:
-    """The exec round trip alone, interleaved with its baseline, and the host CPU it takes."""
+    """The exec round trip alone, interleaved with its baseline, and the host CPU and wake-ups
+    it takes."""
     from corral import Sandbox
 
     plain: list[float] = []
@@ -73,9 +89,15 @@ def exec_only(iterations: int) -> int:
         for _ in range(iterations):
             samples += measure(lambda: sb.commands.run(["true"]), 1, warmup=0)
             plain += measure(lambda: subprocess.run(["true"], check=True), 1, warmup=0)
+        # the process tier's agent (pid 1 of the sandbox), for its own wake-ups
+        agent_pid = getattr(sb._inner, "_agent_host_pid", lambda: None)()
+        host_before = context_switches(os.getpid())
+        agent_before = context_switches(agent_pid) if agent_pid else (0, 0)
         cpu = time.process_time()
         measure(lambda: sb.commands.run(["true"]), iterations, warmup=0)
         cpu_ms = (time.process_time() - cpu) * 1000 / iterations
+        host_after = context_switches(os.getpid())
+        agent_after = context_switches(agent_pid) if agent_pid else (0, 0)
     import corral
 
     print(f"load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus; iterations {iterations}; "
@@ -84,6 +106,9 @@ def exec_only(iterations: int) -> int:
         p50, p95, p99 = percentiles(rows)
         print(f"{name:<40} p50 {p50:6.3f}  p95 {p95:6.3f}  p99 {p99:6.3f} ms  p50/true {p50 / percentiles(plain)[0]:.2f}")
     print(f"host CPU per exec round trip (all threads): {cpu_ms:.3f} ms; target p50 <= 0.8 ms (issue 16)")
+    per = [(after - before) / iterations for before, after in zip(host_before + agent_before, host_after + agent_after, strict=True)]
+    print(f"sleeps (wake-ups) per exec round trip: host threads {per[0]:.2f} voluntary + {per[1]:.2f} preempted"
+          + (f"; the sandbox's agent {per[2]:.2f} + {per[3]:.2f}" if agent_pid else ""))
     return 0
 
 

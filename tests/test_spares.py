@@ -7,7 +7,10 @@ its own kill tree, its own stdin's end of file, a fresh environment.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+
+import pytest
 
 from corral import Sandbox
 from corral.tiers.process import ProcessSandbox
@@ -132,3 +135,66 @@ def test_a_spares_host_pid_taken_by_a_host_process_is_never_moved_into_the_sandb
         host.kill()
         host.wait()
     assert sandbox.commands.run("echo still").stdout == "still\n"
+
+
+def _placer_stopped(inner: ProcessSandbox) -> threading.Event:
+    """The placer thread places no spare of ``inner`` any more (its job only removes finished
+    leaves), and the returned event is set once the agent has announced its next spare."""
+    announced = threading.Event()
+    inner._place_spare = lambda nspid: None  # type: ignore[method-assign]
+    channel = inner._channel
+    assert channel is not None and channel.on_spare is not None
+    forked = channel.on_spare
+
+    def on_spare(nspid: int) -> None:
+        forked(nspid)
+        announced.set()
+
+    channel.on_spare = on_spare
+    return announced
+
+
+def test_a_command_that_comes_before_its_spare_is_placed_places_it_and_runs_in_it(sandbox: Sandbox) -> None:
+    inner = sandbox._inner
+    assert isinstance(inner, ProcessSandbox)
+    placed(sandbox)
+    announced = _placer_stopped(inner)
+    cat = sandbox.commands.start("cat", timeout=10)  # takes the placed spare; the next one is forked
+    try:
+        assert announced.wait(10.0), "the agent announced no new spare"
+        nspid = inner._announced
+        assert nspid is not None and inner._spare is None and not inner.spare_placed.is_set()
+        said = sandbox.commands.run("echo $$; cat /proc/self/cgroup").stdout.split()
+        # it ran in that spare, moved into a fresh leaf of its own before it ran (not cat's, not
+        # the agent's), by the command's own start: the placer thread placed nothing
+        assert said[0] == str(nspid)
+        own = next(line for line in said if line.startswith("0::"))
+        assert own.rsplit("/", 1)[1].startswith("e")
+        assert own != _leaf_of(inner._agent_host_pid())
+        assert cat.pid is not None and own not in sandbox.commands.run(f"cat /proc/{cat.pid}/cgroup").stdout
+    finally:
+        cat.close_stdin()
+        assert cat.wait().exit_code == 0
+
+
+def test_a_spare_that_cannot_be_placed_when_its_command_comes_fails_it_closed(sandbox: Sandbox) -> None:
+    from corral.errors import ContainmentFailed
+
+    inner = sandbox._inner
+    assert isinstance(inner, ProcessSandbox) and inner.cgroup is not None
+    limit = inner.cgroup.kill_group / "cgroup.max.descendants"
+    if not limit.exists():
+        pytest.skip("the kill tree is a v1 freezer: no cgroup.max.descendants to refuse a leaf")
+    placed(sandbox)
+    announced = _placer_stopped(inner)
+    sandbox.commands.run("true")  # takes the placed spare; the next one is announced, not placed
+    assert announced.wait(10.0), "the agent announced no new spare"
+    assert inner._announced is not None
+    limit.write_text(str(sum(1 for p in inner.cgroup.kill_group.iterdir() if p.is_dir())))
+    try:
+        with pytest.raises(ContainmentFailed):
+            sandbox.commands.run("touch /tmp/ran")
+    finally:
+        limit.write_text("max")
+    assert not sandbox.files.exists("/tmp/ran"), "the refused command ran"
+    assert sandbox.commands.run("echo fine").stdout == "fine\n"

@@ -84,6 +84,14 @@ void send_frame(uint8_t type, uint32_t id, const void *data, uint32_t len) {
     write_all(1, data, len);
 }
 
+size_t put_frame(unsigned char *out, uint8_t type, uint32_t id, const void *data, uint32_t len) {
+    out[0] = type;
+    memcpy(out + 1, &id, 4);
+    memcpy(out + 5, &len, 4);
+    if (len) memcpy(out + 9, data, len);
+    return 9 + (size_t)len;
+}
+
 void send_err(uint32_t id, int err, const char *what) {
     char buf[512];
     int32_t e = err;
@@ -278,6 +286,7 @@ int main(int argc, char **argv) {
     }
     if (hold) {
         send_frame(T_READY, 0, "corral-agent 1", 14);
+        capbset_read(); /* while the host checks the sandbox's cgroups: off the create's path */
         unsigned char hdr[9];
         if (read_full(0, hdr, 9) <= 0 || hdr[0] != T_GO) return 0; /* no GO: never run anything */
         uint32_t len;
@@ -323,7 +332,10 @@ int main(int argc, char **argv) {
          * its own; "g": as the agent (guest root), as a sandbox created with user="root" asks */
         if (go == 'u' && set_default_user(1000) < 0) return 2;
     }
-    if (!hold) send_frame(T_READY, 0, "corral-agent 1", 14);
+    if (!hold) {
+        send_frame(T_READY, 0, "corral-agent 1", 14);
+        capbset_read(); /* once: each command then drops only what its bounding set holds */
+    }
     fork_spare();
 
     char *payload = NULL;

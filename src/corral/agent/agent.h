@@ -44,6 +44,8 @@ extern struct exec execs[MAX_EXECS];
 long long now_ms(void);
 void write_all(int fd, const void *buf, size_t len);
 void send_frame(uint8_t type, uint32_t id, const void *data, uint32_t len);
+/* a whole frame into out (9 + len bytes), for several frames in one write; returns its size */
+size_t put_frame(unsigned char *out, uint8_t type, uint32_t id, const void *data, uint32_t len);
 void send_err(uint32_t id, int err, const char *what);
 int read_full(int fd, void *buf, size_t len);
 int split_strings(char *p, size_t len, char **out, int max);
@@ -55,6 +57,7 @@ extern long default_uid;
 int set_default_user(long uid);
 void give_new_file(int fd, const char *path);
 int become_user(uid_t uid);
+void capbset_read(void);
 int userns_main(const char *uid_text);
 int vmm_main(int argc, char **argv);
 void agent_ids(int on);

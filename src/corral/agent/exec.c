@@ -192,8 +192,9 @@ static void __attribute__((noreturn)) spare_main(void) {
     become_command(3, &cmd);
 }
 
-void fork_spare(void) {
-    if (!spares_enabled || spare.pid > 0) return;
+/* Fork a new spare if there is none: its pid, or 0 (none made, or one is there already). */
+static pid_t spawn_spare(void) {
+    if (!spares_enabled || spare.pid > 0) return 0;
     int pin[2] = {-1, -1}, pout[2] = {-1, -1}, perr[2] = {-1, -1}, psync[2] = {-1, -1};
     int *all[] = {pin, pout, perr, psync};
     int ok = pipe2(pin, O_CLOEXEC) == 0 && pipe2(pout, O_CLOEXEC) == 0 && pipe2(perr, O_CLOEXEC) == 0 &&
@@ -215,7 +216,7 @@ void fork_spare(void) {
     prctl(PR_SET_NAME, own);
     if (pid < 0) {
         for (int i = 0; i < 4; i++) { close_fd(&all[i][0]); close_fd(&all[i][1]); }
-        return;
+        return 0;
     }
     close(pin[0]); close(pout[1]); close(perr[1]); close(psync[0]);
     spare.pid = pid;
@@ -223,8 +224,12 @@ void fork_spare(void) {
     spare.fd_out = pout[0];
     spare.fd_err = perr[0];
     spare.fd_sync = psync[1];
-    uint32_t p32 = (uint32_t)pid;
-    send_frame(T_SPARE, 0, &p32, 4);
+    return pid;
+}
+
+void fork_spare(void) {
+    uint32_t p32 = (uint32_t)spawn_spare();
+    if (p32) send_frame(T_SPARE, 0, &p32, 4);
 }
 
 static void drop_spare(void) {
@@ -291,9 +296,13 @@ void do_exec_spare(uint32_t id, char *payload, uint32_t len) {
     close_fd(&spare.fd_sync);
     spare.pid = 0;
     spare.fd_in = spare.fd_out = spare.fd_err = -1;
-    uint32_t p32 = (uint32_t)e->pid;
-    send_frame(T_STARTED, id, &p32, 4);
-    fork_spare(); /* the next one, placed by the host while this command runs */
+    /* the next spare, placed by the host while this command runs; announced with the start in
+     * one write: the host's reader wakes once for both, not twice while the command runs */
+    uint32_t started = (uint32_t)e->pid, next = (uint32_t)spawn_spare();
+    unsigned char out[2 * 13];
+    size_t n = put_frame(out, T_STARTED, id, &started, 4);
+    if (next) n += put_frame(out + n, T_SPARE, 0, &next, 4);
+    write_all(1, out, n);
 }
 
 void flush_stdin(struct exec *e) {

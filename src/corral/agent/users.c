@@ -102,6 +102,26 @@ static void give_stdio(uid_t uid) {
     }
 }
 
+/* The agent's bounding set, read once (capbset_read) before it forks commands: it never
+ * changes (nothing drops the agent's own), and its commands inherit it.  A capability not in
+ * it needs no drop. */
+static uint64_t bset;
+static int bset_known;
+
+void capbset_read(void) {
+    uint64_t held = 0;
+    for (int cap = 0; cap <= 63; cap++) {
+        int r = prctl(PR_CAPBSET_READ, cap, 0, 0, 0);
+        if (r < 0) {
+            if (errno == EINVAL) break; /* past the kernel's last capability */
+            return; /* unknown: become_user drops every one */
+        }
+        if (r) held |= 1ull << cap;
+    }
+    bset = held;
+    bset_known = 1;
+}
+
 int become_user(uid_t uid) {
     if (uid != 0) give_stdio(uid);
     if (setgroups(0, NULL) < 0) return -1;
@@ -112,8 +132,11 @@ int become_user(uid_t uid) {
         setfsuid(0);
         return 0;
     }
-    /* the bounding set first (it needs CAP_SETPCAP, gone with the uid change) */
+    /* the bounding set first (it needs CAP_SETPCAP, gone with the uid change): only the
+     * capabilities it holds (read once by the agent, see capbset_read), each one a system call
+     * on a command's path; every one when it was not read */
     for (int cap = 0; cap <= 63; cap++) {
+        if (bset_known && !(bset >> cap & 1)) continue;
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0 || errno == EPERM) continue;
         if (errno == EINVAL) break; /* past the kernel's last capability (they are numbered 0..last) */
         return -1;

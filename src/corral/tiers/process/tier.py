@@ -46,6 +46,9 @@ from ..linux.sandbox import LinuxSandbox
 from .launcher import LAUNCHER
 from .spares import PLACER, SETTLE
 
+#: seconds a command waits for the spare the placer thread is placing before it is forked instead
+PLACING_WAIT = 0.01
+
 START_TIMEOUT = 10.0
 
 
@@ -107,6 +110,10 @@ class ProcessSandbox(LinuxSandbox):
         self._spare: tuple[int, int, Path] | None = None
         #: set while a placed spare waits for the next command (tests wait on it, not on sleeps)
         self.spare_placed = threading.Event()
+        #: the latest spare the agent announced that nobody has begun to place yet
+        self._announced: int | None = None
+        #: set once the placement under way (placer thread) is over, placed or not
+        self._placing: threading.Event | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         #: the host's ends of the agent's pipes (from it, to it) until its channel takes them
         self._agent_pipes: tuple[int, int] | None = None
@@ -256,52 +263,102 @@ class ProcessSandbox(LinuxSandbox):
         """The agent announced a new spare (on the reader thread).  The first one, forked as the
         sandbox starts, is placed once the sandbox has been idle a while (``SETTLE``): a sandbox
         destroyed after one command is not worth the move.  Every later one is forked as the
-        previous spare's command starts, and placed at once, while that command runs."""
+        previous spare's command starts, and placed at once, while that command runs.  A command
+        that comes before the placer began places it itself (:meth:`_claim_spare`)."""
+        with self._lock:
+            self._announced = nspid
         PLACER.schedule(lambda: self._place_spare(nspid), 0.0 if self._exec_count else SETTLE)
 
     def _place_spare(self, nspid: int) -> None:
-        """Move the agent's spare into a leaf of its own (on the placer thread, see .spares)."""
-        if self._closed or self.cgroup is None:
-            return
+        """Move the agent's spare into a leaf of its own (on the placer thread, see .spares),
+        unless a command took it first; and remove the leaves of finished commands."""
+        with self._lock:
+            claimed = not self._closed and self.cgroup is not None and self._announced == nspid
+            if claimed:
+                self._announced = None
+                done = self._placing = threading.Event()
+        if claimed:
+            try:
+                placed = self._move_spare(nspid)
+                if placed is not None:
+                    with self._lock:
+                        if self._spare is not None:
+                            self._leaves.append(self._spare[2])  # a spare that died unused: its leaf is done
+                        self._spare = (nspid, *placed)
+                        self.spare_placed.set()
+            finally:
+                with self._lock:
+                    self._placing = None
+                done.set()
+        self._retire_leaf(None)  # the leaves of commands run in earlier spares (see start's finish)
+
+    def _move_spare(self, nspid: int) -> tuple[int, Path] | None:
+        """Move the spare ``nspid`` into a new leaf: (its host pid, the leaf), or None if it is gone
+        (or no longer a spare).  Raises when it could not be placed (the leaf is retired then)."""
+        assert self.cgroup is not None
         host_pid = self._spare_host_pid(nspid)
         if host_pid is None:
-            return
+            return None
         leaf = self._new_leaf(self.cgroup)
         try:
             self.cgroup.attach(host_pid, leaf)
+        except ProcessLookupError:
+            self._retire_leaf(leaf)
+            return None
         except BaseException:
             self._retire_leaf(leaf)
             raise
-        with self._lock:
-            if self._spare is not None:
-                self._leaves.append(self._spare[2])  # a spare that died unused: its leaf is done with
-            self._spare = (nspid, host_pid, leaf)
-            self.spare_placed.set()
-        self._retire_leaf(None)  # the leaves of commands run in earlier spares (see start's finish)
+        return host_pid, leaf
+
+    def _claim_spare(self, cgroup: cgroups.SandboxCgroup) -> tuple[int | None, Path]:
+        """The spare a command (not on a terminal) runs in, placed, and the command's leaf: the
+        spare waiting placed; else the one announced and not placed yet, placed now (here: a
+        command that comes as the previous one ends would otherwise wait for the placer thread,
+        or be forked and placed the slow way); else, if the placer is placing one, that one once
+        it is done.  (None, a new leaf) when there is none: the agent forks the command."""
+        for attempt in range(2):
+            with self._lock:
+                placed, announced, placing = self._spare, self._announced, self._placing
+                self._spare = None
+                if placed is None and announced is not None:
+                    self._announced = None
+                self.spare_placed.clear()
+            if placed is not None:
+                spare, host_pid, leaf = placed
+                # placed ahead of time: check it is still so (a read; a move only if it is not),
+                # now, for the agent lets it run the command as soon as it gets it, with no GO.
+                # Found in every group and in its own leaf, it is the spare: that leaf was made
+                # for it alone and nothing else is ever moved there, nor forked there (a spare
+                # forks nothing), so a host pid reused by another process fails this read
+                try:
+                    if cgroup.misplaced(host_pid, leaf):
+                        # not where it was put: gone, and its host pid maybe another process's by
+                        # now (a sandbox can churn pids), is never moved into the sandbox's tree
+                        # (destroy would kill it); only a spare still known by name and number is
+                        if not _is_spare(host_pid, spare):
+                            raise ProcessLookupError(host_pid)
+                        cgroup.contain(host_pid, leaf)
+                except ProcessLookupError:
+                    return None, leaf  # it died: the agent forks the command, placed in this leaf
+                except BaseException:
+                    self._retire_leaf(leaf)
+                    raise
+                return spare, leaf
+            if announced is not None:
+                moved = self._move_spare(announced)  # raises (fail closed) when it cannot be placed
+                if moved is not None:
+                    return announced, moved[1]
+                break
+            if placing is None or attempt or not placing.wait(PLACING_WAIT):
+                break
+        return None, self._new_leaf(cgroup)
 
     def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
         channel, cgroup = self._live()
         request = self.with_network_env(request)
         spare: int | None = None
-        spare_host_pid = 0
-        with self._lock:
-            if self._spare is not None and request.pty is None:
-                (spare, spare_host_pid, leaf), self._spare = self._spare, None
-                self.spare_placed.clear()
-        if spare is not None:
-            # placed ahead of time: check it is still so (a read; a move only if it is not), now,
-            # for the agent lets it run the command as soon as it gets it, with no GO to wait for
-            try:
-                if not _is_spare(spare_host_pid, spare):
-                    # gone, and its host pid maybe another process's by now (a sandbox can churn
-                    # pids): never move that one into the sandbox's tree (destroy would kill it)
-                    raise ProcessLookupError(spare_host_pid)
-                cgroup.contain(spare_host_pid, leaf)
-            except ProcessLookupError:
-                spare = None  # it died: the agent forks the command, placed in this leaf below
-            except BaseException:
-                self._retire_leaf(leaf)
-                raise
+        if request.pty is None:
+            spare, leaf = self._claim_spare(cgroup)
         else:
             leaf = self._new_leaf(cgroup)
         oom_before = cgroup.oom_kills()
