@@ -5,6 +5,10 @@
 writes to it; the WebSocket ``.../{pid}/stream`` attaches to it: first the output kept so far
 (up to ``max_output`` per stream), then what follows, then the result.  Closing an attached
 WebSocket leaves the command running; destroying the sandbox ends it.
+
+Each attachment streams at most ``max_output`` per stream, replay included (like the exec
+stream; the result says ``truncated``): a client that attaches and does not read holds the
+server to that much, however long the command writes.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class Recorded:
         self._limit = limit
         self._kept = {"stdout": 0, "stderr": 0}
         self._events: list[Event] = []
-        self._listeners: set[Callable[[Event], None]] = set()
+        #: each listener, and the bytes per stream it may still be sent
+        self._listeners: dict[Callable[[Event], None], dict[str, int]] = {}
         self.finished = False
 
     def output(self, stream: str, chunk: bytes) -> None:  # on the sandbox's reader thread
@@ -47,8 +52,10 @@ class Recorded:
             if room > 0:
                 self._events.append((stream, chunk[:room]))
                 self._kept[stream] += min(room, len(chunk))
-            for listener in self._listeners:
-                listener((stream, chunk))
+            for listener, left in self._listeners.items():
+                if left[stream] > 0:
+                    listener((stream, chunk[: left[stream]]))
+                    left[stream] -= len(chunk)
 
     def finish(self, event: Event) -> None:
         with self._lock:
@@ -58,14 +65,15 @@ class Recorded:
                 listener(event)
 
     def attach(self, listener: Callable[[Event], None]) -> list[Event]:
-        """Start calling ``listener``; returns what came before (atomically: nothing is lost or doubled)."""
+        """Start calling ``listener``; returns what came before (atomically: nothing is lost or doubled).
+        What came before and what ``listener`` is given add up to at most the limit per stream."""
         with self._lock:
-            self._listeners.add(listener)
+            self._listeners[listener] = {s: self._limit - kept for s, kept in self._kept.items()}
             return list(self._events)
 
     def detach(self, listener: Callable[[Event], None]) -> None:
         with self._lock:
-            self._listeners.discard(listener)
+            self._listeners.pop(listener, None)
 
 
 @router.post(PREFIX, status_code=201, summary="Start a command in the background")
