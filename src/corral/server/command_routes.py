@@ -96,7 +96,7 @@ async def start_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Conte
         threading.Thread(target=wait, name="corral-background-wait", daemon=True).start()
         return handle
 
-    handle = await ctx.run_blocking(start)
+    handle = await ctx.run_for(who, start)
     if handle.pid is None:
         raise InvalidSpec("the command ended before it started")
     # what ended stays attachable for a while; beyond KEEP_FINISHED the oldest goes (memory: each
@@ -117,7 +117,7 @@ async def list_commands(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str,
 @router.delete(PREFIX + "/{pid}", status_code=204, summary="Kill a running command (404 if none has this pid)")
 async def kill_command(sandbox_id: str, pid: int, who: Tenant, ctx: Context) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    if not await ctx.run_blocking(entry.sandbox.commands.kill, pid):
+    if not await ctx.run_for(who, entry.sandbox.commands.kill, pid):
         return error_response(404, "not_found", f"sandbox {sandbox_id} has no running command with pid {pid}")
     return Response(status_code=204)
 
@@ -137,7 +137,7 @@ async def command_stdin(sandbox_id: str, pid: int, request: Request, who: Tenant
             handle.close_stdin()
 
     try:
-        await ctx.run_blocking(feed)
+        await ctx.run_for(who, feed)
     except InvalidSpec as exc:
         return error_response(404, "not_found", str(exc))
     return Response(status_code=204)
@@ -147,7 +147,7 @@ async def command_stdin(sandbox_id: str, pid: int, request: Request, who: Tenant
 async def command_signal(sandbox_id: str, pid: int, body: SignalBody, who: Tenant, ctx: Context) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     try:
-        await ctx.run_blocking(lambda: entry.sandbox.commands.connect(pid).send_signal(body.signal))
+        await ctx.run_for(who, lambda: entry.sandbox.commands.connect(pid).send_signal(body.signal))
     except InvalidSpec as exc:
         return error_response(404, "not_found", str(exc))
     return Response(status_code=204)

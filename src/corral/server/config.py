@@ -90,6 +90,14 @@ class ServerConfig:
     max_lifetime: float = 3600.0
     max_request_bytes: int = 32 * MiB
     max_concurrent_execs: int = 8
+    #: threads for blocking sandbox work (commands, code cells, file transfers), shared by all tenants
+    blocking_threads: int = 128
+    #: of those, how many one tenant's work may hold at once; the rest of its work waits its turn,
+    #: so one tenant's long commands never make another tenant's calls wait
+    max_threads_per_tenant: int = 32
+    #: bytes of file downloads one tenant may have in flight (read, not yet sent: a client that does
+    #: not read holds them); a download past it is refused (429)
+    max_download_bytes_per_tenant: int = 256 * MiB
     #: open client connections; past it uvicorn answers 503 (each costs a descriptor, not a thread)
     max_connections: int = 16384
     pools: list[dict[str, Any]] = field(default_factory=list)
@@ -109,6 +117,12 @@ class ServerConfig:
         self.max_lifetime = _positive(self.max_lifetime, "max_lifetime")
         self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
+        self.blocking_threads = _positive(self.blocking_threads, "blocking_threads", integer=True)
+        self.max_threads_per_tenant = _positive(self.max_threads_per_tenant, "max_threads_per_tenant", integer=True)
+        if self.max_threads_per_tenant >= self.blocking_threads and self.key_digests:
+            raise InvalidSpec(f"max_threads_per_tenant: {self.max_threads_per_tenant} must be below blocking_threads "
+                              f"({self.blocking_threads}), or one tenant could hold every thread")
+        self.max_download_bytes_per_tenant = parse_size(self.max_download_bytes_per_tenant, "max_download_bytes")
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
         if not isinstance(self.fast_routes, bool):
             raise InvalidSpec(f"fast_routes: {self.fast_routes!r} must be true or false")

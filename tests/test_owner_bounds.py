@@ -1,0 +1,190 @@
+"""What a sandbox, or one tenant of a server, can make the owner hold or spend.
+
+The sandbox's own memory, pids, CPU and disk have cgroup limits; the process that holds it (the
+library's caller, ``corral serve``) has none, so each path from the sandbox or a tenant into the
+owner is bounded here: a stream's output, a code cell's frames, the server's threads and its
+downloads in flight.  Each test checks the bound holds and that what it allows still works.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from .server_fixtures import KEYS, ServerProcess
+
+MiB = 1 << 20
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M"}
+    with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
+        yield srv
+
+
+def create(http: httpx.Client, **limits: object) -> str:
+    response = http.post("/v1/sandboxes", json={"limits": {"memory": "128M", **limits}})
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def running(http: httpx.Client, sid: str) -> set[int]:
+    return {c["pid"] for c in http.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]}
+
+
+def test_attached_clients_that_do_not_read_hold_the_server_to_max_output(server: ServerProcess) -> None:
+    """A background command writing 160 MiB to two attached WebSockets that never read: the server
+    holds at most ``max_output`` per stream for them (before: every chunk was queued, 6 GB in 16 s);
+    a client that reads gets what the command printed, then its result."""
+    assert server.proc is not None
+    pid = server.proc.pid
+    with server.client("alice") as http:
+        sid = create(http, max_output="1M")
+        ws_url = server.url.replace("http", "ws")
+        before = rss_mib(pid)
+        flood = http.post(f"/v1/sandboxes/{sid}/commands",
+                          json={"cmd": "dd if=/dev/zero bs=64k count=2560 status=none", "timeout": 60}).json()["pid"]
+        stalled = [connect(f"{ws_url}/v1/sandboxes/{sid}/commands/{flood}/stream",
+                           additional_headers=server.headers("alice"), max_queue=1, max_size=None, close_timeout=0.2)
+                   for _ in range(2)]
+        try:
+            peak = before
+            deadline = time.monotonic() + 30
+            while flood in running(http, sid) and time.monotonic() < deadline:
+                peak = max(peak, rss_mib(pid))
+                time.sleep(0.05)
+            peak = max(peak, rss_mib(pid))
+            assert flood not in running(http, sid), "dd did not write its 160 MiB within 30 s"
+            assert peak - before < 80, f"the server grew from {before} to {peak} MiB for 1 MiB of max_output"
+        finally:
+            for ws in stalled:
+                ws.close()
+
+        # allowed: a client that reads gets everything a command printed under the cap, and its result
+        short = http.post(f"/v1/sandboxes/{sid}/commands",
+                          json={"cmd": "head -c 300000 /dev/zero | tr '\\0' a", "timeout": 30}).json()["pid"]
+        with connect(f"{ws_url}/v1/sandboxes/{sid}/commands/{short}/stream",
+                     additional_headers=server.headers("alice"), max_size=None) as ws:
+            got, result = 0, None
+            while result is None:
+                frame = json.loads(ws.recv(timeout=30))
+                if frame["type"] == "stdout":
+                    got += len(frame["data"])
+                elif frame["type"] == "result":
+                    result = frame
+        assert got == 300000 and result["exit_code"] == 0 and not result["truncated"]
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_one_tenants_long_commands_do_not_make_another_tenant_wait(server: ServerProcess) -> None:
+    """Four threads for blocking work, two per tenant: alice's four long execs run two at a time
+    (the others wait their turn, all finish), and bob's exec and file listing meanwhile answer at
+    once (before: alice's execs took every thread and bob waited for one to end)."""
+    marker = "3.217"
+    with server.client("alice") as alice, server.client("bob") as bob:
+        a_sid, b_sid = create(alice), create(bob)
+
+        def hog(_: int) -> int:
+            with httpx.Client(base_url=server.url, headers=server.headers("alice"), timeout=60) as c:
+                return c.post(f"/v1/sandboxes/{a_sid}/exec", json={"cmd": f"sleep {marker}", "timeout": 30}).status_code
+
+        def sleeping() -> int:
+            found = subprocess.run(["pgrep", "-c", "-f", f"^sleep {marker}$"], capture_output=True, text=True)
+            return int(found.stdout.strip() or 0)
+
+        with ThreadPoolExecutor(4) as pool:
+            hogs = [pool.submit(hog, i) for i in range(4)]
+            deadline = time.monotonic() + 10
+            while sleeping() < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            answer = bob.post(f"/v1/sandboxes/{b_sid}/exec", json={"cmd": "echo hi"})
+            listing = bob.get(f"/v1/sandboxes/{b_sid}/files", params={"path": "/tmp"})
+            waited = time.monotonic() - t0
+            assert answer.status_code == 200 and answer.json()["stdout"] == "hi\n" and listing.status_code == 200
+            assert waited < 1.5, f"bob waited {waited:.2f} s behind alice's commands"
+            most = 0
+            while not all(h.done() for h in hogs):
+                most = max(most, sleeping())
+                time.sleep(0.02)
+            assert most == 2, f"{most} of alice's commands ran at once, not her share of 2"
+            assert [h.result() for h in hogs] == [200] * 4
+        alice.delete(f"/v1/sandboxes/{a_sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def _stalled_download(server: ServerProcess, sid: str) -> socket.socket:
+    """A download whose client never reads its body."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", server.port))
+    s.sendall(f"GET /v1/sandboxes/{sid}/files/content?path=/tmp/big HTTP/1.1\r\nHost: x\r\n"
+              f"Authorization: Bearer {KEYS['alice']}\r\n\r\n".encode())
+    return s
+
+
+def test_downloads_a_tenant_does_not_read_are_bounded_per_tenant(server: ServerProcess) -> None:
+    """With 30 MiB of downloads in flight per tenant, two 12 MiB downloads nobody reads leave room for
+    no third one of alice's (429, and the server holds ~24 MiB, not N x 12); bob's goes through, and
+    alice's do once hers are closed (before: 20 such downloads of 60 MiB held 1.26 GB)."""
+    with server.client("alice") as alice, server.client("bob") as bob:
+        a_sid, b_sid = create(alice), create(bob)
+        for http, sid in ((alice, a_sid), (bob, b_sid)):
+            made = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 12M /dev/zero > /tmp/big"})
+            assert made.json()["exit_code"] == 0
+        stalled = [_stalled_download(server, a_sid) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                third = alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/big"})
+                if third.status_code == 429:
+                    break
+                time.sleep(0.05)
+            assert third.status_code == 429 and third.json()["error"] == "resource_limit", third.status_code
+            assert len(bob.get(f"/v1/sandboxes/{b_sid}/files/content", params={"path": "/tmp/big"}).content) == 12 * MiB
+        finally:
+            for s in stalled:
+                s.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            again = alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/big"})
+            if again.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 200 and len(again.content) == 12 * MiB
+        alice.delete(f"/v1/sandboxes/{a_sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def test_a_long_frame_from_a_code_cell_costs_the_owner_its_length_not_its_square() -> None:
+    """A cell printing one 32 MiB line: the owner parses it in linear time (before: the frame was
+    re-copied for each 64 KiB read, ~6 s of the owner's CPU for 32 MiB, 22 s for 60 MiB); output past
+    max_output is dropped and says so, and a 1 MiB line arrives whole."""
+    from corral import Sandbox
+
+    with Sandbox.create() as sb:
+        small = sb.run_code("print('y' * (1 << 20))")
+        assert "".join(small.logs.stdout) == "y" * (1 << 20) + "\n" and not small.truncated
+        cpu = time.process_time()
+        big = sb.run_code("print('x' * (32 << 20))", timeout=60)
+        spent = time.process_time() - cpu
+        assert big.truncated and big.error is None
+        assert spent < 2.0, f"the owner spent {spent:.2f} s of CPU on one 32 MiB line"
+        assert sb.run_code("6 * 7").text == "42"
