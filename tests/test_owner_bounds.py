@@ -34,7 +34,8 @@ def rss_mib(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
-    config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M"}
+    config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M",
+              "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M"}
     with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
         yield srv
 
@@ -169,6 +170,58 @@ def test_downloads_a_tenant_does_not_read_are_bounded_per_tenant(server: ServerP
                 break
             time.sleep(0.05)
         assert again.status_code == 200 and len(again.content) == 12 * MiB
+        alice.delete(f"/v1/sandboxes/{a_sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def _body_not_sent(server: ServerProcess, sid: str, key: str, length: int) -> socket.socket:
+    """An upload whose headers are sent and whose body is not."""
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(f"PUT /v1/sandboxes/{sid}/files/content?path=/tmp/up HTTP/1.1\r\nHost: x\r\n"
+              f"Authorization: Bearer {key}\r\nContent-Length: {length}\r\n\r\n".encode())
+    return s
+
+
+def _answered(s: socket.socket, within: float) -> int | None:
+    """The status the server answered on ``s`` within ``within`` seconds, or None if it waits for more."""
+    s.settimeout(within)
+    try:
+        return int(s.recv(64).split()[1])
+    except TimeoutError:
+        return None
+
+
+def test_request_bodies_need_a_key_before_they_are_read_and_are_bounded_per_tenant(server: ServerProcess) -> None:
+    """A body without a valid key is refused before any of it is read (before: 20 such 32 MiB bodies
+    held 620 MiB); one tenant's bodies under way hold at most max_request_bytes_per_tenant (8 MiB here):
+    with two 4 MiB uploads whose bodies do not come, alice's third is 429 at once, bob's upload works,
+    and alice's does again once hers are closed."""
+    with server.client("alice") as alice, server.client("bob") as bob:
+        a_sid, b_sid = create(alice), create(bob)
+        with _body_not_sent(server, a_sid, "not-a-key-0123456789abcdef", 4 * MiB) as nobody:
+            assert _answered(nobody, 10) == 401
+        slow = [_body_not_sent(server, a_sid, KEYS["alice"], 4 * MiB) for _ in range(2)]
+        try:
+            third = None
+            deadline = time.monotonic() + 10
+            while third != 429 and time.monotonic() < deadline:
+                with _body_not_sent(server, a_sid, KEYS["alice"], 1 * MiB) as s:
+                    third = _answered(s, 1)
+            assert third == 429, f"alice's third upload was answered {third}"
+            assert bob.put(f"/v1/sandboxes/{b_sid}/files/content", params={"path": "/tmp/up"},
+                           content=b"b" * (3 * MiB)).status_code == 204
+        finally:
+            for s in slow:
+                s.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            again = alice.put(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/up"},
+                              content=b"a" * (3 * MiB))
+            if again.status_code != 429:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 204
+        assert len(alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/up"}).content) == 3 * MiB
         alice.delete(f"/v1/sandboxes/{a_sid}")
         bob.delete(f"/v1/sandboxes/{b_sid}")
 

@@ -89,6 +89,8 @@ class ServerConfig:
     #: no sandbox lives longer than this, extensions included
     max_lifetime: float = 3600.0
     max_request_bytes: int = 32 * MiB
+    #: bytes of request bodies one tenant's requests may hold at once, being received or handled (429 past it)
+    max_request_bytes_per_tenant: int = 256 * MiB
     max_concurrent_execs: int = 8
     #: threads for blocking sandbox work (commands, code cells, file transfers), shared by all tenants
     blocking_threads: int = 128
@@ -116,6 +118,10 @@ class ServerConfig:
         self.idle_timeout = _positive(self.idle_timeout, "idle_timeout")
         self.max_lifetime = _positive(self.max_lifetime, "max_lifetime")
         self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")
+        self.max_request_bytes_per_tenant = parse_size(self.max_request_bytes_per_tenant, "max_request_bytes_per_tenant")
+        if self.max_request_bytes_per_tenant < self.max_request_bytes:
+            raise InvalidSpec(f"max_request_bytes_per_tenant: {self.max_request_bytes_per_tenant} is below "
+                              f"max_request_bytes ({self.max_request_bytes}): no request that large could be received")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
         self.blocking_threads = _positive(self.blocking_threads, "blocking_threads", integer=True)
         self.max_threads_per_tenant = _positive(self.max_threads_per_tenant, "max_threads_per_tenant", integer=True)
