@@ -35,7 +35,7 @@ def rss_mib(pid: int) -> int:
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M",
-              "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M"}
+              "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M", "max_background_commands": 2}
     with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
         yield srv
 
@@ -91,6 +91,28 @@ def test_attached_clients_that_do_not_read_hold_the_server_to_max_output(server:
                 elif frame["type"] == "result":
                     result = frame
         assert got == 300000 and result["exit_code"] == 0 and not result["truncated"]
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_background_commands_a_sandbox_runs_at_once_are_bounded(server: ServerProcess) -> None:
+    """Each running background command keeps up to max_output per stream in the server (64 of them
+    writing ``yes`` held 2.1 GB for one sandbox): past max_background_commands (2 here) a start is 429,
+    and once one is killed and has ended another starts."""
+    with server.client("alice") as http:
+        sid = create(http)
+        start = {"cmd": "sleep 30", "timeout": 60}
+        pids = [http.post(f"/v1/sandboxes/{sid}/commands", json=start) for _ in range(2)]
+        assert [r.status_code for r in pids] == [201, 201]
+        refused = http.post(f"/v1/sandboxes/{sid}/commands", json=start)
+        assert refused.status_code == 429 and refused.json()["error"] == "resource_limit", refused.text
+        assert http.delete(f"/v1/sandboxes/{sid}/commands/{pids[0].json()['pid']}").status_code == 204
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            again = http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "echo again", "timeout": 10})
+            if again.status_code != 429:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 201, again.text
         http.delete(f"/v1/sandboxes/{sid}")
 
 

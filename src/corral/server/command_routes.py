@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
 
-from ..errors import InvalidSpec, SandboxError
+from ..errors import InvalidSpec, ResourceLimit, SandboxError
 from .context import Context, Tenant, context_of
 from .wire import ExecBody, SignalBody, error_response, require_unicode
 
@@ -80,7 +80,14 @@ class Recorded:
 async def start_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
+    # each running one keeps up to max_output per stream here and in its process: bounded in number
+    limit = ctx.config.max_background_commands
+    if sum(not r.finished for r in entry.background.values()) >= limit:
+        raise ResourceLimit(f"sandbox {sandbox_id} already runs {limit} background commands (the server's "
+                            "max_background_commands): kill one or wait for one to end")
     recorded = Recorded(entry.spec.limits.max_output)
+    placeholder = -id(recorded)  # counted while it starts (no pid is negative)
+    entry.background[placeholder] = recorded
 
     def start() -> Any:
         handle = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, user=body.user,
@@ -96,7 +103,10 @@ async def start_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Conte
         threading.Thread(target=wait, name="corral-background-wait", daemon=True).start()
         return handle
 
-    handle = await ctx.run_for(who, start)
+    try:
+        handle = await ctx.run_for(who, start)
+    finally:
+        del entry.background[placeholder]
     if handle.pid is None:
         raise InvalidSpec("the command ended before it started")
     # what ended stays attachable for a while; beyond KEEP_FINISHED the oldest goes (memory: each

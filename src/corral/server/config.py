@@ -92,6 +92,8 @@ class ServerConfig:
     #: bytes of request bodies one tenant's requests may hold at once, being received or handled (429 past it)
     max_request_bytes_per_tenant: int = 256 * MiB
     max_concurrent_execs: int = 8
+    #: background commands running at once per sandbox (each keeps up to max_output per stream in the server)
+    max_background_commands: int = 16
     #: threads for blocking sandbox work (commands, code cells, file transfers), shared by all tenants
     blocking_threads: int = 128
     #: of those, how many one tenant's work may hold at once; the rest of its work waits its turn,
@@ -123,6 +125,8 @@ class ServerConfig:
             raise InvalidSpec(f"max_request_bytes_per_tenant: {self.max_request_bytes_per_tenant} is below "
                               f"max_request_bytes ({self.max_request_bytes}): no request that large could be received")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
+        self.max_background_commands = _positive(self.max_background_commands, "max_background_commands",
+                                                 integer=True)
         self.blocking_threads = _positive(self.blocking_threads, "blocking_threads", integer=True)
         self.max_threads_per_tenant = _positive(self.max_threads_per_tenant, "max_threads_per_tenant", integer=True)
         if self.max_threads_per_tenant >= self.blocking_threads and self.key_digests:
