@@ -263,3 +263,41 @@ def test_a_long_frame_from_a_code_cell_costs_the_owner_its_length_not_its_square
         assert big.truncated and big.error is None
         assert spent < 2.0, f"the owner spent {spent:.2f} s of CPU on one 32 MiB line"
         assert sb.run_code("6 * 7").text == "42"
+
+
+def test_concurrent_mcp_creates_of_one_session_hold_at_most_its_sandboxes(state_dir: Path) -> None:
+    """Twelve create_sandbox calls at once in one MCP session: eight sandboxes, four refusals
+    (before: each call found room before any sandbox was made, and 14 at once made 14); after a
+    destroy there is room for one more."""
+    import asyncio
+    import os
+
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from corral.mcp_server import MAX_SANDBOXES_PER_SESSION
+
+    from .server_fixtures import CORRAL
+
+    state = state_dir / "mcp-owner-bounds"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+
+    async def session() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            calls = [client.call_tool("create_sandbox", {"memory": "64M"}) for _ in range(12)]
+            results = await asyncio.gather(*calls)
+            made = [json.loads(r.content[0].text)["sandbox_id"] for r in results if not r.is_error]
+            refused = [r.content[0].text for r in results if r.is_error]
+            assert len(made) == MAX_SANDBOXES_PER_SESSION and len(refused) == 12 - MAX_SANDBOXES_PER_SESSION
+            assert all("resource_limit" in text for text in refused), refused
+            await client.call_tool("destroy_sandbox", {"sandbox_id": made[0]})
+            assert not (await client.call_tool("create_sandbox", {"memory": "64M"})).is_error
+
+    asyncio.run(session())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and list((state / "sandboxes").iterdir()):
+        time.sleep(0.1)
+    assert list((state / "sandboxes").iterdir()) == []
