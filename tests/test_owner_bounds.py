@@ -8,6 +8,7 @@ downloads in flight.  Each test checks the bound holds and that what it allows s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -246,6 +247,30 @@ def test_request_bodies_need_a_key_before_they_are_read_and_are_bounded_per_tena
         assert len(alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/up"}).content) == 3 * MiB
         alice.delete(f"/v1/sandboxes/{a_sid}")
         bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def test_an_endless_request_head_is_refused_before_it_grows_the_server(server: ServerProcess) -> None:
+    """A header that never ends (no key needed): the server answers 431 within its 64 KiB bound and one
+    read, instead of keeping every byte (before: 1 MiB of RSS per MiB sent, 360 MiB and on); a
+    request with a 32 KiB header is served."""
+    assert server.proc is not None
+    before = rss_mib(server.proc.pid)
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        sent = 0
+        try:
+            while sent < 8 * MiB:
+                s.sendall(b"a" * (64 << 10))
+                sent += 64 << 10
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        # what was sent before the close is noticed includes the sockets' kernel buffers (a few MiB)
+        assert sent < 8 * MiB, "the server took 8 MiB of one header and goes on reading"
+        with contextlib.suppress(ConnectionResetError):  # the answer, unless the reset came first
+            assert s.recv(64).startswith(b"HTTP/1.1 431")
+    assert rss_mib(server.proc.pid) - before < 20
+    assert httpx.get(server.url + "/healthz", headers={"X-Long": "a" * (32 << 10)}).status_code == 200
 
 
 def test_a_long_frame_from_a_code_cell_costs_the_owner_its_length_not_its_square() -> None:

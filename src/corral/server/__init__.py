@@ -18,6 +18,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
     app = create_app(config)
     settle_garbage_collector()
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
+                http=http_protocol(),
                 timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
                 # longer than clients keep idle connections (httpx: 5 s), so a reused connection is
                 # never closed by the server just as a request goes out on it
@@ -44,4 +45,14 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
 
+def http_protocol() -> type | str:
+    """httptools with a bound on request heads (.heads), or uvicorn's h11, which has its own."""
+    try:
+        from .heads import BoundedHeadProtocol
+    except ImportError:  # no httptools
+        return "h11"
+    return BoundedHeadProtocol
+
+
 __all__ = ["GC_YOUNG_THRESHOLD", "ServerConfig", "serve", "settle_garbage_collector"]
+
