@@ -36,7 +36,8 @@ def rss_mib(pid: int) -> int:
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M",
-              "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M", "max_background_commands": 2}
+              "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M", "max_background_commands": 2,
+              "request_head_timeout": 1}
     with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
         yield srv
 
@@ -271,6 +272,24 @@ def test_an_endless_request_head_is_refused_before_it_grows_the_server(server: S
             assert s.recv(64).startswith(b"HTTP/1.1 431")
     assert rss_mib(server.proc.pid) - before < 20
     assert httpx.get(server.url + "/healthz", headers={"X-Long": "a" * (32 << 10)}).status_code == 200
+
+
+def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerProcess) -> None:
+    """With a 1 s request_head_timeout, a connection that sends nothing and one that sends half a head
+    are answered 408 and closed (before: held for ever, and max_connections of them made the server
+    answer 503 to everyone); a head that arrives in two pieces within the time is served."""
+    with socket.create_connection(("127.0.0.1", server.port)) as idle, \
+            socket.create_connection(("127.0.0.1", server.port)) as half:
+        half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        for s in (idle, half):
+            s.settimeout(5)
+            assert s.recv(64).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.settimeout(5)
+        slow.sendall(b"GET /healthz HTTP/1.1\r\n")
+        time.sleep(0.3)
+        slow.sendall(b"Host: x\r\n\r\n")
+        assert slow.recv(64).startswith(b"HTTP/1.1 200")
 
 
 def test_a_long_frame_from_a_code_cell_costs_the_owner_its_length_not_its_square() -> None:

@@ -102,6 +102,9 @@ class ServerConfig:
     #: bytes of file downloads one tenant may have in flight (read, not yet sent: a client that does
     #: not read holds them); a download past it is refused (429)
     max_download_bytes_per_tenant: int = 256 * MiB
+    #: seconds a request's line and headers may take to arrive (from the connection, or the request's
+    #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
+    request_head_timeout: float = 30.0
     #: open client connections; past it uvicorn answers 503 (each costs a descriptor, not a thread)
     max_connections: int = 16384
     pools: list[dict[str, Any]] = field(default_factory=list)
@@ -133,6 +136,7 @@ class ServerConfig:
             raise InvalidSpec(f"max_threads_per_tenant: {self.max_threads_per_tenant} must be below blocking_threads "
                               f"({self.blocking_threads}), or one tenant could hold every thread")
         self.max_download_bytes_per_tenant = parse_size(self.max_download_bytes_per_tenant, "max_download_bytes")
+        self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
         if not isinstance(self.fast_routes, bool):
             raise InvalidSpec(f"fast_routes: {self.fast_routes!r} must be true or false")

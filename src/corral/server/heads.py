@@ -1,14 +1,19 @@
-"""uvicorn's httptools protocol with a bound on a request's head (its request line and headers).
+"""uvicorn's httptools protocol with bounds on a request's head (its request line and headers).
 
 httptools keeps a URL or header being received in memory however long it grows, and uvicorn
 sets no bound: one connection sending an endless header grew the server by a MiB per MiB sent
 (360 MiB and on), before any key could be checked.  Past :data:`MAX_HEAD` bytes of one head the
 client is answered 431 and the connection closed (h11, uvicorn's other parser, has such a bound
 of its own: 16 KiB).
-"""
 
+uvicorn does not time a head either: a connection that sent nothing, or half a head, was held
+for ever, and ``max_connections`` of them made the server answer 503 to everyone.  A head must
+now arrive whole within ``head_timeout`` seconds of the connection (or of its first byte, for the
+next request on a kept-alive connection), or the client is answered 408 and the connection closed.
+"""
 from __future__ import annotations
 
+import asyncio
 import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -16,13 +21,22 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 #: bytes of one request's head a client may send (uvicorn's h11 allows 16 KiB, nginx 8-32 KiB)
 MAX_HEAD = 64 << 10
 
-_BODY = json.dumps({"error": "resource_limit",
-                    "message": f"the request's line and headers are over the server's {MAX_HEAD} bytes"}).encode()
-_REFUSAL = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"connection: close\r\ncontent-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY)
+
+
+def _answer(status: bytes, message: str) -> bytes:
+    body = json.dumps({"error": "resource_limit", "message": message}).encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+_TOO_LONG = _answer(b"431 Request Header Fields Too Large",
+                    f"the request's line and headers are over the server's {MAX_HEAD} bytes")
 
 
 class BoundedHeadProtocol(HttpToolsProtocol):
+    #: seconds a head may take to arrive whole (``bounded_head_protocol`` makes a class with another)
+    head_timeout = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
     #: a head is being received (from the connection's start, and after each request's end)
     _head_open = True
     #: its bytes so far
@@ -40,10 +54,39 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD and not self.transport.is_closing():
             self._head_open = False
-            self.transport.write(_REFUSAL)
+            self.transport.write(_TOO_LONG)
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._start_timer()
+
+    def _start_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_late)
+
+    def _stop_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.write(_answer(b"408 Request Timeout", f"no whole request line and headers arrived "
+                                                                  f"within {self.head_timeout:g} s"))
             self.transport.close()
 
     def on_headers_complete(self) -> None:
+        self._stop_timer()
         self._head_open, self._head_bytes = False, 0
         self._heads_done += 1
         super().on_headers_complete()
@@ -51,3 +94,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._head_open = True
+
+
+def bounded_head_protocol(head_timeout: float) -> type[BoundedHeadProtocol]:
+    """The protocol class, with ``head_timeout`` seconds for a head."""
+    return type("BoundedHeadProtocol", (BoundedHeadProtocol,), {"head_timeout": head_timeout})
