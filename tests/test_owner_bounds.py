@@ -275,15 +275,20 @@ def test_an_endless_request_head_is_refused_before_it_grows_the_server(server: S
 
 
 def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerProcess) -> None:
-    """With a 1 s request_head_timeout, a connection that sends nothing and one that sends half a head
-    are answered 408 and closed (before: held for ever, and max_connections of them made the server
-    answer 503 to everyone); a head that arrives in two pieces within the time is served."""
+    """With a 1 s request_head_timeout, a connection that sends nothing, one that sends half a head and
+    one that sends a head without a key and dribbles a small body are answered 408 and closed (before:
+    held for ever, and max_connections of them made the server answer 503 to everyone); a head that
+    arrives in two pieces within the time is served."""
     with socket.create_connection(("127.0.0.1", server.port)) as idle, \
             socket.create_connection(("127.0.0.1", server.port)) as half:
         half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
         for s in (idle, half):
             s.settimeout(5)
             assert s.recv(64).startswith(b"HTTP/1.1 408")
+    # a body small enough to be read before its key is checked must come in time too
+    with _body_not_sent(server, "sb-0000000000000000", "not-a-key-0123456789abcdef", 60000) as dribble:
+        dribble.sendall(b"{")
+        assert _answered(dribble, 5) == 408
     with socket.create_connection(("127.0.0.1", server.port)) as slow:
         slow.settimeout(5)
         slow.sendall(b"GET /healthz HTTP/1.1\r\n")

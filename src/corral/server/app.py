@@ -44,7 +44,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     # the fast routes run inside the size limit: the last middleware added is the outermost
     app.add_middleware(FastRoutes, error_handlers=ERROR_HANDLERS)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes, tenant_of=context.tenant_of,
-                       max_per_tenant=config.max_request_bytes_per_tenant)
+                       max_per_tenant=config.max_request_bytes_per_tenant, small_body_timeout=config.request_head_timeout)
     for handled, handler in ERROR_HANDLERS:
         app.add_exception_handler(handled, handler)
     for module in (sandbox_routes, command_routes, file_routes, stream, ops_routes, port_routes, snapshot_routes):

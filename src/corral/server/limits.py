@@ -11,7 +11,9 @@ with or without a key (20 connections: 620 MiB).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,12 +27,14 @@ SMALL_BODY = 64 << 10
 
 class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_bytes: int, tenant_of: Callable[[str | None], str] | None = None,
-                 max_per_tenant: int | None = None) -> None:
+                 max_per_tenant: int | None = None, small_body_timeout: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         #: the tenant an Authorization header names (raises SandboxError if none); None: no check
         self.tenant_of = tenant_of
         self.max_per_tenant = max_per_tenant
+        #: seconds a body read before any key is checked (up to SMALL_BODY) may take to arrive
+        self.small_body_timeout = small_body_timeout
         #: bytes of request bodies each tenant has buffered
         self.buffered: dict[str, int] = {}
 
@@ -83,8 +87,16 @@ class BodySizeLimit:
             chunks: list[bytes] = []
             total = 0
             more = True
+            # a body read before any key named a tenant must come in time: it holds a connection
+            deadline = None if tenant is not None or not declared else time.monotonic() + self.small_body_timeout
             while more:
-                message = await receive()
+                try:
+                    message = await (receive() if deadline is None else
+                                     asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    await self._answer(send, 408, "resource_limit", f"a body of {declared} bytes without a key must "
+                                       f"arrive within {self.small_body_timeout:g} s")
+                    return
                 if message["type"] != "http.request":
                     return  # the client left mid-body: nothing to answer, and no half body for a handler
                 chunk = message.get("body", b"")
