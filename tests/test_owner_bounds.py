@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from .server_fixtures import KEYS, ServerProcess
@@ -37,7 +38,7 @@ def rss_mib(pid: int) -> int:
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M",
               "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M", "max_background_commands": 2,
-              "request_head_timeout": 1}
+              "request_head_timeout": 1, "max_requests_per_tenant": 12}
     with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
         yield srv
 
@@ -116,6 +117,32 @@ def test_background_commands_a_sandbox_runs_at_once_are_bounded(server: ServerPr
             time.sleep(0.05)
         assert again.status_code == 201, again.text
         http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_what_one_tenant_has_under_way_is_bounded_and_leaves_others_served(server: ServerProcess) -> None:
+    """max_requests_per_tenant is 12 here: alice's 12 attached WebSockets leave room for no 13th (refused
+    before it is accepted) and no request (429), bob is served; once one closes, alice is served again
+    (before: one tenant's WebSockets could hold all of max_connections, and every other tenant got 503)."""
+    with server.client("alice") as alice, server.client("bob") as bob:
+        sid, b_sid = create(alice), create(bob)
+        pid = alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 30", "timeout": 60}).json()["pid"]
+        url = f"{server.url.replace('http', 'ws')}/v1/sandboxes/{sid}/commands/{pid}/stream"
+        attached = [connect(url, additional_headers=server.headers("alice"), close_timeout=0.2) for _ in range(12)]
+        try:
+            with pytest.raises(InvalidStatus):
+                connect(url, additional_headers=server.headers("alice"), close_timeout=0.2)
+            refused = alice.get(f"/v1/sandboxes/{sid}")
+            assert refused.status_code == 429 and refused.json()["error"] == "resource_limit"
+            assert bob.get(f"/v1/sandboxes/{b_sid}").status_code == 200
+        finally:
+            for ws in attached:
+                ws.close()
+        deadline = time.monotonic() + 10
+        while alice.get(f"/v1/sandboxes/{sid}").status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alice.get(f"/v1/sandboxes/{sid}").status_code == 200
+        alice.delete(f"/v1/sandboxes/{sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
 
 
 def test_one_tenants_long_commands_do_not_make_another_tenant_wait(server: ServerProcess) -> None:

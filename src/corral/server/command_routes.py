@@ -183,12 +183,23 @@ async def attach_command(websocket: WebSocket, sandbox_id: str, pid: int) -> Non
     def listener(event: Event) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
+    async def watch() -> None:
+        # a client that leaves must end this handler now, not when the command next writes or ends
+        # (a quiet command kept every closed attachment's handler and queue until then)
+        with contextlib.suppress(Exception):
+            while (await websocket.receive())["type"] != "websocket.disconnect":
+                pass
+        queue.put_nowait(("gone", None))
+
     for event in recorded.attach(listener):
         queue.put_nowait(event)
     decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+    watcher = asyncio.create_task(watch())
     try:
         while True:
             kind, payload = await queue.get()
+            if kind == "gone":
+                break
             if kind in decoders:
                 text = decoders[kind].decode(payload)
                 if text:
@@ -203,6 +214,7 @@ async def attach_command(websocket: WebSocket, sandbox_id: str, pid: int) -> Non
     except (WebSocketDisconnect, RuntimeError):
         pass
     finally:
+        watcher.cancel()
         recorded.detach(listener)
         with contextlib.suppress(Exception):
             await websocket.close()

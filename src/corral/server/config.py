@@ -105,6 +105,9 @@ class ServerConfig:
     #: seconds a request's line and headers may take to arrive (from the connection, or the request's
     #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
     request_head_timeout: float = 30.0
+    #: requests and WebSockets one tenant may have under way at once (with API keys); past it 429, or
+    #: a WebSocket closed before it is accepted, so one tenant cannot hold every connection
+    max_requests_per_tenant: int = 1024
     #: open client connections; past it uvicorn answers 503 (each costs a descriptor, not a thread)
     max_connections: int = 16384
     pools: list[dict[str, Any]] = field(default_factory=list)
@@ -137,6 +140,7 @@ class ServerConfig:
                               f"({self.blocking_threads}), or one tenant could hold every thread")
         self.max_download_bytes_per_tenant = parse_size(self.max_download_bytes_per_tenant, "max_download_bytes")
         self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
+        self.max_requests_per_tenant = _positive(self.max_requests_per_tenant, "max_requests_per_tenant", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
         if not isinstance(self.fast_routes, bool):
             raise InvalidSpec(f"fast_routes: {self.fast_routes!r} must be true or false")

@@ -144,3 +144,48 @@ def replay_body(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class TenantRequests:
+    """Requests and WebSockets one tenant has under way at once, bounded (a server with API keys).
+
+    Each holds a connection of the server's ``max_connections``; without a bound one tenant's
+    WebSockets (an attached command costs little) or requests waiting for its share of the threads
+    could hold them all, and every other tenant would be answered 503.  Past ``max_per_tenant`` a
+    request is answered 429 and a WebSocket is closed before it is accepted (HTTP 403).  A request
+    whose key names no tenant is the app's to refuse (401).
+    """
+
+    def __init__(self, app: ASGIApp, tenant_of: Callable[[str | None], str], max_per_tenant: int) -> None:
+        self.app = app
+        self.tenant_of = tenant_of
+        self.max_per_tenant = max_per_tenant
+        self.under_way: dict[str, int] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        authorization = dict(scope.get("headers") or []).get(b"authorization")
+        try:
+            tenant = self.tenant_of(authorization.decode("latin-1") if authorization is not None else None)
+        except SandboxError:
+            await self.app(scope, receive, send)
+            return
+        count = self.under_way.get(tenant, 0)
+        if count >= self.max_per_tenant:
+            message = (f"tenant {tenant} has {count} requests and WebSockets under way, the server's "
+                       f"max_requests_per_tenant: finish or close some first")
+            if scope["type"] == "websocket":
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 4429, "reason": message[:120]})
+            else:
+                await BodySizeLimit._answer(send, 429, "resource_limit", message)
+            return
+        self.under_way[tenant] = count + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.under_way[tenant] -= 1
+            if not self.under_way[tenant]:
+                del self.under_way[tenant]
