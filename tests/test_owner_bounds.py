@@ -145,6 +145,27 @@ def test_what_one_tenant_has_under_way_is_bounded_and_leaves_others_served(serve
         bob.delete(f"/v1/sandboxes/{b_sid}")
 
 
+def test_the_ports_the_server_forwards_into_a_sandbox_are_bounded(server: ServerProcess) -> None:
+    """Each port asked for through the proxy keeps a forward (a listening socket and a thread) until
+    the sandbox goes (500 ports: 500 threads and descriptors, without bound): past
+    MAX_FORWARDS_PER_SANDBOX another port is 429, a port already forwarded is still served."""
+    from corral.server.port_routes import MAX_FORWARDS_PER_SANDBOX
+
+    with server.client("alice") as http:
+        sid = create(http)
+        http.post(f"/v1/sandboxes/{sid}/commands",
+                  json={"cmd": "python3 -m http.server 8000 --bind 127.0.0.1", "timeout": 60})
+        deadline = time.monotonic() + 15
+        while http.get(f"/v1/sandboxes/{sid}/ports/8000/").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for port in range(9001, 9000 + MAX_FORWARDS_PER_SANDBOX):  # nothing listens: 502, a forward is kept
+            assert http.get(f"/v1/sandboxes/{sid}/ports/{port}/").status_code == 502
+        refused = http.get(f"/v1/sandboxes/{sid}/ports/9999/")
+        assert refused.status_code == 429 and refused.json()["error"] == "resource_limit"
+        assert http.get(f"/v1/sandboxes/{sid}/ports/8000/").status_code == 200
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_one_tenants_long_commands_do_not_make_another_tenant_wait(server: ServerProcess) -> None:
     """Four threads for blocking work, two per tenant: alice's four long execs run two at a time
     (the others wait their turn, all finish), and bob's exec and file listing meanwhile answer at
