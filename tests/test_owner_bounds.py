@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -346,19 +348,36 @@ def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerP
 
 
 def test_a_long_frame_from_a_code_cell_costs_the_owner_its_length_not_its_square() -> None:
-    """A cell printing one 32 MiB line: the owner parses it in linear time (before: the frame was
-    re-copied for each 64 KiB read, ~6 s of the owner's CPU for 32 MiB, 22 s for 60 MiB); output past
-    max_output is dropped and says so, and a 1 MiB line arrives whole."""
+    """A cell printing one 32 MiB line: the owner takes it in linear time (before: the frame was
+    re-copied for each 64 KiB read, ~6 s of the owner's CPU for 32 MiB, 22 s for 60 MiB) and drops it
+    as it arrives, once it is longer than the cell's output budget (before: held and parsed first,
+    +196 MiB at the peak for 60 MiB); it says so (truncated), and a 1 MiB line arrives whole."""
     from corral import Sandbox
 
     with Sandbox.create() as sb:
         small = sb.run_code("print('y' * (1 << 20))")
         assert "".join(small.logs.stdout) == "y" * (1 << 20) + "\n" and not small.truncated
+        before = peak = rss_mib(os.getpid())
+        sampling = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not sampling.is_set():
+                peak = max(peak, rss_mib(os.getpid()))
+                sampling.wait(0.005)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
         cpu = time.process_time()
-        big = sb.run_code("print('x' * (32 << 20))", timeout=60)
-        spent = time.process_time() - cpu
+        try:
+            big = sb.run_code("print('x' * (32 << 20))", timeout=60)
+        finally:
+            spent = time.process_time() - cpu
+            sampling.set()
+            sampler.join()
         assert big.truncated and big.error is None
         assert spent < 2.0, f"the owner spent {spent:.2f} s of CPU on one 32 MiB line"
+        assert peak - before < 64, f"the owner grew from {before} to {peak} MiB for one 32 MiB line"
         assert sb.run_code("6 * 7").text == "42"
 
 

@@ -45,6 +45,8 @@ INTERRUPT_GRACE = 3.0
 START_TIMEOUT = 30.0
 #: longest protocol line accepted from a kernel
 MAX_FRAME = 64 << 20
+#: bytes a frame may run past the cell's output budget and still be parsed (an error's traceback)
+FRAME_SLACK = 1 << 20
 #: how long the kernel process itself may live (the sandbox's per-command clock)
 KERNEL_LIFETIME = 7 * 86400
 _KERNEL_DIR = Path(__file__).parent / "kernel"
@@ -236,6 +238,9 @@ class CodeInterpreter:
                 continue
             self._buffer += piece
             line, self._buffer = self._buffer, bytearray()
+            if len(line) > self._frame_room():
+                self._dropped()
+                continue
             try:
                 message = json.loads(line)
             except ValueError:
@@ -244,8 +249,21 @@ class CodeInterpreter:
                 self._dispatch(message)
         if not self._skip_line:
             self._buffer += rest
-            if len(self._buffer) > MAX_FRAME:  # a frame that never ends: drop it, and the rest of its line
+            if len(self._buffer) > self._frame_room():  # dropped now, and the rest of its line
                 self._buffer, self._skip_line = bytearray(), True
+                self._dropped()
+
+    def _frame_room(self) -> int:
+        """The longest frame worth keeping now: an output frame longer than the running cell's budget
+        left could not be charged, so it is dropped as it arrives, not held and parsed first (a 60 MiB
+        line held 280 MiB at its peak); FRAME_SLACK more leaves room for the cell's error."""
+        cell = self._cell
+        return min(MAX_FRAME, (max(cell.budget, 0) if cell is not None else 0) + FRAME_SLACK)
+
+    def _dropped(self) -> None:
+        cell = self._cell
+        if cell is not None:
+            cell.execution.truncated = True
 
     def _charge(self, cell: _Cell, size: int) -> bool:
         """Count output against the cell's budget; False (and ``truncated``) once it is spent."""
