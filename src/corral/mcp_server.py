@@ -27,12 +27,13 @@ This module imports the MCP SDK at import time: only ``corral mcp`` imports it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -66,6 +67,8 @@ class Session:
 
     def __init__(self, sessions: Sessions | None = None) -> None:
         self.sandboxes: dict[str, Any] = {}
+        #: sandboxes being made for this session: counted like the ones it holds
+        self.pending = 0
         self.last_used = time.monotonic()
         self._sessions = sessions
 
@@ -75,28 +78,37 @@ class Session:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} in this session")
         return sb
 
-    def _room_for(self, count: int) -> None:
-        if len(self.sandboxes) + count > MAX_SANDBOXES_PER_SESSION:
-            raise ResourceLimit(f"this session already has {len(self.sandboxes)} of {MAX_SANDBOXES_PER_SESSION} "
+    @contextlib.contextmanager
+    def _room_for(self, count: int) -> Iterator[None]:
+        """Hold room for ``count`` sandboxes while they are made (concurrent calls of one session each
+        found room before any was made: 14 at once made 14, past the 8)."""
+        held = len(self.sandboxes) + self.pending
+        if held + count > MAX_SANDBOXES_PER_SESSION:
+            raise ResourceLimit(f"this session already has {held} of {MAX_SANDBOXES_PER_SESSION} "
                                 "sandboxes; destroy one first")
         if self._sessions is not None and self._sessions.sandbox_count() + count > MAX_SANDBOXES:
             raise ResourceLimit(f"this MCP server already holds {MAX_SANDBOXES} sandboxes; try again later")
+        self.pending += count
+        try:
+            yield
+        finally:
+            self.pending -= count
 
     async def fork(self, sandbox_id: str, count: int) -> list[Any]:
         parent = self.get(sandbox_id)
-        self._room_for(count)
-        forks: list[Any] = await asyncio.to_thread(parent.fork, count)
-        for sb in forks:
-            self.sandboxes[sb.id] = sb
+        with self._room_for(count):
+            forks: list[Any] = await asyncio.to_thread(parent.fork, count)
+            for sb in forks:
+                self.sandboxes[sb.id] = sb
         return forks
 
     async def create(self, **kwargs: Any) -> Any:
-        self._room_for(1)
-        if os.environ.get("CORRAL_URL"):
-            sb: Any = await asyncio.to_thread(Sandbox.create, **kwargs)
-        else:
-            sb = await asyncio.to_thread(Sandbox.create, build_spec(None, **kwargs))
-        self.sandboxes[sb.id] = sb
+        with self._room_for(1):
+            if os.environ.get("CORRAL_URL"):
+                sb: Any = await asyncio.to_thread(Sandbox.create, **kwargs)
+            else:
+                sb = await asyncio.to_thread(Sandbox.create, build_spec(None, **kwargs))
+            self.sandboxes[sb.id] = sb
         return sb
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -132,7 +144,7 @@ class Sessions:
 
     def sandbox_count(self) -> int:
         with self._lock:
-            return sum(len(s.sandboxes) for s in self._by_id.values())
+            return sum(len(s.sandboxes) + s.pending for s in self._by_id.values())
 
     def end(self, key: str | None) -> None:
         """The session is over: destroy its sandboxes."""

@@ -18,6 +18,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
     app = create_app(config)
     settle_garbage_collector()
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
+                http=http_protocol(config.request_head_timeout),
                 timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
                 # longer than clients keep idle connections (httpx: 5 s), so a reused connection is
                 # never closed by the server just as a request goes out on it
@@ -44,4 +45,14 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
 
+def http_protocol(head_timeout: float) -> type | str:
+    """httptools with bounds on request heads (.heads), or uvicorn's h11, which bounds their size
+    (it times none: without httptools, ``request_head_timeout`` does not apply)."""
+    try:
+        from .heads import bounded_head_protocol
+    except ImportError:  # no httptools
+        return "h11"
+    return bounded_head_protocol(head_timeout)
+
 __all__ = ["GC_YOUNG_THRESHOLD", "ServerConfig", "serve", "settle_garbage_collector"]
+

@@ -23,7 +23,7 @@ from . import command_routes, file_routes, ops_routes, port_routes, sandbox_rout
 from .config import ServerConfig
 from .context import ServerContext, context_of
 from .fast_routes import FastRoutes
-from .limits import BodySizeLimit
+from .limits import BodySizeLimit, TenantRequests
 from .wire import error_response, status_for
 
 
@@ -43,7 +43,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.context = context
     # the fast routes run inside the size limit: the last middleware added is the outermost
     app.add_middleware(FastRoutes, error_handlers=ERROR_HANDLERS)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes, tenant_of=context.tenant_of,
+                       max_per_tenant=config.max_request_bytes_per_tenant, small_body_timeout=config.request_head_timeout)
+    if config.auth_required:  # tenants to keep apart (without keys, every request is the one local tenant's)
+        app.add_middleware(TenantRequests, tenant_of=context.tenant_of, max_per_tenant=config.max_requests_per_tenant)
     for handled, handler in ERROR_HANDLERS:
         app.add_exception_handler(handled, handler)
     for module in (sandbox_routes, command_routes, file_routes, stream, ops_routes, port_routes, snapshot_routes):

@@ -89,7 +89,25 @@ class ServerConfig:
     #: no sandbox lives longer than this, extensions included
     max_lifetime: float = 3600.0
     max_request_bytes: int = 32 * MiB
+    #: bytes of request bodies one tenant's requests may hold at once, being received or handled (429 past it)
+    max_request_bytes_per_tenant: int = 256 * MiB
     max_concurrent_execs: int = 8
+    #: background commands running at once per sandbox (each keeps up to max_output per stream in the server)
+    max_background_commands: int = 16
+    #: threads for blocking sandbox work (commands, code cells, file transfers), shared by all tenants
+    blocking_threads: int = 128
+    #: of those, how many one tenant's work may hold at once; the rest of its work waits its turn,
+    #: so one tenant's long commands never make another tenant's calls wait
+    max_threads_per_tenant: int = 32
+    #: bytes of file downloads one tenant may have in flight (read, not yet sent: a client that does
+    #: not read holds them); a download past it is refused (429)
+    max_download_bytes_per_tenant: int = 256 * MiB
+    #: seconds a request's line and headers may take to arrive (from the connection, or the request's
+    #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
+    request_head_timeout: float = 30.0
+    #: requests and WebSockets one tenant may have under way at once (with API keys); past it 429, or
+    #: a WebSocket closed before it is accepted, so one tenant cannot hold every connection
+    max_requests_per_tenant: int = 1024
     #: open client connections; past it uvicorn answers 503 (each costs a descriptor, not a thread)
     max_connections: int = 16384
     pools: list[dict[str, Any]] = field(default_factory=list)
@@ -108,7 +126,21 @@ class ServerConfig:
         self.idle_timeout = _positive(self.idle_timeout, "idle_timeout")
         self.max_lifetime = _positive(self.max_lifetime, "max_lifetime")
         self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")
+        self.max_request_bytes_per_tenant = parse_size(self.max_request_bytes_per_tenant, "max_request_bytes_per_tenant")
+        if self.max_request_bytes_per_tenant < self.max_request_bytes:
+            raise InvalidSpec(f"max_request_bytes_per_tenant: {self.max_request_bytes_per_tenant} is below "
+                              f"max_request_bytes ({self.max_request_bytes}): no request that large could be received")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
+        self.max_background_commands = _positive(self.max_background_commands, "max_background_commands",
+                                                 integer=True)
+        self.blocking_threads = _positive(self.blocking_threads, "blocking_threads", integer=True)
+        self.max_threads_per_tenant = _positive(self.max_threads_per_tenant, "max_threads_per_tenant", integer=True)
+        if self.max_threads_per_tenant >= self.blocking_threads and self.key_digests:
+            raise InvalidSpec(f"max_threads_per_tenant: {self.max_threads_per_tenant} must be below blocking_threads "
+                              f"({self.blocking_threads}), or one tenant could hold every thread")
+        self.max_download_bytes_per_tenant = parse_size(self.max_download_bytes_per_tenant, "max_download_bytes")
+        self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
+        self.max_requests_per_tenant = _positive(self.max_requests_per_tenant, "max_requests_per_tenant", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
         if not isinstance(self.fast_routes, bool):
             raise InvalidSpec(f"fast_routes: {self.fast_routes!r} must be true or false")

@@ -18,22 +18,25 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection
 
-from ..errors import Unauthorized
+from ..errors import ResourceLimit, Unauthorized
 from . import trace
 from .config import ANONYMOUS_TENANT, ServerConfig
 from .manager import SandboxManager
 from .metrics import Metrics
 
 T = TypeVar("T")
-#: threads for blocking sandbox work (commands, file transfers, destroys)
-BLOCKING_THREADS = 128
 
 
 class ServerContext:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.blocking = ThreadPoolExecutor(max_workers=BLOCKING_THREADS, thread_name_prefix="corral-api")
+        #: threads for blocking sandbox work (commands, code cells, file transfers)
+        self.blocking = ThreadPoolExecutor(max_workers=config.blocking_threads, thread_name_prefix="corral-api")
+        #: each tenant's share of those threads (made on the loop, on first use)
+        self._shares: dict[str, asyncio.Semaphore] = {}
+        #: bytes of downloads each tenant has in flight
+        self._downloads: dict[str, int] = {}
         self._manager: SandboxManager | None = None
         #: fast-path responses carry a Server-Timing header (CORRAL_SERVER_TIMING=1; see .trace)
         self.timing = trace.enabled()
@@ -73,6 +76,33 @@ class ServerContext:
             return await asyncio.get_running_loop().run_in_executor(self.blocking, traced)
         finally:
             trace.mark("to_loop", marks)
+
+    async def run_for(self, tenant: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """:meth:`run_blocking` within ``tenant``'s share of the threads: past it, the tenant's own
+        work waits (without a thread), never another tenant's."""
+        share = self._shares.get(tenant)
+        if share is None:
+            share = self._shares[tenant] = asyncio.Semaphore(self.config.max_threads_per_tenant)
+        async with share:
+            return await self.run_blocking(fn, *args, **kwargs)
+
+    def hold_download(self, tenant: str, size: int) -> Callable[[], None]:
+        """Count ``size`` bytes against ``tenant``'s downloads in flight; returns what gives them back.
+        Raises :class:`ResourceLimit` (429) past ``max_download_bytes_per_tenant``."""
+        held = self._downloads.get(tenant, 0)
+        limit = self.config.max_download_bytes_per_tenant
+        if held + size > limit:
+            raise ResourceLimit(f"tenant {tenant} has {held} bytes of downloads in flight; {size} more is over "
+                                f"the server's {limit} per tenant: read the ones under way first")
+        self._downloads[tenant] = held + size
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._downloads[tenant] -= size
+        return release
 
     def tenant_of(self, authorization: str | None) -> str:
         """The tenant an ``Authorization`` header names; raises :class:`Unauthorized` when it names none."""

@@ -2,31 +2,59 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
+from starlette.types import Receive, Scope, Send
 
 from .context import Context, Tenant
 from .wire import checked_path
 
 #: the largest file a download returns
 MAX_DOWNLOAD = 64 << 20
+#: a download is handed to the client this much at a time
+SEND_PIECE = 1 << 20
 FILES = "/v1/sandboxes/{sandbox_id}/files"
 
 router = APIRouter()
 
 
+class Download(Response):
+    """A file's bytes, counted against the tenant's downloads in flight until they are sent."""
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, data: bytes, release: Callable[[], None]) -> None:
+        super().__init__(data)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # in pieces: the server waits for the client to take each one (uvicorn buffers a whole
+        # body it is handed), so the bytes are counted for as long as they are held
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            body = bytes(self.body)
+            for offset in range(0, len(body), SEND_PIECE):
+                await send({"type": "http.response.body", "body": body[offset:offset + SEND_PIECE],
+                            "more_body": offset + SEND_PIECE < len(body)})
+            if not body:
+                await send({"type": "http.response.body", "body": b""})
+        finally:
+            self._release()
+
+
 @router.get(FILES, summary="List a directory")
 async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: str = "/workspace") -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    entries = await ctx.run_blocking(entry.sandbox.files.list, checked_path(path))
+    entries = await ctx.run_for(who, entry.sandbox.files.list, checked_path(path))
     return {"path": path, "entries": [e.to_dict() for e in entries]}
 
 
 @router.get(FILES + "/stat", summary="Describe one file")
 async def stat_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()]) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    return (await ctx.run_blocking(entry.sandbox.files.stat, checked_path(path))).to_dict()
+    return (await ctx.run_for(who, entry.sandbox.files.stat, checked_path(path))).to_dict()
 
 
 @router.get(FILES + "/content", summary="Download a file", response_class=Response,
@@ -35,9 +63,10 @@ async def download(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[s
                    max_bytes: Annotated[int, Query(ge=0)] = MAX_DOWNLOAD) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     # the caller's limit, within the server's own (which bounds what it holds in memory)
-    data = await ctx.run_blocking(entry.sandbox.files.read, checked_path(path), format="bytes",
-                                  max_bytes=min(max_bytes, MAX_DOWNLOAD))
-    return Response(data, media_type="application/octet-stream")
+    wanted, limit = checked_path(path), min(max_bytes, MAX_DOWNLOAD)
+    data = await ctx.run_for(who, lambda: entry.sandbox.files.read(wanted, format="bytes", max_bytes=limit))
+    # held until the client has it all: a client that does not read keeps it in the server
+    return Download(data, ctx.hold_download(who, len(data)))
 
 
 @router.put(FILES + "/content", status_code=204, summary="Upload a file (raw body)",
@@ -47,7 +76,7 @@ async def upload(sandbox_id: str, request: Request, who: Tenant, ctx: Context, p
                  mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     data = await request.body()
-    await ctx.run_blocking(entry.sandbox.files.write, checked_path(path), data, mode)
+    await ctx.run_for(who, entry.sandbox.files.write, checked_path(path), data, mode)
     return Response(status_code=204)
 
 
@@ -55,7 +84,7 @@ async def upload(sandbox_id: str, request: Request, who: Tenant, ctx: Context, p
 async def remove_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
                       recursive: bool = False) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    await ctx.run_blocking(entry.sandbox.files.remove, checked_path(path), recursive)
+    await ctx.run_for(who, entry.sandbox.files.remove, checked_path(path), recursive)
     return Response(status_code=204)
 
 
@@ -63,5 +92,5 @@ async def remove_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotate
 async def make_dir(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
                    mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    await ctx.run_blocking(entry.sandbox.files.make_dir, checked_path(path), mode)
+    await ctx.run_for(who, entry.sandbox.files.make_dir, checked_path(path), mode)
     return Response(status_code=204)

@@ -3,27 +3,51 @@
 A declared ``Content-Length`` over the limit is refused at once; a chunked body
 is buffered up to the limit and refused as soon as it goes over, so a client
 can neither make the server buffer without bound nor reach a handler with a
-half-read body.
+half-read body.  A request with a body over 64 KiB must name its tenant (its API
+key) before any of it is read, and what one tenant's requests hold at once is
+bounded too: without that, slow bodies on many connections held 31 MiB each,
+with or without a key (20 connections: 620 MiB).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import SandboxError
+from .wire import status_for
+
+#: a body up to this size is read before the key is checked (uvicorn's own read-ahead per connection)
+SMALL_BODY = 64 << 10
+
 
 class BodySizeLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, tenant_of: Callable[[str | None], str] | None = None,
+                 max_per_tenant: int | None = None, small_body_timeout: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        #: the tenant an Authorization header names (raises SandboxError if none); None: no check
+        self.tenant_of = tenant_of
+        self.max_per_tenant = max_per_tenant
+        #: seconds a body read before any key is checked (up to SMALL_BODY) may take to arrive
+        self.small_body_timeout = small_body_timeout
+        #: bytes of request bodies each tenant has buffered
+        self.buffered: dict[str, int] = {}
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"error": "resource_limit",
-                           "message": f"request body is larger than the server's limit of {self.max_bytes} bytes"})
-        await send({"type": "http.response.start", "status": 413,
+    @staticmethod
+    async def _answer(send: Send, status: int, code: str, message: str) -> None:
+        body = json.dumps({"error": code, "message": message})
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body.encode()})
+
+    async def _refuse(self, send: Send) -> None:
+        await self._answer(send, 413, "resource_limit",
+                           f"request body is larger than the server's limit of {self.max_bytes} bytes")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -39,22 +63,72 @@ class BodySizeLimit:
             if declared < 0 or declared > self.max_bytes:
                 await self._refuse(send)
                 return
-        # count what actually arrives, whatever was declared
-        chunks: list[bytes] = []
-        total = 0
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_bytes:
-                await self._refuse(send)
+        elif b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            declared = 0
+        else:
+            declared = -1  # chunked: its size is known once it has all arrived
+        tenant = None
+        # a small body is read first, as the routes expect (uvicorn buffers that much of any request anyway)
+        if (declared < 0 or declared > SMALL_BODY) and self.tenant_of is not None:
+            authorization = headers.get(b"authorization")
+            try:
+                tenant = self.tenant_of(authorization.decode("latin-1") if authorization is not None else None)
+            except SandboxError as exc:  # no key, no body read
+                await self._answer(send, status_for(exc), exc.code, str(exc))
                 return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        await self.app(scope, replay_body(b"".join(chunks), receive), send)
+        held = 0
+        try:
+            if tenant is not None and declared > 0:  # the whole declared length is held before any is read
+                held = declared
+                if not self._hold(tenant, declared):
+                    await self._too_much(send, tenant)
+                    return
+            # count what actually arrives, whatever was declared
+            chunks: list[bytes] = []
+            total = 0
+            more = True
+            # a body read before any key named a tenant must come in time: it holds a connection
+            deadline = None if tenant is not None or not declared else time.monotonic() + self.small_body_timeout
+            while more:
+                try:
+                    message = await (receive() if deadline is None else
+                                     asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    await self._answer(send, 408, "resource_limit", f"a body of {declared} bytes without a key must "
+                                       f"arrive within {self.small_body_timeout:g} s")
+                    return
+                if message["type"] != "http.request":
+                    return  # the client left mid-body: nothing to answer, and no half body for a handler
+                chunk = message.get("body", b"")
+                total += len(chunk)
+                if total > self.max_bytes:
+                    await self._refuse(send)
+                    return
+                if tenant is not None and declared < 0:  # chunked: held as it arrives
+                    held += len(chunk)
+                    if not self._hold(tenant, len(chunk)):
+                        await self._too_much(send, tenant)
+                        return
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+            await self.app(scope, replay_body(b"".join(chunks), receive), send)
+        finally:
+            if held:
+                assert tenant is not None
+                self.buffered[tenant] -= held
+                if not self.buffered[tenant]:
+                    del self.buffered[tenant]
+
+    async def _too_much(self, send: Send, tenant: str) -> None:
+        await self._answer(send, 429, "resource_limit",
+                           f"tenant {tenant}'s requests under way hold over the server's {self.max_per_tenant} "
+                           "bytes of bodies per tenant: send fewer at once")
+
+    def _hold(self, tenant: str, size: int) -> bool:
+        """Count ``size`` more bytes for ``tenant`` (given back when its request ends); False past the bound."""
+        held = self.buffered.get(tenant, 0) + size
+        self.buffered[tenant] = held
+        return self.max_per_tenant is None or held <= self.max_per_tenant
 
 
 def replay_body(body: bytes, receive: Receive) -> Receive:
@@ -70,3 +144,48 @@ def replay_body(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+class TenantRequests:
+    """Requests and WebSockets one tenant has under way at once, bounded (a server with API keys).
+
+    Each holds a connection of the server's ``max_connections``; without a bound one tenant's
+    WebSockets (an attached command costs little) or requests waiting for its share of the threads
+    could hold them all, and every other tenant would be answered 503.  Past ``max_per_tenant`` a
+    request is answered 429 and a WebSocket is closed before it is accepted (HTTP 403).  A request
+    whose key names no tenant is the app's to refuse (401).
+    """
+
+    def __init__(self, app: ASGIApp, tenant_of: Callable[[str | None], str], max_per_tenant: int) -> None:
+        self.app = app
+        self.tenant_of = tenant_of
+        self.max_per_tenant = max_per_tenant
+        self.under_way: dict[str, int] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        authorization = dict(scope.get("headers") or []).get(b"authorization")
+        try:
+            tenant = self.tenant_of(authorization.decode("latin-1") if authorization is not None else None)
+        except SandboxError:
+            await self.app(scope, receive, send)
+            return
+        count = self.under_way.get(tenant, 0)
+        if count >= self.max_per_tenant:
+            message = (f"tenant {tenant} has {count} requests and WebSockets under way, the server's "
+                       f"max_requests_per_tenant: finish or close some first")
+            if scope["type"] == "websocket":
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 4429, "reason": message[:120]})
+            else:
+                await BodySizeLimit._answer(send, 429, "resource_limit", message)
+            return
+        self.under_way[tenant] = count + 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.under_way[tenant] -= 1
+            if not self.under_way[tenant]:
+                del self.under_way[tenant]

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..errors import InvalidSpec, SandboxError
+from ..errors import InvalidSpec, ResourceLimit, SandboxError
 from .context import Context, Tenant, context_of
 from .wire import status_for
 
@@ -42,6 +42,9 @@ _WS_DROP = _DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket
 
 _forwards: dict[tuple[str, int], ExposedPort] = {}
 _lock = threading.Lock()
+#: forwards the server keeps into one sandbox (each holds a listening socket and a thread until the
+#: sandbox is destroyed: asking for 500 ports held 500 threads, and nothing bounded them)
+MAX_FORWARDS_PER_SANDBOX = 16
 
 
 def _check_port(port: int) -> None:
@@ -59,6 +62,9 @@ def _forward(entry: Entry, port: int) -> str:
             del _forwards[stale]  # its sandbox was destroyed (the forward closed with it)
         exposed = _forwards.get(key)
         if exposed is None:
+            if sum(k[0] == key[0] for k in _forwards) >= MAX_FORWARDS_PER_SANDBOX:
+                raise ResourceLimit(f"sandbox {key[0]} already has {MAX_FORWARDS_PER_SANDBOX} ports forwarded "
+                                    f"(the server's most per sandbox); use one of those ports")
             exposed = entry.sandbox.ports.expose(port, unix_socket=True)
             _forwards[key] = exposed
     assert exposed.unix_socket is not None
@@ -76,7 +82,7 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
                      ctx: Context) -> Response:
     _check_port(port)
     entry = ctx.manager.get(who, sandbox_id)
-    socket_path = await ctx.run_blocking(_forward, entry, port)
+    socket_path = await ctx.run_for(who, _forward, entry, port)
     # raw bytes both ways: a header is passed on as it came (Latin-1 and all), never re-encoded
     headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _DROP]
     headers.append((b"host", f"127.0.0.1:{port}".encode()))
@@ -116,7 +122,7 @@ async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path
         _check_port(port)
         tenant = ctx.tenant_of(websocket.headers.get("authorization"))
         entry = ctx.manager.get(tenant, sandbox_id)
-        socket_path = await ctx.run_blocking(_forward, entry, port)
+        socket_path = await ctx.run_for(tenant, _forward, entry, port)
     except SandboxError as exc:  # as the exec stream does: accepted, then closed with 4000 + the HTTP status
         await websocket.accept()
         await websocket.close(code=4000 + status_for(exc), reason=str(exc)[:120])

@@ -92,7 +92,7 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
         manager.audit(entry)  # counts new egress refusals
         return result
 
-    result = await ctx.run_blocking(run_and_audit)
+    result = await ctx.run_for(who, run_and_audit)
     ctx.metrics.record_exec(result.timed_out, result.oom_killed)
     return {"sandbox_id": sandbox_id, **result.to_dict()}
 
@@ -109,8 +109,8 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -
     entry = ctx.manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
     with ctx.manager.exec_slot(entry):
-        result = await ctx.run_blocking(entry.sandbox.run_code, body.code, language=body.language,
-                                        timeout=body.timeout, context=body.context, envs=body.envs)
+        result = await ctx.run_for(who, entry.sandbox.run_code, body.code, language=body.language,
+                                   timeout=body.timeout, context=body.context, envs=body.envs)
     return dict(result.to_dict())
 
 

@@ -92,13 +92,13 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
 
     try:
         with manager.exec_slot(entry):
-            handle: CommandHandle = await ctx.run_blocking(
-                entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
+            handle: CommandHandle = await ctx.run_for(
+                tenant, entry.sandbox.commands.start, body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd,
                 on_output=on_output, pty=body.pty, user=body.user)
 
             # "started" means the process exists: a signal or kill sent before the agent forked it
             # would find nothing to hit and the command would run on regardless
-            await ctx.run_blocking(_wait_until_forked, handle)
+            await ctx.run_for(tenant, _wait_until_forked, handle)
 
             def wait_then_report() -> None:
                 # queued after every output chunk the reader thread delivered before the exit
@@ -108,7 +108,8 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
                 except BaseException as exc:
                     loop.call_soon_threadsafe(queue.put_nowait, ("failed", exc))
 
-            waiter = asyncio.ensure_future(ctx.run_blocking(wait_then_report))
+            # the tenant's thread share is held while the command runs, like a blocking exec's
+            waiter = asyncio.ensure_future(ctx.run_for(tenant, wait_then_report))
             receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None))
             try:
                 await websocket.send_json({"type": "started", "pid": handle.pid})

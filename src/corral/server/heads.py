@@ -1,0 +1,101 @@
+"""uvicorn's httptools protocol with bounds on a request's head (its request line and headers).
+
+httptools keeps a URL or header being received in memory however long it grows, and uvicorn
+sets no bound: one connection sending an endless header grew the server by a MiB per MiB sent
+(360 MiB and on), before any key could be checked.  Past :data:`MAX_HEAD` bytes of one head the
+client is answered 431 and the connection closed (h11, uvicorn's other parser, has such a bound
+of its own: 16 KiB).
+
+uvicorn does not time a head either: a connection that sent nothing, or half a head, was held
+for ever, and ``max_connections`` of them made the server answer 503 to everyone.  A head must
+now arrive whole within ``head_timeout`` seconds of the connection (or of its first byte, for the
+next request on a kept-alive connection), or the client is answered 408 and the connection closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+#: bytes of one request's head a client may send (uvicorn's h11 allows 16 KiB, nginx 8-32 KiB)
+MAX_HEAD = 64 << 10
+
+
+
+def _answer(status: bytes, message: str) -> bytes:
+    body = json.dumps({"error": "resource_limit", "message": message}).encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+_TOO_LONG = _answer(b"431 Request Header Fields Too Large",
+                    f"the request's line and headers are over the server's {MAX_HEAD} bytes")
+
+
+class BoundedHeadProtocol(HttpToolsProtocol):
+    #: seconds a head may take to arrive whole (``bounded_head_protocol`` makes a class with another)
+    head_timeout = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
+    #: a head is being received (from the connection's start, and after each request's end)
+    _head_open = True
+    #: its bytes so far
+    _head_bytes = 0
+    #: heads received whole on this connection
+    _heads_done = 0
+
+    def data_received(self, data: bytes) -> None:
+        was_open, heads_done = self._head_open, self._heads_done
+        super().data_received(data)
+        # all of ``data`` is head only if a head was open before and after it and none ended in it
+        # (a chunk where one ended, or where a new one began, is not counted: at most one read more)
+        if not (was_open and self._head_open and heads_done == self._heads_done):
+            return
+        self._head_bytes += len(data)
+        if self._head_bytes > MAX_HEAD and not self.transport.is_closing():
+            self._head_open = False
+            self.transport.write(_TOO_LONG)
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._start_timer()
+
+    def _start_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_late)
+
+    def _stop_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.write(_answer(b"408 Request Timeout", f"no whole request line and headers arrived "
+                                                                  f"within {self.head_timeout:g} s"))
+            self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._stop_timer()
+        self._head_open, self._head_bytes = False, 0
+        self._heads_done += 1
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_open = True
+
+
+def bounded_head_protocol(head_timeout: float) -> type[BoundedHeadProtocol]:
+    """The protocol class, with ``head_timeout`` seconds for a head."""
+    return type("BoundedHeadProtocol", (BoundedHeadProtocol,), {"head_timeout": head_timeout})

@@ -1,0 +1,419 @@
+"""What a sandbox, or one tenant of a server, can make the owner hold or spend.
+
+The sandbox's own memory, pids, CPU and disk have cgroup limits; the process that holds it (the
+library's caller, ``corral serve``) has none, so each path from the sandbox or a tenant into the
+owner is bounded here: a stream's output, a code cell's frames, the server's threads and its
+downloads in flight.  Each test checks the bound holds and that what it allows still works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from .server_fixtures import KEYS, ServerProcess
+
+MiB = 1 << 20
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M",
+              "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M", "max_background_commands": 2,
+              "request_head_timeout": 1, "max_requests_per_tenant": 12}
+    with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
+        yield srv
+
+
+def create(http: httpx.Client, **limits: object) -> str:
+    response = http.post("/v1/sandboxes", json={"limits": {"memory": "128M", **limits}})
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def running(http: httpx.Client, sid: str) -> set[int]:
+    return {c["pid"] for c in http.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]}
+
+
+def test_attached_clients_that_do_not_read_hold_the_server_to_max_output(server: ServerProcess) -> None:
+    """A background command writing 160 MiB to two attached WebSockets that never read: the server
+    holds at most ``max_output`` per stream for them (before: every chunk was queued, 6 GB in 16 s);
+    a client that reads gets what the command printed, then its result."""
+    assert server.proc is not None
+    pid = server.proc.pid
+    with server.client("alice") as http:
+        sid = create(http, max_output="1M")
+        ws_url = server.url.replace("http", "ws")
+        before = rss_mib(pid)
+        flood = http.post(f"/v1/sandboxes/{sid}/commands",
+                          json={"cmd": "dd if=/dev/zero bs=64k count=2560 status=none", "timeout": 60}).json()["pid"]
+        stalled = [connect(f"{ws_url}/v1/sandboxes/{sid}/commands/{flood}/stream",
+                           additional_headers=server.headers("alice"), max_queue=1, max_size=None, close_timeout=0.2)
+                   for _ in range(2)]
+        try:
+            peak = before
+            deadline = time.monotonic() + 30
+            while flood in running(http, sid) and time.monotonic() < deadline:
+                peak = max(peak, rss_mib(pid))
+                time.sleep(0.05)
+            peak = max(peak, rss_mib(pid))
+            assert flood not in running(http, sid), "dd did not write its 160 MiB within 30 s"
+            assert peak - before < 80, f"the server grew from {before} to {peak} MiB for 1 MiB of max_output"
+        finally:
+            for ws in stalled:
+                ws.close()
+
+        # allowed: a client that reads gets everything a command printed under the cap, and its result
+        short = http.post(f"/v1/sandboxes/{sid}/commands",
+                          json={"cmd": "head -c 300000 /dev/zero | tr '\\0' a", "timeout": 30}).json()["pid"]
+        with connect(f"{ws_url}/v1/sandboxes/{sid}/commands/{short}/stream",
+                     additional_headers=server.headers("alice"), max_size=None) as ws:
+            got, result = 0, None
+            while result is None:
+                frame = json.loads(ws.recv(timeout=30))
+                if frame["type"] == "stdout":
+                    got += len(frame["data"])
+                elif frame["type"] == "result":
+                    result = frame
+        assert got == 300000 and result["exit_code"] == 0 and not result["truncated"]
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_background_commands_a_sandbox_runs_at_once_are_bounded(server: ServerProcess) -> None:
+    """Each running background command keeps up to max_output per stream in the server (64 of them
+    writing ``yes`` held 2.1 GB for one sandbox): past max_background_commands (2 here) a start is 429,
+    and once one is killed and has ended another starts."""
+    with server.client("alice") as http:
+        sid = create(http)
+        start = {"cmd": "sleep 30", "timeout": 60}
+        pids = [http.post(f"/v1/sandboxes/{sid}/commands", json=start) for _ in range(2)]
+        assert [r.status_code for r in pids] == [201, 201]
+        refused = http.post(f"/v1/sandboxes/{sid}/commands", json=start)
+        assert refused.status_code == 429 and refused.json()["error"] == "resource_limit", refused.text
+        assert http.delete(f"/v1/sandboxes/{sid}/commands/{pids[0].json()['pid']}").status_code == 204
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            again = http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "echo again", "timeout": 10})
+            if again.status_code != 429:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 201, again.text
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_what_one_tenant_has_under_way_is_bounded_and_leaves_others_served(server: ServerProcess) -> None:
+    """max_requests_per_tenant is 12 here: alice's 12 attached WebSockets leave room for no 13th (refused
+    before it is accepted) and no request (429), bob is served; once one closes, alice is served again
+    (before: one tenant's WebSockets could hold all of max_connections, and every other tenant got 503)."""
+    with server.client("alice") as alice, server.client("bob") as bob:
+        sid, b_sid = create(alice), create(bob)
+        pid = alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 30", "timeout": 60}).json()["pid"]
+        url = f"{server.url.replace('http', 'ws')}/v1/sandboxes/{sid}/commands/{pid}/stream"
+        attached = [connect(url, additional_headers=server.headers("alice"), close_timeout=0.2) for _ in range(12)]
+        try:
+            with pytest.raises(InvalidStatus):
+                connect(url, additional_headers=server.headers("alice"), close_timeout=0.2)
+            refused = alice.get(f"/v1/sandboxes/{sid}")
+            assert refused.status_code == 429 and refused.json()["error"] == "resource_limit"
+            assert bob.get(f"/v1/sandboxes/{b_sid}").status_code == 200
+        finally:
+            for ws in attached:
+                ws.close()
+        deadline = time.monotonic() + 10
+        while alice.get(f"/v1/sandboxes/{sid}").status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alice.get(f"/v1/sandboxes/{sid}").status_code == 200
+        alice.delete(f"/v1/sandboxes/{sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def test_the_ports_the_server_forwards_into_a_sandbox_are_bounded(server: ServerProcess) -> None:
+    """Each port asked for through the proxy keeps a forward (a listening socket and a thread) until
+    the sandbox goes (500 ports: 500 threads and descriptors, without bound): past
+    MAX_FORWARDS_PER_SANDBOX another port is 429, a port already forwarded is still served."""
+    from corral.server.port_routes import MAX_FORWARDS_PER_SANDBOX
+
+    with server.client("alice") as http:
+        sid = create(http)
+        http.post(f"/v1/sandboxes/{sid}/commands",
+                  json={"cmd": "python3 -m http.server 8000 --bind 127.0.0.1", "timeout": 60})
+        deadline = time.monotonic() + 15
+        while http.get(f"/v1/sandboxes/{sid}/ports/8000/").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for port in range(9001, 9000 + MAX_FORWARDS_PER_SANDBOX):  # nothing listens: 502, a forward is kept
+            assert http.get(f"/v1/sandboxes/{sid}/ports/{port}/").status_code == 502
+        refused = http.get(f"/v1/sandboxes/{sid}/ports/9999/")
+        assert refused.status_code == 429 and refused.json()["error"] == "resource_limit"
+        assert http.get(f"/v1/sandboxes/{sid}/ports/8000/").status_code == 200
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_one_tenants_long_commands_do_not_make_another_tenant_wait(server: ServerProcess) -> None:
+    """Four threads for blocking work, two per tenant: alice's four long execs run two at a time
+    (the others wait their turn, all finish), and bob's exec and file listing meanwhile answer at
+    once (before: alice's execs took every thread and bob waited for one to end)."""
+    marker = "3.217"
+    with server.client("alice") as alice, server.client("bob") as bob:
+        a_sid, b_sid = create(alice), create(bob)
+
+        def hog(_: int) -> int:
+            with httpx.Client(base_url=server.url, headers=server.headers("alice"), timeout=60) as c:
+                return c.post(f"/v1/sandboxes/{a_sid}/exec", json={"cmd": f"sleep {marker}", "timeout": 30}).status_code
+
+        def sleeping() -> int:
+            found = subprocess.run(["pgrep", "-c", "-f", f"^sleep {marker}$"], capture_output=True, text=True)
+            return int(found.stdout.strip() or 0)
+
+        with ThreadPoolExecutor(4) as pool:
+            hogs = [pool.submit(hog, i) for i in range(4)]
+            deadline = time.monotonic() + 10
+            while sleeping() < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            answer = bob.post(f"/v1/sandboxes/{b_sid}/exec", json={"cmd": "echo hi"})
+            listing = bob.get(f"/v1/sandboxes/{b_sid}/files", params={"path": "/tmp"})
+            waited = time.monotonic() - t0
+            assert answer.status_code == 200 and answer.json()["stdout"] == "hi\n" and listing.status_code == 200
+            assert waited < 1.5, f"bob waited {waited:.2f} s behind alice's commands"
+            most = 0
+            while not all(h.done() for h in hogs):
+                most = max(most, sleeping())
+                time.sleep(0.02)
+            assert most == 2, f"{most} of alice's commands ran at once, not her share of 2"
+            assert [h.result() for h in hogs] == [200] * 4
+        alice.delete(f"/v1/sandboxes/{a_sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def _stalled_download(server: ServerProcess, sid: str) -> socket.socket:
+    """A download whose client never reads its body."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", server.port))
+    s.sendall(f"GET /v1/sandboxes/{sid}/files/content?path=/tmp/big HTTP/1.1\r\nHost: x\r\n"
+              f"Authorization: Bearer {KEYS['alice']}\r\n\r\n".encode())
+    return s
+
+
+def test_downloads_a_tenant_does_not_read_are_bounded_per_tenant(server: ServerProcess) -> None:
+    """With 30 MiB of downloads in flight per tenant, two 12 MiB downloads nobody reads leave room for
+    no third one of alice's (429, and the server holds ~24 MiB, not N x 12); bob's goes through, and
+    alice's do once hers are closed (before: 20 such downloads of 60 MiB held 1.26 GB)."""
+    with server.client("alice") as alice, server.client("bob") as bob:
+        a_sid, b_sid = create(alice), create(bob)
+        for http, sid in ((alice, a_sid), (bob, b_sid)):
+            made = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 12M /dev/zero > /tmp/big"})
+            assert made.json()["exit_code"] == 0
+        stalled = [_stalled_download(server, a_sid) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                third = alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/big"})
+                if third.status_code == 429:
+                    break
+                time.sleep(0.05)
+            assert third.status_code == 429 and third.json()["error"] == "resource_limit", third.status_code
+            assert len(bob.get(f"/v1/sandboxes/{b_sid}/files/content", params={"path": "/tmp/big"}).content) == 12 * MiB
+        finally:
+            for s in stalled:
+                s.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            again = alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/big"})
+            if again.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 200 and len(again.content) == 12 * MiB
+        alice.delete(f"/v1/sandboxes/{a_sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def _body_not_sent(server: ServerProcess, sid: str, key: str, length: int) -> socket.socket:
+    """An upload whose headers are sent and whose body is not."""
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(f"PUT /v1/sandboxes/{sid}/files/content?path=/tmp/up HTTP/1.1\r\nHost: x\r\n"
+              f"Authorization: Bearer {key}\r\nContent-Length: {length}\r\n\r\n".encode())
+    return s
+
+
+def _answered(s: socket.socket, within: float) -> int | None:
+    """The status the server answered on ``s`` within ``within`` seconds, or None if it waits for more."""
+    s.settimeout(within)
+    try:
+        return int(s.recv(64).split()[1])
+    except TimeoutError:
+        return None
+
+
+def test_request_bodies_need_a_key_before_they_are_read_and_are_bounded_per_tenant(server: ServerProcess) -> None:
+    """A body without a valid key is refused before any of it is read (before: 20 such 32 MiB bodies
+    held 620 MiB); one tenant's bodies under way hold at most max_request_bytes_per_tenant (8 MiB here):
+    with two 4 MiB uploads whose bodies do not come, alice's third is 429 at once, bob's upload works,
+    and alice's does again once hers are closed."""
+    with server.client("alice") as alice, server.client("bob") as bob:
+        a_sid, b_sid = create(alice), create(bob)
+        with _body_not_sent(server, a_sid, "not-a-key-0123456789abcdef", 4 * MiB) as nobody:
+            assert _answered(nobody, 10) == 401
+        slow = [_body_not_sent(server, a_sid, KEYS["alice"], 4 * MiB) for _ in range(2)]
+        try:
+            third = None
+            deadline = time.monotonic() + 10
+            while third != 429 and time.monotonic() < deadline:
+                with _body_not_sent(server, a_sid, KEYS["alice"], 1 * MiB) as s:
+                    third = _answered(s, 1)
+            assert third == 429, f"alice's third upload was answered {third}"
+            assert bob.put(f"/v1/sandboxes/{b_sid}/files/content", params={"path": "/tmp/up"},
+                           content=b"b" * (3 * MiB)).status_code == 204
+        finally:
+            for s in slow:
+                s.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            again = alice.put(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/up"},
+                              content=b"a" * (3 * MiB))
+            if again.status_code != 429:
+                break
+            time.sleep(0.05)
+        assert again.status_code == 204
+        assert len(alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/up"}).content) == 3 * MiB
+        alice.delete(f"/v1/sandboxes/{a_sid}")
+        bob.delete(f"/v1/sandboxes/{b_sid}")
+
+
+def test_an_endless_request_head_is_refused_before_it_grows_the_server(server: ServerProcess) -> None:
+    """A header that never ends (no key needed): the server answers 431 within its 64 KiB bound and one
+    read, instead of keeping every byte (before: 1 MiB of RSS per MiB sent, 360 MiB and on); a
+    request with a 32 KiB header is served."""
+    assert server.proc is not None
+    before = rss_mib(server.proc.pid)
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(10)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        sent = 0
+        try:
+            while sent < 8 * MiB:
+                s.sendall(b"a" * (64 << 10))
+                sent += 64 << 10
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        # what was sent before the close is noticed includes the sockets' kernel buffers (a few MiB)
+        assert sent < 8 * MiB, "the server took 8 MiB of one header and goes on reading"
+        with contextlib.suppress(ConnectionResetError):  # the answer, unless the reset came first
+            assert s.recv(64).startswith(b"HTTP/1.1 431")
+    assert rss_mib(server.proc.pid) - before < 20
+    assert httpx.get(server.url + "/healthz", headers={"X-Long": "a" * (32 << 10)}).status_code == 200
+
+
+def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerProcess) -> None:
+    """With a 1 s request_head_timeout, a connection that sends nothing, one that sends half a head and
+    one that sends a head without a key and dribbles a small body are answered 408 and closed (before:
+    held for ever, and max_connections of them made the server answer 503 to everyone); a head that
+    arrives in two pieces within the time is served."""
+    with socket.create_connection(("127.0.0.1", server.port)) as idle, \
+            socket.create_connection(("127.0.0.1", server.port)) as half:
+        half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        for s in (idle, half):
+            s.settimeout(5)
+            assert s.recv(64).startswith(b"HTTP/1.1 408")
+    # a body small enough to be read before its key is checked must come in time too
+    with _body_not_sent(server, "sb-0000000000000000", "not-a-key-0123456789abcdef", 60000) as dribble:
+        dribble.sendall(b"{")
+        assert _answered(dribble, 5) == 408
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.settimeout(5)
+        slow.sendall(b"GET /healthz HTTP/1.1\r\n")
+        time.sleep(0.3)
+        slow.sendall(b"Host: x\r\n\r\n")
+        assert slow.recv(64).startswith(b"HTTP/1.1 200")
+
+
+def test_a_long_frame_from_a_code_cell_costs_the_owner_its_length_not_its_square() -> None:
+    """A cell printing one 32 MiB line: the owner takes it in linear time (before: the frame was
+    re-copied for each 64 KiB read, ~6 s of the owner's CPU for 32 MiB, 22 s for 60 MiB) and drops it
+    as it arrives, once it is longer than the cell's output budget (before: held and parsed first,
+    +196 MiB at the peak for 60 MiB); it says so (truncated), and a 1 MiB line arrives whole."""
+    from corral import Sandbox
+
+    with Sandbox.create() as sb:
+        small = sb.run_code("print('y' * (1 << 20))")
+        assert "".join(small.logs.stdout) == "y" * (1 << 20) + "\n" and not small.truncated
+        before = peak = rss_mib(os.getpid())
+        sampling = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not sampling.is_set():
+                peak = max(peak, rss_mib(os.getpid()))
+                sampling.wait(0.005)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        cpu = time.process_time()
+        try:
+            big = sb.run_code("print('x' * (32 << 20))", timeout=60)
+        finally:
+            spent = time.process_time() - cpu
+            sampling.set()
+            sampler.join()
+        assert big.truncated and big.error is None
+        assert spent < 2.0, f"the owner spent {spent:.2f} s of CPU on one 32 MiB line"
+        assert peak - before < 64, f"the owner grew from {before} to {peak} MiB for one 32 MiB line"
+        assert sb.run_code("6 * 7").text == "42"
+
+
+def test_concurrent_mcp_creates_of_one_session_hold_at_most_its_sandboxes(state_dir: Path) -> None:
+    """Twelve create_sandbox calls at once in one MCP session: eight sandboxes, four refusals
+    (before: each call found room before any sandbox was made, and 14 at once made 14); after a
+    destroy there is room for one more."""
+    import asyncio
+    import os
+
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from corral.mcp_server import MAX_SANDBOXES_PER_SESSION
+
+    from .server_fixtures import CORRAL
+
+    state = state_dir / "mcp-owner-bounds"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+
+    async def session() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            calls = [client.call_tool("create_sandbox", {"memory": "64M"}) for _ in range(12)]
+            results = await asyncio.gather(*calls)
+            made = [json.loads(r.content[0].text)["sandbox_id"] for r in results if not r.is_error]
+            refused = [r.content[0].text for r in results if r.is_error]
+            assert len(made) == MAX_SANDBOXES_PER_SESSION and len(refused) == 12 - MAX_SANDBOXES_PER_SESSION
+            assert all("resource_limit" in text for text in refused), refused
+            await client.call_tool("destroy_sandbox", {"sandbox_id": made[0]})
+            assert not (await client.call_tool("create_sandbox", {"memory": "64M"})).is_error
+
+    asyncio.run(session())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and list((state / "sandboxes").iterdir()):
+        time.sleep(0.1)
+    assert list((state / "sandboxes").iterdir()) == []
