@@ -417,3 +417,47 @@ def test_concurrent_mcp_creates_of_one_session_hold_at_most_its_sandboxes(state_
     while time.monotonic() < deadline and list((state / "sandboxes").iterdir()):
         time.sleep(0.1)
     assert list((state / "sandboxes").iterdir()) == []
+
+
+def test_code_contexts_are_bounded_and_a_kernel_keeps_no_output_between_cells() -> None:
+    """A sandbox has at most MAX_CODE_CONTEXTS code contexts (ResourceLimit past it; before: no bound,
+    each an interpreter process), and a kernel's command keeps none of what its cells printed (before:
+    up to 2 x max_output per kernel, for as long as it lived): four contexts that each printed 7 MiB
+    leave the owner no bigger; a context still runs cells."""
+    import gc
+
+    from corral import Sandbox
+    from corral.errors import ResourceLimit
+    from corral.interpreter import MAX_CODE_CONTEXTS
+
+    with Sandbox.create(max_output="8M") as sb:
+        contexts = [sb.create_code_context() for _ in range(MAX_CODE_CONTEXTS)]
+        with pytest.raises(ResourceLimit):
+            sb.create_code_context()
+        assert sb.run_code("6 * 7", context=contexts[0]).text == "42"
+        gc.collect()
+        before = rss_mib(os.getpid())
+        for ctx in contexts[:4]:
+            printed = sb.run_code("print('x' * (7 << 20))", context=ctx, timeout=30)
+            assert len("".join(printed.logs.stdout)) == (7 << 20) + 1 and not printed.truncated
+            del printed
+        gc.collect()
+        grown = rss_mib(os.getpid()) - before
+        assert grown < 12, f"the owner holds {grown} MiB after four cells printed 7 MiB each and ended"
+        assert sb.run_code("6 * 7", context=contexts[-1]).text == "42"
+
+
+def test_a_sandboxs_code_contexts_past_the_bound_are_429(server: ServerProcess) -> None:
+    """Over REST, the context past MAX_CODE_CONTEXTS is 429 resource_limit; the ones made still run."""
+    from corral.interpreter import MAX_CODE_CONTEXTS
+
+    with server.client("alice") as http:
+        sid = create(http)
+        made = [http.post(f"/v1/sandboxes/{sid}/contexts", json={"language": "python"})
+                for _ in range(MAX_CODE_CONTEXTS)]
+        assert [r.status_code for r in made] == [201] * MAX_CODE_CONTEXTS
+        refused = http.post(f"/v1/sandboxes/{sid}/contexts", json={"language": "python"})
+        assert refused.status_code == 429 and refused.json()["error"] == "resource_limit", refused.text
+        ran = http.post(f"/v1/sandboxes/{sid}/code", json={"code": "6 * 7", "context": made[-1].json()["id"]})
+        assert ran.status_code == 200 and ran.json()["results"][0]["text"] == "42", ran.text
+        http.delete(f"/v1/sandboxes/{sid}")

@@ -27,14 +27,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .commands import CommandHandle, check_call
 from .errors import InvalidSpec, SandboxClosed
 
 if TYPE_CHECKING:
-    from .commands import CommandHandle
     from .local_transport import LocalBackend
     from .sandbox import Sandbox
 
@@ -49,6 +49,9 @@ MAX_FRAME = 64 << 20
 FRAME_SLACK = 1 << 20
 #: how long the kernel process itself may live (the sandbox's per-command clock)
 KERNEL_LIFETIME = 7 * 86400
+#: code contexts (``create_code_context``) one sandbox may have, each an interpreter process whose
+#: running cell the owner holds (ResourceLimit, 429 over REST, past it)
+MAX_CODE_CONTEXTS = 16
 _KERNEL_DIR = Path(__file__).parent / "kernel"
 KERNELS: dict[str, Callable[[], list[str]]] = {
     "python": lambda: ["python3", "-u", "-c", (_KERNEL_DIR / "python_kernel.py").read_text()],
@@ -199,8 +202,11 @@ class CodeInterpreter:
             if generation == self._generation:
                 self._on_output(stream, chunk)
 
-        self._handle = self._sandbox.commands.start(KERNELS[self.language](), timeout=KERNEL_LIFETIME,
-                                                    env=self._env, cwd=self._cwd, on_output=on_output)
+        # the cell's frames are taken as they arrive: the kernel's command keeps none of its output for
+        # a result (it kept 2 x max_output for as long as the kernel lived, up to 7 days)
+        argv = KERNELS[self.language]()
+        call = replace(check_call(argv, KERNEL_LIFETIME, self._env, self._cwd or self._sandbox.cwd), keep_output=False)
+        self._handle = CommandHandle(self._sandbox._backend.start(call, on_output), self._sandbox.id)
         if not self._ready.wait(START_TIMEOUT):
             self._stop()
             raise SandboxClosed(f"the {self.language} interpreter did not start within {START_TIMEOUT:.0f} s "

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import owner_link, parked
 from .commands import BASE_ENV, ROOT_ENV, CommandInfo, argv_of
 from .egress.network import SandboxNetwork
-from .errors import InvalidSpec, InvalidState, SandboxClosed, SandboxNotFound, SandboxPaused, host_errors
+from .errors import InvalidSpec, InvalidState, ResourceLimit, SandboxClosed, SandboxNotFound, SandboxPaused, host_errors
 from .host.procs import raise_open_files_limit
 from .lifecycle import (
     LIVE,
@@ -166,7 +166,7 @@ class LocalBackend(SandboxBackend):
             env={**BASE_ENV, **(ROOT_ENV if as_root else {}), **self.spec.env, **(call.env or {})},
             cwd=validate_sandbox_path(call.cwd or self.spec.cwd, "cwd"),
             timeout=float(call.timeout if call.timeout is not None else limits.timeout),
-            max_output=limits.max_output,
+            max_output=limits.max_output if call.keep_output else 0,
             pty=call.pty,
             user=call.user,
             stdin_closed=stdin_closed,
@@ -353,12 +353,17 @@ class LocalBackend(SandboxBackend):
         return interpreter_in(self, sandbox, language, context).run(code, timeout=timeout, envs=envs, **callbacks)
 
     def create_code_context(self, language: str, cwd: str | None) -> str:
-        from .interpreter import check_language, language_name
+        from .interpreter import MAX_CODE_CONTEXTS, check_language, language_name
 
         self.tier_sandbox()
         check_language(language)
+        where = validate_sandbox_path(cwd, "cwd") if cwd is not None else None
         name = "ctx-" + secrets.token_hex(6)
-        self.contexts[name] = (language_name(language), validate_sandbox_path(cwd, "cwd") if cwd is not None else None)
+        with self.interpreters_lock:
+            if len(self.contexts) >= MAX_CODE_CONTEXTS:
+                raise ResourceLimit(f"sandbox {self.id} already has {MAX_CODE_CONTEXTS} code contexts, the most "
+                                    "one sandbox may have (each is an interpreter process)", sandbox_id=self.id)
+            self.contexts[name] = (language_name(language), where)
         return name
 
     def audit(self) -> list[AuditEvent]:

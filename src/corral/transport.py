@@ -50,6 +50,9 @@ class CommandCall:
     pty: tuple[int, int] | None = None
     #: ``"root"`` or ``"user"`` (``spec.USERS``); None: the sandbox's own ``user``
     user: str | None = None
+    #: False: the caller takes all the output through its callback and none is kept for the result
+    #: (an interpreter's kernel, which lives for days; not carried over REST)
+    keep_output: bool = True
 
     def body(self) -> dict[str, Any]:
         """The JSON request of the REST API (only the fields given)."""
