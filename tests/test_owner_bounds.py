@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -461,3 +462,42 @@ def test_a_sandboxs_code_contexts_past_the_bound_are_429(server: ServerProcess) 
         ran = http.post(f"/v1/sandboxes/{sid}/code", json={"code": "6 * 7", "context": made[-1].json()["id"]})
         assert ran.status_code == 200 and ran.json()["results"][0]["text"] == "42", ran.text
         http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_an_mcp_session_that_ends_while_it_makes_a_sandbox_does_not_leave_it_behind() -> None:
+    """The session's end (a client's DELETE, or idle) comes while its create_sandbox is still making
+    the sandbox: the create finds its session gone, destroys the sandbox and fails (before: the sandbox
+    was kept by the ended session and lived until the MCP server stopped); in a live session a create
+    keeps its sandbox until the session ends."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from corral.errors import SandboxClosed
+    from corral.host import cgroups
+    from corral.mcp_server import SESSION_HEADER, Sessions
+
+    sessions = Sessions()
+
+    def call_in(key: str) -> Any:  # what the SDK hands a tool: the request of the session ``key``
+        return SimpleNamespace(request_context=SimpleNamespace(request=SimpleNamespace(headers={SESSION_HEADER: key})))
+
+    before = cgroups.list_sandbox_groups()
+
+    async def scenario() -> None:
+        session = sessions.of(call_in("cob2-ended"))
+        making = asyncio.ensure_future(session.create(memory="64M"))
+        while session.pending == 0 and not making.done():
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(sessions.end, "cob2-ended")
+        assert not making.done() and session.pending == 1, "the create ended before the session did"
+        with pytest.raises(SandboxClosed):
+            await making
+        kept = await sessions.of(call_in("cob2-live")).create(memory="64M")
+        assert kept.id in cgroups.list_sandbox_groups()
+
+    try:
+        asyncio.run(scenario())
+        assert cgroups.list_sandbox_groups() - before != set()  # the live session's sandbox
+    finally:
+        sessions.close()
+    assert cgroups.list_sandbox_groups() - before == set()

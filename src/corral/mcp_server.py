@@ -41,7 +41,7 @@ from typing import Any
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ImageContent, TextContent
 
-from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
+from .errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxError, SandboxNotFound
 from .sandbox import Sandbox
 from .surface import build_spec
 
@@ -71,6 +71,9 @@ class Session:
         self.pending = 0
         self.last_used = time.monotonic()
         self._sessions = sessions
+        #: the session ended (client DELETE, idle, server stop): a sandbox made after it is destroyed
+        self.closed = False
+        self._lock = threading.Lock()
 
     def get(self, sandbox_id: str) -> Any:
         sb = self.sandboxes.get(sandbox_id)
@@ -94,12 +97,22 @@ class Session:
         finally:
             self.pending -= count
 
+    async def _keep(self, made: list[Any]) -> None:
+        """Hold sandboxes just made, unless the session ended while they were being made: then they
+        are destroyed here (they lived on until the MCP server stopped)."""
+        with self._lock:
+            if not self.closed:
+                self.sandboxes.update((sb.id, sb) for sb in made)
+                return
+        for sb in made:
+            await asyncio.to_thread(sb.kill)
+        raise SandboxClosed("the MCP session ended while its sandbox was being made; it was destroyed")
+
     async def fork(self, sandbox_id: str, count: int) -> list[Any]:
         parent = self.get(sandbox_id)
         with self._room_for(count):
             forks: list[Any] = await asyncio.to_thread(parent.fork, count)
-            for sb in forks:
-                self.sandboxes[sb.id] = sb
+            await self._keep(forks)
         return forks
 
     async def create(self, **kwargs: Any) -> Any:
@@ -108,7 +121,7 @@ class Session:
                 sb: Any = await asyncio.to_thread(Sandbox.create, **kwargs)
             else:
                 sb = await asyncio.to_thread(Sandbox.create, build_spec(None, **kwargs))
-            self.sandboxes[sb.id] = sb
+            await self._keep([sb])
         return sb
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -118,8 +131,11 @@ class Session:
         await asyncio.to_thread(sb.kill)
 
     def close(self) -> None:
-        for sandbox_id in list(self.sandboxes):
-            self.sandboxes.pop(sandbox_id).kill()
+        with self._lock:
+            self.closed = True
+            held, self.sandboxes = list(self.sandboxes.values()), {}
+        for sb in held:
+            sb.kill()
 
 
 class Sessions:
