@@ -501,3 +501,37 @@ def test_an_mcp_session_that_ends_while_it_makes_a_sandbox_does_not_leave_it_beh
     finally:
         sessions.close()
     assert cgroups.list_sandbox_groups() - before == set()
+
+
+def _chars_read() -> int:
+    """Bytes this process has read with read() and the like, all its threads (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_output_nobody_streams_is_dropped_in_the_sandbox_past_max_output() -> None:
+    """A command writing 128 MiB to each stream, run with no on_output: the owner reads about
+    max_output of each (before: all 256 MiB reached it, to be dropped there, ~a fifth of a core for
+    a flooding `yes`), and the result keeps exactly max_output per stream, says truncated and has
+    the exit status; a command writing exactly max_output is whole, not truncated; a streaming
+    consumer still gets every byte."""
+    from corral import Sandbox
+
+    with Sandbox.create(max_output="1M") as sb:
+        before = _chars_read()
+        flood = sb.commands.run("yes | head -c 128M; yes e | head -c 128M >&2; exit 3", timeout=60)
+        moved = _chars_read() - before
+        assert flood.exit_code == 3 and flood.truncated
+        assert flood.stdout == "y\n" * (1 << 19) and flood.stderr == "e\n" * (1 << 19)
+        assert moved < 16 * MiB, f"the owner read {moved >> 20} MiB for 2 MiB kept"
+        exact = sb.commands.run("yes | head -c 1M")
+        assert exact.stdout == "y\n" * (1 << 19) and not exact.truncated and exact.exit_code == 0
+        streamed = [0]
+
+        def count(_: str, chunk: bytes) -> None:
+            streamed[0] += len(chunk)
+
+        whole = sb.commands.run("yes | head -c 64M", on_output=count, timeout=60)
+        assert streamed[0] == 64 * MiB and whole.truncated and len(whole.stdout) == MiB

@@ -36,6 +36,8 @@ struct exec {
     long long exit_ms;
     char *inbuf;
     size_t inlen;
+    /* bytes of stdout / stderr still forwarded to the host; -1: all of it (see pump_output) */
+    long long room_out, room_err;
 };
 
 extern struct exec execs[MAX_EXECS];

@@ -28,10 +28,11 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-/* An exec payload: user \0 cwd \0 argc \0 argv... \0 envc \0 env... \0, parsed in
- * place; user is "" (the agent's default, see --user) or a uid inside the sandbox.
+/* An exec payload: user \0 cwd \0 argc \0 argv... \0 envc \0 env... \0 [limit \0], parsed in
+ * place; user is "" (the agent's default, see --user) or a uid inside the sandbox; limit, when
+ * given, is the bytes per stream the host keeps and has no other use for (see pump_output).
  * Returns NULL when well formed, else what is wrong. */
-struct command { long uid; const char *cwd; char **argv; char **envp; };
+struct command { long uid; const char *cwd; char **argv; char **envp; long long limit; };
 
 static const char *parse_command(char *payload, uint32_t len, char **parts, int max, struct command *c) {
     if (len == 0 || payload[len - 1] != 0) return "exec";
@@ -47,6 +48,12 @@ static const char *parse_command(char *payload, uint32_t len, char **parts, int 
     if (argc < 1 || 3 + argc >= n) return "exec argv";
     int envc = atoi(parts[3 + argc]);
     if (envc < 0 || 4 + argc + envc > n) return "exec env";
+    c->limit = -1;
+    if (n > 4 + argc + envc) {
+        char *end;
+        c->limit = strtoll(parts[4 + argc + envc], &end, 10);
+        if (*end || end == parts[4 + argc + envc] || c->limit < 0) return "exec limit";
+    }
     c->cwd = parts[1];
     c->argv = &parts[3];
     c->envp = &parts[4 + argc];
@@ -95,6 +102,11 @@ static void child_stdio(int in, int out, int err, int terminal) {
     dup2(in, 0);
     dup2(out, 1);
     dup2(err, 2);
+}
+
+/* What pump_output forwards of each stream: one byte past the limit tells the host it was cut. */
+static long long room_of(const struct command *c) {
+    return c->limit < 0 ? -1 : c->limit + 1;
 }
 
 static struct exec *free_exec(void) {
@@ -159,6 +171,7 @@ void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws) {
     e->fd_out = pout[0];
     e->fd_err = perr[0];
     e->fd_sync = psync[1];
+    e->room_out = e->room_err = room_of(&cmd);
     uint32_t p32 = (uint32_t)pid;
     send_frame(T_STARTED, id, &p32, 4);
 }
@@ -293,6 +306,7 @@ void do_exec_spare(uint32_t id, char *payload, uint32_t len) {
     e->fd_out = spare.fd_out;
     e->fd_err = spare.fd_err;
     e->fd_sync = -1; /* let go already: a GO for it finds nothing to write */
+    e->room_out = e->room_err = room_of(&cmd);
     close_fd(&spare.fd_sync);
     spare.pid = 0;
     spare.fd_in = spare.fd_out = spare.fd_err = -1;
@@ -343,9 +357,19 @@ void child_exited(pid_t pid, int status) {
     }
 }
 
+/* A stream's output goes to the host, up to its room: past that (a host that only keeps
+ * max_output and streams to nobody) it is read and dropped here, on the sandbox's CPU, not sent
+ * to the host to be dropped there (a flooding `yes` cost the owner a fifth of a core). */
 void pump_output(struct exec *e, int *fd, uint8_t type) {
     static char buf[CHUNK];
     ssize_t n = read(*fd, buf, sizeof buf);
-    if (n > 0) send_frame(type, e->id, buf, (uint32_t)n);
-    else if (n == 0 || (errno != EINTR && errno != EAGAIN)) close_fd(fd);
+    if (n > 0) {
+        long long *room = type == T_STDERR ? &e->room_err : &e->room_out;
+        uint32_t len = (uint32_t)n;
+        if (*room >= 0) {
+            if ((long long)len > *room) len = (uint32_t)*room;
+            *room -= len;
+        }
+        if (len > 0) send_frame(type, e->id, buf, len);
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) close_fd(fd);
 }

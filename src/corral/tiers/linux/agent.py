@@ -332,6 +332,8 @@ class AgentChannel:
         parts = ["" if uid is None else str(uid), request.cwd, str(len(request.argv)), *request.argv,
                  str(len(request.env))]
         parts += [f"{k}={v}" for k, v in request.env.items()]
+        if on_output is None:  # nobody streams it: the agent sends what is kept and one byte more, no more
+            parts.append(str(request.max_output))
         payload = b"".join(p.encode() + b"\0" for p in parts)
         kind = T_EXEC
         if request.pty is not None:
