@@ -34,6 +34,7 @@ from corral.errors import SandboxError
 from corral.host import cgroups, ws_overlay
 
 from .leaks import sandbox_leftovers
+from .test_workspace_bounds import allocated
 from .tier_probe import skip_unless_tier
 
 DISK = 32 << 20
@@ -100,13 +101,6 @@ def tier(request: pytest.FixtureRequest, state_dir: Path, monkeypatch: pytest.Mo
         monkeypatch.setattr(ws_overlay, "ENABLED", False)
     yield request.param.split("-")[0]
 
-
-def allocated(root: Path) -> int:
-    seen: dict[int, int] = {}
-    for path in root.rglob("*"):
-        st = path.lstat()
-        seen[st.st_ino] = st.st_blocks * 512
-    return sum(seen.values())
 
 
 def plant(tmp_path: Path) -> tuple[Path, Path, dict[str, bytes]]:

@@ -22,7 +22,7 @@ import errno
 import os
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,6 +257,29 @@ def defer(current: Manifest, previous: Manifest, keys: Iterable[Key]) -> None:
             current.pop(key, None)
 
 
+def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, targets: DirsBeneath,
+                 skip: tuple[str, ...], copy: Callable[[Key, Entry, int, int], None]) -> None:
+    """Call ``copy(key, entry, source dir fd, target dir fd)`` for each entry of ``current`` that
+    is new or changed since ``previous`` (parents first; kinds in ``skip`` left out).  An entry the
+    sandbox changed under the walk is left for the next write-back; once the :class:`Budget` is
+    spent, it and every later one are (:func:`defer`)."""
+    order = depth_order(current)
+    for i, key in enumerate(order):
+        entry = current[key]
+        if entry[0] in skip or previous.get(key) == entry:
+            continue
+        try:
+            copy(key, entry, sources.open(key[0]), targets.open(key[0]))
+        except OverBudget:
+            defer(current, previous, order[i:])
+            return
+        except OSError as exc:
+            if exc.errno not in CHANGED_MEANWHILE:
+                raise
+            sources.close()  # what they held may be gone
+            targets.close()  # (changed while we copied: a directory made a link...)
+
+
 def _copy_data(src: int, dst: int, size: int, budget: Budget | None = None) -> None:
     """Copy the first ``size`` bytes of ``src`` to the empty ``dst``, data extents only: a hole
     stays a hole (the file systems that cannot tell report the whole file as data).  ``budget``
@@ -474,23 +497,12 @@ def _apply(
     budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in
     try:
         remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid)
-        order = depth_order(current)
-        for i, key in enumerate(order):
-            entry = current[key]
-            if entry[0] == "o" or previous.get(key) == entry:
-                continue
-            try:
-                _copy_entry(sources.open(key[0]), targets.open(key[0]), dst_fd, rel_of(key), entry[0], entry[3],
-                            uid, gid, inside_links_only, links, budget)
-            except OverBudget:
-                defer(current, previous, order[i:])
-                break
-            except OSError as exc:
-                if exc.errno not in CHANGED_MEANWHILE:
-                    raise
-                sources.close()  # what they held may be gone
-                targets.close()
-                continue  # changed while we copied (a directory made a link...): the next sync sees it
+
+        def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
+            _copy_entry(src_dir, dst_dir, dst_fd, rel_of(key), entry[0], entry[3], uid, gid, inside_links_only,
+                        links, budget)
+
+        copy_changed(current, previous, sources, targets, ("o",), copy)
     finally:
         sources.close()
         targets.close()

@@ -58,18 +58,17 @@ from . import idmap, mounts
 from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
-    CHANGED_MEANWHILE,
     Budget,
     DirsBeneath,
+    Entry,
+    Key,
     Links,
     Manifest,
-    OverBudget,
     WorkspaceCopy,
     _copy_entry,
     _open_dir_beneath,
     _remove_beneath,
-    defer,
-    depth_order,
+    copy_changed,
     is_whiteout,
     link_stays_inside,
     rel_of,
@@ -196,31 +195,18 @@ def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: 
         gone = [key for key in previous if key not in current]
         gone += [key for key, entry in current.items() if entry[0] == "w" and previous.get(key) != entry]
         remove_gone(dst_fd, gone, uid, gid)
-        order = depth_order(current)
-        for i, key in enumerate(order):
-            entry = current[key]
-            kind = entry[0]
-            if kind in ("w", "o") or previous.get(key) == entry:
-                continue
-            rel = rel_of(key)
-            try:
-                src_dir, dst_dir = sources.open(key[0]), targets.open(key[0])
-                if kind == "l" and not _link_inside(src_dir, rel):
-                    _remove_beneath(dst_dir, key[1])  # a link Corral does not plant: the host's entry goes
-                    continue
-                _copy_entry(src_dir, dst_dir, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
-                            inside_links_only=True, links=links, budget=budget)
-                if kind == "D" and previous.get(key, ("",))[0] != "D":
-                    _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
-            except OverBudget:
-                defer(current, previous, order[i:])
-                break
-            except OSError as exc:
-                if exc.errno not in CHANGED_MEANWHILE:
-                    raise
-                sources.close()  # what they held may be gone
-                targets.close()
-                continue  # changed while we copied (a directory made a link...): the next write-back sees it
+
+        def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
+            kind, rel = entry[0], rel_of(key)
+            if kind == "l" and not _link_inside(src_dir, rel):
+                _remove_beneath(dst_dir, key[1])  # a link Corral does not plant: the host's entry goes
+                return
+            _copy_entry(src_dir, dst_dir, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
+                        inside_links_only=True, links=links, budget=budget)
+            if kind == "D" and previous.get(key, ("",))[0] != "D":
+                _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
+
+        copy_changed(current, previous, sources, targets, ("w", "o"), copy)
     finally:
         sources.close()
         targets.close()
