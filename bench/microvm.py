@@ -69,7 +69,7 @@ def trace_steps(inner: MicroVMSandbox) -> list[tuple[str, float]]:
     console = ""
     while "agent told to go" not in console and time.monotonic() < deadline:
         time.sleep(0.05)  # the guest writes its step names after the agent started
-        console = (run / "console.log").read_text(errors="replace")
+        console = inner.console_log.read_text(errors="replace")
     names = ["length read", *re.findall(r"corral-trace +[\d.]+ ms (.*)", console)]
     names = [f"{name} ({names[:i].count(name) + 1})" if names.count(name) > 1 else name
              for i, name in enumerate(names)]  # one line per layer

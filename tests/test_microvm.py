@@ -561,3 +561,27 @@ def test_the_host_images_disk_is_the_same_in_every_state_dir(tmp_path: Path) -> 
     a, b = resolve("host", tmp_path / "a"), resolve("host", tmp_path / "b")
     assert a.layers[0][1] != b.layers[0][1]
     assert rootdisk.content_key(a) == rootdisk.content_key(b)
+
+
+def test_what_a_guest_writes_to_its_console_counts_against_its_disk() -> None:
+    # the guest's serial console went to a file in the host's state directory: a sandbox with
+    # user="root" wrote 50 MB to /dev/ttyS0 in two minutes of TCG (a KVM guest writes far
+    # faster), without bound.  The log now lives on the sandbox's disk tmpfs: once the sandbox
+    # has filled its disk (here through the 9p workspace, the same tmpfs) QEMU drops what the
+    # guest writes, and the guest runs on
+    with Sandbox.create(tier="microvm", memory="256M", disk="64M", user="root") as sb:
+        inner = _vm(sb)
+        disk = inner._run_dir / "disk"
+        assert inner.console_log.parent == disk and inner.console_log.stat().st_dev == disk.stat().st_dev
+        assert disk.stat().st_dev != inner._run_dir.stat().st_dev
+        before = inner.console_log.stat().st_size
+        written = sb.commands.run("head -c 200000 /dev/zero | tr '\\0' c > /dev/ttyS0", timeout=60)
+        assert written.exit_code == 0, written.stderr
+        assert inner.console_log.stat().st_size >= before + 200000  # the allowed case: it is logged
+        filled = sb.commands.run("head -c 80M /dev/zero > /workspace/fill; df -k /workspace | tail -1", timeout=120)
+        assert "No space left" in filled.stderr, filled.stdout + filled.stderr
+        size, room = inner.console_log.stat().st_size, os.statvfs(disk).f_bavail * os.statvfs(disk).f_bsize
+        again = sb.commands.run("head -c 200000 /dev/zero | tr '\\0' d > /dev/ttyS0", timeout=60)
+        assert again.exit_code == 0, again.stderr
+        assert inner.console_log.stat().st_size - size <= room  # nothing past the disk
+        assert sb.commands.run("echo alive").stdout == "alive\n"

@@ -98,6 +98,20 @@ class VMPaths:
     egress_socket: Path | None = None
 
 
+def log_tail(*paths: Path, limit: int = 800) -> str:
+    """The last ``limit`` bytes of each log, for an error message: read from the end, for a log
+    can be as big as what the guest wrote to its console (up to its disk limit)."""
+    text = ""
+    for path in paths:
+        try:
+            with open(path, "rb") as log:
+                log.seek(max(0, os.fstat(log.fileno()).st_size - limit))
+                text += log.read(limit).decode(errors="replace")
+        except OSError:
+            pass
+    return text.strip() or "(no output)"
+
+
 def qemu_binary() -> str:
     """``CORRAL_QEMU`` picks another build (e.g. a newer QEMU unpacked beside the system's)."""
     binary = shutil.which(os.environ.get("CORRAL_QEMU", "qemu-system-x86_64"))

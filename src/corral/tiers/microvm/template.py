@@ -133,13 +133,7 @@ def _die_with_parent() -> None:
 
 
 def _tail(work: Path) -> str:
-    text = ""
-    for name in ("qemu.log", "console.log"):
-        try:
-            text += (work / name).read_text(errors="replace")[-600:]
-        except OSError:
-            pass
-    return text.strip() or "(no output)"
+    return qemu.log_tail(work / "qemu.log", work / "console.log", limit=600)
 
 
 def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> Template:

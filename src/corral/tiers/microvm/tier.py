@@ -7,7 +7,7 @@ One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
 - a QEMU process, started in the sandbox's host cgroup (memory = guest RAM +
   QEMU's own overhead, cpu quota, pids) as root of the sandbox's user namespace
   (its uid range, ``VMM_CAPS`` only), given its files as descriptors;
-- its ``run_dir``: the QMP and agent sockets, the console log and a
+- its ``run_dir``: the QMP and agent sockets, the console log (on the disk tmpfs) and a
   size-limited tmpfs with the workspace copy the guest reaches over 9p;
 - with ``network="allow"``: the egress proxy (a thread, its socket in the run
   dir) and the bridge thread that carries the guest's connections from the
@@ -285,7 +285,7 @@ class MicroVMSandbox(LinuxSandbox):
         is loaded (the template was saved without its run state)."""
         assert self.cgroup is not None
         run = self._run_dir
-        paths = qemu.VMPaths(run / "agent.sock", run / "qmp.sock", run / "console.log")
+        paths = qemu.VMPaths(run / "agent.sock", run / "qmp.sock", self.console_log)
         readonly = bool(self.spec.workspace and self.spec.workspace.mode == "ro")
         listeners = []
         sockets = [paths.agent_socket, paths.qmp_socket]
@@ -419,14 +419,15 @@ class MicroVMSandbox(LinuxSandbox):
         finally:
             qmp.close()
 
+    @property
+    def console_log(self) -> Path:
+        """Where QEMU writes the guest's serial console: on the sandbox's disk tmpfs, so what the
+        guest writes there counts against its disk limit (and its host cgroup's memory).  A guest
+        root writing to ``/dev/ttyS0`` grew a file in the host's state directory without bound."""
+        return self._run_dir / "disk" / "console.log"
+
     def _log_tail(self) -> str:
-        text = ""
-        for name in ("qemu.log", "console.log"):
-            try:
-                text += (self._run_dir / name).read_text(errors="replace")[-800:]
-            except OSError:
-                pass
-        return text.strip() or "(no output)"
+        return qemu.log_tail(self._run_dir / "qemu.log", self.console_log)
 
     # -- live snapshots (live.py) --------------------------------------------
     def qmp(self) -> qemu.QMP:
