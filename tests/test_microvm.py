@@ -583,5 +583,6 @@ def test_what_a_guest_writes_to_its_console_counts_against_its_disk() -> None:
         size, room = inner.console_log.stat().st_size, os.statvfs(disk).f_bavail * os.statvfs(disk).f_bsize
         again = sb.commands.run("head -c 200000 /dev/zero | tr '\\0' d > /dev/ttyS0", timeout=60)
         assert again.exit_code == 0, again.stderr
-        assert inner.console_log.stat().st_size - size <= room  # nothing past the disk
+        # nothing past the disk: what was free, and the rest of the log's last page (already held)
+        assert inner.console_log.stat().st_size - size <= room + 4096
         assert sb.commands.run("echo alive").stdout == "alive\n"
