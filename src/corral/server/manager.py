@@ -18,12 +18,10 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .. import parked
 from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
-from ..host import mounts
 from ..pool import PoolSet
 from ..registry import gc, state_dir
 from ..sandbox import Sandbox
@@ -32,11 +30,6 @@ from .config import ServerConfig
 from .metrics import Metrics
 
 REAP_INTERVAL = 0.5
-#: the tmpfs the server puts its sandboxes' run directories on (``<state>/sandboxes``): their
-#: few directories, sockets and logs, made and removed for every sandbox, cost a journalled
-#: filesystem's inode work (ext4: ~4 ms of CPU per create+destroy under a burst), a tmpfs none
-RUNS_SOURCE = "corral-runs"
-RUNS_OPTIONS = "mode=0711,size=1g,nr_inodes=1048576"
 DESTROY_THREADS = 32
 MAX_OUTPUT_CAP = 64 << 20
 
@@ -91,7 +84,6 @@ class SandboxManager:
         self._usage: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self.recover()
-        self._runs_mounted = self._mount_runs()
         self.pools = PoolSet.from_config(config.pools, self.root, on_create=metrics.create_seconds.observe)
         self._reaper: asyncio.Task[None] | None = None
         # destroying waits (for processes to die, cgroups to empty): many may overlap
@@ -112,39 +104,6 @@ class SandboxManager:
             entry = Entry(sandbox, str(facts["tenant"]), float(facts["created"]), float(facts["expires_at"]),
                           float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
             self._add(entry)
-
-    def _mount_runs(self) -> bool:
-        """Put ``<state>/sandboxes`` on a tmpfs of the server's own (:data:`RUNS_SOURCE`) unless
-        something is mounted there already (a previous run's, killed: adopted, this server unmounts
-        it at shutdown) or it holds run directories of other live processes (which a mount would hide).
-
-        A run directory holds nothing that outlives its sandbox (whose processes die with the
-        server): after a crash the janitor reaps what is left in it, at the same paths."""
-        sandboxes = self.root / "sandboxes"
-        options = mounts.superblock_options(sandboxes)
-        if options:
-            return self._ours(sandboxes)
-        if any(sandboxes.iterdir()):
-            return False
-        try:
-            mounts.mount(RUNS_SOURCE, sandboxes, "tmpfs", mounts.MS_NOSUID | mounts.MS_NODEV, RUNS_OPTIONS)
-        except OSError:  # no privilege to mount (or no tmpfs): the run directories stay where they are
-            return False
-        return True
-
-    @staticmethod
-    def _ours(sandboxes: Path) -> bool:
-        return any(point == str(sandboxes) and rest.startswith(f"tmpfs {RUNS_SOURCE} ")
-                   for point, rest in mounts.mountinfo())
-
-    def _unmount_runs(self) -> None:
-        """At shutdown, once every sandbox is gone: the tmpfs goes unless another process's
-        sandboxes still have run directories on it (then it stays for the next server to adopt)."""
-        sandboxes = self.root / "sandboxes"
-        if not self._runs_mounted or not self._ours(sandboxes) or any(sandboxes.iterdir()):
-            return
-        with contextlib.suppress(OSError):  # busy: something is still mounted below it
-            mounts.umount(sandboxes)
 
     def _add(self, entry: Entry) -> None:
         with self._lock:
@@ -350,4 +309,3 @@ class SandboxManager:
         list(self._destroyers.map(self.destroy_now, live))
         self._destroyers.shutdown()
         self.pools.close()
-        self._unmount_runs()
