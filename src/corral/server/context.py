@@ -21,6 +21,7 @@ from starlette.requests import HTTPConnection
 from ..errors import ResourceLimit, Unauthorized
 from . import trace
 from .config import ANONYMOUS_TENANT, ServerConfig
+from .limits import TenantTally
 from .manager import SandboxManager
 from .metrics import Metrics
 
@@ -36,7 +37,7 @@ class ServerContext:
         #: each tenant's share of those threads (made on the loop, on first use)
         self._shares: dict[str, asyncio.Semaphore] = {}
         #: bytes of downloads each tenant has in flight
-        self._downloads: dict[str, int] = {}
+        self._downloads = TenantTally(config.max_download_bytes_per_tenant)
         self._manager: SandboxManager | None = None
         #: fast-path responses carry a Server-Timing header (CORRAL_SERVER_TIMING=1; see .trace)
         self.timing = trace.enabled()
@@ -89,19 +90,17 @@ class ServerContext:
     def hold_download(self, tenant: str, size: int) -> Callable[[], None]:
         """Count ``size`` bytes against ``tenant``'s downloads in flight; returns what gives them back.
         Raises :class:`ResourceLimit` (429) past ``max_download_bytes_per_tenant``."""
-        held = self._downloads.get(tenant, 0)
-        limit = self.config.max_download_bytes_per_tenant
-        if held + size > limit:
-            raise ResourceLimit(f"tenant {tenant} has {held} bytes of downloads in flight; {size} more is over "
-                                f"the server's {limit} per tenant: read the ones under way first")
-        self._downloads[tenant] = held + size
+        if not self._downloads.take(tenant, size):
+            raise ResourceLimit(f"tenant {tenant} has {self._downloads.held.get(tenant, 0)} bytes of downloads in flight; "
+                                f"{size} more is over the server's {self._downloads.limit} per tenant: read the ones "
+                                "under way first")
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._downloads[tenant] -= size
+                self._downloads.give(tenant, size)
         return release
 
     def tenant_of(self, authorization: str | None) -> str:

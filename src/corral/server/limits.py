@@ -25,6 +25,31 @@ from .wire import status_for
 SMALL_BODY = 64 << 10
 
 
+class TenantTally:
+    """How much of one resource each tenant holds at once (request bodies' bytes, downloads'
+    bytes, requests under way), against a bound per tenant (None: counted only)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.held: dict[str, int] = {}
+
+    def take(self, tenant: str, amount: int) -> bool:
+        """Count ``amount`` more for ``tenant``; False (nothing counted) if it would pass the bound."""
+        held = self.held.get(tenant, 0) + amount
+        if self.limit is not None and held > self.limit:
+            return False
+        self.held[tenant] = held
+        return True
+
+    def give(self, tenant: str, amount: int) -> None:
+        """Give back ``amount`` of what :meth:`take` counted for ``tenant``."""
+        left = self.held[tenant] - amount
+        if left:
+            self.held[tenant] = left
+        else:
+            del self.held[tenant]
+
+
 class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_bytes: int, tenant_of: Callable[[str | None], str] | None = None,
                  max_per_tenant: int | None = None, small_body_timeout: float = 30.0) -> None:
@@ -36,7 +61,7 @@ class BodySizeLimit:
         #: seconds a body read before any key is checked (up to SMALL_BODY) may take to arrive
         self.small_body_timeout = small_body_timeout
         #: bytes of request bodies each tenant has buffered
-        self.buffered: dict[str, int] = {}
+        self.buffered = TenantTally(max_per_tenant)
 
     @staticmethod
     async def _answer(send: Send, status: int, code: str, message: str) -> None:
@@ -79,10 +104,10 @@ class BodySizeLimit:
         held = 0
         try:
             if tenant is not None and declared > 0:  # the whole declared length is held before any is read
-                held = declared
-                if not self._hold(tenant, declared):
+                if not self.buffered.take(tenant, declared):
                     await self._too_much(send, tenant)
                     return
+                held = declared
             # count what actually arrives, whatever was declared
             chunks: list[bytes] = []
             total = 0
@@ -105,30 +130,23 @@ class BodySizeLimit:
                     await self._refuse(send)
                     return
                 if tenant is not None and declared < 0:  # chunked: held as it arrives
-                    held += len(chunk)
-                    if not self._hold(tenant, len(chunk)):
+                    if not self.buffered.take(tenant, len(chunk)):
                         await self._too_much(send, tenant)
                         return
+                    held += len(chunk)
                 chunks.append(chunk)
                 more = message.get("more_body", False)
             await self.app(scope, replay_body(b"".join(chunks), receive), send)
         finally:
             if held:
                 assert tenant is not None
-                self.buffered[tenant] -= held
-                if not self.buffered[tenant]:
-                    del self.buffered[tenant]
+                self.buffered.give(tenant, held)
 
     async def _too_much(self, send: Send, tenant: str) -> None:
         await self._answer(send, 429, "resource_limit",
                            f"tenant {tenant}'s requests under way hold over the server's {self.max_per_tenant} "
                            "bytes of bodies per tenant: send fewer at once")
 
-    def _hold(self, tenant: str, size: int) -> bool:
-        """Count ``size`` more bytes for ``tenant`` (given back when its request ends); False past the bound."""
-        held = self.buffered.get(tenant, 0) + size
-        self.buffered[tenant] = held
-        return self.max_per_tenant is None or held <= self.max_per_tenant
 
 
 def replay_body(body: bytes, receive: Receive) -> Receive:
@@ -160,7 +178,7 @@ class TenantRequests:
         self.app = app
         self.tenant_of = tenant_of
         self.max_per_tenant = max_per_tenant
-        self.under_way: dict[str, int] = {}
+        self.under_way = TenantTally(max_per_tenant)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -172,20 +190,16 @@ class TenantRequests:
         except SandboxError:
             await self.app(scope, receive, send)
             return
-        count = self.under_way.get(tenant, 0)
-        if count >= self.max_per_tenant:
-            message = (f"tenant {tenant} has {count} requests and WebSockets under way, the server's "
-                       f"max_requests_per_tenant: finish or close some first")
+        if not self.under_way.take(tenant, 1):
+            message = (f"tenant {tenant} has {self.under_way.held.get(tenant, 0)} requests and WebSockets under way, "
+                       f"the server's max_requests_per_tenant: finish or close some first")
             if scope["type"] == "websocket":
                 await receive()  # websocket.connect
                 await send({"type": "websocket.close", "code": 4429, "reason": message[:120]})
             else:
                 await BodySizeLimit._answer(send, 429, "resource_limit", message)
             return
-        self.under_way[tenant] = count + 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.under_way[tenant] -= 1
-            if not self.under_way[tenant]:
-                del self.under_way[tenant]
+            self.under_way.give(tenant, 1)
