@@ -71,25 +71,26 @@ void write_all(int fd, const void *buf, size_t len) {
  * (microVM) every write is its own transfer to the host */
 static unsigned char frame_buf[9 + CHUNK];
 
+static size_t put_header(unsigned char *out, uint8_t type, uint32_t id, uint32_t len) {
+    out[0] = type;
+    memcpy(out + 1, &id, 4);
+    memcpy(out + 5, &len, 4);
+    return 9;
+}
+
 void send_frame(uint8_t type, uint32_t id, const void *data, uint32_t len) {
-    frame_buf[0] = type;
-    memcpy(frame_buf + 1, &id, 4);
-    memcpy(frame_buf + 5, &len, 4);
     if (len <= CHUNK) {
-        if (len) memcpy(frame_buf + 9, data, len);
-        write_all(1, frame_buf, 9 + (size_t)len);
+        write_all(1, frame_buf, put_frame(frame_buf, type, id, data, len));
         return;
     }
-    write_all(1, frame_buf, 9);
+    write_all(1, frame_buf, put_header(frame_buf, type, id, len));
     write_all(1, data, len);
 }
 
 size_t put_frame(unsigned char *out, uint8_t type, uint32_t id, const void *data, uint32_t len) {
-    out[0] = type;
-    memcpy(out + 1, &id, 4);
-    memcpy(out + 5, &len, 4);
-    if (len) memcpy(out + 9, data, len);
-    return 9 + (size_t)len;
+    size_t n = put_header(out, type, id, len);
+    if (len) memcpy(out + n, data, len);
+    return n + (size_t)len;
 }
 
 void send_err(uint32_t id, int err, const char *what) {
