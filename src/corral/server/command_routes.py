@@ -9,6 +9,12 @@ WebSocket leaves the command running; destroying the sandbox ends it.
 Each attachment streams at most ``max_output`` per stream, replay included (like the exec
 stream; the result says ``truncated``): a client that attaches and does not read holds the
 server to that much, however long the command writes.
+
+What the server keeps is bounded per tenant too (32 sandboxes with 16 commands each kept up to
+2 x ``max_output`` twice over, and 2 sandboxes' worth already held 5.4 GB): a running command
+counts against ``max_output_bytes_per_tenant`` like any other (past it a start is 429), and an
+ended one's output against ``max_kept_output_per_tenant`` (past it it keeps none: its result is
+``truncated``, with empty output).
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import dataclasses
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +33,8 @@ from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidSpec, ResourceLimit, SandboxError
 from .context import Context, Tenant, context_of
+from .limits import TenantTally
+from .output_shares import Release
 from .wire import ExecBody, SignalBody, error_response, require_unicode
 
 router = APIRouter()
@@ -34,10 +45,16 @@ Event = tuple[str, Any]
 KEEP_FINISHED = 16
 
 
+def _give_back(kept: TenantTally, tenant: str, charged: list[int]) -> None:
+    if charged[0]:
+        kept.give(tenant, charged[0])
+        charged[0] = 0
+
+
 class Recorded:
     """What a background command said so far, and who is listening (one per command)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, kept: TenantTally, tenant: str) -> None:
         self._lock = threading.Lock()
         self._limit = limit
         self._kept = {"stdout": 0, "stderr": 0}
@@ -45,6 +62,11 @@ class Recorded:
         #: each listener, and the bytes per stream it may still be sent
         self._listeners: dict[Callable[[Event], None], dict[str, int]] = {}
         self.finished = False
+        #: once ended, what it keeps is counted for its tenant, until it is dropped (or collected)
+        self._charged = [0]
+        self.release = weakref.finalize(self, _give_back, kept, tenant, self._charged)
+        self._tally = kept
+        self._tenant = tenant
 
     def output(self, stream: str, chunk: bytes) -> None:  # on the sandbox's reader thread
         with self._lock:
@@ -60,9 +82,29 @@ class Recorded:
     def finish(self, event: Event) -> None:
         with self._lock:
             self.finished = True
+            event = self._keep_within_tally(event)
             self._events.append(event)
             for listener in self._listeners:
                 listener(event)
+
+    def _keep_within_tally(self, event: Event) -> Event:
+        """Count what this ended command keeps for its tenant; past the tenant's bound keep none of
+        its output (the result says truncated)."""
+        kind, payload = event
+        size = sum(len(chunk) for stream, chunk in self._events if stream in self._kept)
+        if kind == "result":
+            size += sys.getsizeof(payload.stdout) + sys.getsizeof(payload.stderr)
+        if not self.release.alive:  # dropped already (its sandbox went while it ended)
+            size = 0
+        if size and self._tally.take(self._tenant, size):
+            self._charged[0] = size
+            return event
+        if size:
+            self._events = [e for e in self._events if e[0] not in self._kept]
+            self._kept = {"stdout": self._limit, "stderr": self._limit}  # nothing more for late attachments
+            if kind == "result":
+                event = (kind, dataclasses.replace(payload, stdout="", stderr="", truncated=True))
+        return event
 
     def attach(self, listener: Callable[[Event], None]) -> list[Event]:
         """Start calling ``listener``; returns what came before (atomically: nothing is lost or doubled).
@@ -85,37 +127,47 @@ async def start_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Conte
     if sum(not r.finished for r in entry.background.values()) >= limit:
         raise ResourceLimit(f"sandbox {sandbox_id} already runs {limit} background commands (the server's "
                             "max_background_commands): kill one or wait for one to end")
-    recorded = Recorded(entry.spec.limits.max_output)
+    # it may run for ever: refused at once, never made to wait for another command of the tenant
+    running_share = ctx.output_shares.try_hold(who, 2 * entry.spec.limits.max_output)
+    if running_share is None:
+        raise ResourceLimit(f"tenant {who}'s running commands may print {ctx.output_shares.held.get(who, 0)} bytes, "
+                            "the server's max_output_bytes_per_tenant: wait for some to end or kill some "
+                            "(a lower max_output lets more run at once)")
+    recorded = Recorded(entry.spec.limits.max_output, ctx.kept_output, who)
     placeholder = -id(recorded)  # counted while it starts (no pid is negative)
     entry.background[placeholder] = recorded
-
-    def start() -> Any:
-        handle = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, user=body.user,
-                                            stdin=body.stdin_bytes(), on_output=recorded.output,
-                                            background=True)
-
-        def wait() -> None:
-            try:
-                recorded.finish(("result", handle.wait()))
-            except SandboxError as exc:
-                recorded.finish(("failed", exc))
-
-        threading.Thread(target=wait, name="corral-background-wait", daemon=True).start()
-        return handle
-
+    handle = None
     try:
-        handle = await ctx.run_for(who, start)
+        handle = await ctx.run_for(who, _start, entry, body, recorded, running_share)
     finally:
         del entry.background[placeholder]
+        if handle is None:
+            running_share()
     if handle.pid is None:
         raise InvalidSpec("the command ended before it started")
     # what ended stays attachable for a while; beyond KEEP_FINISHED the oldest goes (memory: each
     # keeps up to max_output per stream)
     finished = [p for p, r in entry.background.items() if r.finished]
     for old in finished[: max(0, len(finished) - KEEP_FINISHED)]:
-        del entry.background[old]
+        entry.background.pop(old).release()
     entry.background[handle.pid] = recorded
     return {"pid": handle.pid, "sandbox_id": sandbox_id}
+
+
+def _start(entry: Any, body: ExecBody, recorded: Recorded, running_share: Release) -> Any:
+    handle = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env, cwd=body.cwd, user=body.user,
+                                        stdin=body.stdin_bytes(), on_output=recorded.output, background=True)
+
+    def wait() -> None:
+        try:
+            recorded.finish(("result", handle.wait()))
+        except SandboxError as exc:
+            recorded.finish(("failed", exc))
+        finally:
+            running_share()  # what it keeps now is counted by its record
+
+    threading.Thread(target=wait, name="corral-background-wait", daemon=True).start()
+    return handle
 
 
 @router.get(PREFIX, summary="List the running commands")

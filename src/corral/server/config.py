@@ -102,6 +102,13 @@ class ServerConfig:
     #: bytes of file downloads one tenant may have in flight (read, not yet sent: a client that does
     #: not read holds them); a download past it is refused (429)
     max_download_bytes_per_tenant: int = 256 * MiB
+    #: output one tenant's running commands (exec, streamed exec, code cells, background) may hold in
+    #: the server at once, each counted at what it may print (2 x its sandbox's max_output); past it a
+    #: command waits its turn (a background start: 429); one that may print more than all of it runs alone
+    max_output_bytes_per_tenant: int = 1024 * MiB
+    #: output of one tenant's ended background commands the server keeps for clients that attach
+    #: (what each printed and its result); past it an ended command keeps none (its result: truncated)
+    max_kept_output_per_tenant: int = 256 * MiB
     #: seconds a request's line and headers may take to arrive (from the connection, or the request's
     #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
     request_head_timeout: float = 30.0
@@ -139,6 +146,8 @@ class ServerConfig:
             raise InvalidSpec(f"max_threads_per_tenant: {self.max_threads_per_tenant} must be below blocking_threads "
                               f"({self.blocking_threads}), or one tenant could hold every thread")
         self.max_download_bytes_per_tenant = parse_size(self.max_download_bytes_per_tenant, "max_download_bytes")
+        self.max_output_bytes_per_tenant = parse_size(self.max_output_bytes_per_tenant, "max_output_bytes")
+        self.max_kept_output_per_tenant = parse_size(self.max_kept_output_per_tenant, "max_kept_output")
         self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
         self.max_requests_per_tenant = _positive(self.max_requests_per_tenant, "max_requests_per_tenant", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)

@@ -24,6 +24,7 @@ from .config import ANONYMOUS_TENANT, ServerConfig
 from .limits import TenantTally
 from .manager import SandboxManager
 from .metrics import Metrics
+from .output_shares import OutputShares, Release
 
 T = TypeVar("T")
 
@@ -38,6 +39,10 @@ class ServerContext:
         self._shares: dict[str, asyncio.Semaphore] = {}
         #: bytes of downloads each tenant has in flight
         self._downloads = TenantTally(config.max_download_bytes_per_tenant)
+        #: output each tenant's running commands may hold here (each counted at 2 x max_output)
+        self.output_shares = OutputShares(config.max_output_bytes_per_tenant)
+        #: output of each tenant's ended background commands kept for clients that attach
+        self.kept_output = TenantTally(config.max_kept_output_per_tenant)
         self._manager: SandboxManager | None = None
         #: fast-path responses carry a Server-Timing header (CORRAL_SERVER_TIMING=1; see .trace)
         self.timing = trace.enabled()
@@ -86,6 +91,12 @@ class ServerContext:
             share = self._shares[tenant] = asyncio.Semaphore(self.config.max_threads_per_tenant)
         async with share:
             return await self.run_blocking(fn, *args, **kwargs)
+
+    async def hold_output(self, tenant: str, max_output: int) -> Release:
+        """Count a command that may print ``max_output`` per stream against ``tenant``'s
+        ``max_output_bytes_per_tenant``, waiting (without a thread) until it fits; returns what
+        gives it back when the command has ended and its output left the server."""
+        return await self.output_shares.hold(tenant, 2 * max_output)
 
     def hold_download(self, tenant: str, size: int) -> Callable[[], None]:
         """Count ``size`` bytes against ``tenant``'s downloads in flight; returns what gives them back.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,27 +28,31 @@ SMALL_BODY = 64 << 10
 
 class TenantTally:
     """How much of one resource each tenant holds at once (request bodies' bytes, downloads'
-    bytes, requests under way), against a bound per tenant (None: counted only)."""
+    bytes, requests under way, ended commands' output), against a bound per tenant (None: counted
+    only).  Safe from any thread: background commands' output is counted on the threads that read it."""
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def take(self, tenant: str, amount: int) -> bool:
         """Count ``amount`` more for ``tenant``; False (nothing counted) if it would pass the bound."""
-        held = self.held.get(tenant, 0) + amount
-        if self.limit is not None and held > self.limit:
-            return False
-        self.held[tenant] = held
-        return True
+        with self._lock:
+            held = self.held.get(tenant, 0) + amount
+            if self.limit is not None and held > self.limit:
+                return False
+            self.held[tenant] = held
+            return True
 
     def give(self, tenant: str, amount: int) -> None:
         """Give back ``amount`` of what :meth:`take` counted for ``tenant``."""
-        left = self.held[tenant] - amount
-        if left:
-            self.held[tenant] = left
-        else:
-            del self.held[tenant]
+        with self._lock:
+            left = self.held[tenant] - amount
+            if left:
+                self.held[tenant] = left
+            else:
+                del self.held[tenant]
 
 
 class BodySizeLimit:

@@ -121,7 +121,10 @@ class SandboxManager:
                 usage[1] -= entry.spec.limits.memory
                 if usage[0] == 0:
                     del self._usage[entry.tenant]
-            return entry
+        if entry is not None:
+            for recorded in list(entry.background.values()):
+                recorded.release()  # its kept output no longer counts for the tenant
+        return entry
 
     # -- lookup ----------------------------------------------------------------
     def get(self, tenant: str, sandbox_id: str) -> Entry:

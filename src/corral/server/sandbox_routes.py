@@ -92,9 +92,13 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
         manager.audit(entry)  # counts new egress refusals
         return result
 
-    result = await ctx.run_for(who, run_and_audit)
-    ctx.metrics.record_exec(result.timed_out, result.oom_killed)
-    return {"sandbox_id": sandbox_id, **result.to_dict()}
+    release = await ctx.hold_output(who, entry.spec.limits.max_output)
+    try:
+        result = await ctx.run_for(who, run_and_audit)
+        ctx.metrics.record_exec(result.timed_out, result.oom_killed)
+        return {"sandbox_id": sandbox_id, **result.to_dict()}
+    finally:
+        release()  # the result is in hand (its JSON is made right after, once)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
@@ -108,10 +112,14 @@ async def network_audit(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str,
 async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
-    with ctx.manager.exec_slot(entry):
-        result = await ctx.run_for(who, entry.sandbox.run_code, body.code, language=body.language,
-                                   timeout=body.timeout, context=body.context, envs=body.envs)
-    return dict(result.to_dict())
+    release = await ctx.hold_output(who, entry.spec.limits.max_output)
+    try:
+        with ctx.manager.exec_slot(entry):
+            result = await ctx.run_for(who, entry.sandbox.run_code, body.code, language=body.language,
+                                       timeout=body.timeout, context=body.context, envs=body.envs)
+        return dict(result.to_dict())
+    finally:
+        release()
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/contexts", status_code=201,

@@ -90,6 +90,8 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
         room[stream] -= len(chunk)
         loop.call_soon_threadsafe(queue.put_nowait, (stream, chunk))
 
+    # a client that does not read holds up to 2 x max_output queued here, counted for its tenant
+    release = await ctx.hold_output(tenant, entry.spec.limits.max_output)
     try:
         with manager.exec_slot(entry):
             handle: CommandHandle = await ctx.run_for(
@@ -125,6 +127,8 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
         await _send_error(websocket, InvalidSpec(f"text is not valid Unicode (lone surrogate?): {exc}"))
     except (WebSocketDisconnect, RuntimeError):
         return
+    finally:
+        release()
 
 
 def _wait_until_forked(handle: CommandHandle, timeout: float = 10.0) -> None:

@@ -1,0 +1,108 @@
+"""What one tenant's commands may make the server hold of their output, bounded per tenant.
+
+A command's output passes through the server: a blocking exec's result is built here (the
+bytes, their text, the JSON answer), a streamed exec's chunks queue for a client that may not
+read, a background command's output is kept for clients that attach.  Each command is bounded
+by its sandbox's ``max_output`` per stream, and how many run at once by the tenant's thread
+share -- which still let one tenant's 16 execs printing 2 x 64 MiB grow the server to 6.3 GB
+(and two tenants could take the host's memory).  So each running command of a tenant is counted
+at what it may print (2 x ``max_output``) against ``max_output_bytes_per_tenant``: past it the
+next command waits its turn (FIFO per tenant, holding no thread), and a background start, which
+could wait for a command that never ends, is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+
+Release = Callable[[], None]
+
+
+class OutputShares:
+    """Bytes of output each tenant's running commands may hold, against one bound per tenant.
+    Holding is done on the event loop; a release may come from any thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: dict[str, int] = {}
+        self._waiting: dict[str, deque[tuple[int, asyncio.Future[None]]]] = {}
+        self._lock = threading.Lock()
+
+    def try_hold(self, tenant: str, amount: int) -> Release | None:
+        """Count ``amount`` for ``tenant`` now and return what gives it back; None if it must wait."""
+        amount = min(amount, self.limit)  # one that may print more than all of it runs alone
+        with self._lock:
+            if self._waiting.get(tenant) or self.held.get(tenant, 0) + amount > self.limit:
+                return None
+            self.held[tenant] = self.held.get(tenant, 0) + amount
+        return self._releaser(tenant, amount)
+
+    async def hold(self, tenant: str, amount: int) -> Release:
+        """Count ``amount`` for ``tenant``, waiting behind its earlier commands until it fits."""
+        release = self.try_hold(tenant, amount)
+        if release is not None:
+            return release
+        amount = min(amount, self.limit)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._waiting.setdefault(tenant, deque()).append((amount, waiter))
+        self._wake(tenant)  # what it waits for may have been given back in between
+        try:
+            await waiter
+        except asyncio.CancelledError:  # the client went away while it waited
+            with self._lock:
+                queue = self._waiting.get(tenant)
+                if queue is not None and (amount, waiter) in queue:
+                    queue.remove((amount, waiter))
+                    if not queue:
+                        del self._waiting[tenant]
+                    granted = False
+                else:
+                    granted = waiter.done() and not waiter.cancelled()
+            if granted:
+                self._give(tenant, amount)
+            else:
+                self._wake(tenant)  # those it held back may fit now
+            raise
+        return self._releaser(tenant, amount)
+
+    def _releaser(self, tenant: str, amount: int) -> Release:
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._give(tenant, amount)
+        return release
+
+    def _give(self, tenant: str, amount: int) -> None:
+        with self._lock:
+            left = self.held[tenant] - amount
+            if left:
+                self.held[tenant] = left
+            else:
+                del self.held[tenant]
+        self._wake(tenant)
+
+    def _wake(self, tenant: str) -> None:
+        granted: list[tuple[int, asyncio.Future[None]]] = []
+        with self._lock:
+            queue = self._waiting.get(tenant)
+            while queue and self.held.get(tenant, 0) + queue[0][0] <= self.limit:
+                amount, waiter = queue.popleft()
+                self.held[tenant] = self.held.get(tenant, 0) + amount
+                granted.append((amount, waiter))
+            if queue is not None and not queue:
+                del self._waiting[tenant]
+        for amount, waiter in granted:
+            waiter.get_loop().call_soon_threadsafe(self._grant, tenant, amount, waiter)
+
+    def _grant(self, tenant: str, amount: int, waiter: asyncio.Future[None]) -> None:
+        if waiter.done():  # cancelled after it was granted: nobody will release it
+            self._give(tenant, amount)
+        else:
+            waiter.set_result(None)
