@@ -71,12 +71,20 @@ void do_fwrite(uint32_t id, char *payload, uint32_t len, int append) {
     char *data = path + plen + 1;
     size_t dlen = len - 8 - plen - 1;
     if ((flags & 1) && mkdir_parents(path, 0755) < 0) { send_err(id, errno, path); return; }
-    int oflags = O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC);
+    /* O_NONBLOCK: a fifo the sandbox put at the path would otherwise hold this open (and with it
+     * every request of the sandbox) until something in the sandbox read it, perhaps never */
+    int oflags = O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | (append ? O_APPEND : O_TRUNC);
     /* O_EXCL first: a file made here is given to the default user (give_new_file) */
     int fd = open(path, oflags | O_EXCL, mode & 07777);
     if (fd >= 0) give_new_file(fd, NULL);
     else if (errno == EEXIST) fd = open(path, oflags, mode & 07777);
-    if (fd < 0) { send_err(id, errno, path); return; }
+    if (fd < 0) { send_err(id, errno == ENXIO ? EINVAL : errno, path); return; }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) { /* a fifo, socket or device: not a file to write */
+        close(fd);
+        send_err(id, EINVAL, path);
+        return;
+    }
     while (dlen > 0) {
         ssize_t n = write(fd, data, dlen);
         if (n < 0 && errno == EINTR) continue;

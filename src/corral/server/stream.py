@@ -23,6 +23,7 @@ import codecs
 import contextlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
@@ -112,13 +113,16 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
 
             # the tenant's thread share is held while the command runs, like a blocking exec's
             waiter = asyncio.ensure_future(ctx.run_for(tenant, wait_then_report))
-            receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None))
+            receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None,
+                                                            ctx.run_blocking))
             try:
                 await websocket.send_json({"type": "started", "pid": handle.pid})
                 await _pump(websocket, queue, decoders, metrics, sandbox_id)
             finally:
                 receiver.cancel()
-                handle.kill()  # no-op once the command ended; kills the tree if the client left early
+                # no-op once the command ended; kills the tree if the client left early
+                with contextlib.suppress(Exception):
+                    await ctx.run_blocking(handle.kill)
                 with contextlib.suppress(BaseException):
                     await waiter
     except SandboxError as exc:
@@ -158,15 +162,18 @@ async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
             raise WebSocketDisconnect(code=1001)
 
 
-async def _receive_control(websocket: WebSocket, handle: CommandHandle,
-                           queue: asyncio.Queue[tuple[str, Any]], has_pty: bool) -> None:
+async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: asyncio.Queue[tuple[str, Any]],
+                           has_pty: bool, run: Callable[..., Awaitable[Any]]) -> None:
+    # each call to the command goes to a thread (``run``), never on the event loop: a write to a
+    # sandbox's agent waits while the agent does not read (a fifo once held one for ever, and the
+    # whole server's loop with it); one at a time per stream, in order
     try:
         while websocket.application_state == WebSocketState.CONNECTED:
             message = json.loads(await websocket.receive_text())
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "stdin" and isinstance(message.get("data_b64"), str):
                 try:
-                    handle.send_stdin(base64.b64decode(message["data_b64"], validate=True))
+                    await run(handle.send_stdin, base64.b64decode(message["data_b64"], validate=True))
                 except binascii.Error:
                     await websocket.send_json({"type": "error", "error": "invalid_spec",
                                                "message": "stdin: data_b64 is not base64"})
@@ -177,13 +184,13 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle,
                     await websocket.send_json({"type": "error", "error": "invalid_spec",
                                                "message": "stdin: text is not valid Unicode (a lone surrogate)"})
                     continue
-                handle.send_stdin(data)
+                await run(handle.send_stdin, data)
             elif kind == "stdin_close":
-                handle.close_stdin()
+                await run(handle.close_stdin)
             elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:
-                handle.send_signal(message["signal"])
+                await run(handle.send_signal, message["signal"])
             elif kind == "kill":
-                handle.kill()
+                await run(handle.kill)
             elif kind == "resize":
                 rows, cols = message.get("rows"), message.get("cols")
                 if not has_pty:
@@ -191,7 +198,7 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle,
                 elif not all(isinstance(n, int) and 0 < n < 10000 for n in (rows, cols)):
                     problem = "rows and cols must be whole numbers from 1 to 9999"
                 else:
-                    handle.resize(rows, cols)
+                    await run(handle.resize, rows, cols)
                     continue
                 await websocket.send_json({"type": "error", "error": "invalid_spec", "message": f"resize: {problem}"})
             else:

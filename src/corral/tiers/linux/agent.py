@@ -13,15 +13,44 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import socket
+import stat
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-from ...errors import ContainmentFailed, FileError, FileNotFoundInSandbox, SandboxClosed
+from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed
 from ...images import SANDBOX_UID
-from ..base import ExecRequest, ExecResult, FileEntry, OutputCallback, Process
+from ..base import ExecRequest, FileEntry, OutputCallback
+from .agent_process import AgentProcess
+from .frames import (
+    HEADER,
+    MAX_FRAME,
+    T_AS_AGENT,
+    T_DATA,
+    T_ERR,
+    T_EXEC,
+    T_EXEC_PTY,
+    T_EXEC_SPARE,
+    T_EXIT,
+    T_FAPPEND,
+    T_FLIST,
+    T_FMKDIR,
+    T_FREAD,
+    T_FREMOVE,
+    T_FSTAT,
+    T_FWRITE,
+    T_GUEST,
+    T_OK,
+    T_READY,
+    T_SPARE,
+    T_STARTED,
+    T_STDERR,
+    T_STDIN_EOF,
+    T_STDOUT,
+)
 from .pause import PauseClock
 
 #: what root inside holds, within the sandbox's own user namespace only: Docker's default set
@@ -32,20 +61,10 @@ ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_K
 #: the uid inside of each ``user`` (``spec.USERS``)
 USER_IDS = {"root": 0, "user": SANDBOX_UID}
 
-if TYPE_CHECKING:
-    pass
-
-T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE = 1, 2, 3, 4, 5, 6, 7, 8
-T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
-#: the microVM guest around a live snapshot (agent's guest_ops.c)
-T_GUEST = 17
-#: or'd into a file request's type: run it with the agent's own ids, not the default user's (the
-#: host's own requests: the microVM's guest cgroup leaves and network files)
-T_AS_AGENT = 0x80
-T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_SPARE, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 106, 110, 111
-
-HEADER = struct.Struct("<BII")
-MAX_FRAME = 64 << 20
+#: how long a frame may wait for the agent to read it.  The agent reads between requests, so
+#: only an agent stuck in one (or gone) makes a writer wait; a write never blocks for ever, as
+#: it did when a fifo at a written path held the agent (and a server's event loop with it)
+WRITE_TIMEOUT = 60.0
 WRITE_CHUNK = 4 << 20
 _TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
 _ENTRY = struct.Struct("<cQIq")
@@ -67,7 +86,15 @@ class AgentChannel:
         #: bytes already read from ``reader`` by the caller, read first
         self._initial = initial
         self._wfd = writer
+        #: a socket's other descriptors (the reader's) share its O_NONBLOCK: it is sent to with
+        #: MSG_DONTWAIT instead; a pipe's write end is ours alone and is made non-blocking
+        self._wsock = socket.socket(fileno=os.dup(writer)) if stat.S_ISSOCK(os.fstat(writer).st_mode) else None
+        if self._wsock is None:
+            os.set_blocking(writer, False)
         self._wlock = threading.Lock()
+        #: half a frame went out before the agent stopped reading: nothing more can be sent
+        self._broken = False
+        self._closing = False
         self._lock = threading.Lock()
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
@@ -88,18 +115,58 @@ class AgentChannel:
     def send(self, kind: int, ident: int, payload: bytes = b"") -> None:
         self._write(HEADER.pack(kind, ident, len(payload)) + payload)
 
+    def try_send(self, kind: int, ident: int, payload: bytes = b"") -> bool:
+        """Send a small frame only if the agent can take it now (a kill's signal: the cgroup kill
+        after it does not wait for an agent that reads nothing); False if it was not sent."""
+        if self.closed.is_set() or self._broken or not self._wlock.acquire(blocking=False):
+            return False
+        try:
+            return self._write_locked(HEADER.pack(kind, ident, len(payload)) + payload, 0.0)
+        except SandboxClosed:
+            return False
+        finally:
+            self._wlock.release()
+
     def _write(self, frame: bytes) -> None:
-        """Whole frames, in one write where the pipe takes it."""
-        if self.closed.is_set():
+        """Whole frames, in one write where the pipe takes it; SandboxClosed if the agent has read
+        none of it within WRITE_TIMEOUT (it is stuck: the channel is given up)."""
+        timeout = WRITE_TIMEOUT
+        if self.closed.is_set() or self._broken:
             raise SandboxClosed("the sandbox is no longer running")
-        with self._wlock:
-            try:
-                view = memoryview(frame)
-                while view:
-                    n = os.write(self._wfd, view)
-                    view = view[n:]
-            except OSError as exc:
-                raise SandboxClosed(f"the sandbox is no longer running ({exc.strerror})") from None
+        if not self._wlock.acquire(timeout=timeout):
+            raise SandboxClosed(f"the sandbox's agent has read nothing sent to it for {timeout:.0f} s")
+        try:
+            if self._broken:  # given up while this waited its turn
+                raise SandboxClosed("the sandbox's agent stopped reading what was sent to it")
+            if not self._write_locked(frame, timeout):
+                self._broken = True
+                raise SandboxClosed(f"the sandbox's agent has read nothing sent to it for {timeout:.0f} s")
+        finally:
+            self._wlock.release()
+
+    def _write_locked(self, frame: bytes, timeout: float) -> bool:
+        """Write ``frame``; False if none of it could be written within ``timeout``.  Half a frame
+        followed by ``timeout`` of nothing breaks the channel (SandboxClosed)."""
+        view = memoryview(frame)
+        deadline = time.monotonic() + timeout
+        try:
+            while view:
+                try:
+                    sent = (self._wsock.send(view, socket.MSG_DONTWAIT) if self._wsock is not None
+                            else os.write(self._wfd, view))
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0 and len(view) == len(frame):
+                        return False
+                    if left <= 0:
+                        self._broken = True
+                        raise SandboxClosed("the sandbox's agent stopped reading in the middle of a request") from None
+                    select.select([], [self._wfd], [], left)
+                    continue
+                view = view[sent:]
+        except OSError as exc:
+            raise SandboxClosed(f"the sandbox is no longer running ({exc.strerror})") from None
+        return True
 
     def new_id(self) -> int:
         with self._lock:
@@ -146,13 +213,12 @@ class AgentChannel:
             ident = self.new_id()
             pending = _Pending()
             self._pending[ident] = pending
-            view = memoryview(HEADER.pack(T_FSTAT, ident, 2) + b"/\0")
             try:
-                while view:
-                    view = view[os.write(self._wfd, view):]
-            except OSError as exc:
+                if not self._write_locked(HEADER.pack(T_FSTAT, ident, 2) + b"/\0", timeout):
+                    raise SandboxClosed(f"the sandbox's agent has read nothing sent to it for {timeout:.0f} s")
+            except SandboxClosed:
                 self._pending.pop(ident, None)
-                raise SandboxClosed(f"the sandbox is no longer running ({exc.strerror})") from None
+                raise
             self._answer(ident, pending, MAX_FRAME, timeout)
             yield
 
@@ -177,6 +243,9 @@ class AgentChannel:
                 pending.done.set()
             for proc in list(self._execs.values()):
                 proc._agent_gone()
+            if self._closing:  # close() left the file to this thread, which held it
+                with contextlib.suppress(OSError):
+                    self._rfile.close()
 
     def _dispatch(self, kind: int, ident: int, payload: bytes) -> None:
         if kind == T_READY:
@@ -230,7 +299,15 @@ class AgentChannel:
             os.close(self._wfd)
         except OSError:
             pass
+        if self._wsock is not None:
+            self._wsock.close()
+        self._closing = True
         self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            # an agent that neither reads nor exits (stopped, stuck): the reader holds the file's
+            # lock in its read, and closing the file here would wait for it for ever; the
+            # tier's kill ends the agent, the read, and the reader closes the file itself
+            return
         try:
             self._rfile.close()
         except OSError:
@@ -352,189 +429,3 @@ class AgentChannel:
             raise
         proc._eof_sent = request.stdin_closed
         return proc
-
-
-class AgentProcess(Process):
-    def __init__(
-        self,
-        channel: AgentChannel,
-        ident: int,
-        request: ExecRequest,
-        on_output: OutputCallback | None,
-        place: Callable[[int], bool | None],
-        kill: Callable[[], None],
-        finish: Callable[[AgentProcess], None] | None = None,
-        spare: int | None = None,
-    ) -> None:
-        self._channel = channel
-        #: the placed spare the command was sent to: the agent lets it go without a GO
-        self._spare = spare
-        #: stdin's end of file went to the agent (with the command, or by close_stdin)
-        self._eof_sent = False
-        self._finish = finish
-        self._finished = threading.Lock()
-        self._result: ExecResult | None = None
-        self._id = ident
-        self._request = request
-        self._on_output = on_output
-        self._place = place
-        self._kill = kill
-        self._start = time.monotonic()
-        self._paused_before = channel.pause_clock.paused_total()
-        self._done = threading.Event()
-        self._out = {"stdout": bytearray(), "stderr": bytearray()}
-        self._truncated = False
-        self._status: int | None = None
-        self._error = ""
-        #: why the command could not be placed in the sandbox's cgroups (it was killed before exec)
-        self._unplaced = ""
-        #: its process was gone when placed: held before exec, it never ran the user's code
-        self._gone_before_placed = False
-        #: signals the caller sent (kill() is 9): a held process they ended is not a containment failure
-        self._requested_signals: set[int] = set()
-        self._timed_out = False
-        self.pid: int | None = None
-        #: set by the tier's ``finish`` hook (from cgroup counters)
-        self.oom_killed = False
-
-    # reader-thread callbacks
-    def _started(self, nspid: int) -> None:
-        if nspid == self._spare:
-            self.pid = nspid  # placed and checked before it was sent; the agent let it go
-            return
-        reason = "its process is gone"
-        try:
-            # None means "nothing to place" (a tier whose kill tree lives elsewhere)
-            placed = self._place(nspid) is not False
-            self._gone_before_placed = not placed
-        except ProcessLookupError:
-            placed, self._gone_before_placed = False, True
-        except Exception as exc:  # any failure to place means the command must not run
-            placed, reason = False, str(exc)
-        if placed:
-            self._channel.send(T_GO, self._id)
-        else:
-            # fail closed: a command outside its cgroups would escape the limits and outlive a timeout
-            self._unplaced = f"could not place the command in the sandbox's cgroups ({reason}); it was not run"
-            self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
-        # published only now: a signal sent once the pid is known reaches a placed, running process
-        self.pid = nspid
-
-    def _output(self, stream: str, chunk: bytes) -> None:
-        buf = self._out[stream]
-        room = self._request.max_output - len(buf)
-        if room < len(chunk):
-            self._truncated = True
-        if room > 0:
-            buf += chunk[:room]
-        if self._on_output is not None:
-            try:
-                self._on_output(stream, chunk)
-            except Exception:  # a caller's callback must not kill the reader
-                pass
-
-    def _exited(self, status: int) -> None:
-        self._status = status
-        self._done.set()
-
-    def _failed(self, message: str) -> None:
-        self._error = message
-        self._done.set()
-
-    def _agent_gone(self) -> None:
-        if not self._done.is_set():
-            self._error = self._error or "the sandbox stopped while the command ran"
-            self._done.set()
-
-    # Process API
-    def write_stdin(self, data: bytes) -> None:
-        for offset in range(0, len(data), 1 << 20):
-            self._channel.send(T_STDIN, self._id, data[offset : offset + (1 << 20)])
-
-    def close_stdin(self) -> None:
-        if not self._eof_sent:
-            self._eof_sent = True
-            self._channel.send(T_STDIN_EOF, self._id)
-
-    def send_signal(self, signum: int) -> None:
-        self._requested_signals.add(signum)
-        self._channel.send(T_SIGNAL, self._id, struct.pack("<i", signum))
-
-    def kill(self) -> None:
-        self._requested_signals.add(9)
-        # the cgroup kill below misses a command not yet placed in its leaf; the agent's kill
-        # reaches it while it is held, so it never runs
-        with contextlib.suppress(OSError, SandboxClosed):
-            self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
-        self._kill()
-
-    def _containment_failed(self) -> bool:
-        """Placement failed, and not because the caller's own signal ended the held process."""
-        if not self._unplaced:
-            return False
-        status = self._status
-        ended_by_caller = (
-            self._gone_before_placed and status is not None and os.WIFSIGNALED(status)
-            and os.WTERMSIG(status) in self._requested_signals
-        )
-        return not ended_by_caller
-
-    def resize(self, rows: int, cols: int) -> None:
-        self._channel.send(T_RESIZE, self._id, struct.pack("<HH", rows, cols))
-
-    def _deadline(self) -> float:
-        # moved on by every second the sandbox spent paused since the command started
-        paused = self._channel.pause_clock.paused_total() - self._paused_before
-        return self._start + self._request.timeout + paused
-
-    def wait(self) -> ExecResult:
-        while not self._done.is_set():
-            remaining = self._deadline() - time.monotonic()
-            if remaining <= 0:
-                break
-            self._done.wait(remaining)
-        if not self._done.is_set():
-            self._timed_out = True
-            self._kill()
-            if not self._done.wait(5.0):
-                self._error = "the command did not stop after being killed"
-        with self._finished:
-            if self._result is None:
-                if self._finish is not None:
-                    self._finish(self)
-                self._result = self.result()
-        if self._containment_failed():
-            raise ContainmentFailed(self._unplaced, self._result)
-        return self._result
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self) -> ExecResult:
-        status = self._status
-        signal_number: int | None = None
-        if status is None:
-            exit_code = -1
-        elif os.WIFSIGNALED(status):
-            signal_number = os.WTERMSIG(status)
-            exit_code = 128 + signal_number
-        else:
-            exit_code = os.WEXITSTATUS(status)
-        stderr = self._out["stderr"].decode(errors="replace")
-        unplaced = self._unplaced if self._containment_failed() else ""
-        error = unplaced or self._error
-        if error and (status is None or unplaced):
-            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {error}\n"
-        if self._timed_out:
-            exit_code = 124
-        return ExecResult(
-            exit_code=exit_code,
-            stdout=self._out["stdout"].decode(errors="replace"),
-            stderr=stderr,
-            duration_ms=round((time.monotonic() - self._start) * 1000, 3),
-            timed_out=self._timed_out,
-            oom_killed=self.oom_killed,
-            signal=signal_number,
-            truncated=self._truncated,
-        )

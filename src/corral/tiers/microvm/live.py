@@ -58,8 +58,9 @@ from ...host import mounts
 from ...spec import MiB
 from ..base import PendingWrite
 from ..linux import fs_snapshot
-from ..linux.agent import HEADER, T_ERR, T_GUEST, T_OK, USER_IDS, AgentChannel
+from ..linux.agent import USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
+from ..linux.frames import HEADER, T_ERR, T_GUEST, T_OK
 from . import converter, memimage, qemu, template
 from .converter import MIGRATE_TIMEOUT
 from .rootdisk import ImageDisk

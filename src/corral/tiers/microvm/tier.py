@@ -48,8 +48,10 @@ from ...host.workspace import WorkspaceCopy
 from ...images import resolve
 from ...spec import NETWORK_MODES, MiB, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE, USER_IDS, AgentChannel, AgentProcess
+from ..linux.agent import USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
+from ..linux.agent_process import AgentProcess
+from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE
 from ..linux.rootfs import reap_host_side
 from ..linux.sandbox import LinuxSandbox
 from . import converter, guest, live, livefork, qemu, rootdisk, template, vmm

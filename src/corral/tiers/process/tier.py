@@ -39,8 +39,10 @@ from ...host.procs import children, descendants
 from ...host.seccomp import bpf_path
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
-from ..linux.agent import ROOT_CAPS, T_GO, USER_IDS, AgentChannel, AgentProcess
+from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
+from ..linux.agent_process import AgentProcess
+from ..linux.frames import T_GO
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .launcher import LAUNCHER

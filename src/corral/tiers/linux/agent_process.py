@@ -1,0 +1,204 @@
+"""One command run by the agent, seen from the host (:class:`AgentProcess`): its output,
+its exit, and what the host sends it (stdin, signals, a terminal's size)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ...errors import ContainmentFailed
+from ..base import ExecRequest, ExecResult, OutputCallback, Process
+from .frames import T_GO, T_RESIZE, T_SIGNAL, T_STDIN, T_STDIN_EOF
+
+if TYPE_CHECKING:
+    from .agent import AgentChannel
+
+
+class AgentProcess(Process):
+    def __init__(
+        self,
+        channel: AgentChannel,
+        ident: int,
+        request: ExecRequest,
+        on_output: OutputCallback | None,
+        place: Callable[[int], bool | None],
+        kill: Callable[[], None],
+        finish: Callable[[AgentProcess], None] | None = None,
+        spare: int | None = None,
+    ) -> None:
+        self._channel = channel
+        #: the placed spare the command was sent to: the agent lets it go without a GO
+        self._spare = spare
+        #: stdin's end of file went to the agent (with the command, or by close_stdin)
+        self._eof_sent = False
+        self._finish = finish
+        self._finished = threading.Lock()
+        self._result: ExecResult | None = None
+        self._id = ident
+        self._request = request
+        self._on_output = on_output
+        self._place = place
+        self._kill = kill
+        self._start = time.monotonic()
+        self._paused_before = channel.pause_clock.paused_total()
+        self._done = threading.Event()
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self._truncated = False
+        self._status: int | None = None
+        self._error = ""
+        #: why the command could not be placed in the sandbox's cgroups (it was killed before exec)
+        self._unplaced = ""
+        #: its process was gone when placed: held before exec, it never ran the user's code
+        self._gone_before_placed = False
+        #: signals the caller sent (kill() is 9): a held process they ended is not a containment failure
+        self._requested_signals: set[int] = set()
+        self._timed_out = False
+        self.pid: int | None = None
+        #: set by the tier's ``finish`` hook (from cgroup counters)
+        self.oom_killed = False
+
+    # reader-thread callbacks
+    def _started(self, nspid: int) -> None:
+        if nspid == self._spare:
+            self.pid = nspid  # placed and checked before it was sent; the agent let it go
+            return
+        reason = "its process is gone"
+        try:
+            # None means "nothing to place" (a tier whose kill tree lives elsewhere)
+            placed = self._place(nspid) is not False
+            self._gone_before_placed = not placed
+        except ProcessLookupError:
+            placed, self._gone_before_placed = False, True
+        except Exception as exc:  # any failure to place means the command must not run
+            placed, reason = False, str(exc)
+        if placed:
+            self._channel.send(T_GO, self._id)
+        else:
+            # fail closed: a command outside its cgroups would escape the limits and outlive a timeout
+            self._unplaced = f"could not place the command in the sandbox's cgroups ({reason}); it was not run"
+            self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
+        # published only now: a signal sent once the pid is known reaches a placed, running process
+        self.pid = nspid
+
+    def _output(self, stream: str, chunk: bytes) -> None:
+        buf = self._out[stream]
+        room = self._request.max_output - len(buf)
+        if room < len(chunk):
+            self._truncated = True
+        if room > 0:
+            buf += chunk[:room]
+        if self._on_output is not None:
+            try:
+                self._on_output(stream, chunk)
+            except Exception:  # a caller's callback must not kill the reader
+                pass
+
+    def _exited(self, status: int) -> None:
+        self._status = status
+        self._done.set()
+
+    def _failed(self, message: str) -> None:
+        self._error = message
+        self._done.set()
+
+    def _agent_gone(self) -> None:
+        if not self._done.is_set():
+            self._error = self._error or "the sandbox stopped while the command ran"
+            self._done.set()
+
+    # Process API
+    def write_stdin(self, data: bytes) -> None:
+        for offset in range(0, len(data), 1 << 20):
+            self._channel.send(T_STDIN, self._id, data[offset : offset + (1 << 20)])
+
+    def close_stdin(self) -> None:
+        if not self._eof_sent:
+            self._eof_sent = True
+            self._channel.send(T_STDIN_EOF, self._id)
+
+    def send_signal(self, signum: int) -> None:
+        self._requested_signals.add(signum)
+        self._channel.send(T_SIGNAL, self._id, struct.pack("<i", signum))
+
+    def kill(self) -> None:
+        self._requested_signals.add(9)
+        # the cgroup kill below misses a command not yet placed in its leaf; the agent's kill
+        # reaches it while it is held, so it never runs (an agent that reads nothing now is not
+        # waited for: the cgroup kill does not need it)
+        self._channel.try_send(T_SIGNAL, self._id, struct.pack("<i", 9))
+        self._kill()
+
+    def _containment_failed(self) -> bool:
+        """Placement failed, and not because the caller's own signal ended the held process."""
+        if not self._unplaced:
+            return False
+        status = self._status
+        ended_by_caller = (
+            self._gone_before_placed and status is not None and os.WIFSIGNALED(status)
+            and os.WTERMSIG(status) in self._requested_signals
+        )
+        return not ended_by_caller
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._channel.send(T_RESIZE, self._id, struct.pack("<HH", rows, cols))
+
+    def _deadline(self) -> float:
+        # moved on by every second the sandbox spent paused since the command started
+        paused = self._channel.pause_clock.paused_total() - self._paused_before
+        return self._start + self._request.timeout + paused
+
+    def wait(self) -> ExecResult:
+        while not self._done.is_set():
+            remaining = self._deadline() - time.monotonic()
+            if remaining <= 0:
+                break
+            self._done.wait(remaining)
+        if not self._done.is_set():
+            self._timed_out = True
+            self._kill()
+            if not self._done.wait(5.0):
+                self._error = "the command did not stop after being killed"
+        with self._finished:
+            if self._result is None:
+                if self._finish is not None:
+                    self._finish(self)
+                self._result = self.result()
+        if self._containment_failed():
+            raise ContainmentFailed(self._unplaced, self._result)
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> ExecResult:
+        status = self._status
+        signal_number: int | None = None
+        if status is None:
+            exit_code = -1
+        elif os.WIFSIGNALED(status):
+            signal_number = os.WTERMSIG(status)
+            exit_code = 128 + signal_number
+        else:
+            exit_code = os.WEXITSTATUS(status)
+        stderr = self._out["stderr"].decode(errors="replace")
+        unplaced = self._unplaced if self._containment_failed() else ""
+        error = unplaced or self._error
+        if error and (status is None or unplaced):
+            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + f"corral: {error}\n"
+        if self._timed_out:
+            exit_code = 124
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=self._out["stdout"].decode(errors="replace"),
+            stderr=stderr,
+            duration_ms=round((time.monotonic() - self._start) * 1000, 3),
+            timed_out=self._timed_out,
+            oom_killed=self.oom_killed,
+            signal=signal_number,
+            truncated=self._truncated,
+        )

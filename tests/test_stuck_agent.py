@@ -1,0 +1,161 @@
+"""An agent that reads nothing holds nobody: not its owner's threads for ever, not a server's loop.
+
+The owner writes requests into the agent's pipe (or virtio-serial port).  A write used to block
+for as long as the agent did not read, holding the channel's lock: a fifo the sandbox put where
+its client wrote a file held the agent in ``open`` for ever, every later command of the sandbox
+timed out, and a stdin frame sent over a WebSocket then blocked the server's event loop -- every
+tenant's request waited.  Now the agent refuses to write anything but a regular file, a write
+gives up after ``WRITE_TIMEOUT``, a kill does not wait for the agent, and the server sends to a
+command from a thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from websockets.sync.client import connect
+
+import corral.tiers.linux.agent as agent_protocol
+from corral import Sandbox
+from corral.errors import FileError, SandboxClosed
+
+from .server_fixtures import KEYS, ServerProcess
+
+
+def test_a_write_to_a_fifo_the_sandbox_made_is_refused_and_the_sandbox_works_on() -> None:
+    with Sandbox.create() as sb:
+        sb.commands.run("mkfifo /home/user/out.txt /home/user/read.txt")
+        reader = sb.commands.run("cat /home/user/read.txt", background=True)  # a reader waits on this one
+        time.sleep(0.2)
+        for path in ("/home/user/out.txt", "/home/user/read.txt", "/dev/null"):
+            assert isinstance(_within(5, sb.files.write, path, b"upload"), FileError), path
+        reader.kill()
+        result = sb.commands.run("echo alive", timeout=10)
+        assert result.stdout == "alive\n" and result.exit_code == 0
+        sb.files.write("/home/user/file.txt", b"upload")  # allowed: a regular file, new or existing
+        sb.files.write("/home/user/file.txt", b"again")
+        assert sb.files.read("/home/user/file.txt") == "again"
+
+
+def _within(seconds: float, fn: Callable[..., object], *args: object) -> BaseException | None:
+    """What ``fn(*args)`` raised (None if nothing), failing the test if it takes over ``seconds``."""
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            fn(*args)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)}{args!r:.60} did not return within {seconds} s"
+    return outcome[0]
+
+
+def _agent_host_pid(sb: Sandbox) -> int:
+    return int(sb._backend.inner._agent_host_pid())  # type: ignore[attr-defined]
+
+
+def test_a_stopped_agent_makes_writes_fail_in_time_and_a_kill_need_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent stopped (SIGSTOP from the host: it reads nothing, answers nothing, never exits):
+    stdin to its command fails within WRITE_TIMEOUT, killing the command needs no answer, and the
+    sandbox is destroyed (the agent's stuck read left behind: before, destroy waited for it)."""
+    monkeypatch.setattr(agent_protocol, "WRITE_TIMEOUT", 1.0, raising=False)
+    sb = Sandbox.create()
+    agent = _agent_host_pid(sb)
+    try:
+        command = sb.commands.run("sleep 60", background=True)
+        os.kill(agent, signal.SIGSTOP)
+
+        def feed() -> None:
+            for _ in range(8):
+                command.send_stdin(b"x" * (1 << 20))
+
+        assert isinstance(_within(10, feed), SandboxClosed)
+        assert _within(1, command.kill) is None
+        # destroyed while its agent is still stopped (before: waited for the agent for ever)
+        assert _within(15, sb.kill) is None
+        assert not Path(f"/proc/{agent}").exists() or "Z" in Path(f"/proc/{agent}/stat").read_text().split()[2]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(agent, signal.SIGCONT)
+        sb.kill()
+
+
+def _descendants_named(root: int, name: str) -> list[int]:
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(entry.name)] = int(fields[1])
+                names[int(entry.name)] = (entry / "comm").read_text().strip()
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def below(pid: int) -> bool:
+        for _ in range(64):
+            pid = parents.get(pid, 0)
+            if pid == root:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return [pid for pid, comm in names.items() if comm == name and below(pid)]
+
+
+@pytest.fixture
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-stuck-agent", keys=KEYS) as srv:
+        yield srv
+
+
+def test_a_stuck_agent_does_not_hold_the_servers_loop(server: ServerProcess) -> None:
+    """alice's sandbox's agent reads nothing (stopped); she streams stdin to a command in it: bob
+    is answered meanwhile (before: the loop blocked in the write and bob waited with everyone)."""
+    assert server.proc is not None
+    with server.client("alice") as alice, server.client("bob") as bob:
+        sid = alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
+        bob_sid = bob.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
+        url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/exec/stream"
+        with connect(url, additional_headers=server.headers("alice"), close_timeout=1) as ws:
+            ws.send(json.dumps({"cmd": "sleep 60", "timeout": 90}))
+            assert json.loads(ws.recv(timeout=10))["type"] == "started"
+            (agent,) = [pid for pid in _descendants_named(server.proc.pid, "agent") if _in_sandbox(sid, pid)]
+            os.kill(agent, signal.SIGSTOP)
+            try:
+                chunk = base64.b64encode(b"x" * (1 << 20)).decode()
+                for _ in range(4):
+                    ws.send(json.dumps({"type": "stdin", "data_b64": chunk}))
+                time.sleep(0.5)
+                started = time.monotonic()
+                assert bob.get("/healthz", timeout=10).status_code == 200
+                answer = bob.post(f"/v1/sandboxes/{bob_sid}/exec", json={"cmd": "echo bob"}, timeout=10)
+                assert answer.json()["stdout"] == "bob\n"
+                assert time.monotonic() - started < 2, "bob waited behind alice's stuck sandbox"
+            finally:
+                os.kill(agent, signal.SIGCONT)
+        alice.delete(f"/v1/sandboxes/{sid}", timeout=30)
+        bob.delete(f"/v1/sandboxes/{bob_sid}")
+
+
+def _in_sandbox(sid: str, pid: int) -> bool:
+    """Whether host process ``pid`` is ``sid``'s: its cgroup path names the sandbox."""
+    try:
+        return sid in Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
