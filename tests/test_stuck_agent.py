@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -62,6 +63,18 @@ def _within(seconds: float, fn: Callable[..., object], *args: object) -> BaseExc
     thread.join(seconds)
     assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)}{args!r:.60} did not return within {seconds} s"
     return outcome[0]
+
+
+def test_a_file_larger_than_the_read_limit_is_refused_before_it_is_read() -> None:
+    """A sparse 100 GB file the sandbox made where its client reads: refused at once (before, the
+    agent read and sent it all, the host dropping every byte past its limit, and the sandbox
+    answered nothing else meanwhile); a file within the limit is read whole."""
+    with Sandbox.create() as sb:
+        sb.commands.run("truncate -s 100G /home/user/big; head -c 70000 /dev/urandom > /home/user/fits")
+        refused = _within(5, sb.files.read, "/home/user/big")
+        assert isinstance(refused, FileError) and refused.errno == errno.EFBIG, refused
+        assert len(sb.files.read("/home/user/fits", "bytes")) == 70000
+        assert sb.commands.run("echo alive", timeout=5).stdout == "alive\n"
 
 
 def _agent_host_pid(sb: Sandbox) -> int:

@@ -198,7 +198,14 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
             kill(e->pid, sig);
         }
         break;
-    case T_FREAD: if (len) do_fread(id, payload); else send_err(id, EINVAL, "read"); break;
+    case T_FREAD:
+        if (len) {
+            /* PATH \0 [LIMIT \0]: the most bytes the host takes (none given: no limit) */
+            size_t plen = strlen(payload);
+            unsigned long long limit = plen + 1 < len ? strtoull(payload + plen + 1, NULL, 10) : ~0ULL;
+            do_fread(id, payload, limit);
+        } else send_err(id, EINVAL, "read");
+        break;
     case T_FWRITE: do_fwrite(id, payload, len, 0); break;
     case T_FAPPEND: do_fwrite(id, payload, len, 1); break;
     case T_FLIST: if (len) do_flist(id, payload); else send_err(id, EINVAL, "list"); break;

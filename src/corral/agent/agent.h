@@ -78,7 +78,7 @@ void finish_exec(struct exec *e);
 void pump_output(struct exec *e, int *fd, uint8_t type);
 
 /* files.c: the file requests */
-void do_fread(uint32_t id, const char *path);
+void do_fread(uint32_t id, const char *path, unsigned long long limit);
 void do_fwrite(uint32_t id, char *payload, uint32_t len, int append);
 void do_flist(uint32_t id, const char *path);
 void do_fstat(uint32_t id, const char *path);

@@ -27,7 +27,10 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-void do_fread(uint32_t id, const char *path) {
+/* ``limit``: the most the host takes.  A larger file is refused before any of it is read, and
+ * one that grows past it while read stops there: a sparse 100 GB file kept the agent reading
+ * (and the host receiving and dropping) long after the host had given up on the answer. */
+void do_fread(uint32_t id, const char *path, unsigned long long limit) {
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) { send_err(id, errno, path); return; }
     struct stat st;
@@ -36,12 +39,15 @@ void do_fread(uint32_t id, const char *path) {
         send_err(id, S_ISDIR(st.st_mode) ? EISDIR : EINVAL, path);
         return;
     }
+    if ((unsigned long long)st.st_size > limit) { close(fd); send_err(id, EFBIG, path); return; }
     static char buf[1 << 20];
+    unsigned long long sent = 0;
     for (;;) {
         ssize_t n = read(fd, buf, sizeof buf);
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) { close(fd); send_err(id, errno, path); return; }
         if (n == 0) break;
+        if ((sent += (unsigned long long)n) > limit) { close(fd); send_err(id, EFBIG, path); return; }
         send_frame(T_DATA, id, buf, (uint32_t)n);
     }
     close(fd);

@@ -12,6 +12,7 @@ ignored, and timeouts are enforced here, by killing the command's cgroup (the
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import socket
@@ -342,6 +343,8 @@ class AgentChannel:
         if pending.kind == T_ERR:
             err = struct.unpack("<i", bytes(pending.data[:4]))[0] if len(pending.data) >= 4 else 0
             message = bytes(pending.data[4:]).decode(errors="replace")
+            if err == errno.EFBIG:
+                raise FileError(f"{message}: file is larger than the {limit} byte limit", err)
             cls = FileNotFoundInSandbox if err == 2 else FileError
             raise cls(message, err)
         if pending.overflow:
@@ -349,7 +352,9 @@ class AgentChannel:
         return bytes(pending.data)
 
     def read_file(self, path: str, max_bytes: int, *, as_agent: bool = False) -> bytes:
-        return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), path.encode() + b"\0", limit=max_bytes)
+        # the limit goes with the request: the agent refuses a larger file instead of sending it
+        request = path.encode() + b"\0" + str(max_bytes).encode() + b"\0"
+        return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), request, limit=max_bytes)
 
     def write_file(self, path: str, data: bytes, mode: int, *, as_agent: bool = False) -> None:
         """``as_agent``: with the agent's own ids (the host's own files), not the default user's."""
