@@ -179,3 +179,57 @@ def test_mcp_run_code_gives_images_and_every_text_is_capped(state_dir: Path) -> 
             assert "".join(pages) == "z" * 45000 and [len(p) for p in pages] == [TEXT_CAP, TEXT_CAP, 5000]
 
     asyncio.run(session())
+
+
+def test_one_mcp_sessions_long_commands_do_not_hold_another_sessions_calls(state_dir: Path) -> None:
+    """Session a runs 9 commands of 6 s at once; session b's command is answered meanwhile (before:
+    every tool call went to asyncio's default pool, cpus + 4 = 6 threads here, and b waited for a's
+    sleeps); a's own commands past its share (8) wait their turn and all end well."""
+    import socket
+    import subprocess
+
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    state = state_dir / "mcp-http-share"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    server = subprocess.Popen([CORRAL, "--state-dir", str(state), "mcp", "--http", "--port", str(port)], env=env)
+    url = f"http://127.0.0.1:{port}/mcp"
+
+    async def scenario() -> tuple[float, list[dict[str, Any]]]:
+        async with streamable_http_client(url) as (ra, wa), ClientSession(ra, wa) as a, \
+                streamable_http_client(url) as (rb, wb), ClientSession(rb, wb) as b:
+            await a.initialize()
+            await b.initialize()
+            a_id = _payload(await a.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
+            b_id = _payload(await b.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
+            long = [asyncio.ensure_future(a.call_tool("run_command", {"sandbox_id": a_id, "command": "sleep 6",
+                                                                       "timeout": 60}))
+                    for _ in range(9)]
+            await asyncio.sleep(1)
+            started = time.monotonic()
+            mine = _payload(await b.call_tool("run_command", {"sandbox_id": b_id, "command": "echo b"}))
+            waited = time.monotonic() - started
+            assert mine["stdout"] == "b\n"
+            return waited, [_payload(r) for r in await asyncio.gather(*long)]
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "corral mcp --http did not start"
+                time.sleep(0.1)
+        waited, results = asyncio.run(scenario())
+        assert waited < 2.5, f"session b's command waited {waited:.1f} s behind session a's"
+        assert [r["exit_code"] for r in results] == [0] * 9, results
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

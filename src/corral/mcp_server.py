@@ -34,8 +34,9 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 # at runtime, not under TYPE_CHECKING: the SDK finds a tool's Context parameter by its resolved annotation
 from mcp.server.mcpserver import Context, MCPServer
@@ -60,6 +61,15 @@ CUT_NOTE = (f"texts over {TEXT_CAP} characters are cut (see 'cut'): redirect lon
 #: an HTTP session with no tool call for this long is ended and its sandboxes destroyed (the SDK's default)
 SESSION_IDLE_TIMEOUT = 30 * 60.0
 SESSION_HEADER = "mcp-session-id"
+#: threads for the sessions' blocking sandbox work (commands, files, creates), shared by all sessions
+BLOCKING_THREADS = 128
+#: of those, what one session's calls may hold at once; more of its calls wait their turn, so one
+#: session's long commands never hold another's calls (asyncio's default pool has cpus + 4 threads:
+#: 6 long commands of one session made every other session wait for them)
+THREADS_PER_SESSION = MAX_SANDBOXES_PER_SESSION
+_blocking = ThreadPoolExecutor(max_workers=BLOCKING_THREADS, thread_name_prefix="corral-mcp")
+
+T = TypeVar("T")
 
 
 class Session:
@@ -74,6 +84,14 @@ class Session:
         #: the session ended (client DELETE, idle, server stop): a sandbox made after it is destroyed
         self.closed = False
         self._lock = threading.Lock()
+        self._share: asyncio.Semaphore | None = None
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn`` on a thread, within this session's share of them (THREADS_PER_SESSION)."""
+        if self._share is None:
+            self._share = asyncio.Semaphore(THREADS_PER_SESSION)
+        async with self._share:
+            return await asyncio.get_running_loop().run_in_executor(_blocking, functools.partial(fn, *args, **kwargs))
 
     def get(self, sandbox_id: str) -> Any:
         sb = self.sandboxes.get(sandbox_id)
@@ -105,22 +123,22 @@ class Session:
                 self.sandboxes.update((sb.id, sb) for sb in made)
                 return
         for sb in made:
-            await asyncio.to_thread(sb.kill)
+            await self.run(sb.kill)
         raise SandboxClosed("the MCP session ended while its sandbox was being made; it was destroyed")
 
     async def fork(self, sandbox_id: str, count: int) -> list[Any]:
         parent = self.get(sandbox_id)
         with self._room_for(count):
-            forks: list[Any] = await asyncio.to_thread(parent.fork, count)
+            forks: list[Any] = await self.run(parent.fork, count)
             await self._keep(forks)
         return forks
 
     async def create(self, **kwargs: Any) -> Any:
         with self._room_for(1):
             if os.environ.get("CORRAL_URL"):
-                sb: Any = await asyncio.to_thread(Sandbox.create, **kwargs)
+                sb: Any = await self.run(Sandbox.create, **kwargs)
             else:
-                sb = await asyncio.to_thread(Sandbox.create, build_spec(None, **kwargs))
+                sb = await self.run(Sandbox.create, build_spec(None, **kwargs))
             await self._keep([sb])
         return sb
 
@@ -128,7 +146,7 @@ class Session:
         sb = self.sandboxes.pop(sandbox_id, None)
         if sb is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} in this session")
-        await asyncio.to_thread(sb.kill)
+        await self.run(sb.kill)
 
     def close(self) -> None:
         with self._lock:
@@ -296,15 +314,17 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         user: "root" or "user" for this command (default: the sandbox's).
         stdout and stderr are cut at 20000 characters each ('cut' says so): redirect long output to a
         file and page through it with read_file."""
-        sb = sessions.of(ctx).get(sandbox_id)
-        result = await asyncio.to_thread(sb.commands.run, command, timeout=timeout, cwd=cwd, user=user)
+        session = sessions.of(ctx)
+        sb = session.get(sandbox_id)
+        result = await session.run(sb.commands.run, command, timeout=timeout, cwd=cwd, user=user)
         return capped(dict(result.to_dict()), "stdout", "stderr")
 
     @server.tool()
     @_anticipated
     async def write_file(ctx: Context, sandbox_id: str, path: str, content: str) -> dict[str, Any]:
         """Write a text file (relative paths are under /workspace)."""
-        await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.write, path, content)
+        session = sessions.of(ctx)
+        await session.run(session.get(sandbox_id).files.write, path, content)
         return {"path": path, "bytes": len(content.encode())}
 
     @server.tool()
@@ -314,7 +334,8 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         is where the rest starts (null at the end)."""
         if offset < 0:
             raise InvalidSpec(f"offset {offset} must be 0 or more")
-        content = await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.read, path, "text", MAX_READ)
+        session = sessions.of(ctx)
+        content = await session.run(session.get(sandbox_id).files.read, path, "text", MAX_READ)
         page = content[offset:offset + TEXT_CAP]
         end = offset + len(page)
         return {"path": path, "content": page, "offset": offset, "total_chars": len(content),
@@ -324,7 +345,8 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     @_anticipated
     async def list_files(ctx: Context, sandbox_id: str, path: str = ".") -> dict[str, Any]:
         """List a directory: name, type, size of each entry (the first 1000)."""
-        entries = await asyncio.to_thread(sessions.of(ctx).get(sandbox_id).files.list, path)
+        session = sessions.of(ctx)
+        entries = await session.run(session.get(sandbox_id).files.list, path)
         shown = [{"name": e.name, "type": e.type, "size": e.size} for e in entries[:MAX_ENTRIES]]
         if len(entries) <= MAX_ENTRIES:
             return {"path": path, "entries": shown}
@@ -354,8 +376,8 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         """Run code in the sandbox's interpreter (python or javascript; variables persist between calls).
         Answers the execution as JSON (stdout, stderr, error, results, text; texts cut at 20000 characters)
         and each image result (matplotlib figures, PNG/JPEG reprs) as image content."""
-        sb = sessions.of(ctx).get(sandbox_id)
-        return code_content(await asyncio.to_thread(sb.run_code, code, language=language))
+        session = sessions.of(ctx)
+        return code_content(await session.run(session.get(sandbox_id).run_code, code, language=language))
 
     return server
 
