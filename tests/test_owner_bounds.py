@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from .server_fixtures import KEYS, ServerProcess
@@ -41,7 +41,7 @@ def rss_mib(pid: int) -> int:
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M",
               "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M", "max_background_commands": 2,
-              "request_head_timeout": 1, "max_requests_per_tenant": 12}
+              "request_head_timeout": 1, "max_requests_per_tenant": 12, "max_proxied_message_bytes": "4M"}
     with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
         yield srv
 
@@ -166,6 +166,62 @@ def test_the_ports_the_server_forwards_into_a_sandbox_are_bounded(server: Server
         refused = http.get(f"/v1/sandboxes/{sid}/ports/9999/")
         assert refused.status_code == 429 and refused.json()["error"] == "resource_limit"
         assert http.get(f"/v1/sandboxes/{sid}/ports/8000/").status_code == 200
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+#: a WebSocket server for the sandbox: its first connection gets one 3 MiB message, every later one a
+#: frame that declares 1 GiB and streams it
+WS_BOMB = """
+import base64, hashlib, socket, struct
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8090)); s.listen(4)
+for n in range(3):
+    c, _ = s.accept()
+    head = b""
+    while b"\\r\\n\\r\\n" not in head:
+        head += c.recv(4096)
+    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\\r\\n") if l.lower().startswith(b"sec-websocket-key")][0]
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n"
+              b"Sec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+    size = 3 << 20 if n == 0 else 1 << 30
+    c.sendall(bytes([0x82, 127]) + struct.pack(">Q", size))
+    try:
+        for _ in range(size >> 20):
+            c.sendall(b"x" * (1 << 20))
+    except OSError:
+        pass
+    c.close()
+"""
+
+
+def test_a_websocket_message_from_a_sandbox_is_bounded_in_the_port_proxy(server: ServerProcess) -> None:
+    """The port proxy holds each WebSocket message whole before sending it on: a sandbox's server
+    that declared a 4 GiB message and streamed it grew the server to 7.5 GB in 15 s.  Past
+    max_proxied_message_bytes (4M here) the connection is closed, 1009, on both sides; a message
+    within it arrives whole."""
+    assert server.proc is not None
+    with server.client("alice") as http:
+        sid = create(http)
+        http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "/home/user/ws.py"}, content=WS_BOMB.encode())
+        http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "python3 /home/user/ws.py", "timeout": 60})
+        url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/ports/8090/"
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                ws = connect(url, additional_headers=server.headers("alice"), max_size=None, open_timeout=5)
+                break
+            except (OSError, InvalidStatus):
+                assert time.monotonic() < deadline, "the sandbox's WebSocket server did not come up"
+                time.sleep(0.1)
+        with ws:
+            assert len(ws.recv(timeout=15)) == 3 << 20
+        before = rss_mib(server.proc.pid)
+        with connect(url, additional_headers=server.headers("alice"), max_size=None) as ws, \
+                pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=15)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+        assert rss_mib(server.proc.pid) - before < 40
         http.delete(f"/v1/sandboxes/{sid}")
 
 

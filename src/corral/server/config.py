@@ -109,6 +109,10 @@ class ServerConfig:
     #: output of one tenant's ended background commands the server keeps for clients that attach
     #: (what each printed and its result); past it an ended command keeps none (its result: truncated)
     max_kept_output_per_tenant: int = 256 * MiB
+    #: the largest WebSocket message the port proxy takes from a sandbox (a larger one closes the
+    #: connection, 1009): each message is whole in memory before it is sent on, and a sandbox's
+    #: server declared one of 4 GiB and streamed it (the proxy grew to 7.5 GB in 15 s)
+    max_proxied_message_bytes: int = 64 * MiB
     #: seconds a request's line and headers may take to arrive (from the connection, or the request's
     #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
     request_head_timeout: float = 30.0
@@ -148,6 +152,7 @@ class ServerConfig:
         self.max_download_bytes_per_tenant = parse_size(self.max_download_bytes_per_tenant, "max_download_bytes")
         self.max_output_bytes_per_tenant = parse_size(self.max_output_bytes_per_tenant, "max_output_bytes")
         self.max_kept_output_per_tenant = parse_size(self.max_kept_output_per_tenant, "max_kept_output")
+        self.max_proxied_message_bytes = parse_size(self.max_proxied_message_bytes, "max_proxied_message_bytes")
         self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
         self.max_requests_per_tenant = _positive(self.max_requests_per_tenant, "max_requests_per_tenant", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)

@@ -131,19 +131,30 @@ async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path
     protocols = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     uri = f"ws://127.0.0.1:{port}" + _target(path, websocket.url.query)
     try:
-        upstream = await unix_connect(socket_path, uri, additional_headers=headers, max_size=None,
+        # what the sandbox sends is bounded: one message at most max_proxied_message_bytes, and at
+        # most one more waiting while one is sent on (websockets holds a message whole)
+        upstream = await unix_connect(socket_path, uri, additional_headers=headers,
+                                      max_size=ctx.config.max_proxied_message_bytes, max_queue=1,
                                       subprotocols=protocols or None, open_timeout=30)  # type: ignore[arg-type]
     except Exception as exc:  # any handshake failure: refused, timed out, not a WebSocket
         await websocket.close(code=1011, reason=f"port {port}: {exc}"[:120])
         return
     await websocket.accept(subprotocol=upstream.subprotocol)
 
+    closing: list[tuple[int, str]] = []
+
     async def down() -> None:  # sandbox -> caller
-        async for message in upstream:
-            if isinstance(message, bytes):
-                await websocket.send_bytes(message)
-            else:
-                await websocket.send_text(message)
+        try:
+            async for message in upstream:
+                if isinstance(message, bytes):
+                    await websocket.send_bytes(message)
+                else:
+                    await websocket.send_text(message)
+        except ConnectionClosed as exc:
+            if exc.sent is not None and exc.sent.code == 1009:  # the caller learns why, as the sandbox did
+                closing.append((1009, f"a message from port {port} was over the server's "
+                                      f"{ctx.config.max_proxied_message_bytes} bytes"))
+            raise
 
     async def up() -> None:  # caller -> sandbox
         while True:
@@ -166,4 +177,5 @@ async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path
                 await task
         await upstream.close()
         with contextlib.suppress(Exception):
-            await websocket.close()
+            code, reason = closing[0] if closing else (1000, "")
+            await websocket.close(code=code, reason=reason[:120])
