@@ -63,6 +63,9 @@ def test_the_whole_surface_with_async_callbacks(where: dict[str, Any], tmp_path:
             context = await sb.create_code_context()
             await sb.run_code("v = 6", context=context)
             said.append([(await sb.run_code("v * 7", context=context, on_result=on_result)).text, results])
+            listed = [c.id for c in await sb.list_code_contexts()]
+            await sb.remove_code_context(context)
+            said.append([listed == [context.id], await sb.list_code_contexts()])
             said.append([(await sb.run_code("'js'.toUpperCase()", language="js")).text])
             info = await sb.get_info()
             said.append([info.metadata, [i.sandbox_id for i in await AsyncSandbox.list({"suite": "async"}, **where)]
@@ -77,7 +80,7 @@ def test_the_whole_surface_with_async_callbacks(where: dict[str, Any], tmp_path:
 
     assert asyncio.run(main()) == [
         ["one\ntwo\n", "one\ntwo\n"], [[True]], [True, 137], [True], ["alpha", ["a.txt"], False],
-        [1, 1, "beta"], ["42", ["42"]], ["JS"], [{"suite": "async"}, True], ["again\n", True],
+        [1, 1, "beta"], ["42", ["42"]], [True, []], ["JS"], [{"suite": "async"}, True], ["again\n", True],
         [True, False]]
 
 

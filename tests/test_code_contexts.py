@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from corral import InvalidSpec, Sandbox
+from corral import InvalidSpec, ResourceLimit, Sandbox
 
 from .server_fixtures import KEYS, ServerProcess
 
@@ -78,3 +78,40 @@ def test_rich_results_and_envs_per_cell(sandbox: Sandbox) -> None:
     assert sandbox.run_code("os.environ.get('CELL_ONLY')").text is None  # gone after the cell
     js = sandbox.run_code("process.env.CELL_ONLY", language="javascript", envs={"CELL_ONLY": "js"})
     assert js.text == "js"
+
+
+def _kernels(sandbox: Sandbox) -> int:
+    """Interpreter processes running in the sandbox (kernels are not listed as commands)."""
+    listing = sandbox.commands.run("ps -eo args").stdout
+    return sum("Corral's" in line and "kernel" in line for line in listing.splitlines())
+
+
+def test_a_removed_context_ends_its_interpreter_and_frees_its_room(sandbox: Sandbox) -> None:
+    """A long session makes and removes contexts: a removed one is gone from the list, its variables
+    and its kernel with it, and its room counts again (16 a sandbox); removing it twice, or running
+    in it, is InvalidSpec, embedded and remote alike."""
+    from corral.interpreter import MAX_CODE_CONTEXTS
+
+    for old in sandbox.list_code_contexts():
+        sandbox.remove_code_context(old)
+    kernels = _kernels(sandbox)
+    first = sandbox.create_code_context()
+    sandbox.run_code("kept = 41", context=first)
+    assert [c.id for c in sandbox.list_code_contexts()] == [first.id]
+    assert _kernels(sandbox) == kernels + 1
+    sandbox.remove_code_context(first)
+    assert sandbox.list_code_contexts() == [] and _kernels(sandbox) == kernels
+    with pytest.raises(InvalidSpec):
+        sandbox.run_code("kept", context=first)
+    with pytest.raises(InvalidSpec):
+        sandbox.remove_code_context(first.id)
+
+    made = [sandbox.create_code_context() for _ in range(MAX_CODE_CONTEXTS)]
+    with pytest.raises(ResourceLimit):
+        sandbox.create_code_context()
+    sandbox.remove_code_context(made.pop())
+    made.append(sandbox.create_code_context(language="javascript"))
+    assert sandbox.run_code("1 + 1", context=made[-1]).text == "2"
+    assert {c.id for c in sandbox.list_code_contexts()} == {c.id for c in made}
+    for context in made:
+        sandbox.remove_code_context(context)

@@ -11,6 +11,7 @@ import inspect
 import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import httpx
 
@@ -319,6 +320,12 @@ class AsyncHTTPBackend:
     async def create_code_context(self, language: str, cwd: str | None) -> str:
         body: dict[str, Any] = {"language": language, **({"cwd": cwd} if cwd is not None else {})}
         return str((await self._call("POST", "/contexts", json=body))["id"])
+
+    async def code_contexts(self) -> list[tuple[str, str, str | None]]:
+        return [(c["id"], c["language"], c["cwd"]) for c in (await self._call("GET", "/contexts"))["contexts"]]
+
+    async def remove_code_context(self, name: str) -> None:
+        await self._call("DELETE", f"/contexts/{quote(name, safe='')}")
 
     async def audit(self) -> list[AuditEvent]:
         from .egress.audit import AuditEvent

@@ -119,7 +119,7 @@ class ThreadedBackend:
         # files, commands by pid, lifecycle: the same call, awaited in a worker thread
         if name not in ("commands", "kill_command", "read_file", "write_file", "list_dir", "stat", "remove",
                         "make_dir", "info", "set_timeout", "alive", "pause", "resume", "create_code_context",
-                        "audit", "close"):
+                        "code_contexts", "remove_code_context", "audit", "close"):
             raise AttributeError(name)
         method = getattr(self._backend, name)
 
@@ -410,6 +410,14 @@ class AsyncSandbox:
 
     async def create_code_context(self, language: str = "python", cwd: str | None = None) -> CodeContext:
         return CodeContext(await self._backend.create_code_context(language, cwd), language, cwd)
+
+    async def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """The code contexts made and not removed."""
+        return [CodeContext(*c) for c in await self._backend.code_contexts()]
+
+    async def remove_code_context(self, context: CodeContext | str) -> None:
+        """As :meth:`corral.Sandbox.remove_code_context`."""
+        await self._backend.remove_code_context(context.id if isinstance(context, CodeContext) else context)
 
     async def run_code(self, code: str, *, language: str | None = None, context: CodeContext | str | None = None,
                        timeout: float | None = None, envs: dict[str, str] | None = None,

@@ -289,6 +289,12 @@ class HTTPBackend(SandboxBackend):
             body["cwd"] = cwd
         return str(self._call("POST", "/contexts", json=body)["id"])
 
+    def code_contexts(self) -> list[tuple[str, str, str | None]]:
+        return [(c["id"], c["language"], c["cwd"]) for c in self._call("GET", "/contexts")["contexts"]]
+
+    def remove_code_context(self, name: str) -> None:
+        self._call("DELETE", f"/contexts/{quote(name, safe='')}")
+
     def audit(self) -> list[AuditEvent]:
         from .egress.audit import AuditEvent
 

@@ -366,6 +366,19 @@ class LocalBackend(SandboxBackend):
             self.contexts[name] = (language_name(language), where)
         return name
 
+    def code_contexts(self) -> list[tuple[str, str, str | None]]:
+        with self.interpreters_lock:
+            return [(name, language, cwd) for name, (language, cwd) in self.contexts.items()]
+
+    def remove_code_context(self, name: str) -> None:
+        with self.interpreters_lock:
+            if name not in self.contexts:
+                raise InvalidSpec(f"sandbox {self.id} has no code context {name!r}", sandbox_id=self.id)
+            del self.contexts[name]
+            interpreter = self.interpreters.pop(name, None)
+        if interpreter is not None:  # its kernel process ends; a cell running in it ends with it
+            interpreter.close()
+
     def audit(self) -> list[AuditEvent]:
         return self.network.audit()
 

@@ -251,6 +251,12 @@ class OwnerBackend(SandboxBackend):
     def create_code_context(self, language: str, cwd: str | None) -> str:
         return str(self._call("create_code_context", language=language, cwd=cwd))
 
+    def code_contexts(self) -> list[tuple[str, str, str | None]]:
+        return [(name, language, cwd) for name, language, cwd in self._call("code_contexts")]
+
+    def remove_code_context(self, name: str) -> None:
+        self._call("remove_code_context", name=name)
+
     def audit(self) -> list[AuditEvent]:
         from .egress.audit import AuditEvent
 

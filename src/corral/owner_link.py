@@ -207,6 +207,8 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         "pause": lambda: backend.pause(to_disk=bool(args.get("to_disk"))),
         "resume": backend.resume,
         "create_code_context": lambda: backend.create_code_context(args["language"], args.get("cwd")),
+        "code_contexts": lambda: [list(c) for c in backend.code_contexts()],
+        "remove_code_context": lambda: backend.remove_code_context(str(args["name"])),
         "audit": lambda: [event.to_dict() for event in backend.audit()],
         "expose_port": lambda: _expose(backend, int(args["port"]), bool(args["unix"])),
         "snapshot": lambda: backend.snapshot().to_dict(),

@@ -377,6 +377,15 @@ class Sandbox:
         """A new interpreter with its own variables (``run_code(..., context=ctx)``)."""
         return CodeContext(self._backend.create_code_context(language, cwd), language, cwd)
 
+    def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """The code contexts made (:meth:`create_code_context`) and not removed."""
+        return [CodeContext(*c) for c in self._backend.code_contexts()]
+
+    def remove_code_context(self, context: CodeContext | str) -> None:
+        """End a code context's interpreter and forget its variables; its room counts again toward
+        the sandbox's 16 (a cell running in it ends too).  InvalidSpec if there is no such context."""
+        self._backend.remove_code_context(context.id if isinstance(context, CodeContext) else context)
+
     def run_code(self, code: str, *, language: str | None = None, context: CodeContext | str | None = None,
                  timeout: float | None = None, envs: dict[str, str] | None = None,
                  **callbacks: Any) -> Execution:

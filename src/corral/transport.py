@@ -180,6 +180,14 @@ class SandboxBackend(ABC):
         """A new interpreter of its own; returns its name."""
 
     @abstractmethod
+    def code_contexts(self) -> list[tuple[str, str, str | None]]:
+        """The code contexts made and not removed: (name, language, cwd) each."""
+
+    @abstractmethod
+    def remove_code_context(self, name: str) -> None:
+        """End a code context's interpreter and forget it (InvalidSpec if there is none of the name)."""
+
+    @abstractmethod
     def audit(self) -> list[AuditEvent]: ...
 
     @abstractmethod

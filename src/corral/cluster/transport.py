@@ -220,6 +220,13 @@ class ClusterBackend(SandboxBackend):
     def create_code_context(self, language: str, cwd: str | None) -> str:
         return str(self.call("create_code_context", language, cwd))
 
+    def code_contexts(self) -> list[tuple[str, str, str | None]]:
+        contexts: list[tuple[str, str, str | None]] = self.call("code_contexts")
+        return contexts
+
+    def remove_code_context(self, name: str) -> None:
+        self.call("remove_code_context", name)
+
     def audit(self) -> list[AuditEvent]:
         events: list[AuditEvent] = self.call("audit")
         return events

@@ -12,7 +12,15 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
 from . import snapshot_routes
 from .context import Context, Tenant
-from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
+from .wire import (
+    CodeBody,
+    ContextBody,
+    CreateSandbox,
+    ExecBody,
+    PauseBody,
+    TimeoutBody,
+    require_unicode,
+)
 
 if TYPE_CHECKING:
     from ..tiers.base import ExecResult
@@ -127,5 +135,22 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -
 async def create_context(sandbox_id: str, body: ContextBody, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
-    made = entry.sandbox.create_code_context(body.language, body.cwd)
+    # a cluster sandbox answers from its node: never on the event loop
+    made = await ctx.run_for(who, entry.sandbox.create_code_context, body.language, body.cwd)
     return {"id": made.id, "language": made.language, "cwd": made.cwd}
+
+
+@router.get("/v1/sandboxes/{sandbox_id}/contexts", summary="List the sandbox's code contexts")
+async def list_contexts(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
+    entry = ctx.manager.get(who, sandbox_id)
+    contexts = await ctx.run_for(who, entry.sandbox.list_code_contexts)
+    return {"contexts": [{"id": c.id, "language": c.language, "cwd": c.cwd} for c in contexts]}
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}/contexts/{context_id}", status_code=204,
+               summary="End a code context's interpreter")
+async def remove_context(sandbox_id: str, context_id: str, who: Tenant, ctx: Context) -> Response:
+    entry = ctx.manager.get(who, sandbox_id)
+    # its kernel's end is waited for; no such context: 400 invalid_spec, as run_code answers for one
+    await ctx.run_for(who, entry.sandbox.remove_code_context, context_id)
+    return Response(status_code=204)

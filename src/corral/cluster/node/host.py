@@ -367,6 +367,12 @@ class NodeHost:
     def create_code_context(self, sandbox_id: str, language: str, cwd: str | None) -> str:
         return self._entry(sandbox_id).backend.create_code_context(language, cwd)
 
+    def code_contexts(self, sandbox_id: str) -> list[tuple[str, str, str | None]]:
+        return self._entry(sandbox_id).backend.code_contexts()
+
+    def remove_code_context(self, sandbox_id: str, name: str) -> None:
+        self._entry(sandbox_id).backend.remove_code_context(name)
+
     def run_code(self, sandbox_id: str, code: str, language: str | None, context: str | None,
                  timeout: float | None, envs: dict[str, str] | None) -> Execution:
         from ...sandbox import Sandbox
