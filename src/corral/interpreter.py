@@ -35,7 +35,7 @@ from .commands import CommandHandle, check_call
 from .errors import InvalidSpec, SandboxClosed
 
 if TYPE_CHECKING:
-    from .local_transport import LocalBackend
+    from .local_backend import LocalBackend
     from .sandbox import Sandbox
 
 #: seconds a cell may run when the caller does not say

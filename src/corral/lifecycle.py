@@ -24,7 +24,7 @@ from .errors import InvalidSpec, InvalidState
 from .registry import Registry, Row, gc
 
 if TYPE_CHECKING:
-    from .local_transport import LocalBackend
+    from .local_backend import LocalBackend
 
 #: sandboxes of this process by id (connect/kill by id find them here)
 LIVE: weakref.WeakValueDictionary[str, LocalBackend] = weakref.WeakValueDictionary()

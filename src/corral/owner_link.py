@@ -38,7 +38,7 @@ from .lifecycle import LIVE
 from .transport import CommandCall, CommandProcess
 
 if TYPE_CHECKING:
-    from .local_transport import LocalBackend
+    from .local_backend import LocalBackend
 
 #: a request line (a file written through the link is in it, base64): a server's upload cap
 MAX_REQUEST = 96 << 20

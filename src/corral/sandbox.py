@@ -29,8 +29,9 @@ from .commands import Commands
 from .egress.network import SandboxNetwork, secret_values
 from .errors import InvalidSpec, InvalidState
 from .lifecycle import InstanceOrClass, SandboxInfo, check_lifetime, check_metadata
-from .local_transport import LocalBackend, LocalTransport
-from .local_transport import new_sandbox_id as new_sandbox_id
+from .local_backend import LocalBackend
+from .local_backend import new_sandbox_id as new_sandbox_id
+from .local_transport import LocalTransport
 from .ports import Ports
 from .spec import SandboxSpec, validate_env, validate_sandbox_path
 from .surface import DEFAULT_MAX_READ, build_spec, check_create_arguments, download_dir, upload_dir

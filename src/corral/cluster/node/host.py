@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import ClusterFull, InvalidSpec, SandboxNotFound
 from ...lifecycle import SandboxInfo, matches
-from ...local_transport import LocalBackend, LocalProcess, LocalTransport
+from ...local_backend import LocalBackend, LocalProcess
+from ...local_transport import LocalTransport
 from ...pool import PoolSet, host_memory
 from ...registry import gc, state_dir
 from ...tiers.base import ExecResult, FileEntry
