@@ -45,10 +45,28 @@ Event = tuple[str, Any]
 KEEP_FINISHED = 16
 
 
-def _give_back(kept: TenantTally, tenant: str, charged: list[int]) -> None:
-    if charged[0]:
-        kept.give(tenant, charged[0])
-        charged[0] = 0
+class _Charge:
+    """What one ended command's record counts for its tenant; once given back, nothing more is taken."""
+
+    def __init__(self, tally: TenantTally, tenant: str) -> None:
+        self.tally, self.tenant = tally, tenant
+        self.amount = 0
+        self.given_back = False
+        self.lock = threading.Lock()
+
+    def take(self, amount: int) -> bool:
+        with self.lock:
+            if self.given_back or not self.tally.take(self.tenant, amount):
+                return False
+            self.amount = amount
+            return True
+
+    def give_back(self) -> None:  # the record's finalizer: explicit, or when it is collected
+        with self.lock:
+            self.given_back = True
+            amount, self.amount = self.amount, 0
+        if amount:
+            self.tally.give(self.tenant, amount)
 
 
 class Recorded:
@@ -63,10 +81,8 @@ class Recorded:
         self._listeners: dict[Callable[[Event], None], dict[str, int]] = {}
         self.finished = False
         #: once ended, what it keeps is counted for its tenant, until it is dropped (or collected)
-        self._charged = [0]
-        self.release = weakref.finalize(self, _give_back, kept, tenant, self._charged)
-        self._tally = kept
-        self._tenant = tenant
+        self._charge = _Charge(kept, tenant)
+        self.release = weakref.finalize(self, self._charge.give_back)
 
     def output(self, stream: str, chunk: bytes) -> None:  # on the sandbox's reader thread
         with self._lock:
@@ -94,16 +110,13 @@ class Recorded:
         size = sum(len(chunk) for stream, chunk in self._events if stream in self._kept)
         if kind == "result":
             size += sys.getsizeof(payload.stdout) + sys.getsizeof(payload.stderr)
-        if not self.release.alive:  # dropped already (its sandbox went while it ended)
-            size = 0
-        if size and self._tally.take(self._tenant, size):
-            self._charged[0] = size
+        if not size or self._charge.take(size):
             return event
-        if size:
-            self._events = [e for e in self._events if e[0] not in self._kept]
-            self._kept = {"stdout": self._limit, "stderr": self._limit}  # nothing more for late attachments
-            if kind == "result":
-                event = (kind, dataclasses.replace(payload, stdout="", stderr="", truncated=True))
+        # past the bound, or the record already dropped (its sandbox went while it ended)
+        self._events = [e for e in self._events if e[0] not in self._kept]
+        self._kept = {"stdout": self._limit, "stderr": self._limit}  # nothing more for late attachments
+        if kind == "result":
+            event = (kind, dataclasses.replace(payload, stdout="", stderr="", truncated=True))
         return event
 
     def attach(self, listener: Callable[[Event], None]) -> list[Event]:
