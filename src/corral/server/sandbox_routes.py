@@ -12,15 +12,7 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
 from . import snapshot_routes
 from .context import Context, Tenant
-from .wire import (
-    CodeBody,
-    ContextBody,
-    CreateSandbox,
-    ExecBody,
-    PauseBody,
-    TimeoutBody,
-    require_unicode,
-)
+from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
     from ..tiers.base import ExecResult
