@@ -27,7 +27,7 @@ from websockets.sync.client import connect
 
 import corral.tiers.linux.agent as agent_protocol
 from corral import Sandbox
-from corral.errors import FileError, SandboxClosed
+from corral.errors import FileError, SandboxClosed, SandboxPaused
 
 from .server_fixtures import KEYS, ServerProcess
 
@@ -172,3 +172,35 @@ def _in_sandbox(sid: str, pid: int) -> bool:
         return sid in Path(f"/proc/{pid}/cgroup").read_text()
     except OSError:
         return False
+
+
+def test_a_paused_sandbox_is_frozen_not_stuck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent reads nothing while its sandbox is paused: stdin sent then is SandboxPaused, as any
+    other call is, and a write under way when the pause began waits for the resume however long
+    the pause (WRITE_TIMEOUT counts only time unpaused), and the sandbox works on."""
+    monkeypatch.setattr(agent_protocol, "WRITE_TIMEOUT", 1.0, raising=False)
+    with Sandbox.create() as sb:
+        reader = sb.commands.run("cat > /dev/null", background=True)
+        sb.pause()
+        assert isinstance(_within(5, reader.send_stdin, b"x"), SandboxPaused)
+        sb.resume()
+        feeder = sb.commands.run("cat > /dev/null", background=True)
+        outcome: list[BaseException | None] = []
+
+        def feed() -> None:
+            try:
+                feeder.send_stdin(b"y" * (256 << 20))
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        writing = threading.Thread(target=feed, daemon=True)
+        writing.start()
+        time.sleep(0.02)
+        sb.pause()  # in the middle of the write
+        assert writing.is_alive(), "the write ended before the pause: nothing was tested"
+        time.sleep(2.5)  # over twice WRITE_TIMEOUT, paused
+        sb.resume()
+        writing.join(30)
+        assert not writing.is_alive() and outcome == [None], outcome
+        assert sb.commands.run("echo alive", timeout=10).stdout == "alive\n"

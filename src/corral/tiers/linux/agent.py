@@ -134,8 +134,9 @@ class AgentChannel:
         timeout = WRITE_TIMEOUT
         if self.closed.is_set() or self._broken:
             raise SandboxClosed("the sandbox is no longer running")
-        if not self._wlock.acquire(timeout=timeout):
-            raise SandboxClosed(f"the sandbox's agent has read nothing sent to it for {timeout:.0f} s")
+        while not self._wlock.acquire(timeout=timeout):
+            if not self.pause_clock.paused:  # (another writer waits for a paused agent: so does this one)
+                raise SandboxClosed(f"the sandbox's agent has read nothing sent to it for {timeout:.0f} s")
         try:
             if self._broken:  # given up while this waited its turn
                 raise SandboxClosed("the sandbox's agent stopped reading what was sent to it")
@@ -149,14 +150,15 @@ class AgentChannel:
         """Write ``frame``; False if none of it could be written within ``timeout``.  Half a frame
         followed by ``timeout`` of nothing breaks the channel (SandboxClosed)."""
         view = memoryview(frame)
-        deadline = time.monotonic() + timeout
+        # time the sandbox spends paused does not count: its agent is frozen, not stuck
+        deadline = time.monotonic() + timeout - self.pause_clock.paused_total()
         try:
             while view:
                 try:
                     sent = (self._wsock.send(view, socket.MSG_DONTWAIT) if self._wsock is not None
                             else os.write(self._wfd, view))
                 except BlockingIOError:
-                    left = deadline - time.monotonic()
+                    left = deadline - time.monotonic() + self.pause_clock.paused_total()
                     if left <= 0 and len(view) == len(frame):
                         return False
                     if left <= 0:

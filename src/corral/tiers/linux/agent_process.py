@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ...errors import ContainmentFailed
+from ...errors import ContainmentFailed, SandboxPaused
 from ..base import ExecRequest, ExecResult, OutputCallback, Process
 from .frames import T_GO, T_RESIZE, T_SIGNAL, T_STDIN, T_STDIN_EOF
 
@@ -112,6 +112,8 @@ class AgentProcess(Process):
 
     # Process API
     def write_stdin(self, data: bytes) -> None:
+        if self._channel.pause_clock.paused:  # its agent is frozen: as every other call, not a wait
+            raise SandboxPaused("the sandbox is paused: resume() it first")
         for offset in range(0, len(data), 1 << 20):
             self._channel.send(T_STDIN, self._id, data[offset : offset + (1 << 20)])
 
