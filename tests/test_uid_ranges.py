@@ -35,6 +35,14 @@ def _host_ids(sb: Sandbox) -> set[int]:
     return found
 
 
+def _own_claims(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Host-wide claims in a directory of the test's own: these tests draw given slots, which a live
+    sandbox of another run on this host (or a claim an interrupted run left, whose record pytest
+    keeps) may hold in the real one; then the draws ran out (StopIteration) and the next runs failed too."""
+    monkeypatch.setattr(uids, "CLAIMS", tmp_path / "claims")
+    uids._records_made.clear()
+
+
 def test_host_users_and_subordinate_ranges_are_never_handed_out(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     slot = lambda n: uids.UID_BASE + n * uids.RANGE_SIZE  # noqa: E731
@@ -51,6 +59,7 @@ def test_host_users_and_subordinate_ranges_are_never_handed_out(tmp_path: Path,
 
     # allocation reads the host's files (again when they change) and skips what they use
     monkeypatch.setattr(uids, "ID_FILES", (passwd, group, subuid, subgid))
+    _own_claims(monkeypatch, tmp_path)
     draws = iter([3, 5, 9, 8])
     monkeypatch.setattr(uids.random.SystemRandom, "randrange", lambda self, n: next(draws))
     state = tmp_path / "state"
@@ -164,6 +173,7 @@ def test_the_wide_pool_skips_host_users_and_subordinate_ranges_in_its_extended_p
     assert 0 in uids.host_slots(files, base=narrow) and 1 not in uids.host_slots(files, base=narrow)
     # allocation from the wide pool draws over it and skips them; a narrow-pool slot is one of its slots
     monkeypatch.setattr(uids, "ID_FILES", files)
+    _own_claims(monkeypatch, tmp_path)
     draws = iter([1, 2, 4, 7, first_narrow, 3, first_narrow + 1])
     monkeypatch.setattr(uids.random.SystemRandom, "randrange", lambda self, n: next(draws))
     state = tmp_path / "state"
@@ -187,6 +197,7 @@ def test_a_nearly_full_pool_still_hands_out_its_last_free_slot(tmp_path: Path,
     passwd = tmp_path / "passwd"
     passwd.write_text("\n".join(lines[:narrow_slots - 1]) + "\n")
     monkeypatch.setattr(uids, "ID_FILES", (passwd,))
+    _own_claims(monkeypatch, tmp_path)
     state = tmp_path / "state"
     state.mkdir()
     got = uids.allocate_range(state, "sb-last", pool=uids.NARROW_BASE)
