@@ -3,15 +3,47 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import socket
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from corral.host import cgroups
 
 from .server_fixtures import CORRAL
+
+
+@contextlib.contextmanager
+def mcp_http_server(state_dir: Path, name: str, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """``corral mcp --http`` on a free loopback port, with a state directory of its own: (process,
+    URL of its /mcp endpoint, state directory); terminated on the way out."""
+    state = state_dir / name
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    server = subprocess.Popen([CORRAL, "--state-dir", str(state), "mcp", "--http", "--port", str(port), *args],
+                              env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "corral mcp --http did not start"
+                time.sleep(0.1)
+        yield server, f"http://127.0.0.1:{port}/mcp", state
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def _payload(result: Any) -> dict[str, Any]:
@@ -64,22 +96,9 @@ def test_mcp_round_trip_and_session_cleanup(state_dir: Path) -> None:
 def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> None:
     """Streamable HTTP serves many sessions: each sees only its own sandboxes, and each session's
     sandboxes go when that session ends (client DELETE, or idle), not when the server does."""
-    import socket
-    import subprocess
-
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
-    state = state_dir / "mcp-http"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    server = subprocess.Popen([CORRAL, "--state-dir", str(state), "mcp", "--http", "--port", str(port),
-                               "--session-idle-timeout", "6"], env=env)
-    url = f"http://127.0.0.1:{port}/mcp"
 
     def live() -> set[str]:
         return set(cgroups.list_sandbox_groups())
@@ -90,7 +109,7 @@ def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> 
             time.sleep(0.1)
         return not ids & live()
 
-    async def scenario() -> tuple[str, str]:
+    async def scenario(url: str) -> tuple[str, str]:
         async with streamable_http_client(url) as (ra, wa), ClientSession(ra, wa) as a:
             await a.initialize()
             a_id = _payload(await a.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
@@ -107,23 +126,12 @@ def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> 
         # a's client terminated its session (DELETE) on the way out
         return a_id, b_id
 
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "corral mcp --http did not start"
-                time.sleep(0.1)
-        a_id, b_id = asyncio.run(scenario())
+    with mcp_http_server(state_dir, "mcp-http", "--session-idle-timeout", "6") as (server, url, state):
+        a_id, b_id = asyncio.run(scenario(url))
         assert wait_gone({a_id}, 10), "the terminated session's sandbox survived"
         assert b_id in live(), "the idle session's sandbox went before its idle timeout"
         assert wait_gone({b_id}, 20), "the idle session's sandbox survived its idle timeout"
         assert server.poll() is None
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     assert list((state / "sandboxes").iterdir()) == []
 
 
@@ -185,23 +193,11 @@ def test_one_mcp_sessions_long_commands_do_not_hold_another_sessions_calls(state
     """Session a runs 9 commands of 6 s at once; session b's command is answered meanwhile (before:
     every tool call went to asyncio's default pool, cpus + 4 = 6 threads here, and b waited for a's
     sleeps); a's own commands past its share (8) wait their turn and all end well."""
-    import socket
-    import subprocess
-
     from mcp import ClientSession
     from mcp.client.streamable_http import streamable_http_client
 
-    state = state_dir / "mcp-http-share"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    server = subprocess.Popen([CORRAL, "--state-dir", str(state), "mcp", "--http", "--port", str(port)], env=env)
-    url = f"http://127.0.0.1:{port}/mcp"
 
-    async def scenario() -> tuple[float, list[dict[str, Any]]]:
+    async def scenario(url: str) -> tuple[float, list[dict[str, Any]]]:
         async with streamable_http_client(url) as (ra, wa), ClientSession(ra, wa) as a, \
                 streamable_http_client(url) as (rb, wb), ClientSession(rb, wb) as b:
             await a.initialize()
@@ -218,18 +214,7 @@ def test_one_mcp_sessions_long_commands_do_not_hold_another_sessions_calls(state
             assert mine["stdout"] == "b\n"
             return waited, [_payload(r) for r in await asyncio.gather(*long)]
 
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "corral mcp --http did not start"
-                time.sleep(0.1)
-        waited, results = asyncio.run(scenario())
-        assert waited < 2.5, f"session b's command waited {waited:.1f} s behind session a's"
-        assert [r["exit_code"] for r in results] == [0] * 9, results
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with mcp_http_server(state_dir, "mcp-http-share") as (_, url, _):
+        waited, results = asyncio.run(scenario(url))
+    assert waited < 2.5, f"session b's command waited {waited:.1f} s behind session a's"
+    assert [r["exit_code"] for r in results] == [0] * 9, results

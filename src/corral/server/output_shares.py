@@ -18,6 +18,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from .limits import TenantTally
+
 Release = Callable[[], None]
 
 
@@ -27,7 +29,9 @@ class OutputShares:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.held: dict[str, int] = {}
+        self._tally = TenantTally(limit)
+        #: what each tenant holds now
+        self.held = self._tally.held
         self._waiting: dict[str, deque[tuple[int, asyncio.Future[None]]]] = {}
         self._lock = threading.Lock()
 
@@ -35,9 +39,8 @@ class OutputShares:
         """Count ``amount`` for ``tenant`` now and return what gives it back; None if it must wait."""
         amount = min(amount, self.limit)  # one that may print more than all of it runs alone
         with self._lock:
-            if self._waiting.get(tenant) or self.held.get(tenant, 0) + amount > self.limit:
+            if self._waiting.get(tenant) or not self._tally.take(tenant, amount):
                 return None
-            self.held[tenant] = self.held.get(tenant, 0) + amount
         return self._releaser(tenant, amount)
 
     async def hold(self, tenant: str, amount: int) -> Release:
@@ -81,21 +84,15 @@ class OutputShares:
 
     def _give(self, tenant: str, amount: int) -> None:
         with self._lock:
-            left = self.held[tenant] - amount
-            if left:
-                self.held[tenant] = left
-            else:
-                del self.held[tenant]
+            self._tally.give(tenant, amount)
         self._wake(tenant)
 
     def _wake(self, tenant: str) -> None:
         granted: list[tuple[int, asyncio.Future[None]]] = []
         with self._lock:
             queue = self._waiting.get(tenant)
-            while queue and self.held.get(tenant, 0) + queue[0][0] <= self.limit:
-                amount, waiter = queue.popleft()
-                self.held[tenant] = self.held.get(tenant, 0) + amount
-                granted.append((amount, waiter))
+            while queue and self._tally.take(tenant, queue[0][0]):
+                granted.append(queue.popleft())
             if queue is not None and not queue:
                 del self._waiting[tenant]
         for amount, waiter in granted:
