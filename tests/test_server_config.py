@@ -42,6 +42,13 @@ def test_bad_keys_and_configs_are_refused(tmp_path: Path, monkeypatch: pytest.Mo
     bad.write_text(json.dumps({"idle_timeout": -1}))
     with pytest.raises(InvalidSpec, match="idle_timeout"):
         ServerConfig.load(str(bad))
+    for field in ("max_output_bytes_per_tenant", "max_kept_output_per_tenant", "max_proxied_message_bytes"):
+        for value in ("0", "lots", -5):
+            bad.write_text(json.dumps({field: value}))
+            with pytest.raises(InvalidSpec):
+                ServerConfig.load(str(bad))
+        bad.write_text(json.dumps({field: "3M"}))
+        assert getattr(ServerConfig.load(str(bad)), field) == 3 << 20
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.1")
 
