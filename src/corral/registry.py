@@ -221,12 +221,15 @@ def _remove_abandoned_groups(known: set[str], idle_for: float = ABANDONED_AFTER)
             continue
         groups = [root / cgroups.PARENT / name for root in roots]
         try:
+            # the age first (one stat a hierarchy): only an old group's tree is walked for processes,
+            # and this runs in every process's first create
+            if any(now - group.stat().st_mtime < idle_for for group in groups if group.is_dir()):
+                continue
             held = any(cgroups.read_pids(Path(top)) for group in groups if group.is_dir()
                        for top, _, _ in os.walk(group))
-            young = any(now - group.stat().st_mtime < idle_for for group in groups if group.is_dir())
         except OSError:
             continue
-        if not held and not young:
+        if not held:
             cgroups.reap(name)
             removed.append(name)
     return removed
