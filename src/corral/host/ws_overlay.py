@@ -55,9 +55,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import idmap, mounts
+from .fsnotify import ChangeWatch, Overflow
 from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
+    WHITEOUT,
     Budget,
     DirsBeneath,
     Entry,
@@ -75,10 +77,14 @@ from .workspace import (
     remove_gone,
     scan,
 )
+from .ws_changes import Unplaced, UpperTree
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
 #: (bench/workspace.py sets it to compare the two)
 ENABLED = True
+#: False: write-backs walk the whole upper layer every time (no change watch; bench/workspace.py
+#: sets it to compare)
+WATCH = True
 #: the overlay's options beyond its layers (see the module docstring)
 OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
 
@@ -166,27 +172,120 @@ def scan_upper(upper: Path) -> Manifest:
 
 class WorkspaceOverlay:
     """A workspace mounted by :func:`mount_workspace`: ``host`` is the user's directory, ``upper``
-    the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``."""
+    the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``.  Made before
+    the sandbox runs anything (its change watch must see every change); :meth:`close` at destroy."""
 
     def __init__(self, host: Path, upper: Path) -> None:
         self.host = host
         self.upper = upper
-        self.manifest: Manifest = {}
+        self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
+        self.tree = UpperTree(self._fd)
+        self.watch = _open_watch(upper)
+        self._walked = False  # the first write-back walks everything
+        #: write-backs that walked the whole upper layer (tests and figures read it)
+        self.full_scans = 0
         self._lock = threading.Lock()  # commands finishing at once write back one at a time
 
-    def sync_back(self) -> None:
-        """Write what changed in the upper layer since the last write-back to the host directory."""
+    @property
+    def manifest(self) -> Manifest:
+        """The upper layer as the last write-back wrote it to the host."""
+        return self.tree.manifest
+
+    @property
+    def looked_at(self) -> int:
+        """The entries the last write-back looked at: what it changed, or everything."""
+        return self.tree.looked_at
+
+    def sync_back(self, full: bool = False) -> None:
+        """Write what changed in the upper layer since the last write-back to the host directory:
+        where the change watch points, or (``full``, no watch, events lost) after a walk of it all."""
         with self._lock:
-            current = scan_upper(self.upper)
-            if current == self.manifest:
-                return  # the common case: a command that changed nothing in the workspace
+            if self._fd < 0:
+                return
+            found = None
+            if self.watch is not None and self._walked and not full:
+                try:
+                    found = self.tree.look(self.tree.spots(self.watch))
+                except (Overflow, Unplaced, OSError) as exc:
+                    log.info("workspace %s: walking its upper layer whole (%s)", self.host, exc or "event queue overflow")
             host_st = os.stat(self.host)
-            _apply(self.upper, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
-            self.manifest = current
+            if found is not None:
+                self._write(found, host_st.st_uid, host_st.st_gid)
+                return
+            if self.watch is not None:
+                self.watch.discard()  # what happens from here on is the next write-back's
+            current = self.tree.full()
+            self.full_scans += 1
+            self._walked = True
+            if current != self.manifest:
+                walked = dict(current)
+                _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
+                self.tree.pending = {key for key, entry in walked.items() if current.get(key) != entry}
+                self.tree.replace(current)
+
+    def _write(self, found: dict[Key, Entry | None], uid: int, gid: int) -> None:
+        """Write back the entries ``found`` (:meth:`.ws_changes.UpperTree.look`) that changed."""
+        current = {key: entry for key, entry in found.items() if entry is not None}
+        # a whiteout an event pointed at is written again: the sandbox deleted that path (again)
+        previous = {key: self.manifest[key] for key, entry in found.items()
+                    if key in self.manifest and entry != WHITEOUT}
+        if current != previous:
+            looked = dict(current)
+            _apply(self._fd, self.host, current, previous, uid, gid)
+            self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
+        else:
+            self.tree.pending = set()
+        self.tree.commit({key: current.get(key) for key in found})
+
+    def close(self, write_back: bool = True) -> None:
+        """At destroy: the last write-back (with ``write_back``; a walk of everything, for what
+        no event showed: a write through a shared mapping still held), then release the watch
+        and the upper layer's descriptor."""
+        try:
+            if write_back:
+                self.sync_back(full=True)
+        finally:
+            with self._lock:
+                if self.watch is not None:
+                    self.watch.close()
+                    self.watch = None
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
 
 
-def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
-    src_fd = os.open(upper, _DIR_FLAGS)
+#: the change watches this process holds, at most half of ``fs.fanotify.max_user_groups`` (the
+#: host's other users of fanotify keep the rest); a sandbox past that walks everything
+_watches = 0
+_watches_lock = threading.Lock()
+
+
+def _max_watches() -> int:
+    try:
+        return int(Path("/proc/sys/fs/fanotify/max_user_groups").read_text()) // 2
+    except (OSError, ValueError):
+        return 0
+
+
+def _open_watch(upper: Path) -> ChangeWatch | None:
+    global _watches
+    with _watches_lock:
+        if not WATCH or _watches >= _max_watches():
+            return None
+        watch = ChangeWatch.open(upper, on_close=_closed)
+        if watch is not None:
+            _watches += 1
+        return watch
+
+
+def _closed() -> None:
+    global _watches
+    with _watches_lock:
+        _watches -= 1
+
+
+def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
+    src_fd = os.dup(upper_fd)
     dst_fd = os.open(host, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
