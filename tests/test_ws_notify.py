@@ -6,7 +6,7 @@ at a handful of entries; a lost event queue walks everything and still delivers 
 write the events cannot show (through a mapping a background process still holds) arrives at
 destroy at the latest; a host without the change watch walks everything, as before.
 
-Cost: 6 process sandboxes, ~15 s on a loaded 2-core machine.
+Cost: 6 process sandboxes and one gVisor sandbox, ~15 s on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from corral import Sandbox
 from corral.host import ws_overlay
 from corral.host.fsnotify import FAN_CREATE, FAN_MOVED_TO, FAN_ONDIR, ChangeWatch
 from corral.host.ws_overlay import WorkspaceOverlay, scan_upper
+
+from .tier_probe import skip_unless_tier
 
 OWNER = (4321, 4322)
 
@@ -92,9 +94,16 @@ def make_files(sb: Sandbox, dirs: int, per_dir: int = 100, top: str = "/workspac
            f" | sed 's/^/f/' | xargs touch); done")
 
 
-def test_each_change_after_thousands_of_files_arrives_as_a_whole_walk_would_deliver_it(tmp_path: Path) -> None:
+@pytest.fixture(params=["process", "gvisor"])
+def tier(request: pytest.FixtureRequest, state_dir: Path) -> Iterator[str]:
+    if request.param != "process":
+        skip_unless_tier(request.param, state_dir)
+    yield request.param
+
+
+def test_each_change_after_thousands_of_files_arrives_as_a_whole_walk_would_deliver_it(tier: str, tmp_path: Path) -> None:
     ws = host_workspace(tmp_path)
-    with Sandbox.create(tier="process", workspace=str(ws), memory="256M") as sb:
+    with Sandbox.create(tier=tier, workspace=str(ws), memory="256M") as sb:
         overlay = workspace_of(sb)
         if overlay.watch is None:
             pytest.skip("this host gives no change watch (fanotify with file handles)")

@@ -1,5 +1,5 @@
 """A workspace as an overlay on the host directory: nothing is copied when the sandbox is made,
-and each write-back walks only what the sandbox changed.
+and each write-back looks only at what the sandbox changed since the previous one.
 
 Layout, on the sandbox's disk tmpfs (the disk limit bounds every write, copy-ups included)::
 
@@ -24,10 +24,19 @@ the host fails with ``EXDEV`` inside, which ``mv`` and most tools answer by copy
 deleting.  Hard links in the host directory are separate files once one of them is changed
 (overlayfs copies up one name), as they are after today's write-back.
 
-Write-back (:meth:`WorkspaceOverlay.sync_back`) walks the upper layer, compares it with the
-previous walk, and applies what changed with the rules of :mod:`.workspace` (directory
-descriptors opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's
-owner; only symlinks that stay inside the workspace):
+Write-back (:meth:`WorkspaceOverlay.sync_back`) finds what changed in the upper layer since the
+previous write-back, and applies it with the rules of :mod:`.workspace` (directory descriptors
+opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's owner; only
+symlinks that stay inside the workspace).  To find it, it looks only where a change watch of the
+sandbox's disk (:mod:`.fsnotify`, made before the sandbox runs anything) saw a change, and
+compares what it finds there with the previous write-back's manifest (:mod:`.ws_changes`): its
+cost follows what changed since the previous write-back, not what the sandbox made before.  It
+walks the whole upper layer instead, as every write-back did before, at the first write-back,
+when the watch lost events (its queue is the kernel's bounded one), when an event cannot be
+placed, where this host gives no watch (no fanotify with file handles; more sandboxes at once
+than half of ``fs.fanotify.max_user_groups``), and at destroy -- which is when a write through a
+shared mapping that a background process still holds arrives at the latest (it makes no event
+until the mapping goes).  Either way, what it applies:
 
 - a regular file, symlink or directory that is new or changed: copied to the host (a symlink
   leading out of the workspace is not: the host's entry at its path is deleted);
@@ -179,8 +188,12 @@ class WorkspaceOverlay:
         self.host = host
         self.upper = upper
         self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
-        self.tree = UpperTree(self._fd)
-        self.watch = _open_watch(upper)
+        try:
+            self.tree = UpperTree(self._fd)
+            self.watch = _open_watch(upper)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._walked = False  # the first write-back walks everything
         #: write-backs that walked the whole upper layer (tests and figures read it)
         self.full_scans = 0
@@ -208,20 +221,22 @@ class WorkspaceOverlay:
                     found = self.tree.look(self.tree.spots(self.watch))
                 except (Overflow, Unplaced, OSError) as exc:
                     log.info("workspace %s: walking its upper layer whole (%s)", self.host, exc or "event queue overflow")
-            host_st = os.stat(self.host)
+            walked, self._walked = self._walked, False  # until it is done: one that fails midway
+            host_st = os.stat(self.host)                # (its events drained) is followed by a walk
             if found is not None:
                 self._write(found, host_st.st_uid, host_st.st_gid)
+                self._walked = walked
                 return
             if self.watch is not None:
                 self.watch.discard()  # what happens from here on is the next write-back's
             current = self.tree.full()
             self.full_scans += 1
-            self._walked = True
             if current != self.manifest:
-                walked = dict(current)
+                looked = dict(current)
                 _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
-                self.tree.pending = {key for key, entry in walked.items() if current.get(key) != entry}
+                self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
                 self.tree.replace(current)
+            self._walked = True
 
     def _write(self, found: dict[Key, Entry | None], uid: int, gid: int) -> None:
         """Write back the entries ``found`` (:meth:`.ws_changes.UpperTree.look`) that changed."""
