@@ -36,7 +36,11 @@ when the watch lost events (its queue is the kernel's bounded one), when an even
 placed, where this host gives no watch (no fanotify with file handles; more sandboxes at once
 than half of ``fs.fanotify.max_user_groups``), and at destroy -- which is when a write through a
 shared mapping that a background process still holds arrives at the latest (it makes no event
-until the mapping goes).  Either way, what it applies:
+until the mapping goes).  Only an ``rw`` workspace has a watch: one fanotify group of the owner's,
+closed at destroy, whose queue (the kernel's ``fs.fanotify.max_queued_events``, 16,384 events:
+a few MB of the owner's kernel memory at most) also fills with the sandbox's changes outside
+the workspace (its root's upper layers share the disk), which are read and dropped.  Either way,
+what it applies:
 
 - a regular file, symlink or directory that is new or changed: copied to the host (a symlink
   leading out of the workspace is not: the host's entry at its path is deleted);
@@ -169,7 +173,7 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
             if unused.exists():
                 unused.rmdir()
         return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
-    return (None if read_only else WorkspaceOverlay(host, on_disk(upper))), True
+    return (None if read_only else WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw")), True
 
 
 def scan_upper(upper: Path) -> Manifest:
@@ -184,13 +188,13 @@ class WorkspaceOverlay:
     the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``.  Made before
     the sandbox runs anything (its change watch must see every change); :meth:`close` at destroy."""
 
-    def __init__(self, host: Path, upper: Path) -> None:
+    def __init__(self, host: Path, upper: Path, watch: bool = True) -> None:
         self.host = host
         self.upper = upper
         self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
         try:
             self.tree = UpperTree(self._fd)
-            self.watch = _open_watch(upper)
+            self.watch = _open_watch(upper) if watch else None  # (``cow`` is never written back)
         except BaseException:
             os.close(self._fd)
             raise
