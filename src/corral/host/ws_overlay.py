@@ -240,6 +240,8 @@ class WorkspaceOverlay:
                 _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
                 self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
                 self.tree.replace(current)
+            else:
+                self.tree.pending = set()
             self._walked = True
 
     def _write(self, found: dict[Key, Entry | None], uid: int, gid: int) -> None:
