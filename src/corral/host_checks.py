@@ -96,6 +96,18 @@ def _landlock() -> Check:
     return Check("landlock", True, f"ABI {abi} (not used yet: namespaces already hide the host)")
 
 
+def _workspace_watch() -> Check:
+    from .host.fsnotify import ChangeWatch
+
+    # the sandbox's disk is a tmpfs: /dev/shm is one too, where there is one
+    watch = ChangeWatch.open("/dev/shm") if os.path.isdir("/dev/shm") else None
+    if watch is None:
+        return Check("workspace watch", False, "no fanotify with file handles: each workspace write-back walks "
+                     "everything the sandbox changed (not required)", "Linux >= 5.9 with CONFIG_FANOTIFY")
+    watch.close()
+    return Check("workspace watch", True, "fanotify: a workspace write-back looks only at what changed since the last")
+
+
 def _root() -> Check:
     if os.geteuid() == 0:
         return Check("privileges", True, "running as root (cgroups and mounts)")
@@ -128,4 +140,5 @@ def _network_allow() -> Check:
 
 
 def host_checks() -> list[Check]:
-    return [_root(), _userns(), _cgroups(), _cgroup_moves(), _bwrap(), _seccomp(), _landlock(), _network_allow(), _network_open()]
+    return [_root(), _userns(), _cgroups(), _cgroup_moves(), _bwrap(), _seccomp(), _landlock(), _workspace_watch(), _network_allow(),
+            _network_open()]

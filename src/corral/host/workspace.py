@@ -65,17 +65,23 @@ MAX_DEPTH = 128
 MAX_PATH = 4096
 
 
-def scan(root: Path, upper: bool = False) -> Manifest:
+def scan(root: Path | int, upper: bool = False, prefix: str = "") -> Manifest:
     """Every entry below ``root`` (not following symlinks), down to ``MAX_DEPTH`` levels and
     ``MAX_PATH`` bytes of path.
 
-    ``upper``: ``root`` is an overlay's upper layer, whose kinds add ``w`` (a whiteout) and ``D``
-    (an opaque directory); a directory that cannot be opened there is left out (it went away
-    while the walk ran)."""
+    ``upper``: ``root`` is an overlay's upper layer, whose kinds add ``w`` (a whiteout, recorded
+    without size, time or inode: overlayfs makes every whiteout a name of one shared inode, whose
+    change time moves whenever another is made) and ``D`` (an opaque directory); a directory
+    that cannot be opened there is left out (it went away while the walk ran).
+
+    ``root`` may be an open directory (not closed here) that is ``prefix`` below the tree's
+    root: the keys and the limits are then the tree's."""
     manifest: Manifest = {}
-    root_fd = os.open(root, _DIR_FLAGS)
+    root_fd = os.dup(root) if isinstance(root, int) else os.open(root, _DIR_FLAGS)
+    above = prefix.count("/") + 1 if prefix else 0  # the levels above root_fd
     # depth first, one open directory per level: (descriptor, its path, that path's length in bytes, what is left of it)
-    stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = [(root_fd, "", 0, _entries(root_fd))]
+    stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = [
+        (root_fd, prefix, len(os.fsencode(prefix)), _entries(root_fd))]
     try:
         while stack:
             dir_fd, prefix, prefix_bytes, entries = stack[-1]
@@ -91,9 +97,8 @@ def scan(root: Path, upper: bool = False) -> Manifest:
             key = (prefix, entry.name)
             if prefix_bytes + len(os.fsencode(entry.name)) >= MAX_PATH:
                 continue
-            kind = "w" if upper and is_whiteout(st) else _kind(st.st_mode)
-            manifest[key] = (kind, st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
-            if kind != "d" or len(stack) >= MAX_DEPTH:
+            manifest[key] = entry_of(st, upper)
+            if manifest[key][0] != "d" or above + len(stack) >= MAX_DEPTH:
                 continue
             try:
                 fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
@@ -101,7 +106,7 @@ def scan(root: Path, upper: bool = False) -> Manifest:
                 if upper:
                     del manifest[key]
                 continue
-            if upper and _opaque(fd):
+            if upper and opaque(fd):
                 manifest[key] = ("D", *manifest[key][1:])
             rel = rel_of(key)
             stack.append((fd, rel, len(os.fsencode(rel)), _entries(fd)))
@@ -109,6 +114,17 @@ def scan(root: Path, upper: bool = False) -> Manifest:
         for dir_fd, _, _, _ in stack:
             os.close(dir_fd)
     return manifest
+
+
+#: a whiteout's entry (:func:`scan`)
+WHITEOUT: Entry = ("w", 0, 0, 0, 0)
+
+
+def entry_of(st: os.stat_result, upper: bool) -> Entry:
+    """A manifest's entry for ``st`` (an opaque directory is found by its caller)."""
+    if upper and is_whiteout(st):
+        return WHITEOUT
+    return (_kind(st.st_mode), st.st_size, st.st_ctime_ns, st.st_mode & 0o7777, st.st_ino)
 
 
 def rel_of(key: Key) -> str:
@@ -183,7 +199,8 @@ def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def _opaque(fd: int) -> bool:
+def opaque(fd: int) -> bool:
+    """True if the open upper directory ``fd`` is opaque (it hides the lower layer's)."""
     try:
         return os.getxattr(fd, OPAQUE) == b"y"
     except OSError:

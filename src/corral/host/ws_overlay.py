@@ -1,5 +1,5 @@
 """A workspace as an overlay on the host directory: nothing is copied when the sandbox is made,
-and each write-back walks only what the sandbox changed.
+and each write-back looks only at what the sandbox changed since the previous one.
 
 Layout, on the sandbox's disk tmpfs (the disk limit bounds every write, copy-ups included)::
 
@@ -24,10 +24,23 @@ the host fails with ``EXDEV`` inside, which ``mv`` and most tools answer by copy
 deleting.  Hard links in the host directory are separate files once one of them is changed
 (overlayfs copies up one name), as they are after today's write-back.
 
-Write-back (:meth:`WorkspaceOverlay.sync_back`) walks the upper layer, compares it with the
-previous walk, and applies what changed with the rules of :mod:`.workspace` (directory
-descriptors opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's
-owner; only symlinks that stay inside the workspace):
+Write-back (:meth:`WorkspaceOverlay.sync_back`) finds what changed in the upper layer since the
+previous write-back, and applies it with the rules of :mod:`.workspace` (directory descriptors
+opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's owner; only
+symlinks that stay inside the workspace).  To find it, it looks only where a change watch of the
+sandbox's disk (:mod:`.fsnotify`, made before the sandbox runs anything) saw a change, and
+compares what it finds there with the previous write-back's manifest (:mod:`.ws_changes`): its
+cost follows what changed since the previous write-back, not what the sandbox made before.  It
+walks the whole upper layer instead, as every write-back did before, at the first write-back,
+when the watch lost events (its queue is the kernel's bounded one), when an event cannot be
+placed, where this host gives no watch (no fanotify with file handles; more sandboxes at once
+than half of ``fs.fanotify.max_user_groups``), and at destroy -- which is when a write through a
+shared mapping that a background process still holds arrives at the latest (it makes no event
+until the mapping goes).  Only an ``rw`` workspace has a watch: one fanotify group of the owner's,
+closed at destroy, whose queue (the kernel's ``fs.fanotify.max_queued_events``, 16,384 events:
+a few MB of the owner's kernel memory at most) also fills with the sandbox's changes outside
+the workspace (its root's upper layers share the disk), which are read and dropped.  Either way,
+what it applies:
 
 - a regular file, symlink or directory that is new or changed: copied to the host (a symlink
   leading out of the workspace is not: the host's entry at its path is deleted);
@@ -55,9 +68,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import idmap, mounts
+from .fsnotify import ChangeWatch, Overflow
 from .mountns import HostMounts, MountNamespace
 from .workspace import (
     _DIR_FLAGS,
+    WHITEOUT,
     Budget,
     DirsBeneath,
     Entry,
@@ -75,10 +90,14 @@ from .workspace import (
     remove_gone,
     scan,
 )
+from .ws_changes import Unplaced, UpperTree
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
 #: (bench/workspace.py sets it to compare the two)
 ENABLED = True
+#: False: write-backs walk the whole upper layer every time (no change watch; bench/workspace.py
+#: sets it to compare)
+WATCH = True
 #: the overlay's options beyond its layers (see the module docstring)
 OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
 
@@ -154,7 +173,7 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
             if unused.exists():
                 unused.rmdir()
         return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
-    return (None if read_only else WorkspaceOverlay(host, on_disk(upper))), True
+    return (None if read_only else WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw")), True
 
 
 def scan_upper(upper: Path) -> Manifest:
@@ -166,27 +185,128 @@ def scan_upper(upper: Path) -> Manifest:
 
 class WorkspaceOverlay:
     """A workspace mounted by :func:`mount_workspace`: ``host`` is the user's directory, ``upper``
-    the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``."""
+    the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``.  Made before
+    the sandbox runs anything (its change watch must see every change); :meth:`close` at destroy."""
 
-    def __init__(self, host: Path, upper: Path) -> None:
+    def __init__(self, host: Path, upper: Path, watch: bool = True) -> None:
         self.host = host
         self.upper = upper
-        self.manifest: Manifest = {}
+        self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
+        try:
+            self.tree = UpperTree(self._fd)
+            self.watch = _open_watch(upper) if watch else None  # (``cow`` is never written back)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._walked = False  # the first write-back walks everything
+        #: write-backs that walked the whole upper layer (tests and figures read it)
+        self.full_scans = 0
         self._lock = threading.Lock()  # commands finishing at once write back one at a time
 
-    def sync_back(self) -> None:
-        """Write what changed in the upper layer since the last write-back to the host directory."""
+    @property
+    def manifest(self) -> Manifest:
+        """The upper layer as the last write-back wrote it to the host."""
+        return self.tree.manifest
+
+    @property
+    def looked_at(self) -> int:
+        """The entries the last write-back looked at: what it changed, or everything."""
+        return self.tree.looked_at
+
+    def sync_back(self, full: bool = False) -> None:
+        """Write what changed in the upper layer since the last write-back to the host directory:
+        where the change watch points, or (``full``, no watch, events lost) after a walk of it all."""
         with self._lock:
-            current = scan_upper(self.upper)
-            if current == self.manifest:
-                return  # the common case: a command that changed nothing in the workspace
-            host_st = os.stat(self.host)
-            _apply(self.upper, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
-            self.manifest = current
+            if self._fd < 0:
+                return
+            found = None
+            if self.watch is not None and self._walked and not full:
+                try:
+                    found = self.tree.look(self.tree.spots(self.watch))
+                except (Overflow, Unplaced, OSError) as exc:
+                    log.info("workspace %s: walking its upper layer whole (%s)", self.host, exc or "event queue overflow")
+            walked, self._walked = self._walked, False  # until it is done: one that fails midway
+            host_st = os.stat(self.host)                # (its events drained) is followed by a walk
+            if found is not None:
+                self._write(found, host_st.st_uid, host_st.st_gid)
+                self._walked = walked
+                return
+            if self.watch is not None:
+                self.watch.discard()  # what happens from here on is the next write-back's
+            current = self.tree.full()
+            self.full_scans += 1
+            if current != self.manifest:
+                looked = dict(current)
+                _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
+                self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
+                self.tree.replace(current)
+            else:
+                self.tree.pending = set()
+            self._walked = True
+
+    def _write(self, found: dict[Key, Entry | None], uid: int, gid: int) -> None:
+        """Write back the entries ``found`` (:meth:`.ws_changes.UpperTree.look`) that changed."""
+        current = {key: entry for key, entry in found.items() if entry is not None}
+        # a whiteout an event pointed at is written again: the sandbox deleted that path (again)
+        previous = {key: self.manifest[key] for key, entry in found.items()
+                    if key in self.manifest and entry != WHITEOUT}
+        if current != previous:
+            looked = dict(current)
+            _apply(self._fd, self.host, current, previous, uid, gid)
+            self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
+        else:
+            self.tree.pending = set()
+        self.tree.commit({key: current.get(key) for key in found})
+
+    def close(self, write_back: bool = True) -> None:
+        """At destroy: the last write-back (with ``write_back``; a walk of everything, for what
+        no event showed: a write through a shared mapping still held), then release the watch
+        and the upper layer's descriptor."""
+        try:
+            if write_back:
+                self.sync_back(full=True)
+        finally:
+            with self._lock:
+                if self.watch is not None:
+                    self.watch.close()
+                    self.watch = None
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
 
 
-def _apply(upper: Path, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
-    src_fd = os.open(upper, _DIR_FLAGS)
+#: the change watches this process holds, at most half of ``fs.fanotify.max_user_groups`` (the
+#: host's other users of fanotify keep the rest); a sandbox past that walks everything
+_watches = 0
+_watches_lock = threading.Lock()
+
+
+def _max_watches() -> int:
+    try:
+        return int(Path("/proc/sys/fs/fanotify/max_user_groups").read_text()) // 2
+    except (OSError, ValueError):
+        return 0
+
+
+def _open_watch(upper: Path) -> ChangeWatch | None:
+    global _watches
+    with _watches_lock:
+        if not WATCH or _watches >= _max_watches():
+            return None
+        watch = ChangeWatch.open(upper, on_close=_closed)
+        if watch is not None:
+            _watches += 1
+        return watch
+
+
+def _closed() -> None:
+    global _watches
+    with _watches_lock:
+        _watches -= 1
+
+
+def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
+    src_fd = os.dup(upper_fd)
     dst_fd = os.open(host, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}

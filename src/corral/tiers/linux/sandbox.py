@@ -27,6 +27,7 @@ reserves the uid and calls :meth:`_setup` (the tier's launch); it implements
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import threading
@@ -48,6 +49,8 @@ from . import fs_snapshot
 from .agent import AgentChannel
 from .ports import agent_connect
 from .rootfs import AGENT_PATH, SandboxRoot, build_root
+
+log = logging.getLogger(__name__)
 
 
 class LinuxSandbox(TierSandbox):
@@ -340,6 +343,17 @@ class LinuxSandbox(TierSandbox):
         if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
             self.workspace.sync_back()
 
+    def _last_write_back(self) -> None:
+        """At destroy, once nothing runs in the sandbox: write back what no command's write-back
+        saw (a background process's writes, a write through a shared mapping) -- an overlay
+        workspace walks its upper layer whole (:meth:`WorkspaceOverlay.close`)."""
+        if not isinstance(self.workspace, WorkspaceOverlay):
+            return
+        try:
+            self.workspace.close(write_back=bool(self.spec.workspace and self.spec.workspace.mode == "rw"))
+        except (OSError, SandboxError) as exc:  # the host directory went away...: destroy goes on
+            log.warning("sandbox %s: the last write-back of its workspace failed: %s", self.id, exc)
+
     def alive(self) -> bool:
         return not self._closed and self._channel is not None and not self._channel.closed.is_set()
 
@@ -360,7 +374,10 @@ class LinuxSandbox(TierSandbox):
             self._stop()
             if self.cgroup is not None:
                 self.cgroup.destroy()
+            self._last_write_back()
         finally:
+            if isinstance(self.workspace, WorkspaceOverlay):
+                self.workspace.close(write_back=False)  # (done already, unless something failed first)
             self._drop_userns()
             self._release()
             if self._mountns is not None:
