@@ -139,6 +139,25 @@ def _network_allow() -> Check:
     return Check("network allow", True, "namespace, nftables table and NFLOG audit work")
 
 
+def _shared_tables() -> Check:
+    """The host-wide kernel tables (open files, pids, terminals): the first sandbox of each
+    process raises those below what Corral wants (:func:`corral.host.shared_tables.widen`);
+    this check only says which it will raise, and which it cannot."""
+    from .host import shared_tables
+
+    narrow = shared_tables.narrow()
+    stuck = [t for t in narrow if not os.access(t.path, os.W_OK)]
+    if stuck:
+        return Check("shared kernel tables", False, "one sandbox can empty: " + ", ".join(
+            f"{t.name} = {shared_tables.current(t)} ({t.why})" for t in stuck),
+            "; ".join(f"sysctl -w {t.name}={t.wanted}" for t in stuck))
+    sizes = ", ".join(f"{t.name} = {shared_tables.current(t)}" for t in shared_tables.TABLES)
+    if narrow:
+        return Check("shared kernel tables", True, f"{sizes}; the first sandbox raises "
+                     + ", ".join(t.name for t in narrow))
+    return Check("shared kernel tables", True, sizes)
+
+
 def host_checks() -> list[Check]:
     return [_root(), _userns(), _cgroups(), _cgroup_moves(), _bwrap(), _seccomp(), _landlock(), _workspace_watch(), _network_allow(),
-            _network_open()]
+            _network_open(), _shared_tables()]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import owner_link, parked
 from .errors import InvalidSpec, SandboxNotFound, host_errors
+from .host import shared_tables
 from .host.procs import raise_open_files_limit
 from .lifecycle import (
     LIVE,
@@ -43,6 +44,7 @@ def _startup_gc(root: Path) -> None:
             return
         _gc_done.add(root)
     raise_open_files_limit()  # once per process: a few descriptors per live sandbox add up
+    shared_tables.widen()  # no sandbox may empty a host-wide table for the others
     gc(root)
 
 

@@ -146,6 +146,11 @@ class MountNamespace(HostMounts):
         fstype, flags, options = mounts.overlay_args(lower, upper, work)
         self._mount("overlay", target, fstype, flags, options)
 
+    def mount_devpts(self, target: Path, max_ptys: int) -> None:
+        """A ``devpts`` of the sandbox's own at ``target`` (:func:`.mounts.devpts_args`)."""
+        fstype, flags, options = mounts.devpts_args(max_ptys)
+        self._mount("devpts", target, fstype, flags, options)
+
     def attach_idmapped(self, lower: Path, view: Path, userns_fd: int) -> None:
         self._check("i", [str(lower), str(view)], [userns_fd])
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_NOEXEC = 0x8
 MNT_DETACH = 0x2
 MS_BIND = 0x1000
 
@@ -55,6 +56,12 @@ def tmpfs_args(size: int, uid: int, gid: int, mode: int = 0o700) -> tuple[str, i
 def mount_tmpfs(target: Path, size: int, uid: int, gid: int, mode: int = 0o700) -> None:
     fstype, flags, options = tmpfs_args(size, uid, gid, mode)
     mount("corral", target, fstype, flags, options)
+
+
+def devpts_args(max_ptys: int) -> tuple[str, int, str]:
+    """A ``devpts`` of its own (as bubblewrap's ``--dev`` makes one) holding at most ``max_ptys``
+    terminals: the host's table of them is shared (``host/shared_tables.py``)."""
+    return "devpts", MS_NOSUID | MS_NOEXEC, f"newinstance,ptmxmode=0666,mode=620,max={max_ptys}"
 
 
 def overlay_args(lower: list[Path], upper: Path, work: Path) -> tuple[str, int, str]:

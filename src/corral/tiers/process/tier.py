@@ -37,6 +37,7 @@ from ...host.mountns import MountNamespace
 from ...host.netns import NETNS_DIR
 from ...host.procs import children, descendants
 from ...host.seccomp import bpf_path
+from ...host.shared_tables import PTYS_PER_SANDBOX
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
@@ -162,6 +163,9 @@ class ProcessSandbox(LinuxSandbox):
             "--ro-bind", str(self._tier._agent), AGENT_PATH,
             "--ro-bind" if ws_mode == "ro" else "--bind", str(ws), WORKSPACE_PATH,
             "--proc", "/proc", "--dev", "/dev",
+            # terminals from a devpts of the sandbox's own, bounded: bwrap's has no bound but the
+            # host's shared table (host/shared_tables.py); /dev/ptmx leads to pts/ptmx
+            "--dev-bind", str(self._terminals()), "/dev/pts",
             # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
             "--bind", str(shm_dir(self._run_dir, self.uid, self._mountns)), "/dev/shm",
             "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
@@ -208,6 +212,15 @@ class ProcessSandbox(LinuxSandbox):
         for pid in descendants(self._proc.pid):  # bwrap itself joined before its exec, above
             self.cgroup.contain(pid, leaf)
         self._channel.send(T_GO, 0)
+
+    def _terminals(self) -> Path:
+        """A devpts of the sandbox's own (in its mount namespace) with at most
+        :data:`PTYS_PER_SANDBOX` terminals; its path there."""
+        assert self._mountns is not None
+        pts = self._run_dir / "pts"
+        self._mountns.view(pts).mkdir(mode=0o755)
+        self._mountns.mount_devpts(pts, PTYS_PER_SANDBOX)
+        return pts
 
     # -- commands ----------------------------------------------------------
     def _agent_host_pid(self) -> int:

@@ -1,0 +1,177 @@
+"""No sandbox empties a host-wide kernel table for the others (``host/shared_tables.py``):
+terminals, open files, process ids, asynchronous I/O.  Each attack takes what one sandbox can
+take, then another sandbox (and the host) must still get its share."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.host.shared_tables import PTYS_PER_SANDBOX
+
+#: takes terminals until refused, says how many and why, then holds them
+TAKE_TERMINALS = """python3 -c '
+import os, time
+fds = []
+try:
+    while len(fds) < 10000:
+        fds.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+    print(len(fds), "none refused", flush=True)
+except OSError as e:
+    print(len(fds), e.errno, flush=True)
+time.sleep(120)
+' >/tmp/taken 2>&1 &"""
+
+
+def _wait_for(sb: Sandbox, path: str, lines: int, seconds: float) -> str:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        text = sb.commands.run(f"cat {path} 2>/dev/null || true").stdout
+        if text.count("\n") >= lines:
+            return text
+        time.sleep(0.2)
+    raise AssertionError(f"{path} in the sandbox: {text!r} after {seconds} s")
+
+
+def _on_a_terminal(sb: Sandbox, cmd: str) -> tuple[int, bytes]:
+    out: list[bytes] = []
+    result = sb.commands.start(cmd, pty=(24, 80), on_output=lambda _s, c: out.append(c)).wait()
+    return result.exit_code, b"".join(out) + result.stderr.encode()
+
+
+def test_one_sandboxs_terminals_leave_every_other_sandbox_its_own() -> None:
+    hog, other = Sandbox.create(), Sandbox.create()
+    try:
+        hog.commands.run(TAKE_TERMINALS)
+        taken, errno_ = _wait_for(hog, "/tmp/taken", 1, 30).split()
+        # its own devpts's bound, not the host's shared table (3,071 were taken before)
+        assert int(taken) == PTYS_PER_SANDBOX and errno_ == "28"  # ENOSPC
+        # while it holds them: another sandbox opens terminals, and runs a command on one
+        r = other.commands.run("python3 -c 'import pty; print(len(pty.openpty()))'")
+        assert (r.exit_code, r.stdout) == (0, "2\n"), r.stderr
+        code, out = _on_a_terminal(other, "tty")
+        assert code == 0 and b"/dev/pts/" in out
+        # the agent's terminals come from the same bound: a command of the sandbox that took
+        # them all is refused at once, and gets one again once they are let go
+        code, out = _on_a_terminal(hog, "tty")
+        assert code == -1 and b"openpty: No space left on device" in out
+        hog.commands.run(["pkill", "-f", "ptmx"])
+        deadline = time.monotonic() + 10
+        while (code, out) == (-1, out) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            code, out = _on_a_terminal(hog, "tty")
+        assert code == 0 and b"/dev/pts/" in out
+    finally:
+        hog.kill()
+        other.kill()
+
+
+def test_native_asynchronous_io_is_refused_so_no_sandbox_takes_the_hosts_table() -> None:
+    before = int(Path("/proc/sys/fs/aio-nr").read_text())
+    with Sandbox.create() as sb:
+        r = sb.commands.run("""python3 -c '
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+ctx = ctypes.c_ulong(0)
+print(libc.syscall(206, 4096, ctypes.byref(ctx)), errno.errorcode[ctypes.get_errno()])
+'""")
+        assert r.stdout.split() == ["-1", "ENOSYS"], r.stderr  # (a program takes its fallback)
+        assert int(Path("/proc/sys/fs/aio-nr").read_text()) == before
+        # POSIX asynchronous I/O (glibc's, on threads) still works
+        r = sb.commands.run("""python3 -c '
+import ctypes, os
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+class aiocb(ctypes.Structure):
+    _fields_ = [("fildes", ctypes.c_int), ("lio_opcode", ctypes.c_int), ("reqprio", ctypes.c_int),
+                ("buf", ctypes.c_void_p), ("nbytes", ctypes.c_size_t), ("rest", ctypes.c_char * 512)]
+fd = os.open("/etc/hostname", os.O_RDONLY)
+buf = ctypes.create_string_buffer(64)
+cb = aiocb(fd, 0, 0, ctypes.cast(buf, ctypes.c_void_p), 64)
+assert rt.aio_read(ctypes.byref(cb)) == 0, ctypes.get_errno()
+while rt.aio_error(ctypes.byref(cb)) == 115: pass  # EINPROGRESS
+print(rt.aio_return(ctypes.byref(cb)) > 0)
+'""")
+        assert r.stdout == "True\n", r.stderr
+
+
+#: one sandbox's share of open files: more than half the kernel's default table on this host
+#: (2,466,093 for 24 GiB), so that two of them filled it before the table was widened
+FILES_PER_SANDBOX = 1_300_000
+
+#: forks enough processes to hold ``FILES_PER_SANDBOX`` files (eventfds: one file each), each
+#: holding what its open-files limit lets it; prints the total, then holds them
+TAKE_FILES = """python3 -c '
+import os, resource, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+each = hard - 16
+report_r, report_w = os.pipe()
+children = -(-%d // each)
+for _ in range(children):
+    if os.fork() == 0:
+        os.close(report_r)
+        n = 0
+        try:
+            while n < each:
+                os.eventfd(0); n += 1
+        except OSError:
+            pass
+        os.write(report_w, b"%%d\\n" %% n)
+        time.sleep(300)
+        os._exit(0)
+os.close(report_w)
+reports = os.fdopen(report_r)
+total = sum(int(reports.readline()) for _ in range(children))
+print(total, flush=True)
+' >/tmp/files 2>&1 &"""
+
+
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 10_000,
+                    reason="a sandbox's processes hold at most this process's hard open-files limit each")
+def test_the_open_files_of_two_sandboxes_leave_the_host_and_a_third_sandbox_room() -> None:
+    hogs = [Sandbox.create(memory="1536M", pids=256) for _ in range(2)]
+    try:
+        for hog in hogs:
+            hog.commands.run(TAKE_FILES % FILES_PER_SANDBOX)
+        for hog in hogs:
+            # each takes all it asked for: open files are bounded by its memory, not by a table
+            # they share with everything else on the host
+            assert int(_wait_for(hog, "/tmp/files", 1, 120)) >= FILES_PER_SANDBOX
+        with Sandbox.create() as third:
+            r = third.commands.run("python3 -c 'import os; print(len([os.eventfd(0) for _ in range(1000)]))'")
+            assert (r.exit_code, r.stdout) == (0, "1000\n"), r.stderr
+        # a host process without privilege opens files too (root's ignore the table)
+        r = subprocess.run(["cat", "/proc/sys/kernel/ostype"], capture_output=True, text=True, user=65534, timeout=30)
+        assert r.stdout == "Linux\n", r.stderr
+    finally:
+        for hog in hogs:
+            hog.kill()
+
+
+def test_a_sandbox_given_many_pids_leaves_the_host_pids() -> None:
+    # pids=40000 is a valid spec; before the pid table was widened (32,768 here) it left the
+    # host no pid at all.  Threads take pids as processes do, and cost less to make.
+    with Sandbox.create(memory="2G", pids=40_000, timeout=120) as hog:
+        # in two processes: a process's threads are bounded by its memory map count (65,530)
+        hog.commands.run("""python3 -c '
+import os, threading, time
+threading.stack_size(65536)
+os.fork()
+n = 0
+try:
+    while n < 17000:
+        threading.Thread(target=time.sleep, args=(300,), daemon=True).start(); n += 1
+except RuntimeError:
+    pass
+print(n, flush=True)
+time.sleep(300)
+' >>/tmp/threads 2>&1 &""")
+        assert _wait_for(hog, "/tmp/threads", 2, 120).split() == ["17000", "17000"]
+        assert subprocess.run(["true"], timeout=30).returncode == 0
+        with Sandbox.create() as other:
+            assert other.commands.run("sh -c 'true & wait'").exit_code == 0
