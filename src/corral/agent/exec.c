@@ -16,6 +16,7 @@
 #include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/syscall.h>
 #include <sys/stat.h>
@@ -98,6 +99,14 @@ static void child_stdio(int in, int out, int err, int terminal) {
     struct { void *handler; unsigned long flags; void *restorer; uint64_t mask; } dfl = {SIG_DFL, 0, NULL, 0};
     for (int sig = 1; sig <= 64; sig++) syscall(SYS_rt_sigaction, sig, &dfl, NULL, sizeof dfl.mask); /* KILL/STOP: EINVAL */
     setsid();
+    /* open files: the usual 1024 (select() stays safe), up to 524288 on request -- not
+     * whatever the owner's limit was (the hard limit cannot be raised from here) */
+    struct rlimit files;
+    if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+        if (files.rlim_max > 524288) files.rlim_max = 524288;
+        files.rlim_cur = files.rlim_max < 1024 ? files.rlim_max : 1024;
+        setrlimit(RLIMIT_NOFILE, &files);
+    }
     if (terminal) ioctl(in, TIOCSCTTY, 0);
     dup2(in, 0);
     dup2(out, 1);
