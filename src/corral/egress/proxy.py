@@ -38,10 +38,26 @@ if TYPE_CHECKING:
 
 MAX_HEAD = 64 * 1024
 #: client connections one sandbox may hold open at once (each costs the host up to two threads)
-MAX_CONNECTIONS = 512
+MAX_CONNECTIONS = 256
 HANDSHAKE_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 10.0
+
+# What a tunnel makes the host hold while the sandbox reads nothing: the upstream socket's
+# receive queue (up to twice its receive buffer), its send queue, and two pipes.  The host's
+# TCP memory is one pool (``net.ipv4.tcp_mem``) charged to no sandbox: with the kernel's
+# autotuning and 1 MiB pipes, one sandbox's 512 tunnels that read nothing held 1.3 GB of it
+# (the window grows to ``tcp_rmem``'s maximum, 32 MiB here), at the pool's hard limit with the
+# far ends' buffers, after which every TCP socket on the host is starved.  So the first
+# BULK_TUNNELS open tunnels of a sandbox move data at full speed, and the others through small
+# windows: at most ~70 MiB and ~40 MiB of the host's memory (docs/egress.md).
+#: tunnels of one sandbox with full-speed buffers at once (a download, a clone, a push)
+BULK_TUNNELS = 8
+BULK_WINDOW = 2 << 20  # SO_RCVBUF: a window of ~2-3 MiB, ~50 MB/s per tunnel at 50 ms round trip
+BULK_SEND = 1 << 20
 PIPE_SIZE = 1 << 20
+SMALL_WINDOW = 32 << 10
+SMALL_SEND = 32 << 10
+SMALL_PIPE = 16 << 10
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _HOP_HEADERS = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
 # Towards a secret-bound host: an encoded response is decoded to be scanned anyway, but asking
@@ -102,6 +118,7 @@ class EgressProxy:
         self._matchers: dict[str, EchoMatcher] = {}
         self._open: set[socket.socket] = set()
         self._clients = 0
+        self._bulk: set[socket.socket] = set()  # upstream sockets holding one of BULK_TUNNELS
         self._closed = False
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._listener.bind(str(socket_path))
@@ -136,7 +153,24 @@ class EgressProxy:
         for sock in socks:
             with self._lock:
                 self._open.discard(sock)
+                self._bulk.discard(sock)
             sock.close()
+
+    def _size(self, upstream: socket.socket) -> None:
+        """Bound what ``upstream`` may queue (see BULK_TUNNELS): before any data arrives."""
+        with self._lock:
+            bulk = len(self._bulk) < BULK_TUNNELS
+            if bulk:
+                self._bulk.add(upstream)
+        # fixed sizes (no autotuning: it moves the window clamp too), set before the connection
+        # is made so that the window scale it agrees on fits the window
+        upstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BULK_WINDOW if bulk else SMALL_WINDOW)
+        upstream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BULK_SEND if bulk else SMALL_SEND)
+
+    def _pump(self, client: socket.socket, upstream: socket.socket, early: bytes) -> None:
+        with self._lock:
+            pipe_size = PIPE_SIZE if upstream in self._bulk else SMALL_PIPE
+        pump(client, upstream, early, pipe_size)
 
     def _accept_loop(self) -> None:
         while True:
@@ -185,6 +219,7 @@ class EgressProxy:
         sock = self._track(socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
         sock.settimeout(CONNECT_TIMEOUT)
         try:
+            self._size(sock)
             sock.connect((decision.address, decision.port))
         except OSError:
             self._untrack(sock)
@@ -216,7 +251,7 @@ class EgressProxy:
             if bound and self.ca is not None:
                 self._intercept(conn, upstream, decision, rest)
             else:
-                pump(conn, upstream, rest)
+                self._pump(conn, upstream, rest)
             return upstream
         url = urlsplit(target)
         if url.scheme != "http" or not url.hostname:
@@ -238,7 +273,7 @@ class EgressProxy:
         upstream.sendall(new_head + rest)
         guard = self._response_guard(decision, method, parts[2], "http")
         if guard is None:
-            pump(conn, upstream, b"")  # no secret bound: spliced, never scanned
+            self._pump(conn, upstream, b"")  # no secret bound: spliced, never scanned
         else:
             copy_guarded(conn, upstream, guard, self._cut_audit(decision, "http"))
         return upstream
@@ -369,7 +404,7 @@ class EgressProxy:
             _socks_reply(conn, _SOCKS_UNREACHABLE)
             return None
         _socks_reply(conn, _SOCKS_OK)
-        pump(conn, upstream, b"")
+        self._pump(conn, upstream, b"")
         return upstream
 
 
@@ -412,14 +447,14 @@ def send_refusal(conn: socket.socket, decision: Decision) -> None:
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Event) -> None:
+def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Event, pipe_size: int) -> None:
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     try:
         with contextlib.suppress(OSError):
-            fcntl.fcntl(write_end, _F_SETPIPE_SZ, PIPE_SIZE)
+            pipe_size = fcntl.fcntl(write_end, _F_SETPIPE_SZ, pipe_size)
         src_fd, dst_fd = src.fileno(), dst.fileno()
         while True:
-            moved = os.splice(src_fd, write_end, PIPE_SIZE)
+            moved = os.splice(src_fd, write_end, pipe_size)
             if moved == 0:
                 break
             while moved:
@@ -436,7 +471,7 @@ def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Eve
         os.close(write_end)
 
 
-def pump(client: socket.socket, upstream: socket.socket, early: bytes) -> None:
+def pump(client: socket.socket, upstream: socket.socket, early: bytes, pipe_size: int = PIPE_SIZE) -> None:
     """Copy both ways until both sides are done; ``early`` is client data already read."""
     client.settimeout(None)
     upstream.settimeout(None)
@@ -447,12 +482,12 @@ def pump(client: socket.socket, upstream: socket.socket, early: bytes) -> None:
 
     def back() -> None:
         try:
-            _splice_one_way(upstream, client, abort)
+            _splice_one_way(upstream, client, abort, pipe_size)
         finally:
             back_done.set()
 
     _WORKERS.submit(back)
-    _splice_one_way(client, upstream, abort)
+    _splice_one_way(client, upstream, abort, pipe_size)
     back_done.wait()
 
 

@@ -1,0 +1,113 @@
+"""What a sandbox's tunnels through the egress proxy make the host hold (``egress/proxy.py``).
+
+The proxy runs in the owner, which no cgroup bounds, and its upstream sockets draw on the host's
+one TCP pool (``net.ipv4.tcp_mem``).  A sandbox that opens every tunnel it may to a server that
+sends without end, and reads nothing, held 1.3 GB of it in the owner's upstream sockets alone
+(512 tunnels; the pool's hard limit is 2.2 GiB here); now 256 tunnels, 8 of them at full speed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from corral import Sandbox
+from corral.egress.proxy import BULK_TUNNELS, MAX_CONNECTIONS
+from egress_net import TargetNet, target_net
+
+PORT = 9000
+
+#: in the target's namespace: sends to every connection until it closes (small send buffers:
+#: the far end's memory is not what is measured)
+SENDER = r"""
+import socket, sys, threading
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((sys.argv[1], int(sys.argv[2]))); srv.listen(1024)
+chunk = b"x" * (1 << 20)
+def feed(conn, limit):
+    sent = 0
+    try:
+        while limit is None or sent < limit:
+            conn.sendall(chunk); sent += len(chunk)
+    except OSError:
+        pass
+    conn.close()
+print("ready", flush=True)
+while True:
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+    limit = 64 << 20 if conn.recv(1) == b"n" else None  # "n": 64 MiB then close; else endless
+    threading.Thread(target=feed, args=(conn, limit), daemon=True).start()
+"""
+
+#: opens tunnels until refused and reads nothing from them
+OPEN_TUNNELS = """python3 -c '
+import socket, time
+tunnels = []
+for _ in range({n}):
+    s = socket.socket(); s.settimeout(10)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", 3128))
+    s.sendall(b"CONNECT {target}:{port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    if not s.recv(64).startswith(b"HTTP/1.1 200"):
+        break
+    s.sendall(b"e")
+    tunnels.append(s)
+print(len(tunnels), flush=True)
+time.sleep(120)
+' >/tmp/tunnels 2>&1 &"""
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[TargetNet]:
+    with target_net("ceb") as testnet:
+        sender = subprocess.Popen(["ip", "netns", "exec", testnet.ns, sys.executable, "-c", SENDER, testnet.target,
+                                   str(PORT)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert sender.stdout is not None and sender.stdout.readline().strip() == "ready"
+            yield testnet
+        finally:
+            sender.kill()
+            sender.wait()
+
+
+def _upstream_receive_memory(net: TargetNet) -> tuple[int, int]:
+    """(bytes the host's sockets toward the sender hold in their receive queues, how many)."""
+    out = subprocess.run(["ss", "-tmnH", "dst", f"{net.target}:{PORT}"], capture_output=True, text=True,
+                         check=True).stdout
+    return sum(int(n) for n in re.findall(r"skmem:\(r(\d+)", out)), out.count("ESTAB")
+
+
+def test_tunnels_that_read_nothing_hold_a_bounded_share_of_the_hosts_tcp_memory(net: TargetNet) -> None:
+    with Sandbox.create(allow=[f"{net.target}:{PORT}"], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        # the allowed thing: a 64 MiB download through a tunnel, whole
+        r = sb.commands.run(f"""python3 -c '
+import socket
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"CONNECT {net.target}:{PORT} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+head = b""
+while not head.endswith(b"\\r\\n\\r\\n"): head += s.recv(1)
+s.sendall(b"n"); n = 0
+while chunk := s.recv(1 << 20): n += len(chunk)
+print(n)
+'""", timeout=60)
+        assert r.stdout == f"{64 << 20}\n", r.stderr
+        sb.commands.run(OPEN_TUNNELS.format(n=MAX_CONNECTIONS + 10, target=net.target, port=PORT))
+        deadline = time.monotonic() + 60
+        while not (out := sb.commands.run("cat /tmp/tunnels").stdout) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert out == f"{MAX_CONNECTIONS}\n"  # the next one is refused
+        time.sleep(3)  # the sender fills whatever the windows let it
+        held, sockets = _upstream_receive_memory(net)
+        assert sockets == MAX_CONNECTIONS
+        # 1.3 GB over 512 tunnels before; now ~4.5 MiB for each full-speed one, ~70 KiB for the rest
+        bound = BULK_TUNNELS * (5 << 20) + (MAX_CONNECTIONS - BULK_TUNNELS) * (96 << 10)
+        assert held < bound, f"{held >> 20} MiB in the owner's upstream sockets"
+        assert any(e.rule == "too-many-connections" for e in sb.network.audit())
