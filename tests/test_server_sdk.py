@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import resource
 import subprocess
 import time
 from collections.abc import Iterator
@@ -189,3 +191,24 @@ def test_refuses_non_loopback_without_keys(state_dir: Path) -> None:
     refused = subprocess.run([CORRAL, "--state-dir", str(state_dir / "srv-refuse"), "serve", "--host", "0.0.0.0",
                               "--port", "1"], env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 125 and "without API keys" in refused.stderr
+
+
+def test_the_server_may_hold_as_many_descriptors_as_the_kernel_allows_and_its_sandboxes_1024(
+        server: ServerProcess) -> None:
+    # one tenant's sandboxes using every egress tunnel (~6 descriptors each, 256 per sandbox)
+    # took this host's 20,000 in a dozen sandboxes, leaving no descriptor for another's create
+    # (where this host lets root raise a hard limit: CAP_SYS_RESOURCE, which this VM withholds)
+    assert server.proc is not None
+    limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
+    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, nr_open))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        expected = nr_open
+    except ValueError:
+        expected = hard
+    assert re.search(rf"Max open files\s+{expected}\s+{expected}\s", limits), limits
+    with Sandbox.create(url=server.url, api_key=KEYS["alice"]) as sb:
+        soft, sandbox_hard = sb.commands.run("ulimit -Sn; ulimit -Hn").stdout.split()
+        assert (soft, sandbox_hard) == ("1024", str(min(524288, expected)))

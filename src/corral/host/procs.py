@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def children(pid: int) -> list[int]:
@@ -61,15 +62,30 @@ def exiting(pid: int) -> bool:
     return fields is None or fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
 
 
-def raise_open_files_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the new soft limit.
+def raise_open_files_limit(to_kernel_bound: bool = False) -> int:
+    """Raise this process's open-files limit; returns the new soft limit.
 
-    Each live sandbox holds a few descriptors in its owner (its agent channel, ~2): under a
-    distribution's default soft limit of 1024 an owner would fail at a few hundred sandboxes,
-    while the hard limit (often 512K+) is there for the asking."""
+    Each live sandbox holds descriptors in its owner (its agent channel, ~2; an ``allow``
+    sandbox's egress tunnels, up to ~6 each for 256): under a distribution's default soft limit
+    of 1024 an owner would fail at a few hundred sandboxes.  The soft limit goes to the hard one.
+
+    ``to_kernel_bound`` (``corral serve``, whose sandboxes are many tenants'): as root
+    (``CAP_SYS_RESOURCE``) both go to ``fs.nr_open``, the kernel's bound -- at this host's hard
+    limit (20,000) a dozen sandboxes of one tenant using every tunnel left the server no
+    descriptor for another tenant's create.  Not for the library, whose owner is the caller's
+    own process: its other children would inherit a million (and some close every one of them).
+    Sandboxes inherit neither: a command starts with 1024 (``agent/exec.c``)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if to_kernel_bound and os.geteuid() == 0 and hard != resource.RLIM_INFINITY:
+        try:
+            nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+            if nr_open > hard:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nr_open, nr_open))
+                return nr_open
+        except (OSError, ValueError):
+            pass
     if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft < hard:
         target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
         try:

@@ -13,8 +13,8 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
     from .app import create_app
 
     # every connection and every sandbox costs descriptors: a soft limit of 1024 would make
-    # accept() fail long before max_connections
-    raise_open_files_limit()
+    # accept() fail long before max_connections, and one tenant's sandboxes must not take them all
+    raise_open_files_limit(to_kernel_bound=True)
     app = create_app(config)
     settle_garbage_collector()
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
