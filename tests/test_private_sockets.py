@@ -76,3 +76,22 @@ def test_binding_private_sockets_never_changes_what_other_threads_create(tmp_pat
         assert modes == {0o755}, f"directories made while sockets were bound got modes {sorted(map(oct, modes))}"
     finally:
         os.umask(old)
+
+
+def test_a_socket_whose_path_fits_is_bound_however_long_its_staging_path_would_be(tmp_path: Path) -> None:
+    # the final path fits in the 107 bytes a socket's path holds; its staging path (+ "/.bind-XXXXXXXX") does not
+    directory = tmp_path / ("d" * max(1, 107 - len(str(tmp_path)) - len("/x/s")))
+    directory.mkdir()
+    path = directory / "s"
+    assert len(str(path)) <= 107
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        bind_private(listener, path)
+        listener.listen(1)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(path))
+            conn, _ = listener.accept()
+            client.sendall(b"ok")
+            assert conn.recv(2) == b"ok"
+            conn.close()
+    assert sorted(p.name for p in directory.iterdir()) == ["s"]  # no staging directory left

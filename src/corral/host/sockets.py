@@ -21,9 +21,16 @@ def bind_private(sock: socket.socket, path: Path) -> None:
     umask is the process's: a sandbox being built meanwhile in another thread got 0600
     directories (its ``/usr`` and ``/workspace`` mount points), and nothing ran in it."""
     private = Path(tempfile.mkdtemp(dir=path.parent, prefix=".bind-"))
+    staged = private / "s"
     try:
-        staged = private / "s"
-        sock.bind(str(staged))
+        # bound through the directory's descriptor: a socket's path has room for 107 bytes, and the
+        # staging directory's is longer than ``path`` (seven-digit pids in a test's state
+        # directory made it 109)
+        dir_fd = os.open(private, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            sock.bind(f"/proc/self/fd/{dir_fd}/s")
+        finally:
+            os.close(dir_fd)
         os.chmod(staged, 0o600)
         try:
             os.link(staged, path)
@@ -31,7 +38,7 @@ def bind_private(sock: socket.socket, path: Path) -> None:
             raise OSError(errno.EADDRINUSE, f"{path} exists") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
-            (private / "s").unlink()
+            staged.unlink()
         private.rmdir()
 
 
