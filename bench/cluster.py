@@ -179,7 +179,7 @@ def main() -> int:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
-        from corral.host import cgroups, mounts
+        from corral.host import cgroup_tree, cgroups, mounts
         from corral.registry import gc
 
         gc(state)
@@ -188,7 +188,7 @@ def main() -> int:
         layout = cgroups.detect()
         for root in {*layout.controllers.values(), layout.kill_root}:
             if (root / TAG).is_dir():
-                cgroups.remove_tree(root / TAG)
+                cgroup_tree.remove_tree(root / TAG)
     return 0
 
 

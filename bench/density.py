@@ -200,11 +200,11 @@ def main() -> int:
               f"load average at end: {os.getloadavg()[0]:.2f}")
         shutil.rmtree(state, ignore_errors=True)
         if own_parent:  # the bench's own parent groups, empty now: leave no cgroup behind
-            from corral.host import cgroups
+            from corral.host import cgroup_tree, cgroups
 
             layout = cgroups.detect()
             for root in {*layout.controllers.values(), layout.kill_root}:
-                cgroups.remove_tree(root / parent)
+                cgroup_tree.remove_tree(root / parent)
     return 0
 
 

@@ -64,7 +64,7 @@ class Memory:
 
 def cgroup_memory(sandbox_id: str) -> Memory | None:
     """RSS/PSS of every process in the sandbox's cgroups, and the memory group's usage."""
-    from corral.host import cgroups
+    from corral.host import cgroup_tree, cgroups
 
     layout = cgroups.detect()
     groups = {root / cgroups.PARENT / sandbox_id for root in (*layout.controllers.values(), layout.kill_root)}
@@ -72,7 +72,7 @@ def cgroup_memory(sandbox_id: str) -> Memory | None:
     for group in groups:
         if group.is_dir():
             for sub in (group, *(p for p in group.rglob("*") if p.is_dir())):
-                pids.update(cgroups.read_pids(sub))
+                pids.update(cgroup_tree.read_pids(sub))
     if not pids:
         return None
     rss = pss = 0

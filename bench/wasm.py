@@ -86,7 +86,7 @@ def bare_wasmtime(runs: int, module: Path) -> tuple[list[float], list[float]]:
 
 def clean_up(state: Path, parent: str) -> None:
     """Remove this run's state dir and cgroup parent (the library keeps both for its next use)."""
-    from corral.host import cgroups, mounts
+    from corral.host import cgroup_tree, cgroups, mounts
     from corral.tiers import get_tier
 
     get_tier("wasm", state).close()  # type: ignore[attr-defined]
@@ -97,7 +97,7 @@ def clean_up(state: Path, parent: str) -> None:
     layout = cgroups.detect()
     for root in {*layout.controllers.values(), layout.kill_root}:
         try:
-            cgroups.remove_tree(root / parent)
+            cgroup_tree.remove_tree(root / parent)
         except OSError as exc:
             print(f"left {root / parent}: {exc}")
 

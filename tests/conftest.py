@@ -20,7 +20,7 @@ def _reap_dead_runs() -> None:
     reap their sandboxes, mounts, state dirs and cgroup parents on the next run."""
     import re
 
-    from corral.host import cgroups, mounts
+    from corral.host import cgroup_tree, cgroups, mounts
     from corral.registry import gc
 
     def dead(pid: int) -> bool:
@@ -48,13 +48,13 @@ def _reap_dead_runs() -> None:
             if match and dead(int(match.group(1))):
                 for group in [p for p in parent.iterdir() if p.is_dir()]:
                     if root == layout.kill_root:
-                        cgroups.kill_group(group, layout.kill_mode)
-                    for pid in cgroups.read_pids(group):
+                        cgroup_tree.kill_group(group, layout.kill_mode)
+                    for pid in cgroup_tree.read_pids(group):
                         try:
                             os.kill(pid, 9)
                         except ProcessLookupError:
                             pass
-                cgroups.remove_tree(parent)
+                cgroup_tree.remove_tree(parent)
 
 os.environ.setdefault("CORRAL_CGROUP_PARENT", _RUN_TAG)
 _STATE = Path(tempfile.mkdtemp(prefix=f"{_RUN_TAG}-state-"))
@@ -80,7 +80,7 @@ def sandbox() -> Iterator[object]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    from corral.host import cgroups, mounts
+    from corral.host import cgroup_tree, cgroups, mounts
 
     mounts.unmount_all(_STATE)
     shutil.rmtree(_STATE, ignore_errors=True)
@@ -88,7 +88,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for root in {*layout.controllers.values(), layout.kill_root}:
         parent = root / cgroups.PARENT
         if parent.is_dir():
-            cgroups.remove_tree(parent)
+            cgroup_tree.remove_tree(parent)
 
 
 @pytest.fixture

@@ -21,11 +21,11 @@ from .leaks import kill_9, ranges_of, run_gc, start_owner
 
 def _host_ids(sb: Sandbox) -> set[int]:
     """The host uids and gids of every process of the sandbox (from its cgroup)."""
-    from corral.host import cgroups
+    from corral.host import cgroup_tree, cgroups
 
     group = cgroups.detect().kill_root / cgroups.PARENT / sb.id
     found: set[int] = set()
-    for pid in {pid for g in [group, *group.rglob("*")] if g.is_dir() for pid in cgroups.read_pids(g)}:
+    for pid in {pid for g in [group, *group.rglob("*")] if g.is_dir() for pid in cgroup_tree.read_pids(g)}:
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith(("Uid:", "Gid:")):

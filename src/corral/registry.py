@@ -207,7 +207,7 @@ def _remove_abandoned_groups(known: set[str], idle_for: float = ABANDONED_AFTER)
     no row of this state directory knows, holding no process in any hierarchy (every live sandbox
     of any owner has at least its agent or VMM there), unchanged for ``idle_for`` seconds (one
     being made by another owner right now is younger); returns their names."""
-    from .host import cgroups
+    from .host import cgroup_tree, cgroups
 
     try:
         layout = cgroups.detect()
@@ -225,7 +225,7 @@ def _remove_abandoned_groups(known: set[str], idle_for: float = ABANDONED_AFTER)
             # and this runs in every process's first create
             if any(now - group.stat().st_mtime < idle_for for group in groups if group.is_dir()):
                 continue
-            held = any(cgroups.read_pids(Path(top)) for group in groups if group.is_dir()
+            held = any(cgroup_tree.read_pids(Path(top)) for group in groups if group.is_dir()
                        for top, _, _ in os.walk(group))
         except OSError:
             continue

@@ -26,6 +26,7 @@ from pathlib import Path
 from ..errors import ContainmentFailed, HostError, HostNotSupported
 from ..spec import Limits
 from . import mounts
+from .cgroup_tree import all_groups, kill_group, read_pids, remove_tree, rmdir_group, write
 from .procs import exiting
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -116,11 +117,6 @@ def tcp_limit(memory: int) -> int:
     return max(16 << 20, memory // 4)
 
 
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
-
-
 def _ensure_parent(layout: Layout) -> None:
     for root in {*layout.controllers.values(), layout.kill_root}:
         (root / PARENT).mkdir(exist_ok=True)
@@ -131,7 +127,7 @@ def _ensure_parent(layout: Layout) -> None:
             current = (group / "cgroup.subtree_control").read_text().split()
             if not {"memory", "pids", "cpu"} <= set(current):
                 try:
-                    _write(group / "cgroup.subtree_control", wanted)
+                    write(group / "cgroup.subtree_control", wanted)
                 except OSError as exc:
                     raise HostNotSupported(
                         f"cannot enable memory/pids/cpu controllers in {group}: {exc}. "
@@ -148,117 +144,6 @@ def join(procs_files: Iterable[str], pid: int) -> None:
     for path in procs_files:
         with open(path, "w") as f:
             f.write(value)
-
-
-def read_pids(group: Path) -> list[int]:
-    try:
-        return [int(x) for x in (group / "cgroup.procs").read_text().split()]
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ENODEV):  # gone, or going (removed while read)
-            return []
-        raise
-
-
-def _groups(group: Path) -> list[Path]:
-    """``group`` and every group below it, as they are now: a child removed during the walk
-    (a command's leaf retired on another thread) is skipped, never an error."""
-    found, todo = [], [group]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        try:
-            with os.scandir(current) as entries:
-                todo += [Path(entry.path) for entry in entries if entry.is_dir(follow_symlinks=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-    return found
-
-
-def kill_group(group: Path, mode: str, deadline: float = 5.0) -> None:
-    """Kill every process in ``group`` (recursively) and wait until it is empty."""
-    if not group.exists():
-        return
-    end = time.monotonic() + deadline
-    if mode == "cgroup.kill":
-        try:
-            _write(group / "cgroup.kill", "1")
-        except OSError as exc:
-            # ENODEV: the group is being removed (its command just ended and retired it)
-            if exc.errno in (errno.ENOENT, errno.ENODEV):
-                return
-            raise
-    else:
-        _freeze_kill(group, mode, end)
-    while time.monotonic() < end:
-        if not _populated(group, mode):
-            return
-        time.sleep(0.002)
-
-
-def _freeze_kill(group: Path, mode: str, end: float) -> None:
-    # freeze first so nothing can fork while we kill, then thaw so SIGKILL lands
-    freeze_file, frozen, thawed = (
-        ("freezer.state", "FROZEN", "THAWED") if mode == "freezer" else ("cgroup.freeze", "1", "0")
-    )
-    while time.monotonic() < end:
-        groups = _groups(group)
-        pids = [pid for g in groups for pid in read_pids(g)]
-        if not pids:
-            return
-        try:
-            _write(group / freeze_file, frozen)
-        except OSError:
-            pass
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            _write(group / freeze_file, thawed)
-        except OSError:
-            pass
-        time.sleep(0.001)
-
-
-def _populated(group: Path, mode: str) -> bool:
-    if mode != "freezer":
-        try:
-            for line in (group / "cgroup.events").read_text().splitlines():
-                if line.startswith("populated "):
-                    return line.split()[1] == "1"
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENODEV):
-                return False
-            raise
-    return any(read_pids(g) for g in _groups(group))
-
-
-def _rmdir(path: Path, tries: int = 400) -> None:
-    """rmdir a group without children, retrying while tasks still leave it (EBUSY); gone is fine."""
-    for _ in range(tries):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                raise
-            time.sleep(0.005)
-
-
-def remove_tree(group: Path) -> None:
-    """rmdir a group and its children, deepest first; tolerate races with exiting tasks."""
-    try:
-        group.rmdir()  # the common case, a group without children: no walk over its files
-        return
-    except FileNotFoundError:
-        return
-    except OSError:
-        pass  # children, or tasks still leaving: walk and retry below
-    for path in [Path(top) for top, _, _ in os.walk(group, topdown=False)]:
-        _rmdir(path)
 
 
 class SandboxCgroup:
@@ -298,26 +183,26 @@ class SandboxCgroup:
         period = 100_000
         quota = max(1000, int(limits.cpus * period))
         if self.layout.version == 2:
-            _write(self._memory / "memory.max", str(limits.memory))
+            write(self._memory / "memory.max", str(limits.memory))
             if (self._memory / "memory.swap.max").exists():
-                _write(self._memory / "memory.swap.max", "0")
-            _write(self._pids / "pids.max", str(limits.pids))
-            _write(self._cpu / "cpu.max", f"{quota} {period}")
+                write(self._memory / "memory.swap.max", "0")
+            write(self._pids / "pids.max", str(limits.pids))
+            write(self._cpu / "cpu.max", f"{quota} {period}")
         else:
-            _write(self._memory / "memory.limit_in_bytes", str(limits.memory))
+            write(self._memory / "memory.limit_in_bytes", str(limits.memory))
             memsw = self._memory / "memory.memsw.limit_in_bytes"
             if memsw.exists():
-                _write(memsw, str(limits.memory))
+                write(memsw, str(limits.memory))
             try:
-                _write(self._memory / "memory.swappiness", "0")
+                write(self._memory / "memory.swappiness", "0")
             except OSError:
                 pass
             tcp = self._memory / "memory.kmem.tcp.limit_in_bytes"
             if tcp.exists():
-                _write(tcp, str(tcp_limit(limits.memory)))
-            _write(self._pids / "pids.max", str(limits.pids))
-            _write(self._cpu / "cpu.cfs_period_us", str(period))
-            _write(self._cpu / "cpu.cfs_quota_us", str(quota))
+                write(tcp, str(tcp_limit(limits.memory)))
+            write(self._pids / "pids.max", str(limits.pids))
+            write(self._cpu / "cpu.cfs_period_us", str(period))
+            write(self._cpu / "cpu.cfs_quota_us", str(quota))
 
     @property
     def memory_group(self) -> Path:
@@ -352,7 +237,7 @@ class SandboxCgroup:
         process that cannot be contained raises :class:`ContainmentFailed` (the
         caller must not let it run).
         """
-        _write(leaf / "cgroup.procs", str(pid))
+        write(leaf / "cgroup.procs", str(pid))
         self.contain(pid, leaf)
 
     def contain(self, pid: int, leaf: Path | None = None) -> None:
@@ -365,7 +250,7 @@ class SandboxCgroup:
         try:
             wrong = self.misplaced(pid, leaf)
             for group in wrong:
-                _write(group / "cgroup.procs", str(pid))
+                write(group / "cgroup.procs", str(pid))
             if wrong:
                 wrong = self.misplaced(pid, leaf)
         except ProcessLookupError:
@@ -450,13 +335,13 @@ class SandboxCgroup:
         later too, inherit the state.  A freeze that does not complete is undone."""
         if self.layout.kill_mode == "freezer":
             state_file, want = self.kill_group / "freezer.state", "FROZEN" if frozen else "THAWED"
-            _write(state_file, want)
+            write(state_file, want)
 
             def reached() -> bool:
                 return state_file.read_text().strip() == want
         else:
             events = self.kill_group / "cgroup.events"
-            _write(self.kill_group / "cgroup.freeze", "1" if frozen else "0")
+            write(self.kill_group / "cgroup.freeze", "1" if frozen else "0")
 
             def reached() -> bool:
                 return f"frozen {int(frozen)}" in events.read_text().splitlines()
@@ -470,7 +355,7 @@ class SandboxCgroup:
             time.sleep(0.0005)
 
     def pids(self) -> list[int]:
-        return sorted({pid for g in _groups(self.kill_group) for pid in read_pids(g)})
+        return sorted({pid for g in all_groups(self.kill_group) for pid in read_pids(g)})
 
     def kill_all(self) -> None:
         kill_group(self.kill_group, self.layout.kill_mode)
@@ -497,7 +382,7 @@ class SandboxCgroup:
         if leaves:
             try:
                 for group in (*leaves, self.kill_group, *self.limit_groups):
-                    _rmdir(group, tries=200)
+                    rmdir_group(group, tries=200)
             except OSError:
                 pass  # e.g. ENOTEMPTY: a leaf we were not told of; the walk below removes it
         for group in {self.kill_group, *self.limit_groups}:
