@@ -79,7 +79,6 @@ from .workspace import (
     Key,
     Links,
     Manifest,
-    WorkspaceCopy,
     _copy_entry,
     _open_dir_beneath,
     _remove_beneath,
@@ -91,6 +90,7 @@ from .workspace import (
     scan,
 )
 from .ws_changes import Unplaced, UpperTree
+from .ws_copy import WorkspaceCopy
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
 #: (bench/workspace.py sets it to compare the two)

@@ -35,7 +35,7 @@ from ...egress import network as egress_network
 from ...host import cgroups, mounts
 from ...host.mountns import HostMounts
 from ...host.uids import release_uid
-from ...host.workspace import WorkspaceCopy
+from ...host.ws_copy import WorkspaceCopy
 from ...host.ws_overlay import WorkspaceOverlay, make_workspace
 from ...images import SANDBOX_HOME, identity_files, image_mark, resolve
 from ...spec import WORKSPACE_PATH, SandboxSpec

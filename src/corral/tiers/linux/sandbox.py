@@ -41,7 +41,7 @@ from ...host.mountns import MountNamespace
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
 from ...host.userns import PendingUserns, UsernsMaking, start_userns
-from ...host.workspace import WorkspaceCopy
+from ...host.ws_copy import WorkspaceCopy
 from ...host.ws_overlay import WorkspaceOverlay
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox

@@ -44,7 +44,7 @@ from typing import Any
 from ...egress.network import PROXY_PORT
 from ...errors import HostNotSupported, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
-from ...host.workspace import WorkspaceCopy
+from ...host.ws_copy import WorkspaceCopy
 from ...images import resolve
 from ...spec import NETWORK_MODES, MiB, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox

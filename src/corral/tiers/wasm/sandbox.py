@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import FileError, SandboxClosed
 from ...host import cgroups, mounts
 from ...host.uids import allocate_uid, release_uid
-from ...host.workspace import WorkspaceCopy
+from ...host.ws_copy import WorkspaceCopy
 from ...spec import MiB, SandboxSpec
 from ..base import ExecRequest, FileEntry, OutputCallback, Process, TierSandbox
 from .files import SandboxFiles

@@ -1,0 +1,88 @@
+"""A workspace copied into the sandbox (the wasm and microVM tiers', and the process and gVisor
+tiers' where an overlay cannot be had): made by copying the host directory onto the sandbox's
+disk, written back by comparing a walk of the copy with the previous one.  The walking and
+copying rules -- descriptors opened with ``O_NOFOLLOW`` on both sides, data extents only, hard
+links kept, the write-back's budget -- are :mod:`.workspace`'s."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ResourceLimit
+from .workspace import (
+    _DIR_FLAGS,
+    Budget,
+    DirsBeneath,
+    Entry,
+    Key,
+    Links,
+    Manifest,
+    _copy_entry,
+    copy_changed,
+    rel_of,
+    remove_gone,
+    scan,
+)
+
+
+@dataclass
+class WorkspaceCopy:
+    """A workspace copied into a sandbox: ``host`` is the user's dir, ``copy`` the sandbox's."""
+
+    host: Path
+    copy: Path
+    uid: int
+    gid: int
+    manifest: Manifest
+    #: commands finishing at once write back one at a time: two syncs at once raced for the same
+    #: temporary names (``FileExistsError``, and a temporary file left in the user's directory)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    @classmethod
+    def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int) -> WorkspaceCopy:
+        source = scan(host)
+        total = sum(e[1] for e in source.values() if e[0] == "f")
+        if total > max_bytes:
+            raise ResourceLimit(
+                f"workspace {host} holds {total} bytes, more than the sandbox's disk limit of {max_bytes}; "
+                "raise --disk or use a smaller workspace"
+            )
+        copy.mkdir(mode=0o755, exist_ok=True)
+        os.chown(copy, uid, gid)
+        _apply(host, copy, source, {}, uid, gid, inside_links_only=False)
+        return cls(host, copy, uid, gid, scan(copy))
+
+    def sync_back(self) -> None:
+        """Write what changed in the copy since the last sync to the host directory."""
+        with self._lock:
+            host_st = os.stat(self.host)
+            current = scan(self.copy)
+            _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid,
+                   inside_links_only=True)
+            self.manifest = current
+
+
+def _apply(
+    src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool
+) -> None:
+    src_fd = os.open(src, _DIR_FLAGS)
+    dst_fd = os.open(dst, _DIR_FLAGS)
+    sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
+    links: Links = {}
+    budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in
+    try:
+        remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid)
+
+        def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
+            _copy_entry(src_dir, dst_dir, dst_fd, rel_of(key), entry[0], entry[3], uid, gid, inside_links_only,
+                        links, budget)
+
+        copy_changed(current, previous, sources, targets, ("o",), copy)
+    finally:
+        sources.close()
+        targets.close()
+        os.close(src_fd)
+        os.close(dst_fd)
