@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import select
 import socket
 import ssl
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..host import fdwait
 from .echo_forms import EchoMatcher, EchoStream, Form
 
 MAX_HEAD = 64 * 1024
@@ -360,7 +360,7 @@ def copy_guarded(client: socket.socket, server: socket.socket, guard: ResponseGu
         while open_:
             ready: list[socket.socket] = [s for s in open_ if isinstance(s, ssl.SSLSocket) and s.pending()]
             if not ready:
-                ready, _, _ = select.select(list(open_), [], [])
+                ready = fdwait.readable(list(open_))
             for sock in ready:
                 try:
                     data = sock.recv(RECV_SIZE)

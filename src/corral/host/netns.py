@@ -149,10 +149,29 @@ def _libnftables() -> _LibNftables | None:
         return None  # no library: the ``nft`` command does the same, slower
 
 
+def _low_descriptors_free(count: int = 8) -> bool:
+    """True if ``count`` descriptors below 1024 are free now.  libnftables (1.0.6) waits for the
+    kernel's answer with ``select(2)``: were its netlink socket numbered 1024 or above, its
+    fortified ``FD_SET`` would abort this process -- the whole server, once it holds that many
+    (a test owner with 1,100 open descriptors died making an ``allow`` sandbox).  A new socket
+    takes the lowest free number, so several free below 1024 leave it room even if other
+    threads open a few meanwhile."""
+    taken: list[int] = []
+    try:
+        for _ in range(count):
+            taken.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        return max(taken) < 1024
+    except OSError:
+        return False
+    finally:
+        for fd in taken:
+            os.close(fd)
+
+
 def nft(command: str, as_json: bool = False) -> tuple[int, str, str]:
     """(return code, output, errors) of nft commands, in the calling thread's namespace."""
     lib = _libnftables()
-    if lib is not None:
+    if lib is not None and _low_descriptors_free():
         return lib.run(command, as_json)
     try:
         proc = subprocess.run(["nft", *(["-j"] if as_json else []), "-f", "-"], input=command,

@@ -34,12 +34,12 @@ were OOM-killed", like the process tier, by acting *before* the hard limit:
 from __future__ import annotations
 
 import os
-import select
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ...host import fdwait
 from ...host.cgroups import SandboxCgroup
 
 MiB = 1 << 20
@@ -158,7 +158,7 @@ class MemoryGuard:
 
     def _run_v1(self) -> None:
         while True:
-            ready, _, _ = select.select([*self._events, self._stop_r], [], [])
+            ready = fdwait.readable([*self._events, self._stop_r])
             if self._stop_r in ready:
                 return
             for event in ready:
@@ -175,7 +175,7 @@ class MemoryGuard:
                 self._disarmed = False
 
     def _run_v2(self) -> None:
-        while not select.select([self._stop_r], [], [], 0.02)[0]:
+        while not fdwait.readable([self._stop_r], 0.02):
             if self._usage() > self._budget:
                 self.overruns += 1
                 self._kill_commands()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import select
 import socket
 import stat
 import struct
@@ -23,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed
+from ...host import fdwait
 from ...images import SANDBOX_UID
 from ..base import ExecRequest, FileEntry, OutputCallback
 from .agent_process import AgentProcess
@@ -164,7 +164,7 @@ class AgentChannel:
                     if left <= 0:
                         self._broken = True
                         raise SandboxClosed("the sandbox's agent stopped reading in the middle of a request") from None
-                    select.select([], [self._wfd], [], left)
+                    fdwait.writable(self._wfd, left)
                     continue
                 view = view[sent:]
         except OSError as exc:

@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import platform
-import select
 import signal
 import socket
 import struct
@@ -40,6 +39,7 @@ from pathlib import Path
 
 from ... import progress
 from ...errors import HostNotSupported
+from ...host import fdwait
 from . import worker
 
 WORKER_SCRIPT = Path(worker.__file__)
@@ -184,14 +184,14 @@ class ChildProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None and self._pidfd >= 0:
-            ready, _, _ = select.select([self._pidfd], [], [], 0)
+            ready = fdwait.readable([self._pidfd], 0)
             if ready:
                 self._exited()
         return self.returncode
 
     def wait(self, timeout: float) -> bool:
         if self.returncode is None and self._pidfd >= 0:
-            ready, _, _ = select.select([self._pidfd], [], [], timeout)
+            ready = fdwait.readable([self._pidfd], timeout)
             if ready:
                 self._exited()
         return self.returncode is not None
