@@ -8,6 +8,7 @@ sends without end, and reads nothing, held 1.3 GB of it in the owner's upstream 
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
-from corral.egress.proxy import BULK_TUNNELS, MAX_CONNECTIONS
+from corral.egress.tunnel import BULK_TUNNELS, MAX_CONNECTIONS
 from egress_net import TargetNet, target_net
 
 PORT = 9000
@@ -111,3 +112,46 @@ print(n)
         bound = BULK_TUNNELS * (5 << 20) + (MAX_CONNECTIONS - BULK_TUNNELS) * (96 << 10)
         assert held < bound, f"{held >> 20} MiB in the owner's upstream sockets"
         assert any(e.rule == "too-many-connections" for e in sb.network.audit())
+
+
+#: in a process whose open-files limit is 3,000 (as a server's is, where root may not raise it):
+#: two sandboxes each open every tunnel they may (idle: nothing is sent), then a third is made
+NARROW_OWNER = r"""
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (3000, 3000))  # (soft = hard: the library raises soft to hard)
+from corral import Sandbox
+target, port, opener = sys.argv[1], sys.argv[2], sys.argv[3]
+sandboxes = [Sandbox.create(allow=[f"{target}:{port}"], unsafe_allow_ranges=[f"{target}/32"]) for _ in range(2)]
+try:
+    counts = []
+    for sb in sandboxes:
+        sb.commands.run(opener)
+        deadline = time.monotonic() + 60
+        while not (out := sb.commands.run("cat /tmp/tunnels").stdout) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        counts.append(int(out))
+    with Sandbox.create() as third:
+        echoed = third.commands.run("echo made").stdout
+    refusals = sorted({e.rule for e in sandboxes[1].network.audit()})
+    print(json.dumps({"tunnels": counts, "third": echoed, "refusals": refusals}))
+finally:
+    for sb in sandboxes:
+        sb.kill()
+"""
+
+
+def test_every_sandboxs_tunnels_together_leave_the_owner_half_its_descriptors(net: TargetNet, tmp_path: Path) -> None:
+    # idle tunnels: the client sends nothing, so the sender sends nothing
+    opener = OPEN_TUNNELS.format(n=MAX_CONNECTIONS + 10, target=net.target, port=PORT).replace(
+        '    s.sendall(b"e")\n', "")
+    script = tmp_path / "narrow_owner.py"
+    script.write_text(NARROW_OWNER)
+    r = subprocess.run([sys.executable, str(script), net.target, str(PORT), opener], capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.splitlines()[-1])
+    # 3,000 // 12 = 250, at least one sandbox's 256: the first takes them, the second is refused
+    # and audited; before, the two took the owner's 3,000 descriptors and the third create failed
+    assert found["tunnels"] == [MAX_CONNECTIONS, 0]
+    assert found["refusals"] == ["host-connection-limit"]
+    assert found["third"] == "made\n"

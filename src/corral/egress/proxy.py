@@ -13,17 +13,17 @@ kernel without holding the GIL, which is what keeps bulk transfers fast.
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import ipaddress
 import os
-import queue
 import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from ..host.sockets import close_listener
@@ -32,33 +32,27 @@ from .audit import AuditLog
 from .echo_forms import EchoMatcher, Form
 from .echo_guard import ResponseGuard, copy_guarded
 from .policy import Decision, Policy
+from .tunnel import (
+    BULK_SEND,
+    BULK_TUNNELS,
+    BULK_WINDOW,
+    MAX_CONNECTIONS,
+    OWNER_TUNNELS,
+    PIPE_SIZE,
+    SMALL_PIPE,
+    SMALL_SEND,
+    SMALL_WINDOW,
+    WORKERS,
+    pump,
+)
 
 if TYPE_CHECKING:
     from .tls import SandboxCA  # cryptography costs ~0.1 s to import: only when secrets need it
 
 MAX_HEAD = 64 * 1024
-#: client connections one sandbox may hold open at once (each costs the host up to two threads)
-MAX_CONNECTIONS = 256
 HANDSHAKE_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 10.0
 
-# What a tunnel makes the host hold while the sandbox reads nothing: the upstream socket's
-# receive queue (up to twice its receive buffer), its send queue, and two pipes.  The host's
-# TCP memory is one pool (``net.ipv4.tcp_mem``) charged to no sandbox: with the kernel's
-# autotuning and 1 MiB pipes, one sandbox's 512 tunnels that read nothing held 1.3 GB of it
-# (the window grows to ``tcp_rmem``'s maximum, 32 MiB here), at the pool's hard limit with the
-# far ends' buffers, after which every TCP socket on the host is starved.  So the first
-# BULK_TUNNELS open tunnels of a sandbox move data at full speed, and the others through small
-# windows: at most ~70 MiB and ~40 MiB of the host's memory (docs/egress.md).
-#: tunnels of one sandbox with full-speed buffers at once (a download, a clone, a push)
-BULK_TUNNELS = 8
-BULK_WINDOW = 2 << 20  # SO_RCVBUF: a window of ~2-3 MiB, ~50 MB/s per tunnel at 50 ms round trip
-BULK_SEND = 1 << 20
-PIPE_SIZE = 1 << 20
-SMALL_WINDOW = 32 << 10
-SMALL_SEND = 32 << 10
-SMALL_PIPE = 16 << 10
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _HOP_HEADERS = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
 # Towards a secret-bound host: an encoded response is decoded to be scanned anyway, but asking
 # for identity spares that work, and a range could fetch an echoed value in pieces too short to see
@@ -67,39 +61,6 @@ _BOUND_DROPPED = {b"accept-encoding", b"te", b"range", b"if-range"}
 
 class ProxyError(Exception):
     """A client spoke something we do not serve; the connection is dropped."""
-
-
-class _Workers:
-    """Reused daemon threads: starting a thread per connection costs a scheduling round trip
-    (``Thread.start`` waits for the thread to run), which showed up as ~0.5 ms a request on
-    a busy host.  Daemon threads, so a tunnel left open never blocks interpreter exit."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._jobs.put((fn, args))
-        if spawn:
-            threading.Thread(target=self._work, name="corral-egress", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            fn, args = self._jobs.get()
-            try:
-                fn(*args)
-            except Exception:  # a job's failure must not kill the worker
-                pass
-            with self._lock:
-                self._idle += 1
-
-
-_WORKERS = _Workers()
 
 
 class EgressProxy:
@@ -176,21 +137,34 @@ class EgressProxy:
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and not self._closed:
+                    time.sleep(0.05)  # out of descriptors for now: this sandbox's egress must not end
+                    continue
                 return
+            refused = None
             with self._lock:
-                full = self._clients >= MAX_CONNECTIONS
-                if not full:
+                if self._clients >= MAX_CONNECTIONS:
+                    refused = "too-many-connections"
+                elif not OWNER_TUNNELS.take():
+                    refused = "host-connection-limit"
+                else:
                     self._clients += 1
-            if full:
-                self.audit.record(self.sandbox_id, "refused", "*", None, "too-many-connections", "proxy")
+            if refused is not None:
+                self.audit.record(self.sandbox_id, "refused", "*", None, refused, "proxy")
                 conn.close()
                 continue
             try:
                 self._track(conn)
             except ProxyError:
+                self._client_gone()
                 return
-            _WORKERS.submit(self._serve, conn)
+            WORKERS.submit(self._serve, conn)
+
+    def _client_gone(self) -> None:
+        with self._lock:
+            self._clients -= 1
+        OWNER_TUNNELS.give()
 
     # -- one client connection ----------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
@@ -207,8 +181,7 @@ class EgressProxy:
             self._untrack(conn)
             if upstream is not None:
                 self._untrack(upstream)
-            with self._lock:
-                self._clients -= 1
+            self._client_gone()
 
     def _refuse_audit(self, decision: Decision, asked: str, protocol: str) -> None:
         self.audit.record(self.sandbox_id, "refused", asked, decision.address, decision.rule, protocol)
@@ -445,50 +418,6 @@ def send_refusal(conn: socket.socket, decision: Decision) -> None:
     conn.sendall(b"HTTP/1.1 403 Forbidden\r\nConnection: close\r\nContent-Type: text/plain\r\n"
                  b"X-Corral-Refused: " + decision.rule.encode() + b"\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Event, pipe_size: int) -> None:
-    read_end, write_end = os.pipe2(os.O_CLOEXEC)
-    try:
-        with contextlib.suppress(OSError):
-            pipe_size = fcntl.fcntl(write_end, _F_SETPIPE_SZ, pipe_size)
-        src_fd, dst_fd = src.fileno(), dst.fileno()
-        while True:
-            moved = os.splice(src_fd, write_end, pipe_size)
-            if moved == 0:
-                break
-            while moved:
-                moved -= os.splice(read_end, dst_fd, moved)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)  # pass the half-close on
-    except OSError:
-        abort.set()
-        for sock in (src, dst):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-
-
-def pump(client: socket.socket, upstream: socket.socket, early: bytes, pipe_size: int = PIPE_SIZE) -> None:
-    """Copy both ways until both sides are done; ``early`` is client data already read."""
-    client.settimeout(None)
-    upstream.settimeout(None)
-    if early:
-        upstream.sendall(early)
-    abort = threading.Event()
-    back_done = threading.Event()
-
-    def back() -> None:
-        try:
-            _splice_one_way(upstream, client, abort, pipe_size)
-        finally:
-            back_done.set()
-
-    _WORKERS.submit(back)
-    _splice_one_way(client, upstream, abort, pipe_size)
-    back_done.wait()
 
 
 _SOCKS_OK, _SOCKS_NOT_ALLOWED, _SOCKS_UNREACHABLE, _SOCKS_REFUSED, _SOCKS_BAD_CMD, _SOCKS_BAD_ATYP = 0, 2, 4, 5, 7, 8

@@ -1,0 +1,148 @@
+"""Tunnels: the bytes of a sandbox's connection through the egress proxy, copied between its
+client and the upstream server once the proxy has allowed it, with what that may make the host
+hold bounded (:mod:`.proxy` decides; this copies).
+
+Threads, not asyncio: each tunnel is two ``os.splice`` loops that copy in the kernel without
+holding the GIL, which is what keeps bulk transfers fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import queue
+import resource
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: client connections one sandbox may hold open at once (each costs the host up to two threads)
+MAX_CONNECTIONS = 256
+
+# What a tunnel makes the host hold while the sandbox reads nothing: the upstream socket's
+# receive queue (up to twice its receive buffer), its send queue, and two pipes.  The host's
+# TCP memory is one pool (``net.ipv4.tcp_mem``) charged to no sandbox: with the kernel's
+# autotuning and 1 MiB pipes, one sandbox's 512 tunnels that read nothing held 1.3 GB of it
+# (the window grows to ``tcp_rmem``'s maximum, 32 MiB here), at the pool's hard limit with the
+# far ends' buffers, after which every TCP socket on the host is starved.  So the first
+# BULK_TUNNELS open tunnels of a sandbox move data at full speed, and the others through small
+# windows: at most ~70 MiB and ~40 MiB of the host's memory (docs/egress.md).
+#: tunnels of one sandbox with full-speed buffers at once (a download, a clone, a push)
+BULK_TUNNELS = 8
+BULK_WINDOW = 2 << 20  # SO_RCVBUF: a window of ~2-3 MiB, ~50 MB/s per tunnel at 50 ms round trip
+BULK_SEND = 1 << 20
+PIPE_SIZE = 1 << 20
+SMALL_WINDOW = 32 << 10
+SMALL_SEND = 32 << 10
+SMALL_PIPE = 16 << 10
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+class Workers:
+    """Reused daemon threads: starting a thread per connection costs a scheduling round trip
+    (``Thread.start`` waits for the thread to run), which showed up as ~0.5 ms a request on
+    a busy host.  Daemon threads, so a tunnel left open never blocks interpreter exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put((fn, args))
+        if spawn:
+            threading.Thread(target=self._work, name="corral-egress", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            try:
+                fn(*args)
+            except Exception:  # a job's failure must not kill the worker
+                pass
+            with self._lock:
+                self._idle += 1
+
+
+WORKERS = Workers()
+
+
+class OwnerTunnels:
+    """Client connections of every sandbox's proxy in this process at once.  Each holds up to
+    ~6 of the owner's descriptors (two sockets, two pipes): past a sixth of what the open-files
+    limit leaves (where root cannot raise it: no ``CAP_SYS_RESOURCE``, 20,000 on this VM), a
+    dozen sandboxes' tunnels left ``corral serve`` no descriptor for any tenant's create.  The
+    rest of the owner's work keeps at least half of its descriptors."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+
+    @staticmethod
+    def limit() -> int:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return 1 << 30 if soft == resource.RLIM_INFINITY else max(MAX_CONNECTIONS, soft // 12)
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.held >= self.limit():
+                return False
+            self.held += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.held -= 1
+
+
+OWNER_TUNNELS = OwnerTunnels()
+
+
+def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Event, pipe_size: int) -> None:
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(OSError):
+            pipe_size = fcntl.fcntl(write_end, _F_SETPIPE_SZ, pipe_size)
+        src_fd, dst_fd = src.fileno(), dst.fileno()
+        while True:
+            moved = os.splice(src_fd, write_end, pipe_size)
+            if moved == 0:
+                break
+            while moved:
+                moved -= os.splice(read_end, dst_fd, moved)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)  # pass the half-close on
+    except OSError:
+        abort.set()
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def pump(client: socket.socket, upstream: socket.socket, early: bytes, pipe_size: int = PIPE_SIZE) -> None:
+    """Copy both ways until both sides are done; ``early`` is client data already read."""
+    client.settimeout(None)
+    upstream.settimeout(None)
+    if early:
+        upstream.sendall(early)
+    abort = threading.Event()
+    back_done = threading.Event()
+
+    def back() -> None:
+        try:
+            _splice_one_way(upstream, client, abort, pipe_size)
+        finally:
+            back_done.set()
+
+    WORKERS.submit(back)
+    _splice_one_way(client, upstream, abort, pipe_size)
+    back_done.wait()
