@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from corral import Sandbox
 
 from .leaks import kill_9, run_gc, sandbox_disk, sandbox_leftovers, start_owner
-from .tier_probe import skip_unless_tier
+from .tier_probe import overlay_tier  # noqa: F401 (the ``tier`` fixture)
 
 OWNER = (4321, 4322)
 
@@ -63,13 +60,6 @@ def owned_workspace(root: Path) -> Path:
     for path in (ws, *ws.rglob("*")):
         os.lchown(path, *OWNER)
     return ws
-
-
-@pytest.fixture(params=["process", "gvisor"])
-def tier(request: pytest.FixtureRequest, state_dir: Path) -> Iterator[str]:
-    if request.param != "process":
-        skip_unless_tier(request.param, state_dir)
-    yield request.param
 
 
 def test_each_command_writes_back_what_it_changed_and_nothing_is_copied(tier: str, tmp_path: Path) -> None:

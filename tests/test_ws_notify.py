@@ -26,7 +26,7 @@ from corral.host import ws_overlay
 from corral.host.fsnotify import FAN_CREATE, FAN_MOVED_TO, FAN_ONDIR, ChangeWatch
 from corral.host.ws_overlay import WorkspaceOverlay, scan_upper
 
-from .tier_probe import skip_unless_tier
+from .tier_probe import overlay_tier  # noqa: F401 (the ``tier`` fixture)
 
 OWNER = (4321, 4322)
 
@@ -92,13 +92,6 @@ def host_workspace(root: Path) -> Path:
 def make_files(sb: Sandbox, dirs: int, per_dir: int = 100, top: str = "/workspace") -> None:
     ok(sb, f"cd {top} && for d in $(seq -w 1 {dirs}); do mkdir made$d && (cd made$d && seq -w 1 {per_dir}"
            f" | sed 's/^/f/' | xargs touch); done")
-
-
-@pytest.fixture(params=["process", "gvisor"])
-def tier(request: pytest.FixtureRequest, state_dir: Path) -> Iterator[str]:
-    if request.param != "process":
-        skip_unless_tier(request.param, state_dir)
-    yield request.param
 
 
 def test_each_change_after_thousands_of_files_arrives_as_a_whole_walk_would_deliver_it(tier: str, tmp_path: Path) -> None:

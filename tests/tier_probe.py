@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,3 +15,12 @@ def skip_unless_tier(name: str, state_dir: Path) -> None:
     availability = tier_class(name).probe(state_dir)
     if not availability.available:
         pytest.skip(f"tier {name} unavailable: {availability.reason}")
+
+
+@pytest.fixture(params=["process", "gvisor"], name="tier")
+def overlay_tier(request: pytest.FixtureRequest, state_dir: Path) -> Iterator[str]:
+    """``tier``: each tier whose workspace is an overlay (gVisor where this host runs it).  A test
+    module takes it with ``from .tier_probe import overlay_tier``."""
+    if request.param != "process":
+        skip_unless_tier(request.param, state_dir)
+    yield request.param
