@@ -89,6 +89,7 @@ class EgressProxy:
         os.chmod(socket_path, 0o600 if socket_gid is None else 0o660)
         self._listener.listen(256)
         self._thread = threading.Thread(target=self._accept_loop, name=f"egress-{sandbox_id}", daemon=True)
+        OWNER_TUNNELS.joined()
         self._thread.start()
 
     # -- lifecycle -----------------------------------------------------------
@@ -98,6 +99,7 @@ class EgressProxy:
                 return
             self._closed = True
             live = list(self._open)
+        OWNER_TUNNELS.left()
         close_listener(self._listener, live, self._thread)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -146,7 +148,7 @@ class EgressProxy:
             with self._lock:
                 if self._clients >= MAX_CONNECTIONS:
                     refused = "too-many-connections"
-                elif not OWNER_TUNNELS.take():
+                elif not OWNER_TUNNELS.take(self._clients):
                     refused = "host-connection-limit"
                 else:
                     self._clients += 1

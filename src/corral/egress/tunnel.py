@@ -74,24 +74,37 @@ WORKERS = Workers()
 
 
 class OwnerTunnels:
-    """Client connections of every sandbox's proxy in this process at once.  Each holds up to
-    ~6 of the owner's descriptors (two sockets, two pipes): past a sixth of what the open-files
-    limit leaves (where root cannot raise it: no ``CAP_SYS_RESOURCE``, 20,000 on this VM), a
-    dozen sandboxes' tunnels left ``corral serve`` no descriptor for any tenant's create.  The
-    rest of the owner's work keeps at least half of its descriptors."""
+    """Client connections of every sandbox's proxy in this process at once.  Each holds up to ~6
+    of the owner's descriptors (two sockets, two pipes), so at most a twelfth of the open-files
+    limit of them (at least 256) are open at once, and the rest of the owner's work keeps half
+    its descriptors: where root cannot raise the limit (no ``CAP_SYS_RESOURCE``: 20,000 on this
+    VM) a dozen sandboxes' tunnels left ``corral serve`` no descriptor for any tenant's create.
+    Past half of that budget, a proxy holding its share of it (the budget over the live proxies)
+    gets no more: one sandbox's tunnels cannot keep another's from opening."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.held = 0
+        self.proxies = 0
 
     @staticmethod
     def limit() -> int:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return 1 << 30 if soft == resource.RLIM_INFINITY else max(MAX_CONNECTIONS, soft // 12)
 
-    def take(self) -> bool:
+    def joined(self) -> None:
         with self._lock:
-            if self.held >= self.limit():
+            self.proxies += 1
+
+    def left(self) -> None:
+        with self._lock:
+            self.proxies -= 1
+
+    def take(self, mine: int) -> bool:
+        """One more connection for a proxy that holds ``mine``; False: refuse it."""
+        with self._lock:
+            limit = self.limit()
+            if self.held >= limit or (self.held >= limit // 2 and mine >= limit // max(1, self.proxies)):
                 return False
             self.held += 1
             return True
