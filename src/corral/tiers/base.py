@@ -130,6 +130,15 @@ class Capabilities:
             raise InvalidSpec(f"user: the {tier} tier cannot run commands as root (it runs {self.users})")
 
 
+def keep_output(buf: bytearray, chunk: bytes, limit: int) -> bool:
+    """Add to ``buf`` what of ``chunk`` fits under ``limit`` bytes; True if some of it did not
+    (the result says ``truncated``)."""
+    room = limit - len(buf)
+    if room > 0:
+        buf += chunk[:room]
+    return room < len(chunk)
+
+
 class Process(ABC):
     """A command running inside a sandbox."""
 

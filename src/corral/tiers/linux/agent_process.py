@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...errors import ContainmentFailed, SandboxPaused
-from ..base import ExecRequest, ExecResult, OutputCallback, Process
+from ..base import ExecRequest, ExecResult, OutputCallback, Process, keep_output
 from .frames import T_GO, T_RESIZE, T_SIGNAL, T_STDIN, T_STDIN_EOF
 
 if TYPE_CHECKING:
@@ -85,12 +85,8 @@ class AgentProcess(Process):
         self.pid = nspid
 
     def _output(self, stream: str, chunk: bytes) -> None:
-        buf = self._out[stream]
-        room = self._request.max_output - len(buf)
-        if room < len(chunk):
+        if keep_output(self._out[stream], chunk, self._request.max_output):
             self._truncated = True
-        if room > 0:
-            buf += chunk[:room]
         if self._on_output is not None:
             try:
                 self._on_output(stream, chunk)

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ...spec import MiB
-from ..base import ExecRequest, ExecResult, OutputCallback, Process
+from ..base import ExecRequest, ExecResult, OutputCallback, Process, keep_output
 from .runtime import Worker
 
 if TYPE_CHECKING:
@@ -132,12 +132,8 @@ class WasmProcess(Process):
             self._done.set()
 
     def _output(self, stream: str, chunk: bytes) -> None:
-        buf = self._out[stream]
-        room = self._request.max_output - len(buf)
-        if room < len(chunk):
+        if keep_output(self._out[stream], chunk, self._request.max_output):
             self._truncated = True
-        if room > 0:
-            buf += chunk[:room]
         if stream == "stderr":
             self._stderr_tail += chunk
             del self._stderr_tail[:-8192]
