@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
 from corral.egress.tunnel import BULK_TUNNELS, MAX_CONNECTIONS
 from egress_net import TargetNet, target_net
+from sandbox_wait import lines_written
 
 PORT = 9000
 
@@ -101,10 +102,7 @@ print(n)
 '""", timeout=60)
         assert r.stdout == f"{64 << 20}\n", r.stderr
         sb.commands.run(OPEN_TUNNELS.format(n=MAX_CONNECTIONS + 10, target=net.target, port=PORT))
-        deadline = time.monotonic() + 60
-        while not (out := sb.commands.run("cat /tmp/tunnels").stdout) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert out == f"{MAX_CONNECTIONS}\n"  # the next one is refused
+        assert lines_written(sb, "/tmp/tunnels", 1, 60) == f"{MAX_CONNECTIONS}\n"  # the next one is refused
         time.sleep(3)  # the sender fills whatever the windows let it
         held, sockets = _upstream_receive_memory(net)
         assert sockets == MAX_CONNECTIONS

@@ -14,6 +14,8 @@ import pytest
 from corral import Sandbox
 from corral.host.shared_tables import PTYS_PER_SANDBOX
 
+from .sandbox_wait import lines_written
+
 #: takes terminals until refused, says how many and why, then holds them
 TAKE_TERMINALS = """python3 -c '
 import os, time
@@ -28,16 +30,6 @@ time.sleep(120)
 ' >/tmp/taken 2>&1 &"""
 
 
-def _wait_for(sb: Sandbox, path: str, lines: int, seconds: float) -> str:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        text = sb.commands.run(f"cat {path} 2>/dev/null || true").stdout
-        if text.count("\n") >= lines:
-            return text
-        time.sleep(0.2)
-    raise AssertionError(f"{path} in the sandbox: {text!r} after {seconds} s")
-
-
 def _on_a_terminal(sb: Sandbox, cmd: str) -> tuple[int, bytes]:
     out: list[bytes] = []
     result = sb.commands.start(cmd, pty=(24, 80), on_output=lambda _s, c: out.append(c)).wait()
@@ -48,7 +40,7 @@ def test_one_sandboxs_terminals_leave_every_other_sandbox_its_own() -> None:
     hog, other = Sandbox.create(), Sandbox.create()
     try:
         hog.commands.run(TAKE_TERMINALS)
-        taken, errno_ = _wait_for(hog, "/tmp/taken", 1, 30).split()
+        taken, errno_ = lines_written(hog, "/tmp/taken", 1, 30).split()
         # its own devpts's bound, not the host's shared table (3,071 were taken before)
         assert int(taken) == PTYS_PER_SANDBOX and errno_ == "28"  # ENOSPC
         # while it holds them: another sandbox opens terminals, and runs a command on one
@@ -141,7 +133,7 @@ def test_the_open_files_of_two_sandboxes_leave_the_host_and_a_third_sandbox_room
         for hog in hogs:
             # each takes all it asked for: open files are bounded by its memory, not by a table
             # they share with everything else on the host
-            assert int(_wait_for(hog, "/tmp/files", 1, 120)) >= FILES_PER_SANDBOX
+            assert int(lines_written(hog, "/tmp/files", 1, 120)) >= FILES_PER_SANDBOX
         with Sandbox.create() as third:
             r = third.commands.run("python3 -c 'import os; print(len([os.eventfd(0) for _ in range(1000)]))'")
             assert (r.exit_code, r.stdout) == (0, "1000\n"), r.stderr
@@ -171,7 +163,7 @@ except RuntimeError:
 print(n, flush=True)
 time.sleep(300)
 ' >>/tmp/threads 2>&1 &""")
-        assert _wait_for(hog, "/tmp/threads", 2, 120).split() == ["17000", "17000"]
+        assert lines_written(hog, "/tmp/threads", 2, 120).split() == ["17000", "17000"]
         assert subprocess.run(["true"], timeout=30).returncode == 0
         with Sandbox.create() as other:
             assert other.commands.run("sh -c 'true & wait'").exit_code == 0
@@ -219,7 +211,7 @@ print(n)
         assert r.stdout == f"{64 << 20}\n", r.stderr
         before = _tcp_memory()
         sb.commands.run(HOLD_TCP)
-        assert _wait_for(sb, "/tmp/tcp", 1, 60) == "600\n"
+        assert lines_written(sb, "/tmp/tcp", 1, 60) == "600\n"
         held = _tcp_memory() - before
         # 1.98 GB of the host's pool (2.2 GiB at most here) before; on cgroup v1 the sandbox's
         # group now has a TCP limit (a quarter of its memory), which the kernel passes by one
