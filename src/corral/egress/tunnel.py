@@ -28,7 +28,7 @@ MAX_CONNECTIONS = 256
 # (the window grows to ``tcp_rmem``'s maximum, 32 MiB here), at the pool's hard limit with the
 # far ends' buffers, after which every TCP socket on the host is starved.  So the first
 # BULK_TUNNELS open tunnels of a sandbox move data at full speed, and the others through small
-# windows: at most ~70 MiB and ~40 MiB of the host's memory (docs/egress.md).
+# windows: per sandbox at most ~64 MiB for the 8 and ~40 MiB for the other 248 (docs/egress.md).
 #: tunnels of one sandbox with full-speed buffers at once (a download, a clone, a push)
 BULK_TUNNELS = 8
 BULK_WINDOW = 2 << 20  # SO_RCVBUF: a window of ~2-3 MiB, ~50 MB/s per tunnel at 50 ms round trip
