@@ -5,14 +5,21 @@ from __future__ import annotations
 import time
 
 from corral import Sandbox
+from corral.errors import FileError
 
 
 def lines_written(sb: Sandbox, path: str, lines: int, seconds: float) -> str:
-    """The file ``path`` in ``sb`` once it holds ``lines`` lines; AssertionError after ``seconds``."""
+    """The file ``path`` in ``sb`` once it holds ``lines`` lines; AssertionError after ``seconds``.
+
+    Read by the sandbox's agent, not by a command: a sandbox whose processes hold every task
+    its uid may have cannot start one."""
     deadline = time.monotonic() + seconds
     text = ""
     while time.monotonic() < deadline:
-        text = sb.commands.run(f"cat {path} 2>/dev/null || true").stdout
+        try:
+            text = sb.files.read(path)
+        except FileError:  # not there yet
+            text = ""
         if text.count("\n") >= lines:
             return text
         time.sleep(0.2)

@@ -1,5 +1,5 @@
 """No sandbox empties a host-wide kernel table for the others (``host/shared_tables.py``):
-terminals, open files, process ids, asynchronous I/O.  Each attack takes what one sandbox can
+terminals, open files, process ids, tasks, asynchronous I/O.  Each attack takes what one sandbox can
 take, then another sandbox (and the host) must still get its share."""
 
 from __future__ import annotations
@@ -167,6 +167,55 @@ time.sleep(300)
         assert subprocess.run(["true"], timeout=30).returncode == 0
         with Sandbox.create() as other:
             assert other.commands.run("sh -c 'true & wait'").exit_code == 0
+
+
+#: starts threads (8 KiB stacks, one mapping for all) until refused or ``argv[1]``, prints how
+#: many, then holds them ``argv[2]`` seconds: Python's threads cost ~100 KiB each, these ~30
+TAKE_TASKS = r"""
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static int hold(void *arg) { (void)arg; for (;;) syscall(SYS_pause); return 0; }
+int main(int argc, char **argv) {
+    long wanted = atol(argv[1]), made = 0;
+    char *stacks = mmap(NULL, (size_t)wanted * 8192, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (stacks == MAP_FAILED) return 1;
+    while (made < wanted && clone(hold, stacks + (made + 1) * 8192, CLONE_VM | CLONE_FS | CLONE_FILES
+                                  | CLONE_SIGHAND | CLONE_THREAD | CLONE_SYSVSEM, NULL) > 0)
+        made++;
+    printf("%ld\n", made);
+    fflush(stdout);
+    sleep((unsigned)atoi(argv[2]));
+    return 0;
+}
+"""
+
+
+def test_the_tasks_of_two_sandboxes_leave_the_host_and_a_third_sandbox_room(tmp_path: Path) -> None:
+    # pids=100100 is a valid spec.  Each sandbox's uid may have half the kernel's task table
+    # (RLIMIT_NPROC's default); with the table at the kernel's default (192,724 here), two such
+    # sandboxes took every task slot: the host and every other sandbox failed to fork
+    (tmp_path / "take.c").write_text(TAKE_TASKS)
+    subprocess.run(["cc", "-O2", "-static", "-o", str(tmp_path / "take"), str(tmp_path / "take.c")], check=True)
+    wanted = 100_000
+    hogs = [Sandbox.create(memory="4G", pids=wanted + 100, timeout=300, workspace=str(tmp_path)) for _ in range(2)]
+    try:
+        for hog in hogs:
+            hog.commands.run(f"/workspace/take {wanted} 120 >/tmp/tasks 2>&1 &")
+        taken = [int(lines_written(hog, "/tmp/tasks", 1, 120)) for hog in hogs]
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        assert all(n >= min(wanted, nproc) - 100 for n in taken), (taken, nproc)
+        assert subprocess.run(["true"], timeout=30).returncode == 0
+        with Sandbox.create() as third:
+            assert third.commands.run("sh -c 'true & wait'").exit_code == 0
+    finally:
+        for hog in hogs:
+            hog.kill()
 
 
 def _tcp_memory() -> int:

@@ -11,6 +11,10 @@ measured on this host (Debian 12 without systemd, so at the kernel's defaults):
   table, and every other sandbox's ``open`` fails with ENFILE;
 - ``kernel.pid_max`` (32,768 here: the kernel's default on a machine with few CPUs): one
   sandbox given ``pids=40000``, or 128 fork bombs at the default 256, leave the host no pid;
+- ``kernel.threads-max`` (192,724 here: the kernel sizes it so that kernel stacks fill at most
+  an eighth of RAM; every task, thread or process, counts): two 4 GiB sandboxes given
+  ``pids=100100`` started 96,000 threads each (a uid's ``RLIMIT_NPROC`` is half the table) and
+  no other sandbox nor the host could fork;
 - ``kernel.pty.max`` (4,096, of which 1,024 are kept for the host's own ``/dev/pts``): one
   sandbox opened 3,071 terminals and every other sandbox's ``openpty`` failed.  Each sandbox
   of the process tier now has its own ``devpts`` with at most :data:`PTYS_PER_SANDBOX`
@@ -19,7 +23,8 @@ measured on this host (Debian 12 without systemd, so at the kernel's defaults):
 
 :func:`widen` raises each to the value systemd has set at boot since v240/v243 (``fs.file-max``
 to ``LONG_MAX``, ``kernel.pid_max`` to ``PID_MAX_LIMIT``) -- on most hosts they are there
-already -- and ``kernel.pty.max`` to the kernel's maximum.  It only ever raises, once per
+already --, ``kernel.threads-max`` to the same (a task needs a pid: the pid table is then the
+one bound left beside memory) and ``kernel.pty.max`` to the kernel's maximum.  It only ever raises, once per
 process, at the first sandbox.  Where it cannot (no root, a read-only ``/proc/sys``) the
 sandboxes still run, and ``corral doctor`` says which table stays narrow.
 
@@ -59,6 +64,7 @@ class Table:
 TABLES = (
     Table("fs.file-max", 2**63 - 1, "open files (each charged to its sandbox's memory)"),
     Table("kernel.pid_max", 4_194_304, "process ids (each sandbox's bounded by its pids limit)"),
+    Table("kernel.threads-max", 4_194_304, "tasks (each charged to its sandbox's memory, bounded by its pids limit)"),
     Table("kernel.pty.max", 1 << 20, f"terminals ({PTYS_PER_SANDBOX} per sandbox)"),
 )
 
