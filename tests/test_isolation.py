@@ -78,6 +78,24 @@ def test_denied_syscalls_fail_and_ordinary_ones_work(sandbox: Sandbox) -> None:
     assert sandbox.commands.run("mount -t tmpfs none /tmp").exit_code != 0
 
 
+def test_only_ordinary_socket_families_open_and_vsock_never(sandbox: Sandbox) -> None:
+    def socket_errno(family: int, kind: int = 1) -> str:  # SOCK_STREAM; the family as a full register
+        return syscall_errno(sandbox, f"libc.syscall(41, ctypes.c_long({family}), {kind}, 0)")
+
+    # allowed: what programs use (glibc's getaddrinfo reads the sandbox's namespace over netlink)
+    assert socket_errno(1) == socket_errno(2) == socket_errno(10) == "ok"  # AF_UNIX, AF_INET, AF_INET6
+    assert socket_errno(16, kind=3) == "ok"  # AF_NETLINK
+    r = sandbox.commands.run([PY, "-c", "import socket; print(socket.getaddrinfo('localhost', 80)[0][4][1])"])
+    assert r.stdout.strip() == "80", r.stderr
+    # refused as if this kernel had none: AF_VSOCK (not network-namespaced: it reaches the
+    # hypervisor of a VM host whatever the sandbox's network), AF_PACKET, AF_ALG, AF_TIPC, AF_UNSPEC...
+    for family in (40, 17, 38, 30, 0, 3):
+        assert socket_errno(family) == "EAFNOSUPPORT", family
+    # the kernel reads the family from the low 32 bits: high bits set refuse it, never pass it
+    assert socket_errno((1 << 32) | 40) == socket_errno((1 << 32) | 1) == "EAFNOSUPPORT"
+    assert socket_errno(-(1 << 32) + 40) == "EAFNOSUPPORT"
+
+
 def test_tiocsti_is_refused_but_other_ioctls_reach_the_kernel(sandbox: Sandbox) -> None:
     code = (
         "import fcntl, os, termios, errno\n"
