@@ -175,7 +175,7 @@ int userns_main(const char *uid_text) {
  * `--vmm USERNS_FD CAPS GROUPS -- /PROGRAM ARGS...` (run by the host as root; the microVM tier's
  * QEMU): keep only the supplementary groups GROUPS ("-" for none; e.g. /dev/kvm's), enter the
  * sandbox's user namespace USERNS_FD, become its uid and gid 0 (the range's base on the host),
- * cut the bounding set to the capability mask CAPS (hex), set no_new_privs and exec PROGRAM,
+ * take a network namespace of its own (empty), cut the bounding set to the capability mask CAPS (hex), set no_new_privs and exec PROGRAM,
  * which then holds exactly CAPS — over files and ids of the sandbox's own range only.
  */
 int vmm_main(int argc, char **argv) {
@@ -198,6 +198,14 @@ int vmm_main(int argc, char **argv) {
         return 125;
     }
     close(fd);
+    /* a network namespace of its own, empty (its loopback down): QEMU is handed every socket
+     * and tap it uses as a descriptor, and one a guest took over must not reach what the host's
+     * namespace reaches (its loopback services, the metadata address, the LAN).  Owned by the
+     * sandbox's user namespace; it goes with QEMU, its only process */
+    if (unshare(CLONE_NEWNET) < 0) {
+        dprintf(2, "corral-agent: cannot give QEMU a network namespace of its own: %s\n", strerror(errno));
+        return 125;
+    }
     for (int cap = 0; cap <= 63; cap++)
         if (!(keep >> cap & 1) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL) {
             dprintf(2, "corral-agent: cannot drop capability %d: %s\n", cap, strerror(errno));

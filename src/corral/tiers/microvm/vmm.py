@@ -10,7 +10,8 @@ QEMU's capabilities count for nothing: it is an unprivileged process there.
 
 ``corral-agent --vmm`` (the static agent binary, ``agent/users.c``) makes the switch between the
 shell that joins the host cgroup and QEMU: keep the given supplementary groups, enter the
-namespace, become its root, cut the bounding set to ``VMM_CAPS``, set ``no_new_privs``, exec.
+namespace, become its root, take an empty network namespace of its own, cut the bounding set to
+``VMM_CAPS``, set ``no_new_privs``, exec.
 """
 
 from __future__ import annotations
