@@ -8,6 +8,9 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -421,6 +424,33 @@ def test_standby_guests_of_a_dead_owner_are_reaped(wasm_available: None, state_d
     assert not stale.exists() and mounts.mounts_under(stale) == []
     assert not (state_dir / "uids" / str(uid)).exists()
     assert guests._ready  # type: ignore[attr-defined]  # our own standby guests are left alone
+
+
+def test_a_worker_reaches_no_network_of_the_hosts(sb: Sandbox) -> None:
+    # a guest has no sockets; a worker taken over through a flaw in wasmtime must not reach what
+    # the host's namespace reaches either: here a service on the host's loopback
+    handle = sb.commands.start(py("import time; print('up', flush=True); time.sleep(60)"))
+    try:
+        inner = sb._tier_sandbox()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not inner._running:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        (process,) = inner._running  # type: ignore[attr-defined]
+        pid = process.worker.pid
+        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+        with socket.create_server(("127.0.0.1", 0)) as service:
+            probe = ("import socket\n"
+                     "try:\n"
+                     f"    socket.create_connection(('127.0.0.1', {service.getsockname()[1]}), timeout=5); print('reached')\n"
+                     "except OSError as e:\n"
+                     "    print('failed', e.errno)\n")
+            # from the host's namespace the probe reaches the service (the test can fail)
+            assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout == "reached\n"
+            r = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-c", probe],
+                               capture_output=True, text=True, timeout=30)
+            assert r.stdout == "failed 101\n", r  # ENETUNREACH
+    finally:
+        handle.kill()
 
 
 def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, state_dir: Path) -> None:

@@ -147,6 +147,24 @@ def _load(cache_path: str) -> tuple[Any, Any, Any]:
     return engine, module, linker
 
 
+#: unshare(2)'s flag for a new network namespace
+CLONE_NEWNET = 0x40000000
+
+
+def _leave_host_network() -> None:
+    """Move into a network namespace of our own, empty (its loopback down), before any guest runs.
+
+    A guest has no sockets (WASI preview 1), but a worker one took over through a flaw in
+    wasmtime would otherwise reach what the host's namespace reaches: its loopback services, the
+    metadata address, the LAN.  Workers get everything they use as descriptors.  Only root makes
+    one here (the zygote and every worker it forks share it); unprivileged, the workers run as
+    their owner, with their owner's reach, as before."""
+    if os.geteuid() != 0:
+        return
+    if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "cannot leave the host's network namespace")
+
+
 def run_zygote(cache_path: str, parent_pid: int, socket_fd: int) -> None:
     """Load wasmtime and the module once, then fork a worker per request.
 
@@ -158,6 +176,7 @@ def run_zygote(cache_path: str, parent_pid: int, socket_fd: int) -> None:
     them with pidfds.
     """
     _die_with_parent(parent_pid)
+    _leave_host_network()
     engine, module, linker = _load(cache_path)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     requests = socket.socket(fileno=socket_fd)
@@ -192,6 +211,7 @@ def run_zygote(cache_path: str, parent_pid: int, socket_fd: int) -> None:
 
 def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
     _die_with_parent(parent_pid)
+    _leave_host_network()
     engine, module, linker = _load(cache_path)
     serve(socket.socket(fileno=control_fd), engine, module, linker)
 
