@@ -226,6 +226,85 @@ def test_a_template_changed_on_disk_is_never_restored_from(tmp_path: Path) -> No
     assert template.tampered(rebuilt.directory, fresh) is None
 
 
+def _template_boot_qemus() -> dict[int, str]:
+    """Every QEMU booting a template now (its pid: its /proc status)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if argv[0].endswith(b"qemu-system-x86_64") and any(b"/.build-" in arg for arg in argv):
+                found[int(entry.name)] = (entry / "status").read_text()
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _force_template_boot(memory: str) -> Path:
+    """Make the template of ``memory`` boot again at the next create (its RAM file touched)."""
+    with Sandbox.create(tier="microvm", memory=memory) as sb:
+        assert isinstance(sb._inner, MicroVMSandbox)
+        ram = sb._inner.source_template.ram
+    os.utime(ram)  # its change time moves: the next create boots the template afresh
+    return ram
+
+
+def test_a_template_boot_runs_qemu_as_a_vm_does_never_as_host_root() -> None:
+    # the boot runs the image's shell, true and Python (which an image's recipe may have
+    # installed anything into), under a QEMU that parses all the guest's devices send
+    ram = _force_template_boot("192M")
+    seen: dict[int, str] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.update(_template_boot_qemus())
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with Sandbox.create(tier="microvm", memory="192M") as sb:
+            assert sb.commands.run("echo fine").stdout == "fine\n"
+    finally:
+        done.set()
+        watcher.join()
+    assert seen, "no template boot was seen"
+    for pid, status in seen.items():
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        uids = {int(u) for u in fields["Uid"].split()}
+        assert 0 not in uids and len(uids) == 1, (pid, fields["Uid"])
+        assert fields["Seccomp"].strip() == "2" and fields["NoNewPrivs"].strip() == "1"
+        assert int(fields["CapEff"], 16) == int(fields["CapBnd"], 16) == 0x1B  # vmm.VMM_CAPS
+    # what it saved is host root's again (a restore maps the RAM file into each VM's namespace)
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in ram.parent.iterdir()} == {(0, 0)}
+
+
+def test_a_killed_template_builder_leaves_no_qemu_and_its_range_is_released(state_dir: Path) -> None:
+    from corral.tiers.microvm.template import BUILDER_OWNER
+
+    _force_template_boot("192M")
+    builder = subprocess.Popen([sys.executable, "-c", "from corral import Sandbox\n"
+                                "Sandbox.create(tier='microvm', memory='192M').close()"])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (qemus := _template_boot_qemus()):
+            time.sleep(0.02)
+        assert qemus, "the template boot did not start"
+    finally:
+        builder.kill()
+        builder.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in qemus):
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in qemus), "the QEMU outlived its builder"
+    owner = f"{BUILDER_OWNER}{builder.pid}"
+    records = state_dir / "uids"
+    assert any(r.read_text() == owner for r in records.iterdir())  # left by the killed builder...
+    with Sandbox.create(tier="microvm", memory="192M") as sb:  # ...and released by the next
+        assert sb.commands.run("echo fine").stdout == "fine\n"
+    assert not any(r.read_text() == owner for r in records.iterdir() if r.is_file())
+
+
 def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:
     sb = Sandbox.create(tier="microvm", memory="256M")
     pid = _qemu_pid(sb)

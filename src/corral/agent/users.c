@@ -29,6 +29,7 @@
 #include <grp.h>
 #include <linux/capability.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -172,15 +173,24 @@ int userns_main(const char *uid_text) {
 }
 
 /*
- * `--vmm USERNS_FD CAPS GROUPS -- /PROGRAM ARGS...` (run by the host as root; the microVM tier's
- * QEMU): keep only the supplementary groups GROUPS ("-" for none; e.g. /dev/kvm's), enter the
- * sandbox's user namespace USERNS_FD, become its uid and gid 0 (the range's base on the host),
- * take a network namespace of its own (empty), cut the bounding set to the capability mask CAPS (hex), set no_new_privs and exec PROGRAM,
- * which then holds exactly CAPS — over files and ids of the sandbox's own range only.
+ * `--vmm USERNS_FD CAPS GROUPS [--die-with-parent] -- /PROGRAM ARGS...` (run by the host as
+ * root; the microVM tier's QEMU): keep only the supplementary groups GROUPS ("-" for none; e.g.
+ * /dev/kvm's), enter the sandbox's user namespace USERNS_FD, become its uid and gid 0 (the
+ * range's base on the host), take a network namespace of its own (empty), cut the bounding set
+ * to the capability mask CAPS (hex), set no_new_privs and exec PROGRAM, which then holds exactly
+ * CAPS — over files and ids of the sandbox's own range only.  --die-with-parent: PROGRAM is
+ * killed when the process that started this one ends (a template boot's QEMU).
  */
 int vmm_main(int argc, char **argv) {
+    pid_t parent = getppid();
+    int die_with_parent = argc > 5 && strcmp(argv[5], "--die-with-parent") == 0;
+    if (die_with_parent) { /* drop the flag: the rest reads as without it */
+        argv[5] = argv[4]; argv[4] = argv[3]; argv[3] = argv[2]; argv[2] = argv[1]; argv[1] = argv[0];
+        argv++;
+        argc--;
+    }
     if (argc < 7 || strcmp(argv[5], "--") != 0 || argv[6][0] != '/') {
-        dprintf(2, "corral-agent: usage: --vmm USERNS_FD CAPS GROUPS -- /PROGRAM [ARGS...]\n");
+        dprintf(2, "corral-agent: usage: --vmm USERNS_FD CAPS GROUPS [--die-with-parent] -- /PROGRAM [ARGS...]\n");
         return 125;
     }
     int fd = atoi(argv[2]);
@@ -198,6 +208,10 @@ int vmm_main(int argc, char **argv) {
         return 125;
     }
     close(fd);
+    /* the change of uid cleared any parent-death signal set before: set it again (a template
+     * boot's QEMU is in no sandbox's cgroup, so no janitor would find it), and go if the
+     * parent is gone already */
+    if (die_with_parent && (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0 || getppid() != parent)) return 125;
     /* a network namespace of its own, empty (its loopback down): QEMU is handed every socket
      * and tap it uses as a descriptor, and one a guest took over must not reach what the host's
      * namespace reaches (its loopback services, the metadata address, the LAN).  Owned by the

@@ -21,10 +21,17 @@ files' stamps when it is saved (size, inode, change time -- the change time
 moves with any write, truncate, chmod or utime, and no unprivileged process
 can set it) and :func:`get_template` checks them before every restore: a
 template that changed is removed and built again, never restored from.
+
+A template's boot runs the image's own programs (its shell, ``true`` and Python, to fill the page
+cache: ``guest_root.c``), and an image's recipe may have installed anything: its QEMU runs as a
+VM's does (:func:`confined`), root of a user namespace of a uid range reserved for the boot, in
+an empty network namespace, under QEMU's own filter, killed with its builder -- not as host
+root, as it did before.  The KVM probe boots no image and stays as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -36,12 +43,16 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ... import progress
 from ...errors import HostNotSupported, SandboxError
-from . import qemu
+from ...host.uids import allocate_range, release_range
+from ...host.userns import make_userns
+from ..linux.agent_build import agent_binary
+from . import qemu, vmm
 from .guest import GuestAssets, cache_dir, cache_lock, sweep_stale_builds
 from .rootdisk import ImageDisk
 
@@ -82,20 +93,88 @@ def _key(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: float, disk: ImageDisk | None
-          ) -> tuple[subprocess.Popen[bytes], qemu.QMP, float]:
+#: the owner a template boot's uid range is reserved for, followed by the builder's pid
+BUILDER_OWNER = "microvm-template-"
+
+
+def _release_dead_builders_ranges(state_dir: Path) -> None:
+    """Release the uid ranges of template builders that died mid-boot (their QEMU died with them:
+    ``--die-with-parent``).  ``gc`` releases sandboxes' ranges only; a builder's are its
+    successors' to release, as the wasm tier's standby guests release their own."""
+    for record in (state_dir / "uids").glob("[0-9]*"):
+        try:
+            owner = record.read_text().strip()
+        except OSError:
+            continue
+        if not owner.startswith(BUILDER_OWNER) or not owner[len(BUILDER_OWNER):].isdigit():
+            continue
+        try:
+            os.kill(int(owner[len(BUILDER_OWNER):]), 0)
+        except ProcessLookupError:
+            release_range(state_dir, int(record.name))
+        except OSError:
+            continue  # alive (or not ours to signal): still building
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """How a template boot's QEMU runs: root of a user namespace of its own uid range, not host
+    root (:func:`confined`)."""
+
+    launcher: list[str]
+    #: descriptors QEMU inherits: the namespace's, the image disk's
+    fds: tuple[int, ...]
+    disk: Path | None
+
+
+@contextlib.contextmanager
+def confined(state_dir: Path, work: Path, accel: str, disk: ImageDisk | None) -> Iterator[Confinement]:
+    """A template boot runs the image's shell, ``true`` and Python (``guest_root.c``'s
+    warm_page_cache: an image's recipe may have installed anything), under a QEMU that parses all
+    the guest's devices send: that QEMU runs as a VM's does (vmm.py) -- root of a user namespace
+    of a uid range reserved for the boot, only ``VMM_CAPS`` over it, an empty network namespace,
+    QEMU's own seccomp filter, killed with its parent -- never as host root.  ``work`` is its
+    while it boots, host root's again after."""
+    _release_dead_builders_ranges(state_dir)
+    ids = allocate_range(state_dir, f"{BUILDER_OWNER}{os.getpid()}")
+    try:
+        agent = agent_binary(state_dir)
+        userns = make_userns(agent, ids)
+        image = os.open(disk.path, os.O_PATH | os.O_CLOEXEC) if disk is not None else None
+        try:
+            for path in (work, work / "empty"):
+                os.chown(path, ids.base, ids.base)
+            yield Confinement(vmm.launcher(agent, userns, accel, die_with_parent=True),
+                              (userns, *([image] if image is not None else [])),
+                              vmm.fd_path(image) if image is not None else None)
+        finally:
+            for fd in (userns, image):
+                if fd is not None:
+                    os.close(fd)
+            for path in (work, *work.iterdir()):
+                os.lchown(path, 0, 0)
+    finally:
+        release_range(state_dir, ids.base)
+
+
+def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: float, disk: ImageDisk | None,
+          confinement: Confinement | None = None) -> tuple[subprocess.Popen[bytes], qemu.QMP, float]:
     """Boot a guest to its ready marker with RAM in ``work/ram`` (shared); returns (proc, qmp, boot seconds).
     Without a disk (the KVM probe) the guest skips its root and only says it is ready."""
     empty = work / "empty"
     empty.mkdir(exist_ok=True)
     paths = qemu.VMPaths(work / "agent.sock", work / "qmp.sock", work / "console.log", work / "egress.sock")
+    image = confinement.disk if confinement is not None and confinement.disk is not None else (disk.path if disk else None)
     argv = qemu.command_line(
         accel=accel, ram_mb=ram_mb, mem_path=work / "ram", share=True, assets=assets, paths=paths,
-        disk=disk.path if disk else None, workspace=empty, workspace_readonly=False,
+        disk=image, workspace=empty, workspace_readonly=False, confined=confinement is not None,
     )
+    if confinement is not None:
+        argv = [*confinement.launcher, *argv]
     start = time.monotonic()
     with open(work / "qemu.log", "wb") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
+                                pass_fds=confinement.fds if confinement is not None else (),
                                 preexec_fn=_die_with_parent)
     try:
         qmp = qemu.QMP(qemu.connect_unix(paths.qmp_socket, deadline, proc), timeout=30)
@@ -136,7 +215,7 @@ def _tail(work: Path) -> str:
     return qemu.log_tail(work / "qemu.log", work / "console.log", limit=600)
 
 
-def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> Template:
+def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk, state_dir: Path) -> Template:
     """The template for this configuration and image, booting and saving it the first time."""
     root = cache_dir() / "templates"
     final = root / _key(assets, accel, ram_mb, disk)
@@ -146,7 +225,7 @@ def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) 
                            "first use of this image and memory size; saved for later restores"), \
                 cache_lock("template"):
             if not meta.is_file():
-                _build(final, assets, accel, ram_mb, disk)
+                _build(final, assets, accel, ram_mb, disk, state_dir)
     info = json.loads(meta.read_text())
     changed = tampered(final, info)
     if changed:
@@ -158,7 +237,7 @@ def get_template(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) 
                 shutil.rmtree(final)  # VMs running from it keep their private mapping
                 with progress.step(f"booting a microVM template ({ram_mb} MiB, {accel})",
                                    "the saved one changed on disk"):
-                    _build(final, assets, accel, ram_mb, disk)
+                    _build(final, assets, accel, ram_mb, disk, state_dir)
                 info = json.loads(meta.read_text())
     try:
         os.utime(meta)  # last use, for pruning
@@ -215,26 +294,32 @@ def _prune(root: Path, keep: Path, initrd: Path) -> None:
             continue
 
 
-def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> None:
+def _build(final: Path, assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk, state_dir: Path) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale_builds(final.parent)
     _prune(final.parent, keep=final, initrd=assets.initrd)
     work = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     try:
-        proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE, disk)
-        try:
-            qmp.command("stop")
-            qmp.command("migrate-set-capabilities",
-                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
-            qmp.command("migrate", uri=f"exec:cat > {work / 'state'}")
-            qmp.wait_migration(time.monotonic() + 60)
-            qmp.command("quit")
-            proc.wait(timeout=30)
-        finally:
-            qmp.close()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        (work / "empty").mkdir()
+        with confined(state_dir, work, accel, disk) as confinement:
+            proc, qmp, boot_seconds = _boot(work, assets, accel, ram_mb, time.monotonic() + BOOT_DEADLINE, disk,
+                                            confinement)
+            state = os.open(work / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                qmp.command("stop")
+                qmp.command("migrate-set-capabilities",
+                            capabilities=[{"capability": "x-ignore-shared", "state": True}])
+                qmp.send_fd("state", state)  # QEMU may spawn nothing (its filter): no exec: URI
+                qmp.command("migrate", uri="fd:state")
+                qmp.wait_migration(time.monotonic() + 60)
+                qmp.command("quit")
+                proc.wait(timeout=30)
+            finally:
+                os.close(state)
+                qmp.close()
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         for name in ("agent.sock", "qmp.sock", "egress.sock", "qemu.log", "console.log"):
             (work / name).unlink(missing_ok=True)
         (work / "empty").rmdir()

@@ -45,9 +45,11 @@ def kvm_groups(accel: str) -> str:
     return "-" if st.st_mode & 0o006 == 0o006 or st.st_gid == 0 else str(st.st_gid)
 
 
-def launcher(agent: Path, userns: int, accel: str) -> list[str]:
-    """The command line that enters the namespace ``userns`` (inherited) and execs what follows."""
-    return [str(agent), "--vmm", str(userns), f"{VMM_CAPS:x}", kvm_groups(accel), "--"]
+def launcher(agent: Path, userns: int, accel: str, die_with_parent: bool = False) -> list[str]:
+    """The command line that enters the namespace ``userns`` (inherited) and execs what follows;
+    ``die_with_parent``: killed when its parent ends (for a QEMU in no sandbox's cgroup)."""
+    return [str(agent), "--vmm", str(userns), f"{VMM_CAPS:x}", kvm_groups(accel),
+            *(["--die-with-parent"] if die_with_parent else []), "--"]
 
 
 def open_files(*, ram: Path | None, disk: Path, workspace: Path, console: Path, userns: int, owner: int) -> dict[str, int]:
