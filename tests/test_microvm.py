@@ -391,6 +391,40 @@ def test_qemu_itself_reaches_no_network_of_the_hosts(network: str) -> None:
         assert r.stdout == "failed 101\n", r  # ENETUNREACH
 
 
+def test_what_the_vmm_launcher_starts_has_the_sandboxes_filter_and_no_network(state_dir: Path) -> None:
+    # QEMU is started by this launcher: run a probe in its place.  QEMU's own filter refuses no
+    # socket family, and vsock ignores network namespaces: only our filter keeps a QEMU a guest
+    # took over from the hypervisor of a VM host (this host has /dev/vsock, to its hypervisor)
+    from corral.host.seccomp import bpf_path
+    from corral.host.uids import allocate_range, release_range
+    from corral.host.userns import make_userns
+    from corral.tiers.linux.agent_build import agent_binary
+    from corral.tiers.microvm import vmm
+
+    probe = ("import os, socket\n"
+             "for family in (socket.AF_UNIX, 40, socket.AF_INET):\n"
+             "    try:\n"
+             "        s = socket.socket(family, socket.SOCK_STREAM)\n"
+             "        if family == socket.AF_INET:\n"
+             "            s.connect(('127.0.0.1', int(os.environ['PORT'])))\n"
+             "        print(family, 'ok')\n"
+             "    except OSError as e:\n"
+             "        print(family, e.errno)\n")
+    ids = allocate_range(state_dir, "test-vmm-launcher")
+    agent = agent_binary(state_dir)
+    userns = make_userns(agent, ids)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as service:
+            r = subprocess.run([*vmm.launcher(agent, userns, "tcg", bpf_path(state_dir)), "/usr/bin/python3", "-c", probe],
+                               pass_fds=[userns], capture_output=True, text=True, timeout=30,
+                               env={"PORT": str(service.getsockname()[1])})
+    finally:
+        os.close(userns)
+        release_range(state_dir, ids.base)
+    # AF_UNIX opens; AF_VSOCK: EAFNOSUPPORT (97); the host's loopback: ENETUNREACH (101)
+    assert r.stdout.split("\n")[:3] == ["1 ok", "40 97", "2 101"], r
+
+
 #: the guest's egress relay's cgroup
 RELAY_CGROUP = "for p in /proc/[0-9]*; do grep -qs '[r]elay-mux' $p/cmdline && cat $p/cgroup; done; true"
 

@@ -289,6 +289,7 @@ def test_microvm_defaults_to_uid_1000_root_is_asked_for_and_both_own_their_works
         assert {int(u) for u in status["Uid"].split()} == {base}, status["Uid"]
         assert status["CapEff"].strip() == status["CapBnd"].strip() == f"{VMM_CAPS:016x}"
         assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2"
+        assert status["Seccomp_filters"].strip() == "2"  # QEMU's own, and the sandboxes' (vmm.launcher)
     # write-back: whoever made a file inside, the host's copy is the workspace directory's owner's
     for path in (ws / "given.txt", ws / "new", ws / "by-root", ws / "by-api", ws / "d", ws / "d" / "link"):
         st = os.lstat(path)

@@ -26,8 +26,11 @@
 #include "agent.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <linux/capability.h>
+#include <linux/seccomp.h>
+#include <linux/filter.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -173,24 +176,53 @@ int userns_main(const char *uid_text) {
 }
 
 /*
- * `--vmm USERNS_FD CAPS GROUPS [--die-with-parent] -- /PROGRAM ARGS...` (run by the host as
- * root; the microVM tier's QEMU): keep only the supplementary groups GROUPS ("-" for none; e.g.
- * /dev/kvm's), enter the sandbox's user namespace USERNS_FD, become its uid and gid 0 (the
- * range's base on the host), take a network namespace of its own (empty), cut the bounding set
- * to the capability mask CAPS (hex), set no_new_privs and exec PROGRAM, which then holds exactly
- * CAPS — over files and ids of the sandbox's own range only.  --die-with-parent: PROGRAM is
- * killed when the process that started this one ends (a template boot's QEMU).
+ * `--vmm USERNS_FD CAPS GROUPS [OPTIONS] -- /PROGRAM ARGS...` (run by the host as root; the
+ * microVM tier's QEMU): keep only the supplementary groups GROUPS ("-" for none; e.g. /dev/kvm's),
+ * enter the sandbox's user namespace USERNS_FD, become its uid and gid 0 (the range's base on the
+ * host), take a network namespace of its own (empty), cut the bounding set to the capability
+ * mask CAPS (hex), set no_new_privs and exec PROGRAM, which then holds exactly CAPS — over files
+ * and ids of the sandbox's own range only.  OPTIONS: --die-with-parent (PROGRAM is killed when
+ * the process that started this one ends: a template boot's QEMU); --seccomp PATH (load the BPF
+ * program in PATH, the sandboxes' filter, read while still host root, on top of QEMU's own).
  */
+static struct sock_filter seccomp_program[4096];
+static struct sock_fprog seccomp_prog;
+
+static int read_seccomp(const char *path) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, seccomp_program, sizeof seccomp_program);
+    close(fd);
+    if (n <= 0 || n % (ssize_t)sizeof seccomp_program[0] != 0 || n == (ssize_t)sizeof seccomp_program) {
+        errno = EINVAL;
+        return -1;
+    }
+    seccomp_prog.len = (unsigned short)(n / (ssize_t)sizeof seccomp_program[0]);
+    seccomp_prog.filter = seccomp_program;
+    return 0;
+}
+
 int vmm_main(int argc, char **argv) {
     pid_t parent = getppid();
-    int die_with_parent = argc > 5 && strcmp(argv[5], "--die-with-parent") == 0;
-    if (die_with_parent) { /* drop the flag: the rest reads as without it */
-        argv[5] = argv[4]; argv[4] = argv[3]; argv[3] = argv[2]; argv[2] = argv[1]; argv[1] = argv[0];
-        argv++;
-        argc--;
+    int die_with_parent = 0, i = 5;
+    const char *seccomp = NULL;
+    for (; i < argc && strcmp(argv[i], "--") != 0; i++) {
+        if (strcmp(argv[i], "--die-with-parent") == 0) {
+            die_with_parent = 1;
+        } else if (strcmp(argv[i], "--seccomp") == 0 && i + 1 < argc) {
+            seccomp = argv[++i];
+        } else {
+            i = argc;
+        }
     }
-    if (argc < 7 || strcmp(argv[5], "--") != 0 || argv[6][0] != '/') {
-        dprintf(2, "corral-agent: usage: --vmm USERNS_FD CAPS GROUPS [--die-with-parent] -- /PROGRAM [ARGS...]\n");
+    if (argc < 7 || i + 1 >= argc || argv[i + 1][0] != '/') {
+        dprintf(2, "corral-agent: usage: --vmm USERNS_FD CAPS GROUPS [--die-with-parent] [--seccomp PATH] -- "
+                   "/PROGRAM [ARGS...]\n");
+        return 125;
+    }
+    char **program = &argv[i + 1];
+    if (seccomp != NULL && read_seccomp(seccomp) < 0) {
+        dprintf(2, "corral-agent: cannot read the seccomp filter %s: %s\n", seccomp, strerror(errno));
         return 125;
     }
     int fd = atoi(argv[2]);
@@ -230,7 +262,12 @@ int vmm_main(int argc, char **argv) {
         dprintf(2, "corral-agent: cannot limit capabilities: %s\n", strerror(errno));
         return 125;
     }
-    execv(argv[6], &argv[6]);
-    dprintf(2, "corral-agent: cannot execute %s: %s\n", argv[6], strerror(errno));
+    /* last, so that nothing above needs what it refuses (unshare, setns) */
+    if (seccomp != NULL && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &seccomp_prog, 0, 0) < 0) {
+        dprintf(2, "corral-agent: cannot load the seccomp filter: %s\n", strerror(errno));
+        return 125;
+    }
+    execv(program[0], program);
+    dprintf(2, "corral-agent: cannot execute %s: %s\n", program[0], strerror(errno));
     return 125;
 }

@@ -72,7 +72,8 @@ def _start(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dic
         argv.append("-S")  # loads, never runs
         argv += ["-name", converter_name(vm.id)]  # outside the sandbox's cgroup (its memory would not fit
         # beside the VM's): found by this name if the owner dies meanwhile (kill_converters)
-        argv = [*vmm.launcher(agent_binary(vm._tier.state_dir), files["userns"], vm._tier.accel), *argv]
+        argv = [*vmm.launcher(agent_binary(vm._tier.state_dir), files["userns"], vm._tier.accel, vm._tier.seccomp),
+                *argv]
         with open(vm_dir / "qemu.log", "wb") as log:
             # (its PR_SET_PDEATHSIG does not survive the launcher's change of uid: a dead owner's
             # converter is killed by name, kill_converters)

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from ... import progress
 from ...errors import HostNotSupported, SandboxError
+from ...host.seccomp import bpf_path
 from ...host.uids import allocate_range, release_range
 from ...host.userns import make_userns
 from ..linux.agent_build import agent_binary
@@ -144,7 +145,7 @@ def confined(state_dir: Path, work: Path, accel: str, disk: ImageDisk | None) ->
         try:
             for path in (work, work / "empty"):
                 os.chown(path, ids.base, ids.base)
-            yield Confinement(vmm.launcher(agent, userns, accel, die_with_parent=True),
+            yield Confinement(vmm.launcher(agent, userns, accel, bpf_path(state_dir), die_with_parent=True),
                               (userns, *([image] if image is not None else [])),
                               vmm.fd_path(image) if image is not None else None)
         finally:

@@ -44,6 +44,7 @@ from typing import Any
 from ...egress.network import PROXY_PORT
 from ...errors import HostNotSupported, SandboxClosed, SandboxError
 from ...host import cgroups, mounts
+from ...host.seccomp import bpf_path
 from ...host.ws_copy import WorkspaceCopy
 from ...images import resolve
 from ...spec import NETWORK_MODES, MiB, SandboxSpec
@@ -100,6 +101,8 @@ class MicroVMTier(Tier):
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
         _check_host()
+        #: the sandboxes' seccomp filter, which QEMU runs under too (vmm.launcher)
+        self.seccomp = bpf_path(state_dir)
         self._layout = cgroups.detect()
         self._guest: tuple[guest.GuestAssets, str] | None = None
         self._guest_lock = threading.Lock()
@@ -330,7 +333,7 @@ class MicroVMSandbox(LinuxSandbox):
         # The agent binary between them makes QEMU root of the sandbox's user namespace (vmm.py)
         procs_files = [str(path) for path in self.cgroup.procs_files(self.cgroup.leaf("vmm"))]
         argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--",
-                *vmm.launcher(agent_binary(self._tier.state_dir), userns, tmpl.accel), *argv]
+                *vmm.launcher(agent_binary(self._tier.state_dir), userns, tmpl.accel, self._tier.seccomp), *argv]
         if self._trace:
             # QEMU timestamps (host clock) the guest's step bytes on the serial port and
             # the virtio-serial and 9p events around them: bench/microvm.py --trace

@@ -11,7 +11,8 @@ QEMU's capabilities count for nothing: it is an unprivileged process there.
 ``corral-agent --vmm`` (the static agent binary, ``agent/users.c``) makes the switch between the
 shell that joins the host cgroup and QEMU: keep the given supplementary groups, enter the
 namespace, become its root, take an empty network namespace of its own, cut the bounding set to
-``VMM_CAPS``, set ``no_new_privs``, exec.
+``VMM_CAPS``, set ``no_new_privs``, load the sandboxes' seccomp filter (on top of QEMU's own
+``-sandbox``), exec.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def kvm_groups(accel: str) -> str:
     return "-" if st.st_mode & 0o006 == 0o006 or st.st_gid == 0 else str(st.st_gid)
 
 
-def launcher(agent: Path, userns: int, accel: str, die_with_parent: bool = False) -> list[str]:
-    """The command line that enters the namespace ``userns`` (inherited) and execs what follows;
-    ``die_with_parent``: killed when its parent ends (for a QEMU in no sandbox's cgroup)."""
-    return [str(agent), "--vmm", str(userns), f"{VMM_CAPS:x}", kvm_groups(accel),
+def launcher(agent: Path, userns: int, accel: str, seccomp: Path, die_with_parent: bool = False) -> list[str]:
+    """The command line that enters the namespace ``userns`` (inherited) and execs what follows
+    under the sandboxes' seccomp filter (``seccomp``: its BPF program, ``host/seccomp.py``), on top of QEMU's own ``-sandbox`` filter, which refuses no socket
+    family: vsock ignores network namespaces, so only a filter keeps a QEMU a guest took over
+    from the hypervisor of a VM host; ``die_with_parent``: killed when its parent ends (for a
+    QEMU in no sandbox's cgroup)."""
+    return [str(agent), "--vmm", str(userns), f"{VMM_CAPS:x}", kvm_groups(accel), "--seccomp", str(seccomp),
             *(["--die-with-parent"] if die_with_parent else []), "--"]
 
 
