@@ -8,7 +8,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from corral.spec import SandboxSpec
 from corral.tiers import tier_class
 from corral.tiers.base import ExecRequest
 
+from .host_reach import assert_cannot_reach_the_hosts_loopback
 from .leaks import sandbox_leftovers
 
 
@@ -350,8 +350,6 @@ def _ready_standby_guests(state_dir: Path) -> object:
 def test_gc_reaps_the_standby_guests_of_a_killed_owner(wasm_available: None) -> None:
     """A process killed with pre-started wasm guests leaves their tmpfs mounts and uids: ``gc``
     (``corral gc``, any process's first create) removes them, not only a later wasm tier."""
-    import subprocess
-    import sys
     import tempfile
 
     from corral.host import mounts
@@ -436,19 +434,7 @@ def test_a_worker_reaches_no_network_of_the_hosts(sb: Sandbox) -> None:
         while time.monotonic() < deadline and not inner._running:  # type: ignore[attr-defined]
             time.sleep(0.01)
         (process,) = inner._running  # type: ignore[attr-defined]
-        pid = process.worker.pid
-        assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
-        with socket.create_server(("127.0.0.1", 0)) as service:
-            probe = ("import socket\n"
-                     "try:\n"
-                     f"    socket.create_connection(('127.0.0.1', {service.getsockname()[1]}), timeout=5); print('reached')\n"
-                     "except OSError as e:\n"
-                     "    print('failed', e.errno)\n")
-            # from the host's namespace the probe reaches the service (the test can fail)
-            assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout == "reached\n"
-            r = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-c", probe],
-                               capture_output=True, text=True, timeout=30)
-            assert r.stdout == "failed 101\n", r  # ENETUNREACH
+        assert_cannot_reach_the_hosts_loopback(process.worker.pid)
     finally:
         handle.kill()
 
