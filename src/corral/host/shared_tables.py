@@ -24,8 +24,8 @@ measured on this host (Debian 12 without systemd, so at the kernel's defaults):
 :func:`widen` raises each to the value systemd has set at boot since v240/v243 (``fs.file-max``
 to ``LONG_MAX``, ``kernel.pid_max`` to ``PID_MAX_LIMIT``) -- on most hosts they are there
 already --, ``kernel.threads-max`` to the same (a task needs a pid: the pid table is then the
-one bound left beside memory) and ``kernel.pty.max`` to the kernel's maximum.  It only ever raises, once per
-process, at the first sandbox.  Where it cannot (no root, a read-only ``/proc/sys``) the
+one bound left beside memory) and ``kernel.pty.max`` to the kernel's maximum.  It only ever
+raises, once per process, at the first sandbox.  Where it cannot (no root, a read-only ``/proc/sys``) the
 sandboxes still run, and ``corral doctor`` says which table stays narrow.
 
 The conntrack table, charged to no cgroup either, is bounded per sandbox by its own rule

@@ -125,6 +125,7 @@ class Confinement:
     launcher: list[str]
     #: descriptors QEMU inherits: the namespace's, the image disk's
     fds: tuple[int, ...]
+    #: the image disk as QEMU opens it (its inherited descriptor), or None without one
     disk: Path | None
 
 
@@ -165,7 +166,7 @@ def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: fl
     empty = work / "empty"
     empty.mkdir(exist_ok=True)
     paths = qemu.VMPaths(work / "agent.sock", work / "qmp.sock", work / "console.log", work / "egress.sock")
-    image = confinement.disk if confinement is not None and confinement.disk is not None else (disk.path if disk else None)
+    image = confinement.disk if confinement is not None else (disk.path if disk else None)
     argv = qemu.command_line(
         accel=accel, ram_mb=ram_mb, mem_path=work / "ram", share=True, assets=assets, paths=paths,
         disk=image, workspace=empty, workspace_readonly=False, confined=confinement is not None,

@@ -227,8 +227,8 @@ class MicroVMSandbox(LinuxSandbox):
         image = resolve(spec.image, self._tier.state_dir)
         image_disk = self.image_disk = rootdisk.image_disk(image)
         ram_mb = self.ram_mb = self._tier.ram_mb(spec.limits.memory)
-        tmpl = self.source_template = template.get_template(self._tier.assets, self._tier.accel, ram_mb, image_disk,
-                                                                  self._tier.state_dir)
+        tmpl = self.source_template = template.get_template(
+            self._tier.assets, self._tier.accel, ram_mb, image_disk, self._tier.state_dir)
         self.timings["template"] = time.monotonic() - t0
         host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
         self._make_cgroup(host_limits, self._tier._layout)

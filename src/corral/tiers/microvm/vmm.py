@@ -48,10 +48,10 @@ def kvm_groups(accel: str) -> str:
 
 def launcher(agent: Path, userns: int, accel: str, seccomp: Path, die_with_parent: bool = False) -> list[str]:
     """The command line that enters the namespace ``userns`` (inherited) and execs what follows
-    under the sandboxes' seccomp filter (``seccomp``: its BPF program, ``host/seccomp.py``), on top of QEMU's own ``-sandbox`` filter, which refuses no socket
-    family: vsock ignores network namespaces, so only a filter keeps a QEMU a guest took over
-    from the hypervisor of a VM host; ``die_with_parent``: killed when its parent ends (for a
-    QEMU in no sandbox's cgroup)."""
+    under the sandboxes' seccomp filter (``seccomp``: its BPF program, ``host/seccomp.py``), on
+    top of QEMU's own ``-sandbox`` filter, which refuses no socket family: vsock ignores network
+    namespaces, so only a filter keeps a QEMU a guest took over from the hypervisor of a VM host;
+    ``die_with_parent``: killed when its parent ends (for a QEMU in no sandbox's cgroup)."""
     return [str(agent), "--vmm", str(userns), f"{VMM_CAPS:x}", kvm_groups(accel), "--seccomp", str(seccomp),
             *(["--die-with-parent"] if die_with_parent else []), "--"]
 
