@@ -168,6 +168,11 @@ KINDS: dict[str, Callable[[Sandbox], None]] = {
 WEIGHTS = {"plain": 8, "failing": 3, "timeout": 2, "oom": 2, "pty": 2, "spree": 1, "background killed": 2}
 
 
+#: prints the errno of opening an AF_VSOCK socket (or "opened")
+VSOCK_PROBE = ["python3", "-c", "import socket\ntry:\n    socket.socket(40, socket.SOCK_STREAM); print('opened')\n"
+               "except OSError as e:\n    print(e.errno)"]
+
+
 def run_session(sb: Sandbox, count: int, pids: Callable[[Sandbox], list[int]], seed: int,
                 wait_for_spare: Callable[[], None] = lambda: None) -> dict[str, int]:
     rng = random.Random(seed)
@@ -201,6 +206,13 @@ def test_three_hundred_commands_never_leave_the_process_tiers_limits() -> None:
         done = run_session(sb, 300, process_tier_pids, seed=11,
                            wait_for_spare=lambda: inner.spare_placed.wait(2.0))
         assert all(done.values()), done
+        # and the seccomp filter still holds after all of it: in a placed spare, and in the command
+        # sent at once after (whatever serves it)
+        for use_spare in (True, False):
+            if use_spare:
+                assert inner.spare_placed.wait(5.0), "the spare was never placed"
+            r = sb.commands.run(VSOCK_PROBE)
+            assert r.stdout == "97\n", r  # EAFNOSUPPORT (host/seccomp.py's SOCKET_FAMILIES)
 
 
 @pytest.mark.parametrize("before", list(KINDS))
