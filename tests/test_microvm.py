@@ -281,7 +281,7 @@ def test_a_template_boot_runs_qemu_as_a_vm_does_never_as_host_root() -> None:
 
 
 def test_a_killed_template_builder_leaves_no_qemu_and_its_range_is_released(state_dir: Path) -> None:
-    from corral.tiers.microvm.template import BUILDER_OWNER
+    from corral.tiers.microvm.template import BUILDER_KIND
 
     _force_template_boot("192M")
     builder = subprocess.Popen([sys.executable, "-c", "from corral import Sandbox\n"
@@ -298,12 +298,12 @@ def test_a_killed_template_builder_leaves_no_qemu_and_its_range_is_released(stat
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in qemus):
         time.sleep(0.05)
     assert not any(Path(f"/proc/{pid}").exists() for pid in qemus), "the QEMU outlived its builder"
-    owner = f"{BUILDER_OWNER}{builder.pid}"
+    owner = f"{BUILDER_KIND}@{builder.pid}."
     records = state_dir / "uids"
-    assert any(r.read_text() == owner for r in records.iterdir())  # left by the killed builder...
+    assert any(r.read_text().startswith(owner) for r in records.iterdir())  # left by the killed builder...
     with Sandbox.create(tier="microvm", memory="192M") as sb:  # ...and released by the next
         assert sb.commands.run("echo fine").stdout == "fine\n"
-    assert not any(r.read_text() == owner for r in records.iterdir() if r.is_file())
+    assert not any(r.read_text().startswith(owner) for r in records.iterdir() if r.is_file())
 
 
 def test_teardown_leaves_no_vm_behind(state_dir: Path) -> None:

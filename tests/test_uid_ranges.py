@@ -117,6 +117,37 @@ def test_gc_frees_the_range_of_a_killed_owner(state_dir: Path) -> None:
     assert ranges_of(sandbox_id, state_dir) == [] and not (uids.CLAIMS / str(base)).exists()
 
 
+def test_gc_releases_a_dead_processs_probe_range_and_only_that(state_dir: Path) -> None:
+    # a range a process holds for itself (the microVM tier's idmap probe, a template boot) has no
+    # sandbox row: before, one whose process was killed mid-probe stayed reserved for ever
+    from corral.registry import gc
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom corral.host import uids\n"
+         "r = uids.allocate_range(Path(sys.argv[1]), uids.process_owner('microvm-probe'))\n"
+         "print(r.base, flush=True)\ntime.sleep(300)\n", str(state_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        dead = int(holder.stdout.readline())
+    finally:
+        holder.kill()
+        holder.wait()
+    mine = uids.allocate_range(state_dir, uids.process_owner("microvm-probe"))  # alive: kept
+    # a pid reused since: the same pid, another process (its start time differs)
+    reused = uids.allocate_range(state_dir, f"microvm-probe@{os.getpid()}.1")
+    try:
+        for base in (dead, mine.base, reused.base):
+            assert (state_dir / "uids" / str(base)).exists() and (uids.CLAIMS / str(base)).exists()
+        gc(state_dir)
+        for base in (dead, reused.base):
+            assert not (state_dir / "uids" / str(base)).exists() and not (uids.CLAIMS / str(base)).exists()
+        assert (state_dir / "uids" / str(mine.base)).read_text().startswith(f"microvm-probe@{os.getpid()}.")
+        assert (uids.CLAIMS / str(mine.base)).exists()
+    finally:
+        uids.release_range(state_dir, mine.base)
+        uids.release_range(state_dir, reused.base)
+
+
 def _proc(tmp_path: Path, name: str, ppid: int) -> Path:
     """A /proc whose pid 2 is ``name`` with parent ``ppid`` (kthreadd, 0: the host's pid namespace)."""
     proc = tmp_path / f"proc-{name}-{ppid}"

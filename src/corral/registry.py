@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import HostNotSupported
 from .host.procs import process_start_time
-from .host.uids import release_uid
+from .host.uids import release_ranges_of_dead_processes, release_uid
 
 DEFAULT_STATE_DIR = Path("/var/lib/corral")
 
@@ -193,6 +193,7 @@ def gc(root: Path) -> list[str]:
 
     reap_leftovers(root)  # half-written snapshots of dead writers
     _release_orphan_ranges(root, registry)
+    release_ranges_of_dead_processes(root)  # a probe's, a template boot's: their process is gone
     _remove_abandoned_groups({row.id for row in registry.rows()})
     return reaped
 
@@ -251,7 +252,8 @@ def _release_orphan_ranges(root: Path, registry: Registry) -> None:
             owner = entry.read_text().strip()
         except OSError:
             continue
-        # only sandbox reservations: other owners (the wasm tier's standby guests) reap their own
+        # only sandbox reservations: the others name a process (the wasm tier's standby guests,
+        # probes, template boots) and are released once it is gone
         if owner.startswith("sb-") and entry.name.isdigit():
             reserved[entry] = owner
     if not reserved:

@@ -45,7 +45,10 @@ A slot is reserved twice, both with ``O_EXCL`` files holding its owner's name:
   taken over.
 
 Both are released by removing the files (:func:`release_range`, given any uid
-of the slot).
+of the slot).  Who releases a slot is named by its owner: a sandbox's (``sb-...``)
+by its destroy, or by ``gc`` once its row is gone; a slot a process holds for its
+own brief use (a probe, a microVM template's boot: :func:`process_owner`) by that
+process, or by ``gc`` once that process is gone (:func:`release_ranges_of_dead_processes`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidSpec, ResourceLimit
+from .procs import process_start_time
 
 #: host ids per sandbox: a whole 16-bit id space, as a Linux system expects
 RANGE_SIZE = 65536
@@ -284,6 +288,33 @@ def release_range(state_dir: Path, uid: int) -> None:
     except (FileNotFoundError, ValueError):
         pass
     record.unlink(missing_ok=True)
+
+
+def process_owner(kind: str) -> str:
+    """The owner name of a slot this process holds for its own brief use: ``KIND@PID.START``
+    (its start time tells a reused pid apart), which :func:`release_ranges_of_dead_processes`
+    releases once the process is gone."""
+    pid = os.getpid()
+    return f"{kind}@{pid}.{process_start_time(pid)}"
+
+
+def release_ranges_of_dead_processes(state_dir: Path) -> list[int]:
+    """Release the slots of :func:`process_owner` owners that are gone (killed mid-probe or
+    mid-boot: their QEMU died with them); returns their bases.  The janitor's (``gc``)."""
+    released = []
+    records = state_dir / "uids"
+    for record in records.glob("[0-9]*") if records.is_dir() else ():
+        try:
+            owner = record.read_text().strip()
+        except OSError:
+            continue
+        pid, _, start = owner.rpartition("@")[2].partition(".")
+        if "@" not in owner or not pid.isdigit() or not start.isdigit():
+            continue
+        if process_start_time(int(pid)) != int(start):
+            release_range(state_dir, int(record.name))
+            released.append(int(record.name))
+    return released
 
 
 def set_owner(state_dir: Path, uid: int, owner: str) -> None:

@@ -50,7 +50,7 @@ from pathlib import Path
 from ... import progress
 from ...errors import HostNotSupported, SandboxError
 from ...host.seccomp import bpf_path
-from ...host.uids import allocate_range, release_range
+from ...host.uids import allocate_range, process_owner, release_range, release_ranges_of_dead_processes
 from ...host.userns import make_userns
 from ..linux.agent_build import agent_binary
 from . import qemu, vmm
@@ -94,27 +94,9 @@ def _key(assets: GuestAssets, accel: str, ram_mb: int, disk: ImageDisk) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-#: the owner a template boot's uid range is reserved for, followed by the builder's pid
-BUILDER_OWNER = "microvm-template-"
-
-
-def _release_dead_builders_ranges(state_dir: Path) -> None:
-    """Release the uid ranges of template builders that died mid-boot (their QEMU died with them:
-    ``--die-with-parent``).  ``gc`` releases sandboxes' ranges only; a builder's are its
-    successors' to release, as the wasm tier's standby guests release their own."""
-    for record in (state_dir / "uids").glob("[0-9]*"):
-        try:
-            owner = record.read_text().strip()
-        except OSError:
-            continue
-        if not owner.startswith(BUILDER_OWNER) or not owner[len(BUILDER_OWNER):].isdigit():
-            continue
-        try:
-            os.kill(int(owner[len(BUILDER_OWNER):]), 0)
-        except ProcessLookupError:
-            release_range(state_dir, int(record.name))
-        except OSError:
-            continue  # alive (or not ours to signal): still building
+#: what a template boot's uid range is reserved for (``uids.process_owner``): a builder killed
+#: mid-boot leaves it to the next builder or ``gc`` to release
+BUILDER_KIND = "microvm-template"
 
 
 @dataclass(frozen=True)
@@ -137,8 +119,8 @@ def confined(state_dir: Path, work: Path, accel: str, disk: ImageDisk | None) ->
     of a uid range reserved for the boot, only ``VMM_CAPS`` over it, an empty network namespace,
     QEMU's own seccomp filter, killed with its parent -- never as host root.  ``work`` is its
     while it boots, host root's again after."""
-    _release_dead_builders_ranges(state_dir)
-    ids = allocate_range(state_dir, f"{BUILDER_OWNER}{os.getpid()}")
+    release_ranges_of_dead_processes(state_dir)
+    ids = allocate_range(state_dir, process_owner(BUILDER_KIND))
     try:
         agent = agent_binary(state_dir)
         userns = make_userns(agent, ids)

@@ -87,11 +87,11 @@ def open_files(*, ram: Path | None, disk: Path, workspace: Path, console: Path, 
 def idmap_unsupported(directory: Path, state_dir: Path) -> str | None:
     """Why QEMU's RAM file could not be handed to it here (an idmapped mount in ``directory``,
     for a throwaway user namespace of a range reserved for the check), or None if it can."""
-    from ...host.uids import allocate_range, release_range
+    from ...host.uids import allocate_range, process_owner, release_range
     from ...host.userns import make_userns
     from ..linux.agent_build import agent_binary
 
-    ids = allocate_range(state_dir, "microvm-probe")
+    ids = allocate_range(state_dir, process_owner("microvm-probe"))
     try:
         userns = make_userns(agent_binary(state_dir), ids)
         try:
