@@ -154,3 +154,67 @@ def test_every_sandboxs_tunnels_together_leave_the_owner_half_its_descriptors(ne
     assert found["tunnels"] == [MAX_CONNECTIONS // 2, MAX_CONNECTIONS // 2]
     assert found["refusals"] == ["host-connection-limit"]
     assert found["third"] == "made\n"
+
+
+#: as NARROW_OWNER (a 256-tunnel budget), four sandboxes: three in one share (one tenant's, as
+#: ``corral serve`` assigns them), one in another; each in turn opens every tunnel it may
+SHARED_OWNER = r"""
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (3000, 3000))
+from corral import Sandbox
+from corral.egress.tunnel import OWNER_TUNNELS
+target, port, opener = sys.argv[1], sys.argv[2], sys.argv[3]
+sandboxes = [Sandbox.create(allow=[f"{target}:{port}"], unsafe_allow_ranges=[f"{target}/32"]) for _ in range(4)]
+try:
+    for sb, tenant in zip(sandboxes, "aaab"):
+        OWNER_TUNNELS.assign(sb.id, f"tenant:{tenant}")
+    counts = []
+    for sb in sandboxes:
+        sb.commands.run(opener)
+        deadline = time.monotonic() + 60
+        while not (out := sb.commands.run("cat /tmp/tunnels").stdout) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        counts.append(int(out))
+    print(json.dumps({"tunnels": counts}))
+finally:
+    for sb in sandboxes:
+        sb.kill()
+"""
+
+
+def test_a_tenants_sandboxes_share_one_part_of_the_tunnel_budget(net: TargetNet, tmp_path: Path) -> None:
+    opener = OPEN_TUNNELS.format(n=MAX_CONNECTIONS + 10, target=net.target, port=PORT).replace(
+        '    s.sendall(b"e")\n', "")
+    script = tmp_path / "shared_owner.py"
+    script.write_text(SHARED_OWNER)
+    r = subprocess.run([sys.executable, str(script), net.target, str(PORT), opener], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = json.loads(r.stdout.splitlines()[-1])
+    # two shares of a 256-tunnel budget: tenant a's three sandboxes together hold its half, and
+    # tenant b's one sandbox still gets the other half.  With a share per sandbox (before), a's
+    # three took 128 + 64 + 64 and b got none
+    assert found["tunnels"] == [MAX_CONNECTIONS // 2, 0, 0, MAX_CONNECTIONS // 2]
+
+
+def test_the_server_puts_each_tenants_sandboxes_in_one_tunnel_share(state_dir: Path) -> None:
+    import asyncio
+
+    from corral.egress.tunnel import OWNER_TUNNELS
+    from corral.server.config import ServerConfig
+    from corral.server.manager import SandboxManager
+    from corral.server.metrics import Metrics
+    from corral.spec import SandboxSpec
+
+    async def lifecycle() -> None:
+        manager = SandboxManager(ServerConfig(state_dir=str(state_dir)), Metrics())
+        made = [await manager.create(tenant, SandboxSpec(network="allow", allow=["example.com"]))
+                for tenant in ("alice", "alice", "bob")]
+        try:
+            assert [OWNER_TUNNELS.share_of(e.sandbox.id) for e in made] == ["tenant:alice"] * 2 + ["tenant:bob"]
+        finally:
+            for entry in made:
+                await manager.destroy(entry.tenant, entry.sandbox.id)
+        assert [OWNER_TUNNELS.share_of(e.sandbox.id) for e in made] == [e.sandbox.id for e in made]
+
+    asyncio.run(lifecycle())

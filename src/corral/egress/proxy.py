@@ -89,7 +89,7 @@ class EgressProxy:
         os.chmod(socket_path, 0o600 if socket_gid is None else 0o660)
         self._listener.listen(256)
         self._thread = threading.Thread(target=self._accept_loop, name=f"egress-{sandbox_id}", daemon=True)
-        OWNER_TUNNELS.joined()
+        OWNER_TUNNELS.joined(sandbox_id)
         self._thread.start()
 
     # -- lifecycle -----------------------------------------------------------
@@ -99,7 +99,7 @@ class EgressProxy:
                 return
             self._closed = True
             live = list(self._open)
-        OWNER_TUNNELS.left()
+        OWNER_TUNNELS.left(self.sandbox_id)
         close_listener(self._listener, live, self._thread)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
@@ -148,7 +148,7 @@ class EgressProxy:
             with self._lock:
                 if self._clients >= MAX_CONNECTIONS:
                     refused = "too-many-connections"
-                elif not OWNER_TUNNELS.take(self._clients):
+                elif not OWNER_TUNNELS.take(self.sandbox_id):
                     refused = "host-connection-limit"
                 else:
                     self._clients += 1
@@ -166,7 +166,7 @@ class EgressProxy:
     def _client_gone(self) -> None:
         with self._lock:
             self._clients -= 1
-        OWNER_TUNNELS.give()
+        OWNER_TUNNELS.give(self.sandbox_id)
 
     # -- one client connection ----------------------------------------------
     def _serve(self, conn: socket.socket) -> None:

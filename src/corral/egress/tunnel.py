@@ -79,39 +79,71 @@ class OwnerTunnels:
     limit of them (at least 256) are open at once, and the rest of the owner's work keeps half
     its descriptors: where root cannot raise the limit (no ``CAP_SYS_RESOURCE``: 20,000 on this
     VM) a dozen sandboxes' tunnels left ``corral serve`` no descriptor for any tenant's create.
-    Past half of that budget, a proxy holding its share of it (the budget over the live proxies)
-    gets no more: one sandbox's tunnels cannot keep another's from opening."""
+
+    Past half of that budget, a *share* holding its part of it (the budget over the live shares)
+    gets no more: one sandbox's tunnels cannot keep another's from opening.  A proxy's share is
+    its sandbox's own unless :meth:`assign` put the sandbox in a larger one: ``corral serve`` puts
+    each tenant's sandboxes in one, so that a tenant with 32 sandboxes does not hold 32 parts
+    against another's one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.held = 0
-        self.proxies = 0
+        #: live proxies (by the sandbox they serve) -> the tunnels each holds
+        self._proxies: dict[str, int] = {}
+        #: sandbox id -> the share it is in, where not its own (:meth:`assign`)
+        self._shares: dict[str, str] = {}
 
     @staticmethod
     def limit() -> int:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         return 1 << 30 if soft == resource.RLIM_INFINITY else max(MAX_CONNECTIONS, soft // 12)
 
-    def joined(self) -> None:
+    def assign(self, sandbox_id: str, share: str | None) -> None:
+        """Count ``sandbox_id``'s tunnels in ``share`` from now on (None: its own share again).
+        It may be called before the sandbox's proxy exists, or again after it was remade."""
         with self._lock:
-            self.proxies += 1
+            if share is None:
+                self._shares.pop(sandbox_id, None)
+            else:
+                self._shares[sandbox_id] = share
 
-    def left(self) -> None:
+    def share_of(self, sandbox_id: str) -> str:
         with self._lock:
-            self.proxies -= 1
+            return self._shares.get(sandbox_id, sandbox_id)
 
-    def take(self, mine: int) -> bool:
-        """One more connection for a proxy that holds ``mine``; False: refuse it."""
+    def joined(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._proxies[sandbox_id] = 0
+
+    def left(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._proxies.pop(sandbox_id, None)
+
+    def take(self, sandbox_id: str) -> bool:
+        """One more connection for ``sandbox_id``'s proxy; False: refuse it."""
         with self._lock:
             limit = self.limit()
-            if self.held >= limit or (self.held >= limit // 2 and mine >= limit // max(1, self.proxies)):
+            if self.held >= limit:
                 return False
+            if self.held >= limit // 2:  # a walk over the live proxies, only once half is taken
+                share = self._shares.get(sandbox_id, sandbox_id)
+                held_by: dict[str, int] = {}
+                for proxy, tunnels in self._proxies.items():
+                    key = self._shares.get(proxy, proxy)
+                    held_by[key] = held_by.get(key, 0) + tunnels
+                if held_by.get(share, 0) >= limit // max(1, len(held_by)):
+                    return False
             self.held += 1
+            if sandbox_id in self._proxies:
+                self._proxies[sandbox_id] += 1
             return True
 
-    def give(self) -> None:
+    def give(self, sandbox_id: str) -> None:
         with self._lock:
             self.held -= 1
+            if self._proxies.get(sandbox_id):
+                self._proxies[sandbox_id] -= 1
 
 
 OWNER_TUNNELS = OwnerTunnels()

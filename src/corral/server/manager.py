@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import parked
+from ..egress.tunnel import OWNER_TUNNELS
 from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
 from ..pool import PoolSet
 from ..registry import gc, state_dir
@@ -106,6 +107,9 @@ class SandboxManager:
             self._add(entry)
 
     def _add(self, entry: Entry) -> None:
+        # the egress tunnels of all of a tenant's sandboxes (in this process) are one share of the
+        # server's budget, not one share each: egress/tunnel.py
+        OWNER_TUNNELS.assign(entry.sandbox.id, f"tenant:{entry.tenant}")
         with self._lock:
             self._entries[entry.sandbox.id] = entry
             usage = self._usage.setdefault(entry.tenant, [0, 0])
@@ -122,6 +126,7 @@ class SandboxManager:
                 if usage[0] == 0:
                     del self._usage[entry.tenant]
         if entry is not None:
+            OWNER_TUNNELS.assign(sandbox_id, None)
             for recorded in list(entry.background.values()):
                 recorded.release()  # its kept output no longer counts for the tenant
         return entry
