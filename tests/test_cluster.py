@@ -52,16 +52,25 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         self.temp = Path(tempfile.mkdtemp(prefix="c17-ray-"))
+        # Ray's test cluster writes the head's address to ``RAY_TMPDIR/ray`` whatever ``temp_dir``
+        # says, and fails where that directory does not exist (a fresh machine has no /tmp/ray)
+        (self.temp / "ray").mkdir()
+        self._tmpdir_before = os.environ.get("RAY_TMPDIR")
+        os.environ["RAY_TMPDIR"] = str(self.temp)
         small = {"num_cpus": 0, "object_store_memory": 80 << 20}
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            **small, "include_dashboard": False, "temp_dir": str(self.temp), "_system_config": HEALTH})
-        self.workers = [self.cluster.add_node(**small, resources={"corral_slots": SLOTS}) for _ in range(WORKERS)]
-        ray.init(address=self.cluster.address, namespace="corral", include_dashboard=False, log_to_driver=False,
-                 logging_level="WARNING")
-        from corral.cluster.node.actor import start_hosts
+        self.cluster = Cluster(initialize_head=False)
+        try:
+            self.cluster.add_node(**small, include_dashboard=False, temp_dir=str(self.temp), _system_config=HEALTH)
+            self.workers = [self.cluster.add_node(**small, resources={"corral_slots": SLOTS}) for _ in range(WORKERS)]
+            ray.init(address=self.cluster.address, namespace="corral", include_dashboard=False, log_to_driver=False,
+                     logging_level="WARNING")
+            from corral.cluster.node.actor import start_hosts
 
-        self.hosts = start_hosts(ray, janitor_interval=1.0)
-        assert len(self.hosts) == WORKERS
+            self.hosts = start_hosts(ray, janitor_interval=1.0)
+            assert len(self.hosts) == WORKERS
+        except BaseException:
+            self._stop()
+            raise
 
     def node(self, node_id: str) -> Any:
         return next(n for n in self.workers if n.node_id == node_id)
@@ -72,9 +81,16 @@ class LocalCluster:
         try:
             down(True)
         finally:
-            ray.shutdown()
-            self.cluster.shutdown()
-            shutil.rmtree(self.temp, ignore_errors=True)
+            self._stop()
+
+    def _stop(self) -> None:
+        ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.temp, ignore_errors=True)
+        if self._tmpdir_before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = self._tmpdir_before
 
 
 @pytest.fixture(scope="module")
