@@ -11,7 +11,8 @@ can catch one class.  The tree::
     ├── SandboxClosed          the sandbox was destroyed or died
     │   └── SandboxLost        the cluster node holding it was lost
     ├── InvalidState           the call does not fit the sandbox's state (resume one not paused)
-    │   └── SandboxPaused      the sandbox is paused: resume it first
+    │   ├── SandboxPaused      the sandbox is paused: resume it first
+    │   └── StdinNotTaken      a command took none of its stdin for a minute; the rest was not sent
     ├── ExecError              a command could not run to an outcome
     │   ├── ExecTimeout        a command hit its wall-clock timeout
     │   ├── OutOfMemory        a command was killed by the memory limit
@@ -127,6 +128,15 @@ class SandboxPaused(InvalidState):
     they are refused rather than left to hang."""
 
     code = "sandbox_paused"
+
+
+class StdinNotTaken(InvalidState):
+    """A command took none of its stdin for ``WRITE_TIMEOUT`` (60 s) while more of it waited to be
+    sent: a write to a command's stdin waits, as a pipe's writer does, while the command has not
+    taken the last ``STDIN_WINDOW`` (1 MiB) sent, and gives up after that long without progress.
+    What was sent before stays the command's; the rest (the message says how much) was not sent."""
+
+    code = "stdin_not_taken"
 
 
 class ExecError(SandboxError):

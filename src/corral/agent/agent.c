@@ -178,14 +178,7 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
         }
         break;
     case T_STDIN:
-        if ((e = find_exec(id)) && e->fd_in >= 0 && len > 0) {
-            char *n = realloc(e->inbuf, e->inlen + len);
-            if (!n) break;
-            e->inbuf = n;
-            memcpy(e->inbuf + e->inlen, payload, len);
-            e->inlen += len;
-            flush_stdin(e);
-        }
+        if ((e = find_exec(id)) && len > 0) take_stdin(e, payload, len);
         break;
     case T_STDIN_EOF:
         if ((e = find_exec(id))) { e->eof_pending = 1; flush_stdin(e); }

@@ -17,13 +17,18 @@ enum {
     T_AS_AGENT = 0x80,
     /* agent -> host */
     T_READY = 100, T_STARTED = 101, T_STDOUT = 102, T_STDERR = 103,
-    T_EXIT = 104, T_DATA = 105, T_SPARE = 106, T_OK = 110, T_ERR = 111,
+    T_EXIT = 104, T_DATA = 105, T_SPARE = 106, T_STDIN_ACK = 107, T_OK = 110, T_ERR = 111,
 };
 
 #define MAX_FRAME (64u << 20)
 #define MAX_EXECS 64
 #define CHUNK 65536
 #define GRACE_MS 100
+/* stdin bytes of one command the host may have sent and the agent not yet acknowledged
+ * (T_STDIN_ACK: written to the command, or dropped): what the agent holds for a command that
+ * reads slowly, in the sandbox's memory.  Unbounded, a client streaming 400 MiB to a command of a
+ * 256 MiB sandbox got the agent OOM-killed, and the sandbox with it. */
+#define STDIN_WINDOW (1u << 20)
 
 extern char **environ;
 
@@ -35,7 +40,7 @@ struct exec {
     int exited, status, eof_pending;
     long long exit_ms;
     char *inbuf;
-    size_t inlen;
+    size_t inoff, inlen; /* the bytes still to write are inbuf[inoff .. inoff + inlen) */
     /* bytes of stdout / stderr still forwarded to the host; -1: all of it (see pump_output) */
     long long room_out, room_err;
 };
@@ -74,6 +79,7 @@ void do_exec_spare(uint32_t id, char *payload, uint32_t len);
 void fork_spare(void);
 void child_exited(pid_t pid, int status);
 void flush_stdin(struct exec *e);
+void take_stdin(struct exec *e, const char *data, size_t len);
 void finish_exec(struct exec *e);
 void pump_output(struct exec *e, int *fd, uint8_t type);
 

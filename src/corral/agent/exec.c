@@ -328,17 +328,50 @@ void do_exec_spare(uint32_t id, char *payload, uint32_t len) {
     write_all(1, out, n);
 }
 
+static void ack_stdin(struct exec *e, size_t done) {
+    uint32_t n = (uint32_t)done;
+    if (n) send_frame(T_STDIN_ACK, e->id, &n, 4);
+}
+
+/* Bytes the host sent for a command's stdin.  The host keeps at most STDIN_WINDOW of them
+ * unacknowledged; more (or a command whose stdin is gone) are dropped, and acknowledged so. */
+void take_stdin(struct exec *e, const char *data, size_t len) {
+    if (e->fd_in < 0 || e->inlen + len > STDIN_WINDOW) {
+        ack_stdin(e, len);
+        return;
+    }
+    if (e->inoff) { /* at most a window moved per frame: no copy per partial write */
+        memmove(e->inbuf, e->inbuf + e->inoff, e->inlen);
+        e->inoff = 0;
+    }
+    char *n = realloc(e->inbuf, e->inlen + len);
+    if (!n) {
+        ack_stdin(e, len);
+        return;
+    }
+    e->inbuf = n;
+    memcpy(e->inbuf + e->inlen, data, len);
+    e->inlen += len;
+    flush_stdin(e);
+}
+
 void flush_stdin(struct exec *e) {
+    size_t done = 0;
     while (e->fd_in >= 0 && e->inlen > 0) {
-        ssize_t n = write(e->fd_in, e->inbuf, e->inlen);
+        ssize_t n = write(e->fd_in, e->inbuf + e->inoff, e->inlen);
         if (n < 0) {
-            if (errno == EAGAIN || errno == EINTR) return;
-            e->inlen = 0; /* reader went away: drop the rest */
+            if (errno == EAGAIN || errno == EINTR) break;
+            done += e->inlen; /* reader went away: drop the rest, and whatever comes after */
+            e->inlen = 0;
+            close_fd(&e->fd_in);
             break;
         }
-        memmove(e->inbuf, e->inbuf + n, e->inlen - (size_t)n);
+        e->inoff += (size_t)n;
         e->inlen -= (size_t)n;
+        done += (size_t)n;
     }
+    if (e->inlen == 0) e->inoff = 0;
+    ack_stdin(e, done);
     if (e->inlen == 0 && e->eof_pending) close_fd(&e->fd_in);
 }
 

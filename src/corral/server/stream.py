@@ -30,7 +30,7 @@ from fastapi import APIRouter
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ..errors import InvalidSpec, SandboxError
+from ..errors import InvalidSpec, SandboxError, StdinNotTaken
 from .context import context_of
 from .wire import StreamExecBody, require_unicode, status_for
 
@@ -162,6 +162,16 @@ async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
             raise WebSocketDisconnect(code=1001)
 
 
+async def _send_stdin(websocket: WebSocket, run: Callable[..., Awaitable[Any]], handle: CommandHandle,
+                      data: bytes) -> None:
+    # waits while the command has not taken what was sent before (this stream reads no more
+    # frames meanwhile: the client's writes wait too, as a pipe's writer does)
+    try:
+        await run(handle.send_stdin, data)
+    except StdinNotTaken as exc:
+        await websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
+
+
 async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: asyncio.Queue[tuple[str, Any]],
                            has_pty: bool, run: Callable[..., Awaitable[Any]]) -> None:
     # each call to the command goes to a thread (``run``), never on the event loop: a write to a
@@ -173,7 +183,7 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: a
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "stdin" and isinstance(message.get("data_b64"), str):
                 try:
-                    await run(handle.send_stdin, base64.b64decode(message["data_b64"], validate=True))
+                    await _send_stdin(websocket, run, handle, base64.b64decode(message["data_b64"], validate=True))
                 except binascii.Error:
                     await websocket.send_json({"type": "error", "error": "invalid_spec",
                                                "message": "stdin: data_b64 is not base64"})
@@ -184,7 +194,7 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: a
                     await websocket.send_json({"type": "error", "error": "invalid_spec",
                                                "message": "stdin: text is not valid Unicode (a lone surrogate)"})
                     continue
-                await run(handle.send_stdin, data)
+                await _send_stdin(websocket, run, handle, data)
             elif kind == "stdin_close":
                 await run(handle.close_stdin)
             elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:

@@ -49,6 +49,7 @@ from .frames import (
     T_SPARE,
     T_STARTED,
     T_STDERR,
+    T_STDIN_ACK,
     T_STDIN_EOF,
     T_STDOUT,
 )
@@ -264,6 +265,8 @@ class AgentChannel:
                 proc._started(struct.unpack("<I", payload)[0])
             elif kind in (T_STDOUT, T_STDERR):
                 proc._output("stdout" if kind == T_STDOUT else "stderr", payload)
+            elif kind == T_STDIN_ACK and len(payload) == 4:
+                proc._stdin_taken(struct.unpack("<I", payload)[0])
             elif kind == T_EXIT and len(payload) == 4:
                 self._execs.pop(ident, None)
                 proc._exited(struct.unpack("<i", payload)[0])

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ...errors import ContainmentFailed, SandboxPaused
+from ...errors import ContainmentFailed, SandboxPaused, StdinNotTaken
 from ..base import ExecRequest, ExecResult, OutputCallback, Process, keep_output
-from .frames import T_GO, T_RESIZE, T_SIGNAL, T_STDIN, T_STDIN_EOF
+from .frames import STDIN_WINDOW, T_GO, T_RESIZE, T_SIGNAL, T_STDIN, T_STDIN_EOF
 
 if TYPE_CHECKING:
     from .agent import AgentChannel
@@ -46,6 +46,9 @@ class AgentProcess(Process):
         self._start = time.monotonic()
         self._paused_before = channel.pause_clock.paused_total()
         self._done = threading.Event()
+        #: stdin bytes sent and not yet acknowledged by the agent (at most STDIN_WINDOW)
+        self._stdin_unacked = 0
+        self._stdin_room = threading.Condition()
         self._out = {"stdout": bytearray(), "stderr": bytearray()}
         self._truncated = False
         self._status: int | None = None
@@ -93,25 +96,60 @@ class AgentProcess(Process):
             except Exception:  # a caller's callback must not kill the reader
                 pass
 
+    def _stdin_taken(self, count: int) -> None:
+        with self._stdin_room:
+            self._stdin_unacked = max(0, self._stdin_unacked - count)
+            self._stdin_room.notify_all()
+
+    def _set_done(self) -> None:
+        self._done.set()
+        with self._stdin_room:  # a writer waiting for room stops: nobody will read what it holds
+            self._stdin_room.notify_all()
+
     def _exited(self, status: int) -> None:
         self._status = status
-        self._done.set()
+        self._set_done()
 
     def _failed(self, message: str) -> None:
         self._error = message
-        self._done.set()
+        self._set_done()
 
     def _agent_gone(self) -> None:
         if not self._done.is_set():
             self._error = self._error or "the sandbox stopped while the command ran"
-            self._done.set()
+            self._set_done()
 
     # Process API
     def write_stdin(self, data: bytes) -> None:
+        """Send ``data`` to the command's stdin, waiting as a pipe's writer does while the command
+        has not taken what was sent before (at most ``STDIN_WINDOW`` bytes wait in the sandbox).
+        The wait ends with the command, and at its timeout (which then ends it); what it did not
+        take by then is dropped, as a pipe's is when its reader goes away."""
+        from .agent import WRITE_TIMEOUT  # (read at each call: tests shorten it)
+
         if self._channel.pause_clock.paused:  # its agent is frozen: as every other call, not a wait
             raise SandboxPaused("the sandbox is paused: resume() it first")
-        for offset in range(0, len(data), 1 << 20):
-            self._channel.send(T_STDIN, self._id, data[offset : offset + (1 << 20)])
+        view = memoryview(data)
+        while view and not self._done.is_set():
+            with self._stdin_room:
+                unacked, progress = self._stdin_unacked, time.monotonic()
+                while (room := STDIN_WINDOW - self._stdin_unacked) <= 0 and not self._done.is_set():
+                    now = time.monotonic()
+                    if self._stdin_unacked < unacked or self._channel.pause_clock.paused:
+                        unacked, progress = self._stdin_unacked, now  # (paused: not the command's doing)
+                    if now - progress > WRITE_TIMEOUT:
+                        raise StdinNotTaken(f"the command took none of its stdin for {WRITE_TIMEOUT:.0f} s: "
+                                            f"{len(view)} bytes were not sent")
+                    remaining = self._deadline() - now
+                    if remaining <= 0:
+                        return  # wait() ends it as timed out
+                    self._stdin_room.wait(min(remaining, 1.0, WRITE_TIMEOUT))
+                if self._done.is_set():
+                    return
+                chunk = bytes(view[:room])
+                self._stdin_unacked += len(chunk)
+            self._channel.send(T_STDIN, self._id, chunk)
+            view = view[len(chunk):]
 
     def close_stdin(self) -> None:
         if not self._eof_sent:

@@ -1,0 +1,106 @@
+"""A command's stdin is flow-controlled, as a pipe is (``STDIN_WINDOW``, agent.h).
+
+The agent used to hold whatever stdin the host sent until the command read it, in the sandbox's
+memory and without bound: a client streaming 400 MiB into a command of a 256 MiB sandbox got the
+agent (pid 1) OOM-killed and the whole sandbox with it (every later call: ``SandboxClosed``).
+Now the host keeps at most 1 MiB per command that the agent has not written to the command, and a
+write waits for room: it ends with the command, at the command's timeout, or after
+``WRITE_TIMEOUT`` without progress (``StdinNotTaken``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import StdinNotTaken
+from corral.tiers.linux import agent as agent_protocol
+
+from .server_fixtures import KEYS, ServerProcess
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor", "microvm"])
+def test_stdin_larger_than_the_sandboxs_memory_streams_through_and_the_sandbox_lives(tier: str) -> None:
+    with Sandbox.create(tier=tier, memory="256M") as sb:
+        # the command reads nothing for a second: the writer waits for it instead of the agent
+        # holding the lot
+        handle = sb.commands.run("sleep 1; wc -c", background=True, timeout=180)
+        chunk = b"x" * MIB
+        for _ in range(320):
+            handle.send_stdin(chunk)
+        handle.close_stdin()
+        assert handle.wait().stdout.strip() == str(320 * MIB)
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_a_command_that_never_reads_its_stdin_still_ends_at_its_timeout() -> None:
+    with Sandbox.create() as sb:
+        started = time.monotonic()
+        result = sb.commands.run("sleep 30", stdin=b"x" * (8 * MIB), timeout=2)
+        assert result.timed_out and time.monotonic() - started < 10
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_stdin_for_a_command_that_closed_it_is_dropped_without_a_wait() -> None:
+    with Sandbox.create() as sb:
+        handle = sb.commands.run("exec 0<&-; sleep 3; echo done", background=True, timeout=30)
+        started = time.monotonic()
+        handle.send_stdin(b"x" * (8 * MIB))
+        assert time.monotonic() - started < 2.5  # (it runs on for 3 s more)
+        assert handle.wait().stdout == "done\n"
+
+
+def test_stdin_nobody_takes_fails_in_time_and_the_command_and_sandbox_work_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_protocol, "WRITE_TIMEOUT", 1.0)
+    with Sandbox.create() as sb:
+        handle = sb.commands.run("sleep 2; wc -c", background=True, timeout=30)
+        started = time.monotonic()
+        with pytest.raises(StdinNotTaken, match="bytes were not sent"):
+            handle.send_stdin(b"x" * (4 * MIB))
+        assert time.monotonic() - started < 2
+        handle.close_stdin()
+        taken = int(handle.wait().stdout)
+        assert MIB <= taken < 4 * MIB  # the window it was sent, and the pipe's part of it
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(state_dir / "srv-stdin", keys=KEYS) as srv:
+        yield srv
+
+
+def test_stdin_through_the_server_larger_than_the_sandbox_streams_through(server: ServerProcess) -> None:
+    # the REST stdin route holds a body (up to the server's 32 MiB), the agent only its window:
+    # six bodies of 30 MiB into a 64 MiB sandbox
+    with server.client("alice") as client:
+        made = client.post("/v1/sandboxes", json={"limits": {"memory": "64M"}})
+        assert made.status_code == 201, made.text
+        sandbox_id = made.json()["id"]
+        try:
+            started = client.post(f"/v1/sandboxes/{sandbox_id}/commands",
+                                  json={"cmd": "sleep 1; wc -c > /tmp/n.part; mv /tmp/n.part /tmp/n", "timeout": 120})
+            assert started.status_code == 201, started.text
+            pid = started.json()["pid"]
+            for last in [False] * 5 + [True]:
+                fed = client.post(f"/v1/sandboxes/{sandbox_id}/commands/{pid}/stdin", params={"close": last},
+                                  content=b"x" * (30 * MIB), timeout=120)
+                assert fed.status_code == 204, fed.text
+            deadline = time.monotonic() + 60
+            while True:
+                counted = client.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"cmd": "cat /tmp/n 2>/dev/null"})
+                assert counted.status_code == 200, counted.text  # (the sandbox lives)
+                if counted.json()["stdout"] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert counted.json()["stdout"].strip() == str(180 * MIB)
+        finally:
+            client.delete(f"/v1/sandboxes/{sandbox_id}")
+
