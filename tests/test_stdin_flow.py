@@ -104,3 +104,41 @@ def test_stdin_through_the_server_larger_than_the_sandbox_streams_through(server
         finally:
             client.delete(f"/v1/sandboxes/{sandbox_id}")
 
+
+def test_the_remote_sdk_sends_stdin_of_any_size(server: ServerProcess) -> None:
+    # more than a request body holds (32 MiB) and more than the sandbox's memory, each way the
+    # SDK sends stdin: in a run's call, over the exec stream, at a background start, by pid
+    data = b"y" * (72 * MIB)
+    with Sandbox.create(memory="64M", url=server.url, api_key=KEYS["alice"]) as sb:
+        assert sb.commands.run("wc -c", stdin=data, timeout=120).stdout.strip() == str(72 * MIB)
+        streamed = sb.commands.run("wc -c", stdin=data, timeout=120, on_stdout=lambda _: None)
+        assert streamed.stdout.strip() == str(72 * MIB)
+        handle = sb.commands.run("sleep 1; wc -c > /tmp/n.part; mv /tmp/n.part /tmp/n", background=True,
+                                 stdin=data, timeout=120)
+        handle.send_stdin(data)
+        handle.close_stdin()
+        deadline = time.monotonic() + 60
+        while not sb.files.exists("/tmp/n") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sb.files.read("/tmp/n").strip() == str(144 * MIB)
+
+
+def test_the_async_remote_sdk_sends_stdin_of_any_size(server: ServerProcess) -> None:
+    import asyncio
+
+    from corral import AsyncSandbox
+
+    data = b"z" * (40 * MIB)
+
+    async def session() -> None:
+        async with await AsyncSandbox.create(url=server.url, api_key=KEYS["alice"], memory="64M") as sb:
+            assert (await sb.commands.run("wc -c", stdin=data, timeout=120)).stdout.strip() == str(40 * MIB)
+            handle = await sb.commands.run("wc -c > /tmp/n.part; mv /tmp/n.part /tmp/n", background=True,
+                                           stdin=data, timeout=120)
+            await handle.close_stdin()
+            deadline = time.monotonic() + 60
+            while not await sb.files.exists("/tmp/n") and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert (await sb.files.read("/tmp/n")).strip() == str(40 * MIB)
+
+    asyncio.run(session())

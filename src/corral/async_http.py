@@ -5,7 +5,6 @@ call; the same routes, retries and errors as :mod:`corral.http_transport`."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import inspect
 import json
@@ -16,8 +15,17 @@ from urllib.parse import quote
 import httpx
 
 from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .http_streams import ExecFrames, printed, result_of
-from .http_transport import REQUEST_TIMEOUT, Endpoint, answer, create_body, info_of, retry_wait, stdin_field
+from .http_streams import STDIN_POST, ExecFrames, printed, result_of
+from .http_transport import (
+    INLINE_STDIN,
+    REQUEST_TIMEOUT,
+    Endpoint,
+    answer,
+    create_body,
+    info_of,
+    retry_wait,
+    stdin_field,
+)
 from .lifecycle import SandboxInfo, matches
 from .spec import SandboxSpec
 from .tiers.base import ExecResult, FileEntry
@@ -113,7 +121,8 @@ class AsyncStreamProcess(ExecFrames):
                 await self._ws.send(json.dumps(frame))
 
     async def write_stdin(self, data: bytes) -> None:
-        await self._send({"type": "stdin", "data_b64": base64.b64encode(data).decode()})
+        for frame in self._stdin_frames(data):
+            await self._send(frame)
 
     async def close_stdin(self) -> None:
         await self._send({"type": "stdin_close"})
@@ -153,8 +162,9 @@ class AsyncBackgroundProcess:
         return self._result is not None
 
     async def write_stdin(self, data: bytes) -> None:
-        await self._client.request("POST", f"{self._path}/stdin", content=data,
-                                   headers={"content-type": "application/octet-stream"})
+        for offset in range(0, len(data), STDIN_POST):  # (the server takes bodies up to 32 MiB)
+            await self._client.request("POST", f"{self._path}/stdin", content=data[offset : offset + STDIN_POST],
+                                       headers={"content-type": "application/octet-stream"})
 
     async def close_stdin(self) -> None:
         await self._client.request("POST", f"{self._path}/stdin", params={"close": "true"}, content=b"",
@@ -229,7 +239,7 @@ class AsyncHTTPBackend:
         return process
 
     async def run(self, call: CommandCall, stdin: bytes | None, on_output: AsyncOutput | None) -> ExecResult:
-        if on_output is not None:
+        if on_output is not None or (stdin is not None and len(stdin) > INLINE_STDIN):  # stdin in frames
             process = await self.start(call, on_output)
             if stdin is not None:
                 await process.write_stdin(stdin)
@@ -241,8 +251,12 @@ class AsyncHTTPBackend:
 
     async def start_background(self, call: CommandCall, stdin: bytes | None,
                                on_output: AsyncOutput | None) -> AsyncBackgroundProcess:
-        started = await self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin)})
-        return AsyncBackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
+        inline = stdin is not None and len(stdin) <= INLINE_STDIN
+        started = await self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin if inline else None)})
+        process = AsyncBackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
+        if stdin is not None and not inline:
+            await process.write_stdin(stdin)
+        return process
 
     async def commands(self) -> list[CommandInfo]:
         from .commands import CommandInfo

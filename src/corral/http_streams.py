@@ -6,14 +6,30 @@ from __future__ import annotations
 import base64
 import json
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
+from .errors import (
+    ConnectionLost,
+    InvalidSpec,
+    SandboxClosed,
+    SandboxError,
+    SandboxNotFound,
+    StdinNotTaken,
+    error_from_code,
+)
 from .tiers.base import ExecResult
 from .transport import CommandProcess, OutputCallback
 
 if TYPE_CHECKING:
     from .http_transport import Client
+
+
+#: raw stdin bytes per frame of the exec stream (base64 in JSON: a third more; the server's
+#: WebSocket messages are bounded) and per POST to a background command (the server's bodies are
+#: at most 32 MiB)
+STDIN_FRAME = 4 << 20
+STDIN_POST = 16 << 20
 
 
 def ws_connect(url: str, headers: dict[str, str], max_size: int | None) -> Any:
@@ -55,9 +71,23 @@ class ExecFrames:
             return kind, frame["data"].encode()
         elif kind == "result":
             self._result = result_of(frame)
+        elif kind == "error" and frame.get("error") == StdinNotTaken.code:
+            # the stream goes on: the next stdin call says so (its caller's data was not all sent)
+            self._stdin_error = StdinNotTaken(str(frame.get("message", "")), sandbox_id=self._sandbox_id)
         elif kind == "error" and self._result is None:
             self._error = error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
         return kind, None
+
+    _stdin_error: StdinNotTaken | None = None
+
+    def _stdin_frames(self, data: bytes) -> Iterator[dict[str, Any]]:
+        """``data`` as stdin frames of at most STDIN_FRAME bytes (base64: any bytes, not only
+        UTF-8); first, the error of stdin sent before that the command did not take."""
+        error, self._stdin_error = self._stdin_error, None
+        if error is not None:
+            raise error
+        for offset in range(0, len(data), STDIN_FRAME):
+            yield {"type": "stdin", "data_b64": base64.b64encode(data[offset : offset + STDIN_FRAME]).decode()}
 
     def _lost(self, exc: Exception) -> None:
         if self._result is None and self._error is None:
@@ -124,8 +154,8 @@ class StreamProcess(ExecFrames, CommandProcess):
         return self._done.is_set()
 
     def write_stdin(self, data: bytes) -> None:
-        # any bytes, not only UTF-8: base64 in the JSON frame
-        self._send({"type": "stdin", "data_b64": base64.b64encode(data).decode()})
+        for frame in self._stdin_frames(data):
+            self._send(frame)
 
     def close_stdin(self) -> None:
         self._send({"type": "stdin_close"})
@@ -186,8 +216,9 @@ class BackgroundProcess(CommandProcess):
 
     def write_stdin(self, data: bytes) -> None:
         try:
-            self._client.request("POST", f"{self._path}/stdin", content=data,
-                                 headers={"content-type": "application/octet-stream"})
+            for offset in range(0, len(data), STDIN_POST):  # (the server takes bodies up to 32 MiB)
+                self._client.request("POST", f"{self._path}/stdin", content=data[offset : offset + STDIN_POST],
+                                     headers={"content-type": "application/octet-stream"})
         except SandboxNotFound as exc:
             raise InvalidSpec(str(exc), sandbox_id=self._sandbox_id) from None
 

@@ -189,16 +189,20 @@ class HTTPBackend(SandboxBackend):
         return process
 
     def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
-        if on_output is not None:
-            return super().run(call, stdin, on_output)
+        if on_output is not None or (stdin is not None and len(stdin) > INLINE_STDIN):
+            return super().run(call, stdin, on_output)  # the exec stream: stdin in frames
         data = self._call("POST", "/exec", timeout=None, json={**call.body(), **stdin_field(stdin)})
         data.pop("sandbox_id", None)
         return ExecResult(**data)
 
     def start_background(self, call: CommandCall, stdin: bytes | None,
                          on_output: OutputCallback | None) -> BackgroundProcess:
-        started = self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin)})
-        return BackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
+        inline = stdin is not None and len(stdin) <= INLINE_STDIN
+        started = self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin if inline else None)})
+        process = BackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
+        if stdin is not None and not inline:
+            process.write_stdin(stdin)
+        return process
 
     def commands(self) -> list[CommandInfo]:
         from .commands import CommandInfo
@@ -328,6 +332,11 @@ def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool) -> E
     where = urlsplit(endpoint.url)
     url = f"{endpoint.url}{endpoint.sandbox_path(sandbox_id)}/ports/{port}/"
     return ExposedPort(port, where.hostname or "", where.port or (443 if where.scheme == "https" else 80), url)
+
+
+#: stdin sent in a command's JSON body up to this size; more goes after it, in parts (the server's
+#: request bodies are at most 32 MiB, and base64 or JSON escapes may double it)
+INLINE_STDIN = 8 << 20
 
 
 def stdin_field(stdin: bytes | None) -> dict[str, str]:
