@@ -18,6 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ...host import fdwait
 from ...spec import MiB
 from ..base import ExecRequest, ExecResult, OutputCallback, Process, keep_output
 from .runtime import Worker
@@ -145,15 +146,27 @@ class WasmProcess(Process):
 
     # -- Process API ---------------------------------------------------------
     def write_stdin(self, data: bytes) -> None:
+        """Waits, as a pipe's writer does, while the guest takes none of it, but not past the
+        command's end or its timeout: a guest blocked in a host call that never read its stdin
+        (``time.sleep``, which epoch interruption cannot end) held a blocking write, and so
+        ``run(stdin=...)``, until it ended by itself, long past its timeout (``wait`` ends it)."""
         with self._stdin_lock:
             fd = self.worker.stdin_w
             if fd < 0:
                 return
+            os.set_blocking(fd, False)
+            deadline = self._start + self._request.timeout + KILL_GRACE
             view = memoryview(data)
             try:
-                while view:
-                    view = view[os.write(fd, view):]
-            except (BrokenPipeError, OSError):
+                while view and not self._done.is_set():
+                    try:
+                        view = view[os.write(fd, view):]
+                    except BlockingIOError:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return
+                        fdwait.writable(fd, min(left, 0.5))
+            except OSError:  # the guest is gone (BrokenPipeError) or its stdin closed
                 pass
 
     def close_stdin(self) -> None:
