@@ -206,3 +206,19 @@ def test_a_paused_sandbox_is_frozen_not_stuck(monkeypatch: pytest.MonkeyPatch) -
         writing.join(30)
         assert not writing.is_alive() and outcome == [None], outcome
         assert sb.commands.run("echo alive", timeout=10).stdout == "alive\n"
+
+
+@pytest.mark.parametrize("tier", ["process", "wasm"])
+def test_a_directory_larger_than_a_listing_is_refused_whole_not_cut_short(tier: str) -> None:
+    # before: the agent stopped at 100,000 entries and the listing looked complete
+    from corral.tiers.base import MAX_LIST_ENTRIES
+
+    make = ("import os\nos.mkdir('/tmp/d')\nopen('/tmp/d/0', 'w').close()\n"  # (links: quick under WASI)
+            f"for i in range(1, {MAX_LIST_ENTRIES + 1}): os.link('/tmp/d/0', f'/tmp/d/{{i}}')")
+    with Sandbox.create(tier=tier) as sb:
+        assert sb.commands.run(["python3", "-c", make], timeout=240).exit_code == 0
+        with pytest.raises(FileError, match="more than 100,000 entries") as refused:
+            sb.files.list("/tmp/d")
+        assert refused.value.errno == errno.E2BIG
+        sb.files.remove("/tmp/d/1")
+        assert len(sb.files.list("/tmp/d")) == MAX_LIST_ENTRIES  # the allowed size: whole

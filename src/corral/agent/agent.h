@@ -24,6 +24,8 @@ enum {
 #define MAX_EXECS 64
 #define CHUNK 65536
 #define GRACE_MS 100
+/* entries a directory listing holds at most (MAX_LIST_ENTRIES in tiers/base.py): more is E2BIG */
+#define MAX_LIST 100000
 /* stdin bytes of one command the host may have sent and the agent not yet acknowledged
  * (T_STDIN_ACK: written to the command, or dropped): what the agent holds for a command that
  * reads slowly, in the sandbox's memory.  Unbounded, a client streaming 400 MiB to a command of a

@@ -112,9 +112,10 @@ void do_flist(uint32_t id, const char *path) {
     size_t cap = 65536, len = 0;
     char *out = malloc(cap);
     struct dirent *de;
-    int count = 0;
-    while (out && (de = readdir(d)) != NULL && count < 100000) {
+    int count = 0, more = 0;
+    while (out && (de = readdir(d)) != NULL) {
         if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        if (count == MAX_LIST) { more = 1; break; } /* refused whole, never cut short in silence */
         struct stat st;
         if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0) continue;
         size_t nl = strlen(de->d_name);
@@ -137,6 +138,7 @@ void do_flist(uint32_t id, const char *path) {
         count++;
     }
     closedir(d);
+    if (more) { free(out); send_err(id, E2BIG, path); return; }
     if (!out) { send_err(id, ENOMEM, path); return; }
     send_frame(T_OK, id, out, (uint32_t)len);
     free(out);

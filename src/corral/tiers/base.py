@@ -33,6 +33,16 @@ if TYPE_CHECKING:
 OutputCallback = Callable[[str, bytes], None]
 
 
+#: entries ``list_dir`` returns at most: a larger directory is refused whole (``FileError``,
+#: ``E2BIG``), never cut short in silence (its listing is held in memory on both sides)
+MAX_LIST_ENTRIES = 100_000
+
+
+def too_many_entries(path: str) -> str:
+    return (f"{path}: more than {MAX_LIST_ENTRIES:,} entries, more than a listing holds: list it with a "
+            "command instead (ls, find)")
+
+
 @dataclass(frozen=True)
 class ExecRequest:
     """One command to run inside a sandbox."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed
 from ...host import fdwait
 from ...images import SANDBOX_UID
-from ..base import ExecRequest, FileEntry, OutputCallback
+from ..base import ExecRequest, FileEntry, OutputCallback, too_many_entries
 from .agent_process import AgentProcess
 from .frames import (
     HEADER,
@@ -350,6 +350,8 @@ class AgentChannel:
             message = bytes(pending.data[4:]).decode(errors="replace")
             if err == errno.EFBIG:
                 raise FileError(f"{message}: file is larger than the {limit} byte limit", err)
+            if err == errno.E2BIG:
+                raise FileError(too_many_entries(message), err)
             cls = FileNotFoundInSandbox if err == 2 else FileError
             raise cls(message, err)
         if pending.overflow:

@@ -17,7 +17,7 @@ import stat as stat_mod
 from pathlib import Path
 
 from ...errors import FileError, FileNotFoundInSandbox
-from ..base import FileEntry
+from ..base import MAX_LIST_ENTRIES, FileEntry, too_many_entries
 
 SYS_OPENAT2 = 437  # same number on x86-64 and arm64
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -136,7 +136,10 @@ class SandboxFiles:
         base = os.path.normpath("/" + path.lstrip("/")).rstrip("/")
         entries = []
         try:
-            for name in os.listdir(fd):
+            names = os.listdir(fd)
+            if len(names) > MAX_LIST_ENTRIES:
+                raise FileError(too_many_entries(path), errno.E2BIG)
+            for name in names:
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
