@@ -1,10 +1,11 @@
 """The microVM tier (QEMU ``microvm``, own guest kernel, snapshot restore).
 
-``tier`` → ``template`` (the booted, snapshotted guest) → ``qemu`` → ``guest``
+``tier`` → ``sandbox`` (one VM) → ``template`` (the booted, snapshotted guest) → ``qemu`` → ``guest``
 (kernel, initramfs, agent); ``rootdisk`` (the image as a disk), ``egress_bridge``.
 """
 
-from .tier import MicroVMSandbox, MicroVMTier
+from .sandbox import MicroVMSandbox
+from .tier import MicroVMTier
 
 TIER = MicroVMTier
 

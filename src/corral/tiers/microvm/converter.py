@@ -17,7 +17,7 @@ from ..linux.agent_build import agent_binary
 from . import qemu, template, vmm
 
 if TYPE_CHECKING:
-    from .tier import MicroVMSandbox
+    from .sandbox import MicroVMSandbox
 
 MIGRATE_TIMEOUT = 120.0
 

@@ -66,7 +66,7 @@ from .converter import MIGRATE_TIMEOUT
 from .rootdisk import ImageDisk
 
 if TYPE_CHECKING:
-    from .tier import MicroVMSandbox
+    from .sandbox import MicroVMSandbox
 
 VM_DIR = "vm"
 WORKSPACE = "/workspace"
@@ -430,7 +430,7 @@ def host_side(vm: MicroVMSandbox, ram_mb: int, disk: ImageDisk, leaves: int) -> 
     """What a VM made from a live state (a snapshot's, a fork's) holds on the host before its QEMU
     starts: its cgroup, sized for ``ram_mb`` of guest RAM, and its disk tmpfs; returns the
     (empty) directory its workspace copy goes to."""
-    from .tier import VMM_OVERHEAD, VMM_PIDS
+    from .sandbox import VMM_OVERHEAD, VMM_PIDS
 
     spec, run, uid = vm.spec, vm._run_dir, vm.uid
     vm.ram_mb, vm.image_disk, vm._exec_count = ram_mb, disk, leaves

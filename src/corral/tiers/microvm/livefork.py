@@ -43,7 +43,8 @@ from .converter import MIGRATE_TIMEOUT
 from .rootdisk import ImageDisk
 
 if TYPE_CHECKING:
-    from .tier import MicroVMSandbox, MicroVMTier
+    from .sandbox import MicroVMSandbox
+    from .tier import MicroVMTier
 
 #: bytes per read of the stream copied to more than one fork
 FAN_OUT_CHUNK = 1 << 20
@@ -103,7 +104,7 @@ def fork(tier: MicroVMTier, parent: MicroVMSandbox, spec: SandboxSpec,
          children: list[tuple[str, Path]]) -> list[MicroVMSandbox]:
     """``len(children)`` forks of ``parent`` (each a (sandbox id, empty run dir)), all made or
     none: a failure closes those made and raises."""
-    from .tier import MicroVMSandbox
+    from .sandbox import MicroVMSandbox
 
     readonly = live.readonly_workspace(parent)
     feeds, sources = [], []

@@ -1,0 +1,462 @@
+"""One microVM sandbox (:class:`MicroVMSandbox`): its QEMU, restored from a template (or a
+live snapshot, or a running VM's migration stream), its agent channel, and what it owns.
+
+One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
+:meth:`~.tier.MicroVMTier.reap` after its owner died):
+
+- a QEMU process, started in the sandbox's host cgroup (memory = guest RAM +
+  QEMU's own overhead, cpu quota, pids) as root of the sandbox's user namespace
+  (its uid range, ``VMM_CAPS`` only), given its files as descriptors;
+- its ``run_dir``: the QMP and agent sockets, the console log (on the disk tmpfs) and a
+  size-limited tmpfs with the workspace copy the guest reaches over 9p;
+- with ``network="allow"``: the egress proxy (a thread, its socket in the run
+  dir) and the bridge thread that carries the guest's connections from the
+  VM's egress port to it (``egress_bridge.py``);
+- with ``network="open"``: the open mode's namespace, veth pair, nftables
+  table and NFLOG listener (``OpenNetwork``), plus a tap bridged to the veth
+  inside that namespace, whose fd QEMU's virtio-net device gets.
+
+The image is not the sandbox's: it is a read-only disk shared by every VM of
+that image (rootdisk), already mounted under the root overlay in the
+template the VM is restored from.
+
+Inside the guest, commands run in leaves of a guest cgroup carrying the
+memory and pids limits: OOM is read from the leaf's ``memory.events`` and a
+timeout writes the leaf's ``cgroup.kill``, both through the agent's file
+operations (the agent itself lives outside that cgroup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...egress.network import PROXY_PORT
+from ...errors import SandboxClosed, SandboxError
+from ...host import mounts
+from ...host.ws_copy import WorkspaceCopy
+from ...images import resolve
+from ...spec import MiB, SandboxSpec
+from ..base import ExecRequest, OutputCallback, Process
+from ..linux.agent import USER_IDS, AgentChannel
+from ..linux.agent_build import agent_binary
+from ..linux.agent_process import AgentProcess
+from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE
+from ..linux.sandbox import LinuxSandbox
+from . import converter, live, livefork, qemu, rootdisk, template, vmm
+from .egress_bridge import EgressBridge
+
+if TYPE_CHECKING:
+    from .tier import MicroVMTier
+
+#: where port forwards' connector (a copy of the agent) goes in the guest
+CONNECTOR_IN_GUEST = "/.corral-connect"
+#: host memory on top of guest RAM: QEMU itself and TCG's translation cache
+VMM_OVERHEAD = 384 * MiB
+VMM_PIDS = 64
+START_TIMEOUT = 60.0
+GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
+#: sh -c SCRIPT corral-vmm PROCS_FILE... -- QEMU ARGS...: join the cgroups, become QEMU
+_JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
+class MicroVMSandbox(LinuxSandbox):
+    #: guest RAM and the image's disk (what a live snapshot of it records)
+    ram_mb: int
+    image_disk: rootdisk.ImageDisk
+    source_template: template.Template
+
+    def __init__(self, tier: MicroVMTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
+                 seed: tuple[Path, str] | None = None, fork: livefork.ForkSource | None = None) -> None:
+        self._tier = tier
+        #: a live snapshot to restore (its files directory, its manifest's sha256)
+        self._live_seed = seed
+        #: or a running VM's migration stream to load (a fork)
+        self._fork_source = fork
+        if seed is not None or fork is not None:
+            self.hostname = sandbox_id
+        self._exec_count = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._bridge: EgressBridge | None = None
+        self._snapshot_lock = threading.Lock()
+        #: the memory image of its last live snapshot, perhaps still being written
+        self._ram_write: live.RamWrite | None = None
+        #: seconds spent in each start-up phase (bench and debugging)
+        self.timings: dict[str, float] = {}
+        #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
+        self._trace = bool(os.environ.get("CORRAL_MICROVM_TRACE"))
+        self.trace_wall0 = 0.0
+        super().__init__(tier.state_dir, spec, sandbox_id, run_dir)
+
+    # -- creation --------------------------------------------------------
+    def _agent_connector(self) -> str | None:
+        """Port forwards run ``agent --connect PORT`` in the guest (it has no network device to
+        enter); the guest's commands do not see the agent, so a copy goes to the guest's root once."""
+        if self._connector_path is None:
+            self._channel_or_raise().write_file(CONNECTOR_IN_GUEST, agent_binary().read_bytes(), 0o755, as_agent=True)
+            self._connector_path = CONNECTOR_IN_GUEST
+        return self._connector_path
+
+    def _setup(self) -> None:
+        if self._live_seed is not None:
+            live.setup_restored(self, *self._live_seed)
+            return
+        if self._fork_source is not None:
+            livefork.setup_forked(self, self._fork_source)
+            return
+        spec, run, uid = self.spec, self._run_dir, self.uid
+        t0 = time.monotonic()
+        # QEMU's user namespace (the uid range mapped): its helper starts while the rest is made
+        self._start_userns(agent_binary(self._tier.state_dir))
+        image = resolve(spec.image, self._tier.state_dir)
+        image_disk = self.image_disk = rootdisk.image_disk(image)
+        ram_mb = self.ram_mb = self._tier.ram_mb(spec.limits.memory)
+        tmpl = self.source_template = template.get_template(
+            self._tier.assets, self._tier.accel, ram_mb, image_disk, self._tier.state_dir)
+        self.timings["template"] = time.monotonic() - t0
+        host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
+        self._make_cgroup(host_limits, self._tier._layout)
+        disk = run / "disk"
+        disk.mkdir()
+        mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o700)
+        ws = disk / "ws"
+        if spec.workspace is not None:
+            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, spec.limits.disk)
+        else:
+            ws.mkdir(mode=0o755)
+            os.chown(ws, uid, uid)
+        config = {
+            "seed": secrets.token_hex(64),
+            "time_ns": str(time.time_ns()),
+            "hostname": "sandbox",
+            "machine_id": uuid.uuid4().hex,
+            "disk": str(spec.limits.disk),
+            "memory": str(spec.limits.memory),
+            "pids": str(spec.limits.pids),
+            "workspace": spec.workspace.mode if spec.workspace and spec.workspace.mode == "ro" else "rw",
+            "user": spec.user,  # the agent's default user (guestinit tells it at "go")
+        }
+        if spec.network == "allow":
+            # the proxy on the host; the guest's relay listens on this port (guestinit)
+            self._make_network(host_namespace=False)
+            config["egress"] = str(PROXY_PORT)
+        elif spec.network == "open":
+            # the open mode's namespace with a tap for the guest; the guest takes the
+            # sandbox's address on eth0 after the restore (guestinit's start_net)
+            link = self._make_network(guest_tap=True).open_net
+            assert link is not None
+            config.update(net_addr=link.sandbox_addr, net_prefix=str(link.prefix), net_gw=link.host_addr)
+        if self._trace:
+            config["trace"] = "1"  # guestinit writes its step timestamps to console.log
+        self._launch(tmpl, image_disk, ws, config)
+        self._place_network_files()
+        self.timings["total"] = time.monotonic() - t0
+
+    def _place_network_files(self) -> None:
+        """The proxy's files (Node preload, the sandbox CA in the trust bundle) into the
+        guest's root, through the agent: the other tiers build them into the root they mount."""
+        if self.network is None:
+            return
+        channel = self._channel_or_raise()
+        for path, data in self.network.files.items():
+            channel.write_file(path, data, 0o644, as_agent=True)
+
+    def _launch(self, tmpl: template.Template, disk: rootdisk.ImageDisk, ws: Path,
+                config: dict[str, str] | None, incoming: socket.socket | None = None) -> None:
+        """Start QEMU restoring the template and queue the configuration for the guest;
+        ``incoming``: a fork's end of its parent's migration stream instead (livefork.py): its
+        RAM is then QEMU's own (anonymous, charged to this sandbox's host cgroup), loaded whole
+        from the stream.
+
+        Nothing here polls: the agent and QMP sockets are created (listening)
+        before QEMU starts, so the configuration frame is written at once and
+        waits in the socket until the restored guest reads it; the snapshot's
+        device state comes from an inherited fd, and the VM runs as soon as it
+        is loaded (the template was saved without its run state)."""
+        assert self.cgroup is not None
+        run = self._run_dir
+        paths = qemu.VMPaths(run / "agent.sock", run / "qmp.sock", self.console_log)
+        readonly = bool(self.spec.workspace and self.spec.workspace.mode == "ro")
+        listeners = []
+        sockets = [paths.agent_socket, paths.qmp_socket]
+        if self.spec.network == "allow":
+            sockets.append(run / "egress.sock")  # the egress port's chardev: connected to the bridge
+        for path in sockets:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listeners.append(listener)
+            listener.bind(str(path))
+            listener.listen(1)
+        userns = self._userns()
+        try:
+            files = vmm.open_files(ram=tmpl.ram if incoming is None else None, disk=disk.path, workspace=ws, console=paths.console_log,
+                                   userns=userns, owner=self.uid_range.base)
+        except BaseException:
+            for listener in listeners:
+                listener.close()
+            raise
+        state = os.open(tmpl.state, os.O_RDONLY) if incoming is None else os.dup(incoming.fileno())
+        fds = (listeners[0].fileno(), listeners[1].fileno())
+        link = self.network.open_net if self.network is not None else None
+        # QEMU gets its own copy; ours is closed below, so the tap goes when QEMU does
+        tap = link.take_tap() if link is not None else None
+        inherited = [state, *(listener.fileno() for listener in listeners), *([tap] if tap is not None else []),
+                     *files.values(), userns]
+        argv = qemu.command_line(
+            accel=tmpl.accel, ram_mb=tmpl.ram_mb, mem_path=vmm.fd_path(files["ram"]) if "ram" in files else None,
+            share=False,
+            assets=self._tier.assets, paths=dataclasses.replace(paths, console_log=vmm.fd_path(files["console"])),
+            disk=vmm.fd_path(files["disk"]), workspace=vmm.fd_path(files["ws"]), workspace_readonly=readonly,
+            incoming=True,
+            listen_fds=fds, confined=True, egress_fd=listeners[2].fileno() if len(listeners) > 2 else None,
+            tap_fd=tap,
+        )
+        argv += ["-name", self.id]  # its files are descriptors now: the name says whose it is (ps, leak checks)
+        # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
+        # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
+        # fork the whole (large, threaded) Python process, 10-20 ms per sandbox.
+        # The agent binary between them makes QEMU root of the sandbox's user namespace (vmm.py)
+        procs_files = [str(path) for path in self.cgroup.procs_files(self.cgroup.leaf("vmm"))]
+        argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--",
+                *vmm.launcher(agent_binary(self._tier.state_dir), userns, tmpl.accel, self._tier.seccomp), *argv]
+        if self._trace:
+            # QEMU timestamps (host clock) the guest's step bytes on the serial port and
+            # the virtio-serial and 9p events around them: bench/microvm.py --trace
+            argv += ["-msg", "timestamp=on"]
+            for event in ("serial_write", "virtio_console_chr_read", "virtio_console_flush_buf", "v9fs_version",
+                          "qemu_loadvm_state_post_main"):
+                argv += ["-trace", event]
+            self.trace_wall0 = time.time()
+        t0 = time.monotonic()
+        qmp: qemu.QMP | None = None
+        try:
+            with open(run / "qemu.log", "wb") as log:
+                self._proc = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
+                    pass_fds=inherited,
+                )
+            self.timings["qemu_spawned"] = time.monotonic() - t0
+            # QEMU holds the listening sockets now; with ours closed, a QEMU that dies before it
+            # accepts resets our connections at once instead of leaving them queued for 60 s
+            for listener in listeners:
+                listener.close()
+            # both connects complete at once (the listen backlog): QEMU accepts later
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            self._sock.connect(str(paths.agent_socket))
+            if config is not None:  # (a live snapshot's guest is past its configuration: live.py)
+                payload = b"".join(f"{k}={v}".encode() + b"\0" for k, v in config.items())
+                self._sock.sendall(struct.pack("<I", len(payload)) + payload)
+            if len(sockets) > 2:
+                self._start_bridge(sockets[2])
+            qmp_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            qmp_sock.connect(str(paths.qmp_socket))
+            qmp = qemu.QMP(qmp_sock, timeout=START_TIMEOUT)  # returns once QEMU is up
+            self.timings["qemu_start"] = time.monotonic() - t0
+            # a template's or snapshot's RAM is the file mapped, not in the stream; a fork's all is
+            qmp.command("migrate-set-capabilities",
+                        capabilities=[{"capability": "x-ignore-shared", "state": incoming is None}])
+            qmp.command("migrate-incoming", uri=f"fd:{state}")
+            self.timings["migrate_incoming"] = time.monotonic() - t0  # restoring, not booting
+        except (OSError, SandboxError) as exc:
+            if qmp is not None:
+                qmp.close()
+            raise SandboxError(f"restoring the VM snapshot failed ({exc}): {self._log_tail()}") from None
+        finally:
+            os.close(state)
+            if tap is not None:
+                os.close(tap)
+            for fd in files.values():
+                os.close(fd)
+            self._drop_userns()  # QEMU holds the namespace now
+            for listener in listeners:
+                listener.close()  # again, if QEMU never started (closing twice is harmless)
+        if self._trace:
+            threading.Thread(target=self._trace_restore, args=(qmp, t0), daemon=True).start()
+        else:
+            qmp.close()
+        if config is None:
+            return  # its agent is past "ready": live.setup_restored finds its answer in the stream
+        self._channel = AgentChannel(os.dup(self._sock.fileno()), os.dup(self._sock.fileno()))
+        # a command's own user= is honoured; without one it runs as the agent's default user, told
+        # at "go" (uid 1000 with no capability, or guest root for a sandbox created with user="root")
+        self._channel.user_ids = USER_IDS
+        try:
+            # a failed load makes QEMU exit, which closes the channel: no need to watch it
+            self._channel.wait_ready(START_TIMEOUT)
+        except SandboxClosed:
+            raise SandboxError(f"the restored guest did not start its agent: {self._log_tail()}") from None
+        self.timings["ready"] = time.monotonic() - t0
+
+    def _start_bridge(self, path: Path) -> None:
+        """Connect to the egress port's chardev (QEMU accepts it later, before the guest
+        runs) and carry its connections to the proxy from a thread of our own."""
+        assert self.network is not None and self.network.proxy_socket is not None
+        port = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            port.connect(str(path))
+        except OSError:
+            port.close()
+            raise
+        self._bridge = EgressBridge(self.id, port, self.network.proxy_socket)
+
+    def _trace_restore(self, qmp: qemu.QMP, t0: float) -> None:
+        """When tracing (bench/microvm.py): when the restored VM started running.
+        Off the normal path: there the agent answering says the VM is up."""
+        try:
+            qmp.wait_resumed()
+            self.timings["restore"] = time.monotonic() - t0
+        except (OSError, SandboxError):
+            pass
+        finally:
+            qmp.close()
+
+    @property
+    def console_log(self) -> Path:
+        """Where QEMU writes the guest's serial console: on the sandbox's disk tmpfs, so what the
+        guest writes there counts against its disk limit (and its host cgroup's memory).  A guest
+        root writing to ``/dev/ttyS0`` grew a file in the host's state directory without bound."""
+        return self._run_dir / "disk" / "console.log"
+
+    def _log_tail(self) -> str:
+        return qemu.log_tail(self._run_dir / "qemu.log", self.console_log)
+
+    # -- live snapshots (live.py) --------------------------------------------
+    def qmp(self) -> qemu.QMP:
+        """A new QMP connection to the running QEMU (its listener takes one client at a time)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(str(self._run_dir / "qmp.sock"))
+            return qemu.QMP(sock, timeout=converter.MIGRATE_TIMEOUT)
+        except BaseException:
+            sock.close()
+            raise
+
+    def snapshot(self, dest: Path, shared: Path | None = None) -> int:
+        """A live snapshot (memory, devices, processes, workspace) into ``dest``, whole; the VM
+        runs on."""
+        written, rest = self.snapshot_begin(dest, shared)
+        try:
+            return written + rest.finish(dest)
+        finally:
+            rest.abandon()
+
+    def snapshot_begin(self, dest: Path, shared: Path | None = None) -> tuple[int, live.RamWrite]:
+        """A live snapshot into ``dest`` but for its memory image, held in memory until
+        ``finish`` writes it (the VM runs on meanwhile).  A paused VM is let run for the snapshot
+        (its commands stay frozen) and paused again.  One image of a VM is held at a time: a
+        second snapshot waits for the first one's to be written."""
+        with self._snapshot_lock:
+            if self._ram_write is not None:
+                self._ram_write.done.wait()
+            was_paused = self.paused
+            if was_paused:
+                self.resume()
+            try:
+                written, rest = live.capture(self, self._channel_or_raise(), dest, shared)
+                self._ram_write = rest
+                return written, rest
+            finally:
+                if was_paused:
+                    self.pause()
+
+    # -- commands ----------------------------------------------------------
+    def _fire(self, kind: int, payload: bytes) -> None:
+        """Send a request whose answer nobody waits for (safe from the reader thread).
+        The agent handles requests in order, so it is done before any later one."""
+        channel = self._channel_or_raise()
+        channel.send(kind, channel.new_id(), payload)
+
+    def start(self, request: ExecRequest, on_output: OutputCallback | None = None) -> Process:
+        channel = self._channel_or_raise()
+        request = self.with_network_env(request)
+        with self._lock:
+            self._exec_count += 1
+            leaf = f"{GUEST_CGROUP}/e{self._exec_count}"
+        # not waited for here: the agent handles requests in order, so its answer
+        # arrives before the command's "started", where place() checks it
+        made = channel.begin(T_FMKDIR | T_AS_AGENT, struct.pack("<I", 0o755) + leaf.encode() + b"\0")
+
+        def place(nspid: int) -> None:
+            # runs on the reader thread before the agent lets the command exec;
+            # no leaf (an error here) refuses the command, as a failed make_dir did
+            made(0)
+            # the channel itself, not _fire: a pause landing as the command starts must not refuse
+            # its placement (the frame waits in the socket until the VM runs again)
+            channel.send(T_FWRITE | T_AS_AGENT, channel.new_id(), struct.pack("<II", 0o644, 0)
+                         + f"{leaf}/cgroup.procs".encode() + b"\0" + str(nspid).encode())
+
+        def kill() -> None:
+            try:
+                self._fire(T_FWRITE | T_AS_AGENT,
+                           struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
+            except SandboxClosed:
+                pass
+
+        def finish(proc: AgentProcess) -> None:
+            try:
+                made(0)  # forgets the request if the command failed before it started
+            except (SandboxClosed, SandboxError):
+                pass
+            try:
+                events = channel.read_file(f"{leaf}/memory.events", 4096, as_agent=True).decode()
+                counts = dict(line.split() for line in events.splitlines() if len(line.split()) == 2)
+                proc.oom_killed = int(counts.get("oom_kill", "0")) > 0
+                if proc.oom_killed:
+                    kill()  # the OOM killer takes one task; finish the tree
+                # an emptied leaf goes; one with background processes stays (harmless)
+                self._fire(T_FREMOVE | T_AS_AGENT, struct.pack("<I", 0) + leaf.encode() + b"\0")
+            except (SandboxClosed, SandboxError, ValueError):
+                pass
+            self.sync()
+
+        return channel.start(request, on_output, place, kill, finish)
+
+    # -- lifecycle ---------------------------------------------------------
+    def alive(self) -> bool:  # the VM process too, not only the channel
+        return (not self._closed and self._channel is not None and not self._channel.closed.is_set()
+                and self._proc is not None and self._proc.poll() is None)
+
+    def reap_record(self) -> dict[str, Any]:
+        return {"uid": self.uid, "qemu_pid": self._proc.pid if self._proc else None, "network": self.spec.network}
+
+    @property
+    def kernel_release(self) -> str:
+        return self._tier.assets.kernel_release
+
+    def qemu_pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def _stop(self) -> None:
+        # the guest's state is thrown away, so there is nothing to shut down
+        # gracefully: the workspace is already on the host (9p, no cache)
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        if self._proc is not None:
+            self._proc.wait(timeout=10)
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._channel is not None:
+            self._channel.close()
+        if self._sock is not None:
+            self._sock.close()
+        try:
+            self.sync()
+        except (OSError, SandboxError):
+            pass
+
+    def _release(self) -> None:
+        # after QEMU: no guest connection can arrive any more; before the proxy it feeds closes
+        if self._bridge is not None:
+            self._bridge.close()
