@@ -10,6 +10,8 @@ write waits for room: it ends with the command, at the command's timeout, or aft
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,3 +147,33 @@ def test_the_async_remote_sdk_sends_stdin_of_any_size(server: ServerProcess) -> 
             assert (await sb.files.read("/tmp/n")).strip() == str(40 * MIB)
 
     asyncio.run(session())
+
+
+def test_stdin_through_an_owner_link_streams_through_and_says_what_was_not_taken() -> None:
+    # another process's sandbox (Sandbox.connect): the owner writes the stdin its link receives
+    script = ("import time\nfrom corral import Sandbox\nfrom corral.tiers.linux import agent\n"
+              "agent.WRITE_TIMEOUT = 1.0\nsb = Sandbox.create(memory='64M')\nprint(sb.id, flush=True)\n"
+              "time.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        sb = Sandbox.connect(owner.stdout.readline().strip())
+        counter = sb.commands.run("sleep 1; wc -c > /tmp/n.part; mv /tmp/n.part /tmp/n", background=True, timeout=60)
+        for _ in range(96):
+            counter.send_stdin(b"x" * MIB)
+        counter.close_stdin()
+        deadline = time.monotonic() + 60
+        while not sb.files.exists("/tmp/n") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sb.files.read("/tmp/n").strip() == str(96 * MIB)  # more than the sandbox's memory
+        sleeper = sb.commands.run("sleep 30", background=True, timeout=60)
+        sleeper.send_stdin(b"x" * (4 * MIB))  # the owner's write gives up after its 1 s
+        time.sleep(3)
+        with pytest.raises(StdinNotTaken, match="bytes were not sent"):
+            sleeper.send_stdin(b"y")
+        sleeper.kill()  # the link's controls go on
+        assert sleeper.wait().signal == 9
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        owner.kill()
+        owner.wait()

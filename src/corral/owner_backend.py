@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConnectionLost, SandboxNotFound, error_from_code
+from .errors import ConnectionLost, SandboxNotFound, StdinNotTaken, error_from_code
 from .lifecycle import SandboxInfo
 from .owner_link import (
     CONNECT_TIMEOUT,
@@ -99,6 +99,8 @@ class OwnerProcess(CommandProcess):
                 self._started.set()
             elif "out" in data and self._on_output is not None:
                 self._on_output(data["out"], unb64(data["data"]))
+            elif "stdin_error" in data:
+                self._stdin_error = StdinNotTaken(str(data["stdin_error"]), sandbox_id=self._call.sandbox_id)
 
         try:
             self._result = ExecResult(**self._call.answer(frame))
@@ -112,10 +114,20 @@ class OwnerProcess(CommandProcess):
     def done(self) -> bool:
         return self._finished.is_set()
 
+    #: stdin sent before that the command did not take (the owner's write gave up): raised by the next call
+    _stdin_error: StdinNotTaken | None = None
+
+    def _raise_stdin_error(self) -> None:
+        error, self._stdin_error = self._stdin_error, None
+        if error is not None:
+            raise error
+
     def write_stdin(self, data: bytes) -> None:
+        self._raise_stdin_error()
         self._call.control({"stdin": b64(data)})
 
     def close_stdin(self) -> None:
+        self._raise_stdin_error()
         self._call.control({"close_stdin": True})
 
     def send_signal(self, signum: int) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidSpec, SandboxError, SandboxNotFound
+from .errors import InvalidSpec, SandboxError, SandboxNotFound, StdinNotTaken
 from .host.sockets import bind_private
 from .lifecycle import LIVE
 from .transport import CommandCall, CommandProcess
@@ -240,7 +240,11 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         raise InvalidSpec(f"unknown owner-link call {op!r}")
     send_frame(conn, {"started": process.pid}, lock)
     done = threading.Event()
-    threading.Thread(target=_follow_controls, args=(process, frames, op == "start", done), daemon=True).start()
+    def stdin_not_taken(exc: StdinNotTaken) -> None:
+        send_frame(conn, {"stdin_error": str(exc)}, lock)
+
+    threading.Thread(target=_follow_controls, args=(process, frames, op == "start", done, stdin_not_taken),
+                     daemon=True).start()
     try:
         return process.wait().to_dict()
     finally:
@@ -248,11 +252,16 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
 
 
 def _follow_controls(process: CommandProcess, frames: Iterator[dict[str, Any]], kill_on_hangup: bool,
-                     done: threading.Event) -> None:
+                     done: threading.Event, stdin_not_taken: Callable[[StdinNotTaken], None]) -> None:
     try:
         for frame in frames:
             if "stdin" in frame:
-                process.write_stdin(unb64(frame["stdin"]))
+                # waits while the command has not taken what was sent before (stdin is flow-
+                # controlled): the caller's next frames wait behind it, as a pipe's writer does
+                try:
+                    process.write_stdin(unb64(frame["stdin"]))
+                except StdinNotTaken as exc:  # the rest was not sent: the caller's next stdin call says so
+                    stdin_not_taken(exc)
             elif "close_stdin" in frame:
                 process.close_stdin()
             elif "signal" in frame:
