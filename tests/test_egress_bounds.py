@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,14 +114,20 @@ print(n)
 
 
 #: in a process whose open-files limit is 3,000 (as a server's is, where root may not raise it):
-#: two sandboxes each open every tunnel they may (idle: nothing is sent), then a third is made
+#: a sandbox per share named (comma-separated; empty: the sandbox's own, as in the library; a
+#: tenant's, as ``corral serve`` assigns them), each in turn opening every tunnel it may (idle:
+#: nothing is sent), then one more sandbox is made
 NARROW_OWNER = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (3000, 3000))  # (soft = hard: the library raises soft to hard)
 from corral import Sandbox
-target, port, opener = sys.argv[1], sys.argv[2], sys.argv[3]
-sandboxes = [Sandbox.create(allow=[f"{target}:{port}"], unsafe_allow_ranges=[f"{target}/32"]) for _ in range(2)]
+from corral.egress.tunnel import OWNER_TUNNELS
+target, port, opener, shares = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+sandboxes = [Sandbox.create(allow=[f"{target}:{port}"], unsafe_allow_ranges=[f"{target}/32"]) for _ in shares]
 try:
+    for sb, share in zip(sandboxes, shares):
+        if share:
+            OWNER_TUNNELS.assign(sb.id, share)
     counts = []
     for sb in sandboxes:
         sb.commands.run(opener)
@@ -138,16 +145,21 @@ finally:
 """
 
 
-def test_every_sandboxs_tunnels_together_leave_the_owner_half_its_descriptors(net: TargetNet, tmp_path: Path) -> None:
+def _narrow_owner(net: TargetNet, tmp_path: Path, shares: list[str]) -> dict[str, Any]:
     # idle tunnels: the client sends nothing, so the sender sends nothing
     opener = OPEN_TUNNELS.format(n=MAX_CONNECTIONS + 10, target=net.target, port=PORT).replace(
         '    s.sendall(b"e")\n', "")
     script = tmp_path / "narrow_owner.py"
     script.write_text(NARROW_OWNER)
-    r = subprocess.run([sys.executable, str(script), net.target, str(PORT), opener], capture_output=True, text=True,
-                       timeout=240)
+    r = subprocess.run([sys.executable, str(script), net.target, str(PORT), opener, ",".join(shares)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    found = json.loads(r.stdout.splitlines()[-1])
+    found: dict[str, Any] = json.loads(r.stdout.splitlines()[-1])
+    return found
+
+
+def test_every_sandboxs_tunnels_together_leave_the_owner_half_its_descriptors(net: TargetNet, tmp_path: Path) -> None:
+    found = _narrow_owner(net, tmp_path, ["", ""])
     # a budget of max(256, 3,000 // 12) = 256 tunnels; past half of it each of the two proxies
     # holds at most its share (128), so the first stops at 128 and the second gets the rest;
     # before, the owner aborted once the two held its 3,000 descriptors
@@ -156,41 +168,8 @@ def test_every_sandboxs_tunnels_together_leave_the_owner_half_its_descriptors(ne
     assert found["third"] == "made\n"
 
 
-#: as NARROW_OWNER (a 256-tunnel budget), four sandboxes: three in one share (one tenant's, as
-#: ``corral serve`` assigns them), one in another; each in turn opens every tunnel it may
-SHARED_OWNER = r"""
-import json, resource, sys, time
-resource.setrlimit(resource.RLIMIT_NOFILE, (3000, 3000))
-from corral import Sandbox
-from corral.egress.tunnel import OWNER_TUNNELS
-target, port, opener = sys.argv[1], sys.argv[2], sys.argv[3]
-sandboxes = [Sandbox.create(allow=[f"{target}:{port}"], unsafe_allow_ranges=[f"{target}/32"]) for _ in range(4)]
-try:
-    for sb, tenant in zip(sandboxes, "aaab"):
-        OWNER_TUNNELS.assign(sb.id, f"tenant:{tenant}")
-    counts = []
-    for sb in sandboxes:
-        sb.commands.run(opener)
-        deadline = time.monotonic() + 60
-        while not (out := sb.commands.run("cat /tmp/tunnels").stdout) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        counts.append(int(out))
-    print(json.dumps({"tunnels": counts}))
-finally:
-    for sb in sandboxes:
-        sb.kill()
-"""
-
-
 def test_a_tenants_sandboxes_share_one_part_of_the_tunnel_budget(net: TargetNet, tmp_path: Path) -> None:
-    opener = OPEN_TUNNELS.format(n=MAX_CONNECTIONS + 10, target=net.target, port=PORT).replace(
-        '    s.sendall(b"e")\n', "")
-    script = tmp_path / "shared_owner.py"
-    script.write_text(SHARED_OWNER)
-    r = subprocess.run([sys.executable, str(script), net.target, str(PORT), opener], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    found = json.loads(r.stdout.splitlines()[-1])
+    found = _narrow_owner(net, tmp_path, ["tenant:a"] * 3 + ["tenant:b"])
     # two shares of a 256-tunnel budget: tenant a's three sandboxes together hold its half, and
     # tenant b's one sandbox still gets the other half.  With a share per sandbox (before), a's
     # three took 128 + 64 + 64 and b got none
