@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from corral import Sandbox
 from corral.host.shared_tables import PTYS_PER_SANDBOX
 
+from .leaks import all_leftovers
 from .sandbox_wait import lines_written
 
 #: takes terminals until refused, says how many and why, then holds them
@@ -194,6 +196,35 @@ int main(int argc, char **argv) {
     return 0;
 }
 """
+
+
+#: an owner whose RLIMIT_NPROC is 4,000 (this host's is half of kernel.threads-max, which root
+#: may not raise here): a pids limit over it is refused, one at it works
+TASK_LIMITED_OWNER = r"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NPROC, (4000, 4000))
+from corral import Sandbox
+from corral.errors import ResourceLimit
+try:
+    Sandbox.create(pids=4001).kill()
+    print("made")
+except ResourceLimit as exc:
+    print("refused:", exc)
+with Sandbox.create(pids=4000) as sb:
+    print(sb.commands.run("grep 'Max processes' /proc/self/limits").stdout.split()[2])
+"""
+
+
+def test_a_pids_limit_over_what_the_owner_lets_a_user_run_is_refused_not_cut_short(state_dir: Path) -> None:
+    # the sandbox's tasks run as its own uid, which the owner's RLIMIT_NPROC bounds too: before,
+    # pids=100100 gave ~96,000 tasks in silence (the limit here)
+    before = set(all_leftovers(state_dir))
+    r = subprocess.run([sys.executable, "-c", TASK_LIMITED_OWNER], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    refused, allowed = r.stdout.splitlines()
+    assert refused.startswith("refused: pids: 4001 is more tasks than this host lets one user run (4000"), refused
+    assert allowed == "4000"
+    assert set(all_leftovers(state_dir)) == before
 
 
 def test_the_tasks_of_two_sandboxes_leave_the_host_and_a_third_sandbox_room(tmp_path: Path) -> None:

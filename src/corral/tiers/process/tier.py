@@ -25,12 +25,13 @@ The seccomp filter is the same for both (see ``docs/root.md``).
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import threading
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostNotSupported, SandboxClosed
+from ...errors import HostNotSupported, ResourceLimit, SandboxClosed
 from ...host import cgroups
 from ...host.bwrap import check_host
 from ...host.mountns import MountNamespace
@@ -90,14 +91,28 @@ class ProcessTier(Tier):
         return Availability(cls.name, True, f"bubblewrap, {layout.describe()}")
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
+        _check_task_limit(spec)
         return ProcessSandbox(self, spec, sandbox_id, run_dir)
 
     def create_from_snapshot(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, snapshot: Path,
                              digest: str) -> TierSandbox:
+        _check_task_limit(spec)
         return ProcessSandbox(self, spec, sandbox_id, run_dir, seed=(snapshot, digest))
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
+
+
+def _check_task_limit(spec: SandboxSpec) -> None:
+    """A sandbox's tasks run as its own host uid, which its owner's ``RLIMIT_NPROC`` also bounds
+    (inherited; root's own tasks are exempt, the sandbox's are not): a ``pids`` limit above it
+    was cut short in silence (``pids=100100`` gave ~96,000 tasks here, where the limit is half of
+    ``kernel.threads-max`` and this VM's root may not raise it)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and spec.limits.pids > soft:
+        raise ResourceLimit(f"pids: {spec.limits.pids} is more tasks than this host lets one user run "
+                            f"({soft}, the owner's RLIMIT_NPROC, which its sandboxes inherit): ask for at most "
+                            "that, or raise the owner's limit (ulimit -u, prlimit --nproc)")
 
 
 class ProcessSandbox(LinuxSandbox):
