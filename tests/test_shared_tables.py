@@ -236,7 +236,7 @@ def test_the_tasks_of_two_sandboxes_leave_the_host_and_a_third_sandbox_room(tmp_
     # as many as a sandbox may ask for here (its uid's RLIMIT_NPROC: a pids limit over it is refused)
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     pids = 100_100 if nproc == resource.RLIM_INFINITY else min(100_100, nproc)
-    wanted = pids - 100
+    wanted = pids  # (until refused: the sandbox's shell and agent count too)
     hogs = [Sandbox.create(memory="4G", pids=pids, timeout=300, workspace=str(tmp_path)) for _ in range(2)]
     try:
         for hog in hogs:
