@@ -9,6 +9,7 @@ the sandbox, and that nothing of the sandbox is left afterwards.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ def show(text: str) -> None:
 
 
 def main() -> int:
+    own_state = "CORRAL_STATE_DIR" not in os.environ  # a state directory of its own: removed at the end
     os.environ.setdefault("CORRAL_STATE_DIR", tempfile.mkdtemp(prefix="corral-demo-"))
     from corral import Sandbox
     from corral.host import cgroups, mounts
@@ -79,6 +81,8 @@ def main() -> int:
     finally:
         (secret_dir / "id_rsa").unlink()
         secret_dir.rmdir()
+        if own_state:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":
