@@ -294,3 +294,19 @@ def test_a_platform_that_hangs_is_given_up_on_and_cleaned_up(state_dir: Path, mo
     assert time.monotonic() - start < 8
     assert not any(name.startswith("gvisor-probe-") for name in cgroups.list_sandbox_groups())
     assert _processes_naming("gvisor-probe-") == []
+
+
+def test_the_platform_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    # `runsc do` makes its bundle in $TMPDIR; a probe killed at its deadline (kvm hangs on this
+    # host) left it there: one /tmp/runsc-doNNN per such probe
+    import tempfile
+
+    from corral.tiers.gvisor.platform import probe_platform
+
+    before = set(Path(tempfile.gettempdir()).glob("runsc-do*"))
+    ok, detail = probe_platform(runsc_binary(), "ptrace", tmp_path, 30.0)
+    assert ok, detail
+    if Path("/dev/kvm").exists():
+        probe_platform(runsc_binary(), "kvm", tmp_path, 3.0)  # works, fails or is killed
+    assert set(Path(tempfile.gettempdir()).glob("runsc-do*")) == before
+    assert list(tmp_path.iterdir()) == []

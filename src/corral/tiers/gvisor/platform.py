@@ -119,8 +119,11 @@ def probe_platform(runsc: Path, name: str, state_dir: Path, deadline: float) -> 
             "--log", str(root / "log"), "do", "--", "/bin/uname", "-r"]
     start = time.monotonic()
     try:
+        # ``runsc do`` makes its bundle in $TMPDIR and leaves it there (/tmp/runsc-doNNN, one per
+        # probe): in the probe's own directory, removed below
+        env = {**os.environ, "TMPDIR": str(root)}
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                preexec_fn=join, start_new_session=True, cwd="/")
+                                preexec_fn=join, start_new_session=True, cwd="/", env=env)
         try:
             out, err = proc.communicate(timeout=deadline)
         except subprocess.TimeoutExpired:
