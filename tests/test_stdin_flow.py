@@ -177,3 +177,16 @@ def test_stdin_through_an_owner_link_streams_through_and_says_what_was_not_taken
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_a_run_whose_command_takes_none_of_its_stdin_is_ended_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # run(stdin=...) gets the command all its input or ends it: not a result made from part of it,
+    # nor a command left running until its timeout
+    monkeypatch.setattr(agent_protocol, "WRITE_TIMEOUT", 1.0)
+    with Sandbox.create() as sb:
+        started = time.monotonic()
+        with pytest.raises(StdinNotTaken):
+            sb.commands.run("sleep 20; wc -c", stdin=b"x" * (4 * MIB), timeout=60)
+        assert time.monotonic() - started < 10
+        assert sb.commands.list() == []
+        assert sb.commands.run("echo alive").stdout == "alive\n"

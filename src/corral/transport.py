@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .errors import StdinNotTaken
 from .spec import SandboxSpec
 from .tiers.base import ExecResult, FileEntry, Process
 
@@ -107,7 +108,14 @@ class SandboxBackend(ABC):
         """Run a command to its end (a transport may do it in one round trip)."""
         process = self.start(call, on_output)
         if stdin is not None:
-            process.write_stdin(stdin)
+            try:
+                process.write_stdin(stdin)
+            except StdinNotTaken:
+                # a run's command has all its input or does not run on: it took none of it for a
+                # minute, and what it would answer with part of it is not what was asked
+                process.kill()
+                process.wait()
+                raise
         process.close_stdin()
         return process.wait()
 
