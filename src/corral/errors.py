@@ -134,7 +134,9 @@ class StdinNotTaken(InvalidState):
     """A command took none of its stdin for ``WRITE_TIMEOUT`` (60 s) while more of it waited to be
     sent: a write to a command's stdin waits, as a pipe's writer does, while the command has not
     taken the last ``STDIN_WINDOW`` (1 MiB) sent, and gives up after that long without progress.
-    What was sent before stays the command's; the rest (the message says how much) was not sent."""
+    What was sent before stays the command's; the rest (the message says how much) was not sent.
+    From ``commands.run(stdin=...)`` the command has been ended: it would have answered from part
+    of its input."""
 
     code = "stdin_not_taken"
 
