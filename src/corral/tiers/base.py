@@ -162,7 +162,10 @@ class Process(ABC):
         """True once the command has ended (exited, killed or timed out); never blocks."""
 
     @abstractmethod
-    def write_stdin(self, data: bytes) -> None: ...
+    def write_stdin(self, data: bytes) -> None:
+        """Pass ``data`` on to the command's stdin, waiting as a pipe's writer does while the command
+        has not taken what came before (what waits inside the sandbox is bounded); never past the
+        command's end or timeout.  May raise ``StdinNotTaken`` (the rest was not sent)."""
 
     @abstractmethod
     def close_stdin(self) -> None: ...

@@ -124,7 +124,8 @@ class AgentProcess(Process):
         """Send ``data`` to the command's stdin, waiting as a pipe's writer does while the command
         has not taken what was sent before (at most ``STDIN_WINDOW`` bytes wait in the sandbox).
         The wait ends with the command, and at its timeout (which then ends it); what it did not
-        take by then is dropped, as a pipe's is when its reader goes away."""
+        take by then is dropped, as a pipe's is when its reader goes away.  Without any progress
+        for ``WRITE_TIMEOUT``: ``StdinNotTaken``."""
         from .agent import WRITE_TIMEOUT  # (read at each call: tests shorten it)
 
         if self._channel.pause_clock.paused:  # its agent is frozen: as every other call, not a wait
