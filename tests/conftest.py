@@ -81,7 +81,12 @@ def sandbox() -> Iterator[object]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from corral.host import cgroup_tree, cgroups, mounts
+    from corral.registry import gc
 
+    try:  # sandboxes of owners the tests killed: their host-wide uid claims go with them
+        gc(_STATE)
+    except Exception:
+        pass
     mounts.unmount_all(_STATE)
     shutil.rmtree(_STATE, ignore_errors=True)
     layout = cgroups.detect()
