@@ -15,7 +15,7 @@ from urllib.parse import quote
 import httpx
 
 from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .http_streams import STDIN_POST, ExecFrames, printed, result_of
+from .http_streams import ExecFrames, printed, result_of, stdin_posts
 from .http_transport import (
     INLINE_STDIN,
     REQUEST_TIMEOUT,
@@ -24,6 +24,7 @@ from .http_transport import (
     create_body,
     info_of,
     retry_wait,
+    split_stdin,
     stdin_field,
 )
 from .lifecycle import SandboxInfo, matches
@@ -162,8 +163,8 @@ class AsyncBackgroundProcess:
         return self._result is not None
 
     async def write_stdin(self, data: bytes) -> None:
-        for offset in range(0, len(data), STDIN_POST):  # (the server takes bodies up to 32 MiB)
-            await self._client.request("POST", f"{self._path}/stdin", content=data[offset : offset + STDIN_POST],
+        for body in stdin_posts(data):
+            await self._client.request("POST", f"{self._path}/stdin", content=body,
                                        headers={"content-type": "application/octet-stream"})
 
     async def close_stdin(self) -> None:
@@ -251,11 +252,11 @@ class AsyncHTTPBackend:
 
     async def start_background(self, call: CommandCall, stdin: bytes | None,
                                on_output: AsyncOutput | None) -> AsyncBackgroundProcess:
-        inline = stdin is not None and len(stdin) <= INLINE_STDIN
-        started = await self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin if inline else None)})
+        inline, after = split_stdin(stdin)
+        started = await self._call("POST", "/commands", json={**call.body(), **stdin_field(inline)})
         process = AsyncBackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
-        if stdin is not None and not inline:
-            await process.write_stdin(stdin)
+        if after is not None:
+            await process.write_stdin(after)
         return process
 
     async def commands(self) -> list[CommandInfo]:

@@ -32,6 +32,12 @@ STDIN_FRAME = 4 << 20
 STDIN_POST = 16 << 20
 
 
+def stdin_posts(data: bytes) -> Iterator[bytes]:
+    """``data`` as the bodies of posts to a background command's stdin (at most STDIN_POST each)."""
+    for offset in range(0, len(data), STDIN_POST):
+        yield data[offset : offset + STDIN_POST]
+
+
 def ws_connect(url: str, headers: dict[str, str], max_size: int | None) -> Any:
     """A plain sync WebSocket connection (websockets 17 asks ``legacy=True`` for that; 13-16 know no such flag)."""
     import inspect
@@ -216,8 +222,8 @@ class BackgroundProcess(CommandProcess):
 
     def write_stdin(self, data: bytes) -> None:
         try:
-            for offset in range(0, len(data), STDIN_POST):  # (the server takes bodies up to 32 MiB)
-                self._client.request("POST", f"{self._path}/stdin", content=data[offset : offset + STDIN_POST],
+            for body in stdin_posts(data):
+                self._client.request("POST", f"{self._path}/stdin", content=body,
                                      headers={"content-type": "application/octet-stream"})
         except SandboxNotFound as exc:
             raise InvalidSpec(str(exc), sandbox_id=self._sandbox_id) from None

@@ -197,11 +197,11 @@ class HTTPBackend(SandboxBackend):
 
     def start_background(self, call: CommandCall, stdin: bytes | None,
                          on_output: OutputCallback | None) -> BackgroundProcess:
-        inline = stdin is not None and len(stdin) <= INLINE_STDIN
-        started = self._call("POST", "/commands", json={**call.body(), **stdin_field(stdin if inline else None)})
+        inline, after = split_stdin(stdin)
+        started = self._call("POST", "/commands", json={**call.body(), **stdin_field(inline)})
         process = BackgroundProcess(self._client, self.id, int(started["pid"]), on_output)
-        if stdin is not None and not inline:
-            process.write_stdin(stdin)
+        if after is not None:
+            process.write_stdin(after)
         return process
 
     def commands(self) -> list[CommandInfo]:
@@ -337,6 +337,13 @@ def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool) -> E
 #: stdin sent in a command's JSON body up to this size; more goes after it, in parts (the server's
 #: request bodies are at most 32 MiB, and base64 or JSON escapes may double it)
 INLINE_STDIN = 8 << 20
+
+
+def split_stdin(stdin: bytes | None) -> tuple[bytes | None, bytes | None]:
+    """(stdin for a command's JSON body, stdin to write once it has started): one or the other."""
+    if stdin is not None and len(stdin) > INLINE_STDIN:
+        return None, stdin
+    return stdin, None
 
 
 def stdin_field(stdin: bytes | None) -> dict[str, str]:
