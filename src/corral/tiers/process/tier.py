@@ -91,12 +91,10 @@ class ProcessTier(Tier):
         return Availability(cls.name, True, f"bubblewrap, {layout.describe()}")
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:
-        _check_task_limit(spec)
         return ProcessSandbox(self, spec, sandbox_id, run_dir)
 
     def create_from_snapshot(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path, snapshot: Path,
                              digest: str) -> TierSandbox:
-        _check_task_limit(spec)
         return ProcessSandbox(self, spec, sandbox_id, run_dir, seed=(snapshot, digest))
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
@@ -120,6 +118,7 @@ class ProcessSandbox(LinuxSandbox):
 
     def __init__(self, tier: ProcessTier, spec: SandboxSpec, sandbox_id: str, run_dir: Path,
                  seed: tuple[Path, str] | None = None) -> None:
+        _check_task_limit(spec)
         self._tier = tier
         self._exec_count = 0
         self._leaves: list[Path] = []
