@@ -20,6 +20,7 @@ import pytest
 
 from corral import Sandbox
 from corral.errors import StdinNotTaken
+from corral.registry import gc
 from corral.tiers.linux import agent as agent_protocol
 
 from .server_fixtures import KEYS, ServerProcess
@@ -149,7 +150,7 @@ def test_the_async_remote_sdk_sends_stdin_of_any_size(server: ServerProcess) -> 
     asyncio.run(session())
 
 
-def test_stdin_through_an_owner_link_streams_through_and_says_what_was_not_taken() -> None:
+def test_stdin_through_an_owner_link_streams_through_and_says_what_was_not_taken(state_dir: Path) -> None:
     # another process's sandbox (Sandbox.connect): the owner writes the stdin its link receives
     script = ("import time\nfrom corral import Sandbox\nfrom corral.tiers.linux import agent\n"
               "agent.WRITE_TIMEOUT = 1.0\nsb = Sandbox.create(memory='64M')\nprint(sb.id, flush=True)\n"
@@ -177,6 +178,7 @@ def test_stdin_through_an_owner_link_streams_through_and_says_what_was_not_taken
     finally:
         owner.kill()
         owner.wait()
+        gc(state_dir)  # the killed owner's sandbox, as an operator's `corral gc` would
 
 
 def test_a_run_whose_command_takes_none_of_its_stdin_is_ended_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
