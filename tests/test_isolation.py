@@ -196,6 +196,41 @@ def test_disk_limit_bounds_tmp_and_workspace(tmp_path: Path) -> None:
     assert not (tmp_path / "fill").exists()
 
 
+FILL_FILES = f"""{PY} -c '
+import os
+n = 0
+try:
+    while n < 200000:
+        with open(f"/tmp/f{{n}}", "wb") as f:
+            f.write(bytes(4096))
+        n += 1
+except OSError as e:
+    print(n, os.strerror(e.errno))
+'"""
+
+
+def test_files_that_would_fill_the_sandboxs_memory_fail_with_enospc_and_the_sandbox_goes_on(tmp_path: Path) -> None:
+    """The disk tmpfs is charged to the sandbox's memory: with ``disk`` (1 GiB) over ``memory``
+    (64 MiB), files once filled the memory, the OOM killer then took the agent and every later
+    command, and the sandbox was gone.  Now the disk stops short of the memory (ENOSPC), a
+    command that allocates past it is the one killed, and the sandbox goes on, every time."""
+    with Sandbox.create(memory="64M", disk="1G", workspace=str(tmp_path)) as sb:
+        size_kib = int(sb.commands.run("df -k --output=size /tmp | tail -1").stdout)
+        assert 16 << 10 < size_kib < 64 << 10
+        for _ in range(3):
+            r = sb.commands.run("head -c 200M /dev/zero > /workspace/big")
+            assert r.exit_code == 1 and "No space left" in r.stderr and not r.oom_killed
+            r = sb.commands.run(FILL_FILES)  # ~1 KiB of kernel memory per file besides its page
+            assert r.exit_code == 0 and "No space left" in r.stdout, r
+            r = sb.commands.run(f"{PY} -c 'x = bytearray(100 << 20); print(len(x))'")
+            assert r.exit_code == 137 and r.oom_killed
+            assert sb.commands.run("echo alive").stdout == "alive\n"
+            # the allowed direction: what fits is written and reaches the host
+            r = sb.commands.run("rm -rf /workspace/big /tmp/f*; head -c 1000000 /dev/zero > /workspace/ok")
+            assert r.exit_code == 0, r
+            assert (tmp_path / "ok").stat().st_size == 1_000_000 and not (tmp_path / "big").exists()
+
+
 def test_concurrent_sandboxes_cannot_see_each_other() -> None:
     with Sandbox.create() as a, Sandbox.create() as b:
         a.files.write("/tmp/a-only", "secret of a")

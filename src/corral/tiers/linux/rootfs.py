@@ -38,10 +38,27 @@ from ...host.uids import release_uid
 from ...host.ws_copy import WorkspaceCopy
 from ...host.ws_overlay import WorkspaceOverlay, make_workspace
 from ...images import SANDBOX_HOME, identity_files, image_mark, resolve
-from ...spec import WORKSPACE_PATH, SandboxSpec
+from ...spec import WORKSPACE_PATH, Limits, SandboxSpec
 
 #: where the agent binary is bound inside every sandbox
 AGENT_PATH = "/.corral/agent"
+
+MiB = 1 << 20
+
+
+def disk_held_in_memory(limits: Limits) -> int:
+    """The size of a disk tmpfs whose pages are charged to the sandbox's own memory cgroup,
+    such that files alone can never fill that memory.
+
+    tmpfs pages cannot be reclaimed (no swap): a sandbox that wrote ``memory`` bytes of files
+    would leave no room for any process, and the kernel's OOM killer would then kill its agent
+    (pid 1) and every later command -- the whole sandbox gone, what it had not written back lost.
+    So the disk holds at most what leaves a reserve for the agent and a small command (16 MiB
+    and a sixteenth of ``memory``), less a fifth for the kernel's own memory of a full inode
+    table (tmpfs inodes and dentries, ~1 KiB per file of at least 4 KiB: ``tmpfs_args``).  Past
+    it a write fails with ``ENOSPC``, and the sandbox goes on."""
+    reserve = min(limits.memory // 2, 16 * MiB + limits.memory // 16)
+    return max(MiB, min(limits.disk, (limits.memory - reserve) * 4 // 5))
 
 
 def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict[str, object]) -> None:
@@ -85,6 +102,7 @@ def build_root(
     root_uid: int | None = None,
     mounter: HostMounts | None = None,
     workspace_userns: Callable[[tuple[str, str]], int] | None = None,
+    disk_size: int | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
 
@@ -109,14 +127,18 @@ def build_root(
     ``workspace_userns(maps)`` (a user namespace with those uid and gid maps, see
     :func:`corral.host.ws_overlay.owner_maps`), if given, makes the workspace an overlay on the
     host directory instead of a copy: nothing is copied, and write-back walks only what changed.
+
+    ``disk_size`` is the disk tmpfs's size (default: the spec's ``disk``; see
+    :func:`disk_held_in_memory`).
     """
     mounter = mounter or HostMounts()
+    size = disk_size if disk_size is not None else spec.limits.disk
     image = resolve(spec.image, state_dir)
     os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
     disk, root = run_dir / "disk", run_dir / "root"
     disk.mkdir()
     root.mkdir()
-    mounter.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o711)
+    mounter.mount_tmpfs(disk, size, uid, uid, 0o711)
     made = [disk]
     on_disk = mounter.view(disk)  # the tmpfs as this process reaches it
     mapped = userns is not None and root_uid is not None
@@ -140,7 +162,7 @@ def build_root(
     workspace: WorkspaceCopy | WorkspaceOverlay | None = None
     overlay_ws = spec.workspace is not None and workspace_userns is not None
     if spec.workspace is not None and not overlay_ws:
-        workspace = WorkspaceCopy.create(spec.workspace.path, on_disk / "ws", uid, uid, spec.limits.disk)
+        workspace = WorkspaceCopy.create(spec.workspace.path, on_disk / "ws", uid, uid, size)
     else:
         (on_disk / "ws").mkdir(mode=0o755)
         os.chown(on_disk / "ws", uid, uid)
@@ -155,7 +177,7 @@ def build_root(
             mounter.mount_overlay(target, [lower], upper, work)
         made.append(target)
     if spec.workspace is not None and workspace_userns is not None:
-        workspace, mounted = make_workspace(spec.workspace.path, spec.workspace.mode, disk, uid, spec.limits.disk,
+        workspace, mounted = make_workspace(spec.workspace.path, spec.workspace.mode, disk, uid, size,
                                             workspace_userns, mounter)
         if mounted:
             made.append(ws)

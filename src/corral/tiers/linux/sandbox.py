@@ -165,6 +165,11 @@ class LinuxSandbox(TierSandbox):
                                       socket_gid=socket_gid, guest_tap=guest_tap)
         return self.network
 
+    def _disk_size(self) -> int:
+        """The size of the sandbox's disk tmpfs (what its files may hold): ``disk``, unless the
+        tier says otherwise (:func:`.rootfs.disk_held_in_memory`)."""
+        return self.spec.limits.disk
+
     def _build_root(self) -> SandboxRoot:
         """The overlay root on a disk-limited tmpfs in the run directory, with the network's files;
         a host workspace is an overlay on it (:mod:`corral.host.ws_overlay`) where the tier maps a
@@ -176,7 +181,7 @@ class LinuxSandbox(TierSandbox):
         network = self.network
         fill = None
         if self._seed is not None:
-            fill = fs_snapshot.filler(*self._seed, self._id_map(), self.hostname, self.spec.limits.disk)
+            fill = fs_snapshot.filler(*self._seed, self._id_map(), self.hostname, self._disk_size())
         built = build_root(
             self.spec, self._state_dir, self._run_dir, self.uid,
             files=network.files if network is not None else {},
@@ -184,7 +189,7 @@ class LinuxSandbox(TierSandbox):
             fill=fill,
             userns=self._userns if self._userns_pending is not None else None, root_uid=self.uid_range.base,
             workspace_userns=self._workspace_userns if self._ws_userns_pending is not None else None,
-            mounter=self._mountns,
+            mounter=self._mountns, disk_size=self._disk_size(),
         )
         self.workspace = built.workspace
         self._mounts = built.mounts
@@ -256,7 +261,7 @@ class LinuxSandbox(TierSandbox):
                    *(inside for _, inside in (network.binds if network is not None else ()))}
             layers = [(p.name.partition("-")[0], p) for p in uppers] + [("ws", disk / "ws")]
             return fs_snapshot.capture(layers, dest, self._id_map(), {"L0": {p.lstrip("/") for p in own}},
-                                       self.spec.limits.disk, shared)
+                                       self._disk_size(), shared)
         finally:
             if not was_paused:
                 with contextlib.suppress(InvalidState, SandboxClosed):  # resumed meanwhile, or closed

@@ -45,7 +45,7 @@ from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
 from ..linux.frames import T_GO
-from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
+from ..linux.rootfs import AGENT_PATH, disk_held_in_memory, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .launcher import LAUNCHER
 from .spares import PLACER, SETTLE
@@ -160,6 +160,12 @@ class ProcessSandbox(LinuxSandbox):
         self._make_network()
         built = self._build_root()
         self._launch(built.root, built.workspace_dir)
+
+    def _disk_size(self) -> int:
+        # its disk's pages are charged to the sandbox's memory cgroup, where the kernel's OOM
+        # killer is the only answer to a full one (gVisor's memory guard and wasm's worker per
+        # command outlive it; a microVM's disk is charged to the guest's RAM)
+        return disk_held_in_memory(self.spec.limits)
 
     def _launch(self, root: Path, ws: Path) -> None:
         assert self.cgroup is not None
