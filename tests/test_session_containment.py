@@ -160,12 +160,26 @@ def background_killed(sb: Sandbox, while_running: Callable[[], object] = lambda:
     assert handle.wait().exit_code == 137
 
 
+def stdin_read(sb: Sandbox) -> None:
+    # four times the flow-control window (STDIN_WINDOW, 1 MiB) through it
+    r = sb.commands.run("wc -c", stdin=b"x" * (4 << 20), timeout=30)
+    assert r.stdout.strip() == str(4 << 20), r
+
+
+def stdin_unread(sb: Sandbox) -> None:
+    # stdin the command never takes: the run still ends at its timeout, not at WRITE_TIMEOUT
+    started = time.monotonic()
+    r = sb.commands.run("exec sleep 30", stdin=b"x" * (3 << 20), timeout=0.5)
+    assert r.timed_out and r.exit_code == 124 and time.monotonic() - started < 10, r
+
+
 KINDS: dict[str, Callable[[Sandbox], None]] = {
     "plain": plain, "failing": failing, "timeout": timeout, "oom": oom, "pty": pty, "spree": spree,
-    "background killed": background_killed,
+    "background killed": background_killed, "stdin read": stdin_read, "stdin unread": stdin_unread,
 }
 #: weights of the random mix: mostly what agents run, enough of each kind to matter
-WEIGHTS = {"plain": 8, "failing": 3, "timeout": 2, "oom": 2, "pty": 2, "spree": 1, "background killed": 2}
+WEIGHTS = {"plain": 8, "failing": 3, "timeout": 2, "oom": 2, "pty": 2, "spree": 1, "background killed": 2,
+           "stdin read": 2, "stdin unread": 1}
 
 
 #: prints the errno of opening an AF_VSOCK socket (or "opened")
