@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -181,6 +182,56 @@ except (BrokenPipeError, ConnectionResetError):
         os.chmod(daemon.socket, 0o600)
         os.chmod(daemon.state, 0o700)
     assert daemon.served().count("daemon ran") == before
+
+
+FAKE_DAEMON = """
+import os, socket, struct, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1] + "/daemon.sock")
+s.listen(8)
+print("listening", flush=True)
+s.settimeout(60)
+while True:
+    try:
+        conn, _ = s.accept()
+    except OSError:
+        break
+    conn.settimeout(5)
+    got = conn.recv(1 << 16)
+    if not got:  # connected, and left without a word: what a client that checked does
+        conn.close()
+        continue
+    with open(sys.argv[1] + "/requests", "ab") as f:
+        f.write(got + b"\\n")
+    conn.sendall(b"o" + struct.pack("<I", 5) + b"FAKE\\n")
+    conn.sendall(b"r" + struct.pack("<I", 14) + struct.pack("<i??d", 0, False, False, 1.0))
+    conn.close()
+"""
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_a_socket_another_user_made_in_the_state_directory_is_never_used(client: str) -> None:
+    """A state directory another user can change (here their own, in /tmp) may hold their
+    listener at ``daemon.sock``: root's `corral run` once sent it the command and printed what
+    it answered.  Now neither client talks to a listener that is not root's (``SO_PEERCRED``),
+    and the in-process path refuses the directory itself."""
+    evil = Path(tempfile.mkdtemp(prefix="corral-test-evil-state-"))
+    os.chmod(evil, 0o755)
+    os.chown(evil, 65534, 65534)
+    fake = subprocess.Popen(["/usr/bin/python3", "-c", FAKE_DAEMON, str(evil)], stdout=subprocess.PIPE, text=True,
+                            user=65534, group=65534, extra_groups=[], cwd="/")
+    try:
+        assert fake.stdout is not None and fake.stdout.readline() == "listening\n"
+        env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_NO_DAEMON")}
+        r = subprocess.run([*CLIENTS[client], "run", "--", "echo", "hi"], capture_output=True, text=True,
+                           env={**env, "CORRAL_STATE_DIR": str(evil)}, timeout=120)
+        assert "FAKE" not in r.stdout and not (evil / "requests").exists(), r
+        assert r.returncode == 125 and "belongs to uid 65534" in r.stderr, r
+        assert stat.S_IMODE(evil.stat().st_mode) == 0o755 and evil.stat().st_uid == 65534
+    finally:
+        fake.kill()
+        fake.wait()
+        shutil.rmtree(evil)
 
 
 def test_a_killed_daemon_breaks_nothing_and_gc_reaps_its_sandboxes() -> None:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import stat
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
-from corral.registry import Registry
+import pytest
+
+from corral.errors import HostNotSupported
+from corral.registry import Registry, state_dir
+
+NOBODY = 65534
 
 
 def test_a_burst_of_first_creates_on_a_new_state_directory_all_register(tmp_path: Path) -> None:
@@ -88,3 +98,49 @@ def test_gc_removes_sandbox_cgroups_nothing_owns_and_only_those(tmp_path: Path) 
         sleeper.wait()
         for name in names.values():
             cgroups.reap(name)
+
+
+@pytest.fixture
+def in_tmp() -> Iterator[Path]:
+    """A directory in /tmp (sticky, writable by everyone), as another user's files would be."""
+    where = Path(tempfile.mkdtemp(prefix="corral-test-statedir-"))
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_state_directory_another_user_could_change_is_refused_and_left_alone(in_tmp: Path) -> None:
+    """Corral trusts what its state directory holds and, as root, chmods and writes there: a
+    directory another user made in advance, a link of theirs (here to a directory standing for
+    ``/etc``), or one below a directory anybody may write, was once taken (chmod 0711 on the
+    link's target, ``sandboxes/`` made in it)."""
+    theirs = in_tmp / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, NOBODY, NOBODY)
+    etc = in_tmp / "etc"
+    etc.mkdir(mode=0o755)
+    link = in_tmp / "link"
+    link.symlink_to(etc)
+    os.lchown(link, NOBODY, NOBODY)
+    open_to_all = in_tmp / "open"
+    open_to_all.mkdir()
+    os.chmod(open_to_all, 0o777)  # not sticky: anybody may rename what is in it
+    for path, says in [(theirs, "belongs to uid 65534"), (link, "a link made by uid 65534"),
+                       (open_to_all / "state", "may be changed by another user")]:
+        with pytest.raises(HostNotSupported, match=says):
+            state_dir(path)
+    assert stat.S_IMODE(etc.stat().st_mode) == 0o755 and not (etc / "sandboxes").exists()
+    assert stat.S_IMODE(theirs.stat().st_mode) == 0o755 and not (theirs / "sandboxes").exists()
+
+
+def test_a_state_directory_only_its_user_can_change_is_taken(in_tmp: Path, tmp_path: Path) -> None:
+    # the allowed direction: a new one in /tmp (sticky), one in a private directory, a link of
+    # root's to one of its directories (/var/lib/corral -> /srv/corral)
+    target = tmp_path / "target"
+    target.mkdir()
+    link = in_tmp / "link"
+    link.symlink_to(target)
+    for path in (in_tmp / "new", tmp_path / "private", link):
+        assert state_dir(path) == path
+        assert (path / "sandboxes").is_dir() and stat.S_IMODE(path.stat().st_mode) == 0o711

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ def state_dir(explicit: str | Path | None = None) -> Path:
     path = Path(explicit or os.environ.get("CORRAL_STATE_DIR") or DEFAULT_STATE_DIR)
     try:
         path.mkdir(parents=True, exist_ok=True)
+        _check_only_we_can_change(path)
         # 0711: sandbox launchers (unprivileged uids) traverse it; nobody lists it
         os.chmod(path, 0o711)
         (path / "sandboxes").mkdir(exist_ok=True)
@@ -38,6 +40,33 @@ def state_dir(explicit: str | Path | None = None) -> Path:
     except PermissionError as exc:
         raise HostNotSupported(f"cannot use state directory {path}: {exc}; run as root or set CORRAL_STATE_DIR") from exc
     return path
+
+
+def _check_only_we_can_change(path: Path) -> None:
+    """Refuse a state directory that another user could change or replace (as OpenSSH's
+    StrictModes does): Corral trusts what it finds there (images, owner sockets, records of
+    what to unmount and kill) and, as root, chmods and writes in it.  A ``/tmp/corral`` made in
+    advance by another user, or a link of theirs to ``/etc``, would hand them all of that.
+
+    The directory must be owned by this process's user; every directory above it, on the path
+    as given and on the path its links lead to, by root or by that user, and writable by nobody
+    else unless sticky (``/tmp``); every link on the way, made by one of them."""
+    trusted = (0, os.geteuid())
+    given = Path(os.path.abspath(path))
+    for step in (*reversed(given.parents), given):
+        st = os.lstat(step)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in trusted:
+            raise HostNotSupported(f"cannot use state directory {path}: {step} is a link made by uid {st.st_uid}")
+    real = Path(os.path.realpath(path))
+    st = os.stat(real)
+    if st.st_uid != trusted[1]:
+        raise HostNotSupported(f"cannot use state directory {path}: it belongs to uid {st.st_uid}, not to this "
+                               f"process's user ({trusted[1]}); use a directory only you can change")
+    for above in {*given.parents, *real.parents}:
+        st = os.stat(above)
+        if st.st_uid not in trusted or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise HostNotSupported(f"cannot use state directory {path}: {above} (uid {st.st_uid}, mode "
+                                   f"{stat.S_IMODE(st.st_mode):o}) may be changed by another user")
 
 
 _self_identity: tuple[int, int] = (-1, 0)

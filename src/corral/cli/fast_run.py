@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from _socket import AF_UNIX, SOCK_STREAM, socket  # not `socket`: it imports enum (~1.5 ms)
+from _socket import AF_UNIX, SO_PEERCRED, SOCK_STREAM, SOL_SOCKET, socket  # not `socket`: it imports enum (~1.5 ms)
 
 from . import local_wire as wire
 
@@ -51,6 +51,11 @@ def try_fast_run(argv: Sequence[str]) -> int | None:
     sock = socket(AF_UNIX, SOCK_STREAM)
     try:
         sock.connect(wire.socket_path())
+        if not wire.daemon_is_trusted(sock.getsockopt(SOL_SOCKET, SO_PEERCRED, 12)):
+            # a socket another user made (a state directory they can change): the command and
+            # what it prints are not theirs to see; the in-process path refuses such a directory
+            sock.close()
+            return None
         sock.sendall(wire.encode_request(cmd, timeout))
     except OSError:  # no daemon (or a stale socket of a dead one)
         sock.close()

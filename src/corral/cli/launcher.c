@@ -11,6 +11,7 @@
  *
  * CORRAL_PYTHON is the interpreter of the virtual environment, fixed at build time.
  */
+#define _GNU_SOURCE
 #include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -85,7 +86,12 @@ static int connect_daemon(void) {
         return -1;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return -1;
-    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
+    struct ucred peer;
+    socklen_t size = sizeof peer;
+    /* a listener of another user (in a state directory they can change) is not the daemon:
+     * the command and what it prints are not theirs; the Python CLI refuses such a directory */
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0 ||
+        getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &size) < 0 || (peer.uid != 0 && peer.uid != geteuid())) {
         close(fd);
         return -1;
     }

@@ -38,6 +38,13 @@ def socket_path(state_dir: str | None = None) -> str:
     return os.path.join(state_dir or os.environ.get("CORRAL_STATE_DIR") or DEFAULT_STATE_DIR, SOCKET_NAME)
 
 
+def daemon_is_trusted(peer_credentials: bytes) -> bool:
+    """Whether the listener behind ``daemon.sock`` (its ``SO_PEERCRED``: pid, uid, gid) is root
+    or this process's own user, as the launcher (``cli/launcher.c``) also checks."""
+    uid = struct.unpack("3i", peer_credentials)[1]
+    return uid in (0, os.geteuid())
+
+
 def encode_request(argv: list[str], timeout: str | None) -> bytes:
     body = b"\0".join([os.fsencode(timeout or ""), *(os.fsencode(arg) for arg in argv)])
     return LENGTH.pack(len(body)) + body
