@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,47 @@ def test_the_async_remote_sdk_sends_stdin_of_any_size(server: ServerProcess) -> 
             while not await sb.files.exists("/tmp/n") and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
             assert (await sb.files.read("/tmp/n")).strip() == str(40 * MIB)
+
+    asyncio.run(session())
+
+
+def test_a_kill_on_the_exec_stream_is_not_held_behind_stdin_the_command_does_not_take(server: ServerProcess) -> None:
+    """The exec stream's stdin is flow-controlled per stream (``stdin_window``, acks): before,
+    stdin a command was slow to take filled the connection, a kill sent meanwhile waited behind
+    it (here until the command's timeout), and so did the answer to the server's keepalive
+    ping: the stream, and the command with it, died after 40 s (``sleep 45; wc -c`` with 32 MiB
+    of stdin: SandboxClosed "keepalive ping timeout"; now its result after 45.4 s)."""
+    with Sandbox.create(url=server.url, api_key=KEYS["alice"]) as sb:
+        handle = sb.commands.start("exec sleep 100", timeout=30, on_stdout=lambda _: None)
+        feeder = threading.Thread(target=handle.send_stdin, args=(b"x" * (32 * MIB),), daemon=True)
+        feeder.start()
+        time.sleep(1)  # a window's worth under way, the rest waiting for room
+        killed = time.monotonic()
+        handle.kill()
+        result = handle.wait()
+        assert result.exit_code == 137 and time.monotonic() - killed < 10, result
+        feeder.join(10)
+        assert not feeder.is_alive()  # the writer let go once the stream ended
+        # the allowed direction on the same sandbox: all of it reaches a command that reads it
+        streamed = sb.commands.run("wc -c", stdin=b"y" * (32 * MIB), timeout=60, on_stdout=lambda _: None)
+        assert streamed.stdout.strip() == str(32 * MIB)
+
+
+def test_the_async_sdks_kill_is_not_held_behind_stdin_either(server: ServerProcess) -> None:
+    import asyncio
+
+    from corral import AsyncSandbox
+
+    async def session() -> None:
+        async with await AsyncSandbox.create(url=server.url, api_key=KEYS["alice"]) as sb:
+            handle = await sb.commands.start("exec sleep 100", timeout=30, on_stdout=lambda _: None)
+            feeder = asyncio.ensure_future(handle.send_stdin(b"x" * (32 * MIB)))
+            await asyncio.sleep(1)
+            killed = time.monotonic()
+            await handle.kill()
+            result = await handle.wait()
+            assert result.exit_code == 137 and time.monotonic() - killed < 10, result
+            await asyncio.wait_for(feeder, 10)
 
     asyncio.run(session())
 

@@ -15,7 +15,7 @@ from urllib.parse import quote
 import httpx
 
 from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .http_streams import ExecFrames, printed, result_of, stdin_posts
+from .http_streams import ExecFrames, printed, result_of, stdin_posts, stream_request
 from .http_transport import (
     INLINE_STDIN,
     REQUEST_TIMEOUT,
@@ -96,6 +96,8 @@ class AsyncStreamProcess(ExecFrames):
         self._result: ExecResult | None = None
         self._error: SandboxError | None = None
         self._started = asyncio.Event()
+        #: set on each stdin ack and when the stream ends
+        self._stdin_room = asyncio.Event()
         self.pid: int | None = None
         self._reader = asyncio.ensure_future(self._read())
 
@@ -111,6 +113,11 @@ class AsyncStreamProcess(ExecFrames):
             self._lost(exc)
         finally:
             self._started.set()
+            self._stdin_room.set()
+
+    def _stdin_acked(self, taken: int) -> None:
+        super()._stdin_acked(taken)
+        self._stdin_room.set()
 
     @property
     def done(self) -> bool:
@@ -122,8 +129,15 @@ class AsyncStreamProcess(ExecFrames):
                 await self._ws.send(json.dumps(frame))
 
     async def write_stdin(self, data: bytes) -> None:
-        for frame in self._stdin_frames(data):
-            await self._send(frame)
+        self._raise_stdin_error()
+        await self._started.wait()  # the server's window comes with "started"
+        for chunk in self._stdin_chunks(data):
+            while not self._stdin_room_for(len(chunk)) and not self._reader.done() and self._stdin_error is None:
+                self._stdin_room.clear()
+                await self._stdin_room.wait()
+            self._stdin_unacked += len(chunk)
+            self._raise_stdin_error()
+            await self._send(self._stdin_frame(chunk))
 
     async def close_stdin(self) -> None:
         await self._send({"type": "stdin_close"})
@@ -230,9 +244,7 @@ class AsyncHTTPBackend:
         return dict(self.data.get("metadata", {}))
 
     async def start(self, call: CommandCall, on_output: AsyncOutput | None) -> AsyncStreamProcess:
-        body = call.body()
-        if call.pty is not None:
-            body["pty"] = list(call.pty)
+        body = stream_request(call)
         ws = await self._client.connect_ws(f"{self._path}/exec/stream", 64 << 20)
         await ws.send(json.dumps(body))
         process = AsyncStreamProcess(ws, self.id, on_output)

@@ -48,6 +48,16 @@ def ws_connect(url: str, headers: dict[str, str], max_size: int | None) -> Any:
     return connect(url, additional_headers=headers, open_timeout=30, max_size=max_size, **extra)
 
 
+def stream_request(call: Any) -> dict[str, Any]:
+    """The exec stream's first frame for ``call`` (a ``CommandCall``): on a terminal if it asks
+    for one, with stdin acknowledged by the server (``ExecFrames._stdin_window``)."""
+    body: dict[str, Any] = call.body()
+    if call.pty is not None:
+        body["pty"] = list(call.pty)
+    body["stdin_acks"] = True
+    return body
+
+
 def result_of(frame: dict[str, Any]) -> ExecResult:
     frame = {k: v for k, v in frame.items() if k not in ("type", "sandbox_id")}
     return ExecResult(**frame)
@@ -67,12 +77,25 @@ class ExecFrames:
     _error: SandboxError | None
     pid: int | None
 
+    #: stdin bytes sent that the server has not written to the command yet, and how many it lets
+    #: be under way (the ``stdin_window`` of its "started" frame; None: a server that sends no
+    #: acks).  Kept within it, stdin never fills the connection: a kill, a signal or the answer
+    #: to the server's keepalive ping sent meanwhile go through at once (before, stdin the command
+    #: was slow to take held them back, and the server closed the stream after its ping timeout)
+    _stdin_unacked = 0
+    _stdin_window: int | None = None
+
     def _take(self, raw: str | bytes) -> tuple[str, bytes | None]:
         """The frame's type, and for output its bytes; the pid, result or error is kept."""
         frame = json.loads(raw)
         kind = str(frame.get("type"))
         if kind == "started":
             self.pid = frame.get("pid")
+            window = frame.get("stdin_window")
+            self._stdin_window = window if isinstance(window, int) and window > 0 else None
+        elif kind == "stdin_ack":
+            taken = frame.get("bytes")
+            self._stdin_acked(taken if isinstance(taken, int) else 0)
         elif kind in ("stdout", "stderr"):
             return kind, frame["data"].encode()
         elif kind == "result":
@@ -86,14 +109,29 @@ class ExecFrames:
 
     _stdin_error: StdinNotTaken | None = None
 
-    def _stdin_frames(self, data: bytes) -> Iterator[dict[str, Any]]:
-        """``data`` as stdin frames of at most STDIN_FRAME bytes (base64: any bytes, not only
-        UTF-8); first, the error of stdin sent before that the command did not take."""
+    def _stdin_acked(self, taken: int) -> None:
+        self._stdin_unacked = max(0, self._stdin_unacked - taken)
+
+    def _stdin_room_for(self, size: int) -> bool:
+        window = self._stdin_window
+        return window is None or self._stdin_unacked == 0 or self._stdin_unacked + size <= window
+
+    def _raise_stdin_error(self) -> None:
+        """The error of stdin sent before that the command did not take (the server dropped the
+        rest of it), once."""
         error, self._stdin_error = self._stdin_error, None
         if error is not None:
             raise error
+
+    @staticmethod
+    def _stdin_chunks(data: bytes) -> Iterator[bytes]:
         for offset in range(0, len(data), STDIN_FRAME):
-            yield {"type": "stdin", "data_b64": base64.b64encode(data[offset : offset + STDIN_FRAME]).decode()}
+            yield data[offset : offset + STDIN_FRAME]
+
+    @staticmethod
+    def _stdin_frame(chunk: bytes) -> dict[str, Any]:
+        # base64: any bytes, not only UTF-8
+        return {"type": "stdin", "data_b64": base64.b64encode(chunk).decode()}
 
     def _lost(self, exc: Exception) -> None:
         if self._result is None and self._error is None:
@@ -116,6 +154,8 @@ class StreamProcess(ExecFrames, CommandProcess):
         self._error: SandboxError | None = None
         self._done = threading.Event()
         self._started = threading.Event()
+        #: notified on each stdin ack and when the stream ends
+        self._stdin_room = threading.Condition()
         self.pid = None
         try:
             self._ws = ws_connect(client.ws_url(f"{client.sandbox_path(sandbox_id)}/exec/stream"),
@@ -143,6 +183,13 @@ class StreamProcess(ExecFrames, CommandProcess):
         finally:
             self._started.set()
             self._done.set()
+            with self._stdin_room:
+                self._stdin_room.notify_all()
+
+    def _stdin_acked(self, taken: int) -> None:
+        with self._stdin_room:
+            super()._stdin_acked(taken)
+            self._stdin_room.notify_all()
 
     def wait_started(self, timeout: float) -> None:
         self._started.wait(timeout)
@@ -160,8 +207,15 @@ class StreamProcess(ExecFrames, CommandProcess):
         return self._done.is_set()
 
     def write_stdin(self, data: bytes) -> None:
-        for frame in self._stdin_frames(data):
-            self._send(frame)
+        self._raise_stdin_error()
+        self._started.wait()  # the server's window comes with "started"
+        for chunk in self._stdin_chunks(data):
+            with self._stdin_room:
+                while not self._stdin_room_for(len(chunk)) and not self._done.is_set() and self._stdin_error is None:
+                    self._stdin_room.wait()
+                self._stdin_unacked += len(chunk)
+            self._raise_stdin_error()
+            self._send(self._stdin_frame(chunk))
 
     def close_stdin(self) -> None:
         self._send({"type": "stdin_close"})

@@ -28,7 +28,7 @@ from .errors import (
     Unauthorized,
     error_from_code,
 )
-from .http_streams import BackgroundProcess, StreamProcess
+from .http_streams import BackgroundProcess, StreamProcess, stream_request
 from .lifecycle import SandboxInfo, matches
 from .ports import ExposedPort
 from .spec import SandboxSpec
@@ -181,9 +181,7 @@ class HTTPBackend(SandboxBackend):
 
     # -- commands ---------------------------------------------------------------
     def start(self, call: CommandCall, on_output: OutputCallback | None) -> StreamProcess:
-        body = call.body()
-        if call.pty is not None:
-            body["pty"] = list(call.pty)
+        body = stream_request(call)
         process = StreamProcess(self._client, self.id, body, on_output)
         process.wait_started(30)  # as a local start: the command exists when start returns
         return process

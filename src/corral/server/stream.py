@@ -9,6 +9,13 @@ Protocol (JSON text frames):
 * client, any time: ``{"type": "stdin", "data": text}`` (or ``"data_b64"``: any bytes, base64), ``{"type": "stdin_close"}``,
   ``{"type": "signal", "signal": N}``, ``{"type": "kill"}``, ``{"type": "resize", "rows": R, "cols": C}``
   (a command started with ``pty``; otherwise answered with an error frame).
+* stdin is flow-controlled: with ``"stdin_acks": true`` in the first frame (the SDKs send it), the
+  "started" frame says ``stdin_window`` (bytes), the server answers
+  each stdin frame with ``{"type": "stdin_ack", "bytes": n}`` once the command has it (or it was
+  dropped after a ``stdin_not_taken`` error), and a client keeps at most ``stdin_window`` bytes
+  unacknowledged.  Control frames are never queued behind stdin: a kill, a signal and the
+  connection's keepalive pings go through while the command is slow to read.  A client that
+  sends more is not read from until there is room (its pings then wait too).
 * errors: ``{"type": "error", "error": code, "message": text}``, then close.
 
 Closing the socket kills the command's whole process tree.
@@ -20,6 +27,7 @@ import asyncio
 import base64
 import binascii
 import codecs
+import collections
 import contextlib
 import json
 import time
@@ -39,6 +47,9 @@ if TYPE_CHECKING:
 
 #: close codes: 4000 + the HTTP status the same error gets over REST
 CLOSE_NORMAL = 1000
+#: stdin bytes a client may have sent on one stream that the command does not have yet: two of
+#: the SDK's 4 MiB frames, so one is under way while the next is read
+STDIN_STREAM_WINDOW = 8 << 20
 
 
 router = APIRouter()
@@ -114,9 +125,12 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
             # the tenant's thread share is held while the command runs, like a blocking exec's
             waiter = asyncio.ensure_future(ctx.run_for(tenant, wait_then_report))
             receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None,
-                                                            ctx.run_blocking))
+                                                            ctx.run_blocking, body.stdin_acks))
             try:
-                await websocket.send_json({"type": "started", "pid": handle.pid})
+                started: dict[str, Any] = {"type": "started", "pid": handle.pid}
+                if body.stdin_acks:
+                    started["stdin_window"] = STDIN_STREAM_WINDOW
+                await websocket.send_json(started)
                 await _pump(websocket, queue, decoders, metrics, sandbox_id)
             finally:
                 receiver.cancel()
@@ -162,28 +176,86 @@ async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
             raise WebSocketDisconnect(code=1001)
 
 
-async def _send_stdin(websocket: WebSocket, run: Callable[..., Awaitable[Any]], handle: CommandHandle,
-                      data: bytes) -> None:
-    # waits while the command has not taken what was sent before (this stream reads no more
-    # frames meanwhile: the client's writes wait too, as a pipe's writer does)
-    try:
-        await run(handle.send_stdin, data)
-    except StdinNotTaken as exc:
-        await websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
+class _StdinWriter:
+    """One stream's stdin, written to its command in order by a task of its own while the
+    stream's reader goes on reading control frames (a write waits while the command does not
+    read, as a pipe's writer does; the reader must not).  What is queued is bounded by
+    :data:`STDIN_STREAM_WINDOW`: past it the reader waits for room."""
+
+    def __init__(self, websocket: WebSocket, run: Callable[..., Awaitable[Any]], handle: CommandHandle,
+                 acks: bool) -> None:
+        self._websocket = websocket
+        self._acks = acks
+        self._run = run
+        self._handle = handle
+        #: stdin chunks (or None: close stdin) not yet written, and their bytes
+        self._queue: collections.deque[bytes | None] = collections.deque()
+        self._queued = 0
+        self._changed = asyncio.Event()
+        self._task = asyncio.create_task(self._write_all())
+
+    async def put(self, item: bytes | None) -> None:
+        while item is not None and self._queued and self._queued + len(item) > STDIN_STREAM_WINDOW:
+            self._changed.clear()
+            await self._changed.wait()
+        self._queue.append(item)
+        self._queued += len(item or b"")
+        self._changed.set()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def _ack(self, size: int) -> None:
+        if self._acks:
+            await self._websocket.send_json({"type": "stdin_ack", "bytes": size})
+
+    async def _write_all(self) -> None:
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):  # the client left
+            await self._write_in_order()
+
+    async def _write_in_order(self) -> None:
+        while True:
+            while not self._queue:
+                self._changed.clear()
+                await self._changed.wait()
+            item = self._queue[0]
+            try:
+                if item is None:
+                    await self._run(self._handle.close_stdin)
+                else:
+                    await self._run(self._handle.send_stdin, item)
+            except StdinNotTaken as exc:
+                # what is queued behind it is dropped too (acknowledged, so a client waiting for
+                # room goes on), and the client's next stdin call says so
+                await self._websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
+                dropped = [chunk for chunk in self._queue if chunk is not None]
+                self._queue = collections.deque(chunk for chunk in self._queue if chunk is None)
+                self._queued = 0
+                self._changed.set()
+                await self._ack(sum(len(chunk) for chunk in dropped))
+                continue
+            except SandboxError:
+                return  # the command already ended: its result is on its way
+            self._queue.popleft()
+            self._queued -= len(item or b"")
+            self._changed.set()
+            if item is not None:
+                await self._ack(len(item))
 
 
 async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: asyncio.Queue[tuple[str, Any]],
-                           has_pty: bool, run: Callable[..., Awaitable[Any]]) -> None:
+                           has_pty: bool, run: Callable[..., Awaitable[Any]], acks: bool) -> None:
     # each call to the command goes to a thread (``run``), never on the event loop: a write to a
     # sandbox's agent waits while the agent does not read (a fifo once held one for ever, and the
-    # whole server's loop with it); one at a time per stream, in order
+    # whole server's loop with it); stdin in order by its writer, the rest at once
+    stdin = _StdinWriter(websocket, run, handle, acks)
     try:
         while websocket.application_state == WebSocketState.CONNECTED:
             message = json.loads(await websocket.receive_text())
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "stdin" and isinstance(message.get("data_b64"), str):
                 try:
-                    await _send_stdin(websocket, run, handle, base64.b64decode(message["data_b64"], validate=True))
+                    await stdin.put(base64.b64decode(message["data_b64"], validate=True))
                 except binascii.Error:
                     await websocket.send_json({"type": "error", "error": "invalid_spec",
                                                "message": "stdin: data_b64 is not base64"})
@@ -194,9 +266,9 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: a
                     await websocket.send_json({"type": "error", "error": "invalid_spec",
                                                "message": "stdin: text is not valid Unicode (a lone surrogate)"})
                     continue
-                await _send_stdin(websocket, run, handle, data)
+                await stdin.put(data)
             elif kind == "stdin_close":
-                await run(handle.close_stdin)
+                await stdin.put(None)
             elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:
                 await run(handle.send_signal, message["signal"])
             elif kind == "kill":
@@ -221,3 +293,5 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: a
         queue.put_nowait(("disconnect", None))
     except SandboxError:
         pass  # the command already ended: its result is on its way
+    finally:
+        stdin.cancel()

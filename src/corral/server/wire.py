@@ -137,6 +137,9 @@ class StreamExecBody(ExecBody):
     """The exec stream's first frame: an exec request, optionally on a terminal of ``pty=[rows, cols]``."""
 
     pty: tuple[int, int] | None = None
+    #: the client keeps its stdin within the server's window, acknowledged frame by frame
+    #: (server/stream.py); without it the stream is as before acks existed
+    stdin_acks: bool = False
 
 
 class TimeoutBody(BaseModel):
