@@ -223,6 +223,43 @@ def test_stdin_through_an_owner_link_streams_through_and_says_what_was_not_taken
         gc(state_dir)  # the killed owner's sandbox, as an operator's `corral gc` would
 
 
+def test_through_an_owner_link_stdin_of_any_size_arrives_and_a_kill_is_not_held_behind_it(state_dir: Path) -> None:
+    """Over an owner link, stdin went in one frame per call: 80 MiB in one ``send_stdin`` was
+    over the owner's 96 MiB frame (base64), which refused it and stopped reading the call; the
+    caller saw ``ConnectionLost`` after 60 s and the command its timeout.  And the owner wrote
+    stdin on the call's control thread, so a kill behind stdin the command did not take waited
+    for the command's timeout (124 after 29 s).  Now stdin goes in acknowledged 4 MiB frames
+    within the owner's window, written on a thread of its own."""
+    script = ("import time\nfrom corral import Sandbox\nsb = Sandbox.create(memory='128M')\n"
+              "print(sb.id, flush=True)\ntime.sleep(120)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        sb = Sandbox.connect(owner.stdout.readline().strip())
+        data = b"x" * (80 * MIB)
+        counter = sb.commands.run("wc -c", background=True, timeout=60)
+        counter.send_stdin(data)
+        counter.close_stdin()
+        assert counter.wait().stdout.strip() == str(80 * MIB)
+        assert sb.commands.run("wc -c", stdin=data, timeout=60).stdout.strip() == str(80 * MIB)
+        for background in (True, False):
+            sleeper = (sb.commands.run("exec sleep 100", background=True, timeout=30) if background
+                       else sb.commands.start("exec sleep 100", timeout=30))
+            feeder = threading.Thread(target=sleeper.send_stdin, args=(data,), daemon=True)
+            feeder.start()
+            time.sleep(1)
+            killed = time.monotonic()
+            sleeper.kill()
+            assert sleeper.wait().exit_code == 137 and time.monotonic() - killed < 10
+            feeder.join(10)
+            assert not feeder.is_alive()
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+    finally:
+        owner.kill()
+        owner.wait()
+        gc(state_dir)
+
+
 def test_a_run_whose_command_takes_none_of_its_stdin_is_ended_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     # run(stdin=...) gets the command all its input or ends it: not a result made from part of it,
     # nor a command left running until its timeout

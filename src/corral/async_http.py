@@ -17,20 +17,18 @@ import httpx
 from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
 from .http_streams import ExecFrames, printed, result_of, stdin_posts, stream_request
 from .http_transport import (
-    INLINE_STDIN,
     REQUEST_TIMEOUT,
     Endpoint,
     answer,
     create_body,
     info_of,
     retry_wait,
-    split_stdin,
     stdin_field,
 )
 from .lifecycle import SandboxInfo, matches
 from .spec import SandboxSpec
 from .tiers.base import ExecResult, FileEntry
-from .transport import CommandCall, CreateOptions
+from .transport import INLINE_STDIN, CommandCall, CreateOptions, split_stdin
 
 if TYPE_CHECKING:
     from .commands import CommandInfo

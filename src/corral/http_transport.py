@@ -33,7 +33,15 @@ from .lifecycle import SandboxInfo, matches
 from .ports import ExposedPort
 from .spec import SandboxSpec
 from .tiers.base import ExecResult, FileEntry
-from .transport import CommandCall, CreateOptions, OutputCallback, SandboxBackend, Transport
+from .transport import (
+    INLINE_STDIN,
+    CommandCall,
+    CreateOptions,
+    OutputCallback,
+    SandboxBackend,
+    Transport,
+    split_stdin,
+)
 
 if TYPE_CHECKING:
     from .commands import CommandInfo
@@ -330,18 +338,6 @@ def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool) -> E
     where = urlsplit(endpoint.url)
     url = f"{endpoint.url}{endpoint.sandbox_path(sandbox_id)}/ports/{port}/"
     return ExposedPort(port, where.hostname or "", where.port or (443 if where.scheme == "https" else 80), url)
-
-
-#: stdin sent in a command's JSON body up to this size; more goes after it, in parts (the server's
-#: request bodies are at most 32 MiB, and base64 or JSON escapes may double it)
-INLINE_STDIN = 8 << 20
-
-
-def split_stdin(stdin: bytes | None) -> tuple[bytes | None, bytes | None]:
-    """(stdin for a command's JSON body, stdin to write once it has started): one or the other."""
-    if stdin is not None and len(stdin) > INLINE_STDIN:
-        return None, stdin
-    return stdin, None
 
 
 def stdin_field(stdin: bytes | None) -> dict[str, str]:

@@ -16,6 +16,7 @@ from .lifecycle import SandboxInfo
 from .owner_link import (
     CONNECT_TIMEOUT,
     MAX_REQUEST,
+    STDIN_LINK_FRAME,
     b64,
     b64_size,
     call_to_dict,
@@ -26,7 +27,7 @@ from .owner_link import (
 )
 from .ports import ExposedPort
 from .tiers.base import ExecResult, FileEntry
-from .transport import CommandCall, CommandProcess, OutputCallback, SandboxBackend
+from .transport import INLINE_STDIN, CommandCall, CommandProcess, OutputCallback, SandboxBackend, split_stdin
 
 if TYPE_CHECKING:
     from .commands import CommandInfo
@@ -87,6 +88,11 @@ class OwnerProcess(CommandProcess):
         self._finished = threading.Event()
         self._result: ExecResult | None = None
         self._error: BaseException | None = None
+        #: stdin sent that the owner has not written to the command yet, and how much it lets be
+        #: under way (None: an owner of an older version, which sends no acks); notified on acks
+        self._stdin_unacked = 0
+        self._stdin_window: int | None = None
+        self._stdin_room = threading.Condition()
         threading.Thread(target=self._read, name="corral-owner-process", daemon=True).start()
         self._started.wait(CONNECT_TIMEOUT)
         if self._error is not None:
@@ -96,7 +102,13 @@ class OwnerProcess(CommandProcess):
         def frame(data: dict[str, Any]) -> None:
             if "started" in data:
                 self.pid = data["started"]
+                window = data.get("stdin_window")
+                self._stdin_window = window if isinstance(window, int) and window > 0 else None
                 self._started.set()
+            elif "stdin_ack" in data:
+                with self._stdin_room:
+                    self._stdin_unacked = max(0, self._stdin_unacked - int(data["stdin_ack"]))
+                    self._stdin_room.notify_all()
             elif "out" in data and self._on_output is not None:
                 self._on_output(data["out"], unb64(data["data"]))
             elif "stdin_error" in data:
@@ -109,6 +121,8 @@ class OwnerProcess(CommandProcess):
         finally:
             self._finished.set()
             self._started.set()
+            with self._stdin_room:
+                self._stdin_room.notify_all()
 
     @property
     def done(self) -> bool:
@@ -123,8 +137,30 @@ class OwnerProcess(CommandProcess):
             raise error
 
     def write_stdin(self, data: bytes) -> None:
+        # in frames the owner takes, each sent once the owner has room for it: a kill or signal
+        # sent meanwhile is never held behind stdin the command is slow to take
         self._raise_stdin_error()
-        self._call.control({"stdin": b64(data)})
+        for offset in range(0, len(data), STDIN_LINK_FRAME):
+            chunk = data[offset : offset + STDIN_LINK_FRAME]
+            with self._stdin_room:
+                while not self._room_for(len(chunk)):
+                    self._stdin_room.wait()
+                self._stdin_unacked += len(chunk)
+            self._raise_stdin_error()
+            if self.done:
+                return  # as a pipe to a command that ended
+            try:
+                self._call.control({"stdin": b64(chunk)})
+            except ConnectionLost:
+                # the command ended as this went out (the owner closes the call with its result)
+                if self._finished.wait(CONNECT_TIMEOUT) and self._result is not None:
+                    return
+                raise
+
+    def _room_for(self, size: int) -> bool:
+        window = self._stdin_window
+        return (window is None or not self._stdin_unacked or self._stdin_unacked + size <= window
+                or self.done or self._stdin_error is not None)
 
     def close_stdin(self) -> None:
         self._raise_stdin_error()
@@ -178,6 +214,9 @@ class OwnerBackend(SandboxBackend):
         return OwnerProcess(self._open("start", call=call_to_dict(call)), on_output)
 
     def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
+        if stdin is not None and len(stdin) > INLINE_STDIN:
+            return super().run(call, stdin, on_output)  # started, then stdin in frames
+
         def frame(data: dict[str, Any]) -> None:
             if "out" in data and on_output is not None:
                 on_output(data["out"], unb64(data["data"]))
@@ -188,8 +227,12 @@ class OwnerBackend(SandboxBackend):
 
     def start_background(self, call: CommandCall, stdin: bytes | None,
                          on_output: OutputCallback | None) -> OwnerProcess:
-        return OwnerProcess(self._open("start_background", call=call_to_dict(call),
-                                       stdin=b64(stdin) if stdin is not None else None), on_output)
+        inline, after = split_stdin(stdin)
+        process = OwnerProcess(self._open("start_background", call=call_to_dict(call),
+                                          stdin=b64(inline) if inline is not None else None), on_output)
+        if after is not None:
+            process.write_stdin(after)
+        return process
 
     def commands(self) -> list[CommandInfo]:
         from .commands import CommandInfo

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import collections
 import contextlib
 import json
 import os
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
 
 #: a request line (a file written through the link is in it, base64): a server's upload cap
 MAX_REQUEST = 96 << 20
+#: stdin bytes a caller may have sent over one call that the command does not have yet (the
+#: caller keeps within it, chunk by chunk acknowledged; see _StdinWriter)
+STDIN_LINK_WINDOW = 8 << 20
+#: raw stdin bytes per frame (base64 in JSON: a third more)
+STDIN_LINK_FRAME = 4 << 20
 #: how long an exiting owner waits for a kill by id it is carrying out
 KILL_GRACE = 10.0
 #: how long a caller waits to be accepted and answered by a live owner before giving up
@@ -238,32 +244,88 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         process = backend.command(int(args["pid"]))
     else:
         raise InvalidSpec(f"unknown owner-link call {op!r}")
-    send_frame(conn, {"started": process.pid}, lock)
+    send_frame(conn, {"started": process.pid, "stdin_window": STDIN_LINK_WINDOW}, lock)
     done = threading.Event()
-    def stdin_not_taken(exc: StdinNotTaken) -> None:
-        send_frame(conn, {"stdin_error": str(exc)}, lock)
-
-    threading.Thread(target=_follow_controls, args=(process, frames, op == "start", done, stdin_not_taken),
+    writer = _StdinWriter(process, lambda frame: send_frame(conn, frame, lock))
+    threading.Thread(target=_follow_controls, args=(process, frames, op == "start", done, writer),
                      daemon=True).start()
     try:
         return process.wait().to_dict()
     finally:
         done.set()
+        writer.stop()
+
+
+class _StdinWriter:
+    """A command's stdin from the link, written in order on a thread of its own while the call's
+    reader goes on with signals and kills (a write waits while the command does not read, as a
+    pipe's writer does; a kill must not wait behind it).  Each chunk written (or dropped after a
+    ``StdinNotTaken``) is acknowledged (``stdin_ack``); what is queued is bounded by
+    :data:`STDIN_LINK_WINDOW`, past which the reader waits for room."""
+
+    def __init__(self, process: CommandProcess, send: Callable[[dict[str, Any]], None]) -> None:
+        self._process = process
+        self._send = send
+        #: chunks not yet written (None: close stdin), their bytes, and whether to stop
+        self._queue: collections.deque[bytes | None] = collections.deque()
+        self._queued = 0
+        self._stopped = False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._write_all, name="corral-owner-stdin", daemon=True).start()
+
+    def put(self, item: bytes | None) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._stopped or item is None or not self._queued
+                                   or self._queued + len(item) <= STDIN_LINK_WINDOW)
+            self._queue.append(item)
+            self._queued += len(item or b"")
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    def _write_all(self) -> None:
+        with contextlib.suppress(OSError, SandboxError):  # the caller or the command is gone
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: self._stopped or bool(self._queue))
+                    if self._stopped:
+                        return
+                    item = self._queue[0]
+                try:
+                    if item is None:
+                        self._process.close_stdin()
+                    else:
+                        self._process.write_stdin(item)
+                    taken = len(item or b"")
+                except StdinNotTaken as exc:
+                    # what is queued behind it is dropped too, and the caller's next stdin call says so
+                    self._send({"stdin_error": str(exc)})
+                    with self._changed:
+                        taken = self._queued
+                        self._queue = collections.deque(c for c in self._queue if c is None)
+                        self._queued = 0
+                        self._changed.notify_all()
+                    self._send({"stdin_ack": taken})
+                    continue
+                with self._changed:
+                    self._queue.popleft()
+                    self._queued -= taken
+                    self._changed.notify_all()
+                if item is not None:
+                    self._send({"stdin_ack": taken})
 
 
 def _follow_controls(process: CommandProcess, frames: Iterator[dict[str, Any]], kill_on_hangup: bool,
-                     done: threading.Event, stdin_not_taken: Callable[[StdinNotTaken], None]) -> None:
+                     done: threading.Event, stdin: _StdinWriter) -> None:
     try:
         for frame in frames:
             if "stdin" in frame:
-                # waits while the command has not taken what was sent before (stdin is flow-
-                # controlled): the caller's next frames wait behind it, as a pipe's writer does
-                try:
-                    process.write_stdin(unb64(frame["stdin"]))
-                except StdinNotTaken as exc:  # the rest was not sent: the caller's next stdin call says so
-                    stdin_not_taken(exc)
+                stdin.put(unb64(frame["stdin"]))
             elif "close_stdin" in frame:
-                process.close_stdin()
+                stdin.put(None)
             elif "signal" in frame:
                 process.send_signal(int(frame["signal"]))
             elif "kill" in frame:

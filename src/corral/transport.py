@@ -37,6 +37,19 @@ if TYPE_CHECKING:
 
 OutputCallback = Callable[[str, bytes], None]
 
+#: stdin sent in the request that starts a command up to this size; more goes after it, in parts
+#: (a server's request bodies are at most 32 MiB, an owner link's frames 96 MiB, and base64 or
+#: JSON escapes may double it)
+INLINE_STDIN = 8 << 20
+
+
+def split_stdin(stdin: bytes | None) -> tuple[bytes | None, bytes | None]:
+    """(stdin for the request that starts a command, stdin to write once it has started): one or
+    the other."""
+    if stdin is not None and len(stdin) > INLINE_STDIN:
+        return None, stdin
+    return stdin, None
+
 
 @dataclass(frozen=True)
 class CommandCall:
