@@ -32,6 +32,7 @@ from .audit import AuditLog
 from .echo_forms import EchoMatcher, Form
 from .echo_guard import ResponseGuard, copy_guarded
 from .policy import Decision, Policy
+from .request_head import MalformedHead, RequestHead, parse_head, request_authority, same_host
 from .tunnel import (
     BULK_SEND,
     BULK_TUNNELS,
@@ -76,7 +77,7 @@ class EgressProxy:
         self.ca = ca
         self.upstream_tls = upstream_tls
         self._lock = threading.Lock()
-        self._matchers: dict[str, EchoMatcher] = {}
+        self._matchers: dict[tuple[str, ...], EchoMatcher] = {}
         self._open: set[socket.socket] = set()
         self._clients = 0
         self._bulk: set[socket.socket] = set()  # upstream sockets holding one of BULK_TUNNELS
@@ -170,28 +171,33 @@ class EgressProxy:
 
     # -- one client connection ----------------------------------------------
     def _serve(self, conn: socket.socket) -> None:
-        upstream: socket.socket | None = None
+        # every socket opened for this client (upstream, TLS on either side) is closed here,
+        # however the exchange ended: a reset or a false TLS handshake once left the upstream
+        # open for the sandbox's life (it was only known once the exchange returned)
+        opened: list[socket.socket] = []
         try:
             conn.settimeout(HANDSHAKE_TIMEOUT)
             first = conn.recv(1, socket.MSG_PEEK)
             if not first:
                 return
-            upstream = self._socks5(conn) if first == b"\x05" else self._http(conn)
+            if first == b"\x05":
+                self._socks5(conn, opened)
+            else:
+                self._http(conn, opened)
         except (OSError, ProxyError, ssl.SSLError, ValueError):
             pass
         finally:
-            self._untrack(conn)
-            if upstream is not None:
-                self._untrack(upstream)
+            self._untrack(conn, *reversed(opened))
             self._client_gone()
 
     def _refuse_audit(self, decision: Decision, asked: str, protocol: str) -> None:
         self.audit.record(self.sandbox_id, "refused", asked, decision.address, decision.rule, protocol)
 
-    def _connect(self, decision: Decision) -> socket.socket:
+    def _connect(self, decision: Decision, opened: list[socket.socket]) -> socket.socket:
         assert decision.address is not None
         family = socket.AF_INET6 if ":" in decision.address else socket.AF_INET
         sock = self._track(socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
+        opened.append(sock)
         sock.settimeout(CONNECT_TIMEOUT)
         try:
             self._size(sock)
@@ -203,64 +209,72 @@ class EgressProxy:
         return sock
 
     # -- HTTP ------------------------------------------------------------------
-    def _http(self, conn: socket.socket) -> socket.socket | None:
-        head, rest = read_head(conn)
-        request_line, _, header_block = head.partition(b"\r\n")
-        parts = request_line.split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+    def _parsed(self, client: socket.socket, head: bytes, protocol: str) -> RequestHead | None:
+        """``head`` parsed strictly, or None once the client was answered 400 (and it audited)."""
+        try:
+            return parse_head(head)
+        except MalformedHead as exc:
+            self.audit.record(self.sandbox_id, "refused", "*", None, f"malformed-request-head: {exc}", protocol)
+            client.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
             return None
-        method, target = parts[0].decode("latin-1"), parts[1].decode("latin-1")
+
+    def _http(self, conn: socket.socket, opened: list[socket.socket]) -> None:
+        raw_head, rest = read_head(conn)
+        head = self._parsed(conn, raw_head, "http")
+        if head is None:
+            return
+        method, target = head.method.decode("latin-1"), head.target.decode("latin-1")
         if method == "CONNECT":
             host, port = split_host_port(target, None)
             decision = self.policy.decide(host, port)
             if not decision.allowed:
                 self._refuse_audit(decision, target, "http-connect")
                 send_refusal(conn, decision)
-                return None
-            upstream = self._connect_or_502(conn, decision)
+                return
+            upstream = self._connect_or_502(conn, decision, opened)
             if upstream is None:
-                return None
+                return
             conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
             bound = [s for s in self.secrets if s.binding.bound_to(decision.host)]
             if bound and self.ca is not None:
-                self._intercept(conn, upstream, decision, rest)
+                self._intercept(conn, upstream, decision, rest, opened)
             else:
                 self._pump(conn, upstream, rest)
-            return upstream
+            return
         url = urlsplit(target)
         if url.scheme != "http" or not url.hostname:
             conn.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
-            return None
+            return
         decision = self.policy.decide(url.hostname, url.port or 80)
         if not decision.allowed:
             self._refuse_audit(decision, f"{url.hostname}:{url.port or 80}", "http")
             send_refusal(conn, decision)
-            return None
-        upstream = self._connect_or_502(conn, decision)
+            return
+        upstream = self._connect_or_502(conn, decision, opened)
         if upstream is None:
-            return None
+            return
         path = url.path or "/"
         if url.query:
             path += "?" + url.query
-        new_head = self._rewrite_head(parts[0] + b" " + path.encode("latin-1") + b" " + parts[2],
-                                      header_block, decision, f"{url.hostname}:{url.port or 80}")
+        new_head = self._rewrite_head(head.method + b" " + path.encode("latin-1") + b" " + head.version,
+                                      head, decision, 80, "http")
         upstream.sendall(new_head + rest)
-        guard = self._response_guard(decision, method, parts[2], "http")
+        guard = self._response_guard(decision, method, head.version, "http")
         if guard is None:
             self._pump(conn, upstream, b"")  # no secret bound: spliced, never scanned
         else:
             copy_guarded(conn, upstream, guard, self._cut_audit(decision, "http"))
-        return upstream
 
     def _matcher(self, host: str) -> EchoMatcher | None:
         bound = [s for s in self.secrets if s.binding.bound_to(host)]
         if not bound:
             return None
+        # one per set of secrets, not per host: a ``*.domain`` binding names hosts without end
+        key = tuple(secret.name for secret in bound)
         with self._lock:
-            matcher = self._matchers.get(host)
+            matcher = self._matchers.get(key)
             if matcher is None:
-                matcher = self._matchers[host] = EchoMatcher(bound)
+                matcher = self._matchers[key] = EchoMatcher(bound)
         return matcher
 
     def _response_guard(self, decision: Decision, method: str, version: bytes, protocol: str) -> ResponseGuard | None:
@@ -282,44 +296,55 @@ class EgressProxy:
                               rule, protocol)
         return record
 
-    def _connect_or_502(self, conn: socket.socket, decision: Decision) -> socket.socket | None:
+    def _connect_or_502(self, conn: socket.socket, decision: Decision,
+                        opened: list[socket.socket]) -> socket.socket | None:
         try:
-            return self._connect(decision)
+            return self._connect(decision, opened)
         except OSError as exc:
             body = f"corral egress: cannot reach {decision.host}:{decision.port}: {exc.strerror or exc}\n".encode()
             conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Type: text/plain\r\n"
                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             return None
 
-    def _rewrite_head(self, request_line: bytes, header_block: bytes, decision: Decision, asked: str) -> bytes:
-        """Drop hop-by-hop headers, force one request per connection, swap placeholders for bound hosts."""
+    def _rewrite_head(self, request_line: bytes, head: RequestHead, decision: Decision, default_port: int,
+                      protocol: str) -> bytes:
+        """Drop hop-by-hop headers, force one request per connection, swap placeholders for bound
+        hosts -- only in a request that names the host the connection goes to, and nothing else."""
         lines = [request_line]
         bound = any(s.binding.bound_to(decision.host) for s in self.secrets)
-        for line in header_block.split(b"\r\n"):
-            if not line:
-                continue
-            name = line.split(b":", 1)[0].strip().lower()
+        named = request_authority(head, default_port)
+        elsewhere = None  # why this request may not carry a real value, if it names another site
+        if isinstance(named, str):
+            elsewhere = f"the request names no single host ({named})"
+        elif not same_host(named, decision.host, decision.port):
+            elsewhere = f"the request names {named[0]}:{named[1]}, not {decision.host}:{decision.port}"
+        for name, line in head.fields:
             if name in _HOP_HEADERS or (bound and name in _BOUND_DROPPED):
                 continue
-            lines.append(self._substitute(line, decision, asked))
+            lines.append(self._substitute(line, decision, elsewhere, protocol))
         if bound:
             lines.append(b"Accept-Encoding: identity")
         lines.append(b"Connection: close")
         return b"\r\n".join(lines) + b"\r\n\r\n"
 
-    def _substitute(self, line: bytes, decision: Decision, asked: str) -> bytes:
+    def _substitute(self, line: bytes, decision: Decision, elsewhere: str | None, protocol: str) -> bytes:
+        asked = f"{decision.host}:{decision.port}"
         for secret in self.secrets:
             placeholder = secret.placeholder.encode()
             if placeholder not in line:
                 continue
-            if secret.binding.bound_to(decision.host):
-                line = line.replace(placeholder, secret.value.encode())
+            if not secret.binding.bound_to(decision.host):
+                why = f"secret {secret.name} is not bound to {decision.host}"
+            elif elsewhere is not None:
+                why = f"secret {secret.name}: {elsewhere}"
             else:
-                self.audit.record(self.sandbox_id, "secret-withheld", asked, decision.address,
-                                  f"secret {secret.name} is not bound to {decision.host}", "http")
+                line = line.replace(placeholder, secret.value.encode())
+                continue
+            self.audit.record(self.sandbox_id, "secret-withheld", asked, decision.address, why, protocol)
         return line
 
-    def _intercept(self, conn: socket.socket, upstream: socket.socket, decision: Decision, rest: bytes) -> None:
+    def _intercept(self, conn: socket.socket, upstream: socket.socket, decision: Decision, rest: bytes,
+                   opened: list[socket.socket]) -> None:
         """See the request inside a tunnel to a secret-bound host so its headers can carry the real value:
         TLS on both sides (our per-sandbox CA towards the sandbox), or plain HTTP as it comes."""
         assert self.ca is not None
@@ -328,29 +353,34 @@ class EgressProxy:
         first = conn.recv(1, socket.MSG_PEEK)
         protocol = "http"
         if first == b"\x16":  # a TLS handshake record
+            # each TLS socket takes over its plain one's descriptor: it is the one to close
             client: socket.socket = self.ca.server_context(decision.host).wrap_socket(conn, server_side=True)
+            opened.append(client)
             upstream_ctx = self.upstream_tls or ssl.create_default_context()
             server: socket.socket = upstream_ctx.wrap_socket(upstream, server_hostname=decision.host)
+            opened.append(server)
             protocol = "https"
         else:
             client, server = conn, upstream
-        head, body = read_head(client)
-        request_line, _, header_block = head.partition(b"\r\n")
-        asked = f"{decision.host}:{decision.port}"
-        server.sendall(self._rewrite_head(request_line, header_block, decision, asked) + body)
-        words = request_line.split(b" ")
-        guard = self._response_guard(decision, words[0].decode("latin-1"), words[-1], protocol)
+        raw_head, body = read_head(client)
+        head = self._parsed(client, raw_head, protocol)
+        if head is None:
+            return
+        request_line = b" ".join((head.method, head.target, head.version))
+        server.sendall(self._rewrite_head(request_line, head, decision, 443 if protocol == "https" else 80,
+                                          protocol) + body)
+        guard = self._response_guard(decision, head.method.decode("latin-1"), head.version, protocol)
         assert guard is not None  # only tunnels to secret-bound hosts are intercepted
         copy_guarded(client, server, guard, self._cut_audit(decision, protocol))
 
 
     # -- SOCKS5 ---------------------------------------------------------------
-    def _socks5(self, conn: socket.socket) -> socket.socket | None:
+    def _socks5(self, conn: socket.socket, opened: list[socket.socket]) -> None:
         _, count = _recv_exact(conn, 2)
         methods = _recv_exact(conn, count)
         if 0 not in methods:
             conn.sendall(b"\x05\xff")
-            return None
+            return
         conn.sendall(b"\x05\x00")
         _, cmd, _, atyp = _recv_exact(conn, 4)
         if atyp == 1:
@@ -361,26 +391,25 @@ class EgressProxy:
             host = _recv_exact(conn, _recv_exact(conn, 1)[0]).decode("idna")
         else:
             _socks_reply(conn, _SOCKS_BAD_ATYP)
-            return None
+            return
         (port,) = struct.unpack("!H", _recv_exact(conn, 2))
         asked = f"{host}:{port}"
         if cmd != 1:  # BIND and UDP ASSOCIATE would open paths the policy cannot see
             self.audit.record(self.sandbox_id, "refused", asked, None, "socks-command-not-supported", "socks5")
             _socks_reply(conn, _SOCKS_BAD_CMD)
-            return None
+            return
         decision = self.policy.decide(host, port)
         if not decision.allowed:
             self._refuse_audit(decision, asked, "socks5")
             _socks_reply(conn, _SOCKS_NOT_ALLOWED)
-            return None
+            return
         try:
-            upstream = self._connect(decision)
+            upstream = self._connect(decision, opened)
         except OSError:
             _socks_reply(conn, _SOCKS_UNREACHABLE)
-            return None
+            return
         _socks_reply(conn, _SOCKS_OK)
         self._pump(conn, upstream, b"")
-        return upstream
 
 
 def read_head(sock: socket.socket) -> tuple[bytes, bytes]:

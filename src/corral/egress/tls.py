@@ -3,7 +3,9 @@
 Each sandbox gets its own CA (EC P-256, made with ``cryptography``) that lives
 for the sandbox's lifetime.  Its certificate is trusted inside the sandbox; its
 key stays in a root-only directory of the owner and never enters the sandbox.
-A leaf certificate is minted per host on first use and cached.
+A leaf certificate is minted per host on first use and cached: the most recent
+:data:`LEAF_CONTEXTS` of them (a ``*.domain`` binding under wildcard DNS names hosts
+without end, and each context holds ~0.4 MiB), their files deleted as soon as loaded.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import ipaddress
 import os
 import ssl
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from cryptography import x509
@@ -21,6 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 _VALIDITY = datetime.timedelta(days=2)
+#: leaf TLS contexts kept per sandbox (least recently used dropped first)
+LEAF_CONTEXTS = 64
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -52,7 +57,8 @@ class SandboxCA:
             .sign(self._key, hashes.SHA256())
         )
         self.cert_pem = self.certificate.public_bytes(serialization.Encoding.PEM)
-        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
+        self._made = 0
         self._lock = threading.Lock()
 
     def server_context(self, host: str) -> ssl.SSLContext:
@@ -61,6 +67,10 @@ class SandboxCA:
             ctx = self._contexts.get(host)
             if ctx is None:
                 ctx = self._contexts[host] = self._make_context(host)
+                while len(self._contexts) > LEAF_CONTEXTS:
+                    self._contexts.popitem(last=False)
+            else:
+                self._contexts.move_to_end(host)
             return ctx
 
     def _make_context(self, host: str) -> ssl.SSLContext:
@@ -85,16 +95,22 @@ class SandboxCA:
                            critical=False)
             .sign(self._key, hashes.SHA256())
         )
-        # ssl can only load a chain from files: they go in the owner's root-only directory
-        stem = self.directory / f"leaf-{len(self._contexts)}"
+        # ssl can only load a chain from files: they go in the owner's root-only directory, for
+        # as long as it takes to load them
+        self._made += 1
+        stem = self.directory / f"leaf-{self._made}"
         cert_file, key_file = stem.with_suffix(".crt"), stem.with_suffix(".key")
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(_pem_key(key))
-        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(cert_file, key_file)
+        try:
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_pem_key(key))
+            cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(cert_file, key_file)
+        finally:
+            cert_file.unlink(missing_ok=True)
+            key_file.unlink(missing_ok=True)
         ctx.set_alpn_protocols(["http/1.1"])  # header rewriting speaks HTTP/1.1 only
         return ctx
 
