@@ -193,3 +193,20 @@ def test_leaf_certificates_for_endless_names_stay_bounded(tmp_path: Path) -> Non
     assert list((tmp_path / "ca").iterdir()) == []
     assert ca.server_context(f"n{tls.LEAF_CONTEXTS + 39}.wild.test") is contexts[-1]  # recent: kept
     assert ca.server_context("n0.wild.test") is not contexts[0]  # dropped, made again
+
+
+def test_one_echo_matcher_serves_every_name_of_a_wildcard_binding(tmp_path: Path) -> None:
+    from corral.egress.audit import AuditLog
+    from corral.egress.policy import Policy
+    from corral.egress.proxy import EgressProxy
+    from corral.secrets import SecretBinding, materialize
+
+    secrets = materialize([SecretBinding.parse("W@*.wild.test")], {"W": "wild-secret-0123456789"})
+    proxy = EgressProxy("sb-test", tmp_path / "proxy.sock", Policy([]), AuditLog(), secrets)
+    try:
+        first = proxy._matcher("a.wild.test")
+        assert first is not None
+        assert all(proxy._matcher(f"n{i}.wild.test") is first for i in range(200))
+        assert proxy._matcher("other.test") is None and len(proxy._matchers) == 1
+    finally:
+        proxy.close()
