@@ -300,3 +300,54 @@ print(n)
         # buffer per socket that reads nothing (~75 KB on loopback): ~110 MB; on v2 they are
         # part of its memory
         assert held < 256 << 20, f"{held >> 20} MiB of the host's TCP memory"
+
+
+TOGETHER = """
+import json, sys, threading
+from corral import Sandbox
+hog = "python3 -c 'import time; x = bytearray(600 << 20); time.sleep(3); print(len(x))'"
+with Sandbox.create(memory="768M") as a, Sandbox.create(memory="768M") as b:
+    alone = a.commands.run(hog, timeout=60)  # the allowed direction: one fits
+    results = {}
+    def run(name, sb):
+        results[name] = sb.commands.run(hog, timeout=60)
+    threads = [threading.Thread(target=run, args=item) for item in (("a", a), ("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps({"alone": [alone.exit_code, alone.oom_killed],
+                      **{k: [r.exit_code, r.oom_killed] for k, r in results.items()},
+                      "after": [a.commands.run("echo alive").stdout, b.commands.run("echo alive").stdout]}))
+"""
+
+
+def test_sandboxes_together_stay_within_what_the_host_gives_them_all(tmp_path: Path) -> None:
+    """Each sandbox's limit bounded it, but nothing bounded their sum: sandboxes each within
+    their limits could fill the host together, and the global OOM killer then chose among every
+    process of the host (the owner holding them, sshd).  Their parent group now has a limit
+    (``cgroups.sandboxes_memory``: the host less a tenth, at least 1 GiB; here set to 1 GiB in a
+    parent of this test's own): two 768M sandboxes each allocating 600 MB at once get one command
+    OOM-killed inside, and both sandboxes go on."""
+    import json
+
+    from corral.host import cgroups
+
+    parent = f"corral-together-{tmp_path.name[-12:]}"
+    env = {**__import__("os").environ, "CORRAL_CGROUP_PARENT": parent, "CORRAL_SANDBOXES_MEMORY": "1G"}
+    try:
+        out = subprocess.run([sys.executable, "-c", TOGETHER], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen = json.loads(out.stdout.strip().splitlines()[-1])
+        layout = cgroups.detect()
+        limit_file = "memory.max" if layout.version == 2 else "memory.limit_in_bytes"
+        assert (layout.controllers["memory"] / parent / limit_file).read_text().strip() == str(1 << 30)
+    finally:
+        layout = cgroups.detect()
+        for root in {*layout.controllers.values(), layout.kill_root}:
+            if (root / parent).exists():
+                (root / parent).rmdir()
+    assert seen["alone"] == [0, False], seen
+    outcomes = sorted([tuple(seen["a"]), tuple(seen["b"])])
+    assert outcomes == [(0, False), (137, True)], seen
+    assert seen["after"] == ["alive\n", "alive\n"], seen

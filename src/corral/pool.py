@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidSpec
+from .host.procs import host_memory as host_memory  # the cluster's node reads it here too
 from .sandbox import Sandbox
 from .spec import SandboxSpec
 from .spec import template_key as template_key  # defined beside the spec (the cluster's placement uses it too)
@@ -34,14 +35,6 @@ MAX_POOL_MEMORY_SHARE = 0.5
 #: after an acquire, a refill waits this long while the pool still has members: a create takes a
 #: core for ~20 ms, and started at once it would compete with the new owner's first command
 REFILL_SETTLE = 0.1
-
-def host_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 30
-
 
 class SandboxPool:
     """Fresh sandboxes of one template, refilled in the background.

@@ -24,10 +24,10 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import ContainmentFailed, HostError, HostNotSupported
-from ..spec import Limits
+from ..spec import Limits, parse_size
 from . import mounts
 from .cgroup_tree import all_groups, kill_group, read_pids, remove_tree, rmdir_group, write
-from .procs import exiting
+from .procs import exiting, host_memory
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: every group Corral makes lives below a parent of this name
@@ -117,6 +117,44 @@ def tcp_limit(memory: int) -> int:
     return max(16 << 20, memory // 4)
 
 
+def sandboxes_memory() -> int:
+    """What all of Corral's sandboxes on this host may use together: their parent group's memory
+    limit.  ``CORRAL_SANDBOXES_MEMORY`` (a size) if set; else the host's memory less what it keeps
+    for itself, a tenth of it and at least 1 GiB.
+
+    Each sandbox's own limit bounds it, but nothing bounded their sum: sandboxes each within
+    their limits could together fill the host, and the kernel's global OOM killer then chose
+    among *every* process (the owner or server holding them, sshd).  Past this limit the kernel
+    kills within the sandboxes instead."""
+    configured = os.environ.get("CORRAL_SANDBOXES_MEMORY")
+    if configured:
+        return parse_size(configured, "CORRAL_SANDBOXES_MEMORY")
+    total = host_memory()
+    return total - max(1 << 30, total // 10)
+
+
+#: parents this process has set the memory limit of (once each: creates stay cheap)
+_capped: set[Path] = set()
+
+
+def _cap_parent_memory(layout: Layout) -> None:
+    group = layout.controllers["memory"] / PARENT
+    if group in _capped:
+        return
+    limit_file = group / ("memory.max" if layout.version == 2 else "memory.limit_in_bytes")
+    cap = sandboxes_memory()
+    current = limit_file.read_text().strip()
+    if current == "max" or int(current) > cap:  # an operator's lower limit stays
+        try:
+            write(limit_file, str(cap))
+        except OSError:
+            pass  # sandboxes already use more (v1: EBUSY): it is tried again by the next process
+        else:
+            _capped.add(group)
+    else:
+        _capped.add(group)
+
+
 def _ensure_parent(layout: Layout) -> None:
     for root in {*layout.controllers.values(), layout.kill_root}:
         (root / PARENT).mkdir(exist_ok=True)
@@ -133,6 +171,7 @@ def _ensure_parent(layout: Layout) -> None:
                         f"cannot enable memory/pids/cpu controllers in {group}: {exc}. "
                         "Run Corral in a cgroup with delegated controllers and no processes of its own"
                     ) from exc
+    _cap_parent_memory(layout)
 
 
 def join(procs_files: Iterable[str], pid: int) -> None:

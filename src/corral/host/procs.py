@@ -94,3 +94,12 @@ def raise_open_files_limit(to_kernel_bound: bool = False) -> int:
         except (ValueError, OSError):
             pass
     return soft
+
+
+def host_memory() -> int:
+    """The host's memory (``MemTotal``), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 30
