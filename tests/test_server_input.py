@@ -1,0 +1,98 @@
+"""Hostile input to ``corral serve``: what a request carries must be refused with a typed error,
+never run as something else, crash a route or leave the server holding memory.
+
+A real server on loopback without API keys (every caller is the one local tenant) and real
+sandboxes of the process tier."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.sync.client import ClientConnection, connect
+
+from corral.errors import InvalidSpec
+
+from .server_fixtures import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(state_dir: Path) -> Iterator[ServerProcess]:
+    config = {"max_sandboxes_per_tenant": 3, "max_memory_per_tenant": "1G"}
+    with ServerProcess(state_dir / "srv-input", config=config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def sid(server: ServerProcess) -> Iterator[str]:
+    with server.client() as http:
+        response = http.post("/v1/sandboxes", json={"limits": {"memory": "128M"}})
+        assert response.status_code == 201, response.text
+        sandbox_id = str(response.json()["id"])
+        try:
+            yield sandbox_id
+        finally:
+            http.delete(f"/v1/sandboxes/{sandbox_id}")
+
+
+def stream(server: ServerProcess, sid: str) -> ClientConnection:
+    return connect(server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/exec/stream", open_timeout=10,
+                   max_size=None)
+
+
+def frames_until_end(ws: ClientConnection, limit: int = 1000) -> list[dict[str, Any]]:
+    frames: list[dict[str, Any]] = []
+    for _ in range(limit):
+        frame = json.loads(ws.recv(timeout=20))
+        frames.append(frame)
+        if frame["type"] in ("result", "error"):
+            break
+    return frames
+
+
+def exists(http: httpx.Client, sid: str, path: str) -> bool:
+    return http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": ["test", "-e", path]}).json()["exit_code"] == 0
+
+
+# -- NUL in a command --------------------------------------------------------------------------
+NUL_COMMANDS: list[Any] = ["echo a\0; touch /tmp/nul-ran", ["sh", "-c", "touch /tmp/nul-ran\0 x"]]
+
+
+@pytest.mark.parametrize("cmd", NUL_COMMANDS)
+def test_nul_in_a_command_is_refused_by_the_library(sandbox: Any, cmd: Any) -> None:
+    with pytest.raises(InvalidSpec, match="NUL"):
+        sandbox.commands.run(cmd)
+    with pytest.raises(InvalidSpec, match="NUL"):
+        sandbox.commands.start(cmd)
+    assert sandbox.commands.run("test -e /tmp/nul-ran").exit_code == 1
+    # the allowed thing works: the same command without the NUL
+    assert sandbox.commands.run("echo a; echo b").stdout == "a\nb\n"
+
+
+@pytest.mark.parametrize("field", [{"cmd": "echo a\0; touch /tmp/nul-ran"},
+                                   {"cmd": ["sh", "-c", "touch /tmp/nul-ran\0 x"]},
+                                   {"cmd": "touch /tmp/nul-ran", "env": {"A": "x\0y"}},
+                                   {"cmd": "touch /tmp/nul-ran", "env": {"A\0B": "x"}},
+                                   {"cmd": "touch /tmp/nul-ran", "cwd": "/tmp\0/x"}])
+def test_nul_in_a_command_is_a_typed_400_on_every_route(server: ServerProcess, sid: str,
+                                                        field: dict[str, Any]) -> None:
+    with server.client() as http:
+        for path in (f"/v1/sandboxes/{sid}/exec", f"/v1/sandboxes/{sid}/commands"):
+            response = http.post(path, json=field)
+            assert (response.status_code, response.json()["error"]) == (400, "invalid_spec"), response.text
+        with stream(server, sid) as ws:
+            ws.send(json.dumps(field))
+            frames = frames_until_end(ws)
+        assert [f["type"] for f in frames] == ["error"] and frames[0]["error"] == "invalid_spec"
+        assert not exists(http, sid, "/tmp/nul-ran")
+        # the allowed thing works on each route
+        ok = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo a; echo b"}).json()
+        assert ok["stdout"] == "a\nb\n"
+        assert http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "true"}).status_code == 201
+        with stream(server, sid) as ws:
+            ws.send(json.dumps({"cmd": "echo a; echo b"}))
+            assert frames_until_end(ws)[-1]["stdout"] == "a\nb\n"
