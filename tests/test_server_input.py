@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from corral.errors import InvalidSpec
@@ -96,3 +97,51 @@ def test_nul_in_a_command_is_a_typed_400_on_every_route(server: ServerProcess, s
         with stream(server, sid) as ws:
             ws.send(json.dumps({"cmd": "echo a; echo b"}))
             assert frames_until_end(ws)[-1]["stdout"] == "a\nb\n"
+
+
+# -- JSON nested too deep to parse -------------------------------------------------------------
+def deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def inside(prefix: str, value: str) -> str:
+    """``value`` as the last field of the JSON object(s) ``prefix`` opens."""
+    return prefix + value + "}" * prefix.count("{")
+
+
+@pytest.mark.parametrize("levels", [100_000, 990])
+def test_json_nested_too_deep_is_a_typed_400_on_every_route(server: ServerProcess, sid: str, levels: int) -> None:
+    nested = deep(levels)
+    bodies = {  # the fast routes (create, exec) and FastAPI's, whole body and one field
+        "/v1/sandboxes": [nested, inside('{"network": ', nested), inside('{"metadata": {"a": ', nested)],
+        f"/v1/sandboxes/{sid}/exec": [nested, inside('{"cmd": ', nested)],
+        f"/v1/sandboxes/{sid}/commands": [inside('{"cmd": ', nested)],
+        f"/v1/sandboxes/{sid}/code": [inside('{"code": "1", "envs": ', nested)],
+        f"/v1/sandboxes/{sid}/contexts": [inside('{"language": ', nested)],
+    }
+    with server.client() as http:
+        for path, contents in bodies.items():
+            for content in contents:
+                response = http.post(path, content=content, headers={"content-type": "application/json"})
+                assert response.status_code == 400, (path, content[:40], response.text[:200])
+                assert response.json()["error"] == "invalid_spec"
+                assert "nested too deep" in response.json()["message"]
+        assert http.get("/healthz").status_code == 200
+    # the exec stream: a first frame is refused with an error frame and the close code of a 400
+    with stream(server, sid) as ws:
+        ws.send(inside('{"cmd": "echo hi", "env": ', nested))
+        frame = json.loads(ws.recv(timeout=20))
+        assert frame["error"] == "invalid_spec" and "nested too deep" in frame["message"]
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=20)
+        assert ws.close_code == 4400
+    # ... a control frame is refused and the stream goes on
+    with stream(server, sid) as ws:
+        ws.send(json.dumps({"cmd": "read line; echo got $line"}))
+        assert json.loads(ws.recv(timeout=20))["type"] == "started"
+        ws.send(inside('{"type": "stdin", "data": ', nested))
+        frame = json.loads(ws.recv(timeout=20))
+        assert frame["error"] == "invalid_spec" and "nested too deep" in frame["message"]
+        ws.send(json.dumps({"type": "stdin", "data": "x\n"}))
+        frames = frames_until_end(ws)
+    assert frames[-1]["type"] == "result" and frames[-1]["stdout"] == "got x\n"

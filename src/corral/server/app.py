@@ -24,7 +24,7 @@ from .config import ServerConfig
 from .context import ServerContext, context_of
 from .fast_routes import FastRoutes
 from .limits import BodySizeLimit, TenantRequests
-from .wire import error_response, status_for
+from .wire import JSON_TOO_DEEP, error_response, status_for
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -79,8 +79,13 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = {404: "not_found", 405: "method_not_allowed", 413: "resource_limit"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, code, str(exc.detail))
+    # FastAPI's 400 is a body it could not parse: the SDK raises InvalidSpec for it
+    code = {400: InvalidSpec.code, 404: "not_found", 405: "method_not_allowed",
+            413: "resource_limit"}.get(exc.status_code, "http_error")
+    message = str(exc.detail)
+    if isinstance(exc.__cause__, RecursionError):
+        message = f"body: {JSON_TOO_DEEP}"
+    return error_response(exc.status_code, code, message)
 
 
 ERROR_HANDLERS = ((SandboxError, _sandbox_error), (UnicodeError, _unicode_error),

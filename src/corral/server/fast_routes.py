@@ -136,6 +136,8 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
         return model.model_validate(json.loads(body))
     except (ValueError, ValidationError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
+    except RecursionError:  # nested too deep to parse: FastAPI's 400 (a RecursionError here was a 500)
+        return None
 
 
 async def _read_body(receive: Receive) -> bytes:

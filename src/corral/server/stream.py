@@ -29,7 +29,6 @@ import binascii
 import codecs
 import collections
 import contextlib
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -40,7 +39,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from ..errors import InvalidSpec, SandboxError, StdinNotTaken
 from .context import context_of
-from .wire import StreamExecBody, require_unicode, status_for
+from .wire import StreamExecBody, parse_json, require_unicode, status_for
 
 if TYPE_CHECKING:
     from ..commands import CommandHandle
@@ -72,7 +71,7 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
         entry = manager.get(tenant, sandbox_id)
         try:
             first = await asyncio.wait_for(websocket.receive_text(), timeout=30)
-            body = StreamExecBody.model_validate(json.loads(first))
+            body = StreamExecBody.model_validate(parse_json(first, "first frame"))
             require_unicode(body.model_dump())
         except (ValueError, ValidationError) as exc:
             raise InvalidSpec(f"first frame must be a JSON exec request {{cmd, timeout, env, cwd, pty}}: {exc}") from None
@@ -251,7 +250,11 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: a
     stdin = _StdinWriter(websocket, run, handle, acks)
     try:
         while websocket.application_state == WebSocketState.CONNECTED:
-            message = json.loads(await websocket.receive_text())
+            try:
+                message = parse_json(await websocket.receive_text(), "control frame")
+            except InvalidSpec as exc:  # nested too deep: this frame is refused, the stream goes on
+                await websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
+                continue
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "stdin" and isinstance(message.get("data_b64"), str):
                 try:
