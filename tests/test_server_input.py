@@ -7,6 +7,7 @@ sandboxes of the process tier."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,41 @@ def test_json_nested_too_deep_is_a_typed_400_on_every_route(server: ServerProces
         ws.send(json.dumps({"type": "stdin", "data": "x\n"}))
         frames = frames_until_end(ws)
     assert frames[-1]["type"] == "result" and frames[-1]["stdout"] == "got x\n"
+
+
+# -- frames the exec stream does not take ------------------------------------------------------
+def running(http: httpx.Client, sid: str, pid_file: str) -> bool:
+    check = http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": f"kill -0 $(cat {pid_file})"}).json()
+    return check["exit_code"] == 0
+
+
+@pytest.mark.parametrize("unexpected", [b"\x00\x01binary", "not json", '{"type": "dance"}'])
+def test_an_unexpected_control_frame_is_refused_and_closing_still_kills(server: ServerProcess, sid: str,
+                                                                       unexpected: str | bytes) -> None:
+    pid_file = "/tmp/stream-cmd.pid"
+    with server.client() as http:
+        with stream(server, sid) as ws:
+            ws.send(json.dumps({"cmd": f"echo $$ > {pid_file}; exec sleep 987"}))
+            assert json.loads(ws.recv(timeout=20))["type"] == "started"
+            ws.send(unexpected)
+            frame = json.loads(ws.recv(timeout=20))
+            assert (frame["type"], frame["error"]) == ("error", "invalid_spec")
+            # the stream still reads its control frames
+            ws.send(json.dumps({"type": "stdin", "data": "x"}))
+            assert running(http, sid, pid_file)
+        # the client closed: the command is killed
+        for _ in range(100):
+            if not running(http, sid, pid_file):
+                break
+            time.sleep(0.1)
+        assert not running(http, sid, pid_file), "the command ran on after its stream was closed"
+
+
+def test_a_binary_first_frame_is_refused(server: ServerProcess, sid: str) -> None:
+    with stream(server, sid) as ws:
+        ws.send(json.dumps({"cmd": "echo hi"}).encode())
+        frame = json.loads(ws.recv(timeout=20))
+        assert frame["error"] == "invalid_spec" and "binary frames" in frame["message"]
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=20)
+        assert ws.close_code == 4400

@@ -16,7 +16,10 @@ Protocol (JSON text frames):
   unacknowledged.  Control frames are never queued behind stdin: a kill, a signal and the
   connection's keepalive pings go through while the command is slow to read.  A client that
   sends more is not read from until there is room (its pings then wait too).
-* errors: ``{"type": "error", "error": code, "message": text}``, then close.
+* errors: ``{"type": "error", "error": code, "message": text}``, then close.  A control frame the
+  stream cannot take (not JSON, unknown, or binary: stdin bytes go as ``data_b64``) is answered
+  with such an error frame and the stream goes on; a first frame that is not an exec request
+  closes it (``4400``).
 
 Closing the socket kills the command's whole process tree.
 """
@@ -70,7 +73,9 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
         tenant = ctx.tenant_of(websocket.headers.get("authorization"))
         entry = manager.get(tenant, sandbox_id)
         try:
-            first = await asyncio.wait_for(websocket.receive_text(), timeout=30)
+            first = await asyncio.wait_for(_receive_text(websocket), timeout=30)
+            if first is None:
+                raise InvalidSpec(BINARY_REFUSED)
             body = StreamExecBody.model_validate(parse_json(first, "first frame"))
             require_unicode(body.model_dump())
         except (ValueError, ValidationError) as exc:
@@ -242,59 +247,88 @@ class _StdinWriter:
                 await self._ack(len(item))
 
 
+BINARY_REFUSED = ("binary frames are not part of the exec stream: send JSON text frames "
+                  "(bytes for stdin as {\"type\": \"stdin\", \"data_b64\": ...})")
+
+
+async def _receive_text(websocket: WebSocket) -> str | None:
+    """The next frame's text; None for a binary frame; raises WebSocketDisconnect when the client left."""
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+    text = message.get("text")
+    return text if isinstance(text, str) else None
+
+
+async def _refuse(websocket: WebSocket, message: str) -> None:
+    await websocket.send_json({"type": "error", "error": InvalidSpec.code, "message": message})
+
+
 async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: asyncio.Queue[tuple[str, Any]],
                            has_pty: bool, run: Callable[..., Awaitable[Any]], acks: bool) -> None:
+    # this reader is what notices the client leaving (and so what gets the command killed): a
+    # frame it cannot take is refused and reading goes on, and however it ends but by the
+    # command's own end, the stream ends with it (a binary frame once ended it silently, and
+    # the command then ran on after the client closed)
+    stdin = _StdinWriter(websocket, run, handle, acks)
+    command_ended = False
+    try:
+        while websocket.application_state == WebSocketState.CONNECTED:
+            text = await _receive_text(websocket)
+            if text is None:
+                await _refuse(websocket, BINARY_REFUSED)
+                continue
+            try:
+                message = parse_json(text, "control frame")
+            except ValueError as exc:  # not JSON, or (InvalidSpec) nested too deep
+                await _refuse(websocket, str(exc) if isinstance(exc, InvalidSpec) else "control frames must be JSON")
+                continue
+            await _control(websocket, handle, message, has_pty, run, stdin)
+    except SandboxError:
+        command_ended = True  # its result is on its way
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+    finally:
+        stdin.cancel()
+        if not command_ended:
+            queue.put_nowait(("disconnect", None))
+
+
+async def _control(websocket: WebSocket, handle: CommandHandle, message: Any, has_pty: bool,
+                   run: Callable[..., Awaitable[Any]], stdin: _StdinWriter) -> None:
     # each call to the command goes to a thread (``run``), never on the event loop: a write to a
     # sandbox's agent waits while the agent does not read (a fifo once held one for ever, and the
     # whole server's loop with it); stdin in order by its writer, the rest at once
-    stdin = _StdinWriter(websocket, run, handle, acks)
-    try:
-        while websocket.application_state == WebSocketState.CONNECTED:
-            try:
-                message = parse_json(await websocket.receive_text(), "control frame")
-            except InvalidSpec as exc:  # nested too deep: this frame is refused, the stream goes on
-                await websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
-                continue
-            kind = message.get("type") if isinstance(message, dict) else None
-            if kind == "stdin" and isinstance(message.get("data_b64"), str):
-                try:
-                    await stdin.put(base64.b64decode(message["data_b64"], validate=True))
-                except binascii.Error:
-                    await websocket.send_json({"type": "error", "error": "invalid_spec",
-                                               "message": "stdin: data_b64 is not base64"})
-            elif kind == "stdin" and isinstance(message.get("data"), str):
-                try:
-                    data = message["data"].encode()
-                except UnicodeEncodeError:
-                    await websocket.send_json({"type": "error", "error": "invalid_spec",
-                                               "message": "stdin: text is not valid Unicode (a lone surrogate)"})
-                    continue
-                await stdin.put(data)
-            elif kind == "stdin_close":
-                await stdin.put(None)
-            elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:
-                await run(handle.send_signal, message["signal"])
-            elif kind == "kill":
-                await run(handle.kill)
-            elif kind == "resize":
-                rows, cols = message.get("rows"), message.get("cols")
-                if not has_pty:
-                    problem = "the command was not started with pty"
-                elif not all(isinstance(n, int) and 0 < n < 10000 for n in (rows, cols)):
-                    problem = "rows and cols must be whole numbers from 1 to 9999"
-                else:
-                    await run(handle.resize, rows, cols)
-                    continue
-                await websocket.send_json({"type": "error", "error": "invalid_spec", "message": f"resize: {problem}"})
-            else:
-                await websocket.send_json({"type": "error", "error": "invalid_spec",
-                                           "message": f"unknown control frame {str(message)[:200]!r}"})
-    except (WebSocketDisconnect, RuntimeError):
-        queue.put_nowait(("disconnect", None))
-    except ValueError:
-        await websocket.send_json({"type": "error", "error": "invalid_spec", "message": "frames must be JSON"})
-        queue.put_nowait(("disconnect", None))
-    except SandboxError:
-        pass  # the command already ended: its result is on its way
-    finally:
-        stdin.cancel()
+    kind = message.get("type") if isinstance(message, dict) else None
+    if kind == "stdin" and isinstance(message.get("data_b64"), str):
+        try:
+            data = base64.b64decode(message["data_b64"], validate=True)
+        except binascii.Error:
+            await _refuse(websocket, "stdin: data_b64 is not base64")
+            return
+        await stdin.put(data)
+    elif kind == "stdin" and isinstance(message.get("data"), str):
+        try:
+            data = message["data"].encode()
+        except UnicodeEncodeError:
+            await _refuse(websocket, "stdin: text is not valid Unicode (a lone surrogate)")
+            return
+        await stdin.put(data)
+    elif kind == "stdin_close":
+        await stdin.put(None)
+    elif kind == "signal" and isinstance(message.get("signal"), int) and 1 <= message["signal"] <= 64:
+        await run(handle.send_signal, message["signal"])
+    elif kind == "kill":
+        await run(handle.kill)
+    elif kind == "resize":
+        rows, cols = message.get("rows"), message.get("cols")
+        if not has_pty:
+            problem = "the command was not started with pty"
+        elif not all(isinstance(n, int) and 0 < n < 10000 for n in (rows, cols)):
+            problem = "rows and cols must be whole numbers from 1 to 9999"
+        else:
+            await run(handle.resize, rows, cols)
+            return
+        await _refuse(websocket, f"resize: {problem}")
+    else:
+        await _refuse(websocket, f"unknown control frame {str(message)[:200]!r}")
