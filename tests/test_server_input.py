@@ -184,3 +184,17 @@ def test_a_binary_first_frame_is_refused(server: ServerProcess, sid: str) -> Non
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=20)
         assert ws.close_code == 4400
+
+
+# -- code cells the kernel's parser cannot take --------------------------------------------------
+def test_a_nul_or_deeply_nested_cell_is_its_own_error_over_rest(server: ServerProcess, sid: str) -> None:
+    with server.client() as http:
+        def cell(code: str) -> dict[str, Any]:
+            response = http.post(f"/v1/sandboxes/{sid}/code", json={"code": code})
+            assert response.status_code == 200, response.text
+            return dict(response.json())
+
+        assert cell("x = 1")["error"] is None
+        for code in ("x = 2\0", "x = " + "-" * 100_000 + "1"):
+            assert cell(code)["error"]["name"] in ("SyntaxError", "RecursionError")
+        assert cell("x")["results"][0]["text"] == "1"

@@ -193,9 +193,17 @@ def run_cell(cell_id: int, code: str, namespace: dict[str, Any], count: int) -> 
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
         tree = ast.parse(code, filename, "exec")
-    except SyntaxError as exc:
-        send({"type": "error", "id": cell_id, "name": type(exc).__name__, "value": str(exc),
-              "traceback": "".join(traceback.format_exception_only(type(exc), exc))})
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        # besides SyntaxError the parser raises ValueError for a NUL byte (Python < 3.12),
+        # RecursionError or MemoryError (its own stack) for an expression nested thousands deep:
+        # a cell's error, never the kernel's end (they escaped here and the kernel died with them)
+        name, value = type(exc).__name__, str(exc)
+        if isinstance(exc, ValueError):
+            name = "SyntaxError"
+        elif isinstance(exc, MemoryError):
+            name, value = "RecursionError", "the cell is nested too deeply to parse"
+        send({"type": "error", "id": cell_id, "name": name, "value": value,
+              "traceback": f"{name}: {value}\n"})
         return
     last: Any = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -250,6 +258,9 @@ def main() -> None:
             run_cell(cell_id, code, namespace, count)
         except KeyboardInterrupt:
             send({"type": "error", "id": cell_id, "name": "KeyboardInterrupt", "value": "", "traceback": ""})
+        except Exception as exc:  # whatever a cell does, the kernel and its namespace live on
+            send({"type": "error", "id": cell_id, "name": type(exc).__name__, "value": str(exc)[:4000],
+                  "traceback": ""})
         finally:
             for name, value in saved.items():
                 if value is None:
