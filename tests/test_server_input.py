@@ -6,7 +6,11 @@ sandboxes of the process tier."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import socket
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +28,8 @@ from .server_fixtures import ServerProcess
 
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
-    config = {"max_sandboxes_per_tenant": 3, "max_memory_per_tenant": "1G"}
+    # WebSocket messages being received are bounded per tenant like request bodies
+    config = {"max_sandboxes_per_tenant": 3, "max_memory_per_tenant": "1G", "max_request_bytes_per_tenant": "64M"}
     with ServerProcess(state_dir / "srv-input", config=config) as srv:
         yield srv
 
@@ -198,3 +203,100 @@ def test_a_nul_or_deeply_nested_cell_is_its_own_error_over_rest(server: ServerPr
         for code in ("x = 2\0", "x = " + "-" * 100_000 + "1"):
             assert cell(code)["error"]["name"] in ("SyntaxError", "RecursionError")
         assert cell("x")["results"][0]["text"] == "1"
+
+
+# -- WebSocket messages being received ----------------------------------------------------------
+MiB = 1 << 20
+
+
+def rss_mib(server: ServerProcess) -> float:
+    assert server.proc is not None
+    with open(f"/proc/{server.proc.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def half_sent_message(server: ServerProcess, sid: str, sent: int = 15 * MiB) -> socket.socket:
+    """A WebSocket on the exec stream that sent the header of a 16 MiB text frame and ``sent``
+    bytes of its payload (or fewer, if the server closed it first)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(f"GET /v1/sandboxes/{sid}/exec/stream HTTP/1.1\r\nHost: corral\r\nUpgrade: websocket\r\n"
+                 f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head and len(head) < 65536:
+        head += sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 101"), head[:200]
+    sock.sendall(bytes([0x81, 0x80 | 127]) + struct.pack("!Q", 16 * MiB) + b"\0\0\0\0")  # mask 0: payload as is
+    piece = b"a" * MiB
+    try:
+        for _ in range(sent // MiB):
+            sock.sendall(piece)
+    except OSError:
+        pass  # closed by the server
+    return sock
+
+
+def close_code(sock: socket.socket) -> int | None:
+    """The code of the close frame the server sent on ``sock``, if it sent one."""
+    data = b""
+    try:
+        while len(data) < 4:
+            more = sock.recv(4 - len(data))
+            if not more:
+                break
+            data += more
+    except OSError:
+        return None
+    if len(data) < 4 or data[0] != 0x88:
+        return None
+    return int(struct.unpack("!H", data[2:4])[0])
+
+
+def settled_rss(server: ServerProcess, below: float, seconds: float = 10) -> float:
+    deadline = time.monotonic() + seconds
+    while (rss := rss_mib(server)) >= below and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return rss
+
+
+def test_half_received_messages_are_dropped_at_close(server: ServerProcess, sid: str) -> None:
+    before = rss_mib(server)
+    socks = [half_sent_message(server, sid) for _ in range(4)]  # 60 MiB: within the tenant's 64 MiB
+    try:
+        time.sleep(0.5)
+        holding = rss_mib(server)
+        assert holding > before + 50, (before, holding)  # the test sees what the server holds
+    finally:
+        for sock in socks:
+            sock.close()
+    # (some of what was freed stays with the allocator: the margin)
+    after = settled_rss(server, below=before + 30)
+    assert after < before + 30, f"RSS {before:.0f} MiB -> {holding:.0f} holding -> {after:.0f} after close"
+
+
+def test_a_tenant_cannot_hold_unbounded_half_received_messages(server: ServerProcess, sid: str) -> None:
+    before = rss_mib(server)
+    socks = []
+    try:
+        for _ in range(12):  # 180 MiB asked for; the tenant may hold 64 MiB of messages being received
+            socks.append(half_sent_message(server, sid))
+        time.sleep(0.5)
+        holding = rss_mib(server)
+        codes = [close_code(sock) for sock in socks[6:]]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert holding < before + 64 + 40, f"RSS {before:.0f} MiB -> {holding:.0f} with 12 half-sent 16 MiB messages"
+    assert codes.count(1009) == len(codes), codes  # those past the bound: closed, "message too big"
+    assert settled_rss(server, below=before + 30) < before + 30
+    # the allowed thing works: a large message on its own is received whole
+    with stream(server, sid) as ws:
+        ws.send(json.dumps({"cmd": "wc -c"}))
+        assert json.loads(ws.recv(timeout=20))["type"] == "started"
+        ws.send(json.dumps({"type": "stdin", "data": "b" * (12 * MiB)}))
+        ws.send(json.dumps({"type": "stdin_close"}))
+        frames = frames_until_end(ws)
+    assert frames[-1]["type"] == "result" and frames[-1]["stdout"].strip() == str(12 * MiB), frames[-1]

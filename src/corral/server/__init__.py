@@ -15,9 +15,13 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
     # every connection and every sandbox costs descriptors: a soft limit of 1024 would make
     # accept() fail long before max_connections, and one tenant's sandboxes must not take them all
     raise_open_files_limit(to_kernel_bound=True)
+    from .ws_protocol import bounded_ws_protocol
+
     app = create_app(config)
+    # a WebSocket message being received counts like a request body (max_request_bytes_per_tenant)
+    ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, config.max_request_bytes_per_tenant)
     settle_garbage_collector()
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws="websockets-sansio",
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws=ws_protocol,
                 http=http_protocol(config.request_head_timeout),
                 timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
                 # longer than clients keep idle connections (httpx: 5 s), so a reused connection is

@@ -1,0 +1,100 @@
+"""uvicorn's WebSocket protocol (websockets-sansio) with bounds on what clients' messages hold
+while they are being received.
+
+A message is held whole before the app sees it: up to uvicorn's ``ws_max_size`` (16 MiB) per
+connection, in the parser's buffer (a frame arriving) and in the frames of a fragmented message.
+uvicorn bounds nothing across connections, and kept that buffer after the connection was gone:
+45 connections, each sending the header of a 16 MiB frame and most of its payload and then
+leaving, grew the server by 720 MiB, for good (on loopback, where no key is asked for).
+
+Now:
+
+* what a connection holds of a message being received is given back as the message reaches the
+  app, and dropped with the connection when it goes;
+* the bytes of one tenant's messages being received at once are bounded (the server's
+  ``max_request_bytes_per_tenant``, as for request bodies): the connection whose bytes would pass
+  the bound is closed with 1009.  The tenant is the one the handshake's API key names; without
+  keys every caller is the one local tenant; handshakes with no valid key share one bound of
+  their own (they are refused by the routes, but may send before that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Request
+
+from ..errors import SandboxError
+from .limits import TenantTally
+
+#: whose messages are counted together when the handshake's key names no tenant
+NO_TENANT = "(no valid key)"
+#: the close code for a message that may not be received: "message too big"
+CLOSE_TOO_BIG = 1009
+
+
+class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
+    #: bytes of messages being received, per tenant (``bounded_ws_protocol`` makes a class with its own)
+    receiving: TenantTally = TenantTally(None)
+    #: the tenant an Authorization header names (raises SandboxError for none)
+    tenant_of: Callable[[str | None], str] = staticmethod(lambda _: NO_TENANT)
+    _tenant = NO_TENANT
+    #: bytes counted for this connection's message being received
+    _counted = 0
+
+    def handle_connect(self, event: Request) -> None:
+        try:
+            self._tenant = type(self).tenant_of(event.headers.get("Authorization"))
+        except SandboxError:
+            self._tenant = NO_TENANT
+        super().handle_connect(event)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # from the handshake on (its tenant is known; websockets bounds the handshake itself)
+        if self.handshake_initiated and not self.disconnected:
+            self._count(len(self.conn.reader.buffer) + sum(len(frame) for frame in self.frames))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._drop_partial_message()
+
+    def _count(self, held: int) -> None:
+        """Count ``held`` bytes (what this connection now holds) for its tenant; past the bound,
+        the connection is closed and what it held dropped."""
+        change = held - self._counted
+        if change <= 0:
+            if change:
+                type(self).receiving.give(self._tenant, -change)
+                self._counted = held
+            return
+        if type(self).receiving.take(self._tenant, change):
+            self._counted = held
+            return
+        tally = type(self).receiving
+        self._refuse(f"tenant's WebSocket messages being received would pass {tally.limit} bytes")
+
+    def _refuse(self, reason: str) -> None:
+        if not self.transport.is_closing():
+            self.conn.fail(CLOSE_TOO_BIG, reason[:120])
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": CLOSE_TOO_BIG, "reason": reason})
+            self.close_sent = True
+            self.transport.close()
+        self._drop_partial_message()
+
+    def _drop_partial_message(self) -> None:
+        # the parser's buffer and a fragmented message's frames: nothing will read them now
+        self.conn.reader.discard()
+        self.frames = []
+        if self._counted:
+            type(self).receiving.give(self._tenant, self._counted)
+            self._counted = 0
+
+
+def bounded_ws_protocol(tenant_of: Callable[[str | None], str], max_per_tenant: int) -> type[BoundedWebSocketProtocol]:
+    """The protocol class, counting messages being received against ``max_per_tenant`` bytes per tenant."""
+    attributes: dict[str, Any] = {"receiving": TenantTally(max_per_tenant), "tenant_of": staticmethod(tenant_of)}
+    return type("BoundedWebSocketProtocol", (BoundedWebSocketProtocol,), attributes)
