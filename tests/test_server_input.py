@@ -7,6 +7,7 @@ sandboxes of the process tier."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -29,7 +30,8 @@ from .server_fixtures import ServerProcess
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     # WebSocket messages being received are bounded per tenant like request bodies
-    config = {"max_sandboxes_per_tenant": 3, "max_memory_per_tenant": "1G", "max_request_bytes_per_tenant": "64M"}
+    config = {"max_sandboxes_per_tenant": 3, "max_memory_per_tenant": "1G", "max_request_bytes_per_tenant": "64M",
+              "max_concurrent_execs": 16}
     with ServerProcess(state_dir / "srv-input", config=config) as srv:
         yield srv
 
@@ -300,3 +302,30 @@ def test_a_tenant_cannot_hold_unbounded_half_received_messages(server: ServerPro
         ws.send(json.dumps({"type": "stdin_close"}))
         frames = frames_until_end(ws)
     assert frames[-1]["type"] == "result" and frames[-1]["stdout"].strip() == str(12 * MiB), frames[-1]
+
+
+def test_stdin_a_command_has_not_taken_is_bounded_per_tenant(server: ServerProcess, sid: str) -> None:
+    """Streams whose commands read nothing: their stdin frames are held in the server (in flight
+    to the command, and queued behind it) and count with the tenant's messages being received."""
+    before = rss_mib(server)
+    frame = json.dumps({"type": "stdin", "data": "b" * (12 * MiB)})
+    told = 0
+    with contextlib.ExitStack() as streams:
+        for _ in range(8):  # 2 x 12 MiB each: 192 MiB asked for; the tenant may hold 64 MiB
+            ws = streams.enter_context(stream(server, sid))
+            ws.send(json.dumps({"cmd": "sleep 30", "timeout": 20}))
+            assert json.loads(ws.recv(timeout=20))["type"] == "started"
+            try:
+                ws.send(frame)
+                ws.send(frame)
+                answer = json.loads(ws.recv(timeout=1))
+                told += answer.get("error") == "resource_limit"
+            except TimeoutError:
+                pass
+            except ConnectionClosed as closed:
+                told += closed.rcvd is not None and closed.rcvd.code == 1009
+        time.sleep(0.5)
+        holding = rss_mib(server)
+    # each byte counted is held up to ~3 times (the frame's text, its bytes, the agent's write)
+    assert holding < before + 3 * 64 + 40, f"RSS {before:.0f} MiB -> {holding:.0f} with 8 x 2 x 12 MiB of stdin"
+    assert told >= 1

@@ -19,7 +19,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
 
     app = create_app(config)
     # a WebSocket message being received counts like a request body (max_request_bytes_per_tenant)
-    ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, config.max_request_bytes_per_tenant)
+    ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, app.state.context.ws_messages)
     settle_garbage_collector()
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws=ws_protocol,
                 http=http_protocol(config.request_head_timeout),

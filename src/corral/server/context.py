@@ -43,6 +43,9 @@ class ServerContext:
         self.output_shares = OutputShares(config.max_output_bytes_per_tenant)
         #: output of each tenant's ended background commands kept for clients that attach
         self.kept_output = TenantTally(config.max_kept_output_per_tenant)
+        #: bytes of each tenant's WebSocket messages held here: being received or not yet handled
+        #: (stdin a command has not taken), bounded like request bodies (see .ws_protocol)
+        self.ws_messages = TenantTally(config.max_request_bytes_per_tenant)
         self._manager: SandboxManager | None = None
         #: fast-path responses carry a Server-Timing header (CORRAL_SERVER_TIMING=1; see .trace)
         self.timing = trace.enabled()

@@ -40,8 +40,9 @@ from fastapi import APIRouter
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from ..errors import InvalidSpec, SandboxError, StdinNotTaken
+from ..errors import InvalidSpec, ResourceLimit, SandboxError, StdinNotTaken
 from .context import context_of
+from .limits import TenantTally
 from .wire import StreamExecBody, parse_json, require_unicode, status_for
 
 if TYPE_CHECKING:
@@ -128,8 +129,11 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
 
             # the tenant's thread share is held while the command runs, like a blocking exec's
             waiter = asyncio.ensure_future(ctx.run_for(tenant, wait_then_report))
+            # stdin the command has not taken yet counts with the tenant's WebSocket messages held
+            # (8 streams whose commands read nothing held 2 x 12 MiB frames each: +520 MiB)
+            stdin = _StdinWriter(websocket, ctx.run_blocking, handle, body.stdin_acks, ctx.ws_messages, tenant)
             receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None,
-                                                            ctx.run_blocking, body.stdin_acks))
+                                                            ctx.run_blocking, stdin))
             try:
                 started: dict[str, Any] = {"type": "started", "pid": handle.pid}
                 if body.stdin_acks:
@@ -138,6 +142,7 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
                 await _pump(websocket, queue, decoders, metrics, sandbox_id)
             finally:
                 receiver.cancel()
+                stdin.cancel()  # (also if the reader never ran)
                 # no-op once the command ended; kills the tree if the client left early
                 with contextlib.suppress(Exception):
                     await ctx.run_blocking(handle.kill)
@@ -184,10 +189,12 @@ class _StdinWriter:
     """One stream's stdin, written to its command in order by a task of its own while the
     stream's reader goes on reading control frames (a write waits while the command does not
     read, as a pipe's writer does; the reader must not).  What is queued is bounded by
-    :data:`STDIN_STREAM_WINDOW`: past it the reader waits for room."""
+    :data:`STDIN_STREAM_WINDOW`: past it the reader waits for room; and counted for the tenant in
+    ``held`` (its WebSocket messages held by the server): past that bound a frame is refused."""
 
     def __init__(self, websocket: WebSocket, run: Callable[..., Awaitable[Any]], handle: CommandHandle,
-                 acks: bool) -> None:
+                 acks: bool, held: TenantTally, tenant: str) -> None:
+        self._held, self._tenant = held, tenant
         self._websocket = websocket
         self._acks = acks
         self._run = run
@@ -199,15 +206,35 @@ class _StdinWriter:
         self._task = asyncio.create_task(self._write_all())
 
     async def put(self, item: bytes | None) -> None:
-        while item is not None and self._queued and self._queued + len(item) > STDIN_STREAM_WINDOW:
-            self._changed.clear()
-            await self._changed.wait()
+        size = len(item or b"")
+        # counted from now: while it waits for room it is held here too
+        if size and not self._held.take(self._tenant, size):
+            await self._websocket.send_json({"type": "error", "error": ResourceLimit.code, "message": (
+                f"stdin: {size} bytes more would pass this tenant's bytes of WebSocket messages held in the "
+                "server (max_request_bytes_per_tenant): send it again once its commands have read what they were "
+                "sent")})
+            return
+        try:
+            while item is not None and self._queued and self._queued + size > STDIN_STREAM_WINDOW:
+                self._changed.clear()
+                await self._changed.wait()
+        except BaseException:  # cancelled: the stream ends
+            if size:
+                self._held.give(self._tenant, size)
+            raise
         self._queue.append(item)
-        self._queued += len(item or b"")
+        self._queued += size
         self._changed.set()
+
+    def _taken(self, size: int) -> None:
+        """``size`` bytes of what was queued are written or dropped: no longer counted."""
+        self._queued -= size
+        if size:
+            self._held.give(self._tenant, size)
 
     def cancel(self) -> None:
         self._task.cancel()
+        self._taken(self._queued)
 
     async def _ack(self, size: int) -> None:
         if self._acks:
@@ -234,14 +261,14 @@ class _StdinWriter:
                 await self._websocket.send_json({"type": "error", "error": exc.code, "message": str(exc)})
                 dropped = [chunk for chunk in self._queue if chunk is not None]
                 self._queue = collections.deque(chunk for chunk in self._queue if chunk is None)
-                self._queued = 0
+                self._taken(self._queued)
                 self._changed.set()
                 await self._ack(sum(len(chunk) for chunk in dropped))
                 continue
             except SandboxError:
                 return  # the command already ended: its result is on its way
             self._queue.popleft()
-            self._queued -= len(item or b"")
+            self._taken(len(item or b""))
             self._changed.set()
             if item is not None:
                 await self._ack(len(item))
@@ -265,12 +292,11 @@ async def _refuse(websocket: WebSocket, message: str) -> None:
 
 
 async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: asyncio.Queue[tuple[str, Any]],
-                           has_pty: bool, run: Callable[..., Awaitable[Any]], acks: bool) -> None:
+                           has_pty: bool, run: Callable[..., Awaitable[Any]], stdin: _StdinWriter) -> None:
     # this reader is what notices the client leaving (and so what gets the command killed): a
     # frame it cannot take is refused and reading goes on, and however it ends but by the
     # command's own end, the stream ends with it (a binary frame once ended it silently, and
     # the command then ran on after the client closed)
-    stdin = _StdinWriter(websocket, run, handle, acks)
     command_ended = False
     try:
         while websocket.application_state == WebSocketState.CONNECTED:
@@ -283,7 +309,10 @@ async def _receive_control(websocket: WebSocket, handle: CommandHandle, queue: a
             except ValueError as exc:  # not JSON, or (InvalidSpec) nested too deep
                 await _refuse(websocket, str(exc) if isinstance(exc, InvalidSpec) else "control frames must be JSON")
                 continue
+            finally:
+                del text  # a stdin frame's text is not kept while its bytes wait for the command
             await _control(websocket, handle, message, has_pty, run, stdin)
+            del message
     except SandboxError:
         command_ended = True  # its result is on its way
     except (WebSocketDisconnect, RuntimeError):
@@ -302,14 +331,14 @@ async def _control(websocket: WebSocket, handle: CommandHandle, message: Any, ha
     kind = message.get("type") if isinstance(message, dict) else None
     if kind == "stdin" and isinstance(message.get("data_b64"), str):
         try:
-            data = base64.b64decode(message["data_b64"], validate=True)
+            data = base64.b64decode(message.pop("data_b64"), validate=True)
         except binascii.Error:
             await _refuse(websocket, "stdin: data_b64 is not base64")
             return
         await stdin.put(data)
     elif kind == "stdin" and isinstance(message.get("data"), str):
         try:
-            data = message["data"].encode()
+            data = message.pop("data").encode()
         except UnicodeEncodeError:
             await _refuse(websocket, "stdin: text is not valid Unicode (a lone surrogate)")
             return

@@ -9,17 +9,18 @@ leaving, grew the server by 720 MiB, for good (on loopback, where no key is aske
 
 Now:
 
-* what a connection holds of a message being received is given back as the message reaches the
-  app, and dropped with the connection when it goes;
+* what a connection holds of a message being received -- arriving, or arrived and not yet taken
+  by the app -- is given back as the app takes the message, and dropped with the connection;
 * the bytes of one tenant's messages being received at once are bounded (the server's
-  ``max_request_bytes_per_tenant``, as for request bodies): the connection whose bytes would pass
-  the bound is closed with 1009.  The tenant is the one the handshake's API key names; without
+  ``max_request_bytes_per_tenant``, as for request bodies; stdin the exec stream holds for a
+  command counts there too): the connection whose bytes would pass the bound is closed with 1009.  The tenant is the one the handshake's API key names; without
   keys every caller is the one local tenant; handshakes with no valid key share one bound of
   their own (they are refused by the routes, but may send before that).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -51,19 +52,40 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
             self._tenant = NO_TENANT
         super().handle_connect(event)
 
+    #: sizes of the whole messages queued for the app, oldest first
+    _queued: deque[int] | None = None
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         # from the handshake on (its tenant is known; websockets bounds the handshake itself)
-        if self.handshake_initiated and not self.disconnected:
-            self._count(len(self.conn.reader.buffer) + sum(len(frame) for frame in self.frames))
+        if self.handshake_initiated:
+            self._count()
+
+    def send_receive_event_to_app(self) -> None:
+        size, queued = sum(len(frame) for frame in self.frames), self.queue.qsize()
+        super().send_receive_event_to_app()
+        if self.queue.qsize() > queued:
+            if self._queued is None:
+                self._queued = deque()
+            self._queued.append(size)
+
+    async def receive(self) -> Any:
+        message = await super().receive()
+        if message["type"] == "websocket.receive" and self._queued:
+            self._queued.popleft()
+            self._count()
+        return message
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._drop_partial_message()
 
-    def _count(self, held: int) -> None:
-        """Count ``held`` bytes (what this connection now holds) for its tenant; past the bound,
-        the connection is closed and what it held dropped."""
+    def _count(self) -> None:
+        """Count what this connection now holds for its tenant; past the bound, the connection is
+        closed and what it held dropped."""
+        if self.disconnected:
+            return  # given back at the loss
+        held = len(self.conn.reader.buffer) + sum(len(frame) for frame in self.frames) + sum(self._queued or ())
         change = held - self._counted
         if change <= 0:
             if change:
@@ -89,12 +111,13 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
         # the parser's buffer and a fragmented message's frames: nothing will read them now
         self.conn.reader.discard()
         self.frames = []
+        self._queued = None
         if self._counted:
             type(self).receiving.give(self._tenant, self._counted)
             self._counted = 0
 
 
-def bounded_ws_protocol(tenant_of: Callable[[str | None], str], max_per_tenant: int) -> type[BoundedWebSocketProtocol]:
-    """The protocol class, counting messages being received against ``max_per_tenant`` bytes per tenant."""
-    attributes: dict[str, Any] = {"receiving": TenantTally(max_per_tenant), "tenant_of": staticmethod(tenant_of)}
+def bounded_ws_protocol(tenant_of: Callable[[str | None], str], receiving: TenantTally) -> type[BoundedWebSocketProtocol]:
+    """The protocol class, counting messages being received in ``receiving`` (per tenant, with its bound)."""
+    attributes: dict[str, Any] = {"receiving": receiving, "tenant_of": staticmethod(tenant_of)}
     return type("BoundedWebSocketProtocol", (BoundedWebSocketProtocol,), attributes)
