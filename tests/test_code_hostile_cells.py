@@ -28,3 +28,11 @@ def test_a_cell_the_parser_cannot_take_leaves_the_kernel_and_its_state(sandbox: 
     # the same kernel answers: x is still 1, and a cell can change it
     assert sandbox.run_code("x").text == "1"
     assert sandbox.run_code("x += 1; x").text == "2"
+
+
+@pytest.mark.parametrize("code", ["x = 2\0", "x = " + "-" * 100_000 + "1", "x = " + "[" * 100_000 + "]" * 100_000])
+def test_the_javascript_kernel_lives_on_too(sandbox: Any, code: str) -> None:
+    assert sandbox.run_code("var x = 1", language="javascript").error is None
+    refused = sandbox.run_code(code, language="javascript", timeout=60)
+    assert refused.error is not None and refused.error.name in ("SyntaxError", "RangeError"), refused.error
+    assert sandbox.run_code("x", language="javascript").text == "1"

@@ -86,6 +86,7 @@ def test_nul_in_a_command_is_refused_by_the_library(sandbox: Any, cmd: Any) -> N
                                    {"cmd": ["sh", "-c", "touch /tmp/nul-ran\0 x"]},
                                    {"cmd": "touch /tmp/nul-ran", "env": {"A": "x\0y"}},
                                    {"cmd": "touch /tmp/nul-ran", "env": {"A\0B": "x"}},
+                                   {"cmd": "touch /tmp/nul-ran", "env": {"A\n": "x"}},
                                    {"cmd": "touch /tmp/nul-ran", "cwd": "/tmp\0/x"}])
 def test_nul_in_a_command_is_a_typed_400_on_every_route(server: ServerProcess, sid: str,
                                                         field: dict[str, Any]) -> None:
