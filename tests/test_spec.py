@@ -76,3 +76,16 @@ def test_json_nulls_are_absent_or_refused_never_a_crash() -> None:
             SandboxSpec.from_dict({field: None})
     with pytest.raises(InvalidSpec, match="must be a string"):
         SandboxSpec.from_dict({"env": {"A": None}})
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SandboxSpec.from_dict({"image": "python\n"}),
+    lambda: SandboxSpec.from_dict({"network": "allow", "allow": ["example.com"], "secrets": ["TOKEN\n@example.com"]}),
+    lambda: __import__("corral.images.recipe", fromlist=["parse"]).parse({"name": "img\n"}),
+    lambda: __import__("corral.images.recipe", fromlist=["parse"]).parse({"name": "img", "apt": ["curl\n"]}),
+], ids=["image", "secret name", "recipe name", "apt package"])
+def test_a_name_ending_in_a_newline_is_refused(make: object) -> None:
+    # "^...$" also matches before a final newline: each of these was taken with it (hosts in
+    # allow rules and secret bindings are stripped of surrounding whitespace instead)
+    with pytest.raises(InvalidSpec):
+        make()  # type: ignore[operator]

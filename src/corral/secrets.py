@@ -20,8 +20,8 @@ from pathlib import Path
 
 from .errors import InvalidSpec
 
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_HOST_RE = re.compile(r"^(\*\.)?[a-z0-9_][a-z0-9_.-]*$")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_HOST_RE = re.compile(r"^(\*\.)?[a-z0-9_][a-z0-9_.-]*\Z")
 PLACEHOLDER_PREFIX = "corral-placeholder-"
 
 

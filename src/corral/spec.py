@@ -52,7 +52,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECAS
 _UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
 #: a variable name (\Z, not $: "$" also matches before a final newline, and "A\\n" was taken as a name)
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
-_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 
 
 def parse_size(value: str | int | float, what: str = "size") -> int:

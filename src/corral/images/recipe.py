@@ -46,10 +46,10 @@ DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SUITES = ("bookworm", "trixie", "bullseye")
 
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_APT_RE = re.compile(r"^[a-z0-9][a-z0-9.+-]*(:[a-z0-9]+)?(=[A-Za-z0-9.+:~-]+)?$")
-_PIP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?\s*([<>=!~]=?\s*[A-Za-z0-9.*+!-]+\s*,?\s*)*$")
-_NPM_RE = re.compile(r"^(@[a-z0-9._-]+/)?[a-z0-9._-]+(@[A-Za-z0-9.^~<>=*|+ -]+)?$")
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+_APT_RE = re.compile(r"^[a-z0-9][a-z0-9.+-]*(:[a-z0-9]+)?(=[A-Za-z0-9.+:~-]+)?\Z")
+_PIP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?\s*([<>=!~]=?\s*[A-Za-z0-9.*+!-]+\s*,?\s*)*\Z")
+_NPM_RE = re.compile(r"^(@[a-z0-9._-]+/)?[a-z0-9._-]+(@[A-Za-z0-9.^~<>=*|+ -]+)?\Z")
 _KEYS = {"name", "description", "extends", "from", "suite", "mirror", "apt", "pip", "npm", "files", "run",
          "build_timeout", "build_memory"}
 

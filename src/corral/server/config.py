@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import InvalidSpec
 from ..spec import MiB, parse_size
 
-_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 #: the tenant every request belongs to when no keys are configured (loopback only)
 ANONYMOUS_TENANT = "local"
 

@@ -24,7 +24,7 @@ from .base import Availability, Tier
 _instances: dict[tuple[str, Path], Tier] = {}
 _instances_lock = threading.Lock()
 _registered: dict[str, type[Tier]] = {}
-_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
 
 
 def register_tier(name: str, tier: type[Tier]) -> None:
