@@ -89,3 +89,10 @@ def test_a_name_ending_in_a_newline_is_refused(make: object) -> None:
     # allow rules and secret bindings are stripped of surrounding whitespace instead)
     with pytest.raises(InvalidSpec):
         make()  # type: ignore[operator]
+
+
+def test_an_error_quotes_at_most_a_few_hundred_characters_of_a_bad_value() -> None:
+    # a request may carry megabytes where a name belongs; the message went back with all of it
+    with pytest.raises(InvalidSpec) as caught:
+        SandboxSpec.from_dict({"network": "x" * 1_000_000})
+    assert len(str(caught.value)) < 400 and "1000002 characters" in str(caught.value)

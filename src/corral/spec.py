@@ -48,6 +48,13 @@ def add_tier_name(name: str) -> None:
         _REGISTERED_TIERS.append(name)
 
 
+def _shown(value: object) -> str:
+    """``value`` as an error message quotes it: its repr, cut at 200 characters (a request may
+    carry megabytes where a name belongs, and the message goes back to it whole)."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
 #: a variable name (\Z, not $: "$" also matches before a final newline, and "A\\n" was taken as a name)
@@ -58,20 +65,20 @@ _IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 def parse_size(value: str | int | float, what: str = "size") -> int:
     """Parse ``512M``, ``1GiB``, ``1.5g``, ``1048576`` into bytes (binary units)."""
     if isinstance(value, bool):
-        raise InvalidSpec(f"{what}: expected a size such as 512M or 2G, got {value!r}")
+        raise InvalidSpec(f"{what}: expected a size such as 512M or 2G, got {_shown(value)}")
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value <= 0:
-            raise InvalidSpec(f"{what}: must be a positive size, got {value!r}")
+            raise InvalidSpec(f"{what}: must be a positive size, got {_shown(value)}")
         return int(value)
     match = _SIZE_RE.match(value)
     if not match or (match.group(3) and not match.group(2) and match.group(3).lower() != "b"):
         raise InvalidSpec(
-            f"{what}: cannot parse {value!r}; use a number with an optional unit K, M, G or T "
+            f"{what}: cannot parse {_shown(value)}; use a number with an optional unit K, M, G or T "
             "(binary: 1K = 1024 bytes), e.g. 512M or 2G"
         )
     number = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if number < 1:
-        raise InvalidSpec(f"{what}: must be a positive size, got {value!r}")
+        raise InvalidSpec(f"{what}: must be a positive size, got {_shown(value)}")
     return int(number)
 
 
@@ -98,15 +105,15 @@ class Limits:
         if not 16 * MiB <= self.memory <= 1024 * GiB:
             raise InvalidSpec(f"memory: {format_size(self.memory)} is outside 16M..1T")
         if isinstance(self.pids, bool) or not isinstance(self.pids, int) or not 8 <= self.pids <= 1_000_000:
-            raise InvalidSpec(f"pids: {self.pids!r} must be a whole number from 8 to 1000000")
+            raise InvalidSpec(f"pids: {_shown(self.pids)} must be a whole number from 8 to 1000000")
         if not isinstance(self.cpus, (int, float)) or not math.isfinite(self.cpus) or not 0.01 <= self.cpus <= 1024:
-            raise InvalidSpec(f"cpus: {self.cpus!r} must be a number from 0.01 to 1024")
+            raise InvalidSpec(f"cpus: {_shown(self.cpus)} must be a number from 0.01 to 1024")
         if not 1 * MiB <= self.disk <= 1024 * GiB:
             raise InvalidSpec(f"disk: {format_size(self.disk)} is outside 1M..1T")
         if not isinstance(self.timeout, (int, float)) or not math.isfinite(self.timeout) or not 0 < self.timeout <= 7 * 86400:
-            raise InvalidSpec(f"timeout: {self.timeout!r} must be seconds in (0, 604800]")
+            raise InvalidSpec(f"timeout: {_shown(self.timeout)} must be seconds in (0, 604800]")
         if not 1024 <= self.max_output <= 1024 * MiB:
-            raise InvalidSpec(f"max_output: {self.max_output!r} must be from 1K to 1G bytes")
+            raise InvalidSpec(f"max_output: {_shown(self.max_output)} must be from 1K to 1G bytes")
 
     @classmethod
     def build(
@@ -132,22 +139,22 @@ class Limits:
 
 def _parse_int(value: int | str, what: str) -> int:
     if isinstance(value, bool):
-        raise InvalidSpec(f"{what}: expected a whole number, got {value!r}")
+        raise InvalidSpec(f"{what}: expected a whole number, got {_shown(value)}")
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise InvalidSpec(f"{what}: expected a whole number, got {value!r}") from None
+        raise InvalidSpec(f"{what}: expected a whole number, got {_shown(value)}") from None
 
 
 def _parse_float(value: float | str, what: str) -> float:
     if isinstance(value, bool):
-        raise InvalidSpec(f"{what}: expected a number, got {value!r}")
+        raise InvalidSpec(f"{what}: expected a number, got {_shown(value)}")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise InvalidSpec(f"{what}: expected a number, got {value!r}") from None
+        raise InvalidSpec(f"{what}: expected a number, got {_shown(value)}") from None
     if not math.isfinite(number):
-        raise InvalidSpec(f"{what}: expected a finite number, got {value!r}")
+        raise InvalidSpec(f"{what}: expected a finite number, got {_shown(value)}")
     return number
 
 
@@ -167,11 +174,11 @@ class Workspace:
 
     def __post_init__(self) -> None:
         if self.mode not in WORKSPACE_MODES:
-            raise InvalidSpec(f"workspace mode {self.mode!r}: use one of {', '.join(WORKSPACE_MODES)}")
+            raise InvalidSpec(f"workspace mode {_shown(self.mode)}: use one of {', '.join(WORKSPACE_MODES)}")
         # resolve once, here: later steps open it with O_NOFOLLOW
         object.__setattr__(self, "path", self.path.expanduser().resolve())
         if not self.path.is_dir():
-            raise InvalidSpec(f"workspace {str(self.path)!r} does not exist or is not a directory")
+            raise InvalidSpec(f"workspace {_shown(str(self.path))} does not exist or is not a directory")
 
     @classmethod
     def parse(cls, text: str) -> Workspace:
@@ -205,13 +212,13 @@ class SandboxSpec:
 
     def __post_init__(self) -> None:
         if self.tier not in tier_names():
-            raise InvalidSpec(f"tier {self.tier!r}: use one of {', '.join(tier_names())}")
+            raise InvalidSpec(f"tier {_shown(self.tier)}: use one of {', '.join(tier_names())}")
         if not isinstance(self.image, str) or not _IMAGE_RE.match(self.image):
             raise InvalidSpec(
-                f"image {self.image!r}: names are 1-64 characters of a-z, 0-9, '.', '_', '-'"
+                f"image {_shown(self.image)}: names are 1-64 characters of a-z, 0-9, '.', '_', '-'"
             )
         if self.network not in NETWORK_MODES:
-            raise InvalidSpec(f"network {self.network!r}: use one of {', '.join(NETWORK_MODES)}")
+            raise InvalidSpec(f"network {_shown(self.network)}: use one of {', '.join(NETWORK_MODES)}")
         object.__setattr__(self, "env", validate_env(self.env))  # before the network: secrets check env names
         self._validate_network()
         validate_sandbox_path(self.cwd, "cwd")
@@ -221,7 +228,7 @@ class SandboxSpec:
         for name in ("allow", "unsafe_allow_ranges", "secrets"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
-                raise InvalidSpec(f"{name}: expected a list, got {value!r}")
+                raise InvalidSpec(f"{name}: expected a list, got {_shown(value)}")
             object.__setattr__(self, name, tuple(value))
         for entry in self.allow:
             AllowRule.parse(entry)
@@ -230,7 +237,7 @@ class SandboxSpec:
         secrets = tuple(s if isinstance(s, SecretBinding) else SecretBinding.parse(s) for s in self.secrets)
         object.__setattr__(self, "secrets", secrets)
         if self.allow and self.network != "allow":
-            raise InvalidSpec(f"allow: an allowlist needs network='allow', not {self.network!r}")
+            raise InvalidSpec(f"allow: an allowlist needs network='allow', not {_shown(self.network)}")
         if secrets and self.network != "allow":
             raise InvalidSpec("secrets: placeholders are only swapped by the egress proxy; use network='allow'")
         names = [s.name for s in secrets]
@@ -293,7 +300,7 @@ def template_key(spec: SandboxSpec) -> str:
 def validate_user(user: object, what: str = "user") -> str:
     """``"user"`` (uid 1000 inside) or ``"root"`` (root of the sandbox's user namespace only)."""
     if not isinstance(user, str) or user not in USERS:
-        raise InvalidSpec(f"{what}: {user!r}: use one of {', '.join(repr(u) for u in USERS)}")
+        raise InvalidSpec(f"{what}: {_shown(user)}: use one of {', '.join(repr(u) for u in USERS)}")
     return user
 
 
@@ -305,7 +312,7 @@ def validate_env(env: Mapping[str, str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in env.items():
         if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
-            raise InvalidSpec(f"env: {key!r} is not a valid variable name")
+            raise InvalidSpec(f"env: {_shown(key)} is not a valid variable name")
         if not isinstance(value, str) or "\0" in value:
             raise InvalidSpec(f"env: value of {key} must be a string without NUL bytes")
         out[key] = value
@@ -318,7 +325,7 @@ def parse_env_assignments(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise InvalidSpec(f"--env {item!r}: expected NAME=VALUE (the host environment is never copied)")
+            raise InvalidSpec(f"--env {_shown(item)}: expected NAME=VALUE (the host environment is never copied)")
         env[key] = value
     return validate_env(env)
 
@@ -326,7 +333,7 @@ def parse_env_assignments(items: list[str]) -> dict[str, str]:
 def validate_sandbox_path(path: str, what: str = "path") -> str:
     """An in-sandbox path: absolute (relative ones are taken from /workspace), no NUL."""
     if not isinstance(path, str) or not path or "\0" in path:
-        raise InvalidSpec(f"{what}: {path!r} is not a valid path")
+        raise InvalidSpec(f"{what}: {_shown(path)} is not a valid path")
     if len(path.encode()) > 4000:
         raise InvalidSpec(f"{what}: path is longer than 4000 bytes")
     return path if path.startswith("/") else os.path.join(WORKSPACE_PATH, path)
