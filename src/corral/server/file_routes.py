@@ -9,12 +9,11 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.types import Receive, Scope, Send
 
 from .context import Context, Tenant
+from .output_shares import HeldUntilSent, send_in_pieces
 from .wire import checked_path
 
 #: the largest file a download returns
 MAX_DOWNLOAD = 64 << 20
-#: a download is handed to the client this much at a time
-SEND_PIECE = 1 << 20
 FILES = "/v1/sandboxes/{sandbox_id}/files"
 
 router = APIRouter()
@@ -30,25 +29,19 @@ class Download(Response):
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # in pieces: the server waits for the client to take each one (uvicorn buffers a whole
-        # body it is handed), so the bytes are counted for as long as they are held
+        # the bytes are counted for as long as the server holds them
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            body = bytes(self.body)
-            for offset in range(0, len(body), SEND_PIECE):
-                await send({"type": "http.response.body", "body": body[offset:offset + SEND_PIECE],
-                            "more_body": offset + SEND_PIECE < len(body)})
-            if not body:
-                await send({"type": "http.response.body", "body": b""})
+            await send_in_pieces(send, self.status_code, self.raw_headers, bytes(self.body))
         finally:
             self._release()
 
 
 @router.get(FILES, summary="List a directory")
-async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: str = "/workspace") -> dict[str, Any]:
+async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: str = "/workspace") -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     entries = await ctx.run_for(who, entry.sandbox.files.list, checked_path(path))
-    return {"path": path, "entries": [e.to_dict() for e in entries]}
+    # up to 100,000 entries: counted with the tenant's output until its client has taken it
+    return HeldUntilSent({"path": path, "entries": [e.to_dict() for e in entries]}, ctx.output_shares, who)
 
 
 @router.get(FILES + "/stat", summary="Describe one file")

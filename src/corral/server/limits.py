@@ -45,6 +45,12 @@ class TenantTally:
             self.held[tenant] = held
             return True
 
+    def add(self, tenant: str, amount: int) -> None:
+        """Count ``amount`` more for ``tenant`` even past the bound (what is already held: later
+        takes then wait or are refused until it is given back)."""
+        with self._lock:
+            self.held[tenant] = self.held.get(tenant, 0) + amount
+
     def give(self, tenant: str, amount: int) -> None:
         """Give back ``amount`` of what :meth:`take` counted for ``tenant``."""
         with self._lock:

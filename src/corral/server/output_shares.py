@@ -9,6 +9,10 @@ share -- which still let one tenant's 16 execs printing 2 x 64 MiB grow the serv
 at what it may print (2 x ``max_output``) against ``max_output_bytes_per_tenant``: past it the
 next command waits its turn (FIFO per tenant, holding no thread), and a background start, which
 could wait for a command that never ends, is refused.
+
+A blocking exec's or code cell's answer is counted too, at its size, until its client has taken
+it (:class:`HeldUntilSent`): a client that asks and never reads once made the server hold every
+answer in full (16 unread answers of 2 x 16 MiB of output: 2.3 GB).
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
 
 from .limits import TenantTally
 
@@ -72,6 +80,13 @@ class OutputShares:
             raise
         return self._releaser(tenant, amount)
 
+    def keep(self, tenant: str, amount: int) -> Release:
+        """Count ``amount`` for ``tenant`` now, past the bound if need be: an answer already made,
+        held until its client has taken it (its later commands wait meanwhile)."""
+        with self._lock:
+            self._tally.add(tenant, amount)
+        return self._releaser(tenant, amount)
+
     def _releaser(self, tenant: str, amount: int) -> Release:
         released = False
 
@@ -103,3 +118,37 @@ class OutputShares:
             self._give(tenant, amount)
         else:
             waiter.set_result(None)
+
+
+#: an answer is handed to the server this much at a time
+SEND_PIECE = 1 << 20
+
+
+async def send_in_pieces(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    """Send an answer so that it returns only once the client has taken (nearly) all of it:
+    uvicorn's ``send`` queues what it is given in the socket's buffer at once and waits for that
+    buffer to drain only at the next ``send``; so the body goes in pieces."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    for offset in range(0, len(body), SEND_PIECE):
+        await send({"type": "http.response.body", "body": body[offset:offset + SEND_PIECE],
+                    "more_body": offset + SEND_PIECE < len(body)})
+    if not body:
+        await send({"type": "http.response.body", "body": b""})
+
+
+class HeldUntilSent(JSONResponse):
+    """A JSON answer counted against its tenant's output bound until its client has taken it
+    (or is gone)."""
+
+    def __init__(self, content: Any, shares: OutputShares, tenant: str, status_code: int = 200) -> None:
+        super().__init__(content, status_code=status_code)
+        self._release = shares.keep(tenant, len(self.body))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send_in_pieces(send, self.status_code, self.raw_headers, bytes(self.body))
+        finally:
+            self._release()
+
+    def __del__(self) -> None:  # never sent (an error on the way out): not counted for ever
+        self._release()

@@ -12,6 +12,7 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
 from . import snapshot_routes
 from .context import Context, Tenant
+from .output_shares import HeldUntilSent
 from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ async def resume_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/exec", summary="Run a command to completion")
-async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Context) -> dict[str, Any]:
+async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Context) -> Response:
     manager = ctx.manager
     entry = manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
@@ -96,9 +97,10 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
     try:
         result = await ctx.run_for(who, run_and_audit)
         ctx.metrics.record_exec(result.timed_out, result.oom_killed)
-        return {"sandbox_id": sandbox_id, **result.to_dict()}
+        # its answer is counted from here until the client has it
+        return HeldUntilSent({"sandbox_id": sandbox_id, **result.to_dict()}, ctx.output_shares, who)
     finally:
-        release()  # the result is in hand (its JSON is made right after, once)
+        release()  # the result is in hand, and its answer counted
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
@@ -109,7 +111,7 @@ async def network_audit(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str,
 
 # the code interpreter (corral.interpreter): one cell per call
 @router.post("/v1/sandboxes/{sandbox_id}/code", summary="Run code in the sandbox's interpreter (if available)")
-async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -> dict[str, Any]:
+async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
     release = await ctx.hold_output(who, entry.spec.limits.max_output)
@@ -117,7 +119,7 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -
         with ctx.manager.exec_slot(entry):
             result = await ctx.run_for(who, entry.sandbox.run_code, body.code, language=body.language,
                                        timeout=body.timeout, context=body.context, envs=body.envs)
-        return dict(result.to_dict())
+        return HeldUntilSent(result.to_dict(), ctx.output_shares, who)
     finally:
         release()
 
