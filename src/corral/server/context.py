@@ -57,7 +57,7 @@ class ServerContext:
         return self._manager
 
     def start(self) -> None:
-        self._manager = SandboxManager(self.config, self.metrics)
+        self._manager = SandboxManager(self.config, self.metrics, self.run_for)
         self._manager.start()
 
     async def shutdown(self) -> None:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,10 +72,22 @@ class Entry:
         }
 
 
+#: runs blocking work for a tenant: ``run_for(tenant, fn, *args, **kwargs)``
+RunFor = Callable[..., Awaitable[Any]]
+
+
+async def _on_default_threads(_tenant: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
 class SandboxManager:
-    def __init__(self, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ServerConfig, metrics: Metrics, run_for: RunFor = _on_default_threads) -> None:
         self.config = config
         self.metrics = metrics
+        #: creates and forks run within the tenant's share of the server's threads
+        #: (ServerContext.run_for): on asyncio's few default threads, one tenant's slow creates
+        #: made every other tenant's wait
+        self._run_for = run_for
         self.root = state_dir(config.state_dir)
         self._entries: dict[str, Entry] = {}
         #: quota reservations for creates in flight: tenant -> [count, memory]
@@ -202,10 +214,10 @@ class SandboxManager:
                 if self.config.cluster is not None:  # on a node; the node destroys it too if this server dies
                     if snapshot is not None:
                         raise InvalidSpec("snapshot: a cluster's sandboxes cannot start from a snapshot of this host")
-                    sandbox = await asyncio.to_thread(Sandbox.create, spec, cluster=self.config.cluster,
-                                                      idle_timeout=idle)
+                    sandbox = await self._run_for(tenant, Sandbox.create, spec, cluster=self.config.cluster,
+                                                  idle_timeout=idle)
                 else:
-                    sandbox = await asyncio.to_thread(Sandbox.create, spec, state=self.root, snapshot=snapshot)
+                    sandbox = await self._run_for(tenant, Sandbox.create, spec, state=self.root, snapshot=snapshot)
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
             now = time.time()
             entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)
@@ -224,7 +236,7 @@ class SandboxManager:
                 self._reserve(tenant, parent.spec.limits.memory)
                 reserved += 1
             idle, life = self.deadlines(None, None)
-            kids = await asyncio.to_thread(parent.sandbox.fork, count)
+            kids = await self._run_for(tenant, parent.sandbox.fork, count)
             now = time.time()
             made = [Entry(kid, tenant, now, now + life, idle, False) for kid in kids]
             for entry in made:

@@ -65,7 +65,8 @@ async def set_timeout(sandbox_id: str, body: TimeoutBody, who: Tenant, ctx: Cont
 async def pause_sandbox(sandbox_id: str, who: Tenant, ctx: Context, body: PauseBody | None = None) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
     if body is not None and body.to_disk:  # the state goes to the snapshot store, within the tenant's quota
-        await ctx.run_blocking(snapshot_routes.park, ctx, who, sandbox_id)
+        # slow (a microVM's memory written out): within the tenant's share, as snapshots are
+        await ctx.run_for(who, snapshot_routes.park, ctx, who, sandbox_id)
     else:
         await ctx.run_blocking(entry.sandbox.pause)
     return entry.to_dict()

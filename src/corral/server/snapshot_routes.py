@@ -75,17 +75,17 @@ def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
 @router.post("/v1/sandboxes/{sandbox_id}/snapshot", status_code=201,
              summary="Snapshot a sandbox (its files on process and gVisor, its live state on microvm; 409 on wasm)")
 async def snapshot_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
-    return (await ctx.run_blocking(take, ctx, who, sandbox_id)).to_dict()
+    return (await ctx.run_for(who, take, ctx, who, sandbox_id)).to_dict()
 
 
 @router.get("/v1/snapshots", summary="List your snapshots")
 async def list_snapshots(who: Tenant, ctx: Context) -> dict[str, Any]:
-    return {"snapshots": [s.to_dict() for s in await ctx.run_blocking(store(ctx).list, who)]}
+    return {"snapshots": [s.to_dict() for s in await ctx.run_for(who, store(ctx).list, who)]}
 
 
 @router.delete("/v1/snapshots/{snapshot_id}", status_code=204, summary="Remove a snapshot of yours")
 async def delete_snapshot(snapshot_id: str, who: Tenant, ctx: Context) -> Response:
-    if not await ctx.run_blocking(store(ctx).delete, snapshot_id, who):
+    if not await ctx.run_for(who, store(ctx).delete, snapshot_id, who):
         raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
     return Response(status_code=204)
 
@@ -97,7 +97,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Contex
     if ctx.config.cluster is None and body.count <= tier_class(parent.spec.tier).direct_forks:
         # (a microVM: straight from the running VM, no snapshot; tiers/microvm/livefork.py)
         return {"sandboxes": [entry.to_dict() for entry in await ctx.manager.fork(who, parent, body.count)]}
-    snapshot = await ctx.run_blocking(take, ctx, who, sandbox_id)
+    snapshot = await ctx.run_for(who, take, ctx, who, sandbox_id)
     made = []
     try:
         for _ in range(body.count):
@@ -107,5 +107,5 @@ async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Contex
             await ctx.manager.destroy(who, entry.sandbox.id)
         raise
     finally:
-        await ctx.run_blocking(store(ctx).delete, snapshot.id, who)
+        await ctx.run_for(who, store(ctx).delete, snapshot.id, who)
     return {"sandboxes": [entry.to_dict() for entry in made]}
