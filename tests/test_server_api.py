@@ -18,7 +18,7 @@ from .server_fixtures import KEYS, ServerProcess
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     config = {"max_request_bytes": 1 << 20, "max_sandboxes_per_tenant": 3, "max_memory_per_tenant": "1G",
-              "max_concurrent_execs": 2}
+              "max_concurrent_execs": 2, "metrics_tenants": ["alice"]}
     with ServerProcess(state_dir / "srv-api", keys=KEYS, config=config) as srv:
         yield srv
 
@@ -328,3 +328,11 @@ def test_openapi_document(server: ServerProcess) -> None:
             "/v1/sandboxes/{sandbox_id}/timeout", "/v1/sandboxes/{sandbox_id}/files",
             "/v1/sandboxes/{sandbox_id}/files/content"} <= set(paths)
     assert "HTTPBearer" in doc["components"]["securitySchemes"]
+
+
+def test_metrics_are_read_only_by_the_tenants_listed(server: ServerProcess) -> None:
+    # the whole server's numbers (every tenant's sandboxes, commands, refusals): once any tenant's
+    with server.client("alice") as alice, server.client("bob") as bob:
+        assert alice.get("/metrics").status_code == 200 and "corral_execs_total" in alice.get("/metrics").text
+        refused = bob.get("/metrics")
+        assert refused.status_code == 403 and refused.json()["error"] == "forbidden", refused.text

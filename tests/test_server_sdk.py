@@ -29,7 +29,7 @@ POOL_SPEC = {"limits": {"memory": "128M"}}
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     with ServerProcess(state_dir / "srv-sdk", "--pool", f"2:3:{json.dumps(POOL_SPEC)}", "--max-sandboxes", "6",
-                       keys=KEYS) as srv:
+                       keys=KEYS, config={"metrics_tenants": ["alice"]}) as srv:
         yield srv
 
 

@@ -125,6 +125,10 @@ class ServerConfig:
     state_dir: str | None = None
     #: a Ray cluster whose nodes hold the sandboxes (``corral serve --cluster ADDRESS``); None: this host
     cluster: str | None = None
+    #: tenants whose key may read /metrics: its numbers are the whole server's (every tenant's
+    #: sandboxes, commands, OOM kills, egress refusals), not one tenant's.  With API keys and none
+    #: listed, /metrics answers every tenant 403; without keys (loopback) anyone may read it
+    metrics_tenants: list[str] = field(default_factory=list)
     #: create, exec, destroy and /healthz served by lean handlers (.fast_routes); False sends them
     #: through FastAPI's routing like every other request (the same answers, slower)
     fast_routes: bool = True
@@ -141,6 +145,9 @@ class ServerConfig:
         if self.max_request_bytes_per_tenant < self.max_request_bytes:
             raise InvalidSpec(f"max_request_bytes_per_tenant: {self.max_request_bytes_per_tenant} is below "
                               f"max_request_bytes ({self.max_request_bytes}): no request that large could be received")
+        if not isinstance(self.metrics_tenants, list) or not all(
+                isinstance(t, str) and _TENANT_RE.match(t) for t in self.metrics_tenants):
+            raise InvalidSpec("metrics_tenants: a list of tenant names (letters, digits, '_', '.', '-')")
         self.max_concurrent_execs = _positive(self.max_concurrent_execs, "max_concurrent_execs", integer=True)
         self.max_background_commands = _positive(self.max_background_commands, "max_background_commands",
                                                  integer=True)
