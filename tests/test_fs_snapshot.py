@@ -428,3 +428,22 @@ def test_snapshots_outlive_a_killed_server_and_a_corrupt_one_starts_nothing(serv
         assert alice.get("/v1/sandboxes").json()["sandboxes"] == []
         assert os.listdir(server.state / "sandboxes") == []
         assert alice.delete(f"/v1/snapshots/{snap}").status_code == 204
+
+
+def test_a_tenant_holds_at_most_max_snapshots_per_tenant_whatever_their_size(state_dir: Path) -> None:
+    # snapshots share their contents: thousands of small ones stayed far below the bytes cap,
+    # each with its own directory and records on the host's disk
+    config = {"max_snapshots_per_tenant": 3}
+    with (ServerProcess(state_dir / "srv-snap-count", keys=KEYS, config=config) as srv,
+          srv.client("alice") as alice, srv.client("bob") as bob):
+        sid = alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
+        taken = [alice.post(f"/v1/sandboxes/{sid}/snapshot") for _ in range(3)]
+        assert [t.status_code for t in taken] == [201, 201, 201], [t.text for t in taken]
+        over = alice.post(f"/v1/sandboxes/{sid}/snapshot")
+        assert (over.status_code, over.json()["error"]) == (429, "resource_limit") and "3 snapshots" in over.text
+        assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 3
+        # another tenant has its own count; and a removed one makes room
+        bid = bob.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
+        assert bob.post(f"/v1/sandboxes/{bid}/snapshot").status_code == 201
+        assert alice.delete(f"/v1/snapshots/{taken[0].json()['id']}").status_code == 204
+        assert alice.post(f"/v1/sandboxes/{sid}/snapshot").status_code == 201

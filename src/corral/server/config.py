@@ -84,6 +84,8 @@ class ServerConfig:
     max_memory_per_tenant: int = 16 * 1024 * MiB
     #: bytes of stored snapshots one tenant may hold (a snapshot past it is refused: 429)
     max_snapshot_bytes_per_tenant: int = 10 * 1024 * MiB
+    #: snapshots (and sandboxes paused to disk) one tenant may hold, whatever their size
+    max_snapshots_per_tenant: int = 64
     #: a sandbox nobody touched for this long is destroyed
     idle_timeout: float = 600.0
     #: no sandbox lives longer than this, extensions included
@@ -138,6 +140,8 @@ class ServerConfig:
         self.max_sandboxes_per_tenant = _positive(self.max_sandboxes_per_tenant, "max_sandboxes", integer=True)
         self.max_memory_per_tenant = parse_size(self.max_memory_per_tenant, "max_memory")
         self.max_snapshot_bytes_per_tenant = parse_size(self.max_snapshot_bytes_per_tenant, "max_snapshot_bytes")
+        self.max_snapshots_per_tenant = _positive(self.max_snapshots_per_tenant, "max_snapshots_per_tenant",
+                                                  integer=True)
         self.idle_timeout = _positive(self.idle_timeout, "idle_timeout")
         self.max_lifetime = _positive(self.max_lifetime, "max_lifetime")
         self.max_request_bytes = parse_size(self.max_request_bytes, "max_request")

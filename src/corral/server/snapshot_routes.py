@@ -37,7 +37,13 @@ def spec_fields(ctx: ServerContext, tenant: str, snapshot_id: str, data: dict[st
 
 
 def _room(ctx: ServerContext, tenant: str) -> int:
-    """Bytes the tenant's snapshots use (429 if there is no room left)."""
+    """Bytes the tenant's snapshots use (429 if there is no room left, in bytes or in number:
+    snapshots share their contents, so a tenant's thousands of small ones stayed far below the
+    bytes cap while each added its own directory and records to the host's disk)."""
+    most = ctx.config.max_snapshots_per_tenant
+    count = len(store(ctx).list(tenant)) + len(store(ctx).list(tenant, parked=True))
+    if count >= most:
+        raise ResourceLimit(f"quota: tenant {tenant!r} holds {count} snapshots (max {most}); remove one first")
     cap = ctx.config.max_snapshot_bytes_per_tenant
     used = store(ctx).bytes_of(tenant)
     if used >= cap:
