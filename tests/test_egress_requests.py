@@ -126,6 +126,11 @@ MALFORMED = {
     "space before colon": b"GET /{p} HTTP/1.1\r\nHost: target.test:8080\r\nRange : bytes=0-3\r\n\r\n",
     "NUL": b"GET /{p} HTTP/1.1\r\nHost: target.test:8080\r\nX-Key: TOKEN\0Range: bytes=0-3\r\n\r\n",
     "bare CR": b"GET /{p} HTTP/1.1\r\nHost: target.test:8080\r\nX-Key: TOKEN\rRange: bytes=0-3\r\n\r\n",
+    # body lengths the server could read otherwise (the rest then a second request the proxy never saw)
+    "two lengths": b"POST /{p} HTTP/1.1\r\nHost: target.test:8080\r\nContent-Length: 0\r\nContent-Length: 40\r\n\r\n",
+    "length and chunked": (b"POST /{p} HTTP/1.1\r\nHost: target.test:8080\r\nContent-Length: 4\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
+    "chunked not last": b"POST /{p} HTTP/1.1\r\nHost: target.test:8080\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
 }
 
 
@@ -146,6 +151,20 @@ def test_a_head_the_server_could_split_differently_is_refused(net: TargetNet, sb
     assert raw(sb, good, "target.test:8080" if way == "tunnel" else None) == "HTTP/1.1 200 OK"
     assert keys_seen(net, f"/good-{way}") == [SECRET]
     assert any("malformed-request-head" in e.rule for e in sb.network.audit())
+
+
+def test_no_switch_to_a_protocol_the_guard_cannot_read_is_asked_of_a_bound_host(net: TargetNet, sb: Sandbox) -> None:
+    """h2c's compressed headers and a WebSocket's compressed messages would carry an echo past
+    the guard: towards a bound host ``Upgrade``, ``HTTP2-Settings`` and
+    ``Sec-WebSocket-Extensions`` are dropped (the Connection field asking for a switch already
+    was); towards another host they pass."""
+    asks = '-H "Upgrade: h2c" -H "HTTP2-Settings: AAMAAABkAAQCAAAA" -H "Sec-WebSocket-Extensions: permessage-deflate"'
+    for url in ("http://target.test:8080/up-bound", "http://other.test:8080/up-other"):
+        assert sb.commands.run(f"curl -sS {asks} {url}", timeout=30).exit_code == 0
+    bound = [h["headers"] for h in net.hits() if h["path"] == "/up-bound"]
+    other = [h["headers"] for h in net.hits() if h["path"] == "/up-other"]
+    assert bound and not {"Upgrade", "HTTP2-Settings", "Sec-WebSocket-Extensions"} & set(bound[0]), bound
+    assert other and {"Upgrade", "HTTP2-Settings", "Sec-WebSocket-Extensions"} <= set(other[0]), other
 
 
 BAD_CLIENTS = r'''

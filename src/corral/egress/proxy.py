@@ -32,7 +32,14 @@ from .audit import AuditLog
 from .echo_forms import EchoMatcher, Form
 from .echo_guard import ResponseGuard, copy_guarded
 from .policy import Decision, Policy
-from .request_head import MalformedHead, RequestHead, parse_head, request_authority, same_host
+from .request_head import (
+    MalformedHead,
+    RequestHead,
+    body_framing_problem,
+    parse_head,
+    request_authority,
+    same_host,
+)
 from .tunnel import (
     BULK_SEND,
     BULK_TUNNELS,
@@ -57,7 +64,11 @@ CONNECT_TIMEOUT = 10.0
 _HOP_HEADERS = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
 # Towards a secret-bound host: an encoded response is decoded to be scanned anyway, but asking
 # for identity spares that work, and a range could fetch an echoed value in pieces too short to see
-_BOUND_DROPPED = {b"accept-encoding", b"te", b"range", b"if-range"}
+_BOUND_DROPPED = {b"accept-encoding", b"te", b"range", b"if-range",
+                  # and no switch to a protocol the echo guard cannot read (h2c's compressed headers,
+                  # a WebSocket's compressed messages): the Connection field that asks for it is
+                  # replaced anyway, but a lax server might switch on Upgrade alone
+                  b"upgrade", b"http2-settings", b"sec-websocket-extensions"}
 
 
 class ProxyError(Exception):
@@ -212,7 +223,11 @@ class EgressProxy:
     def _parsed(self, client: socket.socket, head: bytes, protocol: str) -> RequestHead | None:
         """``head`` parsed strictly, or None once the client was answered 400 (and it audited)."""
         try:
-            return parse_head(head)
+            parsed = parse_head(head)
+            framing = body_framing_problem(parsed)
+            if framing is not None:
+                raise MalformedHead(framing)
+            return parsed
         except MalformedHead as exc:
             self.audit.record(self.sandbox_id, "refused", "*", None, f"malformed-request-head: {exc}", protocol)
             client.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")

@@ -62,6 +62,26 @@ def parse_head(head: bytes) -> RequestHead:
     return RequestHead(parts[0], parts[1], parts[2], tuple(fields))
 
 
+def body_framing_problem(head: RequestHead) -> str | None:
+    """Why the request's body length is not one the proxy and the server must agree on, or None.
+
+    The proxy forwards what follows the head as it comes; a server that read the body's length
+    otherwise than its sender meant (two ``Content-Length`` fields, one with a
+    ``Transfer-Encoding``, a coding list not ending in ``chunked``) would take the rest as a
+    second request the proxy never saw: its ``Range`` not stripped, towards a bound host."""
+    lengths = head.values(b"content-length")
+    codings = head.values(b"transfer-encoding")
+    if len(lengths) > 1:
+        return "more than one Content-Length"
+    if lengths and codings:
+        return "both Content-Length and Transfer-Encoding"
+    if lengths and not lengths[0].isdigit():
+        return "a Content-Length that is not a number"
+    if codings and b",".join(codings).split(b",")[-1].strip().lower() != b"chunked":
+        return "a Transfer-Encoding that does not end in chunked"
+    return None
+
+
 def parse_authority(text: str) -> tuple[str, int | None] | None:
     """(host, port or None) of a ``Host`` value or a URI's authority: the host lowercase and
     without a trailing dot, an IPv6 address without brackets.  None for anything else: userinfo,
