@@ -76,3 +76,30 @@ def test_one_tenants_creates_and_forks_do_not_hold_back_anothers(state_dir: Path
         assert under_load < max(1.5, 10 * baseline), (baseline, under_load)
         # alice's own calls still complete
         assert results and all(code == 201 for code in results), results
+
+
+def test_idle_kept_alive_connections_give_way_to_new_ones(state_dir: Path) -> None:
+    """Kept-alive connections waiting for a next request were held 65 s: one client's 80 of them
+    filled a server's 64 and another tenant got 503 for a minute (the tenants helper measured
+    it).  Past half of max_connections a new connection closes idle ones first."""
+    import socket
+
+    config = {"max_connections": 64}
+    with ServerProcess(state_dir / "srv-idle-conns", keys=KEYS, config=config) as server, \
+            server.client("bob") as bob:
+        host, port = server.url.split("//")[1].split(":")
+        held = []
+        for _ in range(80):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.recv(4096)  # answered; the connection now waits, kept alive
+            held.append(sock)
+        try:
+            answer = bob.get("/v1/sandboxes")
+            assert answer.status_code == 200, answer.text
+            # the allowed direction: a client still using its connection keeps it
+            with server.client("alice") as alice:
+                assert all(alice.get("/v1/sandboxes").status_code == 200 for _ in range(5))
+        finally:
+            for sock in held:
+                sock.close()

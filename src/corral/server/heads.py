@@ -6,6 +6,12 @@ sets no bound: one connection sending an endless header grew the server by a MiB
 client is answered 431 and the connection closed (h11, uvicorn's other parser, has such a bound
 of its own: 16 KiB).
 
+Kept-alive connections waiting for their next request are held up to ``timeout_keep_alive``
+(65 s): one client's 80 idle connections filled a server's 64 and every other client got 503
+for a minute.  Once more than half of ``max_connections`` are open, each new connection closes
+the idle ones first (their clients open a new one when they next ask, as after any keep-alive
+timeout).
+
 uvicorn does not time a head either: a connection that sent nothing, or half a head, was held
 for ever, and ``max_connections`` of them made the server answer 503 to everyone.  A head must
 now arrive whole within ``head_timeout`` seconds of the connection (or of its first byte, for the
@@ -60,14 +66,48 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._start_timer()
+        limit = self.limit_concurrency
+        if limit is not None and len(self.connections) > limit // 2:
+            idle = self._idle_ones()
+            while idle and len(self.connections) - len(self._closing) > limit // 2:
+                other = idle.pop()
+                self._closing.add(other)
+                other.transport.close()
+
+    def _idle_ones(self) -> set[BoundedHeadProtocol]:
+        """This server's connections waiting for their next request (kept with its state)."""
+        idle: set[BoundedHeadProtocol] | None = getattr(self.server_state, "corral_idle", None)
+        if idle is None:
+            idle = set()
+            self.server_state.corral_idle = idle  # type: ignore[attr-defined]
+            self.server_state.corral_closing = set()  # type: ignore[attr-defined]
+        return idle
+
+    @property
+    def _closing(self) -> set[BoundedHeadProtocol]:
+        self._idle_ones()
+        return self.server_state.corral_closing  # type: ignore[attr-defined,no-any-return]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
+        self._idle_ones().discard(self)
+        self._closing.discard(self)
         super().connection_lost(exc)
 
+    #: a request has begun arriving and has not arrived whole
+    _in_request = False
+
     def on_message_begin(self) -> None:
+        self._in_request = True
+        self._idle_ones().discard(self)
         super().on_message_begin()
         self._start_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # idle: waiting for a next request of which nothing has come yet
+        if self.timeout_keep_alive_task is not None and not self._in_request and not self.transport.is_closing():
+            self._idle_ones().add(self)
 
     def _start_timer(self) -> None:
         if self._head_timer is None:
@@ -94,6 +134,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._head_open = True
+        self._in_request = False
 
 
 def bounded_head_protocol(head_timeout: float) -> type[BoundedHeadProtocol]:
