@@ -20,6 +20,7 @@ Now:
 
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -114,7 +115,30 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
         self._queued = None
         if self._counted:
             type(self).receiving.give(self._tenant, self._counted)
+            if self._counted >= TRIM_AFTER:
+                _return_free_memory()
             self._counted = 0
+
+
+#: dropping this much of a message makes the server give its free memory back to the host
+TRIM_AFTER = 1 << 20
+
+
+def _return_free_memory() -> None:
+    """glibc keeps freed memory of its heap for reuse (a 15 MiB buffer freed below another
+    allocation, or once its mmap threshold has grown, stays resident): megabytes a connection
+    held are handed back to the host (``malloc_trim``; a no-op where there is no glibc)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def bounded_ws_protocol(tenant_of: Callable[[str | None], str], receiving: TenantTally) -> type[BoundedWebSocketProtocol]:
