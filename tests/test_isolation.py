@@ -74,8 +74,21 @@ def test_denied_syscalls_fail_and_ordinary_ones_work(sandbox: Sandbox) -> None:
     assert syscall_errno(sandbox, "libc.syscall(323, 0)") == "EPERM"  # userfaultfd
     assert syscall_errno(sandbox, "libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)") == "EPERM"  # clone(NEWUSER)
     assert syscall_errno(sandbox, "libc.syscall(435, 0, 0)") == "ENOSYS"  # clone3: libc falls back
+    # memfd_secret: its pages leave the kernel's direct map; as on a kernel built without it
+    assert syscall_errno(sandbox, "libc.syscall(447, 0)") == "ENOSYS"
     assert sandbox.commands.run("unshare -U true").exit_code != 0
     assert sandbox.commands.run("mount -t tmpfs none /tmp").exit_code != 0
+
+
+def test_each_sandbox_has_a_boot_id_of_its_own(sandbox: Sandbox) -> None:
+    # the host's boot id in every sandbox would tell tenants they share a host, across sessions
+    host = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    with Sandbox.create() as other:
+        ids = [sb.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip() for sb in (sandbox, other)]
+        assert other.commands.run("echo x > /proc/sys/kernel/random/boot_id").exit_code != 0
+    assert all(len(i) == 36 for i in ids), ids
+    assert len({host, *ids}) == 3, (host, ids)
+    assert sandbox.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip() == ids[0]  # stable
 
 
 def test_only_ordinary_socket_families_open_and_vsock_never(sandbox: Sandbox) -> None:

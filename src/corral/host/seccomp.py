@@ -43,8 +43,12 @@ DENIED_SYSCALLS: tuple[str, ...] = (
 #: 65,536 events: one sandbox's 16 ``io_setup`` calls took all of it, and every other
 #: sandbox's failed), whose rings are not charged to the sandbox (``host/shared_tables.py``).
 #: glibc's POSIX AIO (threads) is unaffected; databases fall back to their own threads.
+#: ``memfd_secret`` too: its pages are taken out of the kernel's direct map (splitting its huge
+#: pages for every process of the host) and locked; kernels built without it answer ENOSYS,
+#: so programs already handle that answer.
 UNIMPLEMENTED_SYSCALLS: tuple[str, ...] = (
     "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
+    "memfd_secret",
 )
 
 #: the socket families a sandbox may open; every other is refused with EAFNOSUPPORT, as if this
@@ -73,7 +77,7 @@ CLONE_NAMESPACE_FLAGS = {
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 
-_VERSION = "3"
+_VERSION = "4"
 
 
 def _fingerprint() -> str:

@@ -27,6 +27,7 @@ import errno
 import logging
 import os
 import shutil
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -303,3 +304,20 @@ def shm_dir(run_dir: Path, uid: int, mounter: HostMounts | None = None) -> Path:
     os.chown(made, uid, uid)
     os.chmod(made, 0o1777)
     return shm
+
+
+#: where the kernel shows its boot's id; the same in every process of a host
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id_file(run_dir: Path, uid: int, mounter: HostMounts | None = None) -> Path:
+    """A boot id of the sandbox's own on its disk tmpfs, for bwrap to bind over
+    :data:`BOOT_ID_PATH`: the host's would be the same in every sandbox, a mark that tells
+    tenants they share a host and follows the host across their sessions (a microVM and
+    gVisor each show their own).  Its path in the sandbox's mount namespace."""
+    path = run_dir / "disk" / "boot_id"
+    made = mounter.view(path) if mounter is not None else path
+    made.write_text(f"{uuid.uuid4()}\n")
+    os.chown(made, uid, uid)
+    os.chmod(made, 0o444)
+    return path

@@ -45,7 +45,7 @@ from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
 from ..linux.frames import T_GO
-from ..linux.rootfs import AGENT_PATH, disk_held_in_memory, reap_host_side, shm_dir
+from ..linux.rootfs import AGENT_PATH, BOOT_ID_PATH, boot_id_file, disk_held_in_memory, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .launcher import LAUNCHER
 from .spares import PLACER, SETTLE
@@ -188,6 +188,7 @@ class ProcessSandbox(LinuxSandbox):
             "--dev-bind", str(self._terminals()), "/dev/pts",
             # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
             "--bind", str(shm_dir(self._run_dir, self.uid, self._mountns)), "/dev/shm",
+            "--ro-bind", str(boot_id_file(self._run_dir, self.uid_range.base, self._mountns)), BOOT_ID_PATH,
             "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
             *(arg for cap in ROOT_CAPS for arg in ("--cap-add", cap)),
             "--chdir", "/", "--clearenv",
