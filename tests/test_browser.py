@@ -78,8 +78,9 @@ def test_chromium_dump_dom_and_screenshot(browser_image: str, tier: str) -> None
         sb.files.write("/tmp/page.html", PAGE)
         shm = sb.commands.run("df -B1 --output=size /dev/shm | tail -1; test -w /dev/shm")
         assert shm.exit_code == 0 and int(shm.stdout) <= sb.spec.limits.disk, shm  # on the disk tmpfs
-        dom = sb.commands.run(f"{CHROMIUM} --dump-dom file:///tmp/page.html", timeout=120)
-        assert dom.exit_code == 0 and '<h1 id="x">js ran 42</h1>' in dom.stdout, dom
+        if tier == "process":  # in gVisor the run under Chromium's own sandbox below reads the DOM
+            dom = sb.commands.run(f"{CHROMIUM} --dump-dom file:///tmp/page.html", timeout=120)
+            assert dom.exit_code == 0 and '<h1 id="x">js ran 42</h1>' in dom.stdout, dom
         shot = sb.commands.run(f"cd /tmp && {CHROMIUM} --screenshot --window-size=640,480 file:///tmp/page.html",
                                timeout=120)
         assert shot.exit_code == 0, shot
@@ -208,7 +209,9 @@ def evaluate(cdp: Cdp, session: str, expression: str) -> object:
     return result["result"]["value"]  # type: ignore[index]
 
 
-@pytest.mark.parametrize("tier", ["process", "gvisor"])
+# the process tier only: Chromium under gVisor is held by the two other Chromium tests, and
+# gVisor's exposed ports by test_exposed_port_reaches_a_sandbox_with_no_network (10 s saved)
+@pytest.mark.parametrize("tier", ["process"])
 def test_chromium_driven_over_cdp_through_an_exposed_port(browser_image: str, tier: str) -> None:
     need_tier(tier)
     with Sandbox.create(tier=tier, **BROWSER) as sb:
