@@ -190,7 +190,7 @@ def test_mcp_run_code_gives_images_and_every_text_is_capped(state_dir: Path) -> 
 
 
 def test_one_mcp_sessions_long_commands_do_not_hold_another_sessions_calls(state_dir: Path) -> None:
-    """Session a runs 9 commands of 6 s at once; session b's command is answered meanwhile (before:
+    """Session a runs 9 commands of 4 s at once; session b's command is answered meanwhile (before:
     every tool call went to asyncio's default pool, cpus + 4 = 6 threads here, and b waited for a's
     sleeps); a's own commands past its share (8) wait their turn and all end well."""
     from mcp import ClientSession
@@ -204,10 +204,10 @@ def test_one_mcp_sessions_long_commands_do_not_hold_another_sessions_calls(state
             await b.initialize()
             a_id = _payload(await a.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
             b_id = _payload(await b.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
-            long = [asyncio.ensure_future(a.call_tool("run_command", {"sandbox_id": a_id, "command": "sleep 6",
+            long = [asyncio.ensure_future(a.call_tool("run_command", {"sandbox_id": a_id, "command": "sleep 4",
                                                                        "timeout": 60}))
                     for _ in range(9)]
-            await asyncio.sleep(1)
+            await asyncio.sleep(0.5)  # held behind them, b would wait 3.5 s
             started = time.monotonic()
             mine = _payload(await b.call_tool("run_command", {"sandbox_id": b_id, "command": "echo b"}))
             waited = time.monotonic() - started

@@ -90,8 +90,14 @@ def host_workspace(root: Path) -> Path:
 
 
 def make_files(sb: Sandbox, dirs: int, per_dir: int = 100, top: str = "/workspace") -> None:
-    ok(sb, f"cd {top} && for d in $(seq -w 1 {dirs}); do mkdir made$d && (cd made$d && seq -w 1 {per_dir}"
-           f" | sed 's/^/f/' | xargs touch); done")
+    """``dirs`` directories ``made01``... of ``per_dir`` empty files ``f001``... (as ``seq -w``
+    names them), made by one process: a shell loop forks ~80 times for 2,000 files (7 s in gVisor)."""
+    code = (f"import os\nfor d in range(1, {dirs} + 1):\n"
+            f"    path = '{top}/made%0{len(str(dirs))}d' % d\n    os.mkdir(path)\n"
+            f"    for i in range(1, {per_dir} + 1):\n"
+            f"        open(path + '/f%0{len(str(per_dir))}d' % i, 'w').close()\n")
+    r = sb.commands.run(["python3", "-c", code], timeout=120)
+    assert r.exit_code == 0, r.stderr
 
 
 def test_each_change_after_thousands_of_files_arrives_as_a_whole_walk_would_deliver_it(tier: str, tmp_path: Path) -> None:
