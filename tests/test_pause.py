@@ -64,13 +64,13 @@ def test_a_paused_sandbox_does_not_advance_and_its_timeouts_wait(tier: str, stat
     with Sandbox.create(tier=tier, memory="256M") as sb:
         counter = sb.commands.start(COUNTER, timeout=600)
         wait_for_ticks(sb, 3)
-        # a command with 3 s left when the sandbox is paused for 4 s still finishes
-        slow = sb.commands.start("sleep 1.5; echo finished", timeout=3)
+        # a command with 2 s left when the sandbox is paused for 2.5 s still finishes
+        slow = sb.commands.start("sleep 0.8; echo finished", timeout=2)
         before_pause = ticks(sb)
         read_at = time.monotonic()
         sb.pause()
         frozen_within = time.monotonic() - read_at
-        time.sleep(4)
+        time.sleep(2.5)
         resumed_at = time.monotonic()
         sb.resume()
         after_resume = ticks(sb)
@@ -78,7 +78,7 @@ def test_a_paused_sandbox_does_not_advance_and_its_timeouts_wait(tier: str, stat
         # 50 ms under load), from the resume to the read after it, plus two: the one whose write
         # lands between the agent's read of the file and the read's answer here (not timed), and
         # the one at the thaw (the loop's `sleep 0.02` ran out while frozen, so it ticks at once);
-        # not frozen, the 4 s would add ~200
+        # not frozen, the 2.5 s would add ~125
         running = frozen_within + (time.monotonic() - resumed_at)
         assert after_resume - before_pause <= 2 + running / 0.02, (before_pause, after_resume, running)
         result = slow.wait()
