@@ -66,7 +66,6 @@ GUEST_TESTS = [
     "tests/test_isolation.py::test_timeout_kills_daemonized_children_too",
     # isolation
     "tests/test_isolation.py::test_runs_as_unprivileged_user_with_no_capabilities",
-    "tests/test_isolation.py::test_denied_syscalls_fail_and_ordinary_ones_work",
     "tests/test_isolation.py::test_host_processes_are_invisible_and_unkillable",
     "tests/test_isolation.py::test_host_secrets_are_not_visible",
     "tests/conformance/test_conformance.py::test_no_host_files_visible[process-embedded]",

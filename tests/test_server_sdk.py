@@ -159,8 +159,10 @@ def test_kill9_then_restart_leaves_nothing(state_dir: Path) -> None:
         for _ in range(2):
             sid = httpx.post(first.url + "/v1/sandboxes", json=POOL_SPEC).json()["id"]
             httpx.post(first.url + f"/v1/sandboxes/{sid}/exec", json={"cmd": "sleep 1000 > /dev/null 2>&1 &"})
+        # the two in use and at least one the pool made again (it may make a second, or not:
+        # waiting for four waited the whole 20 s when it did not)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and len(Registry(state).rows()) < 4:
+        while time.monotonic() < deadline and len(Registry(state).rows()) < 3:
             time.sleep(0.1)
         rows = Registry(state).rows()
         assert len(rows) >= 3
