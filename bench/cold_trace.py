@@ -7,7 +7,11 @@ with timers and prints, per phase, the p50 of wall time and of this process's CP
 outer one's.  Also printed: the whole lifecycle's wall, CPU of this process, and CPU of reaped
 child processes (``os.times``: bwrap, the holder, ...), and the load average.
 
-Usage: python bench/cold_trace.py [--iterations 40] [--user root]
+``--gap S`` sleeps S seconds before each lifecycle (outside its timing): a create that follows
+an idle spell is what a user meets, and some kernel paths cost more then (a cgroup move after
+idle waits for an RCU grace period).
+
+Usage: python bench/cold_trace.py [--iterations 40] [--user root] [--gap 0.5]
 For two checkouts, interleave runs: ``PYTHONPATH=OTHER/src python bench/cold_trace.py``.
 """
 
@@ -106,6 +110,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--user", default=None)
+    parser.add_argument("--gap", type=float, default=0.0, help="seconds idle before each lifecycle")
     args = parser.parse_args()
     if "CORRAL_STATE_DIR" not in os.environ:
         os.environ["CORRAL_STATE_DIR"] = tempfile.mkdtemp(prefix="corral-bench-")
@@ -124,6 +129,7 @@ def main() -> int:
         cycle()
     total_wall, total_cpu, child_cpu = [], [], []
     for _ in range(args.iterations):
+        time.sleep(args.gap)
         timers.begin()
         t0, c0 = time.perf_counter(), time.process_time()
         k0 = os.times()
@@ -137,7 +143,7 @@ def main() -> int:
 
     n = args.iterations
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; iterations {n}; "
-          f"user {args.user or 'default'}; corral from {os.path.dirname(corral.__file__)}")
+          f"user {args.user or 'default'}; gap {args.gap} s; corral from {os.path.dirname(corral.__file__)}")
     print(f"{'phase':<40} {'wall p50':>9} {'cpu p50':>8} {'calls':>6}")
     for name in order:
         if name in timers.wall:

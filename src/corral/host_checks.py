@@ -47,24 +47,32 @@ def _cgroups() -> Check:
 
 
 def _cgroup_moves() -> Check:
-    """Each command is moved into a cgroup of its own (its kill tree).  A move takes the kernel's
-    global threadgroup lock for writing, which waits for an RCU grace period unless one just
-    passed: ~5 ms on a command after a pause, 0.2 ms back to back (measured on this VM).  The
-    cgroup2 mount option ``favordynmods`` (Linux 6.0+) removes the wait, and makes every fork and
-    exit on the host a little dearer: an operator's choice, so reported, never applied.  The
-    process tier hides the wait anyway for a command after a pause (its agent's spare is moved
-    ahead of time, see tiers/process/spares.py); the option still helps bursts of commands."""
-    from .host import cgroups, mounts
+    """Each command is moved into a cgroup of its own (its kill tree), and each create moves its
+    launcher.  A move takes the kernel's global threadgroup lock for writing, which waits for an
+    RCU grace period unless one just passed: 5-24 ms after a pause, 0.05 ms back to back
+    (measured on this VM).  Corral expedites that grace period around its own moves
+    (host/grace.py: ``/sys/kernel/rcu_expedited``, set for a fraction of a millisecond);
+    the cgroup2 mount option ``favordynmods`` (Linux 6.0+) removes the wait for good, and makes
+    every fork and exit on the host a little dearer: an operator's choice, reported, never applied."""
+    from .host import cgroups, grace, mounts
 
     try:
         root = cgroups.detect().kill_root
     except HostNotSupported:
         return Check("cgroup moves", False, "no cgroups")
     if "favordynmods" in mounts.superblock_options(root).split(","):
-        return Check("cgroup moves", True, f"{root} has favordynmods: a command starts as fast after a pause")
-    return Check("cgroup moves", True, "a cgroup move after a pause may wait ~5 ms for an RCU grace period "
-                 "(the process tier moves a spare ahead of time); optional: "
-                 f"mount -o remount,favordynmods {root} (Linux 6.0+; forks and exits cost a bit more)")
+        return Check("cgroup moves", True, f"{root} has favordynmods: a move never waits for a grace period")
+    switch = grace.current()
+    if os.environ.get("CORRAL_EXPEDITE_CGROUP_MOVES", "1") == "0":
+        how = "not expedited (CORRAL_EXPEDITE_CGROUP_MOVES=0): a move after a pause may wait 5-24 ms"
+    elif switch == "1":
+        how = f"{grace.SWITCH} is set (by the administrator, or left by a Corral process killed mid-move)"
+    elif switch == "0":
+        how = f"expedited around Corral's own moves ({grace.SWITCH}, set for the move only)"
+    else:
+        how = f"{grace.SWITCH} {switch}: a move after a pause may wait 5-24 ms for an RCU grace period"
+    return Check("cgroup moves", True, f"{how}; optional: mount -o remount,favordynmods {root} "
+                 "(Linux 6.0+; forks and exits cost a bit more)")
 
 
 def _bwrap() -> Check:

@@ -27,6 +27,7 @@ from ..errors import ContainmentFailed, HostError, HostNotSupported
 from ..spec import Limits, parse_size
 from . import mounts
 from .cgroup_tree import all_groups, kill_group, read_pids, remove_tree, rmdir_group, write
+from .grace import expedited_move
 from .procs import exiting, host_memory
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -276,8 +277,9 @@ class SandboxCgroup:
         process that cannot be contained raises :class:`ContainmentFailed` (the
         caller must not let it run).
         """
-        write(leaf / "cgroup.procs", str(pid))
-        self.contain(pid, leaf)
+        with expedited_move():
+            write(leaf / "cgroup.procs", str(pid))
+            self.contain(pid, leaf)
 
     def contain(self, pid: int, leaf: Path | None = None) -> None:
         """Ensure ``pid`` is in every limit group (and in ``leaf``, or some leaf of the kill tree).
@@ -288,9 +290,10 @@ class SandboxCgroup:
         process is gone, :class:`ContainmentFailed` if it cannot be contained."""
         try:
             wrong = self.misplaced(pid, leaf)
-            for group in wrong:
-                write(group / "cgroup.procs", str(pid))
             if wrong:
+                with expedited_move():
+                    for group in wrong:
+                        write(group / "cgroup.procs", str(pid))
                 wrong = self.misplaced(pid, leaf)
         except ProcessLookupError:
             raise  # gone: nothing of it can run, the caller decides (a dead spare is replaced)

@@ -42,6 +42,7 @@ from typing import Any
 
 from ...errors import HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
 from ...host import cgroups
+from ...host.grace import expedited_move
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
@@ -293,17 +294,19 @@ class GVisorSandbox(LinuxSandbox):
                 hide()
 
         try:
-            self._proc = subprocess.Popen(
-                argv,
-                stdin=to_agent_r,
-                stdout=from_agent_w,
-                stderr=subprocess.DEVNULL,
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                preexec_fn=prepare,
-                close_fds=True,
-                cwd="/",
-                start_new_session=True,
-            )
+            # Popen returns once the child exec'd: its join (prepare) is within the window
+            with expedited_move():
+                self._proc = subprocess.Popen(
+                    argv,
+                    stdin=to_agent_r,
+                    stdout=from_agent_w,
+                    stderr=subprocess.DEVNULL,
+                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                    preexec_fn=prepare,
+                    close_fds=True,
+                    cwd="/",
+                    start_new_session=True,
+                )
         except subprocess.SubprocessError as exc:  # prepare() failed in the child
             raise SandboxClosed(f"gVisor sandbox did not start: runsc's launcher: {exc}") from None
         finally:

@@ -4,7 +4,8 @@ Each command runs in its own cgroup leaf (its kill tree), so the host moves
 its first process there before it may exec.  A move between cgroups takes a
 global lock that, unless a move happened within the last RCU grace period,
 first waits for one: ~5 ms on an idle host against ~0.2 ms back to back
-(cgroup2's ``favordynmods`` mount option removes the wait for the whole host;
+(host/grace.py expedites it around Corral's moves where the host lets it;
+cgroup2's ``favordynmods`` mount option removes the wait for the whole host,
 ``corral doctor`` reports it, Corral never sets it).  The first command after
 a pause -- every command of a sandbox taken from a warm pool -- would pay it.
 

@@ -34,6 +34,7 @@ from typing import Any
 from ...errors import HostNotSupported, ResourceLimit, SandboxClosed
 from ...host import cgroups
 from ...host.bwrap import check_host
+from ...host.grace import expedited_move
 from ...host.mountns import MountNamespace
 from ...host.netns import NETNS_DIR
 from ...host.procs import children, descendants
@@ -214,7 +215,8 @@ class ProcessSandbox(LinuxSandbox):
             # everything it forks are then born inside them.  Moving a process that is busy
             # starting (bwrap just exec'd, cloning) waits on it (1.5-2.5 ms of the create here);
             # moving the idle holder costs ~0.1 ms (bench/cold_trace.py)
-            cgroups.join(procs_files, self._mountns.pid)
+            with expedited_move():  # the first move after an idle spell would wait a grace period
+                cgroups.join(procs_files, self._mountns.pid)
             self._proc = self._mountns.exec(self.uid_range.base, argv, [seccomp_fd, userns_fd], netns=netns_fd)
         finally:
             os.close(seccomp_fd)

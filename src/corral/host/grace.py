@@ -1,0 +1,110 @@
+"""Cgroup moves that do not wait for an RCU grace period.
+
+Moving a process between cgroups takes the kernel's global ``cgroup_threadgroup_rwsem`` for
+writing.  Its ``rcu_sync`` goes idle when no move happened for about a grace period, and the
+first move after that waits for a whole one: measured on this 2-core VM, 4.5-7.5 ms for the
+first of four moves after 0.6 s idle against 0.03-0.07 ms back to back, and 15-24 ms for the
+holder's join in a process-tier create after 0.5 s idle (``bench/cold_trace.py --gap 0.5``).
+Every create and the spare placed after each command (see ``tiers/process/spares.py``) make
+such a move, and a user's commands and creates come seconds apart: the slow case is the
+common one.
+
+With ``/sys/kernel/rcu_expedited`` set, the kernel expedites its grace periods (an
+inter-processor interrupt to each CPU instead of waiting for each to pass through a quiescent
+state): the same first move took 0.2 ms.  Set for good it would change every grace period of
+the host, so Corral sets it only around its own moves -- the first mover of the process sets
+it, the last one clears it, a fraction of a millisecond later -- and never when a move of this
+process happened within :data:`WARM` seconds (the lock is still warm: nothing to expedite).
+
+Left alone: a host where it is already set (the administrator's choice), a host where it
+cannot be written (no sysfs write access: the moves only wait as before), and any process
+with ``CORRAL_EXPEDITE_CGROUP_MOVES=0``.  Two Corral processes moving at once may clear it
+under each other's move (that move then waits, as before), and a process killed inside the
+window leaves it set (expedited grace periods: costlier for the host, never incorrect);
+``corral doctor`` shows its value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+SWITCH = "/sys/kernel/rcu_expedited"
+#: seconds after a move of this process during which the next one finds the lock warm
+WARM = 0.004
+
+
+class _Expediter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._fd: int | None = None
+        self._usable: bool | None = None  # None: not probed yet
+        self._last_move = 0.0
+        #: how many times this process set the switch (tests read it)
+        self.windows = 0
+
+    def _probe(self) -> bool:
+        if os.environ.get("CORRAL_EXPEDITE_CGROUP_MOVES", "1") == "0":
+            return False
+        try:
+            fd = os.open(SWITCH, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if os.pread(fd, 8, 0).strip() != b"0":
+                raise OSError("set by the administrator: theirs to keep")
+        except OSError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def _write(self, value: bytes) -> None:
+        assert self._fd is not None
+        try:
+            os.pwrite(self._fd, value, 0)
+        except OSError:
+            self._usable = False  # e.g. sysfs remounted read-only meanwhile: moves just wait
+
+    @contextlib.contextmanager
+    def around_move(self) -> Iterator[None]:
+        with self._lock:
+            if self._usable is None:
+                self._usable = self._probe()
+            expedite = bool(self._usable) and (self._holders > 0 or time.monotonic() - self._last_move > WARM)
+            if expedite:
+                self._holders += 1
+                if self._holders == 1:
+                    self._write(b"1")
+                    self.windows += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._last_move = time.monotonic()
+                if expedite:
+                    self._holders -= 1
+                    if self._holders == 0 and self._usable:
+                        self._write(b"0")
+
+
+_EXPEDITER = _Expediter()
+
+
+def expedited_move() -> contextlib.AbstractContextManager[None]:
+    """Wrap one or more cgroup moves made by this process (never in a child between fork and
+    exec: it takes a lock)."""
+    return _EXPEDITER.around_move()
+
+
+def current() -> str:
+    """``/sys/kernel/rcu_expedited`` as read now ("unreadable" when it cannot be)."""
+    try:
+        with open(SWITCH) as f:
+            return f.read().strip()
+    except OSError:
+        return "unreadable"

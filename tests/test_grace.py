@@ -1,0 +1,80 @@
+"""Cgroup moves expedite their RCU grace period only while they run (host/grace.py), and leave
+the host's switch as they found it: cleared after Corral's own moves, untouched when the
+administrator set it or when Corral is told not to (``CORRAL_EXPEDITE_CGROUP_MOVES=0``).
+How much it saves is a figure of ``bench/cold_trace.py --gap 0.5``, not a timed test."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+from corral.host import grace
+
+
+@pytest.fixture
+def switch() -> Path:
+    path = Path(grace.SWITCH)
+    try:
+        if path.read_text().strip() != "0":
+            pytest.skip(f"{path} is set on this host: the administrator's, left alone")
+        path.write_text("0")
+    except OSError as exc:
+        pytest.skip(f"{path} cannot be written here ({exc}): moves just wait")
+    return path
+
+
+def test_creates_and_commands_expedite_their_moves_and_clear_the_switch_after(switch: Path) -> None:
+    before = grace._EXPEDITER.windows
+    time.sleep(0.05)  # past grace.WARM: the create's first move is the first in a while
+    with Sandbox.create() as sb:
+        for _ in range(3):
+            time.sleep(0.1)  # each command's spare is placed after a pause
+            assert sb.commands.run("true").exit_code == 0
+    assert grace._EXPEDITER.windows - before >= 2, "no move was expedited"
+    # cleared once the last move is over (the spare placer's may still be running: bounded wait)
+    deadline = time.monotonic() + 5
+    while switch.read_text().strip() != "0" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert switch.read_text().strip() == "0"
+
+
+def test_the_switch_is_set_while_any_move_runs_and_cleared_by_the_last(switch: Path) -> None:
+    expediter = grace._Expediter()
+    first_in, second_done, seen = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with expediter.around_move():
+            first_in.set()
+            second_done.wait(10)
+            seen.append(switch.read_text().strip())  # the second left: still set for this one
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert first_in.wait(10)
+    with expediter.around_move():
+        seen.append(switch.read_text().strip())
+    second_done.set()
+    thread.join(10)
+    assert seen == ["1", "1"]
+    assert switch.read_text().strip() == "0" and expediter.windows == 1
+
+
+def test_a_switch_already_set_or_a_process_told_not_to_is_left_alone(
+        switch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        switch.write_text("1")  # the administrator's choice
+        expediter = grace._Expediter()
+        with expediter.around_move():
+            pass
+        assert switch.read_text().strip() == "1" and expediter.windows == 0
+    finally:
+        switch.write_text("0")
+    monkeypatch.setenv("CORRAL_EXPEDITE_CGROUP_MOVES", "0")
+    expediter = grace._Expediter()
+    with expediter.around_move():
+        assert switch.read_text().strip() == "0"
+    assert expediter.windows == 0
