@@ -16,12 +16,13 @@ the host, so Corral sets it only around its own moves -- the first mover of the 
 it, the last one clears it, a fraction of a millisecond later -- and never when a move of this
 process happened within :data:`WARM` seconds (the lock is still warm: nothing to expedite).
 
-Left alone: a host where it is already set (the administrator's choice), a host where it
-cannot be written (no sysfs write access: the moves only wait as before), and any process
-with ``CORRAL_EXPEDITE_CGROUP_MOVES=0``.  Two Corral processes moving at once may clear it
-under each other's move (that move then waits, as before), and a process killed inside the
-window leaves it set (expedited grace periods: costlier for the host, never incorrect);
-``corral doctor`` shows its value.
+Left alone: the switch whenever it is found set (the administrator's choice, or another
+Corral process's window: that process clears it), a host where it cannot be written (no sysfs
+write access: the moves only wait as before), and any process with
+``CORRAL_EXPEDITE_CGROUP_MOVES=0``.  Another process's window may close under a move that
+joined it (that move then waits, as before), and a process killed inside its window leaves the
+switch set (expedited grace periods: costlier for the host, never incorrect); ``corral
+doctor`` shows its value.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class _Expediter:
         self._holders = 0
         self._fd: int | None = None
         self._usable: bool | None = None  # None: not probed yet
+        self._ours = False  # whether this process set the switch for the window now open
         self._last_move = 0.0
         #: how many times this process set the switch (tests read it)
         self.windows = 0
@@ -51,24 +53,30 @@ class _Expediter:
         if os.environ.get("CORRAL_EXPEDITE_CGROUP_MOVES", "1") == "0":
             return False
         try:
-            fd = os.open(SWITCH, os.O_RDWR | os.O_CLOEXEC)
+            self._fd = os.open(SWITCH, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             return False
-        try:
-            if os.pread(fd, 8, 0).strip() != b"0":
-                raise OSError("set by the administrator: theirs to keep")
-        except OSError:
-            os.close(fd)
-            return False
-        self._fd = fd
         return True
 
-    def _write(self, value: bytes) -> None:
+    def _open_window(self) -> None:
+        """Set the switch unless it is set already: then it is someone else's (the administrator's,
+        or another Corral process's window), and stays as it is."""
         assert self._fd is not None
         try:
-            os.pwrite(self._fd, value, 0)
+            if os.pread(self._fd, 8, 0).strip() == b"0":
+                os.pwrite(self._fd, b"1", 0)
+                self._ours = True
+                self.windows += 1
         except OSError:
             self._usable = False  # e.g. sysfs remounted read-only meanwhile: moves just wait
+
+    def _close_window(self) -> None:
+        assert self._fd is not None
+        self._ours = False
+        try:
+            os.pwrite(self._fd, b"0", 0)
+        except OSError:
+            self._usable = False
 
     @contextlib.contextmanager
     def around_move(self) -> Iterator[None]:
@@ -79,8 +87,7 @@ class _Expediter:
             if expedite:
                 self._holders += 1
                 if self._holders == 1:
-                    self._write(b"1")
-                    self.windows += 1
+                    self._open_window()
         try:
             yield
         finally:
@@ -88,8 +95,8 @@ class _Expediter:
                 self._last_move = time.monotonic()
                 if expedite:
                     self._holders -= 1
-                    if self._holders == 0 and self._usable:
-                        self._write(b"0")
+                    if self._holders == 0 and self._ours:
+                        self._close_window()
 
 
 _EXPEDITER = _Expediter()
