@@ -46,8 +46,14 @@ demo: install
 	$(PY) scripts/demo.py
 
 # ruff, mypy and the duplicate-lines check first: a lint or type error fails `make test` (and so CI) before any test runs
-test: lint
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+# The microVM tier's first-use builds (the host image's disk, ~40 s on a fresh machine, and the
+# template the tests' 256M sandboxes restore) run beside lint and the other tiers' first tests
+# (the conformance suite runs its microVM items last) instead of holding up the first microVM
+# test; a test that needs them waits on the same cache locks, so nothing is built twice.
+test: install
+	@$(VENV)/bin/corral prepare --tier microvm --memory 256M > .prepare-microvm.log 2>&1 & prep=$$!; \
+	  $(MAKE) --no-print-directory lint && $(VENV)/bin/pytest -q $(PYTEST_ARGS); status=$$?; \
+	  wait $$prep; exit $$status
 
 # Only the process tier on cgroup v2, inside a microVM guest (`make test` runs it too:
 # tests/test_cgroup_v2_guest.py; about 1-1.5 minutes under TCG).
