@@ -218,3 +218,47 @@ def test_one_mcp_sessions_long_commands_do_not_hold_another_sessions_calls(state
         waited, results = asyncio.run(scenario(url))
     assert waited < 2.5, f"session b's command waited {waited:.1f} s behind session a's"
     assert [r["exit_code"] for r in results] == [0] * 9, results
+
+
+def test_mcp_http_call_longer_than_idle_timeout_keeps_its_sandbox_and_a_gone_client_is_reaped(
+        state_dir: Path) -> None:
+    """The idle timeout counts from the end of a session's last request, as the SDK's does: a command
+    running longer than it keeps its sandbox (it was killed mid-command: 'the sandbox stopped while the
+    command ran' at 7 s of a 12 s sleep with a 6 s timeout), and a client that goes away mid-command
+    leaves its session idle from then on: its sandbox, and the command in it, go after the timeout."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def long_call(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        async with streamable_http_client(url) as (r, w), ClientSession(r, w) as client:
+            await client.initialize()
+            sid = _payload(await client.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
+            ran = _payload(await client.call_tool("run_command", {"sandbox_id": sid, "command": "sleep 10; echo done",
+                                                                  "timeout": 60}))
+            again = _payload(await client.call_tool("run_command", {"sandbox_id": sid, "command": "echo again"}))
+            return ran, again
+
+    made: list[str] = []
+
+    async def gone_mid_command(url: str) -> None:
+        async with streamable_http_client(url, terminate_on_close=False) as (r, w), ClientSession(r, w) as client:
+            await client.initialize()
+            made.append(_payload(await client.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"])
+            await client.call_tool("run_command", {"sandbox_id": made[0], "command": "sleep 300", "timeout": 600})
+
+    async def leave_after(seconds: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(gone_mid_command(url), seconds)
+
+    with mcp_http_server(state_dir, "mcp-idle", "--session-idle-timeout", "6") as (server, url, state):
+        ran, again = asyncio.run(long_call(url))
+        assert (ran["exit_code"], ran["stdout"], again["stdout"]) == (0, "done\n", "again\n"), (ran, again)
+        asyncio.run(leave_after(3))
+        left = time.monotonic()
+        assert made and made[0] in cgroups.list_sandbox_groups()
+        while time.monotonic() - left < 30 and made[0] in cgroups.list_sandbox_groups():
+            time.sleep(0.2)
+        assert made[0] not in cgroups.list_sandbox_groups(), "a gone client's sandbox outlived the idle timeout"
+        assert time.monotonic() - left >= 5, "the sandbox went before the idle timeout"
+        assert server.poll() is None
+    assert list((state / "sandboxes").iterdir()) == []

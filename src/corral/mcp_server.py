@@ -19,7 +19,7 @@ is destroyed when its session ends:
 * stdio: one session, ending when stdin closes or the process is told to stop;
 * streamable HTTP: one session per ``mcp-session-id``, ending when the client
   terminates it (``DELETE``), when it stays idle for the SDK's session idle
-  timeout (no tool call for that long), or when the server stops.
+  timeout (no request in flight for that long: a long command keeps it), or when the server stops.
 
 This module imports the MCP SDK at import time: only ``corral mcp`` imports it.
 """
@@ -58,7 +58,7 @@ MAX_ENTRIES = 1000
 TEXT_CAP = 20_000
 CUT_NOTE = (f"texts over {TEXT_CAP} characters are cut (see 'cut'): redirect long output to a file "
             "(command > out.txt 2>&1) and page through it with read_file(path, offset=...)")
-#: an HTTP session with no tool call for this long is ended and its sandboxes destroyed (the SDK's default)
+#: an HTTP session with no request in flight for this long is ended and its sandboxes destroyed (the SDK's default)
 SESSION_IDLE_TIMEOUT = 30 * 60.0
 SESSION_HEADER = "mcp-session-id"
 #: threads for the sessions' blocking sandbox work (commands, files, creates), shared by all sessions
@@ -162,6 +162,11 @@ class Sessions:
     def __init__(self, idle_timeout: float = SESSION_IDLE_TIMEOUT) -> None:
         self.idle_timeout = idle_timeout
         self._by_id: dict[str | None, Session] = {}
+        #: HTTP requests being served per session id: a session is never idle while one is (the SDK's own
+        #: rule: a 12 s command in a session with a 6 s idle timeout lost its sandbox mid-command)
+        self._in_flight: dict[str, int] = {}
+        #: when each session id's last HTTP request ended
+        self._last_request: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def of(self, ctx: Context) -> Session:
@@ -184,12 +189,32 @@ class Sessions:
         """The session is over: destroy its sandboxes."""
         with self._lock:
             session = self._by_id.pop(key, None)
+            if key is not None:
+                self._last_request.pop(key, None)
         if session is not None:
             session.close()
 
+    def request_started(self, key: str) -> None:
+        with self._lock:
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+
+    def request_ended(self, key: str) -> None:
+        """An HTTP request of session ``key`` was answered, or its client went away: the idle clock
+        restarts (a client gone mid-command leaves its session idle from then on)."""
+        with self._lock:
+            left = self._in_flight.get(key, 0) - 1
+            if left > 0:
+                self._in_flight[key] = left
+            else:
+                self._in_flight.pop(key, None)
+            if key in self._by_id:  # (not for any id a client makes up: that would grow without bound)
+                self._last_request[key] = time.monotonic()
+
     def end_idle(self, now: float) -> None:
         with self._lock:
-            idle = [k for k, s in self._by_id.items() if k is not None and now - s.last_used >= self.idle_timeout]
+            idle = [k for k, s in self._by_id.items()
+                    if k is not None and k not in self._in_flight
+                    and now - max(s.last_used, self._last_request.get(k, 0.0)) >= self.idle_timeout]
         for key in idle:
             self.end(key)
 
@@ -200,14 +225,25 @@ class Sessions:
             self.end(key)
 
 
-def end_sessions_on_delete(app: Any, sessions: Sessions) -> Any:
-    """ASGI wrapper: a client's ``DELETE`` that terminated its HTTP session ends its sandboxes too."""
+def track_sessions(app: Any, sessions: Sessions) -> Any:
+    """ASGI wrapper: a session's requests in flight keep it from idling (see :meth:`Sessions.end_idle`),
+    and a client's ``DELETE`` that terminated its HTTP session ends its sandboxes too."""
 
     async def wrapped(scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "DELETE":
+        if scope.get("type") != "http":
             await app(scope, receive, send)
             return
         key = dict(scope.get("headers") or []).get(SESSION_HEADER.encode(), b"").decode("latin-1") or None
+        if scope.get("method") != "DELETE":
+            if key is None:
+                await app(scope, receive, send)
+                return
+            sessions.request_started(key)
+            try:
+                await app(scope, receive, send)
+            finally:
+                sessions.request_ended(key)
+            return
         status: list[int] = []
 
         async def watch(message: Any) -> None:
@@ -396,7 +432,7 @@ def main(transport: str = "stdio", host: str = "127.0.0.1", port: int = 7334,
         if not is_loopback(host):
             raise InvalidSpec("corral mcp --http listens on loopback only (it has no authentication)")
         app = server.streamable_http_app(host=host, session_idle_timeout=session_idle_timeout)
-        uvicorn.run(end_sessions_on_delete(app, sessions), host=host, port=port, log_level="warning",
+        uvicorn.run(track_sessions(app, sessions), host=host, port=port, log_level="warning",
                     lifespan="on")
     else:
         raise InvalidSpec(f"transport {transport!r}: use stdio or http")
