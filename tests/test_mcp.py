@@ -262,3 +262,42 @@ def test_mcp_http_call_longer_than_idle_timeout_keeps_its_sandbox_and_a_gone_cli
         assert time.monotonic() - left >= 5, "the sandbox went before the idle timeout"
         assert server.poll() is None
     assert list((state / "sandboxes").iterdir()) == []
+
+
+def _peak_rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_mcp_command_output_costs_the_server_a_bounded_amount(state_dir: Path) -> None:
+    """A session's 8 sandboxes each print 40 MiB to stdout and to stderr at once: the model is shown
+    20000 characters of each, and the MCP server keeps at most MCP_MAX_OUTPUT of each stream while it
+    makes the answer (before: the sandbox's 16 MiB default, 2 x 16 MiB bytes and their text per call:
+    +1.2 GiB for 8 calls of random bytes); a short output still comes back whole."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    from corral.mcp_server import MCP_MAX_OUTPUT, TEXT_CAP
+
+    async def flood(url: str, pid: int) -> tuple[int, list[dict[str, Any]], dict[str, Any]]:
+        async with streamable_http_client(url) as (r, w), ClientSession(r, w) as client:
+            await client.initialize()
+            ids = [_payload(await client.call_tool("create_sandbox", {"memory": "64M"}))["sandbox_id"]
+                   for _ in range(8)]
+            small = _payload(await client.call_tool("run_command", {"sandbox_id": ids[0], "command": "echo hi"}))
+            before = _peak_rss_mib(pid)
+            command = "head -c 40M /dev/zero | tr '\\0' a; head -c 40M /dev/zero | tr '\\0' b >&2"
+            answers = await asyncio.gather(*[client.call_tool("run_command", {"sandbox_id": sid, "command": command,
+                                                                              "timeout": 120}) for sid in ids])
+            return _peak_rss_mib(pid) - before, [_payload(a) for a in answers], small
+
+    with mcp_http_server(state_dir, "mcp-flood") as (server, url, _state):
+        grew, answers, small = asyncio.run(flood(url, server.pid))
+    assert grew < 200, f"8 flooding commands grew the MCP server by {grew} MiB"
+    assert (small["stdout"], small["truncated"]) == ("hi\n", False) and "cut" not in small
+    for answer in answers:
+        assert answer["exit_code"] == 0 and answer["truncated"], answer.keys()
+        assert answer["stdout"] == "a" * TEXT_CAP and answer["stderr"] == "b" * TEXT_CAP
+        assert answer["cut"]["stdout"]["total_chars"] <= MCP_MAX_OUTPUT, answer["cut"]

@@ -56,6 +56,11 @@ MAX_READ = 16 << 20
 MAX_ENTRIES = 1000
 #: characters of one text a tool hands the model at most
 TEXT_CAP = 20_000
+#: bytes of each stream (and of a code cell's output) an MCP sandbox keeps for a result: the model sees
+#: TEXT_CAP characters of it, and the rest only cost this server memory while the answer was made (8
+#: commands of one session printing 100 MiB to stdout and stderr grew it by 1.2 GiB with the sandbox's
+#: default 16 MiB); room enough for a code cell's plot images
+MCP_MAX_OUTPUT = 2 << 20
 CUT_NOTE = (f"texts over {TEXT_CAP} characters are cut (see 'cut'): redirect long output to a file "
             "(command > out.txt 2>&1) and page through it with read_file(path, offset=...)")
 #: an HTTP session with no request in flight for this long is ended and its sandboxes destroyed (the SDK's default)
@@ -339,7 +344,7 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         packages; no privilege on the host)."""
         # secrets are deliberately not offered: the model would choose where they may be sent
         sb = await sessions.of(ctx).create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env,
-                                  allow=allow or None, user=user)
+                                           allow=allow or None, user=user, max_output=MCP_MAX_OUTPUT)
         return {"sandbox_id": sb.id}
 
     @server.tool()
