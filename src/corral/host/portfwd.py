@@ -187,6 +187,10 @@ class PortForward:
                 inner.close()
             self._slots.release()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def connections(self) -> int:
         with self._lock:
             return len(self._sockets)

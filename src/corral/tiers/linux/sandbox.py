@@ -89,7 +89,11 @@ class LinuxSandbox(TierSandbox):
         self._closed = False
         self._lock = threading.Lock()
         self._uids: list[int] = []
+        #: the open forwards (a closed one is dropped at the next expose: 10000 expose/close kept 10000)
         self._forwards: list[PortForward] = []
+        #: forwards made so far: names each one's Unix socket (a count of the open ones named a new
+        #: socket after a live one once closed ones are dropped)
+        self._forwards_made = 0
         self._ports_connector: NetnsConnector | None = None
         try:
             self.uid_range = self._reserve_range()
@@ -330,8 +334,10 @@ class LinuxSandbox(TierSandbox):
             unix_path = None
             if unix:
                 (self._run_dir / "ports").mkdir(mode=0o700, exist_ok=True)
-                unix_path = self._run_dir / "ports" / f"{port}-{len(self._forwards)}.sock"
+                unix_path = self._run_dir / "ports" / f"{port}-{self._forwards_made}.sock"
             forward = PortForward(port, connect, unix_path)
+            self._forwards_made += 1
+            self._forwards = [f for f in self._forwards if not f.closed]
             self._forwards.append(forward)
             return forward
 
