@@ -301,3 +301,41 @@ def test_mcp_command_output_costs_the_server_a_bounded_amount(state_dir: Path) -
         assert answer["exit_code"] == 0 and answer["truncated"], answer.keys()
         assert answer["stdout"] == "a" * TEXT_CAP and answer["stderr"] == "b" * TEXT_CAP
         assert answer["cut"]["stdout"]["total_chars"] <= MCP_MAX_OUTPUT, answer["cut"]
+
+
+def test_mcp_http_delete_ends_the_session_the_sdk_terminated(state_dir: Path) -> None:
+    """A DELETE naming two session ids (two ``mcp-session-id`` headers): the SDK terminates the first,
+    and Corral ends that same session's sandboxes at once (before: it read the last header, so it ended
+    another session -- or, for a made-up id, none, and the terminated session's sandbox lived on until
+    the idle timeout); the other session's sandbox is untouched."""
+    import httpx
+
+    headers = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}}
+
+    def sse_json(reply: httpx.Response) -> dict[str, Any]:
+        data = [line[5:] for line in reply.text.splitlines() if line.startswith("data:")]
+        return dict(json.loads(data[-1] if data else reply.text))
+
+    def open_session(client: httpx.Client, url: str) -> tuple[str, str]:
+        reply = client.post(url, json=initialize, headers=headers)
+        key = reply.headers["mcp-session-id"]
+        own = {**headers, "mcp-session-id": key}
+        client.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=own)
+        made = sse_json(client.post(url, headers=own, json={"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+            "name": "create_sandbox", "arguments": {"memory": "64M"}}}))
+        return key, json.loads(made["result"]["content"][0]["text"])["sandbox_id"]
+
+    with mcp_http_server(state_dir, "mcp-dup") as (server, url, _state), httpx.Client(timeout=30) as client:
+        ended_key, ended_sb = open_session(client, url)
+        _other_key, other_sb = open_session(client, url)
+        reply = client.request("DELETE", url, headers=[("mcp-session-id", ended_key),
+                                                       ("mcp-session-id", "0" * 32)])
+        assert reply.status_code < 300, reply.text
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and ended_sb in cgroups.list_sandbox_groups():
+            time.sleep(0.1)
+        assert ended_sb not in cgroups.list_sandbox_groups(), "the terminated session's sandbox lived on"
+        assert other_sb in cgroups.list_sandbox_groups()
+        assert server.poll() is None

@@ -230,6 +230,16 @@ class Sessions:
             self.end(key)
 
 
+def session_key(scope: Any) -> str | None:
+    """The session id a request names: its first ``mcp-session-id`` header, the one the SDK reads (the last
+    one of several let a DELETE terminate one session for the SDK and end another's sandboxes here)."""
+    name = SESSION_HEADER.encode()
+    for header, value in scope.get("headers") or []:
+        if header.lower() == name:
+            return bytes(value).decode("latin-1") or None
+    return None
+
+
 def track_sessions(app: Any, sessions: Sessions) -> Any:
     """ASGI wrapper: a session's requests in flight keep it from idling (see :meth:`Sessions.end_idle`),
     and a client's ``DELETE`` that terminated its HTTP session ends its sandboxes too."""
@@ -238,7 +248,7 @@ def track_sessions(app: Any, sessions: Sessions) -> Any:
         if scope.get("type") != "http":
             await app(scope, receive, send)
             return
-        key = dict(scope.get("headers") or []).get(SESSION_HEADER.encode(), b"").decode("latin-1") or None
+        key = session_key(scope)
         if scope.get("method") != "DELETE":
             if key is None:
                 await app(scope, receive, send)
