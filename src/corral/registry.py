@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import HostNotSupported
+from .host import grace
 from .host.procs import process_start_time
 from .host.uids import release_ranges_of_dead_processes, release_uid
 
@@ -223,6 +224,7 @@ def gc(root: Path) -> list[str]:
     reap_leftovers(root)  # half-written snapshots of dead writers
     _release_orphan_ranges(root, registry)
     release_ranges_of_dead_processes(root)  # a probe's, a template boot's: their process is gone
+    grace.reap_left_open()  # a cgroup-move window a killed process left open
     _remove_abandoned_groups({row.id for row in registry.rows()})
     return reaped
 

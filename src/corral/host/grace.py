@@ -16,24 +16,38 @@ the host, so Corral sets it only around its own moves -- the first mover of the 
 it, the last one clears it, a fraction of a millisecond later -- and never when a move of this
 process happened within :data:`WARM` seconds (the lock is still warm: nothing to expedite).
 
-Left alone: the switch whenever it is found set (the administrator's choice, or another
-Corral process's window: that process clears it), a host where it cannot be written (no sysfs
-write access: the moves only wait as before), and any process with
+Left alone: the switch whenever it is found set by someone else (the administrator's choice,
+or another Corral process's window: that process clears it), a host where it cannot be written
+(no sysfs write access: the moves only wait as before), and any process with
 ``CORRAL_EXPEDITE_CGROUP_MOVES=0``.  Another process's window may close under a move that
-joined it (that move then waits, as before), and a process killed inside its window leaves the
-switch set (expedited grace periods: costlier for the host, never incorrect); ``corral
-doctor`` shows its value.
+joined it (that move then waits, as before).
+
+A process killed inside its window would leave the switch set for good (a full test run here
+did): each process that expedites keeps a record, :data:`RECORDS`/``PID-STARTTIME``, saying
+``open`` while its window is (written before the switch is set, ``closed`` after it is
+cleared).  Whoever finds the switch set while some record says ``open`` for a process that is
+gone -- a process's next window, at most once a second, and ``corral gc`` -- clears it, unless
+a live process's record says ``open``; records of gone processes are removed.  A switch set with
+no such record is the administrator's and stays.  ``corral doctor`` shows its value.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+
+from .procs import process_start_time
 
 SWITCH = "/sys/kernel/rcu_expedited"
+#: one record per process that expedites (host-wide, like the uid-range claims)
+RECORDS = Path("/run/corral/expedite")
+#: seconds between two looks for a dead process's window from one process
+REAP_INTERVAL = 1.0
 #: seconds after a move of this process during which the next one finds the lock warm
 WARM = 0.004
 
@@ -46,6 +60,9 @@ class _Expediter:
         self._usable: bool | None = None  # None: not probed yet
         self._ours = False  # whether this process set the switch for the window now open
         self._last_move = 0.0
+        self._record: int | None = None  # this process's record, open once
+        self._record_pid = 0
+        self._last_reap = 0.0
         #: how many times this process set the switch (tests read it)
         self.windows = 0
 
@@ -56,17 +73,47 @@ class _Expediter:
             self._fd = os.open(SWITCH, os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             return False
+        reap_left_open()  # (and the records of processes gone since, once per process)
+        atexit.register(self._at_exit)
         return True
+
+    def _at_exit(self) -> None:
+        # a daemon thread (the spare placer) stopped inside its window by the interpreter's exit
+        # would leave the switch set
+        with self._lock:
+            if self._ours:
+                self._close_window()
+
+    def _mark(self, state: bytes) -> bool:
+        """This process's record says ``state``; False when it cannot be written (then no window:
+        one that a kill could leave open would have nobody to close it)."""
+        pid = os.getpid()
+        try:
+            if self._record is None or self._record_pid != pid:  # (a fork has its own record)
+                start = process_start_time(pid)
+                RECORDS.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._record = os.open(RECORDS / f"{pid}-{start}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._record_pid = pid
+            os.pwrite(self._record, state.ljust(6), 0)
+            return True
+        except OSError:
+            return False
 
     def _open_window(self) -> None:
         """Set the switch unless it is set already: then it is someone else's (the administrator's,
         or another Corral process's window), and stays as it is."""
         assert self._fd is not None
         try:
-            if os.pread(self._fd, 8, 0).strip() == b"0":
-                os.pwrite(self._fd, b"1", 0)
-                self._ours = True
-                self.windows += 1
+            if os.pread(self._fd, 8, 0).strip() != b"0":
+                now = time.monotonic()
+                if now - self._last_reap < REAP_INTERVAL or not reap_left_open():
+                    return
+                self._last_reap = now
+            if not self._mark(b"open"):
+                return
+            os.pwrite(self._fd, b"1", 0)
+            self._ours = True
+            self.windows += 1
         except OSError:
             self._usable = False  # e.g. sysfs remounted read-only meanwhile: moves just wait
 
@@ -77,6 +124,8 @@ class _Expediter:
             os.pwrite(self._fd, b"0", 0)
         except OSError:
             self._usable = False
+            return
+        self._mark(b"closed")
 
     @contextlib.contextmanager
     def around_move(self) -> Iterator[None]:
@@ -106,6 +155,40 @@ def expedited_move() -> contextlib.AbstractContextManager[None]:
     """Wrap one or more cgroup moves made by this process (never in a child between fork and
     exec: it takes a lock)."""
     return _EXPEDITER.around_move()
+
+
+def reap_left_open() -> bool:
+    """Clear the switch if a process that is gone left it set (its record says ``open``) and no
+    live process's window is open; remove the records of gone processes.  True if cleared."""
+    try:
+        records = list(RECORDS.iterdir())
+    except OSError:
+        return False
+    left_open, live_open = False, False
+    for record in records:
+        pid_text, _, start_text = record.name.partition("-")
+        try:
+            state = record.read_bytes().strip()
+            alive = str(process_start_time(int(pid_text))) == start_text
+        except (OSError, ValueError):
+            continue
+        if alive:
+            live_open = live_open or state == b"open"
+            continue
+        left_open = left_open or state == b"open"
+        with contextlib.suppress(OSError):
+            record.unlink()
+    if not left_open or live_open:
+        return False
+    try:
+        with open(SWITCH, "r+b", buffering=0) as switch:
+            if switch.read().strip() == b"0":
+                return False
+            switch.seek(0)
+            switch.write(b"0")
+    except OSError:
+        return False
+    return True
 
 
 def current() -> str:
