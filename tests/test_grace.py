@@ -99,7 +99,7 @@ def test_a_window_a_killed_process_left_open_is_closed_by_the_next_one_or_gc(
             stdout=subprocess.PIPE, text=True)
         try:
             assert inside.stdout is not None and inside.stdout.readline() == "in\n"
-            record = grace.RECORDS / f"{inside.pid}-{process_start_time(inside.pid)}"
+            record = grace.RECORDS / f"{grace.RECORD_KIND}@{inside.pid}.{process_start_time(inside.pid)}"
             assert record.read_text().strip() == "open" and switch.read_text().strip() == "1"
         finally:
             inside.kill()

@@ -23,7 +23,7 @@ or another Corral process's window: that process clears it), a host where it can
 joined it (that move then waits, as before).
 
 A process killed inside its window would leave the switch set for good (a full test run here
-did): each process that expedites keeps a record, :data:`RECORDS`/``PID-STARTTIME``, saying
+did): each process that expedites keeps a record, :data:`RECORDS`/``expedite@PID.START``, saying
 ``open`` while its window is (written before the switch is set, ``closed`` after it is
 cleared).  Whoever finds the switch set while some record says ``open`` for a process that is
 gone -- a process's next window, at most once a second, and ``corral gc`` -- clears it, unless
@@ -41,11 +41,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .procs import process_start_time
+from .uids import owner_is_gone, process_owner
 
 SWITCH = "/sys/kernel/rcu_expedited"
-#: one record per process that expedites (host-wide, like the uid-range claims)
+#: one record per process that expedites (host-wide, like the uid-range claims), named by
+#: :func:`uids.process_owner`
 RECORDS = Path("/run/corral/expedite")
+RECORD_KIND = "expedite"
 #: seconds between two looks for a dead process's window from one process
 REAP_INTERVAL = 1.0
 #: seconds after a move of this process during which the next one finds the lock warm
@@ -90,9 +92,9 @@ class _Expediter:
         pid = os.getpid()
         try:
             if self._record is None or self._record_pid != pid:  # (a fork has its own record)
-                start = process_start_time(pid)
                 RECORDS.mkdir(parents=True, exist_ok=True, mode=0o700)
-                self._record = os.open(RECORDS / f"{pid}-{start}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._record = os.open(RECORDS / process_owner(RECORD_KIND), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                       0o600)
                 self._record_pid = pid
             os.pwrite(self._record, state.ljust(6), 0)
             return True
@@ -168,13 +170,13 @@ def reap_left_open() -> bool:
         return False
     left_open, live_open = False, False
     for record in records:
-        pid_text, _, start_text = record.name.partition("-")
+        if not record.name.startswith(f"{RECORD_KIND}@"):
+            continue
         try:
             state = record.read_bytes().strip()
-            alive = str(process_start_time(int(pid_text))) == start_text
-        except (OSError, ValueError):
+        except OSError:
             continue
-        if alive:
+        if not owner_is_gone(record.name):
             live_open = live_open or state == b"open"
             continue
         left_open = left_open or state == b"open"

@@ -308,13 +308,18 @@ def release_ranges_of_dead_processes(state_dir: Path) -> list[int]:
             owner = record.read_text().strip()
         except OSError:
             continue
-        pid, _, start = owner.rpartition("@")[2].partition(".")
-        if "@" not in owner or not pid.isdigit() or not start.isdigit():
-            continue
-        if process_start_time(int(pid)) != int(start):
+        if owner_is_gone(owner):
             release_range(state_dir, int(record.name))
             released.append(int(record.name))
     return released
+
+
+def owner_is_gone(owner: str) -> bool:
+    """Whether the process a :func:`process_owner` name names has ended (False for any other name)."""
+    pid, _, start = owner.rpartition("@")[2].partition(".")
+    if "@" not in owner or not pid.isdigit() or not start.isdigit():
+        return False
+    return process_start_time(int(pid)) != int(start)
 
 
 def set_owner(state_dir: Path, uid: int, owner: str) -> None:
