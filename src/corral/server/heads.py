@@ -68,30 +68,24 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._start_timer()
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) > limit // 2:
-            idle = self._idle_ones()
-            while idle and len(self.connections) - len(self._closing) > limit // 2:
+            idle, closing = self._kept_alive()
+            while idle and len(self.connections) - len(closing) > limit // 2:
                 other = idle.pop()
-                self._closing.add(other)
+                closing.add(other)
                 other.transport.close()
 
-    def _idle_ones(self) -> set[BoundedHeadProtocol]:
-        """This server's connections waiting for their next request (kept with its state)."""
-        idle: set[BoundedHeadProtocol] | None = getattr(self.server_state, "corral_idle", None)
-        if idle is None:
-            idle = set()
-            self.server_state.corral_idle = idle  # type: ignore[attr-defined]
-            self.server_state.corral_closing = set()  # type: ignore[attr-defined]
-        return idle
-
-    @property
-    def _closing(self) -> set[BoundedHeadProtocol]:
-        self._idle_ones()
-        return self.server_state.corral_closing  # type: ignore[attr-defined,no-any-return]
+    def _kept_alive(self) -> tuple[set[BoundedHeadProtocol], set[BoundedHeadProtocol]]:
+        """This server's connections waiting for their next request, and those of them being
+        closed to make room (kept with the server's state, shared by its connections)."""
+        state = self.server_state
+        if not hasattr(state, "corral_idle"):
+            state.corral_idle, state.corral_closing = set(), set()  # type: ignore[attr-defined]
+        return state.corral_idle, state.corral_closing  # type: ignore[attr-defined]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
-        self._idle_ones().discard(self)
-        self._closing.discard(self)
+        for connections in self._kept_alive():
+            connections.discard(self)
         super().connection_lost(exc)
 
     #: a request has begun arriving and has not arrived whole
@@ -99,7 +93,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._in_request = True
-        self._idle_ones().discard(self)
+        self._kept_alive()[0].discard(self)
         super().on_message_begin()
         self._start_timer()
 
@@ -107,7 +101,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_response_complete()
         # idle: waiting for a next request of which nothing has come yet
         if self.timeout_keep_alive_task is not None and not self._in_request and not self.transport.is_closing():
-            self._idle_ones().add(self)
+            self._kept_alive()[0].add(self)
 
     def _start_timer(self) -> None:
         if self._head_timer is None:
