@@ -84,6 +84,7 @@ class Session:
         self.sandboxes: dict[str, Any] = {}
         #: sandboxes being made for this session: counted like the ones it holds
         self.pending = 0
+        #: when a tool call of it began or one of its HTTP requests ended, whichever came last
         self.last_used = time.monotonic()
         self._sessions = sessions
         #: the session ended (client DELETE, idle, server stop): a sandbox made after it is destroyed
@@ -170,8 +171,6 @@ class Sessions:
         #: HTTP requests being served per session id: a session is never idle while one is (the SDK's own
         #: rule: a 12 s command in a session with a 6 s idle timeout lost its sandbox mid-command)
         self._in_flight: dict[str, int] = {}
-        #: when each session id's last HTTP request ended
-        self._last_request: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def of(self, ctx: Context) -> Session:
@@ -194,8 +193,6 @@ class Sessions:
         """The session is over: destroy its sandboxes."""
         with self._lock:
             session = self._by_id.pop(key, None)
-            if key is not None:
-                self._last_request.pop(key, None)
         if session is not None:
             session.close()
 
@@ -212,14 +209,14 @@ class Sessions:
                 self._in_flight[key] = left
             else:
                 self._in_flight.pop(key, None)
-            if key in self._by_id:  # (not for any id a client makes up: that would grow without bound)
-                self._last_request[key] = time.monotonic()
+            session = self._by_id.get(key)
+            if session is not None:
+                session.last_used = time.monotonic()
 
     def end_idle(self, now: float) -> None:
         with self._lock:
             idle = [k for k, s in self._by_id.items()
-                    if k is not None and k not in self._in_flight
-                    and now - max(s.last_used, self._last_request.get(k, 0.0)) >= self.idle_timeout]
+                    if k is not None and k not in self._in_flight and now - s.last_used >= self.idle_timeout]
         for key in idle:
             self.end(key)
 
