@@ -48,6 +48,25 @@ def test_make_dir_honours_mode(sandbox: Any) -> None:
     assert sandbox.files.stat("/tmp/private").mode & 0o777 == 0o700
 
 
+def test_a_file_mode_is_applied_or_refused_never_changed_silently(sandbox: Any) -> None:
+    sandbox.files.write("/tmp/sticky-x", "x", mode=0o1750)
+    assert sandbox.files.stat("/tmp/sticky-x").mode == 0o1750
+    for bad in (0o4755, 0o2755, 0o6777):  # setuid / setgid: refused, not dropped
+        with pytest.raises(InvalidSpec, match="setuid or setgid"):
+            sandbox.files.write("/tmp/suid", "x", mode=bad)
+        with pytest.raises(InvalidSpec, match="setuid or setgid"):
+            sandbox.files.make_dir("/tmp/suid-dir", mode=bad)
+    for bad in (-1, 0o10000, 2**33, "644", True, 0.5):
+        with pytest.raises(InvalidSpec, match="not a file mode"):
+            sandbox.files.write("/tmp/bad", "x", mode=bad)
+        with pytest.raises(InvalidSpec, match="not a file mode"):
+            sandbox.files.make_dir("/tmp/bad-dir", mode=bad)
+    with pytest.raises(InvalidSpec, match="max_bytes"):
+        sandbox.files.read("/tmp/sticky-x", max_bytes=-1)
+    assert not sandbox.files.exists("/tmp/suid") and not sandbox.files.exists("/tmp/bad")
+    assert not sandbox.files.exists("/tmp/suid-dir") and not sandbox.files.exists("/tmp/bad-dir")
+
+
 def test_binary_stdin_arrives_byte_for_byte(sandbox: Any) -> None:
     payload = bytes(range(256)) * 4  # not UTF-8
     handle = sandbox.commands.start(["sh", "-c", "od -An -v -tx1 | tr -d ' \\n'"])

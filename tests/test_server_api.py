@@ -50,6 +50,10 @@ def test_lifecycle_exec_and_files(server: ServerProcess) -> None:
         assert [(e["name"], e["size"]) for e in listing] == [("f.bin", 6)]
         assert http.post(f"/v1/sandboxes/{sid}/files/dir", params={"path": "e/f"}).status_code == 204
         assert http.get(f"/v1/sandboxes/{sid}/files/stat", params={"path": "e/f"}).json()["type"] == "dir"
+        for route, method in (("/files/content", http.put), ("/files/dir", http.post)):
+            suid = method(f"/v1/sandboxes/{sid}{route}", params={"path": "s", "mode": 0o4755}, content=b"x")
+            assert (suid.status_code, suid.json()["error"]) == (400, "invalid_spec"), suid.text
+            assert "setuid" in suid.json()["message"]
         assert http.delete(f"/v1/sandboxes/{sid}/files", params={"path": "d/f.bin"}).status_code == 204
         gone = http.get(f"/v1/sandboxes/{sid}/files/content", params={"path": "d/f.bin"})
         assert (gone.status_code, gone.json()["error"]) == (404, "file_not_found")

@@ -23,7 +23,7 @@ from .errors import FileNotFoundInSandbox, InvalidSpec
 from .lifecycle import InstanceOrClass, SandboxInfo, check_lifetime
 from .ports import ExposedPort
 from .sandbox import MAX_FORKS, CodeContext, Sandbox, create_options
-from .spec import SandboxSpec, validate_env, validate_sandbox_path
+from .spec import SandboxSpec, validate_env, validate_file_mode, validate_max_bytes, validate_sandbox_path
 from .surface import DEFAULT_MAX_READ, download_dir, upload_dir
 from .tiers.base import ExecResult, FileEntry
 
@@ -261,12 +261,12 @@ class AsyncFiles:
     async def read(self, path: str, format: str = "text", max_bytes: int = DEFAULT_MAX_READ) -> str | bytes:
         if format not in ("text", "bytes"):
             raise InvalidSpec(f"format {format!r}: use 'text' or 'bytes'")
-        data: bytes = await self._sb._backend.read_file(validate_sandbox_path(path), max_bytes)
+        data: bytes = await self._sb._backend.read_file(validate_sandbox_path(path), validate_max_bytes(max_bytes))
         return data if format == "bytes" else data.decode(errors="replace")
 
     async def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
         payload = data.encode() if isinstance(data, str) else bytes(data)
-        await self._sb._backend.write_file(validate_sandbox_path(path), payload, mode)
+        await self._sb._backend.write_file(validate_sandbox_path(path), payload, validate_file_mode(mode))
 
     async def list(self, path: str = ".") -> list[FileEntry]:
         return await self._sb._backend.list_dir(validate_sandbox_path(path))  # type: ignore[no-any-return]
@@ -285,7 +285,7 @@ class AsyncFiles:
         await self._sb._backend.remove(validate_sandbox_path(path), recursive)
 
     async def make_dir(self, path: str, mode: int = 0o755) -> None:
-        await self._sb._backend.make_dir(validate_sandbox_path(path), mode)
+        await self._sb._backend.make_dir(validate_sandbox_path(path), validate_file_mode(mode))
 
     async def upload_dir(self, local: str | Path, remote: str) -> int:
         files = _FilesOnLoop(self, asyncio.get_running_loop())

@@ -33,7 +33,7 @@ from .local_backend import LocalBackend
 from .local_backend import new_sandbox_id as new_sandbox_id
 from .local_transport import LocalTransport
 from .ports import Ports
-from .spec import SandboxSpec, validate_env, validate_sandbox_path
+from .spec import SandboxSpec, validate_env, validate_file_mode, validate_max_bytes, validate_sandbox_path
 from .surface import DEFAULT_MAX_READ, build_spec, check_create_arguments, download_dir, upload_dir
 from .tiers.base import ExecResult, FileEntry, TierSandbox
 from .transport import CreateOptions, SandboxBackend, Transport
@@ -117,14 +117,12 @@ class Files:
     def read(self, path: str, format: str = "text", max_bytes: int = DEFAULT_MAX_READ) -> str | bytes:
         if format not in ("text", "bytes"):
             raise InvalidSpec(f"format {format!r}: use 'text' or 'bytes'")
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise InvalidSpec(f"max_bytes: {max_bytes!r} must be a whole number of bytes")
-        data = self._sb._backend.read_file(validate_sandbox_path(path), max_bytes)
+        data = self._sb._backend.read_file(validate_sandbox_path(path), validate_max_bytes(max_bytes))
         return data if format == "bytes" else data.decode(errors="replace")
 
     def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
         payload = data.encode() if isinstance(data, str) else bytes(data)
-        self._sb._backend.write_file(validate_sandbox_path(path), payload, mode)
+        self._sb._backend.write_file(validate_sandbox_path(path), payload, validate_file_mode(mode))
 
     def list(self, path: str = ".") -> list[FileEntry]:
         return self._sb._backend.list_dir(validate_sandbox_path(path))
@@ -145,7 +143,7 @@ class Files:
         self._sb._backend.remove(validate_sandbox_path(path), recursive)
 
     def make_dir(self, path: str, mode: int = 0o755) -> None:
-        self._sb._backend.make_dir(validate_sandbox_path(path), mode)
+        self._sb._backend.make_dir(validate_sandbox_path(path), validate_file_mode(mode))
 
     def upload_dir(self, local: str | Path, remote: str) -> int:
         """Copy a host directory into the sandbox (symlinks are skipped). Returns files copied."""

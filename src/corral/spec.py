@@ -337,3 +337,22 @@ def validate_sandbox_path(path: str, what: str = "path") -> str:
     if len(path.encode()) > 4000:
         raise InvalidSpec(f"{what}: path is longer than 4000 bytes")
     return path if path.startswith("/") else os.path.join(WORKSPACE_PATH, path)
+
+
+def validate_file_mode(mode: int, what: str = "mode") -> int:
+    """A mode for a file or directory the files API makes: permission bits and the sticky bit.
+
+    Setuid and setgid are refused rather than dropped: a file the API writes into a workspace may
+    reach the host, and a mode that silently came out different would be a surprise either way.
+    The sandbox's umask (022) applies, as with open(2) and mkdir(2)."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise InvalidSpec(f"{what}: {_shown(mode)} is not a file mode (0 to 0o1777, e.g. 0o644)")
+    if mode & 0o6000:
+        raise InvalidSpec(f"{what}: {oct(mode)} asks for setuid or setgid, which the files API never sets")
+    return mode
+
+
+def validate_max_bytes(max_bytes: int) -> int:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise InvalidSpec(f"max_bytes: {_shown(max_bytes)} must be a whole number of bytes")
+    return max_bytes
