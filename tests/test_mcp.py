@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from corral.host import cgroups
 
 from .server_fixtures import CORRAL
@@ -127,6 +129,12 @@ def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> 
         return a_id, b_id
 
     with mcp_http_server(state_dir, "mcp-http", "--session-idle-timeout", "6") as (server, url, state):
+        # no key guards it: a web page (DNS rebinding, or any Origin) is refused, as by the REST server
+        initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "page", "version": "1"}}}
+        accept = {"accept": "application/json, text/event-stream"}
+        assert httpx.post(url, json=initialize, headers={**accept, "host": "evil.example"}).status_code == 421
+        assert httpx.post(url, json=initialize, headers={**accept, "origin": "http://evil.example"}).status_code == 403
         a_id, b_id = asyncio.run(scenario(url))
         assert wait_gone({a_id}, 10), "the terminated session's sandbox survived"
         assert b_id in live(), "the idle session's sandbox went before its idle timeout"

@@ -267,7 +267,7 @@ def _stalled_download(server: ServerProcess, sid: str) -> socket.socket:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", server.port))
-    s.sendall(f"GET /v1/sandboxes/{sid}/files/content?path=/tmp/big HTTP/1.1\r\nHost: x\r\n"
+    s.sendall(f"GET /v1/sandboxes/{sid}/files/content?path=/tmp/big HTTP/1.1\r\nHost: 127.0.0.1\r\n"
               f"Authorization: Bearer {KEYS['alice']}\r\n\r\n".encode())
     return s
 
@@ -308,7 +308,7 @@ def test_downloads_a_tenant_does_not_read_are_bounded_per_tenant(server: ServerP
 def _body_not_sent(server: ServerProcess, sid: str, key: str, length: int) -> socket.socket:
     """An upload whose headers are sent and whose body is not."""
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(f"PUT /v1/sandboxes/{sid}/files/content?path=/tmp/up HTTP/1.1\r\nHost: x\r\n"
+    s.sendall(f"PUT /v1/sandboxes/{sid}/files/content?path=/tmp/up HTTP/1.1\r\nHost: 127.0.0.1\r\n"
               f"Authorization: Bearer {key}\r\nContent-Length: {length}\r\n\r\n".encode())
     return s
 
@@ -365,7 +365,7 @@ def test_an_endless_request_head_is_refused_before_it_grows_the_server(server: S
     before = rss_mib(server.proc.pid)
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.settimeout(10)
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Long: ")
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Long: ")
         sent = 0
         try:
             while sent < 8 * MiB:
@@ -388,7 +388,7 @@ def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerP
     arrives in two pieces within the time is served."""
     with socket.create_connection(("127.0.0.1", server.port)) as idle, \
             socket.create_connection(("127.0.0.1", server.port)) as half:
-        half.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        half.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         for s in (idle, half):
             s.settimeout(5)
             assert s.recv(64).startswith(b"HTTP/1.1 408")
@@ -400,7 +400,7 @@ def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerP
         slow.settimeout(5)
         slow.sendall(b"GET /healthz HTTP/1.1\r\n")
         time.sleep(0.3)
-        slow.sendall(b"Host: x\r\n\r\n")
+        slow.sendall(b"Host: 127.0.0.1\r\n\r\n")
         assert slow.recv(64).startswith(b"HTTP/1.1 200")
 
 

@@ -34,7 +34,7 @@ def _ask_and_never_read(server: ServerProcess, sandbox_id: str) -> socket.socket
     body = json.dumps({"cmd": PRINT_30M, "timeout": 60}).encode()
     sock = socket.create_connection((host, int(port)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.sendall(f"POST /v1/sandboxes/{sandbox_id}/exec HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['alice']}"
+    sock.sendall(f"POST /v1/sandboxes/{sandbox_id}/exec HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS['alice']}"
                  f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
 

@@ -22,7 +22,7 @@ def statuses_of_open_connections(port: int, count: int) -> list[int]:
         conns = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
                  for _ in range(count)]
         for conn in conns:
-            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         return [int(conn.recv(64).split()[1]) for conn in conns]
 
 
@@ -34,7 +34,7 @@ def test_past_a_thousand_open_connections_a_request_is_served(state_dir: Path) -
 
 def _status(port: int) -> int:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         return int(conn.recv(64).split()[1])
 
 
@@ -47,7 +47,7 @@ def test_past_the_configured_maximum_the_server_says_503(state_dir: Path) -> Non
         busy = [stack.enter_context(socket.create_connection(("127.0.0.1", server.port), timeout=30))
                 for _ in range(39)]
         for conn in busy:
-            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # the head not finished
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head not finished
         deadline = time.monotonic() + 10
         statuses = [_status(server.port)]  # the 40th connection: at the maximum
         while statuses[-1] != 503 and time.monotonic() < deadline:  # (until the server took the 39)

@@ -226,7 +226,7 @@ def half_sent_message(server: ServerProcess, sid: str, sent: int = 15 * MiB) -> 
     bytes of its payload (or fewer, if the server closed it first)."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall(f"GET /v1/sandboxes/{sid}/exec/stream HTTP/1.1\r\nHost: corral\r\nUpgrade: websocket\r\n"
+    sock.sendall(f"GET /v1/sandboxes/{sid}/exec/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
     head = b""
     while b"\r\n\r\n" not in head and len(head) < 65536:

@@ -91,7 +91,7 @@ def test_idle_kept_alive_connections_give_way_to_new_ones(state_dir: Path) -> No
         held = []
         for _ in range(80):
             sock = socket.create_connection((host, int(port)), timeout=10)
-            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             sock.recv(4096)  # answered; the connection now waits, kept alive
             held.append(sock)
         try:

@@ -23,6 +23,7 @@ from . import command_routes, file_routes, ops_routes, port_routes, sandbox_rout
 from .config import ServerConfig
 from .context import ServerContext, context_of
 from .fast_routes import FastRoutes
+from .host_guard import LoopbackCallersOnly
 from .limits import BodySizeLimit, TenantRequests
 from .wire import JSON_TOO_DEEP, error_response, status_for
 
@@ -47,6 +48,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                        max_per_tenant=config.max_request_bytes_per_tenant, small_body_timeout=config.request_head_timeout)
     if config.auth_required:  # tenants to keep apart (without keys, every request is the one local tenant's)
         app.add_middleware(TenantRequests, tenant_of=context.tenant_of, max_per_tenant=config.max_requests_per_tenant)
+    if not config.auth_required:  # outermost: a web page's request goes no further (host_guard)
+        app.add_middleware(LoopbackCallersOnly)
     for handled, handler in ERROR_HANDLERS:
         app.add_exception_handler(handled, handler)
     for module in (sandbox_routes, command_routes, file_routes, stream, ops_routes, port_routes, snapshot_routes):

@@ -1,0 +1,99 @@
+"""Web pages may not drive a server that asks for no key.
+
+Without API keys the server answers anyone who reaches its loopback port, and a browser is such
+a caller: a page of any site can POST there (a body with no Content-Type passes as JSON, so no
+preflight stops it) and open WebSockets (browsers apply no same-origin rule to them), and with DNS
+rebinding (its own name resolving to 127.0.0.1) it reads every answer: it could list the
+developer's sandboxes, run commands in them, read their files and give new ones egress.
+
+So, when no key is configured, a request must name the loopback in its ``Host`` (``127.0.0.1``,
+``localhost``, ``[::1]``, any loopback address, any port; what every local client sends) -- else
+421, as the MCP SDK answers -- and a request that carries an ``Origin`` (browsers send it on
+every cross-origin request and WebSocket) must come from a page on the loopback -- else 403.
+Clients that are not browsers send no ``Origin``. With keys, a page has no key to send, and a
+server reached by a DNS name must accept it: nothing is checked here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .wire import error_response
+
+#: names that mean the loopback whatever the resolver says (RFC 6761)
+LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
+
+
+def names_loopback(hostname: str) -> bool:
+    """A host name, without port or brackets, that can only be this machine's loopback."""
+    name = hostname.lower()
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_header_is_loopback(value: str) -> bool:
+    """``Host: 127.0.0.1:8080``, ``localhost``, ``[::1]:80``, ... (a port, if any, is digits)."""
+    if value.startswith("["):
+        inside, bracket, rest = value[1:].partition("]")
+        if not bracket or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return False
+        return names_loopback(inside)
+    name, colon, port = value.partition(":")
+    if colon and not port.isdigit():
+        return False
+    return names_loopback(name)
+
+
+def origin_is_loopback(value: str) -> bool:
+    """``Origin: http://127.0.0.1:5173`` and the like; ``null`` (a file, a sandboxed frame) is not."""
+    try:
+        parts = urlsplit(value)
+        hostname = parts.hostname
+        parts.port  # noqa: B018 -- raises ValueError on a port that is not one
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and hostname is not None and names_loopback(hostname)
+
+
+class LoopbackCallersOnly:
+    """ASGI middleware: the checks above, for HTTP requests and WebSocket handshakes alike."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = origin = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1")
+            elif name == b"origin":
+                origin = value.decode("latin-1")
+        if host is None or not host_header_is_loopback(host):
+            await self._refuse(scope, receive, send, 421, "misdirected_request",
+                               f"Host {host!r} is not this server's loopback: a server without API keys "
+                               "answers only requests addressed to 127.0.0.1, localhost or [::1]")
+            return
+        if origin is not None and not origin_is_loopback(origin):
+            await self._refuse(scope, receive, send, 403, "forbidden_origin",
+                               f"Origin {origin!r}: a server without API keys answers no web page but "
+                               "the loopback's (configure API keys to serve other callers)")
+            return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, code: str, message: str) -> None:
+        if scope["type"] == "websocket":
+            # before accept: the handshake is answered 403, the page learns nothing more
+            await send({"type": "websocket.close", "code": 1008, "reason": code})
+            return
+        await error_response(status, code, message)(scope, receive, send)
