@@ -97,3 +97,32 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def status_as_user(uid: int, port: int, request: bytes) -> int:
+    """The HTTP status a raw ``request`` to 127.0.0.1:``port`` gets from a client running as
+    ``uid`` (a forked child that drops to it: another user of the host)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python-level cleanup, only os._exit
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(request)
+                head = b""
+                while b"\r\n" not in head:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    head += chunk
+            os.write(write_end, head[:200])
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        head = answer.read()
+    os.waitpid(pid, 0)
+    assert head.startswith(b"HTTP/1.1 "), head
+    return int(head.split()[1])

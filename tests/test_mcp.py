@@ -17,7 +17,7 @@ import httpx
 
 from corral.host import cgroups
 
-from .server_fixtures import CORRAL
+from .server_fixtures import CORRAL, status_as_user
 
 
 @contextlib.contextmanager
@@ -135,6 +135,12 @@ def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> 
         accept = {"accept": "application/json, text/event-stream"}
         assert httpx.post(url, json=initialize, headers={**accept, "host": "evil.example"}).status_code == 421
         assert httpx.post(url, json=initialize, headers={**accept, "origin": "http://evil.example"}).status_code == 403
+        port = int(url.split(":")[2].split("/")[0])
+        body = json.dumps(initialize).encode()
+        raw = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: application/json, text/event-stream\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        assert status_as_user(65534, port, raw) == 403  # another user of the host
+        assert status_as_user(0, port, raw) == 200
         a_id, b_id = asyncio.run(scenario(url))
         assert wait_gone({a_id}, 10), "the terminated session's sandbox survived"
         assert b_id in live(), "the idle session's sandbox went before its idle timeout"

@@ -3,7 +3,8 @@
 Before the guard, a page that had its own name resolve to 127.0.0.1 (DNS rebinding) read and
 drove the whole keyless API -- ``Host: evil.example`` was served like ``127.0.0.1`` -- and any
 page could open the exec WebSocket of a sandbox. Checked both ways: local clients (the SDK,
-``localhost``, ``[::1]``, a page served from the loopback) go on working.
+``localhost``, ``[::1]``, a page served from the loopback) go on working. Another user of the
+host is refused too: only the server's own user and root are served without a key.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from corral import Sandbox
+from corral import InvalidSpec, Sandbox
+from corral.server.config import ServerConfig
 
-from .server_fixtures import KEYS, ServerProcess
+from .server_fixtures import KEYS, ServerProcess, status_as_user
 
 EVIL = "evil.example"
 
@@ -66,8 +68,34 @@ def test_a_foreign_page_cannot_run_a_command_a_local_one_can(keyless: ServerProc
         assert not sb.files.exists("/tmp/ran")
 
 
+def test_another_user_of_the_host_is_refused(keyless: ServerProcess) -> None:
+    with Sandbox.create(url=keyless.url) as sb:  # root's: served
+        listing = f"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1:{keyless.port}\r\n\r\n".encode()
+        assert status_as_user(0, keyless.port, listing) == 200
+        assert status_as_user(65534, keyless.port, listing) == 403
+        body = b'{"cmd": "touch /tmp/ran"}'
+        run = (f"POST /v1/sandboxes/{sb.id}/exec HTTP/1.1\r\nHost: 127.0.0.1:{keyless.port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        assert status_as_user(1000, keyless.port, run) == 403
+        assert not sb.files.exists("/tmp/ran")
+
+
+def test_a_listed_local_user_is_served_and_a_bad_one_is_a_clear_error(state_dir: Path) -> None:
+    listing = b"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with ServerProcess(state_dir / "srv-browsers-users", "--local-user", "nobody") as srv:
+        assert status_as_user(65534, srv.port, listing) == 200
+        assert status_as_user(1000, srv.port, listing) == 403
+    for bad in ({"local_users": ["no-such-user-here"]}, {"local_users": [-1]}, {"local_users": [True]}):
+        with pytest.raises(InvalidSpec, match="local_users"):
+            ServerConfig(**bad).validate()  # type: ignore[arg-type]
+    with pytest.raises(InvalidSpec, match="a key is what lets a user in"):
+        ServerConfig(local_users=[65534], key_digests={"x" * 64: "alice"}).validate()
+
+
 def test_with_api_keys_any_name_reaches_the_server(state_dir: Path) -> None:
     with ServerProcess(state_dir / "srv-browsers-keys", keys=KEYS) as srv, srv.client("alice") as http:
         assert http.get("/v1/sandboxes", headers={"host": f"sandboxes.example:{srv.port}"}).status_code == 200
         assert http.get("/v1/sandboxes", headers={"host": EVIL}).status_code == 200
         assert httpx.get(srv.url + "/v1/sandboxes", headers={"host": EVIL}).status_code == 401  # the key decides
+        listing = f"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS['bob']}\r\n\r\n"
+        assert status_as_user(65534, srv.port, listing.encode()) == 200  # another user, with a key

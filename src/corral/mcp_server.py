@@ -440,11 +440,13 @@ def main(transport: str = "stdio", host: str = "127.0.0.1", port: int = 7334,
         import uvicorn
 
         from .server.config import is_loopback
+        from .server.host_guard import LoopbackCallersOnly
 
         if not is_loopback(host):
             raise InvalidSpec("corral mcp --http listens on loopback only (it has no authentication)")
         app = server.streamable_http_app(host=host, session_idle_timeout=session_idle_timeout)
-        uvicorn.run(track_sessions(app, sessions), host=host, port=port, log_level="warning",
+        # no key: the SDK refuses web pages (Host, Origin), the guard other users of the host too
+        uvicorn.run(LoopbackCallersOnly(track_sessions(app, sessions)), host=host, port=port, log_level="warning",
                     lifespan="on")
     else:
         raise InvalidSpec(f"transport {transport!r}: use stdio or http")

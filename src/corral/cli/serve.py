@@ -27,6 +27,9 @@ def register(sub: Any) -> None:
                         help="a warm pool (repeatable); SPEC-JSON as the POST /v1/sandboxes body")
     parser.add_argument("--cluster", default=None, metavar="ADDRESS",
                         help="hold the sandboxes on the nodes of this Ray cluster (docs/cluster.md)")
+    parser.add_argument("--local-user", action="append", default=[], metavar="USER",
+                        help="without API keys: a user of this host (name or uid) served besides this "
+                             "process's user and root (repeatable)")
     parser.add_argument("--log-level", default="warning")
     parser.set_defaults(handler=handle)
 
@@ -53,7 +56,7 @@ def handle(args: argparse.Namespace) -> int:
         max_sandboxes_per_tenant=args.max_sandboxes, max_memory_per_tenant=args.max_memory,
         idle_timeout=args.idle_timeout, max_lifetime=args.max_lifetime,
         max_concurrent_execs=args.max_concurrent_execs, max_connections=args.max_connections,
-        state_dir=args.state_dir, cluster=args.cluster,
+        state_dir=args.state_dir, cluster=args.cluster, local_users=args.local_user or None,
     )
     if args.pool:
         config.pools = [*config.pools, *(parse_pool(p) for p in args.pool)]

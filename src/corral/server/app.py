@@ -49,7 +49,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     if config.auth_required:  # tenants to keep apart (without keys, every request is the one local tenant's)
         app.add_middleware(TenantRequests, tenant_of=context.tenant_of, max_per_tenant=config.max_requests_per_tenant)
     if not config.auth_required:  # outermost: a web page's request goes no further (host_guard)
-        app.add_middleware(LoopbackCallersOnly)
+        app.add_middleware(LoopbackCallersOnly, also=[int(uid) for uid in config.local_users])
     for handled, handler in ERROR_HANDLERS:
         app.add_exception_handler(handled, handler)
     for module in (sandbox_routes, command_routes, file_routes, stream, ops_routes, port_routes, snapshot_routes):

@@ -131,6 +131,9 @@ class ServerConfig:
     #: sandboxes, commands, OOM kills, egress refusals), not one tenant's.  With API keys and none
     #: listed, /metrics answers every tenant 403; without keys (loopback) anyone may read it
     metrics_tenants: list[str] = field(default_factory=list)
+    #: users of this host (names or uids) a server without API keys answers besides its own user
+    #: and root (server/host_guard.py); with keys a key is what lets a user in, and this is refused
+    local_users: list[int | str] = field(default_factory=list)
     #: create, exec, destroy and /healthz served by lean handlers (.fast_routes); False sends them
     #: through FastAPI's routing like every other request (the same answers, slower)
     fast_routes: bool = True
@@ -172,6 +175,9 @@ class ServerConfig:
         if self.cluster is not None and self.pools:
             raise InvalidSpec("pools: with --cluster the warm pools are the nodes' own "
                               "(corral cluster up --pool MIN:MAX:SPEC), not the server's")
+        self.local_users = [_local_uid(user) for user in self.local_users]
+        if self.local_users and self.key_digests:
+            raise InvalidSpec("local_users: with API keys a key is what lets a user in; list users only without keys")
         if not self.key_digests and not is_loopback(self.host):
             raise InvalidSpec(
                 f"refusing to listen on {self.host} without API keys: anyone who can reach it could run code. "
@@ -221,3 +227,19 @@ class ServerConfig:
             if value is not None:
                 setattr(config, name, value)
         return config.validate()
+
+
+def _local_uid(user: object) -> int:
+    """A user of this host, by name or uid: its uid."""
+    import pwd
+
+    if isinstance(user, int) and not isinstance(user, bool) and 0 <= user < 2**32 - 1:
+        return user
+    if isinstance(user, str) and user and not user.isdigit():
+        try:
+            return pwd.getpwnam(user).pw_uid
+        except KeyError:
+            pass
+    elif isinstance(user, str) and user.isdigit():
+        return _local_uid(int(user))
+    raise InvalidSpec(f"local_users: {user!r} is not a user of this host (a name from /etc/passwd, or a uid)")

@@ -10,17 +10,26 @@ So, when no key is configured, a request must name the loopback in its ``Host`` 
 ``localhost``, ``[::1]``, any loopback address, any port; what every local client sends) -- else
 421, as the MCP SDK answers -- and a request that carries an ``Origin`` (browsers send it on
 every cross-origin request and WebSocket) must come from a page on the loopback -- else 403.
-Clients that are not browsers send no ``Origin``. With keys, a page has no key to send, and a
-server reached by a DNS name must accept it: nothing is checked here.
+Clients that are not browsers send no ``Origin``.
+
+Other users of the host reach the loopback too: a keyless server answers only connections whose
+socket belongs to the server's own user or root (the kernel's socket diagnostics say whose:
+:func:`corral.host.peers.tcp_peer_uid`) -- else 403 -- as the CLI's daemon answers only on a
+root-only socket. Another user could otherwise list, read and drive the sandboxes of everyone
+who uses the server. The configuration's ``local_users`` (``--local-user``) names more. With keys, a page has no key to send, a server reached by a DNS name must
+accept it, and a key is what lets a user in: nothing is checked here.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..host.peers import tcp_peer_uid
 from .wire import error_response
 
 #: names that mean the loopback whatever the resolver says (RFC 6761)
@@ -65,8 +74,10 @@ def origin_is_loopback(value: str) -> bool:
 class LoopbackCallersOnly:
     """ASGI middleware: the checks above, for HTTP requests and WebSocket handshakes alike."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, also: Iterable[int] = ()) -> None:
         self.app = app
+        #: whose connections are served: this process's user, root, and the ``local_users`` listed
+        self.users = frozenset({0, os.geteuid(), *also})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -88,7 +99,24 @@ class LoopbackCallersOnly:
                                f"Origin {origin!r}: a server without API keys answers no web page but "
                                "the loopback's (configure API keys to serve other callers)")
             return
+        uid = self._peer_uid(scope)
+        if uid not in self.users:
+            await self._refuse(scope, receive, send, 403, "forbidden_user",
+                               f"the connection's socket belongs to {'an unknown user' if uid is None else f'uid {uid}'}: "
+                               "a server without API keys answers only its own user, root and its "
+                               "local_users (list the user there, or configure API keys)")
+            return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def _peer_uid(scope: Scope) -> int | None:
+        client, server = scope.get("client"), scope.get("server")
+        if not client or not server or server[1] is None:
+            return None
+        try:
+            return tcp_peer_uid((client[0], int(client[1])), (server[0], int(server[1])))
+        except (OSError, ValueError):
+            return None
 
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, code: str, message: str) -> None:
