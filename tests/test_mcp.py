@@ -140,6 +140,9 @@ def test_mcp_http_sessions_are_isolated_and_cleaned_up_each(state_dir: Path) -> 
         raw = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: application/json, text/event-stream\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
         assert status_as_user(65534, port, raw) == 403  # another user of the host
+        with socket.create_connection(("127.0.0.1", port)) as roots:  # naming root's connection: no matter
+            forged = f"\r\nX-Forwarded-For: 127.0.0.1:{roots.getsockname()[1]}\r\n\r\n".encode()
+            assert status_as_user(65534, port, raw.replace(b"\r\n\r\n", forged, 1)) == 403
         assert status_as_user(0, port, raw) == 200
         a_id, b_id = asyncio.run(scenario(url))
         assert wait_gone({a_id}, 10), "the terminated session's sandbox survived"

@@ -10,6 +10,7 @@ host is refused too: only the server's own user and root are served without a ke
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,6 +78,12 @@ def test_another_user_of_the_host_is_refused(keyless: ServerProcess) -> None:
         run = (f"POST /v1/sandboxes/{sb.id}/exec HTTP/1.1\r\nHost: 127.0.0.1:{keyless.port}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
         assert status_as_user(1000, keyless.port, run) == 403
+        # naming root's own connection as the client (uvicorn believes X-Forwarded-For from 127.0.0.1)
+        # makes no difference: the guard asks about the connection the request came on
+        with socket.create_connection(("127.0.0.1", keyless.port)) as roots:
+            forged = f"X-Forwarded-For: 127.0.0.1:{roots.getsockname()[1]}\r\n\r\n".encode()
+            assert status_as_user(65534, keyless.port, listing.replace(b"\r\n\r\n", b"\r\n" + forged)) == 403
+            assert status_as_user(1000, keyless.port, run.replace(b"\r\n\r\n", b"\r\n" + forged, 1)) == 403
         assert not sb.files.exists("/tmp/ran")
 
 

@@ -447,6 +447,7 @@ def main(transport: str = "stdio", host: str = "127.0.0.1", port: int = 7334,
         app = server.streamable_http_app(host=host, session_idle_timeout=session_idle_timeout)
         # no key: the SDK refuses web pages (Host, Origin), the guard other users of the host too
         uvicorn.run(LoopbackCallersOnly(track_sessions(app, sessions)), host=host, port=port, log_level="warning",
-                    lifespan="on")
+                    lifespan="on",
+                    proxy_headers=False)  # the client address is the connection's (host_guard)
     else:
         raise InvalidSpec(f"transport {transport!r}: use stdio or http")

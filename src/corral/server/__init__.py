@@ -24,6 +24,9 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws=ws_protocol,
                 http=http_protocol(config.request_head_timeout),
                 timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
+                # the client address is the connection's: it says whose socket it is (host_guard),
+                # and X-Forwarded-For from any local user would otherwise replace it
+                proxy_headers=False,
                 # longer than clients keep idle connections (httpx: 5 s), so a reused connection is
                 # never closed by the server just as a request goes out on it
                 timeout_keep_alive=65)
