@@ -129,6 +129,12 @@ def test_files_api_round_trip_and_errors(sandbox: Sandbox, tmp_path: Path) -> No
     assert (tmp_path / "down" / "sub" / "b.txt").read_text() == "B"
     sandbox.files.remove("/tmp/up", recursive=True)
     assert not sandbox.files.exists("/tmp/up")
+    # how deep a tree is, the sandbox decides: 1,100 levels (past Python's recursion limit) come whole
+    made = sandbox.commands.run("mkdir -p /tmp/deep && cd /tmp/deep && for i in $(seq 1100); do mkdir d && cd d; done"
+                                " && echo bottom > f")
+    assert made.exit_code == 0, made
+    assert sandbox.files.download_dir("/tmp/deep", tmp_path / "deep") == 1
+    assert (tmp_path / "deep").joinpath(*["d"] * 1100, "f").read_text() == "bottom\n"
 
 
 def test_cli_run_exit_codes_and_json(tmp_path: Path) -> None:

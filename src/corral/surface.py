@@ -140,21 +140,26 @@ def upload_dir(files: FilesAPI, local: str | Path, remote: str) -> int:
 
 
 def download_dir(files: FilesAPI, remote: str, local: str | Path) -> int:
-    """Copy a sandbox directory to the host. Symlinks are not followed or copied."""
-    local = Path(local)
-    local.mkdir(parents=True, exist_ok=True)
+    """Copy a sandbox directory to the host. Symlinks are not followed or copied.
+
+    Walked with a list, not by recursion: how deep the tree is, the sandbox decides (a tree 1,100
+    directories deep made this raise RecursionError)."""
+    pending = [(remote, Path(local))]
     count = 0
-    for entry in files.list(remote):
-        if entry.name in (".", "..") or "/" in entry.name:
-            continue
-        dest = local / entry.name
-        if entry.type == "dir":
-            count += download_dir(files, entry.path, dest)
-        elif entry.type == "file":
-            if dest.is_symlink():
-                dest.unlink()
-            dest.write_bytes(files.read(entry.path, format="bytes"))
-            count += 1
+    while pending:
+        directory, target = pending.pop()
+        target.mkdir(parents=True, exist_ok=True)
+        for entry in files.list(directory):
+            if entry.name in (".", "..") or "/" in entry.name:
+                continue
+            dest = target / entry.name
+            if entry.type == "dir":
+                pending.append((entry.path, dest))
+            elif entry.type == "file":
+                if dest.is_symlink():
+                    dest.unlink()
+                dest.write_bytes(files.read(entry.path, format="bytes"))
+                count += 1
     return count
 
 
