@@ -65,7 +65,7 @@ def handle(args: argparse.Namespace) -> int:
 
         ClusterTransport.shared(config.cluster)
     print(f"corral: serving on http://{config.host}:{config.port} "
-          f"({'API keys required' if config.auth_required else 'no auth: loopback only'})"
+          f"({'API keys required' if config.auth_required else 'no API keys: loopback, this user and root only'})"
           + (f", sandboxes on the Ray cluster {config.cluster}" if config.cluster else ""), file=sys.stderr)
     serve(config, args.log_level)
     return 0
