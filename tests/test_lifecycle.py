@@ -133,8 +133,11 @@ def test_files_api_round_trip_and_errors(sandbox: Sandbox, tmp_path: Path) -> No
     made = sandbox.commands.run("mkdir -p /tmp/deep && cd /tmp/deep && for i in $(seq 1100); do mkdir d && cd d; done"
                                 " && echo bottom > f")
     assert made.exit_code == 0, made
-    assert sandbox.files.download_dir("/tmp/deep", tmp_path / "deep") == 1
-    assert (tmp_path / "deep").joinpath(*["d"] * 1100, "f").read_text() == "bottom\n"
+    try:
+        assert sandbox.files.download_dir("/tmp/deep", tmp_path / "deep") == 1
+        assert (tmp_path / "deep").joinpath(*["d"] * 1100, "f").read_text() == "bottom\n"
+    finally:  # pytest's own cleanup of tmp_path recurses, and would fail at the session's end
+        subprocess.run(["rm", "-rf", str(tmp_path / "deep")], check=True)
 
 
 def test_cli_run_exit_codes_and_json(tmp_path: Path) -> None:

@@ -182,6 +182,27 @@ def test_no_host_files_visible(sb: Sandbox) -> None:
     assert "root:" not in r.stdout
 
 
+def test_no_other_user_of_the_host_reaches_the_sandboxs_files(tier: str, state_dir: Path) -> None:
+    """What the sandbox writes is its own on the host too: a user of the host who read the
+    sandbox's id in ``ps`` read gVisor's ``/tmp`` and workspace under the run directory (0711) and
+    wrote into its ``/tmp``. Every file of the sandbox found under its run directory (as root) is
+    neither readable nor writable beside by uid 65534."""
+    import subprocess
+
+    with Sandbox.create(tier=tier) as sandbox:
+        sandbox.files.write("/tmp/probe-t", "t")
+        sandbox.files.write("/workspace/probe-w", "w")
+        run_dir = state_dir / "sandboxes" / sandbox.id
+        found = [Path(top, name) for top, _, names in os.walk(run_dir) for name in names if name.startswith("probe-")]
+        for path in found:
+            as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            read = subprocess.run([*as_nobody, "cat", str(path)], capture_output=True, text=True)
+            planted = subprocess.run([*as_nobody, "sh", "-c", f"echo x > '{path.parent}/planted'"], capture_output=True)
+            assert read.returncode != 0 and read.stdout == "", f"uid 65534 read {path}"
+            assert planted.returncode != 0, f"uid 65534 wrote beside {path}"
+        assert not sandbox.files.exists("/tmp/planted") and not sandbox.files.exists("/workspace/planted")
+
+
 def test_teardown_leaves_nothing(tier: str, where: dict[str, Any], state_dir: Path) -> None:
     sandbox = Sandbox.create(tier=tier, **where)
     try:
