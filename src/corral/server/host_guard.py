@@ -1,10 +1,11 @@
-"""Web pages may not drive a server that asks for no key.
+"""Only its own user's programs may drive a server that asks for no key: no web page, no other
+user of the host.
 
 Without API keys the server answers anyone who reaches its loopback port, and a browser is such
-a caller: a page of any site can POST there (a body with no Content-Type passes as JSON, so no
-preflight stops it) and open WebSockets (browsers apply no same-origin rule to them), and with DNS
-rebinding (its own name resolving to 127.0.0.1) it reads every answer: it could list the
-developer's sandboxes, run commands in them, read their files and give new ones egress.
+a caller: a page of any site can POST there and open WebSockets (browsers apply no same-origin
+rule to them), and with DNS rebinding (its own name resolving to 127.0.0.1) it reads every
+answer: it could list the developer's sandboxes, run commands in them, read their files and give
+new ones egress.
 
 So, when no key is configured, a request must name the loopback in its ``Host`` (``127.0.0.1``,
 ``localhost``, ``[::1]``, any loopback address, any port; what every local client sends) -- else
@@ -16,8 +17,10 @@ Other users of the host reach the loopback too: a keyless server answers only co
 socket belongs to the server's own user or root (the kernel's socket diagnostics say whose:
 :func:`corral.host.peers.tcp_peer_uid`) -- else 403 -- as the CLI's daemon answers only on a
 root-only socket. Another user could otherwise list, read and drive the sandboxes of everyone
-who uses the server. The configuration's ``local_users`` (``--local-user``) names more. With keys, a page has no key to send, a server reached by a DNS name must
-accept it, and a key is what lets a user in: nothing is checked here.
+who uses the server. The configuration's ``local_users`` (``--local-user``) names more.
+
+With keys nothing here is checked: a page has no key to send, a server reached by a DNS name
+must accept it, and a key is what lets a user in.
 """
 
 from __future__ import annotations
