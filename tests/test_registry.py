@@ -46,6 +46,30 @@ def test_a_burst_of_first_creates_on_a_new_state_directory_all_register(tmp_path
         assert sorted(row.id for row in registry.rows()) == [f"sb-{n}" for n in range(8)]
 
 
+def test_the_registry_is_roots_alone(tmp_path: Path) -> None:
+    """It names every sandbox's run directory, host uid and owner, and the metadata users gave
+    them: it was 0644, readable by every user of the host who knows its well-known name."""
+    import subprocess
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "registry.db").touch(mode=0o644)  # as an earlier Corral left it
+    for root in (tmp_path / "new", old):
+        root.mkdir(exist_ok=True)
+        registry = Registry(root)
+        registry.add("sb-1", "process", root / "sb-1")
+        registry.set_record("sb-1", {"corral": {"metadata": {"user": "alice@example.com"}}})
+        made = sorted(p.name for p in root.iterdir() if p.name.startswith("registry.db"))
+        assert made == ["registry.db", "registry.db-shm", "registry.db-wal"]
+        for name in made:
+            assert stat.S_IMODE(os.stat(root / name).st_mode) == 0o600, name
+        os.chmod(tmp_path, 0o755)
+        os.chmod(root, 0o755)  # even where its directory may be listed
+        read = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                               "grep", "-c", "alice", *(str(root / n) for n in made)], capture_output=True, text=True)
+        assert "Permission denied" in read.stderr and ":1" not in read.stdout
+
+
 def test_threads_asking_for_a_tier_at_once_share_one_instance(tmp_path: Path) -> None:
     """A tier instance holds state of its own (spares, caches); the first creates of a burst each
     made one, and all but the last were dropped with whatever they had started."""

@@ -148,7 +148,13 @@ class Registry:
     def _db(self) -> sqlite3.Connection:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None or getattr(self._local, "pid", None) != os.getpid():
-            db = sqlite3.connect(self.root / "registry.db", timeout=30, isolation_level=None)
+            path = self.root / "registry.db"
+            # root's alone (SQLite gives its -wal and -shm files the same mode): it names every
+            # sandbox's run directory, host uid and owner, and the metadata users gave them
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600))
+            if stat.S_IMODE(os.stat(path).st_mode) != 0o600:
+                os.chmod(path, 0o600)  # made 0644 by an earlier Corral
+            db = sqlite3.connect(path, timeout=30, isolation_level=None)
             _prepare(db)
             self._local.db = db
             self._local.pid = os.getpid()
