@@ -148,6 +148,39 @@ def test_gc_releases_a_dead_processs_probe_range_and_only_that(state_dir: Path) 
         uids.release_range(state_dir, reused.base)
 
 
+def test_gc_releases_a_dead_standby_guests_and_builds_range_without_their_directories(state_dir: Path) -> None:
+    """The wasm tier's standby guests (and image builds) reserve a range before their directory
+    (record) exists: an owner killed in between left the range reserved for ever, because gc
+    looked for it only through a standby directory. Their ranges now carry process names; an
+    older version's ``wasm-spare:PID`` record of a dead process goes too."""
+    from corral.registry import gc
+    from corral.tiers.wasm.standby import OWNER_KIND
+
+    code = ("import sys, time\nfrom pathlib import Path\nfrom corral.host import uids\n"
+            "for kind in sys.argv[2:]:\n"
+            "    print(uids.allocate_range(Path(sys.argv[1]), uids.process_owner(kind)).base, flush=True)\n"
+            "time.sleep(300)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(state_dir), OWNER_KIND, "image-build"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        dead = [int(holder.stdout.readline()) for _ in range(2)]
+    finally:
+        holder.kill()
+        holder.wait()
+    legacy = uids.allocate_range(state_dir, f"wasm-spare:{holder.pid}")  # that pid: gone
+    mine = uids.allocate_range(state_dir, f"wasm-spare:{os.getpid()}")  # alive: kept
+    try:
+        assert not (state_dir / "wasm-spares").exists() or not any((state_dir / "wasm-spares").iterdir())
+        gc(state_dir)
+        for base in (*dead, legacy.base):
+            assert not (state_dir / "uids" / str(base)).exists() and not (uids.CLAIMS / str(base)).exists()
+        assert (state_dir / "uids" / str(mine.base)).exists() and (uids.CLAIMS / str(mine.base)).exists()
+    finally:
+        uids.release_range(state_dir, mine.base)
+        uids.release_range(state_dir, legacy.base)
+
+
 def _proc(tmp_path: Path, name: str, ppid: int) -> Path:
     """A /proc whose pid 2 is ``name`` with parent ``ppid`` (kthreadd, 0: the host's pid namespace)."""
     proc = tmp_path / f"proc-{name}-{ppid}"

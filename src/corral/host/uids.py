@@ -315,9 +315,15 @@ def release_ranges_of_dead_processes(state_dir: Path) -> list[int]:
 
 
 def owner_is_gone(owner: str) -> bool:
-    """Whether the process a :func:`process_owner` name names has ended (False for any other name)."""
+    """Whether the process a :func:`process_owner` name names has ended (False for any other name).
+
+    Also the older ``KIND:PID`` names (the wasm tier's standby guests before they took
+    :func:`process_owner` names): gone when no process has that pid."""
+    if "@" not in owner:
+        kind, colon, pid = owner.rpartition(":")
+        return bool(kind and colon and pid.isdigit()) and process_start_time(int(pid)) is None
     pid, _, start = owner.rpartition("@")[2].partition(".")
-    if "@" not in owner or not pid.isdigit() or not start.isdigit():
+    if not pid.isdigit() or not start.isdigit():
         return False
     return process_start_time(int(pid)) != int(start)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..host import cgroups
 from ..host.bwrap import check_host
 from ..host.seccomp import bpf_path
-from ..host.uids import allocate_uid, release_uid
+from ..host.uids import allocate_uid, process_owner, release_uid
 from ..spec import Limits, parse_size
 
 RECORD_NAME = "buildbox.json"
@@ -107,7 +107,8 @@ class BuildBox:
         self._fake_chown = fake_chown_bpf(state_dir)
         self._state_dir = state_dir
         self._binds = binds or {}
-        self.uid = allocate_uid(state_dir, "image-build")
+        # a process's own name: gc frees it once the build is gone, even if killed before its record
+        self.uid = allocate_uid(state_dir, process_owner("image-build"))
         self._setid_modes: dict[str, int] = {}
         self._shifted = False
         self.cgroup: cgroups.SandboxCgroup | None = None

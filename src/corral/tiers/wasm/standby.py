@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from ...host import mounts
 from ...host.procs import process_start_time
-from ...host.uids import allocate_uid, release_uid, set_owner
+from ...host.uids import allocate_uid, process_owner, release_ranges_of_dead_processes, release_uid, set_owner
 from ...spec import Limits, SandboxSpec
 from .python import PRESTART_ARGV
 from .runtime import Worker
@@ -42,7 +42,10 @@ if TYPE_CHECKING:
 MS_BIND = 0x1000
 MS_REMOUNT = 0x20
 # on-disk names keep the old word "spare", so a new version still reaps an old one's leftovers
-OWNER_PREFIX = "wasm-spare:"
+#: what a standby guest's uid range is reserved for (``uids.process_owner``): released by ``gc``
+#: once its process is gone, whether or not its directory was made (its range was kept for ever
+#: when the owner died between the two)
+OWNER_KIND = "wasm-spare"
 DIRECTORY = "wasm-spares"
 
 
@@ -114,7 +117,7 @@ class StandbyGuests:
 
     def _make(self) -> StandbyGuest:
         tier = self.tier
-        uid = allocate_uid(tier.state_dir, f"{OWNER_PREFIX}{os.getpid()}")
+        uid = allocate_uid(tier.state_dir, process_owner(OWNER_KIND))
         directory = self.root / f"{os.getpid()}-{secrets.token_hex(6)}"
         fs = directory / "fs"
         standby: StandbyGuest | None = None
@@ -190,13 +193,4 @@ def reap_stale(state_dir: Path) -> None:
             continue
         mounts.unmount_all(directory)
         shutil.rmtree(directory, ignore_errors=True)
-    uids = state_dir / "uids"
-    if uids.is_dir():
-        for entry in uids.iterdir():
-            try:
-                owner = entry.read_text()
-            except OSError:
-                continue
-            pid = owner.removeprefix(OWNER_PREFIX)
-            if owner.startswith(OWNER_PREFIX) and pid.isdigit() and process_start_time(int(pid)) is None:
-                release_uid(state_dir, int(entry.name))
+    release_ranges_of_dead_processes(state_dir)  # their uids (and any other dead process's)
