@@ -70,6 +70,60 @@ def test_the_registry_is_roots_alone(tmp_path: Path) -> None:
         assert "Permission denied" in read.stderr and ":1" not in read.stdout
 
 
+def test_first_connections_beside_busy_writers_leave_the_database_whole(tmp_path: Path) -> None:
+    """A thread's first connection must not open and close the database file while another
+    thread's connection holds SQLite's locks (POSIX locks are the process's: a close drops them,
+    and another process then writes at the same time): making it 0600 that way corrupted the
+    registry ("database disk image is malformed") in a full run. Two other processes write
+    while this one's threads connect, each beside a busy writer thread; then an integrity check."""
+    import sqlite3
+    import subprocess
+    import sys
+
+    registry = Registry(tmp_path)
+    registry.add("sb-first", "process", tmp_path / "sb-first")
+    writer = ("import sys\nfrom pathlib import Path\nfrom corral.registry import Registry\n"
+              "r = Registry(Path(sys.argv[1]))\n"
+              "for i in range(1500):\n"
+              "    r.add(f'sb-{sys.argv[2]}-{i}', 'process', Path('/x'))\n"
+              "    r.remove(f'sb-{sys.argv[2]}-{i}')\n")
+    others = [subprocess.Popen([sys.executable, "-c", writer, str(tmp_path), f"p{n}"]) for n in range(2)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def busy() -> None:
+        try:
+            i = 0
+            while not stop.is_set():
+                registry.add(f"sb-busy-{i}", "process", tmp_path / "x")
+                registry.remove(f"sb-busy-{i}")
+                i += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    def connect_once(n: int) -> None:
+        try:
+            registry.add(f"sb-c{n}", "process", tmp_path / "y")  # this thread's first connection
+        except BaseException as exc:
+            errors.append(exc)
+
+    busy_thread = threading.Thread(target=busy)
+    busy_thread.start()
+    n = 0
+    while any(p.poll() is None for p in others) and n < 2000:
+        joiner = threading.Thread(target=connect_once, args=(n,))
+        joiner.start()
+        joiner.join()
+        n += 1
+    stop.set()
+    busy_thread.join()
+    assert [p.wait() for p in others] == [0, 0]
+    assert errors == []
+    check = sqlite3.connect(tmp_path / "registry.db").execute("PRAGMA integrity_check").fetchone()
+    assert check == ("ok",)
+    assert len([r for r in registry.rows() if r.id.startswith("sb-c")]) == n
+
+
 def test_threads_asking_for_a_tier_at_once_share_one_instance(tmp_path: Path) -> None:
     """A tier instance holds state of its own (spares, caches); the first creates of a burst each
     made one, and all but the last were dropped with whatever they had started."""

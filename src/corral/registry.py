@@ -126,6 +126,34 @@ def _prepare(db: sqlite3.Connection) -> None:
             time.sleep(0.005)
 
 
+#: held while this process makes the database file and while its connections open: a descriptor
+#: of the file closed while another thread's connection holds SQLite's POSIX locks drops them
+#: (the locks are the process's), and writers then corrupt the database
+_opening = threading.Lock()
+
+
+def _reset_opening() -> None:
+    global _opening
+    _opening = threading.Lock()  # a child forked while another thread held it starts free
+
+
+os.register_at_fork(after_in_child=_reset_opening)
+
+
+def _made_private(path: Path) -> None:
+    """The database root's alone, before any row is in it (SQLite gives its -wal and -shm files
+    the same mode): it names every sandbox's run directory, host uid and owner, and the metadata
+    users gave them. Made with O_EXCL, so only a file no connection can have open yet is opened
+    and closed here; an existing one is only chmod'ed (0644 from an earlier Corral)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600))
+        return
+    except FileExistsError:
+        pass
+    if stat.S_IMODE(os.stat(path).st_mode) != 0o600:
+        os.chmod(path, 0o600)
+
+
 class Registry:
     """Rows of live sandboxes. One instance per state dir (:meth:`at`), one connection per thread."""
 
@@ -149,13 +177,10 @@ class Registry:
         db: sqlite3.Connection | None = getattr(self._local, "db", None)
         if db is None or getattr(self._local, "pid", None) != os.getpid():
             path = self.root / "registry.db"
-            # root's alone (SQLite gives its -wal and -shm files the same mode): it names every
-            # sandbox's run directory, host uid and owner, and the metadata users gave them
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600))
-            if stat.S_IMODE(os.stat(path).st_mode) != 0o600:
-                os.chmod(path, 0o600)  # made 0644 by an earlier Corral
-            db = sqlite3.connect(path, timeout=30, isolation_level=None)
-            _prepare(db)
+            with _opening:
+                _made_private(path)
+                db = sqlite3.connect(path, timeout=30, isolation_level=None)
+                _prepare(db)
             self._local.db = db
             self._local.pid = os.getpid()
         return db
