@@ -125,8 +125,8 @@ def all_leftovers(state_dir: Path) -> list[str]:
     uids = state_dir / "uids"
     if uids.is_dir():
         # a wasm tier's standby guests hold uids for sandboxes not created yet: the tier's, not a
-        # sandbox's (their owner prefix on disk keeps the old name "wasm-spare:")
-        found += [f"uid {p.name}" for p in uids.iterdir() if not _owner(p).startswith("wasm-spare:")]
+        # sandbox's (process names, wasm-spare@PID.START; an older Corral's wasm-spare:PID)
+        found += [f"uid {p.name}" for p in uids.iterdir() if not _owner(p).startswith(("wasm-spare@", "wasm-spare:"))]
     return found
 
 
