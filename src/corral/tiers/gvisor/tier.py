@@ -263,11 +263,6 @@ class GVisorSandbox(LinuxSandbox):
         (bundle / "config.json").write_text(json.dumps(config))
         self._launch(bundle)
 
-    def _run_dir_group(self) -> int | None:
-        # the root, workspace and /dev/shm are mounted in the host's namespace under the run
-        # directory: only the range's root (runsc's gofer and Sentry, gid root_uid) passes
-        return self.root_uid
-
     def _launch(self, bundle: Path) -> None:
         assert self.cgroup is not None
         state = self._run_dir / "runsc"

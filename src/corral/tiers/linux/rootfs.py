@@ -104,7 +104,6 @@ def build_root(
     mounter: HostMounts | None = None,
     workspace_userns: Callable[[tuple[str, str]], int] | None = None,
     disk_size: int | None = None,
-    reach_gid: int | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
 
@@ -133,19 +132,20 @@ def build_root(
     ``disk_size`` is the disk tmpfs's size (default: the spec's ``disk``; see
     :func:`disk_held_in_memory`).
 
-    ``reach_gid``: the only group that may pass ``run_dir`` (0710), for a tier whose mounts are
-    in the host's namespace (``mounter`` the default): there the root, the workspace and
-    ``/dev/shm`` (1777) are under ``run_dir``, and with 0711 any user of the host who read the
-    sandbox id in ``ps`` read its files and wrote into its ``/tmp``.
+    Mounted in the host's namespace (``mounter`` the default), the root, the workspace and
+    ``/dev/shm`` (1777) are reachable under ``run_dir``: it is then 0710 with ``root_uid``'s group
+    (the range's root, which the tier's host processes run as), where 0711 let any user of the host
+    who read the sandbox id in ``ps`` read its files and write into its ``/tmp``.
     """
+    visible_on_host = mounter is None
     mounter = mounter or HostMounts()
     size = disk_size if disk_size is not None else spec.limits.disk
     image = resolve(spec.image, state_dir)
-    if reach_gid is None:
-        os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
-    else:
-        os.chown(run_dir, 0, reach_gid)
+    if visible_on_host and root_uid is not None:
+        os.chown(run_dir, 0, root_uid)
         os.chmod(run_dir, 0o710)
+    else:
+        os.chmod(run_dir, 0o711)  # the sandbox runs as ``uid`` and must reach root/
     disk, root = run_dir / "disk", run_dir / "root"
     disk.mkdir()
     root.mkdir()

@@ -193,16 +193,11 @@ class LinuxSandbox(TierSandbox):
             fill=fill,
             userns=self._userns if self._userns_pending is not None else None, root_uid=self.uid_range.base,
             workspace_userns=self._workspace_userns if self._ws_userns_pending is not None else None,
-            mounter=self._mountns, disk_size=self._disk_size(), reach_gid=self._run_dir_group(),
+            mounter=self._mountns, disk_size=self._disk_size(),
         )
         self.workspace = built.workspace
         self._mounts = built.mounts
         return built
-
-    def _run_dir_group(self) -> int | None:
-        """The one group that may pass the run directory, where a tier mounts the sandbox's files
-        in the host's namespace; None: any user may pass it (nothing of the sandbox is there)."""
-        return None
 
     # -- use ---------------------------------------------------------------
     def _channel_or_raise(self) -> AgentChannel:
