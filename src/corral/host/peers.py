@@ -12,11 +12,10 @@ import socket
 import struct
 import threading
 
-from .netlink import HEADER, NLMSG_ERROR
+from .netlink import HEADER, NLM_F_REQUEST, NLMSG_ERROR
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
-NLM_F_REQUEST = 0x1
 #: an exact lookup without the socket's cookie
 INET_DIAG_NOCOOKIE = 0xFFFFFFFF
 #: inet_diag_req_v2: family, protocol, extensions, pad, states, then the socket id
