@@ -233,13 +233,13 @@ def _local_uid(user: object) -> int:
     """A user of this host, by name or uid: its uid."""
     import pwd
 
+    if isinstance(user, str) and user.isdigit():
+        user = int(user)
     if isinstance(user, int) and not isinstance(user, bool) and 0 <= user < 2**32 - 1:
         return user
-    if isinstance(user, str) and user and not user.isdigit():
+    if isinstance(user, str) and user:
         try:
             return pwd.getpwnam(user).pw_uid
         except KeyError:
             pass
-    elif isinstance(user, str) and user.isdigit():
-        return _local_uid(int(user))
     raise InvalidSpec(f"local_users: {user!r} is not a user of this host (a name from /etc/passwd, or a uid)")
