@@ -99,9 +99,10 @@ class ServerProcess:
         self.stop()
 
 
-def status_as_user(uid: int, port: int, request: bytes) -> int:
-    """The HTTP status a raw ``request`` to 127.0.0.1:``port`` gets from a client running as
-    ``uid`` (a forked child that drops to it: another user of the host)."""
+def reply_as_user(uid: int, port: int, request: bytes, whole: bool = False) -> bytes:
+    """What a raw ``request`` to 127.0.0.1:``port`` gets back (its first line, or ``whole``: all
+    until the server closes, at most 64 KiB) from a client running as ``uid`` (a forked child that
+    drops to it: another user of the host)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no Python-level cleanup, only os._exit
@@ -112,17 +113,23 @@ def status_as_user(uid: int, port: int, request: bytes) -> int:
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
                 sock.sendall(request)
                 head = b""
-                while b"\r\n" not in head:
+                while whole or b"\r\n" not in head:
                     chunk = sock.recv(4096)
-                    if not chunk:
+                    if not chunk or len(head) > 65536:
                         break
                     head += chunk
-            os.write(write_end, head[:200])
+            os.write(write_end, head[:65536] if whole else head[:200])
         finally:
             os._exit(0)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as answer:
         head = answer.read()
     os.waitpid(pid, 0)
+    return head
+
+
+def status_as_user(uid: int, port: int, request: bytes) -> int:
+    """The HTTP status a raw ``request`` to 127.0.0.1:``port`` gets from a client running as ``uid``."""
+    head = reply_as_user(uid, port, request)
     assert head.startswith(b"HTTP/1.1 "), head
     return int(head.split()[1])

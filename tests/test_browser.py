@@ -144,6 +144,52 @@ def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path, tier: s
     assert sandbox_leftovers(sb.id, state_dir) == []
 
 
+def test_a_tcp_forward_relays_its_own_user_and_root_and_the_users_named_only(state_dir: Path) -> None:
+    """Loopback TCP is every local user's: a forward (a browser's DevTools endpoint, often) relays
+    only connections made by its process's user and root, and by ``local_users``; another user's
+    connection is closed before anything reaches the sandbox (its server logs no request). Before:
+    uid 65534 read the sandbox's server through any forward."""
+    import subprocess
+
+    from corral.errors import InvalidSpec
+    from server_fixtures import reply_as_user
+
+    nobody = 65534
+    request = b"GET /index.html HTTP/1.0\r\n\r\n"
+    with Sandbox.create() as sb:
+        sb.commands.start("cd /tmp && echo served > index.html && exec python3 -m http.server 8000 "
+                          "--bind 127.0.0.1 2>/tmp/requests.log", timeout=120)
+        own = sb.ports.expose(8000)
+        shared = sb.ports.expose(8000, local_users=["nobody"])
+        by_uid = sb.ports.expose(8000, local_users=[str(nobody)])
+        assert wait_for(lambda: http_get(own.url + "index.html"), "the forwarded server") == b"served\n"
+        assert http_get(shared.url + "index.html") == b"served\n"  # root is let in wherever others are
+        served = sb.commands.run("grep -c 'GET /index.html' /tmp/requests.log").stdout
+
+        for _ in range(3):  # each attempt cut: no request reaches the sandbox's server
+            assert reply_as_user(nobody, own.port, request, whole=True) == b""
+        assert sb.commands.run("grep -c 'GET /index.html' /tmp/requests.log").stdout == served
+        for forward in (shared, by_uid):  # the named user is let in, by name or by uid
+            assert reply_as_user(nobody, forward.port, request, whole=True).endswith(b"served\n")
+        assert reply_as_user(1000, shared.port, request, whole=True) == b""  # only the user named
+        assert http_get(own.url + "index.html") == b"served\n"  # the owner still is, after refusals
+
+        for bad, why in (({"local_users": ["no-such-user-corral"]}, "not a user of this host"),
+                         ({"local_users": "nobody"}, "must be a list"),
+                         ({"local_users": [-1]}, "not a user of this host"),
+                         ({"local_users": ["nobody"], "unix_socket": True}, "Unix socket")):
+            with pytest.raises(InvalidSpec, match=why):
+                sb.ports.expose(8000, **bad)  # type: ignore[arg-type]
+        assert len(sb.ports.list()) == 3
+        # through the sandbox's owner (another process driving it by id): the names reach the owner
+        script = ("import sys; from corral import Sandbox\n"
+                  "print(Sandbox.connect(sys.argv[1]).ports.expose(8000, local_users=['nobody']).port)\n")
+        out = subprocess.run([sys.executable, "-c", script, sb.id], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert reply_as_user(nobody, int(out.stdout), request, whole=True).endswith(b"served\n")
+        assert reply_as_user(1000, int(out.stdout), request, whole=True) == b""
+
+
 def test_forwards_closed_in_a_long_lived_sandbox_are_let_go(state_dir: Path) -> None:
     """2000 forwards exposed and closed one after another in one sandbox: none is kept once closed
     (before: the sandbox held every one it ever made, ~4 KB each: 10000 grew the caller by 43 MiB),
@@ -363,16 +409,28 @@ def test_cli_run_expose_prints_the_address() -> None:
               "class H(h.BaseHTTPRequestHandler):\n"
               "    def do_GET(self):\n"
               "        self.send_response(200); self.end_headers(); self.wfile.write(b'from the cli')\n"
-              "h.HTTPServer(('127.0.0.1', 8000), H).handle_request()\n")
+              "s = h.HTTPServer(('127.0.0.1', 8000), H)\n"
+              "s.handle_request(); s.handle_request()\n")
+    from server_fixtures import reply_as_user
+
     corral = str(Path(sys.executable).with_name("corral"))
-    proc = subprocess.Popen([corral, "run", "--expose", "8000", "--timeout", "60", "--", "python3", "-c", server],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for bad, said in ((["--expose-to", "nobody"], "give --expose PORT too"),
+                      (["--expose", "8000", "--expose-to", "no-such-user-corral"], "--expose-to: 'no-such-user")):
+        refused = subprocess.run([corral, "run", *bad, "--", "true"], capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 125 and said in refused.stderr, refused
+    proc = subprocess.Popen([corral, "run", "--expose", "8000", "--expose-to", "nobody", "--timeout", "60", "--",
+                             "python3", "-c", server], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
         assert line.startswith("corral: port 8000 exposed at 127.0.0.1:"), line
         url = line.rsplit("(", 1)[1].rstrip(")\n")
-        assert wait_for(lambda: http_get(url), "the command's server") == b"from the cli"
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        # the user named reaches it, another is cut, root too reaches it (the server answers two requests)
+        reply = wait_for(lambda: reply_as_user(65534, port, b"GET / HTTP/1.0\r\n\r\n", whole=True), "the server")
+        assert reply.endswith(b"from the cli"), reply  # type: ignore[union-attr]
+        assert reply_as_user(1000, port, b"GET / HTTP/1.0\r\n\r\n", whole=True) == b""
+        assert http_get(url) == b"from the cli"
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()

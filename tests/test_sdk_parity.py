@@ -167,5 +167,10 @@ def test_an_exposed_port_is_reached_both_ways(sandbox: Any, server: ServerProces
 
         time.sleep(0.1)
     assert response.status_code == 200 and response.text == "served"
+    if sandbox.remote:  # who reaches a server's port route is the server's decision (keys), not a uid list
+        with pytest.raises(InvalidSpec, match="server's URL"):
+            sandbox.ports.expose(8000, local_users=["nobody"])
+    with pytest.raises(InvalidSpec, match="not a user of this host"):
+        sandbox.ports.expose(8000, local_users=["no-such-user-corral"])
     sandbox.ports.close(exposed)
     assert sandbox.ports.list() == []

@@ -308,13 +308,15 @@ class AsyncPorts:
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sb = sandbox
 
-    async def expose(self, port: int, *, unix_socket: bool = False) -> ExposedPort:
+    async def expose(self, port: int, *, unix_socket: bool = False, local_users: Sequence[str | int] = ()) -> ExposedPort:
         backend = self._sb._backend
         if isinstance(backend, ThreadedBackend):
-            return await asyncio.to_thread(backend.sync.ports.expose, port, unix_socket=unix_socket)
+            return await asyncio.to_thread(backend.sync.ports.expose, port, unix_socket=unix_socket,
+                                           local_users=local_users)
         from .http_transport import server_port
+        from .ports import other_uids
 
-        return server_port(backend._client, backend.id, port, unix_socket)
+        return server_port(backend._client, backend.id, port, unix_socket, other_uids(local_users))
 
 
 def _server(url: str | None) -> str | None:

@@ -14,7 +14,7 @@ import base64
 import builtins
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
@@ -310,8 +310,8 @@ class HTTPBackend(SandboxBackend):
 
         return [AuditEvent(**event) for event in self._call("GET", "/network/audit")["events"]]
 
-    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
-        return server_port(self._client, self.id, port, unix), lambda: None
+    def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
+        return server_port(self._client, self.id, port, unix, other_users), lambda: None
 
     def snapshot(self) -> Snapshot:
         from .snapshots import Snapshot
@@ -328,8 +328,13 @@ class HTTPBackend(SandboxBackend):
             pass
 
 
-def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool) -> ExposedPort:
+def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool,
+                other_users: Sequence[int] = ()) -> ExposedPort:
     """Where a caller reaches ``port`` of a server's sandbox: the server's proxy route (with the API key)."""
+    if other_users:
+        raise InvalidSpec("local_users: a server's sandbox port is reached through the server's URL, by "
+                          "whoever the server lets in (its API keys, or its local_users without keys)",
+                          sandbox_id=sandbox_id)
     if unix:
         raise InvalidSpec("unix_socket: a server's sandbox is reached through the server's URL, "
                           "not a socket on this host", sandbox_id=sandbox_id)

@@ -9,7 +9,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -361,9 +361,9 @@ class LocalBackend(SandboxBackend):
     def audit(self) -> list[AuditEvent]:
         return self.network.audit()
 
-    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
+    def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
         with host_errors("expose a port", self.id):
-            forward = self.tier_sandbox().expose_port(port, unix=unix)
+            forward = self.tier_sandbox().expose_port(port, unix=unix, other_users=other_users)
         return ExposedPort.of(forward), forward.close
 
     def snapshot(self, tenant: str | None = None) -> Snapshot:

@@ -7,7 +7,7 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -317,8 +317,9 @@ class OwnerBackend(SandboxBackend):
 
         return [AuditEvent(**event) for event in self._call("audit")]
 
-    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
-        return ExposedPort(**self._call("expose_port", port=port, unix=unix)), lambda: None
+    def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
+        exposed = self._call("expose_port", port=port, unix=unix, other_users=list(other_users))
+        return ExposedPort(**exposed), lambda: None
 
     def snapshot(self) -> Snapshot:
         from .snapshots import Snapshot

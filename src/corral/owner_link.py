@@ -216,7 +216,8 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         "code_contexts": lambda: [list(c) for c in backend.code_contexts()],
         "remove_code_context": lambda: backend.remove_code_context(str(args["name"])),
         "audit": lambda: [event.to_dict() for event in backend.audit()],
-        "expose_port": lambda: _expose(backend, int(args["port"]), bool(args["unix"])),
+        "expose_port": lambda: _expose(backend, int(args["port"]), bool(args["unix"]),
+                                       [int(uid) for uid in args.get("other_users", ())]),
         "snapshot": lambda: backend.snapshot().to_dict(),
         "close": backend.close,
     }
@@ -339,8 +340,8 @@ def _follow_controls(process: CommandProcess, frames: Iterator[dict[str, Any]], 
             process.kill()
 
 
-def _expose(backend: LocalBackend, port: int, unix: bool) -> dict[str, Any]:
-    exposed, _ = backend.expose_port(port, unix)  # the forward closes with the sandbox, in its owner
+def _expose(backend: LocalBackend, port: int, unix: bool, other_users: list[int]) -> dict[str, Any]:
+    exposed, _ = backend.expose_port(port, unix, other_users)  # the forward closes with the sandbox, in its owner
     return exposed.to_dict()
 
 

@@ -8,11 +8,17 @@
 The forward goes through Corral's host side (see :mod:`corral.host.portfwd`):
 the sandbox's network stays what its mode made it, ``none`` included.  A
 forward lives until :meth:`Ports.close` or the sandbox is destroyed.
+
+Loopback TCP is open to every user of the host, so a TCP forward relays only
+connections made by this process's user and root (the kernel is asked whose
+each connecting socket is); ``local_users=["alice"]`` lets more users in, for
+example a desktop browser that is not run as root.  Anyone else's connection
+is closed before anything reaches the sandbox.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,16 +51,27 @@ class ExposedPort:
         return asdict(self)
 
 
+def other_uids(local_users: Sequence[str | int], what: str = "local_users") -> tuple[int, ...]:
+    """``local_users`` of :meth:`Ports.expose` as uids (InvalidSpec naming ``what`` for one this host lacks)."""
+    from .errors import InvalidSpec
+    from .host.peers import local_uid
+
+    if isinstance(local_users, (str, int)):
+        raise InvalidSpec(f"{what}: {local_users!r} must be a list of user names or uids")
+    return tuple(local_uid(user, what) for user in local_users)
+
+
 class Ports:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
         self._forwards: list[tuple[ExposedPort, Callable[[], None]]] = []
 
-    def expose(self, port: int, *, unix_socket: bool = False) -> ExposedPort:
+    def expose(self, port: int, *, unix_socket: bool = False, local_users: Sequence[str | int] = ()) -> ExposedPort:
         """Forward a new listener on the host (TCP on 127.0.0.1, or a 0600 Unix socket in the
         sandbox's run directory with ``unix_socket=True``) into ``port`` on the sandbox's loopback.
-        Each connection is made when a client connects: the port need not be listening yet."""
-        exposed = self._sb._backend.expose_port(port, unix_socket)
+        Each connection is made when a client connects: the port need not be listening yet.
+        Only this process's user and root connect, and the ``local_users`` (names or uids)."""
+        exposed = self._sb._backend.expose_port(port, unix_socket, other_uids(local_users))
         self._forwards.append(exposed)
         return exposed[0]
 

@@ -212,8 +212,9 @@ class SandboxBackend(ABC):
     def audit(self) -> list[AuditEvent]: ...
 
     @abstractmethod
-    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
-        """Where the caller reaches ``port`` of the sandbox, and how to close that way."""
+    def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
+        """Where the caller reaches ``port`` of the sandbox, and how to close that way; beside the
+        caller's user and root, the uids ``other_users`` may connect (a TCP forward on this host)."""
 
     def snapshot(self) -> Snapshot:
         """Snapshot the sandbox's files (see :mod:`corral.snapshots`)."""

@@ -65,12 +65,16 @@ def register(sub: Any) -> None:
                         help="forward a host port on 127.0.0.1 into PORT on the sandbox's loopback while the "
                         "command runs, whatever the network mode (repeatable); the address goes to stderr "
                         "(and to the JSON as ports)")
+    parser.add_argument("--expose-to", action="append", default=[], metavar="USER",
+                        help="let this user of the host (name or uid) connect to the --expose ports too; "
+                        "by default only the user running corral and root do (repeatable)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
     parser.set_defaults(handler=handle)
 
 
 def handle(args: argparse.Namespace) -> int:
     from ..errors import InvalidSpec, SandboxClosed
+    from ..ports import other_uids
     from ..sandbox import Sandbox
 
     cmd = list(args.cmd)
@@ -79,6 +83,9 @@ def handle(args: argparse.Namespace) -> int:
     if not cmd:
         raise InvalidSpec("no command given: corral run [OPTIONS] -- CMD [ARGS...]")
     spec = spec_from_args(args)
+    if args.expose_to and not args.expose:
+        raise InvalidSpec("--expose-to: it names who may connect to --expose ports; give --expose PORT too")
+    expose_to = other_uids(args.expose_to, "--expose-to")  # a user this host lacks: an error before any sandbox
     out, err = sys.stdout.buffer, sys.stderr.buffer
 
     def stream(name: str, chunk: bytes) -> None:
@@ -96,7 +103,7 @@ def handle(args: argparse.Namespace) -> int:
         if args.expose and ports is None:  # a server's sandbox (CORRAL_URL): its proxy route instead
             raise InvalidSpec(f"--expose: sandbox {sb.id} is a server's; reach its port through "
                               f"/v1/sandboxes/{sb.id}/ports/PORT/ on that server")
-        exposed = [ports.expose(port) for port in args.expose] if ports is not None else []
+        exposed = [ports.expose(port, local_users=expose_to) for port in args.expose] if ports is not None else []
         for port in exposed:  # before the command starts, so a caller can connect as soon as it listens
             print(f"corral: port {port.sandbox_port} exposed at {port.host}:{port.port} ({port.url})",
                   file=sys.stderr, flush=True)

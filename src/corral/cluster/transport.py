@@ -15,7 +15,7 @@ import atexit
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ClusterFull, ConnectionLost, InvalidSpec, InvalidState, SandboxError, SandboxLost, SandboxNotFound
@@ -231,7 +231,7 @@ class ClusterBackend(SandboxBackend):
         events: list[AuditEvent] = self.call("audit")
         return events
 
-    def expose_port(self, port: int, unix: bool) -> tuple[ExposedPort, Callable[[], None]]:
+    def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
         raise InvalidState(f"sandbox {self.id}: ports of a cluster sandbox open on its node, not here; "
                            "front the cluster with `corral serve --cluster` to reach them", sandbox_id=self.id)
 

@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 
+from ..errors import InvalidSpec
 from .netlink import HEADER, NLM_F_REQUEST, NLMSG_ERROR
 
 NETLINK_SOCK_DIAG = 4
@@ -29,12 +30,17 @@ _MSG_UID = struct.Struct("=BBBB48xIIII")
 _local = threading.local()
 
 
-def _diag_socket() -> socket.socket:
+def diag_socket() -> socket.socket:
+    """A socket for :func:`tcp_peer_uid` lookups, to be used by one thread at a time."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+    sock.settimeout(2)
+    return sock
+
+
+def _thread_diag_socket() -> socket.socket:
     sock: socket.socket | None = getattr(_local, "sock", None)
     if sock is None:
-        sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
-        sock.settimeout(2)
-        _local.sock = sock
+        sock = _local.sock = diag_socket()
     return sock
 
 
@@ -46,9 +52,10 @@ def _packed(address: str) -> tuple[int, bytes]:
     return family, ip.packed.ljust(16, b"\0")
 
 
-def tcp_peer_uid(client: tuple[str, int], server: tuple[str, int]) -> int | None:
+def tcp_peer_uid(client: tuple[str, int], server: tuple[str, int], sock: socket.socket | None = None) -> int | None:
     """The uid owning the socket at ``client`` connected to ``server`` (both on this host, in
-    this network namespace), or None if there is no such socket (it closed, or it is not local)."""
+    this network namespace), or None if there is no such socket (it closed, or it is not local).
+    ``sock``: a :func:`diag_socket` the caller owns (default: one kept for the calling thread)."""
     family, source = _packed(client[0])
     server_family, destination = _packed(server[0])
     if server_family != family:
@@ -56,7 +63,8 @@ def tcp_peer_uid(client: tuple[str, int], server: tuple[str, int]) -> int | None
     sockid = _SOCKID.pack(client[1], server[1], source, destination) + _SOCKID_TAIL.pack(
         0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)
     body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF) + sockid
-    sock = _diag_socket()
+    if sock is None:
+        sock = _thread_diag_socket()
     _local.seq = seq = getattr(_local, "seq", 0) + 1
     sock.send(HEADER.pack(HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0) + body)
     while True:
@@ -70,3 +78,20 @@ def tcp_peer_uid(client: tuple[str, int], server: tuple[str, int]) -> int | None
             return None
         uid: int = _MSG_UID.unpack_from(data, HEADER.size)[7]
         return uid
+
+
+def local_uid(user: object, what: str = "local_users") -> int:
+    """A user of this host, by name or uid (an int or a digit string): its uid; InvalidSpec naming
+    ``what`` otherwise."""
+    import pwd
+
+    if isinstance(user, str) and user.isdigit():
+        user = int(user)
+    if isinstance(user, int) and not isinstance(user, bool) and 0 <= user < 2**32 - 1:
+        return user
+    if isinstance(user, str) and user:
+        try:
+            return pwd.getpwnam(user).pw_uid
+        except KeyError:
+            pass
+    raise InvalidSpec(f"{what}: {user!r} is not a user of this host (a name from /etc/passwd, or a uid)")

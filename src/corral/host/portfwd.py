@@ -15,6 +15,13 @@ host makes the connection *from inside* instead:
   ``connect`` function (the connector above, or a tier's own) and relayed
   both ways until either side closes.  Each forward caps its connections.
 
+Only the forward's own user (and root, and users it was told to let in) reach
+the sandbox through it.  Loopback TCP is every local user's: a Unix socket is
+0600, and a TCP client is looked up by its connection (:mod:`.peers`, one
+netlink round trip) and cut before anything is connected inside if its socket
+belongs to another user -- a forwarded port is often a browser's DevTools
+endpoint, which is full control of that browser.
+
 Everything a forward owns (its listening socket, its Unix socket file, its
 relay threads and their sockets) goes in :meth:`PortForward.close`; the Unix
 socket lives in the sandbox's run directory, so the janitor removes it with
@@ -28,11 +35,12 @@ import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from . import mounts
 from .netns import CLONE_NEWNET
+from .peers import diag_socket, tcp_peer_uid
 from .sockets import bind_private, close_listener
 
 #: connections one forward relays at once; more wait in the listen backlog
@@ -111,15 +119,23 @@ class PortForward:
     """One listener on the host relaying each connection to ``connect(port, timeout)``."""
 
     def __init__(self, port: int, connect: Connect, unix_path: Path | None = None,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, other_users: Iterable[int] = ()) -> None:
         self.sandbox_port = port
         self._connect = connect
+        #: who may connect over TCP: this process's user, root, and ``other_users`` (uids)
+        self.users = frozenset({0, os.geteuid(), *other_users})
+        if unix_path is not None and len(self.users) > len({0, os.geteuid()}):
+            raise ValueError("other_users: a Unix socket forward is its owner's alone (0600)")
+        #: TCP connections cut because another user's socket made them
+        self.refused = 0
         self._timeout = connect_timeout
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = False
         self.unix_path = unix_path
+        #: the accept loop's own netlink socket for asking whose each TCP client is (it closes it)
+        self._lookups = diag_socket() if unix_path is None else None
         if unix_path is not None:
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             unix_path.unlink(missing_ok=True)
@@ -140,15 +156,24 @@ class PortForward:
         return f"http://{self.host}:{self.port}/"
 
     def _accept_loop(self) -> None:
-        while True:
-            self._slots.acquire()
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                self._slots.release()
-                return  # closed
-            threading.Thread(target=self._serve, args=(client,), name=f"portfwd-{self.sandbox_port}-conn",
-                             daemon=True).start()
+        lookups = self._lookups
+        try:
+            while True:
+                self._slots.acquire()
+                try:
+                    client, _ = self._listener.accept()
+                except OSError:
+                    self._slots.release()
+                    return  # closed
+                if lookups is not None and not self._from_a_user_let_in(client, lookups):
+                    client.close()  # the client sees the connection close, and the sandbox sees nothing
+                    self._slots.release()
+                    continue
+                threading.Thread(target=self._serve, args=(client,), name=f"portfwd-{self.sandbox_port}-conn",
+                                 daemon=True).start()
+        finally:
+            if lookups is not None:
+                lookups.close()
 
     def _track(self, *socks: socket.socket) -> bool:
         with self._lock:
@@ -186,6 +211,17 @@ class PortForward:
             if inner is not None:
                 inner.close()
             self._slots.release()
+
+    def _from_a_user_let_in(self, client: socket.socket, lookups: socket.socket) -> bool:
+        try:
+            uid = tcp_peer_uid(client.getpeername()[:2], client.getsockname()[:2], lookups)
+        except OSError:
+            uid = None  # not found (closed already): refused, as any socket we cannot name
+        if uid in self.users:
+            return True
+        with self._lock:
+            self.refused += 1
+        return False
 
     @property
     def closed(self) -> bool:

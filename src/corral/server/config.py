@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidSpec
+from ..host.peers import local_uid
 from ..spec import MiB, parse_size
 
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
@@ -175,7 +176,7 @@ class ServerConfig:
         if self.cluster is not None and self.pools:
             raise InvalidSpec("pools: with --cluster the warm pools are the nodes' own "
                               "(corral cluster up --pool MIN:MAX:SPEC), not the server's")
-        self.local_users = [_local_uid(user) for user in self.local_users]
+        self.local_users = [local_uid(user) for user in self.local_users]
         if self.local_users and self.key_digests:
             raise InvalidSpec("local_users: with API keys a key is what lets a user in; list users only without keys")
         if not self.key_digests and not is_loopback(self.host):
@@ -227,19 +228,3 @@ class ServerConfig:
             if value is not None:
                 setattr(config, name, value)
         return config.validate()
-
-
-def _local_uid(user: object) -> int:
-    """A user of this host, by name or uid: its uid."""
-    import pwd
-
-    if isinstance(user, str) and user.isdigit():
-        user = int(user)
-    if isinstance(user, int) and not isinstance(user, bool) and 0 <= user < 2**32 - 1:
-        return user
-    if isinstance(user, str) and user:
-        try:
-            return pwd.getpwnam(user).pw_uid
-        except KeyError:
-            pass
-    raise InvalidSpec(f"local_users: {user!r} is not a user of this host (a name from /etc/passwd, or a uid)")

@@ -17,7 +17,7 @@ returned to release what an owner that died left behind.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -242,10 +242,11 @@ class TierSandbox(ABC):
     @abstractmethod
     def make_dir(self, path: str, mode: int = 0o755) -> None: ...
 
-    def expose_port(self, port: int, unix: bool = False) -> PortForward:
+    def expose_port(self, port: int, unix: bool = False, other_users: Sequence[int] = ()) -> PortForward:
         """Forward a new host listener (TCP on 127.0.0.1, or a Unix socket with ``unix``) into
         ``port`` on the sandbox's own loopback, through the host side: the sandbox's network is
-        left as its mode made it. The forward closes with the sandbox."""
+        left as its mode made it. Only this process's user and root connect, and the uids in
+        ``other_users`` (TCP only). The forward closes with the sandbox."""
         raise InvalidSpec(f"sandbox {self.id}: its tier cannot forward ports")
 
     def sync(self) -> None:  # noqa: B027 - optional hook: most tiers have nothing to sync

@@ -32,6 +32,7 @@ import os
 import shutil
 import threading
 from abc import abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 from ...egress.network import SandboxNetwork
@@ -313,9 +314,12 @@ class LinuxSandbox(TierSandbox):
         kernel's (then a forward connects from a host thread inside it); None otherwise."""
         return None
 
-    def expose_port(self, port: int, unix: bool = False) -> PortForward:
+    def expose_port(self, port: int, unix: bool = False, other_users: Sequence[int] = ()) -> PortForward:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise InvalidSpec(f"port {port!r} must be a TCP port number (1-65535)")
+        if unix and other_users:
+            raise InvalidSpec("local_users: a Unix socket forward is its owner's alone (0600); "
+                              "let other users in through a TCP forward")
         self._channel_or_raise()
         with self._lock:
             if self._closed:
@@ -335,7 +339,7 @@ class LinuxSandbox(TierSandbox):
             if unix:
                 (self._run_dir / "ports").mkdir(mode=0o700, exist_ok=True)
                 unix_path = self._run_dir / "ports" / f"{port}-{self._forwards_made}.sock"
-            forward = PortForward(port, connect, unix_path)
+            forward = PortForward(port, connect, unix_path, other_users=other_users)
             self._forwards_made += 1
             self._forwards = [f for f in self._forwards if not f.closed]
             self._forwards.append(forward)
