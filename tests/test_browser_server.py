@@ -46,6 +46,11 @@ def test_port_proxy_http_and_devtools_websocket_for_the_owner_only(server: Serve
     assert bob.get("/v1/sandboxes/sb-0000000000000000/ports/8000/").status_code == 404
     assert nobody.get(f"{base}/8000/index.html").status_code == 401
     assert alice.get(f"{base}/8001/").status_code == 502  # nothing listens there
+    # the port's own origin (PORT-ID.localhost) is the same proxy: the owner's key, or nothing
+    own = {"host": f"8000-{sid}.localhost:{server.port}"}
+    assert alice.get("/index.html", headers=own).text == "served\n"
+    assert bob.get("/index.html", headers=own).status_code == 404
+    assert nobody.get("/index.html", headers=own).status_code == 401
     # Chromium's DevTools: its JSON over HTTP, then the browser's WebSocket, through the proxy
     version = wait_for(lambda: (r := alice.get(f"{base}/9222/json/version")).status_code == 200 and r.json(),
                        "Chromium's DevTools endpoint", 60)

@@ -154,6 +154,8 @@ def test_an_exposed_port_is_reached_both_ways(sandbox: Any, server: ServerProces
                          background=True)
     exposed = sandbox.ports.expose(8000)
     assert exposed.sandbox_port == 8000 and exposed in sandbox.ports.list()
+    # a browser's URL: the forward's own (embedded); none through a server with keys (a browser has no key)
+    assert exposed.browser_url == (None if sandbox.remote else exposed.url)
     headers = {"Authorization": f"Bearer {KEYS['alice']}"} if sandbox.remote else {}
     deadline = 50
     for _ in range(deadline):  # until the server in the sandbox listens (bounded)

@@ -148,6 +148,88 @@ def test_a_sandboxs_page_through_the_proxy_is_sandboxed_not_the_servers(keyless:
         assert http.get("/v1/sandboxes", headers={"origin": keyless.url}).status_code == 200
 
 
+ORIGIN_APP = """
+import base64, hashlib, http.server, json, time
+
+class App(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        if self.path == "/ws":  # one WebSocket message, "hi"
+            key = self.headers["Sec-WebSocket-Key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+            self.send_response(101)
+            self.send_header("Upgrade", "websocket")
+            self.send_header("Connection", "Upgrade")
+            self.send_header("Sec-WebSocket-Accept", base64.b64encode(hashlib.sha1(key.encode()).digest()).decode())
+            self.end_headers()
+            self.wfile.write(b"\\x81\\x02hi")
+            self.wfile.flush()
+            time.sleep(2)
+            return
+        body = json.dumps({"path": self.path, "host": self.headers["Host"]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+http.server.ThreadingHTTPServer(("127.0.0.1", 8000), App).serve_forever()
+"""
+
+
+def _websocket_hello(port: int, host: str, origin: str) -> bytes:
+    """The raw answer to a WebSocket handshake for ``/ws`` sent to the server as ``Host: host``."""
+    request = (f"GET /ws HTTP/1.1\r\nHost: {host}\r\nOrigin: {origin}\r\nUpgrade: websocket\r\n"
+               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request.encode())
+        answer = b""
+        while b"\x81\x02hi" not in answer and len(answer) < 65536:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer
+
+
+def test_a_sandbox_port_has_an_origin_of_its_own_on_a_keyless_server(keyless: ServerProcess) -> None:
+    """``http://PORT-ID.localhost:SERVERPORT/`` (browsers resolve ``*.localhost`` to the loopback) is
+    the port proxy on an origin that is neither the API's nor another port's: served as the
+    sandbox sent it (its own fetches, module scripts and WebSockets work there), every path the
+    sandbox's, and its pages refused by the API and by other ports."""
+    with Sandbox.create(url=keyless.url) as sb, Sandbox.create(url=keyless.url) as other, keyless.client() as http:
+        sb.files.write("/tmp/app.py", ORIGIN_APP)
+        sb.commands.run("exec python3 /tmp/app.py", background=True)
+        exposed = sb.ports.expose(8000)
+        own = f"8000-{sb.id}.localhost:{keyless.port}"
+        assert exposed.browser_url == f"http://{own}/"
+
+        import time
+
+        for _ in range(100):  # until the app listens (bounded: 10 s)
+            if (answer := http.get("/", headers={"host": own})).status_code == 200:
+                break
+            time.sleep(0.1)
+        assert answer.json() == {"path": "/", "host": "127.0.0.1:8000"}, answer.text
+        assert "content-security-policy" not in answer.headers  # its own origin: not sandboxed
+        # every path under that name is the sandbox's: the API is not there
+        assert http.get("/v1/sandboxes", headers={"host": own.upper()}).json()["path"] == "/v1/sandboxes"
+        assert http.get("/a?b=c", headers={"host": own, "origin": f"http://{own}"}).json()["path"] == "/a?b=c"
+        # its pages reach neither the API nor another sandbox's or port's origin
+        refused = http.get("/v1/sandboxes", headers={"origin": f"http://{own}"})
+        assert (refused.status_code, refused.json()["error"]) == (403, "forbidden_origin")
+        for host in (f"8000-{other.id}.localhost:{keyless.port}", f"8001-{sb.id}.localhost:{keyless.port}"):
+            assert http.get("/", headers={"host": host, "origin": f"http://{own}"}).status_code == 403, host
+        assert http.get("/", headers={"host": f"8000-sb-0000000000000000.localhost:{keyless.port}"}).status_code == 404
+        assert http.get("/", headers={"host": f"99999-{sb.id}.localhost:{keyless.port}"}).status_code == 400
+        # a WebSocket (a dev server's reload channel) on its own origin, and not from another
+        assert _websocket_hello(keyless.port, own, f"http://{own}").startswith(b"HTTP/1.1 101")
+        assert _websocket_hello(keyless.port, own, f"http://{own}").endswith(b"\x81\x02hi")
+        assert b" 403 " in _websocket_hello(keyless.port, own, keyless.url).split(b"\r\n")[0]
+        # the path form is still there, sandboxed (for clients that cannot resolve *.localhost)
+        assert http.get(exposed.url.removeprefix(keyless.url)).headers["content-security-policy"].startswith("sandbox")
+
+
 def test_another_user_of_the_host_is_refused(keyless: ServerProcess) -> None:
     with Sandbox.create(url=keyless.url) as sb:  # root's: served
         listing = f"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1:{keyless.port}\r\n\r\n".encode()

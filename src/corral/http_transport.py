@@ -341,8 +341,23 @@ def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool,
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise InvalidSpec(f"port {port!r} must be 1-65535", sandbox_id=sandbox_id)
     where = urlsplit(endpoint.url)
+    server_port = where.port or (443 if where.scheme == "https" else 80)
     url = f"{endpoint.url}{endpoint.sandbox_path(sandbox_id)}/ports/{port}/"
-    return ExposedPort(port, where.hostname or "", where.port or (443 if where.scheme == "https" else 80), url)
+    browser_url = None
+    if not endpoint.api_key and where.scheme == "http" and _is_loopback(where.hostname or ""):
+        browser_url = f"http://{port}-{sandbox_id}.localhost:{server_port}/"  # see server/port_routes.py
+    return ExposedPort(port, where.hostname or "", server_port, url, None, browser_url)
+
+
+def _is_loopback(hostname: str) -> bool:
+    import ipaddress
+
+    if hostname.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
 
 
 def stdin_field(stdin: bytes | None) -> dict[str, str]:

@@ -41,11 +41,16 @@ class ExposedPort:
     url: str
     #: the Unix socket's path (0600, root's), or None
     unix_socket: str | None = None
+    #: where a browser shows it on an origin of its own: a TCP forward's ``url``; a keyless loopback
+    #: server's ``http://PORT-ID.localhost:SERVERPORT/`` (its ``url`` serves the port's pages
+    #: sandboxed, on the server's origin); None for a Unix socket or a server with keys
+    browser_url: str | None = None
 
     @classmethod
     def of(cls, forward: PortForward) -> ExposedPort:
         path = str(forward.unix_path) if forward.unix_path is not None else None
-        return cls(forward.sandbox_port, forward.host, forward.port, forward.url, path)
+        return cls(forward.sandbox_port, forward.host, forward.port, forward.url, path,
+                   None if path is not None else forward.url)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -48,6 +48,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                        max_per_tenant=config.max_request_bytes_per_tenant, small_body_timeout=config.request_head_timeout)
     if config.auth_required:  # tenants to keep apart (without keys, every request is the one local tenant's)
         app.add_middleware(TenantRequests, tenant_of=context.tenant_of, max_per_tenant=config.max_requests_per_tenant)
+    app.add_middleware(port_routes.PortOrigins)  # PORT-ID.localhost: the port proxy, whatever the path
     if not config.auth_required:  # outermost: a web page's request goes no further (host_guard)
         app.add_middleware(LoopbackCallersOnly, also=[int(uid) for uid in config.local_users])
     for handled, handler in ERROR_HANDLERS:

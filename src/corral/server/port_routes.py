@@ -16,12 +16,21 @@ So every answer is served as a sandboxed page (``Content-Security-Policy: sandbo
 ``allow-same-origin``: an opaque origin, whose requests say ``Origin: null`` and are refused by a
 keyless server's guard and unreadable to it), beside any policy the sandbox sent, and the headers
 that act on the whole origin (``Service-Worker-Allowed``, ``Clear-Site-Data``) are dropped.
+
+For a browser, each sandbox port also has an origin of its own: ``http://PORT-ID.localhost:
+SERVERPORT/`` (browsers resolve every ``*.localhost`` name to the loopback themselves, RFC 6761)
+is the same proxy (:class:`PortOrigins`), served as the sandbox sent it -- an app that needs its
+origin (its own ``fetch``es, module scripts, ``localStorage``, a dev server's WebSocket) works
+there, and that origin is neither the API's nor another sandbox's nor another port's: a keyless
+server's guard refuses its requests anywhere but on itself, and every path under it is the
+sandbox's (the API is not reachable under that name).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -30,6 +39,7 @@ from urllib.parse import quote
 import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidSpec, ResourceLimit, SandboxError
@@ -58,6 +68,30 @@ _lock = threading.Lock()
 #: forwards the server keeps into one sandbox (each holds a listening socket and a thread until the
 #: sandbox is destroyed: asking for 500 ports held 500 threads, and nothing bounded them)
 MAX_FORWARDS_PER_SANDBOX = 16
+
+
+#: ``PORT-ID.localhost`` (a trailing dot and any port after it allowed; matched lower-cased)
+_PORT_ORIGIN = re.compile(r"(\d{1,5})-(sb-[0-9a-f]{16})\.localhost\.?(?::\d+)?")
+#: set in the scope of a request that came through a port's own origin
+OWN_ORIGIN = "corral.port_origin"
+
+
+class PortOrigins:
+    """ASGI middleware: a request whose ``Host`` is ``PORT-ID.localhost`` is the port proxy's,
+    whatever its path (``/x`` there is ``/v1/sandboxes/ID/ports/PORT/x``)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            host = next((value for name, value in scope["headers"] if name == b"host"), b"")
+            match = _PORT_ORIGIN.fullmatch(host.decode("latin-1").lower())
+            if match is not None:
+                prefix = f"/v1/sandboxes/{match[2]}/ports/{int(match[1])}"
+                scope = {**scope, "path": prefix + scope["path"], OWN_ORIGIN: True,
+                         "raw_path": prefix.encode() + (scope.get("raw_path") or scope["path"].encode())}
+        await self.app(scope, receive, send)
 
 
 def _check_port(port: int) -> None:
@@ -125,7 +159,8 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
     # raw, not a dict: headers sent more than once (Set-Cookie) stay apart, as sent
     answer.raw_headers = [(k, v) for k, v in response.headers.raw
                           if k.decode("latin-1").lower() not in (_DROP - {"content-length"}) | _ORIGIN_WIDE]
-    answer.raw_headers.append((b"content-security-policy", SANDBOXED_PAGE))
+    if not request.scope.get(OWN_ORIGIN):  # on the API's origin: a sandboxed page
+        answer.raw_headers.append((b"content-security-policy", SANDBOXED_PAGE))
     return answer
 
 
