@@ -45,7 +45,11 @@ def test_lifecycle_exec_and_files(server: ServerProcess) -> None:
         put = http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "d/f.bin"}, content=b"\x00\xffdata",
                        headers={"content-type": "application/octet-stream"})
         assert put.status_code == 204, put.text
-        assert http.get(f"/v1/sandboxes/{sid}/files/content", params={"path": "d/f.bin"}).content == b"\x00\xffdata"
+        got = http.get(f"/v1/sandboxes/{sid}/files/content", params={"path": "d/f.bin"})
+        assert got.content == b"\x00\xffdata"
+        # the sandbox's bytes on the API's origin: saved by a browser, never shown as its page
+        assert (got.headers["content-type"], got.headers["content-disposition"], got.headers["x-content-type-options"],
+                got.headers["content-security-policy"]) == ("application/octet-stream", "attachment", "nosniff", "sandbox")
         listing = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "d"}).json()["entries"]
         assert [(e["name"], e["size"]) for e in listing] == [("f.bin", 6)]
         assert http.post(f"/v1/sandboxes/{sid}/files/dir", params={"path": "e/f"}).status_code == 204

@@ -20,12 +20,19 @@ router = APIRouter()
 
 
 class Download(Response):
-    """A file's bytes, counted against the tenant's downloads in flight until they are sent."""
+    """A file's bytes, counted against the tenant's downloads in flight until they are sent.
+
+    The bytes are the sandbox's, on the server's own origin: a browser is told to save them, never
+    to sniff them into a page (an HTML file shown here would be same-origin with the API), and a
+    page it renders anyway is sandboxed (see ``port_routes``)."""
 
     media_type = "application/octet-stream"
+    #: what a browser may do with them
+    SAFE_HEADERS = {"content-disposition": "attachment", "x-content-type-options": "nosniff",
+                    "content-security-policy": "sandbox"}
 
     def __init__(self, data: bytes, release: Callable[[], None]) -> None:
-        super().__init__(data)
+        super().__init__(data, headers=self.SAFE_HEADERS)
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
