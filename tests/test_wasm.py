@@ -418,10 +418,25 @@ def test_standby_guests_of_a_dead_owner_are_reaped(wasm_available: None, state_d
     (stale / "fs").mkdir(parents=True)
     mounts.mount_tmpfs(stale / "fs", 1 << 20, 0, 0)
     uid = allocate_uid(state_dir, f"wasm-spare:{dead_pid}")  # the on-disk prefix keeps its old name
-    guests.reap_stale()  # type: ignore[attr-defined]
-    assert not stale.exists() and mounts.mounts_under(stale) == []
-    assert not (state_dir / "uids" / str(uid)).exists()
-    assert guests._ready  # type: ignore[attr-defined]  # our own standby guests are left alone
+    # named by pid and start time: a live pid that started at another time is a reused pid, its
+    # owner dead (before: judged by pid alone, kept until that other process ended)
+    from corral.host.procs import process_start_time
+
+    started = process_start_time(1)
+    assert started is not None
+    reused = guests.root / f"1.{started + 1}-cafe"  # type: ignore[attr-defined]
+    living = guests.root / f"1.{started}-beef"  # type: ignore[attr-defined]
+    for directory in (reused, living):
+        (directory / "fs").mkdir(parents=True)
+    try:
+        guests.reap_stale()  # type: ignore[attr-defined]
+        assert not stale.exists() and mounts.mounts_under(stale) == []
+        assert not (state_dir / "uids" / str(uid)).exists()
+        assert not reused.exists() and living.exists()
+        assert guests._ready  # type: ignore[attr-defined]  # our own standby guests are left alone
+        assert all(p.name.startswith(f"{os.getpid()}.") for p in guests.root.iterdir() if p != living)  # type: ignore[attr-defined]
+    finally:
+        shutil.rmtree(living, ignore_errors=True)
 
 
 def test_a_worker_reaches_no_network_of_the_hosts(sb: Sandbox) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import HostNotSupported
 from .host import grace
-from .host.procs import process_start_time
+from .host.procs import named_process_lives, process_start_time
 from .host.uids import release_ranges_of_dead_processes, release_uid
 
 DEFAULT_STATE_DIR = Path("/var/lib/corral")
@@ -333,12 +333,9 @@ def _release_orphan_ranges(root: Path, registry: Registry) -> None:
 
 
 def _of_dead_processes(directory: Path) -> list[Path]:
-    """Entries of ``directory`` named for a process (``PID.sock``, ``PID-...``) that is gone."""
+    """Entries of ``directory`` named for a process (``PID.sock``, ``PID-...``, ``PID.START-...``)
+    that is gone."""
     if not directory.is_dir():
         return []
-    found = []
-    for entry in directory.iterdir():
-        pid = entry.name.removesuffix(".sock").split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            found.append(entry)
-    return found
+    return [entry for entry in directory.iterdir()
+            if named_process_lives(entry.name.removesuffix(".sock").split("-", 1)[0]) is False]

@@ -54,6 +54,17 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19]) if fields is not None else None
 
 
+def named_process_lives(name: str) -> bool | None:
+    """Whether the process ``PID.START`` (pid and :func:`process_start_time`: a reused pid is
+    another process) or ``PID`` alone (names made before the start time was added) still runs;
+    None when ``name`` names no process."""
+    pid, dot, start = name.partition(".")
+    if not pid.isdigit() or (dot and not start.isdigit()):
+        return None
+    started = process_start_time(int(pid))
+    return started is not None and (not dot or started == int(start))
+
+
 def exiting(pid: int) -> bool:
     """True if ``pid`` is gone, a zombie, or on its way out (``PF_EXITING``: the kernel no
     longer moves it between cgroups, and it will never run again)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...host import mounts
-from ...host.procs import process_start_time
+from ...host.procs import named_process_lives
 from ...host.uids import allocate_uid, process_owner, release_ranges_of_dead_processes, release_uid, set_owner
 from ...spec import Limits, SandboxSpec
 from .python import PRESTART_ARGV
@@ -117,8 +117,10 @@ class StandbyGuests:
 
     def _make(self) -> StandbyGuest:
         tier = self.tier
-        uid = allocate_uid(tier.state_dir, process_owner(OWNER_KIND))
-        directory = self.root / f"{os.getpid()}-{secrets.token_hex(6)}"
+        owner = process_owner(OWNER_KIND)
+        uid = allocate_uid(tier.state_dir, owner)
+        # named by its owner's pid and start time, as the uid range is: a reused pid is not its owner
+        directory = self.root / f"{owner.rpartition('@')[2]}-{secrets.token_hex(6)}"
         fs = directory / "fs"
         standby: StandbyGuest | None = None
         try:
@@ -188,8 +190,7 @@ def reap_stale(state_dir: Path) -> None:
     if not root.is_dir():
         return
     for directory in root.iterdir():
-        pid = directory.name.split("-", 1)[0]
-        if pid.isdigit() and (int(pid) == os.getpid() or process_start_time(int(pid)) is not None):
+        if named_process_lives(directory.name.split("-", 1)[0]):
             continue
         mounts.unmount_all(directory)
         shutil.rmtree(directory, ignore_errors=True)
