@@ -30,6 +30,7 @@ from .errors import (
 )
 from .http_streams import BackgroundProcess, StreamProcess, stream_request
 from .lifecycle import SandboxInfo, matches
+from .netrules import names_loopback
 from .ports import ExposedPort
 from .spec import SandboxSpec
 from .tiers.base import ExecResult, FileEntry
@@ -341,23 +342,12 @@ def server_port(endpoint: Endpoint, sandbox_id: str, port: int, unix: bool,
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise InvalidSpec(f"port {port!r} must be 1-65535", sandbox_id=sandbox_id)
     where = urlsplit(endpoint.url)
-    server_port = where.port or (443 if where.scheme == "https" else 80)
+    listening = where.port or (443 if where.scheme == "https" else 80)
     url = f"{endpoint.url}{endpoint.sandbox_path(sandbox_id)}/ports/{port}/"
     browser_url = None
-    if not endpoint.api_key and where.scheme == "http" and _is_loopback(where.hostname or ""):
-        browser_url = f"http://{port}-{sandbox_id}.localhost:{server_port}/"  # see server/port_routes.py
-    return ExposedPort(port, where.hostname or "", server_port, url, None, browser_url)
-
-
-def _is_loopback(hostname: str) -> bool:
-    import ipaddress
-
-    if hostname.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(hostname).is_loopback
-    except ValueError:
-        return False
+    if not endpoint.api_key and where.scheme == "http" and names_loopback(where.hostname or ""):
+        browser_url = f"http://{port}-{sandbox_id}.localhost:{listening}/"  # see server/port_routes.py
+    return ExposedPort(port, where.hostname or "", listening, url, None, browser_url)
 
 
 def stdin_field(stdin: bytes | None) -> dict[str, str]:

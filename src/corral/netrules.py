@@ -17,6 +17,22 @@ from .errors import InvalidSpec
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+#: names that mean the loopback whatever the resolver says (RFC 6761)
+LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
+
+
+def names_loopback(hostname: str) -> bool:
+    """A host name, without port or brackets, that can only be this machine's loopback (a
+    loopback address, ``localhost`` or a ``*.localhost`` name), never resolved."""
+    name = hostname.lower()
+    if name in LOOPBACK_NAMES or name.endswith((".localhost", ".localhost.")):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 HOST_RE = re.compile(r"^(\*\.)?[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?\Z")
 
 

@@ -124,10 +124,8 @@ class PortForward:
         self._connect = connect
         #: who may connect over TCP: this process's user, root, and ``other_users`` (uids)
         self.users = frozenset({0, os.geteuid(), *other_users})
-        if unix_path is not None and len(self.users) > len({0, os.geteuid()}):
+        if unix_path is not None and self.users - {0, os.geteuid()}:
             raise ValueError("other_users: a Unix socket forward is its owner's alone (0600)")
-        #: TCP connections cut because another user's socket made them
-        self.refused = 0
         self._timeout = connect_timeout
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
@@ -217,11 +215,7 @@ class PortForward:
             uid = tcp_peer_uid(client.getpeername()[:2], client.getsockname()[:2], lookups)
         except OSError:
             uid = None  # not found (closed already): refused, as any socket we cannot name
-        if uid in self.users:
-            return True
-        with self._lock:
-            self.refused += 1
-        return False
+        return uid in self.users
 
     @property
     def closed(self) -> bool:

@@ -29,7 +29,6 @@ must accept it, and a key is what lets a user in.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -37,21 +36,8 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..host.peers import tcp_peer_uid
+from ..netrules import names_loopback
 from .wire import error_response
-
-#: names that mean the loopback whatever the resolver says (RFC 6761)
-LOOPBACK_NAMES = frozenset({"localhost", "localhost."})
-
-
-def names_loopback(hostname: str) -> bool:
-    """A host name, without port or brackets, that can only be this machine's loopback."""
-    name = hostname.lower()
-    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 def host_header_is_loopback(value: str) -> bool:
