@@ -45,6 +45,10 @@ def test_a_rebound_name_is_refused_and_makes_nothing(keyless: ServerProcess) -> 
                      "", f"[::1].{EVIL}"):
             assert http.get("/v1/sandboxes", headers={"host": host}).status_code == 421, host
         assert http.get("/v1/sandboxes").json()["sandboxes"] == []  # nothing was made
+        for hosts in ((f"127.0.0.1:{keyless.port}", EVIL), (EVIL, f"127.0.0.1:{keyless.port}")):
+            with socket.create_connection(("127.0.0.1", keyless.port), timeout=10) as sock:  # two Host headers
+                sock.sendall(f"GET /v1/sandboxes HTTP/1.1\r\nHost: {hosts[0]}\r\nHost: {hosts[1]}\r\n\r\n".encode())
+                assert sock.recv(4096).startswith(b"HTTP/1.1 421 "), hosts
         for host in (f"127.0.0.1:{keyless.port}", f"localhost:{keyless.port}", f"[::1]:{keyless.port}", "localhost"):
             assert http.get("/v1/sandboxes", headers={"host": host}).status_code == 200, host
 

@@ -85,11 +85,14 @@ class LoopbackCallersOnly:
             await self.app(scope, receive, send)
             return
         host = origin = None
+        hosts = 0
         for name, value in scope["headers"]:
             if name == b"host":
-                host = value.decode("latin-1")
+                host, hosts = value.decode("latin-1"), hosts + 1
             elif name == b"origin":
                 origin = value.decode("latin-1")
+        if hosts > 1:  # which one names the server? (RFC 9112 3.2: refused); the proxy reads the first
+            host = None
         if host is None or not host_header_is_loopback(host):
             await self._refuse(scope, receive, send, 421, "misdirected_request",
                                f"Host {host!r} is not this server's loopback: a server without API keys "
