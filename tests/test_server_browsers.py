@@ -105,7 +105,9 @@ class Page(http.server.BaseHTTPRequestHandler):
         self.send_header("Clear-Site-Data", '"cookies", "storage"')
         self.send_header("Content-Security-Policy", "img-src 'self'")
         self.send_header("Set-Cookie", "a=1; Expires=Wed, 21 Oct 2037 07:28:00 GMT; Path=/")
-        self.send_header("Set-Cookie", "b=2; Path=/")
+        self.send_header("Set-Cookie", "b=2; Domain=127.0.0.1; Path=/api; HttpOnly")
+        self.send_header("Set-Cookie", "c=3")
+        self.send_header("X-Got-Cookie", self.headers.get("Cookie", "-"))
         self.end_headers()
         self.wfile.write(body)
 
@@ -143,8 +145,17 @@ def test_a_sandboxs_page_through_the_proxy_is_sandboxed_not_the_servers(keyless:
         assert "allow-same-origin" not in sandboxing[0] and "allow-top-navigation" not in sandboxing[0]
         assert "img-src 'self'" in policies  # the sandbox's own policy still applies beside
         assert "service-worker-allowed" not in answer.headers and "clear-site-data" not in answer.headers
-        assert answer.headers.get_list("set-cookie") == [  # two cookies, not one comma-joined header
-            "a=1; Expires=Wed, 21 Oct 2037 07:28:00 GMT; Path=/", "b=2; Path=/"]
+        # its cookies are its own: renamed, below this port's path, no Domain (cookies ignore ports:
+        # before, one set here reached every local app on 127.0.0.1), and each its own header
+        mine, where = f"corral-8000-{sb.id}-", f"/v1/sandboxes/{sb.id}/ports/8000"
+        assert answer.headers.get_list("set-cookie") == [
+            f"{mine}a=1; Expires=Wed, 21 Oct 2037 07:28:00 GMT; Path={where}/",
+            f"{mine}b=2; Path={where}/api; HttpOnly", f"{mine}c=3; Path={where}/"]
+        # of the cookies a browser sends with a request here (every 127.0.0.1 app's: a Jupyter
+        # login, say; before, all went to the sandbox), only the sandbox's own go, under their names
+        sent = {"cookie": f"jupyter-login=secret; {mine}a=1; corral-8001-{sb.id}-x=2; {mine}b=2"}
+        assert http.get(page_url, headers=sent).headers["x-got-cookie"] == "a=1; b=2"
+        assert http.get(page_url, headers={"cookie": "jupyter-login=secret"}).headers["x-got-cookie"] == "-"
         # what the page's script sends from its opaque origin is refused; the same from the
         # server's own page (/docs) is served
         as_page = http.get("/v1/sandboxes", headers={"origin": "null"})
@@ -170,8 +181,9 @@ class App(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
             time.sleep(2)
             return
-        body = json.dumps({"path": self.path, "host": self.headers["Host"]}).encode()
+        body = json.dumps({"path": self.path, "host": self.headers["Host"], "cookie": self.headers["Cookie"]}).encode()
         self.send_response(200)
+        self.send_header("Set-Cookie", "s=1; Domain=localhost; Path=/")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -214,8 +226,12 @@ def test_a_sandbox_port_has_an_origin_of_its_own_on_a_keyless_server(keyless: Se
             if (answer := http.get("/", headers={"host": own})).status_code == 200:
                 break
             time.sleep(0.1)
-        assert answer.json() == {"path": "/", "host": "127.0.0.1:8000"}, answer.text
+        assert answer.json() == {"path": "/", "host": "127.0.0.1:8000", "cookie": None}, answer.text
         assert "content-security-policy" not in answer.headers  # its own origin: not sandboxed
+        # its cookies as it set them, but host-only (Domain=localhost would reach every *.localhost
+        # origin and localhost itself), and the browser's cookies for this host go to it whole
+        assert answer.headers.get_list("set-cookie") == ["s=1; Path=/"]
+        assert http.get("/", headers={"host": own, "cookie": "s=1; t=2"}).json()["cookie"] == "s=1; t=2"
         # every path under that name is the sandbox's: the API is not there
         assert http.get("/v1/sandboxes", headers={"host": own.upper()}).json()["path"] == "/v1/sandboxes"
         assert http.get("/a?b=c", headers={"host": own, "origin": f"http://{own}"}).json()["path"] == "/a?b=c"

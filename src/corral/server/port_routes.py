@@ -17,6 +17,12 @@ So every answer is served as a sandboxed page (``Content-Security-Policy: sandbo
 keyless server's guard and unreadable to it), beside any policy the sandbox sent, and the headers
 that act on the whole origin (``Service-Worker-Allowed``, ``Clear-Site-Data``) are dropped.
 
+Cookies ignore ports: a browser sends every ``127.0.0.1`` cookie of every local app (a Jupyter
+server's login among them) with a request here, and a cookie set here would reach them all. So
+on this path the sandbox's cookies are its own: one it sets is renamed
+``corral-PORT-ID-NAME``, scoped to this port's path and stripped of any ``Domain``, and of
+the cookies a request carries only those go to the sandbox, under their own names.
+
 For a browser, each sandbox port also has an origin of its own: ``http://PORT-ID.localhost:
 SERVERPORT/`` (browsers resolve every ``*.localhost`` name to the loopback themselves, RFC 6761)
 is the same proxy (:class:`PortOrigins`), served as the sandbox sent it -- an app that needs its
@@ -94,6 +100,37 @@ class PortOrigins:
         await self.app(scope, receive, send)
 
 
+def _sandbox_cookie(value: bytes, prefix: str, path: str | None) -> bytes:
+    """A ``Set-Cookie`` of the sandbox's: without ``Domain``; with ``path`` (this port's path on
+    the server), its name gets ``prefix`` and its ``Path`` goes below that path."""
+    first, *attributes = value.split(b";")
+    kept = []
+    for attribute in attributes:
+        name, _, rest = attribute.strip().partition(b"=")
+        if name.lower() == b"domain":
+            continue  # host-only: never a parent domain's, never another port's host
+        if name.lower() == b"path" and path is not None:
+            attribute = b" Path=" + path.rstrip("/").encode() + (rest if rest.startswith(b"/") else b"/")
+        kept.append(attribute)
+    if path is not None:
+        first = prefix.encode() + first.lstrip()
+        if not any(a.strip().lower().startswith(b"path=") for a in kept):
+            kept.append(b" Path=" + path.encode())
+    return b";".join([first, *kept])
+
+
+def cookie_prefix(sandbox_id: str, port: int) -> str:
+    """What the path form puts before the name of each cookie a sandbox's port sets."""
+    return f"corral-{port}-{sandbox_id}-"
+
+
+def _own_cookies(values: list[bytes], prefix: str) -> bytes | None:
+    """Of the cookies a request carries on the path form, the sandbox's own (``prefix`` removed)."""
+    own = [c.strip()[len(prefix):] for v in values for c in v.split(b";")
+           if c.strip().startswith(prefix.encode())]
+    return b"; ".join(own) if own else None
+
+
 def _check_port(port: int) -> None:
     if not 0 < port < 65536:
         raise InvalidSpec(f"port {port} must be 1-65535")
@@ -130,8 +167,14 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
     _check_port(port)
     entry = ctx.manager.get(who, sandbox_id)
     socket_path = await ctx.run_for(who, _forward, entry, port)
+    own_origin = bool(request.scope.get(OWN_ORIGIN))
+    prefix, cookie_path = cookie_prefix(sandbox_id, port), f"/v1/sandboxes/{sandbox_id}/ports/{port}/"
     # raw bytes both ways: a header is passed on as it came (Latin-1 and all), never re-encoded
-    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _DROP]
+    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _DROP
+               and (own_origin or k.lower() != b"cookie")]
+    if not own_origin and (own := _own_cookies([v for k, v in request.headers.raw if k.lower() == b"cookie"],
+                                               prefix)):
+        headers.append((b"cookie", own))
     headers.append((b"host", f"127.0.0.1:{port}".encode()))
     client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), timeout=60)
     url = f"http://127.0.0.1:{port}" + _target(path, request.url.query)
@@ -157,9 +200,10 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
 
     answer = StreamingResponse(body(), status_code=response.status_code)
     # raw, not a dict: headers sent more than once (Set-Cookie) stay apart, as sent
-    answer.raw_headers = [(k, v) for k, v in response.headers.raw
+    answer.raw_headers = [(k, _sandbox_cookie(v, prefix, None if own_origin else cookie_path)
+                           if k.lower() == b"set-cookie" else v) for k, v in response.headers.raw
                           if k.decode("latin-1").lower() not in (_DROP - {"content-length"}) | _ORIGIN_WIDE]
-    if not request.scope.get(OWN_ORIGIN):  # on the API's origin: a sandboxed page
+    if not own_origin:  # on the API's origin: a sandboxed page
         answer.raw_headers.append((b"content-security-policy", SANDBOXED_PAGE))
     return answer
 
@@ -179,7 +223,12 @@ async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path
         await websocket.accept()
         await websocket.close(code=4000 + status_for(exc), reason=str(exc)[:120])
         return
-    headers = [(k, v) for k, v in websocket.headers.items() if k.lower() not in _WS_DROP]
+    own_origin = bool(websocket.scope.get(OWN_ORIGIN))
+    headers = [(k, v) for k, v in websocket.headers.items() if k.lower() not in _WS_DROP
+               and (own_origin or k.lower() != "cookie")]
+    if not own_origin and (own := _own_cookies([v for k, v in websocket.headers.raw if k.lower() == b"cookie"],
+                                               cookie_prefix(sandbox_id, port))):
+        headers.append(("cookie", own.decode("latin-1")))
     protocols = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     uri = f"ws://127.0.0.1:{port}" + _target(path, websocket.url.query)
     try:
