@@ -170,14 +170,15 @@ class App(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_GET(self):
-        if self.path == "/ws":  # one WebSocket message, "hi"
+        if self.path == "/ws":  # one WebSocket message: "hi " and the cookies it got
             key = self.headers["Sec-WebSocket-Key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
             self.send_response(101)
             self.send_header("Upgrade", "websocket")
             self.send_header("Connection", "Upgrade")
             self.send_header("Sec-WebSocket-Accept", base64.b64encode(hashlib.sha1(key.encode()).digest()).decode())
             self.end_headers()
-            self.wfile.write(b"\\x81\\x02hi")
+            said = ("hi " + self.headers.get("Cookie", "-")).encode()
+            self.wfile.write(bytes([0x81, len(said)]) + said)
             self.wfile.flush()
             time.sleep(2)
             return
@@ -193,14 +194,15 @@ http.server.ThreadingHTTPServer(("127.0.0.1", 8000), App).serve_forever()
 """
 
 
-def _websocket_hello(port: int, host: str, origin: str) -> bytes:
-    """The raw answer to a WebSocket handshake for ``/ws`` sent to the server as ``Host: host``."""
-    request = (f"GET /ws HTTP/1.1\r\nHost: {host}\r\nOrigin: {origin}\r\nUpgrade: websocket\r\n"
-               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+def _websocket_hello(port: int, host: str, origin: str, path: str = "/ws", cookie: str = "") -> bytes:
+    """The raw answer to a WebSocket handshake for ``path`` sent to the server as ``Host: host``."""
+    request = (f"GET {path} HTTP/1.1\r\nHost: {host}\r\nOrigin: {origin}\r\nUpgrade: websocket\r\n"
+               "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+               + (f"Cookie: {cookie}\r\n" if cookie else "") + "\r\n")
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(request.encode())
         answer = b""
-        while b"\x81\x02hi" not in answer and len(answer) < 65536:
+        while b"\x81" not in answer.partition(b"\r\n\r\n")[2] and len(answer) < 65536:
             chunk = sock.recv(65536)
             if not chunk:
                 break
@@ -243,9 +245,14 @@ def test_a_sandbox_port_has_an_origin_of_its_own_on_a_keyless_server(keyless: Se
         assert http.get("/", headers={"host": f"8000-sb-0000000000000000.localhost:{keyless.port}"}).status_code == 404
         assert http.get("/", headers={"host": f"99999-{sb.id}.localhost:{keyless.port}"}).status_code == 400
         # a WebSocket (a dev server's reload channel) on its own origin, and not from another
-        assert _websocket_hello(keyless.port, own, f"http://{own}").startswith(b"HTTP/1.1 101")
-        assert _websocket_hello(keyless.port, own, f"http://{own}").endswith(b"\x81\x02hi")
+        hello = _websocket_hello(keyless.port, own, f"http://{own}", cookie="s=1")
+        assert hello.startswith(b"HTTP/1.1 101") and hello.endswith(b"hi s=1"), hello
         assert b" 403 " in _websocket_hello(keyless.port, own, keyless.url).split(b"\r\n")[0]
+        # the path form's WebSocket: of the browser's cookies, only the sandbox's own go
+        server_host = f"127.0.0.1:{keyless.port}"
+        hello = _websocket_hello(keyless.port, server_host, keyless.url, f"/v1/sandboxes/{sb.id}/ports/8000/ws",
+                                 cookie=f"jupyter-login=secret; corral-8000-{sb.id}-a=1")
+        assert hello.startswith(b"HTTP/1.1 101") and hello.endswith(b"hi a=1"), hello
         # the path form is still there, sandboxed (for clients that cannot resolve *.localhost)
         assert http.get(exposed.url.removeprefix(keyless.url)).headers["content-security-policy"].startswith("sandbox")
 
