@@ -144,6 +144,35 @@ def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path, tier: s
     assert sandbox_leftovers(sb.id, state_dir) == []
 
 
+def _refused_connections_as(uid: int, port: int, count: int) -> int:
+    """How many of ``count`` connections to 127.0.0.1:``port`` made one after another by a client
+    running as ``uid`` were accepted and then closed without a byte (a forked child that drops to
+    it); -1 if one could not connect at all."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python-level cleanup, only os._exit
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            closed = 0
+            for _ in range(count):
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    try:
+                        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                        closed += sock.recv(1) == b""
+                    except ConnectionResetError:  # closed with our request unread
+                        closed += 1
+            os.write(write_end, str(closed).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as answer:
+        said = answer.read()
+    os.waitpid(pid, 0)
+    return int(said or -1)
+
+
 def test_a_tcp_forward_relays_its_own_user_and_root_and_the_users_named_only(state_dir: Path) -> None:
     """Loopback TCP is every local user's: a forward (a browser's DevTools endpoint, often) relays
     only connections made by its process's user and root, and by ``local_users``; another user's
@@ -152,6 +181,7 @@ def test_a_tcp_forward_relays_its_own_user_and_root_and_the_users_named_only(sta
     import subprocess
 
     from corral.errors import InvalidSpec
+    from corral.host.portfwd import MAX_CONNECTIONS
     from server_fixtures import reply_as_user
 
     nobody = 65534
@@ -166,12 +196,13 @@ def test_a_tcp_forward_relays_its_own_user_and_root_and_the_users_named_only(sta
         assert http_get(shared.url + "index.html") == b"served\n"  # root is let in wherever others are
         served = sb.commands.run("grep -c 'GET /index.html' /tmp/requests.log").stdout
 
-        for _ in range(3):  # each attempt cut: no request reaches the sandbox's server
-            assert reply_as_user(nobody, own.port, request, whole=True) == b""
+        # each attempt cut (accepted, then closed: no request reaches the sandbox's server), more
+        # of them than a forward relays connections at once (MAX_CONNECTIONS): none keeps a slot
+        assert _refused_connections_as(nobody, own.port, MAX_CONNECTIONS + 10) == MAX_CONNECTIONS + 10
         assert sb.commands.run("grep -c 'GET /index.html' /tmp/requests.log").stdout == served
         for forward in (shared, by_uid):  # the named user is let in, by name or by uid
             assert reply_as_user(nobody, forward.port, request, whole=True).endswith(b"served\n")
-        assert reply_as_user(1000, shared.port, request, whole=True) == b""  # only the user named
+        assert _refused_connections_as(1000, shared.port, 1) == 1  # only the user named
         assert http_get(own.url + "index.html") == b"served\n"  # the owner still is, after refusals
 
         for bad, why in (({"local_users": ["no-such-user-corral"]}, "not a user of this host"),
@@ -187,7 +218,7 @@ def test_a_tcp_forward_relays_its_own_user_and_root_and_the_users_named_only(sta
         out = subprocess.run([sys.executable, "-c", script, sb.id], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr[-2000:]
         assert reply_as_user(nobody, int(out.stdout), request, whole=True).endswith(b"served\n")
-        assert reply_as_user(1000, int(out.stdout), request, whole=True) == b""
+        assert _refused_connections_as(1000, int(out.stdout), 1) == 1
 
 
 def test_forwards_closed_in_a_long_lived_sandbox_are_let_go(state_dir: Path) -> None:
@@ -429,7 +460,7 @@ def test_cli_run_expose_prints_the_address() -> None:
         # the user named reaches it, another is cut, root too reaches it (the server answers two requests)
         reply = wait_for(lambda: reply_as_user(65534, port, b"GET / HTTP/1.0\r\n\r\n", whole=True), "the server")
         assert reply.endswith(b"from the cli"), reply  # type: ignore[union-attr]
-        assert reply_as_user(1000, port, b"GET / HTTP/1.0\r\n\r\n", whole=True) == b""
+        assert _refused_connections_as(1000, port, 1) == 1
         assert http_get(url) == b"from the cli"
         assert proc.wait(timeout=60) == 0
     finally:
