@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -92,6 +93,15 @@ def test_a_foreign_page_cannot_run_a_command_a_local_one_can(keyless: ServerProc
         assert not sb.files.exists("/tmp/ran")
 
 
+def _once_served(get: Callable[[], httpx.Response], seconds: float = 10) -> httpx.Response:
+    """``get()``'s first 200 (the sandbox's app is listening), polled for at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (answer := get()).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
 HOSTILE_APP = """
 import http.server
 
@@ -125,20 +135,8 @@ def test_a_sandboxs_page_through_the_proxy_is_sandboxed_not_the_servers(keyless:
         sb.files.write("/tmp/app.py", HOSTILE_APP)
         sb.commands.run("exec python3 /tmp/app.py", background=True)
         page_url = f"/v1/sandboxes/{sb.id}/ports/8000/"
-
-        def page() -> httpx.Response | None:
-            answer = http.get(page_url)
-            return answer if answer.status_code == 200 else None
-
-        deadline = 100
-        answer = None
-        for _ in range(deadline):  # until the app listens (bounded: 10 s)
-            if (answer := page()) is not None:
-                break
-            import time
-
-            time.sleep(0.1)
-        assert answer is not None and b"<script>" in answer.content
+        answer = _once_served(lambda: http.get(page_url))
+        assert b"<script>" in answer.content
         policies = answer.headers.get_list("content-security-policy")
         sandboxing = [p for p in policies if p.startswith("sandbox")]
         assert len(sandboxing) == 1 and "allow-scripts" in sandboxing[0], policies
@@ -221,13 +219,7 @@ def test_a_sandbox_port_has_an_origin_of_its_own_on_a_keyless_server(keyless: Se
         exposed = sb.ports.expose(8000)
         own = f"8000-{sb.id}.localhost:{keyless.port}"
         assert exposed.browser_url == f"http://{own}/"
-
-        import time
-
-        for _ in range(100):  # until the app listens (bounded: 10 s)
-            if (answer := http.get("/", headers={"host": own})).status_code == 200:
-                break
-            time.sleep(0.1)
+        answer = _once_served(lambda: http.get("/", headers={"host": own}))
         assert answer.json() == {"path": "/", "host": "127.0.0.1:8000", "cookie": None}, answer.text
         assert "content-security-policy" not in answer.headers  # its own origin: not sandboxed
         # its cookies as it set them, but host-only (Domain=localhost would reach every *.localhost
