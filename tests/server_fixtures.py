@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +100,9 @@ class ServerProcess:
         self.stop()
 
 
-def reply_as_user(uid: int, port: int, request: bytes, whole: bool = False) -> bytes:
-    """What a raw ``request`` to 127.0.0.1:``port`` gets back (its first line, or ``whole``: all
-    until the server closes, at most 64 KiB) from a client running as ``uid`` (a forked child that
-    drops to it: another user of the host)."""
+def as_user(uid: int, act: Callable[[], bytes]) -> bytes:
+    """What ``act()`` returns when run by another user of the host: a forked child that drops to
+    ``uid`` (b"" if it raised)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no Python-level cleanup, only os._exit
@@ -110,22 +110,32 @@ def reply_as_user(uid: int, port: int, request: bytes, whole: bool = False) -> b
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(request)
-                head = b""
-                while whole or b"\r\n" not in head:
-                    chunk = sock.recv(4096)
-                    if not chunk or len(head) > 65536:
-                        break
-                    head += chunk
-            os.write(write_end, head[:65536] if whole else head[:200])
+            os.write(write_end, act())
         finally:
             os._exit(0)
     os.close(write_end)
     with os.fdopen(read_end, "rb") as answer:
-        head = answer.read()
+        said = answer.read()
     os.waitpid(pid, 0)
-    return head
+    return said
+
+
+def reply_as_user(uid: int, port: int, request: bytes, whole: bool = False) -> bytes:
+    """What a raw ``request`` to 127.0.0.1:``port`` gets back (its first line, or ``whole``: all
+    until the server closes, at most 64 KiB) from a client running as ``uid``."""
+
+    def ask() -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request)
+            head = b""
+            while whole or b"\r\n" not in head:
+                chunk = sock.recv(4096)
+                if not chunk or len(head) > 65536:
+                    break
+                head += chunk
+        return head[:65536] if whole else head[:200]
+
+    return as_user(uid, ask)
 
 
 def status_as_user(uid: int, port: int, request: bytes) -> int:

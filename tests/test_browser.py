@@ -146,31 +146,21 @@ def test_exposed_port_reaches_a_sandbox_with_no_network(state_dir: Path, tier: s
 
 def _refused_connections_as(uid: int, port: int, count: int) -> int:
     """How many of ``count`` connections to 127.0.0.1:``port`` made one after another by a client
-    running as ``uid`` were accepted and then closed without a byte (a forked child that drops to
-    it); -1 if one could not connect at all."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no Python-level cleanup, only os._exit
-        try:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-            closed = 0
-            for _ in range(count):
-                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                    try:
-                        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
-                        closed += sock.recv(1) == b""
-                    except ConnectionResetError:  # closed with our request unread
-                        closed += 1
-            os.write(write_end, str(closed).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as answer:
-        said = answer.read()
-    os.waitpid(pid, 0)
-    return int(said or -1)
+    running as ``uid`` were accepted and then closed without a byte; -1 if one could not connect."""
+    from server_fixtures import as_user
+
+    def connect() -> bytes:
+        closed = 0
+        for _ in range(count):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                try:
+                    sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                    closed += sock.recv(1) == b""
+                except ConnectionResetError:  # closed with our request unread
+                    closed += 1
+        return str(closed).encode()
+
+    return int(as_user(uid, connect) or -1)
 
 
 def test_a_tcp_forward_relays_its_own_user_and_root_and_the_users_named_only(state_dir: Path) -> None:
