@@ -231,9 +231,12 @@ def test_forwards_closed_in_a_long_lived_sandbox_are_let_go(state_dir: Path) -> 
         kept = sb.ports.expose(8000, unix_socket=True)
         sb.ports.close(first)
         before = forwards_alive()
+        descriptors = len(os.listdir("/proc/self/fd"))
         for i in range(2000):
             sb.ports.close(sb.ports.expose(8000, unix_socket=i % 2 == 0))
         assert forwards_alive() - before <= 1, f"{forwards_alive() - before} closed forwards still held"
+        # each TCP forward's listener and its netlink socket for asking who connects are closed with it
+        assert len(os.listdir("/proc/self/fd")) - descriptors <= 2
         assert kept.unix_socket is not None and os.path.exists(kept.unix_socket)
 
         def get_kept() -> bytes | None:
