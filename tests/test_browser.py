@@ -194,6 +194,11 @@ def test_a_tcp_forward_relays_its_own_user_and_root_and_the_users_named_only(sta
             assert reply_as_user(nobody, forward.port, request, whole=True).endswith(b"served\n")
         assert _refused_connections_as(1000, shared.port, 1) == 1  # only the user named
         assert http_get(own.url + "index.html") == b"served\n"  # the owner still is, after refusals
+        # later in the session, after a command timed out and a background one was killed: the same
+        assert sb.commands.run("sleep 30", timeout=0.5).timed_out
+        sb.commands.start("sleep 60").kill()
+        assert _refused_connections_as(nobody, own.port, 3) == 3
+        assert http_get(own.url + "index.html") == b"served\n"
 
         for bad, why in (({"local_users": ["no-such-user-corral"]}, "not a user of this host"),
                          ({"local_users": "nobody"}, "must be a list"),
