@@ -50,13 +50,29 @@ def test_two_hundred_cycles_leave_nothing(state_dir: Path) -> None:
     assert all_leftovers(state_dir) == []
 
 
-def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path) -> None:
+@pytest.mark.parametrize("janitors_parent", ["same", "other"])
+def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path, janitors_parent: str) -> None:
+    # the janitor may run in another environment than the owner did (an operator's `corral gc`
+    # without the server's CORRAL_CGROUP_PARENT): the owner's parent is in the sandbox's row
+    from corral.host import cgroups
+
     owner, ids = start_owner("a = Sandbox.create(); b = Sandbox.create()\n"
                              "a.commands.run('nohup sleep 300 >/dev/null 2>&1 &')\n"
                              "print(a.id, b.id, flush=True)")
     kill_9(owner)
     assert len(ids) == 2
-    out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True, timeout=60)
+    env = dict(os.environ)
+    elsewhere = f"{cgroups.PARENT}-janitor"
+    if janitors_parent == "other":
+        env["CORRAL_CGROUP_PARENT"] = elsewhere
+    try:
+        out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True,
+                             timeout=60, env=env)
+    finally:
+        layout = cgroups.detect()
+        for root in {*layout.controllers.values(), layout.kill_root}:
+            if (root / elsewhere).is_dir():
+                (root / elsewhere).rmdir()
     assert out.returncode == 0, out.stderr
     for sandbox_id in ids:
         assert sandbox_id in out.stdout

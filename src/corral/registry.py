@@ -21,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from .errors import HostNotSupported
-from .host import grace
+from .host import cgroups, grace
 from .host.procs import named_process_lives, process_start_time
 from .host.uids import release_ranges_of_dead_processes, release_uid
 
 DEFAULT_STATE_DIR = Path("/var/lib/corral")
+
+#: what a janitor in another environment needs to find a sandbox's host side, kept in every row
+#: from its first moment: the parent its cgroups are made under is the owner's
+#: ``CORRAL_CGROUP_PARENT``, and a ``corral gc`` run without it looked under its own
+#: (reaped the sandbox's mounts and directory, kept its cgroups)
+_OWNERS_HOST_SIDE = {"cgroup_parent": cgroups.PARENT}
 
 
 def state_dir(explicit: str | Path | None = None) -> Path:
@@ -188,11 +194,12 @@ class Registry:
     def add(self, sandbox_id: str, tier: str, run_dir: Path) -> None:
         pid, start = self_identity()
         self._db().execute(
-            "INSERT INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, '{}')",
-            (sandbox_id, tier, str(run_dir), pid, start, time.time()),
+            "INSERT INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (sandbox_id, tier, str(run_dir), pid, start, time.time(), json.dumps(_OWNERS_HOST_SIDE)),
         )
 
     def set_record(self, sandbox_id: str, record: dict[str, Any]) -> None:
+        record = {**record, **_OWNERS_HOST_SIDE}
         self._db().execute("UPDATE sandboxes SET record = ? WHERE id = ?", (json.dumps(record), sandbox_id))
 
     def remove(self, sandbox_id: str) -> None:

@@ -431,18 +431,25 @@ class SandboxCgroup:
             remove_tree(group)
 
 
-def reap(name: str) -> None:
-    """Destroy the groups of a sandbox by name (janitor use)."""
+def reap(name: str, parent: object = None) -> None:
+    """Destroy the groups of a sandbox by name (janitor use), below ``parent`` (the sandbox's
+    owner's :data:`PARENT`, as its registry row recorded it; this process's when none is)."""
     layout = detect()
-    kill_group(layout.kill_root / PARENT / name, layout.kill_mode)
+    under = parent if isinstance(parent, str) and _is_parent_name(parent) else PARENT
+    kill_group(layout.kill_root / under / name, layout.kill_mode)
     for root in {*layout.controllers.values(), layout.kill_root}:
-        group = root / PARENT / name
+        group = root / under / name
         for pid in read_pids(group):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         remove_tree(group)
+
+
+def _is_parent_name(name: str) -> bool:
+    # a row's value names a directory below each hierarchy's root, and nothing else
+    return bool(name) and "/" not in name and name not in (".", "..") and "\0" not in name
 
 
 def list_sandbox_groups() -> set[str]:

@@ -117,7 +117,8 @@ class BuildBox:
             limits = Limits(memory=parse_size(memory, "build_memory"), pids=4096, cpus=2.0)
             name = f"build-{secrets.token_hex(6)}"
             # what a janitor needs if this process is killed outright (see reap_leftover)
-            self._record.write_text(json.dumps({"cgroup": name, "uid": self.uid, "state_dir": str(state_dir)}))
+            self._record.write_text(json.dumps({"cgroup": name, "cgroup_parent": cgroups.PARENT, "uid": self.uid,
+                                                "state_dir": str(state_dir)}))
             self.cgroup = cgroups.SandboxCgroup(name, limits)
             for point in self._binds:
                 (rootfs / point.lstrip("/")).mkdir(parents=True, exist_ok=True)
@@ -211,6 +212,6 @@ def reap_leftover(staging: Path) -> None:
         record = json.loads((staging / RECORD_NAME).read_text())
     except (FileNotFoundError, ValueError):
         return
-    cgroups.reap(str(record["cgroup"]))
+    cgroups.reap(str(record["cgroup"]), record.get("cgroup_parent"))
     release_uid(Path(record["state_dir"]), int(record["uid"]))
     (staging / RECORD_NAME).unlink(missing_ok=True)

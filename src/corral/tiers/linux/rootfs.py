@@ -67,7 +67,7 @@ def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict
     lives in the sandbox's host cgroup (process, gVisor, microVM): kill it, remove what the
     network mode made outside the run dir (by name), unmount and remove the run dir, release
     the sandbox's uids (``uid``, and gVisor's ``root_uid``, from its reap record)."""
-    cgroups.reap(sandbox_id)
+    cgroups.reap(sandbox_id, record.get("cgroup_parent"))
     egress_network.reap(sandbox_id, record)
     mounts.unmount_all(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -175,7 +175,7 @@ class WasmTier(Tier):
 
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         if record.get("cgroup"):
-            cgroups.reap(sandbox_id)
+            cgroups.reap(sandbox_id, record.get("cgroup_parent"))
         mounts.unmount_all(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         if "uid" in record and self.privileged:
