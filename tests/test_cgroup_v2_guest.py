@@ -72,7 +72,8 @@ GUEST_TESTS = [
     # teardown
     "tests/test_lifecycle.py::test_closed_sandbox_refuses_work",
     "tests/conformance/test_conformance.py::test_teardown_leaves_nothing[process-embedded]",
-    "tests/test_lifecycle.py::test_kill_9_of_the_owner_then_gc_leaves_nothing",
+    "tests/test_lifecycle.py::test_kill_9_of_the_owner_then_gc_leaves_nothing[same]",
+    "tests/test_lifecycle.py::test_kill_9_of_the_owner_then_gc_leaves_nothing[other]",
     # placement on v2: failing closed, repairing a spare moved out, the spare's fresh leaf
     "tests/test_session_containment.py::test_a_process_that_cannot_be_contained_raises_a_typed_error",
     "tests/test_session_containment.py::test_a_command_whose_leaf_cannot_be_made_is_not_run",
