@@ -82,6 +82,9 @@ def main() -> int:
     temp = Path(tempfile.mkdtemp(prefix=f"{TAG}-ray-"))
     os.environ["CORRAL_STATE_DIR"] = str(state)
     os.environ["CORRAL_CGROUP_PARENT"] = TAG
+    # Ray's one-machine mode (read when it is imported): a loopback address stays the loopback
+    # and its servers, which run any code sent to them, bind nowhere else
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray.cluster_utils import Cluster
 
@@ -90,7 +93,7 @@ def main() -> int:
     from corral.spec import SandboxSpec, template_key
 
     print(f"load average at start: {loadavg()}; ray {ray.__version__}", flush=True)
-    small = {"num_cpus": 0, "object_store_memory": 80 << 20}
+    small = {"num_cpus": 0, "object_store_memory": 80 << 20, "node_ip_address": "127.0.0.1"}
     t0 = time.perf_counter()
     cluster = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False,
                                                            "temp_dir": str(temp)})

@@ -30,12 +30,36 @@ from corral.errors import ClusterFull, FileNotFoundInSandbox, InvalidSpec, Sandb
 
 from .leaks import sandbox_leftovers
 
+# Ray rewrites a loopback address it is given to this machine's own (for other machines to reach
+# it) and binds its servers to every interface then; in its one-machine mode, chosen before Ray is
+# imported, the test's cluster stays on the loopback (`LocalCluster` checks that it does)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed: pip install 'corral[cluster]'")
 
 SLOTS = 8
 WORKERS = 3
 #: a node that dies is marked dead by the GCS after 3 missed health checks a second apart
 HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 1000}
+
+
+#: every node and driver of the test's cluster: Ray binds its servers to the loopback only then
+LOOPBACK = "127.0.0.1"
+
+
+def non_loopback_listeners() -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket listening on this host other than on the loopback."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, port = fields[1].split(":")
+            # the kernel's hex, a 32-bit word at a time in host order: 127.x.y.z ends in 7F,
+            # also mapped into IPv6 (::ffff:127.x.y.z); ::1 is its own
+            v4 = address[-8:] if len(address) == 8 or address.startswith("0000000000000000FFFF0000") else ""
+            loopback = v4.endswith("7F") or address == "00000000000000000000000001000000"
+            if fields[3] == "0A" and not loopback:
+                found.add((address, int(port, 16)))
+    return found
 
 
 def wait_until(check: Any, timeout: float, every: float = 0.2) -> Any:
@@ -57,8 +81,9 @@ class LocalCluster:
         (self.temp / "ray").mkdir()
         self._tmpdir_before = os.environ.get("RAY_TMPDIR")
         os.environ["RAY_TMPDIR"] = str(self.temp)
-        small = {"num_cpus": 0, "object_store_memory": 80 << 20}
+        small = {"num_cpus": 0, "object_store_memory": 80 << 20, "node_ip_address": LOOPBACK}
         self.cluster = Cluster(initialize_head=False)
+        listening_before = non_loopback_listeners()
         try:
             self.cluster.add_node(**small, include_dashboard=False, temp_dir=str(self.temp), _system_config=HEALTH)
             self.workers = [self.cluster.add_node(**small, resources={"corral_slots": SLOTS}) for _ in range(WORKERS)]
@@ -68,6 +93,10 @@ class LocalCluster:
 
             self.hosts = start_hosts(ray, janitor_interval=1.0)
             assert len(self.hosts) == WORKERS
+            # Ray runs whatever code reaches its ports, as root here: the test's cluster must not
+            # be reachable from the network this machine is on (a node IP of 127.0.0.1 makes Ray
+            # bind its GCS, raylets and agents there; any other address binds them everywhere)
+            assert non_loopback_listeners() <= listening_before
         except BaseException:
             self._stop()
             raise
@@ -247,7 +276,8 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     assert left, [sandbox_leftovers(sb.id, state_dir) for sb in on_victim]
 
     # a node that joins gets its host from the hosts already there, without another `corral cluster up`
-    joined = cluster.cluster.add_node(num_cpus=0, object_store_memory=80 << 20, resources={"corral_slots": SLOTS})
+    joined = cluster.cluster.add_node(num_cpus=0, object_store_memory=80 << 20, resources={"corral_slots": SLOTS},
+                                      node_ip_address=LOOPBACK)
     cluster.workers.append(joined)
     transport = ClusterTransport.shared(True)
     assert wait_until(lambda: joined.node_id in transport.hosts(fresh=True), 30)
