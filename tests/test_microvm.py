@@ -512,6 +512,9 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     with socket.create_server(("127.0.0.1", 0)) as other:
         other_port = other.getsockname()[1]
+        from corral import owner_link
+
+        owner_link.serve(state_dir)  # the process's own listener, from its first sandbox on: not this one's
         sockets_before = _socket_fds()
         try:
             with Sandbox.create(tier="microvm", memory="256M", allow=[f"127.0.0.1:{port}"],
@@ -552,6 +555,9 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
                 while "allowed-target" not in "".join(out) and time.monotonic() < deadline:
                     time.sleep(0.1)
                 line = "".join(out).split()
+                if not line:  # what the guest's script said instead (its request's error, on stderr)
+                    handle.kill()
+                    pytest.fail(f"no answer to the second connection within 60 s: {handle.wait()!r}")
                 # (were it queued behind the stalled download, it would never come: nothing reads that)
                 assert line[0] == "allowed-target" and float(line[1]) < 10, out
                 while [c.window for c in list(bridge._conns.values())] != [0] and time.monotonic() < deadline:
