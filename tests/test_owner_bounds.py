@@ -68,10 +68,11 @@ def test_attached_clients_that_do_not_read_hold_the_server_to_max_output(server:
         before = rss_mib(pid)
         flood = http.post(f"/v1/sandboxes/{sid}/commands",
                           json={"cmd": "dd if=/dev/zero bs=64k count=2560 status=none", "timeout": 60}).json()["pid"]
-        stalled = [connect(f"{ws_url}/v1/sandboxes/{sid}/commands/{flood}/stream",
-                           additional_headers=server.headers("alice"), max_queue=1, max_size=None, close_timeout=0.2)
-                   for _ in range(2)]
-        try:
+        with contextlib.ExitStack() as stalled:  # two clients that read nothing, closed at the end
+            for _ in range(2):
+                stalled.enter_context(connect(f"{ws_url}/v1/sandboxes/{sid}/commands/{flood}/stream",
+                                              additional_headers=server.headers("alice"), max_queue=1, max_size=None,
+                                              close_timeout=0.2))
             peak = before
             deadline = time.monotonic() + 30
             while flood in running(http, sid) and time.monotonic() < deadline:
@@ -80,9 +81,6 @@ def test_attached_clients_that_do_not_read_hold_the_server_to_max_output(server:
             peak = max(peak, rss_mib(pid))
             assert flood not in running(http, sid), "dd did not write its 160 MiB within 30 s"
             assert peak - before < 80, f"the server grew from {before} to {peak} MiB for 1 MiB of max_output"
-        finally:
-            for ws in stalled:
-                ws.close()
 
         # allowed: a client that reads gets everything a command printed under the cap, and its result
         short = http.post(f"/v1/sandboxes/{sid}/commands",
@@ -130,16 +128,14 @@ def test_what_one_tenant_has_under_way_is_bounded_and_leaves_others_served(serve
         sid, b_sid = create(alice), create(bob)
         pid = alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 30", "timeout": 60}).json()["pid"]
         url = f"{server.url.replace('http', 'ws')}/v1/sandboxes/{sid}/commands/{pid}/stream"
-        attached = [connect(url, additional_headers=server.headers("alice"), close_timeout=0.2) for _ in range(12)]
-        try:
+        with contextlib.ExitStack() as attached:
+            for _ in range(12):
+                attached.enter_context(connect(url, additional_headers=server.headers("alice"), close_timeout=0.2))
             with pytest.raises(InvalidStatus):
                 connect(url, additional_headers=server.headers("alice"), close_timeout=0.2)
             refused = alice.get(f"/v1/sandboxes/{sid}")
             assert refused.status_code == 429 and refused.json()["error"] == "resource_limit"
             assert bob.get(f"/v1/sandboxes/{b_sid}").status_code == 200
-        finally:
-            for ws in attached:
-                ws.close()
         deadline = time.monotonic() + 10
         while alice.get(f"/v1/sandboxes/{sid}").status_code == 429 and time.monotonic() < deadline:
             time.sleep(0.05)
