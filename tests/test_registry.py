@@ -222,3 +222,12 @@ def test_a_state_directory_only_its_user_can_change_is_taken(in_tmp: Path, tmp_p
     for path in (in_tmp / "new", tmp_path / "private", link):
         assert state_dir(path) == path
         assert (path / "sandboxes").is_dir() and stat.S_IMODE(path.stat().st_mode) == 0o711
+
+
+def test_a_rows_cgroup_parent_is_used_only_when_it_names_a_group_below_the_roots() -> None:
+    # the janitor reaps below the parent the owner's row recorded; anything that would leave the
+    # hierarchies (absolute, `..`) is ignored and the janitor's own parent used instead
+    from corral.host.cgroups import _is_parent_name
+
+    assert all(_is_parent_name(name) for name in ("corral", "c17-ab12", "tenants/a"))
+    assert not any(_is_parent_name(name) for name in ("", "/", "/sys", "..", "a/../..", "a//b", "./a", "a\0b"))

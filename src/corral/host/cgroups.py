@@ -448,8 +448,10 @@ def reap(name: str, parent: object = None) -> None:
 
 
 def _is_parent_name(name: str) -> bool:
-    # a row's value names a directory below each hierarchy's root, and nothing else
-    return bool(name) and "/" not in name and name not in (".", "..") and "\0" not in name
+    # a row's value names a group below each hierarchy's root (``CORRAL_CGROUP_PARENT`` may be
+    # nested, ``a/b``), and nothing else
+    parts = name.split("/")
+    return "\0" not in name and all(part not in ("", ".", "..") for part in parts)
 
 
 def list_sandbox_groups() -> set[str]:
