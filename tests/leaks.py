@@ -145,3 +145,14 @@ def _zombie(pid: str) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def remove_cgroup_parent(name: str) -> None:
+    """Remove, in every hierarchy, a cgroup parent a test had sandboxes made under (or a janitor
+    run with it made): empty by then."""
+    from corral.host import cgroups
+
+    layout = cgroups.detect()
+    for root in {*layout.controllers.values(), layout.kill_root}:
+        if (root / name).is_dir():
+            (root / name).rmdir()

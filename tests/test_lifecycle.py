@@ -18,7 +18,7 @@ import pytest
 
 from corral import AsyncSandbox, Sandbox, SandboxClosed, run
 
-from .leaks import all_leftovers, kill_9, sandbox_leftovers, start_owner
+from .leaks import all_leftovers, kill_9, remove_cgroup_parent, sandbox_leftovers, start_owner
 
 
 def test_state_is_kept_between_execs(sandbox: Sandbox) -> None:
@@ -69,10 +69,7 @@ def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path, janitors_pa
         out = subprocess.run([sys.executable, "-m", "corral.cli", "gc"], capture_output=True, text=True,
                              timeout=60, env=env)
     finally:
-        layout = cgroups.detect()
-        for root in {*layout.controllers.values(), layout.kill_root}:
-            if (root / elsewhere).is_dir():
-                (root / elsewhere).rmdir()
+        remove_cgroup_parent(elsewhere)
     assert out.returncode == 0, out.stderr
     for sandbox_id in ids:
         assert sandbox_id in out.stdout

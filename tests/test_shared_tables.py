@@ -15,7 +15,7 @@ import pytest
 from corral import Sandbox
 from corral.host.shared_tables import PTYS_PER_SANDBOX
 
-from .leaks import all_leftovers
+from .leaks import all_leftovers, remove_cgroup_parent
 from .sandbox_wait import lines_written
 
 #: takes terminals until refused, says how many and why, then holds them
@@ -343,10 +343,7 @@ def test_sandboxes_together_stay_within_what_the_host_gives_them_all(tmp_path: P
         limit_file = "memory.max" if layout.version == 2 else "memory.limit_in_bytes"
         assert (layout.controllers["memory"] / parent / limit_file).read_text().strip() == str(1 << 30)
     finally:
-        layout = cgroups.detect()
-        for root in {*layout.controllers.values(), layout.kill_root}:
-            if (root / parent).exists():
-                (root / parent).rmdir()
+        remove_cgroup_parent(parent)
     assert seen["alone"] == [0, False], seen
     outcomes = sorted([tuple(seen["a"]), tuple(seen["b"])])
     assert outcomes == [(0, False), (137, True)], seen
