@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -284,6 +285,39 @@ def test_snapshots_over_rest_belong_to_their_tenant_and_count_against_its_quota(
         assert alice.delete(f"/v1/snapshots/{snap['id']}").status_code == 204
         for box in (sid, cid, *kids):
             assert alice.delete(f"/v1/sandboxes/{box}").status_code == 204
+
+
+def test_a_tenants_snapshots_share_contents_with_its_own_only(server: ServerProcess) -> None:
+    """Contents are stored once per tenant, never across tenants: with one store for all, what a
+    snapshot wrote (and how long it took) told a tenant whether another tenant's snapshots held a
+    content, so it could test guesses at another's files (a token in a config) one per snapshot."""
+    guess = "yes c18-guessed-token-0042 | head -c 100000 > /home/user/.env"
+    made: dict[str, list[str]] = {"alice": [], "bob": []}
+    snaps: dict[str, list[dict[str, Any]]] = {"alice": [], "bob": []}
+    with server.client("alice") as alice, server.client("bob") as bob:
+        clients = {"alice": alice, "bob": bob}
+        for who in ("alice", "bob", "alice"):
+            client = clients[who]
+            sandbox = client.post("/v1/sandboxes", json={"limits": {"memory": "128M"}})
+            assert sandbox.status_code == 201, sandbox.text
+            made[who].append(sid := sandbox.json()["id"])
+            assert client.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": guess}).json()["exit_code"] == 0
+            taken = client.post(f"/v1/sandboxes/{sid}/snapshot")
+            assert taken.status_code == 201, taken.text
+            snaps[who].append(taken.json())
+        # bob's content was alice's too: written again, not found in hers
+        assert snaps["alice"][0]["written"] >= 100000 and snaps["bob"][0]["written"] >= 100000
+        # the allowed direction: a tenant's own second snapshot of it shares the content
+        assert snaps["alice"][1]["written"] < 100000
+        blobs = server.state / DIRECTORY / "blobs"
+        holders = {p.parent for p in blobs.rglob("*") if p.is_file() and p.stat().st_size == 100000}
+        assert len(holders) == 2  # one content, stored once per tenant
+        for who, client in clients.items():
+            for snap in snaps[who]:
+                assert client.delete(f"/v1/snapshots/{snap['id']}").status_code == 204
+            for sid in made[who]:
+                assert client.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    assert [p for p in blobs.rglob("*") if p.is_file()] == []  # nothing left once no snapshot links to it
 
 
 def test_the_remote_sdk_snapshots_and_forks(server: ServerProcess) -> None:

@@ -13,9 +13,13 @@ Stored under ``<state>/snapshots/`` (0700)::
     snap-<16 hex>/meta.json        id, kind, tier, image, created, size, owner tenant,
                                    the sha256 of files/manifest.json
     snap-<16 hex>/files/           manifest + content blobs (corral.tiers.linux.fs_snapshot)
-    blobs/SHA256                   every content once: each snapshot's blobs are hard links to these
-                                   (content-addressed: a fork or a second snapshot of a sandbox
-                                   writes only what changed); one no snapshot links to is removed
+    blobs/t-<tenant hash>/SHA256   every content of one tenant once: each snapshot's blobs are hard
+                                   links to these (content-addressed: a fork or a second snapshot
+                                   of a sandbox writes only what changed); one no snapshot links to
+                                   is removed.  Per tenant, never across tenants: a store shared by
+                                   all told a tenant, by what a snapshot wrote (and took), whether
+                                   another tenant held a content -- an oracle for guessing its
+                                   files (a token, a password in a config) one guess per snapshot
     .tmp-<id>-<pid>-<start>/       a snapshot being written: renamed into place when whole
     snap-<16 hex>/writing.lock     a live snapshot named while its memory image is written: its
                                    meta.json says "writing" while its writer holds this (flock)
@@ -29,6 +33,7 @@ those whose writer is gone.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -124,8 +129,8 @@ class SnapshotStore:
         rest: PendingWrite | None = None
         lock = -1
         try:
-            shared = self.dir / SHARED
-            shared.mkdir(mode=0o700, exist_ok=True)
+            shared = self._shared(tenant)
+            shared.mkdir(mode=0o700, parents=True, exist_ok=True)
             if parked_by is None:
                 written, rest = inner.snapshot_begin(temp / "files", shared)
             else:  # a sandbox's state paused to disk: whole before its record is written
@@ -154,6 +159,12 @@ class SnapshotStore:
             threading.Thread(target=self._finish, args=(snapshot, rest, lock), daemon=False,
                              name=f"corral-snapshot-{snapshot_id}").start()
         return snapshot
+
+    def _shared(self, tenant: str | None) -> Path:
+        """The contents ``tenant``'s snapshots share (None, the embedded SDK's, has its own too).
+        A hash names it: a tenant's name is any text, and the directory must not say who it is."""
+        key = hashlib.sha256(b"\0" if tenant is None else b"t:" + tenant.encode()).hexdigest()[:32]
+        return self.dir / SHARED / f"t-{key}"
 
     def _finish(self, snapshot: Snapshot, rest: PendingWrite, lock: int) -> None:
         """Write the rest of a snapshot named while being written, then its final description

@@ -158,13 +158,18 @@ def _holds(blob: Path, digest: str) -> bool:
 
 
 def prune_shared(shared: Path) -> int:
-    """Remove shared contents no snapshot links to any more; returns how many went."""
+    """Remove shared contents no snapshot links to any more; returns how many went.  ``shared``
+    holds contents, and directories of contents (one per tenant: corral.snapshots), pruned alike
+    and kept (a snapshot being taken links into its tenant's at any moment)."""
     if not shared.is_dir():
         return 0
     gone = 0
     for blob in shared.iterdir():
         with contextlib.suppress(FileNotFoundError):
-            if blob.stat().st_nlink <= 1:
+            st = blob.lstat()
+            if stat.S_ISDIR(st.st_mode):
+                gone += prune_shared(blob)
+            elif st.st_nlink <= 1:
                 blob.unlink()
                 gone += 1
     return gone
