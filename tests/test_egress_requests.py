@@ -9,7 +9,9 @@ through, and a client that reset or spoke false TLS kept the upstream socket ope
 from __future__ import annotations
 
 import base64
+import datetime
 import os
+import ssl
 import sys
 import time
 from collections.abc import Iterator
@@ -212,6 +214,50 @@ def test_leaf_certificates_for_endless_names_stay_bounded(tmp_path: Path) -> Non
     assert list((tmp_path / "ca").iterdir()) == []
     assert ca.server_context(f"n{tls.LEAF_CONTEXTS + 39}.wild.test") is contexts[-1]  # recent: kept
     assert ca.server_context("n0.wild.test") is not contexts[0]  # dropped, made again
+
+
+def _handshake(server: ssl.SSLContext, cafile: Path, host: str) -> None:
+    """A TLS handshake, in memory, of a client that trusts ``cafile`` (as the sandbox does) and
+    checks the name and dates, with ``server``; raises what the client would."""
+    client = ssl.create_default_context(cafile=str(cafile))
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    ends = [client.wrap_bio(c_in, c_out, server_hostname=host), server.wrap_bio(s_in, s_out, server_side=True)]
+    for _ in range(10):
+        done = 0
+        for end in ends:
+            try:
+                end.do_handshake()
+                done += 1
+            except ssl.SSLWantReadError:
+                pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if done == 2:
+            return
+    raise AssertionError("the handshake did not end")
+
+
+def test_certificates_outlast_a_long_session(tmp_path: Path) -> None:
+    """A sandbox lives up to 30 days with a lifetime (for ever without one) and trusts the CA it
+    was given at its start: the CA stays valid for longer than that, and a leaf is minted afresh
+    before it ends.  Both were valid for two days: after that, every HTTPS request of the
+    sandbox to a host its secrets are bound to failed."""
+    now = datetime.datetime.now(datetime.UTC)
+    assert tls.SandboxCA(tmp_path / "ca-now", "sb-now").certificate.not_valid_after_utc - now > datetime.timedelta(days=365)
+    clock = [now - datetime.timedelta(days=3)]
+    ca = tls.SandboxCA(tmp_path / "ca", "sb-long", clock=lambda: clock[0])
+    (tmp_path / "ca.crt").write_bytes(ca.cert_pem)
+    first = ca.server_context("api.target.test")
+    assert ca.server_context("api.target.test") is first  # the same within its first day
+    clock[0] = now  # three days on, the sandbox still running
+    renewed = ca.server_context("api.target.test")
+    assert renewed is not first
+    _handshake(renewed, tmp_path / "ca.crt", "api.target.test")  # the CA of three days ago, a fresh leaf
+    # the denied direction: the leaf of three days ago has expired, and a client says so
+    with pytest.raises(ssl.SSLCertVerificationError, match="expired"):
+        _handshake(first, tmp_path / "ca.crt", "api.target.test")
+    with pytest.raises(ssl.SSLCertVerificationError, match=r"mismatch|match"):
+        _handshake(renewed, tmp_path / "ca.crt", "other.target.test")
 
 
 def test_one_echo_matcher_serves_every_name_of_a_wildcard_binding(tmp_path: Path) -> None:

@@ -6,6 +6,12 @@ key stays in a root-only directory of the owner and never enters the sandbox.
 A leaf certificate is minted per host on first use and cached: the most recent
 :data:`LEAF_CONTEXTS` of them (a ``*.domain`` binding under wildcard DNS names hosts
 without end, and each context holds ~0.4 MiB), their files deleted as soon as loaded.
+
+A sandbox may live for weeks (a lifetime of up to 30 days, or none), and it trusts the CA
+certificate it was given at its start: so the CA is valid for far longer than any sandbox
+lives (it is trusted nowhere but in its sandbox, and dies with it), and a leaf is minted
+afresh a day before it ends.  Both were valid for two days from when they were made: after
+that, every HTTPS request of the sandbox to a host its secrets are bound to failed.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import ssl
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography import x509
@@ -23,7 +30,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-_VALIDITY = datetime.timedelta(days=2)
+#: the CA's validity: longer than any sandbox lives
+CA_VALIDITY = datetime.timedelta(days=3650)
+#: a leaf's validity, and how long before its end a fresh one replaces it
+LEAF_VALIDITY = datetime.timedelta(days=2)
+LEAF_RENEWAL = datetime.timedelta(days=1)
 #: leaf TLS contexts kept per sandbox (least recently used dropped first)
 LEAF_CONTEXTS = 64
 
@@ -33,12 +44,17 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
 class SandboxCA:
-    def __init__(self, directory: Path, sandbox_id: str) -> None:
+    def __init__(self, directory: Path, sandbox_id: str, clock: Callable[[], datetime.datetime] = _utc_now) -> None:
         self.directory = directory
         directory.mkdir(mode=0o700, exist_ok=True)
+        self._clock = clock
         self._key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
+        now = clock()
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"Corral sandbox CA {sandbox_id}")])
         self.certificate = (
             x509.CertificateBuilder()
@@ -47,7 +63,7 @@ class SandboxCA:
             .public_key(self._key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + _VALIDITY)
+            .not_valid_after(now + CA_VALIDITY)
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                          content_commitment=False, key_encipherment=False,
@@ -57,25 +73,25 @@ class SandboxCA:
             .sign(self._key, hashes.SHA256())
         )
         self.cert_pem = self.certificate.public_bytes(serialization.Encoding.PEM)
-        self._contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
+        #: host -> (its context, when to mint the next one)
+        self._contexts: OrderedDict[str, tuple[ssl.SSLContext, datetime.datetime]] = OrderedDict()
         self._made = 0
         self._lock = threading.Lock()
 
     def server_context(self, host: str) -> ssl.SSLContext:
         """A TLS server context presenting a certificate for ``host`` signed by this CA."""
         with self._lock:
-            ctx = self._contexts.get(host)
-            if ctx is None:
-                ctx = self._contexts[host] = self._make_context(host)
-                while len(self._contexts) > LEAF_CONTEXTS:
-                    self._contexts.popitem(last=False)
-            else:
-                self._contexts.move_to_end(host)
-            return ctx
+            now = self._clock()
+            cached = self._contexts.get(host)
+            if cached is None or now >= cached[1]:
+                cached = self._contexts[host] = (self._make_context(host, now), now + LEAF_VALIDITY - LEAF_RENEWAL)
+            self._contexts.move_to_end(host)
+            while len(self._contexts) > LEAF_CONTEXTS:
+                self._contexts.popitem(last=False)
+            return cached[0]
 
-    def _make_context(self, host: str) -> ssl.SSLContext:
+    def _make_context(self, host: str, now: datetime.datetime) -> ssl.SSLContext:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
         try:
             san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
         except ValueError:
@@ -87,7 +103,7 @@ class SandboxCA:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + _VALIDITY)
+            .not_valid_after(now + LEAF_VALIDITY)
             .add_extension(x509.SubjectAlternativeName([san]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
