@@ -235,11 +235,19 @@ def test_gc_removes_half_written_snapshots_of_dead_writers_only(state_dir: Path)
 
     orphan = store.dir / f".tmp-snap-00000000000000aa-{dead.pid}-{int(time.time())}"
     working = store.dir / f".tmp-snap-00000000000000bb-{os.getpid()}-{process_start_time(os.getpid())}"
-    for d in (orphan, working):
-        (d / "files").mkdir(parents=True)
+    # each linked to a content of a tenant's store, as a writer killed mid-write leaves it
+    shared = store.dir / "blobs" / "t-c18gc"
+    shared.mkdir(parents=True, exist_ok=True)
+    for d, name in ((orphan, "aa" * 32), (working, "bb" * 32)):
+        (d / "files" / "blobs").mkdir(parents=True)
+        (d / "files" / "blobs" / name).write_text(name)
+        os.link(d / "files" / "blobs" / name, shared / name)
     gc(state_dir)
     assert not orphan.exists() and working.exists()
+    assert [p.name for p in shared.iterdir()] == ["bb" * 32]  # the dead writer's content went with it
     shutil.rmtree(working)
+    fs_snapshot.prune_shared(store.dir / "blobs")
+    assert list(shared.iterdir()) == []
 
 
 @pytest.fixture(scope="module")
