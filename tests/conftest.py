@@ -56,6 +56,9 @@ def _reap_dead_runs() -> None:
                             pass
                 cgroup_tree.remove_tree(parent)
 
+if "PYTEST_XDIST_WORKER" in os.environ:  # a worker of `pytest -n`: not its controller's (inherited) ones
+    os.environ["CORRAL_CGROUP_PARENT"] = _RUN_TAG
+    os.environ.pop("CORRAL_STATE_DIR", None)
 os.environ.setdefault("CORRAL_CGROUP_PARENT", _RUN_TAG)
 _STATE = Path(tempfile.mkdtemp(prefix=f"{_RUN_TAG}-state-"))
 os.environ.setdefault("CORRAL_STATE_DIR", str(_STATE))
