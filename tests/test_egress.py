@@ -7,7 +7,10 @@ Costs about 15 s on 2 cores (a handful of sandboxes, one test network).
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -365,3 +368,50 @@ def test_streamed_output_is_redacted_across_chunk_boundaries() -> None:
     assert b"".join(d for n, d in out if n == "stderr") == b"abcdef"
     assert out[0] == ("stdout", b"x=")  # "abc" was held back: it could have begun the value
     assert all(b"abc" not in d for n, d in out[:2] if n == "stdout")
+
+
+def _agent_reading(pipe: int) -> int:
+    """The pid of the sandbox's agent: the process whose standard input is ``pipe``'s other end."""
+    inode = f"pipe:[{os.fstat(pipe).st_ino}]"
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and os.readlink(proc / "fd/0") == inode and \
+                    (proc / "comm").read_text().strip() == "agent":  # /.corral/agent
+                return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError("no agent reads the channel")
+
+
+def test_the_relay_listens_before_the_first_command_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox's first command finds the egress relay listening on 127.0.0.1:3128.  The relay
+    used to bind in a child the agent forked at start while the agent went on to run commands: one
+    first command in 30 was refused on a loaded host.  Here every ``bind`` of the agent and its
+    children is held 300 ms (strace's delay injection, attached before the agent is let go), so a
+    command run before the relay listens is refused every time."""
+    from corral.tiers.linux import agent
+    from corral.tiers.linux.frames import T_GO
+
+    tracers: list[subprocess.Popen[bytes]] = []
+    send = agent.AgentChannel.send
+
+    def send_after_tracing(channel: agent.AgentChannel, kind: int, ident: int, payload: bytes = b"") -> None:
+        if kind == T_GO and not tracers:
+            pid = _agent_reading(channel._wfd)
+            tracers.append(subprocess.Popen(["strace", "-f", "-qq", "-o", "/dev/null", "-e", "trace=bind",
+                                             "-e", "inject=bind:delay_enter=300000", "-p", str(pid)]))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and "TracerPid:\t0\n" in Path(f"/proc/{pid}/status").read_text():
+                time.sleep(0.01)
+        send(channel, kind, ident, payload)
+
+    monkeypatch.setattr(agent.AgentChannel, "send", send_after_tracing)
+    try:
+        with Sandbox.create(network="allow", allow=["example.test"]) as sb:
+            assert tracers, "the process tier sends GO through AgentChannel.send"
+            first = sb.commands.run(["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/3128 && echo listening"], timeout=20)
+            assert first.stdout == "listening\n", first
+    finally:
+        for tracer in tracers:
+            tracer.kill()
+            tracer.wait()

@@ -34,6 +34,7 @@
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -295,15 +296,22 @@ int main(int argc, char **argv) {
         if (len != 0) return 2;
     }
     if (argc == 4 && strcmp(argv[1], "--relay") == 0) {
-        /* the relay is a child of pid 1; the agent's own protocol is unchanged */
+        /* the relay is a child of pid 1; the agent's own protocol is unchanged.  Its port is
+         * bound here, before pid 1 reads any request: a command (the sandbox's first included)
+         * always finds it listening.  Bound in the child, a command run meanwhile was refused
+         * (1 in 30 first commands on a loaded host). */
         int port = atoi(argv[2]);
         if (port <= 0 || port > 65535) return 2;
+        int listeners[2] = {loopback_listener(AF_INET, port), loopback_listener(AF_INET6, port)};
+        if (listeners[0] < 0) return 2;
         pid_t pid = fork();
         if (pid < 0) return 2;
         if (pid == 0) {
             if (default_uid >= 0 && become_user((uid_t)default_uid) < 0) _exit(2);
-            relay_main(port, argv[3]);
+            relay_main(listeners, argv[3]);
         }
+        for (int i = 0; i < 2; i++)  /* the relay's alone: with it gone, connections are refused */
+            if (listeners[i] >= 0) close(listeners[i]);
     }
     sigset_t mask;
     sigemptyset(&mask);

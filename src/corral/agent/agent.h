@@ -97,7 +97,8 @@ void do_fmkdir(uint32_t id, char *payload, uint32_t len);
 void do_guest(uint32_t id, char *payload, uint32_t len);
 
 /* relay.c: the egress relay of the process and gVisor tiers (`--relay PORT SOCKET`) */
-void relay_main(int port, const char *path);
+/* the relay on LISTENERS (IPv4, IPv6 or -1; bound by pid 1 before it runs anything) */
+void relay_main(const int listeners[2], const char *path);
 /* relay.c: the in-sandbox end of a port forward (`--connect PORT`, run as a command) */
 int connect_main(int port);
 #endif

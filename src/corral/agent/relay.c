@@ -117,7 +117,7 @@ int loopback_listener(int family, int port) {
     return fd;
 }
 
-void relay_main(int port, const char *path) {
+void relay_main(const int listeners[2], const char *path) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -125,8 +125,7 @@ void relay_main(int port, const char *path) {
     /* never hold the agent's protocol pipes: only pid 1 speaks on them */
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (null >= 0) { dup2(null, 0); dup2(null, 1); }
-    int l[2] = {loopback_listener(AF_INET, port), loopback_listener(AF_INET6, port)};
-    if (l[0] < 0) _exit(2);
+    const int l[2] = {listeners[0], listeners[1]};
     static struct pollfd pfds[2 + 2 * RELAY_MAX];
     static struct half *owner[2 + 2 * RELAY_MAX];
     static struct relay_conn *owner_conn[2 + 2 * RELAY_MAX];
