@@ -279,6 +279,12 @@ def test_downloads_a_tenant_does_not_read_are_bounded_per_tenant(server: ServerP
             assert made.json()["exit_code"] == 0
         stalled = [_stalled_download(server, a_sid) for _ in range(2)]
         try:
+            for s in stalled:  # both under way (their heads sent) before the third is asked for
+                s.settimeout(30)
+                head = b""
+                while b"\r\n\r\n" not in head and (piece := s.recv(4096)):
+                    head += piece
+                assert head.startswith(b"HTTP/1.1 200 "), head[:300]
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
                 third = alice.get(f"/v1/sandboxes/{a_sid}/files/content", params={"path": "/tmp/big"})
