@@ -403,6 +403,7 @@ def test_the_relay_listens_before_the_first_command_runs(monkeypatch: pytest.Mon
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and "TracerPid:\t0\n" in Path(f"/proc/{pid}/status").read_text():
                 time.sleep(0.01)
+            assert "TracerPid:\t0\n" not in Path(f"/proc/{pid}/status").read_text(), "strace did not attach"
         send(channel, kind, ident, payload)
 
     monkeypatch.setattr(agent.AgentChannel, "send", send_after_tracing)
