@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -85,6 +86,10 @@ def main() -> int:
     # Ray's one-machine mode (read when it is imported): a loopback address stays the loopback
     # and its servers, which run any code sent to them, bind nowhere else
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # and its token authentication, as docs/cluster.md sets a cluster up (Corral uses no cluster
+    # without it); also read when Ray is imported
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
     import ray
     from ray.cluster_utils import Cluster
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,14 @@ import pytest
 
 from corral import Sandbox
 from corral.cluster.transport import ClusterTransport
-from corral.errors import ClusterFull, FileNotFoundInSandbox, InvalidSpec, SandboxLost
+from corral.errors import (
+    ClusterFull,
+    ClusterUnauthenticated,
+    FileNotFoundInSandbox,
+    HostNotSupported,
+    InvalidSpec,
+    SandboxLost,
+)
 
 from .leaks import sandbox_leftovers
 
@@ -34,6 +42,11 @@ from .leaks import sandbox_leftovers
 # it) and binds its servers to every interface then; in its one-machine mode, chosen before Ray is
 # imported, the test's cluster stays on the loopback (`LocalCluster` checks that it does)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray's token authentication, as docs/cluster.md sets a cluster up (Corral refuses to use a cluster
+# without it): every node and driver of the test's cluster, its subprocesses too, have the token.
+# Chosen before Ray is imported: a process reads its mode once
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed: pip install 'corral[cluster]'")
 
 SLOTS = 8
@@ -282,6 +295,80 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     transport = ClusterTransport.shared(True)
     assert wait_until(lambda: joined.node_id in transport.hosts(fresh=True), 30)
     assert ray.get(transport.hosts()[joined.node_id].load.remote())["free"] == SLOTS
+
+
+#: a driver in a process of its own: joins the cluster ``argv[1]`` as Corral does, says how it went
+JOINER = """
+import sys
+import ray
+from corral import Sandbox
+from corral.errors import SandboxError
+try:
+    Sandbox.create(cluster=sys.argv[1], slot_timeout=1).kill()
+    print("created", flush=True)
+except SandboxError as exc:
+    print(type(exc).__name__, ray.is_initialized(), exc, flush=True)
+"""
+
+
+def without_ray_token(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    env.update(extra)
+    return env
+
+
+def join_from_a_new_process(address: str, env: dict[str, str]) -> str:
+    done = subprocess.run([sys.executable, "-c", JOINER, address], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_a_driver_without_the_clusters_token_is_refused(cluster: LocalCluster) -> None:
+    """The suite's cluster is set up as docs/cluster.md says: its token is what lets a driver in
+    (its own drivers, with it, create sandboxes in every other test)."""
+    address = cluster.cluster.address
+    once = {"RAY_gcs_server_port_wait_time_s": "1"}  # one try to connect, not Ray's 20 (a second each)
+    assert join_from_a_new_process(address, without_ray_token(**once)).startswith("ConnectionLost False ")
+    wrong = without_ray_token(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), **once)
+    assert join_from_a_new_process(address, wrong).startswith("ConnectionLost False ")
+
+
+UNAUTHENTICATED_HEAD = """
+import os, sys, tempfile
+from pathlib import Path
+temp = Path(tempfile.mkdtemp(prefix="c17-noauth-"))
+(temp / "ray").mkdir()
+os.environ["RAY_TMPDIR"] = str(temp)
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=False)
+cluster.add_node(num_cpus=0, object_store_memory=80 << 20, node_ip_address="127.0.0.1", include_dashboard=False,
+                 temp_dir=str(temp))
+print(cluster.address, flush=True)
+sys.stdin.read()
+cluster.shutdown()
+"""
+
+
+def test_a_cluster_that_lets_drivers_in_without_a_token_is_refused_unless_the_caller_says_so(
+        cluster: LocalCluster) -> None:
+    """Ray runs what any driver sends, as root on Corral's nodes: a cluster without token
+    authentication is refused (typed, nothing created, the driver's connection closed), and
+    used only when the caller states that nobody else reaches it."""
+    head = subprocess.Popen([sys.executable, "-c", UNAUTHENTICATED_HEAD], env=without_ray_token(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert head.stdout is not None
+        address = head.stdout.readline().strip()
+        assert address.startswith(LOOPBACK)
+        refused = join_from_a_new_process(address, without_ray_token())
+        assert refused.startswith("ClusterUnauthenticated False ") and "RAY_AUTH_MODE=token" in refused
+        assert issubclass(ClusterUnauthenticated, HostNotSupported)
+        # stated: it is joined (and, having no node with slots, has no room for a sandbox)
+        allowed = join_from_a_new_process(address, without_ray_token(CORRAL_RAY_UNAUTHENTICATED="1"))
+        assert allowed.startswith("ClusterFull True ")
+    finally:
+        head.communicate("", timeout=60)
 
 
 DRIVER = """

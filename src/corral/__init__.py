@@ -24,7 +24,7 @@ _EXPORTS = {
     "Snapshot": "corral.snapshots",
 }
 _ERRORS = (
-    "SandboxError", "InvalidSpec", "HostNotSupported", "SandboxNotFound", "SandboxClosed", "SandboxLost", "InvalidState",
+    "SandboxError", "InvalidSpec", "HostNotSupported", "ClusterUnauthenticated", "SandboxNotFound", "SandboxClosed", "SandboxLost", "InvalidState",
     "SandboxPaused", "SnapshotNotFound", "SnapshotCorrupt", "ExecError",
     "ExecTimeout", "OutOfMemory", "ContainmentFailed", "ResourceLimit", "ClusterFull", "HostError", "FileError",
     "FileNotFoundInSandbox",

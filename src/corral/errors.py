@@ -6,6 +6,7 @@ can catch one class.  The tree::
     SandboxError
     ├── InvalidSpec            a spec, a limit or an argument is wrong
     ├── HostNotSupported       this host cannot run the requested tier
+    │   └── ClusterUnauthenticated  the Ray cluster lets drivers in without a token
     ├── SandboxNotFound        no live sandbox with that id (or not yours)
     │   └── SnapshotNotFound   no snapshot with that id (or not yours)
     ├── SandboxClosed          the sandbox was destroyed or died
@@ -81,6 +82,18 @@ class HostNotSupported(SandboxError):
     """
 
     code = "host_not_supported"
+
+
+class ClusterUnauthenticated(HostNotSupported):
+    """The Ray cluster named lets any driver in without a token.  Ray runs whatever code a driver
+    sends, as the user its nodes run as -- root on Corral's nodes -- so such a cluster is root on
+    every node for whoever reaches its ports (another user of a machine reaches the loopback).
+    Nothing was created.  Enable Ray's token authentication on every node and driver
+    (``RAY_AUTH_MODE=token``, the token in ``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``: see
+    docs/cluster.md), or state that nobody else reaches the cluster with
+    ``CORRAL_RAY_UNAUTHENTICATED=1`` in the driver's environment."""
+
+    code = "cluster_unauthenticated"
 
 
 class SandboxNotFound(SandboxError, LookupError):

@@ -13,12 +13,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConnectionLost, HostNotSupported, InvalidSpec, SandboxError, SandboxLost
+from ..errors import ClusterUnauthenticated, ConnectionLost, HostNotSupported, InvalidSpec, SandboxError, SandboxLost
 
 #: the Ray namespace of Corral's named actors
 NAMESPACE = "corral"
 #: the custom resource a node advertises to host sandboxes: ``ray start --resources '{"corral_slots": 8}'``
 RESOURCE = "corral_slots"
+#: ``CORRAL_RAY_UNAUTHENTICATED=1``: join a cluster that lets drivers in without a token
+UNAUTHENTICATED_ENV = "CORRAL_RAY_UNAUTHENTICATED"
 
 
 def host_name(node_id: str) -> str:
@@ -36,9 +38,11 @@ def ray_module() -> Any:
 
 def join(address: str | bool | None) -> Any:
     """Ray, initialised: ``address`` is what ``ray.init(address=...)`` takes; True (or "auto") means
-    the Ray this process already joined (else the cluster ``RAY_ADDRESS``/``ray start`` names)."""
+    the Ray this process already joined (else the cluster ``RAY_ADDRESS``/``ray start`` names).
+    Raises :class:`ClusterUnauthenticated` for a cluster that lets drivers in without a token."""
     ray = ray_module()
     if ray.is_initialized():
+        require_token_auth("the Ray this process joined")
         return ray
     if address is True or address in ("1", "true", "auto"):
         address = "auto"
@@ -49,7 +53,41 @@ def join(address: str | bool | None) -> Any:
                  logging_level="WARNING", configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConnectionLost(f"cannot join the Ray cluster at {address}: {exc}") from exc
+    try:
+        require_token_auth(f"the Ray cluster at {address}")
+    except ClusterUnauthenticated:
+        ray.shutdown()  # joined here, for nothing: leave no connection behind
+        raise
     return ray
+
+
+def require_token_auth(which: str) -> None:
+    """Refuse a cluster this process joined without a token (unless ``CORRAL_RAY_UNAUTHENTICATED``).
+
+    A driver in Ray's token mode was let in with the cluster's token (a cluster that enforces it
+    refuses a driver without it, or with another); a driver that is not, joined a cluster that
+    asks nobody.  Ray runs any code its drivers send, as root on Corral's nodes, and binds its
+    ports to every interface (the loopback alone in its one-machine mode, which every local user
+    reaches): such a cluster is root on its nodes for anyone who reaches it."""
+    if os.environ.get(UNAUTHENTICATED_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return
+    if _token_mode():
+        return
+    raise ClusterUnauthenticated(
+        f"{which} lets drivers in without a token: whoever reaches its ports runs code as root on its "
+        "nodes. Enable Ray's token authentication on every node and driver (RAY_AUTH_MODE=token, the "
+        "token from `ray get-auth-token --generate` in ~/.ray/auth_token or RAY_AUTH_TOKEN; see "
+        f"docs/cluster.md), or set {UNAUTHENTICATED_ENV}=1 if nobody else can reach the cluster")
+
+
+def _token_mode() -> bool:
+    """Whether this process speaks to Ray with a token (Ray 2.52+; its mode is read from
+    ``RAY_AUTH_MODE``, which ``ray.init`` also sets when it found a token file to use)."""
+    try:
+        from ray._raylet import AuthenticationMode, get_authentication_mode  # type: ignore[attr-defined]
+    except ImportError:  # a Ray without token authentication: no cluster of it asks for one
+        return False
+    return bool(get_authentication_mode() == AuthenticationMode.TOKEN)
 
 
 def address_from_env() -> str | bool | None:
