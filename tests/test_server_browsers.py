@@ -54,6 +54,18 @@ def test_a_rebound_name_is_refused_and_makes_nothing(keyless: ServerProcess) -> 
             assert http.get("/v1/sandboxes", headers={"host": host}).status_code == 200, host
 
 
+def test_the_server_serves_no_page_that_runs_a_script_from_elsewhere(keyless: ServerProcess) -> None:
+    """A page of the server's own origin may drive its API (below): FastAPI's /docs and /redoc
+    pages loaded their scripts from a CDN, which would then have driven it. The OpenAPI
+    document stays, for any tool to read."""
+    with keyless.client() as http:
+        for page in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+            assert http.get(page).status_code == 404, page
+        document = http.get("/openapi.json")
+        assert document.status_code == 200 and "/v1/sandboxes" in document.json()["paths"]
+        assert "text/html" not in document.headers["content-type"]
+
+
 def test_a_foreign_page_cannot_run_a_command_a_local_one_can(keyless: ServerProcess) -> None:
     with Sandbox.create(url=keyless.url) as sb, keyless.client() as http:  # the SDK: no Origin, served
         exec_url = f"/v1/sandboxes/{sb.id}/exec"
@@ -71,7 +83,7 @@ def test_a_foreign_page_cannot_run_a_command_a_local_one_can(keyless: ServerProc
         assert not sb.files.exists("/tmp/ran")
         for host, origin in ((f"127.0.0.1:{keyless.port}", f"http://127.0.0.1:{keyless.port}"),
                              (f"localhost:{keyless.port}", f"http://LOCALHOST:{keyless.port}"),
-                             ("localhost", "http://localhost:80")):  # the server's own pages (/docs)
+                             ("localhost", "http://localhost:80")):  # the server's own origin
             own_page = http.post(exec_url, json={"cmd": "echo ok"}, headers={"origin": origin, "host": host})
             assert own_page.json()["stdout"] == "ok\n", (host, origin)
 
@@ -155,7 +167,7 @@ def test_a_sandboxs_page_through_the_proxy_is_sandboxed_not_the_servers(keyless:
         assert http.get(page_url, headers=sent).headers["x-got-cookie"] == "a=1; b=2"
         assert http.get(page_url, headers={"cookie": "jupyter-login=secret"}).headers["x-got-cookie"] == "-"
         # what the page's script sends from its opaque origin is refused; the same from the
-        # server's own page (/docs) is served
+        # server's own origin is served
         as_page = http.get("/v1/sandboxes", headers={"origin": "null"})
         assert (as_page.status_code, as_page.json()["error"]) == (403, "forbidden_origin")
         assert http.get("/v1/sandboxes", headers={"origin": keyless.url}).status_code == 200

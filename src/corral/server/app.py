@@ -39,7 +39,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         finally:
             await context.shutdown()
 
-    app = FastAPI(title="Corral", version="1", lifespan=lifespan,
+    # no /docs or /redoc page: FastAPI's load their scripts from a CDN, and a page of the server's
+    # own origin may drive the API (host_guard lets it), so a script from elsewhere would have
+    # had every sandbox of a keyless server (and the key typed into the page of one with keys)
+    app = FastAPI(title="Corral", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Isolated, ephemeral, resource-limited sandboxes for AI agents.")
     app.state.context = context
     # the fast routes run inside the size limit: the last middleware added is the outermost
