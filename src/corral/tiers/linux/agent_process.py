@@ -4,6 +4,7 @@ its exit, and what the host sends it (stdin, signals, a terminal's size)."""
 from __future__ import annotations
 
 import os
+import signal
 import struct
 import threading
 import time
@@ -182,6 +183,19 @@ class AgentProcess(Process):
 
     def resize(self, rows: int, cols: int) -> None:
         self._channel.send(T_RESIZE, self._id, struct.pack("<HH", rows, cols))
+
+    def killed_unasked(self) -> bool:
+        """It ended by SIGKILL -- or with 137, a shell's word for a child of its killed so -- that
+        neither its timeout nor its caller sent: what the kernel's OOM killer does to a command
+        (a tier's ``finish`` hook reads this beside the sandbox's OOM count, which any process of
+        the sandbox raises: a background process left by another command, a command of another
+        thread)."""
+        status = self._status
+        if status is None or self._timed_out or signal.SIGKILL in self._requested_signals:
+            return False
+        if os.WIFSIGNALED(status):
+            return os.WTERMSIG(status) == signal.SIGKILL
+        return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGKILL
 
     def _deadline(self) -> float:
         # moved on by every second the sandbox spent paused since the command started

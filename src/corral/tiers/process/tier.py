@@ -409,7 +409,8 @@ class ProcessSandbox(LinuxSandbox):
             return True
 
         def finish(proc: AgentProcess) -> None:
-            proc.oom_killed = cgroup.oom_kills() > oom_before
+            # the OOM count is the sandbox's: it is this command's only if the kernel killed it
+            proc.oom_killed = proc.killed_unasked() and cgroup.oom_kills() > oom_before
             if proc.oom_killed:
                 cgroup.kill_leaf(leaf)  # v1 kills only the biggest task; finish the job
             # a command run in a spare made the agent fork the next one, whose placement (on the
