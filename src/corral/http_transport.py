@@ -37,6 +37,7 @@ from .tiers.base import ExecResult, FileEntry
 from .transport import (
     INLINE_STDIN,
     CommandCall,
+    CommandProcess,
     CreateOptions,
     OutputCallback,
     SandboxBackend,
@@ -195,9 +196,10 @@ class HTTPBackend(SandboxBackend):
         process.wait_started(30)  # as a local start: the command exists when start returns
         return process
 
-    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
-        if on_output is not None or (stdin is not None and len(stdin) > INLINE_STDIN):
-            return super().run(call, stdin, on_output)  # the exec stream: stdin in frames
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None,
+            started: Callable[[CommandProcess], None] | None = None) -> ExecResult:
+        if on_output is not None or started is not None or (stdin is not None and len(stdin) > INLINE_STDIN):
+            return super().run(call, stdin, on_output, started)  # the exec stream: stdin in frames
         data = self._call("POST", "/exec", timeout=None, json={**call.body(), **stdin_field(stdin)})
         data.pop("sandbox_id", None)
         return ExecResult(**data)

@@ -31,7 +31,7 @@ from .snapshots import Snapshot, SnapshotStore
 from .spec import SandboxSpec, validate_sandbox_path
 from .tiers import get_tier, tier_class
 from .tiers.base import ExecRequest, ExecResult, FileEntry, Process, TierSandbox
-from .transport import CommandCall, CommandProcess, OutputCallback, SandboxBackend
+from .transport import CommandCall, CommandProcess, OutputCallback, SandboxBackend, run_to_its_end
 
 if TYPE_CHECKING:
     from .egress.audit import AuditEvent
@@ -151,16 +151,21 @@ class LocalBackend(SandboxBackend):
             stdin_closed=stdin_closed,
         )
 
-    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
-        if stdin is not None:
-            return super().run(call, stdin, on_output)
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None,
+            started: Callable[[CommandProcess], None] | None = None) -> ExecResult:
         # no input: the tier may send stdin's end of file with the command (one write, one
         # wake-up of the agent less); closing it again is a no-op then
-        process = self.start(call, on_output, stdin_closed=True)
-        process.close_stdin()
-        return process.wait()
+        process = self.start(call, on_output, stdin_closed=stdin is None, waited=True)
+        if started is not None:
+            started(process)
+        return run_to_its_end(process, stdin)
 
-    def start(self, call: CommandCall, on_output: OutputCallback | None, stdin_closed: bool = False) -> LocalProcess:
+    def start(self, call: CommandCall, on_output: OutputCallback | None, stdin_closed: bool = False,
+              waited: bool = False) -> LocalProcess:
+        """Start a command.  Unless ``waited`` (the caller waits for it at once, as ``run`` does), a
+        thread of its own waits for it: a command's timeout kills it, and its end is accounted
+        (its kill-tree leaf removed, OOM read, workspace written back), whether or not its caller
+        ever waits -- a background command nobody waited for ran on past its timeout."""
         request = self.request(call, stdin_closed)
         inner = self.tier_sandbox()
         network = inner.network
@@ -174,6 +179,9 @@ class LocalBackend(SandboxBackend):
         with self._lock:
             self._started = [(p, r) for p, r in self._started if not p.done]
             self._started.append((process, request))
+        if not waited:
+            threading.Thread(target=_wait_quietly, args=(process._process,), name="corral-command-end",
+                             daemon=True).start()
         return process
 
     def start_background(self, call: CommandCall, stdin: bytes | None,
@@ -407,3 +415,12 @@ def start_inner(root: Path, spec: SandboxSpec, sandbox_id: str, seed: tuple[Path
     registry.set_record(sandbox_id, {**inner.reap_record(), "corral": {
         "metadata": metadata, "image": spec.image, "end_at": end_at}})
     return inner, registry
+
+
+def _wait_quietly(process: Process) -> None:
+    """Wait for a command nobody else may wait for (its timeout and end, see ``LocalBackend.start``);
+    what it ended with is its caller's to read, from its own ``wait()``."""
+    try:
+        process.wait()
+    except Exception:  # raised again to the caller's own wait()
+        pass

@@ -213,9 +213,10 @@ class OwnerBackend(SandboxBackend):
     def start(self, call: CommandCall, on_output: OutputCallback | None) -> OwnerProcess:
         return OwnerProcess(self._open("start", call=call_to_dict(call)), on_output)
 
-    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
-        if stdin is not None and len(stdin) > INLINE_STDIN:
-            return super().run(call, stdin, on_output)  # started, then stdin in frames
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None,
+            started: Callable[[CommandProcess], None] | None = None) -> ExecResult:
+        if started is not None or (stdin is not None and len(stdin) > INLINE_STDIN):
+            return super().run(call, stdin, on_output, started)  # started, then stdin in frames
 
         def frame(data: dict[str, Any]) -> None:
             if "out" in data and on_output is not None:

@@ -102,6 +102,21 @@ class CommandProcess(Process):
     def wait(self, on_output: OutputCallback | None = None) -> ExecResult: ...  # type: ignore[override]
 
 
+def run_to_its_end(process: CommandProcess, stdin: bytes | None) -> ExecResult:
+    """Give a started command all of ``stdin`` (if any), close it, and wait for its result."""
+    if stdin is not None:
+        try:
+            process.write_stdin(stdin)
+        except StdinNotTaken:
+            # a run's command has all its input or does not run on: it took none of it for a
+            # minute, and what it would answer with part of it is not what was asked
+            process.kill()
+            process.wait()
+            raise
+    process.close_stdin()
+    return process.wait()
+
+
 class SandboxBackend(ABC):
     """One sandbox as a transport reaches it.  Every method may raise :mod:`corral.errors`."""
 
@@ -117,20 +132,15 @@ class SandboxBackend(ABC):
     def start(self, call: CommandCall, on_output: OutputCallback | None) -> CommandProcess:
         """Start a command, its output reaching ``on_output`` as it comes."""
 
-    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
-        """Run a command to its end (a transport may do it in one round trip)."""
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None,
+            started: Callable[[CommandProcess], None] | None = None) -> ExecResult:
+        """Run a command to its end (a transport may do it in one round trip).  ``started`` gets the
+        running command as soon as it exists (a caller that may have to kill it: a server whose
+        client left), and then the run is started and waited here."""
         process = self.start(call, on_output)
-        if stdin is not None:
-            try:
-                process.write_stdin(stdin)
-            except StdinNotTaken:
-                # a run's command has all its input or does not run on: it took none of it for a
-                # minute, and what it would answer with part of it is not what was asked
-                process.kill()
-                process.wait()
-                raise
-        process.close_stdin()
-        return process.wait()
+        if started is not None:
+            started(process)
+        return run_to_its_end(process, stdin)
 
     @abstractmethod
     def start_background(self, call: CommandCall, stdin: bytes | None,

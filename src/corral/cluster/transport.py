@@ -22,7 +22,7 @@ from ..errors import ClusterFull, ConnectionLost, InvalidSpec, InvalidState, San
 from ..lifecycle import SandboxInfo
 from ..spec import SandboxSpec, template_key
 from ..tiers.base import ExecResult, FileEntry
-from ..transport import CommandCall, CreateOptions, OutputCallback, SandboxBackend, Transport
+from ..transport import CommandCall, CommandProcess, CreateOptions, OutputCallback, SandboxBackend, Transport
 from .nodes import NAMESPACE, host_name, join, lost, ray_errors, slot_nodes
 from .placement import DEFAULT_K, rank, sample
 from .process import ClusterProcess
@@ -122,12 +122,15 @@ class ClusterBackend(SandboxBackend):
         handle, pid = self.call("start", call, None, False)
         return ClusterProcess(self, handle, pid, on_output)
 
-    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None) -> ExecResult:
-        if on_output is None:
+    def run(self, call: CommandCall, stdin: bytes | None, on_output: OutputCallback | None,
+            started: Callable[[CommandProcess], None] | None = None) -> ExecResult:
+        if on_output is None and started is None:
             result: ExecResult = self.call("run", call, stdin)  # one round trip
             return result
         handle, pid = self.call("start", call, stdin, False)
         process = ClusterProcess(self, handle, pid, on_output)
+        if started is not None:
+            started(process)
         process.close_stdin()
         return process.wait()
 
