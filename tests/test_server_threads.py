@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .server_fixtures import KEYS, ServerProcess
 
@@ -103,3 +104,43 @@ def test_idle_kept_alive_connections_give_way_to_new_ones(state_dir: Path) -> No
         finally:
             for sock in held:
                 sock.close()
+
+
+@pytest.mark.parametrize("fast_routes", [True, False])
+def test_a_command_whose_client_left_is_killed_and_frees_its_slot(state_dir: Path, fast_routes: bool) -> None:
+    """``POST /exec`` of ``sleep 1000``, then the client goes: the command is killed (before, it ran
+    to its timeout, days at most, holding one of the sandbox's exec slots and a thread of the
+    tenant's share: 8 such clients left the sandbox unable to run anything)."""
+    import json
+    import socket
+
+    from corral import Sandbox
+
+    slots = 3
+    config = {"max_concurrent_execs": slots, "fast_routes": fast_routes}  # (False: through FastAPI's routing)
+    with ServerProcess(state_dir / f"srv-left-clients-{fast_routes}", config=config) as server, \
+            Sandbox.create(url=server.url) as sb:
+        body = json.dumps({"cmd": ["sleep", "1000"], "timeout": 600}).encode()
+        for _ in range(slots + 1):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+                client.sendall(f"POST /v1/sandboxes/{sb.id}/exec HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                deadline = time.monotonic() + 10
+                while not sb.commands.list() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert [c.argv for c in sb.commands.list()] == [["sleep", "1000"]]
+            # the client is gone (its socket closed, as a killed process's is)
+            deadline = time.monotonic() + 10
+            while sb.commands.list() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sb.commands.list() == []
+        assert sb.commands.run("pgrep -c -x sleep || true").stdout == "0\n"
+        # every slot is free: as many commands as the sandbox may run at once all run
+        results: list[str] = []
+        runners = [threading.Thread(target=lambda: results.append(sb.commands.run("sleep 0.5; echo ok").stdout))
+                   for _ in range(slots)]
+        for runner in runners:
+            runner.start()
+        for runner in runners:
+            runner.join(30)
+        assert results == ["ok\n"] * slots

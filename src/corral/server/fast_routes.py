@@ -49,7 +49,7 @@ async def _create(request: Request, who: str, _: str, body: Any) -> Response:
 
 
 async def _exec(request: Request, who: str, sandbox_id: str, body: Any) -> Response:
-    return await sandbox_routes.exec_command(sandbox_id, body, who, context_of(request))
+    return await sandbox_routes.exec_command(sandbox_id, body, who, context_of(request), request)
 
 
 async def _destroy(request: Request, who: str, sandbox_id: str, _: Any) -> Response:

@@ -3,11 +3,13 @@ code cell; read the egress audit."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
+from ..commands import check_call
 from ..lifecycle import check_metadata
 from ..spec import SandboxSpec
 from . import snapshot_routes
@@ -17,6 +19,7 @@ from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, Tim
 
 if TYPE_CHECKING:
     from ..tiers.base import ExecResult
+    from ..transport import CommandProcess
 
 router = APIRouter()
 
@@ -81,27 +84,42 @@ async def resume_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/exec", summary="Run a command to completion")
-async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Context) -> Response:
+async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Context, request: Request) -> Response:
     manager = ctx.manager
     entry = manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
+    sandbox = entry.sandbox
+    call = check_call(body.cmd, body.timeout, body.env, body.cwd or sandbox.cwd, user=body.user)
+    running: list[CommandProcess] = []
 
     def run_and_audit() -> ExecResult:
         # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
         with manager.exec_slot(entry):
-            result = entry.sandbox.commands.run(body.cmd, timeout=body.timeout, env=body.env,
-                                                cwd=body.cwd, stdin=body.stdin_bytes(), user=body.user)
+            result = sandbox._backend.run(call, body.stdin_bytes(), None, running.append)
         manager.audit(entry)  # counts new egress refusals
         return result
 
     release = await ctx.hold_output(who, entry.spec.limits.max_output)
+    # a client that leaves takes its command with it: it would otherwise run on to its timeout
+    # (up to days), holding one of the sandbox's exec slots and a thread of the tenant's share
+    watch = asyncio.ensure_future(_kill_when_the_client_leaves(request, running, ctx))
     try:
         result = await ctx.run_for(who, run_and_audit)
         ctx.metrics.record_exec(result.timed_out, result.oom_killed)
         # its answer is counted from here until the client has it
         return HeldUntilSent({"sandbox_id": sandbox_id, **result.to_dict()}, ctx.output_shares, who)
     finally:
+        watch.cancel()
         release()  # the result is in hand, and its answer counted
+
+
+async def _kill_when_the_client_leaves(request: Request, running: list[CommandProcess], ctx: Context) -> None:
+    """Wait for the request's client to disconnect (the body is read: what ``receive`` says
+    next is that), then kill the command it started.  Cancelled once the command has ended."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for process in running:
+        await ctx.run_blocking(process.kill)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
