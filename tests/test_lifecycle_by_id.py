@@ -229,3 +229,35 @@ def test_a_large_file_crosses_the_owner_link_and_an_oversized_write_is_typed() -
     finally:
         owner.kill()
         owner.wait()
+
+
+CALLER = """
+import sys
+from corral import Sandbox
+sb = Sandbox.connect(sys.argv[1])
+if sys.argv[2] == "stream":
+    sb.commands.run("sleep 1000", timeout=600, on_stdout=print)
+else:
+    sb.commands.run("sleep 1000", timeout=600)
+"""
+
+
+@pytest.mark.parametrize("how", ["blocking", "stream"])
+def test_a_command_another_process_runs_through_the_owner_ends_when_that_process_dies(how: str) -> None:
+    """Through the owner's link, a caller that died left its command running to its timeout
+    (days at most); now its hang-up kills it, as the server's exec does."""
+    with Sandbox.create() as sb:
+        caller = subprocess.Popen([sys.executable, "-c", CALLER, sb.id, how], env=os.environ.copy())
+        try:
+            deadline = time.monotonic() + 30
+            while not sb.commands.list() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [c.argv for c in sb.commands.list()] == [["/bin/sh", "-c", "sleep 1000"]]
+        finally:
+            caller.kill()
+            caller.wait(10)
+        deadline = time.monotonic() + 10
+        while sb.commands.list() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sb.commands.list() == []
+        assert sb.commands.run("pgrep -c -x sleep || true").stdout == "0\n"

@@ -236,7 +236,17 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
 
     stdin = unb64(args["stdin"]) if args.get("stdin") is not None else None
     if op == "run":
-        return backend.run(call_of(args["call"]), stdin, forward if args.get("stream") else None).to_dict()
+        # the caller sends nothing more on a run: the end of its frames is the caller gone, and
+        # its command goes with it (it would run on to its timeout, up to days)
+        running: list[CommandProcess] = []
+        finished = threading.Event()
+        threading.Thread(target=_kill_on_hangup, args=(frames, running, finished), name="corral-owner-hangup",
+                         daemon=True).start()
+        try:
+            return backend.run(call_of(args["call"]), stdin, forward if args.get("stream") else None,
+                               running.append).to_dict()
+        finally:
+            finished.set()
     if op == "start":
         process: CommandProcess = backend.start(call_of(args["call"]), forward)
     elif op == "start_background":
@@ -338,6 +348,16 @@ def _follow_controls(process: CommandProcess, frames: Iterator[dict[str, Any]], 
     if kill_on_hangup and not done.is_set() and not process.done:
         with contextlib.suppress(SandboxError, OSError):
             process.kill()
+
+
+def _kill_on_hangup(frames: Iterator[dict[str, Any]], running: list[CommandProcess], finished: threading.Event) -> None:
+    with contextlib.suppress(OSError, ValueError, SandboxError):  # (a frame too long: the caller is no client)
+        for _ in frames:
+            pass
+    if not finished.is_set():
+        for process in running:
+            with contextlib.suppress(SandboxError, OSError):
+                process.kill()
 
 
 def _expose(backend: LocalBackend, port: int, unix: bool, other_users: list[int]) -> dict[str, Any]:
