@@ -134,7 +134,9 @@ def test_neighbours_and_host_processes_are_out_of_reach(case: tuple[Sandbox, str
     # guest root's `kill -9 -1` reaches the guest's agent (not pid 1 there): it ends its own VM, last
     vm_root = (tier, user) == ("microvm", "root")
     try:
-        other = neighbour.commands.start("exec sleep 3600")  # killed below: outlasts any wait here
+        # killed below; its timeout (60 s by default, and a command nobody waits for ends at it)
+        # outlasts any wait here
+        other = neighbour.commands.start("exec sleep 3600", timeout=3600)
         r = sb.commands.run(f"kill -9 {victim.pid}; {'' if vm_root else 'kill -9 -1;'} "
                             "ls /proc | grep -cE '^[0-9]+$'; echo done")
         # (a guest's /proc lists its own kernel's threads too)
