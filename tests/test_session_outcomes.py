@@ -108,3 +108,22 @@ def test_a_command_of_another_thread_is_not_oom_killed_by_a_hogs_kill() -> None:
         result = results["innocent"]
         assert (result.exit_code, result.oom_killed) == (0, False)  # type: ignore[attr-defined]
         assert sleeps_inside(sb) == 1
+
+
+def test_a_run_its_caller_leaves_early_still_ends_at_its_timeout() -> None:
+    """A run() that raises before its wait (its stdin refused, the caller interrupted: here the
+    ``started`` hook raising) leaves a command nobody waits for: it still ends at its timeout."""
+    from corral.commands import check_call
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupted(_: object) -> None:
+        raise Interrupted
+
+    with Sandbox.create() as sb:
+        with pytest.raises(Interrupted):
+            sb._backend.run(check_call("sleep 1000", 1, None, None), None, None, interrupted)  # type: ignore[attr-defined]
+        assert wait_until(lambda: [c.argv for c in sb.commands.list()] == [["/bin/sh", "-c", "sleep 1000"]], 5)
+        assert wait_until(lambda: not sb.commands.list(), 5), "it ran on past its timeout"
+        assert sleeps_inside(sb) == 0

@@ -5,6 +5,7 @@ interpreters, and pausing it to disk.  :mod:`corral.local_transport` makes and f
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -156,9 +157,14 @@ class LocalBackend(SandboxBackend):
         # no input: the tier may send stdin's end of file with the command (one write, one
         # wake-up of the agent less); closing it again is a no-op then
         process = self.start(call, on_output, stdin_closed=stdin is None, waited=True)
-        if started is not None:
-            started(process)
-        return run_to_its_end(process, stdin)
+        try:
+            if started is not None:
+                started(process)
+            return run_to_its_end(process, stdin)
+        except BaseException:
+            if not process.done:  # not waited for after all (its stdin refused, the caller interrupted)
+                _wait_in_the_background(process)
+            raise
 
     def start(self, call: CommandCall, on_output: OutputCallback | None, stdin_closed: bool = False,
               waited: bool = False) -> LocalProcess:
@@ -180,8 +186,7 @@ class LocalBackend(SandboxBackend):
             self._started = [(p, r) for p, r in self._started if not p.done]
             self._started.append((process, request))
         if not waited:
-            threading.Thread(target=_wait_quietly, args=(process._process,), name="corral-command-end",
-                             daemon=True).start()
+            _wait_in_the_background(process)
         return process
 
     def start_background(self, call: CommandCall, stdin: bytes | None,
@@ -417,10 +422,13 @@ def start_inner(root: Path, spec: SandboxSpec, sandbox_id: str, seed: tuple[Path
     return inner, registry
 
 
+def _wait_in_the_background(process: LocalProcess) -> None:
+    """A thread that waits for a command nobody else may wait for: its timeout ends it, and its end
+    is accounted (see ``LocalBackend.start``)."""
+    threading.Thread(target=_wait_quietly, args=(process._process,), name="corral-command-end", daemon=True).start()
+
+
 def _wait_quietly(process: Process) -> None:
-    """Wait for a command nobody else may wait for (its timeout and end, see ``LocalBackend.start``);
-    what it ended with is its caller's to read, from its own ``wait()``."""
-    try:
+    # what it ended with is its caller's to read, from its own wait() (which raises it again)
+    with contextlib.suppress(Exception):
         process.wait()
-    except Exception:  # raised again to the caller's own wait()
-        pass
