@@ -144,3 +144,27 @@ def test_a_command_whose_client_left_is_killed_and_frees_its_slot(state_dir: Pat
         for runner in runners:
             runner.join(30)
         assert results == ["ok\n"] * slots
+
+
+def test_a_code_cell_whose_client_left_is_interrupted_and_frees_the_interpreter(state_dir: Path) -> None:
+    """``POST /code`` of a cell that sleeps, then the client goes: the cell is interrupted as its
+    timeout would (before, it held the interpreter, so the next cell waited for it, up to its
+    timeout), and the interpreter's variables survive (an interrupted cell keeps them)."""
+    import json
+    import socket
+
+    with ServerProcess(state_dir / "srv-left-cells") as server, server.client() as http:
+        sid = http.post("/v1/sandboxes", json={"limits": {"memory": "256M"}}).json()["id"]
+        try:
+            assert http.post(f"/v1/sandboxes/{sid}/code", json={"code": "kept = 41"}).status_code == 200
+            body = json.dumps({"code": "import time\ntime.sleep(1000)", "timeout": 600}).encode()
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+                client.sendall(f"POST /v1/sandboxes/{sid}/code HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                time.sleep(1.0)  # the cell is running
+            started = time.monotonic()
+            after = http.post(f"/v1/sandboxes/{sid}/code", json={"code": "kept + 1"}, timeout=60)
+            assert after.status_code == 200 and after.json()["results"][0]["text"] == "42", after.text
+            assert time.monotonic() - started < 10
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")

@@ -317,7 +317,10 @@ class CodeInterpreter:
     def run(self, code: str, *, timeout: float | None = None, envs: dict[str, str] | None = None,
             on_stdout: Callable[[str], None] | None = None, on_stderr: Callable[[str], None] | None = None,
             on_result: Callable[[Result], None] | None = None,
-            on_error: Callable[[ExecutionError], None] | None = None) -> Execution:
+            on_error: Callable[[ExecutionError], None] | None = None,
+            cancel: threading.Event | None = None) -> Execution:
+        """Run one cell.  ``cancel``, once set, ends the cell as its timeout does (interrupted, the
+        kernel restarted if it does not stop): a server whose client left sets it."""
         if not isinstance(code, str):
             raise InvalidSpec("code must be a string")
         limit = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -348,7 +351,7 @@ class CodeInterpreter:
                     self._start()
                     assert self._handle is not None
                     self._handle.send_stdin(request)
-                outcome = self._wait(cell, limit)
+                outcome = self._wait(cell, limit, cancel)
                 if outcome == "timeout":
                     execution.timed_out = True
                     self._handle.send_signal(signal.SIGINT)
@@ -381,13 +384,14 @@ class CodeInterpreter:
         """True once the kernel process has ended."""
         return self._handle is not None and self._handle.done
 
-    def _wait(self, cell: _Cell, seconds: float) -> str:
-        """``"done"``, ``"timeout"``, or ``"dead"`` when the kernel process ended without finishing the cell.
+    def _wait(self, cell: _Cell, seconds: float, cancel: threading.Event | None = None) -> str:
+        """``"done"``, ``"timeout"`` (also once ``cancel`` is set), or ``"dead"`` when the kernel
+        process ended without finishing the cell.
 
         Only time the sandbox could run counts, as for a command's timeout: a step that began or
         ended with the sandbox paused is not counted (the kernel was frozen for some of it)."""
         step, waited = 0.02, 0.0
-        while waited < seconds:
+        while waited < seconds and not (cancel is not None and cancel.is_set()):
             paused_before = self._sandbox.paused
             began = time.monotonic()
             if cell.done.wait(min(step, seconds - waited)):

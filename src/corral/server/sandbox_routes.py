@@ -4,6 +4,7 @@ code cell; read the egress audit."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Request, Response
 
 from ..commands import check_call
 from ..lifecycle import check_metadata
-from ..spec import SandboxSpec
+from ..spec import SandboxSpec, validate_env
 from . import snapshot_routes
 from .context import Context, Tenant
 from .output_shares import HeldUntilSent
@@ -113,13 +114,22 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
         release()  # the result is in hand, and its answer counted
 
 
-async def _kill_when_the_client_leaves(request: Request, running: list[CommandProcess], ctx: Context) -> None:
-    """Wait for the request's client to disconnect (the body is read: what ``receive`` says
-    next is that), then kill the command it started.  Cancelled once the command has ended."""
+async def _client_left(request: Request) -> None:
+    """Returns once the request's client has disconnected (its body is read: what ``receive``
+    says next is that).  A route cancels it once its work is done."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _kill_when_the_client_leaves(request: Request, running: list[CommandProcess], ctx: Context) -> None:
+    await _client_left(request)
     for process in running:
         await ctx.run_blocking(process.kill)
+
+
+async def _set_when_the_client_leaves(request: Request, cancel: threading.Event) -> None:
+    await _client_left(request)
+    cancel.set()
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
@@ -130,16 +140,24 @@ async def network_audit(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str,
 
 # the code interpreter (corral.interpreter): one cell per call
 @router.post("/v1/sandboxes/{sandbox_id}/code", summary="Run code in the sandbox's interpreter (if available)")
-async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context) -> Response:
+async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context, request: Request) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     require_unicode(body.model_dump())
+    sandbox = entry.sandbox
+    envs = validate_env(body.envs) if body.envs else None
+    # a client that leaves ends its cell as its timeout would (interrupted): it held the
+    # interpreter, an exec slot and a thread of the tenant's share for up to the kernel's lifetime
+    cancel = threading.Event()
     release = await ctx.hold_output(who, entry.spec.limits.max_output)
+    watch = asyncio.ensure_future(_set_when_the_client_leaves(request, cancel))
     try:
         with ctx.manager.exec_slot(entry):
-            result = await ctx.run_for(who, entry.sandbox.run_code, body.code, language=body.language,
-                                       timeout=body.timeout, context=body.context, envs=body.envs)
+            result = await ctx.run_for(who, sandbox._backend.run_code, sandbox, body.code, language=body.language,
+                                       timeout=body.timeout, context=body.context, envs=envs,
+                                       callbacks={"cancel": cancel})
         return HeldUntilSent(result.to_dict(), ctx.output_shares, who)
     finally:
+        watch.cancel()
         release()
 
 
