@@ -113,3 +113,27 @@ def test_spec_network_fields() -> None:
         SandboxSpec(network="allow", allow="x.example")  # type: ignore[arg-type]
     with pytest.raises(InvalidSpec, match="network 'wide'"):
         SandboxSpec(network="wide")
+
+
+def test_a_failed_read_of_the_host_addresses_lets_none_of_them_through() -> None:
+    """Before: a read that failed (``ip`` could not be spawned, or timed out) made the list empty,
+    and for the next five seconds a host address the allowlist covered was let through."""
+    host = ipaddress.ip_address("93.184.216.34")
+    reads: list[frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address] | None] = [frozenset({host}), None, None]
+    addresses = HostAddresses(read=lambda: reads.pop(0) if reads else frozenset({host}))
+    p = Policy([AllowRule.parse("93.184.216.0/24")], (), lambda _: [], addresses)
+    assert p.decide("93.184.216.34", 443).rule == "host-address"
+    assert p.decide("93.184.216.35", 443).allowed  # (the allowed direction: not the host's)
+    addresses._refresh()  # a failed read keeps what was read before
+    assert addresses.current() == frozenset({host})
+    assert p.decide("93.184.216.34", 443).rule == "host-address"
+    # never read: every address may be the host's, so none passes
+    unknown = Policy([AllowRule.parse("93.184.216.0/24")], (), lambda _: [], HostAddresses(read=lambda: None))
+    decision = unknown.decide("93.184.216.35", 443)
+    assert (decision.allowed, decision.rule) == (False, "host-addresses-unknown")
+
+
+def test_the_host_addresses_read_names_the_loopback() -> None:
+    from corral.egress.policy import _read_host_addresses
+
+    assert ipaddress.ip_address("127.0.0.1") in (_read_host_addresses() or ())

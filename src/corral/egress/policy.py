@@ -22,7 +22,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..netrules import HOST_RE, AllowRule, IPAddress, IPNetwork, embedded_ipv4, normalize_host, parse_ip
@@ -72,17 +72,27 @@ class HostAddresses:
     """Every address configured on the host (any interface).
 
     Read once up front, then refreshed in the background when older than a few seconds, so
-    a request never waits for ``ip addr`` (a fork and exec, milliseconds on a busy host)."""
+    a request never waits for ``ip addr`` (a fork and exec, milliseconds on a busy host).
+
+    A read that fails (no descriptor or process to spare, ``ip`` stuck or gone) keeps the list
+    read before, and is tried again a second later; before any read worked, the list is unknown
+    (``current()`` is None) and every address counts as the host's.  A failed read made the list
+    empty: for the next five seconds every host address was let through to an allowlist that
+    covered it."""
 
     TTL = 5.0
+    #: seconds before a failed read is tried again
+    RETRY = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[], frozenset[IPAddress] | None] | None = None) -> None:
+        self._read = read or _read_host_addresses
         self._lock = threading.Lock()
         self._stamp = 0.0
         self._refreshing = False
         self._addresses: frozenset[IPAddress] | None = None
 
-    def current(self) -> frozenset[IPAddress]:
+    def current(self) -> frozenset[IPAddress] | None:
+        """The host's addresses, or None while they could never be read (treat every one as the host's)."""
         with self._lock:
             addresses, stale = self._addresses, time.monotonic() - self._stamp > self.TTL
             if addresses is not None and stale and not self._refreshing:
@@ -91,25 +101,31 @@ class HostAddresses:
         if addresses is None:
             self._refresh()
             addresses = self._addresses
-            assert addresses is not None
         return addresses
 
     def _refresh(self) -> None:
-        fresh = frozenset(_read_host_addresses())
+        fresh = self._read()
         with self._lock:
-            self._addresses, self._stamp, self._refreshing = fresh, time.monotonic(), False
+            self._refreshing = False
+            if fresh is not None:
+                self._addresses, self._stamp = fresh, time.monotonic()
+            else:  # keep what was read before; try again soon
+                self._stamp = time.monotonic() - self.TTL + self.RETRY
 
 
-def _read_host_addresses() -> Iterable[IPAddress]:
+def _read_host_addresses() -> frozenset[IPAddress] | None:
+    """Every address of every interface (``ip -j addr show``), or None if they could not be read."""
     try:
         out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, check=True, timeout=5).stdout
+        found = set()
         for link in json.loads(out):
             for info in link.get("addr_info", []):
                 ip = parse_ip(info.get("local", ""))
                 if ip is not None:
-                    yield ip
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return
+                    found.add(ip)
+    except (OSError, subprocess.SubprocessError, ValueError, AttributeError, TypeError):
+        return None
+    return frozenset(found)
 
 
 HOST_ADDRESSES = HostAddresses()
@@ -145,7 +161,10 @@ class Policy:
             for net, rule in REFUSED_RANGES:
                 if candidate.version == net.version and candidate in net:
                     return rule
-            if candidate in self._host_addresses.current():
+            known = self._host_addresses.current()
+            if known is None:
+                return "host-addresses-unknown"  # fail closed: it may be one of them
+            if candidate in known:
                 return "host-address"
             if not candidate.is_global:
                 return "not-global"
