@@ -197,3 +197,91 @@ def test_the_server_puts_each_tenants_sandboxes_in_one_tunnel_share(state_dir: P
         assert [OWNER_TUNNELS.share_of(e.sandbox.id) for e in made] == [e.sandbox.id for e in made]
 
     asyncio.run(lifecycle())
+
+
+#: in the target's namespace: on port N, keeps every connection and neither reads, sends nor
+#: closes; on port N + 1, reads a connection to its end, then answers "late" after half a second
+SILENT_AND_LATE = r"""
+import socket, sys, threading, time
+held = []
+def silent(srv):
+    while True:
+        held.append(srv.accept()[0])
+def late(srv):
+    while True:
+        conn = srv.accept()[0]
+        def answer(conn=conn):
+            while conn.recv(65536):
+                pass
+            time.sleep(0.5)
+            conn.sendall(b"late"); conn.close()
+        threading.Thread(target=answer, daemon=True).start()
+for port, serve in ((int(sys.argv[2]), silent), (int(sys.argv[2]) + 1, late)):
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((sys.argv[1], port)); srv.listen(256)
+    threading.Thread(target=serve, args=(srv,), daemon=True).start()
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+#: opens {n} tunnels to {target}:{port}, sends a byte and half-closes each, reads what comes
+#: back within {wait} s (printing it), then exits: its sockets closed
+HALF_CLOSE = """python3 -c '
+import socket
+got = []
+for _ in range({n}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(b"CONNECT {target}:{port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    head = b""
+    while not head.endswith(b"\\r\\n\\r\\n"): head += s.recv(1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    s.sendall(b"e"); s.shutdown(socket.SHUT_WR)
+    s.settimeout({wait})
+    try:
+        got.append(s.recv(64).decode())
+    except socket.timeout:
+        got.append("-")
+print(" ".join(got))
+'"""
+
+
+def test_a_tunnel_whose_client_is_gone_does_not_wait_for_a_silent_far_end_for_ever(
+        net: TargetNet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that closed its socket (or died) looks, from the proxy, like one that only
+    half-closed it; a far end that never answers nor closes kept the tunnel open for the
+    sandbox's life, and a long session of such connections used up its 256 (then it reached
+    nothing).  Now the far end has HALF_CLOSED_IDLE seconds between bytes after the half-close;
+    one that answers in time still reaches its client."""
+    import corral.egress.tunnel as tunnel
+
+    monkeypatch.setattr(tunnel, "HALF_CLOSED_IDLE", 5.0)  # (20 tunnels take ~2.5 s to open here)
+    silent = PORT + 10
+    servers = subprocess.Popen(["ip", "netns", "exec", net.ns, sys.executable, "-c", SILENT_AND_LATE, net.target,
+                                str(silent)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert servers.stdout is not None and servers.stdout.readline().strip() == "ready"
+        with Sandbox.create(allow=[f"{net.target}:{silent}", f"{net.target}:{silent + 1}"],
+                            unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+            # the allowed thing: an answer that comes after the half-close, within the idle time
+            answered = sb.commands.run(HALF_CLOSE.format(n=3, target=net.target, port=silent + 1, wait=5), timeout=60)
+            assert answered.stdout == "late late late\n", answered.stderr
+            gone = sb.commands.run(HALF_CLOSE.format(n=20, target=net.target, port=silent, wait=0.1), timeout=60)
+            assert gone.stdout.split() == ["-"] * 20, gone.stderr
+            held = _established_to(net, silent)
+            assert held == 20  # the clients are gone, the tunnels (their upstream sockets) still there
+            deadline = time.monotonic() + 20
+            while held and time.monotonic() < deadline:
+                time.sleep(0.25)
+                held = _established_to(net, silent)
+            assert held == 0, f"{held} tunnels to a silent far end outlived their clients"
+    finally:
+        servers.kill()
+        servers.wait()
+
+
+def _established_to(net: TargetNet, port: int) -> int:
+    """The host's sockets to ``port`` that a process holds (a tunnel's upstream sockets; once
+    half-closed they are in FIN-WAIT-2; closed, the kernel keeps them a while with no owner)."""
+    out = subprocess.run(["ss", "-tnpH", "dst", f"{net.target}:{port}"], capture_output=True,
+                         text=True, check=True).stdout
+    return sum(1 for line in out.splitlines() if "users:" in line)

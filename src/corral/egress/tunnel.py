@@ -15,11 +15,18 @@ import queue
 import resource
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 #: client connections one sandbox may hold open at once (each costs the host up to two threads)
 MAX_CONNECTIONS = 256
+#: seconds a tunnel whose client is done (its half-close passed on) may go without a byte from
+#: the far end before it is closed (HAProxy's ``timeout server-fin``).  From here a client that
+#: closed its socket, or died, looks like one that only half-closed it; a far end that never
+#: answers nor closes held the tunnel -- one of the sandbox's MAX_CONNECTIONS, ~6 of the owner's
+#: descriptors and 2 threads -- for the sandbox's whole life: a long session ran out of egress
+HALF_CLOSED_IDLE = 60.0
 
 # What a tunnel makes the host hold while the sandbox reads nothing: the upstream socket's
 # receive queue (up to twice its receive buffer), its send queue, and two pipes.  The host's
@@ -149,7 +156,9 @@ class OwnerTunnels:
 OWNER_TUNNELS = OwnerTunnels()
 
 
-def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Event, pipe_size: int) -> None:
+def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Event, pipe_size: int,
+                    last_moved: list[float] | None = None) -> None:
+    """Copy ``src`` to ``dst`` until its end; ``last_moved[0]``, if given, is when bytes last came."""
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     try:
         with contextlib.suppress(OSError):
@@ -159,6 +168,8 @@ def _splice_one_way(src: socket.socket, dst: socket.socket, abort: threading.Eve
             moved = os.splice(src_fd, write_end, pipe_size)
             if moved == 0:
                 break
+            if last_moved is not None:
+                last_moved[0] = time.monotonic()
             while moved:
                 moved -= os.splice(read_end, dst_fd, moved)
         with contextlib.suppress(OSError):
@@ -181,13 +192,22 @@ def pump(client: socket.socket, upstream: socket.socket, early: bytes, pipe_size
         upstream.sendall(early)
     abort = threading.Event()
     back_done = threading.Event()
+    back_moved = [time.monotonic()]
 
     def back() -> None:
         try:
-            _splice_one_way(upstream, client, abort, pipe_size)
+            _splice_one_way(upstream, client, abort, pipe_size, back_moved)
         finally:
             back_done.set()
 
     WORKERS.submit(back)
     _splice_one_way(client, upstream, abort, pipe_size)
-    back_done.wait()
+    # the client is done: the far end has HALF_CLOSED_IDLE seconds between bytes to answer it
+    back_moved[0] = time.monotonic()
+    while not back_done.wait(max(0.0, back_moved[0] + HALF_CLOSED_IDLE - time.monotonic())):
+        if time.monotonic() - back_moved[0] >= HALF_CLOSED_IDLE:
+            for sock in (client, upstream):  # wakes the copy: it ends, and so does the tunnel
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            back_done.wait()
+            break
