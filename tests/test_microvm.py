@@ -731,3 +731,23 @@ def test_what_a_guest_writes_to_its_console_counts_against_its_disk() -> None:
         # nothing past the disk: what was free, and the rest of the log's last page (already held)
         assert inner.console_log.stat().st_size - size <= room + 4096
         assert sb.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_a_long_session_holds_the_vmms_memory_flat() -> None:
+    """QEMU's translation cache (TCG) grew with every command (~1.8 MiB an `echo`; QEMU's default
+    cap is 1 GiB) past the VMM's share of the sandbox's host memory limit: the host OOM-killed
+    QEMU after 100-150 commands of a session (the command then said the sandbox stopped, and
+    every later call raised SandboxClosed).  Now the cache is capped (``qemu.TCG_CACHE_MB``): once
+    full, the sandbox's host memory stays flat, command after command."""
+    from corral.tiers.microvm.qemu import TCG_CACHE_MB
+
+    with Sandbox.create(tier="microvm", memory="256M") as sb:
+        cgroup = sb._backend.inner.cgroup  # type: ignore[attr-defined]
+        used = []
+        for i in range(200):
+            assert sb.commands.run(f"echo {i}", timeout=30).stdout == f"{i}\n"
+            used.append(cgroup.memory_usage() >> 20)
+        full = TCG_CACHE_MB // 1.5 + 20  # commands by which the cache has filled, and then some
+        grew = max(used[int(full):]) - used[int(full)]
+        assert grew < 24, f"the host memory grew {grew} MiB over the last {200 - int(full)} commands: {used[::20]}"
+        assert sb.commands.run("echo alive").stdout == "alive\n"

@@ -80,6 +80,17 @@ def host_tsc_khz() -> int:
     return khz
 
 
+#: MiB of translated code TCG keeps (``-accel tcg,tb-size=``); full, it is flushed and code is
+#: translated again as it runs.  QEMU 7.2's default, 1 GiB, grew ~1.8 MiB with every command
+#: (each new process's code is translated anew) past the VMM's share of the sandbox's host
+#: memory limit (VMM_OVERHEAD): the host OOM-killed QEMU after 100-150 commands of a session
+TCG_CACHE_MB = 192
+
+
+def accel_option(accel: str) -> str:
+    return f"tcg,tb-size={TCG_CACHE_MB}" if accel == "tcg" else accel
+
+
 def cpu_model(accel: str) -> str:
     """Part of the template key: a snapshot only loads into the same CPU model.
     (``qemu64`` and ``max,la57=off`` were measured under TCG: no faster here.)"""
@@ -164,7 +175,7 @@ def command_line(
     argv = [
         qemu_binary(),
         "-M", MACHINE,
-        "-accel", accel,
+        "-accel", accel_option(accel),
         "-cpu", cpu_model(accel),
         "-smp", "1",
         "-m", f"{ram_mb}M",
