@@ -7,6 +7,7 @@ Cost: ~10 sandboxes at ~0.5 s each on a loaded 2-core machine, ~15 s in all.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral.errors import HostNotSupported, InvalidSpec
+from corral.errors import FileError, HostNotSupported, InvalidSpec
 from corral.host import uids as host_uids
 from corral.tiers.gvisor import GVisorTier
 from corral.tiers.gvisor.platform import PLATFORM_ENV, choose_platform, runsc_binary
@@ -73,6 +74,27 @@ def test_no_part_of_the_sandbox_runs_as_host_root(sb: Sandbox) -> None:
     denied = sb.commands.run(["sh", "-c", "echo x > /usr/bin/corral-test"])
     assert denied.exit_code != 0
     assert sb.commands.run(["sh", "-c", "echo ok > /tmp/f && cat /tmp/f"]).stdout == "ok\n"
+
+
+def test_the_files_api_acts_as_the_sandboxs_user_not_as_root(sb: Sandbox) -> None:
+    """gVisor has no setfsuid, and its agent, root, ran the files API as root: through a link the
+    sandbox's user planted (/tmp/out -> /etc) the host's write reached /etc, and /etc/passwd and
+    /usr/bin/ls were writable through it.  Now each file request runs as the user (as on the
+    process and microVM tiers)."""
+    planted = sb.commands.run("id -u; ln -s /etc /tmp/out")
+    assert planted.stdout == "1000\n", planted.stderr
+    for path in ("/tmp/out/profile.d/zz.sh", "/etc/passwd", "/usr/bin/ls"):
+        with pytest.raises(FileError) as refused:
+            sb.files.write(path, "echo injected\n")
+        assert refused.value.errno == errno.EACCES, (path, refused.value)
+    assert sb.commands.run("head -c 5 /etc/passwd; ls /etc/profile.d/zz.sh 2>&1 | wc -l").stdout == "root:1\n"
+    # the allowed direction: the user's own files, made as the user
+    sb.files.write("/tmp/mine.txt", "mine")
+    assert sb.files.read("/tmp/mine.txt") == "mine"
+    assert sb.commands.run("stat -c %u /tmp/mine.txt").stdout == "1000\n"
+    with Sandbox.create(tier="gvisor", user="root") as root:  # a root sandbox's files API is root's
+        root.files.write("/etc/motd", "hi")
+        assert root.commands.run("cat /etc/motd").stdout == "hi"
 
 
 def test_timeout_kills_the_command_and_its_children(sb: Sandbox) -> None:

@@ -212,6 +212,28 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
 }
 
 
+/* A file request in a child that has become the default user (users.c: where set*fsid is
+ * missing); its answer is the child's frames, and the agent waits for it (as it would have for
+ * the request itself), so no other frame comes between them. */
+static void handle_as_the_user(uint8_t type, uint32_t id, char *payload, uint32_t len) {
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_err(id, errno, "fork");
+        return;
+    }
+    if (pid == 0) {
+        if (drop_to_file_user() < 0) {
+            send_err(id, errno, "become the sandbox's user");
+            _exit(1);
+        }
+        handle_request(type, id, payload, len);
+        _exit(0);
+    }
+    int status;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+    if (!WIFEXITED(status)) send_err(id, EIO, "file request"); /* killed before it answered */
+}
+
 /*
  * Launcher mode, run by the host as root: `corral-agent --launch UID NETNS|- -- PROGRAM ARGS...`
  * enters a network namespace (optional), drops every privilege to UID, and
@@ -403,6 +425,8 @@ int main(int argc, char **argv) {
                 agent_ids(1);
                 handle_request(hdr[0] & ~T_AS_AGENT, id, payload, len);
                 agent_ids(0);
+            } else if (hdr[0] >= T_FREAD && hdr[0] <= T_FSTAT && file_requests_in_a_child()) {
+                handle_as_the_user(hdr[0], id, payload, len);
             } else handle_request(hdr[0], id, payload, len);
         }
     }

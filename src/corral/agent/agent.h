@@ -70,6 +70,8 @@ void capbset_read(void);
 int userns_main(const char *uid_text);
 int vmm_main(int argc, char **argv);
 void agent_ids(int on);
+int file_requests_in_a_child(void);
+int drop_to_file_user(void);
 
 /* mountns.c: a sandbox's own mount namespace (`--mountns FD [UID]`) */
 int mountns_main(const char *fd_text, const char *userns_uid);

@@ -76,6 +76,23 @@ void give_new_file(int fd, const char *path) {
     (void)r; /* the file exists either way; its owner is cosmetic to the request */
 }
 
+/* Where set*fsid is missing (gVisor) the agent's file requests would act as root: through a
+ * link the default user planted (/tmp/out -> /etc), the files API wrote /etc/passwd and
+ * /usr/bin/ls of a sandbox whose user may not.  There each one runs in a child of the agent
+ * that has become the default user (agent.c): 1 when that is needed. */
+int file_requests_in_a_child(void) {
+    return owner_of_new > 0;
+}
+
+/* In that child: the default user's ids for good (no capability is left with them), and
+ * nothing handed over afterwards (what it creates is its own). */
+int drop_to_file_user(void) {
+    uid_t uid = (uid_t)owner_of_new;
+    owner_of_new = -1;
+    if (setgroups(0, NULL) < 0 || setresgid(uid, uid, uid) < 0 || setresuid(uid, uid, uid) < 0) return -1;
+    return getuid() == uid && geteuid() == uid ? 0 : -1;
+}
+
 /* on (1): the agent's own ids for one file request of the host's (setfsuid 0 gives the file
  * capabilities back; nothing is handed to the default user); off (0): the default user's again */
 void agent_ids(int on) {
