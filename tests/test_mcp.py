@@ -356,3 +356,27 @@ def test_mcp_http_delete_ends_the_session_the_sdk_terminated(state_dir: Path) ->
         assert ended_sb not in cgroups.list_sandbox_groups(), "the terminated session's sandbox lived on"
         assert other_sb in cgroups.list_sandbox_groups()
         assert server.poll() is None
+
+
+def test_mcp_http_a_connected_client_that_calls_nothing_is_idle(state_dir: Path) -> None:
+    """A client of the SDK keeps a GET stream open for as long as it is connected (the server's
+    messages to it); counted as a request in flight, it kept its session and sandboxes past the
+    idle timeout for ever, a tool call or not."""
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def scenario(url: str) -> tuple[str, float, bool]:
+        async with streamable_http_client(url) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            made = _payload(await session.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
+            idle_from = time.monotonic()
+            deadline = idle_from + 15
+            while made in cgroups.list_sandbox_groups() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            return made, time.monotonic() - idle_from, made in cgroups.list_sandbox_groups()
+
+    with mcp_http_server(state_dir, "mcp-connected-idle", "--session-idle-timeout", "3") as (server, url, _):
+        _, waited, still_there = asyncio.run(scenario(url))
+        assert not still_there, f"a connected client's sandbox outlived its idle timeout ({waited:.0f} s)"
+        assert waited >= 2.5, "the sandbox went before the idle timeout"
+        assert server.poll() is None

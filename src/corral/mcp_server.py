@@ -247,7 +247,10 @@ def track_sessions(app: Any, sessions: Sessions) -> Any:
             return
         key = session_key(scope)
         if scope.get("method") != "DELETE":
-            if key is None:
+            # a GET is the session's stream of server messages, which a client keeps open for as
+            # long as it is connected: counted, a connected client that called nothing held its
+            # sandboxes past the idle timeout for ever
+            if key is None or scope.get("method") == "GET":
                 await app(scope, receive, send)
                 return
             sessions.request_started(key)
