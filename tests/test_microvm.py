@@ -751,3 +751,23 @@ def test_a_long_session_holds_the_vmms_memory_flat() -> None:
         grew = max(used[int(full):]) - used[int(full)]
         assert grew < 24, f"the host memory grew {grew} MiB over the last {200 - int(full)} commands: {used[::20]}"
         assert sb.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_a_commands_leaf_goes_once_its_background_child_has_ended(vm: Sandbox) -> None:
+    """A command whose background child outlives it left its guest leaf for good (empty once the
+    child ended: ~22 KB of the guest kernel's memory each, outside the commands' limit); now the
+    leaf is removed again at later commands' ends, once empty."""
+    def leaves() -> int:
+        return int(vm.commands.run("ls -d /sys/fs/cgroup/sandbox/e* | wc -l").stdout)
+
+    before = leaves()
+    for _ in range(30):
+        assert vm.commands.run("sleep 0.2 & echo started").stdout == "started\n"
+    time.sleep(0.5)  # every child has ended
+    for _ in range(8):
+        vm.commands.run("true")
+    assert leaves() <= before + 2, "the leaves of commands with a background child stayed"
+    # a leaf whose child lives on stays (it is in use), and the command after it runs
+    assert vm.commands.run("setsid sleep 30 >/dev/null 2>&1 & echo daemon").stdout == "daemon\n"
+    assert vm.commands.run("pgrep -c -x sleep").stdout == "1\n"
+    vm.commands.run("pkill -x sleep || true")

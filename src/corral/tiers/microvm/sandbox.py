@@ -50,10 +50,11 @@ from ..base import ExecRequest, OutputCallback, Process
 from ..linux.agent import USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
-from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FREMOVE, T_FWRITE
+from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FWRITE
 from ..linux.sandbox import LinuxSandbox
 from . import converter, live, livefork, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
+from .leaves import LeftLeaves
 
 if TYPE_CHECKING:
     from .tier import MicroVMTier
@@ -85,6 +86,7 @@ class MicroVMSandbox(LinuxSandbox):
         if seed is not None or fork is not None:
             self.hostname = sandbox_id
         self._exec_count = 0
+        self._left_leaves = LeftLeaves()
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
@@ -412,8 +414,8 @@ class MicroVMSandbox(LinuxSandbox):
                 proc.oom_killed = int(counts.get("oom_kill", "0")) > 0
                 if proc.oom_killed:
                     kill()  # the OOM killer takes one task; finish the tree
-                # an emptied leaf goes; one with background processes stays (harmless)
-                self._fire(T_FREMOVE | T_AS_AGENT, struct.pack("<I", 0) + leaf.encode() + b"\0")
+                # an emptied leaf goes; one a background child lives in goes later (.leaves)
+                self._left_leaves.remove(channel, leaf, self._exec_count)
             except (SandboxClosed, SandboxError, ValueError):
                 pass
             self.sync()
