@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -277,6 +278,33 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
     assert after["random"] != before["random"]
     with Sandbox.create(tier="process") as other, pytest.raises(InvalidState, match="cannot pause to disk"):
         other.pause(to_disk=True)
+
+
+def test_a_command_running_at_a_pause_to_disk_still_ends_at_its_timeout() -> None:
+    """The host's side of a command goes with its parked VM (its handle ends: the sandbox
+    stopped), but the command is in the VM's saved memory: after resume() it ran on with no
+    timeout, no host to kill it and nothing listing it.  Now its time left is kept in the saved
+    state and it is killed when that time is up (the time parked does not count)."""
+    def sleeping(sb: Sandbox) -> int:
+        return int(sb.commands.run("pgrep -c -x sleep || true").stdout)
+
+    with Sandbox.create(tier="microvm", memory="256M") as sb:
+        handle = sb.commands.start("sleep 1000", timeout=6, cwd="/tmp")  # (a busy /workspace cannot be saved)
+        deadline = time.monotonic() + 10
+        while sleeping(sb) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ran = time.monotonic()
+        sb.pause(to_disk=True)
+        parked = time.monotonic()
+        assert handle.done  # the host's side of it went with the VM
+        time.sleep(1.0)
+        sb.resume()
+        ran -= time.monotonic() - parked  # the time parked does not count
+        assert sleeping(sb) == 1, "it did not run on after resume"
+        while sleeping(sb) and time.monotonic() < ran + 20:
+            time.sleep(0.2)
+        assert sleeping(sb) == 0, "a command carried over a pause to disk ran past its timeout"
+        assert time.monotonic() - ran >= 5, "it was killed before its time was up"
 
 
 def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_dir: Path) -> None:

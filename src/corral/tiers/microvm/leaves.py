@@ -11,10 +11,13 @@ goes (or :data:`TRIES` tries: its child is a daemon of the sandbox's life).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import struct
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from ...errors import FileError, FileNotFoundInSandbox, SandboxError
 from ..linux.agent import AgentChannel
@@ -63,3 +66,61 @@ class LeftLeaves:
     def waiting(self) -> int:
         """Leaves not known to be gone."""
         return len(self._sent) + len(self._later)
+
+
+class CommandDeadlines:
+    """When each command running in the guest must end, kept across a pause to disk.
+
+    A command's timeout is the host's to enforce, and the host's side of a command is gone once
+    its VM is parked (its handle ends: "the sandbox stopped while the command ran"); the command
+    itself is in the VM's saved memory and ran on after ``resume()`` with no timeout and no host
+    to kill it.  So a live snapshot records each running command's leaf and the time it had left
+    (:meth:`left`), and the same sandbox restored from it kills each leaf when that time is up
+    (:meth:`restored`); a copy (a new sandbox, a fork) keeps them running, as documented."""
+
+    def __init__(self, kill_leaf: Callable[[str], None]) -> None:
+        self._kill_leaf = kill_leaf
+        self._lock = threading.Lock()
+        #: leaf -> the host's command in it (its deadline moves with in-memory pauses)
+        self._running: dict[str, Any] = {}
+        #: leaf -> monotonic deadline, for commands carried over a pause to disk
+        self._carried: dict[str, float] = {}
+        self._timers: list[threading.Timer] = []
+
+    def started(self, leaf: str, process: Any) -> None:
+        with self._lock:
+            self._running[leaf] = process
+
+    def ended(self, leaf: str) -> None:
+        with self._lock:
+            self._running.pop(leaf, None)
+
+    def left(self) -> list[tuple[str, float]]:
+        """(leaf, seconds left) of every command not ended."""
+        now = time.monotonic()
+        with self._lock:
+            running = [(leaf, process._deadline()) for leaf, process in self._running.items() if not process.done]
+            carried = list(self._carried.items())
+        return [(leaf, max(0.0, deadline - now)) for leaf, deadline in running + carried]
+
+    def restored(self, commands: list[tuple[str, float]]) -> None:
+        """The commands a pause to disk carried over: each leaf is killed when its time is up."""
+        now = time.monotonic()
+        for leaf, seconds in commands:
+            with self._lock:
+                self._carried[leaf] = now + seconds
+            timer = threading.Timer(seconds, self._end, args=(leaf,))
+            timer.daemon = True
+            self._timers.append(timer)
+            timer.start()
+
+    def _end(self, leaf: str) -> None:
+        with self._lock:
+            if self._carried.pop(leaf, None) is None:
+                return
+        with contextlib.suppress(SandboxError, OSError):
+            self._kill_leaf(leaf)
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()

@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,13 +103,18 @@ class VMImage:
     #: from pause(to_disk=True)) it keeps its identity
     sandbox_id: str = ""
     hostname: str = ""
+    #: [guest leaf, seconds left] of each command running when it was taken: the same sandbox
+    #: back from disk ends each when its time is up (leaves.CommandDeadlines)
+    commands: list[tuple[str, float]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VMImage:
+        commands = [(str(leaf), float(left)) for leaf, left in data.get("commands") or []]
         return cls(int(data["ram_mb"]), str(data["accel"]), str(data["qemu"]), str(data["assets"]),
                    str(data["disk_key"]), str(data["disk_path"]), str(data["state_sha256"]),
                    str(data["ram_sha256"]), int(data["last_id"]), int(data["leaves"]),
-                   bool(data["readonly_workspace"]), str(data.get("sandbox_id", "")), str(data.get("hostname", "")))
+                   bool(data["readonly_workspace"]), str(data.get("sandbox_id", "")), str(data.get("hostname", "")),
+                   commands)
 
 
 def freeze(channel: AgentChannel, frozen: bool) -> None:
@@ -223,7 +228,7 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
             ram_mb=vm.ram_mb, accel=vm._tier.accel, qemu=qemu.qemu_version(), assets=vm._tier.assets.digest,
             disk_key=vm.image_disk.key, disk_path="disk" if disk_path == vm_dir / "disk" else str(disk_path),
             state_sha256="", ram_sha256="", last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
-            sandbox_id=vm.id, hostname=vm.hostname,
+            sandbox_id=vm.id, hostname=vm.hostname, commands=vm.command_deadlines(),
         )
         rest = RamWrite(proc, conv, image, vm.timings)
         proc = conv = None  # the rest's now
@@ -418,12 +423,15 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     vm.timings["files"] = time.monotonic() - t0
     vm._start_userns(agent_binary(vm._tier.state_dir))  # QEMU's user namespace (vmm.py), as a new VM's
     vm._launch(template.Template(vm_dir, image.ram_mb, image.accel, 0.0), disk, ws, None)
-    if image.sandbox_id == vm.id:  # the same sandbox back from disk: reseeded, clock set, identity kept
+    resumed = image.sandbox_id == vm.id
+    if resumed:  # the same sandbox back from disk: reseeded, clock set, identity kept
         vm.hostname = image.hostname
         wake = ["resume", os.urandom(64).hex(), str(time.time_ns())]
     else:
         wake = identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
     awaken(vm, image.last_id + ID_MARGIN, wake, image.readonly_workspace, t0)
+    if resumed:
+        vm.carry_commands(image.commands)
 
 
 def host_side(vm: MicroVMSandbox, ram_mb: int, disk: ImageDisk, leaves: int) -> Path:

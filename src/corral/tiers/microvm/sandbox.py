@@ -54,7 +54,7 @@ from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FWRITE
 from ..linux.sandbox import LinuxSandbox
 from . import converter, live, livefork, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
-from .leaves import LeftLeaves
+from .leaves import CommandDeadlines, LeftLeaves
 
 if TYPE_CHECKING:
     from .tier import MicroVMTier
@@ -87,6 +87,7 @@ class MicroVMSandbox(LinuxSandbox):
             self.hostname = sandbox_id
         self._exec_count = 0
         self._left_leaves = LeftLeaves()
+        self._deadlines = CommandDeadlines(self._kill_leaf)
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
@@ -398,12 +399,12 @@ class MicroVMSandbox(LinuxSandbox):
 
         def kill() -> None:
             try:
-                self._fire(T_FWRITE | T_AS_AGENT,
-                           struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
+                self._kill_leaf(leaf)
             except SandboxClosed:
                 pass
 
         def finish(proc: AgentProcess) -> None:
+            self._deadlines.ended(leaf)
             try:
                 made(0)  # forgets the request if the command failed before it started
             except (SandboxClosed, SandboxError):
@@ -420,7 +421,20 @@ class MicroVMSandbox(LinuxSandbox):
                 pass
             self.sync()
 
-        return channel.start(request, on_output, place, kill, finish)
+        proc = channel.start(request, on_output, place, kill, finish)
+        self._deadlines.started(leaf, proc)
+        return proc
+
+    def _kill_leaf(self, leaf: str) -> None:
+        self._fire(T_FWRITE | T_AS_AGENT, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
+
+    def command_deadlines(self) -> list[tuple[str, float]]:
+        """(guest leaf, seconds left) of each command running: what a live snapshot keeps (.leaves)."""
+        return self._deadlines.left()
+
+    def carry_commands(self, commands: list[tuple[str, float]]) -> None:
+        """This sandbox is back from disk: the commands it ran then end when their time is up."""
+        self._deadlines.restored(commands)
 
     # -- lifecycle ---------------------------------------------------------
     def alive(self) -> bool:  # the VM process too, not only the channel
@@ -459,6 +473,7 @@ class MicroVMSandbox(LinuxSandbox):
             pass
 
     def _release(self) -> None:
+        self._deadlines.close()
         # after QEMU: no guest connection can arrive any more; before the proxy it feeds closes
         if self._bridge is not None:
             self._bridge.close()
