@@ -340,6 +340,9 @@ def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_di
             assert after[key] == before[key], key
         with Sandbox.create(snapshot=snap.id, **alice) as child:
             assert state_of(child)["value"] == before["value"]
+            # 80 MiB of the child's memory made non-zero: its memory image is then surely larger
+            # than what the quota has left (a snapshot is ~100-140 MB; two of them fitted once)
+            child.commands.run(["python3", "-c", "import os; b = os.urandom(80 << 20)"], cwd="/tmp")
             with pytest.raises(ResourceLimit):  # counted against the tenant's snapshot quota
                 child.snapshot()
             # a fork stores no snapshot: the snapshot quota does not hold it back
