@@ -197,6 +197,10 @@ class AgentProcess(Process):
             return os.WTERMSIG(status) == signal.SIGKILL
         return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGKILL
 
+    def seconds_left(self) -> float:
+        """Of its timeout (negative once past it); the sandbox's paused time does not count."""
+        return self._deadline() - time.monotonic()
+
     def _deadline(self) -> float:
         # moved on by every second the sandbox spent paused since the command started
         paused = self._channel.pause_clock.paused_total() - self._paused_before

@@ -17,10 +17,10 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from ...errors import FileError, FileNotFoundInSandbox, SandboxError
 from ..linux.agent import AgentChannel
+from ..linux.agent_process import AgentProcess
 from ..linux.frames import T_AS_AGENT, T_FREMOVE
 
 #: tries of a busy leaf, the n-th after 2**n more commands (the last ~2,000 commands after the first)
@@ -82,12 +82,12 @@ class CommandDeadlines:
         self._kill_leaf = kill_leaf
         self._lock = threading.Lock()
         #: leaf -> the host's command in it (its deadline moves with in-memory pauses)
-        self._running: dict[str, Any] = {}
+        self._running: dict[str, AgentProcess] = {}
         #: leaf -> monotonic deadline, for commands carried over a pause to disk
         self._carried: dict[str, float] = {}
         self._timers: list[threading.Timer] = []
 
-    def started(self, leaf: str, process: Any) -> None:
+    def started(self, leaf: str, process: AgentProcess) -> None:
         with self._lock:
             self._running[leaf] = process
 
@@ -99,9 +99,9 @@ class CommandDeadlines:
         """(leaf, seconds left) of every command not ended."""
         now = time.monotonic()
         with self._lock:
-            running = [(leaf, process._deadline()) for leaf, process in self._running.items() if not process.done]
-            carried = list(self._carried.items())
-        return [(leaf, max(0.0, deadline - now)) for leaf, deadline in running + carried]
+            running = [(leaf, process.seconds_left()) for leaf, process in self._running.items() if not process.done]
+            carried = [(leaf, deadline - now) for leaf, deadline in self._carried.items()]
+        return [(leaf, max(0.0, left)) for leaf, left in running + carried]
 
     def restored(self, commands: list[tuple[str, float]]) -> None:
         """The commands a pause to disk carried over: each leaf is killed when its time is up."""
