@@ -282,11 +282,19 @@ def test_a_killed_template_builder_leaves_no_qemu_and_its_range_is_released(stat
     ram = _force_template_boot(REBUILT_MEMORY)
     builder = subprocess.Popen([sys.executable, "-c", "from corral import Sandbox\n"
                                 f"Sandbox.create(tier='microvm', memory='{REBUILT_MEMORY}').close()"])
+    owner = f"{BUILDER_KIND}@{builder.pid}."
+
+    def builders_range_held() -> bool:
+        return any(r.read_text().startswith(owner) for r in (state_dir / "uids").iterdir() if r.is_file())
+
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (qemus := _template_boot_qemus()):
             time.sleep(0.02)
         assert qemus, "the template boot did not start"
+        # the boot runs in a range the builder holds (checked before the kill: a test running
+        # beside this one, pytest -n, may boot the template, and so release it, right after)
+        assert builders_range_held()
     finally:
         builder.kill()
         builder.wait()
@@ -294,15 +302,9 @@ def test_a_killed_template_builder_leaves_no_qemu_and_its_range_is_released(stat
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in qemus):
         time.sleep(0.05)
     assert not any(Path(f"/proc/{pid}").exists() for pid in qemus), "the QEMU outlived its builder"
-    owner = f"{BUILDER_KIND}@{builder.pid}."
-
-    def builders_range_held() -> bool:
-        return any(r.read_text().startswith(owner) for r in (state_dir / "uids").iterdir() if r.is_file())
-
-    assert builders_range_held()  # left by the killed builder...
-    # ...and released by the next template boot. A test running beside this one (pytest -n) may
-    # boot the template first, and this create then restores it without a boot: up to three tries,
-    # each touching the template so that the create boots it unless another process just did
+    # the killed builder's range is released by the next template boot. A test running beside
+    # this one may boot the template first, and this create then restores it without a boot: up
+    # to three tries, each touching the template so that the create boots it unless another did
     for _ in range(3):
         with contextlib.suppress(FileNotFoundError):
             os.utime(ram)
