@@ -1,11 +1,26 @@
-"""Waiting for what a background process in a sandbox writes to a file there."""
+"""Waiting in tests: for a condition, and for what a background process in a sandbox writes to a
+file there."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from corral import Sandbox
 from corral.errors import FileError
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], timeout: float = 10.0, every: float = 0.05) -> T:
+    """``check()`` every ``every`` seconds until it is true or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
 
 
 def lines_written(sb: Sandbox, path: str, lines: int, seconds: float) -> str:

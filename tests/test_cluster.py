@@ -37,6 +37,7 @@ from corral.errors import (
 )
 
 from .leaks import sandbox_leftovers
+from .sandbox_wait import wait_until
 
 # Ray rewrites a loopback address it is given to this machine's own (for other machines to reach
 # it) and binds its servers to every interface then; in its one-machine mode, chosen before Ray is
@@ -73,15 +74,6 @@ def non_loopback_listeners() -> set[tuple[str, int]]:
             if fields[3] == "0A" and not loopback:
                 found.add((address, int(port, 16)))
     return found
-
-
-def wait_until(check: Any, timeout: float, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(every)
 
 
 class LocalCluster:
@@ -164,7 +156,7 @@ def test_24_sandboxes_8_per_node_and_the_25th_waits_then_is_refused(cluster: Loc
         waiter = threading.Thread(target=lambda: got.append(Sandbox.create(cluster=True, slot_timeout=30)))
         waiter.start()
         assert wait_until(lambda: any(load["waiting"] for load in
-                                      ray.get([a.load.remote() for a in cluster.hosts.values()])), 10)
+                                      ray.get([a.load.remote() for a in cluster.hosts.values()])), 10, every=0.2)
         freed = sandboxes.pop()
         freed.kill()
         waiter.join(30)
@@ -262,7 +254,7 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     runners = [threading.Thread(target=long_command, args=(streamed,)) for streamed in (True, False)]
     for runner in runners:
         runner.start()
-    assert wait_until(lambda: len(on_victim[0].commands.list()) == 2, 10)  # both running on the node
+    assert wait_until(lambda: len(on_victim[0].commands.list()) == 2, 10, every=0.2)  # both running on the node
     removed_at = time.monotonic()
     cluster.cluster.remove_node(cluster.node(victim), allow_graceful=False)
     for runner in runners:
@@ -285,7 +277,7 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
     for sb in survivors + fresh:
         sb.kill()
     # the victim's host died with its sandboxes' owner: a surviving host's janitor reaps what they left
-    left = wait_until(lambda: not any(sandbox_leftovers(sb.id, state_dir) for sb in on_victim), 30)
+    left = wait_until(lambda: not any(sandbox_leftovers(sb.id, state_dir) for sb in on_victim), 30, every=0.2)
     assert left, [sandbox_leftovers(sb.id, state_dir) for sb in on_victim]
 
     # a node that joins gets its host from the hosts already there, without another `corral cluster up`
@@ -293,7 +285,7 @@ def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothi
                                       node_ip_address=LOOPBACK)
     cluster.workers.append(joined)
     transport = ClusterTransport.shared(True)
-    assert wait_until(lambda: joined.node_id in transport.hosts(fresh=True), 30)
+    assert wait_until(lambda: joined.node_id in transport.hosts(fresh=True), 30, every=0.2)
     assert ray.get(transport.hosts()[joined.node_id].load.remote())["free"] == SLOTS
 
 
@@ -412,7 +404,7 @@ def test_a_killed_drivers_sandboxes_are_destroyed_within_their_idle_timeout(
     lines = status.communicate(timeout=60)[0].splitlines()
     assert status.returncode == 0 and len(lines) == WORKERS
     assert {json.loads(line)["node_id"] for line in lines} == set(ClusterTransport.shared(True).hosts(fresh=True))
-    gone = wait_until(lambda: not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(ids), idle + 10)
+    gone = wait_until(lambda: not {i.sandbox_id for i in Sandbox.list(cluster=True)} & set(ids), idle + 10, every=0.2)
     assert gone and time.monotonic() - killed_at < idle + 10
     assert all(sandbox_leftovers(i, state_dir) == [] for i in ids)
 

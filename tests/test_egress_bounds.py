@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
 from corral.egress.tunnel import BULK_TUNNELS, MAX_CONNECTIONS
 from egress_net import TargetNet, target_net
-from sandbox_wait import lines_written
+from sandbox_wait import lines_written, wait_until
 
 PORT = 9000
 
@@ -269,10 +269,8 @@ def test_a_tunnel_whose_client_is_gone_does_not_wait_for_a_silent_far_end_for_ev
             assert gone.stdout.split() == ["-"] * 20, gone.stderr
             held = _established_to(net, silent)
             assert held == 20  # the clients are gone, the tunnels (their upstream sockets) still there
-            deadline = time.monotonic() + 20
-            while held and time.monotonic() < deadline:
-                time.sleep(0.25)
-                held = _established_to(net, silent)
+            wait_until(lambda: _established_to(net, silent) == 0, 20, every=0.25)
+            held = _established_to(net, silent)
             assert held == 0, f"{held} tunnels to a silent far end outlived their clients"
     finally:
         servers.kill()

@@ -27,6 +27,7 @@ from corral import InvalidSpec, Sandbox, SandboxNotFound
 from corral.registry import LIFETIME_GRACE, gc
 
 from .leaks import sandbox_leftovers
+from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
 
 
@@ -39,15 +40,6 @@ def server(state_dir: Path) -> Iterator[ServerProcess]:
 @pytest.fixture(params=["embedded", "remote"])
 def where(request: pytest.FixtureRequest, server: ServerProcess) -> dict[str, Any]:
     return {"url": server.url, "api_key": KEYS["alice"]} if request.param == "remote" else {}
-
-
-def wait_until(condition: Any, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 FROM_AFAR = """
@@ -249,15 +241,11 @@ def test_a_command_another_process_runs_through_the_owner_ends_when_that_process
     with Sandbox.create() as sb:
         caller = subprocess.Popen([sys.executable, "-c", CALLER, sb.id, how], env=os.environ.copy())
         try:
-            deadline = time.monotonic() + 30
-            while not sb.commands.list() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(sb.commands.list, 30)
             assert [c.argv for c in sb.commands.list()] == [["/bin/sh", "-c", "sleep 1000"]]
         finally:
             caller.kill()
             caller.wait(10)
-        deadline = time.monotonic() + 10
-        while sb.commands.list() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not sb.commands.list(), 10)
         assert sb.commands.list() == []
         assert sb.commands.run("pgrep -c -x sleep || true").stdout == "0\n"

@@ -37,6 +37,7 @@ from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore
 
 from .leaks import sandbox_leftovers
+from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
 from .tier_probe import skip_unless_tier
 
@@ -290,9 +291,7 @@ def test_a_command_running_at_a_pause_to_disk_still_ends_at_its_timeout() -> Non
 
     with Sandbox.create(tier="microvm", memory="256M") as sb:
         handle = sb.commands.start("sleep 1000", timeout=6, cwd="/tmp")  # (a busy /workspace cannot be saved)
-        deadline = time.monotonic() + 10
-        while sleeping(sb) == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: sleeping(sb), 10, every=0.1)
         ran = time.monotonic()
         sb.pause(to_disk=True)
         parked = time.monotonic()
@@ -301,8 +300,7 @@ def test_a_command_running_at_a_pause_to_disk_still_ends_at_its_timeout() -> Non
         sb.resume()
         ran -= time.monotonic() - parked  # the time parked does not count
         assert sleeping(sb) == 1, "it did not run on after resume"
-        while sleeping(sb) and time.monotonic() < ran + 20:
-            time.sleep(0.2)
+        wait_until(lambda: not sleeping(sb), ran + 20 - time.monotonic(), every=0.2)
         assert sleeping(sb) == 0, "a command carried over a pause to disk ran past its timeout"
         assert time.monotonic() - ran >= 5, "it was killed before its time was up"
 

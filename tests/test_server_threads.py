@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
 
 # a small thread share, so that what one tenant may hold is easy to fill (the defaults are 32 of 128)
@@ -125,14 +126,10 @@ def test_a_command_whose_client_left_is_killed_and_frees_its_slot(state_dir: Pat
             with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
                 client.sendall(f"POST /v1/sandboxes/{sb.id}/exec HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
                                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-                deadline = time.monotonic() + 10
-                while not sb.commands.list() and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                wait_until(sb.commands.list, 10, every=0.02)
                 assert [c.argv for c in sb.commands.list()] == [["sleep", "1000"]]
             # the client is gone (its socket closed, as a killed process's is)
-            deadline = time.monotonic() + 10
-            while sb.commands.list() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: not sb.commands.list(), 10)
             assert sb.commands.list() == []
         assert sb.commands.run("pgrep -c -x sleep || true").stdout == "0\n"
         # every slot is free: as many commands as the sandbox may run at once all run

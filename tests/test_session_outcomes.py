@@ -21,6 +21,8 @@ import pytest
 from corral import OutOfMemory, Sandbox
 from corral.tiers.process import ProcessSandbox
 
+from .sandbox_wait import wait_until
+
 #: grows by 8 MiB every 50 ms until the kernel kills it (in a 96M sandbox: within ~1 s)
 GROWER = "import time\na = []\nwhile True:\n    a.append(bytearray(8 << 20)); time.sleep(0.05)"
 
@@ -33,15 +35,6 @@ def kill_tree_leaves(sb: Sandbox) -> int:
 
 def sleeps_inside(sb: Sandbox) -> int:
     return int(sb.commands.run("pgrep -c -x sleep || true").stdout.strip() or 0)
-
-
-def wait_until(check: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_command_nobody_waits_for_still_ends_at_its_timeout() -> None:
