@@ -38,6 +38,7 @@ def sleeps_inside(sb: Sandbox) -> int:
 
 
 def test_a_command_nobody_waits_for_still_ends_at_its_timeout() -> None:
+    threads_before = set(threading.enumerate())
     with Sandbox.create(pids=64) as sb:
         leaves_before = kill_tree_leaves(sb)
         started = time.monotonic()
@@ -57,6 +58,9 @@ def test_a_command_nobody_waits_for_still_ends_at_its_timeout() -> None:
         assert sleeps_inside(sb) == 0
         assert wait_until(lambda: kill_tree_leaves(sb) <= leaves_before + 2, 5), kill_tree_leaves(sb)
         assert sb.commands.run("echo alive").stdout == "alive\n"
+        # and the thread that waited for each is gone with it
+        assert wait_until(lambda: not [t for t in threading.enumerate()
+                                       if t.name == "corral-command-end" and t not in threads_before], 5)
 
 
 def test_a_command_that_ends_before_its_timeout_keeps_its_result_for_a_late_wait() -> None:
