@@ -62,11 +62,6 @@ class LeftLeaves:
         answer = channel.begin(T_FREMOVE | T_AS_AGENT, struct.pack("<I", 0) + leaf.encode() + b"\0")
         self._sent.append((leaf, answer, tries))
 
-    @property
-    def waiting(self) -> int:
-        """Leaves not known to be gone."""
-        return len(self._sent) + len(self._later)
-
 
 class CommandDeadlines:
     """When each command running in the guest must end, kept across a pause to disk.
