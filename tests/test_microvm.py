@@ -29,12 +29,14 @@ import pytest
 
 from corral import Sandbox, SandboxError
 from corral.errors import ContainmentFailed
+from corral.host.uids import RANGE_SIZE
 from corral.images import ImageLayout, resolve
 from corral.tiers import tier_class
 from corral.tiers.microvm import MicroVMSandbox, rootdisk
 
 from .host_reach import assert_cannot_reach_the_hosts_loopback
 from .leaks import all_leftovers, run_gc, sandbox_leftovers
+from .sandbox_wait import wait_until
 from .tier_probe import skip_unless_tier
 
 
@@ -211,6 +213,10 @@ def _template_boot_qemus() -> dict[int, str]:
     return found
 
 
+def _real_uid(status: str) -> int:
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
 def _force_template_boot(memory: str) -> Path:
     """Make the template of ``memory`` boot again at the next create (its RAM file touched)."""
     with Sandbox.create(tier="microvm", memory=memory) as sb:
@@ -284,17 +290,23 @@ def test_a_killed_template_builder_leaves_no_qemu_and_its_range_is_released(stat
                                 f"Sandbox.create(tier='microvm', memory='{REBUILT_MEMORY}').close()"])
     owner = f"{BUILDER_KIND}@{builder.pid}."
 
+    def builders_ranges() -> list[int]:
+        return [int(r.name) for r in (state_dir / "uids").iterdir() if r.is_file() and r.read_text().startswith(owner)]
+
     def builders_range_held() -> bool:
-        return any(r.read_text().startswith(owner) for r in (state_dir / "uids").iterdir() if r.is_file())
+        return bool(builders_ranges())
+
+    def builders_qemus() -> dict[int, str]:
+        """The template-boot QEMUs running in the builder's range: a test running beside this one
+        (pytest -n) may boot the template too, and its QEMU and range are not the builder's."""
+        bases = builders_ranges()
+        return {pid: status for pid, status in _template_boot_qemus().items()
+                if any(base <= _real_uid(status) < base + RANGE_SIZE for base in bases)}
 
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (qemus := _template_boot_qemus()):
-            time.sleep(0.02)
+        qemus = wait_until(builders_qemus, 60, every=0.02)
         assert qemus, "the template boot did not start"
-        # the boot runs in a range the builder holds (checked before the kill: a test running
-        # beside this one, pytest -n, may boot the template, and so release it, right after)
-        assert builders_range_held()
+        assert builders_range_held()  # (checked before the kill: another boot may release it right after)
     finally:
         builder.kill()
         builder.wait()
