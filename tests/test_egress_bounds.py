@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -283,3 +284,82 @@ def _established_to(net: TargetNet, port: int) -> int:
     out = subprocess.run(["ss", "-tnpH", "dst", f"{net.target}:{port}"], capture_output=True,
                          text=True, check=True).stdout
     return sum(1 for line in out.splitlines() if "users:" in line)
+
+
+#: opens {n} idle tunnels (nothing sent either way), says so, holds them until /tmp/go appears
+IDLE_TUNNELS = """python3 -c '
+import os, socket, time
+tunnels = []
+for _ in range({n}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(b"CONNECT {target}:{port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    assert s.recv(64).startswith(b"HTTP/1.1 200")
+    tunnels.append(s)
+open("/tmp/tunnels", "w").write(f"{{len(tunnels)}}\\n")
+deadline = time.monotonic() + 60
+while not os.path.exists("/tmp/go") and time.monotonic() < deadline:
+    time.sleep(0.05)
+' >/dev/null 2>&1 &"""
+
+
+def _tunnel_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "corral-egress")
+
+
+def test_the_threads_of_a_burst_of_tunnels_end_once_they_are_idle(
+        net: TargetNet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads serve each open tunnel; they used to stay, idle, for the process's life once
+    its tunnels closed (a long session's peak of ~270 tunnels left ~540 threads in the server)."""
+    import corral.egress.tunnel as tunnel
+
+    monkeypatch.setattr(tunnel.WORKERS, "idle", 1.0, raising=False)
+    before = _tunnel_threads()
+    with Sandbox.create(allow=[f"{net.target}:{PORT}"], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        sb.commands.run(IDLE_TUNNELS.format(n=40, target=net.target, port=PORT))
+        assert lines_written(sb, "/tmp/tunnels", 1, 60) == "40\n"
+        assert _tunnel_threads() >= 40  # the burst's threads, serving it (idle ones of earlier tests reused)
+        sb.commands.run("touch /tmp/go")
+        wait_until(lambda: _tunnel_threads() <= before + 2, 20, every=0.25)
+        assert _tunnel_threads() <= before + 2, f"{_tunnel_threads() - before} idle tunnel threads stayed"
+        # the allowed thing, after the threads went: a new tunnel is served (a thread started anew)
+        r = sb.commands.run(f"""python3 -c '
+import socket
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"CONNECT {net.target}:{PORT} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+head = b""
+while not head.endswith(b"\\r\\n\\r\\n"): head += s.recv(1)
+s.sendall(b"n"); n = 0
+while chunk := s.recv(1 << 20): n += len(chunk)
+print(n)
+'""", timeout=60)
+        assert r.stdout == f"{64 << 20}\n", r.stderr
+
+
+def test_tunnel_workers_that_end_never_strand_a_job() -> None:
+    """A worker ends only while no submitted job counts on it: jobs submitted from several
+    threads while workers keep ending (an idle time of 1 ms) all run."""
+    from corral.egress.tunnel import Workers
+
+    workers = Workers(idle=0.001)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def job(i: int) -> None:
+        with lock:
+            done.append(i)
+
+    def submitter(base: int) -> None:
+        for i in range(300):
+            workers.submit(job, base + i)
+            if i % 7 == 0:
+                time.sleep(0.002)  # (gaps in which idle workers end)
+
+    submitters = [threading.Thread(target=submitter, args=(k * 1000,)) for k in range(4)]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join(30)
+    wait_until(lambda: len(done) == 1200, 10)
+    assert sorted(done) == sorted(k * 1000 + i for k in range(4) for i in range(300))
+    wait_until(lambda: workers.threads == 0, 5)
+    assert workers.threads == 0

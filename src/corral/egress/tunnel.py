@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import queue
 import resource
 import socket
 import threading
@@ -27,6 +26,8 @@ MAX_CONNECTIONS = 256
 #: answers nor closes held the tunnel -- one of the sandbox's MAX_CONNECTIONS, ~6 of the owner's
 #: descriptors and 2 threads -- for the sandbox's whole life: a long session ran out of egress
 HALF_CLOSED_IDLE = 60.0
+#: seconds a tunnel thread waits for another tunnel before it ends
+WORKER_IDLE = 30.0
 
 # What a tunnel makes the host hold while the sandbox reads nothing: the upstream socket's
 # receive queue (up to twice its receive buffer), its send queue, and two pipes.  The host's
@@ -47,34 +48,67 @@ SMALL_PIPE = 16 << 10
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
+class _Waiting:
+    """An idle worker: ``wake`` is released once ``job`` is set for it."""
+
+    __slots__ = ("job", "wake")
+
+    def __init__(self) -> None:
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.job: tuple[Callable[..., None], tuple[Any, ...]] | None = None
+
+
 class Workers:
     """Reused daemon threads: starting a thread per connection costs a scheduling round trip
     (``Thread.start`` waits for the thread to run), which showed up as ~0.5 ms a request on
-    a busy host.  Daemon threads, so a tunnel left open never blocks interpreter exit."""
+    a busy host.  Daemon threads, so a tunnel left open never blocks interpreter exit.
 
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = queue.SimpleQueue()
+    A worker idle for :attr:`idle` seconds ends: the peak of one burst (two threads per tunnel,
+    up to the owner's tunnel budget) is not kept for the process's life (a long session's peak
+    of ~270 tunnels left ~540 idle threads in ``corral serve`` for good).  The worker idle the
+    shortest time takes the next job, so a trickle of tunnels keeps a few threads busy and lets
+    the rest of a peak end.  Each worker waits on a lock of its own: a ``SimpleQueue`` shared by
+    all, read with a timeout, can block for ever in CPython 3.11 (a wake-up whose item another
+    reader took leaves the next wait with a negative timeout: 5 workers in 60 bursts here)."""
+
+    def __init__(self, idle: float = WORKER_IDLE) -> None:
         self._lock = threading.Lock()
-        self._idle = 0
+        self._waiting: list[_Waiting] = []  # the longest idle first
+        self.idle = idle
+        #: live worker threads (tests read it)
+        self.threads = 0
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         with self._lock:
-            spawn = self._idle == 0
-            if not spawn:
-                self._idle -= 1
-        self._jobs.put((fn, args))
-        if spawn:
-            threading.Thread(target=self._work, name="corral-egress", daemon=True).start()
+            worker = self._waiting.pop() if self._waiting else None
+            if worker is None:
+                self.threads += 1
+        if worker is None:
+            threading.Thread(target=self._work, args=(fn, args), name="corral-egress", daemon=True).start()
+        else:
+            worker.job = (fn, args)
+            worker.wake.release()
 
-    def _work(self) -> None:
+    def _work(self, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        me = _Waiting()
         while True:
-            fn, args = self._jobs.get()
             try:
                 fn(*args)
             except Exception:  # a job's failure must not kill the worker
                 pass
+            del fn, args  # (an idle worker holds no tunnel's sockets)
             with self._lock:
-                self._idle += 1
+                self._waiting.append(me)
+            if not me.wake.acquire(timeout=self.idle):
+                with self._lock:
+                    if me in self._waiting:
+                        self._waiting.remove(me)
+                        self.threads -= 1
+                        return
+                me.wake.acquire()  # a submit took this worker as its time ran out: the job is coming
+            assert me.job is not None
+            (fn, args), me.job = me.job, None
 
 
 WORKERS = Workers()
