@@ -127,6 +127,32 @@ def test_workspace_is_mounted_and_written_back(tier: str, where: dict[str, Any],
     assert (tmp_path / "output.txt").read_text() == "result"
 
 
+def test_a_workspace_link_that_climbs_through_another_link_is_not_written_back(
+        tier: str, where: dict[str, Any], tmp_path: Path) -> None:
+    if where:
+        pytest.skip("a server mounts no client directory (test_workspace_is_mounted_and_written_back)")
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (tmp_path / "outside").write_text("HOST-ONLY")
+    with Sandbox.create(tier=tier, workspace=str(workspace)) as sb:
+        made = sb.commands.run(py(
+            "import os; os.chdir('/workspace'); os.makedirs('d/e'); open('in.txt', 'w').write('in')\n"
+            "for target, link in (('.', 'a'), ('a/a/../outside', 'esc'), ('../../in.txt', 'd/e/ok'),"
+            " ('../sib', 'd/up'), ('../../../outside', 'd/e/high'), ('e/../../outside', 'd/mid')):\n"
+            "    os.symlink(target, link)\n"
+            "print('made')"))
+        assert made.stdout == "made\n", made
+    # 'a/a/../outside' reads as 'a/outside', but a -> . makes it climb from the workspace: it
+    # led to the host's tmp_path/outside (the sandbox planted /etc/shadow so)
+    for escaping in ("esc", "d/e/high", "d/mid"):
+        assert not (workspace / escaping).is_symlink(), escaping
+    # links that climb first, and no higher than the workspace, are written back
+    assert os.readlink(workspace / "d/e/ok") == "../../in.txt" and (workspace / "d/e/ok").read_text() == "in"
+    assert os.readlink(workspace / "d/up") == "../sib" and os.readlink(workspace / "a") == "."
+    for path in workspace.rglob("*"):
+        assert str(path.resolve()).startswith(str(workspace.resolve())), path
+
+
 def test_env_is_passed_and_host_env_is_not(tier: str, where: dict[str, Any]) -> None:
     os.environ["CORRAL_TEST_HOST_SECRET"] = "host-secret-value"
     try:

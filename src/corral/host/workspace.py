@@ -232,11 +232,25 @@ def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gi
 
 
 def link_stays_inside(rel: str, target: str) -> bool:
-    """True if a symlink at ``rel`` pointing to ``target`` resolves inside the tree."""
+    """True if a symlink at ``rel`` pointing to ``target`` resolves inside the tree, whatever the
+    other links in the tree are.
+
+    Judged by the target's text alone, as the tree's other links may change later, but not by
+    normalizing it: ``..`` after a name climbs from wherever that name leads, so ``a/a/../..``
+    with ``a -> .`` leaves the tree (the sandbox planted ``/etc/shadow`` in the user's
+    directory so).  A target may climb only first, from the link's own directory (a real one:
+    write-back makes real directories), and no higher than the tree's root; then it only
+    descends, and each link it meets on the way was held to this same rule."""
     if not target or target.startswith("/"):
         return False
-    resolved = os.path.normpath(os.path.join(os.path.dirname(rel), target))
-    return resolved != ".." and not resolved.startswith("../")
+    parts = [part for part in target.split("/") if part not in ("", ".")]
+    climbs = 0
+    while climbs < len(parts) and parts[climbs] == "..":
+        climbs += 1
+    if ".." in parts[climbs:]:
+        return False
+    depth = len([part for part in rel.split("/")[:-1] if part not in ("", ".")])
+    return climbs <= depth
 
 
 class Budget:
