@@ -374,3 +374,26 @@ def test_launcher_drops_to_the_sandbox_uid_and_refuses_root(state_dir: Path) -> 
                 ["5", "/nonexistent-netns", "--", "/usr/bin/id"]):
         r = subprocess.run([agent, "--launch", *bad], capture_output=True, text=True)
         assert r.returncode == 125, bad
+
+
+def test_a_sandbox_cannot_make_the_hosts_git_run_its_program_and_its_commits_come_back(tmp_path: Path) -> None:
+    repo, marker = tmp_path / "repo", tmp_path / "ran-on-the-host"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "a.txt").write_text("one\n")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    with Sandbox.create(workspace=str(repo)) as sb:
+        r = sb.commands.run(
+            f"cd /workspace && git config core.fsmonitor 'touch {marker}; false' && git config alias.st '!touch {marker}'"
+            f" && printf '#!/bin/sh\\ntouch {marker}\\n' > .git/hooks/post-checkout && chmod +x .git/hooks/post-checkout"
+            " && echo two >> a.txt && git -c user.name=agent -c user.email=a@a commit -qam second && git log --format=%s")
+        assert r.exit_code == 0 and r.stdout == "second\nfirst\n", r
+    # the host's git, as its user would run it after the task
+    log = subprocess.run([*git, "log", "--format=%s"], capture_output=True, text=True, check=True).stdout
+    assert log == "second\nfirst\n"  # the sandbox's commit is there
+    subprocess.run([*git, "status", "--short"], capture_output=True, check=True)
+    subprocess.run([*git, "checkout", "-qb", "review"], capture_output=True, check=True)
+    assert not marker.exists(), "the sandbox's git configuration or hook ran on the host"
+    assert "fsmonitor" not in (repo / ".git" / "config").read_text()

@@ -153,6 +153,43 @@ def test_a_workspace_link_that_climbs_through_another_link_is_not_written_back(
         assert str(path.resolve()).startswith(str(workspace.resolve())), path
 
 
+def test_write_back_leaves_the_hosts_git_configuration_and_hooks_as_they_were(
+        tier: str, where: dict[str, Any], tmp_path: Path) -> None:
+    if where:
+        pytest.skip("a server mounts no client directory (test_workspace_is_mounted_and_written_back)")
+    workspace = tmp_path / "ws"
+    (workspace / ".git" / "refs" / "heads").mkdir(parents=True)
+    (workspace / ".git" / "config").write_text("[core]\n\tbare = false\n")
+    (workspace / "sub" / ".git").mkdir(parents=True)
+    with Sandbox.create(tier=tier, workspace=str(workspace)) as sb:
+        made = sb.commands.run(py(
+            "import os, shutil; os.chdir('/workspace')\n"
+            "open('.git/config', 'a').write('[core]\\n\\tfsmonitor = touch /tmp/ran\\n')\n"
+            "os.makedirs('.git/hooks'); open('.git/hooks/post-checkout', 'w').write('#!/bin/sh\\ntouch /tmp/ran\\n')\n"
+            "open('.git/commondir', 'w').write('../evil\\n')\n"
+            "os.makedirs('.git/modules/m/hooks'); open('.git/modules/m/config', 'w').write('x')\n"
+            "open('.git/modules/m/hooks/pre-commit', 'w').write('x')\n"
+            "shutil.rmtree('sub/.git'); open('sub/.git', 'w').write('gitdir: ../evil\\n')\n"
+            "os.makedirs('new/.git'); open('new/.git/config', 'w').write('x')\n"
+            "open('.git/refs/heads/feature', 'w').write('0' * 40 + '\\n'); open('.git/HEAD', 'w').write('ref: x\\n')\n"
+            "open('notes.txt', 'w').write('kept')\n"
+            "print('made')"))
+        assert made.stdout == "made\n", made
+        # the sandbox's own view has what it wrote
+        assert "fsmonitor" in sb.files.read(".git/config")
+    # what makes the host's git run a program, or read its configuration elsewhere, stays the host's
+    assert (workspace / ".git" / "config").read_text() == "[core]\n\tbare = false\n"
+    for kept_out in (".git/hooks", ".git/commondir", ".git/modules/m/config", ".git/modules/m/hooks",
+                     "new/.git/config"):
+        assert not (workspace / kept_out).exists(), kept_out
+    assert not (workspace / "sub" / ".git").is_file()
+    # the rest of a git directory, and of the workspace, is written back
+    assert (workspace / ".git/refs/heads/feature").read_text() == "0" * 40 + "\n"
+    assert (workspace / ".git/HEAD").read_text() == "ref: x\n"
+    assert (workspace / ".git/modules/m").is_dir() and (workspace / "new/.git").is_dir()
+    assert (workspace / "notes.txt").read_text() == "kept"
+
+
 def test_env_is_passed_and_host_env_is_not(tier: str, where: dict[str, Any]) -> None:
     os.environ["CORRAL_TEST_HOST_SECRET"] = "host-secret-value"
     try:

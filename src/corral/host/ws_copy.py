@@ -80,7 +80,7 @@ def _apply(
             _copy_entry(src_dir, dst_dir, dst_fd, rel_of(key), entry[0], entry[3], uid, gid, inside_links_only,
                         links, budget)
 
-        copy_changed(current, previous, sources, targets, ("o",), copy)
+        copy_changed(current, previous, sources, targets, ("o",), copy, writing_back=inside_links_only)
     finally:
         sources.close()
         targets.close()
