@@ -392,3 +392,53 @@ def test_a_session_of_hundreds_of_commands_keeps_the_write_back_and_the_owner_wh
     fds_after, threads_after = owner_counts()
     assert fds_after <= fds_before and threads_after <= threads_before, (fds_before, fds_after, threads_after)
     assert sandbox_leftovers(sandbox_id, state_dir) == []
+
+
+#: creates a sandbox on the workspace and runs one command that writes a large file; its
+#: write-back is where the test kills this process
+WRITER = """
+import sys
+from corral import Sandbox
+sb = Sandbox.create(workspace=sys.argv[1], memory="256M")
+print(sb.id, flush=True)
+sb.commands.run("head -c 600M /dev/zero > /workspace/big", timeout=120)
+print("written back", flush=True)
+"""
+
+
+def test_an_owner_killed_during_a_write_back_leaves_no_partial_file_in_the_users_directory(
+        tmp_path: Path, state_dir: Path) -> None:
+    """A file is copied into the user's directory under a name only once it is whole and the
+    user's: before, an owner killed mid-copy left ``.corral-tmp-PID-big``, partial and root's
+    (0600), for good (gc did not know it, later write-backs skipped other pids' names)."""
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    owner = subprocess.Popen([sys.executable, "-c", WRITER, str(workspace)], stdout=subprocess.PIPE, text=True)
+    killed_mid_copy = False
+    try:
+        assert owner.stdout is not None
+        sandbox_id = owner.stdout.readline().strip()
+        deadline = time.monotonic() + 120
+        while owner.poll() is None and time.monotonic() < deadline:
+            try:  # the copy's file, named or not, open in the owner and in the user's directory
+                held = [os.readlink(f"/proc/{owner.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{owner.pid}/fd")]
+            except OSError:
+                held = []
+            if any(path.startswith(f"{workspace}/") for path in held):
+                owner.kill()
+                killed_mid_copy = True
+                break
+            time.sleep(0.002)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert killed_mid_copy, "the owner was not seen copying"
+    subprocess.run([sys.executable, "-m", "corral.cli", "gc"], check=True, capture_output=True, timeout=120)
+    assert sandbox_leftovers(sandbox_id, state_dir) == []
+    left = sorted(os.listdir(workspace))
+    assert left in ([], ["big"]), left  # nothing, or the whole file (killed between its link and rename)
+    if left:
+        assert (workspace / "big").stat().st_size == 600 << 20

@@ -446,11 +446,13 @@ def _make_temporary(
         key = (st.st_dev, st.st_ino)
         earlier = links.get(key) if links is not None and st.st_nlink > 1 else None
         if earlier is None or not _link_to_copied(dst_root, dst_dir, tmp, earlier, uid, gid):
-            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dst_dir)
+            dst, anonymous = _new_file(dst_dir, tmp)
             try:
                 _copy_data(src, dst, st.st_size, budget)
                 os.fchown(dst, uid, gid)
                 os.fchmod(dst, mode & 0o777)
+                if anonymous:  # whole and the user's now: only then does it get a name
+                    os.link(f"/proc/self/fd/{dst}", tmp, dst_dir_fd=dst_dir, follow_symlinks=True)
                 if links is not None and st.st_nlink > 1:
                     links[key] = (rel, os.fstat(dst).st_ino)
             finally:
@@ -458,6 +460,18 @@ def _make_temporary(
         return True
     finally:
         os.close(src)
+
+
+def _new_file(dir_fd: int, tmp: str) -> tuple[int, bool]:
+    """A file to copy into, in ``dir_fd``: unnamed (``O_TMPFILE``) where the file system allows,
+    so that an owner killed mid-copy leaves nothing in the user's directory (a named temporary
+    stayed there for good, partial and root's); else ``tmp``.  (descriptor, whether unnamed)"""
+    try:
+        return os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=dir_fd), True
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dir_fd), False
 
 
 def _open_file(dir_fd: int, name: str) -> int | None:
