@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -397,3 +398,20 @@ def test_a_sandbox_cannot_make_the_hosts_git_run_its_program_and_its_commits_com
     subprocess.run([*git, "checkout", "-qb", "review"], capture_output=True, check=True)
     assert not marker.exists(), "the sandbox's git configuration or hook ran on the host"
     assert "fsmonitor" not in (repo / ".git" / "config").read_text()
+
+
+def test_directory_modes_are_written_back(tmp_path: Path) -> None:
+    """A directory the sandbox makes private stays private on the host: write-back made every
+    directory 0755, so another host user read ``private/id_rsa``.  Set-group-id is not kept
+    (as set-user/group-id bits of files are not)."""
+    (tmp_path / "existing").mkdir(mode=0o755)
+    with Sandbox.create(workspace=str(tmp_path)) as sb:
+        r = sb.commands.run("cd /workspace && mkdir -m 700 private && echo KEY > private/id_rsa"
+                            " && chmod 644 private/id_rsa && chmod 750 existing && mkdir -m 1777 sticky"
+                            " && mkdir -m 2775 shared")
+        assert r.exit_code == 0, r
+        assert sb.commands.run("stat -c %a /workspace/private").stdout == "700\n"
+        sb.commands.run("chmod 711 /workspace/private")  # a later change of mode alone comes back too
+    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("private", "existing", "sticky", "shared")}
+    assert modes == {"private": 0o711, "existing": 0o750, "sticky": 0o1777, "shared": 0o775}
+    assert stat.S_IMODE((tmp_path / "private" / "id_rsa").stat().st_mode) == 0o644

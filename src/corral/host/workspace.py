@@ -399,7 +399,11 @@ def _copy_entry(
     ``budget``: the sync's :class:`Budget` (:class:`OverBudget` once it is spent, nothing copied)."""
     name = rel.rsplit("/", 1)[-1]
     if kind == "d":
-        os.close(_open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid))
+        fd = _open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid)
+        try:  # its mode too: a 0700 directory made 0755 on the host let every host user read it
+            os.fchmod(fd, mode & 0o1777)
+        finally:
+            os.close(fd)
         return
     # 255 bytes, not characters: a name of 127 "é" made every later write-back fail (ENAMETOOLONG)
     tmp = os.fsdecode(os.fsencode(f".corral-tmp-{os.getpid()}-{name}")[:255])
