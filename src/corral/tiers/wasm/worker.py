@@ -102,9 +102,13 @@ def _die_with_parent(parent_pid: int) -> None:
 def _drop_privileges(uid: int | None, gid: int | None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if uid is not None and gid is not None and os.geteuid() == 0:
+        parent = os.getppid()
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+        # the change of ids cleared the parent-death signal: without it again, a guest whose
+        # owner was killed ran on (a busy loop for good, a timeout nobody enforced) until gc
+        _die_with_parent(parent)
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
