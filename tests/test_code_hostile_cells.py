@@ -3,6 +3,7 @@ are that cell's error: the kernel lives on, later cells run, its variables are k
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -36,3 +37,60 @@ def test_the_javascript_kernel_lives_on_too(sandbox: Any, code: str) -> None:
     refused = sandbox.run_code(code, language="javascript", timeout=60)
     assert refused.error is not None and refused.error.name in ("SyntaxError", "RangeError"), refused.error
     assert sandbox.run_code("x", language="javascript").text == "1"
+
+
+def test_a_process_a_cell_forked_never_answers_later_cells(sandbox: Any) -> None:
+    """A fork that returns to the kernel's loop read the next cells from the same pipe with its
+    own copy of the state: later cells were answered by two processes in turn."""
+    assert sandbox.run_code("import os; x = 0; kernel = os.getpid()").error is None
+    forked = sandbox.run_code("pid = os.fork(); 'parent' if pid else 'child'")
+    assert forked.text == "'parent'", forked
+    answers = [sandbox.run_code("x += 1; (os.getpid() == kernel, x)").text for _ in range(12)]
+    assert answers == [f"(True, {n})" for n in range(1, 13)]
+    # the child went: only the kernel is left of that cell
+    assert sandbox.run_code("os.waitpid(pid, 0)[1]").text == "0"
+
+
+def test_a_fork_bomb_cell_interrupted_leaves_one_kernel_with_its_state(sandbox: Any) -> None:
+    """Interrupted at its timeout, every copy of a fork bomb ended as a kernel of its own (63 of
+    them at a 64-pid limit), answering cells in turn and holding every pid: no later cell could
+    start a process."""
+    assert sandbox.run_code("import os, subprocess; state = 'a'").error is None
+    bomb = sandbox.run_code("while True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout=2)
+    assert bomb.timed_out and not bomb.restarted, bomb
+    for _ in range(10):
+        assert sandbox.run_code("state += '+'").error is None
+    after = sandbox.run_code("len(state), subprocess.run(['true']).returncode")
+    assert after.text == "(11, 0)", after
+    copies = sandbox.run_code(
+        "def cmdline(pid):\n    try:\n        return open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+        "    except OSError:\n        return b''\n"
+        "mine = cmdline(os.getpid())\nsum(1 for p in os.listdir('/proc') if p.isdigit() and cmdline(p) == mine)")
+    assert copies.text == "1", copies  # the kernel alone
+
+
+def test_functions_and_classes_a_cell_defines_pickle_for_process_pools(sandbox: Any) -> None:
+    assert sandbox.run_code("def square(n):\n    return n * n\nclass Point:\n    x = 1").error is None
+    pooled = sandbox.run_code("import multiprocessing as mp\nwith mp.Pool(2) as pool:\n"
+                              "    got = pool.map(square, range(5))\ngot", timeout=60)
+    assert pooled.text == "[0, 1, 4, 9, 16]", pooled
+    assert sandbox.run_code("import pickle; type(pickle.loads(pickle.dumps(Point()))).__name__").text == "'Point'"
+
+
+def test_interrupts_that_come_between_cells_lose_no_cell_and_no_state(sandbox: Any) -> None:
+    """The host's SIGINT for a cell that has just ended can come after its end: raised between
+    cells, it threw away the next cell's request, which then hung to its timeout and restarted
+    the kernel (state lost).  Here a thread of the kernel sends SIGINTs all along while cells
+    come one after another: no cell hangs and the state stays (a cell the storm hits while it
+    runs is a KeyboardInterrupt: that is what an interrupt is for)."""
+    sandbox.run_code("import os, signal, threading, time\nkept = 'yes'\n"
+                     "def storm():\n    for _ in range(6000):\n"
+                     "        os.kill(os.getpid(), signal.SIGINT)\n        time.sleep(0.0005)\n"
+                     "storming = threading.Thread(target=storm, daemon=True)\nstorming.start()")
+    for _ in range(150):
+        result = sandbox.run_code("1", timeout=5)
+        assert not result.restarted and not result.timed_out, result
+    deadline = time.monotonic() + 60
+    while sandbox.run_code("storming.is_alive()").text != "False" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert sandbox.run_code("kept").text == "'yes'"

@@ -25,9 +25,12 @@ import io
 import json
 import linecache
 import os
+import signal
 import sys
 import threading
+import time
 import traceback
+import types
 from typing import Any
 
 _proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
@@ -39,6 +42,82 @@ os.dup2(_devnull, 0)
 os.close(_devnull)
 _lock = threading.Lock()
 _current = {"id": 0}
+#: the kernel's own pid: a process that forked from it inside a cell is not the kernel
+_KERNEL_PID = os.getpid()
+#: True only while a cell's own code runs: the host's SIGINT interrupts that and nothing else
+_in_cell = [False]
+#: when the running cell began, in the clock ticks of /proc/PID/stat's start times
+_cell_began = [0]
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    if os.getpid() != _KERNEL_PID:
+        os._exit(1)  # a copy a cell forked (a fork bomb's): ends with the interrupt
+    if _in_cell[0]:
+        raise KeyboardInterrupt
+    # an interrupt meant for a cell that has just ended: raised between cells it threw away
+    # the next cell's request, read but not yet returned (that cell then hung to its timeout)
+
+
+def _end_forked_copies() -> None:
+    """After an interrupt: end every copy of this kernel a cell forked that still runs (a fork
+    bomb's, forked after the interrupt came, loop on and hold every pid of the sandbox), and reap
+    those the interrupt ended.  Copies: processes of this session and name started since the
+    cell began (read from /proc/PID/stat alone: reading a forking process's cmdline waits on its
+    memory map).  Stopped first, round after round, as the running ones fork as fast as they
+    would be killed; then killed."""
+    try:
+        with open(f"/proc/{_KERNEL_PID}/comm") as f:
+            name = f.read().rstrip("\n")
+        session = os.getsid(0)
+    except OSError:
+        return
+    stopped: set[int] = set()
+    ended: set[int] = set()
+    quiet = 0
+    for _ in range(50):  # (bounded; a round stops every copy it finds, so few are needed)
+        found = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == _KERNEL_PID or int(entry) in stopped:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    text = f.read()
+                comm, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
+                if comm != name or int(fields[3]) != session or int(fields[19]) < _cell_began[0]:
+                    continue
+                if fields[0] == "Z":
+                    if int(fields[1]) == _KERNEL_PID:
+                        ended.add(int(entry))
+                    continue
+                os.kill(int(entry), signal.SIGSTOP)
+            except (OSError, ValueError, IndexError):
+                continue
+            stopped.add(int(entry))
+            found += 1
+        # a copy stopped in the middle of a fork still makes its child, which may appear after
+        # this round looked at its pid: two quiet rounds, a moment apart, before the kill
+        quiet = quiet + 1 if not found else 0
+        if quiet == 2:
+            break
+        time.sleep(0.002)
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for pid in stopped | ended:  # this kernel's own children: reaped, or they hold their pids
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _leave_if_forked() -> None:
+    """A process a cell forked that comes back here is not the kernel: it would read the next
+    cells' requests from the same pipe and answer them with its own copy of the state."""
+    if os.getpid() != _KERNEL_PID:
+        os._exit(0)
 
 
 def send(message: dict[str, Any]) -> None:
@@ -209,18 +288,32 @@ def run_cell(cell_id: int, code: str, namespace: dict[str, Any], count: int) -> 
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)  # type: ignore[attr-defined]
     try:
+        with open("/proc/uptime") as f:
+            _cell_began[0] = int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+    except OSError:
+        pass
+    try:
+        _in_cell[0] = True
         exec(compile(tree, filename, "exec"), namespace)
         if last is not None:
             value = eval(compile(last, filename, "eval"), namespace)
+            _in_cell[0] = False
+            _leave_if_forked()
             if value is not None and not _is_figure(value):
                 namespace["_"] = value
                 send({"type": "result", "id": cell_id, "main": True, "data": formats(value)})
     except BaseException as exc:  # KeyboardInterrupt and SystemExit included: the kernel lives on
+        _in_cell[0] = False
+        _leave_if_forked()
+        if isinstance(exc, KeyboardInterrupt):
+            _end_forked_copies()
         sys.stdout.flush()
         sys.stderr.flush()
         send({"type": "error", "id": cell_id, "name": type(exc).__name__, "value": str(exc),
               "traceback": _traceback_text(exc, 1)})
     finally:
+        _in_cell[0] = False
+        _leave_if_forked()
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -233,14 +326,19 @@ def main() -> None:
     os.environ.setdefault("MPLBACKEND", "Agg")
     sys.stdout = Capture("stdout")
     sys.stderr = Capture("stderr")
-    namespace = {"__name__": "__main__", "__builtins__": builtins, "display": display}
+    # the cells' names live in a module registered as __main__ (as in Jupyter), so that pickle
+    # finds a function or class a cell defined (multiprocessing.Pool.map, ProcessPoolExecutor):
+    # in a bare dict, "attribute lookup f on __main__ failed"
+    main_module = types.ModuleType("__main__")
+    main_module.__dict__.update({"__builtins__": builtins, "display": display})
+    sys.modules["__main__"] = main_module
+    namespace = main_module.__dict__
+    signal.signal(signal.SIGINT, _on_sigint)
     send({"type": "ready", "pid": os.getpid(), "python": sys.version.split()[0]})
     count = 0
     while True:
-        try:
-            line = _requests.readline()
-        except KeyboardInterrupt:
-            continue  # an interrupt that arrived between cells
+        _in_cell[0] = False
+        line = _requests.readline()
         if not line:
             return
         try:
@@ -256,7 +354,10 @@ def main() -> None:
         os.environ.update(env)  # this cell's envs=, then back as they were
         try:
             run_cell(cell_id, code, namespace, count)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # one that came as the cell's code ended, before its flag was down
+            _in_cell[0] = False
+            _leave_if_forked()
+            _end_forked_copies()
             send({"type": "error", "id": cell_id, "name": "KeyboardInterrupt", "value": "", "traceback": ""})
         except Exception as exc:  # whatever a cell does, the kernel and its namespace live on
             send({"type": "error", "id": cell_id, "name": type(exc).__name__, "value": str(exc)[:4000],
