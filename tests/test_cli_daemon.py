@@ -253,3 +253,41 @@ def test_a_killed_daemon_breaks_nothing_and_gc_reaps_its_sandboxes() -> None:
     assert (out.returncode, out.stdout) == (0, "still works\n"), out.stderr
     shutil.rmtree(d.state, ignore_errors=True)
     d.log.unlink()
+
+
+def _processes_running(argv: list[str]) -> list[int]:
+    wanted = "\0".join(argv).encode() + b"\0"
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and Path(f"/proc/{entry}/cmdline").read_bytes() == wanted:
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_a_silent_command_ends_when_its_client_is_interrupted(daemon: Daemon, client: str) -> None:
+    """The daemon learned that its client left only when it next forwarded output: a command
+    that printed nothing ran on to its timeout after Ctrl-C (as the in-process path does not),
+    holding one of the daemon's slots."""
+    marker = ["sleep", f"{os.getpid() % 1000 + 7000}.{len(client)}"]  # (a command line of this test's own)
+    running = subprocess.Popen([*CLIENTS[client], "run", "--timeout", "60", "--", *marker], env=daemon.env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_running(marker), "the command never started"
+        running.send_signal(signal.SIGINT)  # Ctrl-C
+        running.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_running(marker) == [], "the command outlived its client"
+        # and the daemon serves the next run at once
+        assert daemon.run("--", "echo", "next", client=client).stdout == "next\n"
+    finally:
+        running.kill()
+        running.wait()

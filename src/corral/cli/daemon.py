@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -29,6 +30,8 @@ from . import local_wire as wire
 
 #: commands run at once; further connections wait their turn (never refused)
 MAX_CONCURRENT = 32
+#: how often a run's watcher looks for its client's end (ms)
+CLIENT_WATCH_MS = 100
 
 
 def register(sub: Any) -> None:
@@ -122,7 +125,7 @@ class Daemon:
         try:
             handle = sandbox.commands.start(argv, timeout=timeout, on_output=forward)
             handle.close_stdin()
-            threading.Thread(target=_kill_when_gone, args=(gone, handle), daemon=True).start()
+            threading.Thread(target=_kill_when_gone, args=(gone, handle, conn), daemon=True).start()
             result = handle.wait()
         except SandboxError as exc:
             wire.send_frame(conn, wire.ERROR, str(exc).encode())
@@ -140,8 +143,16 @@ class Daemon:
             pass
 
 
-def _kill_when_gone(gone: threading.Event, handle: Any) -> None:
-    gone.wait()
+def _kill_when_gone(gone: threading.Event, handle: Any, conn: socket.socket) -> None:
+    """Kill the command once its client left: a write to it failed, or its connection shows an
+    end (the client sends nothing after its request, so anything readable is one).  A command
+    that printed nothing ran on to its timeout after the client's Ctrl-C, holding one of the
+    daemon's slots: 32 such runs made every later ``corral run`` wait."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN | select.POLLRDHUP)
+    while not gone.is_set():
+        if poller.poll(CLIENT_WATCH_MS):
+            gone.set()
     if not handle.done:
         handle.kill()
 
