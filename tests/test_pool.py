@@ -97,3 +97,22 @@ def test_a_member_is_pooled_with_its_first_command_ready() -> None:
                 assert sb.commands.run(["true"]).exit_code == 0
             finally:
                 sb.kill()
+
+
+@pytest.mark.parametrize("tier", ["process", "wasm"])
+def test_a_pool_of_each_tier_fills_and_hands_out_warm_members(tier: str, state_dir: Path) -> None:
+    """Every new member runs a health check before it is pooled; it was ``true``, which the wasm
+    tier (Python only) refuses with 127: its pools never filled (17 failed creates in 30 s,
+    every acquire a cold create)."""
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier(tier, state_dir)
+    spec = SandboxSpec.from_dict({"tier": tier, "limits": {"memory": "64M"}})
+    with SandboxPool(spec, min_idle=1, max_idle=1) as pool:
+        _wait_idle(pool, 1)
+        sb = pool.acquire()
+        try:
+            assert pool.stats["hits"] == 1 and pool.stats["failed"] == 0, pool.stats
+            assert sb.commands.run(["python3", "-c", "print('warm')"]).stdout == "warm\n"
+        finally:
+            sb.kill()

@@ -205,12 +205,17 @@ class SandboxPool:
             sb.kill()
 
 
+#: the command a new member runs before it is pooled, where ``true`` is not one (the wasm tier
+#: runs Python only: its members all failed the check, so its pools never filled)
+HEALTH_CHECKS = {"wasm": ["python3", "-c", "pass"]}
+
+
 def _healthy(sb: Sandbox) -> bool:
     """Run ``true`` once before pooling: proves the agent answers and can start a command, so a
     member that came up broken is replaced instead of handed out.  Nothing of it stays behind: no
     file is written and the process is gone before anyone can acquire the sandbox."""
     try:
-        return sb.commands.run(["true"], timeout=10).exit_code == 0
+        return sb.commands.run(HEALTH_CHECKS.get(sb.spec.tier, ["true"]), timeout=10).exit_code == 0
     except Exception:
         return False
 
