@@ -9,7 +9,7 @@ preview 1 has no sockets to open).  Limits:
   around the worker process is the backstop;
 - wall clock: epoch interruption at the timeout (exit 124, ``timed_out``);
   a guest blocked in a host call (``time.sleep``) is SIGKILLed shortly after;
-- CPU: fuel, ``cpus x timeout`` CPU-seconds' worth of instructions per
+- CPU: fuel, twice ``cpus x timeout`` CPU-seconds' worth of instructions per
   command (exhaustion ends it like SIGXCPU: exit 152) and the cgroup's CPU quota;
 - disk: a tmpfs of the disk limit holds both directories (as root).
 
@@ -42,6 +42,11 @@ from .standby import StandbyGuests
 
 #: instructions per CPU-second, measured here (a busy loop burns ~6e9 fuel per CPU-second)
 FUEL_PER_CPU_SECOND = 6_000_000_000
+#: the budget is this many times ``cpus x timeout`` CPU-seconds' worth: the rate depends on the
+#: CPU and its load (~7e9 here on a quiet morning), and at exactly the rate a busy loop ran out
+#: of fuel before its wall-clock timeout (5 of 6 at 1 s: "CPU budget exhausted" in 0.85 s, not
+#: timed out); fuel is the backstop behind the timeout, not a second, earlier one
+FUEL_HEADROOM = 2
 #: CPython's own start-up costs ~2.5e8 fuel: never charged to the command's budget
 STARTUP_FUEL = 500_000_000
 IMAGES = ("host", "python")
@@ -124,8 +129,9 @@ class WasmTier(Tier):
             return self._standby_guests
 
     def fuel_budget(self, cpus: float, timeout: float) -> int:
-        """Fuel for a command: ``cpus x timeout`` CPU-seconds, plus CPython's start-up (not charged)."""
-        return int(self.fuel_per_cpu_second * cpus * timeout) + STARTUP_FUEL
+        """Fuel for a command: ``FUEL_HEADROOM x cpus x timeout`` CPU-seconds, plus CPython's
+        start-up (not charged)."""
+        return int(self.fuel_per_cpu_second * FUEL_HEADROOM * cpus * timeout) + STARTUP_FUEL
 
     def close(self) -> None:
         """Stop the idle workers and standby guests (they also die with this process)."""
