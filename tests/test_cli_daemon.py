@@ -291,3 +291,15 @@ def test_a_silent_command_ends_when_its_client_is_interrupted(daemon: Daemon, cl
     finally:
         running.kill()
         running.wait()
+
+
+@pytest.mark.parametrize("path", ["in-process", "daemon"])
+def test_a_command_whose_reader_left_ends_at_once_with_141_on_both_paths(daemon: Daemon, path: str) -> None:
+    """`corral run -- yes | head -1`: in-process the write error was swallowed and the command
+    ran on to its timeout, then said it timed out (124); through the daemon it ended at once."""
+    env = daemon.env(**({"CORRAL_NO_DAEMON": "1"} if path == "in-process" else {}))
+    start = time.monotonic()
+    r = subprocess.run(["bash", "-c", f"{CORRAL} run --timeout 30 -- yes | head -1; echo \"${{PIPESTATUS[0]}}\""],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.stdout == "y\n141\n", r
+    assert time.monotonic() - start < 15 and "timed out" not in r.stderr, r.stderr

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 from typing import Any
 
 EXIT_TIMEOUT = 124
 EXIT_OOM = 137
+#: 128 + SIGPIPE: what a shell reports for a program whose reader left
+EXIT_BROKEN_PIPE = 141
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,11 +91,26 @@ def handle(args: argparse.Namespace) -> int:
         raise InvalidSpec("--expose-to: it names who may connect to --expose ports; give --expose PORT too")
     expose_to = other_uids(args.expose_to, "--expose-to")  # a user this host lacks: an error before any sandbox
     out, err = sys.stdout.buffer, sys.stderr.buffer
+    running: list[Any] = []
+    reader_left = threading.Event()
 
     def stream(name: str, chunk: bytes) -> None:
+        if reader_left.is_set():
+            return
         target = out if name == "stdout" else err
-        target.write(chunk)
-        target.flush()
+        try:
+            target.write(chunk)
+            target.flush()
+        except BrokenPipeError:
+            # `corral run -- yes | head -1`: the reader left; end the command as SIGPIPE ends a
+            # program (it ran on to its timeout here, and said it timed out; the daemon's path
+            # and the launcher end at once), and keep the interpreter's exit from writing again
+            reader_left.set()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, target.fileno())
+            os.close(devnull)
+            if running:
+                running[0].kill()
 
     values = None
     if args.secrets_file:
@@ -107,7 +126,15 @@ def handle(args: argparse.Namespace) -> int:
         for port in exposed:  # before the command starts, so a caller can connect as soon as it listens
             print(f"corral: port {port.sandbox_port} exposed at {port.host}:{port.port} ({port.url})",
                   file=sys.stderr, flush=True)
-        result = sb.commands.run(cmd, on_output=None if args.json else stream)
+        if args.json:
+            result = sb.commands.run(cmd)
+        else:
+            running.append(sb.commands.start(cmd, on_output=stream))
+            if reader_left.is_set():  # (before the handle was in hand)
+                running[0].kill()
+            result = running[0].wait()
+            if reader_left.is_set():
+                return EXIT_BROKEN_PIPE
         events = []
         if args.audit:  # reading the kernel's counters costs a libnftables call: only when asked
             try:
