@@ -303,3 +303,27 @@ def test_a_command_whose_reader_left_ends_at_once_with_141_on_both_paths(daemon:
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.stdout == "y\n141\n", r
     assert time.monotonic() - start < 15 and "timed out" not in r.stderr, r.stderr
+
+
+def test_an_in_process_run_ended_by_sigterm_destroys_its_sandbox() -> None:
+    """``timeout 5 corral run ...`` sends SIGTERM: the CLI died of it and left its sandbox's run
+    dir, cgroups, registry row and uid range until a janitor ran; now it is destroyed on the
+    way out, as on Ctrl-C, and the CLI exits 143."""
+    state = Path(tempfile.mkdtemp(prefix="corral-test-sigterm-"))
+    env = {**{k: v for k, v in os.environ.items() if k != "CORRAL_URL"}, "CORRAL_STATE_DIR": str(state),
+           "CORRAL_NO_DAEMON": "1"}
+    marker = ["sleep", f"{os.getpid() % 1000 + 8000}.5"]
+    try:
+        cli = subprocess.Popen([CORRAL, "run", "--", *marker], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = Registry.at(state).rows()
+        assert _processes_running(marker) and len(rows) == 1
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=30) == 143
+        assert Registry.at(state).rows() == []
+        assert sandbox_leftovers(rows[0].id, state) == []
+    finally:
+        subprocess.run([*PYTHON_CLI, "gc"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)

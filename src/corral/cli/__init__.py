@@ -78,10 +78,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         fast = try_fast_run(argv)  # through a running `corral daemon`, if there is one
         if fast is not None:
             return fast
+    import signal  # (after the fast path, which needs none of it)
+
     from ..errors import SandboxError
 
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (`serve` and `daemon` set their own)
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code: int = args.handler(args)
         return code
@@ -90,6 +94,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SANDBOX_FAILED
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        return 128 + int(signal.SIGTERM)
+
+
+class _Terminated(BaseException):
+    """SIGTERM (``timeout 5 corral run ...``), raised so that the sandbox is destroyed on the way
+    out, as on Ctrl-C: killed by the signal's default action, the CLI left its run dir, cgroups,
+    registry row and uid range for the next create's janitor or ``corral gc``."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 if __name__ == "__main__":
