@@ -327,3 +327,30 @@ def test_an_in_process_run_ended_by_sigterm_destroys_its_sandbox() -> None:
     finally:
         subprocess.run([*PYTHON_CLI, "gc"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_stopped_daemon_destroys_the_sandboxes_of_its_runs_and_tells_their_clients() -> None:
+    """SIGTERM: the daemon closed its pool's idle members only; a run under way had its
+    processes die with the daemon but left its run dir, cgroups and registry row for gc."""
+    d = start_daemon()
+    marker = ["sleep", f"{os.getpid() % 1000 + 9000}.5"]
+    client = subprocess.Popen([CORRAL, "run", "--", *marker], env=d.env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _processes_running(marker)
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=60) == 0
+        _, err = client.communicate(timeout=60)
+        assert client.returncode == 125 and "the daemon stopped" in err, err
+        assert _processes_running(marker) == []
+        assert Registry.at(d.state).rows() == []  # (no gc ran)
+        assert not any((d.state / "sandboxes").iterdir())
+    finally:
+        client.kill()
+        client.wait()
+        subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
+        shutil.rmtree(d.state, ignore_errors=True)
+        d.log.unlink()

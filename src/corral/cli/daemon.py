@@ -14,6 +14,7 @@ peer credentials are checked: only the daemon's own uid (root) is served.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -22,6 +23,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ from . import local_wire as wire
 MAX_CONCURRENT = 32
 #: how often a run's watcher looks for its client's end (ms)
 CLIENT_WATCH_MS = 100
+#: seconds a stopping daemon waits for the runs it ended to tell their clients
+CLOSE_WAIT = 5.0
 
 
 def register(sub: Any) -> None:
@@ -71,6 +75,22 @@ class Daemon:
         self._pool = pool
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT)
         self.served = 0
+        self._lock = threading.Lock()
+        self._running: set[Any] = set()  # sandboxes handed to runs under way
+        self._closed = False
+
+    def close(self) -> None:
+        """Destroy the sandboxes of the runs under way (their clients get an error): a stopped
+        daemon's serving threads die with it, and their sandboxes' run dirs, cgroups and rows
+        stayed for gc."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running)
+        for sandbox in running:
+            sandbox.kill()
+        deadline = time.monotonic() + CLOSE_WAIT
+        while self._running and time.monotonic() < deadline:  # their clients told, not left hanging
+            time.sleep(0.01)
 
     def serve_connection(self, conn: socket.socket) -> None:
         with conn:
@@ -103,10 +123,20 @@ class Daemon:
         except SandboxError as exc:
             wire.send_frame(conn, wire.ERROR, str(exc).encode())
             return
+        with self._lock:
+            closed = self._closed
+            self._running.add(sandbox)
         try:
+            if closed:
+                raise SandboxError("the daemon is stopping")
             self._exec(conn, sandbox, argv, timeout)
+        except SandboxError as exc:
+            with contextlib.suppress(OSError):
+                wire.send_frame(conn, wire.ERROR, str(exc).encode())
         finally:
             sandbox.kill()
+            with self._lock:
+                self._running.discard(sandbox)
             self.served += 1
 
     def _exec(self, conn: socket.socket, sandbox: Any, argv: list[str], timeout: float) -> None:
@@ -127,6 +157,8 @@ class Daemon:
             handle.close_stdin()
             threading.Thread(target=_kill_when_gone, args=(gone, handle, conn), daemon=True).start()
             result = handle.wait()
+            if self._closed:  # (ended by close(): its exit status is the kill's, not the command's)
+                raise SandboxError("the daemon stopped while the command ran")
         except SandboxError as exc:
             wire.send_frame(conn, wire.ERROR, str(exc).encode())
             return
@@ -191,5 +223,6 @@ def handle(args: argparse.Namespace) -> int:
     finally:
         listener.close()
         path.unlink(missing_ok=True)
+        daemon.close()
         pool.close()
     return 0
