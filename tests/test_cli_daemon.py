@@ -354,3 +354,30 @@ def test_a_stopped_daemon_destroys_the_sandboxes_of_its_runs_and_tells_their_cli
         subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
         shutil.rmtree(d.state, ignore_errors=True)
         d.log.unlink()
+
+
+def test_a_daemon_stops_when_sigterm_lands_on_a_thread_other_than_its_main_one() -> None:
+    """The kernel hands a process's signal to any of its threads; Python runs the handler in
+    the main thread, whose accept() nothing interrupted then: a CI run's daemon still accepted a
+    minute after its SIGTERM.  Sent here to one other thread (``tgkill``)."""
+    import ctypes
+
+    d = start_daemon()
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{d.proc.pid}/syscall").read_text().split()[0] not in ("43", "288", "7", "271"):
+            assert time.monotonic() < deadline, "the daemon's main thread never waited for a client"
+            time.sleep(0.05)  # (accept, accept4, or the poll of an accept with a timeout)
+        time.sleep(0.5)
+        others = [int(t) for t in os.listdir(f"/proc/{d.proc.pid}/task") if int(t) != d.proc.pid]
+        assert others, "the daemon runs no other thread"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(234, d.proc.pid, others[0], signal.SIGTERM) == 0  # SYS_tgkill (x86-64)
+        assert d.proc.wait(timeout=20) == 0
+        assert not d.socket.exists()
+    finally:
+        d.proc.kill()
+        d.proc.wait()
+        subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
+        shutil.rmtree(d.state, ignore_errors=True)
+        d.log.unlink()

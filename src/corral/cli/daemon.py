@@ -36,6 +36,8 @@ MAX_CONCURRENT = 32
 CLIENT_WATCH_MS = 100
 #: seconds a stopping daemon waits for the runs it ended to tell their clients
 CLOSE_WAIT = 5.0
+#: seconds between the main thread's looks for a stop asked by a signal
+ACCEPT_WAKE = 0.5
 
 
 def register(sub: Any) -> None:
@@ -213,10 +215,16 @@ def handle(args: argparse.Namespace) -> int:
     pool.start()
     daemon = Daemon(pool)
     print(f"corral: daemon serving `corral run` on {path} (pool of {args.pool})", file=sys.stderr, flush=True)
+    # the main thread wakes twice a second: the kernel may hand SIGTERM to any thread, and then
+    # nothing interrupts the main thread's accept() to run the handler (a stopped daemon was seen
+    # still accepting a minute after its SIGTERM)
+    listener.settimeout(ACCEPT_WAKE)
     try:
         while not stop.is_set():
             try:
                 conn, _ = listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 break
             threading.Thread(target=daemon.serve_connection, args=(conn,), daemon=True).start()
