@@ -381,3 +381,32 @@ def test_a_daemon_stops_when_sigterm_lands_on_a_thread_other_than_its_main_one()
         subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
         shutil.rmtree(d.state, ignore_errors=True)
         d.log.unlink()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_a_command_the_daemon_started_is_never_run_again_when_the_daemon_dies(client: str, as_json: bool) -> None:
+    """A client whose daemon went away before the command printed anything ran it again
+    in-process (with ``--json``, even after output): a silent command's work was done twice.
+    The daemon says when the command started; from then on the client never runs it again."""
+    d = start_daemon()
+    marker = ["sleep", f"{os.getpid() % 1000 + 10000}.{len(client)}{int(as_json)}"]
+    runner = subprocess.Popen([*CLIENTS[client], "run", *(["--json"] if as_json else []), "--", *marker],
+                              env=d.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = _processes_running(marker)
+        assert first, "the daemon never ran the command"
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        _, err = runner.communicate(timeout=60)
+        assert runner.returncode == 125 and "went away while the command ran" in err, (runner.returncode, err)
+        assert not [pid for pid in _processes_running(marker) if pid not in first], "the command ran again"
+    finally:
+        runner.kill()
+        runner.wait()
+        subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
+        shutil.rmtree(d.state, ignore_errors=True)
+        d.log.unlink()

@@ -156,6 +156,10 @@ class Daemon:
 
         try:
             handle = sandbox.commands.start(argv, timeout=timeout, on_output=forward)
+            try:  # from here a client left without an answer must not run the command again
+                wire.send_frame(conn, wire.STARTED, b"")
+            except OSError:
+                gone.set()
             handle.close_stdin()
             threading.Thread(target=_kill_when_gone, args=(gone, handle, conn), daemon=True).start()
             result = handle.wait()

@@ -68,24 +68,27 @@ def try_fast_run(argv: Sequence[str]) -> int | None:
 
 def _relay(sock: socket, as_json: bool) -> int | None:
     out, err = sys.stdout.buffer, sys.stderr.buffer
-    printed = False
+    started = False
     while True:
         try:
             frame = wire.read_frame(sock)
         except OSError:
             frame = None
         if frame is None:
-            if not printed:
-                return None  # the daemon went away before the command said anything: run it here
+            if not started:
+                return None  # the daemon went away before the command started: run it here
+            # (not again here: it may have done what it does, silently or with --json)
             print("corral: the local daemon went away while the command ran", file=sys.stderr)
             return EXIT_SANDBOX_FAILED
         kind, payload = frame
-        if kind in (wire.STDOUT, wire.STDERR):
+        if kind == wire.STARTED:
+            started = True
+        elif kind in (wire.STDOUT, wire.STDERR):
+            started = True
             if not as_json:
                 target = out if kind == wire.STDOUT else err
                 target.write(payload)
                 target.flush()
-                printed = True
         elif kind == wire.ERROR:
             print(f"corral: {payload.decode(errors='replace')}", file=sys.stderr)
             return EXIT_SANDBOX_FAILED

@@ -4,8 +4,8 @@
  * `corral run [--json] [--timeout S] [--] CMD...` with a `corral daemon` listening goes
  * straight to the daemon's socket (the wire of corral/cli/local_wire.py) and relays what it
  * answers: no Python start-up, which is most of a run's cost (~15 ms of ~23).  Every other
- * call, and a run with no daemon (or one that goes away before the command printed
- * anything), execs the Python CLI with the same arguments, so results, messages and exit
+ * call, and a run with no daemon (or one that goes away before it said the command
+ * started), execs the Python CLI with the same arguments, so results, messages and exit
  * codes are corral.cli's own; corral/cli/fast_run.py is the same logic in Python and the
  * two must agree (tests/test_cli_daemon.py runs every case through both).
  *
@@ -123,7 +123,7 @@ static int send_request(int fd, char **cmd, const char *timeout) {
 
 /* The exit code of the daemon's run, or -1 to run the call in Python instead. */
 static int relay(int fd, int as_json) {
-    int printed = 0;
+    int started = 0;
     for (;;) {
         unsigned char head[5];
         char *payload = NULL;
@@ -136,19 +136,22 @@ static int relay(int fd, int as_json) {
         }
         if (!ok) {
             free(payload);
-            if (!printed) return -1; /* gone before the command said anything: run it in Python */
+            /* gone before the command started: run it in Python; after, never again (it may
+             * have done what it does, silently or with --json) */
+            if (!started) return -1;
             fprintf(stderr, "corral: the local daemon went away while the command ran\n");
             return EXIT_SANDBOX_FAILED;
         }
         payload[length] = '\0';
         int code = -2;
         switch (head[0]) {
+        case 's':
+            started = 1;
+            break;
         case 'o':
         case 'e':
-            if (!as_json) {
-                write_all(head[0] == 'o' ? 1 : 2, payload, length);
-                printed = 1;
-            }
+            started = 1;
+            if (!as_json) write_all(head[0] == 'o' ? 1 : 2, payload, length);
             break;
         case 'x':
             fprintf(stderr, "corral: %s\n", payload);

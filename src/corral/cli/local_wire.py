@@ -4,9 +4,11 @@ A root-only Unix socket, ``<state dir>/daemon.sock``.  The client sends one
 request: a 4-byte little-endian length, then the ``--timeout`` text (empty for
 none), a NUL, and the command's arguments separated by NULs (an argument cannot
 hold a NUL).  The daemon answers with frames of one kind byte, a 4-byte length
-and the payload: ``o`` stdout bytes, ``e`` stderr bytes, then exactly one of
-``r`` (the result: :data:`RESULT_HEAD` then ``corral run --json``'s line) or
-``x`` (an error message, UTF-8).
+and the payload: ``s`` (empty: the command has started), ``o`` stdout bytes, ``e``
+stderr bytes, then exactly one of ``r`` (the result: :data:`RESULT_HEAD` then ``corral run
+--json``'s line) or ``x`` (an error message, UTF-8).  A client whose daemon goes away before
+``s`` runs the command itself; after it, never (it may have run: a second run would repeat
+what it did).
 
 No JSON and no :mod:`socket` on the client side: this module runs on every
 ``corral run`` before anything else, and ``json`` (through ``re``) and
@@ -31,7 +33,7 @@ RESULT_HEAD = struct.Struct("<i??d")
 #: a request larger than this is refused (an argv, not a payload)
 MAX_REQUEST = 1 << 20
 
-STDOUT, STDERR, RESULT, ERROR = b"o", b"e", b"r", b"x"
+STARTED, STDOUT, STDERR, RESULT, ERROR = b"s", b"o", b"e", b"r", b"x"
 
 
 def socket_path(state_dir: str | None = None) -> str:
