@@ -141,6 +141,17 @@ def test_memory_overruns_kill_the_command_not_the_sandbox(sb: Sandbox) -> None:
     assert small.stdout == "fits\n" and not small.oom_killed
 
 
+def test_a_command_started_right_after_an_overrun_is_not_killed_with_it(sb: Sandbox) -> None:
+    """The guard may still be handling an overrun when the hog's result is back (the Sentry
+    frees its memory late under load), and it killed every command running meanwhile: a CI run's
+    next command came back empty.  A command now starts once the overrun is handled."""
+    for _ in range(6):
+        hog = sb.commands.run(["python3", "-c", "x = [bytearray(1 << 20) for _ in range(2000)]"], timeout=60)
+        assert hog.oom_killed, hog
+        after = sb.commands.run(["python3", "-c", "x = bytearray(64 << 20); print('alive')"], timeout=60)
+        assert after.stdout == "alive\n" and not after.oom_killed, after
+
+
 def test_task_limit_is_enforced_inside_gvisor_and_the_sandbox_survives() -> None:
     with Sandbox.create(tier="gvisor", pids=32) as sb:
         bomb = sb.commands.run(["sh", "-c", "for i in $(seq 100); do sleep 30 & done; wait"], timeout=20)

@@ -71,6 +71,11 @@ class MemoryGuard:
         #: overruns handled so far (commands finishing compare it before/after)
         self.overruns = 0
         self._disarmed = False
+        #: set while no overrun is being handled: a command started during one was killed with
+        #: the overrunning ones ("a command started meanwhile may be the one"), so a caller's
+        #: next command right after an OOM result came back empty under load (a CI run)
+        self._calm = threading.Event()
+        self._calm.set()
         self._fds: list[int] = []
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._events: list[int] = []
@@ -113,7 +118,18 @@ class MemoryGuard:
                 return value.strip() == "1"
         return False
 
+    def wait_calm(self, timeout: float = RESTORE_DEADLINE + 1) -> None:
+        """Wait (bounded) until no overrun is being handled: before a command starts."""
+        self._calm.wait(timeout)
+
     def _handle_overrun_v1(self) -> None:
+        self._calm.clear()
+        try:
+            self._recover_v1()
+        finally:
+            self._calm.set()
+
+    def _recover_v1(self) -> None:
         self.overruns += 1
         self._kill_commands()
         lifted = self._limit
@@ -177,11 +193,15 @@ class MemoryGuard:
     def _run_v2(self) -> None:
         while not fdwait.readable([self._stop_r], 0.02):
             if self._usage() > self._budget:
-                self.overruns += 1
-                self._kill_commands()
-                end = time.monotonic() + RESTORE_DEADLINE
-                while self._usage() > self._budget and time.monotonic() < end:
-                    time.sleep(0.01)
+                self._calm.clear()
+                try:
+                    self.overruns += 1
+                    self._kill_commands()
+                    end = time.monotonic() + RESTORE_DEADLINE
+                    while self._usage() > self._budget and time.monotonic() < end:
+                        time.sleep(0.01)
+                finally:
+                    self._calm.set()
 
     def close(self) -> None:
         try:

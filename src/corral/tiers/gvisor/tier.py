@@ -342,6 +342,7 @@ class GVisorSandbox(LinuxSandbox):
         request = self.with_network_env(request)
         guard = self._guard
         assert guard is not None
+        guard.wait_calm()  # (an overrun being handled would kill this command with the others)
         oom_before = cgroup.oom_kills(), guard.overruns
         started: list[AgentProcess] = []
 
