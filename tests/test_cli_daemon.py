@@ -255,6 +255,13 @@ def test_a_killed_daemon_breaks_nothing_and_gc_reaps_its_sandboxes() -> None:
     d.log.unlink()
 
 
+def _remove(d: Daemon) -> None:
+    """A test's own daemon, gone: whatever it left reaped, its state directory and log removed."""
+    subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
+    shutil.rmtree(d.state, ignore_errors=True)
+    d.log.unlink()
+
+
 def _processes_running(argv: list[str]) -> list[int]:
     wanted = "\0".join(argv).encode() + b"\0"
     found = []
@@ -351,9 +358,7 @@ def test_a_stopped_daemon_destroys_the_sandboxes_of_its_runs_and_tells_their_cli
     finally:
         client.kill()
         client.wait()
-        subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
-        shutil.rmtree(d.state, ignore_errors=True)
-        d.log.unlink()
+        _remove(d)
 
 
 def test_a_daemon_stops_when_sigterm_lands_on_a_thread_other_than_its_main_one() -> None:
@@ -378,9 +383,7 @@ def test_a_daemon_stops_when_sigterm_lands_on_a_thread_other_than_its_main_one()
     finally:
         d.proc.kill()
         d.proc.wait()
-        subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
-        shutil.rmtree(d.state, ignore_errors=True)
-        d.log.unlink()
+        _remove(d)
 
 
 @pytest.mark.parametrize("as_json", [False, True])
@@ -407,6 +410,4 @@ def test_a_command_the_daemon_started_is_never_run_again_when_the_daemon_dies(cl
     finally:
         runner.kill()
         runner.wait()
-        subprocess.run([CORRAL, "gc"], capture_output=True, env=d.env(), timeout=120)
-        shutil.rmtree(d.state, ignore_errors=True)
-        d.log.unlink()
+        _remove(d)

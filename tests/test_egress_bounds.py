@@ -69,6 +69,19 @@ time.sleep(120)
 ' >/tmp/tunnels 2>&1 &"""
 
 
+#: downloads 64 MiB through a tunnel (the sender's "n": 64 MiB, then it closes) and prints the count
+DOWNLOAD = """python3 -c '
+import socket
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"CONNECT {target}:{port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+head = b""
+while not head.endswith(b"\\r\\n\\r\\n"): head += s.recv(1)
+s.sendall(b"n"); n = 0
+while chunk := s.recv(1 << 20): n += len(chunk)
+print(n)
+'"""
+
+
 @pytest.fixture(scope="module")
 def net() -> Iterator[TargetNet]:
     with target_net("ceb") as testnet:
@@ -92,16 +105,7 @@ def _upstream_receive_memory(net: TargetNet) -> tuple[int, int]:
 def test_tunnels_that_read_nothing_hold_a_bounded_share_of_the_hosts_tcp_memory(net: TargetNet) -> None:
     with Sandbox.create(allow=[f"{net.target}:{PORT}"], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
         # the allowed thing: a 64 MiB download through a tunnel, whole
-        r = sb.commands.run(f"""python3 -c '
-import socket
-s = socket.create_connection(("127.0.0.1", 3128))
-s.sendall(b"CONNECT {net.target}:{PORT} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
-head = b""
-while not head.endswith(b"\\r\\n\\r\\n"): head += s.recv(1)
-s.sendall(b"n"); n = 0
-while chunk := s.recv(1 << 20): n += len(chunk)
-print(n)
-'""", timeout=60)
+        r = sb.commands.run(DOWNLOAD.format(target=net.target, port=PORT), timeout=60)
         assert r.stdout == f"{64 << 20}\n", r.stderr
         sb.commands.run(OPEN_TUNNELS.format(n=MAX_CONNECTIONS + 10, target=net.target, port=PORT))
         assert lines_written(sb, "/tmp/tunnels", 1, 60) == f"{MAX_CONNECTIONS}\n"  # the next one is refused
@@ -322,16 +326,7 @@ def test_the_threads_of_a_burst_of_tunnels_end_once_they_are_idle(
         wait_until(lambda: _tunnel_threads() <= before + 2, 20, every=0.25)
         assert _tunnel_threads() <= before + 2, f"{_tunnel_threads() - before} idle tunnel threads stayed"
         # the allowed thing, after the threads went: a new tunnel is served (a thread started anew)
-        r = sb.commands.run(f"""python3 -c '
-import socket
-s = socket.create_connection(("127.0.0.1", 3128))
-s.sendall(b"CONNECT {net.target}:{PORT} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
-head = b""
-while not head.endswith(b"\\r\\n\\r\\n"): head += s.recv(1)
-s.sendall(b"n"); n = 0
-while chunk := s.recv(1 << 20): n += len(chunk)
-print(n)
-'""", timeout=60)
+        r = sb.commands.run(DOWNLOAD.format(target=net.target, port=PORT), timeout=60)
         assert r.stdout == f"{64 << 20}\n", r.stderr
 
 
