@@ -94,3 +94,19 @@ def test_interrupts_that_come_between_cells_lose_no_cell_and_no_state(sandbox: A
     while sandbox.run_code("storming.is_alive()").text != "False" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert sandbox.run_code("kept").text == "'yes'"
+
+
+def test_a_background_threads_prints_do_not_crowd_a_cells_own_output_out() -> None:
+    """A thread an earlier cell started printed into the running cell and spent its budget: the
+    cell came back truncated without its own last line.  A thread's prints now spend a budget of
+    their own (they still show, in the cell that runs when they come)."""
+    from corral import Sandbox
+
+    with Sandbox.create(max_output="64K") as sb:
+        sb.run_code("import threading, time\n"
+                    "def flood():\n    for i in range(20000):\n        print('background', i)\n"
+                    "        time.sleep(0.0001)\n"
+                    "threading.Thread(target=flood, daemon=True).start()")
+        cell = sb.run_code("time.sleep(1.5)\nprint('MY-IMPORTANT-LINE')", timeout=30)
+        assert "MY-IMPORTANT-LINE\n" in cell.logs.stdout, cell.logs.stdout[-3:]
+        assert any(line.startswith("background") for line in "".join(cell.logs.stdout).splitlines())

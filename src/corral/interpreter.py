@@ -165,6 +165,8 @@ class _Cell:
         self.callbacks = callbacks
         self.done = threading.Event()
         self.budget = 0
+        #: the same again for what the kernel's other threads print meanwhile (``background``)
+        self.background_budget = 0
 
 
 class CodeInterpreter:
@@ -271,10 +273,16 @@ class CodeInterpreter:
         if cell is not None:
             cell.execution.truncated = True
 
-    def _charge(self, cell: _Cell, size: int) -> bool:
-        """Count output against the cell's budget; False (and ``truncated``) once it is spent."""
-        cell.budget -= size
-        if cell.budget < 0:
+    def _charge(self, cell: _Cell, size: int, background: bool = False) -> bool:
+        """Count output against the cell's budget (or its background budget); False (and
+        ``truncated``) once it is spent."""
+        if background:
+            cell.background_budget -= size
+            left = cell.background_budget
+        else:
+            cell.budget -= size
+            left = cell.budget
+        if left < 0:
             cell.execution.truncated = True
             return False
         return True
@@ -288,8 +296,9 @@ class CodeInterpreter:
         if cell is None or message.get("id") != cell.id:
             return
         logs = cell.execution.logs
-        if kind in ("stdout", "stderr", "result") and not self._charge(cell, len(json.dumps(message))):
-            return
+        if kind in ("stdout", "stderr", "result") and not self._charge(
+                cell, len(json.dumps(message)), background=kind != "result" and bool(message.get("background"))):
+            return  # (a thread's prints spend a budget of their own: a flood of them left the cell none)
         if kind in ("stdout", "stderr"):
             text = str(message.get("text", ""))
             (logs.stdout if kind == "stdout" else logs.stderr).append(text)
@@ -338,7 +347,7 @@ class CodeInterpreter:
             execution = Execution(execution_count=self._count)
             cell = _Cell(self._next_id, execution, {"on_stdout": on_stdout, "on_stderr": on_stderr,
                                                     "on_result": on_result, "on_error": on_error})
-            cell.budget = self._sandbox.spec.limits.max_output
+            cell.budget = cell.background_budget = self._sandbox.spec.limits.max_output
             self._cell = cell
             request = json.dumps({"id": cell.id, "code": code, **({"env": envs} if envs else {})}) + "\n"
             try:

@@ -152,15 +152,23 @@ class Capture(io.TextIOBase):
         if "\n" in self.buffer_text:
             cut = self.buffer_text.rindex("\n") + 1
             chunk, self.buffer_text = self.buffer_text[:cut], self.buffer_text[cut:]
-            send({"type": self.stream, "id": _current["id"], "text": chunk})
+            self._send(chunk)
         elif len(self.buffer_text) > 65536:
             self.flush()
         return len(text)
 
+    def _send(self, chunk: str) -> None:
+        frame = {"type": self.stream, "id": _current["id"], "text": chunk}
+        if threading.current_thread() is not threading.main_thread():
+            # a thread an earlier cell may have started: the host counts it apart from the running
+            # cell's own output, which it could otherwise crowd out of the cell's budget
+            frame["background"] = True
+        send(frame)
+
     def flush(self) -> None:
         if self.buffer_text:
             chunk, self.buffer_text = self.buffer_text, ""
-            send({"type": self.stream, "id": _current["id"], "text": chunk})
+            self._send(chunk)
 
 
 _REPR_METHODS = (
