@@ -411,3 +411,43 @@ def test_a_command_the_daemon_started_is_never_run_again_when_the_daemon_dies(cl
         runner.kill()
         runner.wait()
         _remove(d)
+
+
+def test_the_default_timeout_the_clients_assume_is_the_specs() -> None:
+    from corral.cli import local_wire
+    from corral.spec import Limits
+
+    assert Limits().timeout == local_wire.DEFAULT_TIMEOUT
+    assert f"#define DEFAULT_TIMEOUT {local_wire.DEFAULT_TIMEOUT!r}" in Path(
+        local_wire.__file__).with_name("launcher.c").read_text()
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_a_client_whose_daemon_hangs_after_the_start_gives_up_after_timeout_and_grace(client: str) -> None:
+    """A daemon that stops answering (stopped here with SIGSTOP) held its client for ever, whatever
+    its --timeout.  Once the command started, the client waits for each frame at most the
+    command's timeout and ANSWER_GRACE; then it says so (125)."""
+    from corral.cli import local_wire
+
+    d = start_daemon()
+    marker = ["sleep", f"{os.getpid() % 1000 + 11000}.{len(client)}"]
+    runner = subprocess.Popen([*CLIENTS[client], "run", "--timeout", "1", "--", *marker], env=d.env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _processes_running(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _processes_running(marker)
+        d.proc.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = runner.communicate(timeout=60)
+        waited = time.monotonic() - start
+        assert runner.returncode == 125 and "said nothing" in err, (runner.returncode, err)
+        assert waited < 1 + local_wire.ANSWER_GRACE + 5, waited
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        runner.kill()
+        runner.wait()
+        d.proc.kill()
+        d.proc.wait()
+        _remove(d)

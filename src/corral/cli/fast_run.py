@@ -61,17 +61,21 @@ def try_fast_run(argv: Sequence[str]) -> int | None:
         sock.close()
         return None
     try:
-        return _relay(sock, as_json)
+        return _relay(sock, as_json, wire.answer_deadline(timeout))
     finally:
         sock.close()
 
 
-def _relay(sock: socket, as_json: bool) -> int | None:
+def _relay(sock: socket, as_json: bool, deadline: float) -> int | None:
     out, err = sys.stdout.buffer, sys.stderr.buffer
     started = False
     while True:
         try:
             frame = wire.read_frame(sock)
+        except TimeoutError:
+            print(f"corral: the local daemon said nothing for {deadline:g} s while the command ran",
+                  file=sys.stderr)
+            return EXIT_SANDBOX_FAILED
         except OSError:
             frame = None
         if frame is None:
@@ -83,6 +87,7 @@ def _relay(sock: socket, as_json: bool) -> int | None:
         kind, payload = frame
         if kind == wire.STARTED:
             started = True
+            sock.settimeout(deadline)  # (before it, a busy daemon's queue may be long: no deadline)
         elif kind in (wire.STDOUT, wire.STDERR):
             started = True
             if not as_json:

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -30,6 +31,8 @@
 #define EXIT_OOM 137
 #define MAX_REQUEST (1u << 20)
 #define RESULT_HEAD 14 /* <i??d: exit code, timed out, OOM-killed, duration in ms */
+#define DEFAULT_TIMEOUT 60.0 /* local_wire.DEFAULT_TIMEOUT */
+#define ANSWER_GRACE 15.0    /* local_wire.ANSWER_GRACE */
 
 static char **original_argv;
 
@@ -122,12 +125,21 @@ static int send_request(int fd, char **cmd, const char *timeout) {
 }
 
 /* The exit code of the daemon's run, or -1 to run the call in Python instead. */
-static int relay(int fd, int as_json) {
+/* seconds the client waits for each frame once the command started (local_wire.answer_deadline) */
+static double answer_deadline(const char *timeout) {
+    char *end = NULL;
+    double seconds = *timeout ? strtod(timeout, &end) : DEFAULT_TIMEOUT;
+    if (*timeout && (end == timeout || *end || !(seconds > 0 && seconds < 1e9))) seconds = DEFAULT_TIMEOUT;
+    return seconds + ANSWER_GRACE;
+}
+
+static int relay(int fd, int as_json, double deadline) {
     int started = 0;
     for (;;) {
         unsigned char head[5];
         char *payload = NULL;
         uint32_t length = 0;
+        errno = 0; /* (an end of the stream leaves it 0: only a timed-out read says EAGAIN) */
         int ok = read_all(fd, head, sizeof head) == 0;
         if (ok) {
             length = le32(head + 1);
@@ -135,7 +147,12 @@ static int relay(int fd, int as_json) {
             ok = payload && read_all(fd, payload, length) == 0;
         }
         if (!ok) {
+            int timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
             free(payload);
+            if (started && timed_out) {
+                fprintf(stderr, "corral: the local daemon said nothing for %g s while the command ran\n", deadline);
+                return EXIT_SANDBOX_FAILED;
+            }
             /* gone before the command started: run it in Python; after, never again (it may
              * have done what it does, silently or with --json) */
             if (!started) return -1;
@@ -145,9 +162,12 @@ static int relay(int fd, int as_json) {
         payload[length] = '\0';
         int code = -2;
         switch (head[0]) {
-        case 's':
-            started = 1;
+        case 's': {
+            started = 1; /* before it, a busy daemon's queue may be long: no deadline */
+            struct timeval tv = {.tv_sec = (time_t)deadline, .tv_usec = (suseconds_t)((deadline - (double)(time_t)deadline) * 1e6)};
+            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
             break;
+        }
         case 'o':
         case 'e':
             started = 1;
@@ -215,7 +235,7 @@ int main(int argc, char **argv) {
         close(fd);
         run_python();
     }
-    int code = relay(fd, as_json);
+    int code = relay(fd, as_json, answer_deadline(timeout));
     close(fd);
     if (code < 0) run_python();
     return code;

@@ -34,6 +34,21 @@ RESULT_HEAD = struct.Struct("<i??d")
 MAX_REQUEST = 1 << 20
 
 STARTED, STDOUT, STDERR, RESULT, ERROR = b"s", b"o", b"e", b"r", b"x"
+#: the command's timeout when ``--timeout`` is not given (the spec's default: tests hold them equal)
+DEFAULT_TIMEOUT = 60.0
+#: seconds past the command's timeout a client waits for the next frame once the command has
+#: started (the daemon's kill and answer take well under a second): a stuck daemon is then an
+#: error, not a client that waits for ever
+ANSWER_GRACE = 15.0
+
+
+def answer_deadline(timeout: str | None) -> float:
+    """Seconds a client waits for each frame after ``started``."""
+    try:
+        seconds = float(timeout) if timeout else DEFAULT_TIMEOUT
+    except ValueError:
+        seconds = DEFAULT_TIMEOUT  # (the daemon refuses it at once)
+    return (seconds if 0 < seconds < 1e9 else DEFAULT_TIMEOUT) + ANSWER_GRACE
 
 
 def socket_path(state_dir: str | None = None) -> str:
