@@ -155,18 +155,23 @@ class Daemon:
                 gone.set()  # the client left (Ctrl-C): the command is killed
 
         try:
-            handle = sandbox.commands.start(argv, timeout=timeout, on_output=forward)
-            try:  # from here a client left without an answer must not run the command again
+            # said before the start, not after: the command may run (and be seen running) before
+            # start() returns, and a client that has not heard it would run the command again if
+            # the daemon died then (a CI run's); a daemon that dies before its start costs the
+            # client a 125, never a second run
+            try:
                 wire.send_frame(conn, wire.STARTED, b"")
             except OSError:
-                gone.set()
+                return  # the client left before the command started: it is not started
+            handle = sandbox.commands.start(argv, timeout=timeout, on_output=forward)
             handle.close_stdin()
             threading.Thread(target=_kill_when_gone, args=(gone, handle, conn), daemon=True).start()
             result = handle.wait()
             if self._closed:  # (ended by close(): its exit status is the kill's, not the command's)
                 raise SandboxError("the daemon stopped while the command ran")
         except SandboxError as exc:
-            wire.send_frame(conn, wire.ERROR, str(exc).encode())
+            with contextlib.suppress(OSError):
+                wire.send_frame(conn, wire.ERROR, str(exc).encode())
             return
         finally:
             gone.set()

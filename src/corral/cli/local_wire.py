@@ -4,7 +4,7 @@ A root-only Unix socket, ``<state dir>/daemon.sock``.  The client sends one
 request: a 4-byte little-endian length, then the ``--timeout`` text (empty for
 none), a NUL, and the command's arguments separated by NULs (an argument cannot
 hold a NUL).  The daemon answers with frames of one kind byte, a 4-byte length
-and the payload: ``s`` (empty: the command has started), ``o`` stdout bytes, ``e``
+and the payload: ``s`` (empty: the command is being started), ``o`` stdout bytes, ``e``
 stderr bytes, then exactly one of ``r`` (the result: :data:`RESULT_HEAD` then ``corral run
 --json``'s line) or ``x`` (an error message, UTF-8).  A client whose daemon goes away before
 ``s`` runs the command itself; after it, never (it may have run: a second run would repeat
