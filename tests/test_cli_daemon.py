@@ -27,6 +27,7 @@ import pytest
 from corral.registry import Registry
 
 from .leaks import sandbox_leftovers
+from .sandbox_wait import wait_until
 
 #: `make install`'s C launcher (src/corral/cli/launcher.c): its own client of the daemon
 CORRAL = str(Path(sys.executable).with_name("corral"))
@@ -283,15 +284,11 @@ def test_a_silent_command_ends_when_its_client_is_interrupted(daemon: Daemon, cl
     running = subprocess.Popen([*CLIENTS[client], "run", "--timeout", "60", "--", *marker], env=daemon.env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while not _processes_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _processes_running(marker), 30)
         assert _processes_running(marker), "the command never started"
         running.send_signal(signal.SIGINT)  # Ctrl-C
         running.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while _processes_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not _processes_running(marker), 10)
         assert _processes_running(marker) == [], "the command outlived its client"
         # and the daemon serves the next run at once
         assert daemon.run("--", "echo", "next", client=client).stdout == "next\n"
@@ -322,9 +319,7 @@ def test_an_in_process_run_ended_by_sigterm_destroys_its_sandbox() -> None:
     marker = ["sleep", f"{os.getpid() % 1000 + 8000}.5"]
     try:
         cli = subprocess.Popen([CORRAL, "run", "--", *marker], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 30
-        while not _processes_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _processes_running(marker), 30)
         rows = Registry.at(state).rows()
         assert _processes_running(marker) and len(rows) == 1
         cli.send_signal(signal.SIGTERM)
@@ -344,9 +339,7 @@ def test_a_stopped_daemon_destroys_the_sandboxes_of_its_runs_and_tells_their_cli
     client = subprocess.Popen([CORRAL, "run", "--", *marker], env=d.env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not _processes_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _processes_running(marker), 30)
         assert _processes_running(marker)
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(timeout=60) == 0
@@ -369,10 +362,10 @@ def test_a_daemon_stops_when_sigterm_lands_on_a_thread_other_than_its_main_one()
 
     d = start_daemon()
     try:
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{d.proc.pid}/syscall").read_text().split()[0] not in ("43", "288", "7", "271"):
-            assert time.monotonic() < deadline, "the daemon's main thread never waited for a client"
-            time.sleep(0.05)  # (accept, accept4, or the poll of an accept with a timeout)
+        # (accept, accept4, or the poll of an accept with a timeout)
+        waiting = wait_until(lambda: Path(f"/proc/{d.proc.pid}/syscall").read_text().split()[0]
+                             in ("43", "288", "7", "271"), 30)
+        assert waiting, "the daemon's main thread never waited for a client"
         time.sleep(0.5)
         others = [int(t) for t in os.listdir(f"/proc/{d.proc.pid}/task") if int(t) != d.proc.pid]
         assert others, "the daemon runs no other thread"
@@ -397,9 +390,7 @@ def test_a_command_the_daemon_started_is_never_run_again_when_the_daemon_dies(cl
     runner = subprocess.Popen([*CLIENTS[client], "run", *(["--json"] if as_json else []), "--", *marker],
                               env=d.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not _processes_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _processes_running(marker), 30)
         first = _processes_running(marker)
         assert first, "the daemon never ran the command"
         d.proc.send_signal(signal.SIGKILL)
@@ -434,9 +425,7 @@ def test_a_client_whose_daemon_hangs_after_the_start_gives_up_after_timeout_and_
     runner = subprocess.Popen([*CLIENTS[client], "run", "--timeout", "1", "--", *marker], env=d.env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not _processes_running(marker) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: _processes_running(marker), 30)
         assert _processes_running(marker)
         d.proc.send_signal(signal.SIGSTOP)
         start = time.monotonic()

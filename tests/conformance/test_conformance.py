@@ -127,12 +127,19 @@ def test_workspace_is_mounted_and_written_back(tier: str, where: dict[str, Any],
     assert (tmp_path / "output.txt").read_text() == "result"
 
 
-def test_a_workspace_link_that_climbs_through_another_link_is_not_written_back(
-        tier: str, where: dict[str, Any], tmp_path: Path) -> None:
+@pytest.fixture
+def host_workspace(where: dict[str, Any], tmp_path: Path) -> Path:
+    """An empty host directory to mount at /workspace, inside ``tmp_path`` (embedded only)."""
     if where:
         pytest.skip("a server mounts no client directory (test_workspace_is_mounted_and_written_back)")
     workspace = tmp_path / "ws"
     workspace.mkdir()
+    return workspace
+
+
+def test_a_workspace_link_that_climbs_through_another_link_is_not_written_back(
+        tier: str, host_workspace: Path, tmp_path: Path) -> None:
+    workspace = host_workspace
     (tmp_path / "outside").write_text("HOST-ONLY")
     with Sandbox.create(tier=tier, workspace=str(workspace)) as sb:
         made = sb.commands.run(py(
@@ -154,10 +161,8 @@ def test_a_workspace_link_that_climbs_through_another_link_is_not_written_back(
 
 
 def test_write_back_leaves_the_hosts_git_configuration_and_hooks_as_they_were(
-        tier: str, where: dict[str, Any], tmp_path: Path) -> None:
-    if where:
-        pytest.skip("a server mounts no client directory (test_workspace_is_mounted_and_written_back)")
-    workspace = tmp_path / "ws"
+        tier: str, host_workspace: Path) -> None:
+    workspace = host_workspace
     (workspace / ".git" / "refs" / "heads").mkdir(parents=True)
     (workspace / ".git" / "config").write_text("[core]\n\tbare = false\n")
     (workspace / "sub" / ".git").mkdir(parents=True)
