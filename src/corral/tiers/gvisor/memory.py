@@ -33,10 +33,11 @@ were OOM-killed", like the process tier, by acting *before* the hard limit:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ...host import fdwait
@@ -122,16 +123,21 @@ class MemoryGuard:
         """Wait (bounded) until no overrun is being handled: before a command starts."""
         self._calm.wait(timeout)
 
-    def _handle_overrun_v1(self) -> None:
+    @contextlib.contextmanager
+    def _handling_an_overrun(self) -> Iterator[None]:
         self._calm.clear()
         try:
-            self._recover_v1()
+            self.overruns += 1
+            self._kill_commands()
+            yield
         finally:
             self._calm.set()
 
+    def _handle_overrun_v1(self) -> None:
+        with self._handling_an_overrun():
+            self._recover_v1()
+
     def _recover_v1(self) -> None:
-        self.overruns += 1
-        self._kill_commands()
         lifted = self._limit
         end = time.monotonic() + RESTORE_DEADLINE
         while time.monotonic() < end:
@@ -193,15 +199,10 @@ class MemoryGuard:
     def _run_v2(self) -> None:
         while not fdwait.readable([self._stop_r], 0.02):
             if self._usage() > self._budget:
-                self._calm.clear()
-                try:
-                    self.overruns += 1
-                    self._kill_commands()
+                with self._handling_an_overrun():
                     end = time.monotonic() + RESTORE_DEADLINE
                     while self._usage() > self._budget and time.monotonic() < end:
                         time.sleep(0.01)
-                finally:
-                    self._calm.set()
 
     def close(self) -> None:
         try:
