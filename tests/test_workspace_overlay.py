@@ -10,8 +10,11 @@ Cost: 16 tests (10 process and 6 gVisor sandboxes), ~5 s on a loaded 2-core mach
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
+
+import pytest
 
 from corral import Sandbox
 
@@ -186,6 +189,40 @@ def test_ro_workspace_is_the_live_read_only_view_even_for_root(tier: str, tmp_pa
         for cmd in ("echo x > /workspace/keep.txt", "mount -o remount,rw /workspace"):
             assert sb.commands.run(cmd, user="root").exit_code != 0, cmd
         assert sb.commands.run("echo x > /workspace/keep.txt; echo x > /tmp/ok", user="root").stderr
+
+
+@pytest.mark.parametrize("mode", ["ro", "rw", "cow"])
+def test_a_host_unix_socket_in_the_workspace_cannot_be_connected_to(tier: str, mode: str, tmp_path: Path) -> None:
+    """A socket a host program listens on inside the workspace directory (gpg-agent's in a
+    ``.gnupg``, a database's) is not a way out, in every mode and whatever the network: the
+    sandbox sees an overlay's inodes, never the host's (an ``ro`` workspace was the idmapped view
+    itself, and its socket answered with ``network="none"``). The host's end is asserted to
+    work first, so the test fails if the refusal came from somewhere else."""
+    ws = owned_workspace(tmp_path)
+    path = ws / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    os.chown(path, *OWNER)
+    os.chmod(path, 0o666)  # any caller the kernel lets through may connect
+    listener.listen(4)
+    listener.settimeout(0.2)
+    try:
+        with socket.socket(socket.AF_UNIX) as host_side:  # the allowed thing: the host connects
+            host_side.connect(str(path))
+        listener.accept()[0].close()
+        script = ("import socket; s = socket.socket(socket.AF_UNIX)\n"
+                  "try: s.connect('/workspace/agent.sock'); print('CONNECTED')\n"
+                  "except OSError as e: print('refused', e.errno)")
+        network = "none" if tier == "process" else "allow"  # gVisor lets host sockets through with a proxy
+        with Sandbox.create(tier=tier, workspace=f"{ws}:{mode}", memory="256M", network=network) as sb:
+            for user in ("user", "root"):
+                result = sb.commands.run(["python3", "-c", script], user=user, timeout=30)
+                assert result.stdout.startswith("refused"), (user, result.stdout, result.stderr)
+            assert sb.commands.run("test -S /workspace/agent.sock").exit_code == 0  # it is there, inert
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
     assert (ws / "keep.txt").read_text() == "keep"
 
 

@@ -160,10 +160,21 @@ class MountNamespace(HostMounts):
     def mapped_overlay(self, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int, view: Path,
                        extra: str = "") -> None:
         """As :meth:`HostMounts.mapped_overlay`, with ``extra`` overlay options (``a=b,c=d``)."""
-        # one round trip for the three steps: the overlay ('M') only if the view was made
         fstype, flags, options = mounts.overlay_args([view], upper, work)
-        if extra:
-            options += "," + extra
+        self._mapped(target, lower, userns_fd, view, fstype, flags, options + ("," + extra if extra else ""))
+
+    def mapped_read_only(self, target: Path, lower: Path, empty: Path, userns_fd: int, view: Path,
+                         extra: str = "") -> None:
+        """A read-only overlay at ``target`` of an idmapped view of ``lower`` (at ``view`` while it
+        is made) over ``empty``, an empty directory that stays as long as the overlay: what the
+        sandbox sees are the overlay's own inodes, not ``lower``'s (a Unix socket there cannot
+        be connected to, as in an overlay with an upper layer)."""
+        fstype, flags, options = mounts.read_only_overlay_args([view, empty])
+        self._mapped(target, lower, userns_fd, view, fstype, flags, options + ("," + extra if extra else ""))
+
+    def _mapped(self, target: Path, lower: Path, userns_fd: int, view: Path, fstype: str, flags: int,
+                options: str) -> None:
+        # one round trip for the three steps: the overlay ('M') only if the view was made
         self._send("i", [str(lower), str(view)], [userns_fd])
         sock = self._send("M", ["overlay", str(target), fstype, str(flags), options])
         self._send("u", [str(view), str(mounts.MNT_DETACH)])

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
+MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
@@ -70,6 +71,17 @@ def overlay_args(lower: list[Path], upper: Path, work: Path) -> tuple[str, int, 
         if any(c in str(p) for c in ",:\\"):
             raise ValueError(f"overlay path {p} contains a character overlayfs cannot take")
     return "overlay", MS_NOSUID | MS_NODEV, f"lowerdir={':'.join(map(str, lower))},upperdir={upper},workdir={work}"
+
+
+def read_only_overlay_args(lower: list[Path]) -> tuple[str, int, str]:
+    """(fstype, flags, options) of a read-only overlay of ``lower`` (top first; overlayfs takes
+    two or more layers when there is no upper one)."""
+    if len(lower) < 2:
+        raise ValueError("a read-only overlay needs two or more lower layers")
+    for p in lower:
+        if any(c in str(p) for c in ",:\\"):
+            raise ValueError(f"overlay path {p} contains a character overlayfs cannot take")
+    return "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV, f"lowerdir={':'.join(map(str, lower))}"
 
 
 def mount_overlay(target: Path, lower: list[Path], upper: Path, work: Path) -> None:

@@ -114,33 +114,33 @@ def owner_maps(host: Path, sandbox_user: int) -> tuple[str, str]:
 def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd: int, read_only: bool,
                     mounter: HostMounts | None = None) -> None:
     """The one mount a sandbox's set-up makes for its workspace: the overlay of the idmapped view
-    of ``host`` (ids of ``userns_fd``) and ``upper`` at ``merged``; with ``read_only`` the
-    view itself (read-only, locked so inside a sandbox's mount namespace), no upper layer.
+    of ``host`` (ids of ``userns_fd``) and ``upper`` at ``merged``; with ``read_only`` a
+    read-only overlay of the view over ``upper``, left empty, and no ``work``.  Never the view
+    itself: its inodes are the host's, and a Unix socket in the host directory (an agent's, a
+    database's) could be connected to from inside, whatever the sandbox's network.
     A ``mounter`` of the sandbox's own mount namespace makes them there (the view then goes
     through an empty directory of the run dir, ``lower/workspace``, for the time of the mount)."""
     if isinstance(mounter, MountNamespace):
-        if read_only:
-            mounter.attach_idmapped(host, merged, userns_fd)
-            return
         view = merged.parent.parent / "lower" / "workspace"
         view.mkdir(parents=True)
         try:
-            mounter.mapped_overlay(merged, host, upper, work, userns_fd, view, extra=OVERLAY_OPTIONS)
+            if read_only:
+                mounter.mapped_read_only(merged, host, upper, userns_fd, view, extra=OVERLAY_OPTIONS)
+            else:
+                mounter.mapped_overlay(merged, host, upper, work, userns_fd, view, extra=OVERLAY_OPTIONS)
         finally:
             view.rmdir()
         return
     # overlayfs opens lower files O_NOATIME already; noatime covers whatever else reads the view
     tree = idmap.idmapped_tree(host, userns_fd, noatime=True)
     try:
-        if read_only:
-            idmap.attach(tree, merged)
-            return
         # the detached view by its descriptor: overlayfs keeps its own clone of it
-        options = f"lowerdir=/proc/self/fd/{tree},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
-        for path in (upper, work):
-            if any(c in str(path) for c in ",:\\"):
-                raise ValueError(f"overlay path {path} contains a character overlayfs cannot take")
-        mounts.mount("overlay", merged, "overlay", mounts.MS_NOSUID | mounts.MS_NODEV, options)
+        view = Path(f"/proc/self/fd/{tree}")
+        if read_only:
+            fstype, flags, options = mounts.read_only_overlay_args([view, upper])
+        else:
+            fstype, flags, options = mounts.overlay_args([view], upper, work)
+        mounts.mount("overlay", merged, fstype, flags, f"{options},{OVERLAY_OPTIONS}")
     finally:
         os.close(tree)
 
@@ -157,8 +157,8 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
     # the files as this process reaches them (through the sandbox's mount namespace, if its own)
     on_disk = mounter.view if mounter is not None else (lambda path: path)
     read_only = mode == "ro"
+    on_disk(upper).mkdir()  # ``ro``: the empty layer under the view
     if not read_only:
-        on_disk(upper).mkdir()
         on_disk(work).mkdir()
         # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
         os.chown(on_disk(upper), uid, uid)
