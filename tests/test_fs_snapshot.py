@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -429,6 +430,81 @@ def test_a_restore_never_writes_through_a_link(state_dir: Path, tmp_path: Path) 
         Sandbox.create(snapshot=snap.id)
     assert list(target.iterdir()) == []
     Sandbox.delete_snapshot(snap.id)
+
+
+SWAP_FOREVER = r'''
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+top, host = sys.argv[1], sys.argv[2]
+os.makedirs(f"{top}/x", exist_ok=True)
+open(f"{top}/x/secret.txt", "w").write("decoy\n")
+os.symlink(host, f"{top}/l")
+print("swapping", flush=True)
+while True:  # RENAME_EXCHANGE: x is the directory and l the link, then the other way round
+    libc.syscall(316, -100, f"{top}/x".encode(), -100, f"{top}/l".encode(), 2)
+'''
+
+
+def test_a_capture_never_follows_a_link_swapped_in_for_a_directory(tmp_path: Path) -> None:
+    """The copier walks by open directories, never by path names: a process swapping a directory
+    and a link to a host directory under it (what a sandbox thawed mid-snapshot did) never gets
+    the host's file into the snapshot. 30 captures race the swap; before, one in a few carried
+    the host's secret."""
+    host = tmp_path / "host-only"
+    host.mkdir()
+    (host / "secret.txt").write_text("HOST-ONLY-c18\n")
+    top = tmp_path / "layer"
+    (top / "sw").mkdir(parents=True)
+    for i in range(40):  # enough entries that a capture takes a while
+        (top / f"f{i}").write_bytes(os.urandom(20_000))
+    swapper = subprocess.Popen([sys.executable, "-c", SWAP_FOREVER, str(top / "sw"), str(host)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert swapper.stdout is not None and swapper.stdout.readline().strip() == "swapping"
+        ids = fs_snapshot.id_map(os.getuid())
+        for round_ in range(30):
+            dest = tmp_path / f"snap{round_}"
+            try:
+                fs_snapshot.capture([("ws", top)], dest, ids, {}, 1 << 30)
+            except SnapshotCorrupt:
+                pass  # an entry that changed under the walk: refused, never followed
+            carried = [p for p in (dest / "blobs").iterdir()] if (dest / "blobs").exists() else []
+            assert not any(b"HOST-ONLY" in p.read_bytes() for p in carried), round_
+            shutil.rmtree(dest, ignore_errors=True)
+    finally:
+        swapper.kill()
+        swapper.wait()
+
+
+def test_a_pause_or_resume_during_a_snapshot_waits_for_it(state_dir: Path) -> None:
+    """A snapshot holds its sandbox frozen until its copy is done: a resume() called meanwhile
+    waits for it (before, it thawed the sandbox mid-copy) and then finds nothing to resume; a
+    pause() called meanwhile waits too and is kept (before, it raised SandboxPaused and the
+    snapshot's own resume left the sandbox running)."""
+    import threading
+
+    with Sandbox.create(memory="512M", disk="512M") as sb:
+        sb.commands.run("for i in $(seq 1 80); do head -c 1000000 /dev/urandom > /tmp/bulk$i; done", timeout=120)
+        for action in ("resume", "pause"):
+            taken: list[Any] = []
+            shot = threading.Thread(target=lambda taken=taken: taken.append(sb.snapshot()))
+            shot.start()
+            deadline = time.monotonic() + 30
+            while not sb.paused and shot.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert shot.is_alive(), "the snapshot ended before it was seen frozen: make it bigger"
+            if action == "resume":
+                with pytest.raises(InvalidState):
+                    sb.resume()  # waits for the snapshot, which resumes it itself
+                shot.join(30)
+                assert taken and not sb.paused
+            else:
+                sb.pause()
+                shot.join(30)
+                assert taken and sb.paused
+                sb.resume()
+            Sandbox.delete_snapshot(taken[0].id)
+        assert sb.commands.run("echo alive").stdout == "alive\n"
 
 
 def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerProcess) -> None:

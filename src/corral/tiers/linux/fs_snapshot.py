@@ -23,6 +23,7 @@ checks each content's sha256 while copying: a corrupted snapshot raises :class:`
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -98,17 +99,62 @@ def _xattrs(path: Path) -> dict[str, str]:
     return out
 
 
-def _walk(top: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of ``top`` and everything below it, parents first, in name order."""
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        path = top / rel if rel else top
-        st = os.lstat(path)
-        yield rel or ".", st
-        if stat.S_ISDIR(st.st_mode):
-            names = sorted(os.listdir(path), reverse=True)
-            stack.extend(f"{rel}/{n}" if rel else n for n in names)
+#: a snapshot refuses directories nested deeper than this (its walk holds a descriptor per level)
+MAX_DEPTH = 1024
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+#: what reading an entry meets if it was changed after the walk saw it (gone; a link now a
+#: directory or the other way round: ELOOP from O_NOFOLLOW, EINVAL from readlink)
+_CHANGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EINVAL)
+
+
+@contextlib.contextmanager
+def _changed_meanwhile(rel: str) -> Iterator[None]:
+    """Raise :class:`SnapshotCorrupt` for an entry found changed under the walk (never followed)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _CHANGED:
+            raise
+        raise SnapshotCorrupt(f"{_short(rel)} changed while the snapshot was taken") from exc
+
+
+def _walk(top: Path) -> Iterator[tuple[str, os.stat_result, Path]]:
+    """(relative path, lstat, where) of ``top`` and everything below it, parents first, in name
+    order.  ``where`` names the entry through its directory's open descriptor
+    (``/proc/self/fd/N/NAME``), so no link is followed on the way to it, even one put in a
+    directory's place after that directory was listed: the sandbox is frozen while a snapshot is
+    taken, and the walk does not depend on it (a thawed sandbox swapping a directory for a link to
+    a host directory had its snapshot carry the host's files)."""
+    top_fd = os.open(top, _DIR_FLAGS)
+    stack: list[tuple[int, str, Iterator[str]]] = [(top_fd, "", iter(sorted(os.listdir(top_fd))))]
+    try:
+        yield ".", os.fstat(top_fd), Path(f"/proc/self/fd/{top_fd}")
+        while stack:
+            dir_fd, prefix, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                os.close(dir_fd)
+                continue
+            rel = f"{prefix}/{name}" if prefix else name
+            with _changed_meanwhile(rel):
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            yield rel, st, Path(f"/proc/self/fd/{dir_fd}/{name}")
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            if len(stack) >= MAX_DEPTH:
+                raise ResourceLimit(f"snapshot: directories nested more than {MAX_DEPTH} deep, such as "
+                                    f"{_short(rel)}, are not carried")
+            with _changed_meanwhile(rel):
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            stack.append((fd, rel, iter(sorted(os.listdir(fd)))))
+            if os.fstat(fd).st_ino != st.st_ino:
+                raise SnapshotCorrupt(f"{_short(rel)} changed while the snapshot was taken")
+    finally:
+        for dir_fd, _, _ in stack:
+            os.close(dir_fd)
 
 
 def _store_blob(path: Path, blobs: Path, shared: Path | None) -> tuple[str, int, int]:
@@ -196,13 +242,12 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
     budget = manifest_budget(max_bytes)
     for key, top in layers:
         skipped = exclude.get(key, set())
-        for rel, st in _walk(top):
+        for rel, st, path in _walk(top):
             if rel in skipped or any(rel.startswith(s + "/") for s in skipped):
                 continue
             mode = st.st_mode
             entry: dict[str, Any] = {"k": key, "p": rel, "m": stat.S_IMODE(mode), "u": ids.inside_id(st.st_uid),
                                      "g": ids.inside_id(st.st_gid), "t": st.st_mtime_ns}
-            path = top / rel
             if stat.S_ISDIR(mode):
                 entry["y"] = "d"
             elif stat.S_ISREG(mode):
@@ -211,11 +256,13 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
                     raise ResourceLimit(f"snapshot: the files add up to more than the sandbox's disk limit of "
                                         f"{max_bytes} bytes (sparse files, such as {key}:{_short(rel)}, are not carried)")
                 entry["y"] = "f"
-                entry["h"], entry["s"], new = _store_blob(path, blobs, shared)
+                with _changed_meanwhile(rel):
+                    entry["h"], entry["s"], new = _store_blob(path, blobs, shared)
                 written += new
             elif stat.S_ISLNK(mode):
                 entry["y"] = "l"
-                entry["l"] = os.readlink(path)
+                with _changed_meanwhile(rel):
+                    entry["l"] = os.readlink(path)
             elif stat.S_ISCHR(mode) and st.st_rdev == 0:
                 entry["y"] = "w"  # an overlay whiteout: the image's file at this path was deleted
             elif stat.S_ISFIFO(mode):

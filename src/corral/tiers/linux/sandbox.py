@@ -89,6 +89,10 @@ class LinuxSandbox(TierSandbox):
         self._run_dir = run_dir
         self._closed = False
         self._lock = threading.Lock()
+        #: held by a snapshot from its freeze to its thaw: another snapshot, a pause or a resume
+        #: waits for it (a resume in the middle thawed the sandbox while its files were copied,
+        #: and what it then changed under the copy was copied)
+        self._snapshotting = threading.Lock()
         self._uids: list[int] = []
         #: the open forwards (a closed one is dropped at the next expose: 10000 expose/close kept 10000)
         self._forwards: list[PortForward] = []
@@ -217,6 +221,10 @@ class LinuxSandbox(TierSandbox):
         return self._channel is not None and self._channel.pause_clock.paused
 
     def pause(self) -> None:
+        with self._snapshotting:
+            self._pause()
+
+    def _pause(self) -> None:
         with self._lock:
             channel, cgroup = self._live()  # refuses a closed or already paused sandbox
             # the clock first: a command's wait must not count frozen time, however short
@@ -228,6 +236,10 @@ class LinuxSandbox(TierSandbox):
                 raise
 
     def resume(self) -> None:
+        with self._snapshotting:
+            self._resume()
+
+    def _resume(self) -> None:
         with self._lock:
             if self._closed or self._channel is None or self.cgroup is None:
                 raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
@@ -251,12 +263,16 @@ class LinuxSandbox(TierSandbox):
     def snapshot(self, dest: Path, shared: Path | None = None) -> int:
         if not self._filesystem_snapshots:
             return super().snapshot(dest, shared)
+        with self._snapshotting:
+            return self._snapshot(dest, shared)
+
+    def _snapshot(self, dest: Path, shared: Path | None) -> int:
         if self._closed or self._channel is None or self._channel.closed.is_set():
             raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         was_paused = self.paused
         if not was_paused:
             self._before_snapshot()
-            self.pause()
+            self._pause()
         try:
             disk = self._on_disk()
             uppers = sorted(disk.glob("L*-upper"), key=lambda p: int(p.name[1:].partition("-")[0]))
@@ -269,8 +285,8 @@ class LinuxSandbox(TierSandbox):
                                        self._disk_size(), shared)
         finally:
             if not was_paused:
-                with contextlib.suppress(InvalidState, SandboxClosed):  # resumed meanwhile, or closed
-                    self.resume()
+                with contextlib.suppress(SandboxClosed):  # closed meanwhile
+                    self._resume()
 
     def _live(self) -> tuple[AgentChannel, cgroups.SandboxCgroup]:
         channel = self._channel_or_raise()
