@@ -175,7 +175,7 @@ def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> N
     before = {row.id for row in Registry.at(state_dir).rows()} | set(os.listdir(state_dir / "sandboxes"))
 
     for damaged in (snap, paused_snap):
-        with pytest.raises(SnapshotCorrupt, match="checksum"):
+        with pytest.raises(SnapshotCorrupt, match=f"snapshot {damaged.id}: .*checksum"):
             Sandbox.create(snapshot=damaged.id)
     nothing_left(state_dir, before)
     with Sandbox.create(snapshot=healed.id) as child:
@@ -505,6 +505,21 @@ def test_a_pause_or_resume_during_a_snapshot_waits_for_it(state_dir: Path) -> No
                 sb.resume()
             Sandbox.delete_snapshot(taken[0].id)
         assert sb.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_a_fork_runs_its_commands_as_its_parents_user(state_dir: Path) -> None:
+    """A fork of a ``user="root"`` sandbox is root's too (it was the default user's, and could not
+    write the files its parent's root had made)."""
+    with Sandbox.create(user="root") as sb:
+        sb.commands.run("echo made > /workspace/state.txt && chmod 600 /workspace/state.txt")
+        [fork] = sb.fork(1)
+        with fork:
+            assert fork.commands.run("id -u").stdout == "0\n"
+            assert fork.commands.run("echo more >> /workspace/state.txt && cat /workspace/state.txt").stdout == "made\nmore\n"
+    with Sandbox.create() as sb:
+        [fork] = sb.fork(1)
+        with fork:
+            assert fork.commands.run("id -u").stdout == "1000\n"
 
 
 def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerProcess) -> None:

@@ -91,9 +91,10 @@ class Snapshot:
 
 
 def fork_spec(parent: SandboxSpec) -> SandboxSpec:
-    """What a fork of a sandbox with ``parent`` gets: its tier, image, limits, env and cwd -- not its
-    network rules, secrets or workspace (the files come from the snapshot)."""
-    return SandboxSpec(tier=parent.tier, image=parent.image, limits=parent.limits, env=parent.env, cwd=parent.cwd)
+    """What a fork of a sandbox with ``parent`` gets: its tier, image, limits, env, cwd and user --
+    not its network rules, secrets or workspace (the files come from the snapshot)."""
+    return SandboxSpec(tier=parent.tier, image=parent.image, limits=parent.limits, env=parent.env, cwd=parent.cwd,
+                       user=parent.user)
 
 
 def new_snapshot_id() -> str:

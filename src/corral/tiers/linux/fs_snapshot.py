@@ -282,6 +282,12 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
     return len(data) + written
 
 
+def _named(directory: Path) -> str:
+    """A snapshot's name in a message: its id, for its ``files`` directory (``snapshot files: ...``
+    named none)."""
+    return directory.parent.name if directory.name == "files" else directory.name
+
+
 def _short(rel: str) -> str:
     """A path as an error message names it: its end, if it is long."""
     return rel if len(rel) <= 120 else "..." + rel[-117:]
@@ -298,7 +304,7 @@ def manifest_digest(directory: Path) -> str:
     try:
         return hashlib.sha256((directory / MANIFEST).read_bytes()).hexdigest()
     except OSError as exc:
-        raise SnapshotCorrupt(f"snapshot {directory.name}: manifest unreadable ({exc.strerror})") from None
+        raise SnapshotCorrupt(f"snapshot {_named(directory)}: manifest unreadable ({exc.strerror})") from None
 
 
 def load_manifest(directory: Path, digest: str) -> list[dict[str, Any]]:
@@ -306,15 +312,15 @@ def load_manifest(directory: Path, digest: str) -> list[dict[str, Any]]:
     try:
         data = (directory / MANIFEST).read_bytes()
     except OSError as exc:
-        raise SnapshotCorrupt(f"snapshot {directory.name}: manifest unreadable ({exc.strerror})") from None
+        raise SnapshotCorrupt(f"snapshot {_named(directory)}: manifest unreadable ({exc.strerror})") from None
     if hashlib.sha256(data).hexdigest() != digest:
-        raise SnapshotCorrupt(f"snapshot {directory.name}: its manifest does not match its checksum")
+        raise SnapshotCorrupt(f"snapshot {_named(directory)}: its manifest does not match its checksum")
     try:
         body = json.loads(data)
         entries = body["entries"]
         assert body["format"] == FORMAT and isinstance(entries, list)
     except (ValueError, KeyError, AssertionError, TypeError):
-        raise SnapshotCorrupt(f"snapshot {directory.name}: its manifest is not one Corral wrote") from None
+        raise SnapshotCorrupt(f"snapshot {_named(directory)}: its manifest is not one Corral wrote") from None
     return entries
 
 
@@ -343,9 +349,9 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
             continue
         rel = str(entry["p"])
         if not _safe(rel):
-            raise SnapshotCorrupt(f"snapshot {directory.name}: bad path {rel!r} in its manifest")
+            raise SnapshotCorrupt(f"snapshot {_named(directory)}: bad path {rel!r} in its manifest")
         if any(rel.startswith(s + "/") for s in links):
-            raise SnapshotCorrupt(f"snapshot {directory.name}: {rel!r} lies below a symlink")
+            raise SnapshotCorrupt(f"snapshot {_named(directory)}: {rel!r} lies below a symlink")
         if any(rel.startswith(s + "/") for s in skipped):
             continue
         path = top / rel
@@ -359,7 +365,7 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
                 path.mkdir(mode=0o700)
             dirs.append((path, entry))  # mode and times once its children are written
         elif kind == "f":
-            _copy_blob(blobs / str(entry["h"]), path, str(entry["h"]), directory.name)
+            _copy_blob(blobs / str(entry["h"]), path, str(entry["h"]), _named(directory))
         elif kind == "l":
             os.symlink(str(entry["l"]), path)
             links.append(rel)
@@ -368,7 +374,7 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
         elif kind == "p":
             os.mkfifo(path, 0o600)
         else:
-            raise SnapshotCorrupt(f"snapshot {directory.name}: unknown entry type {kind!r}")
+            raise SnapshotCorrupt(f"snapshot {_named(directory)}: unknown entry type {kind!r}")
         os.chown(path, uid, gid, follow_symlinks=False)
         for name, value in entry.get("x", {}).items():
             os.setxattr(path, name, bytes.fromhex(value), follow_symlinks=False)
@@ -430,7 +436,7 @@ def filler(directory: Path, digest: str, ids: IdMap, hostname: str, disk: int) -
     """``build_root``'s ``fill`` for a sandbox made from the snapshot in ``directory``: its
     manifest is checked (and must fit in ``disk``) before anything is written."""
     entries = load_manifest(directory, digest)
-    check_fits(entries, disk, directory.name)
+    check_fits(entries, disk, _named(directory))
 
     def fill(key: str, top: Path) -> None:
         restore(directory, entries, key, top, ids)
