@@ -155,6 +155,16 @@ def test_a_head_the_server_could_split_differently_is_refused(net: TargetNet, sb
     assert any("malformed-request-head" in e.rule for e in sb.network.audit())
 
 
+def test_an_absolute_url_with_a_port_out_of_range_is_refused_as_connect_refuses_it(net: TargetNet, sb: Sandbox) -> None:
+    """``GET http://other.test:0/`` went to port 80 (a 502), ``:65536`` had its connection closed
+    with no answer and no audit event; both are now 403 ``bad-port``, audited, as CONNECT's."""
+    for port in ("0", "65536", "99999999"):
+        request = f"GET http://other.test:{port}/p{port} HTTP/1.1\r\nHost: other.test\r\n\r\n".encode()
+        assert raw(sb, request) == "HTTP/1.1 403 Forbidden", port
+        assert any(e.rule == "bad-port" and e.destination == f"other.test:{port}" for e in sb.network.audit()), port
+    assert raw(sb, b"GET http://other.test:8080/fine HTTP/1.1\r\nHost: other.test:8080\r\n\r\n") == "HTTP/1.1 200 OK"
+
+
 def test_no_switch_to_a_protocol_the_guard_cannot_read_is_asked_of_a_bound_host(net: TargetNet, sb: Sandbox) -> None:
     """h2c's compressed headers and a WebSocket's compressed messages would carry an echo past
     the guard: towards a bound host ``Upgrade``, ``HTTP2-Settings`` and

@@ -260,9 +260,13 @@ class EgressProxy:
         if url.scheme != "http" or not url.hostname:
             conn.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
             return
-        decision = self.policy.decide(url.hostname, url.port or 80)
+        try:
+            port = 80 if url.port is None else url.port
+        except ValueError:  # past 65535, or not a number: refused as CONNECT refuses it
+            port = -1
+        decision = self.policy.decide(url.hostname, port)
         if not decision.allowed:
-            self._refuse_audit(decision, f"{url.hostname}:{url.port or 80}", "http")
+            self._refuse_audit(decision, url.netloc.rpartition("@")[2], "http")
             send_refusal(conn, decision)
             return
         upstream = self._connect_or_502(conn, decision, opened)
