@@ -317,6 +317,7 @@ def test_interpreter_options_and_python_env_get_a_fresh_interpreter(sb: Sandbox)
 
 def test_disk_limit_and_no_network(wasm_available: None) -> None:
     with Sandbox.create(tier="wasm", disk="4M") as sb:
+        assert sb.network.audit() == []  # nothing to refuse (it raised SandboxClosed on a live sandbox)
         r = sb.commands.run(py(
             "import socket\n"
             "try:\n"

@@ -299,9 +299,9 @@ class Sandbox:
     @property
     def network(self) -> SandboxNetwork | Network:
         """The sandbox's network side: ``network.audit()`` lists every refused destination."""
-        if isinstance(self._backend, LocalBackend):
+        if isinstance(self._backend, LocalBackend) and self._backend.tier_sandbox().network is not None:
             return self._backend.network
-        return Network(self._backend)
+        return Network(self._backend)  # a server's sandbox, or a tier with no network side (wasm): the audit
 
     def is_running(self) -> bool:
         return self._backend.alive()
