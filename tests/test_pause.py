@@ -9,6 +9,7 @@ and bad state transitions are typed errors (409 over REST).
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -86,6 +87,31 @@ def test_a_paused_sandbox_does_not_advance_and_its_timeouts_wait(tier: str, stat
         wait_for_ticks(sb, after_resume + 3)  # and it runs on
         counter.kill()
         counter.wait()
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor", "microvm"])
+def test_a_command_killed_while_paused_ends_alone_at_the_resume(tier: str, state_dir: Path) -> None:
+    """Killing one command of a paused sandbox returns at once and, once resumed, that command
+    ends with SIGKILL and nothing else does. Before: on gVisor the kill returned after 2 s and
+    its backstop ended the whole sandbox (the frozen agent could not obey); on the microVM it
+    raised SandboxPaused although the kill was done at the resume."""
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    with Sandbox.create(tier=tier, memory="256M") as sb:
+        other = sb.commands.run("sleep 300", background=True, timeout=600)
+        doomed = sb.commands.run("sleep 300", background=True, timeout=600)
+        sb.commands.run("true")
+        sb.pause()
+        asked = time.monotonic()
+        doomed.kill()
+        assert time.monotonic() - asked < 1.0
+        time.sleep(2.5)  # past the gVisor backstop's grace, had it counted frozen time
+        sb.resume()
+        result = doomed.wait()
+        assert result.signal == signal.SIGKILL or result.exit_code == 137, result
+        assert not other.done and sb.is_running()
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+        other.kill()
 
 
 def test_a_paused_sandbox_does_not_time_out_a_code_cell() -> None:

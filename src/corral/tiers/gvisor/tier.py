@@ -359,11 +359,25 @@ class GVisorSandbox(LinuxSandbox):
                 proc.send_signal(signal.SIGKILL)  # the agent signals the command's session and group
             except SandboxClosed:
                 return
-            end = time.monotonic() + KILL_GRACE
-            while not proc.done and time.monotonic() < end:
+            if channel.pause_clock.paused:
+                # the frozen agent obeys once resumed: its grace is watched from a thread of its
+                # own (the caller's kill returned 2 s later, and the backstop ended the whole
+                # sandbox for a signal the agent could not yet see)
+                threading.Thread(target=backstop, args=(proc,), name="corral-gvisor-kill", daemon=True).start()
+            else:
+                backstop(proc)
+
+        def backstop(proc: AgentProcess) -> None:
+            clock = channel.pause_clock
+
+            def running_time() -> float:  # the grace counts only time the agent could run
+                return time.monotonic() - clock.paused_total()
+
+            end = running_time() + KILL_GRACE
+            while not proc.done and not self._closed and running_time() < end:
                 time.sleep(0.01)
-            if not proc.done:
-                self._kill_sandbox()  # backstop: the agent did not obey
+            if not proc.done and not self._closed:
+                self._kill_sandbox()  # the agent did not obey
 
         def finish(proc: AgentProcess) -> None:
             with self._lock:

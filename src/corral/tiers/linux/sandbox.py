@@ -205,15 +205,20 @@ class LinuxSandbox(TierSandbox):
         return built
 
     # -- use ---------------------------------------------------------------
-    def _channel_or_raise(self) -> AgentChannel:
+    def _channel_even_paused(self) -> AgentChannel:
+        """The agent's channel for a frame that may wait in it while the sandbox is paused (a kill)."""
         if self._closed or self._channel is None:
             raise SandboxClosed(f"sandbox {self.id} is closed", sandbox_id=self.id)
         if self._channel.closed.is_set():
             raise SandboxClosed(f"sandbox {self.id} stopped (its init process died)", sandbox_id=self.id)
-        if self._channel.pause_clock.paused:
+        return self._channel
+
+    def _channel_or_raise(self) -> AgentChannel:
+        channel = self._channel_even_paused()
+        if channel.pause_clock.paused:
             # its agent is frozen: a call would hang until resume() instead of failing
             raise SandboxPaused(f"sandbox {self.id} is paused: resume() it first", sandbox_id=self.id)
-        return self._channel
+        return channel
 
     # -- pause -------------------------------------------------------------
     @property

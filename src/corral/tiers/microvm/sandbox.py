@@ -426,7 +426,11 @@ class MicroVMSandbox(LinuxSandbox):
         return proc
 
     def _kill_leaf(self, leaf: str) -> None:
-        self._fire(T_FWRITE | T_AS_AGENT, struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
+        # the channel even if paused: the kill waits in the socket until the VM runs again (through
+        # _fire it raised SandboxPaused, and the kill was done at the resume all the same)
+        channel = self._channel_even_paused()
+        channel.send(T_FWRITE | T_AS_AGENT, channel.new_id(),
+                     struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
 
     def command_deadlines(self) -> list[tuple[str, float]]:
         """(guest leaf, seconds left) of each command running: what a live snapshot keeps (.leaves)."""
