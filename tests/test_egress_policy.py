@@ -80,6 +80,25 @@ def test_names_resolve_once_and_the_checked_address_is_returned() -> None:
     assert asked == ["api.example.com", "x.cdn.example.com"]  # unlisted names are never looked up
 
 
+def test_names_are_looked_up_only_when_a_rule_could_allow_where_they_lead() -> None:
+    """A lookup is a channel out (the name's servers see it): an IP rule that can allow nothing
+    (wholly inside a refused range) and a loopback name are no reason to look a name up. Before,
+    any IP or CIDR rule had every name the sandbox asked for sent to the host's resolver."""
+    answers = {"in.example.org": ["93.184.216.34"], "localhost": ["127.0.0.1"], "a.localhost": ["127.0.0.1"]}
+    p, asked = policy(["allowed.example", "203.0.113.0/24", "10.1.0.0/16"], answers=answers)
+    for name in ("data-0123.attacker.example", "localhost", "a.localhost"):
+        assert not p.decide(name, 443).allowed
+    assert asked == []
+    assert p.decide("localhost", 80).rule == "loopback"
+    # a usable CIDR rule: names are looked up to see whether they land in it (documented)
+    p, asked = policy(["93.184.216.0/24"], answers=answers)
+    assert p.decide("in.example.org", 443).allowed and asked == ["in.example.org"]
+    assert p.decide("localhost", 443).rule == "loopback" and asked == ["in.example.org"]
+    # re-enabled ranges make their rules usable, loopback names included
+    p, asked = policy(["10.1.0.0/16", "localhost"], unsafe=["10.1.0.0/16", "127.0.0.1/32"], answers=answers)
+    assert p.decide("localhost", 80).allowed and asked == ["localhost"]
+
+
 def test_ports_and_ip_rules() -> None:
     p, _ = policy(["api.example.com:443", "93.184.216.0/24", "[2606:4700::1111]:53"],
                   answers={"api.example.com": ["93.184.216.34"]})

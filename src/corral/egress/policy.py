@@ -25,7 +25,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..netrules import HOST_RE, AllowRule, IPAddress, IPNetwork, embedded_ipv4, normalize_host, parse_ip
+from ..netrules import (
+    HOST_RE,
+    AllowRule,
+    IPAddress,
+    IPNetwork,
+    embedded_ipv4,
+    names_loopback,
+    normalize_host,
+    parse_ip,
+)
 
 Resolver = Callable[[str], list[str]]
 
@@ -129,6 +138,7 @@ def _read_host_addresses() -> frozenset[IPAddress] | None:
 
 
 HOST_ADDRESSES = HostAddresses()
+LOOPBACK: dict[int, IPNetwork] = {4: ipaddress.ip_network("127.0.0.0/8"), 6: ipaddress.ip_network("::1/128")}
 
 
 @dataclass(frozen=True)
@@ -180,7 +190,9 @@ class Policy:
         name_allowed = literal is None and any(rule.matches_name(name, port) for rule in self.allow)
         if literal is not None:
             candidates: list[IPAddress] = [literal]
-        elif not name_allowed and not self._any_ip_rule():
+        elif names_loopback(name) and not self._loopback_reenabled():
+            return Decision(False, name, port, rule="loopback")  # never looked up
+        elif not name_allowed and not self._usable_ip_rule():
             return Decision(False, name, port, rule="not-allowed")  # no lookup: DNS can leak data too
         else:
             try:
@@ -202,5 +214,19 @@ class Policy:
         assert first_refusal is not None
         return first_refusal
 
-    def _any_ip_rule(self) -> bool:
-        return any(rule.network is not None for rule in self.allow)
+    def _usable_ip_rule(self) -> bool:
+        """Whether an IP or CIDR rule could allow some address: a name no name rule matches is
+        then looked up, to see whether it lands in one (a lookup is a channel out: the host's
+        resolver asks the name's servers). A rule wholly inside a refused range (a documentation
+        or private range not re-enabled) allows nothing, and is no reason to look names up."""
+        return any(rule.network is not None and not self._wholly_refused(rule.network) for rule in self.allow)
+
+    def _wholly_refused(self, network: IPNetwork) -> bool:
+        if any(network.version == net.version and network.overlaps(net) for net in self.unsafe_ranges):  # type: ignore[arg-type]
+            return False
+        return any(network.version == net.version and network.subnet_of(net)  # type: ignore[arg-type]
+                   for net, _ in REFUSED_RANGES)
+
+    def _loopback_reenabled(self) -> bool:
+        return any(net.is_loopback or net.overlaps(LOOPBACK[net.version])  # type: ignore[arg-type]
+                   for net in self.unsafe_ranges)
