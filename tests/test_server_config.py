@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from corral.errors import InvalidSpec
-from corral.server.config import ServerConfig, is_loopback, parse_keys
+from corral.server.config import ServerConfig, hash_key, is_loopback, parse_keys
 
 
 def test_keys_are_kept_only_as_digests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,6 +33,18 @@ def test_bad_keys_and_configs_are_refused(tmp_path: Path, monkeypatch: pytest.Mo
         parse_keys("alice=short", "test")
     with pytest.raises(InvalidSpec, match="tenant=KEY"):
         parse_keys("no-equals-sign", "test")
+    # one key for two tenants merged them into the last one named (the other did not exist)
+    with pytest.raises(InvalidSpec, match="alice and bob have the same key"):
+        parse_keys("alice=samekey-0123456789ab,bob=samekey-0123456789ab", "test")
+    with pytest.raises(InvalidSpec, match="same key"):
+        parse_keys(f"alice=sha256:{hash_key('samekey-0123456789ab')},bob=samekey-0123456789ab", "test")
+    assert len(parse_keys("alice=samekey-0123456789ab,alice=samekey-0123456789ab", "test")) == 1
+    keys = tmp_path / "keys"
+    keys.write_text("alice=samekey-0123456789ab\n")
+    monkeypatch.setenv("CORRAL_API_KEYS", "bob=samekey-0123456789ab")
+    with pytest.raises(InvalidSpec, match="same key"):
+        ServerConfig.load(keys_file=str(keys))
+    monkeypatch.delenv("CORRAL_API_KEYS")
     with pytest.raises(InvalidSpec, match="without API keys"):
         ServerConfig.load(host="0.0.0.0")
     bad = tmp_path / "config.json"

@@ -51,8 +51,19 @@ def parse_keys(text: str, where: str) -> dict[str, str]:
             if len(key) < 16:
                 raise InvalidSpec(f"{where}: tenant {tenant}: keys must be at least 16 characters")
             digest = hash_key(key)
+        if digests.get(digest, tenant) != tenant:
+            raise InvalidSpec(f"{where}: tenants {digests[digest]} and {tenant} have the same key "
+                              "(it would be one of them, and the other would not exist)")
         digests[digest] = tenant
     return digests
+
+
+def merge_keys(known: dict[str, str], more: dict[str, str], where: str) -> None:
+    """Add ``more`` digests to ``known``, refusing a key given to two tenants across sources."""
+    for digest, tenant in more.items():
+        if known.get(digest, tenant) != tenant:
+            raise InvalidSpec(f"{where}: tenants {known[digest]} and {tenant} have the same key")
+        known[digest] = tenant
 
 
 def is_loopback(host: str) -> bool:
@@ -221,9 +232,9 @@ class ServerConfig:
                 text = Path(keys_file).read_text()
             except OSError as exc:
                 raise InvalidSpec(f"API key file {keys_file}: {exc}") from None
-            config.key_digests.update(parse_keys(text, f"API key file {keys_file}"))
+            merge_keys(config.key_digests, parse_keys(text, f"API key file {keys_file}"), f"API key file {keys_file}")
         if os.environ.get("CORRAL_API_KEYS"):
-            config.key_digests.update(parse_keys(os.environ["CORRAL_API_KEYS"], "CORRAL_API_KEYS"))
+            merge_keys(config.key_digests, parse_keys(os.environ["CORRAL_API_KEYS"], "CORRAL_API_KEYS"), "CORRAL_API_KEYS")
         for name, value in overrides.items():
             if value is not None:
                 setattr(config, name, value)
