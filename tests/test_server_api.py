@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -327,6 +329,35 @@ def test_idle_timeout_and_lifetime_destroy_sandboxes(server: ServerProcess) -> N
         assert http.get(f"/v1/sandboxes/{extended}").status_code == 200
         http.delete(f"/v1/sandboxes/{extended}")
     assert not any((server.state / "sandboxes" / sid).exists() for sid in (idle, short, extended))
+
+
+def test_a_background_command_is_not_idle_and_its_waiter_keeps_its_output(server: ServerProcess) -> None:
+    """A sandbox running a background command is not reaped as idle (it was, after
+    ``idle_timeout``, with a client waiting on it), it idles out once the command ends, and a
+    waiter whose sandbox is destroyed under it gets what the command printed (it got an empty
+    result)."""
+    from corral import Sandbox
+
+    with server.client("alice") as http:
+        sid = create(http, idle_timeout=1)
+        sb = Sandbox.connect(sid, url=server.url, api_key=KEYS["alice"])
+        job = sb.commands.run("for i in 1 2 3 4 5 6; do echo tick$i; sleep 0.5; done; echo finished",
+                              background=True)
+        result = job.wait()
+        assert result.exit_code == 0 and result.stdout.endswith("tick6\nfinished\n"), result
+        job = sb.commands.run("for i in $(seq 40); do echo tick$i; sleep 0.1; done", background=True)
+        waited: list[Any] = []
+        waiter = threading.Thread(target=lambda: waited.append(job.wait()))
+        waiter.start()  # attached before the sandbox goes
+        time.sleep(1.5)
+        assert http.delete(f"/v1/sandboxes/{sid}").status_code == 204
+        waiter.join(30)
+        assert waited and waited[0].stdout.startswith("tick1\ntick2\n"), waited
+        sid = create(http, idle_timeout=1)
+        job = Sandbox.connect(sid, url=server.url, api_key=KEYS["alice"]).commands.run("true", background=True)
+        job.wait()
+        time.sleep(2.5)
+        assert http.get(f"/v1/sandboxes/{sid}").status_code == 404  # idle once nothing runs
 
 
 def test_openapi_document(server: ServerProcess) -> None:

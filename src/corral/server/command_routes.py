@@ -98,10 +98,14 @@ class Recorded:
     def finish(self, event: Event) -> None:
         with self._lock:
             self.finished = True
-            event = self._keep_within_tally(event)
-            self._events.append(event)
+            kept = self._keep_within_tally(event)
+            self._events.append(kept)
+            # those listening get the result whole when it is not kept because its sandbox went
+            # (they were given the output already; before, their result came back empty, with
+            # no word of why); past the tenant's bound they get what is kept
+            sent = event if self._charge.given_back else kept
             for listener in self._listeners:
-                listener(event)
+                listener(sent)
 
     def _keep_within_tally(self, event: Event) -> Event:
         """Count what this ended command keeps for its tenant; past the tenant's bound keep none of

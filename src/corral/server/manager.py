@@ -302,7 +302,9 @@ class SandboxManager:
         with self._lock:
             return [sid for sid, e in self._entries.items()
                     # a paused sandbox waits for resume(): only its lifetime ends it
+                    # a running command is not idle: a background one (a job, a dev server) neither
                     if now >= e.expires_at or (e.active_execs == 0 and not e.sandbox.paused
+                                               and not any(not r.finished for r in list(e.background.values()))
                                                and now - e.last_used >= e.idle_timeout)
                     or not e.sandbox.is_running()]
 
