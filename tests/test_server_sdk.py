@@ -8,6 +8,7 @@ import os
 import re
 import resource
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from corral import AsyncSandbox, Sandbox
 from corral.client import RemoteSandbox
-from corral.errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
+from corral.errors import ConnectionLost, InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound
 from corral.host import cgroups
 from corral.registry import Registry
 
@@ -155,6 +156,7 @@ def _uids_in_use(uids: set[int]) -> set[int]:
 def test_kill9_then_restart_leaves_nothing(state_dir: Path) -> None:
     state = state_dir / "srv-crash"
     first = ServerProcess(state, "--pool", f"1:2:{json.dumps(POOL_SPEC)}").start()
+    waiters: list[threading.Thread] = []
     try:
         for _ in range(2):
             sid = httpx.post(first.url + "/v1/sandboxes", json=POOL_SPEC).json()["id"]
@@ -166,8 +168,34 @@ def test_kill9_then_restart_leaves_nothing(state_dir: Path) -> None:
             time.sleep(0.1)
         rows = Registry(state).rows()
         assert len(rows) >= 3
+        # a client waiting on a background command, sync and async, is told ConnectionLost when
+        # the server dies (a raw websockets ConnectionClosedError escaped, and killed the follower)
+        job = Sandbox.connect(sid, url=first.url).commands.run("sleep 600", background=True)
+        waited: list[BaseException] = []
+
+        def wait_sync() -> None:
+            try:
+                job.wait()
+            except BaseException as exc:  # what escapes is the point
+                waited.append(exc)
+
+        async def wait_async() -> None:
+            remote = await AsyncSandbox.connect(sid, url=first.url)
+            handle = await remote.commands.connect(job.pid)
+            try:
+                await handle.wait()
+            except BaseException as exc:
+                waited.append(exc)
+
+        waiters += [threading.Thread(target=wait_sync), threading.Thread(target=lambda: asyncio.run(wait_async()))]
+        for waiter in waiters:
+            waiter.start()
+        time.sleep(1.5)  # both attached
     finally:
         first.kill9()
+    for waiter in waiters:
+        waiter.join(30)
+    assert len(waited) == 2 and all(isinstance(exc, ConnectionLost) for exc in waited), waited
     old_ids = {r.id for r in rows}
     old_uids = {int(r.record["uid"]) for r in rows if "uid" in r.record}
     second = ServerProcess(state).start()

@@ -208,18 +208,23 @@ class AsyncBackgroundProcess:
         return self._result
 
     async def _attach(self, on_output: AsyncOutput | None) -> None:
+        from websockets.exceptions import ConnectionClosed
+
         ws = await self._client.connect_ws(f"{self._path}/stream", None)
         async with ws:
-            async for raw in ws:
-                frame: dict[str, Any] = json.loads(raw)
-                kind = frame.get("type")
-                if kind in ("stdout", "stderr") and on_output is not None:
-                    await call_maybe_async(on_output, kind, frame["data"].encode())
-                elif kind == "result":
-                    self._result = result_of(frame)
-                    return
-                elif kind == "error":
-                    raise error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+            try:
+                async for raw in ws:
+                    frame: dict[str, Any] = json.loads(raw)
+                    kind = frame.get("type")
+                    if kind in ("stdout", "stderr") and on_output is not None:
+                        await call_maybe_async(on_output, kind, frame["data"].encode())
+                    elif kind == "result":
+                        self._result = result_of(frame)
+                        return
+                    elif kind == "error":
+                        raise error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+            except (ConnectionClosed, OSError) as exc:  # the server went, or the line to it
+                raise ConnectionLost(f"lost the stream of command {self.pid}: {exc}", sandbox_id=self._sandbox_id) from exc
         raise SandboxClosed("the command's stream ended without a result", sandbox_id=self._sandbox_id)
 
 

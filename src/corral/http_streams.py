@@ -319,15 +319,20 @@ class BackgroundProcess(CommandProcess):
             ws = ws_connect(self._client.ws_url(f"{self._path}/stream"), self._client.headers, None)
         except Exception as exc:
             raise ConnectionLost(f"cannot attach to command {self.pid}: {exc}", sandbox_id=self._sandbox_id) from exc
+        from websockets.exceptions import ConnectionClosed
+
         with ws:
-            for raw in ws:
-                frame: dict[str, Any] = json.loads(raw)
-                kind = frame.get("type")
-                if kind in ("stdout", "stderr") and on_output is not None:
-                    on_output(kind, frame["data"].encode())
-                elif kind == "result":
-                    self._result = result_of(frame)
-                    return
-                elif kind == "error":
-                    raise error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+            try:
+                for raw in ws:
+                    frame: dict[str, Any] = json.loads(raw)
+                    kind = frame.get("type")
+                    if kind in ("stdout", "stderr") and on_output is not None:
+                        on_output(kind, frame["data"].encode())
+                    elif kind == "result":
+                        self._result = result_of(frame)
+                        return
+                    elif kind == "error":
+                        raise error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+            except (ConnectionClosed, OSError) as exc:  # the server went, or the line to it
+                raise ConnectionLost(f"lost the stream of command {self.pid}: {exc}", sandbox_id=self._sandbox_id) from exc
         raise SandboxClosed("the command's stream ended without a result", sandbox_id=self._sandbox_id)
