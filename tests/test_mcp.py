@@ -190,6 +190,14 @@ def test_mcp_run_code_gives_images_and_every_text_is_capped(state_dir: Path) -> 
             big = _payload(await client.call_tool("run_command", {"sandbox_id": sid,
                                                                   "command": "head -c 50000 /dev/zero | tr '\\0' y"}))
             assert len(big["stdout"]) == TEXT_CAP and big["cut"]["stdout"]["total_chars"] == 50000
+            # an exception's message and a JSON result are capped too (1,000,329 characters came whole)
+            ran = await client.call_tool("run_code", {"sandbox_id": sid, "code": (
+                "class J:\n    def _repr_json_(self):\n        return {'k': 'j' * 30000}\n"
+                "display(J())\nraise ValueError('E' * 30000)")})
+            answer = json.loads(ran.content[0].text)
+            assert len(ran.content[0].text) < 4 * TEXT_CAP, len(ran.content[0].text)
+            assert len(answer["error"]["value"]) == TEXT_CAP and answer["error"]["cut"]["value"]["total_chars"] >= 30000
+            assert len(answer["results"][0]["json"]) == TEXT_CAP
             small = _payload(await client.call_tool("run_command", {"sandbox_id": sid, "command": "echo ok"}))
             assert small["stdout"] == "ok\n" and small["truncated"] is False and "cut" not in small
             await client.call_tool("run_command", {"sandbox_id": sid,

@@ -298,11 +298,16 @@ def code_content(execution: Any) -> list[TextContent | ImageContent]:
             if isinstance(result.get(fmt), str):
                 images.append(ImageContent(type="image", data=result.pop(fmt), mime_type=f"image/{fmt}"))
                 result[fmt] = "(image content below)"
-        results.append(capped({k: v for k, v in result.items() if v not in (None, {})}, "text", "html", "markdown",
-                              "svg", "latex", "javascript"))
+        shown = {k: v for k, v in result.items() if v not in (None, {})}
+        if "json" in shown and len(as_json := json.dumps(shown["json"])) > TEXT_CAP:
+            shown["json"] = as_json  # a long JSON value is cut as its text (a 500k one went whole)
+        results.append(capped(shown, "text", "html", "markdown", "svg", "latex", "javascript", "json"))
     logs = data.get("logs", {})
+    error = data.get("error")
+    if isinstance(error, dict):  # an exception's message and traceback are capped like any text
+        error = capped(error, "value", "traceback")
     answer = capped({"stdout": "".join(logs.get("stdout", [])), "stderr": "".join(logs.get("stderr", [])),
-                     "error": data.get("error"), "results": results, "text": execution.text,
+                     "error": error, "results": results, "text": execution.text,
                      **{k: data.get(k) for k in ("execution_count", "timed_out", "restarted", "truncated")}},
                     "stdout", "stderr", "text")
     return [TextContent(type="text", text=json.dumps(answer)), *images]
