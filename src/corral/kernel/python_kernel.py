@@ -120,6 +120,21 @@ def _leave_if_forked() -> None:
         os._exit(0)
 
 
+#: characters of output per frame, and of an error's message or traceback (whose frame the host
+#: must be able to take whatever the cell printed before: a longer one was dropped, and the cell
+#: came back as a success)
+FRAME_TEXT = 65536
+
+
+def cut(text: str) -> str:
+    """``text`` within FRAME_TEXT characters: its beginning and its end (a traceback's last frames
+    and the exception's line are its end)."""
+    if len(text) <= FRAME_TEXT:
+        return text
+    keep = FRAME_TEXT // 2 - 64
+    return f"{text[:keep]}\n... ({len(text) - 2 * keep} characters cut) ...\n{text[-keep:]}"
+
+
 def send(message: dict[str, Any]) -> None:
     line = json.dumps(message, ensure_ascii=False)
     with _lock:
@@ -158,12 +173,15 @@ class Capture(io.TextIOBase):
         return len(text)
 
     def _send(self, chunk: str) -> None:
-        frame = {"type": self.stream, "id": _current["id"], "text": chunk}
-        if threading.current_thread() is not threading.main_thread():
-            # a thread an earlier cell may have started: the host counts it apart from the running
-            # cell's own output, which it could otherwise crowd out of the cell's budget
-            frame["background"] = True
-        send(frame)
+        # in frames of at most FRAME_TEXT characters: the host keeps a cell's output up to its budget
+        # and drops a frame past it whole (one print of 3 MB kept nothing at all)
+        for start in range(0, len(chunk), FRAME_TEXT):
+            frame = {"type": self.stream, "id": _current["id"], "text": chunk[start:start + FRAME_TEXT]}
+            if threading.current_thread() is not threading.main_thread():
+                # a thread an earlier cell may have started: the host counts it apart from the running
+                # cell's own output, which it could otherwise crowd out of the cell's budget
+                frame["background"] = True
+            send(frame)
 
     def flush(self) -> None:
         if self.buffer_text:
@@ -289,8 +307,8 @@ def run_cell(cell_id: int, code: str, namespace: dict[str, Any], count: int) -> 
             name = "SyntaxError"
         elif isinstance(exc, MemoryError):
             name, value = "RecursionError", "the cell is nested too deeply to parse"
-        send({"type": "error", "id": cell_id, "name": name, "value": value,
-              "traceback": f"{name}: {value}\n"})
+        send({"type": "error", "id": cell_id, "name": name, "value": cut(value),
+              "traceback": cut(f"{name}: {value}\n")})
         return
     last: Any = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -317,8 +335,8 @@ def run_cell(cell_id: int, code: str, namespace: dict[str, Any], count: int) -> 
             _end_forked_copies()
         sys.stdout.flush()
         sys.stderr.flush()
-        send({"type": "error", "id": cell_id, "name": type(exc).__name__, "value": str(exc),
-              "traceback": _traceback_text(exc, 1)})
+        send({"type": "error", "id": cell_id, "name": type(exc).__name__, "value": cut(str(exc)),
+              "traceback": cut(_traceback_text(exc, 1))})
     finally:
         _in_cell[0] = False
         _leave_if_forked()
