@@ -9,8 +9,9 @@ of its own: 16 KiB).
 Kept-alive connections waiting for their next request are held up to ``timeout_keep_alive``
 (65 s): one client's 80 idle connections filled a server's 64 and every other client got 503
 for a minute.  Once more than half of ``max_connections`` are open, each new connection closes
-the idle ones first (their clients open a new one when they next ask, as after any keep-alive
-timeout).
+the oldest of those that have not sent a whole first head (silent connections reopened as fast
+as the head timeout below closed them kept the server full, with no key), then idle ones (their
+clients open a new one when they next ask, as after any keep-alive timeout).
 
 uvicorn does not time a head either: a connection that sent nothing, or half a head, was held
 for ever, and ``max_connections`` of them made the server answer 503 to everyone.  A head must
@@ -66,13 +67,25 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._start_timer()
+        idle, closing = self._kept_alive()
+        headless = self._headless()
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) > limit // 2:
-            idle, closing = self._kept_alive()
-            while idle and len(self.connections) - len(closing) > limit // 2:
-                other = idle.pop()
+            # the oldest still waiting for their first head first (silent connections, reopened
+            # as fast as the head timeout closed them, kept max_connections full, and every
+            # tenant got 503, before any key was seen), then idle kept-alive ones: a client
+            # that sent a request is likelier to be one
+            oldest = iter(list(headless))
+            while len(self.connections) - len(closing) > limit // 2:
+                other = next(oldest, None) or (idle.pop() if idle else None)
+                if other is None:
+                    break
+                if other in closing:
+                    continue
                 closing.add(other)
+                headless.pop(other, None)
                 other.transport.close()
+        headless[self] = None
 
     def _kept_alive(self) -> tuple[set[BoundedHeadProtocol], set[BoundedHeadProtocol]]:
         """This server's connections waiting for their next request, and those of them being
@@ -82,10 +95,18 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             state.corral_idle, state.corral_closing = set(), set()  # type: ignore[attr-defined]
         return state.corral_idle, state.corral_closing  # type: ignore[attr-defined]
 
+    def _headless(self) -> dict[BoundedHeadProtocol, None]:
+        """This server's connections that have not yet sent a whole first head, oldest first."""
+        state = self.server_state
+        if not hasattr(state, "corral_headless"):
+            state.corral_headless = {}  # type: ignore[attr-defined]
+        return state.corral_headless  # type: ignore[attr-defined,no-any-return]
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
         for connections in self._kept_alive():
             connections.discard(self)
+        self._headless().pop(self, None)
         super().connection_lost(exc)
 
     #: a request has begun arriving and has not arrived whole
@@ -121,6 +142,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._stop_timer()
+        self._headless().pop(self, None)
         self._head_open, self._head_bytes = False, 0
         self._heads_done += 1
         super().on_headers_complete()
