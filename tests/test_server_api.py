@@ -360,6 +360,27 @@ def test_a_background_command_is_not_idle_and_its_waiter_keeps_its_output(server
         assert http.get(f"/v1/sandboxes/{sid}").status_code == 404  # idle once nothing runs
 
 
+def test_a_sandbox_whose_creator_left_before_the_answer_is_destroyed(server: ServerProcess) -> None:
+    """A create whose client gave up (a short client timeout, a crash) left a sandbox nobody knew
+    of, alive until its idle timeout and counted against the tenant's quota."""
+    import socket
+
+    with server.client("alice") as http:
+        before = {s["id"] for s in http.get("/v1/sandboxes").json()["sandboxes"]}
+        body = json.dumps({"limits": {"memory": "128M"}, "network": "allow", "allow": ["example.com"]}).encode()
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+                client.sendall(f"POST /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+                               f"Authorization: Bearer {KEYS['alice']}\r\nContent-Type: application/json\r\n"
+                               f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                time.sleep(0.005)  # the request is under way: the client gives up
+        time.sleep(3)  # made (in well under a second), and destroyed at once
+        assert not {s["id"] for s in http.get("/v1/sandboxes").json()["sandboxes"]} - before
+        sid = create(http)  # the allowed direction: a client that waits gets its sandbox
+        assert http.get(f"/v1/sandboxes/{sid}").status_code == 200
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_openapi_document(server: ServerProcess) -> None:
     doc = httpx.get(server.url + "/openapi.json").json()
     paths = doc["paths"]

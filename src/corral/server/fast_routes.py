@@ -44,7 +44,7 @@ ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 
 async def _create(request: Request, who: str, _: str, body: Any) -> Response:
-    result = await sandbox_routes.create_sandbox(body, who, context_of(request))
+    result = await sandbox_routes.create_sandbox(body, who, context_of(request), request)
     return JSONResponse(result, status_code=201)
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request, Response
 
 from ..commands import check_call
+from ..errors import SandboxClosed
 from ..lifecycle import check_metadata
 from ..spec import SandboxSpec, validate_env
 from . import snapshot_routes
@@ -26,7 +27,7 @@ router = APIRouter()
 
 
 @router.post("/v1/sandboxes", status_code=201, summary="Create a sandbox")
-async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context) -> dict[str, Any]:
+async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context, request: Request) -> dict[str, Any]:
     data = body.model_dump(exclude_unset=True)
     require_unicode(data)
     idle, life = data.pop("idle_timeout", None), data.pop("lifetime", None)
@@ -35,7 +36,16 @@ async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context) -> dict
     if snapshot is not None:  # the tenant's own snapshot (another's is a 404), its tier and image
         data.update(snapshot_routes.spec_fields(ctx, who, snapshot, data))
     spec = SandboxSpec.from_dict(data)
-    entry = await ctx.manager.create(who, spec, idle, life, snapshot)
+    left = asyncio.ensure_future(_client_left(request))
+    try:
+        entry = await ctx.manager.create(who, spec, idle, life, snapshot)
+        await asyncio.sleep(0)  # a disconnect already received is seen
+        if left.done():
+            # nobody will learn its id: it lived until its idle timeout, counted against the quota
+            await ctx.manager.destroy(who, entry.sandbox.id)
+            raise SandboxClosed("the client left while its sandbox was made: destroyed")
+    finally:
+        left.cancel()
     entry.metadata = metadata
     if entry.from_pool:
         ctx.metrics.pool_hits.inc()
