@@ -9,8 +9,10 @@ rule, and an allowed one yields none.  The test network's names start with
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,6 +139,27 @@ def test_cli_audit_prints_kernel_refusals(net: TargetNet, forwarding_on: None) -
     events = json.loads(proc.stdout)["audit"]
     assert [(e["protocol"], e["destination"], e["rule"]) for e in events] == [
         ("tcp", f"{METADATA}:{net.metadata_port}", "link-local")], proc.stdout
+
+
+@pytest.mark.parametrize("target_first", [True, False])
+def test_an_open_sandboxs_attempt_at_another_is_refused_and_audited_whichever_came_first(
+        net: TargetNet, forwarding_on: None, target_first: bool) -> None:
+    """Sandbox A connecting to sandbox B's address: refused at once and audited in A's log as
+    ``cgnat``, whichever was made first. Before, when A was made first, B's table (the newer)
+    dropped A's packets before A's own table saw them: a silent timeout, and nothing audited."""
+    first = Sandbox.create(network="open")
+    second = Sandbox.create(network="open")
+    try:
+        attacker, target = (second, first) if target_first else (first, second)
+        target.commands.run("python3 -m http.server --bind 0.0.0.0 8000 >/dev/null 2>&1", background=True, timeout=120)
+        address = re.findall(r"inet (100\.\d+\.\d+\.\d+)", target.commands.run("ip -o -4 addr").stdout)[0]
+        began = time.monotonic()
+        result = attacker.commands.run(f"curl -sS -m 5 http://{address}:8000/", timeout=30)
+        assert result.exit_code == 7 and time.monotonic() - began < 4, result  # refused, not timed out
+        assert [(e.destination, e.rule.split()[0]) for e in attacker.network.audit()] == [(f"{address}:8000", "cgnat")]
+    finally:
+        first.kill()
+        second.kill()
 
 
 def test_concurrent_open_sandboxes_each_see_only_their_own_refusals(net: TargetNet, forwarding_on: None) -> None:

@@ -111,10 +111,17 @@ def ruleset(names: OpenNames, sandbox_addr: str, unsafe: Sequence[IPNetwork], na
         "    type filter hook prerouting priority filter - 1; policy accept;",
         *refuse(f"ct state new ct count over {conntrack_limit}", "conntrack-limit", "drop"),
         "  }",
-        "  chain forward {",
+        # what comes to the sandbox: after every sandbox's own refusals (below), so that another
+        # sandbox's attempt to reach this one is refused and audited by the sender's table (at
+        # one priority the tables' order is the kernel's: this drop ate it, unaudited, when the
+        # target's table was the newer)
+        "  chain forward_in {",
         "    type filter hook forward priority filter - 1; policy accept;",
         f'    oifname "{names.host_if}" ct state established,related accept',
         f'    oifname "{names.host_if}" drop',
+        "  }",
+        "  chain forward {",
+        "    type filter hook forward priority filter - 2; policy accept;",
         f"    {sandbox} {KERNEL_CHATTER}",
         *refuse("meta nfproto ipv6", "ipv6", "drop"),
         # only the sandbox's own address may leave (and only it is masqueraded).  A process in
