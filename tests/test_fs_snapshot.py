@@ -507,6 +507,32 @@ def test_a_pause_or_resume_during_a_snapshot_waits_for_it(state_dir: Path) -> No
         assert sb.commands.run("echo alive").stdout == "alive\n"
 
 
+def test_a_workspace_file_the_sandbox_cannot_read_is_named_by_a_typed_error(state_dir: Path, tmp_path: Path) -> None:
+    """A host file of a user the sandbox does not map (root's, 0600) in the workspace: snapshot
+    and fork raised an untyped HostError "Permission denied" naming nothing. Now InvalidState
+    names it; the sandbox runs on, nothing is left in the store; a root file others may read is
+    carried."""
+    ws = tmp_path / "ws-unreadable"
+    ws.mkdir()
+    os.chown(ws, 1000, 1000)
+    (ws / "mine.txt").write_text("mine\n")
+    os.chown(ws / "mine.txt", 1000, 1000)
+    (ws / "root-readable.txt").write_text("shared\n")
+    (ws / "root-only.txt").write_text("x\n")
+    os.chmod(ws / "root-only.txt", 0o600)
+    with Sandbox.create(workspace=f"{ws}:cow") as sb:
+        for attempt in (sb.snapshot, lambda: sb.fork(1)):
+            with pytest.raises(InvalidState, match=r"/workspace/root-only\.txt cannot be read"):
+                attempt()
+        assert not sb.paused and sb.commands.run("echo ok").stdout == "ok\n"
+        assert not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+    (ws / "root-only.txt").unlink()
+    with Sandbox.create(workspace=f"{ws}:cow") as sb:
+        [fork] = sb.fork(1)
+        with fork:
+            assert fork.commands.run("cat /workspace/mine.txt /workspace/root-readable.txt").stdout == "mine\nshared\n"
+
+
 def test_a_fork_runs_its_commands_as_its_parents_user(state_dir: Path) -> None:
     """A fork of a ``user="root"`` sandbox is root's too (it was the default user's, and could not
     write the files its parent's root had made)."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import ResourceLimit, SnapshotCorrupt
+from ...errors import InvalidState, ResourceLimit, SnapshotCorrupt
 from ...images import SANDBOX_UID
 
 #: overlay xattrs that name the inode of one mount (copy-up origin, hard-link counts): not carried
@@ -118,6 +118,19 @@ def _changed_meanwhile(rel: str) -> Iterator[None]:
         if exc.errno not in _CHANGED:
             raise
         raise SnapshotCorrupt(f"{_short(rel)} changed while the snapshot was taken") from exc
+
+
+@contextlib.contextmanager
+def _readable(key: str, rel: str) -> Iterator[None]:
+    """Name the file a snapshot cannot read (an untyped "Permission denied" named nothing)."""
+    try:
+        yield
+    except PermissionError as exc:
+        where = f"/workspace/{rel}" if key == "ws" else f"{key}:{_short(rel)}"
+        raise InvalidState(f"snapshot: {where} cannot be read through the sandbox's view of it (a file of a host "
+                           "user the sandbox does not map, such as root's with mode 0600, which the sandbox "
+                           "cannot read either): a snapshot carries only what it can read; remove the file or "
+                           "let the workspace's owner read it") from exc
 
 
 def _walk(top: Path) -> Iterator[tuple[str, os.stat_result, Path]]:
@@ -256,7 +269,7 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
                     raise ResourceLimit(f"snapshot: the files add up to more than the sandbox's disk limit of "
                                         f"{max_bytes} bytes (sparse files, such as {key}:{_short(rel)}, are not carried)")
                 entry["y"] = "f"
-                with _changed_meanwhile(rel):
+                with _changed_meanwhile(rel), _readable(key, rel):
                     entry["h"], entry["s"], new = _store_blob(path, blobs, shared)
                 written += new
             elif stat.S_ISLNK(mode):
