@@ -533,6 +533,23 @@ def test_a_workspace_file_the_sandbox_cannot_read_is_named_by_a_typed_error(stat
             assert fork.commands.run("cat /workspace/mine.txt /workspace/root-readable.txt").stdout == "mine\nshared\n"
 
 
+def test_hard_links_are_kept_and_counted_once(state_dir: Path) -> None:
+    """A 40 MB file with four names in a 128 MiB disk: a snapshot refused it ("sparse files ... are
+    not carried": each name was counted), and with two names a fork held two copies (twice the
+    disk, a write to one name no longer seen through the other)."""
+    with Sandbox.create(disk="128M", memory="512M") as sb:
+        sb.commands.run("head -c 40000000 /dev/urandom > /tmp/big && for n in 2 3 4; do ln /tmp/big /tmp/big$n; done"
+                        " && mkdir -p /workspace/d && echo one > /workspace/d/a && ln /workspace/d/a /workspace/b")
+        [fork] = sb.fork(1)
+        with fork:
+            inodes = fork.commands.run("stat -c '%i %h' /tmp/big /tmp/big2 /tmp/big3 /tmp/big4").stdout.split("\n")
+            assert len({line for line in inodes if line}) == 1 and inodes[0].endswith(" 4"), inodes
+            used = int(fork.commands.run("df -B1 --output=used /tmp | tail -1").stdout)
+            assert used < 80_000_000, used  # one copy, not four
+            fork.commands.run("echo two >> /workspace/b")
+            assert fork.commands.run("cat /workspace/d/a").stdout == "one\ntwo\n"
+
+
 def test_a_fork_runs_its_commands_as_its_parents_user(state_dir: Path) -> None:
     """A fork of a ``user="root"`` sandbox is root's too (it was the default user's, and could not
     write the files its parent's root had made)."""

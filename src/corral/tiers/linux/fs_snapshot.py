@@ -255,6 +255,9 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
     budget = manifest_budget(max_bytes)
     for key, top in layers:
         skipped = exclude.get(key, set())
+        #: a file's first name in this layer, by inode: its other names are links to it (counted
+        #: once against the disk, written once at a restore; they were copies, each counted)
+        first_names: dict[tuple[int, int], str] = {}
         for rel, st, path in _walk(top):
             if rel in skipped or any(rel.startswith(s + "/") for s in skipped):
                 continue
@@ -263,7 +266,15 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
                                      "g": ids.inside_id(st.st_gid), "t": st.st_mtime_ns}
             if stat.S_ISDIR(mode):
                 entry["y"] = "d"
+            elif stat.S_ISREG(mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) in first_names:
+                entry["y"] = "h"
+                entry["l"] = first_names[(st.st_dev, st.st_ino)]
+                encoded.append(json.dumps(entry, separators=(",", ":")))
+                budget -= len(encoded[-1]) + 1
+                continue
             elif stat.S_ISREG(mode):
+                if st.st_nlink > 1:
+                    first_names[(st.st_dev, st.st_ino)] = rel
                 total += st.st_size
                 if total > max_bytes:
                     raise ResourceLimit(f"snapshot: the files add up to more than the sandbox's disk limit of "
@@ -356,6 +367,7 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
     blobs = directory / "blobs"
     skipped: list[str] = []
     links: list[str] = []
+    files: set[str] = set()  # restored here: what a hard link ("h") may name
     dirs: list[tuple[Path, dict[str, Any]]] = []
     for entry in entries:
         if entry["k"] != key or entry["p"] == ".":
@@ -377,8 +389,15 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
             if not path.is_dir():
                 path.mkdir(mode=0o700)
             dirs.append((path, entry))  # mode and times once its children are written
+        elif kind == "h":
+            if str(entry["l"]) not in files:
+                raise SnapshotCorrupt(f"snapshot {_named(directory)}: {rel!r} links to {entry['l']!r}, "
+                                      "no file restored before it")
+            os.link(top / str(entry["l"]), path, follow_symlinks=False)
+            continue  # the inode, its owner, mode and times are its first name's
         elif kind == "f":
             _copy_blob(blobs / str(entry["h"]), path, str(entry["h"]), _named(directory))
+            files.add(rel)
         elif kind == "l":
             os.symlink(str(entry["l"]), path)
             links.append(rel)
