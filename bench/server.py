@@ -202,6 +202,10 @@ def bench_http(server: Server, rounds: int) -> None:
             print(f"  ({misses} of {rounds} missed the pool)")
         bare = bare_client_rounds(server, http, rounds)
         report("  the same through http.client (bare client)", bare)
+        sdk = sdk_rounds(server, http, rounds)
+        report("  the same through the SDK (Sandbox.create + commands.run)", sdk)
+        print(f"  issue 16 target through the SDK: p50 {pct(sdk, 0.5) / ISSUE16_POOL_P50:.2f}x, "
+              f"p99 {pct(sdk, 0.99) / ISSUE16_POOL_P99:.2f}x of it", flush=True)
         cold: list[float] = []
         for _ in range(rounds):
             ms, sid, _ = create_and_run(http, COLD_SPEC)
@@ -230,6 +234,27 @@ def bare_client_rounds(server: Server, http: httpx.Client, rounds: int) -> list[
         conn.request("DELETE", f"/v1/sandboxes/{sid}")
         conn.getresponse().read()
     conn.close()
+    return times
+
+
+def sdk_rounds(server: Server, http: httpx.Client, rounds: int) -> list[float]:
+    """Pool create + first command as an agent builder writes it: the SDK's own client
+    (``corral.http_transport.Client``, urllib3 since 2026-12-06; httpx before)."""
+    from corral import Sandbox
+    from corral.http_transport import HTTPTransport
+
+    transport = HTTPTransport(server.url)
+    times: list[float] = []
+    for _ in range(rounds):
+        deadline = time.monotonic() + 10
+        while pool_idle(http) < POOL_MAX and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.perf_counter()
+        sb = Sandbox.create(memory="128M", transport=transport)
+        sb.commands.run(["true"])
+        times.append((time.perf_counter() - t0) * 1000)
+        sb.kill()
+    transport.close()
     return times
 
 
