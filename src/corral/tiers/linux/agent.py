@@ -45,7 +45,6 @@ from .frames import (
     T_FREAD,
     T_FREMOVE,
     T_FSTAT,
-    T_FWRITE,
     T_GUEST,
     T_OK,
     T_READY,
