@@ -278,15 +278,17 @@ def test_two_writes_of_one_path_at_once_leave_one_of_them_whole(tier: str, state
     _tier_or_skip(tier, state_dir)
     writes = (b"a" * (12 << 20), b"b" * (8 << 20))
     with Sandbox.create(tier=tier) as sb:
-        for _ in range(4):
-            failed: list[BaseException] = []
+        failed: list[BaseException] = []
+        together = threading.Barrier(2)
 
-            def write(data: bytes) -> None:
-                try:
-                    sb.files.write("/tmp/same", data)
-                except BaseException as exc:
-                    failed.append(exc)
+        def write(data: bytes) -> None:
+            try:
+                together.wait(10)
+                sb.files.write("/tmp/same", data)
+            except BaseException as exc:
+                failed.append(exc)
 
+        for _ in range(20):  # (before, a mix came in many rounds, not in every one)
             threads = [threading.Thread(target=write, args=(data,)) for data in writes]
             for thread in threads:
                 thread.start()
