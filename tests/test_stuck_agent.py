@@ -223,3 +223,99 @@ def test_a_directory_larger_than_a_listing_is_refused_whole_not_cut_short(tier: 
         assert refused.value.errno == errno.E2BIG
         sb.files.remove("/tmp/d/1")
         assert len(sb.files.list("/tmp/d")) == MAX_LIST_ENTRIES  # the allowed size: whole
+
+
+# -- files.write lands whole or not at all -----------------------------------------------------
+# Before, the host sent a write in 4 MiB chunks, the first truncating the file and the rest
+# appended: a rewrite that filled the disk left part of the new data where the old file was, and
+# two writes of one path at once interleaved.  Now each write goes to a temporary file beside the
+# target, renamed over it by its last request (the agent's files.c, do_fput; wasm: tiers/wasm/files.py).
+WRITE_TIERS = ["process", "gvisor", "wasm"]
+_FILL = """import os, sys
+with open('/tmp/room', 'wb') as f: f.write(b'r' * int(sys.argv[1]))
+try:
+    with open('/tmp/fill', 'ab') as f:
+        while True: f.write(b'f' * (1 << 16)); f.flush()
+except OSError: pass
+os.remove('/tmp/room')
+"""
+
+
+def _tier_or_skip(tier: str, state_dir: Path) -> None:
+    from .tier_probe import skip_unless_tier
+
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+
+
+def _names(sb: Sandbox, path: str) -> list[str]:
+    return sorted(entry.name for entry in sb.files.list(path))
+
+
+@pytest.mark.parametrize("tier", WRITE_TIERS)
+def test_a_rewrite_that_fills_the_disk_leaves_the_old_file_and_nothing_beside_it(tier: str, state_dir: Path) -> None:
+    _tier_or_skip(tier, state_dir)
+    old = b"the old contents\n" * 1000
+    with Sandbox.create(tier=tier, disk="64M") as sb:
+        sb.files.write("/tmp/keep.txt", old)
+        # 6 MiB of room: a 12 MiB write's first chunk (4 MiB) fits and its second does not;
+        # then none: a 1 MiB write (one request) fails at once
+        for room, size in ((6 << 20, 12 << 20), (0, 1 << 20)):
+            assert sb.commands.run(["python3", "-c", _FILL, str(room)], timeout=120).exit_code == 0
+            with pytest.raises(FileError) as failed:
+                sb.files.write("/tmp/keep.txt", b"n" * size)
+            assert failed.value.errno in (errno.ENOSPC, errno.EDQUOT), failed.value
+            kept = sb.files.read("/tmp/keep.txt", "bytes")
+            assert kept == old, f"{len(kept)} bytes, {kept.count(b'n')} of them new"
+            assert _names(sb, "/tmp") == ["fill", "keep.txt"]
+        sb.files.remove("/tmp/fill")
+        sb.files.write("/tmp/keep.txt", b"n" * (12 << 20))  # with room again: whole
+        assert sb.files.read("/tmp/keep.txt", "bytes") == b"n" * (12 << 20)
+
+
+@pytest.mark.parametrize("tier", WRITE_TIERS)
+def test_two_writes_of_one_path_at_once_leave_one_of_them_whole(tier: str, state_dir: Path) -> None:
+    _tier_or_skip(tier, state_dir)
+    writes = (b"a" * (12 << 20), b"b" * (8 << 20))
+    with Sandbox.create(tier=tier) as sb:
+        failed: list[BaseException] = []
+        together = threading.Barrier(2)
+
+        def write(data: bytes) -> None:
+            try:
+                together.wait(10)
+                sb.files.write("/tmp/same", data)
+            except BaseException as exc:
+                failed.append(exc)
+
+        for _ in range(20):  # (before, a mix came in many rounds, not in every one)
+            threads = [threading.Thread(target=write, args=(data,)) for data in writes]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+            assert not failed, failed
+            got = sb.files.read("/tmp/same", "bytes")
+            assert got in writes, f"{len(got)} bytes: {got.count(b'a')} a, {got.count(b'b')} b"
+        assert _names(sb, "/tmp") == ["same"]
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_a_replaced_file_keeps_its_mode_and_owner_and_a_link_to_a_file_is_followed(tier: str, state_dir: Path) -> None:
+    _tier_or_skip(tier, state_dir)
+    with Sandbox.create(tier=tier) as sb:
+        sb.commands.run("cd /home/user && echo old > kept && chmod 600 kept && echo t > target"
+                        " && ln -s target link && ln -s nowhere dangling && echo ro > ro && chmod 444 ro")
+        sb.files.write("/home/user/kept", "new", mode=0o644)  # ``mode`` is a new file's
+        assert sb.files.read("/home/user/kept") == "new" and sb.files.stat("/home/user/kept").mode == 0o600
+        sb.files.write("/home/user/fresh", "x", mode=0o640)
+        assert sb.files.stat("/home/user/fresh").mode == 0o640
+        assert sb.commands.run("stat -c %u:%g /home/user/fresh /home/user/kept").stdout == "1000:1000\n" * 2
+        sb.files.write("/home/user/link", "through")  # the file a link names is what is replaced
+        assert sb.files.read("/home/user/target") == "through" and sb.files.stat("/home/user/link").type == "symlink"
+        sb.files.write("/home/user/dangling", "here")  # a dangling link is replaced by the file
+        assert sb.files.stat("/home/user/dangling").type == "file"
+        with pytest.raises(FileError) as refused:  # a file the user may not write stays refused
+            sb.files.write("/home/user/ro", "x")
+        assert refused.value.errno == errno.EACCES and sb.files.read("/home/user/ro") == "ro\n"
+        assert not [name for name in _names(sb, "/home/user") if ".corral-" in name]

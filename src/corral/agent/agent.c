@@ -144,7 +144,8 @@ void close_fd(int *fd) {
 static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t len) {
     struct exec *e;
     /* every path payload is NUL terminated by the host; enforce it */
-    if (len > 0 && type >= T_FREAD && payload[len - 1] != 0 && type != T_FWRITE && type != T_FAPPEND) {
+    if (len > 0 && type >= T_FREAD && payload[len - 1] != 0 && type != T_FWRITE && type != T_FAPPEND
+        && type != T_FPUT) {
         send_err(id, EINVAL, "request");
         return;
     }
@@ -202,6 +203,7 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
         break;
     case T_FWRITE: do_fwrite(id, payload, len, 0); break;
     case T_FAPPEND: do_fwrite(id, payload, len, 1); break;
+    case T_FPUT: do_fput(id, payload, len); break;
     case T_FLIST: if (len) do_flist(id, payload); else send_err(id, EINVAL, "list"); break;
     case T_FSTAT: if (len) do_fstat(id, payload); else send_err(id, EINVAL, "stat"); break;
     case T_FREMOVE: do_fremove(id, payload, len); break;
@@ -425,7 +427,7 @@ int main(int argc, char **argv) {
                 agent_ids(1);
                 handle_request(hdr[0] & ~T_AS_AGENT, id, payload, len);
                 agent_ids(0);
-            } else if (hdr[0] >= T_FREAD && hdr[0] <= T_FSTAT && file_requests_in_a_child()) {
+            } else if (((hdr[0] >= T_FREAD && hdr[0] <= T_FSTAT) || hdr[0] == T_FPUT) && file_requests_in_a_child()) {
                 handle_as_the_user(hdr[0], id, payload, len);
             } else handle_request(hdr[0], id, payload, len);
         }

@@ -13,6 +13,8 @@ enum {
     T_EXEC_PTY = 6, T_RESIZE = 7, T_EXEC_SPARE = 8,
     T_FREAD = 10, T_FWRITE = 11, T_FAPPEND = 12, T_FLIST = 13, T_FREMOVE = 14,
     T_FMKDIR = 15, T_FSTAT = 16, T_GUEST = 17,
+    /* sandbox.files.write: a whole file, replaced at once (files.c, do_fput) */
+    T_FPUT = 18,
     /* on a file request: run it with the agent's own ids (agent_ids) */
     T_AS_AGENT = 0x80,
     /* agent -> host */
@@ -90,6 +92,7 @@ void pump_output(struct exec *e, int *fd, uint8_t type);
 /* files.c: the file requests */
 void do_fread(uint32_t id, const char *path, unsigned long long limit);
 void do_fwrite(uint32_t id, char *payload, uint32_t len, int append);
+void do_fput(uint32_t id, char *payload, uint32_t len);
 void do_flist(uint32_t id, const char *path);
 void do_fstat(uint32_t id, const char *path);
 void do_fremove(uint32_t id, char *payload, uint32_t len);

@@ -16,6 +16,7 @@
 #include <sched.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -100,6 +101,182 @@ void do_fwrite(uint32_t id, char *payload, uint32_t len, int append) {
     }
     if (close(fd) < 0) { send_err(id, errno, path); return; }
     send_frame(T_OK, id, NULL, 0);
+}
+
+/*
+ * T_FPUT: ``sandbox.files.write``, whole or not at all.  The data goes to a temporary file the
+ * agent makes beside the target (``.NAME.corral-RANDOM``, O_EXCL), which is renamed over the
+ * target by the request that brings the last of it; a request that fails (a full disk, a fifo
+ * at the path) removes it, and so does the host's PUT_ABORT when it gives a write up.  Two
+ * writes of one path each have their own temporary file: the last rename wins, whole.  (Before,
+ * the first chunk truncated the target and the rest were appended: a write that failed for a
+ * full disk left a part of the new data in place of the old file, and two writes at once
+ * interleaved.)
+ *
+ * Payload: u32 mode | u32 flags | TARGET \0 | TEMP \0 | data.  TEMP is empty in a write's
+ * first request; a first request with PUT_MORE answers "TARGET \0 TEMP \0" (TARGET resolved:
+ * a link at the path that names a file is followed, and that file is what is replaced), and
+ * the host's later requests of the write carry both.
+ *
+ * What is replaced keeps its mode, and its owner where the writer may give it (root; or the
+ * same user); a file the write makes gets ``mode`` (less the umask) and goes to the default user
+ * (give_new_file), as before.  As before only a regular file the writer may write is replaced:
+ * a directory is EISDIR, a fifo, socket or device EINVAL (never opened for more than a
+ * non-blocking look).  A dangling link at the path is itself replaced by the file.
+ */
+#define PUT_PARENTS 1u /* make the missing parent directories */
+#define PUT_MORE 2u    /* more data follows: keep the temporary file, answer its name */
+#define PUT_ABORT 4u   /* the host gives the write up: remove the temporary file */
+
+/* 0 with *exists = 0 if nothing (or a link) is at TARGET, 0 with *exists = 1 and its stat if it
+ * is a regular file the writer may write; -1 (errno) otherwise */
+static int check_target(const char *target, struct stat *st, int *exists) {
+    *exists = 0;
+    if (lstat(target, st) < 0) return errno == ENOENT ? 0 : -1;
+    if (S_ISLNK(st->st_mode)) return 0;
+    if (S_ISDIR(st->st_mode)) { errno = EISDIR; return -1; }
+    if (!S_ISREG(st->st_mode)) { errno = EINVAL; return -1; }
+    /* the writer's permission to write it, as when it was written in place; O_NONBLOCK and
+     * O_NOFOLLOW: a fifo swapped in meanwhile holds nothing; ETXTBSY (a running program) comes
+     * after the permission check, and a replaced program runs on from its old file */
+    int fd = open(target, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0 && errno != ETXTBSY) { if (errno == ENXIO || errno == ELOOP) errno = EINVAL; return -1; }
+    if (fd >= 0) {
+        int r = fstat(fd, st);
+        close(fd);
+        if (r < 0) return -1;
+        if (!S_ISREG(st->st_mode)) { errno = EINVAL; return -1; }
+    }
+    *exists = 1;
+    return 0;
+}
+
+/* a new temporary file beside TARGET, its path in *tmp (malloc'd) */
+static int make_temp(const char *target, uint32_t mode, char **tmp) {
+    const char *slash = strrchr(target, '/');
+    int dlen = slash ? (int)(slash - target + 1) : 0;
+    const char *base = slash ? slash + 1 : target;
+    size_t cap = strlen(target) + 64;
+    *tmp = malloc(cap);
+    if (!*tmp) { errno = ENOMEM; return -1; }
+    for (int tries = 0; tries < 16; tries++) {
+        uint64_t r;
+        if (getrandom(&r, sizeof r, 0) != sizeof r) r = ((uint64_t)getpid() << 32) ^ (uint64_t)now_ms() ^ (uint64_t)tries;
+        /* the name's length within NAME_MAX: at most 100 bytes of the target's */
+        snprintf(*tmp, cap, "%.*s.%.100s.corral-%012llx", dlen, target, base, (unsigned long long)(r & 0xffffffffffffULL));
+        int fd = open(*tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 07777);
+        if (fd >= 0 || errno != EEXIST) {
+            if (fd < 0) { int err = errno; free(*tmp); *tmp = NULL; errno = err; }
+            return fd;
+        }
+    }
+    free(*tmp);
+    *tmp = NULL;
+    errno = EEXIST;
+    return -1;
+}
+
+static int write_whole(int fd, const char *data, size_t len) {
+    while (len > 0) {
+        ssize_t n = write(fd, data, len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return -1;
+        data += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* the temporary file (open as FD) becomes TARGET; FD is closed either way */
+static int commit(int fd, const char *tmp, const char *target) {
+    struct stat st;
+    int exists;
+    if (check_target(target, &st, &exists) < 0) { int err = errno; close(fd); errno = err; return -1; }
+    if (exists) {
+        if (fchown(fd, st.st_uid, st.st_gid) < 0) {} /* only root (or the same user) may: else it is the writer's */
+        if (fchmod(fd, st.st_mode & 07777) < 0) { int err = errno; close(fd); errno = err; return -1; }
+    } else give_new_file(fd, NULL);
+    if (close(fd) < 0) return -1; /* a network file system's late ENOSPC */
+    return rename(tmp, target);
+}
+
+/* TEMP as the host sent it back: a temporary file of ours beside TARGET, nothing else */
+static int our_temp(const char *target, const char *temp) {
+    const char *ts = strrchr(target, '/'), *ps = strrchr(temp, '/');
+    size_t dlen = ts ? (size_t)(ts - target + 1) : 0;
+    if ((ps ? (size_t)(ps - temp + 1) : 0) != dlen || strncmp(target, temp, dlen) != 0) return 0;
+    return temp[dlen] == '.' && strstr(temp + dlen, ".corral-") != NULL;
+}
+
+void do_fput(uint32_t id, char *payload, uint32_t len) {
+    if (len < 8) { send_err(id, EINVAL, "write"); return; }
+    uint32_t mode, flags;
+    memcpy(&mode, payload, 4);
+    memcpy(&flags, payload + 4, 4);
+    char *path = payload + 8, *end = payload + len;
+    char *z = memchr(path, 0, (size_t)(end - path));
+    char *temp = z ? z + 1 : NULL;
+    char *z2 = temp ? memchr(temp, 0, (size_t)(end - temp)) : NULL;
+    if (!z2 || !*path) { send_err(id, EINVAL, "write"); return; }
+    char *data = z2 + 1;
+    size_t dlen = (size_t)(end - data);
+    if (*temp && !our_temp(path, temp)) { send_err(id, EINVAL, path); return; }
+    if (flags & PUT_ABORT) {
+        if (*temp) unlink(temp);
+        send_frame(T_OK, id, NULL, 0);
+        return;
+    }
+    char *resolved = NULL, *made = NULL;
+    const char *target = path, *tmp = temp;
+    int fd;
+    if (!*temp) { /* the write's first request */
+        if ((flags & PUT_PARENTS) && mkdir_parents(path, 0755) < 0) { send_err(id, errno, path); return; }
+        struct stat st;
+        int exists;
+        if (lstat(path, &st) == 0 && S_ISLNK(st.st_mode) && (resolved = realpath(path, NULL)) != NULL) target = resolved;
+        if (check_target(target, &st, &exists) < 0 || (fd = make_temp(target, mode, &made)) < 0) {
+            send_err(id, errno, path);
+            free(resolved);
+            return;
+        }
+        tmp = made;
+    } else {
+        fd = open(temp, O_WRONLY | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        struct stat st;
+        if (fd >= 0 && (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode))) { close(fd); fd = -1; errno = EINVAL; }
+        if (fd < 0) {
+            int err = errno == ENOENT ? ESTALE : errno; /* (given up meanwhile) */
+            unlink(temp);
+            send_err(id, err, path);
+            return;
+        }
+    }
+    int r = write_whole(fd, data, dlen);
+    if (r == 0 && (flags & PUT_MORE)) {
+        if ((r = close(fd)) == 0) {
+            size_t tl = strlen(target) + 1, ml = strlen(tmp) + 1;
+            char *answer = malloc(tl + ml);
+            if (answer) {
+                memcpy(answer, target, tl);
+                memcpy(answer + tl, tmp, ml);
+                send_frame(T_OK, id, answer, (uint32_t)(tl + ml));
+                free(answer);
+            } else { r = -1; errno = ENOMEM; }
+        }
+    } else if (r == 0) {
+        if ((r = commit(fd, tmp, target)) == 0) send_frame(T_OK, id, NULL, 0);
+    } else {
+        int err = errno;
+        close(fd);
+        errno = err;
+    }
+    if (r < 0) {
+        int err = errno;
+        unlink(tmp);
+        send_err(id, err, path);
+    }
+    free(resolved);
+    free(made);
 }
 
 static char type_char(mode_t m) {

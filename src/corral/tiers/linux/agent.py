@@ -29,6 +29,9 @@ from .agent_process import AgentProcess
 from .frames import (
     HEADER,
     MAX_FRAME,
+    PUT_ABORT,
+    PUT_MORE,
+    PUT_PARENTS,
     T_AS_AGENT,
     T_DATA,
     T_ERR,
@@ -36,13 +39,12 @@ from .frames import (
     T_EXEC_PTY,
     T_EXEC_SPARE,
     T_EXIT,
-    T_FAPPEND,
     T_FLIST,
     T_FMKDIR,
+    T_FPUT,
     T_FREAD,
     T_FREMOVE,
     T_FSTAT,
-    T_FWRITE,
     T_GUEST,
     T_OK,
     T_READY,
@@ -364,14 +366,25 @@ class AgentChannel:
         return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), request, limit=max_bytes)
 
     def write_file(self, path: str, data: bytes, mode: int, *, as_agent: bool = False) -> None:
-        """``as_agent``: with the agent's own ids (the host's own files), not the default user's."""
-        encoded = path.encode() + b"\0"
-        first = True
+        """The whole of ``data`` at ``path``, or (on any error) the file as it was: the agent writes
+        a temporary file beside it, in chunks, and renames it over ``path`` with the last one
+        (files.c, do_fput: modes, owners and links there).  ``as_agent``: with the agent's own ids
+        (the host's own files), not the default user's."""
+        kind = T_FPUT | (T_AS_AGENT if as_agent else 0)
+        target, temp = path.encode(), b""
         for offset in range(0, max(len(data), 1), WRITE_CHUNK):
-            chunk = data[offset : offset + WRITE_CHUNK]
-            kind = (T_FWRITE if first else T_FAPPEND) | (T_AS_AGENT if as_agent else 0)
-            self.call(kind, struct.pack("<II", mode, 1) + encoded + chunk)
-            first = False
+            more = offset + WRITE_CHUNK < len(data)
+            head = struct.pack("<II", mode, PUT_PARENTS | (PUT_MORE if more else 0)) + target + b"\0" + temp + b"\0"
+            try:
+                answer = self.call(kind, head + data[offset : offset + WRITE_CHUNK])
+            except FileError:
+                raise  # the agent removed its temporary file
+            except BaseException:
+                if temp:  # (a timeout, a KeyboardInterrupt): the agent removes it when it gets here
+                    self.try_send(kind, self.new_id(), struct.pack("<II", mode, PUT_ABORT) + target + b"\0" + temp + b"\0")
+                raise
+            if more and not temp:
+                target, temp = answer.split(b"\0")[:2]
 
     def list_dir(self, path: str) -> list[FileEntry]:
         raw = self.call(T_FLIST, path.encode() + b"\0")

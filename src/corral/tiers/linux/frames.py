@@ -11,6 +11,11 @@ T_EXEC, T_GO, T_STDIN, T_STDIN_EOF, T_SIGNAL, T_EXEC_PTY, T_RESIZE, T_EXEC_SPARE
 T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12, 13, 14, 15, 16
 #: the microVM guest around a live snapshot (agent's guest_ops.c)
 T_GUEST = 17
+#: ``sandbox.files.write``: a whole file, replaced at once (the agent's files.c, do_fput)
+T_FPUT = 18
+#: T_FPUT's flags: make missing parents; more data follows (the answer names the temporary file);
+#: the write is given up (its temporary file removed)
+PUT_PARENTS, PUT_MORE, PUT_ABORT = 1, 2, 4
 #: or'd into a file request's type: run it with the agent's own ids, not the default user's (the
 #: host's own requests: the microVM's guest cgroup leaves and network files)
 T_AS_AGENT = 0x80
