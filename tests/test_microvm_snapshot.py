@@ -305,6 +305,93 @@ def test_a_command_running_at_a_pause_to_disk_still_ends_at_its_timeout() -> Non
         assert time.monotonic() - ran >= 5, "it was killed before its time was up"
 
 
+def test_a_command_copied_into_a_fork_or_a_snapshots_sandbox_ends_at_its_timeout_there() -> None:
+    """A fork, and a sandbox made from a live snapshot, hold the parent's running commands in
+    their memory: there they ran on past their timeouts (nothing on the copy's host side knew
+    them) and ``commands.list()`` showed nothing.  Now each copy kills a carried command when
+    the time its timeout had left is up, lists it, and kills it on request (that copy's only)."""
+    def sleeping(sb: Sandbox, seconds: int) -> int:
+        return int(sb.commands.run(f"pgrep -c -f '^sleep {seconds}$' || true").stdout)
+
+    timeout = 25  # room for a fork, a snapshot and a create under TCG before it is up
+    with Sandbox.create(tier="microvm", memory="256M") as sb:
+        short = sb.commands.start("sleep 1000", timeout=timeout, cwd="/tmp")  # (a busy /workspace cannot be saved)
+        long = sb.commands.start("sleep 2000", timeout=300, cwd="/tmp")
+        wait_until(lambda: sleeping(sb, 1000) and sleeping(sb, 2000), 10, every=0.1)
+        started = time.monotonic()
+        copies = sb.fork(1)  # straight from the running VM
+        snap = sb.snapshot()
+        try:
+            copies.append(Sandbox.create(snapshot=snap.id))  # through the store
+            assert time.monotonic() - started < timeout - 3, "too slow to tell the timeout held"
+            for copy in copies:
+                listed = {c.pid: c.argv for c in copy.commands.list()}
+                assert short.pid in listed and long.pid in listed, listed
+                assert sleeping(copy, 1000) == 1, "killed before its time was up"
+            with pytest.raises(InvalidSpec, match="not waited for"):
+                copies[0].commands.connect(long.pid)
+            assert copies[0].commands.kill(long.pid)  # that copy's command, not the others'
+            wait_until(lambda: not sleeping(copies[0], 2000), 20, every=0.2)
+            assert (sleeping(copies[0], 2000), sleeping(copies[1], 2000), sleeping(sb, 2000)) == (0, 1, 1)
+            assert long.pid not in [c.pid for c in copies[0].commands.list()]
+            for where in (sb, *copies):
+                wait_until(lambda where=where: not sleeping(where, 1000), started + timeout + 30 - time.monotonic(), every=0.5)
+                assert sleeping(where, 1000) == 0, "a copied command ran past its timeout"
+                assert short.pid not in [c.pid for c in where.commands.list()]
+            assert short.wait().timed_out
+            assert [c.pid for c in copies[1].commands.list()] == [long.pid]
+        finally:
+            for copy in copies:
+                copy.kill()
+            Sandbox.delete_snapshot(snap.id)
+
+
+OWNER_PARKS = """
+import os
+from corral import Sandbox
+sb = Sandbox.create(tier="microvm", memory="256M")
+sb.set_timeout(20)
+sb.pause(to_disk=True)
+print(sb.id, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_sandbox_paused_to_disk_is_listed_and_ends_at_its_lifetime_once_its_owner_is_gone(
+        state_dir: Path) -> None:
+    """Its owner gone, a sandbox paused to disk was kept past its lifetime (record and ~100 MB
+    state: ``gc`` reaped nothing) and ``corral ls`` never showed it.  Now ``ls`` lists it paused,
+    and ``gc`` ends it LIFETIME_GRACE after its lifetime, its saved state with it."""
+    from corral.registry import LIFETIME_GRACE
+
+    owner = subprocess.run([sys.executable, "-c", OWNER_PARKS], capture_output=True, text=True, timeout=300,
+                           env=os.environ.copy())
+    sandbox_id = owner.stdout.strip()
+    assert owner.returncode == 0 and sandbox_id.startswith("sb-"), owner.stderr
+    record = parked.load(state_dir, sandbox_id)
+    assert record is not None and record.end_at is not None
+    corral = [sys.executable, "-m", "corral.cli", "ls", "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+
+    def listed() -> list[tuple[str, str]]:
+        out = subprocess.run(corral, capture_output=True, text=True, env=env, check=True).stdout
+        return [(row["id"], row["state"]) for row in json.loads(out) if row["id"] == sandbox_id]
+
+    def state_of_it() -> list[str]:
+        return [p.name for p in (state_dir / DIRECTORY).iterdir() if p.name == record.snapshot_id]
+
+    assert listed() == [(sandbox_id, "paused")]
+    assert state_of_it() == [record.snapshot_id]
+    if time.time() < record.end_at:
+        assert sandbox_id not in gc(state_dir)  # within its lifetime: left alone
+    time.sleep(max(0.0, record.end_at + LIFETIME_GRACE + 0.5 - time.time()))
+    assert sandbox_id in gc(state_dir)
+    assert parked.load(state_dir, sandbox_id) is None and state_of_it() == [] and listed() == []
+    assert sandbox_id not in [i.sandbox_id for i in Sandbox.list()]
+    with pytest.raises(SandboxNotFound):
+        Sandbox.connect(sandbox_id)
+
+
 def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_dir: Path) -> None:
     alice, bob = ({"url": "", "api_key": KEYS[who]} for who in ("alice", "bob"))
     # room for one live snapshot (~140 MB of memory image) and not two

@@ -231,3 +231,52 @@ def test_a_rows_cgroup_parent_is_used_only_when_it_names_a_group_below_the_roots
 
     assert all(_is_parent_name(name) for name in ("corral", "c17-ab12", "tenants/a"))
     assert not any(_is_parent_name(name) for name in ("", "/", "/sys", "..", "a/../..", "a//b", "./a", "a\0b"))
+
+
+def test_gc_ends_sandboxes_paused_to_disk_past_their_lifetime_and_ls_lists_the_others(tmp_path: Path) -> None:
+    """A sandbox paused to disk has no row and no owner process: gc never looked at it, so one
+    whose lifetime had passed kept its record and saved state for good, and ``corral ls`` listed
+    none.  Now gc ends each whose lifetime (embedded, or a server's deadline) ended more than
+    LIFETIME_GRACE ago, with its state; connect() refuses one whose lifetime just ended; ls lists
+    the others as paused.  (tests/test_microvm_snapshot.py does it with a real VM.)"""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from corral import Sandbox, SandboxNotFound, parked
+    from corral.registry import LIFETIME_GRACE, gc
+
+    root = state_dir(tmp_path / "state")
+    now = time.time()
+    past = now - LIFETIME_GRACE - 10
+    records = {  # sandbox id -> (its embedded end, its server facts)
+        "sb-00000000000000a1": (past, {}),  # lifetime long over
+        "sb-00000000000000a2": (None, {"tenant": "t", "created": past, "expires_at": past, "idle_timeout": 60.0}),
+        "sb-00000000000000a3": (now - 1, {}),  # just over: within the grace
+        "sb-00000000000000a4": (now + 600, {}),
+        "sb-00000000000000a5": (None, {}),  # no lifetime
+    }
+    for n, (sandbox_id, (end_at, server)) in enumerate(records.items()):
+        snapshot_id = f"snap-00000000000000a{n + 1}"
+        (root / "snapshots" / snapshot_id / "files" / "blobs").mkdir(parents=True)
+        (root / "snapshots" / snapshot_id / "files" / "manifest.json").write_text("{}")
+        (root / "snapshots" / snapshot_id / "meta.json").write_text(json.dumps({
+            "id": snapshot_id, "kind": "live", "size": 2, "created": now, "tier": "microvm", "image": "x",
+            "digest": "", "parked_by": sandbox_id}))
+        parked.save(root, parked.Parked(sandbox_id, snapshot_id, {"tier": "microvm"}, {}, now - 60, end_at, server))
+    reaped = gc(root)
+    assert {"sb-00000000000000a1", "sb-00000000000000a2"} <= set(reaped)
+    assert sorted(r.sandbox_id for r in parked.every(root)) == ["sb-00000000000000a3", "sb-00000000000000a4",
+                                                                "sb-00000000000000a5"]
+    assert sorted(p.name for p in (root / "snapshots").iterdir() if p.name.startswith("snap-")) == [
+        "snap-00000000000000a3", "snap-00000000000000a4", "snap-00000000000000a5"]
+    with pytest.raises(SandboxNotFound, match="lifetime"):
+        Sandbox.connect("sb-00000000000000a3", state=root)
+    assert parked.load(root, "sb-00000000000000a3") is None
+    assert not (root / "snapshots" / "snap-00000000000000a3").exists()
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+    out = subprocess.run([sys.executable, "-m", "corral.cli", "--state-dir", str(root), "ls", "--json"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    assert sorted((row["id"], row["state"]) for row in json.loads(out)) == [
+        ("sb-00000000000000a4", "paused"), ("sb-00000000000000a5", "paused")]

@@ -203,6 +203,9 @@ class LocalBackend(SandboxBackend):
         with self._lock:
             self._started = [(p, r) for p, r in self._started if not p.done]
             running = [CommandInfo(p.pid, list(r.argv), r.cwd) for p, r in self._started if p.pid is not None]
+        if self.inner is not None:  # commands a live snapshot brought in (a microVM's fork, restore, resume)
+            with host_errors("list commands", self.id):
+                running += [CommandInfo(*carried) for carried in self.inner.carried_commands()]
         from .interpreter import is_kernel
 
         return [info for info in running if not is_kernel(info.argv)]
@@ -212,13 +215,17 @@ class LocalBackend(SandboxBackend):
             for process, _ in self._started:
                 if process.pid == pid and not process.done:
                     return process
+        if self.inner is not None and any(carried[0] == pid for carried in self.inner.carried_commands()):
+            raise InvalidSpec(f"sandbox {self.id}: command {pid} came with the live state this sandbox was made "
+                              "from, and its output and exit status stay with the sandbox that started it: "
+                              "it can be listed and killed here, not waited for")
         raise InvalidSpec(f"sandbox {self.id} has no running command with pid {pid}")
 
     def kill_command(self, pid: int) -> bool:
         try:
             process = self.command(pid)
         except InvalidSpec:
-            return False
+            return self.inner is not None and self.inner.kill_carried(pid)
         process.kill()
         return True
 

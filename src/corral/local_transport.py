@@ -140,6 +140,10 @@ class LocalTransport(Transport):
         if owner is not None:
             return OwnerBackend(self.root, owner, sandbox_id)
         record = parked.load(self.root, sandbox_id)
+        if record is not None and parked.over(record, time.time()):  # its lifetime ended while it was parked
+            parked.end(self.root, sandbox_id)
+            raise SandboxNotFound(f"sandbox {sandbox_id}: its lifetime ended while it was paused to disk",
+                                  sandbox_id=sandbox_id)
         if record is not None:  # paused to disk, by this process or one gone since: ours now
             return adopt_parked(self.root, record)
         raise SandboxNotFound(f"no live sandbox {sandbox_id}", sandbox_id=sandbox_id)

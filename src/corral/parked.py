@@ -6,6 +6,8 @@ counted against its tenant's snapshot quota), and this record says how to bring 
 the same id -- its spec, labels, lifetime and, through a server, its tenant and deadlines.  It
 outlives the process that paused it: another process (a restarted server) finds it with
 ``Sandbox.connect(id)`` and ``resume()`` restores it; ``kill()`` removes the record and the snapshot.
+Its lifetime (an embedded ``lifetime``, a server's deadline) runs on while it is parked: once it is
+over, ``gc`` ends it (:func:`reap_expired`) as it ends a live sandbox whose owner missed its lifetime.
 
 Stored as ``<state>/parked/<sandbox id>.json`` (0600, written whole by a rename).
 """
@@ -13,6 +15,7 @@ Stored as ``<state>/parked/<sandbox id>.json`` (0600, written whole by a rename)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -106,3 +109,51 @@ def every(root: Path) -> list[Parked]:
         if record is not None:
             found.append(record)
     return found
+
+
+def end_at(record: Parked) -> float | None:
+    """When the sandbox's lifetime ends: its embedded lifetime, or its server's deadline (the
+    sooner of the two); None if it has neither."""
+    ends = [float(t) for t in (record.end_at, record.server.get("expires_at"))
+            if isinstance(t, (int, float)) and not isinstance(t, bool)]
+    return min(ends) if ends else None
+
+
+def over(record: Parked, now: float, grace: float = 0.0) -> bool:
+    """Whether its lifetime ended more than ``grace`` seconds before ``now``."""
+    end = end_at(record)
+    return end is not None and now > end + grace
+
+
+def set_deadline(root: Path, sandbox_id: str, expires_at: float) -> None:
+    """A server extended the sandbox's lifetime while it is paused to disk: its record says so
+    (``gc`` ends it by the record).  Nothing if it is being resumed meanwhile (the record goes)."""
+    try:
+        with claimed(root, sandbox_id) as record:
+            if record is not None and record.server:
+                save(root, dataclasses.replace(record, server={**record.server, "expires_at": expires_at}))
+    except BlockingIOError:
+        pass
+
+
+def end(root: Path, sandbox_id: str) -> bool:
+    """End a sandbox paused to disk: its saved state and its record go (not while another process
+    resumes it: False then, as when there is no record)."""
+    from .snapshots import SnapshotStore
+
+    try:
+        with claimed(root, sandbox_id) as record:
+            if record is None:
+                return False
+            SnapshotStore(root).delete(record.snapshot_id, parked=True)
+            remove(root, sandbox_id)
+            return True
+    except BlockingIOError:
+        return False
+
+
+def reap_expired(root: Path, now: float, grace: float) -> list[str]:
+    """End every sandbox paused to disk whose lifetime ended more than ``grace`` seconds ago
+    (its owner, gone or stopped, did not); returns their ids."""
+    return [record.sandbox_id for record in every(root)
+            if over(record, now, grace) and end(root, record.sandbox_id)]

@@ -53,15 +53,20 @@ def handle_ls(args: argparse.Namespace) -> int:
         rows = [{"id": s["id"], "state": s["state"], "image": s["spec"]["image"], "tier": s["spec"]["tier"],
                  "expires_at": s["expires_at"]} for s in Client().list()]
     else:
+        from .. import parked
         from ..registry import Registry, state_dir
 
+        root = state_dir(args.state_dir)
         rows = [{"id": r.id, "state": "running" if r.owner_alive() else "orphaned", "tier": r.tier,
-                 "owner_pid": r.owner_pid} for r in Registry(state_dir(args.state_dir)).rows()]
+                 "owner_pid": r.owner_pid} for r in Registry(root).rows()]
+        # paused to disk: no row and no owner process (parked.py), listed all the same
+        rows += [{"id": p.sandbox_id, "state": "paused", "tier": str(p.spec.get("tier", "")), "owner_pid": None}
+                 for p in parked.every(root)]
     if args.json:
         print(json.dumps(rows))
     else:
         for row in rows:
-            print("  ".join(str(v) for v in row.values()))
+            print("  ".join("-" if v is None else str(v) for v in row.values()))
     return 0
 
 

@@ -113,6 +113,9 @@ class SandboxManager:
             facts = record.server
             if not facts:
                 continue
+            if parked.over(record, time.time()):  # its lifetime ended while the server was down: it ends
+                parked.end(self.root, record.sandbox_id)
+                continue
             sandbox = Sandbox.connect(record.sandbox_id, state=self.root)
             entry = Entry(sandbox, str(facts["tenant"]), float(facts["created"]), float(facts["expires_at"]),
                           float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
@@ -268,6 +271,9 @@ class SandboxManager:
             raise InvalidSpec(f"timeout: {seconds!r} s would outlive the server's max lifetime of "
                               f"{self.config.max_lifetime:g} s from creation ({left:.0f} s left)")
         entry.expires_at = wanted
+        backend = getattr(entry.sandbox, "_backend", None)
+        if getattr(backend, "parked", None) is not None:  # paused to disk: its record's deadline too (gc reads it)
+            parked.set_deadline(self.root, entry.sandbox.id, wanted)
 
     def destroy_now(self, sandbox_id: str) -> None:
         entry = self._remove(sandbox_id)

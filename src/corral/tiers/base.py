@@ -282,6 +282,15 @@ class TierSandbox(ABC):
         :meth:`Tier.create_from_snapshot` starts a sandbox from such a directory."""
         raise InvalidState(f"sandbox {self.id}: its tier cannot take snapshots", sandbox_id=self.id)
 
+    def carried_commands(self) -> list[tuple[int, list[str], str]]:
+        """(pid, argv, cwd) of each command that came into this sandbox with a live snapshot (a
+        microVM's fork, restore or resume) and still runs: no handle of this process started them."""
+        return []
+
+    def kill_carried(self, pid: int) -> bool:
+        """Kill such a command; False if none has that pid."""
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Destroy the sandbox: no process, mount, cgroup or file of it survives. Idempotent."""

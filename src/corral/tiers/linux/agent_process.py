@@ -197,6 +197,10 @@ class AgentProcess(Process):
             return os.WTERMSIG(status) == signal.SIGKILL
         return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + signal.SIGKILL
 
+    @property
+    def request(self) -> ExecRequest:
+        return self._request
+
     def seconds_left(self) -> float:
         """Of its timeout (negative once past it); the sandbox's paused time does not count."""
         return self._deadline() - time.monotonic()

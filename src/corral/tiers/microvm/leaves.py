@@ -12,11 +12,14 @@ goes (or :data:`TRIES` tries: its child is a daemon of the sandbox's life).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ...errors import FileError, FileNotFoundInSandbox, SandboxError
 from ..linux.agent import AgentChannel
@@ -63,23 +66,48 @@ class LeftLeaves:
         self._sent.append((leaf, answer, tries))
 
 
-class CommandDeadlines:
-    """When each command running in the guest must end, kept across a pause to disk.
+@dataclass(frozen=True)
+class Carried:
+    """A command running in the guest when a live snapshot was taken, as the snapshot keeps it:
+    its guest leaf, the seconds of its timeout left, and what ``commands.list()`` shows of it."""
 
-    A command's timeout is the host's to enforce, and the host's side of a command is gone once
-    its VM is parked (its handle ends: "the sandbox stopped while the command ran"); the command
-    itself is in the VM's saved memory and ran on after ``resume()`` with no timeout and no host
-    to kill it.  So a live snapshot records each running command's leaf and the time it had left
-    (:meth:`left`), and the same sandbox restored from it kills each leaf when that time is up
-    (:meth:`restored`); a copy (a new sandbox, a fork) keeps them running, as documented."""
+    leaf: str
+    left: float
+    pid: int = 0
+    argv: tuple[str, ...] = ()
+    cwd: str = ""
+
+    @classmethod
+    def from_json(cls, data: Any) -> Carried:
+        """One entry of a snapshot's ``commands``: its fields (``asdict``), or [leaf, seconds left]
+        (what older snapshots kept)."""
+        if isinstance(data, dict):
+            return cls(str(data["leaf"]), float(data["left"]), int(data.get("pid", 0)),
+                       tuple(str(a) for a in data.get("argv", ())), str(data.get("cwd", "")))
+        leaf, left = data[:2]
+        return cls(str(leaf), float(left))
+
+
+class CommandDeadlines:
+    """When each command running in the guest must end, kept across a live snapshot.
+
+    A command's timeout is the host's to enforce, and the host's side of a command stays with
+    the VM that started it: parked (its handle ends: "the sandbox stopped while the command
+    ran"), or copied into a fork or a VM made from a snapshot, the command itself is in the VM's
+    memory and ran on there with no timeout and no host to kill it.  So a live snapshot (and a
+    fork) records each running command's leaf, the time it had left, its pid, argv and cwd
+    (:meth:`left`), and every VM restored from it -- the same sandbox back from disk, a fork, a
+    new sandbox -- kills each leaf when that time is up (:meth:`restored`), lists the command
+    (:meth:`carried`) and kills it on request (:meth:`kill`).  Its output and exit status went
+    to the host side of the VM it was started in: a copy cannot wait for it."""
 
     def __init__(self, kill_leaf: Callable[[str], None]) -> None:
         self._kill_leaf = kill_leaf
         self._lock = threading.Lock()
         #: leaf -> the host's command in it (its deadline moves with in-memory pauses)
         self._running: dict[str, AgentProcess] = {}
-        #: leaf -> monotonic deadline, for commands carried over a pause to disk
-        self._carried: dict[str, float] = {}
+        #: leaf -> (monotonic deadline, the command), for commands carried over a live snapshot
+        self._carried: dict[str, tuple[float, Carried]] = {}
         self._timers: list[threading.Timer] = []
 
     def started(self, leaf: str, process: AgentProcess) -> None:
@@ -90,31 +118,51 @@ class CommandDeadlines:
         with self._lock:
             self._running.pop(leaf, None)
 
-    def left(self) -> list[tuple[str, float]]:
-        """(leaf, seconds left) of every command not ended."""
+    def left(self) -> list[Carried]:
+        """Every command not ended, with the seconds it has left."""
         now = time.monotonic()
         with self._lock:
-            running = [(leaf, process.seconds_left()) for leaf, process in self._running.items() if not process.done]
-            carried = [(leaf, deadline - now) for leaf, deadline in self._carried.items()]
-        return [(leaf, max(0.0, left)) for leaf, left in running + carried]
+            running = [Carried(leaf, process.seconds_left(), process.pid or 0,
+                               tuple(process.request.argv), process.request.cwd)
+                       for leaf, process in self._running.items() if not process.done]
+            carried = [dataclasses.replace(command, left=deadline - now)
+                       for deadline, command in self._carried.values()]
+        return [dataclasses.replace(command, left=max(0.0, command.left)) for command in running + carried]
 
-    def restored(self, commands: list[tuple[str, float]]) -> None:
-        """The commands a pause to disk carried over: each leaf is killed when its time is up."""
+    def restored(self, commands: list[Carried]) -> None:
+        """The commands a live snapshot carried over: each leaf is killed when its time is up."""
         now = time.monotonic()
-        for leaf, seconds in commands:
+        for command in commands:
             with self._lock:
-                self._carried[leaf] = now + seconds
-            timer = threading.Timer(seconds, self._end, args=(leaf,))
+                self._carried[command.leaf] = (now + command.left, command)
+            timer = threading.Timer(command.left, self._end, args=(command.leaf,))
             timer.daemon = True
             self._timers.append(timer)
             timer.start()
 
-    def _end(self, leaf: str) -> None:
+    def carried(self) -> list[Carried]:
+        """The carried commands not ended by their deadline or a kill (one may have exited)."""
+        with self._lock:
+            return [command for _, command in self._carried.values()]
+
+    def forget(self, leaf: str) -> None:
+        """A carried command that exited on its own."""
+        with self._lock:
+            self._carried.pop(leaf, None)
+
+    def kill(self, pid: int) -> bool:
+        """Kill the carried command ``pid`` (its leaf); False if there is none."""
+        with self._lock:
+            leaf = next((leaf for leaf, (_, command) in self._carried.items() if command.pid == pid), None)
+        return leaf is not None and self._end(leaf)
+
+    def _end(self, leaf: str) -> bool:
         with self._lock:
             if self._carried.pop(leaf, None) is None:
-                return
+                return False
         with contextlib.suppress(SandboxError, OSError):
             self._kill_leaf(leaf)
+        return True
 
     def close(self) -> None:
         for timer in self._timers:

@@ -22,7 +22,8 @@ Taking one (:func:`capture`), the VM runs on afterwards:
    -- so each VM made from it maps the RAM ``share=off`` (copy-on-write, nothing read up front)
    and restores as fast as from a template.
 
-A VM restored from it (:func:`setup_restored`) has the snapshot's processes, frozen; its first
+A VM restored from it (:func:`setup_restored`) has the snapshot's processes, frozen (the commands
+among them keep the time their timeouts had left: leaves.CommandDeadlines); its first
 request (sent straight on the socket: :func:`_first_answer` drops what the guest was still
 sending when the snapshot was taken) gives it a fresh identity (RNG reseeded from 64 host
 bytes, wall clock, hostname = its sandbox id, machine id, boot id bind-mounted over
@@ -63,6 +64,7 @@ from ..linux.agent_build import agent_binary
 from ..linux.frames import HEADER, T_ERR, T_GUEST, T_OK
 from . import converter, memimage, qemu, template
 from .converter import MIGRATE_TIMEOUT
+from .leaves import Carried
 from .rootdisk import ImageDisk
 
 if TYPE_CHECKING:
@@ -103,13 +105,13 @@ class VMImage:
     #: from pause(to_disk=True)) it keeps its identity
     sandbox_id: str = ""
     hostname: str = ""
-    #: [guest leaf, seconds left] of each command running when it was taken: the same sandbox
-    #: back from disk ends each when its time is up (leaves.CommandDeadlines)
-    commands: list[tuple[str, float]] = field(default_factory=list)
+    #: each command running when it was taken (guest leaf, seconds left, pid, argv, cwd): every
+    #: VM restored from it ends each when its time is up (leaves.CommandDeadlines)
+    commands: list[Carried] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> VMImage:
-        commands = [(str(leaf), float(left)) for leaf, left in data.get("commands") or []]
+        commands = [Carried.from_json(command) for command in data.get("commands") or []]
         return cls(int(data["ram_mb"]), str(data["accel"]), str(data["qemu"]), str(data["assets"]),
                    str(data["disk_key"]), str(data["disk_path"]), str(data["state_sha256"]),
                    str(data["ram_sha256"]), int(data["last_id"]), int(data["leaves"]),
@@ -430,8 +432,8 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
     else:
         wake = identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
     awaken(vm, image.last_id + ID_MARGIN, wake, image.readonly_workspace, t0)
-    if resumed:
-        vm.carry_commands(image.commands)
+    # the same sandbox or a copy: its commands are in its memory, and end when their time is up
+    vm.carry_commands(image.commands)
 
 
 def host_side(vm: MicroVMSandbox, ram_mb: int, disk: ImageDisk, leaves: int) -> Path:

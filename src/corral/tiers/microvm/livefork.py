@@ -16,7 +16,8 @@ through a stored snapshot (live.py), whose memory image they share copy-on-write
    on, remounts its workspace and thaws -- unchanged;
 3. each fork, loaded, runs with the parent's processes still frozen: its own copy of the
    workspace, a fresh identity (live.awaken: RNG reseeded, boot id, hostname, machine id), its
-   workspace mounted, and then its processes thaw.
+   workspace mounted, and then its processes thaw; the parent's commands among them end when
+   the time their timeouts had left is up (leaves.CommandDeadlines), as in the parent.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ..linux.agent import AgentChannel
 from ..linux.agent_build import agent_binary
 from . import live, template
 from .converter import MIGRATE_TIMEOUT
+from .leaves import Carried
 from .rootdisk import ImageDisk
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ class ForkSource:
     files: Path | None = None
     entries: list[dict[str, Any]] = field(default_factory=list)
     last_id: int = 0
+    #: the parent's commands running as it was migrated, each with its time left: the fork ends them
+    commands: list[Carried] = field(default_factory=list)
 
 
 def setup_forked(vm: MicroVMSandbox, source: ForkSource) -> None:
@@ -98,6 +102,7 @@ def setup_forked(vm: MicroVMSandbox, source: ForkSource) -> None:
     vm.timings["files"] = time.monotonic() - t0
     wake = live.identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
     live.awaken(vm, source.last_id + live.ID_MARGIN, wake, source.readonly_workspace, t0)
+    vm.carry_commands(source.commands)  # copied with the parent's memory: each ends when its time is up
 
 
 def fork(tier: MicroVMTier, parent: MicroVMSandbox, spec: SandboxSpec,
@@ -191,8 +196,10 @@ def migrate_into(vm: MicroVMSandbox, channel: AgentChannel, sources: list[ForkSo
         if any(source.failed or not source.up.is_set() for source in sources):
             return  # all or none: the fork that failed raises its own error
         with channel.quiesced():  # no request half-sent to the guest while it is migrated
+            commands = vm.command_deadlines()  # (its commands frozen: their time left holds)
             for source in sources:
                 source.files, source.entries, source.last_id = files, entries, channel.last_id
+                source.commands = commands
                 source.migrating.set()
             if len(feeds) == 1:
                 live.migrate_out(vm, feeds[0].fileno(), "fork")

@@ -28,6 +28,7 @@ operations (the agent itself lives outside that cgroup).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...egress.network import PROXY_PORT
-from ...errors import SandboxClosed, SandboxError
+from ...errors import FileNotFoundInSandbox, SandboxClosed, SandboxError
 from ...host import mounts
 from ...host.ws_copy import WorkspaceCopy
 from ...images import resolve
@@ -54,7 +55,7 @@ from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FWRITE
 from ..linux.sandbox import LinuxSandbox
 from . import converter, live, livefork, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
-from .leaves import CommandDeadlines, LeftLeaves
+from .leaves import Carried, CommandDeadlines, LeftLeaves
 
 if TYPE_CHECKING:
     from .tier import MicroVMTier
@@ -432,13 +433,36 @@ class MicroVMSandbox(LinuxSandbox):
         channel.send(T_FWRITE | T_AS_AGENT, channel.new_id(),
                      struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
 
-    def command_deadlines(self) -> list[tuple[str, float]]:
-        """(guest leaf, seconds left) of each command running: what a live snapshot keeps (.leaves)."""
+    def command_deadlines(self) -> list[Carried]:
+        """Each command running, with its time left: what a live snapshot or a fork keeps (.leaves)."""
         return self._deadlines.left()
 
-    def carry_commands(self, commands: list[tuple[str, float]]) -> None:
-        """This sandbox is back from disk: the commands it ran then end when their time is up."""
+    def carry_commands(self, commands: list[Carried]) -> None:
+        """This sandbox was restored from a live state (back from disk, a fork, a snapshot's copy):
+        the commands running in it then end when their time is up."""
         self._deadlines.restored(commands)
+
+    def carried_commands(self) -> list[tuple[int, list[str], str]]:
+        carried = self._deadlines.carried()
+        if not carried or self.paused:  # (a paused agent answers nothing: those not yet seen to end)
+            return [(command.pid, list(command.argv), command.cwd) for command in carried]
+        running = []
+        channel = self._channel_or_raise()
+        for command in carried:
+            try:
+                events = channel.read_file(f"{command.leaf}/cgroup.events", 4096, as_agent=True).decode()
+            except FileNotFoundInSandbox:
+                events = "populated 0"
+            if "populated 1" in events.splitlines():
+                running.append((command.pid, list(command.argv), command.cwd))
+            else:  # exited on its own: its leaf goes as an ended command's does
+                self._deadlines.forget(command.leaf)
+                with contextlib.suppress(SandboxClosed, SandboxError):
+                    self._left_leaves.remove(channel, command.leaf, self._exec_count)
+        return running
+
+    def kill_carried(self, pid: int) -> bool:
+        return self._deadlines.kill(pid)
 
     # -- lifecycle ---------------------------------------------------------
     def alive(self) -> bool:  # the VM process too, not only the channel
