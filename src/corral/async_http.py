@@ -15,7 +15,7 @@ from urllib.parse import quote
 import httpx
 
 from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .http_streams import ExecFrames, printed, result_of, stdin_posts, stream_request
+from .http_streams import ExecFrames, output_bytes, printed, result_of, stdin_posts, stream_request
 from .http_transport import (
     REQUEST_TIMEOUT,
     Endpoint,
@@ -217,7 +217,7 @@ class AsyncBackgroundProcess:
                     frame: dict[str, Any] = json.loads(raw)
                     kind = frame.get("type")
                     if kind in ("stdout", "stderr") and on_output is not None:
-                        await call_maybe_async(on_output, kind, frame["data"].encode())
+                        await call_maybe_async(on_output, kind, output_bytes(frame))
                     elif kind == "result":
                         self._result = result_of(frame)
                         return

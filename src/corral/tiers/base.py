@@ -186,6 +186,11 @@ class Process(ABC):
     def wait(self) -> ExecResult:
         """Block until the command ended or timed out (its tree is killed) and return the result."""
 
+    def kept_output(self) -> dict[str, bytes] | None:
+        """The bytes of each stream kept for its result (up to ``max_output``), exactly as the
+        command wrote them; None from a tier that keeps only the result's text."""
+        return None
+
 
 class PendingWrite(ABC):
     """The rest of a snapshot :meth:`TierSandbox.snapshot_begin` returned before it was whole
