@@ -22,6 +22,7 @@ from .http_transport import (
     answer,
     create_body,
     info_of,
+    path_params,
     retry_wait,
     stdin_field,
 )
@@ -288,7 +289,7 @@ class AsyncHTTPBackend:
         return await AsyncBackgroundProcess(self._client, self.id, pid).kill_if_running()
 
     async def _file(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
-        params = {"path": path, **kwargs.pop("params", {})}
+        params = {**path_params(path), **kwargs.pop("params", {})}
         return await self._call(method, "/files" + suffix, params=params, **kwargs)
 
     async def read_file(self, path: str, max_bytes: int) -> bytes:
@@ -300,10 +301,10 @@ class AsyncHTTPBackend:
                          headers={"content-type": "application/octet-stream"})
 
     async def list_dir(self, path: str) -> list[FileEntry]:
-        return [FileEntry(**e) for e in (await self._file("GET", "", path))["entries"]]
+        return [FileEntry.from_json(e) for e in (await self._file("GET", "", path))["entries"]]
 
     async def stat(self, path: str) -> FileEntry:
-        return FileEntry(**await self._file("GET", "/stat", path))
+        return FileEntry.from_json(await self._file("GET", "/stat", path))
 
     async def remove(self, path: str, recursive: bool) -> None:
         await self._file("DELETE", "", path, params={"recursive": recursive})

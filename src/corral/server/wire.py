@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,6 +30,7 @@ from ..errors import (
     SnapshotCorrupt,
     Unauthorized,
 )
+from ..spec import path_bytes
 
 #: the HTTP status of each error class (the first that matches; anything else is 500)
 STATUS: tuple[tuple[type[SandboxError], int], ...] = (
@@ -180,15 +182,38 @@ def require_unicode(value: Any, where: str = "body") -> None:
 
 
 def checked_path(path: str) -> str:
-    """A sandbox path from a request: no NUL, no '..' component (nothing may walk out of where it names)."""
+    """A sandbox path from a request: no NUL, no '..' component (nothing may walk out of where it
+    names).  Bytes that are not UTF-8 (from ``path_b64``) are surrogates, as Python's ``os`` has them."""
     if not path or "\0" in path:
         raise InvalidSpec("path: must be a non-empty path without NUL bytes")
-    require_unicode(path, "path")
     if ".." in path.split("/"):
         raise InvalidSpec(f"path {path!r}: '..' components are not allowed")
-    if len(path.encode()) > 4000:
+    if len(path_bytes(path)) > 4000:
         raise InvalidSpec("path: longer than 4000 bytes")
     return path
+
+
+def path_of_query(query_string: bytes, path: str | None, path_b64: str | None, default: str | None = None) -> str:
+    """The sandbox path a request's query names: ``path`` (text), or ``path_b64`` (its bytes,
+    base64: a name that is not UTF-8).  A ``%``-escape that is not UTF-8 is refused by name (it
+    was taken as U+FFFD, and a file of that other name was written)."""
+    try:
+        parse_qsl(query_string.decode("latin-1"), keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidSpec("query: a %-escape is not UTF-8; send a path that is not UTF-8 as path_b64 "
+                          "(its bytes, base64)") from None
+    if path is not None and path_b64 is not None:
+        raise InvalidSpec("path and path_b64: give one")
+    if path_b64 is not None:
+        try:
+            path = base64.b64decode(path_b64, validate=True).decode("utf-8", "surrogateescape")
+        except ValueError:
+            raise InvalidSpec("path_b64: not base64") from None
+    if path is None:
+        if default is None:
+            raise InvalidSpec("path: required (or path_b64)")
+        path = default
+    return checked_path(path)
 
 
 # -- output frames -------------------------------------------------------------------
