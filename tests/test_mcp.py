@@ -388,3 +388,33 @@ def test_mcp_http_a_connected_client_that_calls_nothing_is_idle(state_dir: Path)
         assert not still_there, f"a connected client's sandbox outlived its idle timeout ({waited:.0f} s)"
         assert waited >= 2.5, "the sandbox went before the idle timeout"
         assert server.poll() is None
+
+
+def test_mcp_lists_a_directory_holding_a_name_that_is_not_utf8(state_dir: Path) -> None:
+    """One file whose name is not UTF-8 made list_files fail for its whole directory, embedded and
+    through a server; the name is shown with \\xNN for its odd byte, marked, and the rest as ever."""
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from .server_fixtures import KEYS, ServerProcess
+
+    state = state_dir / "mcp-badname"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+
+    async def listing(env: dict[str, str]) -> dict[str, Any]:
+        params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            sid = _payload(await client.call_tool("create_sandbox", {"memory": "128M"}))["sandbox_id"]
+            made = await client.call_tool("run_command", {"sandbox_id": sid, "command": (
+                "mkdir /tmp/d && python3 -c \"open(b'/tmp/d/bad\\xe9.txt', 'wb').write(b'hi')\" && echo x > /tmp/d/ok")})
+            assert _payload(made)["exit_code"] == 0
+            return _payload(await client.call_tool("list_files", {"sandbox_id": sid, "path": "/tmp/d"}))
+
+    with ServerProcess(state_dir / "srv-mcp-badname", keys=KEYS) as server:
+        remote = {**env, "CORRAL_URL": server.url, "CORRAL_API_KEY": KEYS["alice"]}
+        for answer in (asyncio.run(listing(env)), asyncio.run(listing(remote))):
+            assert answer["entries"] == [{"name": "bad\\xe9.txt", "type": "file", "size": 2, "not_utf8": True},
+                                         {"name": "ok", "type": "file", "size": 2}], answer
+            assert "not UTF-8" in answer["names_note"]

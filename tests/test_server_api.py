@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -121,6 +122,81 @@ def test_stream_order_stdin_and_result(server: ServerProcess) -> None:
             assert kinds == [("stdout", "one\n"), ("stderr", "two\n"), ("stdout", "got hello\n")]
             assert frames[0]["type"] == "started"
             assert frames[-1]["type"] == "result" and frames[-1]["exit_code"] == 7
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def _frames_until_result(ws: Any) -> list[dict[str, Any]]:
+    frames = []
+    while True:
+        frames.append(json.loads(ws.recv(timeout=20)))
+        if frames[-1]["type"] in ("result", "error"):
+            return frames
+
+
+def _output_frames(frames: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str, bytes]:
+    """The stdout frames, their text (what a client of ``data`` sees) and their bytes."""
+    out = [f for f in frames if f["type"] == "stdout"]
+    raw = b"".join(base64.b64decode(f["data_b64"]) if "data_b64" in f else f["data"].encode() for f in out)
+    return out, "".join(f["data"] for f in out), raw
+
+
+def test_output_that_is_not_utf8_also_comes_as_its_bytes_and_text_stays_text(server: ServerProcess) -> None:
+    """An output frame whose bytes are not UTF-8 carries them in ``data_b64`` (they came only as
+    U+FFFD text); ``data`` is the text as before, and a character cut between two writes is text."""
+    printed = "printf 'caf\\303'; sleep 0.3; printf '\\251 \\377\\376 end\\n'"
+    with server.client("alice") as http:
+        sid = create(http)
+        try:
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": printed}))
+                out, text, raw = _output_frames(_frames_until_result(ws))
+            assert out[0] == {"type": "stdout", "data": "caf"}  # its cut é waits for the rest of it
+            assert raw == b"caf\xc3\xa9 \xff\xfe end\n"
+            assert text == "café \ufffd\ufffd end\n"
+            with _stream(server, sid) as ws:
+                ws.send(json.dumps({"cmd": "printf 'caf\\303'; sleep 0.3; printf '\\251\\n'"}))
+                out, text, raw = _output_frames(_frames_until_result(ws))
+            assert text == "café\n" and not any("data_b64" in f for f in out)  # text alone stays text alone
+            started = http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": printed})
+            assert started.status_code == 201, started.text
+            pid = started.json()["pid"]
+            with connect(server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/commands/{pid}/stream",
+                         additional_headers=server.headers("alice"), open_timeout=10, legacy=True) as ws:
+                out, text, raw = _output_frames(_frames_until_result(ws))
+            assert raw == b"caf\xc3\xa9 \xff\xfe end\n" and text == "café \ufffd\ufffd end\n"
+        finally:
+            http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_name_that_is_not_utf8_is_listed_with_its_bytes_and_a_query_that_is_not_utf8_is_refused(
+        server: ServerProcess) -> None:
+    """One such name made the whole listing a 400; a path's %-escape that is not UTF-8 was taken as
+    U+FFFD, and a file of that other name was written."""
+    make = "import os; os.makedirs('/tmp/d'); open(b'/tmp/d/bad\\xffname', 'wb').write(b'payload')"
+    with server.client("alice") as http:
+        sid = create(http)
+        files = f"/v1/sandboxes/{sid}/files"
+        try:
+            assert http.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": ["python3", "-c", make]}).json()["exit_code"] == 0
+            listing = http.get(files, params={"path": "/tmp/d"})
+            assert listing.status_code == 200, listing.text
+            [entry] = listing.json()["entries"]
+            assert (entry["name"], entry["path"]) == ("bad\ufffdname", "/tmp/d/bad\ufffdname")
+            assert base64.b64decode(entry["name_b64"]) == b"bad\xffname"
+            assert base64.b64decode(entry["path_b64"]) == b"/tmp/d/bad\xffname"
+            got = http.get(f"{files}/content", params={"path_b64": entry["path_b64"]})
+            assert got.content == b"payload"
+            assert http.get(f"{files}/stat", params={"path_b64": entry["path_b64"]}).json()["name_b64"] == entry["name_b64"]
+            for method in ("GET", "PUT", "DELETE"):
+                refused = http.request(method, f"{files}/content?path=/tmp/d/%FF" if method != "DELETE"
+                                       else f"{files}?path=/tmp/d/%FF", content=b"x")
+                assert refused.status_code == 400 and refused.json()["error"] == "invalid_spec", refused.text
+                assert "not UTF-8" in refused.json()["message"]
+            both = http.get(f"{files}/content", params={"path": "/tmp/d/x", "path_b64": entry["path_b64"]})
+            assert both.status_code == 400 and "give one" in both.json()["message"]
+            assert http.delete(files, params={"path_b64": entry["path_b64"]}).status_code == 204
+            assert http.get(files, params={"path": "/tmp/d"}).json()["entries"] == []  # nothing named U+FFFD either
         finally:
             http.delete(f"/v1/sandboxes/{sid}")
 

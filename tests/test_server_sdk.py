@@ -86,6 +86,81 @@ def test_async_sandbox_remote(server: ServerProcess) -> None:
     assert asyncio.run(main()) == "async"
 
 
+#: every byte value, so most of it is not UTF-8
+BLOB = bytes(range(256)) * 400
+
+
+def _where(server: ServerProcess, where: str) -> dict[str, str]:
+    return {"url": server.url, "api_key": KEYS["alice"]} if where == "remote" else {}
+
+
+def _joined(got: list[tuple[str, bytes]], stream: str) -> bytes:
+    return b"".join(chunk for s, chunk in got if s == stream)
+
+
+@pytest.mark.parametrize("where", ["embedded", "remote"])
+def test_on_output_gets_the_bytes_a_command_wrote_on_every_path(server: ServerProcess, where: str) -> None:
+    """What ``on_output`` gets is what the command wrote, byte for byte: streamed, a background
+    command followed from its start, one waited for late, sync and async (100,000 bytes that are
+    not UTF-8 reached a remote callback as 199,904: U+FFFD for each, encoded again; an embedded
+    background command's late wait replayed its result's text)."""
+    cmd = "cat /tmp/blob; cat /tmp/blob >&2"
+    with Sandbox.create(memory="128M", **_where(server, where)) as sb:
+        sb.files.write("/tmp/blob", BLOB)
+        streamed: list[tuple[str, bytes]] = []
+        result = sb.commands.run(cmd, on_output=lambda s, b: streamed.append((s, b)))
+        assert _joined(streamed, "stdout") == BLOB == _joined(streamed, "stderr")
+        assert result.stdout == BLOB.decode(errors="replace")  # the result stays text
+        followed: list[tuple[str, bytes]] = []
+        job = sb.commands.run(cmd, background=True, on_output=lambda s, b: followed.append((s, b)))
+        late: list[tuple[str, bytes]] = []
+        job.wait(on_output=lambda s, b: late.append((s, b)))
+        assert _joined(followed, "stdout") == BLOB == _joined(followed, "stderr")
+        assert _joined(late, "stdout") == BLOB == _joined(late, "stderr")
+
+    async def main() -> tuple[bytes, bytes]:
+        async with await AsyncSandbox.create(memory="128M", **_where(server, where)) as asb:
+            await asb.files.write("/tmp/blob", BLOB)
+            got: list[tuple[str, bytes]] = []
+            await asb.commands.run(cmd, on_output=lambda s, b: got.append((s, b)))
+            job = await asb.commands.run(cmd, background=True)
+            waited: list[tuple[str, bytes]] = []
+            await job.wait(on_output=lambda s, b: waited.append((s, b)))
+            return _joined(got, "stderr"), _joined(waited, "stdout")
+
+    assert asyncio.run(main()) == (BLOB, BLOB)
+
+
+@pytest.mark.parametrize("where", ["embedded", "remote"])
+def test_a_listed_name_that_is_not_utf8_is_reached_by_its_listed_path(server: ServerProcess, where: str,
+                                                                      tmp_path: Path) -> None:
+    """One file whose name is not UTF-8 made a remote listing of its directory fail whole (and so
+    a download of it); embedded, its listed path raised UnicodeEncodeError.  Its name comes as
+    Python's ``os`` gives it (the byte as a surrogate), and that path reads, stats and removes it."""
+    make = "import os; os.makedirs('/tmp/d'); open(b'/tmp/d/bad\\xffname', 'wb').write(b'payload'); open('/tmp/d/ok', 'w')"
+    with Sandbox.create(memory="128M", **_where(server, where)) as sb:
+        assert sb.commands.run(["python3", "-c", make]).ok
+        entries = sb.files.list("/tmp/d")
+        assert [(e.name, e.path) for e in entries] == [("bad\udcffname", "/tmp/d/bad\udcffname"), ("ok", "/tmp/d/ok")]
+        bad = entries[0]
+        assert sb.files.read(bad.path, format="bytes") == b"payload"
+        assert sb.files.stat(bad.path).name == bad.name
+        assert sb.files.download_dir("/tmp/d", tmp_path / "d") == 2
+        assert (tmp_path / "d" / "bad\udcffname").read_bytes() == b"payload"  # the host's name: the same bytes
+        sb.files.write("/tmp/d/new\udcfe", b"new")
+        sb.files.remove(bad.path)
+        assert sb.commands.run("ls -b /tmp/d").stdout.split() == ["new\\376", "ok"]
+        with pytest.raises(InvalidSpec, match="surrogate"):
+            sb.files.read("/tmp/\ud800")  # a surrogate that stands for no byte names nothing
+
+        async def main() -> bytes:
+            asb = await AsyncSandbox.connect(sb.id, **_where(server, where))
+            listed = await asb.files.list("/tmp/d")
+            return await asb.files.read(listed[0].path, format="bytes")  # type: ignore[no-any-return]
+
+        assert asyncio.run(main()) == b"new"
+
+
 def test_cli_through_server(server: ServerProcess, tmp_path: Path) -> None:
     env = {**os.environ, "CORRAL_URL": server.url, "CORRAL_API_KEY": KEYS["alice"]}
 

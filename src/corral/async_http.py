@@ -15,13 +15,14 @@ from urllib.parse import quote
 import httpx
 
 from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .http_streams import ExecFrames, printed, result_of, stdin_posts, stream_request
+from .http_streams import ExecFrames, output_bytes, printed, result_of, stdin_posts, stream_request
 from .http_transport import (
     REQUEST_TIMEOUT,
     Endpoint,
     answer,
     create_body,
     info_of,
+    path_params,
     retry_wait,
     stdin_field,
 )
@@ -217,7 +218,7 @@ class AsyncBackgroundProcess:
                     frame: dict[str, Any] = json.loads(raw)
                     kind = frame.get("type")
                     if kind in ("stdout", "stderr") and on_output is not None:
-                        await call_maybe_async(on_output, kind, frame["data"].encode())
+                        await call_maybe_async(on_output, kind, output_bytes(frame))
                     elif kind == "result":
                         self._result = result_of(frame)
                         return
@@ -288,7 +289,7 @@ class AsyncHTTPBackend:
         return await AsyncBackgroundProcess(self._client, self.id, pid).kill_if_running()
 
     async def _file(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
-        params = {"path": path, **kwargs.pop("params", {})}
+        params = {**path_params(path), **kwargs.pop("params", {})}
         return await self._call(method, "/files" + suffix, params=params, **kwargs)
 
     async def read_file(self, path: str, max_bytes: int) -> bytes:
@@ -300,10 +301,10 @@ class AsyncHTTPBackend:
                          headers={"content-type": "application/octet-stream"})
 
     async def list_dir(self, path: str) -> list[FileEntry]:
-        return [FileEntry(**e) for e in (await self._file("GET", "", path))["entries"]]
+        return [FileEntry.from_json(e) for e in (await self._file("GET", "", path))["entries"]]
 
     async def stat(self, path: str) -> FileEntry:
-        return FileEntry(**await self._file("GET", "/stat", path))
+        return FileEntry.from_json(await self._file("GET", "/stat", path))
 
     async def remove(self, path: str, recursive: bool) -> None:
         await self._file("DELETE", "", path, params={"recursive": recursive})

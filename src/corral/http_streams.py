@@ -63,6 +63,15 @@ def result_of(frame: dict[str, Any]) -> ExecResult:
     return ExecResult(**frame)
 
 
+def output_bytes(frame: dict[str, Any]) -> bytes:
+    """An output frame's bytes: exact from ``data_b64`` when the server sent them so (output that
+    is not UTF-8), else its text's."""
+    raw = frame.get("data_b64")
+    if isinstance(raw, str):
+        return base64.b64decode(raw)
+    return str(frame["data"]).encode()
+
+
 def printed(result: ExecResult) -> list[tuple[str, bytes]]:
     """What a finished command printed, stream by stream (for a caller that attached late)."""
     return [(stream, getattr(result, stream).encode()) for stream in ("stdout", "stderr") if getattr(result, stream)]
@@ -97,7 +106,7 @@ class ExecFrames:
             taken = frame.get("bytes")
             self._stdin_acked(taken if isinstance(taken, int) else 0)
         elif kind in ("stdout", "stderr"):
-            return kind, frame["data"].encode()
+            return kind, output_bytes(frame)
         elif kind == "result":
             self._result = result_of(frame)
         elif kind == "error" and frame.get("error") == StdinNotTaken.code:
@@ -327,7 +336,7 @@ class BackgroundProcess(CommandProcess):
                     frame: dict[str, Any] = json.loads(raw)
                     kind = frame.get("type")
                     if kind in ("stdout", "stderr") and on_output is not None:
-                        on_output(kind, frame["data"].encode())
+                        on_output(kind, output_bytes(frame))
                     elif kind == "result":
                         self._result = result_of(frame)
                         return

@@ -36,7 +36,7 @@ from .http_streams import BackgroundProcess, StreamProcess, stream_request
 from .lifecycle import SandboxInfo, matches
 from .netrules import names_loopback
 from .ports import ExposedPort
-from .spec import SandboxSpec
+from .spec import SandboxSpec, path_bytes
 from .tiers.base import ExecResult, FileEntry
 from .transport import (
     INLINE_STDIN,
@@ -106,6 +106,16 @@ def retry_wait(method: str, attempt: int, response: httpx.Response | Reply | Non
     except ValueError:
         pass
     return min(max(wait, 0.0), MAX_RETRY_WAIT)
+
+
+def path_params(path: str) -> dict[str, str]:
+    """A sandbox path as the files routes' query takes it: ``path``, or for a name that is not
+    UTF-8 (a listed entry's, its bytes as surrogates) ``path_b64``, its bytes in base64."""
+    try:
+        path.encode()
+        return {"path": path}
+    except UnicodeEncodeError:
+        return {"path_b64": base64.b64encode(path_bytes(path)).decode()}
 
 
 def answer(response: httpx.Response | Reply, path: str) -> Any:
@@ -274,7 +284,7 @@ class HTTPBackend(SandboxBackend):
 
     # -- files --------------------------------------------------------------------
     def _file(self, method: str, suffix: str, path: str, **kwargs: Any) -> Any:
-        params = {"path": path, **kwargs.pop("params", {})}
+        params = {**path_params(path), **kwargs.pop("params", {})}
         return self._call(method, "/files" + suffix, params=params, **kwargs)
 
     def read_file(self, path: str, max_bytes: int) -> bytes:
@@ -290,10 +300,10 @@ class HTTPBackend(SandboxBackend):
                    headers={"content-type": "application/octet-stream"})
 
     def list_dir(self, path: str) -> list[FileEntry]:
-        return [FileEntry(**e) for e in self._file("GET", "", path)["entries"]]
+        return [FileEntry.from_json(e) for e in self._file("GET", "", path)["entries"]]
 
     def stat(self, path: str) -> FileEntry:
-        return FileEntry(**self._file("GET", "/stat", path))
+        return FileEntry.from_json(self._file("GET", "/stat", path))
 
     def remove(self, path: str, recursive: bool) -> None:
         self._file("DELETE", "", path, params={"recursive": recursive})

@@ -27,7 +27,7 @@ from .lifecycle import (
 from .parked import Parked
 from .ports import ExposedPort
 from .registry import Registry
-from .secrets import StreamRedactor
+from .secrets import Redactor, StreamRedactor
 from .snapshots import Snapshot, SnapshotStore
 from .spec import SandboxSpec, validate_sandbox_path
 from .tiers import get_tier, tier_class
@@ -49,11 +49,11 @@ def new_sandbox_id() -> str:
 class LocalProcess(CommandProcess):
     """A tier's process, with the sandbox's secrets redacted from what it hands back."""
 
-    def __init__(self, process: Process, sandbox_id: str, redact: Callable[[str], str] | None = None,
+    def __init__(self, process: Process, sandbox_id: str, redactor: Redactor | None = None,
                  stream: StreamRedactor | None = None) -> None:
         self._process = process
         self._sandbox_id = sandbox_id
-        self._redact = redact
+        self._redactor = redactor
         self._stream = stream
 
     @property
@@ -84,14 +84,23 @@ class LocalProcess(CommandProcess):
             result = self._process.wait()
         if self._stream is not None:
             self._stream.flush()
-        if self._redact is not None:
-            result.stdout = self._redact(result.stdout)
-            result.stderr = self._redact(result.stderr)
+        if self._redactor is not None:
+            result.stdout = self._redactor.redact_text(result.stdout)
+            result.stderr = self._redactor.redact_text(result.stderr)
         if on_output is not None:  # attached late: what it printed (as the server replays it)
-            for stream, text in (("stdout", result.stdout), ("stderr", result.stderr)):
-                if text:
-                    on_output(stream, text.encode())
+            for stream, data in self._printed(result).items():
+                if data:
+                    on_output(stream, data)
         return result
+
+    def _printed(self, result: ExecResult) -> dict[str, bytes]:
+        """Its output as it wrote it (its result's text had U+FFFD for bytes that are not UTF-8)."""
+        kept = self._process.kept_output()
+        if kept is None:
+            return {"stdout": result.stdout.encode(), "stderr": result.stderr.encode()}
+        if self._redactor is not None:
+            return {stream: self._redactor.redact(data) for stream, data in kept.items()}
+        return kept
 
 
 class LocalBackend(SandboxBackend):
@@ -179,7 +188,7 @@ class LocalBackend(SandboxBackend):
             if network is not None and network.secrets:
                 stream = StreamRedactor(network.redactor, on_output) if on_output is not None else None
                 process = LocalProcess(inner.start(request, stream.feed if stream else None), self.id,
-                                       network.redact_text, stream)
+                                       network.redactor, stream)
             else:
                 process = LocalProcess(inner.start(request, on_output), self.id)
         with self._lock:

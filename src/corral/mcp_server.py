@@ -273,6 +273,22 @@ def track_sessions(app: Any, sessions: Sessions) -> Any:
     return wrapped
 
 
+#: said with a listing that holds a name that is not UTF-8 (JSON cannot carry its bytes as they are)
+NOT_UTF8_NOTE = ("entries with not_utf8 have names that are not UTF-8, shown with \\xNN for each such byte; "
+                 "no path here names them: reach them with run_command (e.g. ls -b, or a glob)")
+
+
+def _listed(entry: Any) -> dict[str, Any]:
+    """One directory entry as list_files shows it (a listing with one odd name failed whole)."""
+    shown: dict[str, Any] = {"name": entry.name, "type": entry.type, "size": entry.size}
+    try:
+        entry.name.encode()
+    except UnicodeEncodeError:
+        shown["name"] = entry.name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        shown["not_utf8"] = True
+    return shown
+
+
 def capped(fields: dict[str, Any], *names: str) -> dict[str, Any]:
     """``fields`` with each text among ``names`` cut to :data:`TEXT_CAP` characters; says what was cut."""
     out = dict(fields)
@@ -403,10 +419,13 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         """List a directory: name, type, size of each entry (the first 1000)."""
         session = sessions.of(ctx)
         entries = await session.run(session.get(sandbox_id).files.list, path)
-        shown = [{"name": e.name, "type": e.type, "size": e.size} for e in entries[:MAX_ENTRIES]]
+        shown = [_listed(e) for e in entries[:MAX_ENTRIES]]
+        answer: dict[str, Any] = {"path": path, "entries": shown}
+        if any("not_utf8" in e for e in shown):
+            answer["names_note"] = NOT_UTF8_NOTE
         if len(entries) <= MAX_ENTRIES:
-            return {"path": path, "entries": shown}
-        return {"path": path, "entries": shown, "cut": {"entries": {"total": len(entries), "shown": MAX_ENTRIES}},
+            return answer
+        return {**answer, "cut": {"entries": {"total": len(entries), "shown": MAX_ENTRIES}},
                 "note": f"only the first {MAX_ENTRIES} entries: list a subdirectory, or run_command 'ls' with a filter"}
 
     @server.tool()

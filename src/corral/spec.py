@@ -330,11 +330,21 @@ def parse_env_assignments(items: list[str]) -> dict[str, str]:
     return validate_env(env)
 
 
+def path_bytes(path: str, what: str = "path") -> bytes:
+    """The bytes a sandbox path names.  A name that is not UTF-8 is listed as Python's ``os``
+    gives it (each such byte as a surrogate U+DC80..U+DCFF, ``surrogateescape``) and names that
+    byte again; any other lone surrogate names nothing: :class:`InvalidSpec`."""
+    try:
+        return path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise InvalidSpec(f"{what}: {_shown(path)} is not valid Unicode (a lone surrogate that stands for no byte)") from None
+
+
 def validate_sandbox_path(path: str, what: str = "path") -> str:
     """An in-sandbox path: absolute (relative ones are taken from /workspace), no NUL."""
     if not isinstance(path, str) or not path or "\0" in path:
         raise InvalidSpec(f"{what}: {_shown(path)} is not a valid path")
-    if len(path.encode()) > 4000:
+    if len(path_bytes(path, what)) > 4000:
         raise InvalidSpec(f"{what}: path is longer than 4000 bytes")
     return path if path.startswith("/") else os.path.join(WORKSPACE_PATH, path)
 

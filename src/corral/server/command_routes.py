@@ -3,7 +3,8 @@
 ``POST`` starts a command that outlives the request (E2B's ``run(background=True)``);
 ``GET`` lists the running ones; ``DELETE .../{pid}`` kills one; ``POST .../{pid}/stdin``
 writes to it; the WebSocket ``.../{pid}/stream`` attaches to it: first the output kept so far
-(up to ``max_output`` per stream), then what follows, then the result.  Closing an attached
+(up to ``max_output`` per stream), then what follows, then the result (frames as the exec
+stream's: output that is not UTF-8 also in ``data_b64``).  Closing an attached
 WebSocket leaves the command running; destroying the sandbox ends it.
 
 Each attachment streams at most ``max_output`` per stream, replay included (like the exec
@@ -20,7 +21,6 @@ ended one's output against ``max_kept_output_per_tenant`` (past it it keeps none
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import dataclasses
 import sys
@@ -35,7 +35,7 @@ from ..errors import InvalidSpec, ResourceLimit, SandboxError
 from .context import Context, Tenant, context_of
 from .limits import TenantTally
 from .output_shares import Release
-from .wire import ExecBody, SignalBody, error_response, require_unicode
+from .wire import ExecBody, OutputFrames, SignalBody, error_response, require_unicode
 
 router = APIRouter()
 PREFIX = "/v1/sandboxes/{sandbox_id}/commands"
@@ -263,18 +263,21 @@ async def attach_command(websocket: WebSocket, sandbox_id: str, pid: int) -> Non
 
     for event in recorded.attach(listener):
         queue.put_nowait(event)
-    decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+    frames = OutputFrames()
     watcher = asyncio.create_task(watch())
     try:
         while True:
             kind, payload = await queue.get()
             if kind == "gone":
                 break
-            if kind in decoders:
-                text = decoders[kind].decode(payload)
-                if text:
-                    await websocket.send_json({"type": kind, "data": text})
-            elif kind == "result":
+            if kind in ("stdout", "stderr"):
+                frame = frames.frame(kind, payload)
+                if frame:
+                    await websocket.send_json(frame)
+                continue
+            for frame in frames.flush():  # the end of its output, before its result
+                await websocket.send_json(frame)
+            if kind == "result":
                 await websocket.send_json({"type": "result", "sandbox_id": sandbox_id, **payload.to_dict()})
                 break
             else:

@@ -5,18 +5,37 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.types import Receive, Scope, Send
 
+from ..tiers.base import json_text
 from .context import Context, Tenant
 from .output_shares import HeldUntilSent, send_in_pieces
-from .wire import checked_path
+from .wire import path_of_query
 
 #: the largest file a download returns
 MAX_DOWNLOAD = 64 << 20
 FILES = "/v1/sandboxes/{sandbox_id}/files"
 
 router = APIRouter()
+
+#: the two ways a query names a sandbox path
+PATH_DOC = "the sandbox path (text)"
+PATH_B64_DOC = "the sandbox path's bytes, base64, instead of path: a name that is not UTF-8 (as a listing's path_b64)"
+
+
+def _path(request: Request, path: Annotated[str | None, Query(description=PATH_DOC)] = None,
+          path_b64: Annotated[str | None, Query(description=PATH_B64_DOC)] = None) -> str:
+    return path_of_query(request.scope.get("query_string", b""), path, path_b64)
+
+
+def _listed(request: Request, path: Annotated[str | None, Query(description=PATH_DOC + "; /workspace if none")] = None,
+            path_b64: Annotated[str | None, Query(description=PATH_B64_DOC)] = None) -> str:
+    return path_of_query(request.scope.get("query_string", b""), path, path_b64, "/workspace")
+
+
+#: a route's sandbox path, checked (``path`` or ``path_b64``)
+SandboxPath = Annotated[str, Depends(_path)]
 
 
 class Download(Response):
@@ -44,26 +63,29 @@ class Download(Response):
 
 
 @router.get(FILES, summary="List a directory")
-async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: str = "/workspace") -> Response:
+async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Depends(_listed)]) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    entries = await ctx.run_for(who, entry.sandbox.files.list, checked_path(path))
-    # up to 100,000 entries: counted with the tenant's output until its client has taken it
-    return HeldUntilSent({"path": path, "entries": [e.to_dict() for e in entries]}, ctx.output_shares, who)
+    entries = await ctx.run_for(who, entry.sandbox.files.list, path)
+    # up to 100,000 entries: counted with the tenant's output until its client has taken it; a
+    # name that is not UTF-8 is text with U+FFFD and its bytes in name_b64 / path_b64 (it made the
+    # whole listing a 400)
+    return HeldUntilSent({**json_text("path", path), "entries": [e.to_json() for e in entries]},
+                         ctx.output_shares, who)
 
 
 @router.get(FILES + "/stat", summary="Describe one file")
-async def stat_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()]) -> dict[str, Any]:
+async def stat_file(sandbox_id: str, who: Tenant, ctx: Context, path: SandboxPath) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    return (await ctx.run_for(who, entry.sandbox.files.stat, checked_path(path))).to_dict()
+    return (await ctx.run_for(who, entry.sandbox.files.stat, path)).to_json()
 
 
 @router.get(FILES + "/content", summary="Download a file", response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}}}})
-async def download(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+async def download(sandbox_id: str, who: Tenant, ctx: Context, path: SandboxPath,
                    max_bytes: Annotated[int, Query(ge=0)] = MAX_DOWNLOAD) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     # the caller's limit, within the server's own (which bounds what it holds in memory)
-    wanted, limit = checked_path(path), min(max_bytes, MAX_DOWNLOAD)
+    wanted, limit = path, min(max_bytes, MAX_DOWNLOAD)
     data = await ctx.run_for(who, lambda: entry.sandbox.files.read(wanted, format="bytes", max_bytes=limit))
     # held until the client has it all: a client that does not read keeps it in the server
     return Download(data, ctx.hold_download(who, len(data)))
@@ -72,25 +94,25 @@ async def download(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[s
 @router.put(FILES + "/content", status_code=204, summary="Upload a file (raw body)",
             openapi_extra={"requestBody": {"required": True, "content": {
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-async def upload(sandbox_id: str, request: Request, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+async def upload(sandbox_id: str, request: Request, who: Tenant, ctx: Context, path: SandboxPath,
                  mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     data = await request.body()
-    await ctx.run_for(who, entry.sandbox.files.write, checked_path(path), data, mode)
+    await ctx.run_for(who, entry.sandbox.files.write, path, data, mode)
     return Response(status_code=204)
 
 
 @router.delete(FILES, status_code=204, summary="Remove a file or directory")
-async def remove_file(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+async def remove_file(sandbox_id: str, who: Tenant, ctx: Context, path: SandboxPath,
                       recursive: bool = False) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    await ctx.run_for(who, entry.sandbox.files.remove, checked_path(path), recursive)
+    await ctx.run_for(who, entry.sandbox.files.remove, path, recursive)
     return Response(status_code=204)
 
 
 @router.post(FILES + "/dir", status_code=204, summary="Make a directory (and its parents)")
-async def make_dir(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Query()],
+async def make_dir(sandbox_id: str, who: Tenant, ctx: Context, path: SandboxPath,
                    mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o755) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    await ctx.run_for(who, entry.sandbox.files.make_dir, checked_path(path), mode)
+    await ctx.run_for(who, entry.sandbox.files.make_dir, path, mode)
     return Response(status_code=204)

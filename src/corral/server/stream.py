@@ -5,7 +5,8 @@ Protocol (JSON text frames):
 * client, first frame: ``{"cmd": "..." | [...], "timeout": s, "env": {...}, "cwd": "...", "pty": [rows, cols], "user": "root"}``
   (``pty`` optional: the command runs on a terminal and all output arrives as stdout)
 * server: ``{"type": "started"}``, then ``{"type": "stdout"|"stderr", "data": text}`` in the order
-  the sandbox produced them, then ``{"type": "result", ...}`` (fields of ``corral run --json``), then close.
+  the sandbox produced them (a chunk that is not UTF-8 also has ``"data_b64"``: its exact bytes,
+  base64; ``data`` then has U+FFFD in their place: :class:`~corral.server.wire.OutputFrames`), then ``{"type": "result", ...}`` (fields of ``corral run --json``), then close.
 * client, any time: ``{"type": "stdin", "data": text}`` (or ``"data_b64"``: any bytes, base64), ``{"type": "stdin_close"}``,
   ``{"type": "signal", "signal": N}``, ``{"type": "kill"}``, ``{"type": "resize", "rows": R, "cols": C}``
   (a command started with ``pty``; otherwise answered with an error frame).
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import codecs
 import collections
 import contextlib
 import time
@@ -43,7 +43,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from ..errors import InvalidSpec, ResourceLimit, SandboxError, StdinNotTaken
 from .context import context_of
 from .limits import TenantTally
-from .wire import StreamExecBody, parse_json, require_unicode, status_for
+from .wire import OutputFrames, StreamExecBody, parse_json, require_unicode, status_for
 
 if TYPE_CHECKING:
     from ..commands import CommandHandle
@@ -91,9 +91,7 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
 
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    decoders: dict[str, codecs.IncrementalDecoder] = {
-        s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")
-    }
+    frames = OutputFrames()
 
     # what is streamed is capped like what is kept (max_output per stream; the result says
     # "truncated"), so a command writing without end to a client that does not read cannot make
@@ -139,7 +137,7 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
                 if body.stdin_acks:
                     started["stdin_window"] = STDIN_STREAM_WINDOW
                 await websocket.send_json(started)
-                await _pump(websocket, queue, decoders, metrics, sandbox_id)
+                await _pump(websocket, queue, frames, metrics, sandbox_id)
             finally:
                 receiver.cancel()
                 stdin.cancel()  # (also if the reader never ran)
@@ -165,14 +163,16 @@ def _wait_until_forked(handle: CommandHandle, timeout: float = 10.0) -> None:
 
 
 async def _pump(websocket: WebSocket, queue: asyncio.Queue[tuple[str, Any]],
-                decoders: dict[str, codecs.IncrementalDecoder], metrics: Any, sandbox_id: str) -> None:
+                frames: OutputFrames, metrics: Any, sandbox_id: str) -> None:
     while True:
         kind, payload = await queue.get()
         if kind in ("stdout", "stderr"):
-            text = decoders[kind].decode(payload)
-            if text:
-                await websocket.send_json({"type": kind, "data": text})
+            frame = frames.frame(kind, payload)
+            if frame:
+                await websocket.send_json(frame)
         elif kind == "result":
+            for frame in frames.flush():
+                await websocket.send_json(frame)
             metrics.record_exec(payload.timed_out, payload.oom_killed)
             await websocket.send_json({"type": "result", "sandbox_id": sandbox_id, **payload.to_dict()})
             await websocket.close(code=CLOSE_NORMAL)

@@ -9,8 +9,10 @@ library would; over the exec stream the same error closes the socket with
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +30,7 @@ from ..errors import (
     SnapshotCorrupt,
     Unauthorized,
 )
+from ..spec import path_bytes
 
 #: the HTTP status of each error class (the first that matches; anything else is 500)
 STATUS: tuple[tuple[type[SandboxError], int], ...] = (
@@ -115,8 +118,6 @@ class ExecBody(BaseModel):
         if self.stdin is not None and self.stdin_b64 is not None:
             raise InvalidSpec("stdin and stdin_b64: give one")
         if self.stdin_b64 is not None:
-            import base64
-
             try:
                 return base64.b64decode(self.stdin_b64, validate=True)
             except ValueError:  # binascii.Error, and non-ASCII text (which b64decode refuses first)
@@ -181,12 +182,79 @@ def require_unicode(value: Any, where: str = "body") -> None:
 
 
 def checked_path(path: str) -> str:
-    """A sandbox path from a request: no NUL, no '..' component (nothing may walk out of where it names)."""
+    """A sandbox path from a request: no NUL, no '..' component (nothing may walk out of where it
+    names).  Bytes that are not UTF-8 (from ``path_b64``) are surrogates, as Python's ``os`` has them."""
     if not path or "\0" in path:
         raise InvalidSpec("path: must be a non-empty path without NUL bytes")
-    require_unicode(path, "path")
     if ".." in path.split("/"):
         raise InvalidSpec(f"path {path!r}: '..' components are not allowed")
-    if len(path.encode()) > 4000:
+    if len(path_bytes(path)) > 4000:
         raise InvalidSpec("path: longer than 4000 bytes")
     return path
+
+
+def path_of_query(query_string: bytes, path: str | None, path_b64: str | None, default: str | None = None) -> str:
+    """The sandbox path a request's query names: ``path`` (text), or ``path_b64`` (its bytes,
+    base64: a name that is not UTF-8).  A ``%``-escape that is not UTF-8 is refused by name (it
+    was taken as U+FFFD, and a file of that other name was written)."""
+    try:
+        parse_qsl(query_string.decode("latin-1"), keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidSpec("query: a %-escape is not UTF-8; send a path that is not UTF-8 as path_b64 "
+                          "(its bytes, base64)") from None
+    if path is not None and path_b64 is not None:
+        raise InvalidSpec("path and path_b64: give one")
+    if path_b64 is not None:
+        try:
+            path = base64.b64decode(path_b64, validate=True).decode("utf-8", "surrogateescape")
+        except ValueError:
+            raise InvalidSpec("path_b64: not base64") from None
+    if path is None:
+        if default is None:
+            raise InvalidSpec("path: required (or path_b64)")
+        path = default
+    return checked_path(path)
+
+
+# -- output frames -------------------------------------------------------------------
+def _complete_upto(data: bytes) -> int:
+    """Where a UTF-8 character cut off at the end of ``data`` starts (``len(data)`` if none is)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the last character's first byte
+            need = 2 if 0xC0 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else 4 if 0xF0 <= byte < 0xF8 else 1
+            return len(data) - back if need > back else len(data)
+    return len(data)
+
+
+class OutputFrames:
+    """A command's output as frames of the exec stream and of an attached background command.
+
+    ``data`` is the output as text.  A chunk that is not UTF-8 also carries its exact bytes in
+    ``data_b64`` (its ``data`` then has U+FFFD in their place, as every frame had before): a
+    client that reads ``data`` gets text as ever, one that wants the bytes gets them whole (they
+    came as ~2x as many U+FFFD bytes).  A character cut between two chunks is held for the next,
+    so text split anywhere is never taken for bytes that are not UTF-8."""
+
+    def __init__(self) -> None:
+        self._held = {"stdout": b"", "stderr": b""}
+
+    def frame(self, stream: str, chunk: bytes) -> dict[str, str] | None:
+        data = self._held[stream] + chunk
+        cut = _complete_upto(data)
+        self._held[stream] = data[cut:]
+        return self._frame(stream, data[:cut])
+
+    def flush(self) -> list[dict[str, str]]:
+        """What is held (the start of a character the command never finished), as frames."""
+        held, self._held = self._held, {"stdout": b"", "stderr": b""}
+        return [frame for stream, data in held.items() if (frame := self._frame(stream, data))]
+
+    @staticmethod
+    def _frame(stream: str, data: bytes) -> dict[str, str] | None:
+        if not data:
+            return None
+        try:
+            return {"type": stream, "data": data.decode()}
+        except UnicodeDecodeError:
+            return {"type": stream, "data": data.decode(errors="replace"), "data_b64": base64.b64encode(data).decode()}

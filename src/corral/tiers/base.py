@@ -16,6 +16,7 @@ returned to release what an owner that died left behind.
 
 from __future__ import annotations
 
+import base64
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -99,6 +100,40 @@ class FileEntry:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON carries it: a name (or path) that is not UTF-8 -- here with its bytes as
+        surrogates, as Python's ``os`` gives them -- is text with U+FFFD in their place, and its
+        exact bytes in ``name_b64`` (``path_b64``)."""
+        data = self.to_dict()
+        for key in ("name", "path"):
+            data.update(json_text(key, data[key]))
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FileEntry:
+        """The entry ``to_json`` gave (fields it does not know are ignored)."""
+        return cls(name=text_of_json(data, "name"), path=text_of_json(data, "path"), type=data["type"],
+                   size=data["size"], mode=data["mode"], mtime=data["mtime"])
+
+
+def json_text(key: str, value: str) -> dict[str, str]:
+    """``{key: value}`` for JSON: a ``value`` with bytes that are not UTF-8 (as surrogates) is text
+    with U+FFFD in their place, and ``key_b64`` holds its exact bytes."""
+    try:
+        value.encode()
+        return {key: value}
+    except UnicodeEncodeError:
+        raw = value.encode("utf-8", "surrogateescape")
+        return {key: raw.decode(errors="replace"), f"{key}_b64": base64.b64encode(raw).decode()}
+
+
+def text_of_json(data: dict[str, Any], key: str) -> str:
+    """What :func:`json_text` made into ``data``: its bytes that are not UTF-8 as surrogates again."""
+    raw = data.get(f"{key}_b64")
+    if isinstance(raw, str):
+        return base64.b64decode(raw).decode("utf-8", "surrogateescape")
+    return str(data[key])
 
 
 @dataclass(frozen=True)
@@ -185,6 +220,11 @@ class Process(ABC):
     @abstractmethod
     def wait(self) -> ExecResult:
         """Block until the command ended or timed out (its tree is killed) and return the result."""
+
+    def kept_output(self) -> dict[str, bytes] | None:
+        """The bytes of each stream kept for its result (up to ``max_output``), exactly as the
+        command wrote them; None from a tier that keeps only the result's text."""
+        return None
 
 
 class PendingWrite(ABC):

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed
 from ...host import fdwait
 from ...images import SANDBOX_UID
+from ...spec import path_bytes
 from ..base import ExecRequest, FileEntry, OutputCallback, too_many_entries
 from .agent_process import AgentProcess
 from .frames import (
@@ -362,7 +363,7 @@ class AgentChannel:
 
     def read_file(self, path: str, max_bytes: int, *, as_agent: bool = False) -> bytes:
         # the limit goes with the request: the agent refuses a larger file instead of sending it
-        request = path.encode() + b"\0" + str(max_bytes).encode() + b"\0"
+        request = path_bytes(path) + b"\0" + str(max_bytes).encode() + b"\0"
         return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), request, limit=max_bytes)
 
     def write_file(self, path: str, data: bytes, mode: int, *, as_agent: bool = False) -> None:
@@ -371,7 +372,7 @@ class AgentChannel:
         (files.c, do_fput: modes, owners and links there).  ``as_agent``: with the agent's own ids
         (the host's own files), not the default user's."""
         kind = T_FPUT | (T_AS_AGENT if as_agent else 0)
-        target, temp = path.encode(), b""
+        target, temp = path_bytes(path), b""
         for offset in range(0, max(len(data), 1), WRITE_CHUNK):
             more = offset + WRITE_CHUNK < len(data)
             head = struct.pack("<II", mode, PUT_PARENTS | (PUT_MORE if more else 0)) + target + b"\0" + temp + b"\0"
@@ -387,7 +388,7 @@ class AgentChannel:
                 target, temp = answer.split(b"\0")[:2]
 
     def list_dir(self, path: str) -> list[FileEntry]:
-        raw = self.call(T_FLIST, path.encode() + b"\0")
+        raw = self.call(T_FLIST, path_bytes(path) + b"\0")
         entries: list[FileEntry] = []
         pos = 0
         base = path.rstrip("/") or ""
@@ -400,16 +401,16 @@ class AgentChannel:
         return sorted(entries, key=lambda e: e.name)
 
     def stat(self, path: str) -> FileEntry:
-        raw = self.call(T_FSTAT, path.encode() + b"\0")
+        raw = self.call(T_FSTAT, path_bytes(path) + b"\0")
         kind, size, mode, mtime = _ENTRY.unpack_from(raw, 0)
         name = path.rstrip("/").rsplit("/", 1)[-1] or "/"
         return FileEntry(name, path, _TYPES.get(kind.decode(), "other"), size, mode, float(mtime))
 
     def remove(self, path: str, recursive: bool) -> None:
-        self.call(T_FREMOVE, struct.pack("<I", int(recursive)) + path.encode() + b"\0")
+        self.call(T_FREMOVE, struct.pack("<I", int(recursive)) + path_bytes(path) + b"\0")
 
     def make_dir(self, path: str, mode: int) -> None:
-        self.call(T_FMKDIR, struct.pack("<I", mode) + path.encode() + b"\0")
+        self.call(T_FMKDIR, struct.pack("<I", mode) + path_bytes(path) + b"\0")
 
     def start(
         self,

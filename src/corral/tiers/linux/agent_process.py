@@ -230,6 +230,9 @@ class AgentProcess(Process):
             raise ContainmentFailed(self._unplaced, self._result)
         return self._result
 
+    def kept_output(self) -> dict[str, bytes]:
+        return {stream: bytes(data) for stream, data in self._out.items()}
+
     @property
     def done(self) -> bool:
         return self._done.is_set()

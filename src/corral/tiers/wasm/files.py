@@ -19,6 +19,7 @@ import stat as stat_mod
 from pathlib import Path
 
 from ...errors import FileError, FileNotFoundInSandbox
+from ...spec import path_bytes
 from ..base import MAX_LIST_ENTRIES, FileEntry, too_many_entries
 
 SYS_OPENAT2 = 437  # same number on x86-64 and arm64
@@ -36,7 +37,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def openat2_in_root(root_fd: int, path: str, flags: int, mode: int = 0) -> int:
     """open ``path`` with ``root_fd`` acting as ``/`` for every step of the resolution."""
     how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(SYS_OPENAT2, root_fd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    fd = _libc.syscall(SYS_OPENAT2, root_fd, path_bytes(path), ctypes.byref(how), ctypes.sizeof(how))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)

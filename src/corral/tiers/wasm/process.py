@@ -191,6 +191,9 @@ class WasmProcess(Process):
         self._done.wait(timeout)
         self._finish()
 
+    def kept_output(self) -> dict[str, bytes]:
+        return {stream: bytes(data) for stream, data in self._out.items()}
+
     @property
     def done(self) -> bool:
         return self._done.is_set()
