@@ -127,3 +127,24 @@ def test_a_cell_whose_error_or_print_outgrows_max_output_keeps_its_error_and_its
         kept = "".join(cell.logs.stdout)
         assert cell.error is None and cell.truncated and 512 * 1024 < len(kept) <= 1024 * 1024, len(kept)
         assert sb.run_code("1 + 1", timeout=30).text == "2"  # the kernel lives on
+
+
+def test_the_cell_after_an_abandoned_one_that_cost_the_state_says_restarted() -> None:
+    """A cell whose client left (the server cancels it) and that would not stop when interrupted
+    restarts the kernel; its execution goes to nobody, so the next cell says ``restarted``
+    (it got a NameError with ``restarted`` False)."""
+    import threading
+
+    from corral import Sandbox
+
+    with Sandbox.create() as sb:
+        assert sb.run_code("x = 1").error is None
+        cancel = threading.Event()
+        threading.Timer(0.5, cancel.set).start()
+        stubborn = ("import time\nwhile True:\n    try:\n        time.sleep(10)\n"
+                    "    except KeyboardInterrupt:\n        pass")
+        sb._backend.run_code(sb, stubborn, language=None, context=None, timeout=60, envs=None,
+                             callbacks={"cancel": cancel})
+        after = sb.run_code("x")
+        assert after.restarted and after.error is not None and after.error.name == "NameError", after
+        assert not sb.run_code("y = 2").restarted  # said once

@@ -190,6 +190,8 @@ class CodeInterpreter:
         self._ready = threading.Event()
         self._next_id = 0
         self._count = 0
+        #: a restart nobody was told of (its cell's client had left): the next cell says it
+        self._restart_untold = False
         self._generation = 0
 
     # -- kernel process ------------------------------------------------------
@@ -336,7 +338,7 @@ class CodeInterpreter:
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= KERNEL_LIFETIME:
             raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, {KERNEL_LIFETIME}]")
         with self._run_lock:
-            restarted = False
+            restarted, self._restart_untold = self._restart_untold, False
             if self._handle is not None and self._kernel_over():
                 restarted = True  # the kernel died after the last cell (e.g. exit() or a background kill)
                 self._stop()
@@ -387,6 +389,9 @@ class CodeInterpreter:
             if restarted:
                 execution.restarted = True
                 self._count = 0
+                # a cancelled cell's execution goes to nobody (its client left): the next cell
+                # says the state is gone (it got a NameError with restarted False)
+                self._restart_untold = cancel is not None and cancel.is_set()
             return execution
 
     def _kernel_over(self) -> bool:
