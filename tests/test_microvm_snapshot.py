@@ -419,6 +419,8 @@ def test_paused_to_disk_survives_a_server_restart_and_stays_the_tenants(state_di
             Sandbox.connect(sb.id, **bob)
         back = Sandbox.connect(sb.id, **alice)
         assert back.paused
+        with pytest.raises(SandboxPaused):  # said before the quota's 429 (the tenant is near its bytes)
+            back.snapshot()
         back.resume()
         after = state_of(back)
         for key in ("value", "pid", "boot_id", "ws"):

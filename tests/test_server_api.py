@@ -339,6 +339,8 @@ def test_concurrent_exec_limit(server: ServerProcess) -> None:
     ({"tier": "nope"}, 400, "tier"),
     ({"workspace": "/etc"}, 400, "workspace"),
     ({"idle_timeout": -5}, 400, "idle_timeout"),
+    ({"idle_timeout": "5"}, 422, "idle_timeout"),  # strict: "5" and true were taken for numbers
+    ({"lifetime": True}, 422, "lifetime"),
     ({"lifetime": 10**9}, 400, "lifetime"),
     ({"env": {"1BAD": "x"}}, 400, "env"),
     ({"limits": "lots"}, 422, "limits"),
@@ -360,10 +362,13 @@ def test_bad_exec_file_and_size_requests(server: ServerProcess) -> None:
         try:
             base = f"/v1/sandboxes/{sid}"
             for body in ({"cmd": ""}, {"cmd": []}, {"cmd": "true", "timeout": -1}, {"cmd": "true", "bogus": 1},
+                         {"cmd": "true", "timeout": "5"}, {"cmd": "true", "timeout": True},
                          {"cmd": ["a\u0000b"]}, {"cmd": "true", "cwd": "x\u0000"}):
                 response = http.post(base + "/exec", json=body)
                 assert 400 <= response.status_code < 500, (body, response.text)
                 assert response.json()["message"]
+            for route, body in (("/fork", {"count": "2"}), ("/fork", {"count": True}), ("/timeout", {"timeout": "60"})):
+                assert http.post(base + route, json=body).status_code == 422, (route, body)
             for raw in ('{"cmd": "echo \\ud800"}', '{"cmd": ["echo", "\\ud800"]}', '{"cmd": "true", "stdin": "\\ud800"}',
                         '{"cmd": "true", "env": {"A": "\\ud800"}}', '{"cmd": "true", "cwd": "/\\ud800"}'):
                 lone = http.post(base + "/exec", content=raw, headers={"content-type": "application/json"})

@@ -67,6 +67,7 @@ def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
     entry = ctx.manager.get(tenant, sandbox_id)
     snapshots = store(ctx)
     cap = ctx.config.max_snapshot_bytes_per_tenant
+    entry.sandbox._local().tier_sandbox()  # paused to disk: 409 sandbox_paused, before any quota's 429
     used = _room(ctx, tenant)
     snapshot = entry.sandbox._local().snapshot(tenant)
     if used + snapshot.size > cap:  # (an upper bound while a live snapshot's memory image is written)

@@ -87,8 +87,9 @@ class CreateSandbox(BaseModel):
     cwd: str | None = None
     user: str | None = Field(None, description="who commands run as: 'user' (uid 1000, the default) or 'root' "
                              "(root of the sandbox's own user namespace; process and gVisor tiers)")
-    idle_timeout: float | None = Field(None, description="seconds without use before the sandbox is destroyed")
-    lifetime: float | None = Field(None, description="seconds from creation before the sandbox is destroyed")
+    # strict numbers: "5" and true were taken for 5 and 1 (the library refuses both)
+    idle_timeout: float | None = Field(None, strict=True, description="seconds without use before the sandbox is destroyed")
+    lifetime: float | None = Field(None, strict=True, description="seconds from creation before the sandbox is destroyed")
     metadata: dict[str, str] | None = Field(None, description="your labels; Sandbox.list(metadata=) filters by them")
     snapshot: str | None = Field(None, description="start from this snapshot of yours (its tier, image and files)")
 
@@ -101,13 +102,13 @@ class PauseBody(BaseModel):
 
 class ForkBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    count: int = Field(1, ge=1, le=64, description="how many sandboxes to make from the sandbox's files")
+    count: int = Field(1, ge=1, le=64, strict=True, description="how many sandboxes to make from the sandbox's files")
 
 
 class ExecBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     cmd: str | list[str]
-    timeout: float | None = None
+    timeout: float | None = Field(None, strict=True)
     env: dict[str, str] | None = None
     cwd: str | None = None
     user: str | None = Field(None, description="'root' or 'user' for this command (default: the sandbox's user)")
@@ -131,7 +132,7 @@ class CodeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     code: str
     language: str | None = Field(None, description="python (default) or javascript; a context's own if omitted")
-    timeout: float | None = Field(None, description="seconds before the cell is interrupted")
+    timeout: float | None = Field(None, strict=True, description="seconds before the cell is interrupted")
     context: str | None = Field(None, description="a code context made by POST .../contexts (default: the "
                                 "sandbox's interpreter for the language)")
     envs: dict[str, str] | None = Field(None, description="environment variables for this cell only")
@@ -147,7 +148,7 @@ class ContextBody(BaseModel):
 
 class SignalBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    signal: int = Field(ge=1, le=64)
+    signal: int = Field(ge=1, le=64, strict=True)
 
 
 class StreamExecBody(ExecBody):
@@ -161,7 +162,7 @@ class StreamExecBody(ExecBody):
 
 class TimeoutBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    timeout: float = Field(description="seconds from now until the sandbox is destroyed")
+    timeout: float = Field(strict=True, description="seconds from now until the sandbox is destroyed")
 
 
 # -- checks on what a request carries ---------------------------------------------
