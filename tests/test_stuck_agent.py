@@ -313,8 +313,13 @@ def test_a_replaced_file_keeps_its_mode_and_owner_and_a_link_to_a_file_is_follow
         assert sb.commands.run("stat -c %u:%g /home/user/fresh /home/user/kept").stdout == "1000:1000\n" * 2
         sb.files.write("/home/user/link", "through")  # the file a link names is what is replaced
         assert sb.files.read("/home/user/target") == "through" and sb.files.stat("/home/user/link").type == "symlink"
-        sb.files.write("/home/user/dangling", "here")  # a dangling link is replaced by the file
-        assert sb.files.stat("/home/user/dangling").type == "file"
+        # a dangling link: its target is made, as open(O_CREAT) and `echo here > dangling` do
+        sb.files.write("/home/user/dangling", "here")
+        assert sb.files.stat("/home/user/dangling").type == "symlink"
+        assert sb.files.read("/home/user/nowhere") == "here"
+        sb.commands.run("ln -s /nonexistent/dir/f /home/user/nodir")
+        with pytest.raises(FileError):  # a link whose target's directory is missing: as open would
+            sb.files.write("/home/user/nodir", "x")
         with pytest.raises(FileError) as refused:  # a file the user may not write stays refused
             sb.files.write("/home/user/ro", "x")
         assert refused.value.errno == errno.EACCES and sb.files.read("/home/user/ro") == "ro\n"

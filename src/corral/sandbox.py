@@ -124,7 +124,7 @@ class Files:
         """Replace (or make) the file at ``path`` with ``data``, whole or not at all: on an error (a
         full disk) the file is as it was, and of two writes at once the last to finish is there.
         ``mode`` is a new file's; a replaced file keeps its mode and owner.  A link at ``path``
-        that names a file is followed; a fifo, socket, device or directory there is refused."""
+        is followed (the file it names is replaced, or made if it names none yet); a fifo, socket, device or directory there is refused."""
         payload = data.encode() if isinstance(data, str) else bytes(data)
         self._sb._backend.write_file(validate_sandbox_path(path), payload, validate_file_mode(mode))
 

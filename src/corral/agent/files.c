@@ -208,6 +208,49 @@ static int our_temp(const char *target, const char *temp) {
     return temp[dlen] == '.' && strstr(temp + dlen, ".corral-") != NULL;
 }
 
+/* The file a write through the link at `path` lands in, as open(O_CREAT) would find it: the
+ * end of its chain of links, which need not exist (a dangling link's target is created, as
+ * `echo x > link` does); NULL (errno set) if no write could land (a missing directory, a loop). */
+static char *link_target(const char *path) {
+    char cur[4096], text[4096];
+    if (strlen(path) >= sizeof cur) { errno = ENAMETOOLONG; return NULL; }
+    strcpy(cur, path);
+    for (int hops = 0; hops < 40; hops++) {
+        struct stat st;
+        if (lstat(cur, &st) < 0) {
+            if (errno != ENOENT) return NULL;
+            char *slash = strrchr(cur, '/');
+            const char *base = slash ? slash + 1 : cur;
+            char dir[4096];
+            if (!slash) strcpy(dir, ".");
+            else if (slash == cur) strcpy(dir, "/");
+            else { memcpy(dir, cur, (size_t)(slash - cur)); dir[slash - cur] = 0; }
+            if (!*base) { errno = EISDIR; return NULL; }
+            char *real = realpath(dir, NULL);
+            if (!real) return NULL;
+            char *out = malloc(strlen(real) + strlen(base) + 2);
+            if (out) sprintf(out, "%s/%s", strcmp(real, "/") ? real : "", base);
+            else errno = ENOMEM;
+            free(real);
+            return out;
+        }
+        if (!S_ISLNK(st.st_mode)) return realpath(cur, NULL);
+        ssize_t n = readlink(cur, text, sizeof text - 1);
+        if (n < 0) return NULL;
+        text[n] = 0;
+        if (text[0] == '/') {
+            strcpy(cur, text);
+        } else {
+            char *slash = strrchr(cur, '/');
+            size_t keep = slash ? (size_t)(slash - cur) + 1 : 0;
+            if (keep + (size_t)n >= sizeof cur) { errno = ENAMETOOLONG; return NULL; }
+            memcpy(cur + keep, text, (size_t)n + 1);
+        }
+    }
+    errno = ELOOP;
+    return NULL;
+}
+
 void do_fput(uint32_t id, char *payload, uint32_t len) {
     if (len < 8) { send_err(id, EINVAL, "write"); return; }
     uint32_t mode, flags;
@@ -233,7 +276,10 @@ void do_fput(uint32_t id, char *payload, uint32_t len) {
         if ((flags & PUT_PARENTS) && mkdir_parents(path, 0755) < 0) { send_err(id, errno, path); return; }
         struct stat st;
         int exists;
-        if (lstat(path, &st) == 0 && S_ISLNK(st.st_mode) && (resolved = realpath(path, NULL)) != NULL) target = resolved;
+        if (lstat(path, &st) == 0 && S_ISLNK(st.st_mode)) {
+            if ((resolved = link_target(path)) == NULL) { send_err(id, errno, path); return; }
+            target = resolved;
+        }
         if (check_target(target, &st, &exists) < 0 || (fd = make_temp(target, mode, &made)) < 0) {
             send_err(id, errno, path);
             free(resolved);
