@@ -266,7 +266,8 @@ class EgressProxy:
             port = -1
         decision = self.policy.decide(url.hostname, port)
         if not decision.allowed:
-            self._refuse_audit(decision, url.netloc.rpartition("@")[2], "http")
+            asked = f"{url.hostname}:{port}" if port >= 0 else url.netloc.rpartition("@")[2]  # (as it was asked)
+            self._refuse_audit(decision, asked, "http")
             send_refusal(conn, decision)
             return
         upstream = self._connect_or_502(conn, decision, opened)
