@@ -29,7 +29,7 @@ from .local_backend import LocalBackend, new_sandbox_id, start_inner
 from .owner_backend import OwnerBackend
 from .parked import Parked
 from .registry import Registry, gc, state_dir
-from .snapshots import Snapshot, SnapshotStore
+from .snapshots import Snapshot, SnapshotStore, end_parked
 from .spec import SandboxSpec
 from .tiers import get_tier, tier_class
 from .transport import CreateOptions, SandboxBackend, Transport
@@ -141,7 +141,7 @@ class LocalTransport(Transport):
             return OwnerBackend(self.root, owner, sandbox_id)
         record = parked.load(self.root, sandbox_id)
         if record is not None and parked.over(record, time.time()):  # its lifetime ended while it was parked
-            parked.end(self.root, sandbox_id)
+            end_parked(self.root, sandbox_id)
             raise SandboxNotFound(f"sandbox {sandbox_id}: its lifetime ended while it was paused to disk",
                                   sandbox_id=sandbox_id)
         if record is not None:  # paused to disk, by this process or one gone since: ours now

@@ -7,7 +7,7 @@ the same id -- its spec, labels, lifetime and, through a server, its tenant and 
 outlives the process that paused it: another process (a restarted server) finds it with
 ``Sandbox.connect(id)`` and ``resume()`` restores it; ``kill()`` removes the record and the snapshot.
 Its lifetime (an embedded ``lifetime``, a server's deadline) runs on while it is parked: once it is
-over, ``gc`` ends it (:func:`reap_expired`) as it ends a live sandbox whose owner missed its lifetime.
+over, ``gc`` ends it (:func:`corral.snapshots.reap_expired_parked`) as it ends a live sandbox whose owner missed its lifetime.
 
 Stored as ``<state>/parked/<sandbox id>.json`` (0600, written whole by a rename).
 """
@@ -134,26 +134,3 @@ def set_deadline(root: Path, sandbox_id: str, expires_at: float) -> None:
                 save(root, dataclasses.replace(record, server={**record.server, "expires_at": expires_at}))
     except BlockingIOError:
         pass
-
-
-def end(root: Path, sandbox_id: str) -> bool:
-    """End a sandbox paused to disk: its saved state and its record go (not while another process
-    resumes it: False then, as when there is no record)."""
-    from .snapshots import SnapshotStore
-
-    try:
-        with claimed(root, sandbox_id) as record:
-            if record is None:
-                return False
-            SnapshotStore(root).delete(record.snapshot_id, parked=True)
-            remove(root, sandbox_id)
-            return True
-    except BlockingIOError:
-        return False
-
-
-def reap_expired(root: Path, now: float, grace: float) -> list[str]:
-    """End every sandbox paused to disk whose lifetime ended more than ``grace`` seconds ago
-    (its owner, gone or stopped, did not); returns their ids."""
-    return [record.sandbox_id for record in every(root)
-            if over(record, now, grace) and end(root, record.sandbox_id)]

@@ -224,7 +224,7 @@ def gc(root: Path) -> list[str]:
     """Reap every sandbox whose owner is dead or whose lifetime ended more than
     :data:`LIFETIME_GRACE` seconds ago (those paused to disk too: their record and saved state),
     and stray directories. Returns reaped ids."""
-    from . import parked
+    from .snapshots import reap_expired_parked
     from .tiers import get_tier
 
     registry = Registry.at(root)
@@ -242,7 +242,7 @@ def gc(root: Path) -> list[str]:
         registry.remove(row.id)
         reaped.append(row.id)
     # paused to disk: no row, no owner process; the lifetime holds all the same (parked.py)
-    reaped += parked.reap_expired(root, now, LIFETIME_GRACE)
+    reaped += reap_expired_parked(root, now, LIFETIME_GRACE)
     # directories with no row: a crash between mkdir and the INSERT cannot
     # happen (the row comes first), but a hand-deleted database can
     sandboxes = root / "sandboxes"

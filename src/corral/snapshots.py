@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import parked
 from .errors import InvalidState, SnapshotCorrupt, SnapshotNotFound
 from .host.procs import process_start_time
 from .parked import load as load_parked
@@ -364,3 +365,24 @@ def reap_leftovers(root: Path) -> list[str]:
     if reaped:
         prune_shared(directory / SHARED)
     return reaped
+
+
+def end_parked(root: Path, sandbox_id: str) -> bool:
+    """End a sandbox paused to disk: its saved state and its record go (not while another process
+    resumes it: False then, as when there is no record)."""
+    try:
+        with parked.claimed(root, sandbox_id) as record:
+            if record is None:
+                return False
+            SnapshotStore(root).delete(record.snapshot_id, parked=True)
+            parked.remove(root, sandbox_id)
+            return True
+    except BlockingIOError:
+        return False
+
+
+def reap_expired_parked(root: Path, now: float, grace: float) -> list[str]:
+    """End every sandbox paused to disk whose lifetime ended more than ``grace`` seconds ago
+    (its owner, gone or stopped, did not); returns their ids."""
+    return [record.sandbox_id for record in parked.every(root)
+            if parked.over(record, now, grace) and end_parked(root, record.sandbox_id)]

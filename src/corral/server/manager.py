@@ -26,6 +26,7 @@ from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
 from ..pool import PoolSet
 from ..registry import gc, state_dir
 from ..sandbox import Sandbox
+from ..snapshots import end_parked
 from ..spec import SandboxSpec, format_size
 from .config import ServerConfig
 from .metrics import Metrics
@@ -114,7 +115,7 @@ class SandboxManager:
             if not facts:
                 continue
             if parked.over(record, time.time()):  # its lifetime ended while the server was down: it ends
-                parked.end(self.root, record.sandbox_id)
+                end_parked(self.root, record.sandbox_id)
                 continue
             sandbox = Sandbox.connect(record.sandbox_id, state=self.root)
             entry = Entry(sandbox, str(facts["tenant"]), float(facts["created"]), float(facts["expires_at"]),
