@@ -9,9 +9,10 @@ of its own: 16 KiB).
 Kept-alive connections waiting for their next request are held up to ``timeout_keep_alive``
 (65 s): one client's 80 idle connections filled a server's 64 and every other client got 503
 for a minute.  Once more than half of ``max_connections`` are open, each new connection closes
-the oldest of those that have not sent a whole first head (silent connections reopened as fast
-as the head timeout below closed them kept the server full, with no key), then idle ones (their
-clients open a new one when they next ask, as after any keep-alive timeout).
+the oldest of those that have sent nothing yet (silent connections reopened as fast as the head
+timeout below closed them kept the server full, with no key), then idle ones (their clients open
+a new one when they next ask, as after any keep-alive timeout).  A connection that sent part of
+a head keeps its place until the head timeout: a bound per peer would be the next step.
 
 uvicorn does not time a head either: a connection that sent nothing, or half a head, was held
 for ever, and ``max_connections`` of them made the server answer 503 to everyone.  A head must
@@ -52,6 +53,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _heads_done = 0
 
     def data_received(self, data: bytes) -> None:
+        self._headless().pop(self, None)  # it said something: no longer silent
         was_open, heads_done = self._head_open, self._heads_done
         super().data_received(data)
         # all of ``data`` is head only if a head was open before and after it and none ended in it
@@ -71,10 +73,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         headless = self._headless()
         limit = self.limit_concurrency
         if limit is not None and len(self.connections) > limit // 2:
-            # the oldest still waiting for their first head first (silent connections, reopened
-            # as fast as the head timeout closed them, kept max_connections full, and every
-            # tenant got 503, before any key was seen), then idle kept-alive ones: a client
-            # that sent a request is likelier to be one
+            # the oldest that have sent nothing first (silent connections, reopened as fast as
+            # the head timeout closed them, kept max_connections full, and every tenant got 503,
+            # before any key was seen), then idle kept-alive ones: a client that sent a request
+            # is likelier to be one
             oldest = iter(list(headless))
             while len(self.connections) - len(closing) > limit // 2:
                 other = next(oldest, None) or (idle.pop() if idle else None)
@@ -96,7 +98,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         return state.corral_idle, state.corral_closing  # type: ignore[attr-defined]
 
     def _headless(self) -> dict[BoundedHeadProtocol, None]:
-        """This server's connections that have not yet sent a whole first head, oldest first."""
+        """This server's connections that have sent nothing yet, oldest first."""
         state = self.server_state
         if not hasattr(state, "corral_headless"):
             state.corral_headless = {}  # type: ignore[attr-defined]
