@@ -192,6 +192,19 @@ def test_missing_bubblewrap_is_a_clear_host_error() -> None:
     assert "bubblewrap is not installed" in r.stderr and "apt-get install bubblewrap" in r.stderr
 
 
+def test_close_stdin_on_a_terminal_is_its_end_of_file(sandbox: Sandbox) -> None:
+    """A terminal's input cannot be closed (its master is also the output): close_stdin() on a PTY
+    command did nothing, and `cat` ran to its timeout (124). It is now the terminal's EOF
+    character, after what was sent before it; a command nobody closes keeps running."""
+    cat = sandbox.commands.start("cat", pty=(24, 80), timeout=20)
+    cat.send_stdin("hello\n")
+    time.sleep(1)
+    assert not cat.done
+    cat.close_stdin()
+    result = cat.wait()
+    assert result.exit_code == 0 and not result.timed_out and "hello" in result.stdout, result
+
+
 def test_commands_can_run_on_a_terminal_and_be_resized(sandbox: Sandbox) -> None:
     out: list[bytes] = []
     handle = sandbox.commands.start("tty; stty size; read line; stty size", pty=(40, 100),

@@ -42,6 +42,7 @@ struct exec {
     pid_t pid;
     int fd_in, fd_out, fd_err, fd_sync;
     int exited, status, eof_pending;
+    int pty; /* its stdin is a terminal's master: end of file is the terminal's EOF character */
     long long exit_ms;
     char *inbuf;
     size_t inoff, inlen; /* the bytes still to write are inbuf[inoff .. inoff + inlen) */

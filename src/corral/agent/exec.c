@@ -7,6 +7,7 @@
 #include <ftw.h>
 #include <poll.h>
 #include <pty.h>
+#include <termios.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -177,6 +178,7 @@ void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws) {
     e->id = id;
     e->pid = pid;
     e->fd_in = pin[1];
+    e->pty = ws != NULL;
     e->fd_out = pout[0];
     e->fd_err = perr[0];
     e->fd_sync = psync[1];
@@ -372,7 +374,18 @@ void flush_stdin(struct exec *e) {
     }
     if (e->inlen == 0) e->inoff = 0;
     ack_stdin(e, done);
-    if (e->inlen == 0 && e->eof_pending) close_fd(&e->fd_in);
+    if (e->inlen == 0 && e->eof_pending) {
+        if (e->pty && e->fd_in >= 0) {
+            /* closing a terminal's input closes nothing (the master is also the output): a reader
+             * gets end of file from the EOF character, as when a user types it (cat ran on to its
+             * timeout); sent once, after what came before it */
+            struct termios t;
+            unsigned char c = tcgetattr(e->fd_in, &t) == 0 ? t.c_cc[VEOF] : 4;
+            if (write(e->fd_in, &c, 1) == 1 || errno != EAGAIN) e->eof_pending = 0;
+        } else {
+            close_fd(&e->fd_in);
+        }
+    }
 }
 
 void finish_exec(struct exec *e) {
