@@ -148,3 +148,16 @@ def test_the_cell_after_an_abandoned_one_that_cost_the_state_says_restarted() ->
         after = sb.run_code("x")
         assert after.restarted and after.error is not None and after.error.name == "NameError", after
         assert not sb.run_code("y = 2").restarted  # said once
+
+
+def test_a_cell_whose_sandbox_is_destroyed_says_so() -> None:
+    """A cell cut short by the sandbox's destruction said KernelDied "(out of memory, os._exit or
+    a crash)"."""
+    import threading
+
+    from corral import Sandbox
+
+    sb = Sandbox.create()
+    threading.Timer(1.0, sb.kill).start()
+    cell = sb.run_code("import time\ntime.sleep(30)", timeout=60)
+    assert cell.error is not None and cell.error.name == "SandboxClosed", cell

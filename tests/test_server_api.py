@@ -369,6 +369,8 @@ def test_bad_exec_file_and_size_requests(server: ServerProcess) -> None:
                 assert response.json()["message"]
             for route, body in (("/fork", {"count": "2"}), ("/fork", {"count": True}), ("/timeout", {"timeout": "60"})):
                 assert http.post(base + route, json=body).status_code == 422, (route, body)
+            negative = http.post(base + "/timeout", json={"timeout": -5})
+            assert negative.status_code == 400 and "positive" in negative.json()["message"], negative.text
             for raw in ('{"cmd": "echo \\ud800"}', '{"cmd": ["echo", "\\ud800"]}', '{"cmd": "true", "stdin": "\\ud800"}',
                         '{"cmd": "true", "env": {"A": "\\ud800"}}', '{"cmd": "true", "cwd": "/\\ud800"}'):
                 lone = http.post(base + "/exec", content=raw, headers={"content-type": "application/json"})

@@ -384,6 +384,9 @@ class CodeInterpreter:
                     execution.error = ExecutionError(
                         "KernelDied", "the interpreter process died while running the cell (out of memory, "
                         "os._exit or a crash); it restarts on the next cell: variables and imports are lost", "")
+                    if not self._running():
+                        execution.error = ExecutionError(
+                            "SandboxClosed", "the sandbox was destroyed while the cell ran", "")
             finally:
                 self._cell = None
             if restarted:
@@ -393,6 +396,13 @@ class CodeInterpreter:
                 # says the state is gone (it got a NameError with restarted False)
                 self._restart_untold = cancel is not None and cancel.is_set()
             return execution
+
+    def _running(self) -> bool:
+        """Whether the sandbox runs on (a destroyed one's kernel died with it, no crash of its own)."""
+        try:
+            return bool(self._sandbox._backend.alive())
+        except Exception:  # a sandbox that cannot say is not running
+            return False
 
     def _kernel_over(self) -> bool:
         """True once the kernel process has ended."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -267,7 +268,9 @@ class SandboxManager:
     def extend(self, entry: Entry, seconds: float) -> None:
         cap = entry.created + self.config.max_lifetime
         wanted = time.time() + seconds
-        if not seconds > 0 or wanted > cap + 1e-3:
+        if not (seconds > 0 and math.isfinite(seconds)):  # (-5 and NaN were said to "outlive" the lifetime)
+            raise InvalidSpec(f"timeout: {seconds!r} must be a positive number of seconds")
+        if wanted > cap + 1e-3:
             left = max(0.0, cap - time.time())
             raise InvalidSpec(f"timeout: {seconds!r} s would outlive the server's max lifetime of "
                               f"{self.config.max_lifetime:g} s from creation ({left:.0f} s left)")
