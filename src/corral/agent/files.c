@@ -115,14 +115,15 @@ void do_fwrite(uint32_t id, char *payload, uint32_t len, int append) {
  *
  * Payload: u32 mode | u32 flags | TARGET \0 | TEMP \0 | data.  TEMP is empty in a write's
  * first request; a first request with PUT_MORE answers "TARGET \0 TEMP \0" (TARGET resolved:
- * a link at the path that names a file is followed, and that file is what is replaced), and
+ * a link at the path is followed, and the file it names is what is replaced or made), and
  * the host's later requests of the write carry both.
  *
  * What is replaced keeps its mode, and its owner where the writer may give it (root; or the
  * same user); a file the write makes gets ``mode`` (less the umask) and goes to the default user
  * (give_new_file), as before.  As before only a regular file the writer may write is replaced:
  * a directory is EISDIR, a fifo, socket or device EINVAL (never opened for more than a
- * non-blocking look).  A dangling link at the path is itself replaced by the file.
+ * non-blocking look).  A dangling link at the path is followed: its target is made, as
+ * open(O_CREAT) makes it (link_target).
  */
 #define PUT_PARENTS 1u /* make the missing parent directories */
 #define PUT_MORE 2u    /* more data follows: keep the temporary file, answer its name */
