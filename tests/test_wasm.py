@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -539,3 +540,35 @@ def test_a_running_guest_dies_with_its_killed_owner(wasm_available: None, state_
     assert running == [], f"the guest outlived its owner: {running}"
     subprocess.run([sys.executable, "-m", "corral.cli", "gc"], check=True, capture_output=True, timeout=120)
     assert sandbox_leftovers(sandbox_id, state_dir) == []
+
+
+def test_a_command_a_prestarted_guest_took_is_never_run_twice(wasm_available: None, tmp_path: Path) -> None:
+    """A pre-started guest runs its command as soon as it reads it; the host's "go" (which starts
+    the guest's clock) could fail when a short command had already ended, and the host then ran
+    the command again in a fresh guest (a full run saw `os.makedirs` find the directory it was to
+    make). The "go" is made to come late and fail here: the command runs once."""
+    import socket
+    import time
+
+    class LateGo:
+        def __init__(self, control: socket.socket) -> None:
+            self._control = control
+
+        def sendall(self, data: bytes) -> None:
+            if b'"go"' in data:
+                time.sleep(1.0)  # the guest has its command, and runs it meanwhile
+                raise BrokenPipeError(32, "the worker is gone")
+            self._control.sendall(data)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._control, name)
+
+    with Sandbox.create(tier="wasm", memory="256M") as sb:
+        inner: Any = sb._tier_sandbox()
+        deadline = time.monotonic() + 60
+        while inner._next is None and time.monotonic() < deadline:  # its guest pre-started (bounded)
+            time.sleep(0.05)
+        assert inner._next is not None
+        inner._next.control = LateGo(inner._next.control)
+        sb.commands.run(py("open('/workspace/count', 'a').write('x')"), timeout=30)
+        assert sb.files.read("/workspace/count") == "x"

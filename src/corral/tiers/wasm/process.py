@@ -9,6 +9,7 @@ epoch tick, so its worker is SIGKILLed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -90,9 +91,14 @@ class WasmProcess(Process):
         self._stdin_lock = threading.Lock()
         self._oom_before = sandbox.oom_kills()
         if launch is not None:
-            # a pre-started guest: the command goes to its stdin, then the clock starts
+            # a pre-started guest: the command goes to its stdin, then the clock starts.  An
+            # OSError from the stdin write is a guest gone before it had its command (the caller
+            # starts a fresh one); once it has it, it may have run it already (a short command
+            # can end before the "go"): never run again, the reader sees how it ended, and the
+            # host's own deadline holds (a full run saw `os.makedirs` find its directory made)
             self.write_stdin(launch)
-            worker.control.sendall(json.dumps({"go": request.timeout}).encode() + b"\n")
+            with contextlib.suppress(OSError):
+                worker.control.sendall(json.dumps({"go": request.timeout}).encode() + b"\n")
         self._reader = threading.Thread(target=self._read_loop, name=f"corral-wasm-{worker.pid}", daemon=True)
         self._reader.start()
 
