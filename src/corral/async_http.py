@@ -14,8 +14,15 @@ from urllib.parse import quote
 
 import httpx
 
-from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound, error_from_code
-from .http_streams import ExecFrames, output_bytes, printed, result_of, stdin_posts, stream_request
+from .errors import ConnectionLost, InvalidSpec, SandboxClosed, SandboxError, SandboxNotFound
+from .http_streams import (
+    ExecFrames,
+    attached_frame,
+    lost_attachment,
+    printed,
+    stdin_posts,
+    stream_request,
+)
 from .http_transport import (
     REQUEST_TIMEOUT,
     Endpoint,
@@ -215,17 +222,14 @@ class AsyncBackgroundProcess:
         async with ws:
             try:
                 async for raw in ws:
-                    frame: dict[str, Any] = json.loads(raw)
-                    kind = frame.get("type")
-                    if kind in ("stdout", "stderr") and on_output is not None:
-                        await call_maybe_async(on_output, kind, output_bytes(frame))
-                    elif kind == "result":
-                        self._result = result_of(frame)
+                    kind, data, result = attached_frame(raw, self._sandbox_id)
+                    if result is not None:
+                        self._result = result
                         return
-                    elif kind == "error":
-                        raise error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+                    if data is not None and on_output is not None:
+                        await call_maybe_async(on_output, kind, data)
             except (ConnectionClosed, OSError) as exc:  # the server went, or the line to it
-                raise ConnectionLost(f"lost the stream of command {self.pid}: {exc}", sandbox_id=self._sandbox_id) from exc
+                raise lost_attachment(self.pid, self._sandbox_id, exc) from exc
         raise SandboxClosed("the command's stream ended without a result", sandbox_id=self._sandbox_id)
 
 

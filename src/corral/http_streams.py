@@ -333,15 +333,30 @@ class BackgroundProcess(CommandProcess):
         with ws:
             try:
                 for raw in ws:
-                    frame: dict[str, Any] = json.loads(raw)
-                    kind = frame.get("type")
-                    if kind in ("stdout", "stderr") and on_output is not None:
-                        on_output(kind, output_bytes(frame))
-                    elif kind == "result":
-                        self._result = result_of(frame)
+                    kind, data, result = attached_frame(raw, self._sandbox_id)
+                    if result is not None:
+                        self._result = result
                         return
-                    elif kind == "error":
-                        raise error_from_code(frame.get("error", ""), frame.get("message", ""), self._sandbox_id)
+                    if data is not None and on_output is not None:
+                        on_output(kind, data)
             except (ConnectionClosed, OSError) as exc:  # the server went, or the line to it
-                raise ConnectionLost(f"lost the stream of command {self.pid}: {exc}", sandbox_id=self._sandbox_id) from exc
+                raise lost_attachment(self.pid, self._sandbox_id, exc) from exc
         raise SandboxClosed("the command's stream ended without a result", sandbox_id=self._sandbox_id)
+
+
+def attached_frame(raw: str | bytes, sandbox_id: str) -> tuple[str, bytes | None, ExecResult | None]:
+    """One frame of an attached background command: (stream, its bytes, None) for output,
+    (kind, None, the result) at the end, (kind, None, None) for others; an error frame is raised."""
+    frame: dict[str, Any] = json.loads(raw)
+    kind = str(frame.get("type"))
+    if kind in ("stdout", "stderr"):
+        return kind, output_bytes(frame), None
+    if kind == "result":
+        return kind, None, result_of(frame)
+    if kind == "error":
+        raise error_from_code(frame.get("error", ""), frame.get("message", ""), sandbox_id)
+    return kind, None, None
+
+
+def lost_attachment(pid: int | None, sandbox_id: str, exc: BaseException) -> ConnectionLost:
+    return ConnectionLost(f"lost the stream of command {pid}: {exc}", sandbox_id=sandbox_id)
