@@ -65,17 +65,38 @@ def _end_forked_copies() -> None:
     those the interrupt ended.  Copies: processes of this session and name started since the
     cell began (read from /proc/PID/stat alone: reading a forking process's cmdline waits on its
     memory map).  Stopped first, round after round, as the running ones fork as fast as they
-    would be killed; then killed."""
+    would be killed; then killed; and again until a look finds none (bounded: 10 s): under load
+    a round could end with copies it had not yet seen, which forked on (CI saw a bomb outlive it)."""
     try:
         with open(f"/proc/{_KERNEL_PID}/comm") as f:
             name = f.read().rstrip("\n")
         session = os.getsid(0)
     except OSError:
         return
+    deadline = time.monotonic() + 10
+    while True:
+        stopped, ended = _stop_copies(name, session, deadline)
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in stopped | ended:  # this kernel's own children: reaped, or they hold their pids
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        if not stopped or time.monotonic() > deadline:
+            return
+
+
+def _stop_copies(name: str, session: int, deadline: float) -> tuple[set[int], set[int]]:
+    """Stop every live copy (rounds until two quiet ones, a moment apart); returns those
+    stopped and this kernel's children that had already ended (zombies)."""
     stopped: set[int] = set()
     ended: set[int] = set()
     quiet = 0
-    for _ in range(50):  # (bounded; a round stops every copy it finds, so few are needed)
+    while time.monotonic() < deadline:
         found = 0
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == _KERNEL_PID or int(entry) in stopped:
@@ -101,16 +122,7 @@ def _end_forked_copies() -> None:
         if quiet == 2:
             break
         time.sleep(0.002)
-    for pid in stopped:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    for pid in stopped | ended:  # this kernel's own children: reaped, or they hold their pids
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
+    return stopped, ended
 
 
 def _leave_if_forked() -> None:
