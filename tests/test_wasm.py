@@ -25,7 +25,7 @@ from corral.tiers import tier_class
 from corral.tiers.base import ExecRequest
 
 from .host_reach import assert_cannot_reach_the_hosts_loopback
-from .leaks import sandbox_leftovers
+from .leaks import kill_9, sandbox_leftovers, start_owner
 from .sandbox_wait import wait_until
 
 
@@ -524,17 +524,14 @@ def test_the_cpython_module_is_checked_against_corrals_own_pin(tmp_path: Path,
 def test_a_running_guest_dies_with_its_killed_owner(wasm_available: None, state_dir: Path) -> None:
     """Its worker drops to the sandbox's uid, which clears a parent-death signal: it was set
     again only before, so a guest's busy loop outlived its SIGKILLed owner until ``gc``."""
-    script = ("import time\nfrom corral import Sandbox\nsb = Sandbox.create(tier='wasm')\n"
-              "sb.commands.start(['python3', '-c', 'open(\"/tmp/up\", \"w\").close()\\nwhile True: pass'], timeout=600)\n"
-              "while not sb.files.exists('/tmp/up'):\n    time.sleep(0.05)\nprint(sb.id, flush=True)\ntime.sleep(600)\n")
-    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    owner, [sandbox_id] = start_owner(
+        "sb = Sandbox.create(tier='wasm')\n"
+        "sb.commands.start(['python3', '-c', 'open(\"/tmp/up\", \"w\").close()\\nwhile True: pass'], timeout=600)\n"
+        "while not sb.files.exists('/tmp/up'):\n    time.sleep(0.05)\nprint(sb.id, flush=True)", sleep=600)
     try:
-        assert owner.stdout is not None
-        sandbox_id = owner.stdout.readline().strip()
         assert any(found.startswith("process") for found in sandbox_leftovers(sandbox_id, state_dir))
     finally:
-        owner.kill()
-        owner.wait()
+        kill_9(owner)
     wait_until(lambda: not any(f.startswith("process") for f in sandbox_leftovers(sandbox_id, state_dir)), 10)
     running = [f for f in sandbox_leftovers(sandbox_id, state_dir) if f.startswith("process")]
     assert running == [], f"the guest outlived its owner: {running}"

@@ -228,5 +228,4 @@ class Policy:
                    for net, _ in REFUSED_RANGES)
 
     def _loopback_reenabled(self) -> bool:
-        return any(net.is_loopback or net.overlaps(LOOPBACK[net.version])  # type: ignore[arg-type]
-                   for net in self.unsafe_ranges)
+        return any(net.overlaps(LOOPBACK[net.version]) for net in self.unsafe_ranges)  # type: ignore[arg-type]

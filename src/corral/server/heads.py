@@ -92,17 +92,20 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def _kept_alive(self) -> tuple[set[BoundedHeadProtocol], set[BoundedHeadProtocol]]:
         """This server's connections waiting for their next request, and those of them being
         closed to make room (kept with the server's state, shared by its connections)."""
-        state = self.server_state
-        if not hasattr(state, "corral_idle"):
-            state.corral_idle, state.corral_closing = set(), set()  # type: ignore[attr-defined]
+        state = self._shared()
         return state.corral_idle, state.corral_closing  # type: ignore[attr-defined]
 
     def _headless(self) -> dict[BoundedHeadProtocol, None]:
         """This server's connections that have sent nothing yet, oldest first."""
+        return self._shared().corral_headless  # type: ignore[attr-defined,no-any-return]
+
+    def _shared(self) -> object:
+        """The server's state, holding the sets above (shared by its connections)."""
         state = self.server_state
-        if not hasattr(state, "corral_headless"):
+        if not hasattr(state, "corral_idle"):
+            state.corral_idle, state.corral_closing = set(), set()  # type: ignore[attr-defined]
             state.corral_headless = {}  # type: ignore[attr-defined]
-        return state.corral_headless  # type: ignore[attr-defined,no-any-return]
+        return state
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidState, ResourceLimit, SnapshotCorrupt
+from ...host.workspace import CHANGED_MEANWHILE
 from ...images import SANDBOX_UID
 
 #: overlay xattrs that name the inode of one mount (copy-up origin, hard-link counts): not carried
@@ -104,9 +105,9 @@ MAX_DEPTH = 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-#: what reading an entry meets if it was changed after the walk saw it (gone; a link now a
-#: directory or the other way round: ELOOP from O_NOFOLLOW, EINVAL from readlink)
-_CHANGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EINVAL)
+#: what reading an entry meets if it was changed after the walk saw it: as the workspace's walk
+#: (gone; a link now a directory or the other way round), and EINVAL from readlink
+_CHANGED = (*CHANGED_MEANWHILE, errno.EINVAL)
 
 
 @contextlib.contextmanager
