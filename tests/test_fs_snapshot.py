@@ -550,6 +550,20 @@ def test_hard_links_are_kept_and_counted_once(state_dir: Path) -> None:
             assert fork.commands.run("cat /workspace/d/a").stdout == "one\ntwo\n"
 
 
+def test_directories_nested_past_the_walks_bound_are_a_typed_refusal(state_dir: Path) -> None:
+    """The copy holds a descriptor per directory level: past MAX_DEPTH levels a snapshot is
+    ResourceLimit, naming the path, and the sandbox runs on."""
+    depth = fs_snapshot.MAX_DEPTH + 1
+    with Sandbox.create() as sb:
+        made = sb.commands.run(["python3", "-c", f"import os\nos.chdir('/tmp')\nfor _ in range({depth}):\n"
+                                "    os.mkdir('d')\n    os.chdir('d')"])  # (makedirs recurses per level)
+        assert made.exit_code == 0, made
+        with pytest.raises(ResourceLimit, match=f"nested more than {fs_snapshot.MAX_DEPTH} deep"):
+            sb.snapshot()
+        assert not sb.paused and sb.commands.run("echo ok").stdout == "ok\n"
+        assert not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+
+
 def test_a_fork_runs_its_commands_as_its_parents_user(state_dir: Path) -> None:
     """A fork of a ``user="root"`` sandbox is root's too (it was the default user's, and could not
     write the files its parent's root had made)."""

@@ -255,6 +255,24 @@ def test_a_workspace_that_cannot_be_idmapped_is_copied_as_before(tmp_path: Path)
         mounts.umount(ws, lazy=True)
 
 
+def test_a_killed_owners_read_only_overlay_is_reaped(tier: str, tmp_path: Path, state_dir: Path) -> None:
+    """``ro`` is an overlay now (in the host's namespace on gVisor): a killed owner's leaves no
+    mount, directory or process once ``gc`` ran, and the host directory is as it was."""
+    ws = owned_workspace(tmp_path)
+    before = tree(ws)
+    owner, (sandbox_id,) = start_owner(
+        f"sb = Sandbox.create(tier={tier!r}, workspace={str(ws) + ':ro'!r}, memory='256M')\n"
+        "sb.commands.run('cat /workspace/keep.txt')\nprint(sb.id, flush=True)")
+    kill_9(owner)
+    run_gc(sandbox_id, timeout=60)
+    deadline = time.monotonic() + 5
+    while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_leftovers(sandbox_id, state_dir) == []
+    assert sandbox_id not in Path("/proc/mounts").read_text()
+    assert tree(ws) == before
+
+
 def test_a_killed_owners_workspace_overlay_is_reaped_and_the_host_directory_kept(tmp_path: Path,
                                                                                  state_dir: Path) -> None:
     ws = owned_workspace(tmp_path)
