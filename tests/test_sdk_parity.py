@@ -8,6 +8,7 @@ binary stdin, ``run_code``, ``sandbox_id``, and an unknown keyword argument to
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,9 +135,10 @@ def test_binary_stdin_to_run_and_to_a_background_command(sandbox: Any) -> None:
 def test_a_background_command_takes_a_signal_by_pid(sandbox: Any) -> None:
     handle = sandbox.commands.run("trap 'echo got-term; exit 3' TERM; touch /tmp/trapped; "
                                   "while :; do sleep 0.05; done", background=True)
-    for _ in range(200):  # until the trap is set (bounded)
-        if sandbox.files.exists("/tmp/trapped"):
-            break
+    deadline = time.monotonic() + 20  # until the trap is set (bounded in time, not in looks: under load
+    while not sandbox.files.exists("/tmp/trapped"):  # 200 quick looks were over before the shell began)
+        assert time.monotonic() < deadline, "the background shell never set its trap"
+        time.sleep(0.02)
     found = sandbox.commands.connect(handle.pid)
     assert found.pid == handle.pid and not found.done
     found.send_signal(15)
@@ -165,8 +167,6 @@ def test_an_exposed_port_is_reached_both_ways(sandbox: Any, server: ServerProces
                 break
         except httpx.TransportError:
             pass
-        import time
-
         time.sleep(0.1)
     assert response.status_code == 200 and response.text == "served"
     if sandbox.remote:  # who reaches a server's port route is the server's decision (keys), not a uid list
