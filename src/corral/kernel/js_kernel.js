@@ -16,13 +16,25 @@ const readline = require("readline");
 const { Writable } = require("stream");
 
 const current = { id: 0 };
+// as python_kernel.py's FRAME_TEXT: the host drops a frame past the cell's output budget whole, so
+// output goes in frames it can keep a part of, and an error is cut to its beginning and end (a
+// 40 MB message was dropped, and the failed cell read as one that succeeded)
+const FRAME_TEXT = 65536;
 function send(message) {
   fs.writeSync(1, JSON.stringify(message) + "\n");
+}
+function cut(text) {
+  if (text.length <= FRAME_TEXT) return text;
+  const keep = FRAME_TEXT / 2 - 64;
+  return `${text.slice(0, keep)}\n... (${text.length - 2 * keep} characters cut) ...\n${text.slice(-keep)}`;
 }
 function capture(stream) {
   return new Writable({
     write(chunk, _encoding, done) {
-      send({ type: stream, id: current.id, text: chunk.toString() });
+      const text = chunk.toString();
+      for (let start = 0; start < text.length; start += FRAME_TEXT) {
+        send({ type: stream, id: current.id, text: text.slice(start, start + FRAME_TEXT) });
+      }
       done();
     },
   });
@@ -76,8 +88,8 @@ function runCell(id, code, env) {
     send({
       type: "error", id,
       name: interrupted ? "KeyboardInterrupt" : (isError ? error.name : "Error"),
-      value: isError ? String(error.message) : util.inspect(error),
-      traceback: isError ? cellFrames(String(error.stack)) : "",
+      value: cut(isError ? String(error.message) : util.inspect(error)),
+      traceback: isError ? cut(cellFrames(String(error.stack))) : "",
     });
   } finally {
     for (const [name, value] of Object.entries(saved)) {
