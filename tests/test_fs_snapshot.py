@@ -632,6 +632,15 @@ def test_a_tenant_holds_at_most_max_snapshots_per_tenant_whatever_their_size(sta
         over = alice.post(f"/v1/sandboxes/{sid}/snapshot")
         assert (over.status_code, over.json()["error"]) == (429, "resource_limit") and "3 snapshots" in over.text
         assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 3
+        # a fork's snapshot is gone before the fork returns: at the count, forks are still made
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo kept > /home/user/f"})
+        forked = alice.post(f"/v1/sandboxes/{sid}/fork", json={"count": 2})
+        assert forked.status_code == 201, forked.text
+        for kid in forked.json()["sandboxes"]:
+            ran = alice.post(f"/v1/sandboxes/{kid['id']}/exec", json={"cmd": "cat /home/user/f"}).json()
+            assert ran["stdout"] == "kept\n"
+            assert alice.delete(f"/v1/sandboxes/{kid['id']}").status_code == 204
+        assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 3
         # another tenant has its own count; and a removed one makes room
         bid = bob.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
         assert bob.post(f"/v1/sandboxes/{bid}/snapshot").status_code == 201

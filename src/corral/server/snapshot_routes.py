@@ -36,13 +36,14 @@ def spec_fields(ctx: ServerContext, tenant: str, snapshot_id: str, data: dict[st
     return {"tier": snapshot.tier, "image": snapshot.image}
 
 
-def _room(ctx: ServerContext, tenant: str) -> int:
+def _room(ctx: ServerContext, tenant: str, kept: bool = True) -> int:
     """Bytes the tenant's snapshots use (429 if there is no room left, in bytes or in number:
     snapshots share their contents, so a tenant's thousands of small ones stayed far below the
-    bytes cap while each added its own directory and records to the host's disk)."""
+    bytes cap while each added its own directory and records to the host's disk).  A snapshot
+    that is not ``kept`` (a fork's, removed before the fork returns) needs room in bytes only."""
     most = ctx.config.max_snapshots_per_tenant
     count = len(store(ctx).list(tenant)) + len(store(ctx).list(tenant, parked=True))
-    if count >= most:
+    if kept and count >= most:
         raise ResourceLimit(f"quota: tenant {tenant!r} holds {count} snapshots (max {most}); remove one first")
     cap = ctx.config.max_snapshot_bytes_per_tenant
     used = store(ctx).bytes_of(tenant)
@@ -62,13 +63,14 @@ def park(ctx: ServerContext, tenant: str, sandbox_id: str) -> None:
         "idle_timeout": entry.idle_timeout, "metadata": entry.metadata})
 
 
-def take(ctx: ServerContext, tenant: str, sandbox_id: str) -> Snapshot:
-    """Snapshot the tenant's sandbox, within its snapshot quota (blocking: call on a worker thread)."""
+def take(ctx: ServerContext, tenant: str, sandbox_id: str, kept: bool = True) -> Snapshot:
+    """Snapshot the tenant's sandbox, within its snapshot quota (blocking: call on a worker thread;
+    ``kept`` as for ``_room``)."""
     entry = ctx.manager.get(tenant, sandbox_id)
     snapshots = store(ctx)
     cap = ctx.config.max_snapshot_bytes_per_tenant
     entry.sandbox._local().tier_sandbox()  # paused to disk: 409 sandbox_paused, before any quota's 429
-    used = _room(ctx, tenant)
+    used = _room(ctx, tenant, kept)
     snapshot = entry.sandbox._local().snapshot(tenant)
     if used + snapshot.size > cap:  # (an upper bound while a live snapshot's memory image is written)
         snapshot = snapshots.whole(snapshot.id, tenant)  # its real size
@@ -104,7 +106,8 @@ async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Contex
     if ctx.config.cluster is None and body.count <= tier_class(parent.spec.tier).direct_forks:
         # (a microVM: straight from the running VM, no snapshot; tiers/microvm/livefork.py)
         return {"sandboxes": [entry.to_dict() for entry in await ctx.manager.fork(who, parent, body.count)]}
-    snapshot = await ctx.run_for(who, take, ctx, who, sandbox_id)
+    # the snapshot lives only until the forks are made: a tenant holding its most snapshots may fork
+    snapshot = await ctx.run_for(who, take, ctx, who, sandbox_id, False)
     made = []
     try:
         for _ in range(body.count):
