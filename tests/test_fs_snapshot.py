@@ -579,6 +579,26 @@ def test_a_fork_runs_its_commands_as_its_parents_user(state_dir: Path) -> None:
             assert fork.commands.run("id -u").stdout == "1000\n"
 
 
+def test_a_file_capability_set_inside_reads_back_the_same_in_a_snapshots_sandbox(state_dir: Path) -> None:
+    """A capability the sandbox's root sets is stored by the kernel for that namespace's root
+    (revision 3, naming its host uid): copied raw, it read "Value too large" in every sandbox
+    made from the snapshot (another host uid).  (It grants nothing either way: commands run with
+    no_new_privs.)"""
+    cap = "import os, struct\nos.setxattr('/home/user/t', 'security.capability', struct.pack('<5I', 0x02000001, 1 << 13, 0, 0, 0))"
+    read = "import os\nprint(os.getxattr('/home/user/t', 'security.capability').hex())"
+    with Sandbox.create() as sb:
+        assert sb.commands.run("touch /home/user/t").exit_code == 0
+        assert sb.commands.run(["python3", "-c", cap], user="root").exit_code == 0
+        before = sb.commands.run(["python3", "-c", read], user="root")
+        assert before.exit_code == 0 and before.stdout.startswith("01000002"), before
+        snapshot = sb.snapshot()
+        try:
+            with Sandbox.create(snapshot=snapshot.id) as kid:
+                assert kid.commands.run(["python3", "-c", read], user="root").stdout == before.stdout
+        finally:
+            assert Sandbox.delete_snapshot(snapshot.id)
+
+
 def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerProcess) -> None:
     import asyncio
 

@@ -84,7 +84,24 @@ def id_map(uid: int, root_uid: int | None = None, id_range: tuple[int, int] | No
     return IdMap(to_inside, {SANDBOX_UID: uid, 0: 0}, id_range)
 
 
-def _xattrs(path: Path) -> dict[str, str]:
+#: a file capability (``security.capability``) of revision 3 names the host uid of the user
+#: namespace's root it is valid for (``struct vfs_ns_cap_data``: its last 4 bytes)
+_CAPABILITY = "security.capability"
+_CAP_REVISION_3 = 0x03000000
+_CAP_REVISION_MASK = 0xFF000000
+_CAP_V3_SIZE = 24
+
+
+def _cap_rootid(value: bytes, translate: Callable[[int], int]) -> bytes:
+    """A capability with its namespace root translated: copied raw, one taken at host id N read
+    back as "Value too large" in a sandbox whose root is another host id (its root could not use
+    it either)."""
+    if len(value) != _CAP_V3_SIZE or int.from_bytes(value[:4], "little") & _CAP_REVISION_MASK != _CAP_REVISION_3:
+        return value
+    return value[:-4] + translate(int.from_bytes(value[-4:], "little")).to_bytes(4, "little")
+
+
+def _xattrs(path: Path, ids: IdMap) -> dict[str, str]:
     try:
         names = os.listxattr(path, follow_symlinks=False)
     except OSError:
@@ -94,9 +111,10 @@ def _xattrs(path: Path) -> dict[str, str]:
         if name.startswith(_NOT_CARRIED):
             continue
         try:
-            out[name] = os.getxattr(path, name, follow_symlinks=False).hex()
+            value = os.getxattr(path, name, follow_symlinks=False)
         except OSError:
             continue
+        out[name] = (_cap_rootid(value, ids.inside_id) if name == _CAPABILITY else value).hex()
     return out
 
 
@@ -294,7 +312,7 @@ def capture(layers: list[tuple[str, Path]], dest: Path, ids: IdMap, exclude: dic
                 entry["y"] = "p"
             else:
                 continue  # sockets and devices are not files a snapshot can carry
-            xattrs = _xattrs(path)
+            xattrs = _xattrs(path, ids)
             if xattrs:
                 entry["x"] = xattrs
             encoded.append(json.dumps(entry, separators=(",", ":")))
@@ -410,7 +428,9 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
             raise SnapshotCorrupt(f"snapshot {_named(directory)}: unknown entry type {kind!r}")
         os.chown(path, uid, gid, follow_symlinks=False)
         for name, value in entry.get("x", {}).items():
-            os.setxattr(path, name, bytes.fromhex(value), follow_symlinks=False)
+            raw = bytes.fromhex(value)
+            os.setxattr(path, name, _cap_rootid(raw, ids.host_id) if name == _CAPABILITY else raw,
+                        follow_symlinks=False)
         if kind not in ("d", "l"):
             os.chmod(path, int(entry["m"]))  # after chown, which clears set-id bits
         if kind != "d":
