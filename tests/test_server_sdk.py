@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import http.server
 import json
 import os
 import re
 import resource
+import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,6 +61,106 @@ def test_sdk_same_api_remotely(server: ServerProcess) -> None:
         other = RemoteSandbox.connect(sb.id, url=server.url, api_key=KEYS["alice"])
         assert other.commands.run("echo same").stdout == "same\n"
     assert not sb.is_running()
+
+
+class _ForwardProxy(http.server.ThreadingHTTPServer):
+    """A forward proxy on loopback that records what it carried: requests in absolute form (sent
+    on), and CONNECT tunnels (the command streams' WebSockets)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _ForwardProxy
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_CONNECT(self) -> None:
+        self.server.seen.append(f"CONNECT {self.path}")
+        host, port = self.path.rsplit(":", 1)
+        upstream = socket.create_connection((host, int(port)), timeout=30)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.flush()
+        back = threading.Thread(target=_relay, args=(upstream, self.connection), daemon=True)
+        back.start()
+        _relay(self.connection, upstream)
+        back.join(30)
+        upstream.close()
+        self.close_connection = True
+
+    def _forward(self) -> None:
+        self.server.seen.append(f"{self.command} {self.path}")
+        target = urllib.parse.urlsplit(self.path)
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        connection = http.client.HTTPConnection(target.netloc, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("proxy-connection", "connection")}
+        connection.request(self.command, target.path + (f"?{target.query}" if target.query else ""), body, headers)
+        reply = connection.getresponse()
+        data = reply.read()
+        self.send_response(reply.status)
+        for key, value in reply.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(key, value)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _forward
+
+
+def _relay(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for end in (source, sink):
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def test_the_sdk_reaches_a_server_through_the_proxy_the_environment_names(
+        server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx (the SDK's client until urllib3) took HTTP_PROXY and NO_PROXY from the environment, and
+    the command streams' WebSocket client still does; urllib3 went straight to the server, so a
+    server reached only through a proxy saw the streams but not the requests."""
+    proxy = _ForwardProxy()
+    try:
+        for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy", "http_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        with Sandbox.create(url=server.url, api_key=KEYS["alice"], memory="128M") as sb:
+            assert sb.commands.run("echo plain").stdout == "plain\n"
+            assert sb.commands.run("echo streamed", on_stdout=lambda _: None).stdout == "streamed\n"
+            sb.files.write("p.txt", "through")
+            assert sb.files.read("p.txt") == "through"
+        where = server.url.split("://", 1)[1]
+        assert f"POST {server.url}/v1/sandboxes" in proxy.seen, proxy.seen
+        assert any(seen.startswith(f"PUT {server.url}/v1/sandboxes/{sb.id}/files/content?") for seen in proxy.seen)
+        assert f"CONNECT {where}" in proxy.seen, proxy.seen
+        carried = len(proxy.seen)
+        monkeypatch.setenv("NO_PROXY", where.split(":")[0])  # and what NO_PROXY names goes straight
+        with Sandbox.create(url=server.url, api_key=KEYS["alice"], memory="128M") as sb:
+            assert sb.commands.run("echo direct", on_stdout=lambda _: None).stdout == "direct\n"
+        assert len(proxy.seen) == carried, proxy.seen[carried:]
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
 
 
 def test_sdk_errors_map_to_the_exception_tree(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:

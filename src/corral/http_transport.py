@@ -15,6 +15,7 @@ import builtins
 import json as _json
 import os
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlencode, urlsplit
@@ -173,6 +174,18 @@ def _query(params: dict[str, Any]) -> str:
     return urlencode({k: str(v).lower() if isinstance(v, bool) else v for k, v in params.items()})
 
 
+def proxy_for(url: str) -> str | None:
+    """The proxy the environment names for ``url`` (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``,
+    less ``NO_PROXY``), as httpx and the WebSocket client of the command streams take it: a server
+    reached only through a proxy is reached through it by every request."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(parts.netloc):
+        return None
+    return proxy
+
+
 class Client(Endpoint):
     """A connection to one server, shared by the sandboxes made through it (and their threads).
 
@@ -181,9 +194,15 @@ class Client(Endpoint):
 
     def __init__(self, url: str | None = None, api_key: str | None = None) -> None:
         super().__init__(url, api_key)
+        proxy = proxy_for(self.url)
         # a connection per thread that asks at once (block=False: more are made, 16 are kept)
-        self.http = urllib3.connection_from_url(self.url, maxsize=16, block=False)
-        self._path = urlsplit(self.url).path
+        self.http: urllib3.HTTPConnectionPool | urllib3.ProxyManager
+        if proxy is None:
+            self.http = urllib3.connection_from_url(self.url, maxsize=16, block=False)
+            self._path = urlsplit(self.url).path
+        else:  # a proxy takes the whole URL (and tunnels https with CONNECT)
+            self.http = urllib3.ProxyManager(proxy, maxsize=16, block=False)
+            self._path = self.url
 
     def request(self, method: str, path: str, *, timeout: float | None = REQUEST_TIMEOUT,
                 json: Any = None, content: bytes | None = None, params: dict[str, Any] | None = None,
@@ -216,7 +235,10 @@ class Client(Endpoint):
         return list(self.request("GET", "/v1/sandboxes")["sandboxes"])
 
     def close(self) -> None:
-        self.http.close()
+        if isinstance(self.http, urllib3.ProxyManager):
+            self.http.clear()
+        else:
+            self.http.close()
 
 
 def info_of(data: dict[str, Any]) -> SandboxInfo:
