@@ -11,8 +11,17 @@ Kept-alive connections waiting for their next request are held up to ``timeout_k
 for a minute.  Once more than half of ``max_connections`` are open, each new connection closes
 the oldest of those that have sent nothing yet (silent connections reopened as fast as the head
 timeout below closed them kept the server full, with no key), then idle ones (their clients open
-a new one when they next ask, as after any keep-alive timeout).  A connection that sent part of
-a head keeps its place until the head timeout: a bound per peer would be the next step.
+a new one when they next ask, as after any keep-alive timeout).
+
+A connection that sent part of a head kept its place until the head timeout: one address's 80
+connections sending a byte of a head every second filled a keyed server's 64, and every tenant
+got 503, no key ever shown.  A client writes its head at once, so a head that arrives in pieces
+is rare, and brief.  Now each address (an IPv6 one's /64) may have at most
+``max_partial_heads_per_peer`` connections with part of a head and not all of it; the
+connection that would pass that is answered 429 and closed at once (unless it is running a
+request, with a next head coming).  Silent connections are not counted (a burst of one client's
+connections is silent until the server reads them, and these give way as above), nor
+connections between requests.
 
 uvicorn does not time a head either: a connection that sent nothing, or half a head, was held
 for ever, and ``max_connections`` of them made the server answer 503 to everyone.  A head must
@@ -22,6 +31,7 @@ next request on a kept-alive connection), or the client is answered 408 and the 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -29,6 +39,19 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 #: bytes of one request's head a client may send (uvicorn's h11 allows 16 KiB, nginx 8-32 KiB)
 MAX_HEAD = 64 << 10
 
+
+def peer_of(host: str) -> str:
+    """The address connections are counted by: an IPv4 address (an IPv4-mapped IPv6 one's too),
+    or an IPv6 address's /64 (what one host is given; it may use any address in it)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _answer(status: bytes, message: str) -> bytes:
@@ -44,6 +67,12 @@ _TOO_LONG = _answer(b"431 Request Header Fields Too Large",
 class BoundedHeadProtocol(HttpToolsProtocol):
     #: seconds a head may take to arrive whole (``bounded_head_protocol`` makes a class with another)
     head_timeout = 30.0
+    #: connections of one peer (:func:`peer_of`) with part of a head and not all of it
+    max_partial_heads_per_peer = 8
+    #: when the open head's first byte came (loop time), if it has not arrived whole
+    _partial_since: float | None = None
+    #: the peer this connection's partial head is counted for
+    _counted_peer: str | None = None
     _head_timer: asyncio.TimerHandle | None = None
     #: a head is being received (from the connection's start, and after each request's end)
     _head_open = True
@@ -60,6 +89,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         # (a chunk where one ended, or where a new one began, is not counted: at most one read more)
         if not (was_open and self._head_open and heads_done == self._heads_done):
             return
+        if not self._head_bytes:
+            self._head_begun()
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD and not self.transport.is_closing():
             self._head_open = False
@@ -89,6 +120,44 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                 other.transport.close()
         headless[self] = None
 
+    def _head_begun(self) -> None:
+        """Part of a head has come, not all of it: count the connection for its peer, and close it
+        if that passes the peer's bound (unless it is running a request)."""
+        if self.transport.is_closing():
+            return
+        # its time runs from its first byte (on a kept-alive connection, "\r\n" between requests
+        # begins no message, and had no timer: it was held until another connection made it give way)
+        self._start_timer()
+        self._kept_alive()[0].discard(self)  # no longer idle
+        self._partial_since = self.loop.time()
+        if self.client is None:
+            return
+        peer = self._counted_peer = peer_of(self.client[0])
+        counts = self._peer_partials()
+        counts[peer] = counts.get(peer, 0) + 1
+        if counts[peer] > self.max_partial_heads_per_peer and not self._running():
+            self.transport.write(_answer(b"429 Too Many Requests", (
+                f"{peer} has {counts[peer] - 1} other connections that sent part of a request's line and "
+                f"headers and not all of it, the server's max_partial_heads_per_peer: send a head whole")))
+            self.transport.close()
+
+    def _head_ended(self) -> None:
+        """The partial head is whole, or its connection gone: it counts no more."""
+        if self._partial_since is None:
+            return
+        self._partial_since = None
+        peer, self._counted_peer = self._counted_peer, None
+        if peer is not None:
+            counts = self._peer_partials()
+            if counts[peer] > 1:
+                counts[peer] -= 1
+            else:
+                del counts[peer]
+
+    def _running(self) -> bool:
+        """A request of this connection is being handled (a next head may come meanwhile)."""
+        return self.cycle is not None and not self.cycle.response_complete
+
     def _kept_alive(self) -> tuple[set[BoundedHeadProtocol], set[BoundedHeadProtocol]]:
         """This server's connections waiting for their next request, and those of them being
         closed to make room (kept with the server's state, shared by its connections)."""
@@ -99,12 +168,17 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         """This server's connections that have sent nothing yet, oldest first."""
         return self._shared().corral_headless  # type: ignore[attr-defined,no-any-return]
 
+    def _peer_partials(self) -> dict[str, int]:
+        """How many connections with part of a head and not all of it each peer has (:func:`peer_of`)."""
+        return self._shared().corral_peer_partials  # type: ignore[attr-defined,no-any-return]
+
     def _shared(self) -> object:
         """The server's state, holding the sets above (shared by its connections)."""
         state = self.server_state
         if not hasattr(state, "corral_idle"):
             state.corral_idle, state.corral_closing = set(), set()  # type: ignore[attr-defined]
             state.corral_headless = {}  # type: ignore[attr-defined]
+            state.corral_peer_partials = {}  # type: ignore[attr-defined]
         return state
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -112,6 +186,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         for connections in self._kept_alive():
             connections.discard(self)
         self._headless().pop(self, None)
+        self._head_ended()
         super().connection_lost(exc)
 
     #: a request has begun arriving and has not arrived whole
@@ -148,6 +223,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._stop_timer()
         self._headless().pop(self, None)
+        self._head_ended()
         self._head_open, self._head_bytes = False, 0
         self._heads_done += 1
         super().on_headers_complete()
@@ -158,6 +234,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         self._in_request = False
 
 
-def bounded_head_protocol(head_timeout: float) -> type[BoundedHeadProtocol]:
-    """The protocol class, with ``head_timeout`` seconds for a head."""
-    return type("BoundedHeadProtocol", (BoundedHeadProtocol,), {"head_timeout": head_timeout})
+def bounded_head_protocol(head_timeout: float, max_partial_heads_per_peer: int) -> type[BoundedHeadProtocol]:
+    """The protocol class, with ``head_timeout`` seconds for a head and at most
+    ``max_partial_heads_per_peer`` partial heads per peer."""
+    return type("BoundedHeadProtocol", (BoundedHeadProtocol,), {
+        "head_timeout": head_timeout, "max_partial_heads_per_peer": max_partial_heads_per_peer})
