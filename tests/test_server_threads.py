@@ -237,6 +237,43 @@ def test_connections_dribbling_a_head_from_one_address_do_not_fill_the_server(st
         assert answers == [200] * 10, answers
 
 
+def test_slow_heads_from_many_addresses_give_way_but_running_requests_do_not(state_dir: Path) -> None:
+    """60 connections from 12 addresses, 5 each (under each address's bound), dribbling heads, and a
+    tenant's 8 commands running: together past a keyed server's 64 connections, and a new tenant's
+    requests got 503 on 5 of 5 (nothing there could give way).  Past half of max_connections a head
+    2 s in the making gives way to a new connection, oldest first; a running request never does: the
+    commands all finish, and the new tenant's requests are served (its first one, on the very
+    connection that made room, was 503 while those closed still counted as open until uvloop
+    reported them lost: they count as closed at once)."""
+    from corral import Sandbox
+
+    config = {"max_connections": 64}
+    with ServerProcess(state_dir / "srv-slow-heads", keys=KEYS, config=config) as server, \
+            Sandbox.create(url=server.url, api_key=KEYS["alice"]) as sb, server.client("bob") as bob:
+        results: list[str] = []
+
+        def run() -> None:
+            with server.client("alice") as alice:
+                answer = alice.post(f"/v1/sandboxes/{sb.id}/exec", json={"cmd": "sleep 8; echo done"})
+                results.append(answer.json()["stdout"] if answer.status_code == 200 else answer.text)
+
+        runners = [threading.Thread(target=run) for _ in range(8)]
+        for runner in runners:
+            runner.start()
+        wait_until(lambda: len(sb.commands.list()) == 8, 10, every=0.05)
+        sources = [f"127.0.0.{i}" for i in range(2, 14)]
+        with Dribblers(server.port, sources, 5, reopen_for=1.0) as dribblers:
+            time.sleep(3.5)  # every head began over 2 s ago
+            held = len(dribblers.open)
+            answers = _answers_while(bob, 5, 0.3)
+            print(f"bob's answers {answers}; dribbling connections held {held} when bob came, "
+                  f"{len(dribblers.open)} after")
+        for runner in runners:
+            runner.join(30)
+        assert results == ["done\n"] * 8, results
+        assert answers == [200] * 5, answers
+
+
 def test_many_parallel_keep_alive_clients_of_one_address_are_all_served(state_dir: Path) -> None:
     """The legitimate side of max_partial_heads_per_peer (its default): 100 clients of one address,
     each with one kept-alive connection for 10 requests, all at once, are all answered 200 (a
