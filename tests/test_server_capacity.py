@@ -41,7 +41,9 @@ def _status(port: int) -> int:
 def test_past_the_configured_maximum_the_server_says_503(state_dir: Path) -> None:
     # connections in the middle of a request hold their places (answered ones, idle, would give
     # way to new ones past half the maximum: whether 60 plain requests ever met a full server
-    # depended on how quickly it answered the first ones)
+    # depended on how quickly it answered the first ones); each has sent a whole head and waits
+    # for its body, which the server waits for up to request_head_timeout (a connection still
+    # sending its head is no request yet, and need not keep its place)
     with ServerProcess(state_dir / "srv-capacity-low", config={"max_connections": 40}) as server, \
             ExitStack() as stack:
         busy: list[socket.socket] = []
@@ -65,7 +67,8 @@ def test_past_the_configured_maximum_the_server_says_503(state_dir: Path) -> Non
                 break
             while len(busy) < 39:
                 conn = stack.enter_context(socket.create_connection(("127.0.0.1", server.port), timeout=30))
-                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head not finished
+                # the head whole, the body not sent
+                conn.sendall(b"POST /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10\r\n\r\n")
                 busy.append(conn)
                 time.sleep(0.01)
             time.sleep(0.2)

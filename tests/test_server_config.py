@@ -61,8 +61,27 @@ def test_bad_keys_and_configs_are_refused(tmp_path: Path, monkeypatch: pytest.Mo
                 ServerConfig.load(str(bad))
         bad.write_text(json.dumps({field: "3M"}))
         assert getattr(ServerConfig.load(str(bad)), field) == 3 << 20
+    for value in (0, -1, 2.5, "8", True):
+        bad.write_text(json.dumps({"max_partial_heads_per_peer": value}))
+        with pytest.raises(InvalidSpec, match="max_partial_heads_per_peer"):
+            ServerConfig.load(str(bad))
+    bad.write_text(json.dumps({"max_partial_heads_per_peer": 3}))
+    assert ServerConfig.load(str(bad)).max_partial_heads_per_peer == 3
+    assert ServerConfig().max_partial_heads_per_peer == 8
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.1")
+
+
+def test_partial_heads_are_counted_per_address_and_per_ipv6_64() -> None:
+    """An IPv6 host is given a /64 and may use any address in it: counted per address, its
+    connections would each be a peer of their own."""
+    from corral.server.heads import peer_of
+
+    assert peer_of("192.0.2.1") == "192.0.2.1" != peer_of("192.0.2.2")
+    assert peer_of("::ffff:192.0.2.1") == "192.0.2.1"  # (a dual-stack socket's IPv4 client)
+    assert peer_of("2001:db8::1") == peer_of("2001:db8::ffff:1") == "2001:db8::/64"
+    assert peer_of("2001:db8:0:1::1") == "2001:db8:0:1::/64"
+    assert peer_of("::1") == "::/64"
 
 
 def test_serve_runs_on_uvloop_and_httptools() -> None:

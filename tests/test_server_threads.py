@@ -10,6 +10,7 @@ Real servers on loopback (tests/server_fixtures.py), real sandboxes of the proce
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -140,6 +141,160 @@ def test_silent_connections_without_a_key_give_way_to_new_ones(state_dir: Path) 
         finally:
             for sock in silent:
                 sock.close()
+
+
+class Dribblers:
+    """Connections to a server that each send one byte of a never-ending request head every
+    ``every`` seconds (slowloris), from ``sources`` (loopback addresses: 127.0.0.0/8 is all this
+    host's, one peer each), ``per_source`` from each; one the server closed is made again (for
+    ``reopen_for`` seconds, or always), and sends its first byte as it connects.  In a thread, as
+    a context manager."""
+
+    HEAD = b"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 4096
+
+    def __init__(self, port: int, sources: list[str], per_source: int, every: float = 1.0,
+                 reopen_for: float | None = None) -> None:
+        self.port, self.sources, self.per_source, self.every = port, sources, per_source, every
+        self.reopen_for = reopen_for
+        self.open: list[tuple[str, socket.socket, int]] = []
+        #: connections made, and those the server closed
+        self.made = self.closed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _connect(self, source: str) -> None:
+        sock = socket.socket()
+        sock.settimeout(10)
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", self.port))
+        sock.setblocking(False)
+        sock.send(self.HEAD[:1])
+        self.made += 1
+        self.open.append((source, sock, 1))
+
+    def _run(self) -> None:
+        reopen_until = None if self.reopen_for is None else time.monotonic() + self.reopen_for
+        while not self._stop.is_set():
+            still = []
+            for source, sock, sent in self.open:
+                try:
+                    sock.recv(4096)  # an answer (408, 429) or the close: the server is done with it
+                    gone = True
+                except BlockingIOError:
+                    gone = False
+                except OSError:
+                    gone = True
+                if not gone:
+                    try:
+                        sock.send(self.HEAD[sent:sent + 1])
+                        still.append((source, sock, sent + 1))
+                        continue
+                    except OSError:
+                        pass
+                self.closed += 1
+                sock.close()
+            self.open = still
+            if reopen_until is not None and time.monotonic() > reopen_until:
+                self._stop.wait(self.every)
+                continue
+            for source in self.sources:
+                for _ in range(self.per_source - sum(1 for s, _, _ in self.open if s == source)):
+                    self._connect(source)
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> Dribblers:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        for _, sock, _ in self.open:
+            sock.close()
+
+
+def _answers_while(client: httpx.Client, count: int, every: float) -> list[int]:
+    answers = []
+    for _ in range(count):
+        answers.append(client.get("/v1/sandboxes").status_code)
+        time.sleep(every)
+    return answers
+
+
+def test_connections_dribbling_a_head_from_one_address_do_not_fill_the_server(state_dir: Path) -> None:
+    """80 connections from one address, each sending one byte of a head every second (no key, no
+    whole request ever): each held its place until the 30 s head timeout, so they filled a keyed
+    server's 64 connections and a tenant got 503 on every request.  Past max_partial_heads_per_peer
+    (8, its default) such connections from one address are answered 429 and closed at once; the
+    tenant's requests are all served meanwhile."""
+    config = {"max_connections": 64}
+    with ServerProcess(state_dir / "srv-dribbled-heads", keys=KEYS, config=config) as server, \
+            server.client("bob") as bob, Dribblers(server.port, ["127.0.0.1"], 80) as dribblers:
+        time.sleep(2.5)  # each has sent a byte or three
+        answers = _answers_while(bob, 10, 0.5)
+        print(f"bob's answers {answers}; dribbling connections made {dribblers.made}, "
+              f"closed by the server {dribblers.closed}")
+        assert answers == [200] * 10, answers
+
+
+def test_slow_heads_from_many_addresses_give_way_but_running_requests_do_not(state_dir: Path) -> None:
+    """60 connections from 12 addresses, 5 each (under each address's bound), dribbling heads, and a
+    tenant's 8 commands running: together past a keyed server's 64 connections, and a new tenant's
+    requests got 503 on 5 of 5 (nothing there could give way).  Past half of max_connections a head
+    2 s in the making gives way to a new connection, oldest first; a running request never does: the
+    commands all finish, and the new tenant's requests are served (its first one, on the very
+    connection that made room, was 503 while those closed still counted as open until uvloop
+    reported them lost: they count as closed at once)."""
+    from corral import Sandbox
+
+    config = {"max_connections": 64}
+    with ServerProcess(state_dir / "srv-slow-heads", keys=KEYS, config=config) as server, \
+            Sandbox.create(url=server.url, api_key=KEYS["alice"]) as sb, server.client("bob") as bob:
+        results: list[str] = []
+
+        def run() -> None:
+            with server.client("alice") as alice:
+                answer = alice.post(f"/v1/sandboxes/{sb.id}/exec", json={"cmd": "sleep 8; echo done"})
+                results.append(answer.json()["stdout"] if answer.status_code == 200 else answer.text)
+
+        runners = [threading.Thread(target=run) for _ in range(8)]
+        for runner in runners:
+            runner.start()
+        wait_until(lambda: len(sb.commands.list()) == 8, 10, every=0.05)
+        sources = [f"127.0.0.{i}" for i in range(2, 14)]
+        with Dribblers(server.port, sources, 5, reopen_for=1.0) as dribblers:
+            time.sleep(3.5)  # every head began over 2 s ago
+            held = len(dribblers.open)
+            answers = _answers_while(bob, 5, 0.3)
+            print(f"bob's answers {answers}; dribbling connections held {held} when bob came, "
+                  f"{len(dribblers.open)} after")
+        for runner in runners:
+            runner.join(30)
+        assert results == ["done\n"] * 8, results
+        assert answers == [200] * 5, answers
+
+
+def test_many_parallel_keep_alive_clients_of_one_address_are_all_served(state_dir: Path) -> None:
+    """The legitimate side of max_partial_heads_per_peer (its default): 100 clients of one address,
+    each with one kept-alive connection for 10 requests, all at once, are all answered 200 (a
+    client writes each head whole: none is ever partial long enough to count)."""
+    with ServerProcess(state_dir / "srv-keep-alive-clients", keys=KEYS) as server:
+        answers: list[int] = []
+        start = threading.Barrier(100)
+
+        def client() -> None:
+            with httpx.Client(base_url=server.url, headers=server.headers("alice"), timeout=60,
+                              limits=httpx.Limits(max_connections=1)) as alice:
+                start.wait(30)
+                mine = [alice.get("/v1/sandboxes").status_code for _ in range(10)]
+            answers.extend(mine)
+
+        clients = [threading.Thread(target=client) for _ in range(100)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(30)
+        assert answers == [200] * 1000, {code: answers.count(code) for code in set(answers)}
 
 
 @pytest.mark.parametrize("fast_routes", [True, False])

@@ -22,7 +22,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
     ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, app.state.context.ws_messages)
     settle_garbage_collector()
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws=ws_protocol,
-                http=http_protocol(config.request_head_timeout),
+                http=http_protocol(config.request_head_timeout, config.max_partial_heads_per_peer),
                 timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
                 # the client address is the connection's: it says whose socket it is (host_guard),
                 # and X-Forwarded-For from any local user would otherwise replace it
@@ -52,14 +52,15 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
 
-def http_protocol(head_timeout: float) -> type | str:
+def http_protocol(head_timeout: float, max_partial_heads_per_peer: int) -> type | str:
     """httptools with bounds on request heads (.heads), or uvicorn's h11, which bounds their size
-    (it times none: without httptools, ``request_head_timeout`` does not apply)."""
+    (it times none: without httptools, ``request_head_timeout`` and ``max_partial_heads_per_peer``
+    do not apply)."""
     try:
         from .heads import bounded_head_protocol
     except ImportError:  # no httptools
         return "h11"
-    return bounded_head_protocol(head_timeout)
+    return bounded_head_protocol(head_timeout, max_partial_heads_per_peer)
 
 __all__ = ["GC_YOUNG_THRESHOLD", "ServerConfig", "serve", "settle_garbage_collector"]
 

@@ -130,6 +130,10 @@ class ServerConfig:
     #: seconds a request's line and headers may take to arrive (from the connection, or the request's
     #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
     request_head_timeout: float = 30.0
+    #: connections from one address (an IPv6 one's /64) that have sent part of a request's line and
+    #: headers and not all of it; the one past it is answered 429 and closed at once (one address's
+    #: connections dribbling heads held max_connections until the head timeout: 503 for everyone)
+    max_partial_heads_per_peer: int = 8
     #: requests and WebSockets one tenant may have under way at once (with API keys); past it 429, or
     #: a WebSocket closed before it is accepted, so one tenant cannot hold every connection
     max_requests_per_tenant: int = 1024
@@ -180,6 +184,8 @@ class ServerConfig:
         self.max_kept_output_per_tenant = parse_size(self.max_kept_output_per_tenant, "max_kept_output")
         self.max_proxied_message_bytes = parse_size(self.max_proxied_message_bytes, "max_proxied_message_bytes")
         self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
+        self.max_partial_heads_per_peer = _positive(self.max_partial_heads_per_peer, "max_partial_heads_per_peer",
+                                                    integer=True)
         self.max_requests_per_tenant = _positive(self.max_requests_per_tenant, "max_requests_per_tenant", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
         if not isinstance(self.fast_routes, bool):
