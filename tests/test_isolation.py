@@ -210,6 +210,21 @@ def test_disk_limit_bounds_tmp_and_workspace(tmp_path: Path) -> None:
     assert not (tmp_path / "fill").exists()
 
 
+def test_root_cannot_fill_dev_and_its_devices_and_mounts_still_work() -> None:
+    """bwrap's /dev is a tmpfs with no size limit outside the disk: root wrote 15 x 16 MiB there in
+    a 256 MiB sandbox, the OOM killer took the agent and every later call was SandboxClosed.  It is
+    read-only now; its devices, terminals and /dev/shm (the disk's) are as before."""
+    with Sandbox.create(memory="256M") as sb:
+        r = sb.commands.run("head -c 1M /dev/zero > /dev/f1", user="root")
+        assert r.exit_code != 0 and "Read-only file system" in r.stderr, r
+        r = sb.commands.run("echo x > /dev/null && head -c 4 /dev/urandom | wc -c && echo hi > /dev/shm/x && "
+                            "cat /dev/shm/x && ls /dev/pts", user="root")
+        assert (r.exit_code, r.stdout) == (0, "4\nhi\nptmx\n"), r
+        r = sb.commands.run(f"{PY} -c 'import os, pty; print(os.ttyname(pty.openpty()[1]))'")
+        assert r.stdout.startswith("/dev/pts/"), r
+        assert sb.commands.run("echo alive").stdout == "alive\n"
+
+
 FILL_FILES = f"""{PY} -c '
 import os
 n = 0

@@ -197,6 +197,9 @@ class ProcessSandbox(LinuxSandbox):
         assert self.network is not None
         for host_path, inside in self.network.binds:
             argv += ["--bind", str(host_path), inside]
+        # bwrap's /dev is a tmpfs of no size limit outside the disk: root filled it past the sandbox's
+        # memory and its agent was killed.  Read-only once its mounts are made (pts and shm stay writable)
+        argv += ["--remount-ro", "/dev"]
         argv += ["--seccomp", "3", AGENT_PATH, "--spare", "--hold", "--user", str(USER_IDS[spec.user]),
                  *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
