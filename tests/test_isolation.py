@@ -225,6 +225,27 @@ def test_root_cannot_fill_dev_and_its_devices_and_mounts_still_work() -> None:
         assert sb.commands.run("echo alive").stdout == "alive\n"
 
 
+OPEN_FDS = (f"{PY} -c 'import os\nfds = []\nfor fd in range(3, 1024):\n    try:\n        os.fstat(fd)\n"
+            "    except OSError:\n        continue\n    fds.append((fd, os.readlink(f\"/proc/self/fd/{fd}\")))\n"
+            "print(fds)'")
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_a_command_starts_with_its_stdio_and_no_other_descriptor(tier: str, state_dir: Path) -> None:
+    """A command run by the agent's spare had the spare's sync pipe as fd 3 (dup2 drops
+    close-on-exec), and a first command run before a spare had the sandbox's user namespace as
+    fd 4 (from bwrap, by way of the agent)."""
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier(tier, state_dir)
+    for _ in range(2):
+        with Sandbox.create(tier=tier) as sb:
+            seen = [sb.commands.run(OPEN_FDS).stdout for _ in range(3)]
+            seen.append(sb.commands.run(OPEN_FDS, background=True).wait().stdout)
+            seen.append(sb.commands.run(OPEN_FDS, user="root").stdout)
+            assert seen == ["[]\n"] * 5, seen
+
+
 FILL_FILES = f"""{PY} -c '
 import os
 n = 0

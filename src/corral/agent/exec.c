@@ -71,6 +71,10 @@ static const char *parse_command(char *payload, uint32_t len, char **parts, int 
 static void __attribute__((noreturn)) become_command(int sync_fd, const struct command *c) {
     char go;
     if (read(sync_fd, &go, 1) != 1) _exit(126);
+    /* a command starts with its stdio and nothing else: a spare's sync pipe is its fd 3 (dup2
+     * drops close-on-exec), and what the agent itself was handed without close-on-exec (the
+     * sandbox's user namespace, from bwrap) reached a first command not run by a spare */
+    close_range(3, ~0U, 0);
     if (c->uid >= 0 && become_user((uid_t)c->uid) < 0) {
         dprintf(2, "corral: cannot run as uid %ld: %s\n", c->uid, strerror(errno));
         _exit(126);
