@@ -321,7 +321,7 @@ def _answered(s: socket.socket, within: float) -> int | None:
 
 
 def test_request_bodies_need_a_key_before_they_are_read_and_are_bounded_per_tenant(server: ServerProcess) -> None:
-    """A body without a valid key is refused before any of it is read (before: 20 such 32 MiB bodies
+    """A body without a valid key, of any size, is refused before any of it is read (before: 20 such 32 MiB bodies
     held 620 MiB); one tenant's bodies under way hold at most max_request_bytes_per_tenant (8 MiB here):
     with two 4 MiB uploads whose bodies do not come, alice's third is 429 at once, bob's upload works,
     and alice's does again once hers are closed."""
@@ -329,6 +329,10 @@ def test_request_bodies_need_a_key_before_they_are_read_and_are_bounded_per_tena
         a_sid, b_sid = create(alice), create(bob)
         with _body_not_sent(server, a_sid, "not-a-key-0123456789abcdef", 4 * MiB) as nobody:
             assert _answered(nobody, 10) == 401
+        # a small one too: it was read first, and one sent a byte at a time held its connection (a
+        # request under way, which never gives way to new connections) for request_head_timeout
+        with _body_not_sent(server, a_sid, "not-a-key-0123456789abcdef", 1000) as nobody:
+            assert _answered(nobody, 5) == 401
         slow = [_body_not_sent(server, a_sid, KEYS["alice"], 4 * MiB) for _ in range(2)]
         try:
             third = None
@@ -381,7 +385,7 @@ def test_an_endless_request_head_is_refused_before_it_grows_the_server(server: S
 
 def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerProcess) -> None:
     """With a 1 s request_head_timeout, a connection that sends nothing, one that sends half a head and
-    one that sends a head without a key and dribbles a small body are answered 408 and closed (before:
+    one that sends a head and dribbles a small body are answered 408 and closed (before:
     held for ever, and max_connections of them made the server answer 503 to everyone); a head that
     arrives in two pieces within the time is served."""
     with socket.create_connection(("127.0.0.1", server.port)) as idle, \
@@ -390,8 +394,8 @@ def test_a_connection_that_sends_no_whole_head_in_time_is_closed(server: ServerP
         for s in (idle, half):
             s.settimeout(5)
             assert s.recv(64).startswith(b"HTTP/1.1 408")
-    # a body small enough to be read before its key is checked must come in time too
-    with _body_not_sent(server, "sb-0000000000000000", "not-a-key-0123456789abcdef", 60000) as dribble:
+    # a small body must come in time too, with a key (without one it is 401 before any is read)
+    with _body_not_sent(server, "sb-0000000000000000", KEYS["alice"], 60000) as dribble:
         dribble.sendall(b"{")
         assert _answered(dribble, 5) == 408
     with socket.create_connection(("127.0.0.1", server.port)) as slow:

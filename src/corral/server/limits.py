@@ -3,7 +3,7 @@
 A declared ``Content-Length`` over the limit is refused at once; a chunked body
 is buffered up to the limit and refused as soon as it goes over, so a client
 can neither make the server buffer without bound nor reach a handler with a
-half-read body.  A request with a body over 64 KiB must name its tenant (its API
+half-read body.  A request with a body must name its tenant (its API
 key) before any of it is read, and what one tenant's requests hold at once is
 bounded too: without that, slow bodies on many connections held 31 MiB each,
 with or without a key (20 connections: 620 MiB).
@@ -69,7 +69,7 @@ class BodySizeLimit:
         #: the tenant an Authorization header names (raises SandboxError if none); None: no check
         self.tenant_of = tenant_of
         self.max_per_tenant = max_per_tenant
-        #: seconds a body read before any key is checked (up to SMALL_BODY) may take to arrive
+        #: seconds a small body (up to SMALL_BODY) may take to arrive
         self.small_body_timeout = small_body_timeout
         #: bytes of request bodies each tenant has buffered
         self.buffered = TenantTally(max_per_tenant)
@@ -104,8 +104,10 @@ class BodySizeLimit:
         else:
             declared = -1  # chunked: its size is known once it has all arrived
         tenant = None
-        # a small body is read first, as the routes expect (uvicorn buffers that much of any request anyway)
-        if (declared < 0 or declared > SMALL_BODY) and self.tenant_of is not None:
+        # no body is read before its key names a tenant: a small one was, and a request without a
+        # key whose body came a byte at a time held its connection (a request under way, which
+        # never gives way to new connections) for request_head_timeout
+        if declared != 0 and self.tenant_of is not None:
             authorization = headers.get(b"authorization")
             try:
                 tenant = self.tenant_of(authorization.decode("latin-1") if authorization is not None else None)
@@ -123,14 +125,15 @@ class BodySizeLimit:
             chunks: list[bytes] = []
             total = 0
             more = True
-            # a body read before any key named a tenant must come in time: it holds a connection
-            deadline = None if tenant is not None or not declared else time.monotonic() + self.small_body_timeout
+            # a small body must come in time (a client writes it with its head); a large one's time is
+            # bounded by the tenant's bytes under way
+            deadline = time.monotonic() + self.small_body_timeout if 0 < declared <= SMALL_BODY else None
             while more:
                 try:
                     message = await (receive() if deadline is None else
                                      asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic())))
                 except TimeoutError:
-                    await self._answer(send, 408, "resource_limit", f"a body of {declared} bytes without a key must "
+                    await self._answer(send, 408, "resource_limit", f"a body of {declared} bytes must "
                                        f"arrive within {self.small_body_timeout:g} s")
                     return
                 if message["type"] != "http.request":
