@@ -12,7 +12,8 @@ limits (it counts against ``pids``), killed with the sandbox.
 Flow control: the agent channel is shared by every command of the sandbox, so
 the channel's reader never blocks on a slow client: what the sandbox sends is
 queued for a writer thread, and a connection whose client leaves more than
-:data:`MAX_QUEUED` bytes unread is cut.
+:data:`MAX_QUEUED` bytes unread is cut on the host's side, and what the sandbox sends it
+afterwards is dropped.
 """
 
 from __future__ import annotations
@@ -39,16 +40,34 @@ def agent_connect(start: Start, agent_path: str, port: int) -> socket.socket:
     queued = [0]
     lock = threading.Lock()
     proc: list[Process] = []
+    cut = threading.Event()
+
+    def cut_off() -> None:
+        """The client reads no more: end its connection here and drop what is queued.  The
+        command's kill is the sandbox's to carry out (a microVM's agent), and a guest that ignored
+        it had its output queued on: 1.5 GiB of the owner's memory for a 16 MiB bound."""
+        cut.set()
+        with contextlib.suppress(OSError):
+            ours.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                chunks.get_nowait()
+        with lock:
+            queued[0] = 0
+        if proc:
+            proc[0].kill()
+        chunks.put(None)
 
     def on_output(stream: str, chunk: bytes) -> None:  # on the agent channel's reader: never blocks
-        if stream != "stdout" or not chunk:
+        if stream != "stdout" or not chunk or cut.is_set():
             return
         with lock:
             queued[0] += len(chunk)
             over = queued[0] > MAX_QUEUED
-        if over and proc:
-            proc[0].kill()
-        chunks.put(chunk)
+        if over:
+            cut_off()
+        else:
+            chunks.put(chunk)
 
     request = ExecRequest(argv=[agent_path, "--connect", str(port)], env={}, cwd="/", timeout=_WEEK, max_output=0)
     try:
@@ -66,7 +85,7 @@ def agent_connect(start: Start, agent_path: str, port: int) -> socket.socket:
             try:
                 ours.sendall(chunk)
             except OSError:
-                process.kill()
+                cut_off()
                 break
         with contextlib.suppress(OSError):
             ours.shutdown(socket.SHUT_WR)
