@@ -81,6 +81,19 @@ def test_host_paths_do_not_exist_in_the_guest(sb: Sandbox) -> None:
     assert r.stdout.count("missing") == 8 and r.stdout.count("unlistable") == 3
 
 
+def test_run_code_is_refused_at_once_and_says_why(sb: Sandbox) -> None:
+    """The wasm tier runs no interpreter process: each run_code waited 30 s for a kernel that never
+    said it was ready, then blamed the image's python3."""
+    from corral.errors import InvalidState
+
+    started = time.monotonic()
+    for call in (lambda: sb.run_code("print(1)"), lambda: sb.create_code_context("python")):
+        with pytest.raises(InvalidState, match="runs no code interpreter"):
+            call()
+    assert time.monotonic() - started < 5
+    assert sb.commands.run(["python", "-c", "print(1)"]).stdout == "1\n"  # a program as a command
+
+
 def test_the_two_preopened_directories_work(sb: Sandbox) -> None:
     r = sb.commands.run(py(
         "import os, tempfile\n"

@@ -358,12 +358,21 @@ class LocalBackend(SandboxBackend):
         from .interpreter import interpreter_in
 
         self.tier_sandbox()
+        self._check_code()
         return interpreter_in(self, sandbox, language, context).run(code, timeout=timeout, envs=envs, **callbacks)
+
+    def _check_code(self) -> None:
+        """Refuse at once on a tier that runs no interpreter (wasm: each call waited 30 s for a
+        kernel that never said it was ready, then blamed the image's python3)."""
+        if not tier_class(self.spec.tier).capabilities.code:
+            raise InvalidState(f"sandbox {self.id}: the {self.spec.tier} tier runs no code interpreter "
+                               "(run_code); run each program as a command", sandbox_id=self.id)
 
     def create_code_context(self, language: str, cwd: str | None) -> str:
         from .interpreter import MAX_CODE_CONTEXTS, check_language, language_name
 
         self.tier_sandbox()
+        self._check_code()
         check_language(language)
         where = validate_sandbox_path(cwd, "cwd") if cwd is not None else None
         name = "ctx-" + secrets.token_hex(6)

@@ -168,6 +168,8 @@ class Capabilities:
     snapshot: str = ""
     #: whether ``user="root"`` is offered (root of the sandbox's own user namespace, no host capability)
     root: bool = False
+    #: whether ``run_code``'s interpreters (a kernel process per context, fed cells over its stdin) run
+    code: bool = True
 
     def check_user(self, user: str | None, tier: str) -> None:
         """Refuse ``user="root"`` up front on a tier that does not offer it."""

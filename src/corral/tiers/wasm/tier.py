@@ -66,6 +66,7 @@ class WasmTier(Tier):
     name = "wasm"
     capabilities = Capabilities(
         network_modes=("none",), pty=False, images=IMAGES, users="a WASI guest: no users, no other program",
+        code=False,  # (docs/wasm.md: a driver per cell is sketched, not built)
         guarantees=(
             "no OS underneath: two preopened directories, no sockets, no other program",
             "memory, wall clock and CPU (fuel) are limited by wasmtime; a host cgroup is the backstop",
