@@ -30,7 +30,9 @@ venv: $(VENV)/.installed
 AGENT_SOURCES := $(addprefix src/corral/agent/,agent.c exec.c files.c guest_ops.c relay.c relay_mux.c users.c mountns.c)
 
 $(AGENT): $(AGENT_SOURCES) src/corral/agent/agent.h src/corral/agent/relay_mux.h
-	cc -O2 -Wall -Wextra -static -o $@ $(AGENT_SOURCES)
+	# built beside and renamed into place: a process reading it meanwhile (agent_build.py installs
+	# a copy per content hash) took a half-written binary ("Exec format error")
+	cc -O2 -Wall -Wextra -static -o $@.tmp $(AGENT_SOURCES) && mv -f $@.tmp $@
 
 agent: $(AGENT)
 
