@@ -97,6 +97,57 @@ def test_the_files_api_acts_as_the_sandboxs_user_not_as_root(sb: Sandbox) -> Non
         assert root.commands.run("cat /etc/motd").stdout == "hi"
 
 
+#: what the probe did after `unshare -U -r`: its new namespace's CAP_NET_ADMIN and CAP_NET_RAW were
+#: honoured over the sandbox's own network namespace (the MTU of its loopback changed for good)
+NESTED_ROOT = ("unshare -U -r sh -c 'ip link set lo mtu 1286 && echo CHANGED-MTU; "
+               "ip addr add 10.9.9.9/32 dev lo && echo ADDED-ADDRESS'")
+
+
+@pytest.mark.parametrize("user", ["user", "root"])
+def test_commands_cannot_make_namespaces_and_the_sandboxs_loopback_stays_its_own(sb: Sandbox, user: str) -> None:
+    """The process tier's seccomp policy, loaded by runsc into gVisor's kernel: no namespace of
+    any kind (unshare, setns, clone with a namespace flag; clone3 is ENOSYS, so libc uses clone),
+    whatever the user, and ordinary work (threads, fork and exec, a pool of processes) runs."""
+    mtu = sb.commands.run("cat /sys/class/net/lo/mtu", user=user).stdout
+    nested = sb.commands.run(NESTED_ROOT, user=user)
+    assert nested.exit_code != 0 and nested.stdout == "", nested
+    assert "Operation not permitted" in nested.stderr, nested
+    ctypes_calls = {
+        "libc.unshare(0x10000000)": "EPERM",  # CLONE_NEWUSER
+        "libc.unshare(0x40000000)": "EPERM",  # CLONE_NEWNET
+        "libc.unshare(0x00000400)": "EPERM",  # CLONE_FS: unshare is refused whole, as in the process tier
+        "libc.setns(0, 0)": "EPERM",
+        "libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)": "EPERM",  # clone(NEWUSER | SIGCHLD)
+        "libc.syscall(56, 0x40000000 | 17, 0, 0, 0, 0)": "EPERM",  # clone(NEWNET | SIGCHLD)
+        "libc.syscall(56, 0x00020000 | 17, 0, 0, 0, 0)": "EPERM",  # clone(NEWNS | SIGCHLD)
+        "libc.syscall(435, 0, 0)": "ENOSYS",  # clone3: its flags are in memory, libc falls back
+        "libc.ptrace(16, 1, 0, 0)": "EPERM",  # PTRACE_ATTACH (no tracer could let clone3 through)
+        "libc.syscall(41, 17, 3, 0)": "EPERM",  # AF_PACKET: no CAP_NET_RAW without a namespace
+    }
+    code = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"for expr in {list(ctypes_calls)!r}:\n"
+            "    r = eval(expr)\n"
+            "    print('ok' if r >= 0 else errno.errorcode[ctypes.get_errno()])\n")
+    answers = sb.commands.run(["python3", "-c", code], user=user)
+    assert dict(zip(ctypes_calls, answers.stdout.split(), strict=True)) == ctypes_calls, answers
+    assert sb.commands.run("cat /sys/class/net/lo/mtu", user=user).stdout == mtu
+    assert sb.commands.run("ip -o addr show lo", user=user).stdout.count("inet ") == 1
+    assert sb.commands.run("grep ^Seccomp: /proc/self/status", user=user).stdout.split() == ["Seccomp:", "2"]
+    # the allowed direction: threads (pthread_create tries clone3 first), fork and exec, a process
+    # pool, background jobs, gVisor's own kernel log
+    work = sb.commands.run(["python3", "-c", (
+        "import concurrent.futures as cf, multiprocessing, subprocess, os\n"
+        "print(sum(cf.ThreadPoolExecutor(8).map(lambda x: x * x, range(100))))\n"
+        "print(subprocess.run(['sh', '-c', '(sleep 0.1 &); echo exec'], capture_output=True, text=True).stdout, end='')\n"
+        "pid = os.fork()\n"
+        "os._exit(7) if pid == 0 else print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+        "with multiprocessing.Pool(2) as pool:\n"
+        "    print(pool.map(abs, [-1, -2]))\n"
+    )], user=user, timeout=60)
+    assert work.stdout == "328350\nexec\n7\n[1, 2]\n", work
+    assert "Starting gVisor" in sb.commands.run("dmesg", user=user).stdout
+
+
 def test_timeout_kills_the_command_and_its_children(sb: Sandbox) -> None:
     r = sb.commands.run(["sh", "-c", "sleep 300 & sleep 301 & wait"], timeout=1)
     assert r.timed_out and r.exit_code == 124

@@ -3,8 +3,8 @@
 
 Root inside holds ROOT_CAPS in the sandbox's own user namespace only: no CAP_SYS_ADMIN,
 CAP_SYS_MODULE, CAP_SYSLOG, CAP_MKNOD, CAP_SYS_CHROOT..., and the seccomp filter (process
-tier) is the one the sandbox user has.  gVisor answers a few of these from its own kernel
-(a user namespace of its own, its own dmesg, its own netstack's sysctls): what is checked
+tier, and gVisor's, loaded into its kernel) is the one the sandbox user has.  gVisor answers a
+few of these from its own kernel (its own dmesg, its own netstack's sysctls): what is checked
 there is that nothing reaches the host's.  In a microVM, ``user="root"`` is root of the guest's
 own kernel: it may mount, set the guest's hostname and sysctls, make device nodes, even end its
 own VM (``kill -9 -1`` reaches the guest's agent); what is checked is that none of it reaches the
@@ -37,6 +37,8 @@ DENIED = {
     "write a release_agent": "echo /x > /sys/fs/cgroup/memory/release_agent",
     "unshare mount ns": "unshare -m true",
     "unshare net ns": "unshare -n true",
+    # in gVisor too: its kernel made one, whose capabilities reached the sandbox's own network
+    "unshare user ns": "unshare -U true",
     "write a kernel sysctl": "echo c13 > /proc/sys/kernel/hostname",
     "sysctl -w": "sysctl -w kernel.domainname=c13",
     "read /dev/kmsg": "head -c1 /dev/kmsg",
@@ -54,7 +56,6 @@ DENIED = {
 AGENT_PIPES = {"open the agent pipes": "sh -c 'exec 3>/proc/1/fd/1'"}
 #: what the process tier (the host kernel, behind seccomp) refuses and gVisor's own kernel answers
 DENIED_ON_THE_HOST_KERNEL = {
-    "unshare user ns": "unshare -U true",
     "dmesg (syslog)": "dmesg",
     "read the agent environment": "cat /proc/1/environ",  # gVisor shows it (it holds only PATH)
 }

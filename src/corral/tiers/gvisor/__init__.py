@@ -2,7 +2,8 @@
 
 ``tier`` (tier, bundle, lifecycle) → ``platform`` (finding runsc, choosing the
 platform), ``memory`` (the memory guard), ``net`` (runsc's side of
-``network="open"``); the root and the agent channel come from :mod:`corral.tiers.linux`.
+``network="open"``), ``seccomp`` (the policy runsc loads inside); the root and the agent
+channel come from :mod:`corral.tiers.linux`.
 """
 
 from .tier import GVisorSandbox, GVisorTier

@@ -54,6 +54,7 @@ from ..linux.sandbox import LinuxSandbox
 from .memory import MemoryGuard
 from .net import HideRootTest, oci_namespace, root_test_misfires, runsc_args
 from .platform import Platform, choose_platform, runsc_binary
+from .seccomp import oci_seccomp
 
 START_TIMEOUT = 15.0
 #: how long a command may outlive the SIGKILL sent through the agent before the sandbox is killed
@@ -172,7 +173,8 @@ def bundle_config(
     no part of the sandbox is host root, not even for file access.  The agent
     is root of gVisor's user namespace holding only ROOT_CAPS, and makes each
     command its user (``--user``: uid 1000 with no capability unless a command
-    asks for root), as in the process tier.
+    asks for root), as in the process tier.  The seccomp policy is the process tier's
+    (:mod:`.seccomp`), loaded by runsc into gVisor's kernel (``--oci-seccomp``).
     """
     ids = [{"containerID": 0, "hostID": base_uid, "size": 65536}]
     caps = list(ROOT_CAPS)
@@ -220,6 +222,7 @@ def bundle_config(
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "user")] + [oci_namespace(netns_name)],
             "uidMappings": ids,
             "gidMappings": ids,
+            "seccomp": oci_seccomp(),
         },
     }
 
@@ -275,6 +278,7 @@ class GVisorSandbox(LinuxSandbox):
             *runsc_args(self.network.netns if self.network is not None else None),
             "--ignore-cgroups",
             "--overlay2", "none",  # the rootfs already is an overlay on the sandbox's own tmpfs
+            "--oci-seccomp",  # the bundle's linux.seccomp (without it runsc ignores the section)
             # only the proxy socket is ever bound in; "open" lets the gofer connect to it, not create
             *(("--host-uds", "open") if self.network is not None and self.network.binds else ()),
             "--log", str(log),
