@@ -41,7 +41,11 @@ if TYPE_CHECKING:
 #: seconds a cell may run when the caller does not say
 DEFAULT_TIMEOUT = 60.0
 #: seconds an interrupted cell gets to return before the kernel is restarted
-INTERRUPT_GRACE = 3.0
+INTERRUPT_GRACE = 5.0
+#: seconds more for a kernel that said the interrupt came and is ending the copies of itself a
+#: cell forked (its own bound is 10 s): with little CPU that took over INTERRUPT_GRACE, and the
+#: kernel, state and all, was restarted though it was about to answer
+CLEANUP_GRACE = 12.0
 START_TIMEOUT = 30.0
 #: longest protocol line accepted from a kernel
 MAX_FRAME = 64 << 20
@@ -164,6 +168,8 @@ class _Cell:
         self.execution = execution
         self.callbacks = callbacks
         self.done = threading.Event()
+        #: the kernel said the interrupt came (it is ending what the cell forked)
+        self.interrupted = threading.Event()
         self.budget = 0
         #: the same again for what the kernel's other threads print meanwhile (``background``)
         self.background_budget = 0
@@ -317,6 +323,8 @@ class CodeInterpreter:
             self._call(cell, "on_error", error)
         elif kind == "done":
             cell.done.set()
+        elif kind == "interrupted":
+            cell.interrupted.set()
 
     @staticmethod
     def _call(cell: _Cell, name: str, value: Any) -> None:
@@ -367,6 +375,8 @@ class CodeInterpreter:
                     execution.timed_out = True
                     self._handle.send_signal(signal.SIGINT)
                     outcome = self._wait(cell, INTERRUPT_GRACE)
+                    if outcome == "timeout" and cell.interrupted.is_set():
+                        outcome = self._wait(cell, CLEANUP_GRACE)
                     if outcome == "done":
                         execution.error = ExecutionError(
                             "TimeoutError", f"the cell ran longer than {limit:g} s and was interrupted "

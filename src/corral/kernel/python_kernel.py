@@ -344,6 +344,9 @@ def run_cell(cell_id: int, code: str, namespace: dict[str, Any], count: int) -> 
         _in_cell[0] = False
         _leave_if_forked()
         if isinstance(exc, KeyboardInterrupt):
+            # the host waits INTERRUPT_GRACE for the cell's end, then restarts the kernel: say the
+            # interrupt came, so that it waits for this clean-up too (its own bound, 10 s)
+            send({"type": "interrupted", "id": cell_id})
             _end_forked_copies()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -395,6 +398,7 @@ def main() -> None:
         except KeyboardInterrupt:  # one that came as the cell's code ended, before its flag was down
             _in_cell[0] = False
             _leave_if_forked()
+            send({"type": "interrupted", "id": cell_id})
             _end_forked_copies()
             send({"type": "error", "id": cell_id, "name": "KeyboardInterrupt", "value": "", "traceback": ""})
         except Exception as exc:  # whatever a cell does, the kernel and its namespace live on
