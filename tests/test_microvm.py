@@ -784,3 +784,53 @@ def test_a_commands_leaf_goes_once_its_background_child_has_ended(vm: Sandbox) -
     assert vm.commands.run("setsid sleep 30 >/dev/null 2>&1 & echo daemon").stdout == "daemon\n"
     assert vm.commands.run("pgrep -c -x sleep").stdout == "1\n"
     vm.commands.run("pkill -x sleep || true")
+
+
+EGRESS_FLOOD = """
+import ctypes, os, select, signal, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+def port_of(pid):
+    try:
+        return os.readlink(f'/proc/{pid}/fd/0')
+    except OSError:
+        return None
+relay = next(int(p) for p in os.listdir('/proc') if p.isdigit() and port_of(p) == '/dev/vport0p2')
+fd = libc.syscall(438, libc.syscall(434, relay, 0), 0, 0)  # pidfd_getfd: the relay's port
+os.kill(relay, signal.SIGSTOP)  # nothing in the guest reads the port any more
+os.set_blocking(fd, False)
+batch = struct.pack("<BII", 2, 7, 0) * 3000  # OPEN 7, again and again: each answered by a CLOSE
+start, sent, at = time.time(), 0, 0
+while time.time() - start < float(sys.argv[1]):
+    try:
+        n = os.write(fd, batch[at:])
+        sent, at = sent + n, (at + n) % len(batch)
+    except BlockingIOError:
+        select.select([], [fd], [], 0.5)
+print(sent)
+"""
+
+
+def test_a_guest_that_reads_nothing_from_the_egress_port_holds_the_bridge_bounded() -> None:
+    """A guest root that stops its relay and repeats OPEN on the egress port: each OPEN's CLOSE
+    was queued for a guest that never reads (the owner grew ~10 MB/s).  Now the bridge stops
+    reading the port past 2 MiB queued; the sandbox's commands still run."""
+    with Sandbox.create(tier="microvm", memory="256M", user="root", network="allow") as sb:
+        bridge = _vm(sb)._bridge
+        assert bridge is not None
+        sb.files.write("/root/flood.py", EGRESS_FLOOD)
+        most, stop = [0], threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                most[0] = max(most[0], len(bridge._outq))
+                time.sleep(0.02)
+
+        threading.Thread(target=watch, daemon=True).start()
+        try:
+            flood = sb.commands.run(["python3", "/root/flood.py", "8"], timeout=60)
+        finally:
+            stop.set()
+        assert flood.exit_code == 0, flood
+        assert int(flood.stdout) > 4 << 20, f"the guest sent too little to prove anything: {flood}"
+        assert most[0] < 3 << 20, f"{most[0]} bytes queued for a guest that reads nothing ({flood.stdout.strip()} sent)"
+        assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
