@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox, SandboxError
-from corral.errors import ContainmentFailed
+from corral.errors import ContainmentFailed, SandboxClosed
 from corral.host.uids import RANGE_SIZE
 from corral.images import ImageLayout, resolve
 from corral.tiers import tier_class
@@ -784,6 +784,42 @@ def test_a_commands_leaf_goes_once_its_background_child_has_ended(vm: Sandbox) -
     assert vm.commands.run("setsid sleep 30 >/dev/null 2>&1 & echo daemon").stdout == "daemon\n"
     assert vm.commands.run("pgrep -c -x sleep").stdout == "1\n"
     vm.commands.run("pkill -x sleep || true")
+
+
+#: the guest agent's pid, found by its virtio-serial port (what a guest root can do)
+AGENT_PID = "for p in /proc/[0-9]*; do [ \"$(readlink $p/fd/1)\" = /dev/vport0p1 ] && echo ${p#/proc/}; done"
+
+
+def test_a_timeout_holds_and_the_vm_stops_when_the_guest_stops_its_agent(state_dir: Path) -> None:
+    """The guest's agent writes a timed-out command's cgroup.kill, and a command run as guest root
+    can SIGSTOP the agent: run(timeout=5) then returned after 70 s, every later call took 60-75 s
+    and the VM ran on.  Now the host stops the VM when the kill is not confirmed within
+    KILL_GRACE (5 s): the result says so, the sandbox is dead at once, and nothing is left."""
+    sb = Sandbox.create(tier="microvm", memory="256M", user="root")
+    try:
+        pid = _qemu_pid(sb)
+        handle = sb.commands.start(["sh", "-c", f"kill -STOP $({AGENT_PID}); sleep 1000"], timeout=5)
+        start = time.monotonic()
+        results: list[object] = []
+        waiter = threading.Thread(target=lambda: results.append(handle.wait()), daemon=True)
+        waiter.start()
+        waiter.join(25)  # timeout 5 s + the grace 5 s + TCG's slowness; it took 70 s
+        took = time.monotonic() - start
+        assert results, f"the timed-out command had not returned after {took:.0f} s"
+        result = results[0]
+        assert result.timed_out and result.exit_code == 124, result  # type: ignore[attr-defined]
+        assert "did not confirm a command's kill" in result.stderr, result  # type: ignore[attr-defined]
+        start = time.monotonic()
+        with pytest.raises(SandboxClosed):
+            sb.files.read("/etc/hostname")
+        with pytest.raises(SandboxClosed):
+            sb.commands.run("true", timeout=5)
+        assert time.monotonic() - start < 2, "a call on the stopped sandbox waited"
+        assert not sb.is_running() and not _vm(sb).alive()
+        assert not _alive(pid), "QEMU still runs"
+    finally:
+        sb.kill()
+    assert sandbox_leftovers(sb.id, state_dir) == []
 
 
 EGRESS_FLOOD = """
