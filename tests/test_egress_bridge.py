@@ -9,6 +9,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +153,41 @@ def test_too_many_connections_are_refused(pair: tuple[EgressBridge, Guest]) -> N
         guest.send(M_OPEN, conn)
     assert guest.until(M_CLOSE, MAX_CONNECTIONS + 1) == b""
     assert len(bridge._conns) == MAX_CONNECTIONS
+
+
+def test_a_guest_that_reads_nothing_is_not_served_past_a_bounded_queue(pair: tuple[EgressBridge, Guest]) -> None:
+    """A guest root that stops its relay and repeats OPEN (each answered by a CLOSE it never reads)
+    grew the bridge's queue by 10 MB/s: past OUTQ_PORT_HIGH the port is no longer read."""
+    bridge, guest = pair
+    guest.send(M_OPEN, 7)
+    flood = HEADER.pack(M_OPEN, 7, 0) * 4096  # each a second OPEN of 7: refused with CLOSE
+    guest.sock.setblocking(False)
+    sent, most, start, at = 0, 0, time.monotonic(), 0
+    while time.monotonic() - start < 3.0 and sent < 256 << 20:
+        try:
+            n = guest.sock.send(flood[at:])  # (whole frames: a partial send goes on where it stopped)
+            sent, at = sent + n, (at + n) % len(flood)
+        except BlockingIOError:
+            time.sleep(0.01)  # the bridge stopped reading: nothing more goes
+        most = max(most, len(bridge._outq))
+    time.sleep(0.2)
+    most = max(most, len(bridge._outq))
+    bound = 3 << 20  # the module's docstring: about 2.4 MiB
+    assert most <= bound, f"{most} bytes queued for a guest that reads nothing ({sent} bytes sent)"
+    assert sent < 64 << 20  # the guest's writes were held back, not all answered
+    # a guest that reads again is served again: every CLOSE arrives, then a new connection works
+    guest.sock.settimeout(10)
+    rest = flood[at:at + (-at) % HEADER.size]  # the end of a frame cut by a partial send
+
+    def send_more() -> None:
+        guest.sock.sendall(rest)
+        guest.send(M_OPEN, 8)
+        guest.send(M_DATA, 8, b"after")
+
+    sender = threading.Thread(target=send_more)
+    sender.start()  # (its writes go as the reads below let the bridge read again)
+    assert guest.until(M_DATA, 8) == b"after"
+    sender.join(10)
 
 
 def test_an_oversized_frame_ends_the_bridge_and_close_leaves_nothing(echo: Path) -> None:

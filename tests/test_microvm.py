@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox, SandboxError
-from corral.errors import ContainmentFailed
+from corral.errors import ContainmentFailed, SandboxClosed
 from corral.host.uids import RANGE_SIZE
 from corral.images import ImageLayout, resolve
 from corral.tiers import tier_class
@@ -784,3 +784,89 @@ def test_a_commands_leaf_goes_once_its_background_child_has_ended(vm: Sandbox) -
     assert vm.commands.run("setsid sleep 30 >/dev/null 2>&1 & echo daemon").stdout == "daemon\n"
     assert vm.commands.run("pgrep -c -x sleep").stdout == "1\n"
     vm.commands.run("pkill -x sleep || true")
+
+
+#: the guest agent's pid, found by its virtio-serial port (what a guest root can do)
+AGENT_PID = "for p in /proc/[0-9]*; do [ \"$(readlink $p/fd/1)\" = /dev/vport0p1 ] && echo ${p#/proc/}; done"
+
+
+def test_a_timeout_holds_and_the_vm_stops_when_the_guest_stops_its_agent(state_dir: Path) -> None:
+    """The guest's agent writes a timed-out command's cgroup.kill, and a command run as guest root
+    can SIGSTOP the agent: run(timeout=5) then returned after 70 s, every later call took 60-75 s
+    and the VM ran on.  Now the host stops the VM when the kill is not confirmed within
+    KILL_GRACE (5 s): the result says so, the sandbox is dead at once, and nothing is left."""
+    sb = Sandbox.create(tier="microvm", memory="256M", user="root")
+    try:
+        pid = _qemu_pid(sb)
+        handle = sb.commands.start(["sh", "-c", f"kill -STOP $({AGENT_PID}); sleep 1000"], timeout=5)
+        start = time.monotonic()
+        results: list[object] = []
+        waiter = threading.Thread(target=lambda: results.append(handle.wait()), daemon=True)
+        waiter.start()
+        waiter.join(25)  # timeout 5 s + the grace 5 s + TCG's slowness; it took 70 s
+        took = time.monotonic() - start
+        assert results, f"the timed-out command had not returned after {took:.0f} s"
+        result = results[0]
+        assert result.timed_out and result.exit_code == 124, result  # type: ignore[attr-defined]
+        assert "did not confirm a command's kill" in result.stderr, result  # type: ignore[attr-defined]
+        start = time.monotonic()
+        with pytest.raises(SandboxClosed):
+            sb.files.read("/etc/hostname")
+        with pytest.raises(SandboxClosed):
+            sb.commands.run("true", timeout=5)
+        assert time.monotonic() - start < 2, "a call on the stopped sandbox waited"
+        assert not sb.is_running() and not _vm(sb).alive()
+        assert not _alive(pid), "QEMU still runs"
+    finally:
+        sb.kill()
+    assert sandbox_leftovers(sb.id, state_dir) == []
+
+
+EGRESS_FLOOD = """
+import ctypes, os, select, signal, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+def port_of(pid):
+    try:
+        return os.readlink(f'/proc/{pid}/fd/0')
+    except OSError:
+        return None
+relay = next(int(p) for p in os.listdir('/proc') if p.isdigit() and port_of(p) == '/dev/vport0p2')
+fd = libc.syscall(438, libc.syscall(434, relay, 0), 0, 0)  # pidfd_getfd: the relay's port
+os.kill(relay, signal.SIGSTOP)  # nothing in the guest reads the port any more
+os.set_blocking(fd, False)
+batch = struct.pack("<BII", 2, 7, 0) * 3000  # OPEN 7, again and again: each answered by a CLOSE
+start, sent, at = time.time(), 0, 0
+while time.time() - start < float(sys.argv[1]):
+    try:
+        n = os.write(fd, batch[at:])
+        sent, at = sent + n, (at + n) % len(batch)
+    except BlockingIOError:
+        select.select([], [fd], [], 0.5)
+print(sent)
+"""
+
+
+def test_a_guest_that_reads_nothing_from_the_egress_port_holds_the_bridge_bounded() -> None:
+    """A guest root that stops its relay and repeats OPEN on the egress port: each OPEN's CLOSE
+    was queued for a guest that never reads (the owner grew ~10 MB/s).  Now the bridge stops
+    reading the port past 2 MiB queued; the sandbox's commands still run."""
+    with Sandbox.create(tier="microvm", memory="256M", user="root", network="allow") as sb:
+        bridge = _vm(sb)._bridge
+        assert bridge is not None
+        sb.files.write("/root/flood.py", EGRESS_FLOOD)
+        most, stop = [0], threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                most[0] = max(most[0], len(bridge._outq))
+                time.sleep(0.02)
+
+        threading.Thread(target=watch, daemon=True).start()
+        try:
+            flood = sb.commands.run(["python3", "/root/flood.py", "8"], timeout=60)
+        finally:
+            stop.set()
+        assert flood.exit_code == 0, flood
+        assert int(flood.stdout) > 4 << 20, f"the guest sent too little to prove anything: {flood}"
+        assert most[0] < 3 << 20, f"{most[0]} bytes queued for a guest that reads nothing ({flood.stdout.strip()} sent)"
+        assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"

@@ -6,7 +6,9 @@ or a virtio-serial port).  Frames are ``u8 type | u32 id | u32 len | payload``.
 
 Everything the agent says is untrusted: sizes are capped, unknown ids are
 ignored, and timeouts are enforced here, by killing the command's cgroup (the
-``kill`` hook), never by asking the agent.
+``kill`` hook), never by asking the agent -- or, where only the agent can reach
+that cgroup (gVisor, microVM), by a backstop that ends the whole sandbox when
+the agent does not obey within a few seconds.
 """
 
 from __future__ import annotations

@@ -120,6 +120,12 @@ class AgentProcess(Process):
             self._error = self._error or "the sandbox stopped while the command ran"
             self._set_done()
 
+    def stopped_by_host(self, why: str) -> None:
+        """The host is ending the sandbox under this command (a tier's backstop): ``why`` is what
+        its result says, rather than only that the sandbox stopped."""
+        if not self._done.is_set():
+            self._error = self._error or f"the sandbox was stopped: {why}"
+
     # Process API
     def write_stdin(self, data: bytes) -> None:
         """Send ``data`` to the command's stdin, waiting as a pipe's writer does while the command

@@ -15,7 +15,20 @@ Flow control is per connection and credit based (``DOWN_WINDOW`` bytes in
 flight to the guest, ``UP_WINDOW`` from it): a guest client that stops reading
 holds up only its own connection, and neither side buffers more than its
 window per connection.
-The port is always read.
+
+What the guest sends is answered (CLOSE for a refused OPEN, CREDIT for data
+passed on), so a guest that does not read the port could make the queue to it
+grow without end: a guest root that stopped the relay and repeated OPEN grew
+this process by 10 MB/s.  So the port is read only while less than
+``OUTQ_PORT_HIGH`` waits for it (backpressure: a guest that does not read its
+replies gets no more service; the honest relay always reads the port unless
+its own queue is full, which the host's frames alone cannot do), and proxy
+connections only while less than ``OUTQ_HIGH`` does.  Whatever the guest sends,
+the bridge holds at most: the queue to the guest, below ``OUTQ_PORT_HIGH`` plus
+one read of the port answered (``PORT_READ`` / 9 frames of at most 13 bytes) plus a
+few KiB of CREDIT and CLOSE frames for the proxy connections, about 2.4 MiB; the
+unparsed input, below ``HEADER.size + CHUNK + PORT_READ``; and per connection
+at most ``UP_WINDOW`` for the proxy: 64 MiB over ``MAX_CONNECTIONS``.
 
 One thread per sandbox, one selector: the traffic is bounded by what TCG
 moves through virtio-serial, far below what a thread copies.
@@ -46,6 +59,11 @@ CREDIT_STEP = UP_WINDOW // 4
 MAX_CONNECTIONS = 256
 #: stop reading proxy connections while this much waits for the port
 OUTQ_HIGH = 1 << 20
+#: stop reading the port itself while this much waits for it (its frames make CLOSE and
+#: CREDIT frames): a guest that does not read gets no more service, and no more of our memory
+OUTQ_PORT_HIGH = 2 << 20
+#: the most one read of the port takes
+PORT_READ = 1 << 18
 
 
 class _Conn:
@@ -111,7 +129,8 @@ class EgressBridge:
                     if key.data is None:
                         return  # woken by close()
                     if key.data is self._port:
-                        if mask & selectors.EVENT_READ and not self._read_port():
+                        if (mask & selectors.EVENT_READ and len(self._outq) < OUTQ_PORT_HIGH
+                                and not self._read_port()):
                             return  # QEMU is gone (or the guest broke the protocol)
                         if mask & selectors.EVENT_WRITE and not self._flush_port():
                             return
@@ -121,7 +140,8 @@ class EgressBridge:
                             continue  # dropped earlier in this round
                         if mask & selectors.EVENT_WRITE:
                             self._flush_conn(conn)
-                        if mask & selectors.EVENT_READ and self._conns.get(conn.id) is conn:
+                        if (mask & selectors.EVENT_READ and self._conns.get(conn.id) is conn
+                                and len(self._outq) < OUTQ_HIGH):  # (others read in this round)
                             self._read_conn(conn)
                 if self._outq and not self._flush_port():
                     return
@@ -149,7 +169,7 @@ class EgressBridge:
 
     def _read_port(self) -> bool:
         try:
-            data = self._port.recv(1 << 18)
+            data = self._port.recv(PORT_READ)
         except BlockingIOError:
             return True
         if not data:
@@ -277,7 +297,8 @@ class EgressBridge:
         conn.sock.close()
 
     def _rearm(self) -> None:
-        """Watch each socket for exactly what it can do now (and the port for output when queued)."""
+        """Watch each socket for exactly what it can do now: the port for output when queued,
+        and for input only while its queue is below ``OUTQ_PORT_HIGH``."""
         reading = len(self._outq) < OUTQ_HIGH
         for conn in self._conns.values():
             mask = 0
@@ -293,7 +314,8 @@ class EgressBridge:
                 else:
                     self._sel.modify(conn.sock, mask, conn)
                 conn.mask = mask
-        port_mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if self._outq else 0)
+        port_mask = ((selectors.EVENT_READ if len(self._outq) < OUTQ_PORT_HIGH else 0)
+                     | (selectors.EVENT_WRITE if self._outq else 0))
         if port_mask != self._port_mask:
             self._sel.modify(self._port, port_mask, self._port)
             self._port_mask = port_mask

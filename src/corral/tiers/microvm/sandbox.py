@@ -23,7 +23,12 @@ template the VM is restored from.
 Inside the guest, commands run in leaves of a guest cgroup carrying the
 memory and pids limits: OOM is read from the leaf's ``memory.events`` and a
 timeout writes the leaf's ``cgroup.kill``, both through the agent's file
-operations (the agent itself lives outside that cgroup).
+operations (the agent itself lives outside that cgroup).  That kill is the guest
+agent's doing, and a command run as guest root could stop the agent: so the
+host is the backstop, as gVisor's is -- a command not seen to end within
+``KILL_GRACE`` seconds (of the VM's running time) after its kill stops the whole
+VM (QEMU killed with the sandbox's host cgroup).  The command's result then says
+it timed out and the sandbox stopped; every later call raises SandboxClosed.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ CONNECTOR_IN_GUEST = "/.corral-connect"
 VMM_OVERHEAD = 384 * MiB
 VMM_PIDS = 64
 START_TIMEOUT = 60.0
+#: seconds of the VM's running time a killed command has to be seen to end (its agent reports
+#: the exit) before the host stops the VM: the agent writes the kill, and a guest root can stop it
+KILL_GRACE = 5.0
 GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
 #: sh -c SCRIPT corral-vmm PROCS_FILE... -- QEMU ARGS...: join the cgroups, become QEMU
 _JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
@@ -92,6 +100,8 @@ class MicroVMSandbox(LinuxSandbox):
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
+        #: why the host stopped the VM under the sandbox (its agent did not obey a kill)
+        self._stopped_why = ""
         self._snapshot_lock = threading.Lock()
         #: the memory image of its last live snapshot, perhaps still being written
         self._ram_write: live.RamWrite | None = None
@@ -398,9 +408,13 @@ class MicroVMSandbox(LinuxSandbox):
             channel.send(T_FWRITE | T_AS_AGENT, channel.new_id(), struct.pack("<II", 0o644, 0)
                          + f"{leaf}/cgroup.procs".encode() + b"\0" + str(nspid).encode())
 
+        started: list[AgentProcess] = []
+
         def kill() -> None:
             try:
                 self._kill_leaf(leaf)
+                if started:
+                    self._backstop_kill(started[0])
             except SandboxClosed:
                 pass
 
@@ -423,8 +437,43 @@ class MicroVMSandbox(LinuxSandbox):
             self.sync()
 
         proc = channel.start(request, on_output, place, kill, finish)
+        started.append(proc)
         self._deadlines.started(leaf, proc)
         return proc
+
+    def _backstop_kill(self, proc: AgentProcess) -> None:
+        """After a command's kill: wait up to KILL_GRACE of the VM's running time for its end,
+        then stop the VM.  A paused VM's agent obeys once resumed: its grace is watched from a
+        thread of its own, and the caller returns at once."""
+        clock = self._channel_even_paused().pause_clock
+
+        def watch() -> None:
+            end = time.monotonic() - clock.paused_total() + KILL_GRACE
+            while not proc.done and not self._closed and time.monotonic() - clock.paused_total() < end:
+                time.sleep(0.02)
+            if not proc.done and not self._closed:
+                why = f"its agent did not confirm a command's kill within {KILL_GRACE:.0f} s"
+                proc.stopped_by_host(why)
+                self._stop_vm(why)
+
+        if clock.paused:
+            threading.Thread(target=watch, name=f"corral-vm-kill-{self.id}", daemon=True).start()
+        else:
+            watch()
+
+    def _stop_vm(self, why: str) -> None:
+        """Kill QEMU (and all of the sandbox's host cgroup): its agent's channel closes, so every
+        command running ends as stopped and every later call raises SandboxClosed at once."""
+        self._stopped_why = why
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+    def _channel_even_paused(self) -> AgentChannel:
+        if self._stopped_why and not self._closed:
+            raise SandboxClosed(f"sandbox {self.id} was stopped: {self._stopped_why}", sandbox_id=self.id)
+        return super()._channel_even_paused()
 
     def _kill_leaf(self, leaf: str) -> None:
         # the channel even if paused: the kill waits in the socket until the VM runs again (through
