@@ -66,6 +66,42 @@ def test_recipe_rejects_bad_input(tmp_path: Path) -> None:
         recipes.load("no-such-recipe")
 
 
+def test_a_recipes_files_come_from_its_own_directory_and_are_files(tmp_path: Path) -> None:
+    """A recipe's ``files`` could name any host path: ``../../etc/shadow`` (or a link to it) put the
+    host's file in an image every tenant's root could read, ``/dev/zero`` filled the image store,
+    and a fifo in a copied directory hung the build for ever.  A source is now a regular file or a
+    directory of files, directories and links, inside the recipe's directory."""
+    context = tmp_path / "ctx"
+    (context / "tree").mkdir(parents=True)
+    (context / "tree" / "ok.txt").write_text("fine")
+    (context / "tree" / "link").symlink_to("/etc/shadow")  # copied as a link: the image's own file
+    (context / "motd").write_text("hi")
+    (tmp_path / "secret").write_text("host's")
+    (context / "innocent.txt").symlink_to("/etc/shadow")
+    source = context / "r.toml"
+    source.write_text("")
+    refused = {
+        "../secret": "outside the recipe's directory",
+        "innocent.txt": "outside the recipe's directory",
+        "/etc/shadow": "outside the recipe's directory",
+        "/dev/zero": "outside the recipe's directory",
+    }
+    for src, needle in refused.items():
+        with pytest.raises(InvalidSpec, match=needle):
+            recipes.parse({"files": [{"src": src, "dest": "/etc/x"}]}, source)
+    os.mkfifo(context / "pipe")
+    with pytest.raises(InvalidSpec, match="not a regular file or a directory"):
+        recipes.parse({"files": [{"src": "pipe", "dest": "/etc/x"}]}, source)
+    os.mkfifo(context / "tree" / "fifo")
+    with pytest.raises(InvalidSpec, match="not a regular file, a directory or a symlink"):
+        recipes.parse({"files": [{"src": "tree", "dest": "/opt/tree"}]}, source)
+    (context / "tree" / "fifo").unlink()
+    # the allowed direction: a file and a directory of the recipe's own
+    parsed = recipes.parse({"files": [{"src": "motd", "dest": "/etc/motd"}, {"src": "tree", "dest": "/opt/tree"}]},
+                           source)
+    assert [copy.dest for copy in parsed.files] == ["/etc/motd", "/opt/tree"]
+
+
 def test_digest_follows_content_not_name(tmp_path: Path) -> None:
     motd = tmp_path / "motd"
     motd.write_text("hello\n")

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -231,6 +232,26 @@ def _strings(data: dict[str, Any], key: str, where: str, pattern: re.Pattern[str
     return tuple(value)
 
 
+def _check_source(path: Path, base: Path, src: str, where: str) -> None:
+    """A ``files`` source is a regular file or a directory of regular files, directories and
+    symlinks, inside the recipe's own directory (its build context, as Docker's ``COPY``): a
+    recipe's ``../../etc/shadow``, or a link to it, put the host's file in an image every tenant's
+    root could read; ``/dev/zero`` filled the image store; a fifo hung the build's hashing."""
+    if not path.is_relative_to(base):
+        raise InvalidSpec(f"{where}: files src {src!r} leads to {path}, outside the recipe's directory {base}")
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode):
+        return
+    if not stat.S_ISDIR(mode):
+        raise InvalidSpec(f"{where}: files src {src!r} is not a regular file or a directory")
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in (*dirnames, *filenames):
+            entry = os.lstat(os.path.join(dirpath, name))
+            if not (stat.S_ISREG(entry.st_mode) or stat.S_ISDIR(entry.st_mode) or stat.S_ISLNK(entry.st_mode)):
+                raise InvalidSpec(f"{where}: files src {src!r} holds {os.path.join(dirpath, name)}, which is "
+                                  "not a regular file, a directory or a symlink")
+
+
 def _files(value: Any, source: Path | None, where: str) -> tuple[FileCopy, ...]:
     if not isinstance(value, list):
         raise InvalidSpec(f"{where}: files must be a list of tables with src, dest and optional mode")
@@ -247,6 +268,7 @@ def _files(value: Any, source: Path | None, where: str) -> tuple[FileCopy, ...]:
         path = (base / src).resolve()
         if not path.exists():
             raise InvalidSpec(f"{where}: files src {src!r} does not exist (looked at {path})")
+        _check_source(path, base.resolve(), src, where)
         parsed_mode: int | None = None
         if mode is not None:
             try:
