@@ -236,6 +236,54 @@ def test_corral_serve_cluster_fronts_the_cluster_with_the_rest_api(cluster: Loca
         server.stop()
 
 
+def host_of(cluster: LocalCluster, sandbox_id: str) -> str:
+    """The node whose host actor holds ``sandbox_id``."""
+    return next(node for node, actor in cluster.hosts.items() if ray.get(actor.owns.remote(sandbox_id)))
+
+
+def test_a_stopped_node_does_not_hold_the_cluster_server_for_anyone(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A node's host that stops answering (SIGSTOP: a GC pause, a swap storm, a cut link) held the
+    server's event loop: its reaper asked every sandbox's state there, without a timeout."""
+    import signal
+
+    import httpx
+
+    from .server_fixtures import KEYS, ServerProcess
+
+    server = ServerProcess(tmp_path / "server-state", "--cluster", cluster.cluster.address, keys=KEYS).start()
+    alice, bob = server.client("alice"), server.client("bob")
+    stopped: int | None = None
+    try:
+        stuck = alice.post("/v1/sandboxes", json={"limits": {"memory": "64M"}}).json()["id"]
+        node = host_of(cluster, stuck)
+        for _ in range(6):  # bob's sandbox on another node
+            mine = bob.post("/v1/sandboxes", json={"limits": {"memory": "64M"}}).json()["id"]
+            if host_of(cluster, mine) != node:
+                break
+            bob.delete(f"/v1/sandboxes/{mine}")
+        stopped = ray.get(cluster.hosts[node].ping.remote())[1]
+        os.kill(stopped, signal.SIGSTOP)
+        time.sleep(1.5)  # the reaper has asked the stopped host by now
+        for _ in range(3):
+            started = time.monotonic()
+            assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
+            listed = bob.get("/v1/sandboxes", timeout=10)
+            assert listed.status_code == 200 and [s["id"] for s in listed.json()["sandboxes"]] == [mine]
+            assert time.monotonic() - started < 2.5
+            time.sleep(0.5)
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        # not answering for a while is not death: the sandbox was not reaped, and works
+        ran = alice.post(f"/v1/sandboxes/{stuck}/exec", json={"cmd": "echo back"}, timeout=30)
+        assert ran.status_code == 200 and ran.json()["stdout"] == "back\n"
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        alice.close()
+        bob.close()
+        server.stop()
+
+
 def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
         cluster: LocalCluster, state_dir: Path) -> None:
     sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]

@@ -41,6 +41,9 @@ WAIT_ROUND = 1.0
 NODES_TTL = 2.0
 #: a host actor that cannot be reached for this long counts as lost with its node
 UNREACHABLE_IS_LOST = 8.0
+#: how long a sandbox's state (alive, paused) is waited for: a host that does not answer by then
+#: (stopped, swapping, cut off) makes the question raise ConnectionLost, not hang its caller
+STATE_TIMEOUT = 3.0
 
 
 class ClusterRegistry:
@@ -83,8 +86,9 @@ class ClusterBackend(SandboxBackend):
         self._metadata = metadata
         self._closed = False
 
-    def call(self, method: str, *args: Any) -> Any:
-        """``method`` of the node's host actor, for this sandbox; typed errors, SandboxLost on node loss."""
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """``method`` of the node's host actor, for this sandbox; typed errors, SandboxLost on node
+        loss, ConnectionLost when ``timeout`` s pass without an answer."""
         registry = self._transport.registry
         if self._node in registry.lost_nodes:
             raise lost(self.id, self._node, "the node was lost earlier")
@@ -92,7 +96,7 @@ class ClusterBackend(SandboxBackend):
         try:
             with ray_errors(self.id, self._node):
                 try:
-                    return ray.get(getattr(self._actor, method).remote(self.id, *args))
+                    return ray.get(getattr(self._actor, method).remote(self.id, *args), timeout=timeout)
                 except ray.exceptions.ActorUnavailableError:
                     if not self._reachable_again():
                         raise
@@ -186,7 +190,9 @@ class ClusterBackend(SandboxBackend):
         if self._closed:
             return False, False
         try:
-            alive, paused = self.call("state")
+            # bounded: the server's reaper asks this of every sandbox, and a stopped node must not
+            # hold it (nor anyone else); ConnectionLost when the host does not answer in time
+            alive, paused = self.call("state", timeout=STATE_TIMEOUT)
         except SandboxLost:
             return False, False
         return bool(alive), bool(paused)
