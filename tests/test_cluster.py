@@ -284,6 +284,44 @@ def test_a_stopped_node_does_not_hold_the_cluster_server_for_anyone(cluster: Loc
         server.stop()
 
 
+def test_a_host_that_a_sibling_restarted_is_used_again(cluster: LocalCluster) -> None:
+    """A host actor that crashed (its node stays) is replaced; the sandboxes it held are lost, but
+    its node takes creates again (it was left out for the life of the driver, and a long-lived
+    server answered 429 cluster_full once the other nodes were full)."""
+    from corral.cluster.node.actor import start_hosts
+
+    transport = ClusterTransport(True, k=WORKERS)  # asks every node: the emptiest is chosen
+    made = [Sandbox.create(transport=transport) for _ in range(WORKERS)]
+    try:
+        assert len({sb.node_id for sb in made}) == WORKERS  # one on each node
+        victim = made[0].node_id
+        assert victim is not None
+        ray.kill(cluster.hosts[victim], no_restart=True)
+        with pytest.raises(SandboxLost):
+            made[0].commands.run("true")
+        # what a sibling host does within SIBLING_INTERVAL: a host on every node that has none
+        assert wait_until(lambda: _restart(cluster, victim, start_hosts), 30, every=0.5)
+        with pytest.raises(SandboxLost):  # the new host does not have it: still lost
+            made[0].commands.run("true")
+        # its node is back in the driver's list once the list is asked for again (NODES_TTL)
+        assert wait_until(lambda: victim in transport.hosts(), 10, every=0.5)
+        again = Sandbox.create(transport=transport)
+        made.append(again)
+        assert again.node_id == victim and again.commands.run("echo here").stdout == "here\n"
+    finally:
+        for sb in made:
+            sb.kill()
+
+
+def _restart(cluster: LocalCluster, node: str, start_hosts: Any) -> bool:
+    try:
+        hosts = start_hosts(ray, janitor_interval=1.0)
+    except Exception:
+        return False
+    cluster.hosts.update(hosts)
+    return node in hosts
+
+
 def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
         cluster: LocalCluster, state_dir: Path) -> None:
     sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]
