@@ -322,6 +322,70 @@ def _restart(cluster: LocalCluster, node: str, start_hosts: Any) -> bool:
     return node in hosts
 
 
+def rss_mib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) >> 10
+
+
+def test_a_hosts_memory_for_output_is_bounded_and_given_back(cluster: LocalCluster) -> None:
+    """The output of a sandbox's commands is kept in the node's host actor (outside every cgroup)
+    until polled: at most the sandbox's max_output per command, and none of it after a destroy
+    (it was 64 MiB per command, and a destroyed sandbox's stayed for good)."""
+    transport = ClusterTransport(True, k=WORKERS)  # asks every node: the emptiest is chosen
+    ballast = [Sandbox.create(transport=transport) for _ in range(WORKERS)]  # one on each node
+    ballast.pop(0).kill()  # so every round is on that node, the emptiest
+    rounds: list[int] = []
+    try:
+        for _ in range(4):
+            sb = Sandbox.create(transport=transport, memory="128M", max_output="8M")
+            try:
+                actor = cluster.hosts[sb.node_id]
+                pid = ray.get(actor.ping.remote())[1]
+                for _ in range(4):  # 32 MiB each, nobody polls it
+                    sb.commands.run("head -c 32M /dev/zero; sleep 60", background=True, timeout=90)
+                assert wait_until(lambda: ray.get(actor.load.remote()).get("buffered", 0)  # noqa: B023
+                                  >= 4 * (8 << 20) - (1 << 20), 20, every=0.2)
+                assert ray.get(actor.load.remote())["buffered"] <= 4 * (8 << 20)
+            finally:
+                sb.kill()
+            if len(rounds) > 1:  # given back once its commands have ended (the first round is the warm-up)
+                wait_until(lambda: rss_mib(pid) - rounds[1] < 40, 10, every=0.2)  # noqa: B023
+            rounds.append(rss_mib(pid))
+    finally:
+        for sb in ballast:
+            sb.kill()
+    # before: +160 MiB a round (128 MiB kept for pollers, 32 for the results), never given back
+    assert rounds[-1] - rounds[1] < 40, rounds
+
+
+def test_a_hosts_output_bound_drops_and_says_so(state_dir: Path) -> None:
+    from corral.cluster.node.host import Budget, NodeHost
+    from corral.spec import SandboxSpec
+    from corral.transport import CommandCall, CreateOptions
+
+    host = NodeHost("test-node", 2, state=str(state_dir), janitor_interval=60)
+    host.buffers = Budget(3 << 20)  # the whole host's, for its commands' output not yet polled
+    try:
+        sandbox_id, _ = host.create(CreateOptions(SandboxSpec.from_dict({"limits": {"max_output": "2M"}}), {}, None))
+        def polled(handle: int) -> Any:
+            assert wait_until(lambda: host.poll(sandbox_id, handle, 0, 0.0, False).done, 20, every=0.1)
+            return host.poll(sandbox_id, handle, 0, 0.0)
+
+        # two at once, 4 MiB each: each is kept up to max_output, both up to the host's bound
+        polls = [polled(h) for h in [host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0]
+                                     for _ in range(2)]]
+        got = [sum(len(data) for _, data in poll.chunks) for poll in polls]
+        assert all(0 < n <= 2 << 20 for n in got) and sum(got) <= 3 << 20 and all(p.truncated for p in polls), got
+        assert all(p.result is not None and len(p.result.stdout) == 2 << 20 for p in polls)  # the result: max_output
+        assert host.buffers.held == 0  # handed out: not kept
+        assert host.poll(sandbox_id, 2, polls[1].cursor, 0.0).chunks == []
+        # so the next command's output is kept again, up to its max_output
+        alone = polled(host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0])
+        assert sum(len(data) for _, data in alone.chunks) == 2 << 20 and alone.truncated
+    finally:
+        host.shutdown()
+
+
 def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
         cluster: LocalCluster, state_dir: Path) -> None:
     sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]
