@@ -236,6 +236,156 @@ def test_corral_serve_cluster_fronts_the_cluster_with_the_rest_api(cluster: Loca
         server.stop()
 
 
+def host_of(cluster: LocalCluster, sandbox_id: str) -> str:
+    """The node whose host actor holds ``sandbox_id``."""
+    return next(node for node, actor in cluster.hosts.items() if ray.get(actor.owns.remote(sandbox_id)))
+
+
+def test_a_stopped_node_does_not_hold_the_cluster_server_for_anyone(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A node's host that stops answering (SIGSTOP: a GC pause, a swap storm, a cut link) held the
+    server's event loop: its reaper asked every sandbox's state there, without a timeout."""
+    import signal
+
+    import httpx
+
+    from .server_fixtures import KEYS, ServerProcess
+
+    server = ServerProcess(tmp_path / "server-state", "--cluster", cluster.cluster.address, keys=KEYS).start()
+    alice, bob = server.client("alice"), server.client("bob")
+    stopped: int | None = None
+    try:
+        stuck = alice.post("/v1/sandboxes", json={"limits": {"memory": "64M"}}).json()["id"]
+        node = host_of(cluster, stuck)
+        for _ in range(6):  # bob's sandbox on another node
+            mine = bob.post("/v1/sandboxes", json={"limits": {"memory": "64M"}}).json()["id"]
+            if host_of(cluster, mine) != node:
+                break
+            bob.delete(f"/v1/sandboxes/{mine}")
+        stopped = ray.get(cluster.hosts[node].ping.remote())[1]
+        os.kill(stopped, signal.SIGSTOP)
+        time.sleep(1.5)  # the reaper has asked the stopped host by now
+        for _ in range(3):
+            started = time.monotonic()
+            assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
+            listed = bob.get("/v1/sandboxes", timeout=10)
+            assert listed.status_code == 200 and [s["id"] for s in listed.json()["sandboxes"]] == [mine]
+            assert time.monotonic() - started < 2.5
+            time.sleep(0.5)
+        os.kill(stopped, signal.SIGCONT)
+        stopped = None
+        # not answering for a while is not death: the sandbox was not reaped, and works
+        ran = alice.post(f"/v1/sandboxes/{stuck}/exec", json={"cmd": "echo back"}, timeout=30)
+        assert ran.status_code == 200 and ran.json()["stdout"] == "back\n"
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        alice.close()
+        bob.close()
+        server.stop()
+
+
+def test_a_host_that_a_sibling_restarted_is_used_again(cluster: LocalCluster) -> None:
+    """A host actor that crashed (its node stays) is replaced; the sandboxes it held are lost, but
+    its node takes creates again (it was left out for the life of the driver, and a long-lived
+    server answered 429 cluster_full once the other nodes were full)."""
+    from corral.cluster.node.actor import start_hosts
+
+    transport = ClusterTransport(True, k=WORKERS)  # asks every node: the emptiest is chosen
+    made = [Sandbox.create(transport=transport) for _ in range(WORKERS)]
+    try:
+        assert len({sb.node_id for sb in made}) == WORKERS  # one on each node
+        victim = made[0].node_id
+        assert victim is not None
+        ray.kill(cluster.hosts[victim], no_restart=True)
+        with pytest.raises(SandboxLost):
+            made[0].commands.run("true")
+        # what a sibling host does within SIBLING_INTERVAL: a host on every node that has none
+        assert wait_until(lambda: _restart(cluster, victim, start_hosts), 30, every=0.5)
+        with pytest.raises(SandboxLost):  # the new host does not have it: still lost
+            made[0].commands.run("true")
+        # its node is back in the driver's list once the list is asked for again (NODES_TTL)
+        assert wait_until(lambda: victim in transport.hosts(), 10, every=0.5)
+        again = Sandbox.create(transport=transport)
+        made.append(again)
+        assert again.node_id == victim and again.commands.run("echo here").stdout == "here\n"
+    finally:
+        for sb in made:
+            sb.kill()
+
+
+def _restart(cluster: LocalCluster, node: str, start_hosts: Any) -> bool:
+    try:
+        hosts = start_hosts(ray, janitor_interval=1.0)
+    except Exception:
+        return False
+    cluster.hosts.update(hosts)
+    return node in hosts
+
+
+def rss_mib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) >> 10
+
+
+def test_a_hosts_memory_for_output_is_bounded_and_given_back(cluster: LocalCluster) -> None:
+    """The output of a sandbox's commands is kept in the node's host actor (outside every cgroup)
+    until polled: at most the sandbox's max_output per command, and none of it after a destroy
+    (it was 64 MiB per command, and a destroyed sandbox's stayed for good)."""
+    transport = ClusterTransport(True, k=WORKERS)  # asks every node: the emptiest is chosen
+    ballast = [Sandbox.create(transport=transport) for _ in range(WORKERS)]  # one on each node
+    ballast.pop(0).kill()  # so every round is on that node, the emptiest
+    rounds: list[int] = []
+    try:
+        for _ in range(4):
+            sb = Sandbox.create(transport=transport, memory="128M", max_output="8M")
+            try:
+                actor = cluster.hosts[sb.node_id]
+                pid = ray.get(actor.ping.remote())[1]
+                for _ in range(4):  # 32 MiB each, nobody polls it
+                    sb.commands.run("head -c 32M /dev/zero; sleep 60", background=True, timeout=90)
+                assert wait_until(lambda: ray.get(actor.load.remote()).get("buffered", 0)  # noqa: B023
+                                  >= 4 * (8 << 20) - (1 << 20), 20, every=0.2)
+                assert ray.get(actor.load.remote())["buffered"] <= 4 * (8 << 20)
+            finally:
+                sb.kill()
+            if len(rounds) > 1:  # given back once its commands have ended (the first round is the warm-up)
+                wait_until(lambda: rss_mib(pid) - rounds[1] < 40, 10, every=0.2)  # noqa: B023
+            rounds.append(rss_mib(pid))
+    finally:
+        for sb in ballast:
+            sb.kill()
+    # before: +160 MiB a round (128 MiB kept for pollers, 32 for the results), never given back
+    assert rounds[-1] - rounds[1] < 40, rounds
+
+
+def test_a_hosts_output_bound_drops_and_says_so(state_dir: Path) -> None:
+    from corral.cluster.node.host import Budget, NodeHost
+    from corral.spec import SandboxSpec
+    from corral.transport import CommandCall, CreateOptions
+
+    host = NodeHost("test-node", 2, state=str(state_dir), janitor_interval=60)
+    host.buffers = Budget(3 << 20)  # the whole host's, for its commands' output not yet polled
+    try:
+        sandbox_id, _ = host.create(CreateOptions(SandboxSpec.from_dict({"limits": {"max_output": "2M"}}), {}, None))
+        def polled(handle: int) -> Any:
+            assert wait_until(lambda: host.poll(sandbox_id, handle, 0, 0.0, False).done, 20, every=0.1)
+            return host.poll(sandbox_id, handle, 0, 0.0)
+
+        # two at once, 4 MiB each: each is kept up to max_output, both up to the host's bound
+        polls = [polled(h) for h in [host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0]
+                                     for _ in range(2)]]
+        got = [sum(len(data) for _, data in poll.chunks) for poll in polls]
+        assert all(0 < n <= 2 << 20 for n in got) and sum(got) <= 3 << 20 and all(p.truncated for p in polls), got
+        assert all(p.result is not None and len(p.result.stdout) == 2 << 20 for p in polls)  # the result: max_output
+        assert host.buffers.held == 0  # handed out: not kept
+        assert host.poll(sandbox_id, 2, polls[1].cursor, 0.0).chunks == []
+        # so the next command's output is kept again, up to its max_output
+        alone = polled(host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0])
+        assert sum(len(data) for _, data in alone.chunks) == 2 << 20 and alone.truncated
+    finally:
+        host.shutdown()
+
+
 def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
         cluster: LocalCluster, state_dir: Path) -> None:
     sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]

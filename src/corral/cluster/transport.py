@@ -41,15 +41,26 @@ WAIT_ROUND = 1.0
 NODES_TTL = 2.0
 #: a host actor that cannot be reached for this long counts as lost with its node
 UNREACHABLE_IS_LOST = 8.0
+#: how long a sandbox's state (alive, paused) is waited for: a host that does not answer by then
+#: (stopped, swapping, cut off) makes the question raise ConnectionLost, not hang its caller
+STATE_TIMEOUT = 3.0
+
+
+def actor_key(actor: Any) -> str:
+    """The identity of one host actor instance (a host that replaces it on the same node has another)."""
+    return str(actor._actor_id.hex())
 
 
 class ClusterRegistry:
     """Sandbox id -> node id, for this process: filled by creates and by asking the hosts (each
-    node's own registry, in SQLite on the node, is the record); nodes found lost stay lost."""
+    node's own registry, in SQLite on the node, is the record).  A host actor found lost stays
+    lost, with the sandboxes it held; a host started after it on the same node (a sibling restarts
+    a crashed one) is another actor, and is used."""
 
     def __init__(self) -> None:
         self._where: dict[str, str] = {}
-        self.lost_nodes: set[str] = set()
+        #: actor ids (:func:`actor_key`) of host actors that died
+        self.lost_hosts: set[str] = set()
         self._lock = threading.Lock()
 
     def put(self, sandbox_id: str, node_id: str) -> None:
@@ -63,9 +74,12 @@ class ClusterRegistry:
         with self._lock:
             self._where.pop(sandbox_id, None)
 
-    def mark_lost(self, node_id: str) -> None:
+    def mark_lost(self, actor: Any) -> None:
         with self._lock:
-            self.lost_nodes.add(node_id)
+            self.lost_hosts.add(actor_key(actor))
+
+    def is_lost(self, actor: Any) -> bool:
+        return actor_key(actor) in self.lost_hosts
 
 
 class ClusterBackend(SandboxBackend):
@@ -83,23 +97,24 @@ class ClusterBackend(SandboxBackend):
         self._metadata = metadata
         self._closed = False
 
-    def call(self, method: str, *args: Any) -> Any:
-        """``method`` of the node's host actor, for this sandbox; typed errors, SandboxLost on node loss."""
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """``method`` of the node's host actor, for this sandbox; typed errors, SandboxLost on node
+        loss, ConnectionLost when ``timeout`` s pass without an answer."""
         registry = self._transport.registry
-        if self._node in registry.lost_nodes:
-            raise lost(self.id, self._node, "the node was lost earlier")
+        if registry.is_lost(self._actor):
+            raise lost(self.id, self._node, "its host was lost earlier")
         ray = self._transport.ray
         try:
             with ray_errors(self.id, self._node):
                 try:
-                    return ray.get(getattr(self._actor, method).remote(self.id, *args))
+                    return ray.get(getattr(self._actor, method).remote(self.id, *args), timeout=timeout)
                 except ray.exceptions.ActorUnavailableError:
                     if not self._reachable_again():
                         raise
                     raise ConnectionLost(f"node {self._node[:12]} did not answer for a moment: the call may or "
                                          "may not have run", sandbox_id=self.id) from None
         except SandboxLost:
-            registry.mark_lost(self._node)
+            registry.mark_lost(self._actor)
             raise
 
     def _reachable_again(self) -> bool:
@@ -186,7 +201,9 @@ class ClusterBackend(SandboxBackend):
         if self._closed:
             return False, False
         try:
-            alive, paused = self.call("state")
+            # bounded: the server's reaper asks this of every sandbox, and a stopped node must not
+            # hold it (nor anyone else); ConnectionLost when the host does not answer in time
+            alive, paused = self.call("state", timeout=STATE_TIMEOUT)
         except SandboxLost:
             return False, False
         return bool(alive), bool(paused)
@@ -282,22 +299,24 @@ class ClusterTransport(Transport):
 
     # -- nodes ------------------------------------------------------------------
     def hosts(self, fresh: bool = False) -> dict[str, Any]:
-        """node id -> host actor, for every live node with slots whose host actor is up."""
+        """node id -> host actor, for every live node with slots whose host actor is up (a host
+        found lost is looked up again by name: the host a sibling started in its place is used)."""
+        registry = self.registry
         with self._lock:
             if fresh or time.monotonic() - self._hosts_at > NODES_TTL:
                 found = {}
                 for node in slot_nodes(self.ray):
-                    if node.node_id in self.registry.lost_nodes:
-                        continue
                     actor = self._hosts.get(node.node_id)
-                    if actor is None:
+                    if actor is None or registry.is_lost(actor):
                         try:
                             actor = self.ray.get_actor(host_name(node.node_id), namespace=NAMESPACE)
                         except ValueError:
-                            continue  # no host on it (yet): `corral cluster up`
+                            continue  # no host on it (yet): `corral cluster up`, or a sibling restarts it
+                        if registry.is_lost(actor):
+                            continue  # the dead one, still under its name
                     found[node.node_id] = actor
                 self._hosts, self._hosts_at = found, time.monotonic()
-            return dict(self._hosts)
+            return {node_id: actor for node_id, actor in self._hosts.items() if not registry.is_lost(actor)}
 
     def _loads(self, hosts: dict[str, Any], node_ids: list[str], key: str) -> list[dict[str, Any]]:
         refs = {node_id: hosts[node_id].load.remote(key) for node_id in node_ids}
@@ -307,7 +326,7 @@ class ClusterTransport(Transport):
                 with ray_errors(None, node_id):
                     loads.append(self.ray.get(ref, timeout=UNREACHABLE_IS_LOST))
             except SandboxLost:
-                self.registry.mark_lost(node_id)
+                self.registry.mark_lost(hosts[node_id])
             except SandboxError:
                 continue  # unreachable this time: not placed on now
         return loads
@@ -366,7 +385,7 @@ class ClusterTransport(Transport):
         except ClusterFull:
             return None
         except SandboxLost:
-            self.registry.mark_lost(node_id)
+            self.registry.mark_lost(hosts[node_id])
             return None
         backend = ClusterBackend(self, sandbox_id, options.spec, node_id, hosts[node_id], dict(options.metadata))
         self.registry.put(sandbox_id, node_id)
@@ -378,7 +397,7 @@ class ClusterTransport(Transport):
         hosts = self.hosts()
         node_id = self.registry.get(sandbox_id)
         if node_id is not None:
-            if node_id in self.registry.lost_nodes or node_id not in hosts:
+            if node_id not in hosts:
                 raise lost(sandbox_id, node_id, "its node is gone")
             return node_id, hosts[node_id]
         refs = {node_id: actor.owns.remote(sandbox_id) for node_id, actor in hosts.items()}

@@ -34,6 +34,7 @@ from .metrics import Metrics
 
 REAP_INTERVAL = 0.5
 DESTROY_THREADS = 32
+REAP_CHECK_THREADS = 16
 MAX_OUTPUT_CAP = 64 << 20
 
 
@@ -103,6 +104,8 @@ class SandboxManager:
         self._reaper: asyncio.Task[None] | None = None
         # destroying waits (for processes to die, cgroups to empty): many may overlap
         self._destroyers = ThreadPoolExecutor(max_workers=DESTROY_THREADS, thread_name_prefix="corral-destroy")
+        # the reaper's pass and its checks of the sandboxes (on a cluster, one per sandbox at once)
+        self._checks = ThreadPoolExecutor(max_workers=REAP_CHECK_THREADS, thread_name_prefix="corral-reap")
 
     # -- persistence -----------------------------------------------------------
     def recover(self) -> None:
@@ -309,21 +312,39 @@ class SandboxManager:
 
     # -- lifetimes -------------------------------------------------------------
     def expired(self, now: float) -> list[str]:
+        """The sandboxes whose lifetime or idle timeout is over, or that died.  Blocking: on a
+        cluster each check is a round trip to the sandbox's node (run it on a thread, as
+        :meth:`_reap_loop` does); no lock is held across them, and a sandbox whose node does not
+        answer in time (STATE_TIMEOUT) is left for the next pass, not reaped nor waited on."""
         with self._lock:
-            return [sid for sid, e in self._entries.items()
-                    # a paused sandbox waits for resume(): only its lifetime ends it
-                    # a running command is not idle: a background one (a job, a dev server) neither
-                    if now >= e.expires_at or (e.active_execs == 0 and not e.sandbox.paused
-                                               and not any(not r.finished for r in list(e.background.values()))
-                                               and now - e.last_used >= e.idle_timeout)
-                    or not e.sandbox.is_running()]
+            entries = list(self._entries.values())
+        if self.config.cluster is not None and len(entries) > 1:  # one slow node delays no other's checks
+            ended = list(self._checks.map(lambda e: self._ended(e, now), entries))
+        else:
+            ended = [self._ended(e, now) for e in entries]
+        return [e.sandbox.id for e, over in zip(entries, ended, strict=True) if over]
+
+    @staticmethod
+    def _ended(e: Entry, now: float) -> bool:
+        if now >= e.expires_at:
+            return True
+        try:
+            # a paused sandbox waits for resume(): only its lifetime ends it
+            # a running command is not idle: a background one (a job, a dev server) neither
+            if (e.active_execs == 0 and not any(not r.finished for r in list(e.background.values()))
+                    and now - e.last_used >= e.idle_timeout and not e.sandbox.paused):
+                return True
+            return not e.sandbox.is_running()
+        except Exception:  # not known this time (its node did not answer): asked again next pass
+            return False
 
     async def _reap_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(REAP_INTERVAL)
-            expired = self.expired(time.time())
+            # off the event loop: a check may wait on a node (cluster) or an owner process
+            expired = await loop.run_in_executor(self._checks, self.expired, time.time())
             self.metrics.expired.inc(len(expired))
-            loop = asyncio.get_running_loop()
             await asyncio.gather(*(loop.run_in_executor(self._destroyers, self.destroy_now, sandbox_id)
                                    for sandbox_id in expired))
 
@@ -340,4 +361,5 @@ class SandboxManager:
         live = [sid for sid, entry in self._entries.items() if not getattr(entry.sandbox._backend, "parked", None)]
         list(self._destroyers.map(self.destroy_now, live))
         self._destroyers.shutdown()
+        self._checks.shutdown(wait=False, cancel_futures=True)
         self.pools.close()

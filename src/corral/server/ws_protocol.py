@@ -20,7 +20,6 @@ Now:
 
 from __future__ import annotations
 
-import ctypes
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +28,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.http11 import Request
 
 from ..errors import SandboxError
+from ..host.heap import return_free_memory
 from .limits import TenantTally
 
 #: whose messages are counted together when the handshake's key names no tenant
@@ -116,29 +116,12 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._counted:
             type(self).receiving.give(self._tenant, self._counted)
             if self._counted >= TRIM_AFTER:
-                _return_free_memory()
+                return_free_memory()
             self._counted = 0
 
 
 #: dropping this much of a message makes the server give its free memory back to the host
 TRIM_AFTER = 1 << 20
-
-
-def _return_free_memory() -> None:
-    """glibc keeps freed memory of its heap for reuse (a 15 MiB buffer freed below another
-    allocation, or once its mmap threshold has grown, stays resident): megabytes a connection
-    held are handed back to the host (``malloc_trim``; a no-op where there is no glibc)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim: Any = None
 
 
 def bounded_ws_protocol(tenant_of: Callable[[str | None], str], receiving: TenantTally) -> type[BoundedWebSocketProtocol]:

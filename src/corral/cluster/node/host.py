@@ -13,8 +13,12 @@ cluster needs:
   sandboxes of a driver that was killed do not outlive it by more than that;
 - **the janitor, again and again**: every ``janitor_interval`` seconds the registry's janitor
   reaps sandboxes whose owner died (a host actor of this machine that was killed with its node);
-- **commands as long polls**: output is kept per command and handed out from a cursor, so the
-  caller streams it with a few round trips, and a background command is found again by pid.
+- **commands as long polls**: output is kept per command until it is handed out from a cursor,
+  so the caller streams it with a few round trips, and a background command is found again by
+  pid.  What is kept waiting for a poller is bounded per command (its sandbox's ``max_output``
+  per stream) and for the whole host (MAX_HOST_BUFFERED): it is the host actor's memory, outside
+  every sandbox's cgroup.  Past either, chunks are dropped (the poll says ``truncated``; the
+  command's result still has its output, up to ``max_output``).
 
 Every method answers plain data (dataclasses of :mod:`corral.tiers.base` and
 :mod:`corral.transport`) or raises :mod:`corral.errors`.
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ClusterFull, InvalidSpec, SandboxNotFound
+from ...host.heap import return_free_memory
 from ...lifecycle import SandboxInfo, matches
 from ...local_backend import LocalBackend, LocalProcess
 from ...local_transport import LocalTransport
@@ -51,30 +56,106 @@ REAP_INTERVAL = 0.5
 JANITOR_INTERVAL = 2.0
 #: an ended command's output and result stay this long for late pollers
 FORGET_AFTER = 60.0
-#: output kept per command for pollers; past it, chunks are dropped (the result still has the output)
+#: output kept per command and stream for pollers, at most (and at most its sandbox's max_output);
+#: past it, chunks are dropped (the result still has the output)
 MAX_BUFFERED = 64 << 20
+#: output kept for pollers by all the commands of one host together
+MAX_HOST_BUFFERED = 256 << 20
+#: for this long after output was let go of, the reaper hands free heap memory back to the node
+TRIM_FOR = 5.0
+
+
+class Budget:
+    """Bytes of output a host holds for pollers, across its commands, up to ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        #: when output was last let go of (monotonic): the host's heap is trimmed for a while after
+        self.freed_at = 0.0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
 
 
 @dataclass
 class Command:
-    """A command started through the host: its output so far, for pollers."""
+    """A command started through the host: its output not yet polled, for pollers."""
 
     #: set right after the start (output may arrive before it is)
     process: LocalProcess = field(default=None)  # type: ignore[assignment]
+    #: output not handed out yet; the first is chunk number ``base`` of the command's output
     chunks: list[tuple[str, bytes]] = field(default_factory=list)
+    base: int = 0
     buffered: int = 0
+    #: bytes held per stream, at most ``limit`` each
+    held: dict[str, int] = field(default_factory=dict)
+    limit: int = MAX_BUFFERED
+    #: the host's, shared by its commands
+    budget: Budget | None = None
+    #: some output was dropped, not kept for pollers
+    truncated: bool = False
     result: ExecResult | None = None
     error: BaseException | None = None
     changed: threading.Condition = field(default_factory=threading.Condition)
     #: when it ended (monotonic): ended commands are forgotten after FORGET_AFTER
     ended_at: float | None = None
+    forgotten: bool = False
 
     def feed(self, stream: str, data: bytes) -> None:
         with self.changed:
-            if self.buffered + len(data) <= MAX_BUFFERED:
+            held = self.held.get(stream, 0)
+            if self.forgotten:
+                return
+            if held + len(data) <= self.limit and (self.budget is None or self.budget.take(len(data))):
                 self.chunks.append((stream, data))
+                self.held[stream] = held + len(data)
                 self.buffered += len(data)
+            else:
+                self.truncated = True
             self.changed.notify_all()
+
+    @property
+    def end(self) -> int:
+        """The number of the chunk after the last one kept."""
+        return self.base + len(self.chunks)
+
+    def drop(self, upto: int) -> None:
+        """Let go of the chunks before number ``upto`` (handed out); the caller holds ``changed``."""
+        gone = self.chunks[:max(0, upto - self.base)]
+        if not gone:
+            return
+        del self.chunks[:len(gone)]
+        self.base += len(gone)
+        for stream, data in gone:
+            self.held[stream] -= len(data)
+        size = sum(len(data) for _, data in gone)
+        self.buffered -= size
+        if self.budget is not None:
+            self.budget.give(size)
+
+    def forget(self) -> None:
+        """Let go of everything it holds (its sandbox was destroyed, or nobody came for it)."""
+        with self.changed:
+            self.forgotten = True
+            self.drop(self.end)
+            self.result = self.error = None  # (an error's traceback holds the frames that raised it)
+            if self.ended_at is not None:
+                # the process (and the output it kept for the result) and this command hold each
+                # other (its output callback): a cycle Python frees only at its next collection
+                self.process = None  # type: ignore[assignment]
+            self.changed.notify_all()
+        if self.budget is not None:
+            self.budget.freed_at = time.monotonic()
 
     def finish(self) -> None:
         try:
@@ -83,10 +164,13 @@ class Command:
             with self.changed:
                 self.error, self.ended_at = exc, time.monotonic()
                 self.changed.notify_all()
-            return
-        with self.changed:
-            self.result, self.ended_at = result, time.monotonic()
-            self.changed.notify_all()
+        else:
+            with self.changed:
+                self.result, self.ended_at = result, time.monotonic()
+                self.changed.notify_all()
+            del result
+        if self.forgotten:  # its sandbox was destroyed: nobody will poll it
+            self.forget()
 
 
 @dataclass
@@ -98,6 +182,8 @@ class Poll:
     pid: int | None
     done: bool
     result: ExecResult | None
+    #: output was dropped before it was polled (the host's or the command's bound)
+    truncated: bool = False
 
 
 @dataclass
@@ -130,6 +216,8 @@ class NodeHost:
         self._waiting = 0
         self._slot_free = threading.Condition()
         self._handles = itertools.count(1)
+        #: output held for pollers by all of this host's commands
+        self.buffers = Budget(MAX_HOST_BUFFERED)
         self._janitor_interval = janitor_interval
         self._closed = threading.Event()
         gc(self.root)  # what a host of this machine that died left behind
@@ -146,7 +234,7 @@ class NodeHost:
         pool = next((p for p in self._pools.pools() if p.key == key), None) if key else None
         return {"node_id": self.node_id, "slots": self.slots, "used": used, "free": max(0, self.slots - used),
                 "free_memory": max(0, host_memory() - promised), "warm": pool.idle_count() if pool else 0,
-                "waiting": waiting}
+                "waiting": waiting, "buffered": self.buffers.held}
 
     # -- create / destroy -------------------------------------------------------------
     def _reserve(self, wait: float) -> None:
@@ -195,7 +283,13 @@ class NodeHost:
             self._slot_free.notify_all()
         if entry is None:
             return False
-        entry.backend.close()
+        try:
+            entry.backend.close()
+        finally:  # its commands' output, kept for pollers that will not come now
+            for command in list(entry.commands.values()):
+                command.forget()
+            entry.commands.clear()
+            self.buffers.freed_at = time.monotonic()
         return True
 
     def shutdown(self) -> int:
@@ -255,7 +349,7 @@ class NodeHost:
     def start(self, sandbox_id: str, call: CommandCall, stdin: bytes | None, background: bool) -> tuple[int, int | None]:
         """Start a command; (its handle for :meth:`poll`, its pid if already known)."""
         entry = self._entry(sandbox_id)
-        command = Command()
+        command = Command(limit=min(MAX_BUFFERED, entry.backend.spec.limits.max_output), budget=self.buffers)
         if background:
             process = entry.backend.start_background(call, stdin, command.feed)
         else:
@@ -283,17 +377,21 @@ class NodeHost:
         return command
 
     def poll(self, sandbox_id: str, handle: int, cursor: int, wait: float, output: bool = True) -> Poll:
-        """Output after ``cursor`` (waiting up to ``wait`` s for some, or for the end)."""
+        """Output after ``cursor`` (waiting up to ``wait`` s for some, or for the end); output
+        handed out is not kept (a second poller gets what came after)."""
         command = self._command(sandbox_id, handle)
         with command.changed:
-            command.changed.wait_for(lambda: len(command.chunks) > cursor or command.result is not None
+            command.changed.wait_for(lambda: command.end > cursor or command.result is not None
                                      or command.error is not None, timeout=wait)
-            chunks = command.chunks[cursor:] if output else []
-            new_cursor = len(command.chunks)
-            result, error = command.result, command.error
+            new_cursor = command.end
+            chunks = command.chunks[max(0, cursor - command.base):] if output else []
+            if output:
+                command.drop(new_cursor)
+            result, error, truncated = command.result, command.error, command.truncated
+            pid = command.process.pid if command.process is not None else None
         if error is not None:
             raise error
-        return Poll(chunks, new_cursor, command.process.pid, result is not None, result)
+        return Poll(chunks, new_cursor, pid, result is not None, result, truncated)
 
     def stdin(self, sandbox_id: str, handle: int, data: bytes | None) -> None:
         process = self._command(sandbox_id, handle).process
@@ -393,14 +491,25 @@ class NodeHost:
                 if not e.backend.alive() or (e.active == 0 and not e.backend.paused
                                              and now - e.last_used >= e.idle_timeout)]
 
+    def _forget_ended(self, now: float) -> None:
+        # a function of its own: a loop variable of the reaper's loop kept the last sandbox's
+        # entry (and every command's output in it) alive after its destroy, until another came
+        for entry in list(self._entries.values()):
+            for handle, command in list(entry.commands.items()):
+                if command.ended_at is not None and now - command.ended_at > FORGET_AFTER:
+                    entry.commands.pop(handle, None)
+                    command.forget()
+
     def _reap_loop(self) -> None:
         next_janitor = time.monotonic() + self._janitor_interval
         while not self._closed.wait(REAP_INTERVAL):
             now = time.monotonic()
-            for entry in list(self._entries.values()):
-                for handle, command in list(entry.commands.items()):
-                    if command.ended_at is not None and now - command.ended_at > FORGET_AFTER:
-                        entry.commands.pop(handle, None)
+            self._forget_ended(now)
+            if now - self.buffers.freed_at < TRIM_FOR:
+                # the megabytes of output and results let go of are handed back to the node: freed
+                # by other threads, at times of their own (a command's end after its sandbox's),
+                # glibc would keep them for reuse (the actor's RSS grew by each round for good)
+                return_free_memory()
             for sandbox_id in self.idle(now):
                 try:
                     self.destroy(sandbox_id)

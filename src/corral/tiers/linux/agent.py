@@ -252,6 +252,9 @@ class AgentChannel:
                 pending.done.set()
             for proc in list(self._execs.values()):
                 proc._agent_gone()
+            # nothing is dispatched to them now: the channel (which its sandbox object keeps, and
+            # that may outlive the sandbox) does not keep them, nor the output each holds
+            self._execs.clear()
             if self._closing:  # close() left the file to this thread, which held it
                 with contextlib.suppress(OSError):
                     self._rfile.close()

@@ -53,6 +53,9 @@ class _Placer:
                 job()
             except Exception:  # a spare that cannot be placed is only not used
                 pass
+            # the last job (its sandbox, and all it holds: its commands and their output) is not
+            # kept until another comes, which may be never
+            del job
 
 
 PLACER = _Placer()
