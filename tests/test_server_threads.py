@@ -355,3 +355,38 @@ def test_a_code_cell_whose_client_left_is_interrupted_and_frees_the_interpreter(
             assert time.monotonic() - started < 10
         finally:
             http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_destroy_that_fails_does_not_stop_the_reaper(state_dir: Path) -> None:
+    """The reaper was one task: a destroy that raised ended its gather, and the task with it, so no
+    sandbox was reaped for the rest of the server's life.  Here the first idle sandbox's destroy
+    fails (after it is done: the fault is injected into the host's kill, as a clean-up error);
+    the second one, idle later, is still reaped."""
+    import asyncio
+
+    from corral.server.config import ServerConfig
+    from corral.server.manager import SandboxManager
+    from corral.server.metrics import Metrics
+    from corral.spec import SandboxSpec
+
+    async def reaped() -> list[bool]:
+        manager = SandboxManager(ServerConfig(state_dir=str(state_dir)), Metrics())
+        manager.start()
+        try:
+            first = await manager.create("alice", SandboxSpec(), idle_timeout=0.5)
+            second = await manager.create("alice", SandboxSpec(), idle_timeout=2.5)
+            real_kill = first.sandbox.kill
+
+            def failing_kill() -> None:
+                real_kill()
+                raise RuntimeError("a clean-up error")
+
+            first.sandbox.kill = failing_kill  # type: ignore[method-assign]
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and (first.sandbox.is_running() or second.sandbox.is_running()):
+                await asyncio.sleep(0.1)
+            return [first.sandbox.is_running(), second.sandbox.is_running()]
+        finally:
+            await manager.shutdown()
+
+    assert asyncio.run(reaped()) == [False, False]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -31,6 +32,8 @@ from ..snapshots import end_parked
 from ..spec import SandboxSpec, format_size
 from .config import ServerConfig
 from .metrics import Metrics
+
+_log = logging.getLogger("corral.server")
 
 REAP_INTERVAL = 0.5
 DESTROY_THREADS = 32
@@ -342,11 +345,18 @@ class SandboxManager:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(REAP_INTERVAL)
-            # off the event loop: a check may wait on a node (cluster) or an owner process
-            expired = await loop.run_in_executor(self._checks, self.expired, time.time())
-            self.metrics.expired.inc(len(expired))
-            await asyncio.gather(*(loop.run_in_executor(self._destroyers, self.destroy_now, sandbox_id)
-                                   for sandbox_id in expired))
+            try:
+                # off the event loop: a check may wait on a node (cluster) or an owner process
+                expired = await loop.run_in_executor(self._checks, self.expired, time.time())
+                self.metrics.expired.inc(len(expired))
+                ended = await asyncio.gather(*(loop.run_in_executor(self._destroyers, self.destroy_now, sandbox_id)
+                                               for sandbox_id in expired), return_exceptions=True)
+            except Exception:  # one pass's failure: the reaper goes on (it was the only one, and ended)
+                _log.exception("corral: a pass of the sandbox reaper failed")
+                continue
+            for sandbox_id, outcome in zip(expired, ended, strict=True):
+                if isinstance(outcome, Exception):  # (removed from the server all the same)
+                    _log.error("corral: destroying expired sandbox %s failed: %r", sandbox_id, outcome)
 
     def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
