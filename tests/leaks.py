@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -33,6 +34,15 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
         found.append("registry row")
     found += [f"uid range {base}" for base in ranges_of(sandbox_id, state_dir)]
     return found
+
+
+def assert_gone_soon(sandbox_id: str, state_dir: Path, seconds: float = 5) -> None:
+    """Assert that nothing of ``sandbox_id`` is left on the host within ``seconds`` (processes a
+    janitor killed take a moment to go)."""
+    deadline = time.monotonic() + seconds
+    while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sandbox_leftovers(sandbox_id, state_dir) == []
 
 
 def sandbox_disk(sandbox_id: str, run_dir: Path) -> Path:

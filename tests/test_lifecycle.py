@@ -18,7 +18,7 @@ import pytest
 
 from corral import AsyncSandbox, Sandbox, SandboxClosed, run
 
-from .leaks import all_leftovers, kill_9, remove_cgroup_parent, sandbox_leftovers, start_owner
+from .leaks import all_leftovers, assert_gone_soon, kill_9, remove_cgroup_parent, sandbox_leftovers, start_owner
 
 
 def test_state_is_kept_between_execs(sandbox: Sandbox) -> None:
@@ -73,10 +73,7 @@ def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path, janitors_pa
     assert out.returncode == 0, out.stderr
     for sandbox_id in ids:
         assert sandbox_id in out.stdout
-        deadline = time.monotonic() + 5
-        while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert sandbox_leftovers(sandbox_id, state_dir) == []
+        assert_gone_soon(sandbox_id, state_dir)
 
 
 @pytest.mark.parametrize("tier", ["process", "gvisor"])

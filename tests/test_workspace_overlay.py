@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
 
 from corral import Sandbox
 
-from .leaks import kill_9, run_gc, sandbox_disk, sandbox_leftovers, start_owner
+from .leaks import assert_gone_soon, kill_9, run_gc, sandbox_disk, start_owner
 from .tier_probe import overlay_tier  # noqa: F401 (the ``tier`` fixture)
 
 OWNER = (4321, 4322)
@@ -265,10 +264,7 @@ def test_a_killed_owners_read_only_overlay_is_reaped(tier: str, tmp_path: Path, 
         "sb.commands.run('cat /workspace/keep.txt')\nprint(sb.id, flush=True)")
     kill_9(owner)
     run_gc(sandbox_id, timeout=60)
-    deadline = time.monotonic() + 5
-    while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sandbox_leftovers(sandbox_id, state_dir) == []
+    assert_gone_soon(sandbox_id, state_dir)
     assert sandbox_id not in Path("/proc/mounts").read_text()
     assert tree(ws) == before
 
@@ -282,10 +278,7 @@ def test_a_killed_owners_workspace_overlay_is_reaped_and_the_host_directory_kept
         "print(sb.id, flush=True)")
     kill_9(owner)
     run_gc(sandbox_id, timeout=60)
-    deadline = time.monotonic() + 5
-    while sandbox_leftovers(sandbox_id, state_dir) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sandbox_leftovers(sandbox_id, state_dir) == []  # the overlay's mount included
+    assert_gone_soon(sandbox_id, state_dir)  # the overlay's mount included
     # what was written back stays; the host directory is otherwise as it was
     assert tree(ws)["edit.txt"] == "changed\n" and tree(ws)["keep.txt.swp"] == "lost\n"
     assert tree(ws)["keep.txt"] == "keep" and tree(ws)["old/a.txt"] == "a"
