@@ -96,7 +96,6 @@ class Command:
     #: output not handed out yet; the first is chunk number ``base`` of the command's output
     chunks: list[tuple[str, bytes]] = field(default_factory=list)
     base: int = 0
-    buffered: int = 0
     #: bytes held per stream, at most ``limit`` each
     held: dict[str, int] = field(default_factory=dict)
     limit: int = MAX_BUFFERED
@@ -119,7 +118,6 @@ class Command:
             if held + len(data) <= self.limit and (self.budget is None or self.budget.take(len(data))):
                 self.chunks.append((stream, data))
                 self.held[stream] = held + len(data)
-                self.buffered += len(data)
             else:
                 self.truncated = True
             self.changed.notify_all()
@@ -138,10 +136,8 @@ class Command:
         self.base += len(gone)
         for stream, data in gone:
             self.held[stream] -= len(data)
-        size = sum(len(data) for _, data in gone)
-        self.buffered -= size
         if self.budget is not None:
-            self.budget.give(size)
+            self.budget.give(sum(len(data) for _, data in gone))
 
     def forget(self) -> None:
         """Let go of everything it holds (its sandbox was destroyed, or nobody came for it)."""

@@ -49,6 +49,7 @@ from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
 from ..linux.fs_snapshot import IdMap, id_map
+from ..linux.pause import backstop_kill
 from ..linux.rootfs import AGENT_PATH, reap_host_side, shm_dir
 from ..linux.sandbox import LinuxSandbox
 from .memory import MemoryGuard
@@ -363,25 +364,8 @@ class GVisorSandbox(LinuxSandbox):
                 proc.send_signal(signal.SIGKILL)  # the agent signals the command's session and group
             except SandboxClosed:
                 return
-            if channel.pause_clock.paused:
-                # the frozen agent obeys once resumed: its grace is watched from a thread of its
-                # own (the caller's kill returned 2 s later, and the backstop ended the whole
-                # sandbox for a signal the agent could not yet see)
-                threading.Thread(target=backstop, args=(proc,), name="corral-gvisor-kill", daemon=True).start()
-            else:
-                backstop(proc)
-
-        def backstop(proc: AgentProcess) -> None:
-            clock = channel.pause_clock
-
-            def running_time() -> float:  # the grace counts only time the agent could run
-                return time.monotonic() - clock.paused_total()
-
-            end = running_time() + KILL_GRACE
-            while not proc.done and not self._closed and running_time() < end:
-                time.sleep(0.01)
-            if not proc.done and not self._closed:
-                self._kill_sandbox()  # the agent did not obey
+            backstop_kill(proc, channel.pause_clock, KILL_GRACE, lambda: self._closed, self._kill_sandbox,
+                          "corral-gvisor-kill")
 
         def finish(proc: AgentProcess) -> None:
             with self._lock:

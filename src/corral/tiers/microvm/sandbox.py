@@ -57,6 +57,7 @@ from ..linux.agent import USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
 from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FWRITE
+from ..linux.pause import backstop_kill
 from ..linux.sandbox import LinuxSandbox
 from . import converter, live, livefork, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
@@ -443,23 +444,15 @@ class MicroVMSandbox(LinuxSandbox):
 
     def _backstop_kill(self, proc: AgentProcess) -> None:
         """After a command's kill: wait up to KILL_GRACE of the VM's running time for its end,
-        then stop the VM.  A paused VM's agent obeys once resumed: its grace is watched from a
-        thread of its own, and the caller returns at once."""
-        clock = self._channel_even_paused().pause_clock
+        then stop the VM (``pause.backstop_kill``, as gVisor's)."""
+        why = f"its agent did not confirm a command's kill within {KILL_GRACE:.0f} s"
 
-        def watch() -> None:
-            end = time.monotonic() - clock.paused_total() + KILL_GRACE
-            while not proc.done and not self._closed and time.monotonic() - clock.paused_total() < end:
-                time.sleep(0.02)
-            if not proc.done and not self._closed:
-                why = f"its agent did not confirm a command's kill within {KILL_GRACE:.0f} s"
-                proc.stopped_by_host(why)
-                self._stop_vm(why)
+        def stop() -> None:
+            proc.stopped_by_host(why)
+            self._stop_vm(why)
 
-        if clock.paused:
-            threading.Thread(target=watch, name=f"corral-vm-kill-{self.id}", daemon=True).start()
-        else:
-            watch()
+        backstop_kill(proc, self._channel_even_paused().pause_clock, KILL_GRACE, lambda: self._closed, stop,
+                      f"corral-vm-kill-{self.id}")
 
     def _stop_vm(self, why: str) -> None:
         """Kill QEMU (and all of the sandbox's host cgroup): its agent's channel closes, so every
