@@ -126,13 +126,12 @@ def test_a_background_threads_prints_do_not_crowd_a_cells_own_output_out() -> No
         assert any(line.startswith("background") for line in "".join(cell.logs.stdout).splitlines())
 
 
-@pytest.mark.parametrize(("language", "raise_big", "print_big", "sum_"), [
-    ("python", "raise ValueError('E' * 3_000_000 + 'THE-END')", "print('p' * 3_000_000)", "1 + 1"),
-    ("javascript", "throw new RangeError('E'.repeat(3_000_000) + 'THE-END')",
-     "console.log('p'.repeat(3_000_000))", "1 + 1"),
+@pytest.mark.parametrize(("language", "raise_big", "print_big"), [
+    ("python", "raise ValueError('E' * 3_000_000 + 'THE-END')", "print('p' * 3_000_000)"),
+    ("javascript", "throw new RangeError('E'.repeat(3_000_000) + 'THE-END')", "console.log('p'.repeat(3_000_000))"),
 ], ids=["python", "javascript"])
 def test_a_cell_whose_error_or_print_outgrows_max_output_keeps_its_error_and_its_first_bytes(
-        language: str, raise_big: str, print_big: str, sum_: str) -> None:
+        language: str, raise_big: str, print_big: str) -> None:
     """An exception message over the cell's output budget came back as a success (its error frame
     was dropped whole) and one print of 3 MB kept nothing; now the error is there, its message and
     traceback cut to their beginning and end, and the print's first ``max_output`` bytes are kept.
@@ -147,7 +146,7 @@ def test_a_cell_whose_error_or_print_outgrows_max_output_keeps_its_error_and_its
         cell = sb.run_code(print_big, language=language, timeout=60)
         kept = "".join(cell.logs.stdout)
         assert cell.error is None and cell.truncated and 512 * 1024 < len(kept) <= 1024 * 1024, len(kept)
-        assert sb.run_code(sum_, language=language, timeout=30).text == "2"  # the kernel lives on
+        assert sb.run_code("1 + 1", language=language, timeout=30).text == "2"  # the kernel lives on
 
 
 def test_the_cell_after_an_abandoned_one_that_cost_the_state_says_restarted() -> None:
