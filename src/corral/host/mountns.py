@@ -151,6 +151,11 @@ class MountNamespace(HostMounts):
         fstype, flags, options = mounts.devpts_args(max_ptys)
         self._mount("devpts", target, fstype, flags, options)
 
+    def mount_device_nodes(self, target: Path) -> None:
+        """A tmpfs at ``target`` to hold device nodes (:func:`.mounts.device_nodes_args`)."""
+        fstype, flags, options = mounts.device_nodes_args()
+        self._mount("corral-dev", target, fstype, flags, options)
+
     def attach_idmapped(self, lower: Path, view: Path, userns_fd: int) -> None:
         self._check("i", [str(lower), str(view)], [userns_fd])
 

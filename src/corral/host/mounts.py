@@ -65,6 +65,12 @@ def devpts_args(max_ptys: int) -> tuple[str, int, str]:
     return "devpts", MS_NOSUID | MS_NOEXEC, f"newinstance,ptmxmode=0666,mode=620,max={max_ptys}"
 
 
+def device_nodes_args() -> tuple[str, int, str]:
+    """A tiny tmpfs for a sandbox's own device nodes: without ``nodev``, as only host root in the
+    host's user namespace can mount one (a tmpfs the sandbox mounted would refuse its devices)."""
+    return "tmpfs", MS_NOSUID | MS_NOEXEC, "size=4k,nr_inodes=16,mode=755"
+
+
 def overlay_args(lower: list[Path], upper: Path, work: Path) -> tuple[str, int, str]:
     """(fstype, flags, options) of an overlay of ``lower`` (top first) under ``upper``."""
     for p in (*lower, upper, work):

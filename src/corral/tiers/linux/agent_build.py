@@ -19,13 +19,16 @@ AGENT_SOURCES = tuple(AGENT_SOURCE.with_name(name) for name in (
     "relay_mux.h"))
 
 
-def agent_binary(state_dir: Path | None = None) -> Path:
+def agent_binary(state_dir: Path | None = None, exec_only: bool = False) -> Path:
     """The static agent binary, built by ``make install`` (or here, once, if a compiler exists).
 
     With ``state_dir``, a copy installed under ``state_dir/bin`` (root-owned,
     world-readable) is returned: launchers that run as unprivileged sandbox
     uids must be able to read it wherever the checkout lives (e.g. under a 0700
-    home directory).
+    home directory).  ``exec_only``: a copy of its own, mode 0711, that the sandbox runs but
+    cannot read (what a sandbox can read it can watch with inotify, and the one binary every
+    sandbox execs then tells it when others start; only the process tier's sandboxes see it on
+    the host's inode).
     """
     binary = AGENT_SOURCE.with_name("corral-agent")
     if not binary.exists() or binary.stat().st_mtime < max(src.stat().st_mtime for src in AGENT_SOURCES):
@@ -33,13 +36,13 @@ def agent_binary(state_dir: Path | None = None) -> Path:
     if state_dir is None:
         return binary
     data = binary.read_bytes()
-    installed = state_dir / "bin" / f"corral-agent-{hashlib.sha256(data).hexdigest()[:16]}"
+    installed = state_dir / "bin" / f"corral-agent-{hashlib.sha256(data).hexdigest()[:16]}{'-x' if exec_only else ''}"
     if not installed.exists():
         installed.parent.mkdir(mode=0o755, exist_ok=True)
         # one name per thread: concurrent first creates of one process each install their own copy
         tmp = installed.with_name(f".{installed.name}-{os.getpid()}-{threading.get_ident()}")
         tmp.write_bytes(data)
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o711 if exec_only else 0o755)
         os.replace(tmp, installed)
     return installed
 

@@ -46,7 +46,15 @@ from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
 from ..linux.frames import T_GO
-from ..linux.rootfs import AGENT_PATH, BOOT_ID_PATH, boot_id_file, disk_held_in_memory, reap_host_side, shm_dir
+from ..linux.rootfs import (
+    AGENT_PATH,
+    BOOT_ID_PATH,
+    boot_id_file,
+    device_nodes,
+    disk_held_in_memory,
+    reap_host_side,
+    shm_dir,
+)
 from ..linux.sandbox import LinuxSandbox
 from .launcher import LAUNCHER
 from .spares import PLACER, SETTLE
@@ -80,7 +88,8 @@ class ProcessTier(Tier):
         self._bwrap = check_host()
         self._layout = cgroups.detect()
         self._seccomp = bpf_path(state_dir)
-        self._agent = agent_binary(state_dir)
+        # exec-only: a sandbox watching its /.corral/agent (inotify) saw every other sandbox start
+        self._agent = agent_binary(state_dir, exec_only=True)
 
     @classmethod
     def probe(cls, state_dir: Path) -> Availability:
@@ -174,6 +183,7 @@ class ProcessSandbox(LinuxSandbox):
         ws_mode = spec.workspace.mode if spec.workspace else "rw"
         assert self._userns_fd is not None
         userns_fd = self._userns_fd
+        assert self._mountns is not None
         argv = [
             self._tier._bwrap,
             "--userns", "4", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -187,6 +197,9 @@ class ProcessSandbox(LinuxSandbox):
             # terminals from a devpts of the sandbox's own, bounded: bwrap's has no bound but the
             # host's shared table (host/shared_tables.py); /dev/ptmx leads to pts/ptmx
             "--dev-bind", str(self._terminals()), "/dev/pts",
+            # and its own null, zero, tty...: the host's nodes showed other tenants' use of them
+            *(arg for source, target in device_nodes(self._run_dir, self._mountns)
+              for arg in ("--dev-bind", str(source), target)),
             # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
             "--bind", str(shm_dir(self._run_dir, self.uid, self._mountns)), "/dev/shm",
             "--ro-bind", str(boot_id_file(self._run_dir, self.uid_range.base, self._mountns)), BOOT_ID_PATH,

@@ -1,0 +1,120 @@
+"""What a sandbox can learn of the host's and other sandboxes' activity through files they share.
+
+inotify reports every open, read and write of a watched inode, whoever makes it.  The process
+tier's ``/dev/null``, ``/dev/urandom``, ``/dev/tty``... were the host's own nodes (bwrap's ``--dev``
+binds them) and ``/.corral/agent`` the one binary every sandbox execs: a sandbox watching them
+saw the host's and every other tenant's use of them (50 host writes to ``/dev/null`` were 52
+``IN_MODIFY`` inside; another sandbox starting was an ``IN_OPEN`` of the agent).  Now the
+devices are nodes of the sandbox's own and the agent can be run but not read there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+
+from .tier_probe import skip_unless_tier
+
+WATCHED = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+
+#: watches the devices until /tmp/stop appears, then uses /dev/null itself (the watch works);
+#: prints {path: events} and the errno of a watch on the agent's binary
+WATCHER = r"""
+import ctypes, errno, json, os, select, struct, time
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(os.O_NONBLOCK)
+IN_ACCESS, IN_MODIFY, IN_OPEN = 1, 2, 0x20
+names, unwatched = {}, []
+for path in WATCHED_PATHS:
+    wd = libc.inotify_add_watch(fd, path.encode(), IN_ACCESS | IN_MODIFY | IN_OPEN)
+    if wd < 0:
+        unwatched.append(path)
+    else:
+        names[wd] = path
+agent = libc.inotify_add_watch(fd, b"/.corral/agent", IN_ACCESS | IN_OPEN)
+agent_errno = "ok" if agent >= 0 else errno.errorcode[ctypes.get_errno()]
+seen = {path: 0 for path in names.values()}
+
+def drain(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not select.select([fd], [], [], 0.1)[0]:
+            continue
+        data, at = os.read(fd, 65536), 0
+        while at < len(data):
+            wd, _, _, size = struct.unpack_from("iIII", data, at)
+            at += 16 + size
+            seen[names.get(wd, "/.corral/agent")] = seen.get(names.get(wd, "/.corral/agent"), 0) + 1
+
+open("/tmp/ready", "w").close()
+deadline = time.monotonic() + 60
+while not os.path.exists("/tmp/stop") and time.monotonic() < deadline:
+    drain(0.2)
+outside = dict(seen)
+with open("/dev/null", "w") as null:
+    null.write("own")
+drain(0.5)
+print(json.dumps({"outside": outside, "own_null": seen["/dev/null"] - outside["/dev/null"], "agent": agent_errno,
+                  "unwatched": unwatched}))
+""".replace("WATCHED_PATHS", repr(WATCHED))
+
+
+def _wait_for(sb: Sandbox, path: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not sb.files.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+@pytest.mark.parametrize("user", ["user", "root"])
+def test_a_sandbox_sees_only_its_own_use_of_its_devices_and_no_other_sandbox_start(
+        tier: str, user: str, state_dir: Path) -> None:
+    skip_unless_tier(tier, state_dir)
+    with Sandbox.create(tier=tier) as sb:
+        sb.files.write("/tmp/watch.py", WATCHER)
+        watcher = sb.commands.run("python3 /tmp/watch.py", background=True, user=user, timeout=90)
+        _wait_for(sb, "/tmp/ready")
+        # the host uses the devices, and another sandbox starts and uses them
+        for _ in range(50):
+            with open("/dev/null", "w") as null:
+                null.write("x")
+        for _ in range(20):
+            with open("/dev/urandom", "rb") as urandom:
+                urandom.read(16)
+        with Sandbox.create(tier=tier) as other:
+            assert other.commands.run("echo x > /dev/null; head -c 16 /dev/urandom | wc -c").stdout == "16\n"
+        sb.files.write("/tmp/stop", "")
+        result = watcher.wait()
+    assert result.exit_code == 0, result
+    seen = json.loads(result.stdout)
+    assert seen["unwatched"] == [], seen
+    assert seen["outside"] == {path: 0 for path in WATCHED}, seen
+    assert seen["own_null"] >= 1, seen  # the watch works: the sandbox's own write is reported
+    if tier == "process":  # the agent's binary is the host's: run, never read (gVisor's is its own copy)
+        assert seen["agent"] == "EACCES", seen
+
+
+def test_the_sandboxs_own_device_nodes_are_the_devices_they_name() -> None:
+    with Sandbox.create() as sb:
+        r = sb.commands.run(
+            "echo gone > /dev/null && cat /dev/null | wc -c; head -c 4 /dev/zero | od -An -tx1; "
+            "head -c 32 /dev/urandom | wc -c; head -c 8 /dev/random | wc -c; "
+            "/usr/bin/printf x > /dev/full; echo full=$?; stat -c '%t:%T %a' /dev/null /dev/zero /dev/full /dev/tty")
+        lines = r.stdout.splitlines()
+        assert lines[:4] == ["0", " 00 00 00 00", "32", "8"], r
+        assert "No space left on device" in r.stderr and "full=1" in lines, r
+        host = [f"{os.major(os.stat(p).st_rdev):x}:{os.minor(os.stat(p).st_rdev):x} 666"
+                for p in ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")]
+        assert lines[5:9] == host, r
+        assert sb.commands.run("cat /.corral/agent > /dev/null").exit_code != 0  # exec-only
+        # the nodes cannot be changed or replaced, even by root
+        r = sb.commands.run("chmod 600 /dev/null; rm -f /dev/null; mknod /tmp/n c 1 3; ls -l /dev/null",
+                            user="root")
+        assert "crw-rw-rw-" in r.stdout and r.exit_code == 0, r
