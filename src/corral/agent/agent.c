@@ -281,6 +281,12 @@ int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--relay-mux") == 0) return relay_mux_main(atoi(argv[2]));
     prctl(PR_SET_DUMPABLE, 0);
     signal(SIGPIPE, SIG_IGN);
+    /* Never stopped or ended by a terminal: the microVM's agent leads a session (not pid 1, whose
+     * namespace shields it), and a terminal the sandbox linked at a path the owner read became its
+     * controlling one -- the sandbox's ^C then ended the agent and the sandbox.  Files are opened
+     * O_NOCTTY too; commands start with every signal at its default (exec.c). */
+    static const int terminal_signals[] = {SIGHUP, SIGINT, SIGQUIT, SIGTSTP, SIGTTIN, SIGTTOU};
+    for (size_t i = 0; i < sizeof terminal_signals / sizeof *terminal_signals; i++) signal(terminal_signals[i], SIG_IGN);
     if (argc == 3 && strcmp(argv[1], "--connect") == 0) return connect_main(atoi(argv[2]));
     if (argc > 1 && strcmp(argv[1], "--spare") == 0) {
         spares_enabled = 1;

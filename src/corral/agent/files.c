@@ -32,7 +32,7 @@
  * one that grows past it while read stops there: a sparse 100 GB file kept the agent reading
  * (and the host receiving and dropping) long after the host had given up on the answer. */
 void do_fread(uint32_t id, const char *path, unsigned long long limit) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
     if (fd < 0) { send_err(id, errno, path); return; }
     struct stat st;
     if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
@@ -80,7 +80,7 @@ void do_fwrite(uint32_t id, char *payload, uint32_t len, int append) {
     if ((flags & 1) && mkdir_parents(path, 0755) < 0) { send_err(id, errno, path); return; }
     /* O_NONBLOCK: a fifo the sandbox put at the path would otherwise hold this open (and with it
      * every request of the sandbox) until something in the sandbox read it, perhaps never */
-    int oflags = O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | (append ? O_APPEND : O_TRUNC);
+    int oflags = O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOCTTY | (append ? O_APPEND : O_TRUNC);
     /* O_EXCL first: a file made here is given to the default user (give_new_file) */
     int fd = open(path, oflags | O_EXCL, mode & 07777);
     if (fd >= 0) give_new_file(fd, NULL);
@@ -140,7 +140,7 @@ static int check_target(const char *target, struct stat *st, int *exists) {
     /* the writer's permission to write it, as when it was written in place; O_NONBLOCK and
      * O_NOFOLLOW: a fifo swapped in meanwhile holds nothing; ETXTBSY (a running program) comes
      * after the permission check, and a replaced program runs on from its old file */
-    int fd = open(target, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    int fd = open(target, O_WRONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
     if (fd < 0 && errno != ETXTBSY) { if (errno == ENXIO || errno == ELOOP) errno = EINVAL; return -1; }
     if (fd >= 0) {
         int r = fstat(fd, st);
@@ -165,7 +165,7 @@ static int make_temp(const char *target, uint32_t mode, char **tmp) {
         if (getrandom(&r, sizeof r, 0) != sizeof r) r = ((uint64_t)getpid() << 32) ^ (uint64_t)now_ms() ^ (uint64_t)tries;
         /* the name's length within NAME_MAX: at most 100 bytes of the target's */
         snprintf(*tmp, cap, "%.*s.%.100s.corral-%012llx", dlen, target, base, (unsigned long long)(r & 0xffffffffffffULL));
-        int fd = open(*tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode & 07777);
+        int fd = open(*tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY, mode & 07777);
         if (fd >= 0 || errno != EEXIST) {
             if (fd < 0) { int err = errno; free(*tmp); *tmp = NULL; errno = err; }
             return fd;
@@ -288,7 +288,7 @@ void do_fput(uint32_t id, char *payload, uint32_t len) {
         }
         tmp = made;
     } else {
-        fd = open(temp, O_WRONLY | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        fd = open(temp, O_WRONLY | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
         struct stat st;
         if (fd >= 0 && (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode))) { close(fd); fd = -1; errno = EINVAL; }
         if (fd < 0) {

@@ -71,7 +71,7 @@ static void who_holds(const char *dir, char *out, size_t size) {
         }
         if (!what) continue;
         snprintf(path, sizeof path, "/proc/%ld/comm", pid);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
         if (fd >= 0) {
             ssize_t n = read(fd, comm, sizeof comm - 1);
             comm[n > 0 ? n : 0] = 0;
@@ -120,7 +120,7 @@ static int reseed(const char *hex) {
 }
 
 static int write_text(const char *path, const char *text, mode_t mode) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW | O_NOCTTY, mode);
     if (fd < 0) return -1;
     size_t len = strlen(text);
     int r = write(fd, text, len) == (ssize_t)len && write(fd, "\n", 1) == 1 ? 0 : -1;

@@ -84,13 +84,19 @@ int file_requests_in_a_child(void) {
     return owner_of_new > 0;
 }
 
-/* In that child: the default user's ids for good (no capability is left with them), and
- * nothing handed over afterwards (what it creates is its own). */
+/* In that child: the default user's effective ids, which the file system checks (gVisor has no
+ * fsuid), and no capability; nothing handed over afterwards (what it creates is its own).  Its
+ * real and saved uid stay 0: with all three the user's, the user's commands could signal it (a
+ * kill is allowed when the sender's uid is the target's real or saved one) -- a SIGSTOP held the
+ * agent, which waits for this child, and every later call of the sandbox failed -- and open its
+ * descriptors (the agent's protocol) through /proc. */
 int drop_to_file_user(void) {
     uid_t uid = (uid_t)owner_of_new;
     owner_of_new = -1;
-    if (setgroups(0, NULL) < 0 || setresgid(uid, uid, uid) < 0 || setresuid(uid, uid, uid) < 0) return -1;
-    return getuid() == uid && geteuid() == uid ? 0 : -1;
+    if (setgroups(0, NULL) < 0 || setresgid(uid, uid, uid) < 0 || setresuid(0, uid, 0) < 0) return -1;
+    if (capset_all(0, 0) < 0) return -1; /* the kernel clears the effective set; permitted too, here */
+    prctl(PR_SET_DUMPABLE, 0);
+    return getuid() == 0 && geteuid() == uid ? 0 : -1;
 }
 
 /* on (1): the agent's own ids for one file request of the host's (setfsuid 0 gives the file
