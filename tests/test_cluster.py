@@ -386,6 +386,29 @@ def test_a_hosts_output_bound_drops_and_says_so(state_dir: Path) -> None:
         host.shutdown()
 
 
+def test_output_kept_for_pollers_is_a_prefix_cut_to_the_byte_never_holed() -> None:
+    """A chunk that did not fit whole was dropped and a smaller one after it kept: a poller got
+    output with a hole in it (and the suite's 4 MiB command kept 2 MiB less 12 KiB of 2 MiB)."""
+    from corral.cluster.node.host import Budget, Command
+
+    command = Command(limit=100_000, budget=Budget(1 << 20))
+    sent = bytes(range(256)) * 1000
+    for start, size in ((0, 60_000), (60_000, 60_000), (120_000, 5_000)):
+        command.feed("stdout", sent[start:start + size])
+    assert b"".join(data for _, data in command.chunks) == sent[:100_000] and command.truncated
+    # the host's bound: what is left of it is kept, then nothing more of that stream
+    budget = Budget(50_000)
+    first, second = Command(limit=100_000, budget=budget), Command(limit=100_000, budget=budget)
+    first.feed("stdout", sent[:40_000])
+    second.feed("stdout", sent[:30_000])
+    budget.give(40_000)  # the first one's output handed out
+    second.feed("stdout", sent[30_000:31_000])
+    assert b"".join(data for _, data in second.chunks) == sent[:10_000] and second.truncated
+    assert budget.held == 10_000
+    second.feed("stderr", b"err")  # another stream of it is kept as before
+    assert second.chunks[-1] == ("stderr", b"err")
+
+
 def test_a_node_removed_without_grace_loses_its_sandboxes_typed_and_leaves_nothing(
         cluster: LocalCluster, state_dir: Path) -> None:
     sandboxes = [Sandbox.create(cluster=True) for _ in range(6)]

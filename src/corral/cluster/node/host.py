@@ -17,7 +17,7 @@ cluster needs:
   so the caller streams it with a few round trips, and a background command is found again by
   pid.  What is kept waiting for a poller is bounded per command (its sandbox's ``max_output``
   per stream) and for the whole host (MAX_HOST_BUFFERED): it is the host actor's memory, outside
-  every sandbox's cgroup.  Past either, chunks are dropped (the poll says ``truncated``; the
+  every sandbox's cgroup.  Past either, the rest of that stream is dropped (the poll says ``truncated``; the
   command's result still has its output, up to ``max_output``).
 
 Every method answers plain data (dataclasses of :mod:`corral.tiers.base` and
@@ -75,12 +75,12 @@ class Budget:
         self.freed_at = 0.0
         self._lock = threading.Lock()
 
-    def take(self, size: int) -> bool:
+    def take(self, size: int) -> int:
+        """Up to ``size`` bytes of the bound (what is left of it): how many were granted."""
         with self._lock:
-            if self.held + size > self.limit:
-                return False
-            self.held += size
-            return True
+            granted = max(0, min(size, self.limit - self.held))
+            self.held += granted
+            return granted
 
     def give(self, size: int) -> None:
         with self._lock:
@@ -103,6 +103,8 @@ class Command:
     budget: Budget | None = None
     #: some output was dropped, not kept for pollers
     truncated: bool = False
+    #: the streams that output was dropped from (nothing more of them is kept)
+    cut: set[str] = field(default_factory=set)
     result: ExecResult | None = None
     error: BaseException | None = None
     changed: threading.Condition = field(default_factory=threading.Condition)
@@ -111,15 +113,23 @@ class Command:
     forgotten: bool = False
 
     def feed(self, stream: str, data: bytes) -> None:
+        """Keep what fits of ``data`` for pollers.  A stream cut once keeps nothing after: a
+        poller gets a prefix of it, never output with a hole (a chunk that did not fit whole
+        was dropped and a smaller one after it kept)."""
         with self.changed:
-            held = self.held.get(stream, 0)
             if self.forgotten:
                 return
-            if held + len(data) <= self.limit and (self.budget is None or self.budget.take(len(data))):
-                self.chunks.append((stream, data))
-                self.held[stream] = held + len(data)
-            else:
+            held = self.held.get(stream, 0)
+            room = 0 if stream in self.cut else max(0, self.limit - held)
+            keep = len(data) if room >= len(data) else room
+            if keep and self.budget is not None:
+                keep = self.budget.take(keep)
+            if keep:
+                self.chunks.append((stream, data if keep == len(data) else data[:keep]))
+                self.held[stream] = held + keep
+            if keep < len(data):
                 self.truncated = True
+                self.cut.add(stream)
             self.changed.notify_all()
 
     @property
