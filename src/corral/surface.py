@@ -7,6 +7,7 @@ neither has to import the other for it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -163,11 +164,17 @@ def download_dir(files: FilesAPI, remote: str, local: str | Path) -> int:
     return count
 
 
-def check_create_arguments(kwargs: Mapping[str, object], *also: str) -> None:
-    """Refuse an unknown keyword argument to ``create`` by name (not Python's bare TypeError)."""
+@functools.cache
+def _spec_arguments() -> frozenset[str]:
+    """``build_spec``'s keyword arguments (its signature, read once: ~35 us a create)."""
     import inspect
 
-    known = {name for name in inspect.signature(build_spec).parameters if name != "spec"} | set(also)
+    return frozenset(name for name in inspect.signature(build_spec).parameters if name != "spec")
+
+
+def check_create_arguments(kwargs: Mapping[str, object], *also: str) -> None:
+    """Refuse an unknown keyword argument to ``create`` by name (not Python's bare TypeError)."""
+    known = _spec_arguments().union(also)
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise InvalidSpec(f"unknown argument(s) to create: {', '.join(unknown)}; known: {', '.join(sorted(known))}")

@@ -45,6 +45,8 @@ from collections.abc import Iterator
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .host_guard import PEER_OF_CONNECTION, PeerOfConnection
+
 #: bytes of one request's head a client may send (uvicorn's h11 allows 16 KiB, nginx 8-32 KiB)
 MAX_HEAD = 64 << 10
 
@@ -224,10 +226,16 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     #: a request has begun arriving and has not arrived whole
     _in_request = False
 
+    #: whose socket the client's end is, once a request of it was served (``host_guard``)
+    _peer: PeerOfConnection | None = None
+
     def on_message_begin(self) -> None:
         self._in_request = True
         self._kept_alive().discard(self)
         super().on_message_begin()
+        if self._peer is None:
+            self._peer = PeerOfConnection()
+        self.scope[PEER_OF_CONNECTION] = self._peer  # type: ignore[literal-required]
         self._start_timer()
 
     def on_response_complete(self) -> None:

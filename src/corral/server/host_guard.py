@@ -72,6 +72,38 @@ def origin_is_the_servers(origin: str, host: str, scheme: str) -> bool:
             and not page.path and not page.query and not page.username)
 
 
+#: the scope key of a connection's :class:`PeerOfConnection` (set by ``heads.BoundedHeadProtocol``)
+PEER_OF_CONNECTION = "corral.peer_of_connection"
+
+
+class PeerOfConnection:
+    """Whose socket the client's end of one TCP connection is, once a request of it was served.
+
+    The kernel is asked once per connection, not once per request (a netlink round trip, ~15-60 us
+    of the event loop per request), and this is as strong as asking every time:
+
+    * every byte of a TCP connection comes from the one client socket it was made with (a socket
+      is never reconnected), and the uid the kernel reports is that socket's owner, set when it
+      was made; so the answer at a connection's first served request holds for its later ones;
+    * the owner changes only by ``fchown`` on the socket, which takes ``CAP_CHOWN`` over the
+      owner's uid: only a served user (root, or a user with that capability over its own
+      sockets) can hand its connection to another user that way -- and it can hand it over
+      without changing the owner (``SCM_RIGHTS``, ``fork``), which the per-request check served
+      all the same: a connection is its owner's to give;
+    * the per-request lookup was, if anything, weaker late in a connection: it goes by the four
+      addresses, and once the client's socket has closed (its last requests still queued here)
+      the kernel answers for whatever socket holds those addresses then (none, or on older
+      kernels, whose ``sock_i_uid`` reads a socket without its file as root's, root).
+
+    Only a served uid is kept: a refused connection is asked about again at each request, as before.
+    A WebSocket handshake (another protocol) and uvicorn's h11 carry none: asked every time."""
+
+    __slots__ = ("served",)
+
+    def __init__(self) -> None:
+        self.served: int | None = None
+
+
 class LoopbackCallersOnly:
     """ASGI middleware: the checks above, for HTTP requests and WebSocket handshakes alike."""
 
@@ -103,7 +135,12 @@ class LoopbackCallersOnly:
                                f"Origin {origin!r}: a server without API keys answers no web page but "
                                "its own (configure API keys to serve other callers)")
             return
-        uid = self._peer_uid(scope)
+        connection: PeerOfConnection | None = scope.get(PEER_OF_CONNECTION)
+        uid = connection.served if connection is not None else None
+        if uid is None:
+            uid = self._peer_uid(scope)
+            if connection is not None and uid in self.users:
+                connection.served = uid
         if uid not in self.users:
             await self._refuse(scope, receive, send, 403, "forbidden_user",
                                f"the connection's socket belongs to {'an unknown user' if uid is None else f'uid {uid}'}: "
