@@ -358,3 +358,52 @@ def test_tunnel_workers_that_end_never_strand_a_job() -> None:
     assert sorted(done) == sorted(k * 1000 + i for k in range(4) for i in range(300))
     wait_until(lambda: workers.threads == 0, 5)
     assert workers.threads == 0
+
+
+#: sends the bytes of hex {head} to the proxy in {pieces} pieces {every} s apart; prints how it ended and when:
+#: "closed 2.1" (the proxy hung up) or the first answer's status line
+DRIP = """python3 -c '
+import select, socket, time
+s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+start, head, pieces = time.monotonic(), bytes.fromhex("{head}"), {pieces}
+size = -(-len(head) // pieces)
+for at in range(0, len(head), size):
+    try:
+        s.sendall(head[at:at + size])
+    except OSError:
+        break
+    if select.select([s], [], [], {every})[0]:
+        break
+select.select([s], [], [], 10)
+try:
+    answer = s.recv(64)
+except OSError:
+    answer = b""
+if answer.startswith(b"\\x05"):
+    answer = s.recv(64) if len(answer) == 2 and select.select([s], [], [], 10)[0] else answer[2:]
+print(answer.split(b"\\r\\n")[0].decode(errors="replace") if answer else "closed", round(time.monotonic() - start, 1))
+'"""
+
+
+def test_a_request_head_dribbled_past_the_handshake_time_is_cut_and_audited(
+        net: TargetNet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handshake's timeout was per read: a head sent a byte every few seconds held a proxy
+    thread (and descriptors) as long as the sandbox liked -- 256 of them held 256 of the owner's
+    threads for 70 s, none refused or audited.  Now the whole head has HANDSHAKE_TIMEOUT."""
+    import corral.egress.proxy as proxy
+
+    monkeypatch.setattr(proxy, "HANDSHAKE_TIMEOUT", 2.0)
+    head = f"CONNECT {net.target}:{PORT} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    socks = b"\x05\x01\x00" + b"\x05\x01\x00\x01" + bytes(map(int, net.target.split("."))) + PORT.to_bytes(2, "big")
+    with Sandbox.create(allow=[f"{net.target}:{PORT}"], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        # the allowed thing: a head that comes whole in time, even in pieces
+        quick = sb.commands.run(DRIP.format(head=head.hex(), pieces=3, every=0.3), timeout=30)
+        assert quick.stdout.split()[:2] == ["HTTP/1.1", "200"], quick
+        # the denied one: the same head a piece every 0.4 s (6 s in all), and a SOCKS handshake
+        for slow in (DRIP.format(head=head.hex(), pieces=15, every=0.4),
+                     DRIP.format(head=socks.hex(), pieces=12, every=0.5)):
+            r = sb.commands.run(slow, timeout=30)
+            *what, seconds = r.stdout.split()
+            assert what == ["closed"] and 1.5 <= float(seconds) < 4.5, r
+        slow_ones = [e for e in sb.network.audit() if e.rule.startswith("handshake-too-slow")]
+        assert sorted(e.protocol for e in slow_ones) == ["http", "socks5"], slow_ones

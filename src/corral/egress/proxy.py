@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from .tls import SandboxCA  # cryptography costs ~0.1 s to import: only when secrets need it
 
 MAX_HEAD = 64 * 1024
+#: seconds a client has for its whole request head or SOCKS handshake (and between bytes while
+#: it sends one): a byte every few seconds held a proxy thread and a descriptor for as long as
+#: the sandbox liked (256 such heads held 256 of the owner's threads), none of it audited
 HANDSHAKE_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 10.0
 
@@ -73,6 +76,10 @@ _BOUND_DROPPED = {b"accept-encoding", b"te", b"range", b"if-range",
 
 class ProxyError(Exception):
     """A client spoke something we do not serve; the connection is dropped."""
+
+
+class HandshakeTooSlow(ProxyError):
+    """A request head or SOCKS handshake did not arrive whole within HANDSHAKE_TIMEOUT."""
 
 
 class EgressProxy:
@@ -188,13 +195,17 @@ class EgressProxy:
         opened: list[socket.socket] = []
         try:
             conn.settimeout(HANDSHAKE_TIMEOUT)
+            deadline = time.monotonic() + HANDSHAKE_TIMEOUT
             first = conn.recv(1, socket.MSG_PEEK)
             if not first:
                 return
             if first == b"\x05":
-                self._socks5(conn, opened)
+                self._socks5(conn, opened, deadline)
             else:
-                self._http(conn, opened)
+                self._http(conn, opened, deadline)
+        except HandshakeTooSlow as exc:
+            self.audit.record(self.sandbox_id, "refused", "*", None, f"handshake-too-slow: {exc}",
+                              "socks5" if first == b"\x05" else "http")
         except (OSError, ProxyError, ssl.SSLError, ValueError):
             pass
         finally:
@@ -233,8 +244,8 @@ class EgressProxy:
             client.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
             return None
 
-    def _http(self, conn: socket.socket, opened: list[socket.socket]) -> None:
-        raw_head, rest = read_head(conn)
+    def _http(self, conn: socket.socket, opened: list[socket.socket], deadline: float) -> None:
+        raw_head, rest = read_head(conn, deadline)
         head = self._parsed(conn, raw_head, "http")
         if head is None:
             return
@@ -382,7 +393,7 @@ class EgressProxy:
             protocol = "https"
         else:
             client, server = conn, upstream
-        raw_head, body = read_head(client)
+        raw_head, body = read_head(client, time.monotonic() + HANDSHAKE_TIMEOUT)
         head = self._parsed(client, raw_head, protocol)
         if head is None:
             return
@@ -395,24 +406,24 @@ class EgressProxy:
 
 
     # -- SOCKS5 ---------------------------------------------------------------
-    def _socks5(self, conn: socket.socket, opened: list[socket.socket]) -> None:
-        _, count = _recv_exact(conn, 2)
-        methods = _recv_exact(conn, count)
+    def _socks5(self, conn: socket.socket, opened: list[socket.socket], deadline: float) -> None:
+        _, count = recv_exact(conn, 2, deadline)
+        methods = recv_exact(conn, count, deadline)
         if 0 not in methods:
             conn.sendall(b"\x05\xff")
             return
         conn.sendall(b"\x05\x00")
-        _, cmd, _, atyp = _recv_exact(conn, 4)
+        _, cmd, _, atyp = recv_exact(conn, 4, deadline)
         if atyp == 1:
-            host = str(ipaddress.IPv4Address(_recv_exact(conn, 4)))
+            host = str(ipaddress.IPv4Address(recv_exact(conn, 4, deadline)))
         elif atyp == 4:
-            host = str(ipaddress.IPv6Address(_recv_exact(conn, 16)))
+            host = str(ipaddress.IPv6Address(recv_exact(conn, 16, deadline)))
         elif atyp == 3:
-            host = _recv_exact(conn, _recv_exact(conn, 1)[0]).decode("idna")
+            host = recv_exact(conn, recv_exact(conn, 1, deadline)[0], deadline).decode("idna")
         else:
             _socks_reply(conn, _SOCKS_BAD_ATYP)
             return
-        (port,) = struct.unpack("!H", _recv_exact(conn, 2))
+        (port,) = struct.unpack("!H", recv_exact(conn, 2, deadline))
         asked = f"{host}:{port}"
         if cmd != 1:  # BIND and UDP ASSOCIATE would open paths the policy cannot see
             self.audit.record(self.sandbox_id, "refused", asked, None, "socks-command-not-supported", "socks5")
@@ -432,18 +443,36 @@ class EgressProxy:
         self._pump(conn, upstream, b"")
 
 
-def read_head(sock: socket.socket) -> tuple[bytes, bytes]:
-    """Read up to the blank line ending an HTTP head; return (head without it, bytes after it)."""
+def read_head(sock: socket.socket, deadline: float) -> tuple[bytes, bytes]:
+    """Read up to the blank line ending an HTTP head, by ``deadline`` (monotonic); return (head
+    without it, bytes after it)."""
     data = b""
     while b"\r\n\r\n" not in data:
         if len(data) > MAX_HEAD:
             raise ProxyError("request head too large")
-        chunk = sock.recv(16384)
+        chunk = _recv_by(sock, 16384, deadline, "request head")
         if not chunk:
             raise ProxyError("client closed before the request head ended")
         data += chunk
     head, _, rest = data.partition(b"\r\n\r\n")
     return head, rest
+
+
+def _recv_by(sock: socket.socket, size: int, deadline: float, what: str) -> bytes:
+    """One ``recv`` that returns by ``deadline`` (the socket's own timeout is put back after)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise HandshakeTooSlow(f"the {what} did not arrive whole within {HANDSHAKE_TIMEOUT:g} s")
+    before = sock.gettimeout()
+    sock.settimeout(left if before is None else min(left, before))
+    try:
+        return sock.recv(size)
+    except TimeoutError:
+        if time.monotonic() >= deadline:
+            raise HandshakeTooSlow(f"the {what} did not arrive whole within {HANDSHAKE_TIMEOUT:g} s") from None
+        raise
+    finally:
+        sock.settimeout(before)
 
 
 def split_host_port(text: str, default: int | None) -> tuple[str, int]:
@@ -474,10 +503,10 @@ def send_refusal(conn: socket.socket, decision: Decision) -> None:
 _SOCKS_OK, _SOCKS_NOT_ALLOWED, _SOCKS_UNREACHABLE, _SOCKS_REFUSED, _SOCKS_BAD_CMD, _SOCKS_BAD_ATYP = 0, 2, 4, 5, 7, 8
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     data = b""
     while len(data) < n:
-        chunk = sock.recv(n - len(data))
+        chunk = _recv_by(sock, n - len(data), deadline, "SOCKS handshake")
         if not chunk:
             raise ProxyError("client closed during the SOCKS handshake")
         data += chunk
