@@ -170,3 +170,40 @@ def test_concurrent_open_sandboxes_each_see_only_their_own_refusals(net: TargetN
         assert [(e.sandbox_id, e.destination) for e in a.network.audit()] == [(a.id, f"{net.other}:8080")]
         assert [(e.sandbox_id, e.destination) for e in b.network.audit()] == [
             (b.id, f"{METADATA}:{net.metadata_port}")] * 2
+
+
+#: refused CONNECTs through the proxy: {before} to 192.0.2.1, one to the metadata address, {after}
+#: more; prints how many were answered 403
+FLOOD_AROUND_AN_ATTEMPT = """python3 -c '
+import socket
+def ask(where):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(b"CONNECT " + where + b" HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    refused = s.recv(64).startswith(b"HTTP/1.1 403")
+    s.close()
+    return refused
+n = sum(ask(b"192.0.2.1:%d" % (1 + i % 60000)) for i in range({before}))
+n += ask(b"169.254.169.254:80")
+n += sum(ask(b"192.0.2.1:%d" % (1 + i % 60000)) for i in range({after}))
+print(n)
+'"""
+
+
+def test_a_flood_of_refusals_cannot_erase_an_earlier_attempt_from_the_audit() -> None:
+    """Refusals past the log's 10,000 events pushed the oldest out: 60,000 junk CONNECTs after a
+    metadata attempt left no trace of it.  Now a sandbox's first events stay, and what falls out
+    of the latest is counted under its rule."""
+    from corral.egress.audit import MAX_EVENTS
+
+    before, after = 1_050, MAX_EVENTS  # past the 1,000 first events kept, then the whole ring again
+    with Sandbox.create(allow=["allowed.test"]) as sb:
+        r = sb.commands.run(FLOOD_AROUND_AN_ATTEMPT.format(before=before, after=after), timeout=240)
+        assert r.stdout.strip() == str(before + 1 + after), r
+        events = sb.network.audit()
+    assert len(events) <= MAX_EVENTS + 2  # bounded, and the summaries are few
+    assert not any(e.destination.startswith(METADATA) for e in events if e.kind == "refused")  # it fell out...
+    dropped = {(e.rule, e.destination) for e in events if e.kind == "dropped"}
+    assert ("link-local", "1 refused") in dropped, dropped  # ...and is counted under its rule
+    assert sum(int(d.split()[0]) for _, d in dropped) == before + 1 + after - MAX_EVENTS
+    # the allowed direction: the first events are still there, whole
+    assert [e.destination for e in events[:3]] == ["192.0.2.1:1", "192.0.2.1:2", "192.0.2.1:3"]

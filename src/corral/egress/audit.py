@@ -6,19 +6,26 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
 #: events kept per sandbox; older ones are dropped (and counted) so a loop cannot exhaust memory
 MAX_EVENTS = 10_000
+#: of them, the sandbox's first ones, never dropped: the rest is a ring of the latest
+KEPT_FIRST = 1_000
+#: distinct (kind, rule, protocol) whose dropped events are counted apart; more share one count
+MAX_DROPPED_KINDS = 256
 
 
 @dataclass(frozen=True)
 class AuditEvent:
     time: float
     sandbox_id: str
-    #: "refused" (a destination), "secret-withheld" (a placeholder sent to an unbound host), or
-    #: "refused-unlogged" (packets refused over the kernel log's rate limit, summed per rule)
+    #: "refused" (a destination), "secret-withheld" (a placeholder sent to an unbound host),
+    #: "refused-unlogged" (packets refused over the kernel log's rate limit, summed per rule), or
+    #: "dropped" (events of ``rule`` the log had no room for: ``destination`` says how many, of
+    #: which kind; ``time`` is the latest one's)
     kind: str
     #: the destination as the sandbox asked for it (``host:port``; for a packet ``address:port``)
     destination: str
@@ -40,21 +47,43 @@ class AuditEvent:
 
 
 class AuditLog:
+    """The events of one sandbox's egress, bounded: its first :data:`KEPT_FIRST`, then a ring of
+    the latest, and a count per rule of what fell out of the ring.  A sandbox flooding the log
+    with refusals pushed an earlier attempt (169.254.169.254) out of it, leaving no trace; now
+    the first attempts stay, and a later one that falls out is still counted under its rule."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._events: list[AuditEvent] = []
+        self._first: list[AuditEvent] = []
+        self._latest: deque[AuditEvent] = deque()
         self.dropped = 0
+        #: (sandbox, kind, rule, protocol) -> [how many dropped, the latest one's time]
+        self._dropped_by: dict[tuple[str, str, str, str], list[float]] = {}
 
     def record(self, sandbox_id: str, kind: str, destination: str, address: str | None, rule: str,
                protocol: str) -> AuditEvent:
         event = AuditEvent(time.time(), sandbox_id, kind, destination, address, rule, protocol)
         with self._lock:
-            if len(self._events) >= MAX_EVENTS:
-                self._events.pop(0)
-                self.dropped += 1
-            self._events.append(event)
+            if len(self._first) < KEPT_FIRST:
+                self._first.append(event)
+                return event
+            if len(self._latest) >= MAX_EVENTS - KEPT_FIRST:
+                self._count_dropped(self._latest.popleft())
+            self._latest.append(event)
         return event
 
+    def _count_dropped(self, event: AuditEvent) -> None:
+        self.dropped += 1
+        key = (event.sandbox_id, event.kind, event.rule, event.protocol)
+        if key not in self._dropped_by and len(self._dropped_by) >= MAX_DROPPED_KINDS:
+            key = (event.sandbox_id, event.kind, "other rules", "*")  # rules may carry the sandbox's text
+        count = self._dropped_by.setdefault(key, [0, event.time])
+        count[0] += 1
+        count[1] = event.time
+
     def events(self) -> list[AuditEvent]:
+        """The first events, then one ``dropped`` event per rule that lost some, then the latest."""
         with self._lock:
-            return list(self._events)
+            dropped = [AuditEvent(latest, sandbox_id, "dropped", f"{int(n)} {kind}", None, rule, protocol)
+                       for (sandbox_id, kind, rule, protocol), (n, latest) in self._dropped_by.items()]
+            return [*self._first, *dropped, *self._latest]
