@@ -165,6 +165,21 @@ def test_an_absolute_url_with_a_port_out_of_range_is_refused_as_connect_refuses_
     assert raw(sb, b"GET http://other.test:8080/fine HTTP/1.1\r\nHost: other.test:8080\r\n\r\n") == "HTTP/1.1 200 OK"
 
 
+def test_a_target_the_proxy_cannot_read_is_answered_400_and_audited(net: TargetNet, sb: Sandbox) -> None:
+    """``CONNECT host:+8080``, a port of digits that are not ASCII (``²³``: ``isdigit()`` took
+    them, ``int()`` did not), and a URL that is not http:// were closed with no answer (or a bare
+    400) and no audit event."""
+    for target, protocol in (("other.test:+8080", "http-connect"), ("other.test:\xb2\xb3", "http-connect"),
+                             ("ftp://other.test/x", "http")):
+        method = "CONNECT" if protocol == "http-connect" else "GET"
+        request = f"{method} {target} HTTP/1.1\r\nHost: other.test\r\n\r\n".encode("latin-1")
+        assert raw(sb, request) == "HTTP/1.1 400 Bad Request", target
+        assert any(e.rule.startswith("malformed-request-target") and e.destination == target
+                   and e.protocol == protocol for e in sb.network.audit()), target
+    assert raw(sb, b"GET http://other.test:8080/readable HTTP/1.1\r\nHost: other.test:8080\r\n\r\n") == \
+        "HTTP/1.1 200 OK"  # the allowed thing: a target it can read
+
+
 def test_no_switch_to_a_protocol_the_guard_cannot_read_is_asked_of_a_bound_host(net: TargetNet, sb: Sandbox) -> None:
     """h2c's compressed headers and a WebSocket's compressed messages would carry an echo past
     the guard: towards a bound host ``Upgrade``, ``HTTP2-Settings`` and

@@ -244,6 +244,12 @@ class EgressProxy:
             client.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
             return None
 
+    def _refuse_target(self, client: socket.socket, target: str, why: str, protocol: str) -> None:
+        """A request target the proxy cannot read (a bad port, not an http:// URL): 400, audited."""
+        self.audit.record(self.sandbox_id, "refused", target[:256], None, f"malformed-request-target: {why[:200]}",
+                          protocol)
+        client.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+
     def _http(self, conn: socket.socket, opened: list[socket.socket], deadline: float) -> None:
         raw_head, rest = read_head(conn, deadline)
         head = self._parsed(conn, raw_head, "http")
@@ -251,7 +257,11 @@ class EgressProxy:
             return
         method, target = head.method.decode("latin-1"), head.target.decode("latin-1")
         if method == "CONNECT":
-            host, port = split_host_port(target, None)
+            try:
+                host, port = split_host_port(target, None)
+            except ProxyError as exc:  # closed with no word and no event before
+                self._refuse_target(conn, target, str(exc), "http-connect")
+                return
             decision = self.policy.decide(host, port)
             if not decision.allowed:
                 self._refuse_audit(decision, target, "http-connect")
@@ -269,7 +279,7 @@ class EgressProxy:
             return
         url = urlsplit(target)
         if url.scheme != "http" or not url.hostname:
-            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            self._refuse_target(conn, target, "not an http:// URL", "http")
             return
         try:
             port = 80 if url.port is None else url.port
@@ -487,7 +497,7 @@ def split_host_port(text: str, default: int | None) -> tuple[str, int]:
         if default is None:
             raise ProxyError(f"no port in {text!r}")
         return host, default
-    if not port.isdigit():
+    if not (port.isascii() and port.isdigit()):  # "²" is a digit to isdigit(), not to int()
         raise ProxyError(f"bad port in {text!r}")
     return host, int(port)
 
