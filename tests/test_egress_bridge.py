@@ -6,6 +6,8 @@ end in CLOSE or a closed port, never in unbounded buffering."""
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
 import socket
 import struct
 import threading
@@ -216,3 +218,35 @@ def test_close_ends_the_thread_and_every_socket(pair: tuple[EgressBridge, Guest]
     assert not bridge._thread.is_alive()
     assert all(conn.sock.fileno() == -1 for conn in conns)
     assert [t for t in threading.enumerate() if t.name == "egress-vm-sb-test"] == []
+
+
+def test_a_stream_the_owner_has_no_descriptor_for_is_closed_and_the_bridge_goes_on(
+        pair: tuple[EgressBridge, Guest]) -> None:
+    """The owner's descriptors are shared by all its sandboxes: another one holding tunnels can
+    use them up for a while.  An EMFILE opening one guest stream's proxy connection ended the
+    bridge's thread, and that VM's egress for good; now that stream gets CLOSE and the others,
+    and later ones once descriptors are free, are carried."""
+    bridge, guest = pair
+    guest.send(M_OPEN, 1)
+    guest.send(M_DATA, 1, b"before")
+    assert guest.until(M_DATA, 1) == b"before"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    try:
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 32, hard))
+        with pytest.raises(OSError):  # (bounded: every number below the new limit taken)
+            for _ in range(top + 33):
+                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        guest.send(M_OPEN, 2)
+        assert guest.until(M_CLOSE, 2) == b""
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert bridge._thread.is_alive()
+    guest.send(M_OPEN, 3)
+    guest.send(M_DATA, 3, b"after")
+    assert guest.until(M_DATA, 3) == b"after"
+    guest.send(M_DATA, 1, b"still")
+    assert guest.until(M_DATA, 1) == b"beforestill"

@@ -232,13 +232,19 @@ class EgressBridge:
         if conn_id in self._conns or len(self._conns) >= MAX_CONNECTIONS:
             self._queue(M_CLOSE, conn_id)
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.setblocking(False)
+        # a failure here is this stream's, not the port's: it is answered with CLOSE and the bridge
+        # goes on.  EMFILE is the likely one (the owner's descriptors are shared by every sandbox:
+        # another one's tunnels can use them up for a while); letting it end the thread cut this
+        # VM's egress for good, even once descriptors were free again
+        sock = None
         try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.setblocking(False)
             # a Unix socket connects at once, or fails at once (EAGAIN: the proxy's backlog is full)
             sock.connect(self._proxy_socket)
         except OSError:
-            sock.close()
+            if sock is not None:
+                sock.close()
             self._queue(M_CLOSE, conn_id)
             return
         self._conns[conn_id] = _Conn(conn_id, sock)
@@ -293,13 +299,15 @@ class EgressBridge:
             self._queue(M_CLOSE, conn.id)
         self._conns.pop(conn.id, None)
         if conn.mask:
-            self._sel.unregister(conn.sock)
+            with contextlib.suppress(KeyError):  # (a failed modify has unregistered it already)
+                self._sel.unregister(conn.sock)
         conn.sock.close()
 
     def _rearm(self) -> None:
         """Watch each socket for exactly what it can do now: the port for output when queued,
         and for input only while its queue is below ``OUTQ_PORT_HIGH``."""
         reading = len(self._outq) < OUTQ_HIGH
+        failed: list[_Conn] = []
         for conn in self._conns.values():
             mask = 0
             if reading and not conn.sent_eof and conn.window > 0:
@@ -307,13 +315,19 @@ class EgressBridge:
             if conn.out:
                 mask |= selectors.EVENT_WRITE
             if mask != conn.mask:
-                if not conn.mask:
-                    self._sel.register(conn.sock, mask, conn)
-                elif not mask:
-                    self._sel.unregister(conn.sock)
-                else:
-                    self._sel.modify(conn.sock, mask, conn)
+                try:
+                    if not conn.mask:
+                        self._sel.register(conn.sock, mask, conn)
+                    elif not mask:
+                        self._sel.unregister(conn.sock)
+                    else:
+                        self._sel.modify(conn.sock, mask, conn)
+                except OSError:  # (epoll's ENOMEM or ENOSPC, its per-user watch limit): this stream only
+                    failed.append(conn)
+                    continue
                 conn.mask = mask
+        for conn in failed:
+            self._drop(conn, tell_guest=True)
         port_mask = ((selectors.EVENT_READ if len(self._outq) < OUTQ_PORT_HIGH else 0)
                      | (selectors.EVENT_WRITE if self._outq else 0))
         if port_mask != self._port_mask:
