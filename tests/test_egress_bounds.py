@@ -179,7 +179,7 @@ def test_the_tunnel_budget_never_exceeds_half_the_descriptor_limit() -> None:
                 continue
             resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
             budget = OWNER_TUNNELS.limit()
-            assert 1 <= budget and budget * 6 <= limit // 2, (limit, budget)  # ~6 descriptors a tunnel
+            assert budget >= 1 and budget * 6 <= limit // 2, (limit, budget)  # ~6 descriptors a tunnel
             assert budget == limit // 12  # and no less than that: the budget the tests below use
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
