@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
-from corral.egress.tunnel import BULK_TUNNELS, MAX_CONNECTIONS
+from corral.egress.tunnel import BULK_TUNNELS, MAX_CONNECTIONS, OWNER_TUNNELS
 from egress_net import TargetNet, target_net
 from sandbox_wait import lines_written, wait_until
 
@@ -163,22 +164,44 @@ def _narrow_owner(net: TargetNet, tmp_path: Path, shares: list[str]) -> dict[str
     return found
 
 
+#: the tunnel budget of NARROW_OWNER's 3,000 descriptors: half of them, 6 per tunnel
+NARROW_BUDGET = 3000 // 12
+
+
+def test_the_tunnel_budget_never_exceeds_half_the_descriptor_limit() -> None:
+    """A floor of 256 tunnels (~1,500 descriptors) let the budget pass the whole limit of an
+    owner with fewer than ~3,000: at 600, one sandbox's held tunnels made every other socket()
+    in the owner fail with EMFILE (a microVM's egress bridge died of it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        for limit in (12, 600, 1024, 3000, 3072, 20000):
+            if hard != resource.RLIM_INFINITY and limit > hard:
+                continue
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            budget = OWNER_TUNNELS.limit()
+            assert budget >= 1 and budget * 6 <= limit // 2, (limit, budget)  # ~6 descriptors a tunnel
+            assert budget == limit // 12  # and no less than that: the budget the tests below use
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_every_sandboxs_tunnels_together_leave_the_owner_half_its_descriptors(net: TargetNet, tmp_path: Path) -> None:
     found = _narrow_owner(net, tmp_path, ["", ""])
-    # a budget of max(256, 3,000 // 12) = 256 tunnels; past half of it each of the two proxies
-    # holds at most its share (128), so the first stops at 128 and the second gets the rest;
-    # before, the owner aborted once the two held its 3,000 descriptors
-    assert found["tunnels"] == [MAX_CONNECTIONS // 2, MAX_CONNECTIONS // 2]
+    # a budget of 3,000 // 12 = 250 tunnels; past half of it each of the two proxies holds at
+    # most its share (125), so the first stops at 125 and the second gets the rest; before, the
+    # owner aborted once the two held its 3,000 descriptors (and with a floor of 256 tunnels,
+    # 128 each: 1,536 descriptors, more than half)
+    assert found["tunnels"] == [NARROW_BUDGET // 2, NARROW_BUDGET // 2]
     assert found["refusals"] == ["host-connection-limit"]
     assert found["third"] == "made\n"
 
 
 def test_a_tenants_sandboxes_share_one_part_of_the_tunnel_budget(net: TargetNet, tmp_path: Path) -> None:
     found = _narrow_owner(net, tmp_path, ["tenant:a"] * 3 + ["tenant:b"])
-    # two shares of a 256-tunnel budget: tenant a's three sandboxes together hold its half, and
+    # two shares of a 250-tunnel budget: tenant a's three sandboxes together hold its half, and
     # tenant b's one sandbox still gets the other half.  With a share per sandbox (before), a's
-    # three took 128 + 64 + 64 and b got none
-    assert found["tunnels"] == [MAX_CONNECTIONS // 2, 0, 0, MAX_CONNECTIONS // 2]
+    # three took 128 + 64 + 64 (of 256) and b got none
+    assert found["tunnels"] == [NARROW_BUDGET // 2, 0, 0, NARROW_BUDGET // 2]
 
 
 def test_the_server_puts_each_tenants_sandboxes_in_one_tunnel_share(state_dir: Path) -> None:

@@ -6,17 +6,23 @@ end in CLOSE or a closed port, never in unbounded buffering."""
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from corral.egress.audit import AuditLog
+from corral.egress.tunnel import OWNER_TUNNELS
+from corral.tiers.microvm import egress_bridge
 from corral.tiers.microvm.egress_bridge import (
     CHUNK,
+    DOWN_WINDOW,
     HEADER,
     M_CLOSE,
     M_CREDIT,
@@ -216,3 +222,152 @@ def test_close_ends_the_thread_and_every_socket(pair: tuple[EgressBridge, Guest]
     assert not bridge._thread.is_alive()
     assert all(conn.sock.fileno() == -1 for conn in conns)
     assert [t for t in threading.enumerate() if t.name == "egress-vm-sb-test"] == []
+
+
+def test_a_stream_the_owner_has_no_descriptor_for_is_closed_and_the_bridge_goes_on(
+        pair: tuple[EgressBridge, Guest]) -> None:
+    """The owner's descriptors are shared by all its sandboxes: another one holding tunnels can
+    use them up for a while.  An EMFILE opening one guest stream's proxy connection ended the
+    bridge's thread, and that VM's egress for good; now that stream gets CLOSE and the others,
+    and later ones once descriptors are free, are carried."""
+    bridge, guest = pair
+    guest.send(M_OPEN, 1)
+    guest.send(M_DATA, 1, b"before")
+    assert guest.until(M_DATA, 1) == b"before"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    try:
+        top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 32, hard))
+        with pytest.raises(OSError):  # (bounded: every number below the new limit taken)
+            for _ in range(top + 33):
+                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        guest.send(M_OPEN, 2)
+        assert guest.until(M_CLOSE, 2) == b""
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert bridge._thread.is_alive()
+    guest.send(M_OPEN, 3)
+    guest.send(M_DATA, 3, b"after")
+    assert guest.until(M_DATA, 3) == b"after"
+    guest.send(M_DATA, 1, b"still")
+    assert guest.until(M_DATA, 1) == b"beforestill"
+
+
+def _wait(predicate: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_bridge_connections_count_against_the_owners_tunnel_budget(
+        pair: tuple[EgressBridge, Guest], echo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each connection to the proxy is one of the owner's descriptors: uncounted, a guest could
+    make the owner hold MAX_CONNECTIONS of them past the budget (24 -> 280 in the probe)."""
+    bridge, guest = pair
+    before = OWNER_TUNNELS.held
+    for conn in (1, 2, 3):
+        guest.send(M_OPEN, conn)
+        guest.send(M_DATA, conn, b"x")
+        assert guest.until(M_DATA, conn) == b"x"
+    assert OWNER_TUNNELS.held == before + 3
+    guest.send(M_CLOSE, 2)
+    assert _wait(lambda: OWNER_TUNNELS.held == before + 2)
+    # the budget is full: a bridge refuses as the proxy does, and audits it
+    monkeypatch.setattr(OWNER_TUNNELS, "limit", lambda: OWNER_TUNNELS.held)
+    guest.send(M_OPEN, 4)
+    assert guest.until(M_CLOSE, 4) == b""
+    assert 4 not in bridge._conns and OWNER_TUNNELS.held == before + 2
+    host, other_sock = socket.socketpair()
+    audit = AuditLog()
+    other = EgressBridge("sb-other", host, echo, audit)
+    try:
+        Guest(other_sock).send(M_OPEN, 1)
+        assert Guest(other_sock).until(M_CLOSE, 1) == b""
+        assert [e.rule for e in audit.events()] == ["host-connection-limit"]
+    finally:
+        other.close()
+        other_sock.close()
+    bridge.close()
+    assert OWNER_TUNNELS.held == before  # what it still held, given back
+
+
+@pytest.fixture
+def refusing(tmp_path: Path) -> Iterator[Path]:
+    """A "proxy" that answers 403 and closes; one sent "half" answers, half-closes, and reads on."""
+    path = tmp_path / "refusing.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(64)
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            if conn.recv(4096).startswith(b"half"):
+                conn.sendall(b"answer")
+                conn.shutdown(socket.SHUT_WR)
+                while conn.recv(4096):
+                    pass
+            else:
+                conn.sendall(b"HTTP/1.1 403 Forbidden\r\n\r\n")
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield path
+    server.close()
+
+
+def test_a_connection_whose_proxy_side_closed_is_dropped_once_the_guest_is_silent(
+        refusing: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused CONNECT: the proxy answers 403, closes and gives its tunnel back; the bridge's
+    connection stayed open until the guest's client closed, and a client that held its sockets
+    open made the owner hold 256 of them.  Now it goes (CLOSE to the guest) after LINGER seconds of
+    silence, unless the guest's relay may still hold some of it for a slow client (not all
+    credited back) or the proxy only half-closed (it still reads)."""
+    monkeypatch.setattr(egress_bridge, "LINGER", 0.3, raising=False)  # (raising: the old code had none)
+    host, guest_sock = socket.socketpair()
+    bridge = EgressBridge("sb-test", host, refusing)
+    guest = Guest(guest_sock)
+    before = OWNER_TUNNELS.held
+    try:
+        # 2: answered and closed, but not credited back (the relay still holds it for its client)
+        guest.send(M_OPEN, 2)
+        guest.send(M_DATA, 2, b"CONNECT other:80 HTTP/1.1\r\n\r\n")
+        got = b""
+        while (frame := guest.frame())[:2] != (M_EOF, 2):
+            got += frame[2]
+        assert got.startswith(b"HTTP/1.1 403")
+        # 3: the proxy half-closed only; 1: refused, all credited (Guest.until does)
+        guest.send(M_OPEN, 3)
+        guest.send(M_DATA, 3, b"half")
+        assert guest.until(M_EOF, 3) == b"answer"
+        guest.send(M_OPEN, 1)
+        guest.send(M_DATA, 1, b"CONNECT other:80 HTTP/1.1\r\n\r\n")
+        assert guest.until(M_EOF, 1).startswith(b"HTTP/1.1 403")
+        eof_at = time.monotonic()
+        guest.sock.settimeout(3)  # (the old code never sent it: socket.timeout)
+        guest.until(M_CLOSE, 1)
+        assert time.monotonic() - eof_at >= 0.25  # not before the grace
+        assert _wait(lambda: 1 not in bridge._conns)
+        assert OWNER_TUNNELS.held == before + 2
+        time.sleep(1.0)  # three more graces: the other two stay
+        assert sorted(bridge._conns) == [2, 3]
+        assert bridge._conns[2].window < DOWN_WINDOW
+        # the relay passes the rest on and credits it: then 2 goes too; 3 ends as before
+        guest.send(M_CREDIT, 2, struct.pack("<I", DOWN_WINDOW - bridge._conns[2].window))
+        guest.until(M_CLOSE, 2)
+        guest.send(M_EOF, 3)
+        assert _wait(lambda: not bridge._conns)
+        assert OWNER_TUNNELS.held == before
+    finally:
+        bridge.close()
+        guest_sock.close()

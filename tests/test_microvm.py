@@ -619,6 +619,56 @@ def test_allow_mode_goes_through_the_egress_proxy_only(state_dir: Path) -> None:
             server.server_close()
 
 
+#: opens {n} connections through the relay, each a CONNECT the proxy refuses (403, then it
+#: closes), and holds them all open until told
+HOLD_REFUSED = """
+import socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for _ in range(n):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+    s.sendall(f"CONNECT 127.0.0.1:{port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n".encode())
+    assert s.recv(4096).startswith(b"HTTP/1.1 403"), "not refused"
+    held.append(s)
+print("held", len(held), flush=True)
+input()
+"""
+
+
+def test_refused_connections_a_guest_holds_open_do_not_hold_the_owners_sockets(state_dir: Path) -> None:
+    """The proxy closes a refused CONNECT and gives its tunnel back; the bridge kept its connection
+    to the proxy until the guest's client closed, so a guest holding 256 of them made the owner
+    hold 256 sockets no budget counted (24 -> 280 descriptors).  Now the bridge counts each
+    against the owner's tunnel budget and drops one whose proxy side is closed once the guest
+    has been silent on it for LINGER seconds (the relay credits back what it passed on)."""
+    from corral.egress.tunnel import OWNER_TUNNELS
+
+    held_before = OWNER_TUNNELS.held
+    with socket.create_server(("127.0.0.1", 0)) as refused:
+        port = refused.getsockname()[1]
+        with Sandbox.create(tier="microvm", memory="256M", allow=["127.0.0.1:9"],
+                            unsafe_allow_ranges=["127.0.0.1/32"]) as sb:
+            bridge = _vm(sb)._bridge
+            assert bridge is not None
+            sb.files.write("/tmp/hold.py", HOLD_REFUSED)
+            out: list[str] = []
+            handle = sb.commands.start(["python3", "-u", "/tmp/hold.py", str(port), "20"], timeout=120,
+                                       on_stdout=out.append)
+            try:
+                assert wait_until(lambda: "held 20" in "".join(out), 60), (out, handle.wait())
+                # the guest still holds all 20: the bridge lets them go after LINGER seconds
+                deadline = time.monotonic() + 10  # (LINGER is 2 s)
+                while bridge._conns and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert not bridge._conns, f"{len(bridge._conns)} connections held for a silent guest"
+                assert OWNER_TUNNELS.held == held_before
+            finally:
+                handle.send_stdin("\n")
+                handle.wait()
+            events = sb.network.audit()
+            assert len([e for e in events if e.rule == "not-allowed"]) == 20, events
+
+
 def test_allow_mode_reaches_the_target_network_like_the_other_tiers() -> None:
     """The egress tests' target network (tests/egress_net.py): names through the proxy's resolver,
     TLS intercepted for a bound host (the sandbox CA reaches the guest through the agent), git over

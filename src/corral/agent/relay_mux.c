@@ -145,7 +145,10 @@ static void flush_client(struct mconn *c) {
         c->consumed += (uint32_t)w;
     }
     if (c->len == 0) c->off = 0;
-    if (c->consumed >= CREDIT_STEP) {
+    /* after the host's EOF, the rest is credited once passed on: a window all credited back
+     * tells the host we hold nothing of it, so it may close a connection whose proxy side
+     * has closed without cutting a slow client short (egress_bridge.py, LINGER) */
+    if (c->consumed >= CREDIT_STEP || (c->got_eof && c->len == 0 && c->consumed > 0)) {
         queue_frame(M_CREDIT, c->id, &c->consumed, 4);
         c->consumed = 0;
     }

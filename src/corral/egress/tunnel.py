@@ -20,6 +20,9 @@ from typing import Any
 
 #: client connections one sandbox may hold open at once (each costs the host up to two threads)
 MAX_CONNECTIONS = 256
+#: the owner's descriptors one tunnel holds at most: the client's socket, the upstream's, and
+#: the two ends of each direction's pipe
+TUNNEL_FDS = 6
 #: seconds a tunnel whose client is done (its half-close passed on) may go without a byte from
 #: the far end before it is closed (HAProxy's ``timeout server-fin``).  From here a client that
 #: closed its socket, or died, looks like one that only half-closed it; a far end that never
@@ -117,7 +120,7 @@ WORKERS = Workers()
 class OwnerTunnels:
     """Client connections of every sandbox's proxy in this process at once.  Each holds up to ~6
     of the owner's descriptors (two sockets, two pipes), so at most a twelfth of the open-files
-    limit of them (at least 256) are open at once, and the rest of the owner's work keeps half
+    limit of them are open at once (:meth:`limit`), and the rest of the owner's work keeps half
     its descriptors: where root cannot raise the limit (no ``CAP_SYS_RESOURCE``: 20,000 on this
     VM) a dozen sandboxes' tunnels left ``corral serve`` no descriptor for any tenant's create.
 
@@ -137,8 +140,13 @@ class OwnerTunnels:
 
     @staticmethod
     def limit() -> int:
+        """The budget: half the open-files limit, over :data:`TUNNEL_FDS` each.  No floor of 256
+        as before: with an owner limited to 600 descriptors it allowed 256 tunnels, ~1,500
+        descriptors, and another sandbox's tunnels made every socket() fail with EMFILE.  The
+        minimum is one tunnel, so that egress is never refused outright by a budget of 0: a
+        limit that small (below 12) leaves no room to run a sandbox anyway."""
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        return 1 << 30 if soft == resource.RLIM_INFINITY else max(MAX_CONNECTIONS, soft // 12)
+        return 1 << 30 if soft == resource.RLIM_INFINITY else max(1, soft // (2 * TUNNEL_FDS))
 
     def assign(self, sandbox_id: str, share: str | None) -> None:
         """Count ``sandbox_id``'s tunnels in ``share`` from now on (None: its own share again).

@@ -30,6 +30,17 @@ few KiB of CREDIT and CLOSE frames for the proxy connections, about 2.4 MiB; the
 unparsed input, below ``HEADER.size + CHUNK + PORT_READ``; and per connection
 at most ``UP_WINDOW`` for the proxy: 64 MiB over ``MAX_CONNECTIONS``.
 
+Each connection to the proxy counts against the owner's tunnel budget
+(``egress.tunnel.OWNER_TUNNELS``, in the sandbox's share) from OPEN until it is dropped: a refusal
+is a CLOSE and a ``host-connection-limit`` audit event, as the proxy's own.  Its descriptor is
+not the proxy's: a connection the proxy has closed (a refused CONNECT answered 403) stayed open
+here until the guest said EOF, so a guest holding its clients open made the owner hold up to
+``MAX_CONNECTIONS`` sockets no budget counted (24 -> 280 descriptors).  Counted, they are bounded
+by the sandbox's share of the budget; and one whose proxy side is closed (both ways: a
+half-close is a tunnel still in use), everything sent down credited back by the guest's relay
+(it holds nothing of it: a slow client loses no byte) and nothing waiting for the proxy, is
+dropped with CLOSE once the guest has said nothing on it for ``LINGER`` seconds.
+
 One thread per sandbox, one selector: the traffic is bounded by what TCG
 moves through virtio-serial, far below what a thread copies.
 """
@@ -37,11 +48,16 @@ moves through virtio-serial, far below what a thread copies.
 from __future__ import annotations
 
 import contextlib
+import select
 import selectors
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
+
+from ...egress.audit import AuditLog
+from ...egress.tunnel import OWNER_TUNNELS
 
 M_HELLO, M_OPEN, M_DATA, M_EOF, M_CLOSE, M_CREDIT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<BII")
@@ -64,6 +80,10 @@ OUTQ_HIGH = 1 << 20
 OUTQ_PORT_HIGH = 2 << 20
 #: the most one read of the port takes
 PORT_READ = 1 << 18
+#: seconds a connection whose proxy side is closed may stay while the guest says nothing on it
+#: (the module's docstring): long enough for the guest's client to close it itself, as it
+#: usually does at once, so only one that holds its socket open is cut
+LINGER = 2.0
 
 
 class _Conn:
@@ -86,7 +106,10 @@ class EgressBridge:
 
     :meth:`close` ends the thread and closes every socket it holds, the port's included."""
 
-    def __init__(self, sandbox_id: str, port: socket.socket, proxy_socket: Path) -> None:
+    def __init__(self, sandbox_id: str, port: socket.socket, proxy_socket: Path,
+                 audit: AuditLog | None = None) -> None:
+        self._sandbox_id = sandbox_id
+        self._audit = audit
         self._port = port
         self._proxy_socket = str(proxy_socket)
         self._port.setblocking(False)
@@ -96,6 +119,8 @@ class EgressBridge:
         self._port_mask = selectors.EVENT_READ
         self._sel.register(self._port, self._port_mask, self._port)
         self._conns: dict[int, _Conn] = {}
+        #: connection -> when to look again whether it only lingers (its proxy side has ended)
+        self._linger: dict[int, float] = {}
         self._inbuf = bytearray()
         self._outq = bytearray()
         self._closing = False
@@ -117,6 +142,7 @@ class EgressBridge:
     def _teardown(self) -> None:
         for conn in list(self._conns.values()):
             conn.sock.close()
+            OWNER_TUNNELS.give(self._sandbox_id)
         self._conns.clear()
         self._sel.close()
         for sock in (self._port, self._wake_r, self._wake_w):
@@ -125,7 +151,9 @@ class EgressBridge:
     def _run(self) -> None:
         try:
             while not self._closing:
-                for key, mask in self._sel.select():
+                due = min(self._linger.values()) if self._linger else None
+                timeout = None if due is None else max(0.0, due - time.monotonic())
+                for key, mask in self._sel.select(timeout):
                     if key.data is None:
                         return  # woken by close()
                     if key.data is self._port:
@@ -143,6 +171,8 @@ class EgressBridge:
                         if (mask & selectors.EVENT_READ and self._conns.get(conn.id) is conn
                                 and len(self._outq) < OUTQ_HIGH):  # (others read in this round)
                             self._read_conn(conn)
+                if due is not None and time.monotonic() >= due:
+                    self._expire()
                 if self._outq and not self._flush_port():
                     return
                 self._rearm()
@@ -203,6 +233,8 @@ class EgressBridge:
         conn = self._conns.get(conn_id)
         if conn is None:
             return  # closed meanwhile: late frames are expected
+        if conn_id in self._linger:  # the guest spoke: its grace starts again
+            self._linger[conn_id] = time.monotonic() + LINGER
         if kind == M_DATA:
             if conn.got_eof or len(conn.out) + len(payload) > UP_WINDOW:
                 self._drop(conn, tell_guest=True)  # the guest broke the window
@@ -232,13 +264,25 @@ class EgressBridge:
         if conn_id in self._conns or len(self._conns) >= MAX_CONNECTIONS:
             self._queue(M_CLOSE, conn_id)
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.setblocking(False)
+        if not OWNER_TUNNELS.take(self._sandbox_id):
+            if self._audit is not None:  # (the refusal the proxy records for the other tiers)
+                self._audit.record(self._sandbox_id, "refused", "*", None, "host-connection-limit", "proxy")
+            self._queue(M_CLOSE, conn_id)
+            return
+        # a failure here is this stream's, not the port's: it is answered with CLOSE and the bridge
+        # goes on.  EMFILE is the likely one (the owner's descriptors are shared by every sandbox:
+        # another one's tunnels can use them up for a while); letting it end the thread cut this
+        # VM's egress for good, even once descriptors were free again
+        sock = None
         try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.setblocking(False)
             # a Unix socket connects at once, or fails at once (EAGAIN: the proxy's backlog is full)
             sock.connect(self._proxy_socket)
         except OSError:
-            sock.close()
+            if sock is not None:
+                sock.close()
+            OWNER_TUNNELS.give(self._sandbox_id)
             self._queue(M_CLOSE, conn_id)
             return
         self._conns[conn_id] = _Conn(conn_id, sock)
@@ -279,6 +323,8 @@ class EgressBridge:
             conn.sent_eof = True
             self._queue(M_EOF, conn.id)
             self._maybe_finish(conn)
+            if self._conns.get(conn.id) is conn:
+                self._linger[conn.id] = time.monotonic() + LINGER
             return
         conn.window -= len(data)
         self._queue(M_DATA, conn.id, data)
@@ -288,18 +334,36 @@ class EgressBridge:
         if conn.sent_eof and conn.shut:
             self._drop(conn, tell_guest=False)
 
+    def _expire(self) -> None:
+        """Drop each lingering connection whose grace is over and that only lingers (the module's
+        docstring); look again at the others (a half-closed proxy side may close later) later."""
+        now = time.monotonic()
+        for conn_id, due in list(self._linger.items()):
+            if due > now:
+                continue
+            conn = self._conns[conn_id]
+            if conn.window == DOWN_WINDOW and not conn.out and _peer_closed(conn.sock):
+                self._drop(conn, tell_guest=True)
+            else:
+                self._linger[conn_id] = now + LINGER
+
     def _drop(self, conn: _Conn, *, tell_guest: bool) -> None:
         if tell_guest:
             self._queue(M_CLOSE, conn.id)
-        self._conns.pop(conn.id, None)
+        if self._conns.get(conn.id) is conn:
+            del self._conns[conn.id]
+            OWNER_TUNNELS.give(self._sandbox_id)
+        self._linger.pop(conn.id, None)
         if conn.mask:
-            self._sel.unregister(conn.sock)
+            with contextlib.suppress(KeyError):  # (a failed modify has unregistered it already)
+                self._sel.unregister(conn.sock)
         conn.sock.close()
 
     def _rearm(self) -> None:
         """Watch each socket for exactly what it can do now: the port for output when queued,
         and for input only while its queue is below ``OUTQ_PORT_HIGH``."""
         reading = len(self._outq) < OUTQ_HIGH
+        failed: list[_Conn] = []
         for conn in self._conns.values():
             mask = 0
             if reading and not conn.sent_eof and conn.window > 0:
@@ -307,15 +371,29 @@ class EgressBridge:
             if conn.out:
                 mask |= selectors.EVENT_WRITE
             if mask != conn.mask:
-                if not conn.mask:
-                    self._sel.register(conn.sock, mask, conn)
-                elif not mask:
-                    self._sel.unregister(conn.sock)
-                else:
-                    self._sel.modify(conn.sock, mask, conn)
+                try:
+                    if not conn.mask:
+                        self._sel.register(conn.sock, mask, conn)
+                    elif not mask:
+                        self._sel.unregister(conn.sock)
+                    else:
+                        self._sel.modify(conn.sock, mask, conn)
+                except OSError:  # (epoll's ENOMEM or ENOSPC, its per-user watch limit): this stream only
+                    failed.append(conn)
+                    continue
                 conn.mask = mask
+        for conn in failed:
+            self._drop(conn, tell_guest=True)
         port_mask = ((selectors.EVENT_READ if len(self._outq) < OUTQ_PORT_HIGH else 0)
                      | (selectors.EVENT_WRITE if self._outq else 0))
         if port_mask != self._port_mask:
             self._sel.modify(self._port, port_mask, self._port)
             self._port_mask = port_mask
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Whether the proxy closed its end both ways (a Unix stream socket reports POLLHUP only then;
+    after a half-close the proxy may still read, and the connection is in use)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))

@@ -321,7 +321,7 @@ class MicroVMSandbox(LinuxSandbox):
         except OSError:
             port.close()
             raise
-        self._bridge = EgressBridge(self.id, port, self.network.proxy_socket)
+        self._bridge = EgressBridge(self.id, port, self.network.proxy_socket, self.network.audit_log)
 
     def _trace_restore(self, qmp: qemu.QMP, t0: float) -> None:
         """When tracing (bench/microvm.py): when the restored VM started running.
