@@ -9,12 +9,17 @@ stop, end or speak for it.  Two ways it could, both found by attacking it:
 * The agent opened the paths the owner names without ``O_NOCTTY``: a terminal the sandbox linked
   at such a path became the agent's controlling terminal, and on the microVM (whose agent leads
   a session, not pid 1 of a namespace) the sandbox's ^C then ended the agent and the sandbox.
+* The egress relay (``network="allow"``) ran as the default user: its commands could stop or
+  kill it (the sandbox's egress timed out, or ended for good) and then listen on its port
+  themselves, in the path of root's later requests.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,9 @@ from corral import Sandbox
 from corral.errors import FileError
 
 from .tier_probe import skip_unless_tier
+
+sys.path.insert(0, str(Path(__file__).parent))
+from egress_net import TargetNet, target_net
 
 #: as the default user: try to stop every agent process but pid 1 (the file requests' children)
 #: and to open their descriptors, until /tmp/stop appears; prints what each attempt met
@@ -119,3 +127,67 @@ def test_a_terminal_linked_where_the_owner_reads_never_becomes_the_agents(tier: 
         for _ in range(3):
             assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
         assert sb.files.read("/tmp/terminal.py") == TERMINAL
+
+
+#: as the default user: what it can do to the relay (the process of uid 65533) and its port
+RELAY_REACH = r"""
+import errno, json, os, signal, socket
+relay = [p for p in os.listdir("/proc") if p.isdigit() and os.stat(f"/proc/{p}").st_uid == 65533]
+met = {"relays": relay}
+def attempt(name, action):
+    try:
+        action()
+        met[name] = "done"
+    except OSError as exc:
+        met[name] = errno.errorcode[exc.errno]
+for pid in relay:
+    attempt("stop", lambda: os.kill(int(pid), signal.SIGSTOP))
+    # its sockets (the port's listeners, its connections to the proxy): never the user's to open
+    try:
+        fds = [fd for fd in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")]
+    except OSError as exc:
+        met["sockets"] = [errno.errorcode[exc.errno]]
+    else:
+        met["sockets"] = []
+        for fd in fds:
+            attempt("socket", lambda: os.close(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)))
+            met["sockets"].append(met.pop("socket"))
+def bind():
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 3128))
+        s.listen()
+attempt("bind", bind)
+print(json.dumps(met))
+"""
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[TargetNet]:
+    with target_net(prefix="arl") as testnet:
+        yield testnet
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_the_users_commands_cannot_stop_or_stand_in_for_the_egress_relay(
+        tier: str, net: TargetNet, state_dir: Path) -> None:
+    skip_unless_tier(tier, state_dir)
+    fetch = "curl -fsS --max-time 10 http://target.test:8080/relay"
+    with Sandbox.create(tier=tier, allow=["target.test"], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        sb.files.write("/tmp/reach.py", RELAY_REACH)
+        met = json.loads(sb.commands.run("python3 /tmp/reach.py").stdout)
+        assert len(met["relays"]) == 1, met  # the relay, under a uid of its own
+        assert (met["stop"], met["bind"]) == ("EPERM", "EADDRINUSE"), met
+        # the process tier refuses the listing (EACCES); gVisor lists them but opens none (ENXIO)
+        assert met["sockets"] and "done" not in met["sockets"], met
+        for user in ("user", "root"):  # the allowed thing: egress for both users
+            assert sb.commands.run(fetch, user=user, timeout=30).stdout.startswith("hello from target"), user
+        # root may end it (its own sandbox): the port stays taken, and a relay is back within a second or so
+        assert sb.commands.run(f"kill -9 {met['relays'][0]}", user="root").exit_code == 0
+        assert json.loads(sb.commands.run("python3 /tmp/reach.py").stdout)["bind"] == "EADDRINUSE"
+        deadline = time.monotonic() + 15
+        while (r := sb.commands.run(fetch, timeout=30)).exit_code != 0:
+            assert time.monotonic() < deadline, r
+            time.sleep(0.2)
+        again = json.loads(sb.commands.run("python3 /tmp/reach.py").stdout)
+        assert len(again["relays"]) == 1 and again["relays"] != met["relays"], again

@@ -271,6 +271,58 @@ static int launch_main(int argc, char **argv) {
     return 125;
 }
 
+/* The egress relay (process and gVisor tiers), a child of pid 1 under a uid of its own that no
+ * command runs as: it ran as the default user, whose commands could stop or kill it (the
+ * sandbox's egress then timed out or ended for good) and then listen on its port themselves, in
+ * the path of root's later requests.  Pid 1 keeps the listening sockets (the port is never free
+ * for another to take) and starts a relay again when one ends, at most once a second. */
+#define RELAY_UID 65533
+#define RELAY_RESTART_MS 1000
+static struct {
+    int listeners[2];
+    const char *path;
+    pid_t pid;
+    long long started_ms, restart_at_ms;
+} relay = {{-1, -1}, NULL, -1, 0, -1};
+
+static void start_relay(void) {
+    relay.restart_at_ms = -1;
+    pid_t pid = fork();
+    if (pid < 0) {
+        relay.restart_at_ms = now_ms() + RELAY_RESTART_MS;
+        return;
+    }
+    if (pid == 0) {
+        /* the agent's protocol pipes and stderr are never the relay's (nor given to its uid) */
+        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) _exit(2);
+        if (default_uid >= 0 && become_user(RELAY_UID) < 0) _exit(2);
+        prctl(PR_SET_DUMPABLE, 0);
+        relay_main(relay.listeners, relay.path);
+    }
+    relay.pid = pid;
+    relay.started_ms = now_ms();
+}
+
+/* 1 if `pid` was the relay (started again now or later: relay_restart_due) */
+static int relay_exited(pid_t pid) {
+    if (pid != relay.pid || pid < 0) return 0;
+    relay.pid = -1;
+    long long again = relay.started_ms + RELAY_RESTART_MS;
+    if (now_ms() >= again) start_relay();
+    else relay.restart_at_ms = again;
+    return 1;
+}
+
+/* ms until a relay is due to start again (-1: none is), starting it if it is due now */
+static int relay_restart_due(void) {
+    if (relay.restart_at_ms < 0) return -1;
+    long long left = relay.restart_at_ms - now_ms();
+    if (left > 0) return (int)left;
+    start_relay();
+    return relay.restart_at_ms < 0 ? -1 : RELAY_RESTART_MS;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "--launch") == 0) return launch_main(argc, argv);
     if (argc == 3 && strcmp(argv[1], "--userns") == 0) return userns_main(argv[2]);
@@ -332,16 +384,11 @@ int main(int argc, char **argv) {
          * (1 in 30 first commands on a loaded host). */
         int port = atoi(argv[2]);
         if (port <= 0 || port > 65535) return 2;
-        int listeners[2] = {loopback_listener(AF_INET, port), loopback_listener(AF_INET6, port)};
-        if (listeners[0] < 0) return 2;
-        pid_t pid = fork();
-        if (pid < 0) return 2;
-        if (pid == 0) {
-            if (default_uid >= 0 && become_user((uid_t)default_uid) < 0) _exit(2);
-            relay_main(listeners, argv[3]);
-        }
-        for (int i = 0; i < 2; i++)  /* the relay's alone: with it gone, connections are refused */
-            if (listeners[i] >= 0) close(listeners[i]);
+        relay.listeners[0] = loopback_listener(AF_INET, port);
+        relay.listeners[1] = loopback_listener(AF_INET6, port);
+        if (relay.listeners[0] < 0) return 2;
+        relay.path = argv[3];
+        start_relay();
     }
     sigset_t mask;
     sigemptyset(&mask);
@@ -382,7 +429,7 @@ int main(int argc, char **argv) {
         int n = 0;
         pfds[n++] = (struct pollfd){.fd = 0, .events = POLLIN};
         pfds[n++] = (struct pollfd){.fd = sfd, .events = POLLIN};
-        int timeout = -1;
+        int timeout = relay_restart_due();
         long long now = now_ms();
         for (int i = 0; i < MAX_EXECS; i++) {
             struct exec *e = &execs[i];
@@ -413,7 +460,8 @@ int main(int argc, char **argv) {
             while (read(sfd, &si, sizeof si) > 0) {}
             int st;
             pid_t pid;
-            while ((pid = waitpid(-1, &st, WNOHANG)) > 0) child_exited(pid, st);
+            while ((pid = waitpid(-1, &st, WNOHANG)) > 0)
+                if (!relay_exited(pid)) child_exited(pid, st);
         }
         if (pfds[0].revents) {
             unsigned char hdr[9];

@@ -93,7 +93,8 @@ class SandboxNetwork:
         """``guest_tap``: for ``open``, a tap bridged to the veth for a VM (:class:`.open_net.OpenNetwork`).
         ``host_namespace=False``: for ``allow``, no host-made namespace (a tier with a network
         stack of its own, gVisor's, has nowhere to put one); direct attempts then fail inside that
-        stack, unaudited.  ``socket_gid``: a group that may also connect to the proxy's socket."""
+        stack, unaudited.  ``uid``: the host uid owning the proxy's socket (the relay's); ``socket_gid``:
+        a group that may also connect to it."""
         self.mode = spec.network
         self._host_namespace = host_namespace
         self._guest_tap = guest_tap

@@ -67,6 +67,9 @@ ROOT_CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_K
              "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_AUDIT_WRITE", "CAP_SETFCAP")
 #: the uid inside of each ``user`` (``spec.USERS``)
 USER_IDS = {"root": 0, "user": SANDBOX_UID}
+#: the uid inside of the egress relay (``network="allow"``; agent.c's RELAY_UID): one no command
+#: runs as, so the default user's commands cannot stop, kill or stand in for it
+RELAY_UID = 65533
 
 #: how long a frame may wait for the agent to read it.  The agent reads between requests, so
 #: only an agent stuck in one (or gone) makes a writer wait; a write never blocks for ever, as

@@ -47,7 +47,7 @@ from ...host.ws_overlay import WorkspaceOverlay
 from ...spec import Limits, SandboxSpec
 from ..base import FileEntry, TierSandbox
 from . import fs_snapshot
-from .agent import AgentChannel
+from .agent import RELAY_UID, AgentChannel
 from .ports import agent_connect
 from .rootfs import AGENT_PATH, SandboxRoot, build_root
 
@@ -170,7 +170,9 @@ class LinuxSandbox(TierSandbox):
 
     def _make_network(self, *, host_namespace: bool = True, socket_gid: int | None = None,
                       guest_tap: bool = False) -> SandboxNetwork:
-        self.network = SandboxNetwork(self.spec, self.id, self._run_dir, self.uid, host_namespace=host_namespace,
+        # the proxy's socket is the relay's (its own uid inside), not the default user's
+        relay_uid = self.uid_range.base + RELAY_UID
+        self.network = SandboxNetwork(self.spec, self.id, self._run_dir, relay_uid, host_namespace=host_namespace,
                                       socket_gid=socket_gid, guest_tap=guest_tap)
         return self.network
 
