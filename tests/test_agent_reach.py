@@ -182,7 +182,10 @@ def test_the_users_commands_cannot_stop_or_stand_in_for_the_egress_relay(
         assert met["sockets"] and "done" not in met["sockets"], met
         for user in ("user", "root"):  # the allowed thing: egress for both users
             assert sb.commands.run(fetch, user=user, timeout=30).stdout.startswith("hello from target"), user
-        # root may end it (its own sandbox): the port stays taken, and a relay is back within a second or so
+        # root may end it (its own sandbox): the port stays taken, and a relay is back within a second
+        # or so -- holding nothing of pid 1's (a command's stdin, open meanwhile, still ends)
+        reader = sb.commands.start("cat", timeout=60)
+        reader.send_stdin("before ")
         assert sb.commands.run(f"kill -9 {met['relays'][0]}", user="root").exit_code == 0
         assert json.loads(sb.commands.run("python3 /tmp/reach.py").stdout)["bind"] == "EADDRINUSE"
         deadline = time.monotonic() + 15
@@ -191,3 +194,7 @@ def test_the_users_commands_cannot_stop_or_stand_in_for_the_egress_relay(
             time.sleep(0.2)
         again = json.loads(sb.commands.run("python3 /tmp/reach.py").stdout)
         assert len(again["relays"]) == 1 and again["relays"] != met["relays"], again
+        reader.send_stdin("after")
+        reader.close_stdin()
+        ended = reader.wait()
+        assert (ended.exit_code, ended.stdout) == (0, "before after"), ended  # (held: the timeout)

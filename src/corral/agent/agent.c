@@ -296,6 +296,18 @@ static void start_relay(void) {
         /* the agent's protocol pipes and stderr are never the relay's (nor given to its uid) */
         int null = open("/dev/null", O_RDWR | O_CLOEXEC);
         if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) _exit(2);
+        /* nor anything else of pid 1's but the listeners: a relay started again later held the
+         * write end of a command's stdin, which then never saw its end */
+        int low = relay.listeners[0], high = relay.listeners[1];
+        if (high >= 0 && high < low) { low = high; high = relay.listeners[0]; }
+        int from = 3;
+        for (int keep = 0; keep < 2; keep++) {
+            int fd = keep == 0 ? low : high;
+            if (fd < from) continue;
+            if (fd > from) close_range((unsigned)from, (unsigned)fd - 1, 0);
+            from = fd + 1;
+        }
+        close_range((unsigned)from, INT_MAX, 0); /* not ~0U: gVisor refuses it (EINVAL) */
         if (default_uid >= 0 && become_user(RELAY_UID) < 0) _exit(2);
         prctl(PR_SET_DUMPABLE, 0);
         relay_main(relay.listeners, relay.path);

@@ -2,6 +2,7 @@
 #ifndef CORRAL_AGENT_H
 #define CORRAL_AGENT_H
 #define _GNU_SOURCE
+#include <limits.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <sys/ioctl.h>

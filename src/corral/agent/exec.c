@@ -74,7 +74,7 @@ static void __attribute__((noreturn)) become_command(int sync_fd, const struct c
     /* a command starts with its stdio and nothing else: a spare's sync pipe is its fd 3 (dup2
      * drops close-on-exec), and what the agent itself was handed without close-on-exec (the
      * sandbox's user namespace, from bwrap) reached a first command not run by a spare */
-    close_range(3, ~0U, 0);
+    close_range(3, INT_MAX, 0); /* (gVisor refuses ~0U: EINVAL) */
     if (c->uid >= 0 && become_user((uid_t)c->uid) < 0) {
         dprintf(2, "corral: cannot run as uid %ld: %s\n", c->uid, strerror(errno));
         _exit(126);
@@ -238,7 +238,7 @@ static pid_t spawn_spare(void) {
         dup2(psync[0], 3);
         /* it may wait a long time: hold nothing of the agent's (another command's
          * stdin pipe kept open here would never see its end of file) */
-        close_range(4, ~0U, 0);
+        close_range(4, INT_MAX, 0);
         spare_main();
     }
     prctl(PR_SET_NAME, own);
