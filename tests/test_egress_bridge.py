@@ -74,17 +74,12 @@ class Guest:
                 return self.data.get(conn, b"")
 
 
-@pytest.fixture
-def echo(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "proxy.sock"
+@contextlib.contextmanager
+def unix_server(path: Path, serve: Callable[[socket.socket], None], backlog: int) -> Iterator[Path]:
+    """A stand-in for the proxy at ``path``: each connection served by ``serve`` on a thread."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
-    server.listen(512)
-
-    def serve(conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):  # the bridge may drop a connection (window broken)
-            while data := conn.recv(65536):
-                conn.sendall(data)
+    server.listen(backlog)
 
     def accept() -> None:
         while True:
@@ -95,8 +90,21 @@ def echo(tmp_path: Path) -> Iterator[Path]:
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    yield path
-    server.close()
+    try:
+        yield path
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def echo(tmp_path: Path) -> Iterator[Path]:
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the bridge may drop a connection (window broken)
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    with unix_server(tmp_path / "proxy.sock", serve, 512) as path:
+        yield path
 
 
 @pytest.fixture
@@ -298,11 +306,6 @@ def test_bridge_connections_count_against_the_owners_tunnel_budget(
 @pytest.fixture
 def refusing(tmp_path: Path) -> Iterator[Path]:
     """A "proxy" that answers 403 and closes; one sent "half" answers, half-closes, and reads on."""
-    path = tmp_path / "refusing.sock"
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(path))
-    server.listen(64)
-
     def serve(conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
             if conn.recv(4096).startswith(b"half"):
@@ -313,17 +316,8 @@ def refusing(tmp_path: Path) -> Iterator[Path]:
             else:
                 conn.sendall(b"HTTP/1.1 403 Forbidden\r\n\r\n")
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield path
-    server.close()
+    with unix_server(tmp_path / "refusing.sock", serve, 64) as path:
+        yield path
 
 
 def test_a_connection_whose_proxy_side_closed_is_dropped_once_the_guest_is_silent(
