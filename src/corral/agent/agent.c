@@ -293,14 +293,13 @@ static void start_relay(void) {
         return;
     }
     if (pid == 0) {
-        /* the agent's protocol pipes and stderr are never the relay's (nor given to its uid) */
-        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) _exit(2);
-        /* nor anything else of pid 1's but the listeners: a relay started again later held the
-         * write end of a command's stdin, which then never saw its end */
+        /* nothing of pid 1's but the listeners: not its protocol pipes and stderr (nor given to
+         * the relay's uid), and a relay started again later held the write end of a command's
+         * stdin, which then never saw its end.  Nothing at all on 0-2 (it prints nothing): what
+         * a process holds, gVisor's /proc lets another uid open */
         int low = relay.listeners[0], high = relay.listeners[1];
         if (high >= 0 && high < low) { low = high; high = relay.listeners[0]; }
-        int from = 3;
+        int from = 0;
         for (int keep = 0; keep < 2; keep++) {
             int fd = keep == 0 ? low : high;
             if (fd < from) continue;
@@ -311,6 +310,7 @@ static void start_relay(void) {
         if (default_uid >= 0 && become_user(RELAY_UID) < 0) _exit(2);
         prctl(PR_SET_DUMPABLE, 0);
         relay_main(relay.listeners, relay.path);
+        _exit(2); /* (it serves for ever) never on into pid 1's loop */
     }
     relay.pid = pid;
     relay.started_ms = now_ms();

@@ -122,9 +122,7 @@ void relay_main(const int listeners[2], const char *path) {
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
-    /* never hold the agent's protocol pipes: only pid 1 speaks on them */
-    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-    if (null >= 0) { dup2(null, 0); dup2(null, 1); }
+    /* (started holding nothing of pid 1's but its listeners: agent.c, start_relay) */
     const int l[2] = {listeners[0], listeners[1]};
     static struct pollfd pfds[2 + 2 * RELAY_MAX];
     static struct half *owner[2 + 2 * RELAY_MAX];
