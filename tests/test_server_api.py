@@ -443,6 +443,22 @@ def test_a_background_command_is_not_idle_and_its_waiter_keeps_its_output(server
         assert http.get(f"/v1/sandboxes/{sid}").status_code == 404  # idle once nothing runs
 
 
+def test_the_idle_clock_starts_when_a_background_command_ends(server: ServerProcess) -> None:
+    """A sandbox whose client waited out a background command longer than ``idle_timeout`` was
+    idle the moment the command ended (the clock ran from the wait's request) and reaped before
+    the client's next request (the full suite saw SandboxNotFound once)."""
+    from corral import Sandbox
+
+    with server.client("alice") as http:
+        sid = create(http, idle_timeout=2)
+        job = Sandbox.connect(sid, url=server.url, api_key=KEYS["alice"]).commands.run("sleep 3", background=True)
+        assert job.wait().exit_code == 0
+        time.sleep(1.2)  # past two reaper passes, within the idle timeout from the command's end
+        assert http.get(f"/v1/sandboxes/{sid}").status_code == 200
+        time.sleep(3)  # and it still idles out once nothing is asked of it (a GET is use)
+        assert http.get(f"/v1/sandboxes/{sid}").status_code == 404
+
+
 def test_a_sandbox_whose_creator_left_before_the_answer_is_destroyed(server: ServerProcess) -> None:
     """A create whose client gave up (a short client timeout, a crash) left a sandbox nobody knew
     of, alive until its idle timeout and counted against the tenant's quota."""

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -176,9 +177,16 @@ def _start(entry: Any, body: ExecBody, recorded: Recorded, running_share: Releas
                                         stdin=body.stdin_bytes(), on_output=recorded.output, background=True)
 
     def wait() -> None:
+        # its end starts the sandbox's idle clock, as a foreground command's does (exec_slot), and
+        # before it reads as finished: the clock ran from the last request's start, so a sandbox
+        # whose client had waited out a long command was idle at once, and reaped before the
+        # client's next request came
         try:
-            recorded.finish(("result", handle.wait()))
+            result = handle.wait()
+            entry.last_used = time.time()
+            recorded.finish(("result", result))
         except SandboxError as exc:
+            entry.last_used = time.time()
             recorded.finish(("failed", exc))
         finally:
             running_share()  # what it keeps now is counted by its record
