@@ -240,15 +240,17 @@ class EgressProxy:
                 raise MalformedHead(framing)
             return parsed
         except MalformedHead as exc:
-            self.audit.record(self.sandbox_id, "refused", "*", None, f"malformed-request-head: {exc}", protocol)
-            client.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+            self._refuse_malformed(client, "*", f"malformed-request-head: {exc}", protocol)
             return None
 
-    def _refuse_target(self, client: socket.socket, target: str, why: str, protocol: str) -> None:
-        """A request target the proxy cannot read (a bad port, not an http:// URL): 400, audited."""
-        self.audit.record(self.sandbox_id, "refused", target[:256], None, f"malformed-request-target: {why[:200]}",
-                          protocol)
+    def _refuse_malformed(self, client: socket.socket, asked: str, rule: str, protocol: str) -> None:
+        """A request the proxy cannot read (its head, its target): audited, and answered 400."""
+        self.audit.record(self.sandbox_id, "refused", asked, None, rule, protocol)
         client.sendall(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+
+    def _refuse_target(self, client: socket.socket, target: str, why: str, protocol: str) -> None:
+        """A request target the proxy cannot read (a bad port, not an http:// URL)."""
+        self._refuse_malformed(client, target[:256], f"malformed-request-target: {why[:200]}", protocol)
 
     def _http(self, conn: socket.socket, opened: list[socket.socket], deadline: float) -> None:
         raw_head, rest = read_head(conn, deadline)
