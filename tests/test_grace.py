@@ -105,12 +105,21 @@ def test_a_switch_already_set_or_a_process_told_not_to_is_left_alone(
     assert expediter.windows == 0
 
 
+def _with_private_switch(switch: Path, code: str) -> list[str]:
+    """A Python command running ``code`` with this test's own switch and records."""
+    return [sys.executable, "-c", "from pathlib import Path\nfrom corral.host import grace\n"
+            f"grace.SWITCH = {str(switch)!r}\ngrace.RECORDS = Path({str(grace.RECORDS)!r})\n" + code]
+
+
 def test_a_window_a_killed_process_left_open_is_closed_by_the_next_one_or_gc(
-        switch: Path, state_dir: Path) -> None:
+        private_switch: Path, state_dir: Path) -> None:
+    # the host's switch is another worker's too: a CI run's child found that worker's window open,
+    # so (rightly) opened none and wrote no record
+    switch = private_switch
     for janitor in ("gc", "next process"):
         inside = subprocess.Popen(
-            [sys.executable, "-c", "import time\nfrom corral.host import grace\n"
-             "with grace.expedited_move():\n    print('in', flush=True)\n    time.sleep(60)\n"],
+            _with_private_switch(switch, "import time\n"
+                                 "with grace.expedited_move():\n    print('in', flush=True)\n    time.sleep(60)\n"),
             stdout=subprocess.PIPE, text=True)
         try:
             assert inside.stdout is not None and inside.stdout.readline() == "in\n"
@@ -123,13 +132,14 @@ def test_a_window_a_killed_process_left_open_is_closed_by_the_next_one_or_gc(
         if janitor == "gc":
             gc(state_dir)
         else:
-            subprocess.run([sys.executable, "-c", "from corral.host import grace\n"
-                            "with grace.expedited_move():\n    pass\n"], check=True, timeout=60)
+            subprocess.run(_with_private_switch(switch, "with grace.expedited_move():\n    pass\n"),
+                           check=True, timeout=60)
         assert switch.read_text().strip() == "0", janitor  # ...and cleared by the janitor
         assert not record.exists()
 
 
-def test_a_switch_set_with_no_window_left_open_is_the_administrators(switch: Path, state_dir: Path) -> None:
+def test_a_switch_set_with_no_window_left_open_is_the_administrators(private_switch: Path, state_dir: Path) -> None:
+    switch = private_switch  # (another worker's window on the host's would clear it under the test)
     try:
         switch.write_text("1")
         gc(state_dir)
