@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,11 @@ import pytest
 from corral import Sandbox, SandboxError
 
 from .tier_probe import skip_unless_tier
+
+#: the first runsc whose /proc checks another user's access to a process (google/gvisor 561ff6d,
+#: "proc: fix security checks on /proc/pid files", 2025-12-08): before it, /proc/PID/environ and
+#: maps were 0444 with no ptrace check and /proc/PID/fd 0555 with links any user could follow
+RUNSC_PROC_CHECKED = 20251208
 
 CASES = [(tier, user) for tier in ("process", "gvisor", "microvm") for user in ("user", "root")]
 
@@ -159,3 +165,39 @@ def test_neighbours_and_host_processes_are_out_of_reach(case: tuple[Sandbox, str
     if not vm_root:
         assert sb.commands.run("echo still").stdout == "still\n"
     assert os.path.exists(f"/proc/{os.getpid()}")
+
+
+def _runsc_checks_proc() -> bool:
+    from corral.tiers.gvisor.platform import runsc_binary, runsc_version
+    return runsc_version(runsc_binary()) >= RUNSC_PROC_CHECKED
+
+
+def test_the_users_commands_cannot_read_a_root_commands_environment_or_descriptors(
+        case: tuple[Sandbox, str, str], request: pytest.FixtureRequest) -> None:
+    """What the owner hands a root command (``env=``, the files it opens) is root's: the default
+    user's commands, running beside it, read neither (the host kernel and a guest's kernel check
+    ptrace access to /proc/PID/environ, maps and fd; gVisor before 20251208 does not)."""
+    sb, tier, _ = case
+    if tier == "gvisor" and not _runsc_checks_proc():
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason=f"runsc before {RUNSC_PROC_CHECKED} shows /proc/PID/environ, maps and fd "
+                                "to every user (fixed upstream in google/gvisor 561ff6d)"))
+    up = threading.Event()
+    root = sb.commands.start("umask 077; echo c13 > /tmp/c13-root-only; exec 7</tmp/c13-root-only; echo up; exec sleep 60", user="root",
+                             env={"C13_ROOT_SECRET": "s3cr3t-c13"}, timeout=120, on_stdout=lambda _: up.set())
+    try:
+        assert up.wait(30), "the root command did not start"
+        r = sb.commands.run(
+            "for p in /proc/[0-9]*; do "
+            "  tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -q C13_ROOT_SECRET && echo environ:$p; "
+            "  ls -l $p/fd 2>/dev/null | grep -q c13-root-only && echo fd:$p; "
+            "  head -c 1 $p/fd/7 >/dev/null 2>&1 && echo opened:$p; "
+            "done; echo scanned", user="user")
+        assert r.stdout.endswith("scanned\n"), r
+        assert r.stdout == "scanned\n", f"the default user read root's: {r.stdout.split()}"
+        # the allowed direction: root sees its own command's environment
+        seen = sb.commands.run("grep -lz C13_ROOT_SECRET /proc/[0-9]*/environ 2>/dev/null | head -1",
+                               user="root")
+        assert seen.stdout.startswith("/proc/"), seen
+    finally:
+        root.kill()
