@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,6 +159,48 @@ def test_timeout_kills_the_command_and_its_children(sb: Sandbox) -> None:
             break
         time.sleep(0.1)
     assert "sleep 300" not in ps and "sleep 301" not in ps, ps
+
+
+def _sleepers(sb: Sandbox, expected: list[str]) -> list[str]:
+    """The `sleep 3NN` processes alive in the sandbox, once they are ``expected`` or 5 s passed
+    (killed ones are reaped a moment later)."""
+    deadline = time.monotonic() + 5
+    while True:
+        left = [a for a in sb.commands.run(["ps", "-eo", "args"]).stdout.splitlines() if a.startswith("sleep 3")]
+        if left == expected or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def test_a_kill_reaches_what_left_the_commands_process_group_and_only_that_commands(sb: Sandbox) -> None:
+    """Each command is in a cgroup of gVisor's own (the agent's command groups): a timeout or a
+    kill reaches children that made a session of their own too -- before, they lived until the
+    sandbox was destroyed.  A command that ends by itself leaves its background children alone,
+    and a kill reaches no other command's.  Several rounds in one sandbox: the groups of ended
+    commands go, and the 5th round holds as the 1st did."""
+    escapes = "(setsid sleep 301 &); (setsid sh -c 'sleep 302 & exec sleep 303' &); setsid sleep 304 & "
+    kept = sb.commands.run("(setsid sleep 399 &); echo left")  # the allowed direction
+    assert kept.stdout == "left\n"
+    for round in range(5):
+        r = sb.commands.run(escapes + "exec sleep 300", timeout=1)
+        assert r.timed_out and r.exit_code == 124
+        assert _sleepers(sb, ["sleep 399"]) == ["sleep 399"], f"round {round}: the timeout left them"
+        up = threading.Event()
+        handle = sb.commands.start(escapes + "echo up; exec sleep 300", timeout=60, on_stdout=lambda _, ev=up: ev.set())
+        assert up.wait(10)
+        handle.kill()
+        handle.wait()
+        assert _sleepers(sb, ["sleep 399"]) == ["sleep 399"], f"round {round}: the kill left them"
+    groups = sb.commands.run("ls /sys/fs/cgroup/pids | grep -c '^c'").stdout.strip()
+    assert int(groups) <= 3, f"{groups} command groups left after 11 commands"  # kept's, ls's own
+
+
+@pytest.mark.parametrize("user", ["user"])
+def test_the_user_can_neither_leave_its_commands_group_nor_write_beside_it(sb: Sandbox, user: str) -> None:
+    r = sb.commands.run("echo $$ > /sys/fs/cgroup/pids/cgroup.procs; mkdir /sys/fs/cgroup/pids/mine; "
+                        "echo x > /sys/fs/cgroup/junk; grep pids /proc/self/cgroup", user=user)
+    assert r.stderr.count("Permission denied") == 3, r
+    assert r.stdout.rstrip().split("/")[-1].startswith("c"), r  # still in its command's group
 
 
 def test_signals_reach_the_command(sb: Sandbox) -> None:

@@ -191,6 +191,7 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
             memcpy(&sig, payload, 4);
             kill(-e->pid, sig);
             kill(e->pid, sig);
+            if (sig == SIGKILL) command_group_kill(e->group); /* what left its group too */
         }
         break;
     case T_FREAD:
@@ -376,6 +377,13 @@ int main(int argc, char **argv) {
         char *end;
         long uid = strtol(argv[2], &end, 10);
         if (*end || set_default_user(uid) < 0) return 2;
+        argv[2] = argv[0];
+        argv += 2;
+        argc -= 2;
+    }
+    /* --command-groups DIR (gVisor): see command_groups.c */
+    if (argc > 2 && strcmp(argv[1], "--command-groups") == 0) {
+        set_command_groups(argv[2]); /* (none mounted: each command's group kill is what is left) */
         argv[2] = argv[0];
         argv += 2;
         argc -= 2;

@@ -49,6 +49,7 @@ struct exec {
     size_t inoff, inlen; /* the bytes still to write are inbuf[inoff .. inoff + inlen) */
     /* bytes of stdout / stderr still forwarded to the host; -1: all of it (see pump_output) */
     long long room_out, room_err;
+    uint32_t group; /* its cgroup inside gVisor (command_groups.c); 0: none */
 };
 
 extern struct exec execs[MAX_EXECS];
@@ -79,6 +80,11 @@ int drop_to_file_user(void);
 
 /* mountns.c: a sandbox's own mount namespace (`--mountns FD [UID]`) */
 int mountns_main(const char *fd_text, const char *userns_uid);
+
+/* command_groups.c: a cgroup per command inside gVisor */
+int set_command_groups(const char *dir);
+uint32_t command_group_join(pid_t pid);
+void command_group_kill(uint32_t group);
 
 /* exec.c: commands and the spare */
 extern int spares_enabled;

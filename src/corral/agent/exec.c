@@ -187,6 +187,7 @@ void do_exec(uint32_t id, char *payload, uint32_t len, struct winsize *ws) {
     e->fd_err = perr[0];
     e->fd_sync = psync[1];
     e->room_out = e->room_err = room_of(&cmd);
+    e->group = command_group_join(pid); /* before the go byte: it has run nothing yet */
     uint32_t p32 = (uint32_t)pid;
     send_frame(T_STARTED, id, &p32, 4);
 }

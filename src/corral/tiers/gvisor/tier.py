@@ -64,6 +64,9 @@ KILL_GRACE = 2.0
 MIN_MEMORY = 32 << 20
 HOST_TASKS_PER_TASK = 3
 HOST_TASKS_OVERHEAD = 64
+#: gVisor's own `pids` hierarchy inside the sandbox, where the agent makes a cgroup per command: a
+#: kill reaches what left the command's process group (`setsid`), as the process tier's leaf does
+COMMAND_GROUPS = "/sys/fs/cgroup/pids"
 
 
 def _check_host() -> Path:
@@ -183,7 +186,7 @@ def bundle_config(
         "ociVersion": "1.0.0",
         "process": {
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, "--user", str(USER_IDS[user]), *agent_args],
+            "args": [AGENT_PATH, "--user", str(USER_IDS[user]), "--command-groups", COMMAND_GROUPS, *agent_args],
             "env": ["PATH=/usr/local/bin:/usr/bin:/bin"],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "inheritable": [], "permitted": caps,
@@ -202,6 +205,8 @@ def bundle_config(
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            # gVisor's own cgroups (runsc mounts each hierarchy under it): the agent's command groups
+            {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev"]},
             # without a /tmp mount runsc puts a tmpfs of its own there, in the Sentry's
             # memory and outside the disk limit: keep /tmp on the sandbox's disk
             {"destination": "/tmp", "type": "bind", "source": str(root / "tmp"), "options": ["rbind", "rw"]},

@@ -1,0 +1,117 @@
+/* corral-agent: a cgroup per command inside gVisor (`--command-groups DIR`).
+ *
+ * On the process tier each command runs in a host cgroup leaf of its own, and a kill kills the
+ * leaf: whatever the command started goes with it, also a child that left its session and
+ * process group (`setsid`, a daemon's double fork).  gVisor's processes are not host processes,
+ * so there the agent killed the command's session and process group only, and a `setsid` child
+ * of a timed-out or killed command lived on until the sandbox was destroyed.
+ *
+ * gVisor has cgroups of its own (its `pids` hierarchy, mounted by runsc at DIR): each command
+ * joins a new DIR/c<N> (N counts the agent's commands: a host's request ids may repeat) between
+ * fork and exec (the agent writes its pid there before it lets the
+ * command go), its descendants stay members whatever session they make, and a SIGKILL of the
+ * command sends SIGKILL to every member too.  The directories are root's: uid 1000 can neither
+ * leave its command's group nor make one (root commands can: root's own sandbox).  A group whose
+ * command ended and whose members are gone is removed at the next command's start.
+ */
+#include "agent.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char *groups_dir; /* NULL: no command groups (every tier but gVisor) */
+
+/* How many times a kill reads the group again: a member forking while it is read is listed on
+ * the next pass, and a killed member forks no more, so the group empties in a few passes. */
+#define KILL_PASSES 64
+
+int set_command_groups(const char *dir) {
+    struct stat st;
+    if (dir[0] != '/' || stat(dir, &st) < 0 || !S_ISDIR(st.st_mode)) return -1;
+    groups_dir = dir;
+    /* runsc mounts its cgroups on a tmpfs of mode 1777 (/sys/fs/cgroup): any command could
+     * have written files there, outside the disk limit.  Its own directories stay root's. */
+    char parent[PATH_MAX];
+    snprintf(parent, sizeof parent, "%s", dir);
+    chmod(dirname(parent), 0755);
+    return 0;
+}
+
+static uint32_t groups_made;
+
+static int group_path(char *out, size_t n, uint32_t group, const char *file) {
+    int len = snprintf(out, n, "%s/c%u%s%s", groups_dir, group, file ? "/" : "", file ? file : "");
+    return len > 0 && (size_t)len < n ? 0 : -1;
+}
+
+static int group_in_use(uint32_t group) {
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (execs[i].used && execs[i].group == group) return 1;
+    return 0;
+}
+
+/* Remove the groups of ended commands whose members are gone too (rmdir refuses the others). */
+static void sweep_groups(void) {
+    DIR *d = opendir(groups_dir);
+    if (!d) return;
+    struct dirent *ent;
+    while ((ent = readdir(d))) {
+        if (ent->d_name[0] != 'c') continue;
+        char *end;
+        unsigned long group = strtoul(ent->d_name + 1, &end, 10);
+        if (*end || end == ent->d_name + 1 || group_in_use((uint32_t)group)) continue; /* a running command's */
+        unlinkat(dirfd(d), ent->d_name, AT_REMOVEDIR);
+    }
+    closedir(d);
+}
+
+/* The group the command ``pid`` joined: its number, or 0 (none: its group kill is what is left). */
+uint32_t command_group_join(pid_t pid) {
+    if (!groups_dir) return 0;
+    sweep_groups();
+    uint32_t group = ++groups_made ? groups_made : ++groups_made;
+    char path[PATH_MAX];
+    if (group_path(path, sizeof path, group, NULL) < 0) return 0;
+    if (mkdir(path, 0755) < 0 && errno != EEXIST) return 0;
+    if (group_path(path, sizeof path, group, "cgroup.procs") < 0) return 0;
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    int ok = dprintf(fd, "%d\n", (int)pid) > 0;
+    close(fd);
+    return ok ? group : 0;
+}
+
+void command_group_kill(uint32_t group) {
+    if (!groups_dir || !group) return;
+    char path[PATH_MAX];
+    if (group_path(path, sizeof path, group, "cgroup.procs") < 0) return;
+    static char now[65536], before[65536];
+    before[0] = 0;
+    for (int pass = 0; pass < KILL_PASSES; pass++) {
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return;
+        ssize_t n = read(fd, now, sizeof now - 1);
+        close(fd);
+        /* the members killed stay listed until reaped (by this loop's caller): the same list
+         * twice is a group with nothing new in it */
+        if (n <= 0) return;
+        now[n] = 0;
+        if (strcmp(now, before) == 0) return;
+        for (char *p = now, *end; *p; p = end) {
+            long pid = strtol(p, &end, 10);
+            if (end == p) break;
+            if (pid > 1) kill((pid_t)pid, SIGKILL); /* never pid 1: root may have moved the agent in */
+            while (*end == '\n') end++;
+        }
+        memcpy(before, now, (size_t)n + 1);
+    }
+}
