@@ -11,8 +11,10 @@
  * fork and exec (the agent writes its pid there before it lets the
  * command go), its descendants stay members whatever session they make, and a SIGKILL of the
  * command sends SIGKILL to every member too.  The directories are root's: uid 1000 can neither
- * leave its command's group nor make one (root commands can: root's own sandbox).  A group whose
- * command ended and whose members are gone is removed at the next command's start.
+ * leave its command's group nor make one (root commands can: root's own sandbox).  A group is
+ * removed when its command ends, unless members are left (background children): those groups are
+ * looked for at a command's start, at most once a second (a directory read per command cost
+ * what the groups left made it).
  */
 #include "agent.h"
 
@@ -47,6 +49,7 @@ int set_command_groups(const char *dir) {
 }
 
 static uint32_t groups_made;
+static long long last_sweep_ms;
 
 static int group_path(char *out, size_t n, uint32_t group, const char *file) {
     int len = snprintf(out, n, "%s/c%u%s%s", groups_dir, group, file ? "/" : "", file ? file : "");
@@ -77,7 +80,11 @@ static void sweep_groups(void) {
 /* The group the command ``pid`` joined: its number, or 0 (none: its group kill is what is left). */
 uint32_t command_group_join(pid_t pid) {
     if (!groups_dir) return 0;
-    sweep_groups();
+    long long now = now_ms();
+    if (now - last_sweep_ms >= 1000) {
+        last_sweep_ms = now;
+        sweep_groups();
+    }
     uint32_t group = ++groups_made ? groups_made : ++groups_made;
     char path[PATH_MAX];
     if (group_path(path, sizeof path, group, NULL) < 0) return 0;
@@ -88,6 +95,12 @@ uint32_t command_group_join(pid_t pid) {
     int ok = dprintf(fd, "%d\n", (int)pid) > 0;
     close(fd);
     return ok ? group : 0;
+}
+
+/* The command of ``group`` ended: its group goes, unless members are left (see sweep_groups). */
+void command_group_done(uint32_t group) {
+    char path[PATH_MAX];
+    if (groups_dir && group && group_path(path, sizeof path, group, NULL) == 0) rmdir(path);
 }
 
 void command_group_kill(uint32_t group) {
