@@ -367,20 +367,25 @@ def test_a_hosts_output_bound_drops_and_says_so(state_dir: Path) -> None:
     host.buffers = Budget(3 << 20)  # the whole host's, for its commands' output not yet polled
     try:
         sandbox_id, _ = host.create(CreateOptions(SandboxSpec.from_dict({"limits": {"max_output": "2M"}}), {}, None))
-        def polled(handle: int) -> Any:
+        def ended(handle: int) -> None:
             assert wait_until(lambda: host.poll(sandbox_id, handle, 0, 0.0, False).done, 20, every=0.1)
-            return host.poll(sandbox_id, handle, 0, 0.0)
 
         # two at once, 4 MiB each: each is kept up to max_output, both up to the host's bound
-        polls = [polled(h) for h in [host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0]
-                                     for _ in range(2)]]
+        handles = [host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0] for _ in range(2)]
+        # both ended before either is taken (taking gives its bytes back to the bound: a CI run
+        # under load took the first while the second was still writing, and the second kept 2 MiB)
+        for handle in handles:
+            ended(handle)
+        polls = [host.poll(sandbox_id, handle, 0, 0.0) for handle in handles]
         got = [sum(len(data) for _, data in poll.chunks) for poll in polls]
         assert all(0 < n <= 2 << 20 for n in got) and sum(got) <= 3 << 20 and all(p.truncated for p in polls), got
         assert all(p.result is not None and len(p.result.stdout) == 2 << 20 for p in polls)  # the result: max_output
         assert host.buffers.held == 0  # handed out: not kept
         assert host.poll(sandbox_id, 2, polls[1].cursor, 0.0).chunks == []
         # so the next command's output is kept again, up to its max_output
-        alone = polled(host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0])
+        handle = host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0]
+        ended(handle)
+        alone = host.poll(sandbox_id, handle, 0, 0.0)
         assert sum(len(data) for _, data in alone.chunks) == 2 << 20 and alone.truncated
     finally:
         host.shutdown()

@@ -132,6 +132,43 @@ def test_host_files_stay_invisible_and_unwritten(case: tuple[Sandbox, str, str])
         canary.unlink()
 
 
+def _runsc_checks_proc() -> bool:
+    from corral.tiers.gvisor.platform import runsc_binary, runsc_version
+    return runsc_version(runsc_binary()) >= RUNSC_PROC_CHECKED
+
+
+# (before the neighbours' test: in a microVM, guest root's `kill -9 -1` there ends the sandbox)
+def test_the_users_commands_cannot_read_a_root_commands_environment_or_descriptors(
+        case: tuple[Sandbox, str, str], request: pytest.FixtureRequest) -> None:
+    """What the owner hands a root command (``env=``, the files it opens) is root's: the default
+    user's commands, running beside it, read neither (the host kernel and a guest's kernel check
+    ptrace access to /proc/PID/environ, maps and fd; gVisor before 20251208 does not)."""
+    sb, tier, _ = case
+    if tier == "gvisor" and not _runsc_checks_proc():
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason=f"runsc before {RUNSC_PROC_CHECKED} shows /proc/PID/environ, maps and fd "
+                                "to every user (fixed upstream in google/gvisor 561ff6d)"))
+    up = threading.Event()
+    root = sb.commands.start("umask 077; echo c13 > /tmp/c13-root-only; exec 7</tmp/c13-root-only; echo up; exec sleep 60", user="root",
+                             env={"C13_ROOT_SECRET": "s3cr3t-c13"}, timeout=120, on_stdout=lambda _: up.set())
+    try:
+        assert up.wait(30), "the root command did not start"
+        r = sb.commands.run(
+            "for p in /proc/[0-9]*; do "
+            "  tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -q C13_ROOT_SECRET && echo environ:$p; "
+            "  ls -l $p/fd 2>/dev/null | grep -q c13-root-only && echo fd:$p; "
+            "  head -c 1 $p/fd/7 >/dev/null 2>&1 && echo opened:$p; "
+            "done; echo scanned", user="user")
+        assert r.stdout.endswith("scanned\n"), r
+        assert r.stdout == "scanned\n", f"the default user read root's: {r.stdout.split()}"
+        # the allowed direction: root sees its own command's environment
+        seen = sb.commands.run("grep -lz C13_ROOT_SECRET /proc/[0-9]*/environ 2>/dev/null | head -1",
+                               user="root")
+        assert seen.stdout.startswith("/proc/"), seen
+    finally:
+        root.kill()
+
+
 def test_neighbours_and_host_processes_are_out_of_reach(case: tuple[Sandbox, str, str]) -> None:
     sb, tier, user = case
     # long enough to outlast a neighbour VM's template boot and guest root's 30 s `kill -9 -1` wait
@@ -166,38 +203,3 @@ def test_neighbours_and_host_processes_are_out_of_reach(case: tuple[Sandbox, str
         assert sb.commands.run("echo still").stdout == "still\n"
     assert os.path.exists(f"/proc/{os.getpid()}")
 
-
-def _runsc_checks_proc() -> bool:
-    from corral.tiers.gvisor.platform import runsc_binary, runsc_version
-    return runsc_version(runsc_binary()) >= RUNSC_PROC_CHECKED
-
-
-def test_the_users_commands_cannot_read_a_root_commands_environment_or_descriptors(
-        case: tuple[Sandbox, str, str], request: pytest.FixtureRequest) -> None:
-    """What the owner hands a root command (``env=``, the files it opens) is root's: the default
-    user's commands, running beside it, read neither (the host kernel and a guest's kernel check
-    ptrace access to /proc/PID/environ, maps and fd; gVisor before 20251208 does not)."""
-    sb, tier, _ = case
-    if tier == "gvisor" and not _runsc_checks_proc():
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason=f"runsc before {RUNSC_PROC_CHECKED} shows /proc/PID/environ, maps and fd "
-                                "to every user (fixed upstream in google/gvisor 561ff6d)"))
-    up = threading.Event()
-    root = sb.commands.start("umask 077; echo c13 > /tmp/c13-root-only; exec 7</tmp/c13-root-only; echo up; exec sleep 60", user="root",
-                             env={"C13_ROOT_SECRET": "s3cr3t-c13"}, timeout=120, on_stdout=lambda _: up.set())
-    try:
-        assert up.wait(30), "the root command did not start"
-        r = sb.commands.run(
-            "for p in /proc/[0-9]*; do "
-            "  tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -q C13_ROOT_SECRET && echo environ:$p; "
-            "  ls -l $p/fd 2>/dev/null | grep -q c13-root-only && echo fd:$p; "
-            "  head -c 1 $p/fd/7 >/dev/null 2>&1 && echo opened:$p; "
-            "done; echo scanned", user="user")
-        assert r.stdout.endswith("scanned\n"), r
-        assert r.stdout == "scanned\n", f"the default user read root's: {r.stdout.split()}"
-        # the allowed direction: root sees its own command's environment
-        seen = sb.commands.run("grep -lz C13_ROOT_SECRET /proc/[0-9]*/environ 2>/dev/null | head -1",
-                               user="root")
-        assert seen.stdout.startswith("/proc/"), seen
-    finally:
-        root.kill()
