@@ -21,7 +21,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <libgen.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
@@ -40,11 +39,6 @@ int set_command_groups(const char *dir) {
     struct stat st;
     if (dir[0] != '/' || stat(dir, &st) < 0 || !S_ISDIR(st.st_mode)) return -1;
     groups_dir = dir;
-    /* runsc mounts its cgroups on a tmpfs of mode 1777 (/sys/fs/cgroup): any command could
-     * have written files there, outside the disk limit.  Its own directories stay root's. */
-    char parent[PATH_MAX];
-    snprintf(parent, sizeof parent, "%s", dir);
-    chmod(dirname(parent), 0755);
     return 0;
 }
 

@@ -205,8 +205,10 @@ def bundle_config(
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
-            # gVisor's own cgroups (runsc mounts each hierarchy under it): the agent's command groups
-            {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev"]},
+            # gVisor's own cgroups (runsc mounts each of its hierarchies on a tmpfs here, whatever the
+            # host has: the agent's command groups); the tmpfs would be 1777, writable by any command
+            {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+             "options": ["nosuid", "noexec", "nodev", "mode=755"]},
             # without a /tmp mount runsc puts a tmpfs of its own there, in the Sentry's
             # memory and outside the disk limit: keep /tmp on the sandbox's disk
             {"destination": "/tmp", "type": "bind", "source": str(root / "tmp"), "options": ["rbind", "rw"]},
