@@ -33,10 +33,11 @@ HALF_CLOSED_IDLE = 60.0
 WORKER_IDLE = 30.0
 #: new connections per second one sandbox's proxy takes in, once CONNECTION_BURST are spent
 #: (a token bucket per sandbox, :class:`ConnectionRate`).  Every connection costs the owner,
-#: which no cgroup bounds, its CPU (a refused CONNECT ~0.15 ms here): one sandbox refused
-#: ~4,000 a second cost the owner 2.9 s of CPU in 5 s, charged to no sandbox.  Past the rate a
-#: connection is not refused: the proxy does not accept for a while, so the kernel holds it in
-#: the listening socket's queue and the sandbox's connect() waits, which costs the owner nothing
+#: which no cgroup bounds, its CPU (a refused CONNECT 0.07-0.2 ms here): one sandbox refused
+#: 8,000-11,000 a second cost the owner 2.9-3.5 s of CPU in 5 s, charged to no sandbox.  Past
+#: the rate a connection is not refused: the proxy does not accept for a while, so the kernel
+#: holds it in the listening socket's queue and the sandbox's connect() waits, which costs the
+#: owner nothing
 CONNECTION_RATE = 256.0
 #: connections one sandbox may open at once before CONNECTION_RATE holds it (a package
 #: manager's burst: a few hundred connections in a second go through at full speed)
