@@ -505,8 +505,8 @@ def test_a_burst_within_the_connection_budget_goes_at_once_and_past_it_waits_unr
         assert past["seconds"] >= (1000 - BURST) / RATE * 0.9, past
         events = _rate_events(sb)
         assert [(e.rule, e.protocol) for e in events] == [("connection-rate", "proxy")], events
-        held = int(events[0].destination.split()[0])
-        assert 1000 - BURST - RATE * past["seconds"] <= held <= 1000, events
+        held = int(events[0].destination.split()[0])  # each past what was left (16 at a time: always one waits)
+        assert (1000 - BURST) * 0.8 <= held <= 1000, events
         assert not [e for e in sb.network.audit() if e.kind == "refused"]
     from corral.egress import tunnel
 
