@@ -189,11 +189,16 @@ print(n)
 '"""
 
 
-def test_a_flood_of_refusals_cannot_erase_an_earlier_attempt_from_the_audit() -> None:
+def test_a_flood_of_refusals_cannot_erase_an_earlier_attempt_from_the_audit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Refusals past the log's 10,000 events pushed the oldest out: 60,000 junk CONNECTs after a
     metadata attempt left no trace of it.  Now a sandbox's first events stay, and what falls out
     of the latest is counted under its rule."""
+    from corral.egress import tunnel
     from corral.egress.audit import MAX_EVENTS
+
+    # the log, not the connection rate, is what this floods: 11,051 connections at the rate
+    # would take ~41 s (test_egress_bounds.py tests the rate)
+    monkeypatch.setattr(tunnel, "CONNECTION_BURST", 100_000)
 
     before, after = 1_050, MAX_EVENTS  # past the 1,000 first events kept, then the whole ring again
     with Sandbox.create(allow=["allowed.test"]) as sb:

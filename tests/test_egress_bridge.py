@@ -365,3 +365,58 @@ def test_a_connection_whose_proxy_side_closed_is_dropped_once_the_guest_is_silen
     finally:
         bridge.close()
         guest_sock.close()
+
+
+def _thread_cpu(thread: threading.Thread) -> float:
+    """Seconds of CPU ``thread`` (of this process) has used."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_guest_flooding_opens_is_held_to_the_connection_rate(echo: Path) -> None:
+    """A guest (root: it may speak on the port itself) that opens and closes connections as fast
+    as it can cost the bridge a socket and a connect to the proxy each, at whatever rate it
+    sent them (2,800-4,300 in 3 s here, the bridge's thread 1.6 s busy; the stand-in proxy's
+    threads, in this process, took the rest).  Now an OPEN past the
+    sandbox's connection rate waits unread in the port, as the proxy's own connections wait in
+    its queue: a bounded number are opened, at a bounded cost, and the audit sums them up."""
+    from corral.egress.tunnel import CONNECTION_BURST, CONNECTION_RATE
+
+    host, guest_sock = socket.socketpair()
+    audit = AuditLog()
+    bridge = EgressBridge("sb-rate", host, echo, audit)
+    stop = threading.Event()
+
+    def flood() -> None:
+        ids = iter(range(1, 1 << 30))
+        with contextlib.suppress(OSError):  # (the port closes under a blocked write at the end)
+            while not stop.is_set():
+                guest_sock.sendall(b"".join(HEADER.pack(M_OPEN, i, 0) + HEADER.pack(M_CLOSE, i, 0)
+                                            for i in (next(ids) for _ in range(64))))
+
+    def drain() -> None:  # the guest reads what the bridge says (EOF and CLOSE of the echoes)
+        with contextlib.suppress(OSError):
+            while guest_sock.recv(1 << 16):
+                pass
+
+    threads = [threading.Thread(target=flood), threading.Thread(target=drain)]
+    cpu_before, start = _thread_cpu(bridge._thread), time.monotonic()
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3.0)
+        opened, seconds = bridge.opened, time.monotonic() - start
+        cpu = _thread_cpu(bridge._thread) - cpu_before
+    finally:
+        stop.set()
+        bridge.close()
+        guest_sock.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(10)
+        guest_sock.close()
+    assert opened <= CONNECTION_BURST + CONNECTION_RATE * seconds, opened
+    assert opened >= CONNECTION_BURST  # (the burst is served at once)
+    assert cpu < 0.5, f"the bridge's thread used {cpu:.2f} s of CPU in {seconds:.1f} s ({opened} opened)"
+    held = [e for e in audit.events() if e.kind == "rate-limited"]
+    assert [(e.rule, e.protocol) for e in held] == [("connection-rate", "proxy")], held
+    assert opened - CONNECTION_BURST - CONNECTION_RATE * 0.5 <= int(held[0].destination.split()[0]) <= opened

@@ -23,9 +23,10 @@ class AuditEvent:
     time: float
     sandbox_id: str
     #: "refused" (a destination), "secret-withheld" (a placeholder sent to an unbound host),
-    #: "refused-unlogged" (packets refused over the kernel log's rate limit, summed per rule), or
+    #: "refused-unlogged" (packets refused over the kernel log's rate limit, summed per rule),
     #: "dropped" (events of ``rule`` the log had no room for: ``destination`` says how many, of
-    #: which kind; ``time`` is the latest one's)
+    #: which kind; ``time`` is the latest one's), or "rate-limited" (connections held back by
+    #: ``rule``, summed: ``destination`` says how many and how long; ``time`` is the latest one's)
     kind: str
     #: the destination as the sandbox asked for it (``host:port``; for a packet ``address:port``)
     destination: str
@@ -59,6 +60,8 @@ class AuditLog:
         self.dropped = 0
         #: (sandbox, kind, rule, protocol) -> [how many dropped, the latest one's time]
         self._dropped_by: dict[tuple[str, str, str, str], list[float]] = {}
+        #: (sandbox, kind, rule, protocol) -> [how many, seconds in all, the latest one's time]
+        self._tallies: dict[tuple[str, str, str, str], list[float]] = {}
 
     def record(self, sandbox_id: str, kind: str, destination: str, address: str | None, rule: str,
                protocol: str) -> AuditEvent:
@@ -72,6 +75,19 @@ class AuditLog:
             self._latest.append(event)
         return event
 
+    def tally(self, sandbox_id: str, kind: str, rule: str, protocol: str, seconds: float = 0.0) -> None:
+        """Count one connection of ``kind`` under ``rule`` (held back ``seconds``) without an event
+        of its own: :meth:`events` shows one event per rule summing them.  For what can happen
+        to every connection of a flood, where an event each would cost what is being bounded."""
+        with self._lock:
+            key = (sandbox_id, kind, rule, protocol)
+            if key not in self._tallies and len(self._tallies) >= MAX_DROPPED_KINDS:
+                key = (sandbox_id, kind, "other rules", "*")
+            count = self._tallies.setdefault(key, [0, 0.0, 0.0])
+            count[0] += 1
+            count[1] += seconds
+            count[2] = time.time()
+
     def _count_dropped(self, event: AuditEvent) -> None:
         self.dropped += 1
         key = (event.sandbox_id, event.kind, event.rule, event.protocol)
@@ -82,8 +98,14 @@ class AuditLog:
         count[1] = event.time
 
     def events(self) -> list[AuditEvent]:
-        """The first events, then one ``dropped`` event per rule that lost some, then the latest."""
+        """The first events, then one ``dropped`` event per rule that lost some, then the latest,
+        then one event per rule :meth:`tally` counted (``destination``: how many connections, and
+        how long they were held in all)."""
         with self._lock:
             dropped = [AuditEvent(latest, sandbox_id, "dropped", f"{int(n)} {kind}", None, rule, protocol)
                        for (sandbox_id, kind, rule, protocol), (n, latest) in self._dropped_by.items()]
-            return [*self._first, *dropped, *self._latest]
+            tallied = [AuditEvent(latest, sandbox_id, kind,
+                                  f"{int(n)} connections" + (f", held {seconds:.2f} s in all" if seconds else ""),
+                                  None, rule, protocol)
+                       for (sandbox_id, kind, rule, protocol), (n, seconds, latest) in self._tallies.items()]
+            return [*self._first, *dropped, *self._latest, *tallied]

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import ipaddress
 import os
+import select
 import socket
 import ssl
 import struct
@@ -47,10 +48,12 @@ from .tunnel import (
     MAX_CONNECTIONS,
     OWNER_TUNNELS,
     PIPE_SIZE,
+    RATE_RULE,
     SMALL_PIPE,
     SMALL_SEND,
     SMALL_WINDOW,
     WORKERS,
+    ConnectionRate,
     pump,
 )
 
@@ -100,6 +103,9 @@ class EgressProxy:
         self._clients = 0
         self._bulk: set[socket.socket] = set()  # upstream sockets holding one of BULK_TUNNELS
         self._closed = False
+        self._stopping = threading.Event()  # set by close(): the accept loop's waits end
+        #: new connections this sandbox may open (CONNECTION_RATE): taken before each accept
+        self.rate = ConnectionRate()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._listener.bind(str(socket_path))
         if socket_uid is not None:
@@ -118,6 +124,7 @@ class EgressProxy:
                 return
             self._closed = True
             live = list(self._open)
+        self._stopping.set()
         OWNER_TUNNELS.left(self.sandbox_id)
         close_listener(self._listener, live, self._thread)
         with contextlib.suppress(FileNotFoundError):
@@ -155,7 +162,21 @@ class EgressProxy:
         pump(client, upstream, early, pipe_size)
 
     def _accept_loop(self) -> None:
+        held = 0.0  # seconds this loop has not accepted, over the rate, since its last accept
         while True:
+            wait = self.rate.take()
+            if wait:
+                # over the rate: accept nothing for now.  What the sandbox opens meanwhile waits
+                # in the listening socket's queue (its connect() waits once that is full), at no
+                # cost to the owner; a thread sleeping per connection, or a refusal, would cost it
+                if self._stopping.wait(wait):
+                    return
+                held += wait
+                continue
+            if held:
+                if _pending(self._listener):  # a connection waited for it
+                    self.audit.tally(self.sandbox_id, "rate-limited", RATE_RULE, "proxy", held)
+                held = 0.0
             try:
                 conn, _ = self._listener.accept()
             except OSError as exc:
@@ -453,6 +474,14 @@ class EgressProxy:
             return
         _socks_reply(conn, _SOCKS_OK)
         self._pump(conn, upstream, b"")
+
+
+def _pending(listener: socket.socket) -> bool:
+    """Whether a connection waits in ``listener``'s queue (poll, not select: the owner's
+    descriptors may number past select's 1,024)."""
+    poller = select.poll()
+    poller.register(listener, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def read_head(sock: socket.socket, deadline: float) -> tuple[bytes, bytes]:

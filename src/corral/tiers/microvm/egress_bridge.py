@@ -41,6 +41,14 @@ half-close is a tunnel still in use), everything sent down credited back by the 
 (it holds nothing of it: a slow client loses no byte) and nothing waiting for the proxy, is
 dropped with CLOSE once the guest has said nothing on it for ``LINGER`` seconds.
 
+New connections to the proxy are held to the sandbox's connection rate
+(``egress.tunnel.ConnectionRate``: ``CONNECTION_BURST`` at once, then ``CONNECTION_RATE`` a
+second), as the proxy holds every tier's: an OPEN past it is not parsed, and the port not
+read, until a connection is due (the guest's relay then waits, and its clients' connect()
+with it); each connection so held is counted in the audit's one ``rate-limited`` event.
+Without it a guest's flood of OPENs cost this thread a socket and a connect each (refused
+with CLOSE once the proxy's queue was full), at whatever rate the guest sent them.
+
 One thread per sandbox, one selector: the traffic is bounded by what TCG
 moves through virtio-serial, far below what a thread copies.
 """
@@ -48,6 +56,7 @@ moves through virtio-serial, far below what a thread copies.
 from __future__ import annotations
 
 import contextlib
+import errno
 import select
 import selectors
 import socket
@@ -57,7 +66,7 @@ import time
 from pathlib import Path
 
 from ...egress.audit import AuditLog
-from ...egress.tunnel import OWNER_TUNNELS
+from ...egress.tunnel import OWNER_TUNNELS, RATE_RULE, ConnectionRate
 
 M_HELLO, M_OPEN, M_DATA, M_EOF, M_CLOSE, M_CREDIT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<BII")
@@ -124,6 +133,11 @@ class EgressBridge:
         self._inbuf = bytearray()
         self._outq = bytearray()
         self._closing = False
+        #: new connections the guest may open (the proxy's rate, held here before a socket is made)
+        self._rate = ConnectionRate()
+        #: while over that rate: when the next may open (the port is not read until then)
+        self._held_until: float | None = None
+        self._held = 0.0  # seconds the OPEN waiting at the head of the input has been held
         #: set when the guest's relay said HELLO (it listens and the port is connected)
         self.hello = threading.Event()
         #: connections the guest opened so far (tests, bench)
@@ -152,6 +166,8 @@ class EgressBridge:
         try:
             while not self._closing:
                 due = min(self._linger.values()) if self._linger else None
+                if self._held_until is not None:
+                    due = self._held_until if due is None else min(due, self._held_until)
                 timeout = None if due is None else max(0.0, due - time.monotonic())
                 for key, mask in self._sel.select(timeout):
                     if key.data is None:
@@ -171,6 +187,10 @@ class EgressBridge:
                         if (mask & selectors.EVENT_READ and self._conns.get(conn.id) is conn
                                 and len(self._outq) < OUTQ_HIGH):  # (others read in this round)
                             self._read_conn(conn)
+                if self._held_until is not None and time.monotonic() >= self._held_until:
+                    self._held_until = None
+                    if not self._parse_port():  # the OPEN held back, and what came after it
+                        return
                 if due is not None and time.monotonic() >= due:
                     self._expire()
                 if self._outq and not self._flush_port():
@@ -204,8 +224,13 @@ class EgressBridge:
             return True
         if not data:
             return False
+        self._inbuf += data
+        return self._parse_port()
+
+    def _parse_port(self) -> bool:
+        """Act on the whole frames read so far, up to an OPEN the connection rate holds back
+        (:meth:`_rate_holds`); False: not the relay speaking."""
         buf = self._inbuf
-        buf += data
         at = 0
         view = memoryview(buf)
         try:
@@ -216,6 +241,8 @@ class EgressBridge:
                 end = at + HEADER.size + length
                 if end > len(buf):
                     break
+                if kind == M_OPEN and self._rate_holds(conn_id):
+                    break  # this frame and the rest wait in the buffer, and the port is not read
                 self._guest_frame(kind, conn_id, view[at + HEADER.size:end])
                 at = end
         finally:
@@ -260,8 +287,27 @@ class EgressBridge:
             conn.window = min(DOWN_WINDOW, conn.window + struct.unpack("<I", payload)[0])
 
     # -- connections to the proxy ----------------------------------------------
+    def _refused_anyway(self, conn_id: int) -> bool:
+        return conn_id in self._conns or len(self._conns) >= MAX_CONNECTIONS
+
+    def _rate_holds(self, conn_id: int) -> bool:
+        """Whether the OPEN of ``conn_id`` must wait for the connection rate (an OPEN refused
+        anyway, with a CLOSE and no socket, takes nothing from it)."""
+        if self._refused_anyway(conn_id):
+            return False
+        wait = self._rate.take()
+        if wait:
+            self._held_until = time.monotonic() + wait
+            self._held += wait
+            return True
+        if self._held:
+            if self._audit is not None:
+                self._audit.tally(self._sandbox_id, "rate-limited", RATE_RULE, "proxy", self._held)
+            self._held = 0.0
+        return False
+
     def _open(self, conn_id: int) -> None:
-        if conn_id in self._conns or len(self._conns) >= MAX_CONNECTIONS:
+        if self._refused_anyway(conn_id):
             self._queue(M_CLOSE, conn_id)
             return
         if not OWNER_TUNNELS.take(self._sandbox_id):
@@ -279,11 +325,14 @@ class EgressBridge:
             sock.setblocking(False)
             # a Unix socket connects at once, or fails at once (EAGAIN: the proxy's backlog is full)
             sock.connect(self._proxy_socket)
-        except OSError:
+        except OSError as exc:
             if sock is not None:
                 sock.close()
             OWNER_TUNNELS.give(self._sandbox_id)
             self._queue(M_CLOSE, conn_id)
+            if self._audit is not None:  # counted, one event in all: it may happen to each of a flood
+                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+                self._audit.tally(self._sandbox_id, "refused", f"proxy-connection-failed: {name}", "proxy")
             return
         self._conns[conn_id] = _Conn(conn_id, sock)
         self.opened += 1
@@ -384,7 +433,8 @@ class EgressBridge:
                 conn.mask = mask
         for conn in failed:
             self._drop(conn, tell_guest=True)
-        port_mask = ((selectors.EVENT_READ if len(self._outq) < OUTQ_PORT_HIGH else 0)
+        reading_port = len(self._outq) < OUTQ_PORT_HIGH and self._held_until is None
+        port_mask = ((selectors.EVENT_READ if reading_port else 0)
                      | (selectors.EVENT_WRITE if self._outq else 0))
         if port_mask != self._port_mask:
             self._sel.modify(self._port, port_mask, self._port)
