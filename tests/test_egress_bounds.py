@@ -439,11 +439,24 @@ RATE, BURST = 256.0, 512
 #: host (0.07-0.2 ms a refused CONNECT measured here)
 CPU_PER_REQUEST = 0.4e-3
 
+#: one plain-HTTP request through the sandbox's relay (the scripts below run inside the sandbox)
+GET = r"""
+import socket
+def get(target, timeout):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=timeout)
+    s.sendall(f"GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    answer = b""
+    while chunk := s.recv(65536):
+        answer += chunk
+    s.close()
+    return answer
+"""
+
 #: {n} plain-HTTP GETs of http://{target}/ through the proxy, {workers} at a time, each on a
 #: connection of its own (the proxy makes every request one); prints how many were answered 200,
 #: the first failures, and the seconds it took
-REQUESTS = r"""
-import json, socket, sys, threading, time
+REQUESTS = GET + r"""
+import json, sys, threading, time
 target, n, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 lock, left, ok, failed = threading.Lock(), [n], [0], []
 def work():
@@ -453,12 +466,7 @@ def work():
                 return
             left[0] -= 1
         try:
-            s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
-            s.sendall(f"GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
-            answer = b""
-            while chunk := s.recv(65536):
-                answer += chunk
-            s.close()
+            answer = get(target, 30)
             good, why = b" 200 " in answer[:16], answer[:40]
         except OSError as exc:
             good, why = False, str(exc)
@@ -544,19 +552,14 @@ print(sum(int(x) for x in os.read(r, 65536).split()))
 
 #: a request to http://{target}/ every {every} s for {seconds} s; prints each one's milliseconds
 #: (-1: it failed)
-PACED = r"""
-import json, socket, sys, time
+PACED = GET + r"""
+import json, sys, time
 target, every, seconds = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
 times, end = [], time.monotonic() + seconds
 while time.monotonic() < end:
     start = time.perf_counter()
     try:
-        s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
-        s.sendall(f"GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-        s.close()
+        answer = get(target, 10)
         times.append((time.perf_counter() - start) * 1000 if b" 200 " in answer[:16] else -1)
     except OSError:
         times.append(-1)
