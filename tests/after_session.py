@@ -22,7 +22,7 @@ from .egress_net import TargetNet
 from .test_agent_reach import AGENT_TERMINALS, STOPPER, TERMINAL
 from .test_egress_relay import AS_USER, FIND_RELAY, KILL_AND_BIND
 from .test_isolation import OPEN_FDS
-from .test_side_channels import WATCHED, WATCHER
+from .test_side_channels import WATCHED, WATCHER, assert_own_device_nodes
 
 
 def wait_for_file(sb: Sandbox, path: str, seconds: float = 30) -> None:
@@ -48,7 +48,8 @@ def descriptors(sb: Sandbox, tier: str, wait_for_spare: Callable[[], object]) ->
 def devices(sb: Sandbox, tier: str) -> None:
     """inotify inside sees only the sandbox's own use of its devices, none of the host's, and no
     other sandbox's start (``test_side_channels.py``); as the user, then as root (one at a time:
-    each watcher's own write at its end would be the other's "outside" event)."""
+    each watcher's own write at its end would be the other's "outside" event).  On the process
+    tier the nodes are also still the devices they name."""
     sb.files.write("/tmp/watch.py", WATCHER)
     for user in ("user", "root"):
         watcher = sb.commands.run("python3 /tmp/watch.py", background=True, user=user, timeout=90)
@@ -71,6 +72,8 @@ def devices(sb: Sandbox, tier: str) -> None:
         if tier == "process":
             assert seen["agent"] == "EACCES", (user, seen)
         assert sb.commands.run("rm /tmp/stop /tmp/ready", user="root").exit_code == 0  # (root's own, once)
+    if tier == "process":  # and they are still the devices they name, unchangeable even by root
+        assert_own_device_nodes(sb)
 
 
 def terminal(sb: Sandbox) -> None:
