@@ -20,6 +20,7 @@ egress relay.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -192,9 +193,12 @@ def background_left(sb: Sandbox) -> None:
     assert r.stdout == "left\n", r
 
 
+_files_calls = itertools.count()
+
+
 def files(sb: Sandbox) -> None:
-    # the files API: on gVisor each request is a child of the agent's
-    data = os.urandom(random.randrange(1, 200_000))
+    # the files API: on gVisor each request is a child of the agent's (sizes 1 B to ~200 kB, in turn)
+    data = os.urandom(next(_files_calls) * 48_611 % 200_000 + 1)
     sb.files.make_dir("/tmp/files")
     sb.files.write("/tmp/files/f", data)
     assert sb.files.read("/tmp/files/f", format="bytes") == data
