@@ -10,10 +10,17 @@ expected paths are worked out here from the sandbox id, not asked of Corral.
 
 Then, after each kind of command, a memory hog must be a typed OOM and a fork
 spree must stop below ``pids`` (in the library and through the REST server).
+
+The mix also leaves daemons running and makes file requests (on gVisor each is a child of the
+agent).  At the end of each tier's session the walls that the fresh-sandbox tests check are
+checked again in the same sandbox (``after_session.py``): a command's descriptors, the sandbox's
+own devices, a terminal linked where the owner reads, gVisor's file-request children and the
+egress relay.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -21,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -33,8 +41,13 @@ from .leaks import processes_naming
 from .server_fixtures import ServerProcess
 from .tier_probe import skip_unless_tier
 
+if TYPE_CHECKING:
+    from .egress_net import TargetNet
+
 MEMORY = "64M"
 PIDS = 48
+#: gVisor's session (its commands cost several times the process tier's)
+GVISOR_COMMANDS = 40
 HOG = ["python3", "-c", "b = bytearray(400 << 20); print(len(b))"]
 #: forks until refused, counts its children, kills them; prints the count
 SPREE = ["python3", "-c", """
@@ -173,13 +186,36 @@ def stdin_unread(sb: Sandbox) -> None:
     assert r.timed_out and r.exit_code == 124 and time.monotonic() - started < 10, r
 
 
+def background_left(sb: Sandbox) -> None:
+    # a daemon that outlives its command (at most four at once: the oldest goes for a fifth)
+    r = sb.commands.run("[ $(pgrep -c -f '^sleep 600') -lt 4 ] || pkill -o -f '^sleep 600'; "
+                        "nohup sleep 600 >/dev/null 2>&1 & echo left")
+    assert r.stdout == "left\n", r
+
+
+_files_calls = itertools.count()
+
+
+def files(sb: Sandbox) -> None:
+    # the files API: on gVisor each request is a child of the agent's (sizes 1 B to ~200 kB, in turn)
+    data = os.urandom(next(_files_calls) * 48_611 % 200_000 + 1)
+    sb.files.make_dir("/tmp/files")
+    sb.files.write("/tmp/files/f", data)
+    assert sb.files.read("/tmp/files/f", format="bytes") == data
+    assert [e.name for e in sb.files.list("/tmp/files")] == ["f"]
+    assert sb.files.stat("/tmp/files/f").size == len(data) and sb.files.exists("/tmp/files/f")
+    sb.files.remove("/tmp/files", recursive=True)
+    assert not sb.files.exists("/tmp/files")
+
+
 KINDS: dict[str, Callable[[Sandbox], None]] = {
     "plain": plain, "failing": failing, "timeout": timeout, "oom": oom, "pty": pty, "spree": spree,
     "background killed": background_killed, "stdin read": stdin_read, "stdin unread": stdin_unread,
+    "background left": background_left, "files": files,
 }
 #: weights of the random mix: mostly what agents run, enough of each kind to matter
 WEIGHTS = {"plain": 8, "failing": 3, "timeout": 2, "oom": 2, "pty": 2, "spree": 1, "background killed": 2,
-           "stdin read": 2, "stdin unread": 1}
+           "stdin read": 2, "stdin unread": 1, "background left": 1, "files": 3}
 
 
 #: prints the errno of opening an AF_VSOCK socket (or "opened")
@@ -210,9 +246,22 @@ def run_session(sb: Sandbox, count: int, pids: Callable[[Sandbox], list[int]], s
 
 # -- process tier -------------------------------------------------------------------------
 
-def test_three_hundred_commands_never_leave_the_process_tiers_limits() -> None:
+@pytest.fixture(scope="module")
+def net() -> Iterator[TargetNet]:
+    # (imported here, as after_session below: the cgroup v2 guest imports this module for other tests)
+    from .egress_net import target_net
+
+    with target_net(prefix="csess") as testnet:
+        yield testnet
+
+
+def allowing(net: TargetNet) -> dict[str, Any]:
+    return {"allow": [f"{net.target}:8080"], "unsafe_allow_ranges": [f"{net.target}/32"]}
+
+
+def test_three_hundred_commands_never_leave_the_process_tiers_limits(net: TargetNet) -> None:
     # network "allow": the egress relay (a child of the agent) is checked too
-    with Sandbox.create(memory=MEMORY, pids=PIDS, allow=["example.invalid"]) as sb:
+    with Sandbox.create(memory=MEMORY, pids=PIDS, **allowing(net)) as sb:
         inner = sb._inner
         assert isinstance(inner, ProcessSandbox)
         names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in process_tier_pids(sb)}
@@ -227,6 +276,11 @@ def test_three_hundred_commands_never_leave_the_process_tiers_limits() -> None:
                 assert inner.spare_placed.wait(5.0), "the spare was never placed"
             r = sb.commands.run(VSOCK_PROBE)
             assert r.stdout == "97\n", r  # EAFNOSUPPORT (host/seccomp.py's SOCKET_FAMILIES)
+        # and every wall of the agent and the sandbox that a fresh sandbox's tests check
+        from . import after_session
+
+        after_session.recheck(sb, "process", net, wait_for_spare=lambda: inner.spare_placed.wait(5.0))
+        check_contained(sb, process_tier_pids, "the checks after the session")
 
 
 @pytest.mark.parametrize("before", list(KINDS))
@@ -288,13 +342,17 @@ def test_through_the_server_every_command_after_every_kind_is_held(server: Serve
 
 # -- gVisor and microVM: their host-side processes ------------------------------------------
 
-def test_gvisor_host_processes_stay_in_the_sandboxs_limits(state_dir: Path) -> None:
+def test_gvisor_host_processes_stay_in_the_sandboxs_limits(state_dir: Path, net: TargetNet) -> None:
     skip_unless_tier("gvisor", state_dir)
-    with Sandbox.create(tier="gvisor", memory="256M", pids=PIDS) as sb:
+    with Sandbox.create(tier="gvisor", memory="256M", pids=PIDS, **allowing(net)) as sb:
         assert host_side_pids(sb), "runsc's processes carry the sandbox id"
         check_contained(sb, host_side_pids, "create")
-        done = run_session(sb, 40, host_side_pids, seed=12)
+        done = run_session(sb, GVISOR_COMMANDS, host_side_pids, seed=12)
         assert all(done.values()), done
+        from . import after_session
+
+        after_session.recheck(sb, "gvisor", net)
+        check_contained(sb, host_side_pids, "the checks after the session")
 
 
 def test_gvisor_holds_a_fork_spree_at_pids_with_memory_to_spare(state_dir: Path) -> None:
@@ -314,6 +372,9 @@ def test_microvm_host_processes_stay_in_the_sandboxs_limits(state_dir: Path) -> 
         check_contained(sb, host_side_pids, "create")
         done = run_session(sb, 16, host_side_pids, seed=13)
         assert sum(done.values()) == 16
+        from . import after_session
+
+        after_session.recheck(sb, "microvm")
     assert time.monotonic() - started < 300
 
 

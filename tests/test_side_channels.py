@@ -103,18 +103,24 @@ def test_a_sandbox_sees_only_its_own_use_of_its_devices_and_no_other_sandbox_sta
 
 def test_the_sandboxs_own_device_nodes_are_the_devices_they_name() -> None:
     with Sandbox.create() as sb:
-        r = sb.commands.run(
-            "echo gone > /dev/null && cat /dev/null | wc -c; head -c 4 /dev/zero | od -An -tx1; "
-            "head -c 32 /dev/urandom | wc -c; head -c 8 /dev/random | wc -c; "
-            "/usr/bin/printf x > /dev/full; echo full=$?; stat -c '%t:%T %a' /dev/null /dev/zero /dev/full /dev/tty")
-        lines = r.stdout.splitlines()
-        assert lines[:4] == ["0", " 00 00 00 00", "32", "8"], r
-        assert "No space left on device" in r.stderr and "full=1" in lines, r
-        host = [f"{os.major(os.stat(p).st_rdev):x}:{os.minor(os.stat(p).st_rdev):x} 666"
-                for p in ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")]
-        assert lines[5:9] == host, r
-        assert sb.commands.run("cat /.corral/agent > /dev/null").exit_code != 0  # exec-only
-        # the nodes cannot be changed or replaced, even by root
-        r = sb.commands.run("chmod 600 /dev/null; rm -f /dev/null; mknod /tmp/n c 1 3; ls -l /dev/null",
-                            user="root")
-        assert "crw-rw-rw-" in r.stdout and r.exit_code == 0, r
+        assert_own_device_nodes(sb)
+
+
+def assert_own_device_nodes(sb: Sandbox) -> None:
+    """The process tier's own nodes work as the devices they name, and stay as they are (also
+    checked after the long session of test_session_containment.py)."""
+    r = sb.commands.run(
+        "echo gone > /dev/null && cat /dev/null | wc -c; head -c 4 /dev/zero | od -An -tx1; "
+        "head -c 32 /dev/urandom | wc -c; head -c 8 /dev/random | wc -c; "
+        "/usr/bin/printf x > /dev/full; echo full=$?; stat -c '%t:%T %a' /dev/null /dev/zero /dev/full /dev/tty")
+    lines = r.stdout.splitlines()
+    assert lines[:4] == ["0", " 00 00 00 00", "32", "8"], r
+    assert "No space left on device" in r.stderr and "full=1" in lines, r
+    host = [f"{os.major(os.stat(p).st_rdev):x}:{os.minor(os.stat(p).st_rdev):x} 666"
+            for p in ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")]
+    assert lines[5:9] == host, r
+    assert sb.commands.run("cat /.corral/agent > /dev/null").exit_code != 0  # exec-only
+    # the nodes cannot be changed or replaced, even by root
+    r = sb.commands.run("chmod 600 /dev/null; rm -f /dev/null; mknod /tmp/n c 1 3; ls -l /dev/null",
+                        user="root")
+    assert "crw-rw-rw-" in r.stdout and r.exit_code == 0, r

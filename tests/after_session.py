@@ -1,0 +1,182 @@
+"""The agent's and the sandbox's walls, checked again at the end of a long session.
+
+Each guarantee below has its own test on a fresh sandbox (the test named with each check); the
+team's rule is that it holds for the 300th command too, after timeouts, OOM kills, killed and
+left background commands, PTY commands and file requests.  ``test_session_containment.py`` calls
+:func:`recheck` on the sandbox its long session ran in, so the session is paid once.  The
+attacking scripts are the fresh tests' own, imported from their modules.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import FileError
+
+from .egress_net import TargetNet
+from .test_agent_reach import AGENT_TERMINALS, STOPPER, TERMINAL
+from .test_egress_relay import AS_USER, FIND_RELAY, KILL_AND_BIND
+from .test_isolation import OPEN_FDS
+from .test_side_channels import WATCHED, WATCHER, assert_own_device_nodes
+
+
+def wait_for_file(sb: Sandbox, path: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not sb.files.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def descriptors(sb: Sandbox, tier: str, wait_for_spare: Callable[[], object]) -> None:
+    """A command starts with its stdio and nothing else, however it is run
+    (``test_isolation.py::test_a_command_starts_with_its_stdio_and_no_other_descriptor``)."""
+    seen = {}
+    wait_for_spare()
+    seen["in the placed spare"] = sb.commands.run(OPEN_FDS).stdout
+    seen["right after it"] = sb.commands.run(OPEN_FDS).stdout
+    seen["background"] = sb.commands.run(OPEN_FDS, background=True).wait().stdout
+    seen["root"] = sb.commands.run(OPEN_FDS, user="root").stdout
+    seen["terminal"] = sb.commands.start(OPEN_FDS, pty=(24, 80), timeout=30).wait().stdout.replace("\r\n", "\n")
+    assert seen == dict.fromkeys(seen, "[]\n"), (tier, seen)
+
+
+def devices(sb: Sandbox, tier: str) -> None:
+    """inotify inside sees only the sandbox's own use of its devices, none of the host's, and no
+    other sandbox's start (``test_side_channels.py``); as the user, then as root (one at a time:
+    each watcher's own write at its end would be the other's "outside" event).  On the process
+    tier the nodes are also still the devices they name."""
+    sb.files.write("/tmp/watch.py", WATCHER)
+    for user in ("user", "root"):
+        watcher = sb.commands.run("python3 /tmp/watch.py", background=True, user=user, timeout=90)
+        wait_for_file(sb, "/tmp/ready")
+        for _ in range(50):
+            with open("/dev/null", "w") as null:
+                null.write("x")
+        for _ in range(20):
+            with open("/dev/urandom", "rb") as urandom:
+                urandom.read(16)
+        with Sandbox.create(tier=tier) as other:
+            assert other.commands.run("echo x > /dev/null; head -c 16 /dev/urandom | wc -c").stdout == "16\n"
+        sb.files.write("/tmp/stop", "")
+        result = watcher.wait()
+        assert result.exit_code == 0, (user, result)
+        seen = json.loads(result.stdout)
+        assert seen["unwatched"] == [], (user, seen)
+        assert seen["outside"] == dict.fromkeys(WATCHED, 0), (user, seen)
+        assert seen["own_null"] >= 1, (user, seen)
+        if tier == "process":
+            assert seen["agent"] == "EACCES", (user, seen)
+        assert sb.commands.run("rm /tmp/stop /tmp/ready", user="root").exit_code == 0  # (root's own, once)
+    if tier == "process":  # and they are still the devices they name, unchangeable even by root
+        assert_own_device_nodes(sb)
+
+
+def terminal(sb: Sandbox) -> None:
+    """A terminal the user links where the owner reads never becomes the agent's controlling one
+    (``test_agent_reach.py::test_a_terminal_linked_where_the_owner_reads_never_becomes_the_agents``)."""
+    sb.files.write("/tmp/terminal.py", TERMINAL)
+    attacker = sb.commands.run("python3 /tmp/terminal.py", background=True, timeout=60)
+    wait_for_file(sb, "/tmp/linked")
+    with pytest.raises(FileError):
+        sb.files.read("/tmp/ttylink")
+    terminals = sb.commands.run(AGENT_TERMINALS, user="root").stdout.split()
+    assert terminals and set(terminals) == {"0"}, terminals
+    sb.files.write("/tmp/read", "")
+    assert attacker.wait().exit_code == 0
+    for _ in range(3):
+        assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
+    assert sb.files.read("/tmp/terminal.py") == TERMINAL
+
+
+def file_request_children(sb: Sandbox) -> None:
+    """gVisor's file-request children cannot be stopped or reached by the default user
+    (``test_agent_reach.py::test_the_users_commands_cannot_stop_or_reach_gvisors_file_request_children``)."""
+    assert sb.commands.run("head -c 20000000 /dev/urandom > /tmp/big").exit_code == 0
+    sb.files.write("/tmp/stopper.py", STOPPER)
+    stopper = sb.commands.run("python3 /tmp/stopper.py", background=True, timeout=90)
+    time.sleep(0.5)
+    for _ in range(20):  # each read is a child of the agent for ~0.1 s
+        started = time.monotonic()
+        assert len(sb.files.read("/tmp/big", format="bytes", max_bytes=32 << 20)) == 20_000_000
+        assert time.monotonic() - started < 20
+    sb.files.write("/tmp/stop", "")
+    result = stopper.wait()
+    assert result.exit_code == 0, result
+    met = json.loads(result.stdout)
+    assert met["children"] >= 1, met
+    assert met["kills"] == {"EPERM": met["children"]}, met
+    assert "opened" not in met["opens"], met
+    assert sb.commands.run("echo alive").stdout == "alive\n"
+    sb.files.write("/tmp/mine", "x")
+    assert sb.commands.run("stat -c %u /tmp/mine").stdout == "1000\n"
+    sb.files.remove("/tmp/big")
+    sb.files.remove("/tmp/stop")
+
+
+def _reaches(sb: Sandbox, net: TargetNet, path: str, user: str | None = None) -> None:
+    got = sb.commands.run(f"curl -sS -m 10 http://{net.target}:8080/{path}", timeout=30, user=user)
+    assert got.stdout == "hello from target\n", (path, user, got)
+    assert path in {h["path"].lstrip("/") for h in net.hits()}
+
+
+def relay(sb: Sandbox, net: TargetNet) -> None:
+    """The egress relay runs as uid 65533, out of the user's reach; killed, it is back at once as
+    65533 while its port stays pid 1's; the new one holds nothing of pid 1's (a running command's
+    stdin still ends) (``test_egress_relay.py``, ``test_agent_reach.py``)."""
+    sb.files.write("/tmp/as_user.py", AS_USER)
+    sb.files.write("/tmp/kill_and_bind.py", KILL_AND_BIND)
+    sb.files.write("/tmp/find_relay.py", FIND_RELAY + "print(relay())\n")
+    found = sb.commands.run("python3 /tmp/find_relay.py", user="root", timeout=30)
+    assert found.exit_code == 0 and found.stdout.strip().isdigit(), found
+    pid = found.stdout.strip()
+    uids = sb.commands.run(f"grep Uid /proc/{pid}/status", user="root").stdout.split()[1:]
+    assert uids == ["65533"] * 4, uids
+    got = sb.commands.run(f"python3 /tmp/as_user.py {pid} {net.target}", timeout=30)
+    assert got.exit_code == 0, got
+    report = json.loads(got.stdout)
+    assert report["uid"] == 1000 and report["opened"] == [] and report["socket"] == "EACCES", report
+    assert report["signals"] == {"0": "EPERM", "SIGSTOP": "EPERM", "SIGKILL": "EPERM"}, report
+    _reaches(sb, net, "after-session-user")
+    # root kills the relay while a command reads its stdin
+    reader = sb.commands.start("cat", timeout=60)
+    reader.send_stdin("before ")
+    got = sb.commands.run("python3 /tmp/kill_and_bind.py", user="root", timeout=60)
+    assert got.exit_code == 0, got
+    report = json.loads(got.stdout)
+    binder = report["binder"]
+    assert binder["uid"] == 1000 and binder["tries"] > 20, report
+    assert binder["seen"] == {f"{a} EADDRINUSE": binder["tries"] for a in report["families"]}, report
+    assert report["restarted_after"] is not None and report["restarted_after"] < 2, report
+    assert report["new_uid"] == "65533", report
+    _reaches(sb, net, "after-session-kill-user")
+    _reaches(sb, net, "after-session-kill-root", user="root")
+    reader.send_stdin("after")
+    reader.close_stdin()
+    ended = reader.wait()
+    assert (ended.exit_code, ended.stdout) == (0, "before after"), ended
+
+
+def recheck(sb: Sandbox, tier: str, net: TargetNet | None = None,
+            wait_for_spare: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Every check that applies to ``tier``; the seconds each took."""
+    checks: dict[str, Callable[[], None]] = {}
+    if tier in ("process", "gvisor"):
+        checks["descriptors"] = lambda: descriptors(sb, tier, wait_for_spare)
+        checks["devices"] = lambda: devices(sb, tier)
+    checks["terminal"] = lambda: terminal(sb)
+    if tier == "gvisor":
+        checks["file request children"] = lambda: file_request_children(sb)
+    if net is not None:
+        checks["relay"] = lambda: relay(sb, net)
+    took = {}
+    for name, check in checks.items():
+        started = time.monotonic()
+        check()
+        took[name] = round(time.monotonic() - started, 2)
+    print(f"after the session ({tier}), seconds per check: {took}")  # shown by pytest -rP
+    return took
