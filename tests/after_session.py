@@ -13,23 +13,13 @@ import json
 import time
 from collections.abc import Callable
 
-import pytest
-
 from corral import Sandbox
-from corral.errors import FileError
 
 from .egress_net import TargetNet
-from .test_agent_reach import AGENT_TERMINALS, STOPPER, TERMINAL
-from .test_egress_relay import AS_USER, FIND_RELAY, KILL_AND_BIND
+from .test_agent_reach import attack_file_request_children, link_a_terminal_where_the_owner_reads
+from .test_egress_relay import AS_USER, FIND_RELAY, KILL_AND_BIND, kill_relay_while_the_user_binds_its_port
 from .test_isolation import OPEN_FDS
-from .test_side_channels import WATCHED, WATCHER, assert_own_device_nodes
-
-
-def wait_for_file(sb: Sandbox, path: str, seconds: float = 30) -> None:
-    deadline = time.monotonic() + seconds
-    while not sb.files.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+from .test_side_channels import assert_own_device_nodes, watch_devices
 
 
 def descriptors(sb: Sandbox, tier: str, wait_for_spare: Callable[[], object]) -> None:
@@ -50,27 +40,8 @@ def devices(sb: Sandbox, tier: str) -> None:
     other sandbox's start (``test_side_channels.py``); as the user, then as root (one at a time:
     each watcher's own write at its end would be the other's "outside" event).  On the process
     tier the nodes are also still the devices they name."""
-    sb.files.write("/tmp/watch.py", WATCHER)
     for user in ("user", "root"):
-        watcher = sb.commands.run("python3 /tmp/watch.py", background=True, user=user, timeout=90)
-        wait_for_file(sb, "/tmp/ready")
-        for _ in range(50):
-            with open("/dev/null", "w") as null:
-                null.write("x")
-        for _ in range(20):
-            with open("/dev/urandom", "rb") as urandom:
-                urandom.read(16)
-        with Sandbox.create(tier=tier) as other:
-            assert other.commands.run("echo x > /dev/null; head -c 16 /dev/urandom | wc -c").stdout == "16\n"
-        sb.files.write("/tmp/stop", "")
-        result = watcher.wait()
-        assert result.exit_code == 0, (user, result)
-        seen = json.loads(result.stdout)
-        assert seen["unwatched"] == [], (user, seen)
-        assert seen["outside"] == dict.fromkeys(WATCHED, 0), (user, seen)
-        assert seen["own_null"] >= 1, (user, seen)
-        if tier == "process":
-            assert seen["agent"] == "EACCES", (user, seen)
+        watch_devices(sb, tier, user)
         assert sb.commands.run("rm /tmp/stop /tmp/ready", user="root").exit_code == 0  # (root's own, once)
     if tier == "process":  # and they are still the devices they name, unchangeable even by root
         assert_own_device_nodes(sb)
@@ -79,41 +50,13 @@ def devices(sb: Sandbox, tier: str) -> None:
 def terminal(sb: Sandbox) -> None:
     """A terminal the user links where the owner reads never becomes the agent's controlling one
     (``test_agent_reach.py::test_a_terminal_linked_where_the_owner_reads_never_becomes_the_agents``)."""
-    sb.files.write("/tmp/terminal.py", TERMINAL)
-    attacker = sb.commands.run("python3 /tmp/terminal.py", background=True, timeout=60)
-    wait_for_file(sb, "/tmp/linked")
-    with pytest.raises(FileError):
-        sb.files.read("/tmp/ttylink")
-    terminals = sb.commands.run(AGENT_TERMINALS, user="root").stdout.split()
-    assert terminals and set(terminals) == {"0"}, terminals
-    sb.files.write("/tmp/read", "")
-    assert attacker.wait().exit_code == 0
-    for _ in range(3):
-        assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
-    assert sb.files.read("/tmp/terminal.py") == TERMINAL
+    link_a_terminal_where_the_owner_reads(sb)
 
 
 def file_request_children(sb: Sandbox) -> None:
     """gVisor's file-request children cannot be stopped or reached by the default user
     (``test_agent_reach.py::test_the_users_commands_cannot_stop_or_reach_gvisors_file_request_children``)."""
-    assert sb.commands.run("head -c 20000000 /dev/urandom > /tmp/big").exit_code == 0
-    sb.files.write("/tmp/stopper.py", STOPPER)
-    stopper = sb.commands.run("python3 /tmp/stopper.py", background=True, timeout=90)
-    time.sleep(0.5)
-    for _ in range(20):  # each read is a child of the agent for ~0.1 s
-        started = time.monotonic()
-        assert len(sb.files.read("/tmp/big", format="bytes", max_bytes=32 << 20)) == 20_000_000
-        assert time.monotonic() - started < 20
-    sb.files.write("/tmp/stop", "")
-    result = stopper.wait()
-    assert result.exit_code == 0, result
-    met = json.loads(result.stdout)
-    assert met["children"] >= 1, met
-    assert met["kills"] == {"EPERM": met["children"]}, met
-    assert "opened" not in met["opens"], met
-    assert sb.commands.run("echo alive").stdout == "alive\n"
-    sb.files.write("/tmp/mine", "x")
-    assert sb.commands.run("stat -c %u /tmp/mine").stdout == "1000\n"
+    attack_file_request_children(sb, 20)
     sb.files.remove("/tmp/big")
     sb.files.remove("/tmp/stop")
 
@@ -145,14 +88,7 @@ def relay(sb: Sandbox, net: TargetNet) -> None:
     # root kills the relay while a command reads its stdin
     reader = sb.commands.start("cat", timeout=60)
     reader.send_stdin("before ")
-    got = sb.commands.run("python3 /tmp/kill_and_bind.py", user="root", timeout=60)
-    assert got.exit_code == 0, got
-    report = json.loads(got.stdout)
-    binder = report["binder"]
-    assert binder["uid"] == 1000 and binder["tries"] > 20, report
-    assert binder["seen"] == {f"{a} EADDRINUSE": binder["tries"] for a in report["families"]}, report
-    assert report["restarted_after"] is not None and report["restarted_after"] < 2, report
-    assert report["new_uid"] == "65533", report
+    kill_relay_while_the_user_binds_its_port(sb)
     _reaches(sb, net, "after-session-kill-user")
     _reaches(sb, net, "after-session-kill-root", user="root")
     reader.send_stdin("after")

@@ -61,28 +61,35 @@ print(json.dumps({"children": len(seen), "kills": kills, "opens": opens}))
 """
 
 
+def attack_file_request_children(sb: Sandbox, reads: int) -> None:
+    """The default user's STOPPER against the children of ``reads`` 20 MB file reads: each read
+    comes back whole and in time, every signal was EPERM, no descriptor opened, the sandbox
+    answers, and the children still act as the user."""
+    assert sb.commands.run("head -c 20000000 /dev/urandom > /tmp/big").exit_code == 0
+    sb.files.write("/tmp/stopper.py", STOPPER)
+    stopper = sb.commands.run("python3 /tmp/stopper.py", background=True, timeout=90)
+    time.sleep(0.5)
+    for _ in range(reads):  # each read is a child of the agent for ~0.1 s
+        started = time.monotonic()
+        assert len(sb.files.read("/tmp/big", format="bytes", max_bytes=32 << 20)) == 20_000_000
+        assert time.monotonic() - started < 20
+    sb.files.write("/tmp/stop", "")
+    result = stopper.wait()
+    assert result.exit_code == 0, result
+    met = json.loads(result.stdout)
+    assert met["children"] >= 1, met  # the children were there to be attacked
+    assert met["kills"] == {"EPERM": met["children"]}, met
+    assert "opened" not in met["opens"], met
+    assert sb.commands.run("echo alive").stdout == "alive\n"
+    # the children still act as the user: what they make is the user's
+    sb.files.write("/tmp/mine", "x")
+    assert sb.commands.run("stat -c %u /tmp/mine").stdout == "1000\n"
+
+
 def test_the_users_commands_cannot_stop_or_reach_gvisors_file_request_children(state_dir: Path) -> None:
     skip_unless_tier("gvisor", state_dir)
     with Sandbox.create(tier="gvisor") as sb:
-        assert sb.commands.run("head -c 20000000 /dev/urandom > /tmp/big").exit_code == 0
-        sb.files.write("/tmp/stopper.py", STOPPER)
-        stopper = sb.commands.run("python3 /tmp/stopper.py", background=True, timeout=90)
-        time.sleep(0.5)
-        for _ in range(30):  # each read is a child of the agent for ~0.1 s
-            started = time.monotonic()
-            assert len(sb.files.read("/tmp/big", format="bytes", max_bytes=32 << 20)) == 20_000_000
-            assert time.monotonic() - started < 20
-        sb.files.write("/tmp/stop", "")
-        result = stopper.wait()
-        assert result.exit_code == 0, result
-        met = json.loads(result.stdout)
-        assert met["children"] >= 1, met  # the children were there to be attacked
-        assert met["kills"] == {"EPERM": met["children"]}, met
-        assert "opened" not in met["opens"], met
-        assert sb.commands.run("echo alive").stdout == "alive\n"
-        # the children still act as the user: what they make is the user's
-        sb.files.write("/tmp/mine", "x")
-        assert sb.commands.run("stat -c %u /tmp/mine").stdout == "1000\n"
+        attack_file_request_children(sb, 30)
 
 
 #: as the default user: link a terminal it holds where the owner will read, wait, then ^C and
@@ -111,21 +118,28 @@ AGENT_TERMINALS = ("for p in $(pgrep -x corral-agent; pgrep -x agent); do "
 def test_a_terminal_linked_where_the_owner_reads_never_becomes_the_agents(tier: str, state_dir: Path) -> None:
     skip_unless_tier(tier, state_dir)
     with Sandbox.create(tier=tier) as sb:
-        sb.files.write("/tmp/terminal.py", TERMINAL)
-        attacker = sb.commands.run("python3 /tmp/terminal.py", background=True, timeout=60)
-        deadline = time.monotonic() + 30
-        while not sb.files.exists("/tmp/linked"):
-            assert time.monotonic() < deadline, "the link was never made"
-            time.sleep(0.05)
-        with pytest.raises(FileError):  # not a file to read
-            sb.files.read("/tmp/ttylink")
-        terminals = sb.commands.run(AGENT_TERMINALS, user="root").stdout.split()
-        assert terminals and set(terminals) == {"0"}, terminals
-        sb.files.write("/tmp/read", "")
-        assert attacker.wait().exit_code == 0
-        for _ in range(3):
-            assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
-        assert sb.files.read("/tmp/terminal.py") == TERMINAL
+        link_a_terminal_where_the_owner_reads(sb)
+
+
+def link_a_terminal_where_the_owner_reads(sb: Sandbox) -> None:
+    """TERMINAL as the default user, the owner's read of its link refused, no terminal the agent's,
+    and the sandbox answering after the ^C (also checked after the long sessions of
+    test_session_containment.py)."""
+    sb.files.write("/tmp/terminal.py", TERMINAL)
+    attacker = sb.commands.run("python3 /tmp/terminal.py", background=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while not sb.files.exists("/tmp/linked"):
+        assert time.monotonic() < deadline, "the link was never made"
+        time.sleep(0.05)
+    with pytest.raises(FileError):  # not a file to read
+        sb.files.read("/tmp/ttylink")
+    terminals = sb.commands.run(AGENT_TERMINALS, user="root").stdout.split()
+    assert terminals and set(terminals) == {"0"}, terminals
+    sb.files.write("/tmp/read", "")
+    assert attacker.wait().exit_code == 0
+    for _ in range(3):
+        assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
+    assert sb.files.read("/tmp/terminal.py") == TERMINAL
 
 
 @pytest.fixture(scope="module")

@@ -200,12 +200,10 @@ def test_the_sandbox_user_can_neither_signal_the_relay_nor_open_its_descriptors(
     _reaches(sb, net, "after-user-signals-root", user="root")
 
 
-def test_a_killed_relay_comes_back_at_once_and_its_port_is_never_free(sb: Sandbox, net: TargetNet) -> None:
-    """Root (the tenant's own) kills the relay: pid 1 starts another at once, as uid 65533, and the
-    port stays pid 1's throughout -- a uid-1000 process binding it in a loop before, during and
-    after gets EADDRINUSE every time.  Before: the port was free once the relay died, a uid-1000
-    listener there read root's requests (their secret placeholders), and egress never came back."""
-    _reaches(sb, net, "before-kill")
+def kill_relay_while_the_user_binds_its_port(sb: Sandbox) -> None:
+    """Root runs KILL_AND_BIND (written to /tmp by the module's fixture): the uid-1000 binder met
+    EADDRINUSE every time, and a relay of uid 65533 was back within 2 s (also checked after the
+    long session of test_session_containment.py)."""
     got = sb.commands.run("python3 /tmp/kill_and_bind.py", user="root", timeout=60)
     assert got.exit_code == 0, got
     report = json.loads(got.stdout)
@@ -214,6 +212,15 @@ def test_a_killed_relay_comes_back_at_once_and_its_port_is_never_free(sb: Sandbo
     assert binder["seen"] == {f"{a} EADDRINUSE": binder["tries"] for a in report["families"]}, report
     assert report["restarted_after"] is not None and report["restarted_after"] < 2, report
     assert report["new_uid"] == "65533", report
+
+
+def test_a_killed_relay_comes_back_at_once_and_its_port_is_never_free(sb: Sandbox, net: TargetNet) -> None:
+    """Root (the tenant's own) kills the relay: pid 1 starts another at once, as uid 65533, and the
+    port stays pid 1's throughout -- a uid-1000 process binding it in a loop before, during and
+    after gets EADDRINUSE every time.  Before: the port was free once the relay died, a uid-1000
+    listener there read root's requests (their secret placeholders), and egress never came back."""
+    _reaches(sb, net, "before-kill")
+    kill_relay_while_the_user_binds_its_port(sb)
     _reaches(sb, net, "after-kill-user")
     _reaches(sb, net, "after-kill-root", user="root")
 

@@ -72,33 +72,39 @@ def _wait_for(sb: Sandbox, path: str, seconds: float = 20) -> None:
         time.sleep(0.05)
 
 
+def watch_devices(sb: Sandbox, tier: str, user: str) -> None:
+    """WATCHER inside as ``user`` while the host uses the devices and another sandbox starts and
+    uses them: it sees only the sandbox's own use (also checked after the long session of
+    test_session_containment.py)."""
+    sb.files.write("/tmp/watch.py", WATCHER)
+    watcher = sb.commands.run("python3 /tmp/watch.py", background=True, user=user, timeout=90)
+    _wait_for(sb, "/tmp/ready")
+    for _ in range(50):
+        with open("/dev/null", "w") as null:
+            null.write("x")
+    for _ in range(20):
+        with open("/dev/urandom", "rb") as urandom:
+            urandom.read(16)
+    with Sandbox.create(tier=tier) as other:
+        assert other.commands.run("echo x > /dev/null; head -c 16 /dev/urandom | wc -c").stdout == "16\n"
+    sb.files.write("/tmp/stop", "")
+    result = watcher.wait()
+    assert result.exit_code == 0, (user, result)
+    seen = json.loads(result.stdout)
+    assert seen["unwatched"] == [], (user, seen)
+    assert seen["outside"] == dict.fromkeys(WATCHED, 0), (user, seen)
+    assert seen["own_null"] >= 1, (user, seen)  # the watch works: the sandbox's own write is reported
+    if tier == "process":  # the agent's binary is the host's: run, never read (gVisor's is its own copy)
+        assert seen["agent"] == "EACCES", (user, seen)
+
+
 @pytest.mark.parametrize("tier", ["process", "gvisor"])
 @pytest.mark.parametrize("user", ["user", "root"])
 def test_a_sandbox_sees_only_its_own_use_of_its_devices_and_no_other_sandbox_start(
         tier: str, user: str, state_dir: Path) -> None:
     skip_unless_tier(tier, state_dir)
     with Sandbox.create(tier=tier) as sb:
-        sb.files.write("/tmp/watch.py", WATCHER)
-        watcher = sb.commands.run("python3 /tmp/watch.py", background=True, user=user, timeout=90)
-        _wait_for(sb, "/tmp/ready")
-        # the host uses the devices, and another sandbox starts and uses them
-        for _ in range(50):
-            with open("/dev/null", "w") as null:
-                null.write("x")
-        for _ in range(20):
-            with open("/dev/urandom", "rb") as urandom:
-                urandom.read(16)
-        with Sandbox.create(tier=tier) as other:
-            assert other.commands.run("echo x > /dev/null; head -c 16 /dev/urandom | wc -c").stdout == "16\n"
-        sb.files.write("/tmp/stop", "")
-        result = watcher.wait()
-    assert result.exit_code == 0, result
-    seen = json.loads(result.stdout)
-    assert seen["unwatched"] == [], seen
-    assert seen["outside"] == {path: 0 for path in WATCHED}, seen
-    assert seen["own_null"] >= 1, seen  # the watch works: the sandbox's own write is reported
-    if tier == "process":  # the agent's binary is the host's: run, never read (gVisor's is its own copy)
-        assert seen["agent"] == "EACCES", seen
+        watch_devices(sb, tier, user)
 
 
 def test_the_sandboxs_own_device_nodes_are_the_devices_they_name() -> None:
