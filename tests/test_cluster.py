@@ -297,6 +297,8 @@ def test_a_host_that_a_sibling_restarted_is_used_again(cluster: LocalCluster) ->
         victim = made[0].node_id
         assert victim is not None
         ray.kill(cluster.hosts[victim], no_restart=True)
+        # ray.kill does not wait: a command sent at once reached the old host in a full run
+        assert wait_until(lambda: _gone(cluster.hosts[victim]), 20, every=0.1)
         with pytest.raises(SandboxLost):
             made[0].commands.run("true")
         # what a sibling host does within SIBLING_INTERVAL: a host on every node that has none
@@ -311,6 +313,17 @@ def test_a_host_that_a_sibling_restarted_is_used_again(cluster: LocalCluster) ->
     finally:
         for sb in made:
             sb.kill()
+
+
+def _gone(actor: Any) -> bool:
+    """Whether ``actor`` answers no more (killed)."""
+    try:
+        ray.get(actor.ping.remote(), timeout=2)
+    except ray.exceptions.GetTimeoutError:
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 def _restart(cluster: LocalCluster, node: str, start_hosts: Any) -> bool:
