@@ -166,7 +166,6 @@ class EgressProxy:
         pump(client, upstream, early, pipe_size)
 
     def _accept_loop(self) -> None:
-        held = 0.0  # seconds this loop has not accepted, over the rate, since its last accept
         while True:
             wait = self.rate.take()
             if wait:
@@ -175,12 +174,10 @@ class EgressProxy:
                 # cost to the owner; a thread sleeping per connection, or a refusal, would cost it
                 if self._stopping.wait(wait):
                     return
-                held += wait
                 continue
-            if held:
-                if _pending(self._listener):  # a connection waited for it
-                    self.audit.tally(self.sandbox_id, "rate-limited", RATE_RULE, "proxy", held)
-                held = 0.0
+            held = self.rate.settle()  # seconds this loop did not accept, since its last accept
+            if held and _pending(self._listener):  # a connection waited for it
+                self.audit.tally(self.sandbox_id, "rate-limited", RATE_RULE, "proxy", held)
             try:
                 conn, _ = self._listener.accept()
             except OSError as exc:

@@ -69,17 +69,18 @@ class ConnectionRate:
     :data:`CONNECTION_RATE` a second.  One thread takes from it (a proxy's accept loop, a
     microVM's egress bridge): no lock.  The constants are read when it is made."""
 
-    __slots__ = ("_at", "_tokens", "burst", "rate")
+    __slots__ = ("_at", "_held", "_tokens", "burst", "rate")
 
     def __init__(self, rate: float | None = None, burst: int | None = None) -> None:
         self.rate = CONNECTION_RATE if rate is None else rate
         self.burst = float(CONNECTION_BURST if burst is None else burst)
         self._tokens = self.burst
         self._at = time.monotonic()
+        self._held = 0.0
 
     def take(self) -> float:
         """One connection: 0.0 if it may go now (its token taken), else the seconds until it
-        may (nothing taken: ask again then)."""
+        may (nothing taken: ask again then; the wait is counted in :meth:`settle`)."""
         now = time.monotonic()
         tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
@@ -87,7 +88,15 @@ class ConnectionRate:
             self._tokens = tokens - 1.0
             return 0.0
         self._tokens = tokens
-        return (1.0 - tokens) / self.rate
+        wait = (1.0 - tokens) / self.rate
+        self._held += wait
+        return wait
+
+    def settle(self) -> float:
+        """The seconds :meth:`take` made its caller wait since the last call (0.0: none), for
+        the audit's one ``rate-limited`` event (``AuditLog.tally``)."""
+        held, self._held = self._held, 0.0
+        return held
 
 
 class _Waiting:

@@ -137,7 +137,6 @@ class EgressBridge:
         self._rate = ConnectionRate()
         #: while over that rate: when the next may open (the port is not read until then)
         self._held_until: float | None = None
-        self._held = 0.0  # seconds the OPEN waiting at the head of the input has been held
         #: set when the guest's relay said HELLO (it listens and the port is connected)
         self.hello = threading.Event()
         #: connections the guest opened so far (tests, bench)
@@ -298,12 +297,10 @@ class EgressBridge:
         wait = self._rate.take()
         if wait:
             self._held_until = time.monotonic() + wait
-            self._held += wait
             return True
-        if self._held:
-            if self._audit is not None:
-                self._audit.tally(self._sandbox_id, "rate-limited", RATE_RULE, "proxy", self._held)
-            self._held = 0.0
+        held = self._rate.settle()  # how long this OPEN, at the head of the input, was held
+        if held and self._audit is not None:
+            self._audit.tally(self._sandbox_id, "rate-limited", RATE_RULE, "proxy", held)
         return False
 
     def _open(self, conn_id: int) -> None:
