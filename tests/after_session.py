@@ -19,7 +19,7 @@ from .egress_net import TargetNet
 from .test_agent_reach import attack_file_request_children, link_a_terminal_where_the_owner_reads
 from .test_egress_relay import AS_USER, FIND_RELAY, KILL_AND_BIND, kill_relay_while_the_user_binds_its_port
 from .test_isolation import OPEN_FDS
-from .test_side_channels import assert_own_device_nodes, watch_devices
+from .test_side_channels import assert_hosts_proc_counters_masked, assert_own_device_nodes, watch_devices
 
 
 def descriptors(sb: Sandbox, tier: str, wait_for_spare: Callable[[], object]) -> None:
@@ -45,6 +45,12 @@ def devices(sb: Sandbox, tier: str) -> None:
         assert sb.commands.run("rm /tmp/stop /tmp/ready", user="root").exit_code == 0  # (root's own, once)
     if tier == "process":  # and they are still the devices they name, unchangeable even by root
         assert_own_device_nodes(sb)
+
+
+def proc_counters(sb: Sandbox) -> None:
+    """The process tier's /proc shows none of the host's live counters nor its command line, and
+    ps, top and free still work (``test_side_channels.py::test_the_process_tiers_proc_shows_no_host_wide_counter_nor_the_hosts_command_line``)."""
+    assert_hosts_proc_counters_masked(sb)
 
 
 def terminal(sb: Sandbox) -> None:
@@ -104,6 +110,8 @@ def recheck(sb: Sandbox, tier: str, net: TargetNet | None = None,
     if tier in ("process", "gvisor"):
         checks["descriptors"] = lambda: descriptors(sb, tier, wait_for_spare)
         checks["devices"] = lambda: devices(sb, tier)
+    if tier == "process":
+        checks["proc counters"] = lambda: proc_counters(sb)
     checks["terminal"] = lambda: terminal(sb)
     if tier == "gvisor":
         checks["file request children"] = lambda: file_request_children(sb)

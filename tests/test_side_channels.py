@@ -1,5 +1,10 @@
 """What a sandbox can learn of the host's and other sandboxes' activity through files they share.
 
+The process tier's ``/proc`` is a procfs of the host's kernel: its host-wide files were the
+host's, live and alike in every sandbox -- every tenant's interrupts per CPU, pressure stalls to
+the microsecond, page allocator and disk counters (timing channels between tenants) and the
+host kernel's command line.  Those are now empty files of the sandbox's own.
+
 inotify reports every open, read and write of a watched inode, whoever makes it.  The process
 tier's ``/dev/null``, ``/dev/urandom``, ``/dev/tty``... were the host's own nodes (bwrap's ``--dev``
 binds them) and ``/.corral/agent`` the one binary every sandbox execs: a sandbox watching them
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 
@@ -130,3 +136,63 @@ def assert_own_device_nodes(sb: Sandbox) -> None:
     r = sb.commands.run("chmod 600 /dev/null; rm -f /dev/null; mknod /tmp/n c 1 3; ls -l /dev/null",
                         user="root")
     assert "crw-rw-rw-" in r.stdout and r.exit_code == 0, r
+
+
+#: what each masked /proc entry holds inside (bytes; a directory: its entries), as the user and
+#: as root, and what writing to it and unmounting it did; then the tools that read the host-wide
+#: files left (stat, meminfo, loadavg, uptime) still work
+READ_MASKS = r"""
+for f in NAMES; do
+  if [ -d /proc/$f ]; then printf '%s=%s ' $f "$(ls -A /proc/$f | wc -l)"; else printf '%s=%s ' $f "$(cat /proc/$f | wc -c)"; fi
+done
+echo
+echo x 2>/dev/null > /proc/cmdline && echo wrote || echo refused
+"""
+
+
+#: root's tries to take a mask away, by syscall (errno names; MNT_DETACH = 2, MS_BIND = 4096)
+UNMASK = r"""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+def tried(result):
+    print(errno.errorcode[ctypes.get_errno()] if result else "done")
+tried(libc.umount2(b"/proc/interrupts", 0))
+tried(libc.umount2(b"/proc/cmdline", 2))
+tried(libc.mount(b"/proc/self/status", b"/proc/cmdline", None, 4096, None))
+tried(libc.mount(b"proc", b"/mnt", b"proc", 0, None))
+"""
+
+
+def assert_hosts_proc_counters_masked(sb: Sandbox) -> None:
+    """The process tier's masked ``/proc`` entries are empty, for the user and root, and stay so
+    (also checked after the long session of test_session_containment.py)."""
+    from corral.tiers.linux.rootfs import MASKED_PROC_DIRS, MASKED_PROC_FILES
+
+    names = [name for name in MASKED_PROC_FILES + MASKED_PROC_DIRS if os.path.exists(f"/proc/{name}")]
+    # the host's are not empty (the check below can fail): the counters, its command line
+    assert all(os.listdir(f"/proc/{n}") if os.path.isdir(f"/proc/{n}") else Path(f"/proc/{n}").read_bytes()
+               for n in names), names
+    assert {"cmdline", "interrupts"} <= set(names)
+    script = READ_MASKS.replace("NAMES", " ".join(names))
+    empty = " ".join(f"{name}=0" for name in names) + " "
+    for user in ("user", "root"):
+        r = sb.commands.run(script, user=user)
+        assert r.stdout.splitlines() == [empty, "refused"], (user, r)
+    # root can neither unmount a mask nor mount over one, and the masks stay empty
+    r = sb.commands.run("python3 -c " + shlex.quote(UNMASK), user="root")
+    assert r.stdout.split() == ["EPERM"] * 4, r
+    assert sb.commands.run(script, user="root").stdout.splitlines() == [empty, "refused"]
+    # what ps, top, free and uptime read is there, and they work
+    r = sb.commands.run("ps -e -o pid=,comm= | head -1; free -m | head -2 | tail -1; uptime; top -bn1 | head -1; "
+                        "grep -c ^cpu /proc/stat")
+    assert r.exit_code == 0 and r.stderr == "", r
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["1", "agent"] and lines[1].startswith("Mem:"), r
+    assert "load average" in lines[2] and lines[3].startswith("top - "), r
+    assert int(lines[4]) == 1 + (os.cpu_count() or 1), r
+
+
+@pytest.mark.parametrize("user", ["user", "root"])
+def test_the_process_tiers_proc_shows_no_host_wide_counter_nor_the_hosts_command_line(user: str) -> None:
+    with Sandbox.create(user=user) as sb:
+        assert_hosts_proc_counters_masked(sb)

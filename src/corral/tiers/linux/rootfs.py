@@ -358,3 +358,31 @@ def boot_id_file(run_dir: Path, uid: int, mounter: HostMounts | None = None) -> 
     os.chown(made, uid, uid)
     os.chmod(made, 0o444)
     return path
+
+
+#: /proc's files that show the whole host, live and alike to every sandbox: the host kernel's
+#: command line, and counters of every tenant's activity (interrupts and softirqs per CPU,
+#: pressure stalls to the microsecond, the page allocator's free lists, paging, disk I/O), which
+#: are timing channels between tenants.  Left as the host's: ``stat``, ``meminfo``, ``loadavg``
+#: and ``uptime``, which ``ps``, ``top`` and ``free`` read (and sysinfo(2) tells any process the
+#: same memory, loads and uptime)
+MASKED_PROC_FILES = ("cmdline", "interrupts", "softirqs", "buddyinfo", "zoneinfo", "vmstat", "diskstats")
+#: and directories of such files (PSI: ``cpu``, ``io``, ``memory``)
+MASKED_PROC_DIRS = ("pressure",)
+
+
+def proc_masks(run_dir: Path, mounter: HostMounts | None = None) -> list[str]:
+    """bwrap arguments that bind an empty file (or directory) of the sandbox's own, read-only,
+    over each of :data:`MASKED_PROC_FILES` (:data:`MASKED_PROC_DIRS`) the host's kernel has,
+    after ``--proc``.  Its own, made on its disk tmpfs by host root: a file every sandbox
+    shared would show by its times that some sandbox read it."""
+    file, folder = run_dir / "disk" / "masked", run_dir / "disk" / "masked.d"
+    made_file, made_folder = (mounter.view(file), mounter.view(folder)) if mounter is not None else (file, folder)
+    made_file.touch(mode=0o444)
+    made_folder.mkdir(mode=0o555)
+    args = []
+    for names, source in ((MASKED_PROC_FILES, file), (MASKED_PROC_DIRS, folder)):
+        for name in names:
+            if os.path.exists(f"/proc/{name}"):  # bwrap fails on a target the kernel has not
+                args += ["--ro-bind", str(source), f"/proc/{name}"]
+    return args

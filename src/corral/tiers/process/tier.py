@@ -52,6 +52,7 @@ from ..linux.rootfs import (
     boot_id_file,
     device_nodes,
     disk_held_in_memory,
+    proc_masks,
     reap_host_side,
     shm_dir,
 )
@@ -203,6 +204,8 @@ class ProcessSandbox(LinuxSandbox):
             # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
             "--bind", str(shm_dir(self._run_dir, self.uid, self._mountns)), "/dev/shm",
             "--ro-bind", str(boot_id_file(self._run_dir, self.uid_range.base, self._mountns)), BOOT_ID_PATH,
+            # the host's live counters of every tenant's activity, and its kernel's command line
+            *proc_masks(self._run_dir, self._mountns),
             "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
             *(arg for cap in ROOT_CAPS for arg in ("--cap-add", cap)),
             "--chdir", "/", "--clearenv",
