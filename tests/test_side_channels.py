@@ -132,6 +132,12 @@ def assert_own_device_nodes(sb: Sandbox) -> None:
             for p in ("/dev/null", "/dev/zero", "/dev/full", "/dev/tty")]
     assert lines[5:9] == host, r
     assert sb.commands.run("cat /.corral/agent > /dev/null").exit_code != 0  # exec-only
+    # /dev is the sandbox's own tmpfs, its terminals and its shared memory: no node of the host's
+    # is even underneath (bwrap's --dev bound them, and the sandbox's own over them)
+    dev_mounts = [line.split(" - ")[0].split()[4] + " " + line.split(" - ")[1].split()[0]
+                  for line in sb.commands.run("cat /proc/self/mountinfo").stdout.splitlines()
+                  if line.split()[4].startswith("/dev")]
+    assert dev_mounts == ["/dev tmpfs", "/dev/pts devpts", "/dev/shm tmpfs"], dev_mounts
     # the nodes cannot be changed or replaced, even by root
     r = sb.commands.run("chmod 600 /dev/null; rm -f /dev/null; mknod /tmp/n c 1 3; ls -l /dev/null",
                         user="root")

@@ -156,6 +156,20 @@ class MountNamespace(HostMounts):
         fstype, flags, options = mounts.device_nodes_args()
         self._mount("corral-dev", target, fstype, flags, options)
 
+    def sandbox_dev(self, nodes: Path, max_ptys: int, shm: Path) -> None:
+        """Finish ``nodes`` (a tmpfs of :meth:`mount_device_nodes`, populated) as a sandbox's whole
+        ``/dev``: a ``devpts`` of its own at ``pts`` (:func:`.mounts.devpts_args`), ``shm`` bound
+        at ``shm``, and the tmpfs read-only (its submounts stay writable).  One round trip."""
+        pts_type, pts_flags, pts_options = mounts.devpts_args(max_ptys)
+        sock = self._send("m", ["devpts", str(nodes / "pts"), pts_type, str(pts_flags), pts_options])
+        self._send("M", [str(shm), str(nodes / "shm"), "", str(mounts.MS_BIND), ""])
+        self._send("M", ["", str(nodes), "", str(mounts.MS_REMOUNT | mounts.MS_BIND | mounts.MS_RDONLY
+                                                   | mounts.MS_NOSUID | mounts.MS_NOEXEC), ""])
+        errors = [self._error(sock.recv(4096)) for _ in range(3)]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
     def attach_idmapped(self, lower: Path, view: Path, userns_fd: int) -> None:
         self._check("i", [str(lower), str(view)], [userns_fd])
 

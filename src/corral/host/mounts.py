@@ -19,6 +19,7 @@ MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MNT_DETACH = 0x2
+MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 
 
@@ -68,7 +69,7 @@ def devpts_args(max_ptys: int) -> tuple[str, int, str]:
 def device_nodes_args() -> tuple[str, int, str]:
     """A tiny tmpfs for a sandbox's own device nodes: without ``nodev``, as only host root in the
     host's user namespace can mount one (a tmpfs the sandbox mounted would refuse its devices)."""
-    return "tmpfs", MS_NOSUID | MS_NOEXEC, "size=4k,nr_inodes=16,mode=755"
+    return "tmpfs", MS_NOSUID | MS_NOEXEC, "size=4k,nr_inodes=24,mode=755"
 
 
 def overlay_args(lower: list[Path], upper: Path, work: Path) -> tuple[str, int, str]:

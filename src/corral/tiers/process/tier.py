@@ -50,10 +50,10 @@ from ..linux.rootfs import (
     AGENT_PATH,
     BOOT_ID_PATH,
     boot_id_file,
-    device_nodes,
     disk_held_in_memory,
     proc_masks,
     reap_host_side,
+    sandbox_dev,
     shm_dir,
 )
 from ..linux.sandbox import LinuxSandbox
@@ -194,15 +194,14 @@ class ProcessSandbox(LinuxSandbox):
             "--bind", str(root), "/",
             "--ro-bind", str(self._tier._agent), AGENT_PATH,
             "--ro-bind" if ws_mode == "ro" else "--bind", str(ws), WORKSPACE_PATH,
-            "--proc", "/proc", "--dev", "/dev",
-            # terminals from a devpts of the sandbox's own, bounded: bwrap's has no bound but the
-            # host's shared table (host/shared_tables.py); /dev/ptmx leads to pts/ptmx
-            "--dev-bind", str(self._terminals()), "/dev/pts",
-            # and its own null, zero, tty...: the host's nodes showed other tenants' use of them
-            *(arg for source, target in device_nodes(self._run_dir, self._mountns)
-              for arg in ("--dev-bind", str(source), target)),
-            # POSIX shared memory (Chromium's renderers, multiprocessing) on the disk tmpfs: bounded by `disk`
-            "--bind", str(shm_dir(self._run_dir, self.uid, self._mountns)), "/dev/shm",
+            "--proc", "/proc",
+            # a /dev of the sandbox's own, whole (rootfs.sandbox_dev): its own null, zero, tty...
+            # (the host's nodes showed other tenants' use of them), terminals from a devpts of its
+            # own, bounded (bwrap's has no bound but the host's shared table:
+            # host/shared_tables.py), and POSIX shared memory (Chromium's renderers,
+            # multiprocessing) on the disk tmpfs, bounded by `disk`; read-only but for those two
+            "--dev-bind", str(sandbox_dev(self._run_dir, self._mountns, self.uid_range.base,
+                                          shm_dir(self._run_dir, self.uid, self._mountns), PTYS_PER_SANDBOX)), "/dev",
             "--ro-bind", str(boot_id_file(self._run_dir, self.uid_range.base, self._mountns)), BOOT_ID_PATH,
             # the host's live counters of every tenant's activity, and its kernel's command line
             *proc_masks(self._run_dir, self._mountns),
@@ -213,9 +212,6 @@ class ProcessSandbox(LinuxSandbox):
         assert self.network is not None
         for host_path, inside in self.network.binds:
             argv += ["--bind", str(host_path), inside]
-        # bwrap's /dev is a tmpfs of no size limit outside the disk: root filled it past the sandbox's
-        # memory and its agent was killed.  Read-only once its mounts are made (pts and shm stay writable)
-        argv += ["--remount-ro", "/dev"]
         argv += ["--seccomp", "3", AGENT_PATH, "--spare", "--hold", "--user", str(USER_IDS[spec.user]),
                  *self.network.agent_args]
         leaf = self.cgroup.leaf("agent")
@@ -254,15 +250,6 @@ class ProcessSandbox(LinuxSandbox):
         for pid in descendants(self._proc.pid):  # bwrap itself joined before its exec, above
             self.cgroup.contain(pid, leaf)
         self._channel.send(T_GO, 0)
-
-    def _terminals(self) -> Path:
-        """A devpts of the sandbox's own (in its mount namespace) with at most
-        :data:`PTYS_PER_SANDBOX` terminals; its path there."""
-        assert self._mountns is not None
-        pts = self._run_dir / "pts"
-        self._mountns.view(pts).mkdir(mode=0o755)
-        self._mountns.mount_devpts(pts, PTYS_PER_SANDBOX)
-        return pts
 
     # -- commands ----------------------------------------------------------
     def _agent_host_pid(self) -> int:
