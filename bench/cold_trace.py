@@ -97,6 +97,8 @@ def install(timers: Timers) -> list[str]:
     for module, owner, attr, name in PHASES:
         mod = importlib.import_module(module)
         target = getattr(mod, owner) if owner else mod
+        if not hasattr(target, attr):  # another checkout (interleaved runs) may not have this phase
+            continue
         original: Callable[..., Any] = getattr(target, attr)
         setattr(target, attr, timers.wrap(name, original))
         if not owner:  # a module function imported by name elsewhere: patch those names too

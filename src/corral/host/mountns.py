@@ -170,6 +170,21 @@ class MountNamespace(HostMounts):
         if error is not None:
             raise error
 
+    def bind_all(self, binds: Sequence[tuple[Path, Path, bool]]) -> None:
+        """Bind each (source, target, read-only) in order, ``nosuid``/``nodev``, in one round trip;
+        after a failure the rest are not made."""
+        sock = None
+        for at, (source, target, read_only) in enumerate(binds):
+            sock = self._send("M" if at else "m", [str(source), str(target), "", str(mounts.MS_BIND), ""])
+            if read_only:
+                self._send("M", ["", str(target), "", str(mounts.MS_REMOUNT | mounts.MS_BIND | mounts.MS_RDONLY
+                                                      | mounts.MS_NOSUID | mounts.MS_NODEV), ""])
+        replies = len(binds) + sum(read_only for _, _, read_only in binds)
+        errors = [self._error(sock.recv(4096)) for _ in range(replies)] if sock is not None else []
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
     def attach_idmapped(self, lower: Path, view: Path, userns_fd: int) -> None:
         self._check("i", [str(lower), str(view)], [userns_fd])
 
