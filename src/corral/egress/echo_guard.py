@@ -175,7 +175,8 @@ class ResponseGuard:
         self._head_request = head_request
         self._http11 = http11_client
         self._reported: set[tuple[str, str]] = set()
-        self._buf = b""
+        self._buf = bytearray()  # the head so far (appended in place)
+        self._searched = 0  # where in it the search for its end resumes: only new bytes are searched
         self._state = "head"  # head, body, opaque, done
         self._codings: list[str] = []
         self._decoders: list[_Inflate | _Library] = []
@@ -298,17 +299,21 @@ class ResponseGuard:
     def feed(self, data: bytes) -> Iterator[bytes | memoryview]:
         """What the server sent, in; what the client may see, out (possibly nothing yet)."""
         if self._state == "head":
+            # a head the server dribbles costs the owner by its length, not its square: each piece
+            # was copied with all before it and the whole searched again
             self._buf += data
             while self._state == "head":
-                head, sep, rest = self._buf.partition(b"\r\n\r\n")
-                if not sep:
+                end = self._buf.find(b"\r\n\r\n", self._searched)
+                if end < 0:
                     if len(self._buf) > MAX_HEAD:
                         raise Cut("malformed-response", _bad_gateway("the server's response head is too large"))
+                    self._searched = max(0, len(self._buf) - 3)
                     return
-                self._buf = b""
+                head, rest = bytes(self._buf[:end]), bytes(self._buf[end + 4:])
+                self._buf, self._searched = bytearray(), 0
                 yield from self._head(head)
-                if self._state == "head":
-                    self._buf = rest
+                if self._state == "head":  # an interim (1xx) response: the real head follows
+                    self._buf = bytearray(rest)
             data = rest
         if self._state == "opaque":
             yield from self._frame(self._scan.feed(data))  # never chunked: 101 leaves HTTP behind
