@@ -346,6 +346,60 @@ def test_a_command_copied_into_a_fork_or_a_snapshots_sandbox_ends_at_its_timeout
             Sandbox.delete_snapshot(snap.id)
 
 
+#: the guest agent's pid, found by its virtio-serial port (what a guest root can do)
+AGENT_PID = "for p in /proc/[0-9]*; do [ \"$(readlink $p/fd/1)\" = /dev/vport0p1 ] && echo ${p#/proc/}; done"
+
+
+def test_a_copied_command_that_stops_the_copys_agent_stops_the_copy_at_its_timeout(state_dir: Path) -> None:
+    """A command run as guest root can SIGSTOP the guest's agent, which writes a command's kill: the
+    host then stops the VM KILL_GRACE after the kill (test_microvm.py).  A fork holds such a command
+    in its memory, and its copy of the command stops the fork's agent too: the fork's kill at the
+    deadline was written by that stopped agent, nothing was there to stop the VM, and the command
+    ran on in the fork past its timeout for as long as the fork lived (its QEMU still running 42 s
+    into a 12 s timeout, while the parent's stopped at 17 s).  Now a copied command's kill has the
+    same backstop: not seen to end within KILL_GRACE, the copy's VM stops."""
+    from corral.errors import SandboxClosed
+    from corral.tiers.microvm import MicroVMSandbox
+    from corral.tiers.microvm.sandbox import KILL_GRACE
+
+    def qemu_alive(sb: Sandbox) -> bool:
+        inner = sb._inner
+        assert isinstance(inner, MicroVMSandbox)
+        pid = inner.qemu_pid()
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    timeout = 15
+    sb = Sandbox.create(tier="microvm", memory="256M", user="root")
+    copies: list[Sandbox] = []
+    try:
+        handle = sb.commands.start(["sh", "-c", f"sleep 6; kill -STOP $({AGENT_PID}); sleep 1000"],
+                                   timeout=timeout, cwd="/tmp")
+        started = time.monotonic()
+        copies = sb.fork(1)
+        copy = copies[0]
+        assert time.monotonic() - started < 5, "the fork took too long to tell (its agent stops 6 s in)"
+        assert handle.pid in [c.pid for c in copy.commands.list()], "the command was not carried into the fork"
+        ends = started + timeout + KILL_GRACE + 20  # + TCG's slowness on a loaded machine
+        wait_until(lambda: not qemu_alive(copy), ends - time.monotonic(), every=0.2)
+        assert not qemu_alive(copy), (f"the fork's VM ran on {time.monotonic() - started:.0f} s after its command "
+                                      f"(timeout {timeout} s) stopped its agent")
+        assert time.monotonic() - started >= timeout - 1, "the fork was stopped before the command's time was up"
+        begun = time.monotonic()
+        with pytest.raises(SandboxClosed, match="did not confirm"):
+            copy.commands.run("true", timeout=5)
+        assert time.monotonic() - begun < 2, "a call on the stopped fork waited"
+        assert handle.wait().timed_out  # the parent's own backstop, as before
+    finally:
+        for copy in copies:
+            copy.kill()
+        sb.kill()
+    for made in (sb, *copies):
+        assert sandbox_leftovers(made.id, state_dir) == []
+
+
 OWNER_PARKS = """
 import os
 from corral import Sandbox

@@ -28,7 +28,9 @@ agent's doing, and a command run as guest root could stop the agent: so the
 host is the backstop, as gVisor's is -- a command not seen to end within
 ``KILL_GRACE`` seconds (of the VM's running time) after its kill stops the whole
 VM (QEMU killed with the sandbox's host cgroup).  The command's result then says
-it timed out and the sandbox stopped; every later call raises SandboxClosed.
+it timed out and the sandbox stopped; every later call raises SandboxClosed.  A command
+carried into this VM over a live snapshot (a fork, a snapshot's sandbox, a resume from disk) has
+the same backstop at its kill: the leaf not seen empty within ``KILL_GRACE`` stops the VM.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...egress.network import PROXY_PORT
-from ...errors import FileNotFoundInSandbox, SandboxClosed, SandboxError
+from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed, SandboxError
 from ...host import mounts
 from ...host.ws_copy import WorkspaceCopy
 from ...images import resolve
@@ -56,7 +59,7 @@ from ..base import ExecRequest, OutputCallback, Process
 from ..linux.agent import USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
-from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FWRITE
+from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FREAD, T_FWRITE
 from ..linux.pause import backstop_kill
 from ..linux.sandbox import LinuxSandbox
 from . import converter, live, livefork, qemu, rootdisk, template, vmm
@@ -97,7 +100,7 @@ class MicroVMSandbox(LinuxSandbox):
             self.hostname = sandbox_id
         self._exec_count = 0
         self._left_leaves = LeftLeaves()
-        self._deadlines = CommandDeadlines(self._kill_leaf)
+        self._deadlines = CommandDeadlines(self._kill_carried)
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._bridge: EgressBridge | None = None
@@ -475,6 +478,26 @@ class MicroVMSandbox(LinuxSandbox):
         channel.send(T_FWRITE | T_AS_AGENT, channel.new_id(),
                      struct.pack("<II", 0o644, 0) + f"{leaf}/cgroup.kill".encode() + b"\0" + b"1")
 
+    def _kill_carried(self, leaf: str) -> None:
+        """Kill a command carried over a live snapshot (its deadline, or ``commands.kill``), with the
+        backstop a command of this VM's own has: a copy of the command is as able to stop the copy's
+        agent, which writes the kill, and the copy then ran on past its timeout with nothing to stop
+        it.  Not seen to end within KILL_GRACE of the VM's running time, the VM stops."""
+        self._kill_leaf(leaf)
+        channel = self._channel_even_paused()
+        ended = _LeafEnded(channel, leaf, lambda: self._closed)
+        why = f"its agent did not confirm the kill of a command copied into it within {KILL_GRACE:.0f} s"
+
+        def watch() -> None:
+            try:
+                backstop_kill(ended, channel.pause_clock, KILL_GRACE, lambda: self._closed, lambda: self._stop_vm(why),
+                              f"corral-vm-kill-{self.id}")
+            finally:
+                ended.stop()
+
+        # from its own thread: the deadline's timer, or a caller of commands.kill, returns at once
+        threading.Thread(target=watch, name=f"corral-vm-kill-{self.id}", daemon=True).start()
+
     def command_deadlines(self) -> list[Carried]:
         """Each command running, with its time left: what a live snapshot or a fork keeps (.leaves)."""
         return self._deadlines.left()
@@ -547,3 +570,46 @@ class MicroVMSandbox(LinuxSandbox):
         # after QEMU: no guest connection can arrive any more; before the proxy it feeds closes
         if self._bridge is not None:
             self._bridge.close()
+
+
+class _LeafEnded:
+    """Whether a guest leaf is empty, as its agent reports it (``cgroup.events``), asked again and
+    again from a thread of its own until it is, the leaf is gone or :meth:`stop`: ``done`` for
+    :func:`~..linux.pause.backstop_kill`.  An agent that answers nothing leaves it False."""
+
+    #: seconds between a "populated 1" answer and the next question
+    EVERY = 0.05
+
+    def __init__(self, channel: AgentChannel, leaf: str, closed: Callable[[], bool]) -> None:
+        self._channel = channel
+        self._request = f"{leaf}/cgroup.events".encode() + b"\0" + b"4096\0"
+        self._closed = closed
+        self._done = threading.Event()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._ask, name="corral-vm-leaf-ended", daemon=True).start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _ask(self) -> None:
+        while not self._stopped.is_set() and not self._closed() and not self._channel.closed.is_set():
+            if self._channel.pause_clock.paused:  # it answers once resumed: ask it then
+                self._stopped.wait(self.EVERY)
+                continue
+            try:
+                events = self._channel.begin(T_FREAD | T_AS_AGENT, self._request, limit=4096)(KILL_GRACE).decode()
+            except FileNotFoundInSandbox:  # removed: its command ended
+                self._done.set()
+                return
+            except (SandboxClosed, FileError):  # no answer in time, or the channel going: asked again
+                events = ""
+            except (SandboxError, OSError):
+                return
+            if "populated 0" in events.splitlines():
+                self._done.set()
+                return
+            self._stopped.wait(self.EVERY)
