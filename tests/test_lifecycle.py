@@ -76,6 +76,30 @@ def test_kill_9_of_the_owner_then_gc_leaves_nothing(state_dir: Path, janitors_pa
         assert_gone_soon(sandbox_id, state_dir)
 
 
+def test_a_process_that_goes_on_creating_reaps_what_a_killed_owner_left_meanwhile(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived owner (a server, an agent's process) ran the janitor at its first create only:
+    what another owner killed later left stayed until `corral gc` or another process's first
+    create.  Past JANITOR_EVERY, a create sweeps again, beside it."""
+    from corral import local_transport
+
+    monkeypatch.setattr(local_transport, "JANITOR_EVERY", 3600.0, raising=False)
+    with Sandbox.create():  # this process's first sweep is behind it
+        pass
+    owner, ids = start_owner("a = Sandbox.create()\nprint(a.id, flush=True)")
+    kill_9(owner)
+    (orphan,) = ids
+    assert sandbox_leftovers(orphan, state_dir), "the killed owner left nothing to reap"
+    with Sandbox.create() as sb:  # within JANITOR_EVERY of the last sweep: none
+        time.sleep(0.5)
+        assert sandbox_leftovers(orphan, state_dir), "swept within JANITOR_EVERY"
+        monkeypatch.setattr(local_transport, "JANITOR_EVERY", 0.0, raising=False)
+        with Sandbox.create() as other:  # past it: a sweep beside the create, which is not held up
+            assert other.commands.run("echo ok").stdout == "ok\n"
+        assert_gone_soon(orphan, state_dir)
+        assert sb.commands.run("echo alive").stdout == "alive\n"  # live sandboxes are left alone
+
+
 @pytest.mark.parametrize("tier", ["process", "gvisor"])
 def test_a_sandbox_outlives_the_thread_that_created_it(tier: str, state_dir: Path) -> None:
     # bwrap dies with the thread that forked it (--die-with-parent): the tier forks it from a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import logging
 import threading
 import time
 from pathlib import Path
@@ -34,18 +35,46 @@ from .spec import SandboxSpec
 from .tiers import get_tier, tier_class
 from .transport import CreateOptions, SandboxBackend, Transport
 
-_gc_done: set[Path] = set()
+#: a process that goes on creating sweeps again at a create this long after its last sweep began:
+#: a server or an agent's long-lived process swept only at its first create, and what a killed
+#: owner left meanwhile (a fork's stopped parent VM, a snapshot's converter VM, 384 MiB each)
+#: stayed until `corral gc` or some other process's first create
+JANITOR_EVERY = 60.0
+#: when each state directory's last sweep of this process began (monotonic)
+_gc_began: dict[Path, float] = {}
+_gc_running: set[Path] = set()
 _gc_lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def _startup_gc(root: Path) -> None:
+    """The janitor (:func:`.registry.gc`): in this process's first create of ``root``, before it;
+    then, past :data:`JANITOR_EVERY`, beside a create, on a thread of its own (one at a time;
+    a sweep never frees a live sandbox's resources, whoever made it, whenever)."""
+    now = time.monotonic()
     with _gc_lock:
-        if root in _gc_done:
+        began = _gc_began.get(root)
+        if began is not None and (now - began < JANITOR_EVERY or root in _gc_running):
             return
-        _gc_done.add(root)
+        _gc_began[root] = now
+        if began is not None:
+            _gc_running.add(root)
+    if began is not None:
+        threading.Thread(target=_sweep_again, args=(root,), name="corral-janitor", daemon=True).start()
+        return
     raise_open_files_limit()  # once per process: a few descriptors per live sandbox add up
     shared_tables.widen()  # no sandbox may empty a host-wide table for the others
     gc(root)
+
+
+def _sweep_again(root: Path) -> None:
+    try:
+        gc(root)
+    except Exception:  # the next sweep, or `corral gc`, tries again; the create goes on
+        log.warning("the janitor's sweep of %s failed", root, exc_info=True)
+    finally:
+        with _gc_lock:
+            _gc_running.discard(root)
 
 
 def fork_live(root: Path, parent: LocalBackend, count: int) -> list[LocalBackend]:
