@@ -48,8 +48,8 @@ def devices(sb: Sandbox, tier: str) -> None:
 
 
 def proc_counters(sb: Sandbox) -> None:
-    """The process tier's /proc shows none of the host's live counters nor its command line, and
-    ps, top and free still work (``test_side_channels.py::test_the_process_tiers_proc_shows_no_host_wide_counter_nor_the_hosts_command_line``)."""
+    """The process tier's /proc shows neither the host's command line nor its finest live counters,
+    and ps, top, free and vmstat still work (``test_side_channels.py::test_the_process_tiers_proc_shows_no_host_wide_counter_nor_the_hosts_command_line``)."""
     assert_hosts_proc_counters_masked(sb)
 
 

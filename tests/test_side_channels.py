@@ -1,9 +1,10 @@
 """What a sandbox can learn of the host's and other sandboxes' activity through files they share.
 
 The process tier's ``/proc`` is a procfs of the host's kernel: its host-wide files were the
-host's, live and alike in every sandbox -- every tenant's interrupts per CPU, pressure stalls to
-the microsecond, page allocator and disk counters (timing channels between tenants) and the
-host kernel's command line.  Those are now empty files of the sandbox's own.
+host's, live and alike in every sandbox -- every tenant's interrupts per CPU and device, forks,
+pressure stalls to the microsecond, page allocator and disk counters (timing channels between
+tenants) and the host kernel's command line.  Those are now empty files of the sandbox's own,
+or the host's lines with every count 0 (``stat``, ``vmstat``).
 
 inotify reports every open, read and write of a watched inode, whoever makes it.  The process
 tier's ``/dev/null``, ``/dev/urandom``, ``/dev/tty``... were the host's own nodes (bwrap's ``--dev``
@@ -172,7 +173,7 @@ tried(libc.mount(b"proc", b"/mnt", b"proc", 0, None))
 def assert_hosts_proc_counters_masked(sb: Sandbox) -> None:
     """The process tier's masked ``/proc`` entries are empty, for the user and root, and stay so
     (also checked after the long session of test_session_containment.py)."""
-    from corral.tiers.linux.rootfs import MASKED_PROC_DIRS, MASKED_PROC_FILES
+    from corral.tiers.linux.rootfs import MASKED_PROC_DIRS, MASKED_PROC_FILES, QUIET_PROC_FILES
 
     names = [name for name in MASKED_PROC_FILES + MASKED_PROC_DIRS if os.path.exists(f"/proc/{name}")]
     # the host's are not empty (the check below can fail): the counters, its command line
@@ -188,14 +189,25 @@ def assert_hosts_proc_counters_masked(sb: Sandbox) -> None:
     r = sb.commands.run("python3 -c " + shlex.quote(UNMASK), user="root")
     assert r.stdout.split() == ["EPERM"] * 4, r
     assert sb.commands.run(script, user="root").stdout.splitlines() == [empty, "refused"]
-    # what ps, top, free and uptime read is there, and they work
+    # stat and vmstat: the host's lines, every count 0 but the boot time (the host's: a disk write
+    # there, or another sandbox's forks, moved intr and processes)
+    for name in QUIET_PROC_FILES:
+        inside = sb.commands.run(f"cat /proc/{name}").stdout.splitlines()
+        host = Path(f"/proc/{name}").read_text().splitlines()
+        assert [line.split()[0] for line in inside] == [line.split()[0] for line in host], (name, inside)
+        counts = {line.split()[0]: line.split()[1:] for line in inside}
+        assert counts.pop("btime", None) == next((line.split()[1:] for line in host if line.startswith("btime")), None)
+        assert counts.pop("procs_running", ["1"]) == ["1"]
+        assert all(value == "0" for values in counts.values() for value in values), (name, inside)
+    # what ps, top, free, uptime and vmstat read is there, and they work
     r = sb.commands.run("ps -e -o pid=,comm= | head -1; free -m | head -2 | tail -1; uptime; top -bn1 | head -1; "
-                        "grep -c ^cpu /proc/stat")
+                        "grep -c ^cpu /proc/stat; vmstat 1 1 | tail -1; python3 -c 'import os; print(os.cpu_count())'")
     assert r.exit_code == 0 and r.stderr == "", r
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["1", "agent"] and lines[1].startswith("Mem:"), r
     assert "load average" in lines[2] and lines[3].startswith("top - "), r
-    assert int(lines[4]) == 1 + (os.cpu_count() or 1), r
+    assert int(lines[4]) == 1 + (os.cpu_count() or 1) and lines[5].split()[:2] == ["1", "0"], r
+    assert lines[6] == str(os.cpu_count()), r
 
 
 @pytest.mark.parametrize("user", ["user", "root"])

@@ -389,26 +389,54 @@ def boot_id_file(run_dir: Path, uid: int, mounter: HostMounts | None = None) -> 
 #: /proc's files that show the whole host, live and alike to every sandbox: the host kernel's
 #: command line, and counters of every tenant's activity (interrupts and softirqs per CPU,
 #: pressure stalls to the microsecond, the page allocator's free lists, paging, disk I/O), which
-#: are timing channels between tenants.  Left as the host's: ``stat``, ``meminfo``, ``loadavg``
-#: and ``uptime``, which ``ps``, ``top`` and ``free`` read (and sysinfo(2) tells any process the
-#: same memory, loads and uptime)
-MASKED_PROC_FILES = ("cmdline", "interrupts", "softirqs", "buddyinfo", "zoneinfo", "vmstat", "diskstats")
-#: and directories of such files (PSI: ``cpu``, ``io``, ``memory``)
-MASKED_PROC_DIRS = ("pressure",)
+#: are timing channels between tenants.  Left as the host's: ``meminfo``, ``loadavg`` and
+#: ``uptime``, which ``top`` and ``free`` read (and sysinfo(2) tells any process the same memory,
+#: loads and uptime)
+MASKED_PROC_FILES = ("cmdline", "interrupts", "softirqs", "buddyinfo", "zoneinfo", "diskstats")
+#: and directories of such files (PSI's ``cpu``, ``io``, ``memory``; each interrupt's counts)
+MASKED_PROC_DIRS = ("pressure", "irq")
+#: and files tools need the shape of (``ps`` reads ``stat``'s ``btime``, ``vmstat`` fails on an
+#: empty ``vmstat``): the host's lines with every count 0 (:func:`quiet_proc_file`)
+QUIET_PROC_FILES = ("stat", "vmstat")
+
+
+@functools.cache
+def quiet_proc_file(name: str) -> str:
+    """``/proc/NAME`` with the host's lines and every count 0 but ``stat``'s ``btime`` (the host's
+    boot time, which ``ps`` adds to a process's start) and ``procs_running`` (1).  The host's
+    counted every tenant's activity: ``stat``'s ``intr`` per device (a disk write on the host
+    was +13 on its IRQ), softirqs, forks (``processes``: +300 for another sandbox's 300) and CPU
+    time; ``vmstat``'s page faults, allocations and I/O."""
+    lines = []
+    for line in Path(f"/proc/{name}").read_text().splitlines():
+        key, _, values = line.partition(" ")
+        if key == "btime":
+            lines.append(line)
+        elif key == "procs_running":
+            lines.append(f"{key} 1")
+        elif key:
+            lines.append(" ".join([key + (" " if key == "cpu" else ""), *("0" * len(values.split()))]))
+    return "\n".join(lines) + "\n"
 
 
 def proc_masks(run_dir: Path, mounter: HostMounts | None = None) -> list[str]:
-    """bwrap arguments that bind an empty file (or directory) of the sandbox's own, read-only,
-    over each of :data:`MASKED_PROC_FILES` (:data:`MASKED_PROC_DIRS`) the host's kernel has,
-    after ``--proc``.  Its own, made on its disk tmpfs by host root: a file every sandbox
-    shared would show by its times that some sandbox read it."""
-    file, folder = run_dir / "disk" / "masked", run_dir / "disk" / "masked.d"
-    made_file, made_folder = (mounter.view(file), mounter.view(folder)) if mounter is not None else (file, folder)
-    made_file.touch(mode=0o444)
-    made_folder.mkdir(mode=0o555)
+    """bwrap arguments that bind, read-only, after ``--proc``: an empty file (or directory) of
+    the sandbox's own over each of :data:`MASKED_PROC_FILES` (:data:`MASKED_PROC_DIRS`), and
+    :func:`quiet_proc_file` over each of :data:`QUIET_PROC_FILES`, that the host's kernel has.
+    Its own, made on its disk tmpfs by host root: a file every sandbox shared would show by its
+    times that some sandbox read it."""
+    disk = run_dir / "disk"
+    view = mounter.view if mounter is not None else (lambda path: path)
+    view(disk / "masked").touch(mode=0o444)
+    view(disk / "masked.d").mkdir(mode=0o555)
     args = []
-    for names, source in ((MASKED_PROC_FILES, file), (MASKED_PROC_DIRS, folder)):
+    for name in QUIET_PROC_FILES:
+        if os.path.exists(f"/proc/{name}"):  # bwrap fails on a target the kernel has not
+            view(disk / f"proc-{name}").write_text(quiet_proc_file(name))
+            os.chmod(view(disk / f"proc-{name}"), 0o444)
+            args += ["--ro-bind", str(disk / f"proc-{name}"), f"/proc/{name}"]
+    for names, source in ((MASKED_PROC_FILES, disk / "masked"), (MASKED_PROC_DIRS, disk / "masked.d")):
         for name in names:
-            if os.path.exists(f"/proc/{name}"):  # bwrap fails on a target the kernel has not
+            if os.path.exists(f"/proc/{name}"):
                 args += ["--ro-bind", str(source), f"/proc/{name}"]
     return args
