@@ -176,11 +176,10 @@ class MountNamespace(HostMounts):
         sock = None
         for at, (source, target, read_only) in enumerate(binds):
             sock = self._send("M" if at else "m", [str(source), str(target), "", str(mounts.MS_BIND), ""])
-            if read_only:
-                self._send("M", ["", str(target), "", str(mounts.MS_REMOUNT | mounts.MS_BIND | mounts.MS_RDONLY
-                                                      | mounts.MS_NOSUID | mounts.MS_NODEV), ""])
-        replies = len(binds) + sum(read_only for _, _, read_only in binds)
-        errors = [self._error(sock.recv(4096)) for _ in range(replies)] if sock is not None else []
+            # a bind takes its source's flags: these are set by a remount of the bind
+            flags = mounts.MS_REMOUNT | mounts.MS_BIND | mounts.MS_NOSUID | mounts.MS_NODEV
+            self._send("M", ["", str(target), "", str(flags | (mounts.MS_RDONLY if read_only else 0)), ""])
+        errors = [self._error(sock.recv(4096)) for _ in range(2 * len(binds))] if sock is not None else []
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
