@@ -426,15 +426,20 @@ def proc_masks(run_dir: Path, mounter: HostMounts | None = None) -> list[str]:
     Its own, made on its disk tmpfs by host root: a file every sandbox shared would show by its
     times that some sandbox read it."""
     disk = run_dir / "disk"
-    view = mounter.view if mounter is not None else (lambda path: path)
-    view(disk / "masked").touch(mode=0o444)
-    view(disk / "masked.d").mkdir(mode=0o555)
     args = []
-    for name in QUIET_PROC_FILES:
-        if os.path.exists(f"/proc/{name}"):  # bwrap fails on a target the kernel has not
-            view(disk / f"proc-{name}").write_text(quiet_proc_file(name))
-            os.chmod(view(disk / f"proc-{name}"), 0o444)
-            args += ["--ro-bind", str(disk / f"proc-{name}"), f"/proc/{name}"]
+    # by a descriptor of the directory: each path through /proc/PID/root costs a lookup of its own
+    made = os.open(mounter.view(disk) if mounter is not None else disk, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(os.open("masked", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444, dir_fd=made))
+        os.mkdir("masked.d", 0o555, dir_fd=made)
+        for name in QUIET_PROC_FILES:
+            if os.path.exists(f"/proc/{name}"):  # bwrap fails on a target the kernel has not
+                fd = os.open(f"proc-{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444, dir_fd=made)
+                with open(fd, "w") as file:
+                    file.write(quiet_proc_file(name))
+                args += ["--ro-bind", str(disk / f"proc-{name}"), f"/proc/{name}"]
+    finally:
+        os.close(made)
     for names, source in ((MASKED_PROC_FILES, disk / "masked"), (MASKED_PROC_DIRS, disk / "masked.d")):
         for name in names:
             if os.path.exists(f"/proc/{name}"):
