@@ -135,6 +135,13 @@ class MountNamespace(HostMounts):
         if error is not None:
             raise error
 
+    def _raise_first(self, sock: socket.socket, replies: int) -> None:
+        """Read the answers to ``replies`` requests sent in a row; raise the first error."""
+        errors = [self._error(sock.recv(4096)) for _ in range(replies)]
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
     def _mount(self, source: str, target: Path, fstype: str, flags: int, options: str) -> None:
         self._check("m", [source, str(target), fstype, str(flags), options])
 
@@ -145,11 +152,6 @@ class MountNamespace(HostMounts):
     def mount_overlay(self, target: Path, lower: list[Path], upper: Path, work: Path) -> None:
         fstype, flags, options = mounts.overlay_args(lower, upper, work)
         self._mount("overlay", target, fstype, flags, options)
-
-    def mount_devpts(self, target: Path, max_ptys: int) -> None:
-        """A ``devpts`` of the sandbox's own at ``target`` (:func:`.mounts.devpts_args`)."""
-        fstype, flags, options = mounts.devpts_args(max_ptys)
-        self._mount("devpts", target, fstype, flags, options)
 
     def mount_device_nodes(self, target: Path) -> None:
         """A tmpfs at ``target`` to hold device nodes (:func:`.mounts.device_nodes_args`)."""
@@ -165,10 +167,7 @@ class MountNamespace(HostMounts):
         self._send("M", [str(shm), str(nodes / "shm"), "", str(mounts.MS_BIND), ""])
         self._send("M", ["", str(nodes), "", str(mounts.MS_REMOUNT | mounts.MS_BIND | mounts.MS_RDONLY
                                                    | mounts.MS_NOSUID | mounts.MS_NOEXEC), ""])
-        errors = [self._error(sock.recv(4096)) for _ in range(3)]
-        error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            raise error
+        self._raise_first(sock, 3)
 
     def bind_all(self, binds: Sequence[tuple[Path, Path, bool]]) -> None:
         """Bind each (source, target, read-only) in order, ``nosuid``/``nodev``, in one round trip;
@@ -179,10 +178,8 @@ class MountNamespace(HostMounts):
             # a bind takes its source's flags: these are set by a remount of the bind
             flags = mounts.MS_REMOUNT | mounts.MS_BIND | mounts.MS_NOSUID | mounts.MS_NODEV
             self._send("M", ["", str(target), "", str(flags | (mounts.MS_RDONLY if read_only else 0)), ""])
-        errors = [self._error(sock.recv(4096)) for _ in range(2 * len(binds))] if sock is not None else []
-        error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            raise error
+        if sock is not None:
+            self._raise_first(sock, 2 * len(binds))
 
     def attach_idmapped(self, lower: Path, view: Path, userns_fd: int) -> None:
         self._check("i", [str(lower), str(view)], [userns_fd])
