@@ -369,10 +369,10 @@ class AgentChannel:
             raise FileError(f"file is larger than the {limit} byte limit", 27)
         return bytes(pending.data)
 
-    def read_file(self, path: str, max_bytes: int, *, as_agent: bool = False) -> bytes:
+    def read_file(self, path: str, max_bytes: int, *, as_agent: bool = False, timeout: float = 60.0) -> bytes:
         # the limit goes with the request: the agent refuses a larger file instead of sending it
         request = path_bytes(path) + b"\0" + str(max_bytes).encode() + b"\0"
-        return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), request, limit=max_bytes)
+        return self.call(T_FREAD | (T_AS_AGENT if as_agent else 0), request, limit=max_bytes, timeout=timeout)
 
     def write_file(self, path: str, data: bytes, mode: int, *, as_agent: bool = False) -> None:
         """The whole of ``data`` at ``path``, or (on any error) the file as it was: the agent writes

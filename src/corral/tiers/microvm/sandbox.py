@@ -59,7 +59,7 @@ from ..base import ExecRequest, OutputCallback, Process
 from ..linux.agent import USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
 from ..linux.agent_process import AgentProcess
-from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FREAD, T_FWRITE
+from ..linux.frames import T_AS_AGENT, T_FMKDIR, T_FWRITE
 from ..linux.pause import backstop_kill
 from ..linux.sandbox import LinuxSandbox
 from . import converter, live, livefork, qemu, rootdisk, template, vmm
@@ -514,11 +514,7 @@ class MicroVMSandbox(LinuxSandbox):
         running = []
         channel = self._channel_or_raise()
         for command in carried:
-            try:
-                events = channel.read_file(f"{command.leaf}/cgroup.events", 4096, as_agent=True).decode()
-            except FileNotFoundInSandbox:
-                events = "populated 0"
-            if "populated 1" in events.splitlines():
+            if "populated 1" in _leaf_events(channel, command.leaf):
                 running.append((command.pid, list(command.argv), command.cwd))
             else:  # exited on its own: its leaf goes as an ended command's does
                 self._deadlines.forget(command.leaf)
@@ -572,6 +568,15 @@ class MicroVMSandbox(LinuxSandbox):
             self._bridge.close()
 
 
+def _leaf_events(channel: AgentChannel, leaf: str, timeout: float = 60.0) -> list[str]:
+    """The lines of a guest command leaf's ``cgroup.events`` as its agent reads them; a leaf
+    removed (its command ended) reads as ``populated 0``."""
+    try:
+        return channel.read_file(f"{leaf}/cgroup.events", 4096, as_agent=True, timeout=timeout).decode().splitlines()
+    except FileNotFoundInSandbox:
+        return ["populated 0"]
+
+
 class _LeafEnded:
     """Whether a guest leaf is empty, as its agent reports it (``cgroup.events``), asked again and
     again from a thread of its own until it is, the leaf is gone or :meth:`stop`: ``done`` for
@@ -582,7 +587,7 @@ class _LeafEnded:
 
     def __init__(self, channel: AgentChannel, leaf: str, closed: Callable[[], bool]) -> None:
         self._channel = channel
-        self._request = f"{leaf}/cgroup.events".encode() + b"\0" + b"4096\0"
+        self._leaf = leaf
         self._closed = closed
         self._done = threading.Event()
         self._stopped = threading.Event()
@@ -601,15 +606,12 @@ class _LeafEnded:
                 self._stopped.wait(self.EVERY)
                 continue
             try:
-                events = self._channel.begin(T_FREAD | T_AS_AGENT, self._request, limit=4096)(KILL_GRACE).decode()
-            except FileNotFoundInSandbox:  # removed: its command ended
-                self._done.set()
-                return
+                events = _leaf_events(self._channel, self._leaf, KILL_GRACE)
             except (SandboxClosed, FileError):  # no answer in time, or the channel going: asked again
-                events = ""
+                events = []
             except (SandboxError, OSError):
                 return
-            if "populated 0" in events.splitlines():
+            if "populated 0" in events:  # (or the leaf removed: its command ended)
                 self._done.set()
                 return
             self._stopped.wait(self.EVERY)
