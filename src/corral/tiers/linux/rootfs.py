@@ -419,6 +419,13 @@ def quiet_proc_file(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+@functools.cache
+def _on_this_kernel(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``names`` the host's ``/proc`` has (bwrap fails on a target the kernel has not);
+    looked up once, not at every create."""
+    return tuple(name for name in names if os.path.exists(f"/proc/{name}"))
+
+
 def proc_masks(run_dir: Path, mounter: HostMounts | None = None) -> list[str]:
     """bwrap arguments that bind, read-only, after ``--proc``: an empty file (or directory) of
     the sandbox's own over each of :data:`MASKED_PROC_FILES` (:data:`MASKED_PROC_DIRS`), and
@@ -432,16 +439,14 @@ def proc_masks(run_dir: Path, mounter: HostMounts | None = None) -> list[str]:
     try:
         os.close(os.open("masked", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444, dir_fd=made))
         os.mkdir("masked.d", 0o555, dir_fd=made)
-        for name in QUIET_PROC_FILES:
-            if os.path.exists(f"/proc/{name}"):  # bwrap fails on a target the kernel has not
-                fd = os.open(f"proc-{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444, dir_fd=made)
-                with open(fd, "w") as file:
-                    file.write(quiet_proc_file(name))
-                args += ["--ro-bind", str(disk / f"proc-{name}"), f"/proc/{name}"]
+        for name in _on_this_kernel(QUIET_PROC_FILES):
+            fd = os.open(f"proc-{name}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444, dir_fd=made)
+            with open(fd, "w") as file:
+                file.write(quiet_proc_file(name))
+            args += ["--ro-bind", str(disk / f"proc-{name}"), f"/proc/{name}"]
     finally:
         os.close(made)
     for names, source in ((MASKED_PROC_FILES, disk / "masked"), (MASKED_PROC_DIRS, disk / "masked.d")):
-        for name in names:
-            if os.path.exists(f"/proc/{name}"):
-                args += ["--ro-bind", str(source), f"/proc/{name}"]
+        for name in _on_this_kernel(names):
+            args += ["--ro-bind", str(source), f"/proc/{name}"]
     return args
