@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import FileError, FileNotFoundInSandbox, SandboxError
+from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed, SandboxError
 from ..linux.agent import AgentChannel
 from ..linux.agent_process import AgentProcess
 from ..linux.frames import T_AS_AGENT, T_FREMOVE
@@ -167,3 +167,54 @@ class CommandDeadlines:
     def close(self) -> None:
         for timer in self._timers:
             timer.cancel()
+
+
+def leaf_events(channel: AgentChannel, leaf: str, timeout: float = 60.0) -> list[str]:
+    """The lines of a guest command leaf's ``cgroup.events`` as its agent reads them; a leaf
+    removed (its command ended) reads as ``populated 0``."""
+    try:
+        return channel.read_file(f"{leaf}/cgroup.events", 4096, as_agent=True, timeout=timeout).decode().splitlines()
+    except FileNotFoundInSandbox:
+        return ["populated 0"]
+
+
+class LeafEnded:
+    """Whether a guest leaf is empty, as its agent reports it (``cgroup.events``), asked again and
+    again from a thread of its own until it is, the leaf is gone or :meth:`stop`: ``done`` for
+    :func:`~..linux.pause.backstop_kill`.  An agent that answers nothing leaves it False (each
+    question waits ``ask_timeout`` seconds for its answer, then is asked again)."""
+
+    #: seconds between a "populated 1" answer and the next question
+    EVERY = 0.05
+
+    def __init__(self, channel: AgentChannel, leaf: str, closed: Callable[[], bool], ask_timeout: float) -> None:
+        self._channel = channel
+        self._ask_timeout = ask_timeout
+        self._leaf = leaf
+        self._closed = closed
+        self._done = threading.Event()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._ask, name="corral-vm-leaf-ended", daemon=True).start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _ask(self) -> None:
+        while not self._stopped.is_set() and not self._closed() and not self._channel.closed.is_set():
+            if self._channel.pause_clock.paused:  # it answers once resumed: ask it then
+                self._stopped.wait(self.EVERY)
+                continue
+            try:
+                events = leaf_events(self._channel, self._leaf, self._ask_timeout)
+            except (SandboxClosed, FileError):  # no answer in time, or the channel going: asked again
+                events = []
+            except (SandboxError, OSError):
+                return
+            if "populated 0" in events:  # (or the leaf removed: its command ended)
+                self._done.set()
+                return
+            self._stopped.wait(self.EVERY)

@@ -35,6 +35,13 @@ EGRESS_PORT = "corral-net"
 GUEST_MAC = "52:54:00:c0:44:02"
 
 
+#: with CORRAL_MICROVM_TRACE: QEMU timestamps (host clock) the guest's step bytes on the serial
+#: port and the virtio-serial and 9p events around them (bench/microvm.py --trace)
+TRACE_ARGS = ["-msg", "timestamp=on", *(arg for event in (
+    "serial_write", "virtio_console_chr_read", "virtio_console_flush_buf", "v9fs_version",
+    "qemu_loadvm_state_post_main") for arg in ("-trace", event))]
+
+
 def kernel_args(accel: str) -> str:
     """The guest kernel's command line.
 

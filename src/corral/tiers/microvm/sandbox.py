@@ -45,12 +45,11 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...egress.network import PROXY_PORT
-from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed, SandboxError
+from ...errors import SandboxClosed, SandboxError
 from ...host import mounts
 from ...host.ws_copy import WorkspaceCopy
 from ...images import resolve
@@ -64,7 +63,7 @@ from ..linux.pause import backstop_kill
 from ..linux.sandbox import LinuxSandbox
 from . import converter, live, livefork, qemu, rootdisk, template, vmm
 from .egress_bridge import EgressBridge
-from .leaves import Carried, CommandDeadlines, LeftLeaves
+from .leaves import Carried, CommandDeadlines, LeafEnded, LeftLeaves, leaf_events
 
 if TYPE_CHECKING:
     from .tier import MicroVMTier
@@ -79,8 +78,6 @@ START_TIMEOUT = 60.0
 #: the exit) before the host stops the VM: the agent writes the kill, and a guest root can stop it
 KILL_GRACE = 5.0
 GUEST_CGROUP = "/sys/fs/cgroup/sandbox"
-#: sh -c SCRIPT corral-vmm PROCS_FILE... -- QEMU ARGS...: join the cgroups, become QEMU
-_JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
 class MicroVMSandbox(LinuxSandbox):
@@ -239,20 +236,11 @@ class MicroVMSandbox(LinuxSandbox):
             tap_fd=tap,
         )
         argv += ["-name", self.id]  # its files are descriptors now: the name says whose it is (ps, leak checks)
-        # QEMU must start inside the sandbox's host cgroup.  A shell joins it and
-        # execs QEMU (same pid): Python can then vfork, where a preexec_fn would
-        # fork the whole (large, threaded) Python process, 10-20 ms per sandbox.
-        # The agent binary between them makes QEMU root of the sandbox's user namespace (vmm.py)
         procs_files = [str(path) for path in self.cgroup.procs_files(self.cgroup.leaf("vmm"))]
-        argv = ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--",
-                *vmm.launcher(agent_binary(self._tier.state_dir), userns, tmpl.accel, self._tier.seccomp), *argv]
+        argv = vmm.joining(procs_files, [
+            *vmm.launcher(agent_binary(self._tier.state_dir), userns, tmpl.accel, self._tier.seccomp), *argv])
         if self._trace:
-            # QEMU timestamps (host clock) the guest's step bytes on the serial port and
-            # the virtio-serial and 9p events around them: bench/microvm.py --trace
-            argv += ["-msg", "timestamp=on"]
-            for event in ("serial_write", "virtio_console_chr_read", "virtio_console_flush_buf", "v9fs_version",
-                          "qemu_loadvm_state_post_main"):
-                argv += ["-trace", event]
+            argv += qemu.TRACE_ARGS
             self.trace_wall0 = time.time()
         t0 = time.monotonic()
         qmp: qemu.QMP | None = None
@@ -485,7 +473,7 @@ class MicroVMSandbox(LinuxSandbox):
         it.  Not seen to end within KILL_GRACE of the VM's running time, the VM stops."""
         self._kill_leaf(leaf)
         channel = self._channel_even_paused()
-        ended = _LeafEnded(channel, leaf, lambda: self._closed)
+        ended = LeafEnded(channel, leaf, lambda: self._closed, KILL_GRACE)
         why = f"its agent did not confirm the kill of a command copied into it within {KILL_GRACE:.0f} s"
 
         def watch() -> None:
@@ -514,7 +502,7 @@ class MicroVMSandbox(LinuxSandbox):
         running = []
         channel = self._channel_or_raise()
         for command in carried:
-            if "populated 1" in _leaf_events(channel, command.leaf):
+            if "populated 1" in leaf_events(channel, command.leaf):
                 running.append((command.pid, list(command.argv), command.cwd))
             else:  # exited on its own: its leaf goes as an ended command's does
                 self._deadlines.forget(command.leaf)
@@ -567,51 +555,3 @@ class MicroVMSandbox(LinuxSandbox):
         if self._bridge is not None:
             self._bridge.close()
 
-
-def _leaf_events(channel: AgentChannel, leaf: str, timeout: float = 60.0) -> list[str]:
-    """The lines of a guest command leaf's ``cgroup.events`` as its agent reads them; a leaf
-    removed (its command ended) reads as ``populated 0``."""
-    try:
-        return channel.read_file(f"{leaf}/cgroup.events", 4096, as_agent=True, timeout=timeout).decode().splitlines()
-    except FileNotFoundInSandbox:
-        return ["populated 0"]
-
-
-class _LeafEnded:
-    """Whether a guest leaf is empty, as its agent reports it (``cgroup.events``), asked again and
-    again from a thread of its own until it is, the leaf is gone or :meth:`stop`: ``done`` for
-    :func:`~..linux.pause.backstop_kill`.  An agent that answers nothing leaves it False."""
-
-    #: seconds between a "populated 1" answer and the next question
-    EVERY = 0.05
-
-    def __init__(self, channel: AgentChannel, leaf: str, closed: Callable[[], bool]) -> None:
-        self._channel = channel
-        self._leaf = leaf
-        self._closed = closed
-        self._done = threading.Event()
-        self._stopped = threading.Event()
-        threading.Thread(target=self._ask, name="corral-vm-leaf-ended", daemon=True).start()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _ask(self) -> None:
-        while not self._stopped.is_set() and not self._closed() and not self._channel.closed.is_set():
-            if self._channel.pause_clock.paused:  # it answers once resumed: ask it then
-                self._stopped.wait(self.EVERY)
-                continue
-            try:
-                events = _leaf_events(self._channel, self._leaf, KILL_GRACE)
-            except (SandboxClosed, FileError):  # no answer in time, or the channel going: asked again
-                events = []
-            except (SandboxError, OSError):
-                return
-            if "populated 0" in events:  # (or the leaf removed: its command ended)
-                self._done.set()
-                return
-            self._stopped.wait(self.EVERY)

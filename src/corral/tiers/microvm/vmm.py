@@ -46,6 +46,18 @@ def kvm_groups(accel: str) -> str:
     return "-" if st.st_mode & 0o006 == 0o006 or st.st_gid == 0 else str(st.st_gid)
 
 
+#: sh -c SCRIPT corral-vmm PROCS_FILE... -- QEMU ARGS...: join the cgroups, become QEMU
+_JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
+def joining(procs_files: list[str], argv: list[str]) -> list[str]:
+    """``argv`` run by a shell that first joins the cgroups whose ``cgroup.procs`` files are given.
+    QEMU must start inside the sandbox's host cgroup: the shell joins it and execs (same pid), so
+    Python can vfork, where a ``preexec_fn`` would fork the whole (large, threaded) Python
+    process, 10-20 ms per sandbox."""
+    return ["/bin/sh", "-c", _JOIN_AND_EXEC, "corral-vmm", *procs_files, "--", *argv]
+
+
 def launcher(agent: Path, userns: int, accel: str, seccomp: Path, die_with_parent: bool = False) -> list[str]:
     """The command line that enters the namespace ``userns`` (inherited) and execs what follows
     under the sandboxes' seccomp filter (``seccomp``: its BPF program, ``host/seccomp.py``), on
