@@ -30,6 +30,21 @@ from urllib.parse import urlsplit
 from ..host.sockets import close_listener
 from ..secrets import Secret
 from .audit import AuditLog
+from .client_wire import (
+    HANDSHAKE_TIMEOUT,
+    SOCKS_BAD_ATYP,
+    SOCKS_BAD_CMD,
+    SOCKS_NOT_ALLOWED,
+    SOCKS_OK,
+    SOCKS_UNREACHABLE,
+    HandshakeTooSlow,
+    ProxyError,
+    read_head,
+    recv_exact,
+    send_refusal,
+    socks_reply,
+    split_host_port,
+)
 from .echo_forms import EchoMatcher, Form
 from .echo_guard import ResponseGuard, copy_guarded
 from .policy import Decision, Policy
@@ -60,15 +75,6 @@ from .tunnel import (
 if TYPE_CHECKING:
     from .tls import SandboxCA  # cryptography costs ~0.1 s to import: only when secrets need it
 
-MAX_HEAD = 64 * 1024
-#: seconds a client has for its whole request head or SOCKS handshake (and between bytes while
-#: it sends one): a byte every few seconds held a proxy thread and a descriptor for as long as
-#: the sandbox liked (256 such heads held 256 of the owner's threads), none of it audited
-HANDSHAKE_TIMEOUT = 30.0
-#: a piece of an unfinished request head smaller than this bytes makes the next read wait
-#: DRIBBLE_PAUSE seconds (a client writes its head whole: only a dribbling one waits)
-DRIBBLE_PIECE = 512
-DRIBBLE_PAUSE = 0.05
 CONNECT_TIMEOUT = 10.0
 
 _HOP_HEADERS = {b"proxy-connection", b"proxy-authorization", b"connection", b"keep-alive"}
@@ -79,14 +85,6 @@ _BOUND_DROPPED = {b"accept-encoding", b"te", b"range", b"if-range",
                   # a WebSocket's compressed messages): the Connection field that asks for it is
                   # replaced anyway, but a lax server might switch on Upgrade alone
                   b"upgrade", b"http2-settings", b"sec-websocket-extensions"}
-
-
-class ProxyError(Exception):
-    """A client spoke something we do not serve; the connection is dropped."""
-
-
-class HandshakeTooSlow(ProxyError):
-    """A request head or SOCKS handshake did not arrive whole within HANDSHAKE_TIMEOUT."""
 
 
 class EgressProxy:
@@ -455,25 +453,25 @@ class EgressProxy:
         elif atyp == 3:
             host = recv_exact(conn, recv_exact(conn, 1, deadline)[0], deadline).decode("idna")
         else:
-            _socks_reply(conn, _SOCKS_BAD_ATYP)
+            socks_reply(conn, SOCKS_BAD_ATYP)
             return
         (port,) = struct.unpack("!H", recv_exact(conn, 2, deadline))
         asked = f"{host}:{port}"
         if cmd != 1:  # BIND and UDP ASSOCIATE would open paths the policy cannot see
             self.audit.record(self.sandbox_id, "refused", asked, None, "socks-command-not-supported", "socks5")
-            _socks_reply(conn, _SOCKS_BAD_CMD)
+            socks_reply(conn, SOCKS_BAD_CMD)
             return
         decision = self.policy.decide(host, port)
         if not decision.allowed:
             self._refuse_audit(decision, asked, "socks5")
-            _socks_reply(conn, _SOCKS_NOT_ALLOWED)
+            socks_reply(conn, SOCKS_NOT_ALLOWED)
             return
         try:
             upstream = self._connect(decision, opened)
         except OSError:
-            _socks_reply(conn, _SOCKS_UNREACHABLE)
+            socks_reply(conn, SOCKS_UNREACHABLE)
             return
-        _socks_reply(conn, _SOCKS_OK)
+        socks_reply(conn, SOCKS_OK)
         self._pump(conn, upstream, b"")
 
 
@@ -484,86 +482,3 @@ def _pending(listener: socket.socket) -> bool:
     poller.register(listener, select.POLLIN)
     return bool(poller.poll(0))
 
-
-def read_head(sock: socket.socket, deadline: float) -> tuple[bytes, bytes]:
-    """Read up to the blank line ending an HTTP head, by ``deadline`` (monotonic); return (head
-    without it, bytes after it).
-
-    What a piece costs the owner is bounded, not what the sandbox sends: only the new bytes are
-    searched (and appended in place), and after a small piece of an unfinished head the next read
-    waits DRIBBLE_PAUSE, so a head dribbled a byte at a time is read in few, bigger pieces.  Each
-    piece was copied with all before it and all of it searched again: 64 connections dribbling a
-    byte a millisecond each took 5.7 s of the owner's CPU in 4 s."""
-    data = bytearray()
-    while True:
-        start = max(0, len(data) - 3)
-        chunk = _recv_by(sock, 16384, deadline, "request head")
-        if not chunk:
-            raise ProxyError("client closed before the request head ended")
-        data += chunk
-        end = data.find(b"\r\n\r\n", start)
-        if end >= 0:
-            return bytes(data[:end]), bytes(data[end + 4:])
-        if len(data) > MAX_HEAD:
-            raise ProxyError("request head too large")
-        if len(chunk) < DRIBBLE_PIECE:
-            time.sleep(min(DRIBBLE_PAUSE, max(0.0, deadline - time.monotonic())))
-
-
-def _recv_by(sock: socket.socket, size: int, deadline: float, what: str) -> bytes:
-    """One ``recv`` that returns by ``deadline`` (the socket's own timeout is put back after)."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise HandshakeTooSlow(f"the {what} did not arrive whole within {HANDSHAKE_TIMEOUT:g} s")
-    before = sock.gettimeout()
-    sock.settimeout(left if before is None else min(left, before))
-    try:
-        return sock.recv(size)
-    except TimeoutError:
-        if time.monotonic() >= deadline:
-            raise HandshakeTooSlow(f"the {what} did not arrive whole within {HANDSHAKE_TIMEOUT:g} s") from None
-        raise
-    finally:
-        sock.settimeout(before)
-
-
-def split_host_port(text: str, default: int | None) -> tuple[str, int]:
-    if text.startswith("["):
-        host, _, port = text[1:].partition("]")
-        port = port.removeprefix(":")
-    else:
-        host, sep, port = text.rpartition(":")
-        if not sep:
-            host, port = text, ""
-    if not port:
-        if default is None:
-            raise ProxyError(f"no port in {text!r}")
-        return host, default
-    if not (port.isascii() and port.isdigit()):  # "²" is a digit to isdigit(), not to int()
-        raise ProxyError(f"bad port in {text!r}")
-    return host, int(port)
-
-
-def send_refusal(conn: socket.socket, decision: Decision) -> None:
-    where = f"{decision.host}:{decision.port}" + (f" ({decision.address})" if decision.address else "")
-    body = f"corral egress: {where} refused by rule {decision.rule}\n".encode()
-    conn.sendall(b"HTTP/1.1 403 Forbidden\r\nConnection: close\r\nContent-Type: text/plain\r\n"
-                 b"X-Corral-Refused: " + decision.rule.encode() + b"\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-_SOCKS_OK, _SOCKS_NOT_ALLOWED, _SOCKS_UNREACHABLE, _SOCKS_REFUSED, _SOCKS_BAD_CMD, _SOCKS_BAD_ATYP = 0, 2, 4, 5, 7, 8
-
-
-def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = _recv_by(sock, n - len(data), deadline, "SOCKS handshake")
-        if not chunk:
-            raise ProxyError("client closed during the SOCKS handshake")
-        data += chunk
-    return data
-
-
-def _socks_reply(conn: socket.socket, code: int) -> None:
-    conn.sendall(struct.pack("!BBBB4sH", 5, code, 0, 1, b"\0\0\0\0", 0))
