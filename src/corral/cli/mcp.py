@@ -14,8 +14,8 @@ def register(sub: Any) -> None:
     parser.add_argument("--http", action="store_true", help="streamable HTTP on loopback instead of stdio")
     parser.add_argument("--port", type=int, default=7334, help="port for --http (default 7334)")
     parser.add_argument("--session-idle-timeout", type=float, default=30 * 60.0, metavar="SECONDS",
-                        help="--http: end a session (and destroy its sandboxes) after this long without a tool "
-                        "call (default 1800)")
+                        help="--http: end a session (and destroy its sandboxes) after this long idle, counted from the end "
+                        "of its last request (one in flight keeps it; default 1800)")
     parser.set_defaults(handler=handle)
 
 

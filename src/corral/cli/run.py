@@ -42,7 +42,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NAME=VALUE lines to take secret values from (must not be world-readable)")
     parser.add_argument("--user", default=None, choices=("user", "root"),
                         help="run as the sandbox user (uid 1000, default) or as root of the sandbox's own "
-                             "user namespace (no host privilege; process and gVisor tiers)")
+                             "user namespace (no host privilege), or of its own guest kernel on the microVM; not wasm")
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
