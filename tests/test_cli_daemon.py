@@ -411,6 +411,28 @@ def test_a_command_the_daemon_started_is_never_run_again_when_the_daemon_dies(cl
         _remove(d)
 
 
+def test_the_launcher_imports_nothing_from_the_directory_it_runs_in(tmp_path: Path) -> None:
+    """`python -m` puts the working directory first on sys.path, and root runs `corral` in project
+    directories a sandbox writes back to (a default `rw` workspace) or a cloned repository fills:
+    a corral/__init__.py or an argparse.py there ran as host root before the CLI started."""
+    project = tmp_path / "project"
+    (project / "corral").mkdir(parents=True)
+    marker = tmp_path / "ran-as-host"
+    planted = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for name in ("corral/__init__.py", "argparse.py", "json.py"):
+        (project / name).write_text(planted)
+    state = Path(tempfile.mkdtemp(prefix="corral-test-launcher-"))
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_URL"}
+    try:
+        for argv in (["ls"], ["run", "--", "true"]):  # both exec the Python CLI (no daemon runs)
+            done = subprocess.run([CORRAL, "--state-dir", str(state), *argv], cwd=project, env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, (argv, done.stderr)
+        assert not marker.exists(), marker.read_text()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
 def test_the_default_timeout_the_clients_assume_is_the_specs() -> None:
     from corral.cli import local_wire
     from corral.spec import Limits

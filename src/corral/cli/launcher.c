@@ -39,12 +39,16 @@ static char **original_argv;
 static void run_python(void) {
     int argc = 0;
     while (original_argv[argc]) argc++;
-    char **argv = calloc((size_t)argc + 4, sizeof *argv);
+    char **argv = calloc((size_t)argc + 5, sizeof *argv);
     if (!argv) _exit(EXIT_SANDBOX_FAILED);
     argv[0] = CORRAL_PYTHON;
-    argv[1] = "-m";
-    argv[2] = "corral.cli";
-    for (int i = 1; i < argc; i++) argv[i + 2] = original_argv[i];
+    /* -P: `-m` would put the working directory first on sys.path, and root runs `corral` in
+     * project directories a sandbox writes back to (or a cloned repository fills): a
+     * corral/__init__.py or an argparse.py there ran as host root before the CLI started */
+    argv[1] = "-P";
+    argv[2] = "-m";
+    argv[3] = "corral.cli";
+    for (int i = 1; i < argc; i++) argv[i + 3] = original_argv[i];
     execv(CORRAL_PYTHON, argv);
     fprintf(stderr, "corral: cannot run %s: %s\n", CORRAL_PYTHON, strerror(errno));
     _exit(EXIT_SANDBOX_FAILED);

@@ -202,7 +202,7 @@ class _Builder:
             # step, in the order apt planned on the host (see aptplan)
             self._in_sandbox(step, log, aptplan.dpkg_script(self._apt_plan, DEBS_POINT))
         elif step == "pip download":
-            self._host_command(step, log, [sys.executable, "-m", "pip", "download", "--only-binary=:all:",
+            self._host_command(step, log, [sys.executable, "-P", "-m", "pip", "download", "--only-binary=:all:",
                                            "--dest", str(self.staging / "wheels"), "--no-cache-dir",
                                            "--progress-bar", "off", "pip", *self.recipe.pip])
         elif step == "npm fetch":
@@ -359,8 +359,9 @@ class _Builder:
         with open(log, "ab") as out:
             out.write(("$ " + " ".join(argv) + "\n").encode())
             out.flush()
+            # in the build's own directory, not the caller's (a module there could shadow pip's)
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=self.staging,
                                     env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
             assert proc.stdout is not None
             timer = threading.Timer(self.recipe.build_timeout, _kill_group, (proc,))
