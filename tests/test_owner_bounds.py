@@ -478,6 +478,56 @@ def test_concurrent_mcp_creates_of_one_session_hold_at_most_its_sandboxes(state_
     assert list((state / "sandboxes").iterdir()) == []
 
 
+def test_a_fork_of_a_count_below_one_makes_no_room_for_an_mcp_sessions_creates(state_dir: Path) -> None:
+    """fork_sandbox held room for its count before the count was checked: a count of -1,000,000
+    waiting for one of the session's threads made the session's held count negative, and 10
+    creates meanwhile all made sandboxes, past the session's 8 (and, summed, the server's 64)."""
+    import asyncio
+    import os
+
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from corral.mcp_server import MAX_SANDBOXES_PER_SESSION, THREADS_PER_SESSION
+
+    from .server_fixtures import CORRAL
+
+    state = state_dir / "mcp-fork-count"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+
+    async def session() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            made = await client.call_tool("create_sandbox", {"memory": "64M"})
+            parent = json.loads(made.content[0].text)["sandbox_id"]
+            # every thread of the session's share busy: the fork waits for one
+            sleepers = [asyncio.ensure_future(client.call_tool(
+                "run_command", {"sandbox_id": parent, "command": "sleep 3"})) for _ in range(THREADS_PER_SESSION)]
+            await asyncio.sleep(0.5)
+            fork = asyncio.ensure_future(client.call_tool("fork_sandbox", {"sandbox_id": parent, "count": -1_000_000}))
+            await asyncio.sleep(0.3)
+            creates = await asyncio.gather(*(client.call_tool("create_sandbox", {"memory": "64M"}) for _ in range(10)))
+            await asyncio.gather(*sleepers)
+            refused = await fork
+            assert refused.is_error and "invalid_spec" in refused.content[0].text, refused
+            for count in (0, True, 65):
+                answer = await client.call_tool("fork_sandbox", {"sandbox_id": parent, "count": count})
+                assert answer.is_error, (count, answer)
+            made_now = [r for r in creates if not r.is_error]
+            assert len(made_now) == MAX_SANDBOXES_PER_SESSION - 1, [r.content[0].text for r in creates]
+            # the allowed thing: a fork within the bound, once there is room
+            await client.call_tool("destroy_sandbox", {"sandbox_id": json.loads(made_now[0].content[0].text)["sandbox_id"]})
+            assert not (await client.call_tool("fork_sandbox", {"sandbox_id": parent, "count": 1})).is_error
+
+    asyncio.run(session())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and list((state / "sandboxes").iterdir()):
+        time.sleep(0.1)
+    assert list((state / "sandboxes").iterdir()) == []
+
+
 def test_code_contexts_are_bounded_and_a_kernel_keeps_no_output_between_cells() -> None:
     """A sandbox has at most MAX_CODE_CONTEXTS code contexts (ResourceLimit past it; before: no bound,
     each an interpreter process), and a kernel's command keeps none of what its cells printed (before:

@@ -22,7 +22,7 @@ from .commands import CommandInfo, check_call
 from .errors import FileNotFoundInSandbox, InvalidSpec
 from .lifecycle import InstanceOrClass, SandboxInfo, check_lifetime
 from .ports import ExposedPort
-from .sandbox import MAX_FORKS, CodeContext, Sandbox, create_options
+from .sandbox import CodeContext, Sandbox, check_fork_count, create_options
 from .spec import SandboxSpec, validate_env, validate_file_mode, validate_max_bytes, validate_sandbox_path
 from .surface import DEFAULT_MAX_READ, download_dir, upload_dir
 from .tiers.base import ExecResult, FileEntry
@@ -406,8 +406,7 @@ class AsyncSandbox:
         if isinstance(self._backend, ThreadedBackend):
             forks = await asyncio.to_thread(self._backend.sync.fork, count)
             return [AsyncSandbox(ThreadedBackend(sb)) for sb in forks]
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
-            raise InvalidSpec(f"count: {count!r} must be a whole number in [1, {MAX_FORKS}]")
+        check_fork_count(count)
         return [AsyncSandbox(backend) for backend in await self._backend.fork(count)]
 
     async def create_code_context(self, language: str = "python", cwd: str | None = None) -> CodeContext:

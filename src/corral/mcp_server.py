@@ -43,7 +43,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ImageContent, TextContent
 
 from .errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxError, SandboxNotFound
-from .sandbox import Sandbox
+from .sandbox import Sandbox, check_fork_count
 from .surface import build_spec
 
 #: sandboxes one MCP session may hold at once
@@ -108,7 +108,11 @@ class Session:
     @contextlib.contextmanager
     def _room_for(self, count: int) -> Iterator[None]:
         """Hold room for ``count`` sandboxes while they are made (concurrent calls of one session each
-        found room before any was made: 14 at once made 14, past the 8)."""
+        found room before any was made: 14 at once made 14, past the 8).  ``count`` is checked by
+        the caller: a negative one made room for others (a fork of -1,000,000 waiting for a thread
+        let a session make 13 past its 8, and other sessions past the server's 64)."""
+        if count < 1:
+            raise InvalidSpec(f"count: {count!r} must be at least 1")
         held = len(self.sandboxes) + self.pending
         if held + count > MAX_SANDBOXES_PER_SESSION:
             raise ResourceLimit(f"this session already has {held} of {MAX_SANDBOXES_PER_SESSION} "
@@ -134,7 +138,7 @@ class Session:
 
     async def fork(self, sandbox_id: str, count: int) -> list[Any]:
         parent = self.get(sandbox_id)
-        with self._room_for(count):
+        with self._room_for(check_fork_count(count)):
             forks: list[Any] = await self.run(parent.fork, count)
             await self._keep(forks)
         return forks

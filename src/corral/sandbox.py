@@ -47,6 +47,13 @@ if TYPE_CHECKING:
 MAX_FORKS = 64
 
 
+def check_fork_count(count: object) -> int:
+    """``count`` as a number of forks: a whole number in [1, MAX_FORKS], else InvalidSpec."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+        raise InvalidSpec(f"count: {count!r} must be a whole number in [1, {MAX_FORKS}]")
+    return count
+
+
 def transport_for(url: str | None = None, api_key: str | None = None, state: str | Path | None = None,
                   transport: Transport | None = None, cluster: str | bool | None = None) -> Transport:
     """The transport a call means: ``transport`` if given; a Ray cluster at ``cluster`` (or
@@ -348,8 +355,7 @@ class Sandbox:
         """``count`` new sandboxes, each starting from this one's files as they are now, with fresh
         processes and a fresh identity (id, hostname, machine id), this sandbox's limits, env and
         cwd, and no network (none) or secrets.  This sandbox keeps running unchanged."""
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
-            raise InvalidSpec(f"count: {count!r} must be a whole number in [1, {MAX_FORKS}]")
+        check_fork_count(count)
         transport = self._transport
         if transport is None:
             raise InvalidState(f"sandbox {self.id}: forked only through the transport that made it",
