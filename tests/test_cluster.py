@@ -546,6 +546,10 @@ def test_a_cluster_that_lets_drivers_in_without_a_token_is_refused_unless_the_ca
         assert address.startswith(LOOPBACK)
         refused = join_from_a_new_process(address, without_ray_token())
         assert refused.startswith("ClusterUnauthenticated False ") and "RAY_AUTH_MODE=token" in refused
+        # a driver in token mode is let into such a cluster with any token: the cluster is asked
+        # (old: joined, and Corral placed sandboxes there)
+        with_a_token = without_ray_token(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+        assert join_from_a_new_process(address, with_a_token).startswith("ClusterUnauthenticated False ")
         assert issubclass(ClusterUnauthenticated, HostNotSupported)
         # stated: it is joined (and, having no node with slots, has no room for a sandbox)
         allowed = join_from_a_new_process(address, without_ray_token(CORRAL_RAY_UNAUTHENTICATED="1"))

@@ -8,6 +8,8 @@ used (``pip install 'corral[cluster]'``).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,29 +57,67 @@ def join(address: str | bool | None) -> Any:
         raise ConnectionLost(f"cannot join the Ray cluster at {address}: {exc}") from exc
     try:
         require_token_auth(f"the Ray cluster at {address}")
-    except ClusterUnauthenticated:
+    except SandboxError:  # refused, or it could not be asked
         ray.shutdown()  # joined here, for nothing: leave no connection behind
         raise
     return ray
 
 
 def require_token_auth(which: str) -> None:
-    """Refuse a cluster this process joined without a token (unless ``CORRAL_RAY_UNAUTHENTICATED``).
+    """Refuse a cluster that lets drivers in without a token (unless ``CORRAL_RAY_UNAUTHENTICATED``).
 
-    A driver in Ray's token mode was let in with the cluster's token (a cluster that enforces it
-    refuses a driver without it, or with another); a driver that is not, joined a cluster that
-    asks nobody.  Ray runs any code its drivers send, as root on Corral's nodes, and binds its
-    ports to every interface (the loopback alone in its one-machine mode, which every local user
-    reaches): such a cluster is root on its nodes for anyone who reaches it."""
+    Ray runs any code its drivers send, as root on Corral's nodes, and binds its ports to every
+    interface (the loopback alone in its one-machine mode, which every local user reaches): such a
+    cluster is root on its nodes for anyone who reaches it.  A driver that speaks without a token
+    joined a cluster that asks nobody.  One that speaks with a token may have joined a cluster that
+    asks nobody too (Ray's token mode is the driver's choice: any token is let into such a cluster),
+    so the cluster itself is asked, by a process that has no token (:func:`_lets_anyone_in`)."""
     if os.environ.get(UNAUTHENTICATED_ENV, "").strip().lower() in ("1", "true", "yes"):
         return
-    if _token_mode():
+    if _token_mode() and not _lets_anyone_in(ray_module().get_runtime_context().gcs_address):
         return
     raise ClusterUnauthenticated(
         f"{which} lets drivers in without a token: whoever reaches its ports runs code as root on its "
         "nodes. Enable Ray's token authentication on every node and driver (RAY_AUTH_MODE=token, the "
         "token from `ray get-auth-token --generate` in ~/.ray/auth_token or RAY_AUTH_TOKEN; see "
         f"docs/cluster.md), or set {UNAUTHENTICATED_ENV}=1 if nobody else can reach the cluster")
+
+
+#: a process with no token asks the cluster at argv[1] for its nodes: "answered" or "refused"
+_ASK_WITHOUT_A_TOKEN = """
+import sys
+from ray._raylet import GcsClient
+from ray.exceptions import AuthenticationError
+try:
+    GcsClient(address=sys.argv[1]).get_all_node_info(timeout=float(sys.argv[2]))
+except AuthenticationError:
+    print("refused")
+else:
+    print("answered")
+"""
+#: seconds the question may take (a Python that imports Ray: ~0.7 s here)
+ASK_TIMEOUT = 30.0
+#: each cluster's answer, by its GCS address: asked once a process
+_let_anyone_in: dict[str, bool] = {}
+
+
+def _lets_anyone_in(gcs_address: str) -> bool:
+    """Whether the cluster answers a process that speaks to it without a token.  Ray's token mode
+    is a whole process's (read from RAY_AUTH_MODE at its start), hence a process of its own."""
+    if gcs_address not in _let_anyone_in:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+        env["RAY_AUTH_MODE"] = "disabled"
+        try:
+            done = subprocess.run([sys.executable, "-P", "-c", _ASK_WITHOUT_A_TOKEN, gcs_address, str(ASK_TIMEOUT / 3)],
+                                  env=env, cwd="/", capture_output=True, text=True, timeout=ASK_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            done = None
+        answer = done.stdout.strip() if done is not None else ""
+        if answer not in ("answered", "refused"):
+            why = "no answer in time" if done is None else (done.stderr.strip().splitlines() or ["nothing said"])[-1]
+            raise ConnectionLost(f"cannot tell whether the Ray cluster at {gcs_address} asks for a token: {why}")
+        _let_anyone_in[gcs_address] = answer == "answered"
+    return _let_anyone_in[gcs_address]
 
 
 def _token_mode() -> bool:
