@@ -156,6 +156,21 @@ def test_calls_the_daemon_does_not_handle_run_in_process(daemon: Daemon) -> None
     assert out.returncode in (0, 1)  # read or not, it ran here: the daemon never saw it
 
 
+def test_a_request_shorter_than_its_length_runs_nothing(daemon: Daemon) -> None:
+    """A client that promised more bytes than it sent (and closed its writing side) had the part
+    that came run as its command; it is answered with nothing now, and the daemon goes on."""
+    from corral.cli import local_wire
+
+    body = local_wire.encode_request(["sh", "-c", "echo RAN $0"], None)
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(str(daemon.socket))
+        client.sendall(local_wire.LENGTH.pack(len(body) + 50) + body)
+        client.shutdown(socket.SHUT_WR)
+        client.settimeout(30)
+        assert local_wire.read_frame(client) is None
+    assert daemon.run("--", "echo", "after").stdout == "after\n"
+
+
 def test_only_root_may_use_the_socket(daemon: Daemon) -> None:
     assert daemon.socket.stat().st_mode & 0o777 == 0o600
     probe = """

@@ -104,8 +104,11 @@ class Daemon:
             (length,) = wire.LENGTH.unpack(header)
             if length > wire.MAX_REQUEST:
                 return
+            body = wire.read_exact(conn, length)
+            if len(body) != length:  # the client stopped short: what came is not its command
+                return
             with self._slots:
-                self._run(conn, wire.read_exact(conn, length))
+                self._run(conn, body)
 
     def _run(self, conn: socket.socket, raw: bytes) -> None:
         from ..errors import InvalidSpec, SandboxError
