@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from corral.host import cgroups
 
+from .leaks import sandbox_leftovers
 from .server_fixtures import CORRAL, status_as_user
 
 
@@ -418,3 +420,45 @@ def test_mcp_lists_a_directory_holding_a_name_that_is_not_utf8(state_dir: Path) 
             assert answer["entries"] == [{"name": "bad\\xe9.txt", "type": "file", "size": 2, "not_utf8": True},
                                          {"name": "ok", "type": "file", "size": 2}], answer
             assert "not UTF-8" in answer["names_note"]
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP"])
+def test_a_stdio_mcp_server_told_to_stop_ends_and_destroys_its_sandboxes(state_dir: Path, stop: str) -> None:
+    """`corral mcp` on stdio, its client still holding the pipe: SIGTERM destroyed its sandboxes
+    but the process never ended (its exit waited for the SDK's stdin reader), and SIGHUP (the
+    client's terminal closed) killed it by the default action, leaving cgroups, run directory and
+    record until a janitor came.  Now each ends it in seconds, at 128 + the signal, nothing left."""
+    import signal
+
+    state = state_dir / f"mcp-stdio-{stop}"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    server = subprocess.Popen([CORRAL, "--state-dir", str(state), "mcp"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    assert server.stdin is not None and server.stdout is not None
+
+    def call(ident: int, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        assert server.stdin is not None and server.stdout is not None
+        message = {"jsonrpc": "2.0", "id": ident, "method": method, **({"params": params} if params else {})}
+        server.stdin.write((json.dumps(message) + "\n").encode())
+        server.stdin.flush()
+        while True:
+            answer = json.loads(server.stdout.readline())
+            if answer.get("id") == ident:
+                return answer
+
+    try:
+        call(1, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                               "clientInfo": {"name": "test", "version": "0"}})
+        server.stdin.write(b'{"jsonrpc": "2.0", "method": "notifications/initialized"}\n')
+        made = call(2, "tools/call", {"name": "create_sandbox", "arguments": {"memory": "64M"}})
+        sandbox_id = json.loads(made["result"]["content"][0]["text"])["sandbox_id"]
+        assert (state / "sandboxes" / sandbox_id).exists()
+        server.send_signal(getattr(signal, stop))
+        assert server.wait(timeout=30) == 128 + getattr(signal, stop)
+        assert sandbox_leftovers(sandbox_id, state) == []
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -84,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # (`serve` and `daemon` set their own)
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    for stop in (signal.SIGTERM, signal.SIGHUP):  # (`serve` and `daemon` set their own)
+        if signal.getsignal(stop) is signal.SIG_DFL:
+            signal.signal(stop, _on_stop_signal)
     try:
         code: int = args.handler(args)
         return code
@@ -94,18 +95,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_SANDBOX_FAILED
     except KeyboardInterrupt:
         return 130
-    except _Terminated:
-        return 128 + int(signal.SIGTERM)
+    except _Terminated as stopped:
+        if getattr(args, "reader_blocks_exit", False):
+            _exit_now(128 + stopped.signum)
+        return 128 + stopped.signum
 
 
 class _Terminated(BaseException):
-    """SIGTERM (``timeout 5 corral run ...``), raised so that the sandbox is destroyed on the way
-    out, as on Ctrl-C: killed by the signal's default action, the CLI left its run dir, cgroups,
-    registry row and uid range for the next create's janitor or ``corral gc``."""
+    """SIGTERM (``timeout 5 corral run ...``) or SIGHUP (its terminal closed), raised so that the
+    sandbox is destroyed on the way out, as on Ctrl-C: killed by the signal's default action, the
+    CLI left its run dir, cgroups, registry row and uid range for the next create's janitor or
+    ``corral gc``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated
+def _on_stop_signal(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+def _exit_now(code: int) -> None:
+    """Exit as the interpreter's shutdown would, but without waiting for other threads: `corral
+    mcp` on stdio reads its input on a worker thread of the MCP SDK (anyio's, not a daemon), which
+    a signal leaves blocked in its read while the client holds the pipe open (the process never
+    ended).  Its sessions are closed by then (the server's lifespan); what atexit holds runs here."""
+    import atexit
+    import contextlib
+    import os
+
+    atexit._run_exitfuncs()  # the handlers Python's own exit would run
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
