@@ -528,6 +528,58 @@ def test_a_fork_of_a_count_below_one_makes_no_room_for_an_mcp_sessions_creates(s
     assert list((state / "sandboxes").iterdir()) == []
 
 
+def test_concurrent_mcp_reads_of_a_big_file_grow_the_server_a_bounded_amount(state_dir: Path) -> None:
+    """read_file reads a file whole (up to 16 MiB) to cut one page from it: eight calls at once
+    grew the server by 250-310 MiB, each thread that read one keeping what it freed for its next
+    (the allocator's arena per thread: 128 threads' worth would be GBs).  Whole reads now run on
+    READS_AT_ONCE threads of their own, all sessions together; every page still comes back."""
+    import asyncio
+    import os
+
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from corral.mcp_server import READS_AT_ONCE, TEXT_CAP
+
+    from .leaks import processes_naming
+    from .server_fixtures import CORRAL
+
+    state = state_dir / "mcp-reads"
+    state.mkdir()
+    os.chmod(state_dir, 0o711)
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    size = 15 << 20
+
+    def kib(pid: int, field: str) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field + ":")))
+
+    async def session() -> None:
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            made = await client.call_tool("create_sandbox", {"memory": "512M"})
+            sid = json.loads(made.content[0].text)["sandbox_id"]
+            wrote = await client.call_tool("run_command", {
+                "sandbox_id": sid, "command": f"yes abcdefghi | head -c {size} > /tmp/big.txt && stat -c %s /tmp/big.txt"})
+            assert str(size) in wrote.content[0].text, wrote
+            (server,) = [pid for pid in processes_naming(str(state))
+                         if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2:] == [b"mcp", b""]]
+            before = kib(server, "VmRSS")
+            offsets = [n * 7 * TEXT_CAP for n in range(8)]
+            pages = await asyncio.gather(*(client.call_tool("read_file", {
+                "sandbox_id": sid, "path": "/tmp/big.txt", "offset": offset}) for offset in offsets))
+            grown_mib = (kib(server, "VmHWM") - before) / 1024
+            for offset, page in zip(offsets, pages, strict=True):
+                answer = json.loads(page.content[0].text)
+                assert answer["offset"] == offset and answer["total_chars"] == size, answer.get("offset")
+                assert answer["content"] == ("abcdefghi\n" * (2 * TEXT_CAP))[offset % 10:][:TEXT_CAP]
+            # one read grew it ~32 MiB here (the bytes, their text, the channel's chunks); eight
+            # on eight threads of the session's share kept eight times that: 240-250 MiB
+            assert grown_mib < 50 * READS_AT_ONCE + 50, grown_mib
+
+    asyncio.run(session())
+
+
 def test_code_contexts_are_bounded_and_a_kernel_keeps_no_output_between_cells() -> None:
     """A sandbox has at most MAX_CODE_CONTEXTS code contexts (ResourceLimit past it; before: no bound,
     each an interpreter process), and a kernel's command keeps none of what its cells printed (before:

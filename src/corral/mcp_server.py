@@ -54,6 +54,13 @@ MAX_SANDBOXES = 64
 MAX_READ = 16 << 20
 #: directory entries list_files hands the model at most
 MAX_ENTRIES = 1000
+#: read_file's whole-file reads under way at once, all sessions together: each holds up to
+#: MAX_READ bytes and their text (up to 4x that) while a page is cut from it; 8 at once grew
+#: the server by 250-310 MiB (and the 128 threads' worth would be GBs)
+READS_AT_ONCE = 2
+#: their threads: few, because what a thread frees of such a read its allocator keeps for that
+#: thread's next (glibc's arena per thread), so each thread that ever read one holds its size
+_whole_reads = ThreadPoolExecutor(max_workers=READS_AT_ONCE, thread_name_prefix="corral-mcp-read")
 #: characters of one text a tool hands the model at most
 TEXT_CAP = 20_000
 #: bytes of each stream (and of a code cell's output) an MCP sandbox keeps for a result: the model sees
@@ -347,6 +354,17 @@ def _anticipated(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[A
     return wrapper
 
 
+def _read_page(sb: Sandbox, path: str, offset: int) -> tuple[str, int]:
+    """TEXT_CAP characters of a text file (at most MAX_READ bytes) from ``offset``, and its length
+    in characters: the file is read whole on one of READS_AT_ONCE threads of their own, and only
+    the page leaves that thread."""
+    def read() -> tuple[str, int]:
+        content = sb.files.read(path, "text", MAX_READ)
+        return content[offset:offset + TEXT_CAP], len(content)
+
+    return _whole_reads.submit(read).result()
+
+
 def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     sessions = sessions if sessions is not None else Sessions()
 
@@ -411,11 +429,10 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         if offset < 0:
             raise InvalidSpec(f"offset {offset} must be 0 or more")
         session = sessions.of(ctx)
-        content = await session.run(session.get(sandbox_id).files.read, path, "text", MAX_READ)
-        page = content[offset:offset + TEXT_CAP]
+        page, total = await session.run(_read_page, session.get(sandbox_id), path, offset)
         end = offset + len(page)
-        return {"path": path, "content": page, "offset": offset, "total_chars": len(content),
-                "next_offset": end if end < len(content) else None}
+        return {"path": path, "content": page, "offset": offset, "total_chars": total,
+                "next_offset": end if end < total else None}
 
     @server.tool()
     @_anticipated
