@@ -44,8 +44,9 @@ DEFAULT_TIMEOUT = 60.0
 #: sandbox's agent delivered the interrupt
 INTERRUPT_GRACE = 5.0
 #: seconds the agent may take to deliver it: it runs in the sandbox's cgroups, and with a cell
-#: keeping their CPU quota spent (a fork bomb's copies) it did so 0.1-5 s after it was sent (at
-#: 0.25-0.5 CPU; a throttled task waits for the next period at each return from a system call):
+#: keeping their CPU quota spent (a fork bomb's copies) it did so 0.1-8.5 s after it was sent (at
+#: 0.25-0.5 CPU on a loaded host, up to ~11 s at 0.2; a throttled task waits for the next period
+#: at each return from a system call):
 #: counted in INTERRUPT_GRACE, that restarted kernels that had not had the interrupt yet.  Only an
 #: agent that does not run at all waits this out (one older than T_SIGNALED is not waited for).
 DELIVERY_GRACE = 30.0

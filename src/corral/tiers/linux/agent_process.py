@@ -181,7 +181,7 @@ class AgentProcess(Process):
 
     def signals_delivered(self, timeout: float) -> bool:
         """The agent delivers a signal when it next runs, and it runs in the sandbox's cgroups: a
-        command keeping their CPU quota spent kept it from doing so for up to 5 s (at 0.25 CPU)."""
+        command keeping their CPU quota spent kept it from doing so for up to 8.5 s (at 0.25 CPU)."""
         if not self._channel.acks_signals:
             return True  # (an older agent, that does not say)
         deadline = time.monotonic() + timeout
