@@ -83,6 +83,34 @@ def test_a_fork_bomb_cell_interrupted_leaves_one_kernel_with_its_state(bombed: A
     assert copies.text == "1", copies  # the kernel alone
 
 
+def test_a_process_a_cell_forked_ends_at_an_interrupt_without_running(sandbox: Any) -> None:
+    """A fork bomb's copies took the interrupt in Python and ended only once they had the CPU
+    again, forking on meanwhile: a process a cell forks now takes SIGINT's default action, which
+    ends it at delivery.  One may still set a handler of its own."""
+    probe = ("import os, signal\nr, w = os.pipe()\npid = os.fork()\nif pid == 0:\n"
+             "    os.write(w, b'1' if signal.getsignal(signal.SIGINT) == signal.SIG_DFL else b'0')\n"
+             "    os._exit(0)\nos.waitpid(pid, 0)\nos.read(r, 1)")
+    assert sandbox.run_code(probe).text == "b'1'"
+    assert sandbox.run_code("signal.getsignal(signal.SIGINT).__name__").text == "'_on_sigint'"  # the kernel's own
+
+
+def test_the_agent_says_when_a_signal_was_delivered(sandbox: Any) -> None:
+    """The host counts an interrupted cell's grace from the interrupt's delivery, which the agent
+    reports: it shares the sandbox's CPU quota and, with a cell keeping it spent, delivered it
+    seconds after it was sent."""
+    import signal
+
+    handle = sandbox.commands.start("sleep 30", timeout=60)
+    deadline = time.monotonic() + 10
+    while handle.pid is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    handle.send_signal(signal.SIGTERM)
+    assert handle.signals_delivered(10)
+    assert handle._process._process._signals_delivered == 1  # the agent's word, not an older agent's silence
+    result = handle.wait()
+    assert result.signal == signal.SIGTERM and not result.timed_out, result
+
+
 def test_functions_and_classes_a_cell_defines_pickle_for_process_pools(sandbox: Any) -> None:
     assert sandbox.run_code("def square(n):\n    return n * n\nclass Point:\n    x = 1").error is None
     pooled = sandbox.run_code("import multiprocessing as mp\nwith mp.Pool(2) as pool:\n"

@@ -88,6 +88,10 @@ class CommandHandle:
     def send_signal(self, signum: int) -> None:
         self._process.send_signal(signum)
 
+    def signals_delivered(self, timeout: float) -> bool:
+        """True once every signal sent has reached the command (or it ended), waiting up to ``timeout`` s."""
+        return self._process.signals_delivered(timeout)
+
     def kill(self) -> None:
         self._process.kill()
 

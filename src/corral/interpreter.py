@@ -10,8 +10,8 @@ across cells.
 
 Timeouts: the cell gets SIGINT (KeyboardInterrupt); the kernel keeps its state
 and the execution says ``timed_out``.  If the kernel does not come back within
-:data:`INTERRUPT_GRACE` seconds, or it died, it is killed and restarted and the
-execution says ``restarted`` (state lost).
+:data:`INTERRUPT_GRACE` seconds of the interrupt's delivery, or it died, it is killed
+and restarted and the execution says ``restarted`` (state lost).
 
 Languages are entries of :data:`KERNELS`: Python (``kernel/python_kernel.py``) and
 JavaScript under node (``kernel/js_kernel.js``), speaking the same protocol.  Each
@@ -40,8 +40,16 @@ if TYPE_CHECKING:
 
 #: seconds a cell may run when the caller does not say
 DEFAULT_TIMEOUT = 60.0
-#: seconds an interrupted cell gets to return before the kernel is restarted
+#: seconds an interrupted cell gets to return before the kernel is restarted, from when the
+#: sandbox's agent delivered the interrupt
 INTERRUPT_GRACE = 5.0
+#: seconds the agent may take to deliver it: it runs in the sandbox's cgroups, and with a cell
+#: keeping their CPU quota spent (a fork bomb's copies) it did so 0.1-8.5 s after it was sent (at
+#: 0.25-0.5 CPU on a loaded host, up to ~11 s at 0.2; a throttled task waits for the next period
+#: at each return from a system call):
+#: counted in INTERRUPT_GRACE, that restarted kernels that had not had the interrupt yet.  Only an
+#: agent that does not run at all waits this out (one older than T_SIGNALED is not waited for).
+DELIVERY_GRACE = 30.0
 #: seconds more for a kernel that said the interrupt came and is ending the copies of itself a
 #: cell forked (its own bound is 10 s): with little CPU that took over INTERRUPT_GRACE, and the
 #: kernel, state and all, was restarted though it was about to answer
@@ -374,6 +382,9 @@ class CodeInterpreter:
                 if outcome == "timeout":
                     execution.timed_out = True
                     self._handle.send_signal(signal.SIGINT)
+                    # waited for even if the cell ends first: the agent signals the kernel's group,
+                    # then the kernel, and a second SIGINT that came late could interrupt the next cell
+                    self._wait_delivered(DELIVERY_GRACE)
                     outcome = self._wait(cell, INTERRUPT_GRACE)
                     if outcome == "timeout" and cell.interrupted.is_set():
                         outcome = self._wait(cell, CLEANUP_GRACE)
@@ -417,6 +428,20 @@ class CodeInterpreter:
     def _kernel_over(self) -> bool:
         """True once the kernel process has ended."""
         return self._handle is not None and self._handle.done
+
+    def _wait_delivered(self, seconds: float) -> None:
+        """Until the signals sent to the kernel have reached it (or it ended), or ``seconds`` of
+        time the sandbox could run have passed."""
+        assert self._handle is not None
+        step, waited = 0.02, 0.0
+        while waited < seconds:
+            paused_before = self._sandbox.paused
+            began = time.monotonic()
+            if self._handle.signals_delivered(min(step, seconds - waited)):
+                return
+            if not (paused_before or self._sandbox.paused):
+                waited += time.monotonic() - began
+            step = min(step * 2, 0.25)
 
     def _wait(self, cell: _Cell, seconds: float, cancel: threading.Event | None = None) -> str:
         """``"done"``, ``"timeout"`` (also once ``cancel`` is set), or ``"dead"`` when the kernel

@@ -73,6 +73,9 @@ class LocalProcess(CommandProcess):
     def send_signal(self, signum: int) -> None:
         self._process.send_signal(signum)
 
+    def signals_delivered(self, timeout: float) -> bool:
+        return self._process.signals_delivered(timeout)
+
     def kill(self) -> None:
         self._process.kill()
 

@@ -186,12 +186,19 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
         if ((e = find_exec(id))) { e->eof_pending = 1; flush_stdin(e); }
         break;
     case T_SIGNAL:
-        if ((e = find_exec(id)) && len == 4 && !e->exited) {
+        if ((e = find_exec(id)) && len == 4) {
             int32_t sig;
             memcpy(&sig, payload, 4);
-            kill(-e->pid, sig);
-            kill(e->pid, sig);
-            if (sig == SIGKILL) command_group_kill(e->group); /* what left its group too */
+            if (!e->exited) {
+                kill(-e->pid, sig);
+                kill(e->pid, sig);
+                if (sig == SIGKILL) command_group_kill(e->group); /* what left its group too */
+            }
+            /* said once both kills are done: this agent shares the sandbox's CPU quota, and with
+             * a command keeping it spent the signal came seconds after the host sent it (a
+             * throttled task waits for the next period at each return from a system call); the
+             * host counts an interrupted cell's grace from here */
+            send_frame(T_SIGNALED, id, &sig, 4);
         }
         break;
     case T_FREAD:
@@ -389,7 +396,7 @@ int main(int argc, char **argv) {
         argc -= 2;
     }
     if (hold) {
-        send_frame(T_READY, 0, "corral-agent 1", 14);
+        send_frame(T_READY, 0, "corral-agent 2", 14);
         capbset_read(); /* while the host checks the sandbox's cgroups: off the create's path */
         unsigned char hdr[9];
         if (read_full(0, hdr, 9) <= 0 || hdr[0] != T_GO) return 0; /* no GO: never run anything */
@@ -439,7 +446,7 @@ int main(int argc, char **argv) {
         if (go == 'u' && set_default_user(1000) < 0) return 2;
     }
     if (!hold) {
-        send_frame(T_READY, 0, "corral-agent 1", 14);
+        send_frame(T_READY, 0, "corral-agent 2", 14);
         capbset_read(); /* once: each command then drops only what its bounding set holds */
     }
     fork_spare();

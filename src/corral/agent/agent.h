@@ -21,6 +21,8 @@ enum {
     /* agent -> host */
     T_READY = 100, T_STARTED = 101, T_STDOUT = 102, T_STDERR = 103,
     T_EXIT = 104, T_DATA = 105, T_SPARE = 106, T_STDIN_ACK = 107, T_OK = 110, T_ERR = 111,
+    /* a T_SIGNAL was delivered (payload: the signal); agents that send it say version 2 in T_READY */
+    T_SIGNALED = 108,
 };
 
 #define MAX_FRAME (64u << 20)

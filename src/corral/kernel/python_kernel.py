@@ -125,6 +125,24 @@ def _stop_copies(name: str, session: int, deadline: float) -> tuple[set[int], se
     return stopped, ended
 
 
+def _forked_copies_end_at_an_interrupt() -> None:
+    """In a process a cell forked: SIGINT ends it at once (its default action).  The host's
+    interrupt goes to the kernel's process group; a copy that took it in Python (_on_sigint)
+    ended only once it had the CPU again, forking on meanwhile, so a fork bomb's copies kept the
+    sandbox's CPU quota spent, and the kernel, throttled at each return from a system call, took
+    up to 6 s to clean up after them (at 0.25 CPU).  Ended by the kernel at delivery, a copy needs
+    no turn of the CPU, and one in the middle of a fork makes no child: the clean-up finds only
+    what the kernel itself forked after the interrupt.  (A copy may still set a handler of its
+    own, as a forked worker that wants KeyboardInterrupt does.)"""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except (ValueError, OSError):  # (not the main thread: _on_sigint ends it instead)
+        pass
+
+
+os.register_at_fork(after_in_child=_forked_copies_end_at_an_interrupt)
+
+
 def _leave_if_forked() -> None:
     """A process a cell forked that comes back here is not the kernel: it would read the next
     cells' requests from the same pipe and answer them with its own copy of the state."""

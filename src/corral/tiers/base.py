@@ -211,6 +211,12 @@ class Process(ABC):
     def send_signal(self, signum: int) -> None:
         """Signal the command's session inside the sandbox (e.g. SIGINT for an interpreter)."""
 
+    def signals_delivered(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until every signal sent so far has reached the command (or
+        the command ended); True once they have.  Here at once: a tier whose ``send_signal``
+        signals the command itself."""
+        return True
+
     @abstractmethod
     def kill(self) -> None:
         """Kill the command's whole process tree, daemonized children included."""

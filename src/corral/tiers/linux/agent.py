@@ -51,6 +51,7 @@ from .frames import (
     T_GUEST,
     T_OK,
     T_READY,
+    T_SIGNALED,
     T_SPARE,
     T_STARTED,
     T_STDERR,
@@ -110,6 +111,8 @@ class AgentChannel:
         self._pending: dict[int, _Pending] = {}
         self._execs: dict[int, AgentProcess] = {}
         self.ready = threading.Event()
+        #: the agent says when it has delivered a signal (T_SIGNALED: "corral-agent 2" and later)
+        self.acks_signals = False
         self.closed = threading.Event()
         #: called (on the reader thread) with the pid of each spare the agent forks (``--spare``)
         self.on_spare: Callable[[int], None] | None = None
@@ -264,6 +267,8 @@ class AgentChannel:
 
     def _dispatch(self, kind: int, ident: int, payload: bytes) -> None:
         if kind == T_READY:
+            name, _, version = payload.partition(b" ")
+            self.acks_signals = name == b"corral-agent" and version.isdigit() and int(version) >= 2
             self.ready.set()
             return
         if kind == T_SPARE:
@@ -278,6 +283,8 @@ class AgentChannel:
                 proc._output("stdout" if kind == T_STDOUT else "stderr", payload)
             elif kind == T_STDIN_ACK and len(payload) == 4:
                 proc._stdin_taken(struct.unpack("<I", payload)[0])
+            elif kind == T_SIGNALED:
+                proc._signal_delivered()
             elif kind == T_EXIT and len(payload) == 4:
                 self._execs.pop(ident, None)
                 proc._exited(struct.unpack("<i", payload)[0])
@@ -285,6 +292,8 @@ class AgentChannel:
                 self._execs.pop(ident, None)
                 proc._failed(payload[4:].decode(errors="replace"))
             return
+        if kind == T_SIGNALED:
+            return  # (for a command that has ended since: never a file request's answer)
         pending = self._pending.get(ident)
         if pending is None:
             return

@@ -60,6 +60,10 @@ class AgentProcess(Process):
         self._gone_before_placed = False
         #: signals the caller sent (kill() is 9): a held process they ended is not a containment failure
         self._requested_signals: set[int] = set()
+        #: send_signal's signals, and those the agent said it delivered (T_SIGNALED); under
+        #: _stdin_room, which the command's end notifies too
+        self._signals_sent = 0
+        self._signals_delivered = 0
         self._timed_out = False
         self.pid: int | None = None
         #: set by the tier's ``finish`` hook (from cgroup counters)
@@ -100,6 +104,11 @@ class AgentProcess(Process):
     def _stdin_taken(self, count: int) -> None:
         with self._stdin_room:
             self._stdin_unacked = max(0, self._stdin_unacked - count)
+            self._stdin_room.notify_all()
+
+    def _signal_delivered(self) -> None:
+        with self._stdin_room:
+            self._signals_delivered += 1
             self._stdin_room.notify_all()
 
     def _set_done(self) -> None:
@@ -166,7 +175,23 @@ class AgentProcess(Process):
 
     def send_signal(self, signum: int) -> None:
         self._requested_signals.add(signum)
+        with self._stdin_room:
+            self._signals_sent += 1
         self._channel.send(T_SIGNAL, self._id, struct.pack("<i", signum))
+
+    def signals_delivered(self, timeout: float) -> bool:
+        """The agent delivers a signal when it next runs, and it runs in the sandbox's cgroups: a
+        command keeping their CPU quota spent kept it from doing so for up to 8.5 s (at 0.25 CPU)."""
+        if not self._channel.acks_signals:
+            return True  # (an older agent, that does not say)
+        deadline = time.monotonic() + timeout
+        with self._stdin_room:
+            while self._signals_delivered < self._signals_sent and not self._done.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0 or self._channel.closed.is_set():
+                    return False
+                self._stdin_room.wait(left)
+        return True
 
     def kill(self) -> None:
         self._requested_signals.add(9)

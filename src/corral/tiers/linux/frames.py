@@ -22,6 +22,8 @@ T_AS_AGENT = 0x80
 T_READY, T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_DATA, T_SPARE, T_OK, T_ERR = 100, 101, 102, 103, 104, 105, 106, 110, 111
 #: the agent wrote (or dropped) this many of a command's stdin bytes
 T_STDIN_ACK = 107
+#: the agent delivered a T_SIGNAL (payload: the signal; agents that say version 2 in T_READY)
+T_SIGNALED = 108
 #: stdin bytes of one command the host may have sent and the agent not yet acknowledged: what the
 #: agent holds for a command that reads slowly (``STDIN_WINDOW`` in agent.h)
 STDIN_WINDOW = 1 << 20
