@@ -88,7 +88,7 @@ class AgentProcess(Process):
         else:
             # fail closed: a command outside its cgroups would escape the limits and outlive a timeout
             self._unplaced = f"could not place the command in the sandbox's cgroups ({reason}); it was not run"
-            self._channel.send(T_SIGNAL, self._id, struct.pack("<i", 9))
+            self._send_signal_frame(9)
         # published only now: a signal sent once the pid is known reaches a placed, running process
         self.pid = nspid
 
@@ -175,9 +175,24 @@ class AgentProcess(Process):
 
     def send_signal(self, signum: int) -> None:
         self._requested_signals.add(signum)
+        self._send_signal_frame(signum)
+
+    def _send_signal_frame(self, signum: int, wait: bool = True) -> bool:
+        """T_SIGNAL, counted: the agent answers every one it gets with T_SIGNALED, so a kill's
+        answer must not count as that of a signal sent before it.  ``wait`` False: not sent (False)
+        when the agent reads nothing now."""
         with self._stdin_room:
             self._signals_sent += 1
-        self._channel.send(T_SIGNAL, self._id, struct.pack("<i", signum))
+        frame = struct.pack("<i", signum)
+        sent = True
+        if wait:
+            self._channel.send(T_SIGNAL, self._id, frame)
+        else:
+            sent = self._channel.try_send(T_SIGNAL, self._id, frame)
+        if not sent:
+            with self._stdin_room:
+                self._signals_sent -= 1
+        return sent
 
     def signals_delivered(self, timeout: float) -> bool:
         """The agent delivers a signal when it next runs, and it runs in the sandbox's cgroups: a
@@ -198,7 +213,7 @@ class AgentProcess(Process):
         # the cgroup kill below misses a command not yet placed in its leaf; the agent's kill
         # reaches it while it is held, so it never runs (an agent that reads nothing now is not
         # waited for: the cgroup kill does not need it)
-        self._channel.try_send(T_SIGNAL, self._id, struct.pack("<i", 9))
+        self._send_signal_frame(9, wait=False)
         self._kill()
 
     def _containment_failed(self) -> bool:
