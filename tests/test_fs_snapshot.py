@@ -367,15 +367,11 @@ def test_mcp_fork_sandbox(state_dir: Path) -> None:
     import asyncio
     import json
 
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, stdio_client
 
-    from .server_fixtures import CORRAL
+    from .server_fixtures import mcp_stdio
 
-    state = state_dir / "mcp-c18"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)  # sandbox launchers (unprivileged uids) traverse it
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    params, state = mcp_stdio(state_dir, "mcp-c18")
 
     async def session() -> None:
         async with stdio_client(params) as (read, write), ClientSession(read, write) as client:

@@ -19,7 +19,7 @@ import pytest
 from corral.host import cgroups
 
 from .leaks import sandbox_leftovers
-from .server_fixtures import CORRAL, status_as_user
+from .server_fixtures import CORRAL, mcp_stdio, status_as_user
 
 
 @contextlib.contextmanager
@@ -58,13 +58,9 @@ def _payload(result: Any) -> dict[str, Any]:
 
 
 def test_mcp_round_trip_and_session_cleanup(state_dir: Path) -> None:
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, stdio_client
 
-    state = state_dir / "mcp"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)  # sandbox launchers (unprivileged uids) traverse it
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    params, state = mcp_stdio(state_dir, "mcp")
 
     async def session() -> tuple[str, set[str]]:
         async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
@@ -159,7 +155,7 @@ def test_mcp_run_code_gives_images_and_every_text_is_capped(state_dir: Path) -> 
     import struct
     import zlib
 
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, stdio_client
 
     from corral.mcp_server import TEXT_CAP
 
@@ -169,11 +165,7 @@ def test_mcp_run_code_gives_images_and_every_text_is_capped(state_dir: Path) -> 
         return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
                 + chunk(b"IDAT", zlib.compress(b"\x00\xff\x00\x00")) + chunk(b"IEND", b""))
 
-    state = state_dir / "mcp-content"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    params, _ = mcp_stdio(state_dir, "mcp-content")
     image = png()
 
     async def session() -> None:

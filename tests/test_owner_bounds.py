@@ -445,19 +445,14 @@ def test_concurrent_mcp_creates_of_one_session_hold_at_most_its_sandboxes(state_
     (before: each call found room before any sandbox was made, and 14 at once made 14); after a
     destroy there is room for one more."""
     import asyncio
-    import os
 
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, stdio_client
 
     from corral.mcp_server import MAX_SANDBOXES_PER_SESSION
 
-    from .server_fixtures import CORRAL
+    from .server_fixtures import mcp_stdio
 
-    state = state_dir / "mcp-owner-bounds"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    params, state = mcp_stdio(state_dir, "mcp-owner-bounds")
 
     async def session() -> None:
         async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
@@ -483,19 +478,14 @@ def test_a_fork_of_a_count_below_one_makes_no_room_for_an_mcp_sessions_creates(s
     waiting for one of the session's threads made the session's held count negative, and 10
     creates meanwhile all made sandboxes, past the session's 8 (and, summed, the server's 64)."""
     import asyncio
-    import os
 
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, stdio_client
 
     from corral.mcp_server import MAX_SANDBOXES_PER_SESSION, THREADS_PER_SESSION
 
-    from .server_fixtures import CORRAL
+    from .server_fixtures import mcp_stdio
 
-    state = state_dir / "mcp-fork-count"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    params, state = mcp_stdio(state_dir, "mcp-fork-count")
 
     async def session() -> None:
         async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
@@ -534,20 +524,15 @@ def test_concurrent_mcp_reads_of_a_big_file_grow_the_server_a_bounded_amount(sta
     (the allocator's arena per thread: 128 threads' worth would be GBs).  Whole reads now run on
     READS_AT_ONCE threads of their own, all sessions together; every page still comes back."""
     import asyncio
-    import os
 
-    from mcp import ClientSession, StdioServerParameters, stdio_client
+    from mcp import ClientSession, stdio_client
 
     from corral.mcp_server import READS_AT_ONCE, TEXT_CAP
 
     from .leaks import processes_naming
-    from .server_fixtures import CORRAL
+    from .server_fixtures import mcp_stdio
 
-    state = state_dir / "mcp-reads"
-    state.mkdir()
-    os.chmod(state_dir, 0o711)
-    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    params = StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env)
+    params, state = mcp_stdio(state_dir, "mcp-reads")
     size = 15 << 20
 
     def kib(pid: int, field: str) -> int:
