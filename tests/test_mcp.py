@@ -419,7 +419,8 @@ def test_a_stdio_mcp_server_told_to_stop_ends_and_destroys_its_sandboxes(state_d
     """`corral mcp` on stdio, its client still holding the pipe: SIGTERM destroyed its sandboxes
     but the process never ended (its exit waited for the SDK's stdin reader), and SIGHUP (the
     client's terminal closed) killed it by the default action, leaving cgroups, run directory and
-    record until a janitor came.  Now each ends it in seconds, at 128 + the signal, nothing left."""
+    record until a janitor came.  Now each ends it in seconds, at 128 + the signal, a call still
+    in flight, and nothing is left."""
     import signal
 
     state = state_dir / f"mcp-stdio-{stop}"
@@ -447,6 +448,11 @@ def test_a_stdio_mcp_server_told_to_stop_ends_and_destroys_its_sandboxes(state_d
         made = call(2, "tools/call", {"name": "create_sandbox", "arguments": {"memory": "64M"}})
         sandbox_id = json.loads(made["result"]["content"][0]["text"])["sandbox_id"]
         assert (state / "sandboxes" / sandbox_id).exists()
+        # a call in flight when the signal comes: a command that would run for minutes
+        server.stdin.write((json.dumps({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+            "name": "run_command", "arguments": {"sandbox_id": sandbox_id, "command": "sleep 300"}}}) + "\n").encode())
+        server.stdin.flush()
+        time.sleep(0.5)
         server.send_signal(getattr(signal, stop))
         assert server.wait(timeout=30) == 128 + getattr(signal, stop)
         assert sandbox_leftovers(sandbox_id, state) == []

@@ -27,10 +27,13 @@ This module imports the MCP SDK at import time: only ``corral mcp`` imports it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import json
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -478,11 +481,41 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     return server
 
 
+def _end_at_stop_signals(sessions: Sessions) -> None:
+    """SIGTERM and SIGHUP end a stdio server: its sessions' sandboxes are destroyed and the process
+    exits at 128 + the signal.  Not by unwinding its event loop: the SDK reads stdin on a worker
+    thread (anyio's, not a daemon) that stays blocked in its read while the client holds the pipe
+    open, and the loop's shutdown, then the interpreter's, waited for it for ever (SIGHUP's default
+    action killed the server with its sandboxes left for the janitor)."""
+
+    def stop(signum: int, frame: object) -> None:
+        threading.Thread(target=_end, args=(sessions, signum), name="corral-mcp-stop", daemon=True).start()
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
+
+
+_ending = threading.Lock()
+
+
+def _end(sessions: Sessions, signum: int) -> None:
+    with _ending:  # (a second signal waits here for the first one's exit)
+        try:
+            sessions.close()
+            atexit._run_exitfuncs()  # what the interpreter's exit would run
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+        finally:
+            os._exit(128 + signum)
+
+
 def main(transport: str = "stdio", host: str = "127.0.0.1", port: int = 7334,
          session_idle_timeout: float = SESSION_IDLE_TIMEOUT) -> None:
     sessions = Sessions(session_idle_timeout)
     server = build_server(sessions)
     if transport == "stdio":
+        _end_at_stop_signals(sessions)
         server.run("stdio")
     elif transport == "http":
         import uvicorn

@@ -96,8 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except _Terminated as stopped:
-        if getattr(args, "reader_blocks_exit", False):
-            _exit_now(128 + stopped.signum)
         return 128 + stopped.signum
 
 
@@ -114,22 +112,6 @@ class _Terminated(BaseException):
 
 def _on_stop_signal(signum: int, frame: object) -> None:
     raise _Terminated(signum)
-
-
-def _exit_now(code: int) -> None:
-    """Exit as the interpreter's shutdown would, but without waiting for other threads: `corral
-    mcp` on stdio reads its input on a worker thread of the MCP SDK (anyio's, not a daemon), which
-    a signal leaves blocked in its read while the client holds the pipe open (the process never
-    ended).  Its sessions are closed by then (the server's lifespan); what atexit holds runs here."""
-    import atexit
-    import contextlib
-    import os
-
-    atexit._run_exitfuncs()  # the handlers Python's own exit would run
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

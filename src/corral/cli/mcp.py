@@ -30,7 +30,5 @@ def handle(args: argparse.Namespace) -> int:
         from ..errors import InvalidSpec
 
         raise InvalidSpec(f"--session-idle-timeout: {args.session_idle_timeout!r} must be seconds > 0")
-    # on stdio, a stop signal leaves the SDK's stdin reader blocked, and the exit must not wait for it
-    args.reader_blocks_exit = not args.http
     main("http" if args.http else "stdio", port=args.port, session_idle_timeout=args.session_idle_timeout)
     return 0
