@@ -89,7 +89,10 @@ class CommandHandle:
         self._process.send_signal(signum)
 
     def signals_delivered(self, timeout: float) -> bool:
-        """True once every signal sent has reached the command (or it ended), waiting up to ``timeout`` s."""
+        """True once every signal sent has reached the command (or it ended), waiting up to ``timeout`` s.
+        Embedded, the sandbox's agent says when it delivered one (it shares the sandbox's CPU quota:
+        seconds late under a fork bomb); through a server or a cluster, and on tiers that signal
+        the command directly, it is True at once."""
         return self._process.signals_delivered(timeout)
 
     def kill(self) -> None:
