@@ -26,7 +26,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -429,39 +429,38 @@ class CodeInterpreter:
         """True once the kernel process has ended."""
         return self._handle is not None and self._handle.done
 
-    def _wait_delivered(self, seconds: float) -> None:
-        """Until the signals sent to the kernel have reached it (or it ended), or ``seconds`` of
-        time the sandbox could run have passed."""
-        assert self._handle is not None
+    def _running_steps(self, seconds: float) -> Iterator[float]:
+        """How long to wait next, again and again, until ``seconds`` of time the sandbox could run
+        have passed while the caller waited: as for a command's timeout, a wait that began or ended
+        with the sandbox paused is not counted (the kernel was frozen for some of it)."""
         step, waited = 0.02, 0.0
         while waited < seconds:
             paused_before = self._sandbox.paused
             began = time.monotonic()
-            if self._handle.signals_delivered(min(step, seconds - waited)):
-                return
+            yield min(step, seconds - waited)
             if not (paused_before or self._sandbox.paused):
                 waited += time.monotonic() - began
             step = min(step * 2, 0.25)
+
+    def _wait_delivered(self, seconds: float) -> None:
+        """Until the signals sent to the kernel have reached it (or it ended), or ``seconds`` of
+        time the sandbox could run have passed."""
+        assert self._handle is not None
+        for step in self._running_steps(seconds):
+            if self._handle.signals_delivered(step):
+                return
 
     def _wait(self, cell: _Cell, seconds: float, cancel: threading.Event | None = None) -> str:
         """``"done"``, ``"timeout"`` (also once ``cancel`` is set), or ``"dead"`` when the kernel
-        process ended without finishing the cell.
-
-        Only time the sandbox could run counts, as for a command's timeout: a step that began or
-        ended with the sandbox paused is not counted (the kernel was frozen for some of it)."""
-        step, waited = 0.02, 0.0
-        while waited < seconds and not (cancel is not None and cancel.is_set()):
-            paused_before = self._sandbox.paused
-            began = time.monotonic()
-            if cell.done.wait(min(step, seconds - waited)):
+        process ended without finishing the cell.  Only time the sandbox could run counts."""
+        for step in self._running_steps(seconds):
+            if cancel is not None and cancel.is_set():
+                break
+            if cell.done.wait(step):
                 return "done"
-            if not (paused_before or self._sandbox.paused):
-                waited += time.monotonic() - began
-            step = min(step * 2, 0.25)
             if self._kernel_over():
                 return "done" if cell.done.wait(0.2) else "dead"
         return "done" if cell.done.is_set() else "timeout"
-
 
 def check_language(language: str) -> None:
     if language_name(language) not in KERNELS:
