@@ -25,6 +25,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
+from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
 
 MiB = 1 << 20
@@ -467,10 +468,8 @@ def test_concurrent_mcp_creates_of_one_session_hold_at_most_its_sandboxes(state_
             assert not (await client.call_tool("create_sandbox", {"memory": "64M"})).is_error
 
     asyncio.run(session())
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and list((state / "sandboxes").iterdir()):
-        time.sleep(0.1)
-    assert list((state / "sandboxes").iterdir()) == []
+    assert wait_until(lambda: not list((state / "sandboxes").iterdir()), 15, every=0.1), \
+        list((state / "sandboxes").iterdir())
 
 
 def test_a_fork_of_a_count_below_one_makes_no_room_for_an_mcp_sessions_creates(state_dir: Path) -> None:
@@ -512,10 +511,8 @@ def test_a_fork_of_a_count_below_one_makes_no_room_for_an_mcp_sessions_creates(s
             assert not (await client.call_tool("fork_sandbox", {"sandbox_id": parent, "count": 1})).is_error
 
     asyncio.run(session())
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and list((state / "sandboxes").iterdir()):
-        time.sleep(0.1)
-    assert list((state / "sandboxes").iterdir()) == []
+    assert wait_until(lambda: not list((state / "sandboxes").iterdir()), 15, every=0.1), \
+        list((state / "sandboxes").iterdir())
 
 
 def test_concurrent_mcp_reads_of_a_big_file_grow_the_server_a_bounded_amount(state_dir: Path) -> None:
