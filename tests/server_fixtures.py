@@ -19,16 +19,16 @@ CORRAL = str(Path(sys.executable).with_name("corral"))
 KEYS = {"alice": "alice-key-0123456789abcdef", "bob": "bob-key-0123456789abcdef00"}
 
 
-def mcp_stdio(state_dir: Path, name: str) -> tuple[Any, Path]:
-    """``corral mcp`` on stdio as the MCP SDK's ``stdio_client`` starts it, with a state directory
-    of its own (``state_dir/name``): its server parameters, and that directory."""
+def mcp_stdio(state_dir: Path, name: str, *args: str) -> tuple[Any, Path]:
+    """``corral mcp [args]`` on stdio as the MCP SDK's ``stdio_client`` starts it, with a state
+    directory of its own (``state_dir/name``): its server parameters, and that directory."""
     from mcp import StdioServerParameters
 
     state = state_dir / name
     state.mkdir()
     os.chmod(state_dir, 0o711)  # sandbox launchers (unprivileged uids) traverse it
     env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
-    return StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp"], env=env), state
+    return StdioServerParameters(command=CORRAL, args=["--state-dir", str(state), "mcp", *args], env=env), state
 
 
 def free_port() -> int:

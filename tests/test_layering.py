@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("host/egress", {"host", "egress"}),
     ("tiers/images", {"tiers", "images"}),
     ("lifecycle", {"sandbox", "commands", "lifecycle", "surface", "transport", "owner_link", "owner_backend", "local_transport", "local_backend", "http_transport", "http_streams", "async_sandbox", "async_http", "pool", "registry", "interpreter", "client", "ports", "cluster", "snapshots", "parked"}),
-    ("surfaces", {"cli", "server", "mcp_server", "host_checks", "__init__"}),
+    ("surfaces", {"cli", "server", "mcp_server", "mcp_limits", "host_checks", "__init__"}),
 ]
 #: code that runs inside a sandbox, not on the host: it imports nothing of Corral
 INSIDE = {"kernel"}

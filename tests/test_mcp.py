@@ -460,3 +460,59 @@ def test_a_stdio_mcp_server_told_to_stop_ends_and_destroys_its_sandboxes(state_d
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_the_model_gets_sandboxes_only_within_the_operators_bounds(state_dir: Path) -> None:
+    """A model chose its sandboxes' size and reach: memory 1T, 1024 CPUs, a week per command, every
+    public address.  Now each is refused past what `corral mcp` was started with (defaults: 4G,
+    the host's CPUs, 3600 s, no destination at all), with the flag that holds it back named; what
+    is within the bounds is made, a default over a bound is lowered to it, and all sandboxes'
+    memory together is bounded too (a fork counts as its parent)."""
+    from mcp import ClientSession, stdio_client
+
+    def refused(result: Any, *words: str) -> None:
+        assert result.is_error, result
+        text = result.content[0].text
+        assert all(word in text for word in words), text
+
+    async def defaults() -> None:
+        params, _ = mcp_stdio(state_dir, "mcp-bounds-default")
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            for asked, flag in (({"memory": "1T"}, "--max-memory"), ({"cpus": 1024}, "--max-cpus"),
+                                ({"timeout": 604800}, "--max-timeout"), ({"allow": ["0.0.0.0/0"]}, "--allow (none)"),
+                                ({"allow": ["pypi.org"]}, "--allow (none)")):
+                refused(await client.call_tool("create_sandbox", {"memory": "64M", **asked}), "invalid_spec", flag)
+            sid = _payload(await client.call_tool("create_sandbox", {"memory": "64M", "timeout": 3600}))["sandbox_id"]
+            refused(await client.call_tool("run_command", {"sandbox_id": sid, "command": "true", "timeout": 86400}),
+                    "--max-timeout")
+            ran = _payload(await client.call_tool("run_command", {"sandbox_id": sid, "command": "echo in",
+                                                                  "timeout": 30}))
+            assert ran["stdout"] == "in\n"
+
+    async def operators() -> None:
+        params, _ = mcp_stdio(state_dir, "mcp-bounds-set", "--max-memory", "96M", "--max-total-memory", "192M",
+                              "--max-cpus", "0.5", "--max-timeout", "30", "--allow", "*.example.test",
+                              "--allow", "198.51.100.0/24:443")
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            init = await client.initialize()
+            assert "memory up to 96M" in (init.instructions or ""), init.instructions
+            first = _payload(await client.call_tool("create_sandbox", {}))["sandbox_id"]  # defaults lowered
+            layout = cgroups.detect()
+            limit_file = "memory.max" if layout.version == 2 else "memory.limit_in_bytes"
+            group = layout.controllers["memory"] / cgroups.PARENT / first
+            assert int((group / limit_file).read_text()) == 96 << 20
+            refused(await client.call_tool("create_sandbox", {"memory": "128M"}), "--max-memory")
+            refused(await client.call_tool("create_sandbox", {"cpus": 1}), "--max-cpus")
+            refused(await client.call_tool("create_sandbox", {"allow": ["example.test"]}), "*.example.test")
+            refused(await client.call_tool("create_sandbox", {"allow": ["198.51.100.7:80"]}), "--allow")
+            second = _payload(await client.call_tool("create_sandbox", {
+                "memory": "96M", "allow": ["api.example.test", "*.cdn.example.test", "198.51.100.7:443"]}))["sandbox_id"]
+            refused(await client.call_tool("create_sandbox", {"memory": "16M"}), "resource_limit", "--max-total-memory")
+            refused(await client.call_tool("fork_sandbox", {"sandbox_id": first}), "--max-total-memory")
+            _payload(await client.call_tool("destroy_sandbox", {"sandbox_id": second}))
+            forks = _payload(await client.call_tool("fork_sandbox", {"sandbox_id": first}))["sandbox_ids"]
+            assert len(forks) == 1
+
+    asyncio.run(defaults())
+    asyncio.run(operators())

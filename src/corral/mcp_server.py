@@ -46,6 +46,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ImageContent, TextContent
 
 from .errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxError, SandboxNotFound
+from .mcp_limits import McpLimits
 from .sandbox import Sandbox, check_fork_count
 from .surface import build_spec
 
@@ -92,8 +93,11 @@ class Session:
 
     def __init__(self, sessions: Sessions | None = None) -> None:
         self.sandboxes: dict[str, Any] = {}
-        #: sandboxes being made for this session: counted like the ones it holds
+        #: each held sandbox's memory limit, for the server's --max-total-memory
+        self.memory: dict[str, int] = {}
+        #: sandboxes being made for this session, and their memory limits: counted like the ones it holds
         self.pending = 0
+        self.pending_memory = 0
         #: when a tool call of it began or one of its HTTP requests ended, whichever came last
         self.last_used = time.monotonic()
         self._sessions = sessions
@@ -116,31 +120,37 @@ class Session:
         return sb
 
     @contextlib.contextmanager
-    def _room_for(self, count: int) -> Iterator[None]:
-        """Hold room for ``count`` sandboxes while they are made (concurrent calls of one session each
-        found room before any was made: 14 at once made 14, past the 8).  ``count`` is checked by
-        the caller: a negative one made room for others (a fork of -1,000,000 waiting for a thread
-        let a session make 13 past its 8, and other sessions past the server's 64)."""
+    def _room_for(self, count: int, memory_each: int) -> Iterator[None]:
+        """Hold room for ``count`` sandboxes of ``memory_each`` bytes while they are made (concurrent
+        calls of one session each found room before any was made: 14 at once made 14, past the 8).
+        ``count`` is checked by the caller: a negative one made room for others (a fork of
+        -1,000,000 waiting for a thread let a session make 13 past its 8, and other sessions past
+        the server's 64)."""
         if count < 1:
             raise InvalidSpec(f"count: {count!r} must be at least 1")
         held = len(self.sandboxes) + self.pending
         if held + count > MAX_SANDBOXES_PER_SESSION:
             raise ResourceLimit(f"this session already has {held} of {MAX_SANDBOXES_PER_SESSION} "
                                 "sandboxes; destroy one first")
-        if self._sessions is not None and self._sessions.sandbox_count() + count > MAX_SANDBOXES:
-            raise ResourceLimit(f"this MCP server already holds {MAX_SANDBOXES} sandboxes; try again later")
+        if self._sessions is not None:
+            if self._sessions.sandbox_count() + count > MAX_SANDBOXES:
+                raise ResourceLimit(f"this MCP server already holds {MAX_SANDBOXES} sandboxes; try again later")
+            self._sessions.limits.check_total(self._sessions.memory_held(), count * memory_each)
         self.pending += count
+        self.pending_memory += count * memory_each
         try:
             yield
         finally:
             self.pending -= count
+            self.pending_memory -= count * memory_each
 
-    async def _keep(self, made: list[Any]) -> None:
+    async def _keep(self, made: list[Any], memory_each: int) -> None:
         """Hold sandboxes just made, unless the session ended while they were being made: then they
         are destroyed here (they lived on until the MCP server stopped)."""
         with self._lock:
             if not self.closed:
                 self.sandboxes.update((sb.id, sb) for sb in made)
+                self.memory.update((sb.id, memory_each) for sb in made)
                 return
         for sb in made:
             await self.run(sb.kill)
@@ -148,30 +158,40 @@ class Session:
 
     async def fork(self, sandbox_id: str, count: int) -> list[Any]:
         parent = self.get(sandbox_id)
-        with self._room_for(check_fork_count(count)):
+        memory_each = self.memory[sandbox_id]  # a fork has its parent's limits
+        with self._room_for(check_fork_count(count), memory_each):
             forks: list[Any] = await self.run(parent.fork, count)
-            await self._keep(forks)
+            await self._keep(forks, memory_each)
         return forks
 
     async def create(self, **kwargs: Any) -> Any:
-        with self._room_for(1):
+        spec = build_spec(None, **kwargs)
+        (self._sessions.limits if self._sessions is not None else McpLimits()).check_spec(spec)
+        with self._room_for(1, spec.limits.memory):
             if os.environ.get("CORRAL_URL"):
                 sb: Any = await self.run(Sandbox.create, **kwargs)
             else:
-                sb = await self.run(Sandbox.create, build_spec(None, **kwargs))
-            await self._keep([sb])
+                sb = await self.run(Sandbox.create, spec)
+            await self._keep([sb], spec.limits.memory)
         return sb
 
     async def destroy(self, sandbox_id: str) -> None:
         sb = self.sandboxes.pop(sandbox_id, None)
         if sb is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} in this session")
-        await self.run(sb.kill)
+        try:
+            await self.run(sb.kill)
+        finally:
+            self.memory.pop(sandbox_id, None)
+
+    def memory_held(self) -> int:
+        return sum(self.memory.values()) + self.pending_memory
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
             held, self.sandboxes = list(self.sandboxes.values()), {}
+            self.memory = {}
         for sb in held:
             sb.kill()
 
@@ -179,8 +199,9 @@ class Session:
 class Sessions:
     """Every live MCP session's sandboxes, keyed by the transport's session id (``None`` on stdio)."""
 
-    def __init__(self, idle_timeout: float = SESSION_IDLE_TIMEOUT) -> None:
+    def __init__(self, idle_timeout: float = SESSION_IDLE_TIMEOUT, limits: McpLimits | None = None) -> None:
         self.idle_timeout = idle_timeout
+        self.limits = limits if limits is not None else McpLimits()
         self._by_id: dict[str | None, Session] = {}
         #: HTTP requests being served per session id: a session is never idle while one is (the SDK's own
         #: rule: a 12 s command in a session with a 6 s idle timeout lost its sandbox mid-command)
@@ -202,6 +223,11 @@ class Sessions:
     def sandbox_count(self) -> int:
         with self._lock:
             return sum(len(s.sandboxes) + s.pending for s in self._by_id.values())
+
+    def memory_held(self) -> int:
+        """The memory limits of every session's sandboxes, made or being made, summed."""
+        with self._lock:
+            return sum(s.memory_held() for s in self._by_id.values())
 
     def end(self, key: str | None) -> None:
         """The session is over: destroy its sandboxes."""
@@ -387,19 +413,26 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
 
     server: MCPServer[Sessions] = MCPServer("corral", instructions=(
         "Isolated, ephemeral Linux sandboxes. Create one, run shell commands and move files in it, destroy it "
-        "when done. Every sandbox of this session is destroyed when the session ends."), lifespan=lifespan)
+        "when done. Every sandbox of this session is destroyed when the session ends. "
+        + sessions.limits.described()), lifespan=lifespan)
 
     @server.tool()
     @_anticipated
-    async def create_sandbox(ctx: Context, image: str = "host", memory: str = "512M", cpus: float = 1.0,
-                             timeout: float = 60.0, env: dict[str, str] | None = None,
+    async def create_sandbox(ctx: Context, image: str = "host", memory: str | None = None, cpus: float | None = None,
+                             timeout: float | None = None, env: dict[str, str] | None = None,
                              allow: list[str] | None = None, user: str = "user") -> dict[str, Any]:
-        """Create a sandbox; returns its id. memory like 512M, timeout = default seconds per command.
-        No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port).
+        """Create a sandbox; returns its id. memory like 512M (default), cpus (default 1), timeout =
+        default seconds per command (default 60); each default lowered to this server's bound if over it.
+        No network unless ``allow`` lists destinations (host, *.domain, IP or CIDR, optional :port)
+        within what this server's operator allows (see the server's instructions).
         user: "user" (uid 1000, default) or "root" (root inside the sandbox only, e.g. to install
         packages; no privilege on the host)."""
         # secrets are deliberately not offered: the model would choose where they may be sent
-        sb = await sessions.of(ctx).create(image=image, memory=memory, cpus=cpus, timeout=timeout, env=env,
+        fallback = sessions.limits.defaults()
+        sb = await sessions.of(ctx).create(image=image, memory=fallback["memory"] if memory is None else memory,
+                                           cpus=fallback["cpus"] if cpus is None else cpus,
+                                           timeout=fallback["timeout"] if timeout is None else timeout,
+                                           env=env,
                                            allow=allow or None, user=user, max_output=MCP_MAX_OUTPUT)
         return {"sandbox_id": sb.id}
 
@@ -411,6 +444,7 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         user: "root" or "user" for this command (default: the sandbox's).
         stdout and stderr are cut at 20000 characters each ('cut' says so): redirect long output to a
         file and page through it with read_file."""
+        sessions.limits.check_timeout(timeout)
         session = sessions.of(ctx)
         sb = session.get(sandbox_id)
         result = await session.run(sb.commands.run, command, timeout=timeout, cwd=cwd, user=user)
@@ -511,8 +545,8 @@ def _end(sessions: Sessions, signum: int) -> None:
 
 
 def main(transport: str = "stdio", host: str = "127.0.0.1", port: int = 7334,
-         session_idle_timeout: float = SESSION_IDLE_TIMEOUT) -> None:
-    sessions = Sessions(session_idle_timeout)
+         session_idle_timeout: float = SESSION_IDLE_TIMEOUT, limits: McpLimits | None = None) -> None:
+    sessions = Sessions(session_idle_timeout, limits)
     server = build_server(sessions)
     if transport == "stdio":
         _end_at_stop_signals(sessions)
