@@ -436,6 +436,55 @@ def test_a_sandbox_cannot_make_the_hosts_git_run_its_program_and_its_commits_com
     assert "fsmonitor" not in (repo / ".git" / "config").read_text()
 
 
+def test_a_sandbox_cannot_give_the_host_a_git_directory_of_its_own_making(tmp_path: Path) -> None:
+    """Write-back held back only `.git`'s configuration and hooks, so a sandbox laid out a bare
+    repository (HEAD, objects/, refs/, config with core.fsmonitor) anywhere else: the host's git
+    took `sub/` for a repository, and the workspace itself before the enclosing repository's
+    `.git`, and ran the sandbox's program at `git status` (as the workspace's owner: here root).
+    Each way of laying one out, at once or a piece per command in either order, is held; a HEAD,
+    a config file or a hooks/ directory alone, and the sandbox's commits and branches, come back."""
+    outer, marker = tmp_path / "outer", tmp_path / "ran-on-the-host"
+    workspace = outer / "pkg"
+    workspace.mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "-C", str(outer), "init", "-q"], check=True)
+    (workspace / "a.txt").write_text("one\n")
+    subprocess.run([*git, "-C", str(outer), "add", "pkg/a.txt"], check=True)
+    subprocess.run([*git, "-C", str(outer), "commit", "-qm", "first"], check=True)
+    fsmonitor = f"git config core.fsmonitor 'touch {marker}; false #'"
+    bare = "git init -q --bare {0} && git -C {0} config core.bare false && git -C {0} config core.worktree . && (cd {0} && " + fsmonitor + ")"
+    with Sandbox.create(workspace=str(workspace)) as sb:
+        def run(command: str) -> None:
+            r = sb.commands.run(f"cd /workspace && {command}")
+            assert r.exit_code == 0, r
+
+        run(bare.format("sub"))  # the whole layout in one command
+        run(bare.format("."))  # the workspace itself, inside the host's repository
+        run(f"mkdir cfg_first && printf '[core]\\n\\tfsmonitor = touch {marker}; false #\\n' > cfg_first/config")
+        run("mkdir cfg_first/objects cfg_first/refs && echo 'ref: refs/heads/main' > cfg_first/HEAD")
+        run("mkdir head_first head_first/objects head_first/refs && echo 'ref: refs/heads/main' > head_first/HEAD")
+        run(f"printf '[core]\\n\\tfsmonitor = touch {marker}; false #\\n' > head_first/config"
+            f" && mkdir head_first/hooks && printf '#!/bin/sh\\ntouch {marker}\\n' > head_first/hooks/post-checkout")
+        # what is no git directory comes back: a lone HEAD, a config file, a project's hooks/
+        run("mkdir -p notes src/hooks app && echo x > notes/HEAD && echo 'debug = 1' > app/config"
+            " && echo 'export {}' > src/hooks/useThing.js")
+    for where in (workspace / "sub", workspace, workspace / "cfg_first", workspace / "head_first"):
+        subprocess.run(["git", "status", "--short"], cwd=where, capture_output=True)
+        subprocess.run(["git", "log", "-1"], cwd=where, capture_output=True)
+    assert not marker.exists(), "the host's git ran a program the sandbox wrote"
+    for held in ("sub/config", "sub/hooks", "config", "hooks", "cfg_first/HEAD", "head_first/config",
+                 "head_first/hooks"):
+        assert not (workspace / held).exists(), held
+    assert (workspace / "sub" / "objects").is_dir() and (workspace / "head_first" / "HEAD").is_file()
+    assert (workspace / "cfg_first" / "config").is_file()  # a config without a HEAD beside it is no git's
+    assert (workspace / "notes/HEAD").read_text() == "x\n" and (workspace / "app/config").read_text() == "debug = 1\n"
+    assert (workspace / "src/hooks/useThing.js").is_file()
+    # the enclosing repository is the host's git's own again: the sandbox's file shows as untracked
+    status = subprocess.run(["git", "status", "--short", "--untracked-files=all", "."], cwd=workspace,
+                            capture_output=True, text=True, check=True).stdout
+    assert "notes/HEAD" in status, status
+
+
 def test_directory_modes_are_written_back(tmp_path: Path) -> None:
     """A directory the sandbox makes private stays private on the host: write-back made every
     directory 0755, so another host user read ``private/id_rsa``.  Set-group-id is not kept

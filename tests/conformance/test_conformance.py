@@ -178,6 +178,9 @@ def test_write_back_leaves_the_hosts_git_configuration_and_hooks_as_they_were(
             "os.makedirs('new/.git'); open('new/.git/config', 'w').write('x')\n"
             "open('.git/refs/heads/feature', 'w').write('0' * 40 + '\\n'); open('.git/HEAD', 'w').write('ref: x\\n')\n"
             "open('notes.txt', 'w').write('kept')\n"
+            "os.makedirs('bare/objects'); os.makedirs('bare/refs'); os.makedirs('bare/hooks')\n"
+            "open('bare/HEAD', 'w').write('ref: refs/heads/main\\n'); open('bare/hooks/post-checkout', 'w').write('x')\n"
+            "open('bare/config', 'w').write('[core]\\n\\tfsmonitor = touch /tmp/ran\\n')\n"
             "print('made')"))
         assert made.stdout == "made\n", made
         # the sandbox's own view has what it wrote
@@ -185,7 +188,7 @@ def test_write_back_leaves_the_hosts_git_configuration_and_hooks_as_they_were(
     # what makes the host's git run a program, or read its configuration elsewhere, stays the host's
     assert (workspace / ".git" / "config").read_text() == "[core]\n\tbare = false\n"
     for kept_out in (".git/hooks", ".git/commondir", ".git/modules/m/config", ".git/modules/m/hooks",
-                     "new/.git/config"):
+                     "new/.git/config", "bare/HEAD", "bare/config", "bare/hooks"):
         assert not (workspace / kept_out).exists(), kept_out
     assert not (workspace / "sub" / ".git").is_file()
     # the rest of a git directory, and of the workspace, is written back
@@ -193,6 +196,7 @@ def test_write_back_leaves_the_hosts_git_configuration_and_hooks_as_they_were(
     assert (workspace / ".git/HEAD").read_text() == "ref: x\n"
     assert (workspace / ".git/modules/m").is_dir() and (workspace / "new/.git").is_dir()
     assert (workspace / "notes.txt").read_text() == "kept"
+    assert (workspace / "bare/objects").is_dir()  # a bare repository's layout, but no git directory
 
 
 def test_env_is_passed_and_host_env_is_not(tier: str, where: dict[str, Any]) -> None:

@@ -25,6 +25,8 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from .ws_git import host_keeps, makes_a_git_directory
+
 # (kind, size, ctime_ns, mode, inode): the change time, which no one can set back
 Entry = tuple[str, int, int, int, int]
 #: an entry by (its directory's path below the root, "" at the top; its name): the directory's
@@ -253,33 +255,6 @@ def link_stays_inside(rel: str, target: str) -> bool:
     return climbs <= depth
 
 
-#: files of a git directory that make the host's git run a program (``core.fsmonitor``,
-#: ``core.pager``, aliases, hooks) or read its configuration from elsewhere
-_GIT_RUNS = frozenset({"config", "config.worktree", "commondir", "gitdir"})
-
-
-def host_keeps(rel: str, kind: str) -> bool:
-    """True for what write-back leaves as the host has it: a git directory's configuration and
-    hooks (``.git/config``, ``.git/hooks/...``, a submodule's or worktree's, ``commondir``,
-    ``gitdir``) and a ``.git`` that is not a directory (a ``gitdir: PATH`` file).  The host's
-    git runs what they say at a mere ``git status``: a sandbox that set ``core.fsmonitor``
-    ran its program on the host, as root.  Codex and sandbox-runtime refuse these too."""
-    parts = rel.split("/")
-    for i, part in enumerate(parts):
-        if part != ".git":
-            continue
-        rest = parts[i + 1:]
-        if not rest:
-            if kind not in ("d", "D"):
-                return True
-            continue
-        if "hooks" in rest:
-            return True
-        if rest[-1] in _GIT_RUNS and (len(rest) == 1 or rest[0] in ("modules", "worktrees")):
-            return True
-    return False
-
-
 class Budget:
     """The data bytes one sync may still copy: what the file system of the tree it copies holds.  A
     quiet tree never needs more; a sandbox moving 8 MiB of data ahead of the copy in a sparse file
@@ -325,7 +300,8 @@ def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, ta
         entry = current[key]
         if entry[0] in skip or previous.get(key) == entry:
             continue
-        if writing_back and host_keeps(rel_of(key), entry[0]):
+        if writing_back and (host_keeps(rel_of(key), entry[0])
+                             or makes_a_git_directory(current, targets.root_fd, key, entry[0])):
             continue  # (before the target's directory is opened: that would make it)
         try:
             copy(key, entry, sources.open(key[0]), targets.open(key[0]))

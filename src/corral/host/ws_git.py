@@ -1,0 +1,107 @@
+"""What write-back leaves as the host has it so that the host's git runs nothing the sandbox wrote.
+
+Git runs what a git directory's files say at a mere ``git status`` (``core.fsmonitor``,
+``core.pager``, aliases, hooks), and reads its configuration from elsewhere when told to
+(``commondir``, a ``.git`` file): a sandbox that set ``core.fsmonitor`` ran its program on the
+host, as the workspace's owner (root, often).  Codex and sandbox-runtime refuse these too.
+:func:`host_keeps` judges a path by itself (a ``.git`` directory's own files);
+:func:`makes_a_git_directory` looks at the entry's neighbours, because a git directory needs no
+``.git`` in its name.  The walk and the copy are :mod:`.workspace`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Container
+
+#: files of a git directory that make the host's git run a program or read its configuration
+#: from elsewhere
+GIT_RUNS = frozenset({"config", "config.worktree", "commondir", "gitdir"})
+#: what makes a directory a git directory at git's discovery (``is_git_directory``: a ``HEAD``
+#: there, and ``objects/`` and ``refs/`` there or in its ``commondir``), whatever its name
+HEAD = "HEAD"
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def host_keeps(rel: str, kind: str) -> bool:
+    """True for what write-back leaves as the host has it: a git directory's configuration and
+    hooks (``.git/config``, ``.git/hooks/...``, a submodule's or worktree's, ``commondir``,
+    ``gitdir``) and a ``.git`` that is not a directory (a ``gitdir: PATH`` file)."""
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        if part != ".git":
+            continue
+        rest = parts[i + 1:]
+        if not rest:
+            if kind not in ("d", "D"):
+                return True
+            continue
+        if "hooks" in rest:
+            return True
+        if rest[-1] in GIT_RUNS and (len(rest) == 1 or rest[0] in ("modules", "worktrees")):
+            return True
+    return False
+
+
+def _git_dir_of(key: tuple[str, str], kind: str) -> tuple[str, bool] | None:
+    """If ``key`` (directory, name) is a file git reads from the directory it lies in when that
+    directory is a git directory (its configuration, ``commondir``, a hook) or that directory's
+    ``HEAD``: the directory, and whether ``key`` is the ``HEAD``."""
+    dir_path, name = key
+    if name == HEAD and kind != "d":
+        return dir_path, True
+    if name in GIT_RUNS and kind != "d":
+        return dir_path, False
+    if name != "hooks" and "hooks" not in dir_path:  # (most entries: no split per entry)
+        return None
+    parts = [*dir_path.split("/"), name] if dir_path else [name]
+    if "hooks" in parts:
+        return "/".join(parts[:parts.index("hooks")]), False
+    return None
+
+
+def _host_has(dst_root: int, dir_path: str, names: tuple[str, ...]) -> bool:
+    """Whether the host's directory ``dir_path`` (below ``dst_root``, opened a component at a time
+    without following links, and without making anything) holds one of ``names``."""
+    fd = os.dup(dst_root)
+    try:
+        for part in dir_path.split("/") if dir_path else []:
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        for name in names:
+            try:
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+                return True
+            except FileNotFoundError:
+                continue
+        return False
+    except OSError:  # no such directory on the host (yet): nothing of it there
+        return False
+    finally:
+        os.close(fd)
+
+
+def makes_a_git_directory(current: Container[tuple[str, str]], dst_root: int, key: tuple[str, str],
+                          kind: str) -> bool:
+    """True for what write-back leaves as the host has it because, with the rest, it would give
+    the host a git directory whose configuration or hooks the sandbox wrote, anywhere in the
+    tree: a bare repository's layout (``HEAD``, ``objects/``, ``refs/``, ``config`` with
+    ``core.fsmonitor``) needs no ``.git``, and the host's git took the sandbox's ``sub/`` (or the
+    workspace itself, before an enclosing repository's ``.git``) for a repository and ran its
+    program at ``git status``.  So a directory may get a ``HEAD`` or git's files, not both: its
+    ``config``, ``config.worktree``, ``commondir``, ``gitdir`` and ``hooks/`` stay as the host has
+    them where a ``HEAD`` is (in the sandbox's tree, ``current``, or on the host), and a ``HEAD``
+    stays as the host has it where one of those is, in either order and over any number of
+    syncs; except a ``HEAD`` in the directories whose such files write-back never writes
+    (``.git``, its ``worktrees/*`` and ``modules/...``: :func:`host_keeps`), so the sandbox's
+    commits, checkouts and branches come back."""
+    found = _git_dir_of(key, kind)
+    if found is None:
+        return False
+    dir_path, is_head = found
+    names = (HEAD,) if not is_head else (*GIT_RUNS, "hooks")
+    if is_head and host_keeps(f"{dir_path}/config" if dir_path else "config", "f"):
+        return False
+    return any((dir_path, name) in current for name in names) or _host_has(dst_root, dir_path, names)
