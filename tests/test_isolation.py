@@ -488,15 +488,22 @@ def test_a_sandbox_cannot_give_the_host_a_git_directory_of_its_own_making(tmp_pa
 def test_directory_modes_are_written_back(tmp_path: Path) -> None:
     """A directory the sandbox makes private stays private on the host: write-back made every
     directory 0755, so another host user read ``private/id_rsa``.  Set-group-id is not kept
-    (as set-user/group-id bits of files are not)."""
+    (as set-user/group-id bits of files are not), nor is writing by others: a sandbox made the
+    user's `.git` and files 0777/0666 on the host, where any host user could then swap the
+    repository's hooks or edit its scripts, to run as the user (root, often)."""
     (tmp_path / "existing").mkdir(mode=0o755)
+    (tmp_path / ".git" / "hooks").mkdir(parents=True, mode=0o755)
+    (tmp_path / "build.sh").write_text("echo built\n")
     with Sandbox.create(workspace=str(tmp_path)) as sb:
         r = sb.commands.run("cd /workspace && mkdir -m 700 private && echo KEY > private/id_rsa"
                             " && chmod 644 private/id_rsa && chmod 750 existing && mkdir -m 1777 sticky"
-                            " && mkdir -m 2775 shared")
+                            " && mkdir -m 2775 shared && chmod 777 .git && chmod 666 build.sh"
+                            " && echo new > open.txt && chmod 662 open.txt")
         assert r.exit_code == 0, r
         assert sb.commands.run("stat -c %a /workspace/private").stdout == "700\n"
         sb.commands.run("chmod 711 /workspace/private")  # a later change of mode alone comes back too
-    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("private", "existing", "sticky", "shared")}
-    assert modes == {"private": 0o711, "existing": 0o750, "sticky": 0o1777, "shared": 0o775}
+    modes = {name: stat.S_IMODE((tmp_path / name).stat().st_mode)
+             for name in ("private", "existing", "sticky", "shared", ".git", "build.sh", "open.txt")}
+    assert modes == {"private": 0o711, "existing": 0o750, "sticky": 0o1775, "shared": 0o775, ".git": 0o775,
+                     "build.sh": 0o664, "open.txt": 0o660}
     assert stat.S_IMODE((tmp_path / "private" / "id_rsa").stat().st_mode) == 0o644

@@ -365,6 +365,11 @@ def _link_to_copied(dst_root: int, dst_dir: int, tmp: str, earlier: tuple[str, i
         os.close(fd)
 
 
+#: mode bits write-back never gives a host file or directory: writing by others (a sandbox made
+#: the user's ``.git`` 0777 and scripts 0666, for any host user to swap hooks or edit them)
+WRITE_BACK_DROPS = stat.S_IWOTH
+
+
 def _copy_entry(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int,
     inside_links_only: bool, links: Links | None = None, budget: Budget | None = None,
@@ -374,6 +379,8 @@ def _copy_entry(
     map of multiply-linked files, so that every name of one source file names one destination file;
     ``budget``: the sync's :class:`Budget` (:class:`OverBudget` once it is spent, nothing copied)."""
     name = rel.rsplit("/", 1)[-1]
+    if inside_links_only:  # writing to the host: what others may write there is not the sandbox's to widen
+        mode &= ~WRITE_BACK_DROPS
     if kind == "d":
         fd = _open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid)
         try:  # its mode too: a 0700 directory made 0755 on the host let every host user read it
