@@ -12,9 +12,11 @@ the caller down.  A process can always be SIGKILLed and placed in a cgroup.
 
 Life of a worker::
 
-    zygote: import wasmtime, deserialize the cached module, wait for requests
+    zygote: import wasmtime, deserialize the cached module, leave the host's network and
+            file system (an empty root: _enter_empty_root), wait for requests
     -> fork on request -> "ready" on the control socket -> (waits, as an idle worker)
-    <- one job (argv, env, preopens, limits, uid, seccomp)  -> drop privileges
+    <- one job (argv, env, preopens, limits, uid, seccomp)  -> open its directories through
+       the host's root, let go of that -> drop privileges
     -> "started" -> run the guest's _start -> "exit" with code/trap -> exit
     (a job with "wait": the guest starts and reads its command from stdin;
     the timeout clock starts on a later "go")
