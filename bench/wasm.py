@@ -48,6 +48,8 @@ def rss_kib(pid: int) -> tuple[int, int]:
 
 def worker_cpu(handle: object) -> float:
     process = handle._process  # type: ignore[attr-defined]
+    while not hasattr(process, "outcome"):  # the sandbox's wrappers (LocalProcess redacts) around the tier's
+        process = process._process
     return float(process.outcome.get("cpu_ms", 0.0))
 
 

@@ -4,12 +4,15 @@ non-Python commands refused by name, and teardown leaving no worker behind."""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,7 @@ from corral.spec import SandboxSpec
 from corral.tiers import tier_class
 from corral.tiers.base import ExecRequest
 
+from .host_files import files_seen
 from .host_reach import assert_cannot_reach_the_hosts_loopback
 from .leaks import kill_9, sandbox_leftovers, start_owner
 from .sandbox_wait import wait_until
@@ -471,6 +475,52 @@ def test_a_worker_reaches_no_network_of_the_hosts(sb: Sandbox) -> None:
         assert_cannot_reach_the_hosts_loopback(process.worker.pid)
     finally:
         handle.kill()
+
+
+def test_a_worker_reaches_no_host_file_and_its_guest_works_on(sb: Sandbox, state_dir: Path) -> None:
+    # a guest has no path out of its preopened directories; a worker taken over through a flaw in
+    # wasmtime must not read the host's files either (as the sandbox's uid it read every
+    # world-readable one): its mount namespace's root is an empty read-only tmpfs
+    fd, secret = tempfile.mkstemp(prefix="corral-wasm-secret-", dir="/tmp")
+    os.write(fd, b"the host's")
+    os.close(fd)
+    os.chmod(secret, 0o644)
+    sb.files.write("/workspace/data.txt", "hello")
+    handle = sb.commands.start(py("import time; print(open('/workspace/data.txt').read(), flush=True); time.sleep(60)"))
+    try:
+        inner = sb._tier_sandbox()
+        assert wait_until(lambda: inner._running, 20)  # type: ignore[attr-defined]
+        (process,) = inner._running  # type: ignore[attr-defined]
+        pid, uid = process.worker.pid, inner.uid  # type: ignore[attr-defined]
+        assert wait_until(lambda: b"hello" in process._out["stdout"], 20)  # the guest read its workspace
+        paths = [secret, "/etc/passwd", str(state_dir), "/proc/self/status", "/dev/null"]
+        seen = files_seen(pid, uid, paths)
+        assert seen["host"][secret] == "opened"  # the sandbox's uid reads it on the host: the check can fail
+        assert seen["inside"] == {**{p: errno.ENOENT for p in paths}, "/ lists": []}, seen["inside"]
+        assert os.listdir(f"/proc/{pid}/root") == [] and os.listdir(f"/proc/{pid}/cwd") == []
+        (mount,) = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        assert mount.split()[4] == "/" and "ro" in mount.split()[5].split(",") and " - tmpfs " in mount, mount
+        # nor does it hold a way back: every directory it has open is on the sandbox's own tmpfs
+        sandbox_fs = os.stat(inner.roots["/workspace"]).st_dev  # type: ignore[attr-defined]
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            st = os.stat(f"/proc/{pid}/fd/{name}")
+            assert not stat.S_ISDIR(st.st_mode) or st.st_dev == sandbox_fs, os.readlink(f"/proc/{pid}/fd/{name}")
+    finally:
+        handle.kill()
+        os.unlink(secret)
+    assert handle.wait().stdout == "hello\n"
+    # what a worker needs after leaving the host's files keeps working, command after command:
+    # its directories, stdin, exit codes, a timeout (a timer thread that ends), a guest's traceback
+    for i in range(6):
+        r = sb.commands.run(py(f"print(open('/workspace/data.txt').read(), {i}); open('/tmp/t', 'w').write('x')"))
+        assert r.stdout == f"hello {i}\n", r.stderr
+    assert sb.commands.run(py("import sys; print(sys.stdin.read().upper())"), stdin="abc").stdout == "ABC\n"
+    assert sb.commands.run(py("import sys; sys.exit(3)")).exit_code == 3
+    r = sb.commands.run(py("while True: pass"), timeout=1)
+    assert r.exit_code == 124 and r.timed_out
+    r = sb.commands.run(py("raise ValueError('boom')"))
+    assert r.exit_code == 1 and r.stderr.endswith("ValueError: boom\n"), r.stderr
+    assert sb.commands.run(py("print(sorted(__import__('os').listdir('/tmp')))")).stdout == "['t']\n"
 
 
 def test_a_killed_worker_or_zygote_does_not_take_the_sandbox_down(sb: Sandbox, state_dir: Path) -> None:

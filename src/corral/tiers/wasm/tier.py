@@ -71,6 +71,7 @@ class WasmTier(Tier):
             "no OS underneath: two preopened directories, no sockets, no other program",
             "memory, wall clock and CPU (fuel) are limited by wasmtime; a host cgroup is the backstop",
             "each command runs in its own worker process as the sandbox's unprivileged host uid",
+            "as root, a worker's root is empty and its network its own: a flaw in wasmtime reaches no host file",
         ),
     )
 
@@ -163,7 +164,8 @@ class WasmTier(Tier):
             reason = f"wasmtime {version}, {runtime.description}"
         else:
             details["limits"] = "store memory limit, epoch timeout, fuel; no disk limit or cgroup (not root)"
-            reason = f"wasmtime {version}, {runtime.description}; without root: no disk limit, no cgroup backstop"
+            reason = (f"wasmtime {version}, {runtime.description}; without root: no disk limit, no cgroup "
+                      "backstop, and workers share their owner's network and files")
         return Availability(cls.name, True, reason, details=details)
 
     def create(self, spec: SandboxSpec, sandbox_id: str, run_dir: Path) -> TierSandbox:

@@ -12,9 +12,11 @@ the caller down.  A process can always be SIGKILLed and placed in a cgroup.
 
 Life of a worker::
 
-    zygote: import wasmtime, deserialize the cached module, wait for requests
+    zygote: import wasmtime, deserialize the cached module, leave the host's network and
+            file system (an empty root: _enter_empty_root), wait for requests
     -> fork on request -> "ready" on the control socket -> (waits, as an idle worker)
-    <- one job (argv, env, preopens, limits, uid, seccomp)  -> drop privileges
+    <- one job (argv, env, preopens, limits, uid, seccomp)  -> open its directories through
+       the host's root, let go of that -> drop privileges
     -> "started" -> run the guest's _start -> "exit" with code/trap -> exit
     (a job with "wait": the guest starts and reads its command from stdin;
     the timeout clock starts on a later "go")
@@ -151,8 +153,15 @@ def _load(cache_path: str) -> tuple[Any, Any, Any]:
     return engine, module, linker
 
 
-#: unshare(2)'s flag for a new network namespace
+#: unshare(2)'s flags for a new network and a new mount namespace
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+MS_REC, MS_PRIVATE = 0x4000, 0x40000
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = 155 if os.uname().machine == "x86_64" else 41
+SYS_OPENAT2 = 437  # the same number on every architecture
+RESOLVE_NO_MAGICLINKS, RESOLVE_IN_ROOT = 0x02, 0x10
 
 
 def _leave_host_network() -> None:
@@ -169,6 +178,75 @@ def _leave_host_network() -> None:
         raise OSError(ctypes.get_errno(), "cannot leave the host's network namespace")
 
 
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _open_in(root: int | None, path: str, flags: int) -> int:
+    """Open ``path`` (absolute, a host path) as the host sees it.
+
+    ``root`` is a descriptor of the host's root opened before this process left the host's mount
+    namespace (see _enter_empty_root), or None in a worker that never left it.  RESOLVE_IN_ROOT
+    makes an absolute symlink on the way resolve against the host's root, as it does for the host."""
+    if root is None:
+        return os.open(path, flags)
+    libc = ctypes.CDLL(None, use_errno=True)
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    fd = int(libc.syscall(SYS_OPENAT2, root, path.encode(), ctypes.byref(how), ctypes.sizeof(how)))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
+
+
+def _enter_empty_root(anchor: str) -> int | None:
+    """Leave the host's file system: a mount namespace of our own whose root is an empty, read-only
+    tmpfs, with every host mount detached from it.  Returns a descriptor of the host's root.
+
+    A guest has no path out of its preopened directories, but a worker taken over through a flaw
+    in wasmtime would otherwise read whatever its uid may on the host: every world-readable file
+    (other users' homes, /etc, the state directory's records, other owners' workspaces).  Nothing
+    the worker does after a job arrives needs a path: wasmtime, Python's modules and the compiled
+    module are mapped already, the guest's directories and the seccomp program are opened through
+    the returned descriptor (a descriptor opened before unshare names the host's namespace, so new
+    sandboxes' mounts are seen) and each worker closes it before it takes its sandbox's uid.  The
+    zygote does this once (each worker only inherits it: no copy of the mount table per command),
+    after loading everything, at ``anchor``: a directory that exists (the module cache's), hidden
+    by the tmpfs in our namespace only.  Root only, as the network namespace."""
+    if os.geteuid() != 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        # glibc dlopens libgcc_s when a thread exits (a timer thread does): wasmtime has it mapped
+        # already, and holding it here keeps that true after the files are gone
+        ctypes.CDLL("libgcc_s.so.1")
+    except OSError:
+        pass
+    # Rust's available_parallelism reads the CPU quota from /proc and /sys/fs/cgroup; without them
+    # it answers the host's CPU count, and tokio (wasmtime's WASI stdio) would start a thread per
+    # host CPU in every worker.  One serves a guest's stdio (a worker held 1-2 with the quota).
+    os.environ["TOKIO_WORKER_THREADS"] = "1"
+    host_root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            os.close(host_root)
+            raise OSError(ctypes.get_errno(), f"cannot leave the host's file system: {what}")
+
+    check(libc.unshare(CLONE_NEWNS), "unshare")
+    # private: our mounts never reach the host, and the host's later ones never arrive here
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
+    check(libc.mount(b"corral-wasm", anchor.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                     b"size=4k,nr_inodes=1,mode=0555"), "tmpfs")
+    os.chdir(anchor)
+    check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    # the old root is stacked under the new one: detaching it drops this namespace's copy of every
+    # host mount (a copy kept would pin, say, an ended sandbox's tmpfs and its memory)
+    check(libc.umount2(b".", MNT_DETACH), "detaching the host's mounts")
+    os.chdir("/")
+    return host_root
+
+
 def run_zygote(cache_path: str, parent_pid: int, socket_fd: int) -> None:
     """Load wasmtime and the module once, then fork a worker per request.
 
@@ -182,6 +260,7 @@ def run_zygote(cache_path: str, parent_pid: int, socket_fd: int) -> None:
     _die_with_parent(parent_pid)
     _leave_host_network()
     engine, module, linker = _load(cache_path)
+    host_root = _enter_empty_root(os.path.dirname(cache_path))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     requests = socket.socket(fileno=socket_fd)
     requests.sendall(b"R")
@@ -205,7 +284,7 @@ def run_zygote(cache_path: str, parent_pid: int, socket_fd: int) -> None:
                 for fd in fds:
                     os.close(fd)
                 _die_with_parent(zygote_pid)
-                serve(socket.socket(fileno=control_fd), engine, module, linker)
+                serve(socket.socket(fileno=control_fd), engine, module, linker, host_root)
             finally:
                 os._exit(70)
         for fd in fds:
@@ -217,10 +296,24 @@ def run_worker(cache_path: str, parent_pid: int, control_fd: int) -> None:
     _die_with_parent(parent_pid)
     _leave_host_network()
     engine, module, linker = _load(cache_path)
-    serve(socket.socket(fileno=control_fd), engine, module, linker)
+    host_root = _enter_empty_root(os.path.dirname(cache_path))
+    serve(socket.socket(fileno=control_fd), engine, module, linker, host_root)
 
 
-def serve(control: socket.socket, engine: Any, module: Any, linker: Any) -> None:
+def _open_job_files(job: dict[str, Any], host_root: int | None) -> tuple[bytes, list[tuple[int, str, bool]]]:
+    """The seccomp program and a descriptor of each preopened directory, opened through the host's
+    root (while this worker still holds it and is allowed to)."""
+    program = b""
+    if job.get("seccomp"):
+        fd = _open_in(host_root, job["seccomp"], os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            program = f.read()
+    preopens = [(_open_in(host_root, host_dir, os.O_PATH | os.O_DIRECTORY), guest_dir, bool(mutable))
+                for host_dir, guest_dir, mutable in job["preopens"]]
+    return program, preopens
+
+
+def serve(control: socket.socket, engine: Any, module: Any, linker: Any, host_root: int | None = None) -> None:
     """Run one job on this worker's guest, report how it ended, exit."""
     import wasmtime
 
@@ -230,10 +323,9 @@ def serve(control: socket.socket, engine: Any, module: Any, linker: Any) -> None
     if job is None:
         os._exit(0)
     cpu_before = os.times()
-    seccomp_program = b""
-    if job.get("seccomp"):
-        with open(job["seccomp"], "rb") as f:  # read while still allowed to
-            seccomp_program = f.read()
+    seccomp_program, preopens = _open_job_files(job, host_root)
+    if host_root is not None:
+        os.close(host_root)  # from here this worker reaches no host path at all
     _drop_privileges(job.get("uid"), job.get("gid"))
     if seccomp_program:
         _load_seccomp(seccomp_program)
@@ -242,8 +334,12 @@ def serve(control: socket.socket, engine: Any, module: Any, linker: Any) -> None
     wasi = wasmtime.WasiConfig()
     wasi.argv = job["argv"]
     wasi.env = list(job["env"].items())
-    for host_dir, guest_dir, mutable in job["preopens"]:
-        wasi.preopen_dir(host_dir, guest_dir, mutable)
+    for fd, guest_dir, mutable in preopens:
+        # wasmtime takes a path, not a descriptor: "." after fchdir, as the sandbox's uid
+        os.fchdir(fd)
+        wasi.preopen_dir(".", guest_dir, mutable)
+        os.close(fd)
+    os.chdir("/")
     wasi.inherit_stdin()
     wasi.inherit_stdout()
     wasi.inherit_stderr()
