@@ -12,11 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from corral import InvalidSpec, InvalidState, ResourceLimit, Sandbox, SnapshotCorrupt, SnapshotNotFound
@@ -662,3 +665,104 @@ def test_a_tenant_holds_at_most_max_snapshots_per_tenant_whatever_their_size(sta
         assert bob.post(f"/v1/sandboxes/{bid}/snapshot").status_code == 201
         assert alice.delete(f"/v1/snapshots/{taken[0].json()['id']}").status_code == 204
         assert alice.post(f"/v1/sandboxes/{sid}/snapshot").status_code == 201
+
+
+def _at_once(server: ServerProcess, tenant: str, paths: list[str], body: Any = None) -> list[httpx.Response]:
+    """POST each of ``paths`` as ``tenant``, all released at the same moment, each on its own connection."""
+    start = threading.Barrier(len(paths))
+
+    def post(path: str) -> httpx.Response:
+        with server.client(tenant) as client:
+            start.wait()
+            return client.post(path, json=body, timeout=120)
+
+    with ThreadPoolExecutor(len(paths)) as pool:
+        return list(pool.map(post, paths))
+
+
+def test_concurrent_snapshots_of_a_tenant_stay_within_its_quotas(state_dir: Path) -> None:
+    """Red-team probe 76: the quota was checked before a snapshot was taken and compared after
+    with what the store held before it, with nothing held in between; 8 snapshot requests at once
+    all passed a quota of 2 snapshots and 60 MB (8 kept, 210 MB).  Room is now held before a
+    snapshot is taken (server/snapshot_quota.py): what passes is at most the quota, the rest is the
+    quota's 429 with nothing of it left in the store or on disk, whether the requests snapshot
+    several sandboxes or one; what fits all passes; forks at once (each through a snapshot that
+    lives until its fork is made) never have more than the bytes quota stored either (they had
+    18.9 MB of 7M); another tenant is not held back."""
+    config = {"max_snapshots_per_tenant": 3, "max_snapshot_bytes_per_tenant": "7M"}
+    n = 6
+    with (ServerProcess(state_dir / "srv-snap-race", keys=KEYS, config=config) as srv,
+          srv.client("alice") as alice, srv.client("bob") as bob):
+        store = srv.state / DIRECTORY
+        sids = [alice.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"] for _ in range(n)]
+        bid = bob.post("/v1/sandboxes", json={"limits": {"memory": "128M"}}).json()["id"]
+
+        bobs: set[str] = set()
+
+        def burst(boxes: list[str], most: int, answers: list[httpx.Response] | None = None) -> None:
+            """``most`` of the snapshots of ``boxes`` requested at once pass, the rest are the quota's
+            429, and only what passed is left."""
+            if answers is None:
+                answers = _at_once(srv, "alice", [f"/v1/sandboxes/{sid}/snapshot" for sid in boxes])
+            taken = [a.json() for a in answers if a.status_code == 201]
+            refused = [a for a in answers if a.status_code != 201]
+            assert len(taken) == most, [a.text for a in answers]  # never more; and all that fits
+            assert all((a.status_code, a.json()["error"]) == (429, "resource_limit") for a in refused), \
+                [a.text for a in refused]
+            listed = alice.get("/v1/snapshots").json()["snapshots"]
+            assert sorted(s["id"] for s in listed) == sorted(s["id"] for s in taken)
+            assert sum(s["size"] for s in listed) <= 7 << 20
+            # nothing half-made: no temp or half-removed directory, no content no snapshot links to
+            names = {p.name for p in store.iterdir()} - {"blobs"}
+            assert names == {s["id"] for s in listed} | bobs, names
+            assert all(b.stat().st_nlink > 1 for b in store.glob("blobs/*/*"))
+            for s in listed:
+                assert alice.delete(f"/v1/snapshots/{s['id']}").status_code == 204
+
+        # within the quota (3 small snapshots at once): all pass; and another tenant's snapshots,
+        # taken meanwhile, are not held back
+        with ThreadPoolExecutor(1) as pool:
+            bobs_own = pool.submit(lambda: [bob.post(f"/v1/sandboxes/{bid}/snapshot") for _ in range(2)])
+            answers = _at_once(srv, "alice", [f"/v1/sandboxes/{sid}/snapshot" for sid in sids[:3]])
+            mine = bobs_own.result()
+        assert [a.status_code for a in mine] == [201, 201], [a.text for a in mine]
+        bobs = {a.json()["id"] for a in mine}
+        burst(sids[:3], 3, answers)
+        # past the count (small files): 3 of 6, of 6 sandboxes and of one
+        burst(sids, 3)
+        burst([sids[0]] * n, 3)
+        # past the bytes (3 MB each against 7M): 2 of 6, of 6 sandboxes and of one
+        for sid in sids:
+            wrote = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 3M /dev/urandom > /home/user/blob"})
+            assert wrote.json()["exit_code"] == 0, wrote.text
+        burst(sids, 2)
+        burst([sids[0]] * n, 2)
+        # a fork's passing snapshot needs room in bytes too: forks at once never hold more than it
+        # (watched through the listing, which shows those snapshots while their forks are made)
+        peak, done = 0, threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            with srv.client("alice") as watcher:
+                while not done.is_set():
+                    peak = max(peak, sum(s["size"] for s in watcher.get("/v1/snapshots").json()["snapshots"]))
+
+        with ThreadPoolExecutor(1) as pool:
+            watching = pool.submit(watch)
+            try:
+                forks = _at_once(srv, "alice", [f"/v1/sandboxes/{sid}/fork" for sid in sids], {"count": 1})
+            finally:
+                done.set()
+            watching.result()
+        made = [f.json()["sandboxes"][0]["id"] for f in forks if f.status_code == 201]
+        assert len(made) >= 2 and peak <= 7 << 20, (peak, [f.text for f in forks])
+        assert all((f.status_code, f.json()["error"]) == (429, "resource_limit") for f in forks if f.status_code != 201)
+        assert alice.get("/v1/snapshots").json()["snapshots"] == []
+        assert {p.name for p in store.iterdir()} - {"blobs"} == bobs
+        for kid in made:
+            assert alice.delete(f"/v1/sandboxes/{kid}").status_code == 204
+        assert sorted(s["id"] for s in bob.get("/v1/snapshots").json()["snapshots"]) == sorted(bobs)
+        for sid in sids:
+            assert alice.delete(f"/v1/sandboxes/{sid}").status_code == 204
+        assert bob.delete(f"/v1/sandboxes/{bid}").status_code == 204
+

@@ -408,10 +408,11 @@ class LocalBackend(SandboxBackend):
             forward = self.tier_sandbox().expose_port(port, unix=unix, other_users=other_users)
         return ExposedPort.of(forward), forward.close
 
-    def snapshot(self, tenant: str | None = None) -> Snapshot:
-        """Snapshot the sandbox's files into this state directory's store (owned by ``tenant``)."""
+    def snapshot(self, tenant: str | None = None, check: Callable[[int], None] | None = None) -> Snapshot:
+        """Snapshot the sandbox's files into this state directory's store (owned by ``tenant``;
+        ``check``: as :meth:`SnapshotStore.take`'s)."""
         with host_errors("snapshot the sandbox", self.id):
-            return SnapshotStore(self.root).take(self.tier_sandbox(), self.spec, tenant)
+            return SnapshotStore(self.root).take(self.tier_sandbox(), self.spec, tenant, check=check)
 
     def close(self) -> None:
         self._lifetime.cancel()

@@ -42,6 +42,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ from .parked import load as load_parked
 from .spec import SandboxSpec
 from .tiers import tier_class
 from .tiers.base import PendingWrite, TierSandbox
-from .tiers.linux.fs_snapshot import manifest_digest, prune_shared
+from .tiers.linux.fs_snapshot import manifest_budget, manifest_digest, prune_shared
 
 DIRECTORY = "snapshots"
 #: the contents every snapshot links to
@@ -61,6 +62,10 @@ SHARED = "blobs"
 _ID = re.compile(r"snap-[0-9a-f]{16}\Z")
 #: held (flock, exclusive) by the process writing the snapshot it is in, until it is whole
 WRITING = "writing.lock"
+#: what a live snapshot holds beyond the sandbox's memory limit, at most: the guest's own share of
+#: its RAM and the rounding up to a template's size (tiers/microvm/tier.py, ``ram_mb``: 96 + 63 MiB),
+#: the memory image's slack (1 MiB) and the device state
+LIVE_OVERHEAD = 256 << 20
 log = logging.getLogger(__name__)
 
 
@@ -98,6 +103,17 @@ def fork_spec(parent: SandboxSpec) -> SandboxSpec:
                        user=parent.user)
 
 
+def bytes_at_most(spec: SandboxSpec) -> int:
+    """The most a snapshot of a sandbox with ``spec`` may hold in the store (``Snapshot.size``):
+    its files' sizes are bounded by its ``disk`` and its manifest by ``manifest_budget``
+    (:func:`corral.tiers.linux.fs_snapshot.capture` refuses past either); a live one adds its
+    memory image and device state.  What a server reserves of a tenant's quota for one in flight."""
+    most = spec.limits.disk + manifest_budget(spec.limits.disk)
+    if tier_class(spec.tier).capabilities.snapshot == "live":
+        most += spec.limits.memory + LIVE_OVERHEAD
+    return most
+
+
 def new_snapshot_id() -> str:
     return "snap-" + secrets.token_hex(8)
 
@@ -114,12 +130,14 @@ class SnapshotStore:
         return self.dir
 
     def take(self, inner: TierSandbox, spec: SandboxSpec, tenant: str | None = None,
-             parked_by: str | None = None) -> Snapshot:
+             parked_by: str | None = None, check: Callable[[int], None] | None = None) -> Snapshot:
         """Snapshot a live sandbox (paused while its files are copied, then running again).
         ``parked_by``: the state of that sandbox paused to disk (:mod:`corral.parked`): not listed,
         not usable or removable as a snapshot, but counted in its tenant's bytes.  A microVM's
         snapshot is returned once the VM runs on, its memory image still being written in the
-        background (:meth:`_finish`): ``size`` and ``written`` are then upper bounds."""
+        background (:meth:`_finish`): ``size`` and ``written`` are then upper bounds.  ``check``
+        is given the size of a snapshot written whole before it is put in the store, and raises to
+        refuse it (a server's quota: a refused one is never listed nor counted)."""
         kind = tier_class(spec.tier).capabilities.snapshot
         if not kind:
             raise InvalidState(f"sandbox {inner.id}: the {spec.tier} tier cannot take snapshots"
@@ -145,6 +163,8 @@ class SnapshotStore:
                 size, written = size + rest.bytes_at_most, written + rest.bytes_at_most
                 meta.update(digest="", writing=True)
             else:
+                if check is not None:
+                    check(size)
                 meta["digest"] = manifest_digest(temp / "files")
             snapshot = Snapshot(snapshot_id, kind, size, time.time(), spec.tier, spec.image, inner.id, written)
             (temp / "meta.json").write_text(json.dumps({**snapshot.to_dict(), **meta}))

@@ -25,6 +25,7 @@ from .limits import TenantTally
 from .manager import SandboxManager
 from .metrics import Metrics
 from .output_shares import OutputShares, Release
+from .snapshot_quota import SnapshotQuota
 
 T = TypeVar("T")
 
@@ -46,6 +47,8 @@ class ServerContext:
         #: bytes of each tenant's WebSocket messages held here: being received or not yet handled
         #: (stdin a command has not taken), bounded like request bodies (see .ws_protocol)
         self.ws_messages = TenantTally(config.max_request_bytes_per_tenant)
+        #: each tenant's snapshots in flight, held against its snapshot quotas until they are stored
+        self.snapshot_quota = SnapshotQuota(config.max_snapshots_per_tenant, config.max_snapshot_bytes_per_tenant)
         self._manager: SandboxManager | None = None
         #: fast-path responses carry a Server-Timing header (CORRAL_SERVER_TIMING=1; see .trace)
         self.timing = trace.enabled()

@@ -2,8 +2,9 @@
 
 A snapshot belongs to the tenant that took it: another tenant's id is answered like a missing one
 (404).  The bytes a tenant's snapshots take in the store count against
-``max_snapshot_bytes_per_tenant``; a snapshot that would pass it is refused (429,
-``resource_limit``) and nothing of it is kept.  ``POST /v1/sandboxes`` with ``"snapshot": ID``
+``max_snapshot_bytes_per_tenant``, and their number against ``max_snapshots_per_tenant``; a
+snapshot that would pass either is refused (429, ``resource_limit``) and nothing of it is kept,
+also when many are requested at once (:mod:`.snapshot_quota`).  ``POST /v1/sandboxes`` with ``"snapshot": ID``
 starts a sandbox from one (:mod:`.sandbox_routes`).
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 
 from ..errors import InvalidSpec, ResourceLimit, SnapshotNotFound
-from ..snapshots import Snapshot, SnapshotStore, fork_spec
+from ..snapshots import Snapshot, SnapshotStore, bytes_at_most, fork_spec
 from ..spec import format_size
 from ..tiers import tier_class
 from .context import Context, ServerContext, Tenant
@@ -36,48 +37,42 @@ def spec_fields(ctx: ServerContext, tenant: str, snapshot_id: str, data: dict[st
     return {"tier": snapshot.tier, "image": snapshot.image}
 
 
-def _room(ctx: ServerContext, tenant: str, kept: bool = True) -> int:
-    """Bytes the tenant's snapshots use (429 if there is no room left, in bytes or in number:
-    snapshots share their contents, so a tenant's thousands of small ones stayed far below the
-    bytes cap while each added its own directory and records to the host's disk).  A snapshot
-    that is not ``kept`` (a fork's, removed before the fork returns) needs room in bytes only."""
-    most = ctx.config.max_snapshots_per_tenant
-    count = len(store(ctx).list(tenant)) + len(store(ctx).list(tenant, parked=True))
-    if kept and count >= most:
-        raise ResourceLimit(f"quota: tenant {tenant!r} holds {count} snapshots (max {most}); remove one first")
-    cap = ctx.config.max_snapshot_bytes_per_tenant
-    used = store(ctx).bytes_of(tenant)
-    if used >= cap:
-        raise ResourceLimit(f"quota: tenant {tenant!r} holds {format_size(used)} of snapshots "
-                            f"(max {format_size(cap)}); remove one first")
-    return used
-
-
 def park(ctx: ServerContext, tenant: str, sandbox_id: str) -> None:
     """Pause the tenant's sandbox to disk (its state counts as a snapshot of the tenant's), with
     what the server needs to take it back after a restart (manager.recover)."""
     entry = ctx.manager.get(tenant, sandbox_id)
-    _room(ctx, tenant)
-    entry.sandbox._local().pause(to_disk=True, tenant=tenant, server={
-        "tenant": tenant, "created": entry.created, "expires_at": entry.expires_at,
-        "idle_timeout": entry.idle_timeout, "metadata": entry.metadata})
+    with ctx.snapshot_quota.hold(store(ctx), tenant, bytes_at_most(entry.spec)):
+        entry.sandbox._local().pause(to_disk=True, tenant=tenant, server={
+            "tenant": tenant, "created": entry.created, "expires_at": entry.expires_at,
+            "idle_timeout": entry.idle_timeout, "metadata": entry.metadata})
 
 
 def take(ctx: ServerContext, tenant: str, sandbox_id: str, kept: bool = True) -> Snapshot:
-    """Snapshot the tenant's sandbox, within its snapshot quota (blocking: call on a worker thread;
-    ``kept`` as for ``_room``)."""
+    """Snapshot the tenant's sandbox, within its snapshot quota (blocking: call on a worker thread).
+    A snapshot that is not ``kept`` (a fork's, removed before the fork returns) needs room in
+    bytes only, not a place in the tenant's count.  The room is held before the snapshot is
+    taken (:mod:`.snapshot_quota`): concurrent requests cannot all pass one check."""
     entry = ctx.manager.get(tenant, sandbox_id)
     snapshots = store(ctx)
     cap = ctx.config.max_snapshot_bytes_per_tenant
     entry.sandbox._local().tier_sandbox()  # paused to disk: 409 sandbox_paused, before any quota's 429
-    used = _room(ctx, tenant, kept)
-    snapshot = entry.sandbox._local().snapshot(tenant)
-    if used + snapshot.size > cap:  # (an upper bound while a live snapshot's memory image is written)
-        snapshot = snapshots.whole(snapshot.id, tenant)  # its real size
-    if used + snapshot.size > cap:
-        snapshots.delete(snapshot.id, tenant)
-        raise ResourceLimit(f"quota: a snapshot of {format_size(snapshot.size)} does not fit in tenant "
-                            f"{tenant!r}'s {format_size(cap - used)} left of {format_size(cap)} for snapshots")
+    with ctx.snapshot_quota.hold(snapshots, tenant, bytes_at_most(entry.spec), kept) as held:
+
+        def refuse(size: int) -> ResourceLimit:
+            return ResourceLimit(f"quota: a snapshot of {format_size(size)} does not fit in tenant {tenant!r}'s "
+                                 f"{format_size(max(0, held.left))} left of {format_size(cap)} for snapshots")
+
+        def check(size: int) -> None:  # before it is stored: one that does not fit is never listed
+            if not held.fits(size):
+                raise refuse(size)
+
+        snapshot = entry.sandbox._local().snapshot(tenant, check)
+        # a live one is stored before its memory image is written, with an upper bound for its size
+        if not held.fits(snapshot.size, snapshot.id):
+            snapshot = snapshots.whole(snapshot.id, tenant)  # its real size
+            if not held.fits(snapshot.size, snapshot.id):
+                snapshots.delete(snapshot.id, tenant)
+                raise refuse(snapshot.size)
     return snapshot
 
 
