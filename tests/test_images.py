@@ -256,6 +256,15 @@ def test_a_set_id_file_keeps_its_bit_through_a_build_only_if_the_build_left_it_a
             st, parent = (rootfs / inside).stat(), (base / inside).stat()
             assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, parent.st_uid, parent.st_gid), inside
         assert (base / "usr/bin/su").stat().st_mode & 0o7777 == 0o4755  # the parent is untouched
+        # and no other host user reaches a built image's files at all (sandboxes still start from it)
+        assert rootfs.parent.stat().st_mode & 0o7777 == 0o700
+        # (through a shell: setpriv execs its command while it still holds root's capabilities)
+        as_nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/bin/sh", "-c",
+                                    f"exec {rootfs / 'usr/bin/newgrp'} --help"], capture_output=True, text=True)
+        assert as_nobody.returncode != 0 and "Permission denied" in as_nobody.stderr, as_nobody
+        with Sandbox.create(image=recipe.name) as sb:
+            r = sb.commands.run("cat /usr/local/share/greeting.txt; ls -l /usr/bin/newgrp")
+            assert r.exit_code == 0 and r.stdout.startswith("hello from the recipe\n-rwsr-xr-x"), r
     finally:
         store.remove(recipe.name)
     assert not _leftovers() and not _build_groups()
