@@ -9,9 +9,11 @@ for python-data, see docs/images.md); later runs find them in milliseconds.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from corral.host import cgroups
 from corral.images import recipe as recipes
 from corral.images import resolve, store
 from corral.images.build import build
+from corral.images.buildbox import BuildBox
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -227,6 +230,88 @@ def test_broken_recipe_fails_cleanly(base_image: store.ImageRecord, state_dir: P
     assert store.record(store.image_dir(), recipe.digest(base_image.digest)) is None
     assert not _leftovers() and not _build_groups()
     assert set(os.listdir(state_dir / "uids")) == uids_before
+
+
+def test_a_set_id_file_keeps_its_bit_through_a_build_only_if_the_build_left_it_alone(
+        base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
+    """The build uid gets the image's root-owned files for the build (chown clears set-id bits) and
+    root gets them back at its end. The set-id modes were put back by path, onto whatever file was
+    there by then: a step that wrote ``/bin/id`` over ``/usr/bin/su`` left a setuid-root binary of
+    its own bytes in the image store (run by ``nobody`` on the host, it printed euid=0). Now a bit
+    comes back only onto the very file it was on, unchanged; the others stay cleared, said in the log."""
+    recipe = _derived_recipe(tmp_path, ["cat /bin/id > /usr/bin/su", "true"])
+    base = base_image.rootfs
+    try:
+        rootfs = build(recipe, state_dir).record.rootfs
+        # denied: the step's own bytes at su's path are not setuid root
+        su = (rootfs / "usr/bin/su").stat()
+        assert (rootfs / "usr/bin/su").read_bytes() == (base / "usr/bin/id").read_bytes()
+        assert (su.st_uid, su.st_mode & 0o7777) == (0, 0o755)
+        log = (rootfs.parent / "logs" / "run-2.log").read_text()
+        assert "set-id bits not restored: changed by the build: /usr/bin/su]" in log
+        # allowed: files the build left alone keep their set-id bits and owners (setuid newgrp,
+        # setgid-shadow unix_chkpwd; directories keep theirs through chown anyway)
+        for inside, mode in (("usr/bin/newgrp", 0o4755), ("usr/sbin/unix_chkpwd", 0o2755),
+                             ("var/mail", 0o2775), ("var/local", 0o2775)):
+            st, parent = (rootfs / inside).stat(), (base / inside).stat()
+            assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, parent.st_uid, parent.st_gid), inside
+        assert (base / "usr/bin/su").stat().st_mode & 0o7777 == 0o4755  # the parent is untouched
+        # and no other host user reaches a built image's files at all (sandboxes still start from it)
+        assert rootfs.parent.stat().st_mode & 0o7777 == 0o700
+        # (through a shell: setpriv execs its command while it still holds root's capabilities)
+        as_nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/bin/sh", "-c",
+                                    f"exec {rootfs / 'usr/bin/newgrp'} --help"], capture_output=True, text=True)
+        assert as_nobody.returncode != 0 and "Permission denied" in as_nobody.stderr, as_nobody
+        with Sandbox.create(image=recipe.name) as sb:
+            r = sb.commands.run("cat /usr/local/share/greeting.txt; ls -l /usr/bin/newgrp")
+            assert r.exit_code == 0 and r.stdout.startswith("hello from the recipe\n-rwsr-xr-x"), r
+    finally:
+        store.remove(recipe.name)
+    assert not _leftovers() and not _build_groups()
+
+
+def test_a_build_step_cannot_fool_the_set_id_restore_by_resetting_times(state_dir: Path) -> None:
+    """BuildBox on its own, over a minimal rootfs: a same-size rewrite with its mtime set back, a
+    chmod, and an untouched file. Only the untouched one gets its set-id bits back."""
+    work = Path(tempfile.mkdtemp(prefix="corral-setid-"))  # not under the 0700 state directory
+    os.chmod(work, 0o711)  # the build uid must reach rootfs/
+    root = work / "rootfs"
+    try:
+        for d in ("usr/bin", "tmp", "proc", "dev"):
+            (root / d).mkdir(parents=True)
+        os.symlink("usr/bin", root / "bin")
+        for binary in ("/bin/dash", "/bin/cat", "/bin/touch", "/bin/chmod"):
+            shutil.copy2(binary, root / "usr/bin" / Path(binary).name)
+            ldd = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+            for lib in {part for line in ldd.splitlines() for part in line.split() if part.startswith("/")}:
+                (root / lib.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(lib, root / lib.lstrip("/"))
+        os.symlink("dash", root / "usr/bin/sh")
+        modes = {"kept": 0o4755, "kept-sgid": 0o2755, "rewritten": 0o4755, "chmodded": 0o4755}
+        for name, mode in modes.items():
+            (root / "usr/bin" / name).write_bytes(b"A" * 4096)
+            os.chmod(root / "usr/bin" / name, mode)
+        os.utime(root / "usr/bin/rewritten", (1_000_000_000, 1_000_000_000))
+        os.chmod(root, 0o755)
+        box = BuildBox(root, state_dir, "128M")
+        try:
+            log = work / "step.log"
+            code, _ = box.run("touch -r /usr/bin/rewritten /tmp/ref && "
+                              "printf '%4096s' '' > /usr/bin/rewritten && touch -r /tmp/ref /usr/bin/rewritten && "
+                              "chmod 0755 /usr/bin/chmodded", log, 60)
+            assert code == 0, log.read_text()
+        finally:
+            box.close()
+        rewritten = (root / "usr/bin/rewritten").stat()
+        assert (rewritten.st_size, rewritten.st_mtime) == (4096, 1_000_000_000)  # only ctime and bytes tell
+        got = {name: (root / "usr/bin" / name).stat() for name in modes}
+        assert {name: (st.st_mode & 0o7777, st.st_uid, st.st_gid) for name, st in got.items()} == {
+            "kept": (0o4755, 0, 0), "kept-sgid": (0o2755, 0, 0), "rewritten": (0o755, 0, 0), "chmodded": (0o755, 0, 0)}
+        assert box.setid_dropped == ["/usr/bin/chmodded", "/usr/bin/rewritten"]
+        assert "set-id bits not restored: changed by the build: /usr/bin/chmodded /usr/bin/rewritten]" \
+            in log.read_text()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_killed_build_leaves_nothing_after_gc(base_image: store.ImageRecord, tmp_path: Path) -> None:

@@ -153,6 +153,9 @@ class _Builder:
                 if step == "finalize":
                     self._close_box()
                 self._step(step)
+            # only root (and mounts root makes) reaches a built image: nothing of a build's, such as a
+            # set-id file a step made, is ever run from the store by another host user
+            os.chmod(self.staging, 0o700)
             os.rename(self.staging, self.root / store.hex_of(self.digest))
         except BaseException as exc:
             self._close_box()

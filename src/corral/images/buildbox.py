@@ -13,6 +13,7 @@ ever host root, so a hostile recipe command can harm only its own image.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -20,6 +21,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..host import cgroups
@@ -65,13 +67,59 @@ def fake_chown_bpf(state_dir: Path) -> Path:
     return path
 
 
-def shift_owner(root: Path, old: int, new: int, modes: dict[str, int] | None = None) -> dict[str, int]:
+@dataclass(frozen=True)
+class SetIdFile:
+    """A set-id file of the image as it was handed to the build uid.
+
+    chown clears set-id bits, so they are put back when the image is handed back to root, but only
+    onto this very file, unchanged: the same inode, size, times, mode and content. ``identity`` is
+    taken after the chown that cleared the bits: any later write, chmod, link or utime moves the
+    ctime, which nothing can set back, and the content hash covers a write within the clock's
+    granularity (or an overlay copy-up that keeps the inode number)."""
+
+    mode: int  # the mode to restore, set-id bits included
+    identity: tuple[int, ...]  # (dev, ino, size, mtime_ns, ctime_ns, mode) after the chown
+    sha256: str
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+
+
+def _sha256(fd: int) -> str:
+    digest = hashlib.sha256()
+    while chunk := os.read(fd, 1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _open_regular(path: str) -> int | None:
+    """An fd of the regular file at ``path`` itself (a link is not followed), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def shift_owner(root: Path, old: int, new: int,
+                setid: dict[str, SetIdFile] | None = None) -> tuple[dict[str, SetIdFile], list[str]]:
     """chown every file owned by uid/gid ``old`` to ``new`` (lchown, no symlink followed).
 
-    chown clears set-id bits; the modes of set-id files are returned (first
-    pass) and restored when given (second pass).
+    chown clears the set-id bits of regular files. Handing the image over (``setid`` None), its
+    set-id files are recorded by path (:class:`SetIdFile`) and returned first. Handing it back
+    (``setid`` that record), a recorded path gets its set-id mode back only if the file there is
+    still the recorded one, unchanged (checked and chmodded through an fd of that file); the paths
+    inside the image of the build uid's files at recorded paths that do not are returned second:
+    their set-id bits stay cleared. (Restoring by path alone gave a build step that wrote its own
+    bytes over ``/usr/bin/su`` a setuid-root binary in the image.) Directories keep their set-id
+    bits through chown and are not recorded.
     """
-    saved: dict[str, int] = {}
+    saved: dict[str, SetIdFile] = {}
+    dropped: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames, ""]:
             path = os.path.join(dirpath, name) if name else dirpath
@@ -85,16 +133,47 @@ def shift_owner(root: Path, old: int, new: int, modes: dict[str, int] | None = N
             gid = new if st.st_gid == old else -1
             if uid == -1 and gid == -1:
                 continue
-            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
-                saved[path] = stat.S_IMODE(st.st_mode)
+            if setid is None and stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                record = _record_and_chown(path, uid, gid)
+                if record is not None:
+                    saved[path] = record
+                    continue
+            elif setid is not None and path in setid:
+                if stat.S_ISREG(st.st_mode) and _restore(path, uid, gid, setid[path]):
+                    continue
+                dropped.append("/" + os.path.relpath(path, root))
             os.lchown(path, uid, gid)
-    for path, mode in (modes or {}).items():
-        try:
-            if not stat.S_ISLNK(os.lstat(path).st_mode):
-                os.chmod(path, mode)
-        except FileNotFoundError:
-            pass
-    return saved
+    return saved, sorted(dropped)
+
+
+def _record_and_chown(path: str, uid: int, gid: int) -> SetIdFile | None:
+    fd = _open_regular(path)
+    if fd is None:
+        return None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not mode & (stat.S_ISUID | stat.S_ISGID):
+            return None
+        sha256 = _sha256(fd)
+        os.fchown(fd, uid, gid)
+        return SetIdFile(stat.S_IMODE(mode), _identity(os.fstat(fd)), sha256)
+    finally:
+        os.close(fd)
+
+
+def _restore(path: str, uid: int, gid: int, record: SetIdFile) -> bool:
+    """chown the file at ``path`` and give it its set-id mode back, if it is ``record``'s, unchanged."""
+    fd = _open_regular(path)
+    if fd is None:
+        return False
+    try:
+        if _identity(os.fstat(fd)) != record.identity or _sha256(fd) != record.sha256:
+            return False
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, record.mode)
+        return True
+    finally:
+        os.close(fd)
 
 
 class BuildBox:
@@ -109,7 +188,10 @@ class BuildBox:
         self._binds = binds or {}
         # a process's own name: gc frees it once the build is gone, even if killed before its record
         self.uid = allocate_uid(state_dir, process_owner("image-build"))
-        self._setid_modes: dict[str, int] = {}
+        self._setid: dict[str, SetIdFile] = {}
+        self._last_log: Path | None = None
+        #: the image's set-id files a build step changed, left without their set-id bits (after close)
+        self.setid_dropped: list[str] = []
         self._shifted = False
         self.cgroup: cgroups.SandboxCgroup | None = None
         self._record = rootfs.parent / RECORD_NAME
@@ -123,7 +205,7 @@ class BuildBox:
             for point in self._binds:
                 (rootfs / point.lstrip("/")).mkdir(parents=True, exist_ok=True)
             self._shifted = True  # before the walk: an interrupted walk is still walked back
-            self._setid_modes = shift_owner(rootfs, 0, self.uid)
+            self._setid, _ = shift_owner(rootfs, 0, self.uid)
         except BaseException:
             self.close()
             raise
@@ -156,6 +238,7 @@ class BuildBox:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
 
+        self._last_log = log
         with open(log, "ab") as out:
             out.write(f"$ {command}\n".encode())
             out.flush()
@@ -194,8 +277,12 @@ class BuildBox:
         finally:
             try:
                 if self._shifted:
-                    shift_owner(self.rootfs, self.uid, 0, self._setid_modes)
+                    _, self.setid_dropped = shift_owner(self.rootfs, self.uid, 0, self._setid)
                     self._shifted = False
+                    if self.setid_dropped and self._last_log is not None:
+                        with open(self._last_log, "a") as out:
+                            out.write("[set-id bits not restored: changed by the build: "
+                                      + " ".join(self.setid_dropped) + "]\n")
                     for point in self._binds:
                         try:
                             (self.rootfs / point.lstrip("/")).rmdir()
