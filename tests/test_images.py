@@ -258,6 +258,8 @@ def test_a_set_id_file_keeps_its_bit_through_a_build_only_if_the_build_left_it_a
         assert (base / "usr/bin/su").stat().st_mode & 0o7777 == 0o4755  # the parent is untouched
         # and no other host user reaches a built image's files at all (sandboxes still start from it)
         assert rootfs.parent.stat().st_mode & 0o7777 == 0o700
+        os.chmod(rootfs.parent, 0o711)  # as an image built before this was
+        assert store.lookup(recipe.name) is not None and rootfs.parent.stat().st_mode & 0o7777 == 0o700
         # (through a shell: setpriv execs its command while it still holds root's capabilities)
         as_nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/bin/sh", "-c",
                                     f"exec {rootfs / 'usr/bin/newgrp'} --help"], capture_output=True, text=True)

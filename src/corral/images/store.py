@@ -122,11 +122,22 @@ def read_meta(path: Path) -> dict[str, object]:
     return _read_json(path / "image.json") or {}
 
 
+def _root_only(path: Path) -> None:
+    """An image built before images were 0700 (a set-id file a build step wrote could be run by
+    any host user from its 0711 directory) is made so when it is next looked up."""
+    try:
+        if os.stat(path).st_mode & 0o077 and os.geteuid() == 0:
+            os.chmod(path, 0o700)
+    except OSError:
+        pass
+
+
 def record(root: Path, digest: str) -> ImageRecord | None:
     path = root / hex_of(digest)
     meta = _read_json(path / "image.json")
     if meta is None or not (path / "rootfs").is_dir():
         return None
+    _root_only(path)
     names = tuple(sorted(n for n, d in all_names(root).items() if d == digest))
     return ImageRecord(
         digest=digest, path=path, names=names, size=int(meta.get("size", 0)),  # type: ignore[call-overload]
