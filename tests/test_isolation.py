@@ -485,6 +485,36 @@ def test_a_sandbox_cannot_give_the_host_a_git_directory_of_its_own_making(tmp_pa
     assert "notes/HEAD" in status, status
 
 
+@pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "copy"])
+def test_a_sandbox_cannot_delete_the_hosts_git_configuration_or_hooks(
+        tmp_path: Path, overlay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write-back held back the sandbox's changes to a git directory's configuration and hooks,
+    but not their deletion: `rm .git/hooks/pre-commit` took away a protective hook (a secret
+    scanner) before the user's next commit, and `rm .git/config` the user's remotes; `rm -rf .git
+    && git init` did both.  Now they stay as the host has them; the rest of a deletion comes back."""
+    from corral.host import ws_overlay
+
+    monkeypatch.setattr(ws_overlay, "ENABLED", overlay)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "-C", str(repo), "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(repo), "remote", "add", "origin", "https://example.test/r.git"], check=True)
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\nexec scan-for-secrets\n")
+    (repo / "gone.txt").write_text("x")
+    config = (repo / ".git" / "config").read_text()
+    with Sandbox.create(workspace=str(repo)) as sb:
+        r = sb.commands.run("cd /workspace && rm .git/hooks/pre-commit .git/config gone.txt")
+        assert r.exit_code == 0, r
+        assert hook.read_text() == "#!/bin/sh\nexec scan-for-secrets\n" and (repo / ".git/config").read_text() == config
+        assert not (repo / "gone.txt").exists()
+        r = sb.commands.run("cd /workspace && rm -rf .git && git init -q && echo new > n.txt")
+        assert r.exit_code == 0, r
+    assert hook.read_text() == "#!/bin/sh\nexec scan-for-secrets\n"
+    assert (repo / ".git/config").read_text() == config
+    assert (repo / "n.txt").read_text() == "new\n" and (repo / ".git" / "HEAD").is_file()
+
+
 def test_directory_modes_are_written_back(tmp_path: Path) -> None:
     """A directory the sandbox makes private stays private on the host: write-back made every
     directory 0755, so another host user read ``private/id_rsa``.  Set-group-id is not kept

@@ -169,18 +169,31 @@ class DirsBeneath:
         self._path, self._fd = None, -1
 
 
-def remove_gone(dst_fd: int, keys: Iterable[Key], uid: int, gid: int) -> None:
+def remove_gone(dst_fd: int, keys: Iterable[Key], uid: int, gid: int, writing_back: bool = True) -> None:
     """Remove the entries ``keys`` (and what is below them) from the tree at ``dst_fd``, deepest
-    first; one whose directory is gone already is skipped."""
+    first; one whose directory is gone already is skipped.  ``writing_back``: not what
+    :func:`host_keeps` (the sandbox no more deletes the host's git configuration or a protective
+    hook than it changes them)."""
     parents = DirsBeneath(dst_fd, False, uid, gid)
     try:
         for key in depth_order(keys, deepest_first=True):
             try:
-                _remove_beneath(parents.open(key[0]), key[1])
+                parent = parents.open(key[0])
+                if writing_back and host_keeps(rel_of(key), _kind_at(parent, key[1])):
+                    continue
+                _remove_beneath(parent, key[1])
             except OSError:
                 continue
     finally:
         parents.close()
+
+
+def _kind_at(dir_fd: int, name: str) -> str:
+    """The kind of the entry ``name`` (what :func:`host_keeps` tells a ``.git`` directory from a
+    ``.git`` file by; other names need no system call)."""
+    if name != ".git":
+        return "f"
+    return _kind(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
 
 
 def _entries(dir_fd: int) -> Iterator[os.DirEntry[str]]:

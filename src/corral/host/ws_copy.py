@@ -74,7 +74,7 @@ def _apply(
     links: Links = {}
     budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in
     try:
-        remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid)
+        remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid, writing_back=inside_links_only)
 
         def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
             _copy_entry(src_dir, dst_dir, dst_fd, rel_of(key), entry[0], entry[3], uid, gid, inside_links_only,

@@ -80,6 +80,7 @@ from .workspace import (
     Links,
     Manifest,
     _copy_entry,
+    _kind_at,
     _open_dir_beneath,
     _remove_beneath,
     copy_changed,
@@ -91,6 +92,7 @@ from .workspace import (
 )
 from .ws_changes import Unplaced, UpperTree
 from .ws_copy import WorkspaceCopy
+from .ws_git import host_keeps
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
 #: (bench/workspace.py sets it to compare the two)
@@ -354,7 +356,7 @@ def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int) -> 
     dst = _open_dir_beneath(dst_fd, parts, create=True, uid=uid, gid=gid)
     try:
         for name in os.listdir(dst):
-            if name not in keep:
+            if name not in keep and not host_keeps(f"{rel}/{name}", _kind_at(dst, name)):
                 _remove_beneath(dst, name)
     finally:
         os.close(dst)
