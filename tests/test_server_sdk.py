@@ -289,6 +289,56 @@ def test_cli_through_server(server: ServerProcess, tmp_path: Path) -> None:
     assert missing.returncode == 125 and "no sandbox" in missing.stderr
 
 
+def test_cli_cp_from_a_sandbox_writes_only_below_its_destination(server: ServerProcess, tmp_path: Path) -> None:
+    """`corral cp ID:DIR HOSTDIR` merged the sandbox's tree into HOSTDIR (a sandbox's .bashrc over
+    the user's, its .git/config with core.fsmonitor into the user's checkout), followed links in
+    HOSTDIR (a planted `cfg -> elsewhere` took the sandbox's authorized_keys there, as root), and
+    wrote each name of a sparse file whole (16 MiB of disk wrote 513 MB).  Now a directory goes to
+    HOSTDIR/DIR as with cp -r, nothing is written through a link, git's configuration stays out, and
+    what is written is bounded by the sandbox's disk; exec's options may come after its id."""
+    env = {**os.environ, "CORRAL_URL": server.url, "CORRAL_API_KEY": KEYS["alice"]}
+
+    def corral(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([CORRAL, *args], env=env, capture_output=True, text=True, timeout=60)
+
+    made = httpx.post(server.url + "/v1/sandboxes", json={"limits": {"disk": "16M"}}, headers=server.headers("alice"))
+    sid = made.json()["id"]
+    marker, victim, dl = tmp_path / "ran", tmp_path / "victim", tmp_path / "dl"
+    victim.mkdir()
+    (dl / "out").mkdir(parents=True)
+    (dl / ".bashrc").write_text("original\n")
+    (dl / "out" / "cfg").symlink_to(victim)  # planted by someone who may write the download directory
+    (dl / "report.txt").symlink_to(victim / "single")
+    script = ("cd /workspace && mkdir -p out/cfg out/.git out/bare/objects out/bare/refs"
+              " && echo pwned > out/.bashrc && echo key > out/cfg/authorized_keys && echo report > report.txt"
+              f" && printf '[core]\\n\\tfsmonitor = touch {marker}; false #\\n' > out/.git/config"
+              " && cp out/.git/config out/bare/config && echo 'ref: refs/heads/main' > out/bare/HEAD"
+              " && mkdir /tmp/amp && truncate -s 32M /tmp/amp/f && for i in $(seq 15); do ln /tmp/amp/f /tmp/amp/l$i; done")
+    executed = corral("exec", sid, "--timeout", "30", "--", "sh", "-c", script)
+    assert executed.returncode == 0, executed.stderr
+    copied = corral("cp", f"{sid}:out", str(dl))
+    assert copied.returncode == 0, copied.stderr
+    assert (dl / ".bashrc").read_text() == "original\n" and (dl / "out" / ".bashrc").read_text() == "pwned\n"
+    assert os.listdir(victim) == [] and not (dl / "out" / "cfg").is_symlink()
+    assert (dl / "out" / "cfg" / "authorized_keys").read_text() == "key\n"
+    assert not (dl / "out" / ".git" / "config").exists() and not (dl / "out" / "bare" / "HEAD").exists()
+    for where in (dl / "out", dl / "out" / "bare"):
+        subprocess.run(["git", "status"], cwd=where, capture_output=True)
+    assert not marker.exists(), "the host's git ran what the sandbox wrote"
+    assert corral("cp", f"{sid}:report.txt", str(dl)).returncode == 0
+    assert os.listdir(victim) == [] and (dl / "report.txt").read_text() == "report\n"
+    amplified = corral("cp", f"{sid}:/tmp/amp", str(tmp_path / "amp"))
+    assert amplified.returncode != 0 and "disk limit" in amplified.stderr, amplified
+    written = sum(f.stat().st_size for f in (tmp_path / "amp").iterdir())
+    assert written <= 16 << 20, f"{written >> 20} MiB written for a sandbox with a 16 MiB disk"
+    timed = corral("exec", sid, "--timeout", "1", "--", "sleep", "10")
+    assert timed.returncode == 124, timed
+    as_json = corral("exec", sid, "--json", "--", "echo", "hi")
+    assert json.loads(as_json.stdout)["stdout"] == "hi\n", as_json
+    assert corral("exec", sid, "--", "sh", "-c", "echo -- ok").stdout == "-- ok\n"
+    assert corral("rm", sid).returncode == 0
+
+
 def test_pool_hands_out_distinct_fresh_sandboxes(server: ServerProcess) -> None:
     with server.client("alice") as http:
         deadline = time.monotonic() + 20

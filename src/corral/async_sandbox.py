@@ -293,7 +293,8 @@ class AsyncFiles:
 
     async def download_dir(self, remote: str, local: str | Path) -> int:
         files = _FilesOnLoop(self, asyncio.get_running_loop())
-        return await asyncio.to_thread(download_dir, files, remote, local)  # type: ignore[arg-type]
+        return await asyncio.to_thread(download_dir, files, remote, local,  # type: ignore[arg-type]
+                                       self._sb.spec.limits.disk)
 
 
 class AsyncNetwork:

@@ -161,8 +161,10 @@ class Files:
         return upload_dir(self, local, remote)
 
     def download_dir(self, remote: str, local: str | Path) -> int:
-        """Copy a sandbox directory to the host. Symlinks are not followed or copied."""
-        return download_dir(self, remote, local)
+        """Copy a sandbox directory's files into the host directory ``local``; returns files
+        copied.  Symlinks are not followed or copied, nor is a git directory's configuration;
+        at most the sandbox's disk limit is written (:func:`corral.surface.download_dir`)."""
+        return download_dir(self, remote, local, self._sb.spec.limits.disk)
 
 
 class Network:

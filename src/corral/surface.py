@@ -140,26 +140,37 @@ def upload_dir(files: FilesAPI, local: str | Path, remote: str) -> int:
     return count
 
 
-def download_dir(files: FilesAPI, remote: str, local: str | Path) -> int:
-    """Copy a sandbox directory to the host. Symlinks are not followed or copied.
+def download_dir(files: FilesAPI, remote: str, local: str | Path, max_bytes: int) -> int:
+    """Copy a sandbox directory's files into the host directory ``local`` (made if missing);
+    returns files copied.  Symlinks and special files are not copied; nothing is written through a
+    link or hard link already in ``local``; what write-back keeps from the host's git is not
+    written (a git directory's configuration and hooks); the files hold at most ``max_bytes``
+    (the sandbox's disk limit), else ``ResourceLimit`` (:mod:`corral.host.download`).
 
     Walked with a list, not by recursion: how deep the tree is, the sandbox decides (a tree 1,100
     directories deep made this raise RecursionError)."""
-    pending = [(remote, Path(local))]
-    count = 0
+    from .host.download import DownloadTarget
+
+    tree: list[tuple[tuple[str, str], str, str]] = []  # ((directory, name), kind, path in the sandbox)
+    pending = [(remote, "")]
     while pending:
-        directory, target = pending.pop()
-        target.mkdir(parents=True, exist_ok=True)
+        directory, rel = pending.pop()
         for entry in files.list(directory):
-            if entry.name in (".", "..") or "/" in entry.name:
+            if entry.name in (".", "..") or "/" in entry.name or entry.type not in ("dir", "file"):
                 continue
-            dest = target / entry.name
-            if entry.type == "dir":
-                pending.append((entry.path, dest))
-            elif entry.type == "file":
-                if dest.is_symlink():
-                    dest.unlink()
-                dest.write_bytes(files.read(entry.path, format="bytes"))
+            kind = "d" if entry.type == "dir" else "f"
+            tree.append(((rel, entry.name), kind, entry.path))
+            if kind == "d":
+                pending.append((entry.path, f"{rel}/{entry.name}" if rel else entry.name))
+    count = 0
+    with DownloadTarget(Path(local), {key for key, _, _ in tree}, max_bytes) as target:
+        for key, kind, path in tree:  # (each directory before what is in it)
+            if target.keeps(key, kind):
+                continue
+            if kind == "d":
+                target.make_dir(key)
+            else:
+                target.write(key, files.read(path, format="bytes"))
                 count += 1
     return count
 

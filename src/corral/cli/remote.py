@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 
@@ -70,14 +70,29 @@ def handle_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _options_before_dashes(args: argparse.Namespace, cmd: list[str]) -> list[str]:
+    """The command after ``--``, with exec's own options given between the id and ``--`` taken
+    into ``args`` (argparse's REMAINDER took everything after the id: ``corral exec ID --timeout 5
+    -- CMD`` ran ``--timeout``).  A command of its own that holds ``--`` is left whole."""
+    if "--" not in cmd:
+        return cmd
+    at = cmd.index("--")
+    if at and not cmd[0].startswith("-"):
+        return cmd
+    options = argparse.ArgumentParser(prog="corral exec ID", add_help=False)
+    options.add_argument("--timeout", type=float, default=args.timeout)
+    options.add_argument("--json", action="store_true", default=args.json)
+    parsed = options.parse_args(cmd[:at])  # (an option exec does not know: argparse's error, exit 2)
+    args.timeout, args.json = parsed.timeout, parsed.json
+    return cmd[at + 1:]
+
+
 def handle_exec(args: argparse.Namespace) -> int:
     from ..client import RemoteSandbox
     from ..errors import InvalidSpec
     from .run import EXIT_OOM, EXIT_TIMEOUT
 
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
+    cmd = _options_before_dashes(args, list(args.cmd))
     if not cmd:
         raise InvalidSpec("no command given: corral exec ID -- CMD [ARGS...]")
     sb = RemoteSandbox.connect(args.id, url=_need_server())
@@ -136,11 +151,15 @@ def handle_cp(args: argparse.Namespace) -> int:
         return 0
     assert src_id is not None
     sb = RemoteSandbox.connect(src_id, url=url)
+    # as cp -r and docker cp: into an existing directory goes a directory or file of the source's
+    # name (a directory's contents were merged into it: a sandbox's .bashrc over the user's own)
+    target = Path(dst)
+    if target.is_dir():
+        target = target / PurePosixPath(src.rstrip("/") or "/").name
     if sb.files.stat(src).type == "dir":
-        sb.files.download_dir(src, dst)
+        sb.files.download_dir(src, target)
     else:
-        target = Path(dst)
-        if target.is_dir():
-            target = target / Path(src).name
-        target.write_bytes(sb.files.read(src, format="bytes"))
+        from ..host.download import write_file
+
+        write_file(target, sb.files.read(src, format="bytes"))
     return 0
