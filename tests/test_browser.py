@@ -430,12 +430,15 @@ def test_hostile_page_reaches_only_the_allowed_site(browser_image: str, hostile_
 def test_cli_run_expose_prints_the_address() -> None:
     import subprocess
 
+    # it serves until asked for /bye (it served two requests: once, in a full run, root's found it gone)
     server = ("import http.server as h\n"
+              "done = []\n"
               "class H(h.BaseHTTPRequestHandler):\n"
               "    def do_GET(self):\n"
               "        self.send_response(200); self.end_headers(); self.wfile.write(b'from the cli')\n"
+              "        done.append(self.path == '/bye')\n"
               "s = h.HTTPServer(('127.0.0.1', 8000), H)\n"
-              "s.handle_request(); s.handle_request()\n")
+              "while not any(done): s.handle_request()\n")
     from server_fixtures import reply_as_user
 
     corral = str(Path(sys.executable).with_name("corral"))
@@ -455,7 +458,8 @@ def test_cli_run_expose_prints_the_address() -> None:
         reply = wait_for(lambda: reply_as_user(65534, port, b"GET / HTTP/1.0\r\n\r\n", whole=True), "the server")
         assert reply.endswith(b"from the cli"), reply  # type: ignore[union-attr]
         assert _refused_connections_as(1000, port, 1) == 1
-        assert http_get(url) == b"from the cli"
+        assert http_get(url, timeout=30) == b"from the cli"
+        assert http_get(url + "bye", timeout=30) == b"from the cli"
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
