@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.host import cgroups
 from corral.host import uids as host_uids
 
 PY = "/usr/bin/python3"
@@ -513,6 +514,31 @@ def test_a_sandbox_cannot_delete_the_hosts_git_configuration_or_hooks(
     assert hook.read_text() == "#!/bin/sh\nexec scan-for-secrets\n"
     assert (repo / ".git/config").read_text() == config
     assert (repo / "n.txt").read_text() == "new\n" and (repo / ".git" / "HEAD").is_file()
+
+
+def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(
+        tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--workspace /` (or /etc, /usr, every home) was taken: the sandbox read the host's files as
+    their owner (/etc/shadow) and rw wrote back into them (a file in /etc appeared, owned by root);
+    a workspace holding Corral's state or image directory let a sandbox change other sandboxes'
+    records and images.  Each is refused before anything is made; a project's directory works."""
+    from corral.errors import InvalidSpec
+
+    before = cgroups.list_sandbox_groups()
+    (state_dir / "ws-probe").mkdir(exist_ok=True)
+    images = tmp_path / "proj" / "images"
+    images.mkdir(parents=True)
+    monkeypatch.setenv("CORRAL_IMAGE_DIR", str(images))
+    for bad, said in (("/", "system"), ("/etc", "system"), ("/usr/local", "system"), ("/home", "system"),
+                      ("/root", "system"), ("/var", "system"), ("/proc/self", "system"),
+                      (str(state_dir / "ws-probe"), "Corral's own"), (str(tmp_path / "proj"), "Corral's own")):
+        with pytest.raises(InvalidSpec, match=said):
+            Sandbox.create(workspace=bad)
+    assert cgroups.list_sandbox_groups() == before
+    (tmp_path / "proj" / "src").mkdir()
+    with Sandbox.create(workspace=str(tmp_path / "proj" / "src")) as sb:
+        assert sb.commands.run("echo ok > /workspace/f && cat /workspace/f").stdout == "ok\n"
+    assert (tmp_path / "proj" / "src" / "f").read_text() == "ok\n"
 
 
 def test_directory_modes_are_written_back(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -125,6 +126,21 @@ def adopt_parked(root: Path, record: Parked) -> LocalBackend:
     return backend
 
 
+def _apart_from_corral(workspace: Path, state: Path) -> None:
+    """Refuse a workspace that holds Corral's state or image directory, or lies in one: its rw
+    write-back, as their owner (root), would let a sandbox change other sandboxes' run
+    directories, records and images (a file planted in an image's rootfs runs in every sandbox
+    made from it), and reading them shows every sandbox's state."""
+    from .images.store import DEFAULT_IMAGE_DIR
+
+    images = Path(os.environ.get("CORRAL_IMAGE_DIR") or DEFAULT_IMAGE_DIR)
+    for tree in (state, images):
+        tree = tree.resolve()
+        if tree.is_relative_to(workspace) or workspace.is_relative_to(tree):
+            raise InvalidSpec(f"workspace {workspace}: it holds or lies in Corral's own {tree} (its sandboxes' "
+                              "state and images); give the project's own directory")
+
+
 class LocalTransport(Transport):
     """Sandboxes of this process, registered in a state directory (default: ``CORRAL_STATE_DIR``)."""
 
@@ -141,6 +157,8 @@ class LocalTransport(Transport):
                               "sandbox lives until kill() or its lifetime")
         spec = options.spec
         tier_class(spec.tier).capabilities.check_user(spec.user, spec.tier)
+        if spec.workspace is not None:
+            _apart_from_corral(spec.workspace.path, self.root)
         sandbox_id = new_sandbox_id()
         seed: tuple[Path, str] | None = None
         if options.snapshot is not None:

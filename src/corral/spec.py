@@ -158,6 +158,14 @@ def _parse_float(value: float | str, what: str) -> float:
     return number
 
 
+#: what is no workspace: the host's own trees, where a sandbox's rw write-back (as root, their owner)
+#: is code on the host (a file in /etc/cron.d, /usr/bin), and reading them (/etc/shadow) is the
+#: host's secrets; and the directories that hold others' trees (every user's home, all of /var)
+SYSTEM_TREES = tuple(Path(p) for p in ("/proc", "/sys", "/dev", "/boot", "/etc", "/run", "/usr", "/bin", "/sbin",
+                                       "/lib", "/lib32", "/lib64", "/libx32"))
+HOLDERS = frozenset(Path(p) for p in ("/", "/home", "/root", "/var", "/var/lib", "/srv", "/opt", "/tmp", "/mnt", "/media"))
+
+
 @dataclass(frozen=True)
 class Workspace:
     """A host directory shown at ``/workspace``.
@@ -179,6 +187,10 @@ class Workspace:
         object.__setattr__(self, "path", self.path.expanduser().resolve())
         if not self.path.is_dir():
             raise InvalidSpec(f"workspace {_shown(str(self.path))} does not exist or is not a directory")
+        if self.path in HOLDERS or any(self.path.is_relative_to(tree) for tree in SYSTEM_TREES):
+            raise InvalidSpec(f"workspace {_shown(str(self.path))}: the host's system or every user's files, not a "
+                              "project (the sandbox would read them as their owner, and rw writes back into them); "
+                              "give the project's own directory")
 
     @classmethod
     def parse(cls, text: str) -> Workspace:
