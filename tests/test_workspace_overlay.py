@@ -115,6 +115,127 @@ def test_the_sandbox_sees_its_owner_as_itself_and_other_users_files_as_nobody(ti
     assert (ws / "edit.txt").read_text() == "v1mine\n"
 
 
+#: a group of the owner's files other than the workspace directory's own (group-shared projects)
+SHARED_GID = 4323
+
+
+def test_the_owners_files_of_another_group_are_the_sandboxs_and_keep_their_group(tmp_path: Path) -> None:
+    ws = owned_workspace(tmp_path)
+    for name in ("append.txt", "rewrite.txt", "replace.txt", "gone.txt"):
+        (ws / name).write_text("shared\n")
+        os.chown(ws / name, OWNER[0], SHARED_GID)
+        os.chmod(ws / name, 0o664)
+    for name, gid in (("proj", SHARED_GID), ("plain", OWNER[1])):  # setgid directories
+        (ws / name).mkdir()
+        os.chown(ws / name, OWNER[0], gid)
+        os.chmod(ws / name, 0o2775)
+    with Sandbox.create(tier="process", workspace=str(ws), memory="256M") as sb:
+        # its group is none of the sandbox's (it cannot take it): ``nogroup``, as before
+        assert ok(sb, "stat -c '%u %g' /workspace/append.txt") == "1000 65534\n"
+        ok(sb, "cd /workspace && echo more >> append.txt && echo new > rewrite.txt"
+               " && sed -i s/shared/edited/ replace.txt && rm gone.txt"
+               " && echo p > proj/new.txt && mkdir proj/sub && echo s > proj/sub/deep.txt && echo q > plain/new.txt")
+        assert ok(sb, "cat /workspace/append.txt") == "shared\nmore\n"
+        # root inside has no override over a group it has no name for: it changes them as their owner
+        r = sb.commands.run("echo root >> /workspace/rewrite.txt", user="root")
+        assert r.exit_code != 0 and "Permission denied" in r.stderr
+        ok(sb, "setpriv --reuid=1000 --regid=1000 --clear-groups sh -c 'echo owner >> /workspace/rewrite.txt'", user="root")
+    assert (ws / "append.txt").read_text() == "shared\nmore\n" and (ws / "rewrite.txt").read_text() == "new\nowner\n"
+    assert (ws / "replace.txt").read_text() == "edited\n" and not (ws / "gone.txt").exists()
+
+    def owner(rel: str) -> tuple[int, int]:
+        st = os.lstat(ws / rel)
+        return st.st_uid, st.st_gid
+
+    shared = (OWNER[0], SHARED_GID)
+    # changed in place: the host file keeps its group (and its group's write)
+    assert owner("append.txt") == owner("rewrite.txt") == shared
+    assert os.stat(ws / "append.txt").st_mode & 0o777 == 0o664
+    # a new file (``sed -i`` writes one and renames it over) is the directory's group, as any new file
+    assert owner("replace.txt") == OWNER
+    # a setgid directory passes its group on, to files and directories, and stays setgid
+    assert owner("proj") == owner("proj/new.txt") == owner("proj/sub") == owner("proj/sub/deep.txt") == shared
+    for rel in ("proj", "proj/sub", "plain"):
+        assert os.stat(ws / rel).st_mode & 0o2000, rel
+    assert owner("plain/new.txt") == OWNER
+
+
+def test_on_gvisor_the_owners_files_of_another_group_are_replaced_or_deleted_not_written_in_place(
+        tmp_path: Path, state_dir: Path) -> None:
+    """gVisor's Sentry reaches the host's files as the sandbox's root, whose override over a file
+    needs its group to be one of the sandbox's: such a file is read-only in place (``EACCES``),
+    as root's is on the process tier, and is deleted, renamed and replaced as any other."""
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier("gvisor", state_dir)
+    ws = owned_workspace(tmp_path)
+    for name in ("append.txt", "replace.txt", "gone.txt"):
+        (ws / name).write_text("shared\n")
+        os.chown(ws / name, OWNER[0], SHARED_GID)
+        os.chmod(ws / name, 0o664)
+    with Sandbox.create(tier="gvisor", workspace=str(ws), memory="256M") as sb:
+        r = sb.commands.run("echo more >> /workspace/append.txt")
+        assert r.exit_code != 0 and "Permission denied" in r.stderr
+        ok(sb, "cd /workspace && rm gone.txt && cp replace.txt r.new && echo more >> r.new && mv r.new replace.txt")
+    assert (ws / "append.txt").read_text() == "shared\n" and os.stat(ws / "append.txt")[4:6] == (OWNER[0], SHARED_GID)
+    assert not (ws / "gone.txt").exists() and (ws / "replace.txt").read_text() == "shared\nmore\n"
+    assert os.stat(ws / "replace.txt")[4:6] == OWNER
+
+
+def test_other_owners_files_stay_unchangeable_and_no_other_group_is_written_back(tier: str, tmp_path: Path) -> None:
+    ws = owned_workspace(tmp_path)
+    (ws / "theirs.txt").write_text("theirs")  # another user's, of a group the owner's files have
+    os.chown(ws / "theirs.txt", 777, SHARED_GID)
+    os.chmod(ws / "theirs.txt", 0o666)
+    (ws / "groupread.txt").write_text("members only")
+    os.chown(ws / "groupread.txt", 777, SHARED_GID)
+    os.chmod(ws / "groupread.txt", 0o640)
+    (ws / "theirdir").mkdir()  # another user's setgid directory, writable by all
+    os.chown(ws / "theirdir", 777, SHARED_GID)
+    os.chmod(ws / "theirdir", 0o2777)
+    (ws / "mine.txt").write_text("mine")
+    os.chown(ws / "mine.txt", OWNER[0], SHARED_GID)
+    with Sandbox.create(tier=tier, workspace=str(ws), memory="256M") as sb:
+        for user in ("user", "root"):
+            for cmd in ("echo x >> /workspace/theirs.txt", "rm /workspace/theirs.txt",
+                        "cat /workspace/groupread.txt", "echo x > /workspace/theirdir/new.txt",
+                        "setpriv --regid=65534 --clear-groups cat /workspace/groupread.txt"):
+                assert sb.commands.run(cmd, user=user).exit_code != 0, (cmd, user)
+        # root inside can give a file no group of the host's (it names only the sandbox's)
+        sb.commands.run("chgrp 0 /workspace/mine.txt", user="root")
+        ok(sb, "echo r > /workspace/rootmade.txt && chgrp 50 /workspace/rootmade.txt"
+               " && chgrp 50 /workspace/edit.txt && chmod 2775 /workspace/old", user="root")
+        ok(sb, "chgrp user /workspace/mine.txt")  # the user may give its file its own group
+    assert (ws / "theirs.txt").read_text() == "theirs" and os.stat(ws / "theirs.txt")[4:6] == (777, SHARED_GID)
+    assert not (ws / "theirdir" / "new.txt").exists()
+    # (gVisor answers a ``chgrp`` its gofer cannot make with success, and the file keeps its group)
+    assert os.stat(ws / "mine.txt")[4:6] == (OWNER if tier == "process" else (OWNER[0], SHARED_GID))
+    for path in (ws, *ws.rglob("*")):
+        st = os.lstat(path)
+        if path.name not in ("theirs.txt", "groupread.txt", "theirdir", "mine.txt"):
+            assert (st.st_uid, st.st_gid) == OWNER, path  # the directory's own, and nothing else
+    assert not os.stat(ws / "old").st_mode & 0o2000  # a setgid bit the host did not have is not given
+
+
+def test_every_group_but_the_directorys_and_corrals_maps_to_itself_in_a_few_lines() -> None:
+    from corral.host.uids import UID_TOP, WIDE_BASE, UidRange
+    from corral.host.ws_overlay import HostGroups, owner_maps
+
+    ids = UidRange(WIDE_BASE + 5 * 65536)
+    for dir_gid in (0, 1000, 4322, ids.user, WIDE_BASE - 1, UID_TOP, 2**32 - 2):
+        groups = HostGroups(dir_gid, ids.user)
+        st = os.stat_result((0o40755, 0, 0, 0, 4321, dir_gid, 0, 0, 0, 0))
+        uid_map, gid_map = owner_maps(Path("/"), ids.user, st)
+        assert uid_map == f"4321 {ids.user} 1\n"
+        lines = [tuple(map(int, line.split())) for line in gid_map.splitlines()]
+        assert len(lines) <= 6 and lines[0] == (dir_gid, ids.user, 1)
+        assert all(low == out and (low, low + count) in groups.spans for low, out, count in lines[1:])
+        for gid in (0, 4, 65534, WIDE_BASE - 1, UID_TOP, 2**32 - 2):
+            assert (gid in groups) == (gid != dir_gid), (dir_gid, gid)
+        for gid in (dir_gid, ids.base, ids.user, WIDE_BASE, UID_TOP - 1, 2**32 - 1):
+            assert gid not in groups, (dir_gid, gid)
+
+
 def test_symlinks_are_never_followed_on_either_side(tier: str, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -22,7 +22,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 
 from .ws_git import host_keeps, makes_a_git_directory
@@ -383,21 +383,37 @@ def _link_to_copied(dst_root: int, dst_dir: int, tmp: str, earlier: tuple[str, i
 WRITE_BACK_DROPS = stat.S_IWOTH
 
 
+def write_back_group(source_gid: int, gid: int, groups: Container[int] | None) -> int:
+    """The group a copy gets: the source's if it is one of ``groups`` (a workspace overlay's
+    :class:`.ws_overlay.HostGroups`: host groups only the host directory's entries bring into
+    the upper layer), else ``gid`` (the host directory's)."""
+    return source_gid if groups is not None and source_gid in groups else gid
+
+
 def _copy_entry(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int,
     inside_links_only: bool, links: Links | None = None, budget: Budget | None = None,
+    groups: Container[int] | None = None,
 ) -> None:
     """Copy the entry ``rel`` (a directory, a symlink or a regular file), whose directories are
     open as ``src_dir`` and ``dst_dir``, to the destination (``dst_root``).  ``links``: the sync's
     map of multiply-linked files, so that every name of one source file names one destination file;
-    ``budget``: the sync's :class:`Budget` (:class:`OverBudget` once it is spent, nothing copied)."""
+    ``budget``: the sync's :class:`Budget` (:class:`OverBudget` once it is spent, nothing copied);
+    ``groups``: the source groups a file or directory keeps (:func:`write_back_group`)."""
     name = rel.rsplit("/", 1)[-1]
     if inside_links_only:  # writing to the host: what others may write there is not the sandbox's to widen
         mode &= ~WRITE_BACK_DROPS
     if kind == "d":
         fd = _open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid)
-        try:  # its mode too: a 0700 directory made 0755 on the host let every host user read it
-            os.fchmod(fd, mode & 0o1777)
+        try:
+            dst_st = os.fstat(fd)
+            if groups is not None:
+                group = write_back_group(os.stat(name, dir_fd=src_dir, follow_symlinks=False).st_gid, gid, groups)
+                if group != gid and group != dst_st.st_gid:
+                    os.fchown(fd, -1, group)  # (a directory's group stays as it is, but for one of ``groups``)
+            # its mode too: a 0700 directory made 0755 on the host let every host user read it; the
+            # set-group-id bit only stays where the destination has it too (a setgid project directory)
+            os.fchmod(fd, mode & 0o1777 | mode & dst_st.st_mode & stat.S_ISGID)
         finally:
             os.close(fd)
         return
@@ -406,7 +422,7 @@ def _copy_entry(
     _remove_beneath(dst_dir, tmp)  # left by a sync that failed midway: every later one failed on it
     try:
         if not _make_temporary(src_dir, dst_dir, dst_root, rel, tmp, kind, mode, uid, gid, inside_links_only, links,
-                               budget):
+                               budget, groups):
             return
     except BaseException:
         with contextlib.suppress(OSError):
@@ -421,7 +437,7 @@ def _copy_entry(
 
 def _make_temporary(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, tmp: str, kind: str, mode: int, uid: int, gid: int,
-    inside_links_only: bool, links: Links | None, budget: Budget | None,
+    inside_links_only: bool, links: Links | None, budget: Budget | None, groups: Container[int] | None = None,
 ) -> bool:
     """Make ``tmp`` in ``dst_dir`` a copy of the link or file ``rel`` (:func:`_copy_entry`); False
     if there is nothing to copy (a link that leads out of the tree, an entry no longer of its kind)."""
@@ -449,7 +465,7 @@ def _make_temporary(
             dst, anonymous = _new_file(dst_dir, tmp)
             try:
                 _copy_data(src, dst, st.st_size, budget)
-                os.fchown(dst, uid, gid)
+                os.fchown(dst, uid, write_back_group(st.st_gid, gid, groups))
                 os.fchmod(dst, mode & 0o777)
                 if anonymous:  # whole and the user's now: only then does it get a name
                     os.link(f"/proc/self/fd/{dst}", tmp, dst_dir_fd=dst_dir, follow_symlinks=True)

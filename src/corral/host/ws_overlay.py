@@ -9,13 +9,22 @@ Layout, on the sandbox's disk tmpfs (the disk limit bounds every write, copy-ups
     ws/         the merged view, bound at /workspace
 
 The lower layer is an idmapped, read-only, nosuid, nodev, noatime view of the host directory
-(:mod:`.idmap`) through a user namespace that maps only the directory's owner (its uid, and
-its gid) to the sandbox user's host ids.  Inside, the owner's files belong to the sandbox user
-(uid 1000); files of any other host user show as ``nobody`` (65534): readable as their mode
-allows, never writable (a copy-up could not give the copy an owner the sandbox can name).  The
-sandbox never writes the host directory: the view is read-only, overlayfs writes only its
-upper layer, and only Corral's write-back (running as host root, outside the sandbox) writes
-the host directory.
+(:mod:`.idmap`) through a user namespace that maps the directory's owner (its uid, and its gid)
+to the sandbox user's host ids, and every other gid but Corral's pool of sandbox ids to itself
+(:class:`HostGroups`; no uid but the owner's).  Inside, the owner's files belong to the sandbox
+user (uid 1000); files of any other host user show as ``nobody`` (65534): readable as their mode
+allows, never writable (a copy-up could not give the copy an owner the sandbox can name).  An
+owner's file of another group than the directory's (``root:adm`` in a ``root:root``
+directory; a group-shared or setgid project directory) shows as ``nogroup``, the sandbox user
+changes and deletes it as its owner, and a copy-up keeps its host group: that group is none of
+the sandbox's (it cannot ``chgrp`` or ``setgid`` to it, nor read another user's file through it),
+and for the same reason root inside has no override over such a file (it writes it in place
+only as its owner, uid 1000: ``EACCES`` else), nor has gVisor, whose Sentry reaches files as the
+sandbox's root (there such a file is deleted, renamed or replaced, not written in place).
+Before, only the directory's gid was mapped: such a file could be neither written (``EACCES``)
+nor deleted (``EOVERFLOW``).  The sandbox never writes the host directory: the view is
+read-only, overlayfs writes only its upper layer, and only Corral's write-back (running as host
+root, outside the sandbox) writes the host directory.
 
 The overlay is mounted with ``redirect_dir=off``, ``metacopy=off`` and ``index=off`` (this
 kernel's defaults, spelled out because the write-back relies on them): the upper layer holds
@@ -27,7 +36,11 @@ deleting.  Hard links in the host directory are separate files once one of them 
 Write-back (:meth:`WorkspaceOverlay.sync_back`) finds what changed in the upper layer since the
 previous write-back, and applies it with the rules of :mod:`.workspace` (directory descriptors
 opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's owner; only
-symlinks that stay inside the workspace).  To find it, it looks only where a change watch of the
+symlinks that stay inside the workspace).  A file or directory whose group in the upper layer
+is one of :class:`HostGroups` keeps that group on the host, every other entry gets the
+directory's: only the host directory's own entries bring such a group into the upper layer (a
+copy-up keeps it; a setgid directory's copy passes it to what is made in it), so write-back
+never writes a group that none of the owner's entries in the directory had.  To find it, it looks only where a change watch of the
 sandbox's disk (:mod:`.fsnotify`, made before the sandbox runs anything) saw a change, and
 compares what it finds there with the previous write-back's manifest (:mod:`.ws_changes`): its
 cost follows what changed since the previous write-back, not what the sandbox made before.  It
@@ -70,6 +83,7 @@ from pathlib import Path
 from . import idmap, mounts
 from .fsnotify import ChangeWatch, Overflow
 from .mountns import HostMounts, MountNamespace
+from .uids import RANGE_SIZE, SANDBOX_UID, UID_TOP, WIDE_BASE
 from .workspace import (
     _DIR_FLAGS,
     WHITEOUT,
@@ -106,11 +120,43 @@ OVERLAY_OPTIONS = "redirect_dir=off,metacopy=off,index=off"
 log = logging.getLogger(__name__)
 
 
-def owner_maps(host: Path, sandbox_user: int) -> tuple[str, str]:
+#: the ids a ``gid_map`` line may name: ``0 .. 2**32 - 2`` (``-1`` is no id)
+_ID_END = 2**32 - 1
+
+
+class HostGroups:
+    """The host gids the workspace's user namespace maps to themselves (:func:`owner_maps`): every
+    gid but the directory's own and Corral's pool of sandbox ids.  They are no gid of the sandbox's
+    (it cannot take one with ``chgrp`` nor ``setgid``), so a file of the directory's owner with such
+    a group, which the sandbox user changes as the owner, keeps its group when overlayfs copies it
+    up; write-back gives a file such a group only if it had it in the upper layer, where nothing
+    but the host directory's entries brings one (:func:`.workspace.write_back_group`)."""
+
+    def __init__(self, dir_gid: int, sandbox_user: int) -> None:
+        own = sandbox_user - SANDBOX_UID  # the sandbox's range (in the pool, unless a test's)
+        holes = sorted([(dir_gid, dir_gid + 1), (WIDE_BASE, UID_TOP), (own, own + RANGE_SIZE)])
+        self.spans: list[tuple[int, int]] = []  # [start, end) each
+        start = 0
+        for low, high in holes:
+            if low > start:
+                self.spans.append((start, min(low, _ID_END)))
+            start = max(start, high)
+        if start < _ID_END:
+            self.spans.append((start, _ID_END))
+
+    def __contains__(self, gid: object) -> bool:
+        return isinstance(gid, int) and any(low <= gid < high for low, high in self.spans)
+
+
+def owner_maps(host: Path, sandbox_user: int, st: os.stat_result | None = None) -> tuple[str, str]:
     """``uid_map`` and ``gid_map`` of the workspace's user namespace: the host directory's owner
-    (uid; gid) is the sandbox user's host uid (``sandbox_user``, uid 1000 inside)."""
-    st = os.stat(host)
-    return f"{st.st_uid} {sandbox_user} 1\n", f"{st.st_gid} {sandbox_user} 1\n"
+    (uid; gid) is the sandbox user's host uid (``sandbox_user``, uid 1000 inside); every other gid
+    but Corral's is itself (:class:`HostGroups`: a handful of lines, of the kernel's 340); every
+    other uid is unmapped (``nobody`` inside, whose files the sandbox never changes)."""
+    st = st if st is not None else os.stat(host)
+    lines = [f"{st.st_gid} {sandbox_user} 1\n"]
+    lines += [f"{low} {low} {high - low}\n" for low, high in HostGroups(st.st_gid, sandbox_user).spans]
+    return f"{st.st_uid} {sandbox_user} 1\n", "".join(lines)
 
 
 def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd: int, read_only: bool,
@@ -165,8 +211,9 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
         # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
         os.chown(on_disk(upper), uid, uid)
         os.chmod(on_disk(upper), os.stat(host).st_mode & 0o7777)
+    host_st = os.stat(host)
     try:
-        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid)), read_only, mounter)
+        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid, host_st)), read_only, mounter)
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
             raise
@@ -175,7 +222,8 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
             if unused.exists():
                 unused.rmdir()
         return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
-    return (None if read_only else WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw")), True
+    groups = HostGroups(host_st.st_gid, uid)
+    return (None if read_only else WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw", groups=groups)), True
 
 
 def scan_upper(upper: Path) -> Manifest:
@@ -190,9 +238,11 @@ class WorkspaceOverlay:
     the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``.  Made before
     the sandbox runs anything (its change watch must see every change); :meth:`close` at destroy."""
 
-    def __init__(self, host: Path, upper: Path, watch: bool = True) -> None:
+    def __init__(self, host: Path, upper: Path, watch: bool = True, groups: HostGroups | None = None) -> None:
         self.host = host
         self.upper = upper
+        #: the upper layer's groups a write-back keeps (:func:`.workspace.write_back_group`)
+        self.groups = groups
         self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
         try:
             self.tree = UpperTree(self._fd)
@@ -239,7 +289,7 @@ class WorkspaceOverlay:
             self.full_scans += 1
             if current != self.manifest:
                 looked = dict(current)
-                _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid)
+                _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid, self.groups)
                 self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
                 self.tree.replace(current)
             else:
@@ -254,7 +304,7 @@ class WorkspaceOverlay:
                     if key in self.manifest and entry != WHITEOUT}
         if current != previous:
             looked = dict(current)
-            _apply(self._fd, self.host, current, previous, uid, gid)
+            _apply(self._fd, self.host, current, previous, uid, gid, self.groups)
             self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
         else:
             self.tree.pending = set()
@@ -307,7 +357,8 @@ def _closed() -> None:
         _watches -= 1
 
 
-def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int) -> None:
+def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int,
+           groups: HostGroups | None = None) -> None:
     src_fd = os.dup(upper_fd)
     dst_fd = os.open(host, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
@@ -324,7 +375,7 @@ def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid
                 _remove_beneath(dst_dir, key[1])  # a link Corral does not plant: the host's entry goes
                 return
             _copy_entry(src_dir, dst_dir, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
-                        inside_links_only=True, links=links, budget=budget)
+                        inside_links_only=True, links=links, budget=budget, groups=groups)
             if kind == "D" and previous.get(key, ("",))[0] != "D":
                 _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
 
