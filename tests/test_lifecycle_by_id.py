@@ -249,3 +249,33 @@ def test_a_command_another_process_runs_through_the_owner_ends_when_that_process
         wait_until(lambda: not sb.commands.list(), 10)
         assert sb.commands.list() == []
         assert sb.commands.run("pgrep -c -x sleep || true").stdout == "0\n"
+
+
+USERS_FROM_AFAR = """
+import json, sys
+from corral import Sandbox
+said = []
+for sid in sys.argv[1:]:
+    s = Sandbox.connect(sid)
+    for user in (None, "user", "root"):
+        said.append(s.commands.run("id -u", user=user).stdout.strip())
+    said.append(s.commands.run("id -u", user="user", background=True).wait().stdout.strip())
+    try:
+        s.commands.run("id -u", user="admin")
+    except Exception as exc:
+        said.append(type(exc).__name__)
+print(json.dumps(said))
+"""
+
+
+def test_a_commands_user_crosses_the_owner_link() -> None:
+    """Another process's ``commands.run(..., user=...)`` on a sandbox this one owns ran as the
+    sandbox's own user whatever was asked: ``user="user"`` in a ``user="root"`` sandbox ran as
+    root (a caller dropping to uid 1000 for untrusted code got root inside).  Now the user asked
+    for is the one the command runs as, foreground and background, and a bad one is typed."""
+    with Sandbox.create(user="root") as as_root, Sandbox.create() as as_user:
+        out = subprocess.run([sys.executable, "-c", USERS_FROM_AFAR, as_root.id, as_user.id], capture_output=True,
+                             text=True, timeout=90, env=os.environ.copy())
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads(out.stdout) == ["0", "1000", "0", "1000", "InvalidSpec",
+                                          "1000", "1000", "0", "1000", "InvalidSpec"]

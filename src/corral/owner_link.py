@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidSpec, SandboxError, SandboxNotFound, StdinNotTaken
 from .host.sockets import bind_private
 from .lifecycle import LIVE
+from .spec import validate_user
 from .transport import CommandCall, CommandProcess
 
 if TYPE_CHECKING:
@@ -112,13 +113,19 @@ def call_to_dict(call: CommandCall) -> dict[str, Any]:
     body = call.body()
     if call.pty is not None:
         body["pty"] = list(call.pty)
+    if not call.keep_output:
+        body["keep_output"] = False
     return body
 
 
 def call_of(body: dict[str, Any]) -> CommandCall:
+    """The call a linked process asked for, every field of it (the command's ``user`` was dropped:
+    ``run(..., user="user")`` in a ``user="root"`` sandbox ran as root)."""
     pty = body.get("pty")
+    user = body.get("user")
     return CommandCall(body["cmd"], body.get("timeout"), body.get("env"), body.get("cwd"),
-                       (int(pty[0]), int(pty[1])) if pty else None)
+                       (int(pty[0]), int(pty[1])) if pty else None,
+                       validate_user(user) if user is not None else None, body.get("keep_output", True) is not False)
 
 
 # -- the owner's side ---------------------------------------------------------------------
