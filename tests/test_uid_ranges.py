@@ -69,13 +69,13 @@ def test_host_users_and_subordinate_ranges_are_never_handed_out(tmp_path: Path,
         assert got.base == slot(8) and got.user == slot(8) + 1000 and got.host(0) == slot(8)
         assert got.user in got and slot(9) not in got
     finally:
-        uids.release_range(state, got.user)
+        uids.release_range(state, got.user, owner="sb-x")
     assert not list((state / "uids").iterdir()) and not (uids.CLAIMS / str(got.base)).exists()
     passwd.write_text(f"now:x:{slot(8) + 77}:1::/:/bin/sh\n")
     os.utime(passwd, ns=(1, 1))  # a different mtime: the cache must notice
     draws = iter([8, 10])
     got = uids.allocate_range(state, "sb-y")
-    uids.release_range(state, got.base)
+    uids.release_range(state, got.base, owner="sb-y")
     assert got.base == slot(10)
 
 
@@ -144,8 +144,8 @@ def test_gc_releases_a_dead_processs_probe_range_and_only_that(state_dir: Path) 
         assert (state_dir / "uids" / str(mine.base)).read_text().startswith(f"microvm-probe@{os.getpid()}.")
         assert (uids.CLAIMS / str(mine.base)).exists()
     finally:
-        uids.release_range(state_dir, mine.base)
-        uids.release_range(state_dir, reused.base)
+        uids.release_range(state_dir, mine.base, owner=uids.process_owner("microvm-probe"))
+        uids.release_range(state_dir, reused.base, owner=f"microvm-probe@{os.getpid()}.1")
 
 
 def test_gc_releases_a_dead_standby_guests_and_builds_range_without_their_directories(state_dir: Path) -> None:
@@ -176,8 +176,8 @@ def test_gc_releases_a_dead_standby_guests_and_builds_range_without_their_direct
             assert not (state_dir / "uids" / str(base)).exists() and not (uids.CLAIMS / str(base)).exists()
         assert (state_dir / "uids" / str(mine.base)).exists() and (uids.CLAIMS / str(mine.base)).exists()
     finally:
-        uids.release_range(state_dir, mine.base)
-        uids.release_range(state_dir, legacy.base)
+        uids.release_range(state_dir, mine.base, owner=f"wasm-spare:{os.getpid()}")
+        uids.release_range(state_dir, legacy.base, owner=f"wasm-spare:{holder.pid}")
 
 
 def _proc(tmp_path: Path, name: str, ppid: int) -> Path:
@@ -248,7 +248,7 @@ def test_the_wide_pool_skips_host_users_and_subordinate_ranges_in_its_extended_p
         assert all((uids.CLAIMS / str(g.base)).exists() for g in got)
     finally:
         for g in got:
-            uids.release_range(state, g.user)
+            uids.release_range(state, g.user, owner="sb-w")
     assert not list((state / "uids").iterdir()) and not any((uids.CLAIMS / str(g.base)).exists() for g in got)
 
 
@@ -264,7 +264,7 @@ def test_a_nearly_full_pool_still_hands_out_its_last_free_slot(tmp_path: Path,
     state = tmp_path / "state"
     state.mkdir()
     got = uids.allocate_range(state, "sb-last", pool=uids.NARROW_BASE)
-    uids.release_range(state, got.user)
+    uids.release_range(state, got.user, owner="sb-last")
     assert got.base == uids.UID_TOP - uids.RANGE_SIZE
     passwd.write_text("\n".join(lines[:narrow_slots]) + "\n")
     with pytest.raises(uids.ResourceLimit):
@@ -309,5 +309,5 @@ def test_a_janitor_running_beside_creates_never_frees_a_live_sandboxs_range(tmp_
         assert sorted(e.read_text() for e in (root / "uids").iterdir()) == sorted(i for i, _ in live)
     finally:
         for sandbox_id, got in live:
-            uids.release_range(root, got.base)
+            uids.release_range(root, got.base, owner=sandbox_id)
             registry.remove(sandbox_id)
