@@ -163,7 +163,8 @@ def main() -> int:
     root_samples = measure(cold_root, args.iterations)
 
     state = state_dir(Path(os.environ["CORRAL_STATE_DIR"]))
-    uid_samples = measure(lambda: release_range(state, allocate_range(state, "sb-bench").base), args.iterations)
+    uid_samples = measure(lambda: release_range(state, allocate_range(state, "sb-bench").base, owner="sb-bench"),
+                          args.iterations)
     ids = allocate_range(state, "sb-bench-userns")
     from corral.host.idmap import idmapped_tree
     from corral.host.userns import make_userns
@@ -187,7 +188,7 @@ def main() -> int:
         t3 = time.perf_counter()
         pending.close()
         t4 = time.perf_counter()
-        release_range(state, ids.base)
+        release_range(state, ids.base, owner="sb-bench-range")
         t5 = time.perf_counter()
         return ((t1 - t0) + (t3 - t2) + (t5 - t4)) * 1000
 
@@ -198,7 +199,7 @@ def main() -> int:
     userns_fd = make_userns(helper, ids)
     idmap_samples = measure(lambda: os.close(idmapped_tree(Path("/usr"), userns_fd)), args.iterations)
     os.close(userns_fd)
-    release_range(state, ids.base)
+    release_range(state, ids.base, owner="sb-bench-userns")
 
     floor_p50, plain_p50 = percentiles(floor)[0], percentiles(plain)[0]
     rows = [

@@ -107,7 +107,7 @@ def mount_only(n: int) -> list[float]:
             os.close(fd)
             mounts.umount(merged)
     finally:
-        release_range(state, ids.base)
+        release_range(state, ids.base, owner="bench-ws")
         shutil.rmtree(base, ignore_errors=True)
     return samples
 

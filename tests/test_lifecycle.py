@@ -408,8 +408,8 @@ def test_two_state_directories_never_hand_out_the_same_host_uid(tmp_path: Path,
         shutil.rmtree(first_dir)
         draws = iter([free[0]])
         assert uids.allocate_range(second_dir, "sb-third") == first
-        uids.release_range(second_dir, first.user)  # any uid of the range releases it
+        uids.release_range(second_dir, first.user, owner="sb-third")  # any uid of the range releases it
     finally:
-        uids.release_range(second_dir, second.base)
-        uids.release_range(first_dir, first.base)
+        uids.release_range(second_dir, second.base, owner="sb-second")
+        uids.release_range(first_dir, first.base, owner="sb-first")
     assert not (uids.CLAIMS / str(first.base)).exists() and not (uids.CLAIMS / str(second.base)).exists()

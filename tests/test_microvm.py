@@ -433,7 +433,7 @@ def test_what_the_vmm_launcher_starts_has_the_sandboxes_filter_and_no_network(st
                                env={"PORT": str(service.getsockname()[1])})
     finally:
         os.close(userns)
-        release_range(state_dir, ids.base)
+        release_range(state_dir, ids.base, owner="test-vmm-launcher")
     # AF_UNIX opens; AF_VSOCK: EAFNOSUPPORT (97); the host's loopback: ENETUNREACH (101)
     assert r.stdout.split("\n")[:3] == ["1 ok", "40 97", "2 101"], r
 

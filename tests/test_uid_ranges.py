@@ -4,6 +4,7 @@ reserved for Corral, never a host user's, a subordinate range's or another live 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -69,13 +70,13 @@ def test_host_users_and_subordinate_ranges_are_never_handed_out(tmp_path: Path,
         assert got.base == slot(8) and got.user == slot(8) + 1000 and got.host(0) == slot(8)
         assert got.user in got and slot(9) not in got
     finally:
-        uids.release_range(state, got.user)
+        uids.release_range(state, got.user, owner="sb-x")
     assert not list((state / "uids").iterdir()) and not (uids.CLAIMS / str(got.base)).exists()
     passwd.write_text(f"now:x:{slot(8) + 77}:1::/:/bin/sh\n")
     os.utime(passwd, ns=(1, 1))  # a different mtime: the cache must notice
     draws = iter([8, 10])
     got = uids.allocate_range(state, "sb-y")
-    uids.release_range(state, got.base)
+    uids.release_range(state, got.base, owner="sb-y")
     assert got.base == slot(10)
 
 
@@ -144,8 +145,8 @@ def test_gc_releases_a_dead_processs_probe_range_and_only_that(state_dir: Path) 
         assert (state_dir / "uids" / str(mine.base)).read_text().startswith(f"microvm-probe@{os.getpid()}.")
         assert (uids.CLAIMS / str(mine.base)).exists()
     finally:
-        uids.release_range(state_dir, mine.base)
-        uids.release_range(state_dir, reused.base)
+        uids.release_range(state_dir, mine.base, owner=uids.process_owner("microvm-probe"))
+        uids.release_range(state_dir, reused.base, owner=f"microvm-probe@{os.getpid()}.1")
 
 
 def test_gc_releases_a_dead_standby_guests_and_builds_range_without_their_directories(state_dir: Path) -> None:
@@ -176,8 +177,8 @@ def test_gc_releases_a_dead_standby_guests_and_builds_range_without_their_direct
             assert not (state_dir / "uids" / str(base)).exists() and not (uids.CLAIMS / str(base)).exists()
         assert (state_dir / "uids" / str(mine.base)).exists() and (uids.CLAIMS / str(mine.base)).exists()
     finally:
-        uids.release_range(state_dir, mine.base)
-        uids.release_range(state_dir, legacy.base)
+        uids.release_range(state_dir, mine.base, owner=f"wasm-spare:{os.getpid()}")
+        uids.release_range(state_dir, legacy.base, owner=f"wasm-spare:{holder.pid}")
 
 
 def _proc(tmp_path: Path, name: str, ppid: int) -> Path:
@@ -248,7 +249,7 @@ def test_the_wide_pool_skips_host_users_and_subordinate_ranges_in_its_extended_p
         assert all((uids.CLAIMS / str(g.base)).exists() for g in got)
     finally:
         for g in got:
-            uids.release_range(state, g.user)
+            uids.release_range(state, g.user, owner="sb-w")
     assert not list((state / "uids").iterdir()) and not any((uids.CLAIMS / str(g.base)).exists() for g in got)
 
 
@@ -264,7 +265,7 @@ def test_a_nearly_full_pool_still_hands_out_its_last_free_slot(tmp_path: Path,
     state = tmp_path / "state"
     state.mkdir()
     got = uids.allocate_range(state, "sb-last", pool=uids.NARROW_BASE)
-    uids.release_range(state, got.user)
+    uids.release_range(state, got.user, owner="sb-last")
     assert got.base == uids.UID_TOP - uids.RANGE_SIZE
     passwd.write_text("\n".join(lines[:narrow_slots]) + "\n")
     with pytest.raises(uids.ResourceLimit):
@@ -309,5 +310,169 @@ def test_a_janitor_running_beside_creates_never_frees_a_live_sandboxs_range(tmp_
         assert sorted(e.read_text() for e in (root / "uids").iterdir()) == sorted(i for i, _ in live)
     finally:
         for sandbox_id, got in live:
-            uids.release_range(root, got.base)
+            uids.release_range(root, got.base, owner=sandbox_id)
             registry.remove(sandbox_id)
+
+
+def _draw_first(monkeypatch: pytest.MonkeyPatch, base: int) -> None:
+    """The next draw of a slot lands on the one at ``base`` (1 in 16,382 otherwise); later ones are random."""
+    real = uids.random.SystemRandom.randrange
+    forced = [(base - uids.UID_BASE) // uids.RANGE_SIZE]
+    monkeypatch.setattr(uids.random.SystemRandom, "randrange",
+                        lambda self, n: forced.pop() if forced else real(self, n))
+
+
+def _held(state_dir: Path, base: int, owner: str) -> bool:
+    """Whether the range at ``base`` is reserved for ``owner``: its record names it, its claim the record."""
+    record = state_dir / "uids" / str(base)
+    try:
+        return (record.read_text() == owner
+                and (uids.CLAIMS / str(base)).read_text() == str(record.resolve()))
+    except FileNotFoundError:
+        return False
+
+
+def test_a_release_by_an_owner_that_no_longer_holds_the_range_leaves_its_new_holder(tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range is released only for the owner that holds it: a second release for its earlier
+    owner (a stopped owner's late close, a janitor's reap of a row whose range went on) found
+    nothing of its own and used to remove the new holder's record and claim."""
+    _own_claims(monkeypatch, tmp_path)
+    state = tmp_path / "state"
+    state.mkdir()
+    first = uids.allocate_range(state, "sb-a")
+    assert uids.release_range(state, first.user, owner="sb-b") is False  # not sb-b's: left alone
+    assert _held(state, first.base, "sb-a")
+    assert uids.release_range(state, first.user, owner="sb-a") is True
+    assert not (state / "uids" / str(first.base)).exists() and not (uids.CLAIMS / str(first.base)).exists()
+    _draw_first(monkeypatch, first.base)
+    again = uids.allocate_range(state, "sb-b")  # the same range, now sb-b's
+    assert again == first
+    # sb-a's late release, from another process (a stopped owner resumed, a janitor)
+    code = ("import sys\nfrom pathlib import Path\nfrom corral.host import uids\n"
+            "uids.CLAIMS = Path(sys.argv[3])\n"
+            "print(uids.release_range(Path(sys.argv[1]), int(sys.argv[2]), owner='sb-a'))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(state), str(first.base), str(uids.CLAIMS)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    assert _held(state, first.base, "sb-b")
+    _draw_first(monkeypatch, first.base)
+    assert uids.allocate_range(state, "sb-c") != first  # still sb-b's: not handed out again
+    for sb in ("sb-b", "sb-c"):
+        for base in ranges_of(sb, state):
+            assert uids.release_range(state, base, owner=sb)
+    assert not any((state / "uids").iterdir())
+
+
+def test_a_stopped_owner_resumed_after_the_janitor_reaped_its_sandbox_leaves_the_next_holders_range(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner stopped past its sandbox's lifetime: the janitor reaps the sandbox and frees its
+    range, the next sandbox is given that range; when the owner runs again its lifetime timer
+    closes the sandbox -- which released the range a second time, the live sandbox's record and
+    claim, and the next create was handed the same host uids while it ran."""
+    from corral import registry
+    from corral.local_backend import LIVE
+
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import time\nfrom corral import Sandbox\nfrom corral.local_backend import LIVE\n"
+        "sb = Sandbox.create(lifetime=2)\ninner = LIVE[sb.id].inner\n"
+        "cls = type(inner)\nclose = cls.close\n"
+        "def closed(self):\n    close(self)\n    print('closed', flush=True)\n"
+        "cls.close = closed\n"
+        "print(sb.id, inner.uid_range.base, flush=True)\ntime.sleep(120)\n")],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    b = None
+    try:
+        assert owner.stdout is not None
+        first_id, base_text = owner.stdout.readline().split()
+        base = int(base_text)
+        owner.send_signal(signal.SIGSTOP)  # a debugger, ^Z, swapped out: past its lifetime
+        time.sleep(2.5)
+        monkeypatch.setattr(registry, "LIFETIME_GRACE", 0.0)  # (5 s otherwise)
+        assert first_id in registry.gc(state_dir)
+        assert not (state_dir / "uids" / str(base)).exists()
+        _draw_first(monkeypatch, base)
+        b = Sandbox.create()
+        assert LIVE[b.id].inner.uid_range.base == base
+        assert _held(state_dir, base, b.id)
+        owner.send_signal(signal.SIGCONT)  # its lifetime timer closes its (reaped) sandbox
+        assert owner.stdout.readline().strip() == "closed"
+        assert _held(state_dir, base, b.id), "the resumed owner released the range of a live sandbox"
+        _draw_first(monkeypatch, base)
+        assert uids.allocate_range(state_dir, "sb-next").base != base  # not handed out twice
+        for got in ranges_of("sb-next", state_dir):
+            uids.release_range(state_dir, got, owner="sb-next")
+        assert b.commands.run("id -u").stdout.strip() == "1000"
+    finally:
+        owner.send_signal(signal.SIGCONT)
+        kill_9(owner)
+        if b is not None:
+            b.kill()
+    assert ranges_of(b.id, state_dir) == [] and not (uids.CLAIMS / str(base)).exists()
+
+
+def test_gc_reaping_a_dead_row_whose_range_went_to_a_live_sandbox_leaves_it(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner killed mid-destroy, after its sandbox's range was released and before its row was
+    removed, leaves a row whose reap record names the range; the range goes to the next sandbox.
+    The janitor's reap of the dead row then released the live sandbox's range."""
+    import corral.local_transport as lt
+    from corral.local_backend import LIVE
+    from corral.registry import gc
+
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import time\nfrom corral import Sandbox, registry\nfrom corral.local_backend import LIVE\n"
+        "sb = Sandbox.create()\nprint(sb.id, LIVE[sb.id].inner.uid_range.base, flush=True)\n"
+        "def remove(self, sandbox_id):\n    print('in-window', flush=True)\n    time.sleep(120)\n"
+        "registry.Registry.remove = remove\nsb.kill()\n")],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert owner.stdout is not None
+        dead_id, base_text = owner.stdout.readline().split()
+        base = int(base_text)
+        assert owner.stdout.readline().strip() == "in-window"
+    finally:
+        kill_9(owner)
+    assert not (state_dir / "uids" / str(base)).exists()  # released by the destroy; the row is left
+    monkeypatch.setattr(lt, "_startup_gc", lambda root: None)  # no sweep of this create's own first
+    _draw_first(monkeypatch, base)
+    b = Sandbox.create()
+    try:
+        assert LIVE[b.id].inner.uid_range.base == base
+        assert dead_id in gc(state_dir)
+        assert _held(state_dir, base, b.id), "gc's reap of a dead row released a live sandbox's range"
+        assert b.commands.run("echo yes").stdout.strip() == "yes"
+    finally:
+        b.kill()
+    assert ranges_of(b.id, state_dir) == [] and not (uids.CLAIMS / str(base)).exists()
+
+
+def test_two_instances_taking_over_one_stale_claim_never_both_hold_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim whose state directory is gone is taken over under the lock, the claim read again
+    there: an instance that had found it stale while another took it over no longer removes the
+    other's fresh claim."""
+    _own_claims(monkeypatch, tmp_path)
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    base = uids.UID_BASE + sorted(set(range(uids.SLOTS)) - uids.host_slots())[0] * uids.RANGE_SIZE
+    uids.CLAIMS.mkdir(parents=True)
+    (uids.CLAIMS / str(base)).write_text(str(tmp_path / "gone" / "uids" / str(base)))  # stale
+    records = uids._records(second)
+    (records / str(base)).write_text("sb-second")
+    got: list[bool] = []
+    with uids._locked():  # the first instance is taking it over
+        thread = threading.Thread(target=lambda: got.append(uids._claim(base, records / str(base))))
+        thread.start()
+        time.sleep(0.3)
+        assert thread.is_alive() and not got  # waits for the lock
+        mine = uids._records(first) / str(base)
+        mine.write_text("sb-first")
+        (uids.CLAIMS / str(base)).write_text(str(mine))  # the first instance's fresh claim
+    thread.join(10)
+    assert got == [False]
+    assert (uids.CLAIMS / str(base)).read_text() == str(mine)
+    assert uids.release_range(first, base, owner="sb-first")
+    assert not (uids.CLAIMS / str(base)).exists()

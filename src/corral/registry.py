@@ -340,7 +340,7 @@ def _release_orphan_ranges(root: Path, registry: Registry) -> None:
                 continue  # released and reserved again meanwhile, by a sandbox with a row
         except OSError:
             continue
-        release_uid(root, int(entry.name))  # the record and its host-wide claim
+        release_uid(root, int(entry.name), owner=owner)  # the record and its host-wide claim, if still its
 
 
 def _of_dead_processes(directory: Path) -> list[Path]:

@@ -45,17 +45,33 @@ A slot is reserved twice, both with ``O_EXCL`` files holding its owner's name:
   taken over.
 
 Both are released by removing the files (:func:`release_range`, given any uid
-of the slot).  Who releases a slot is named by its owner: a sandbox's (``sb-...``)
-by its destroy, or by ``gc`` once its row is gone; a slot a process holds for its
-own brief use (a probe, a microVM template's boot: :func:`process_owner`) by that
-process, or by ``gc`` once that process is gone (:func:`release_ranges_of_dead_processes`).
+of the slot and the owner it was reserved for).  Who releases a slot is named by its
+owner: a sandbox's (``sb-...``) by its destroy, or by ``gc`` once its row is gone; a
+slot a process holds for its own brief use (a probe, a microVM template's boot:
+:func:`process_owner`) by that process, or by ``gc`` once that process is gone
+(:func:`release_ranges_of_dead_processes`).
+
+A release removes the files only while the record still names the owner it is given,
+and the claim still names that record: a slot is released once, for its holder, never
+for the next one.  Two releasers may be told to release the same slot -- an owner that
+was stopped past its lifetime, whose sandbox the janitor reaped meanwhile, closes it
+when it runs again; a janitor reaps a dead owner's row after the slot that row's
+reap record names was released and handed to another sandbox -- and the slot may have
+been reserved again in between: the later release then finds another owner's record
+and leaves it.  Releases (and the take-over of a stale claim) hold a host-wide
+``flock`` on ``/run/corral/uid-ranges/.lock`` around reading and removing, so that no
+two of them act on one reading; a reservation takes no lock (``O_EXCL`` files only:
+it never removes a file it did not just make), so that a create costs what it did.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +124,8 @@ LEGACY = (2_100_000_000, 2_101_000_000)
 SANDBOX_UID = 1000
 #: the host-wide claims (tmpfs: claims die with the boot, as the processes using them do)
 CLAIMS = Path("/run/corral/uid-ranges")
+#: the lock file in :data:`CLAIMS` that releases and stale-claim take-overs hold (not a slot's name)
+LOCK_NAME = ".lock"
 #: the host's id databases a slot must not overlap
 ID_FILES = (Path("/etc/passwd"), Path("/etc/group"), Path("/etc/subuid"), Path("/etc/subgid"))
 
@@ -210,20 +228,45 @@ def _create(path: Path, content: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """Hold the host-wide lock of releases and stale-claim take-overs (an ``flock``: it goes with
+    a killed holder).  Whatever a holder reads of a record or claim stays so until it lets go,
+    except for a reservation's ``O_EXCL`` creates of files that did not exist."""
+    path = CLAIMS / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        CLAIMS.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
+
+
 def _claim(base: int, record: Path) -> bool:
-    """Claim the slot at ``base`` host-wide for the record at ``record``; take over a stale claim."""
+    """Claim the slot at ``base`` host-wide for the record at ``record``; take over a stale claim.
+
+    The take-over holds the lock: two instances that both found the same stale claim would
+    otherwise each remove what they read as stale -- the second one the first's fresh claim --
+    and both hold the slot."""
     claim = CLAIMS / str(base)
     if _create(claim, str(record)):
         return True
-    try:
-        holder = Path(claim.read_text())
-    except (FileNotFoundError, ValueError):
+    with _locked():
+        try:
+            holder = Path(claim.read_text())
+        except FileNotFoundError:  # released meanwhile
+            return _create(claim, str(record))
+        except (OSError, ValueError):
+            return False
+        if holder == record or holder.exists():
+            return False
+        # the record behind the claim is gone (its state directory was deleted): stale
+        claim.unlink(missing_ok=True)
         return _create(claim, str(record))
-    if holder == record or holder.exists():
-        return False
-    # the record behind the claim is gone (its state directory was deleted): stale
-    claim.unlink(missing_ok=True)
-    return _create(claim, str(record))
 
 
 _records_made: dict[Path, Path] = {}
@@ -274,20 +317,31 @@ def allocate_range(state_dir: Path, owner: str, pool: int | None = None) -> UidR
     raise ResourceLimit(f"all {slots} ranges of host uids are in use (or a host user's): no sandbox can start")
 
 
-def release_range(state_dir: Path, uid: int) -> None:
-    """Release the slot holding ``uid`` (its record in ``state_dir`` and its host-wide claim)."""
+def release_range(state_dir: Path, uid: int, *, owner: str) -> bool:
+    """Release the slot holding ``uid`` (its record in ``state_dir`` and its host-wide claim) if
+    it is still ``owner``'s: its record names ``owner``.  Returns whether it released it.
+
+    A slot released already and reserved again since is another owner's: its record and claim
+    are left to it (see the module docstring)."""
     try:
         base = range_of(uid).base
     except ValueError:
-        return  # not one of ours (a record from before ranges): nothing host-wide to release
+        return False  # not one of ours (a record from before ranges): nothing host-wide to release
     record = state_dir / "uids" / str(base)
     claim = CLAIMS / str(base)
-    try:
-        if Path(claim.read_text()) == record.resolve():
-            claim.unlink(missing_ok=True)
-    except (FileNotFoundError, ValueError):
-        pass
-    record.unlink(missing_ok=True)
+    with _locked():
+        try:
+            if record.read_text().strip() != owner:
+                return False  # released already (and maybe another owner's now)
+        except FileNotFoundError:
+            return False
+        try:
+            if Path(claim.read_text()) == record.resolve():
+                claim.unlink(missing_ok=True)
+        except (FileNotFoundError, ValueError):
+            pass
+        record.unlink(missing_ok=True)
+    return True
 
 
 def process_owner(kind: str) -> str:
@@ -308,8 +362,7 @@ def release_ranges_of_dead_processes(state_dir: Path) -> list[int]:
             owner = record.read_text().strip()
         except OSError:
             continue
-        if owner_is_gone(owner):
-            release_range(state_dir, int(record.name))
+        if owner_is_gone(owner) and release_range(state_dir, int(record.name), owner=owner):
             released.append(int(record.name))
     return released
 
@@ -328,9 +381,18 @@ def owner_is_gone(owner: str) -> bool:
     return process_start_time(int(pid)) != int(start)
 
 
-def set_owner(state_dir: Path, uid: int, owner: str) -> None:
-    """Hand the slot holding ``uid`` to another owner (the janitor reaps it by that name)."""
-    (state_dir / "uids" / str(range_of(uid).base)).write_text(owner)
+def set_owner(state_dir: Path, uid: int, owner: str, *, previous: str) -> None:
+    """Hand the slot holding ``uid`` from ``previous`` to ``owner`` (the janitor reaps it by that
+    name); an error if it is no longer ``previous``'s."""
+    record = state_dir / "uids" / str(range_of(uid).base)
+    with _locked():
+        try:
+            holder = record.read_text().strip()
+        except FileNotFoundError:
+            holder = None
+        if holder != previous:
+            raise ResourceLimit(f"the uid range {record.name} is no longer {previous}'s (released)")
+        record.write_text(owner)
 
 
 def allocate_uid(state_dir: Path, owner: str) -> int:

@@ -187,7 +187,8 @@ class BuildBox:
         self._state_dir = state_dir
         self._binds = binds or {}
         # a process's own name: gc frees it once the build is gone, even if killed before its record
-        self.uid = allocate_uid(state_dir, process_owner("image-build"))
+        self._owner = process_owner("image-build")
+        self.uid = allocate_uid(state_dir, self._owner)
         self._setid: dict[str, SetIdFile] = {}
         self._last_log: Path | None = None
         #: the image's set-id files a build step changed, left without their set-id bits (after close)
@@ -200,7 +201,7 @@ class BuildBox:
             name = f"build-{secrets.token_hex(6)}"
             # what a janitor needs if this process is killed outright (see reap_leftover)
             self._record.write_text(json.dumps({"cgroup": name, "cgroup_parent": cgroups.PARENT, "uid": self.uid,
-                                                "state_dir": str(state_dir)}))
+                                                "owner": self._owner, "state_dir": str(state_dir)}))
             self.cgroup = cgroups.SandboxCgroup(name, limits)
             for point in self._binds:
                 (rootfs / point.lstrip("/")).mkdir(parents=True, exist_ok=True)
@@ -289,7 +290,7 @@ class BuildBox:
                         except OSError:
                             pass
             finally:
-                release_uid(self._state_dir, self.uid)
+                release_uid(self._state_dir, self.uid, owner=self._owner)
                 self._record.unlink(missing_ok=True)
 
 
@@ -300,5 +301,6 @@ def reap_leftover(staging: Path) -> None:
     except (FileNotFoundError, ValueError):
         return
     cgroups.reap(str(record["cgroup"]), record.get("cgroup_parent"))
-    release_uid(Path(record["state_dir"]), int(record["uid"]))
+    if "owner" in record:  # (an older build's record names none: gc frees its range once its process is gone)
+        release_uid(Path(record["state_dir"]), int(record["uid"]), owner=str(record["owner"]))
     (staging / RECORD_NAME).unlink(missing_ok=True)

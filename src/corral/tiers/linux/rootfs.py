@@ -68,7 +68,9 @@ def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict
     """The janitor's teardown of a sandbox whose owner died, for the tiers whose every process
     lives in the sandbox's host cgroup (process, gVisor, microVM): kill it, remove what the
     network mode made outside the run dir (by name), unmount and remove the run dir, release
-    the sandbox's uids (``uid``, and gVisor's ``root_uid``, from its reap record)."""
+    the sandbox's uids (``uid``, and gVisor's ``root_uid``, from its reap record) if they are
+    still ``sandbox_id``'s (an owner killed mid-destroy may have released them, and another
+    sandbox may hold them now)."""
     cgroups.reap(sandbox_id, record.get("cgroup_parent"))
     egress_network.reap(sandbox_id, record)
     mounts.unmount_all(run_dir)
@@ -76,7 +78,7 @@ def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict
     for key in ("uid", "root_uid"):
         value = record.get(key)
         if value is not None:
-            release_uid(state_dir, int(str(value)))
+            release_uid(state_dir, int(str(value)), owner=sandbox_id)
 
 
 log = logging.getLogger(__name__)

@@ -425,4 +425,4 @@ class LinuxSandbox(TierSandbox):
             mounts.unmount_all(self._run_dir, known=self._mounts)  # None: a half-built root, search
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for uid in self._uids:
-                release_range(self._state_dir, uid)
+                release_range(self._state_dir, uid, owner=self.id)

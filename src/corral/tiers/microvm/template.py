@@ -120,7 +120,8 @@ def confined(state_dir: Path, work: Path, accel: str, disk: ImageDisk | None) ->
     QEMU's own seccomp filter, killed with its parent -- never as host root.  ``work`` is its
     while it boots, host root's again after."""
     release_ranges_of_dead_processes(state_dir)
-    ids = allocate_range(state_dir, process_owner(BUILDER_KIND))
+    owner = process_owner(BUILDER_KIND)
+    ids = allocate_range(state_dir, owner)
     try:
         agent = agent_binary(state_dir)
         userns = make_userns(agent, ids)
@@ -138,7 +139,7 @@ def confined(state_dir: Path, work: Path, accel: str, disk: ImageDisk | None) ->
             for path in (work, *work.iterdir()):
                 os.lchown(path, 0, 0)
     finally:
-        release_range(state_dir, ids.base)
+        release_range(state_dir, ids.base, owner=owner)
 
 
 def _boot(work: Path, assets: GuestAssets, accel: str, ram_mb: int, deadline: float, disk: ImageDisk | None,

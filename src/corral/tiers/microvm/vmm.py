@@ -103,7 +103,8 @@ def idmap_unsupported(directory: Path, state_dir: Path) -> str | None:
     from ...host.userns import make_userns
     from ..linux.agent_build import agent_binary
 
-    ids = allocate_range(state_dir, process_owner("microvm-probe"))
+    owner = process_owner("microvm-probe")
+    ids = allocate_range(state_dir, owner)
     try:
         userns = make_userns(agent_binary(state_dir), ids)
         try:
@@ -113,5 +114,5 @@ def idmap_unsupported(directory: Path, state_dir: Path) -> str | None:
     except (OSError, HostNotSupported) as exc:
         return f"QEMU's guest RAM file needs an idmapped mount in {directory}, which this host refuses: {exc}"
     finally:
-        release_range(state_dir, ids.base)
+        release_range(state_dir, ids.base, owner=owner)
     return None

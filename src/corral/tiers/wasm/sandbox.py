@@ -334,4 +334,4 @@ class WasmSandbox(TierSandbox):
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             if self._uid_reserved:
-                release_uid(self._tier.state_dir, self.uid)
+                release_uid(self._tier.state_dir, self.uid, owner=self.id)

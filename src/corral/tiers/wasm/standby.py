@@ -56,6 +56,8 @@ class StandbyGuest:
     directory: Path
     #: the tmpfs, holding workspace/ and tmp/
     fs: Path
+    #: whose the uid range is until a sandbox adopts the guest (:func:`~corral.host.uids.process_owner`)
+    owner: str
 
 
 class StandbyGuests:
@@ -132,7 +134,7 @@ class StandbyGuests:
             for path in (fs / "workspace", fs / "tmp"):
                 os.chown(path, uid, uid)
             worker = tier.pool.take()
-            standby = StandbyGuest(worker, uid, directory, fs)
+            standby = StandbyGuest(worker, uid, directory, fs, owner)
             job = {
                 "argv": list(PRESTART_ARGV),
                 "env": {},
@@ -154,7 +156,7 @@ class StandbyGuests:
             else:
                 mounts.unmount_all(directory)
                 shutil.rmtree(directory, ignore_errors=True)
-                release_uid(tier.state_dir, uid)
+                release_uid(tier.state_dir, uid, owner=owner)
             raise
 
     def adopt(self, standby: StandbyGuest, sandbox_id: str, fs: Path, disk: int) -> None:
@@ -163,13 +165,13 @@ class StandbyGuests:
         mounts.umount(standby.fs, lazy=True)  # the guest's open directories keep it alive
         shutil.rmtree(standby.directory, ignore_errors=True)
         mounts.mount("", fs, "", MS_REMOUNT | mounts.MS_NOSUID | mounts.MS_NODEV, f"size={disk}")
-        set_owner(self.tier.state_dir, standby.uid, sandbox_id)
+        set_owner(self.tier.state_dir, standby.uid, sandbox_id, previous=standby.owner)
 
     def discard(self, standby: StandbyGuest) -> None:
         standby.worker.close()
         mounts.unmount_all(standby.directory)
         shutil.rmtree(standby.directory, ignore_errors=True)
-        release_uid(self.tier.state_dir, standby.uid)
+        release_uid(self.tier.state_dir, standby.uid, owner=standby.owner)
 
     def close(self) -> None:
         with self._cond:

@@ -188,4 +188,4 @@ class WasmTier(Tier):
         mounts.unmount_all(run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)
         if "uid" in record and self.privileged:
-            release_uid(self.state_dir, int(record["uid"]))
+            release_uid(self.state_dir, int(record["uid"]), owner=sandbox_id)
