@@ -1,20 +1,135 @@
-"""What another process can leave or hold in the owner of a sandbox (corral.owner_link).
+"""What a caller of another process's sandbox (``Sandbox.connect`` through its owner,
+corral.owner_link) can make the owner hold or wait on.
 
-A staging directory a killed owner left while binding its socket is reaped by gc.
+A caller that stops reading must not hold up the owner's sandbox: its output goes out from a
+queue of its own, bounded (``max_output`` per stream), and a caller that takes nothing for
+``LINK_SEND_STALL`` is given up.  A caller that reads gets every byte.  A staging directory a
+killed owner left while binding its socket is reaped by gc.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from corral import Sandbox, owner_link
 from corral.host.procs import process_start_time
 from corral.registry import gc
+
+from .sandbox_wait import wait_until
+
+MiB = 1 << 20
+
+STALLED_CALLER = """
+import json, sys, time
+from corral import Sandbox
+s = Sandbox.connect(sys.argv[1])
+got = []
+def stall(text):
+    got.append(text)
+    if len(got) == 1:
+        print("stalled", flush=True)
+        sys.stdin.readline()  # reads nothing more of its link until told
+h = s.commands.run("yes | head -c 100000000", background=True, timeout=60, on_stdout=stall)
+try:
+    r = h.wait()
+    said = ["result", r.exit_code, r.truncated]
+except Exception as exc:
+    said = ["raised", type(exc).__name__]
+print(json.dumps(said + [sum(map(len, got))]), flush=True)
+"""
+
+
+def test_a_caller_that_stops_reading_does_not_hold_up_the_owners_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's own command on the sandbox ends on time, the stalled caller is given up after
+    LINK_SEND_STALL (its call ends as at a hangup), and the owner's kill is prompt."""
+    monkeypatch.setattr(owner_link, "LINK_SEND_STALL", 3.0, raising=False)
+    sb = Sandbox.create(max_output="1M")
+    caller = subprocess.Popen([sys.executable, "-c", STALLED_CALLER, sb.id], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert caller.stdout is not None and caller.stdin is not None
+        assert caller.stdout.readline().strip() == "stalled"
+        time.sleep(1)  # the flood fills the link's buffers, then its queue
+        for _ in range(3):
+            started = time.monotonic()
+            r = sb.commands.run("echo hi", timeout=5)
+            took = time.monotonic() - started
+            assert (r.stdout, r.exit_code) == ("hi\n", 0) and took < 3, (r, took)
+        assert sb.files.read("/etc/hostname") is not None  # file answers come on the same reader
+        # given up: nothing of the call waits on the caller any more
+        assert wait_until(lambda: not [t for t in threading.enumerate() if t.name == "corral-owner-send"],
+                          timeout=3.0 + 15), "the stalled caller's sender still waits"
+        caller.stdin.write("\n")
+        caller.stdin.flush()
+        said = json.loads(caller.stdout.readline())
+        # what it had in its buffers, then the end of its call (its background command is the owner's)
+        assert said[:2] == ["raised", "ConnectionLost"], said
+        assert said[2] < 100_000_000
+    finally:
+        started = time.monotonic()
+        sb.kill()
+        took = time.monotonic() - started
+        caller.kill()
+        caller.wait()
+    assert took < 3, f"kill() took {took:.1f} s"
+
+
+READING_CALLER = """
+import json, sys, time
+from corral import Sandbox
+s = Sandbox.connect(sys.argv[1])
+lag = float(sys.argv[2])
+out, err = [], []
+def slow(text):
+    if not out and lag:
+        time.sleep(lag)  # behind by more than max_output, for less than LINK_SEND_STALL
+    out.append(text)
+r = s.commands.run(sys.argv[3], timeout=60, on_stdout=slow, on_stderr=err.append)
+h = s.commands.run(sys.argv[3], timeout=60, background=True, on_stdout=out.append)
+b = h.wait()
+print(json.dumps({"streamed": "".join(out), "stderr": "".join(err), "exit": [r.exit_code, b.exit_code],
+                  "truncated": [r.truncated, b.truncated], "kept": r.stdout}))
+"""
+
+
+def read_through_link(sb: Sandbox, lag: float, cmd: str) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "-c", READING_CALLER, sb.id, str(lag), cmd], capture_output=True,
+                         text=True, timeout=120, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr[-3000:]
+    return dict(json.loads(out.stdout))
+
+
+def test_a_caller_that_reads_gets_all_output_exactly() -> None:
+    """The allowed direction: output far over the link's socket buffers, every byte in order."""
+    expected = "".join(f"{i}\n" for i in range(1, 400_001))  # 2.7 MB, under max_output
+    with Sandbox.create() as sb:
+        said = read_through_link(sb, 0, "seq 1 400000; echo done >&2")
+    assert said["streamed"] == expected * 2  # the run's, then the background command's
+    assert said["kept"] == expected and said["stderr"] == "done\n"
+    assert said["exit"] == [0, 0] and said["truncated"] == [False, False]
+
+
+def test_a_caller_that_falls_behind_loses_the_rest_and_its_result_says_so() -> None:
+    """Behind by more than max_output: what was queued arrives, in order, then the result
+    (truncated); the owner held no more than that for it meanwhile."""
+    with Sandbox.create(max_output="1M") as sb:
+        said = read_through_link(sb, 2, "yes | head -c 30000000")
+        streamed = str(said["streamed"])
+        assert said["exit"] == [0, 0] and said["truncated"] == [True, True]
+        assert 0 < len(streamed) < 30_000_000 * 2, len(streamed)
+        assert streamed == "y\n" * (len(streamed) // 2)  # a prefix of each: nothing out of order
+        assert sb.commands.run("echo still", timeout=5).stdout == "still\n"
+
 
 # -- the staging directory of a killed owner's socket ---------------------------------------
 KILLED_WHILE_BINDING = """

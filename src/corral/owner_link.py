@@ -14,6 +14,15 @@ connection also carries the caller's stdin, signals, kill and resize the other w
 A connection's end never kills a background command; it kills a foreground one the
 caller can no longer wait for.
 
+A caller never holds up the owner's sandbox.  A command's output is queued for its caller and sent
+by a thread of the call's own (the sandbox's agent reader, which carries every command's output,
+never waits on a caller); what is queued is bounded like a server's exec stream holds for a client
+that does not read: the sandbox's ``max_output`` per stream.  A caller that falls further behind
+loses the rest of that command's output (what was queued still goes, then the result, which says
+``truncated``: that much output is more than is kept), and one that takes nothing of a frame for
+:data:`LINK_SEND_STALL` seconds is taken for gone: its connection is closed (the end of a
+connection, as above).
+
 The listener runs from this process's first sandbox until the process exits; a killed
 owner's socket is removed by ``gc`` (``corral.registry``), which a process's first create runs.
 """
@@ -52,6 +61,9 @@ STDIN_LINK_FRAME = 4 << 20
 KILL_GRACE = 10.0
 #: how long a caller waits to be accepted and answered by a live owner before giving up
 CONNECT_TIMEOUT = 10.0
+#: how long a send to a caller may make no progress before the caller is taken for gone and its
+#: connection closed (its output meanwhile is queued, up to ``max_output`` per stream, then dropped)
+LINK_SEND_STALL = 30.0
 
 
 def owners_dir(root: Path) -> Path:
@@ -93,6 +105,16 @@ def read_frames(sock: socket.socket, limit: int = MAX_REQUEST) -> Iterator[dict[
         if not chunk:
             return
         buffer += chunk
+
+
+def _set_socket_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """``SO_SNDTIMEO``/``SO_RCVTIMEO``: one direction's wait bounded (0: none), the socket staying
+    blocking for the other (``settimeout`` would make the descriptor non-blocking for both)."""
+    whole = int(seconds)
+    micro = int((seconds - whole) * 1_000_000) if seconds > 0 else 0
+    if seconds > 0 and not whole and not micro:
+        micro = 1
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micro))
 
 
 def b64_size(n: int) -> int:
@@ -166,8 +188,9 @@ class OwnerListener:
             _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid not in (0, os.geteuid()):
                 return  # the directory is 0700 already: this is a second lock on the door
+            # a caller that takes nothing for this long is gone: no send waits on it longer
+            _set_socket_timeout(conn, socket.SO_SNDTIMEO, LINK_SEND_STALL)
             frames = read_frames(conn)
-            lock = threading.Lock()
             try:
                 request = next(frames)
                 backend = LIVE.get(str(request.get("id")))
@@ -178,8 +201,8 @@ class OwnerListener:
                     with self._kills_done:
                         self._kills += 1
                 try:
-                    result = serve_call(backend, op, request.get("args") or {}, conn, frames, lock)
-                    send_frame(conn, {"ok": result}, lock)
+                    result = serve_call(backend, op, request.get("args") or {}, conn, frames)
+                    send_frame(conn, {"ok": result})
                 finally:
                     if op == "close":
                         with self._kills_done:
@@ -187,14 +210,14 @@ class OwnerListener:
                             self._kills_done.notify_all()
             except SandboxError as exc:
                 with contextlib.suppress(OSError):
-                    send_frame(conn, {"error": exc.code, "message": str(exc)}, lock)
+                    send_frame(conn, {"error": exc.code, "message": str(exc)})
             except (OSError, StopIteration, ValueError, KeyError, TypeError) as exc:
                 with contextlib.suppress(OSError):
-                    send_frame(conn, {"error": "invalid_spec", "message": f"bad owner-link request: {exc}"}, lock)
+                    send_frame(conn, {"error": "invalid_spec", "message": f"bad owner-link request: {exc}"})
 
 
 def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socket.socket,
-               frames: Iterator[dict[str, Any]], lock: threading.Lock) -> Any:
+               frames: Iterator[dict[str, Any]]) -> Any:
     """Carry out one call of another process on ``backend``; the answer's ``ok`` value."""
     simple: dict[str, Callable[[], Any]] = {
         "hello": lambda: {"spec": backend.spec.to_dict(), "metadata": backend.metadata},
@@ -230,10 +253,22 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         return backend.run_code(front, args["code"], language=args.get("language"), context=args.get("context"),
                                 timeout=args.get("timeout"), envs=args.get("envs"), callbacks={}).to_dict()
 
-    def forward(stream: str, data: bytes) -> None:
-        with contextlib.suppress(OSError):  # a caller gone: the command goes on, its output is dropped
-            send_frame(conn, {"out": stream, "data": b64(data)}, lock)
+    if op not in ("run", "start", "start_background", "attach"):
+        raise InvalidSpec(f"unknown owner-link call {op!r}")
+    # every frame of a command's call goes out through this, in order, from a thread of its own:
+    # its output comes on the sandbox's agent reader, which must never wait on a caller
+    sender = _Sender(conn, backend.spec.limits.max_output)
+    try:
+        result = _serve_command(backend, op, args, frames, sender)
+    finally:
+        sender.close()  # what is queued goes out (or the caller is given up) before the answer
+    if sender.cut:
+        result["truncated"] = True  # what it streamed was cut (see _Sender)
+    return result
 
+
+def _serve_command(backend: LocalBackend, op: str, args: dict[str, Any], frames: Iterator[dict[str, Any]],
+                   sender: _Sender) -> dict[str, Any]:
     stdin = unb64(args["stdin"]) if args.get("stdin") is not None else None
     if op == "run":
         # the caller sends nothing more on a run: the end of its frames is the caller gone, and
@@ -243,21 +278,19 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         threading.Thread(target=_kill_on_hangup, args=(frames, running, finished), name="corral-owner-hangup",
                          daemon=True).start()
         try:
-            return backend.run(call_of(args["call"]), stdin, forward if args.get("stream") else None,
+            return backend.run(call_of(args["call"]), stdin, sender.output if args.get("stream") else None,
                                running.append).to_dict()
         finally:
             finished.set()
     if op == "start":
-        process: CommandProcess = backend.start(call_of(args["call"]), forward)
+        process: CommandProcess = backend.start(call_of(args["call"]), sender.output)
     elif op == "start_background":
-        process = backend.start_background(call_of(args["call"]), stdin, forward)
-    elif op == "attach":
-        process = backend.command(int(args["pid"]))
+        process = backend.start_background(call_of(args["call"]), stdin, sender.output)
     else:
-        raise InvalidSpec(f"unknown owner-link call {op!r}")
-    send_frame(conn, {"started": process.pid, "stdin_window": STDIN_LINK_WINDOW}, lock)
+        process = backend.command(int(args["pid"]))
+    sender.send({"started": process.pid, "stdin_window": STDIN_LINK_WINDOW})
     done = threading.Event()
-    writer = _StdinWriter(process, lambda frame: send_frame(conn, frame, lock))
+    writer = _StdinWriter(process, sender.send)
     threading.Thread(target=_follow_controls, args=(process, frames, op == "start", done, writer),
                      daemon=True).start()
     try:
@@ -265,6 +298,80 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
     finally:
         done.set()
         writer.stop()
+
+
+class _Sender:
+    """The frames of one command's call to its caller, sent in order by a thread of their own.
+
+    ``output`` is called on the sandbox's agent reader thread, which carries every command's
+    output and file answers: it only queues.  What is queued is bounded as a server's exec stream
+    holds for a client that does not read, ``max_output`` per stream; a caller that falls further
+    behind than that loses the rest of the command's output (``cut``: what is queued still goes,
+    and the result says ``truncated`` -- which it is, that much output being more than is kept).
+    A send that makes no progress for :data:`LINK_SEND_STALL` (the connection's ``SO_SNDTIMEO``)
+    gives the caller up: the connection is shut, which its call takes as the caller's hangup."""
+
+    def __init__(self, conn: socket.socket, room: int) -> None:
+        self._conn = conn
+        self._room = room
+        self._frames: collections.deque[tuple[str, bytes] | dict[str, Any]] = collections.deque()
+        self._queued = {"stdout": 0, "stderr": 0}
+        #: the rest of the output is dropped (the caller fell behind); the caller was given up;
+        #: no more frames come
+        self.cut = False
+        self.gone = False
+        self._closing = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._send_all, name="corral-owner-send", daemon=True)
+        self._thread.start()
+
+    def output(self, stream: str, data: bytes) -> None:
+        with self._changed:
+            if self.cut or self.gone:
+                return
+            if self._queued[stream] and self._queued[stream] + len(data) > self._room:
+                self.cut = True
+                return
+            self._queued[stream] += len(data)
+            self._frames.append((stream, data))
+            self._changed.notify_all()
+
+    def send(self, frame: dict[str, Any]) -> None:
+        with self._changed:
+            if not self.gone:
+                self._frames.append(frame)
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Wait until everything queued is sent, or the caller is given up."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        self._thread.join()
+
+    def _send_all(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._closing or bool(self._frames))
+                if not self._frames:
+                    return
+                item = self._frames.popleft()
+            try:
+                if isinstance(item, dict):
+                    send_frame(self._conn, item)
+                else:
+                    send_frame(self._conn, {"out": item[0], "data": b64(item[1])})
+            except OSError:  # gone, or taking nothing for LINK_SEND_STALL: its call ends as at a hangup
+                with self._changed:
+                    self.gone = True
+                    self._frames.clear()
+                with contextlib.suppress(OSError):
+                    self._conn.shutdown(socket.SHUT_RDWR)
+                return
+            finally:
+                if isinstance(item, tuple):
+                    with self._changed:
+                        self._queued[item[0]] -= len(item[1])
 
 
 class _StdinWriter:
