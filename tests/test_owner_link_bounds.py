@@ -3,12 +3,14 @@ corral.owner_link) can make the owner hold or wait on.
 
 A caller that stops reading must not hold up the owner's sandbox: its output goes out from a
 queue of its own, bounded (``max_output`` per stream), and a caller that takes nothing for
-``LINK_SEND_STALL`` is given up.  A caller that reads gets every byte.  A staging directory a
-killed owner left while binding its socket is reaped by gc.
+``LINK_SEND_STALL`` is given up.  A caller that reads gets every byte.  The link's connections,
+the wait for a request and the bytes of unfinished requests are bounded.  A staging directory
+a killed owner left while binding its socket is reaped by gc.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -194,3 +196,87 @@ def test_bind_private_names_its_staging_directory_for_its_process(tmp_path: Path
     pid = os.getpid()
     assert [name.rsplit("-", 1)[0] for name in seen] == [f".bind-{pid}.{process_start_time(pid)}"]
     assert os.listdir(tmp_path) == ["x.sock"]
+
+
+# -- the link's own bounds ------------------------------------------------------------------
+def answer_of(conn: socket.socket, timeout: float) -> dict[str, object]:
+    conn.settimeout(timeout)
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return dict(json.loads(data)) if data else {}
+
+
+REFUSED_CALLER = """
+import sys
+from corral import Sandbox
+try:
+    Sandbox.connect(sys.argv[1])
+except Exception as exc:
+    print(type(exc).__name__)
+"""
+
+LINK_CALL = """
+import sys
+from corral import Sandbox
+s = Sandbox.connect(sys.argv[1])
+s.files.write("big", b"x" * (6 << 20))
+print(s.commands.run("wc -c < big").stdout.strip())
+"""
+
+
+def test_the_link_bounds_connections_the_wait_for_a_request_and_unfinished_requests(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(owner_link, "MAX_LINK_CONNECTIONS", 4, raising=False)
+    monkeypatch.setattr(owner_link, "FIRST_FRAME_TIMEOUT", 1.5, raising=False)
+    with Sandbox.create() as sb:
+        listener = owner_link._listeners[state_dir]
+        path = str(owner_link.socket_path(state_dir, os.getpid()))
+
+        def connect() -> socket.socket:
+            conn = socket.socket(socket.AF_UNIX)
+            conn.connect(path)
+            return conn
+
+        def calls() -> int:
+            return len([t for t in threading.enumerate() if t.name == "corral-owner-call"])
+
+        idle = [connect() for _ in range(4)]
+        try:
+            assert wait_until(lambda: calls() == 4)
+            refused = connect()  # past the bound: answered at once, without a thread
+            started = time.monotonic()
+            assert answer_of(refused, 5).get("error") == "resource_limit"
+            assert time.monotonic() - started < 1 and calls() == 4
+            refused.close()
+            out = subprocess.run([sys.executable, "-c", REFUSED_CALLER, sb.id], capture_output=True, text=True,
+                                 timeout=60, env=os.environ.copy())
+            assert out.stdout.strip() == "ResourceLimit", out.stderr[-2000:]
+            # a request line that does not come: the connection is answered and closed on time
+            started = time.monotonic()
+            assert answer_of(idle[0], 10).get("error") == "invalid_spec"
+            assert 1 < time.monotonic() - started < 5
+            assert wait_until(lambda: calls() == 0)
+        finally:
+            for conn in idle:
+                conn.close()
+        # unfinished lines: one holds the budget, the next is refused
+        monkeypatch.setattr(listener._budget, "total", 8 * MiB)
+        holding, second = connect(), connect()
+        try:
+            holding.sendall(b"x" * (6 * MiB))
+            assert wait_until(lambda: listener._budget.used >= 4 * MiB)
+            with contextlib.suppress(OSError):  # (refused before it took it all)
+                second.sendall(b"x" * (6 * MiB))
+            assert answer_of(second, 10).get("error") == "resource_limit"
+        finally:
+            holding.close()
+            second.close()
+        assert wait_until(lambda: listener._budget.used == 0)
+        # and what the bounds allow still works, from another process
+        out = subprocess.run([sys.executable, "-c", LINK_CALL, sb.id], capture_output=True, text=True,
+                             timeout=60, env=os.environ.copy())
+        assert out.stdout.strip() == str(6 << 20), out.stderr[-2000:]

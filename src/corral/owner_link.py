@@ -21,7 +21,10 @@ that does not read: the sandbox's ``max_output`` per stream.  A caller that fall
 loses the rest of that command's output (what was queued still goes, then the result, which says
 ``truncated``: that much output is more than is kept), and one that takes nothing of a frame for
 :data:`LINK_SEND_STALL` seconds is taken for gone: its connection is closed (the end of a
-connection, as above).
+connection, as above).  The link serves at most :data:`MAX_LINK_CONNECTIONS` connections at once (past
+it a call is refused: ``resource_limit``), a request line must arrive within
+:data:`FIRST_FRAME_TIMEOUT`, and unfinished lines over all connections buffer at most
+:data:`MAX_LINK_BUFFERED` bytes past a small size each (past it a call is refused).
 
 The listener runs from this process's first sandbox until the process exits; a killed
 owner's socket is removed by ``gc`` (``corral.registry``), which a process's first create runs.
@@ -38,11 +41,12 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidSpec, SandboxError, SandboxNotFound, StdinNotTaken
+from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound, StdinNotTaken
 from .host.sockets import bind_private
 from .lifecycle import LIVE
 from .transport import CommandCall, CommandProcess
@@ -64,6 +68,17 @@ CONNECT_TIMEOUT = 10.0
 #: how long a send to a caller may make no progress before the caller is taken for gone and its
 #: connection closed (its output meanwhile is queued, up to ``max_output`` per stream, then dropped)
 LINK_SEND_STALL = 30.0
+#: connections the owner serves at once (a running command's call holds one, and up to four threads)
+MAX_LINK_CONNECTIONS = 128
+#: how long a connection's request line may take to arrive, from its accept
+FIRST_FRAME_TIMEOUT = 10.0
+#: bytes of unfinished frames all connections buffer at once past :data:`FREE_BUFFER` each: two
+#: requests of the largest size (a file written through the link) at a time
+MAX_LINK_BUFFERED = 2 * MAX_REQUEST
+#: what a connection may buffer of an unfinished frame without counting against MAX_LINK_BUFFERED
+FREE_BUFFER = 1 << 20
+#: a frame after the request: a control, or a chunk of stdin (STDIN_LINK_FRAME bytes, base64)
+MAX_CONTROL_FRAME = 4 * ((STDIN_LINK_FRAME + 2) // 3) + 4096
 
 
 def owners_dir(root: Path) -> Path:
@@ -117,6 +132,78 @@ def _set_socket_timeout(sock: socket.socket, option: int, seconds: float) -> Non
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micro))
 
 
+class _Budget:
+    """Bytes of unfinished frames the link buffers over all its connections."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.total:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+def caller_frames(sock: socket.socket, budget: _Budget) -> Generator[dict[str, Any], None, None]:
+    """A caller's frames as its owner reads them (:func:`read_frames`, bounded): the request
+    within :data:`FIRST_FRAME_TIMEOUT` and up to :data:`MAX_REQUEST` bytes, each later one up to
+    :data:`MAX_CONTROL_FRAME`; an unfinished frame's bytes past :data:`FREE_BUFFER` are counted
+    against ``budget`` (out of it: ``ResourceLimit``)."""
+    buffer = bytearray()
+    scanned = 0
+    held = 0  # of the budget
+    deadline: float | None = time.monotonic() + FIRST_FRAME_TIMEOUT
+    limit = MAX_REQUEST
+    try:
+        while True:
+            newline = buffer.find(b"\n", scanned)
+            if newline >= 0:
+                line = bytes(buffer[:newline])
+                buffer = buffer[newline + 1:]  # (a new buffer: a large one's memory goes with the frame)
+                scanned = 0
+                if deadline is not None:  # the request is in: the connection lasts as long as its call
+                    deadline = None
+                    limit = MAX_CONTROL_FRAME
+                    _set_socket_timeout(sock, socket.SO_RCVTIMEO, 0)
+                want = max(0, len(buffer) - FREE_BUFFER)
+                if want < held:
+                    budget.give(held - want)
+                    held = want
+                yield json.loads(line)
+                continue
+            scanned = len(buffer)
+            if scanned > limit:
+                raise InvalidSpec(f"a frame over {limit} bytes")
+            want = max(0, len(buffer) - FREE_BUFFER)
+            if want > held:
+                if not budget.take(want - held):
+                    raise ResourceLimit(f"the owner is reading other large requests ({budget.total} bytes at "
+                                        "once): try again")
+                held = want
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise InvalidSpec(f"no request line within {FIRST_FRAME_TIMEOUT:g} s")
+                _set_socket_timeout(sock, socket.SO_RCVTIMEO, left)
+            try:
+                chunk = sock.recv(1 << 20)
+            except BlockingIOError:  # SO_RCVTIMEO: the request's time is up
+                raise InvalidSpec(f"no request line within {FIRST_FRAME_TIMEOUT:g} s") from None
+            if not chunk:
+                return
+            buffer += chunk
+    finally:
+        budget.give(held)
+
+
 def b64_size(n: int) -> int:
     """How long ``n`` bytes are in base64."""
     return 4 * ((n + 2) // 3)
@@ -158,6 +245,10 @@ class OwnerListener:
         bind_private(self._sock, self.path)
         self._sock.listen(64)
         self._closed = False
+        #: connections being served, and the bytes of unfinished frames they hold
+        self._connections = 0
+        self._connections_lock = threading.Lock()
+        self._budget = _Budget(MAX_LINK_BUFFERED)
         #: kills by id in progress: the process's exit waits for them (a teardown cut short
         #: by the exit would leave the sandbox to the next gc)
         self._kills = 0
@@ -181,7 +272,30 @@ class OwnerListener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="corral-owner-call", daemon=True).start()
+            with self._connections_lock:
+                full = self._connections >= MAX_LINK_CONNECTIONS
+                if not full:
+                    self._connections += 1
+            if full:
+                _refuse(conn, ResourceLimit(f"the owner serves {MAX_LINK_CONNECTIONS} owner-link calls at once: "
+                                            "try again when some have ended"))
+                continue
+            try:
+                threading.Thread(target=self._serve_counted, args=(conn,), name="corral-owner-call",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had
+                self._served()
+                _refuse(conn, ResourceLimit("the owner cannot start a thread for the call"))
+
+    def _served(self) -> None:
+        with self._connections_lock:
+            self._connections -= 1
+
+    def _serve_counted(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._served()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -190,7 +304,7 @@ class OwnerListener:
                 return  # the directory is 0700 already: this is a second lock on the door
             # a caller that takes nothing for this long is gone: no send waits on it longer
             _set_socket_timeout(conn, socket.SO_SNDTIMEO, LINK_SEND_STALL)
-            frames = read_frames(conn)
+            frames = caller_frames(conn, self._budget)
             try:
                 request = next(frames)
                 backend = LIVE.get(str(request.get("id")))
@@ -214,6 +328,19 @@ class OwnerListener:
             except (OSError, StopIteration, ValueError, KeyError, TypeError) as exc:
                 with contextlib.suppress(OSError):
                     send_frame(conn, {"error": "invalid_spec", "message": f"bad owner-link request: {exc}"})
+            finally:
+                with contextlib.suppress(ValueError):  # (still read by a call's control thread: it ends it)
+                    frames.close()  # its share of the budget back now, not when collected
+
+
+def _refuse(conn: socket.socket, exc: SandboxError) -> None:
+    """Answer a connection the owner does not serve with ``exc`` without waiting on it (the answer
+    fits in the socket's buffer, or is dropped), and close it."""
+    with conn:
+        conn.setblocking(False)
+        with contextlib.suppress(OSError):
+            send_frame(conn, {"error": exc.code, "message": str(exc)})
+            conn.shutdown(socket.SHUT_WR)
 
 
 def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socket.socket,
