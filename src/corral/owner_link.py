@@ -14,6 +14,18 @@ connection also carries the caller's stdin, signals, kill and resize the other w
 A connection's end never kills a background command; it kills a foreground one the
 caller can no longer wait for.
 
+A caller never holds up the owner's sandbox.  A command's output is queued for its caller and sent
+by a thread of the call's own (the sandbox's agent reader, which carries every command's output,
+never waits on a caller); what is queued is bounded like a server's exec stream holds for a client
+that does not read: the sandbox's ``max_output`` per stream.  A caller that falls further behind
+loses the rest of that command's output (what was queued still goes, then the result, which says
+``truncated``: that much output is more than is kept), and one that takes nothing of a frame for
+:data:`LINK_SEND_STALL` seconds is taken for gone: its connection is closed (the end of a
+connection, as above).  The link serves at most :data:`MAX_LINK_CONNECTIONS` connections at once (past
+it a call is refused: ``resource_limit``), a request line must arrive within
+:data:`FIRST_FRAME_TIMEOUT`, and unfinished lines over all connections buffer at most
+:data:`MAX_LINK_BUFFERED` bytes past a small size each (past it a call is refused).
+
 The listener runs from this process's first sandbox until the process exits; a killed
 owner's socket is removed by ``gc`` (``corral.registry``), which a process's first create runs.
 """
@@ -29,11 +41,12 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidSpec, SandboxError, SandboxNotFound, StdinNotTaken
+from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound, StdinNotTaken
 from .host.sockets import bind_private
 from .lifecycle import LIVE
 from .spec import validate_user
@@ -53,6 +66,20 @@ STDIN_LINK_FRAME = 4 << 20
 KILL_GRACE = 10.0
 #: how long a caller waits to be accepted and answered by a live owner before giving up
 CONNECT_TIMEOUT = 10.0
+#: how long a send to a caller may make no progress before the caller is taken for gone and its
+#: connection closed (its output meanwhile is queued, up to ``max_output`` per stream, then dropped)
+LINK_SEND_STALL = 30.0
+#: connections the owner serves at once (a running command's call holds one, and up to four threads)
+MAX_LINK_CONNECTIONS = 128
+#: how long a connection's request line may take to arrive, from its accept
+FIRST_FRAME_TIMEOUT = 10.0
+#: bytes of unfinished frames all connections buffer at once past :data:`FREE_BUFFER` each: two
+#: requests of the largest size (a file written through the link) at a time
+MAX_LINK_BUFFERED = 2 * MAX_REQUEST
+#: what a connection may buffer of an unfinished frame without counting against MAX_LINK_BUFFERED
+FREE_BUFFER = 1 << 20
+#: a frame after the request: a control, or a chunk of stdin (STDIN_LINK_FRAME bytes, base64)
+MAX_CONTROL_FRAME = 4 * ((STDIN_LINK_FRAME + 2) // 3) + 4096
 
 
 def owners_dir(root: Path) -> Path:
@@ -94,6 +121,88 @@ def read_frames(sock: socket.socket, limit: int = MAX_REQUEST) -> Iterator[dict[
         if not chunk:
             return
         buffer += chunk
+
+
+def _set_socket_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """``SO_SNDTIMEO``/``SO_RCVTIMEO``: one direction's wait bounded (0: none), the socket staying
+    blocking for the other (``settimeout`` would make the descriptor non-blocking for both)."""
+    whole = int(seconds)
+    micro = int((seconds - whole) * 1_000_000) if seconds > 0 else 0
+    if seconds > 0 and not whole and not micro:
+        micro = 1
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micro))
+
+
+class _Budget:
+    """Bytes of unfinished frames the link buffers over all its connections."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.total:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+def caller_frames(sock: socket.socket, budget: _Budget) -> Generator[dict[str, Any], None, None]:
+    """A caller's frames as its owner reads them (:func:`read_frames`, bounded): the request
+    within :data:`FIRST_FRAME_TIMEOUT` and up to :data:`MAX_REQUEST` bytes, each later one up to
+    :data:`MAX_CONTROL_FRAME`; an unfinished frame's bytes past :data:`FREE_BUFFER` are counted
+    against ``budget`` (out of it: ``ResourceLimit``)."""
+    buffer = bytearray()
+    scanned = 0
+    held = 0  # of the budget
+    deadline: float | None = time.monotonic() + FIRST_FRAME_TIMEOUT
+    limit = MAX_REQUEST
+    try:
+        while True:
+            newline = buffer.find(b"\n", scanned)
+            if newline >= 0:
+                line = bytes(buffer[:newline])
+                buffer = buffer[newline + 1:]  # (a new buffer: a large one's memory goes with the frame)
+                scanned = 0
+                if deadline is not None:  # the request is in: the connection lasts as long as its call
+                    deadline = None
+                    limit = MAX_CONTROL_FRAME
+                    _set_socket_timeout(sock, socket.SO_RCVTIMEO, 0)
+                want = max(0, len(buffer) - FREE_BUFFER)
+                if want < held:
+                    budget.give(held - want)
+                    held = want
+                yield json.loads(line)
+                continue
+            scanned = len(buffer)
+            if scanned > limit:
+                raise InvalidSpec(f"a frame over {limit} bytes")
+            want = max(0, len(buffer) - FREE_BUFFER)
+            if want > held:
+                if not budget.take(want - held):
+                    raise ResourceLimit(f"the owner is reading other large requests ({budget.total} bytes at "
+                                        "once): try again")
+                held = want
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise InvalidSpec(f"no request line within {FIRST_FRAME_TIMEOUT:g} s")
+                _set_socket_timeout(sock, socket.SO_RCVTIMEO, left)
+            try:
+                chunk = sock.recv(1 << 20)
+            except BlockingIOError:  # SO_RCVTIMEO: the request's time is up
+                raise InvalidSpec(f"no request line within {FIRST_FRAME_TIMEOUT:g} s") from None
+            if not chunk:
+                return
+            buffer += chunk
+    finally:
+        budget.give(held)
 
 
 def b64_size(n: int) -> int:
@@ -143,6 +252,10 @@ class OwnerListener:
         bind_private(self._sock, self.path)
         self._sock.listen(64)
         self._closed = False
+        #: connections being served, and the bytes of unfinished frames they hold
+        self._connections = 0
+        self._connections_lock = threading.Lock()
+        self._budget = _Budget(MAX_LINK_BUFFERED)
         #: kills by id in progress: the process's exit waits for them (a teardown cut short
         #: by the exit would leave the sandbox to the next gc)
         self._kills = 0
@@ -166,15 +279,39 @@ class OwnerListener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="corral-owner-call", daemon=True).start()
+            with self._connections_lock:
+                full = self._connections >= MAX_LINK_CONNECTIONS
+                if not full:
+                    self._connections += 1
+            if full:
+                _refuse(conn, ResourceLimit(f"the owner serves {MAX_LINK_CONNECTIONS} owner-link calls at once: "
+                                            "try again when some have ended"))
+                continue
+            try:
+                threading.Thread(target=self._serve_counted, args=(conn,), name="corral-owner-call",
+                                 daemon=True).start()
+            except RuntimeError:  # no thread to be had
+                self._served()
+                _refuse(conn, ResourceLimit("the owner cannot start a thread for the call"))
+
+    def _served(self) -> None:
+        with self._connections_lock:
+            self._connections -= 1
+
+    def _serve_counted(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._served()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid not in (0, os.geteuid()):
                 return  # the directory is 0700 already: this is a second lock on the door
-            frames = read_frames(conn)
-            lock = threading.Lock()
+            # a caller that takes nothing for this long is gone: no send waits on it longer
+            _set_socket_timeout(conn, socket.SO_SNDTIMEO, LINK_SEND_STALL)
+            frames = caller_frames(conn, self._budget)
             try:
                 request = next(frames)
                 backend = LIVE.get(str(request.get("id")))
@@ -185,8 +322,8 @@ class OwnerListener:
                     with self._kills_done:
                         self._kills += 1
                 try:
-                    result = serve_call(backend, op, request.get("args") or {}, conn, frames, lock)
-                    send_frame(conn, {"ok": result}, lock)
+                    result = serve_call(backend, op, request.get("args") or {}, conn, frames)
+                    send_frame(conn, {"ok": result})
                 finally:
                     if op == "close":
                         with self._kills_done:
@@ -194,14 +331,27 @@ class OwnerListener:
                             self._kills_done.notify_all()
             except SandboxError as exc:
                 with contextlib.suppress(OSError):
-                    send_frame(conn, {"error": exc.code, "message": str(exc)}, lock)
+                    send_frame(conn, {"error": exc.code, "message": str(exc)})
             except (OSError, StopIteration, ValueError, KeyError, TypeError) as exc:
                 with contextlib.suppress(OSError):
-                    send_frame(conn, {"error": "invalid_spec", "message": f"bad owner-link request: {exc}"}, lock)
+                    send_frame(conn, {"error": "invalid_spec", "message": f"bad owner-link request: {exc}"})
+            finally:
+                with contextlib.suppress(ValueError):  # (still read by a call's control thread: it ends it)
+                    frames.close()  # its share of the budget back now, not when collected
+
+
+def _refuse(conn: socket.socket, exc: SandboxError) -> None:
+    """Answer a connection the owner does not serve with ``exc`` without waiting on it (the answer
+    fits in the socket's buffer, or is dropped), and close it."""
+    with conn:
+        conn.setblocking(False)
+        with contextlib.suppress(OSError):
+            send_frame(conn, {"error": exc.code, "message": str(exc)})
+            conn.shutdown(socket.SHUT_WR)
 
 
 def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socket.socket,
-               frames: Iterator[dict[str, Any]], lock: threading.Lock) -> Any:
+               frames: Iterator[dict[str, Any]]) -> Any:
     """Carry out one call of another process on ``backend``; the answer's ``ok`` value."""
     simple: dict[str, Callable[[], Any]] = {
         "hello": lambda: {"spec": backend.spec.to_dict(), "metadata": backend.metadata},
@@ -237,10 +387,22 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         return backend.run_code(front, args["code"], language=args.get("language"), context=args.get("context"),
                                 timeout=args.get("timeout"), envs=args.get("envs"), callbacks={}).to_dict()
 
-    def forward(stream: str, data: bytes) -> None:
-        with contextlib.suppress(OSError):  # a caller gone: the command goes on, its output is dropped
-            send_frame(conn, {"out": stream, "data": b64(data)}, lock)
+    if op not in ("run", "start", "start_background", "attach"):
+        raise InvalidSpec(f"unknown owner-link call {op!r}")
+    # every frame of a command's call goes out through this, in order, from a thread of its own:
+    # its output comes on the sandbox's agent reader, which must never wait on a caller
+    sender = _Sender(conn, backend.spec.limits.max_output)
+    try:
+        result = _serve_command(backend, op, args, frames, sender)
+    finally:
+        sender.close()  # what is queued goes out (or the caller is given up) before the answer
+    if sender.cut:
+        result["truncated"] = True  # what it streamed was cut (see _Sender)
+    return result
 
+
+def _serve_command(backend: LocalBackend, op: str, args: dict[str, Any], frames: Iterator[dict[str, Any]],
+                   sender: _Sender) -> dict[str, Any]:
     stdin = unb64(args["stdin"]) if args.get("stdin") is not None else None
     if op == "run":
         # the caller sends nothing more on a run: the end of its frames is the caller gone, and
@@ -250,21 +412,19 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         threading.Thread(target=_kill_on_hangup, args=(frames, running, finished), name="corral-owner-hangup",
                          daemon=True).start()
         try:
-            return backend.run(call_of(args["call"]), stdin, forward if args.get("stream") else None,
+            return backend.run(call_of(args["call"]), stdin, sender.output if args.get("stream") else None,
                                running.append).to_dict()
         finally:
             finished.set()
     if op == "start":
-        process: CommandProcess = backend.start(call_of(args["call"]), forward)
+        process: CommandProcess = backend.start(call_of(args["call"]), sender.output)
     elif op == "start_background":
-        process = backend.start_background(call_of(args["call"]), stdin, forward)
-    elif op == "attach":
-        process = backend.command(int(args["pid"]))
+        process = backend.start_background(call_of(args["call"]), stdin, sender.output)
     else:
-        raise InvalidSpec(f"unknown owner-link call {op!r}")
-    send_frame(conn, {"started": process.pid, "stdin_window": STDIN_LINK_WINDOW}, lock)
+        process = backend.command(int(args["pid"]))
+    sender.send({"started": process.pid, "stdin_window": STDIN_LINK_WINDOW})
     done = threading.Event()
-    writer = _StdinWriter(process, lambda frame: send_frame(conn, frame, lock))
+    writer = _StdinWriter(process, sender.send)
     threading.Thread(target=_follow_controls, args=(process, frames, op == "start", done, writer),
                      daemon=True).start()
     try:
@@ -272,6 +432,80 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
     finally:
         done.set()
         writer.stop()
+
+
+class _Sender:
+    """The frames of one command's call to its caller, sent in order by a thread of their own.
+
+    ``output`` is called on the sandbox's agent reader thread, which carries every command's
+    output and file answers: it only queues.  What is queued is bounded as a server's exec stream
+    holds for a client that does not read, ``max_output`` per stream; a caller that falls further
+    behind than that loses the rest of the command's output (``cut``: what is queued still goes,
+    and the result says ``truncated`` -- which it is, that much output being more than is kept).
+    A send that makes no progress for :data:`LINK_SEND_STALL` (the connection's ``SO_SNDTIMEO``)
+    gives the caller up: the connection is shut, which its call takes as the caller's hangup."""
+
+    def __init__(self, conn: socket.socket, room: int) -> None:
+        self._conn = conn
+        self._room = room
+        self._frames: collections.deque[tuple[str, bytes] | dict[str, Any]] = collections.deque()
+        self._queued = {"stdout": 0, "stderr": 0}
+        #: the rest of the output is dropped (the caller fell behind); the caller was given up;
+        #: no more frames come
+        self.cut = False
+        self.gone = False
+        self._closing = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._send_all, name="corral-owner-send", daemon=True)
+        self._thread.start()
+
+    def output(self, stream: str, data: bytes) -> None:
+        with self._changed:
+            if self.cut or self.gone:
+                return
+            if self._queued[stream] and self._queued[stream] + len(data) > self._room:
+                self.cut = True
+                return
+            self._queued[stream] += len(data)
+            self._frames.append((stream, data))
+            self._changed.notify_all()
+
+    def send(self, frame: dict[str, Any]) -> None:
+        with self._changed:
+            if not self.gone:
+                self._frames.append(frame)
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Wait until everything queued is sent, or the caller is given up."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+        self._thread.join()
+
+    def _send_all(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._closing or bool(self._frames))
+                if not self._frames:
+                    return
+                item = self._frames.popleft()
+            try:
+                if isinstance(item, dict):
+                    send_frame(self._conn, item)
+                else:
+                    send_frame(self._conn, {"out": item[0], "data": b64(item[1])})
+            except OSError:  # gone, or taking nothing for LINK_SEND_STALL: its call ends as at a hangup
+                with self._changed:
+                    self.gone = True
+                    self._frames.clear()
+                with contextlib.suppress(OSError):
+                    self._conn.shutdown(socket.SHUT_RDWR)
+                return
+            finally:
+                if isinstance(item, tuple):
+                    with self._changed:
+                        self._queued[item[0]] -= len(item[1])
 
 
 class _StdinWriter:

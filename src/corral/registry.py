@@ -23,6 +23,7 @@ from typing import Any
 from .errors import HostNotSupported
 from .host import cgroups, grace
 from .host.procs import named_process_lives, process_start_time
+from .host.sockets import staging_of_dead_processes
 from .host.uids import release_ranges_of_dead_processes, release_uid
 
 DEFAULT_STATE_DIR = Path("/var/lib/corral")
@@ -255,6 +256,8 @@ def gc(root: Path) -> list[str]:
                 shutil.rmtree(run_dir, ignore_errors=True)
     for entry in _of_dead_processes(root / "owners"):  # owner-link sockets (corral.owner_link)
         entry.unlink(missing_ok=True)
+    for staging in staging_of_dead_processes(root / "owners"):  # one killed as it bound its socket
+        shutil.rmtree(staging, ignore_errors=True)
     if any(_of_dead_processes(root / "wasm-spares")):
         # a killed owner's pre-started wasm guests (tmpfs, uid); the wasm tier's import costs
         # ~40 ms, so only when there is one: this runs on every process's first create

@@ -9,8 +9,36 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from .procs import named_process_lives, process_start_time
+
+#: the staging directories of :func:`bind_private`
+STAGING_PREFIX = ".bind-"
+#: a staging directory not named for a process (made before they were) is left this long
+STAGING_OF_UNKNOWN_FORM_KEPT = 60.0
+
+
+def staging_of_dead_processes(directory: Path) -> list[Path]:
+    """The staging directories :func:`bind_private` left in ``directory`` whose process is gone
+    (and those of no process's name, made before they had one, once old)."""
+    try:
+        entries = [entry for entry in directory.iterdir() if entry.name.startswith(STAGING_PREFIX)]
+    except OSError:
+        return []
+    gone = []
+    for entry in entries:
+        lives = named_process_lives(entry.name.removeprefix(STAGING_PREFIX).split("-", 1)[0])
+        if lives is None:
+            try:
+                lives = time.time() - entry.lstat().st_mtime < STAGING_OF_UNKNOWN_FORM_KEPT
+            except OSError:
+                continue
+        if not lives:
+            gone.append(entry)
+    return gone
 
 
 def bind_private(sock: socket.socket, path: Path) -> None:
@@ -19,8 +47,13 @@ def bind_private(sock: socket.socket, path: Path) -> None:
     The socket is bound in a fresh 0700 directory beside ``path``, made 0600 and linked into
     place (a link, not a rename: like ``bind``, it fails with EADDRINUSE if ``path`` exists).  A temporary ``umask(0o177)`` around ``bind`` would do the same in one thread, but the
     umask is the process's: a sandbox being built meanwhile in another thread got 0600
-    directories (its ``/usr`` and ``/workspace`` mount points), and nothing ran in it."""
-    private = Path(tempfile.mkdtemp(dir=path.parent, prefix=".bind-"))
+    directories (its ``/usr`` and ``/workspace`` mount points), and nothing ran in it.
+
+    The directory is named for this process (``.bind-PID.START-...``, :data:`STAGING_PREFIX`):
+    a process killed in between leaves it, and ``gc`` removes those of processes that are gone
+    (:func:`staging_of_dead_processes`)."""
+    pid = os.getpid()
+    private = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{STAGING_PREFIX}{pid}.{process_start_time(pid) or 0}-"))
     staged = private / "s"
     try:
         # bound through the directory's descriptor: a socket's path has room for 107 bytes, and the
