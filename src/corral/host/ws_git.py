@@ -21,8 +21,6 @@ GIT_RUNS = frozenset({"config", "config.worktree", "commondir", "gitdir"})
 #: there, and ``objects/`` and ``refs/`` there or in its ``commondir``), whatever its name
 HEAD = "HEAD"
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
 
 def host_keeps(rel: str, kind: str) -> bool:
     """True for what write-back leaves as the host has it: a git directory's configuration and
@@ -64,12 +62,13 @@ def _git_dir_of(key: tuple[str, str], kind: str) -> tuple[str, bool] | None:
 def _host_has(dst_root: int, dir_path: str, names: tuple[str, ...]) -> bool:
     """Whether the host's directory ``dir_path`` (below ``dst_root``, opened a component at a time
     without following links, and without making anything) holds one of ``names``."""
-    fd = os.dup(dst_root)
+    from .workspace import _open_dir_beneath  # (workspace imports this module for its walk)
+
     try:
-        for part in dir_path.split("/") if dir_path else []:
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
+        fd = _open_dir_beneath(dst_root, dir_path.split("/") if dir_path else [], False, -1, -1)
+    except OSError:  # no such directory on the host (yet): nothing of it there
+        return False
+    try:
         for name in names:
             try:
                 os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -77,7 +76,7 @@ def _host_has(dst_root: int, dir_path: str, names: tuple[str, ...]) -> bool:
             except FileNotFoundError:
                 continue
         return False
-    except OSError:  # no such directory on the host (yet): nothing of it there
+    except OSError:
         return False
     finally:
         os.close(fd)
