@@ -93,8 +93,6 @@ class Session:
 
     def __init__(self, sessions: Sessions | None = None) -> None:
         self.sandboxes: dict[str, Any] = {}
-        #: each held sandbox's memory limit, for the server's --max-total-memory
-        self.memory: dict[str, int] = {}
         #: sandboxes being made for this session, and their memory limits: counted like the ones it holds
         self.pending = 0
         self.pending_memory = 0
@@ -144,13 +142,12 @@ class Session:
             self.pending -= count
             self.pending_memory -= count * memory_each
 
-    async def _keep(self, made: list[Any], memory_each: int) -> None:
+    async def _keep(self, made: list[Any]) -> None:
         """Hold sandboxes just made, unless the session ended while they were being made: then they
         are destroyed here (they lived on until the MCP server stopped)."""
         with self._lock:
             if not self.closed:
                 self.sandboxes.update((sb.id, sb) for sb in made)
-                self.memory.update((sb.id, memory_each) for sb in made)
                 return
         for sb in made:
             await self.run(sb.kill)
@@ -158,10 +155,10 @@ class Session:
 
     async def fork(self, sandbox_id: str, count: int) -> list[Any]:
         parent = self.get(sandbox_id)
-        memory_each = self.memory[sandbox_id]  # a fork has its parent's limits
-        with self._room_for(check_fork_count(count), memory_each):
+        # a fork has its parent's limits
+        with self._room_for(check_fork_count(count), parent.spec.limits.memory):
             forks: list[Any] = await self.run(parent.fork, count)
-            await self._keep(forks, memory_each)
+            await self._keep(forks)
         return forks
 
     async def create(self, **kwargs: Any) -> Any:
@@ -172,26 +169,23 @@ class Session:
                 sb: Any = await self.run(Sandbox.create, **kwargs)
             else:
                 sb = await self.run(Sandbox.create, spec)
-            await self._keep([sb], spec.limits.memory)
+            await self._keep([sb])
         return sb
 
     async def destroy(self, sandbox_id: str) -> None:
         sb = self.sandboxes.pop(sandbox_id, None)
         if sb is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} in this session")
-        try:
-            await self.run(sb.kill)
-        finally:
-            self.memory.pop(sandbox_id, None)
+        await self.run(sb.kill)
 
     def memory_held(self) -> int:
-        return sum(self.memory.values()) + self.pending_memory
+        """The memory limits of this session's sandboxes, held and being made, summed."""
+        return sum(int(sb.spec.limits.memory) for sb in list(self.sandboxes.values())) + self.pending_memory
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
             held, self.sandboxes = list(self.sandboxes.values()), {}
-            self.memory = {}
         for sb in held:
             sb.kill()
 
