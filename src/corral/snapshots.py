@@ -265,9 +265,10 @@ class SnapshotStore:
                 continue
         return sorted(found, key=lambda s: s.created)
 
-    def bytes_of(self, tenant: str | None) -> int:
-        """What the tenant's snapshots take, the states of its sandboxes paused to disk included."""
-        return sum(s.size for s in (*self.list(tenant), *self.list(tenant, parked=True)))
+    def held_by(self, tenant: str | None) -> tuple[Snapshot, ...]:
+        """What counts as the tenant's snapshots: its own, and the states of its sandboxes paused
+        to disk (a server's quota counts them and sums their sizes)."""
+        return (*self.list(tenant), *self.list(tenant, parked=True))
 
     def delete(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> bool:
         """Remove a snapshot; False if there is none (of this tenant).  A corrupted one goes too."""

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..errors import ResourceLimit
-from ..snapshots import Snapshot, SnapshotStore
+from ..snapshots import SnapshotStore
 from ..spec import format_size
 
 
@@ -66,7 +66,7 @@ class Reservation:
         if size <= self.held:
             return True
         with self._flight.changed:
-            others = sum(s.size for s in self._quota.stored(self.store, self.tenant) if s.id != stored)
+            others = sum(s.size for s in self.store.held_by(self.tenant) if s.id != stored)
             self.left = self._quota.max_bytes - others - (self._flight.held - self.held)
             if size > self.left:
                 return False
@@ -83,11 +83,6 @@ class SnapshotQuota:
         self.max_bytes = max_bytes
         self._tenants: dict[str, _InFlight] = {}
         self._lock = threading.Lock()
-
-    @staticmethod
-    def stored(store: SnapshotStore, tenant: str) -> list[Snapshot]:
-        """The tenant's snapshots in the store, the states of its sandboxes paused to disk included."""
-        return [*store.list(tenant), *store.list(tenant, parked=True)]
 
     def _flight(self, tenant: str) -> _InFlight:
         with self._lock:
@@ -115,7 +110,7 @@ class SnapshotQuota:
 
     def _reserve(self, store: SnapshotStore, tenant: str, flight: _InFlight, at_most: int, kept: bool) -> int:
         while True:
-            stored = self.stored(store, tenant)
+            stored = store.held_by(tenant)
             count = len(stored) + flight.kept
             if kept and count >= self.max_count:
                 raise ResourceLimit(f"quota: tenant {tenant!r} holds {count} snapshots"
