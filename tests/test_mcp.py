@@ -516,3 +516,16 @@ def test_the_model_gets_sandboxes_only_within_the_operators_bounds(state_dir: Pa
 
     asyncio.run(defaults())
     asyncio.run(operators())
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--max-memory", "12Q"], "--max-memory"), (["--max-total-memory", "-1"], "--max-total-memory"),
+    (["--max-cpus", "0"], "--max-cpus"), (["--max-timeout", "nan"], "--max-timeout"),
+    (["--allow", "not a host!"], "allow 'not a host!'")])
+def test_bad_operator_bounds_stop_corral_mcp_before_it_serves(state_dir: Path, flags: list[str], said: str) -> None:
+    """Each bound `corral mcp` is given is checked before it serves anything: a typed error
+    naming the flag, exit 125, nothing read from stdin."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CORRAL_URL", "CORRAL_API_KEY")}
+    out = subprocess.run([CORRAL, "--state-dir", str(state_dir / "mcp-bad-flags"), "mcp", *flags],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 125 and said in out.stderr, out

@@ -327,6 +327,10 @@ def test_cli_cp_from_a_sandbox_writes_only_below_its_destination(server: ServerP
     assert not marker.exists(), "the host's git ran what the sandbox wrote"
     assert corral("cp", f"{sid}:report.txt", str(dl)).returncode == 0
     assert os.listdir(victim) == [] and (dl / "report.txt").read_text() == "report\n"
+    (tmp_path / "clash" / "out" / ".bashrc").mkdir(parents=True)  # a host directory where the sandbox has a file
+    clashed = corral("cp", f"{sid}:out", str(tmp_path / "clash"))
+    assert clashed.returncode == 125 and "'.bashrc' is a directory on the host" in clashed.stderr, clashed
+    assert [p.name for p in (tmp_path / "clash" / "out").iterdir() if p.name.startswith(".corral")] == []
     amplified = corral("cp", f"{sid}:/tmp/amp", str(tmp_path / "amp"))
     assert amplified.returncode != 0 and "disk limit" in amplified.stderr, amplified
     written = sum(f.stat().st_size for f in (tmp_path / "amp").iterdir())
