@@ -124,6 +124,14 @@ def _check_task_limit(spec: SandboxSpec) -> None:
                             "that, or raise the owner's limit (ulimit -u, prlimit --nproc)")
 
 
+#: finished commands' leaves not removed at once (a leaf whose killed processes are still exiting;
+#: a command run in a spare, whose leaf waited for the next spare's placement) are tried again on
+#: the placer thread this often, this many times, then at the next command (a full run once found
+#: 4 of 40 timed-out commands' leaves left 5 s after them; under load 7 stayed until a command)
+LEAF_RETRY_INTERVAL = 0.2
+LEAF_RETRIES = 10
+
+
 class ProcessSandbox(LinuxSandbox):
     _filesystem_snapshots = True
 
@@ -133,6 +141,8 @@ class ProcessSandbox(LinuxSandbox):
         self._tier = tier
         self._exec_count = 0
         self._leaves: list[Path] = []
+        #: a timer that tries the finished leaves again is pending (see LEAF_RETRIES)
+        self._leaf_retry = False
         self._agent_pid: int | None = None
         #: (pid inside, pid on the host, leaf) of the agent's spare once it sits in a leaf of its own
         self._spare: tuple[int, int, Path] | None = None
@@ -429,10 +439,12 @@ class ProcessSandbox(LinuxSandbox):
 
         return channel.start(request, on_output, place, lambda: cgroup.kill_leaf(leaf), finish, spare)
 
-    def _retire_leaf(self, leaf: Path | None, remove: bool = True) -> None:
+    def _retire_leaf(self, leaf: Path | None, remove: bool = True, retries: int = LEAF_RETRIES) -> None:
         """``leaf``'s command is over: remove it, and every earlier finished leaf, once empty
-        (background processes keep a leaf until they end or the sandbox is destroyed).  With
-        ``remove`` False it only joins the finished ones, for the next removal (or destroy)."""
+        (background processes keep a leaf until they end or the sandbox is destroyed); what is
+        not empty yet is tried again ``retries`` times, :data:`LEAF_RETRY_INTERVAL` apart, then at
+        the next command.  With ``remove`` False it only joins the finished ones, for the next
+        removal: the next spare's placement, or the first try (both on the placer thread)."""
         cgroup = self.cgroup
         if cgroup is None:
             return
@@ -441,6 +453,18 @@ class ProcessSandbox(LinuxSandbox):
                 self._leaves.append(leaf)
             if remove:
                 self._leaves = [old for old in self._leaves if not cgroup.remove_leaf(old)]
+            again = bool(self._leaves) and retries > 0 and not self._leaf_retry
+            self._leaf_retry = self._leaf_retry or again
+        if again:
+            # what is left waited for the next command (or the sandbox's end): a leaf whose killed
+            # processes were still exiting, and, off the command's path, those of commands run in a
+            # spare that finished after the next spare's placement had removed the finished ones
+            PLACER.schedule(lambda: self._retry_leaves(retries - 1), LEAF_RETRY_INTERVAL)
+
+    def _retry_leaves(self, retries: int) -> None:
+        with self._lock:
+            self._leaf_retry = False
+        self._retire_leaf(None, retries=retries)
 
     # -- lifecycle ---------------------------------------------------------
     def reap_record(self) -> dict[str, Any]:
