@@ -56,7 +56,7 @@ def test_a_command_nobody_waits_for_still_ends_at_its_timeout() -> None:
         forgotten = [sb.commands.start("sleep 1000", timeout=0.5) for _ in range(40)]
         assert wait_until(lambda: all(h.done for h in forgotten), 10)
         assert sleeps_inside(sb) == 0
-        assert wait_until(lambda: kill_tree_leaves(sb) <= leaves_before + 2, 5), kill_tree_leaves(sb)
+        assert wait_until(lambda: kill_tree_leaves(sb) <= leaves_before + 1, 5), kill_tree_leaves(sb)  # (+1: the next spare's)
         assert sb.commands.run("echo alive").stdout == "alive\n"
         # and the thread that waited for each is gone with it
         assert wait_until(lambda: not [t for t in threading.enumerate()
