@@ -403,3 +403,45 @@ def test_a_killed_owners_workspace_overlay_is_reaped_and_the_host_directory_kept
     # what was written back stays; the host directory is otherwise as it was
     assert tree(ws)["edit.txt"] == "changed\n" and tree(ws)["keep.txt.swp"] == "lost\n"
     assert tree(ws)["keep.txt"] == "keep" and tree(ws)["old/a.txt"] == "a"
+
+
+def test_a_group_the_upper_layer_says_is_written_back_only_where_the_host_has_it(tmp_path: Path) -> None:
+    """The upper layer's group of an entry was written back whenever it was one of the mapped host
+    groups: on gVisor a directory raced into place came back owned by ``4321:0`` (root's group,
+    which none of the owner's entries had).  Now the source's group is kept only where the host
+    has it there already: the entry replaced has it, or the host directory is setgid with it."""
+    from corral.host.workspace import _copy_entry
+    from corral.host.ws_overlay import HostGroups
+
+    src, dst = tmp_path / "upper", owned_workspace(tmp_path)
+    src.mkdir()
+    (dst / "kept").write_text("old")
+    os.chown(dst / "kept", OWNER[0], SHARED_GID)
+    (dst / "setgid").mkdir()
+    os.chown(dst / "setgid", OWNER[0], SHARED_GID)
+    os.chmod(dst / "setgid", 0o2775)
+    (src / "setgid").mkdir()
+    for rel, gid in (("kept", SHARED_GID), ("rooted", 0), ("raced", 0), ("setgid/made", SHARED_GID),
+                     ("setgid/rooted", 0)):
+        if rel == "raced":
+            (src / rel).mkdir()
+        else:
+            (src / rel).write_text("new")
+        os.chown(src / rel, 0, gid)
+    groups = HostGroups(OWNER[1], 1_500_000_000)
+    assert 0 in groups and SHARED_GID in groups
+    dst_root = os.open(dst, os.O_RDONLY)
+    for rel in ("kept", "rooted", "raced", "setgid/made", "setgid/rooted"):
+        parent = rel.rpartition("/")[0]
+        src_dir, dst_dir = os.open(src / parent, os.O_RDONLY), os.open(dst / parent, os.O_RDONLY)
+        try:
+            kind = "d" if (src / rel).is_dir() else "f"
+            _copy_entry(src_dir, dst_dir, dst_root, rel, kind, 0o755 if kind == "d" else 0o644,
+                        *OWNER, inside_links_only=True, groups=groups)
+        finally:
+            os.close(src_dir)
+            os.close(dst_dir)
+    os.close(dst_root)
+    groups_of = {rel: os.lstat(dst / rel).st_gid for rel in ("kept", "rooted", "raced", "setgid/made", "setgid/rooted")}
+    assert groups_of == {"kept": SHARED_GID, "rooted": OWNER[1], "raced": OWNER[1], "setgid/made": SHARED_GID,
+                         "setgid/rooted": OWNER[1]}, groups_of

@@ -383,11 +383,22 @@ def _link_to_copied(dst_root: int, dst_dir: int, tmp: str, earlier: tuple[str, i
 WRITE_BACK_DROPS = stat.S_IWOTH
 
 
-def write_back_group(source_gid: int, gid: int, groups: Container[int] | None) -> int:
-    """The group a copy gets: the source's if it is one of ``groups`` (a workspace overlay's
-    :class:`.ws_overlay.HostGroups`: host groups only the host directory's entries bring into
-    the upper layer), else ``gid`` (the host directory's)."""
-    return source_gid if groups is not None and source_gid in groups else gid
+def write_back_group(source_gid: int, gid: int, groups: Container[int] | None, dst_dir: int, name: str) -> int:
+    """The group the copy ``name`` in ``dst_dir`` gets: the source's if it is one of ``groups`` (a
+    workspace overlay's :class:`.ws_overlay.HostGroups`) and the host has it there already -- the
+    host entry it replaces has it (a file changed in place), or the host directory is set-group-id
+    with it (made in a setgid project directory) -- else ``gid`` (the host directory's).  Not the
+    source's group alone: on gVisor a directory raced into place came back with group 0 (a full run
+    found ``ws/d`` owned by ``4321:0``)."""
+    if groups is None or source_gid not in groups:
+        return gid
+    try:
+        if os.stat(name, dir_fd=dst_dir, follow_symlinks=False).st_gid == source_gid:
+            return source_gid
+    except FileNotFoundError:
+        pass
+    parent = os.fstat(dst_dir)
+    return source_gid if parent.st_mode & stat.S_ISGID and parent.st_gid == source_gid else gid
 
 
 def _copy_entry(
@@ -408,7 +419,8 @@ def _copy_entry(
         try:
             dst_st = os.fstat(fd)
             if groups is not None:
-                group = write_back_group(os.stat(name, dir_fd=src_dir, follow_symlinks=False).st_gid, gid, groups)
+                group = write_back_group(os.stat(name, dir_fd=src_dir, follow_symlinks=False).st_gid, gid, groups,
+                                         dst_dir, name)
                 if group != gid and group != dst_st.st_gid:
                     os.fchown(fd, -1, group)  # (a directory's group stays as it is, but for one of ``groups``)
             # its mode too: a 0700 directory made 0755 on the host let every host user read it; the
@@ -465,7 +477,7 @@ def _make_temporary(
             dst, anonymous = _new_file(dst_dir, tmp)
             try:
                 _copy_data(src, dst, st.st_size, budget)
-                os.fchown(dst, uid, write_back_group(st.st_gid, gid, groups))
+                os.fchown(dst, uid, write_back_group(st.st_gid, gid, groups, dst_dir, name))
                 os.fchmod(dst, mode & 0o777)
                 if anonymous:  # whole and the user's now: only then does it get a name
                     os.link(f"/proc/self/fd/{dst}", tmp, dst_dir_fd=dst_dir, follow_symlinks=True)

@@ -37,10 +37,12 @@ Write-back (:meth:`WorkspaceOverlay.sync_back`) finds what changed in the upper 
 previous write-back, and applies it with the rules of :mod:`.workspace` (directory descriptors
 opened with ``O_NOFOLLOW`` on both sides; files owned by the host directory's owner; only
 symlinks that stay inside the workspace).  A file or directory whose group in the upper layer
-is one of :class:`HostGroups` keeps that group on the host, every other entry gets the
-directory's: only the host directory's own entries bring such a group into the upper layer (a
-copy-up keeps it; a setgid directory's copy passes it to what is made in it), so write-back
-never writes a group that none of the owner's entries in the directory had.  To find it, it looks only where a change watch of the
+is one of :class:`HostGroups` keeps that group on the host where the host has it there already
+(the host entry it replaces has it: a copy-up keeps it; or its host directory is setgid with it:
+a setgid directory's copy passes it to what is made in it), every other entry gets the
+directory's (:func:`.workspace.write_back_group`), so write-back never writes a group that none of
+the owner's entries in the directory had, whatever the upper layer says (on gVisor a directory
+raced into place there with group 0).  To find it, it looks only where a change watch of the
 sandbox's disk (:mod:`.fsnotify`, made before the sandbox runs anything) saw a change, and
 compares what it finds there with the previous write-back's manifest (:mod:`.ws_changes`): its
 cost follows what changed since the previous write-back, not what the sandbox made before.  It
