@@ -541,6 +541,39 @@ def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(
     assert (tmp_path / "proj" / "src" / "f").read_text() == "ok\n"
 
 
+def test_a_workspace_never_shows_a_users_keys_or_home(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--workspace ~` was taken for any user but root: the sandbox read ``~/.ssh/id_rsa`` (the
+    brief's own example of what a prompt injection steals), and rw wrote back into
+    ``~/.ssh/authorized_keys`` and ``~/.bashrc`` (a login, code at the user's next shell).  A
+    home directory, a directory holding one, a credential store and a directory holding ``.ssh`` or
+    ``.gnupg`` are refused before anything is made; a project inside the home works."""
+    from corral.errors import InvalidSpec
+
+    home = tmp_path / "home" / "alice"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_rsa").write_text("KEY\n")
+    (home / ".aws" / "sso").mkdir(parents=True)
+    (tmp_path / "keys" / ".gnupg").mkdir(parents=True)
+    (home / "proj").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    before = cgroups.list_sandbox_groups()
+    for bad, said in ((home, "home directory"), (tmp_path / "home", "home directory"),
+                      (home / ".ssh", "credential store"), (home / ".aws" / "sso", "credential store"),
+                      (tmp_path / "keys", "holds .gnupg")):
+        with pytest.raises(InvalidSpec, match=said):
+            Sandbox.create(workspace=str(bad))
+        with pytest.raises(InvalidSpec, match=said):
+            Sandbox.create(workspace=f"{bad}:ro")
+    with pytest.raises(InvalidSpec, match="home directory"):
+        Sandbox.create(workspace="~")
+    assert cgroups.list_sandbox_groups() == before
+    with Sandbox.create(workspace="~/proj") as sb:
+        assert sb.commands.run("echo ok > /workspace/f && cat /workspace/f").stdout == "ok\n"
+        assert sb.commands.run("cat /workspace/../.ssh/id_rsa").exit_code != 0
+    assert (home / "proj" / "f").read_text() == "ok\n"
+
+
 def test_directory_modes_are_written_back(tmp_path: Path) -> None:
     """A directory the sandbox makes private stays private on the host: write-back made every
     directory 0755, so another host user read ``private/id_rsa``.  Set-group-id is not kept

@@ -164,6 +164,40 @@ def _parse_float(value: float | str, what: str) -> float:
 SYSTEM_TREES = tuple(Path(p) for p in ("/proc", "/sys", "/dev", "/boot", "/etc", "/run", "/usr", "/bin", "/sbin",
                                        "/lib", "/lib32", "/lib64", "/libx32"))
 HOLDERS = frozenset(Path(p) for p in ("/", "/home", "/root", "/var", "/var/lib", "/srv", "/opt", "/tmp", "/mnt", "/media"))
+#: a user's keys: no workspace lies in one or holds one directly (a prompt injection reads
+#: ``~/.ssh/id_rsa``; rw write-back into ``~/.ssh/authorized_keys`` or ``~/.bashrc`` is a login
+#: or code on the host as that user); the project is a directory of its own
+CREDENTIAL_STORES = frozenset((".ssh", ".gnupg", ".aws", ".azure", ".kube", ".password-store"))
+#: of those, what a directory holding one is refused for (the others are also project folders' names)
+HELD_CREDENTIAL_STORES = (".ssh", ".gnupg")
+#: login users' uids start here (Debian's ``UID_MIN``); below it are system accounts, whose homes
+#: are service trees (``/var/www``, ``/var/lib/postgresql``)
+FIRST_LOGIN_UID = 1000
+
+
+def login_homes() -> set[Path]:
+    """Home directories of root, of login users (``/etc/passwd``) and of this process (``HOME``)."""
+    import pwd
+
+    homes = {Path(entry.pw_dir) for entry in pwd.getpwall()
+             if (entry.pw_uid == 0 or FIRST_LOGIN_UID <= entry.pw_uid < 65534) and entry.pw_dir.startswith("/")}
+    home = os.environ.get("HOME", "")
+    if home.startswith("/"):
+        homes.add(Path(home))
+    return {Path(os.path.realpath(h)) for h in homes}
+
+
+def _credentials_at(path: Path) -> str | None:
+    """Why ``path`` would show a sandbox a user's keys, or None."""
+    if CREDENTIAL_STORES & set(path.parts):
+        return "it lies in a user's credential store"
+    home = next((h for h in login_homes() if h == path or h.is_relative_to(path)), None)
+    if home is not None:
+        return f"it is or holds the home directory {home} (keys, shell start-up files)"
+    held = [name for name in HELD_CREDENTIAL_STORES if os.path.lexists(path / name)]
+    if held:
+        return f"it holds {held[0]} (a user's keys)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -191,6 +225,10 @@ class Workspace:
             raise InvalidSpec(f"workspace {_shown(str(self.path))}: the host's system or every user's files, not a "
                               "project (the sandbox would read them as their owner, and rw writes back into them); "
                               "give the project's own directory")
+        why = _credentials_at(self.path)
+        if why is not None:
+            raise InvalidSpec(f"workspace {_shown(str(self.path))}: {why}; the sandbox would read them, and rw "
+                              "writes back into them: give the project's own directory")
 
     @classmethod
     def parse(cls, text: str) -> Workspace:
