@@ -495,3 +495,56 @@ def test_metrics_are_read_only_by_the_tenants_listed(server: ServerProcess) -> N
         assert alice.get("/metrics").status_code == 200 and "corral_execs_total" in alice.get("/metrics").text
         refused = bob.get("/metrics")
         assert refused.status_code == 403 and refused.json()["error"] == "forbidden", refused.text
+
+
+def test_tenants_reach_only_what_the_operator_allows(state_dir: Path) -> None:
+    """A tenant chose its sandboxes' reach freely (any public address, ``network="open"``): an
+    operator had no say where its hosts' sandboxes send what they hold.  ``corral serve --allow``
+    bounds it (a tenant's ``allow`` within, ``open`` refused) and ``--no-network`` takes it away;
+    without either, public destinations stay the tenant's choice."""
+    import subprocess
+
+    from .server_fixtures import CORRAL
+
+    args = ("--allow", "*.example.test", "--allow", "203.0.113.0/24:443")
+    with ServerProcess(state_dir / "srv-allow", *args, keys=KEYS) as srv, srv.client("alice") as http:
+        for asked in (["api.example.test"], ["*.cdn.example.test", "203.0.113.7:443"], ["203.0.113.0/28:443"]):
+            made = http.post("/v1/sandboxes", json={"limits": {"memory": "64M"}, "network": "allow", "allow": asked})
+            assert made.status_code == 201, (asked, made.text)
+            assert http.delete(f"/v1/sandboxes/{made.json()['id']}").status_code == 204
+        for body in ({"network": "allow", "allow": ["evil.test"]}, {"network": "allow", "allow": ["example.test"]},
+                     {"network": "allow", "allow": ["203.0.113.7"]}, {"network": "allow", "allow": ["203.0.0.0/16:443"]},
+                     {"network": "allow", "allow": ["api.example.test", "0.0.0.0/0"]}, {"network": "open"}):
+            refused = http.post("/v1/sandboxes", json={"limits": {"memory": "64M"}, **body})
+            assert refused.status_code == 400 and "corral serve --allow" in refused.json()["message"], (body, refused.text)
+        assert http.get("/v1/sandboxes").json()["sandboxes"] == []
+    with ServerProcess(state_dir / "srv-nonet", "--no-network", keys=KEYS) as srv, srv.client("alice") as http:
+        refused = http.post("/v1/sandboxes", json={"network": "allow", "allow": ["example.com"]})
+        assert refused.status_code == 400 and "none" in refused.json()["message"], refused.text
+        made = http.post("/v1/sandboxes", json={"limits": {"memory": "64M"}})
+        assert made.status_code == 201 and http.delete(f"/v1/sandboxes/{made.json()['id']}").status_code == 204
+    for bad in (["--allow", "not a host!"], ["--allow", "x.test", "--no-network"]):
+        run = subprocess.run([CORRAL, "--state-dir", str(state_dir / "srv-badallow"), "serve", "--port", "0", *bad],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode != 0 and "allow" in run.stderr, (bad, run.stderr)
+
+
+def test_serve_on_port_0_listens_on_a_free_port_and_says_which(state_dir: Path) -> None:
+    """`corral serve --port 0` said "0 picks a free one" and refused 0; now it binds one and prints it."""
+    import re
+    import signal
+    import subprocess
+
+    from .server_fixtures import CORRAL
+
+    proc = subprocess.Popen([CORRAL, "--state-dir", str(state_dir / "srv-port0"), "serve", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        found = re.search(r"serving on http://127\.0\.0\.1:(\d+) ", line)
+        assert found and int(found.group(1)) > 0, line
+        assert httpx.get(f"http://127.0.0.1:{found.group(1)}/healthz", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -46,20 +46,6 @@ def default_total_memory() -> int:
     return min(16 * GiB, host_memory() // 2 // MiB * MiB)
 
 
-def covers(operator: AllowRule, asked: AllowRule) -> bool:
-    """Whether every destination ``asked`` allows is one ``operator`` allows too."""
-    if operator.port is not None and operator.port != asked.port:
-        return False
-    if asked.network is not None:
-        return (operator.network is not None and asked.network.version == operator.network.version
-                and asked.network.subnet_of(operator.network))  # type: ignore[arg-type]
-    if operator.suffix is not None:  # ".example.com" covers "a.example.com" and "*.a.example.com"
-        name = asked.host if asked.host is not None else asked.suffix
-        return name is not None and name.endswith(operator.suffix) and (
-            asked.host is None or len(name) > len(operator.suffix))
-    return asked.host is not None and asked.host == operator.host
-
-
 @dataclass(frozen=True)
 class McpLimits:
     """The operator's bounds on what the model asks for (module docstring)."""
@@ -102,7 +88,7 @@ class McpLimits:
         self.check_timeout(limits.timeout)
         for text in spec.allow:
             asked = AllowRule.parse(text)
-            if not any(covers(operator, asked) for operator in self.allow):
+            if not any(operator.covers(asked) for operator in self.allow):
                 offered = ", ".join(rule.text for rule in self.allow) or "none"
                 raise InvalidSpec(f"allow {text!r}: this MCP server's sandboxes may reach only what its operator "
                                   f"listed with corral mcp --allow ({offered})")

@@ -126,6 +126,20 @@ class AllowRule:
             return cls(text, suffix=body[1:].rstrip("."), port=port)
         return cls(text, host=body.rstrip("."), port=port)
 
+    def covers(self, asked: AllowRule) -> bool:
+        """Whether every destination ``asked`` allows is one this rule allows too (an operator's
+        bound on what a tenant or a model may ask for)."""
+        if self.port is not None and self.port != asked.port:
+            return False
+        if asked.network is not None:
+            return (self.network is not None and asked.network.version == self.network.version
+                    and asked.network.subnet_of(self.network))  # type: ignore[arg-type]
+        if self.suffix is not None:  # ".example.com" covers "a.example.com" and "*.a.example.com"
+            name = asked.host if asked.host is not None else asked.suffix
+            return name is not None and name.endswith(self.suffix) and (
+                asked.host is None or len(name) > len(self.suffix))
+        return asked.host is not None and asked.host == self.host
+
     def matches_name(self, name: str, port: int) -> bool:
         if self.port is not None and self.port != port:
             return False

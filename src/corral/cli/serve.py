@@ -30,6 +30,10 @@ def register(sub: Any) -> None:
     parser.add_argument("--local-user", action="append", default=[], metavar="USER",
                         help="without API keys: a user of this host (name or uid) served besides this "
                              "process's user and root (repeatable)")
+    parser.add_argument("--allow", action="append", default=None, metavar="DEST",
+                        help="a destination tenants' sandboxes may be given (HOST, *.DOMAIN, IP, CIDR, optional "
+                             ":PORT; repeatable): their allow must lie within these (default: any public one)")
+    parser.add_argument("--no-network", action="store_true", help="tenants' sandboxes get no network at all")
     parser.add_argument("--log-level", default="warning")
     parser.set_defaults(handler=handle)
 
@@ -49,6 +53,7 @@ def parse_pool(text: str) -> dict[str, Any]:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from ..errors import InvalidSpec
     from ..server import ServerConfig, serve
 
     config = ServerConfig.load(
@@ -57,15 +62,22 @@ def handle(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout, max_lifetime=args.max_lifetime,
         max_concurrent_execs=args.max_concurrent_execs, max_connections=args.max_connections,
         state_dir=args.state_dir, cluster=args.cluster, local_users=args.local_user or None,
+        allow=[] if args.no_network else args.allow,
     )
+    if args.no_network and args.allow:
+        raise InvalidSpec("--no-network and --allow: give one of them")
     if args.pool:
         config.pools = [*config.pools, *(parse_pool(p) for p in args.pool)]
     if config.cluster is not None:  # join now, in the main thread, and fail before listening if it cannot
         from ..cluster.transport import ClusterTransport
 
         ClusterTransport.shared(config.cluster)
-    print(f"corral: serving on http://{config.host}:{config.port} "
-          f"({'API keys required' if config.auth_required else 'no API keys: loopback, this user and root only'})"
-          + (f", sandboxes on the Ray cluster {config.cluster}" if config.cluster else ""), file=sys.stderr)
-    serve(config, args.log_level)
+    def announce(port: int) -> None:
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        print(f"corral: serving on http://{host}:{port} "
+              f"({'API keys required' if config.auth_required else 'no API keys: loopback, this user and root only'})"
+              + (f", sandboxes on the Ray cluster {config.cluster}" if config.cluster else ""), file=sys.stderr,
+              flush=True)
+
+    serve(config, args.log_level, announce)
     return 0

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..errors import InvalidSpec
 from .config import ServerConfig
 
 
-def serve(config: ServerConfig, log_level: str = "warning") -> None:
-    """Run the server in the foreground until SIGINT/SIGTERM; every sandbox is destroyed on the way out."""
+def serve(config: ServerConfig, log_level: str = "warning",
+          announce: Callable[[int], None] | None = None) -> None:
+    """Run the server in the foreground until SIGINT/SIGTERM; every sandbox is destroyed on the way out.
+
+    The listening socket is bound first and ``announce`` is told its port (``port=0`` picks a free
+    one), before the app is built: a port in use fails at once, nothing made."""
+    import socket
+
     import uvicorn
 
     from ..host.procs import raise_open_files_limit
@@ -17,11 +26,18 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
     raise_open_files_limit(to_kernel_bound=True)
     from .ws_protocol import bounded_ws_protocol
 
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    try:
+        listener = socket.create_server((config.host, config.port), family=family, backlog=2048)
+    except OSError as exc:
+        raise InvalidSpec(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    if announce is not None:
+        announce(listener.getsockname()[1])
     app = create_app(config)
     # a WebSocket message being received counts like a request body (max_request_bytes_per_tenant)
     ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, app.state.context.ws_messages)
     settle_garbage_collector()
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, ws=ws_protocol,
+    settings = uvicorn.Config(app, log_level=log_level, ws=ws_protocol,
                 http=http_protocol(config.request_head_timeout, config.max_partial_heads_per_peer),
                 timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
                 # the client address is the connection's: it says whose socket it is (host_guard),
@@ -30,6 +46,7 @@ def serve(config: ServerConfig, log_level: str = "warning") -> None:
                 # longer than clients keep idle connections (httpx: 5 s), so a reused connection is
                 # never closed by the server just as a request goes out on it
                 timeout_keep_alive=65)
+    uvicorn.Server(settings).run(sockets=[listener])
 
 
 #: allocations between two young-generation collections (CPython's default: 700)

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..errors import InvalidSpec
 from ..host.peers import local_uid
-from ..spec import MiB, parse_size
+from ..netrules import AllowRule
+from ..spec import MiB, SandboxSpec, parse_size
 
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 #: the tenant every request belongs to when no keys are configured (loopback only)
@@ -140,6 +141,10 @@ class ServerConfig:
     #: open client connections; past it uvicorn answers 503 (each costs a descriptor, not a thread)
     max_connections: int = 16384
     pools: list[dict[str, Any]] = field(default_factory=list)
+    #: where tenants' sandboxes may connect (``corral serve --allow``, ``--no-network``): a tenant's
+    #: ``allow`` must name only destinations these cover, and ``network="open"`` is refused; None:
+    #: any public destination a tenant names (private and local ranges are never theirs to open)
+    allow: list[str] | None = None
     state_dir: str | None = None
     #: a Ray cluster whose nodes hold the sandboxes (``corral serve --cluster ADDRESS``); None: this host
     cluster: str | None = None
@@ -155,7 +160,8 @@ class ServerConfig:
     fast_routes: bool = True
 
     def validate(self) -> ServerConfig:
-        _positive(self.port, "port", integer=True)
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidSpec(f"port: {self.port!r} must be a whole number from 0 (a free one) to 65535")
         self.max_sandboxes_per_tenant = _positive(self.max_sandboxes_per_tenant, "max_sandboxes", integer=True)
         self.max_memory_per_tenant = parse_size(self.max_memory_per_tenant, "max_memory")
         self.max_snapshot_bytes_per_tenant = parse_size(self.max_snapshot_bytes_per_tenant, "max_snapshot_bytes")
@@ -188,6 +194,11 @@ class ServerConfig:
                                                     integer=True)
         self.max_requests_per_tenant = _positive(self.max_requests_per_tenant, "max_requests_per_tenant", integer=True)
         self.max_connections = _positive(self.max_connections, "max_connections", integer=True)
+        if self.allow is not None:
+            if isinstance(self.allow, str) or not isinstance(self.allow, list):
+                raise InvalidSpec(f"allow: expected a list of destinations, got {self.allow!r}")
+            for text in self.allow:
+                AllowRule.parse(text)
         if not isinstance(self.fast_routes, bool):
             raise InvalidSpec(f"fast_routes: {self.fast_routes!r} must be true or false")
         if self.cluster is not None and self.pools:
@@ -202,6 +213,21 @@ class ServerConfig:
                 "Set CORRAL_API_KEYS=tenant=KEY (or --api-keys-file), or bind to 127.0.0.1"
             )
         return self
+
+    def check_reach(self, spec: SandboxSpec) -> None:
+        """Refuse a tenant's sandbox that would reach past the operator's ``allow``."""
+        if self.allow is None:
+            return
+        offered = ", ".join(self.allow) or "none"
+        if spec.network == "open":
+            raise InvalidSpec(f"network 'open': this server's sandboxes may reach only what its operator listed "
+                              f"(corral serve --allow: {offered}); use network='allow' with destinations within it")
+        rules = [AllowRule.parse(text) for text in self.allow]
+        for text in spec.allow:
+            asked = AllowRule.parse(text)
+            if not any(rule.covers(asked) for rule in rules):
+                raise InvalidSpec(f"allow {text!r}: this server's sandboxes may reach only what its operator listed "
+                                  f"(corral serve --allow: {offered})")
 
     def tenant_for(self, key: str) -> str | None:
         digest = hash_key(key)

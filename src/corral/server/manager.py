@@ -210,6 +210,7 @@ class SandboxManager:
         if spec.unsafe_allow_ranges:
             raise InvalidSpec("unsafe_allow_ranges: private and local ranges cannot be opened through the "
                               "server (they are the server's own networks)")
+        self.config.check_reach(spec)
         if spec.limits.max_output > MAX_OUTPUT_CAP:
             # the server holds a command's output in memory until it answers: bound it
             raise InvalidSpec(f"max_output: {format_size(spec.limits.max_output)} is over the server's "
