@@ -161,16 +161,17 @@ def test_a_staging_directory_of_a_dead_process_is_removed_by_gc_and_a_live_ones_
     live = owners / f".bind-{pid}.{process_start_time(pid)}-live"  # being bound right now
     reused = owners / f".bind-{pid}.{(process_start_time(pid) or 0) + 1}-reused"  # a pid reused since
     old_form, new_unknown = owners / ".bind-k3xq9a_b", owners / ".bind-zz8d7w2c"
-    for staging in (live, reused, old_form, new_unknown):
+    daemons = state_dir / ".bind-999999999.1-daemon"  # a killed `corral daemon`'s, beside daemon.sock
+    for staging in (live, reused, old_form, new_unknown, daemons):
         staging.mkdir(mode=0o700)
         (staging / "s").touch()
     os.utime(old_form, (time.time() - 3600, time.time() - 3600))
     try:
         gc(state_dir)
-        assert not left[0].exists() and not reused.exists() and not old_form.exists()
+        assert not left[0].exists() and not reused.exists() and not old_form.exists() and not daemons.exists()
         assert live.exists() and new_unknown.exists()
     finally:
-        for staging in (live, reused, old_form, new_unknown):
+        for staging in (live, reused, old_form, new_unknown, daemons):
             (staging / "s").unlink(missing_ok=True)
             if staging.exists():
                 staging.rmdir()

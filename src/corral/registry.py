@@ -256,7 +256,9 @@ def gc(root: Path) -> list[str]:
                 shutil.rmtree(run_dir, ignore_errors=True)
     for entry in _of_dead_processes(root / "owners"):  # owner-link sockets (corral.owner_link)
         entry.unlink(missing_ok=True)
-    for staging in staging_of_dead_processes(root / "owners"):  # one killed as it bound its socket
+    # one killed as it bound its socket: an owner link's, or the daemon's (beside daemon.sock);
+    # a port forward's is in its sandbox's run directory, which goes with it
+    for staging in (*staging_of_dead_processes(root / "owners"), *staging_of_dead_processes(root)):
         shutil.rmtree(staging, ignore_errors=True)
     if any(_of_dead_processes(root / "wasm-spares")):
         # a killed owner's pre-started wasm guests (tmpfs, uid); the wasm tier's import costs
