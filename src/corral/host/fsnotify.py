@@ -26,12 +26,13 @@ without file handles, no ``CAP_SYS_ADMIN``):
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from .mounts import libc
 
 FAN_MODIFY = 0x2
 FAN_ATTRIB = 0x4
@@ -68,7 +69,7 @@ _INFO = struct.Struct("=BBH8x")
 # struct file_handle: handle_bytes u32, handle_type s32, f_handle[handle_bytes]
 _HANDLE = struct.Struct("=Ii")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc = libc()  # by soname: find_library ran ldconfig at every import (~10 ms of each `corral run`)
 _init = getattr(_libc, "fanotify_init", None)
 _mark = getattr(_libc, "fanotify_mark", None)
 _open_by_handle = getattr(_libc, "open_by_handle_at", None)
