@@ -437,6 +437,40 @@ def test_a_sandbox_cannot_make_the_hosts_git_run_its_program_and_its_commits_com
     assert "fsmonitor" not in (repo / ".git" / "config").read_text()
 
 
+def test_a_sandbox_cannot_leave_the_host_a_rebase_whose_todo_it_wrote(tmp_path: Path) -> None:
+    """A rebase left in progress (``.git/rebase-merge/``, neither configuration nor a hook) was
+    written back with its to-do list: the host's ``git status`` said "interactive rebase in
+    progress", and the owner's ``git rebase --continue`` ran the sandbox's ``exec`` line as root.
+    A git directory's operations in progress and its ``objects/info/alternates`` stay as the host
+    has them (a submodule's too); the sandbox's commits and branches come back."""
+    repo, marker = tmp_path / "repo", tmp_path / "ran-on-the-host"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    for i in range(3):
+        (repo / f"f{i}").write_text(f"{i}\n")
+        subprocess.run([*git, "add", "."], check=True)
+        subprocess.run([*git, "commit", "-qm", f"c{i}"], check=True)
+    with Sandbox.create(workspace=str(repo)) as sb:
+        sb.files.write("/tmp/editor", f"#!/bin/sh\nprintf 'break\\nexec touch {marker}\\n' >> \"$1\"\n")
+        r = sb.commands.run(
+            "cd /workspace && export GIT_AUTHOR_NAME=a GIT_AUTHOR_EMAIL=a@a GIT_COMMITTER_NAME=a GIT_COMMITTER_EMAIL=a@a"
+            " && git branch agent-work && chmod +x /tmp/editor"
+            " && mkdir -p .git/modules/sub/rebase-apply .git/sequencer && echo x > .git/modules/sub/rebase-apply/next"
+            " && echo /etc > .git/sequencer/todo && echo /root/other/.git/objects > .git/objects/info/alternates"
+            " && GIT_SEQUENCE_EDITOR=/tmp/editor git rebase -i HEAD~1 && ls .git/rebase-merge")
+        assert r.exit_code == 0 and "git-rebase-todo" in r.stdout, r
+    assert not (repo / ".git" / "rebase-merge").exists()
+    for kept in ("modules/sub/rebase-apply", "sequencer", "objects/info/alternates"):
+        assert not (repo / ".git" / kept).exists(), kept
+    status = subprocess.run([*git, "status"], capture_output=True, text=True, check=True).stdout
+    assert "rebase" not in status, status
+    subprocess.run([*git, "rebase", "--continue"], capture_output=True)
+    assert not marker.exists(), "the sandbox's rebase exec line ran on the host"
+    branches = subprocess.run([*git, "branch", "--format=%(refname:short)"], capture_output=True, text=True).stdout
+    assert "agent-work" in branches.split(), branches
+
+
 def test_a_sandbox_cannot_give_the_host_a_git_directory_of_its_own_making(tmp_path: Path) -> None:
     """Write-back held back only `.git`'s configuration and hooks, so a sandbox laid out a bare
     repository (HEAD, objects/, refs/, config with core.fsmonitor) anywhere else: the host's git

@@ -17,6 +17,12 @@ from collections.abc import Container
 #: files of a git directory that make the host's git run a program or read its configuration
 #: from elsewhere
 GIT_RUNS = frozenset({"config", "config.worktree", "commondir", "gitdir"})
+#: a git directory's operations in progress: their to-do lists hold ``exec`` lines the host's git
+#: runs at ``git rebase --continue`` (which ``git status`` suggests), as the workspace's owner
+GIT_SEQUENCES = frozenset({"rebase-merge", "rebase-apply", "sequencer"})
+#: where a git directory's objects may also be read from: another repository on the host, whose
+#: objects a later ``git gc`` copies into this one (and so into the next sandbox's reach)
+GIT_ALTERNATES = frozenset({"alternates", "http-alternates"})
 #: what makes a directory a git directory at git's discovery (``is_git_directory``: a ``HEAD``
 #: there, and ``objects/`` and ``refs/`` there or in its ``commondir``), whatever its name
 HEAD = "HEAD"
@@ -25,7 +31,8 @@ HEAD = "HEAD"
 def host_keeps(rel: str, kind: str) -> bool:
     """True for what write-back leaves as the host has it: a git directory's configuration and
     hooks (``.git/config``, ``.git/hooks/...``, a submodule's or worktree's, ``commondir``,
-    ``gitdir``) and a ``.git`` that is not a directory (a ``gitdir: PATH`` file)."""
+    ``gitdir``), its operations in progress (``rebase-merge/``, ``rebase-apply/``, ``sequencer/``),
+    its ``objects/info/alternates``, and a ``.git`` that is not a directory (a ``gitdir: PATH`` file)."""
     parts = rel.split("/")
     for i, part in enumerate(parts):
         if part != ".git":
@@ -37,7 +44,12 @@ def host_keeps(rel: str, kind: str) -> bool:
             continue
         if "hooks" in rest:
             return True
-        if rest[-1] in GIT_RUNS and (len(rest) == 1 or rest[0] in ("modules", "worktrees")):
+        nested = rest[0] in ("modules", "worktrees")  # a submodule's or a worktree's own git directory
+        if rest[-1] in GIT_RUNS and (len(rest) == 1 or nested):
+            return True
+        if rest[0] in GIT_SEQUENCES or (nested and GIT_SEQUENCES.intersection(rest[2:])):
+            return True
+        if rest[-1] in GIT_ALTERNATES and rest[-3:-1] == ["objects", "info"] and (len(rest) == 3 or nested):
             return True
     return False
 
