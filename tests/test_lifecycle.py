@@ -174,6 +174,60 @@ def test_files_api_round_trip_and_errors(sandbox: Sandbox, tmp_path: Path) -> No
         subprocess.run(["rm", "-rf", str(tmp_path / "deep")], check=True)
 
 
+def test_a_download_takes_no_more_names_or_bytes_than_the_sandboxs_disk_holds(tmp_path: Path) -> None:
+    """A sandbox moving a directory one level down after each listing had the host list the same
+    files at every level: `corral cp` wrote 30,000 host files from a sandbox holding 1,000, and
+    listing 20,000 names at 60 levels took the host process from 25 to 465 MiB (the byte budget
+    counted no empty file, nor any name).  A download now stops before writing anything at more
+    names than the sandbox's disk holds (a name per 4 KiB of it), and reads no file past what is
+    left of its bytes; within both it is whole."""
+    from corral.errors import ResourceLimit
+
+    with Sandbox.create(disk="16M", memory="128M") as sb:
+        # the image's /usr/lib is not on the sandbox's disk: more names than 16 MiB holds (4,096)
+        with pytest.raises(ResourceLimit, match="names"):
+            sb.files.download_dir("/usr/lib", tmp_path / "lib")
+        assert not (tmp_path / "lib").exists()
+        made = sb.commands.run("mkdir -p /tmp/t/sub && cd /tmp/t && for i in $(seq 300); do : > f$i; done"
+                               " && head -c 3000000 /dev/zero > sub/big && ln sub/big sub/big2 && ln sub/big sub/big3"
+                               " && ln sub/big sub/big4 && ln sub/big sub/big5 && ln sub/big sub/big6")
+        assert made.exit_code == 0, made
+        with pytest.raises(ResourceLimit, match="disk limit"):  # 6 names of 3 MB: 18 MB
+            sb.files.download_dir("/tmp/t", tmp_path / "links")
+        sb.commands.run("rm /tmp/t/sub/big[3-6]")
+        assert sb.files.download_dir("/tmp/t", tmp_path / "t") == 302
+        assert (tmp_path / "t" / "sub" / "big2").stat().st_size == 3000000
+
+
+def test_a_download_of_a_tree_that_grows_as_it_is_walked_stops_at_the_disks_names() -> None:
+    """The walk itself, over a tree that shows one more level below each listing (as a sandbox
+    moving its directory down does): it stops at the names the disk holds, having held no more."""
+    from corral.errors import ResourceLimit
+    from corral.surface import NAME_COST, download_dir
+    from corral.tiers.base import FileEntry
+
+    class EndlessTree:
+        listed = 0
+
+        def list(self, path: str = ".") -> list[FileEntry]:
+            self.listed += 1
+            names = [FileEntry(f"f{i}", f"{path}/f{i}", "file", 0, 0o644, 0.0) for i in range(1000)]
+            return [*names, FileEntry("A", f"{path}/A", "dir", 0, 0o755, 0.0)]
+
+        def read(self, path: str, format: str = "bytes", max_bytes: int = 0) -> bytes:
+            raise AssertionError("nothing is read before the walk is done")
+
+        def write(self, path: str, data: str | bytes, mode: int = 0o644) -> None: ...
+
+        def make_dir(self, path: str, mode: int = 0o755) -> None: ...
+
+    tree = EndlessTree()
+    with pytest.raises(ResourceLimit, match="32,768 names"):
+        download_dir(tree, "/tmp/w", "/nonexistent-never-made", 32768 * NAME_COST)  # type: ignore[arg-type]
+    assert tree.listed == 33
+    assert not Path("/nonexistent-never-made").exists()
+
+
 def test_cli_run_exit_codes_and_json(tmp_path: Path) -> None:
     def corral(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "corral.cli", *args], capture_output=True, text=True, timeout=60)

@@ -57,12 +57,16 @@ class DownloadTarget:
     def make_dir(self, key: Key) -> None:
         self._dirs.open(rel_of(key))
 
-    def write(self, key: Key, data: bytes) -> None:
-        """The file ``key`` with ``data``, new or replacing what is there (not a directory)."""
-        if len(data) > self.left:
+    def check(self, key: Key, size: int) -> None:
+        """Refuse (``ResourceLimit``) a file of ``size`` bytes past what is left of the budget."""
+        if size > self.left:
             raise ResourceLimit(f"download: {rel_of(key)} and what came before it are past {format_size(self._max)}, "
                                 "the sandbox's disk limit (sparse files or many names of one file?): copy such "
                                 "files with files.read one by one")
+
+    def write(self, key: Key, data: bytes) -> None:
+        """The file ``key`` with ``data``, new or replacing what is there (not a directory)."""
+        self.check(key, len(data))
         self.left -= len(data)
         write_beside(self._dirs.open(key[0]), key[1], data)
 
