@@ -205,6 +205,7 @@ def test_a_flood_of_refusals_cannot_erase_an_earlier_attempt_from_the_audit(monk
         r = sb.commands.run(FLOOD_AROUND_AN_ATTEMPT.format(before=before, after=after), timeout=240)
         assert r.stdout.strip() == str(before + 1 + after), r
         events = sb.network.audit()
+        refused = sb._backend.refused_count()
     assert len(events) <= MAX_EVENTS + 2  # bounded, and the summaries are few
     assert not any(e.destination.startswith(METADATA) for e in events if e.kind == "refused")  # it fell out...
     dropped = {(e.rule, e.destination) for e in events if e.kind == "dropped"}
@@ -212,3 +213,39 @@ def test_a_flood_of_refusals_cannot_erase_an_earlier_attempt_from_the_audit(monk
     assert sum(int(d.split()[0]) for _, d in dropped) == before + 1 + after - MAX_EVENTS
     # the allowed direction: the first events are still there, whole
     assert [e.destination for e in events[:3]] == ["192.0.2.1:1", "192.0.2.1:2", "192.0.2.1:3"]
+    # every refusal is counted, those that fell out of the log too (what a server's metric reads)
+    assert refused == before + 1 + after
+
+
+#: refused CONNECTs to names of {length} characters, {count} of them; prints how many were answered 403
+LONG_NAMES = """python3 -c '
+import socket
+n = 0
+for i in range({count}):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(b"CONNECT " + b"a" * {length} + b"%d:443 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n" % i)
+    n += s.recv(64).startswith(b"HTTP/1.1 4")
+    s.close()
+print(n)
+'"""
+
+
+def test_a_refused_destination_is_kept_in_the_audit_at_a_bounded_length() -> None:
+    """Each refusal kept the destination as the sandbox sent it: 10,000 CONNECTs to names of
+    60,000 characters held 575 MiB of the owner's (or the server's) memory, outside every limit.
+    An event now keeps 256 characters of it and says how long it was."""
+    from corral.egress.audit import MAX_FIELD
+
+    with Sandbox.create(allow=["allowed.test"]) as sb:
+        r = sb.commands.run(LONG_NAMES.format(length=60_000, count=20), timeout=120)
+        assert r.stdout.strip() == "20", r
+        events = [e for e in sb.network.audit() if e.kind == "refused"]
+    assert len(events) == 20
+    for event in events:
+        assert event.destination.startswith("a" * MAX_FIELD) and "(60,0" in event.destination, event.destination[-60:]
+        assert len(event.destination) < MAX_FIELD + 40 and len(event.rule) < MAX_FIELD + 40
+    log = AuditLog()  # the log's own bound, whoever records into it
+    for _ in range(12_000):
+        log.record("sb", "refused", "b" * 100_000, "c" * 100_000, "d" * 100_000, "http")
+    assert log.refused == 12_000
+    assert sum(len(e.destination) + len(e.address or "") + len(e.rule) for e in log.events()) < 10_002 * 3 * 300

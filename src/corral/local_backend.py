@@ -403,6 +403,10 @@ class LocalBackend(SandboxBackend):
         network = self.tier_sandbox().network
         return [] if network is None else network.audit()  # a tier with no network side (wasm) refuses nothing
 
+    def refused_count(self) -> int:
+        network = self.tier_sandbox().network
+        return 0 if network is None else network.refused_count()
+
     def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
         with host_errors("expose a port", self.id):
             forward = self.tier_sandbox().expose_port(port, unix=unix, other_users=other_users)

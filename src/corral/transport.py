@@ -221,6 +221,11 @@ class SandboxBackend(ABC):
     @abstractmethod
     def audit(self) -> list[AuditEvent]: ...
 
+    def refused_count(self) -> int:
+        """How many ``refused`` events the sandbox's egress recorded so far (a server's metrics read
+        it after every command); a back end with the count at hand answers without the events."""
+        return sum(1 for event in self.audit() if event.kind == "refused")
+
     @abstractmethod
     def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
         """Where the caller reaches ``port`` of the sandbox, and how to close that way; beside the

@@ -16,6 +16,16 @@ MAX_EVENTS = 10_000
 KEPT_FIRST = 1_000
 #: distinct (kind, rule, protocol) whose dropped events are counted apart; more share one count
 MAX_DROPPED_KINDS = 256
+#: characters of an event's destination, address or rule kept (the sandbox's text: a ``CONNECT``
+#: to a 60,000-character name was kept whole, and 10,000 of them held 575 MiB of the owner's or
+#: the server's memory, outside every sandbox's limit)
+MAX_FIELD = 256
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_FIELD:
+        return text
+    return f"{text[:MAX_FIELD]}... ({len(text):,} characters)"
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,16 @@ class AuditLog:
         self._dropped_by: dict[tuple[str, str, str, str], list[float]] = {}
         #: (sandbox, kind, rule, protocol) -> [how many, seconds in all, the latest one's time]
         self._tallies: dict[tuple[str, str, str, str], list[float]] = {}
+        #: ``refused`` events recorded, dropped ones included (read after every command: no list built)
+        self.refused = 0
 
     def record(self, sandbox_id: str, kind: str, destination: str, address: str | None, rule: str,
                protocol: str) -> AuditEvent:
-        event = AuditEvent(time.time(), sandbox_id, kind, destination, address, rule, protocol)
+        event = AuditEvent(time.time(), sandbox_id, kind, _bounded(destination),
+                           None if address is None else _bounded(address), _bounded(rule), protocol)
         with self._lock:
+            if kind == "refused":
+                self.refused += 1
             if len(self._first) < KEPT_FIRST:
                 self._first.append(event)
                 return event
@@ -80,7 +95,7 @@ class AuditLog:
         of its own: :meth:`events` shows one event per rule summing them.  For what can happen
         to every connection of a flood, where an event each would cost what is being bounded."""
         with self._lock:
-            key = (sandbox_id, kind, rule, protocol)
+            key = (sandbox_id, kind, _bounded(rule), protocol)
             if key not in self._tallies and len(self._tallies) >= MAX_DROPPED_KINDS:
                 key = (sandbox_id, kind, "other rules", "*")
             count = self._tallies.setdefault(key, [0, 0.0, 0.0])

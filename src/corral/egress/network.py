@@ -210,6 +210,11 @@ class SandboxNetwork:
                                      f"nft:{packets}"))
         return events
 
+    def refused_count(self) -> int:
+        """How many destinations were refused so far (packets the kernel logged included; those over
+        its log's rate limit are summed in :meth:`audit` only)."""
+        return self.audit_log.refused
+
     def redact(self, data: bytes) -> bytes:
         return self.redactor.redact(data) if self.redactor else data
 

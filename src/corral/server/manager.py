@@ -260,17 +260,27 @@ class SandboxManager:
         return made
 
     def audit(self, entry: Entry) -> list[dict[str, Any]]:
-        """The sandbox's egress refusals so far; feeds the refused-egress counter with what is new."""
+        """The sandbox's egress refusals so far (the events, built only when asked for)."""
         try:
             events = [e.to_dict() for e in entry.sandbox.network.audit()]
         except SandboxClosed:  # a tier without a network side
             return []
-        refused = sum(1 for e in events if e.get("kind") == "refused")
+        self.count_refused(entry)
+        return events
+
+    def count_refused(self, entry: Entry) -> None:
+        """Feed the refused-egress counter with the sandbox's refusals since the last look: a
+        count the egress keeps, read after every command.  (Building every event to count them
+        took 79 ms of the server's CPU a command once a sandbox's log was full, and slowed
+        other tenants' commands 2 -> 27 ms.)"""
+        try:
+            refused = entry.sandbox._backend.refused_count()
+        except SandboxClosed:
+            return
         with self._lock:
             new, entry.refused_seen = refused - entry.refused_seen, max(refused, entry.refused_seen)
         if new > 0:
             self.metrics.egress_refused.inc(new)
-        return events
 
     def extend(self, entry: Entry, seconds: float) -> None:
         cap = entry.created + self.config.max_lifetime

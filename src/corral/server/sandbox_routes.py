@@ -107,7 +107,7 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
         # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
         with manager.exec_slot(entry):
             result = sandbox._backend.run(call, body.stdin_bytes(), None, running.append)
-        manager.audit(entry)  # counts new egress refusals
+        manager.count_refused(entry)
         return result
 
     release = await ctx.hold_output(who, entry.spec.limits.max_output)
