@@ -486,6 +486,8 @@ def test_the_model_gets_sandboxes_only_within_the_operators_bounds(state_dir: Pa
             sid = _payload(await client.call_tool("create_sandbox", {"memory": "64M", "timeout": 3600}))["sandbox_id"]
             refused(await client.call_tool("run_command", {"sandbox_id": sid, "command": "true", "timeout": 86400}),
                     "--max-timeout")
+            refused(await client.call_tool("run_code", {"sandbox_id": sid, "code": "1", "timeout": 86400}),
+                    "--max-timeout")
             ran = _payload(await client.call_tool("run_command", {"sandbox_id": sid, "command": "echo in",
                                                                   "timeout": 30}))
             assert ran["stdout"] == "in\n"
@@ -514,8 +516,21 @@ def test_the_model_gets_sandboxes_only_within_the_operators_bounds(state_dir: Pa
             forks = _payload(await client.call_tool("fork_sandbox", {"sandbox_id": first}))["sandbox_ids"]
             assert len(forks) == 1
 
+
+    async def short_cells() -> None:  # a cell's own default (60 s) was past a lower --max-timeout
+        params, _ = mcp_stdio(state_dir, "mcp-bounds-cells", "--max-timeout", "3")
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            await client.initialize()
+            sid = _payload(await client.call_tool("create_sandbox", {"memory": "256M"}))["sandbox_id"]
+            started = time.monotonic()
+            cell = await client.call_tool("run_code", {"sandbox_id": sid, "code": "import time; time.sleep(20)"})
+            assert time.monotonic() - started < 15, "the cell ran past --max-timeout"
+            assert "imeout" in cell.content[0].text, cell.content[0].text[:300]
+            refused(await client.call_tool("run_code", {"sandbox_id": sid, "code": "1", "timeout": 5}), "--max-timeout")
+
     asyncio.run(defaults())
     asyncio.run(operators())
+    asyncio.run(short_cells())
 
 
 @pytest.mark.parametrize("flags, said", [

@@ -46,6 +46,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ImageContent, TextContent
 
 from .errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxError, SandboxNotFound
+from .interpreter import DEFAULT_TIMEOUT as CELL_TIMEOUT
 from .mcp_limits import McpLimits
 from .sandbox import Sandbox, check_fork_count
 from .surface import build_spec
@@ -498,13 +499,18 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     # the code interpreter (corral.interpreter)
     @server.tool()
     @_anticipated
-    async def run_code(ctx: Context, sandbox_id: str, code: str,
-                       language: str = "python") -> list[TextContent | ImageContent]:
-        """Run code in the sandbox's interpreter (python or javascript; variables persist between calls).
+    async def run_code(ctx: Context, sandbox_id: str, code: str, language: str = "python",
+                       timeout: float | None = None) -> list[TextContent | ImageContent]:
+        """Run code in the sandbox's interpreter (python or javascript; variables persist between calls),
+        for at most ``timeout`` seconds (default 60, or less if the server allows less).
         Answers the execution as JSON (stdout, stderr, error, results, text; texts cut at 20000 characters)
         and each image result (matplotlib figures, PNG/JPEG reprs) as image content."""
+        sessions.limits.check_timeout(timeout)
+        if timeout is None:  # the interpreter's own default is 60 s, over a lower --max-timeout
+            timeout = min(CELL_TIMEOUT, sessions.limits.max_timeout)
         session = sessions.of(ctx)
-        return code_content(await session.run(session.get(sandbox_id).run_code, code, language=language))
+        return code_content(await session.run(session.get(sandbox_id).run_code, code, language=language,
+                                               timeout=timeout))
 
     return server
 
