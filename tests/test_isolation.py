@@ -565,9 +565,20 @@ def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(
     monkeypatch.setenv("CORRAL_IMAGE_DIR", str(images))
     for bad, said in (("/", "system"), ("/etc", "system"), ("/usr/local", "system"), ("/home", "system"),
                       ("/root", "system"), ("/var", "system"), ("/proc/self", "system"),
+                      ("/var/lib/dpkg", "system"), ("/var/log", "system"), ("/var/spool", "system"),
                       (str(state_dir / "ws-probe"), "Corral's own"), (str(tmp_path / "proj"), "Corral's own")):
         with pytest.raises(InvalidSpec, match=said):
             Sandbox.create(workspace=bad)
+    # the host's /etc bound elsewhere is still /etc (the check by path saw only the mount point)
+    bound = tmp_path / "looks-like-a-project"
+    bound.mkdir()
+    subprocess.run(["mount", "--bind", "/etc", str(bound)], check=True)
+    try:
+        for bad in (bound, bound / "cron.d"):
+            with pytest.raises(InvalidSpec, match="a bind mount of /etc"):
+                Sandbox.create(workspace=str(bad))
+    finally:
+        subprocess.run(["umount", str(bound)], check=True)
     assert cgroups.list_sandbox_groups() == before
     (tmp_path / "proj" / "src").mkdir()
     with Sandbox.create(workspace=str(tmp_path / "proj" / "src")) as sb:

@@ -141,6 +141,18 @@ def _apart_from_corral(workspace: Path, state: Path) -> None:
                               "state and images); give the project's own directory")
 
 
+def _not_a_system_tree_bound_elsewhere(workspace: Path) -> None:
+    """Refuse a workspace that a bind mount shows away from where it is: ``/etc`` bound at
+    ``/srv/x`` was taken for a project (the check by path saw ``/srv/x``)."""
+    from .host.mounts import origin_of
+    from .spec import why_not_a_workspace
+
+    origin = origin_of(workspace)
+    why = why_not_a_workspace(origin) if origin is not None else None
+    if why is not None:
+        raise InvalidSpec(f"workspace {workspace}: a bind mount of {origin}: {why}")
+
+
 class LocalTransport(Transport):
     """Sandboxes of this process, registered in a state directory (default: ``CORRAL_STATE_DIR``)."""
 
@@ -159,6 +171,7 @@ class LocalTransport(Transport):
         tier_class(spec.tier).capabilities.check_user(spec.user, spec.tier)
         if spec.workspace is not None:
             _apart_from_corral(spec.workspace.path, self.root)
+            _not_a_system_tree_bound_elsewhere(spec.workspace.path)
         sandbox_id = new_sandbox_id()
         seed: tuple[Path, str] | None = None
         if options.snapshot is not None:

@@ -162,8 +162,12 @@ def _parse_float(value: float | str, what: str) -> float:
 #: is code on the host (a file in /etc/cron.d, /usr/bin), and reading them (/etc/shadow) is the
 #: host's secrets; and the directories that hold others' trees (every user's home, all of /var)
 SYSTEM_TREES = tuple(Path(p) for p in ("/proc", "/sys", "/dev", "/boot", "/etc", "/run", "/usr", "/bin", "/sbin",
-                                       "/lib", "/lib32", "/lib64", "/libx32"))
-HOLDERS = frozenset(Path(p) for p in ("/", "/home", "/root", "/var", "/var/lib", "/srv", "/opt", "/tmp", "/mnt", "/media"))
+                                       "/lib", "/lib32", "/lib64", "/libx32",
+                                       # the host's state: packages' scripts root runs (/var/lib/dpkg/info),
+                                       # cron's and mail's spools, logs, caches
+                                       "/var/lib", "/var/log", "/var/spool", "/var/mail", "/var/cache", "/var/backups"))
+HOLDERS = frozenset(Path(p) for p in ("/", "/home", "/root", "/var", "/var/tmp", "/srv", "/opt", "/tmp", "/mnt",
+                                      "/media"))
 #: a user's keys: no workspace lies in one or holds one directly (a prompt injection reads
 #: ``~/.ssh/id_rsa``; rw write-back into ``~/.ssh/authorized_keys`` or ``~/.bashrc`` is a login
 #: or code on the host as that user); the project is a directory of its own
@@ -185,6 +189,17 @@ def login_homes() -> set[Path]:
     if home.startswith("/"):
         homes.add(Path(home))
     return {Path(os.path.realpath(h)) for h in homes}
+
+
+def why_not_a_workspace(path: Path) -> str | None:
+    """Why the host directory ``path`` (resolved) is no project to show a sandbox, or None."""
+    if path in HOLDERS or any(path.is_relative_to(tree) for tree in SYSTEM_TREES):
+        return ("the host's system or every user's files, not a project (the sandbox would read them as their "
+                "owner, and rw writes back into them); give the project's own directory")
+    why = _credentials_at(path)
+    if why is not None:
+        return f"{why}; the sandbox would read them, and rw writes back into them: give the project's own directory"
+    return None
 
 
 def _credentials_at(path: Path) -> str | None:
@@ -221,14 +236,9 @@ class Workspace:
         object.__setattr__(self, "path", self.path.expanduser().resolve())
         if not self.path.is_dir():
             raise InvalidSpec(f"workspace {_shown(str(self.path))} does not exist or is not a directory")
-        if self.path in HOLDERS or any(self.path.is_relative_to(tree) for tree in SYSTEM_TREES):
-            raise InvalidSpec(f"workspace {_shown(str(self.path))}: the host's system or every user's files, not a "
-                              "project (the sandbox would read them as their owner, and rw writes back into them); "
-                              "give the project's own directory")
-        why = _credentials_at(self.path)
+        why = why_not_a_workspace(self.path)
         if why is not None:
-            raise InvalidSpec(f"workspace {_shown(str(self.path))}: {why}; the sandbox would read them, and rw "
-                              "writes back into them: give the project's own directory")
+            raise InvalidSpec(f"workspace {_shown(str(self.path))}: {why}")
 
     @classmethod
     def parse(cls, text: str) -> Workspace:
