@@ -215,8 +215,8 @@ def test_a_directory_larger_than_a_listing_is_refused_whole_not_cut_short(tier: 
 
     make = ("import os\nos.mkdir('/tmp/d')\nopen('/tmp/d/0', 'w').close()\n"  # (links: quick under WASI)
             f"for i in range(1, {MAX_LIST_ENTRIES + 1}): os.link('/tmp/d/0', f'/tmp/d/{{i}}')")
-    # (on the process tier the disk holds what memory leaves room for: 100,001 names need 1G)
-    with Sandbox.create(tier=tier, **({"memory": "1G"} if tier == "process" else {})) as sb:
+    # (the disk holds what memory leaves room for: 100,001 names need 1G)
+    with Sandbox.create(tier=tier, memory="1G") as sb:
         assert sb.commands.run(["python3", "-c", make], timeout=240).exit_code == 0
         with pytest.raises(FileError, match="more than 100,000 entries") as refused:
             sb.files.list("/tmp/d")
@@ -324,3 +324,44 @@ def test_a_replaced_file_keeps_its_mode_and_owner_and_a_link_to_a_file_is_follow
             sb.files.write("/home/user/ro", "x")
         assert refused.value.errno == errno.EACCES and sb.files.read("/home/user/ro") == "ro\n"
         assert not [name for name in _names(sb, "/home/user") if ".corral-" in name]
+
+
+def test_a_writer_waiting_when_the_channel_closes_writes_nowhere_else(tmp_path: Path) -> None:
+    """close() closed the write descriptor under a writer waiting for the agent to read; the
+    writer then wrote its frame to whatever reused the number: a server's registry database
+    began with a tenant's frames (every create then failed), another client got foreign bytes.
+    The number now stays the channel's, a pipe nobody reads, until no writer can use it."""
+    from corral.tiers.linux.frames import T_STDIN
+
+    to_agent_r, to_agent_w = os.pipe()
+    from_agent_r, from_agent_w = os.pipe()
+    channel = agent_protocol.AgentChannel(from_agent_r, to_agent_w)
+    failed: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            channel.send(T_STDIN, 1, b"F" * (1 << 20))  # more than the pipe holds: it waits mid-frame
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    time.sleep(0.3)
+    os.close(from_agent_w)  # the agent is gone: the reader thread ends
+    channel.close()
+    reused = [os.open(tmp_path / f"reuse-{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(8)]
+    try:
+        while thread.is_alive():  # the agent reads again: the writer wakes up
+            with contextlib.suppress(BlockingIOError):
+                os.set_blocking(to_agent_r, False)
+                os.read(to_agent_r, 1 << 16)
+            time.sleep(0.01)
+            thread.join(0.05)
+        written = {path.name: path.stat().st_size for path in tmp_path.iterdir()}
+        assert written == {f"reuse-{i}": 0 for i in range(8)}, written
+        assert len(failed) == 1 and isinstance(failed[0], SandboxClosed), failed
+        assert to_agent_w not in reused  # the channel's number was still its own
+    finally:
+        for fd in reused:
+            os.close(fd)
+        os.close(to_agent_r)

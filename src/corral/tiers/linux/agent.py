@@ -106,6 +106,11 @@ class AgentChannel:
         #: half a frame went out before the agent stopped reading: nothing more can be sent
         self._broken = False
         self._closing = False
+        #: close() was called: the write descriptors are closed by whoever holds ``_wlock`` last
+        #: (:meth:`_unlock_writer`), never under a writer (see :meth:`_retire_writer`)
+        self._retired = False
+        self._write_fds_open = True
+        self._retire_lock = threading.Lock()
         self._lock = threading.Lock()
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
@@ -138,7 +143,7 @@ class AgentChannel:
         except SandboxClosed:
             return False
         finally:
-            self._wlock.release()
+            self._unlock_writer()
 
     def _write(self, frame: bytes) -> None:
         """Whole frames, in one write where the pipe takes it; SandboxClosed if the agent has read
@@ -156,7 +161,7 @@ class AgentChannel:
                 self._broken = True
                 raise SandboxClosed(f"the sandbox's agent has read nothing sent to it for {timeout:.0f} s")
         finally:
-            self._wlock.release()
+            self._unlock_writer()
 
     def _write_locked(self, frame: bytes, timeout: float) -> bool:
         """Write ``frame``; False if none of it could be written within ``timeout``.  Half a frame
@@ -164,12 +169,16 @@ class AgentChannel:
         view = memoryview(frame)
         # time the sandbox spends paused does not count: its agent is frozen, not stuck
         deadline = time.monotonic() + timeout - self.pause_clock.paused_total()
+        if self._retired:
+            raise SandboxClosed("the sandbox is no longer running")
         try:
             while view:
                 try:
                     sent = (self._wsock.send(view, socket.MSG_DONTWAIT) if self._wsock is not None
                             else os.write(self._wfd, view))
                 except BlockingIOError:
+                    if self._retired:  # closed meanwhile: its descriptor now polls ready at once
+                        raise SandboxClosed("the sandbox is no longer running") from None
                     left = deadline - time.monotonic() + self.pause_clock.paused_total()
                     if left <= 0 and len(view) == len(frame):
                         return False
@@ -222,7 +231,8 @@ class AgentChannel:
         """No request half-sent while the caller works (a microVM's live snapshot): sends from
         other threads wait, and the agent has read every earlier request whole (it answered a
         no-op sent last)."""
-        with self._wlock:
+        self._wlock.acquire()
+        try:
             if self.closed.is_set():
                 raise SandboxClosed("the sandbox is no longer running")
             ident = self.new_id()
@@ -236,6 +246,8 @@ class AgentChannel:
                 raise
             self._answer(ident, pending, MAX_FRAME, timeout)
             yield
+        finally:
+            self._unlock_writer()
 
     def _read_loop(self) -> None:
         try:
@@ -320,13 +332,51 @@ class AgentChannel:
         if not self.ready.is_set():
             raise SandboxClosed("the sandbox agent did not start")
 
-    def close(self) -> None:
+    def _retire_writer(self) -> None:
+        """Stop every write now, and close the write descriptors once no writer can use them.
+
+        close() used to close the descriptor under writers blocked in their wait for it (a
+        paused sandbox's, a slow reader's): their ``os.write`` then went to whatever the number
+        was reused for -- the server's registry database (its first page overwritten with a
+        tenant's frames, every create then failed) or another client's connection.  Now the
+        number is first made a pipe nobody reads (``dup2``: it stays taken, and a write fails with
+        EPIPE at once), and it is closed by whoever holds the write lock last."""
+        with self._retire_lock:
+            if self._retired:
+                return
+            self._retired = True
+            broken_r, broken_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            os.close(broken_r)
+            try:
+                os.dup2(broken_w, self._wfd, inheritable=False)
+            except OSError:
+                pass
+            finally:
+                os.close(broken_w)
+            if not self._wlock.acquire(blocking=False):
+                return  # a writer holds it: it closes them as it lets go (_unlock_writer)
         try:
+            self._close_write_fds()
+        finally:
+            self._wlock.release()
+
+    def _unlock_writer(self) -> None:
+        with self._retire_lock:
+            if self._retired:
+                self._close_write_fds()
+            self._wlock.release()
+
+    def _close_write_fds(self) -> None:
+        if not self._write_fds_open:
+            return
+        self._write_fds_open = False
+        with contextlib.suppress(OSError):
             os.close(self._wfd)
-        except OSError:
-            pass
         if self._wsock is not None:
             self._wsock.close()
+
+    def close(self) -> None:
+        self._retire_writer()
         self._closing = True
         self._thread.join(timeout=5)
         if self._thread.is_alive():
