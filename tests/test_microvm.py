@@ -842,6 +842,26 @@ def test_what_a_guest_writes_to_its_console_counts_against_its_disk() -> None:
         assert sb.commands.run("echo alive").stdout == "alive\n"
 
 
+def test_a_full_workspace_is_enospc_and_the_vm_runs_on() -> None:
+    """A microVM's workspace tmpfs was `disk` (1 GiB by default) while QEMU's host group, where its
+    9p server writes those pages, held guest RAM and 384 MiB: filling `/workspace` (uid 1000, no
+    root needed) OOM-killed QEMU, the command said the sandbox stopped, every later call raised
+    SandboxClosed.  The disk is now held within memory as on the other tiers, and the group is
+    sized for it: a full disk is ENOSPC and the VM goes on."""
+    from corral.host.mounts import disk_held_in_memory
+
+    with Sandbox.create(tier="microvm", memory="256M") as sb:
+        inner = _vm(sb)
+        disk = disk_held_in_memory(sb.spec.limits)
+        assert disk < sb.spec.limits.disk  # (the default 1 GiB is over what 256M holds)
+        held = os.statvfs(inner._run_dir / "disk")
+        assert 0 <= held.f_blocks * held.f_frsize - disk < 4096  # (tmpfs rounds up to its pages)
+        filled = sb.commands.run(f"head -c {(disk >> 20) + 64}M /dev/zero > /workspace/fill", timeout=300)
+        assert filled.exit_code != 0 and "No space left" in filled.stderr and not filled.oom_killed, filled
+        assert inner.cgroup is not None and inner.cgroup.oom_kills() == 0
+        assert sb.commands.run("rm /workspace/fill && echo alive", timeout=60).stdout == "alive\n"
+
+
 def test_a_long_session_holds_the_vmms_memory_flat() -> None:
     """QEMU's translation cache (TCG) grew with every command (~1.8 MiB an `echo`; QEMU's default
     cap is 1 GiB) past the VMM's share of the sandbox's host memory limit: the host OOM-killed

@@ -333,6 +333,28 @@ def test_interpreter_options_and_python_env_get_a_fresh_interpreter(sb: Sandbox)
     assert r.stdout == "1\n", r.stderr
 
 
+def test_files_cannot_fill_the_sandboxs_memory(wasm_available: None) -> None:
+    """The wasm tier's tmpfs was `disk` (1 GiB by default) in a group of `memory` + 128 MiB: a
+    128M sandbox writing to /tmp was OOM-killed (137) instead of told ENOSPC, and what it wrote
+    stayed charged, leaving later commands 6 MiB.  The disk is held within memory as on the
+    process tier: a full disk is ENOSPC, and a later command has its memory."""
+    from corral.host.mounts import disk_held_in_memory
+
+    with Sandbox.create(tier="wasm", memory="128M") as sb:
+        disk = disk_held_in_memory(sb.spec.limits)
+        r = sb.commands.run(py(
+            "chunk = b'x' * (1 << 20)\n"
+            "try:\n"
+            "    with open('/tmp/big', 'wb') as f:\n"
+            f"        for _ in range({(disk >> 20) + 32}): f.write(chunk)\n"
+            "    print('WROTE')\n"
+            "except OSError as e:\n"
+            "    print('disk full', e.errno)\n"), timeout=120)
+        assert r.exit_code == 0 and r.stdout.startswith("disk full"), r  # (ENOSPC: 51 in WASI's numbering)
+        r = sb.commands.run(py("b = bytearray(24 << 20); print(len(b))"), timeout=120)
+        assert r.stdout == f"{24 << 20}\n" and not r.oom_killed, r
+
+
 def test_disk_limit_and_no_network(wasm_available: None) -> None:
     with Sandbox.create(tier="wasm", disk="4M") as sb:
         assert sb.network.audit() == []  # nothing to refuse (it raised SandboxClosed on a live sandbox)

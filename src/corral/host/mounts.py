@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 
+from ..spec import Limits
+
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
@@ -53,6 +55,27 @@ def tmpfs_args(size: int, uid: int, gid: int, mode: int = 0o700) -> tuple[str, i
     # an inode cap too: millions of empty files would otherwise cost host memory, not disk
     inodes = max(16384, size // 4096)
     return "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={gid}"
+
+
+def disk_held_in_memory(limits: Limits) -> int:
+    """The size of a disk tmpfs whose pages are charged to the sandbox's own memory cgroup,
+    such that files alone can never fill that memory.
+
+    tmpfs pages cannot be reclaimed (no swap): a sandbox that wrote ``memory`` bytes of files
+    would leave no room for any process, and the kernel's OOM killer would then kill its agent
+    (pid 1) and every later command -- the whole sandbox gone, what it had not written back lost.
+    So the disk holds at most what leaves a reserve for the agent and a small command (16 MiB
+    and a sixteenth of ``memory``), less a fifth for the kernel's own memory of a full inode
+    table (tmpfs inodes and dentries, ~1 KiB per file of at least 4 KiB: ``tmpfs_args``).  Past
+    it a write fails with ``ENOSPC``, and the sandbox goes on.
+
+    Every tier holds its disk so: the process and gVisor tiers in the sandbox's own group; a
+    microVM's in QEMU's (its 9p server writes the pages: a full 1 GiB workspace OOM-killed QEMU,
+    whose group holds guest RAM and 384 MiB besides, and the whole VM was lost), which this size
+    is added to; wasm's in its worker's (a full disk left later commands 6 MiB)."""
+    mib = 1 << 20
+    reserve = min(limits.memory // 2, 16 * mib + limits.memory // 16)
+    return max(mib, min(limits.disk, (limits.memory - reserve) * 4 // 5))
 
 
 def mount_tmpfs(target: Path, size: int, uid: int, gid: int, mode: int = 0o700) -> None:

@@ -41,27 +41,12 @@ from ...host.uids import release_uid
 from ...host.ws_copy import WorkspaceCopy
 from ...host.ws_overlay import WorkspaceOverlay, make_workspace
 from ...images import SANDBOX_HOME, identity_files, image_mark, resolve
-from ...spec import WORKSPACE_PATH, Limits, SandboxSpec
+from ...spec import WORKSPACE_PATH, SandboxSpec
 
 #: where the agent binary is bound inside every sandbox
 AGENT_PATH = "/.corral/agent"
 
 MiB = 1 << 20
-
-
-def disk_held_in_memory(limits: Limits) -> int:
-    """The size of a disk tmpfs whose pages are charged to the sandbox's own memory cgroup,
-    such that files alone can never fill that memory.
-
-    tmpfs pages cannot be reclaimed (no swap): a sandbox that wrote ``memory`` bytes of files
-    would leave no room for any process, and the kernel's OOM killer would then kill its agent
-    (pid 1) and every later command -- the whole sandbox gone, what it had not written back lost.
-    So the disk holds at most what leaves a reserve for the agent and a small command (16 MiB
-    and a sixteenth of ``memory``), less a fifth for the kernel's own memory of a full inode
-    table (tmpfs inodes and dentries, ~1 KiB per file of at least 4 KiB: ``tmpfs_args``).  Past
-    it a write fails with ``ENOSPC``, and the sandbox goes on."""
-    reserve = min(limits.memory // 2, 16 * MiB + limits.memory // 16)
-    return max(MiB, min(limits.disk, (limits.memory - reserve) * 4 // 5))
 
 
 def reap_host_side(state_dir: Path, sandbox_id: str, run_dir: Path, record: dict[str, object]) -> None:

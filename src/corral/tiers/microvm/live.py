@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import FileError, InvalidSpec, InvalidState, SandboxError, SnapshotCorrupt
 from ...host import mounts
-from ...spec import MiB
 from ..base import PendingWrite
 from ..linux import fs_snapshot
 from ..linux.agent import USER_IDS, AgentChannel
@@ -416,7 +415,7 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
                           f"(its guest's network state is the snapshot's)")
     image, entries, vm_dir = load(files, digest)
     disk = check_compatible(image, vm, vm_dir)
-    fs_snapshot.check_fits(entries, spec.limits.disk, name)
+    fs_snapshot.check_fits(entries, mounts.disk_held_in_memory(spec.limits), name)
     if disk.path.parent == vm_dir:  # the snapshot's link to the disk: the VM gets its own (the snapshot may go)
         os.link(disk.path, run / "image.erofs")
         disk = ImageDisk(run / "image.erofs", disk.key)
@@ -440,14 +439,13 @@ def host_side(vm: MicroVMSandbox, ram_mb: int, disk: ImageDisk, leaves: int) -> 
     """What a VM made from a live state (a snapshot's, a fork's) holds on the host before its QEMU
     starts: its cgroup, sized for ``ram_mb`` of guest RAM, and its disk tmpfs; returns the
     (empty) directory its workspace copy goes to."""
-    from .sandbox import VMM_OVERHEAD, VMM_PIDS
+    from .sandbox import host_limits
 
     spec, run, uid = vm.spec, vm._run_dir, vm.uid
     vm.ram_mb, vm.image_disk, vm._exec_count = ram_mb, disk, leaves
-    host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
-    vm._make_cgroup(host_limits, vm._tier._layout)
+    vm._make_cgroup(host_limits(spec.limits, ram_mb), vm._tier._layout)
     (run / "disk").mkdir()
-    mounts.mount_tmpfs(run / "disk", spec.limits.disk, uid, uid, 0o700)
+    mounts.mount_tmpfs(run / "disk", mounts.disk_held_in_memory(spec.limits), uid, uid, 0o700)
     ws = run / "disk" / "ws"
     ws.mkdir(mode=0o755)
     os.chown(ws, uid, uid)

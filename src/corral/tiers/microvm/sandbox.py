@@ -51,9 +51,10 @@ from typing import TYPE_CHECKING, Any
 from ...egress.network import PROXY_PORT
 from ...errors import SandboxClosed, SandboxError
 from ...host import mounts
+from ...host.mounts import disk_held_in_memory
 from ...host.ws_copy import WorkspaceCopy
 from ...images import resolve
-from ...spec import MiB, SandboxSpec
+from ...spec import Limits, MiB, SandboxSpec
 from ..base import ExecRequest, OutputCallback, Process
 from ..linux.agent import USER_IDS, AgentChannel
 from ..linux.agent_build import agent_binary
@@ -72,6 +73,13 @@ if TYPE_CHECKING:
 CONNECTOR_IN_GUEST = "/.corral-connect"
 #: host memory on top of guest RAM: QEMU itself and TCG's translation cache
 VMM_OVERHEAD = 384 * MiB
+
+
+def host_limits(limits: Limits, ram_mb: int) -> Limits:
+    """The limits of a VM's host cgroup: guest RAM, QEMU's own, and the disk tmpfs whose pages
+    QEMU's 9p server writes (:func:`~corral.host.mounts.disk_held_in_memory`)."""
+    memory = ram_mb * MiB + VMM_OVERHEAD + disk_held_in_memory(limits)
+    return dataclasses.replace(limits, memory=memory, pids=VMM_PIDS)
 VMM_PIDS = 64
 START_TIMEOUT = 60.0
 #: seconds of the VM's running time a killed command has to be seen to end (its agent reports
@@ -139,14 +147,14 @@ class MicroVMSandbox(LinuxSandbox):
         tmpl = self.source_template = template.get_template(
             self._tier.assets, self._tier.accel, ram_mb, image_disk, self._tier.state_dir)
         self.timings["template"] = time.monotonic() - t0
-        host_limits = dataclasses.replace(spec.limits, memory=ram_mb * MiB + VMM_OVERHEAD, pids=VMM_PIDS)
-        self._make_cgroup(host_limits, self._tier._layout)
+        disk_size = disk_held_in_memory(spec.limits)
+        self._make_cgroup(host_limits(spec.limits, ram_mb), self._tier._layout)
         disk = run / "disk"
         disk.mkdir()
-        mounts.mount_tmpfs(disk, spec.limits.disk, uid, uid, 0o700)
+        mounts.mount_tmpfs(disk, disk_size, uid, uid, 0o700)
         ws = disk / "ws"
         if spec.workspace is not None:
-            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, spec.limits.disk)
+            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, disk_size)
         else:
             ws.mkdir(mode=0o755)
             os.chown(ws, uid, uid)

@@ -36,6 +36,7 @@ from ...host import cgroups
 from ...host.bwrap import check_host
 from ...host.grace import expedited_move
 from ...host.mountns import MountNamespace
+from ...host.mounts import disk_held_in_memory
 from ...host.netns import NETNS_DIR
 from ...host.procs import children, descendants
 from ...host.seccomp import bpf_path
@@ -50,7 +51,6 @@ from ..linux.rootfs import (
     AGENT_PATH,
     BOOT_ID_PATH,
     boot_id_file,
-    disk_held_in_memory,
     proc_masks,
     reap_host_side,
     sandbox_dev,
@@ -184,8 +184,7 @@ class ProcessSandbox(LinuxSandbox):
 
     def _disk_size(self) -> int:
         # its disk's pages are charged to the sandbox's memory cgroup, where the kernel's OOM
-        # killer is the only answer to a full one (gVisor's memory guard and wasm's worker per
-        # command outlive it; a microVM's disk is charged to the guest's RAM)
+        # killer is the only answer to a full one (gVisor's memory guard outlives it)
         return disk_held_in_memory(self.spec.limits)
 
     def _launch(self, root: Path, ws: Path) -> None:

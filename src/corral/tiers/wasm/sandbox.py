@@ -74,7 +74,7 @@ class WasmSandbox(TierSandbox):
             self._uid_reserved = True
             self._next = standby.worker
             try:
-                guests.adopt(standby, self.id, root, spec.limits.disk)
+                guests.adopt(standby, self.id, root, mounts.disk_held_in_memory(spec.limits))
             except BaseException:
                 guests.discard(standby)  # releases the uid: it is no longer ours to release
                 self._next = None
@@ -83,10 +83,11 @@ class WasmSandbox(TierSandbox):
         elif tier.privileged:
             self.uid = self.gid = allocate_uid(tier.state_dir, self.id)
             self._uid_reserved = True
-            mounts.mount_tmpfs(root, spec.limits.disk, self.uid, self.gid, 0o711)
+            mounts.mount_tmpfs(root, mounts.disk_held_in_memory(spec.limits), self.uid, self.gid, 0o711)
         ws, tmp = root / "workspace", root / "tmp"
         if spec.workspace is not None:
-            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, self.uid, self.gid, spec.limits.disk)
+            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, self.uid, self.gid,
+                                                  mounts.disk_held_in_memory(spec.limits))
         else:
             ws.mkdir(mode=0o755, exist_ok=True)
         tmp.mkdir(mode=0o700, exist_ok=True)

@@ -128,7 +128,7 @@ class StandbyGuests:
         try:
             directory.mkdir(mode=0o711)
             fs.mkdir()
-            mounts.mount_tmpfs(fs, self.limits.disk, uid, uid, 0o711)
+            mounts.mount_tmpfs(fs, mounts.disk_held_in_memory(self.limits), uid, uid, 0o711)
             (fs / "workspace").mkdir(mode=0o700)
             (fs / "tmp").mkdir(mode=0o700)
             for path in (fs / "workspace", fs / "tmp"):
