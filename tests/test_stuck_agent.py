@@ -365,3 +365,89 @@ def test_a_writer_waiting_when_the_channel_closes_writes_nowhere_else(tmp_path: 
         for fd in reused:
             os.close(fd)
         os.close(to_agent_r)
+
+
+class _ForgedAgent:
+    """The agent's end of a channel, answering each request with what a microVM guest's root may
+    send in its agent's place (it owns the guest's end of the port)."""
+
+    def __init__(self, answer: Callable[[int, int], list[tuple[int, bytes]]]) -> None:
+        import socket
+
+        from corral.tiers.linux.frames import HEADER
+
+        self._header = HEADER
+        host, self.guest = socket.socketpair()
+        self.channel = agent_protocol.AgentChannel(os.dup(host.fileno()), os.dup(host.fileno()))
+        host.close()
+        self._answer = answer
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            more = self.guest.recv(n - len(data))
+            if not more:
+                raise EOFError
+            data += more
+        return data
+
+    def _serve(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                kind, ident, length = self._header.unpack(self._read(self._header.size))
+                self._read(length)
+                for answer_kind, payload in self._answer(kind, ident):
+                    self.guest.sendall(self._header.pack(answer_kind, ident, len(payload)) + payload)
+
+    def close(self) -> None:
+        self.guest.close()
+        self.channel.close()
+
+
+def test_a_forged_agent_answer_is_held_to_the_requests_bounds() -> None:
+    """A microVM guest's root answers for its agent, and the host took what it sent: a listing of
+    5.5 million forged entries (the owner at 1.8 GB), a read of max_bytes=1024 that returned
+    32 MiB (a T_OK was appended unchecked), an unknown kind byte raising UnicodeDecodeError.  Each
+    is now held to the request's bounds or is a FileError."""
+    import struct
+
+    from corral.tiers.base import MAX_LIST_ENTRIES
+    from corral.tiers.linux.frames import T_DATA, T_FLIST, T_FREAD, T_FSTAT, T_OK
+
+    def entry(kind: bytes, name: bytes) -> bytes:
+        return struct.pack("<cQIq", kind, 1, 0o644, 0) + name + b"\0"
+
+    many = b"".join(entry(b"f", b"n%d" % i) for i in range(MAX_LIST_ENTRIES + 5))
+    answers: dict[str, list[tuple[int, bytes]]] = {
+        "/many": [(T_DATA, many), (T_OK, b"")],
+        "/huge": [(T_DATA, b"\0" * (32 << 20)), (T_OK, b"\0" * (32 << 20))],
+        "/odd": [(T_OK, entry(b"\xff", b"odd") + entry(b"f", b"..") + entry(b"d", b"a/b") + entry(b"f", b"ok"))],
+        "/cut": [(T_OK, struct.pack("<cQIq", b"f", 1, 0, 0) + b"no-end")],
+    }
+    asked: list[bytes] = []
+
+    def answer(kind: int, ident: int) -> list[tuple[int, bytes]]:
+        if kind == T_FREAD:
+            return [(T_OK, b"x" * (1 << 20))]
+        if kind == T_FSTAT:
+            return [(T_OK, b"\x01")]
+        assert kind == T_FLIST
+        return answers[asked.pop(0)]
+
+    agent = _ForgedAgent(answer)
+    try:
+        for path, errno_ in (("/many", errno.E2BIG), ("/huge", errno.E2BIG), ("/cut", errno.EPROTO)):
+            asked.append(path)
+            with pytest.raises(FileError) as refused:
+                agent.channel.list_dir(path)
+            assert refused.value.errno == errno_, (path, refused.value)
+        asked.append("/odd")
+        assert [(e.name, e.type) for e in agent.channel.list_dir("/odd")] == [("odd", "other"), ("ok", "file")]
+        with pytest.raises(FileError, match="larger than the 1024 byte limit"):
+            agent.channel.read_file("/f", 1024)
+        with pytest.raises(FileError, match="malformed"):
+            agent.channel.stat("/f")
+    finally:
+        agent.close()

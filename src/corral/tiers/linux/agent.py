@@ -27,7 +27,7 @@ from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed
 from ...host import fdwait
 from ...images import SANDBOX_UID
 from ...spec import path_bytes
-from ..base import ExecRequest, FileEntry, OutputCallback, too_many_entries
+from ..base import MAX_LIST_ENTRIES, ExecRequest, FileEntry, OutputCallback, too_many_entries
 from .agent_process import AgentProcess
 from .frames import (
     HEADER,
@@ -79,6 +79,14 @@ WRITE_TIMEOUT = 60.0
 WRITE_CHUNK = 4 << 20
 _TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
 _ENTRY = struct.Struct("<cQIq")
+#: the most a listing's answer may take: the agent's own bound of entries, each at its longest name
+LIST_ANSWER_LIMIT = MAX_LIST_ENTRIES * (_ENTRY.size + 256)
+#: characters of an error the agent sends that are kept
+MAX_ERROR_TEXT = 4096
+
+
+def _kind(kind: bytes) -> str:
+    return _TYPES.get(kind.decode("latin-1"), "other")
 
 class _Pending:
     def __init__(self) -> None:
@@ -317,9 +325,14 @@ class AgentChannel:
             return
         pending.kind = kind
         if kind == T_OK:
-            pending.data += payload
+            # the answer's bound holds for all of it (a microVM guest's root answers for its agent:
+            # a T_OK of 32 MiB came back from a read of max_bytes=1024)
+            if len(pending.data) + len(payload) > pending.limit:
+                pending.overflow = True
+            else:
+                pending.data += payload
         elif kind == T_ERR:
-            pending.data = bytearray(payload)
+            pending.data = bytearray(payload[:4 + MAX_ERROR_TEXT])
         pending.done.set()
 
     def wait_ready(self, timeout: float) -> None:
@@ -455,23 +468,40 @@ class AgentChannel:
                 target, temp = answer.split(b"\0")[:2]
 
     def list_dir(self, path: str) -> list[FileEntry]:
-        raw = self.call(T_FLIST, path_bytes(path) + b"\0")
+        """The entries of ``path``; the answer is read as a guest's root may have written it (a
+        microVM's agent is the guest's): bounded in bytes and entries as the agent bounds its own
+        (a forged answer of 5.5 million entries took its owner to 1.8 GB), and a malformed one
+        is a FileError (an unknown kind byte raised UnicodeDecodeError)."""
+        try:
+            raw = self.call(T_FLIST, path_bytes(path) + b"\0", limit=LIST_ANSWER_LIMIT)
+        except FileError as exc:
+            if exc.errno != errno.EFBIG:
+                raise
+            raise FileError(too_many_entries(path), errno.E2BIG) from None
         entries: list[FileEntry] = []
         pos = 0
         base = path.rstrip("/") or ""
         while pos + _ENTRY.size < len(raw):
+            if len(entries) >= MAX_LIST_ENTRIES:
+                raise FileError(too_many_entries(path), errno.E2BIG)
             kind, size, mode, mtime = _ENTRY.unpack_from(raw, pos)
-            end = raw.index(b"\0", pos + _ENTRY.size)
+            end = raw.find(b"\0", pos + _ENTRY.size)
+            if end < 0:
+                raise FileError(f"{path}: the sandbox's agent sent a malformed listing", errno.EPROTO)
             name = raw[pos + _ENTRY.size : end].decode(errors="surrogateescape")
             pos = end + 1
-            entries.append(FileEntry(name, f"{base}/{name}", _TYPES.get(kind.decode(), "other"), size, mode, float(mtime)))
+            if name in ("", ".", "..") or "/" in name:
+                continue  # no directory holds such a name: not the agent's own answer
+            entries.append(FileEntry(name, f"{base}/{name}", _kind(kind), size, mode, float(mtime)))
         return sorted(entries, key=lambda e: e.name)
 
     def stat(self, path: str) -> FileEntry:
-        raw = self.call(T_FSTAT, path_bytes(path) + b"\0")
+        raw = self.call(T_FSTAT, path_bytes(path) + b"\0", limit=_ENTRY.size + 256)
+        if len(raw) < _ENTRY.size:
+            raise FileError(f"{path}: the sandbox's agent sent a malformed answer", errno.EPROTO)
         kind, size, mode, mtime = _ENTRY.unpack_from(raw, 0)
         name = path.rstrip("/").rsplit("/", 1)[-1] or "/"
-        return FileEntry(name, path, _TYPES.get(kind.decode(), "other"), size, mode, float(mtime))
+        return FileEntry(name, path, _kind(kind), size, mode, float(mtime))
 
     def remove(self, path: str, recursive: bool) -> None:
         self.call(T_FREMOVE, struct.pack("<I", int(recursive)) + path_bytes(path) + b"\0")
