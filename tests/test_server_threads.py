@@ -390,3 +390,55 @@ def test_a_destroy_that_fails_does_not_stop_the_reaper(state_dir: Path) -> None:
             await manager.shutdown()
 
     assert asyncio.run(reaped()) == [False, False]
+
+
+def test_one_tenants_calls_on_its_paused_sandbox_hold_no_other_tenants_work(state_dir: Path) -> None:
+    """Kills, signals, pause, resume, audit and a stream's controls took the server's shared
+    threads without a bound (they must not wait behind the tenant's own commands): alice paused
+    her sandbox in the middle of an upload, whose write then held her agent's channel, and sent
+    signals to it; each waited for the agent on a shared thread until none was left, and bob's
+    exec, listing and create waited with them.  A signal to a paused sandbox is now refused
+    (409, as stdin is), and such calls hold at most 8 shared threads a tenant."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ServerProcess(state_dir / "srv-control-threads", keys=KEYS, config=SMALL_SHARES) as server, \
+            server.client("alice") as alice, server.client("bob") as bob:
+        bobs = bob.post("/v1/sandboxes", json={}).json()["id"]
+        sid = alice.post("/v1/sandboxes", json={"limits": {"cpus": 0.05}}).json()["id"]
+        started = alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 300"})
+        assert started.status_code == 201, started.text
+        pid = started.json()["pid"]
+        for _ in range(3):  # the agent, in the sandbox's cgroup, gets almost none of its 5 % of a CPU
+            alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "while :; do :; done"})
+        upload = threading.Thread(target=lambda: server.client("alice").put(
+            f"/v1/sandboxes/{sid}/files/content", params={"path": "big"}, content=b"u" * (24 << 20),
+            headers={"content-type": "application/octet-stream"}, timeout=120), daemon=True)
+        upload.start()
+        time.sleep(0.3)
+        assert alice.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+        try:
+            def signal_it(_: int) -> int:
+                with server.client("alice") as own:
+                    try:
+                        return own.post(f"/v1/sandboxes/{sid}/commands/{pid}/signal", json={"signal": 15},
+                                        timeout=20).status_code
+                    except httpx.TimeoutException:
+                        return 0
+            with ThreadPoolExecutor(24) as pool:
+                signals = pool.map(signal_it, range(24))
+                time.sleep(1)
+                t0 = time.monotonic()
+                try:
+                    ran = bob.post(f"/v1/sandboxes/{bobs}/exec", json={"cmd": "echo hi"}, timeout=30)
+                except httpx.TimeoutException:
+                    pytest.fail("bob's exec had no answer in 30 s: alice's signals held every thread")
+                took = time.monotonic() - t0
+                answered = list(signals)
+            assert ran.status_code == 200 and ran.json()["stdout"] == "hi\n", ran.text
+            assert took < 10, f"bob's exec waited {took:.1f} s behind alice's signals"
+            assert answered == [409] * 24, answered
+        finally:
+            alice.post(f"/v1/sandboxes/{sid}/resume")
+            alice.delete(f"/v1/sandboxes/{sid}")  # (the upload ends with it)
+            bob.delete(f"/v1/sandboxes/{bobs}")
+            upload.join(60)

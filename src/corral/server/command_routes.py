@@ -205,7 +205,7 @@ async def list_commands(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str,
 async def kill_command(sandbox_id: str, pid: int, who: Tenant, ctx: Context) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     # a kill or a signal is not held behind the tenant's own long commands (it may be what ends them)
-    if not await ctx.run_blocking(entry.sandbox.commands.kill, pid):
+    if not await ctx.run_control(who, entry.sandbox.commands.kill, pid):
         return error_response(404, "not_found", f"sandbox {sandbox_id} has no running command with pid {pid}")
     return Response(status_code=204)
 
@@ -235,7 +235,7 @@ async def command_stdin(sandbox_id: str, pid: int, request: Request, who: Tenant
 async def command_signal(sandbox_id: str, pid: int, body: SignalBody, who: Tenant, ctx: Context) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
     try:
-        await ctx.run_blocking(lambda: entry.sandbox.commands.connect(pid).send_signal(body.signal))
+        await ctx.run_control(who, lambda: entry.sandbox.commands.connect(pid).send_signal(body.signal))
     except InvalidSpec as exc:
         return error_response(404, "not_found", str(exc))
     return Response(status_code=204)

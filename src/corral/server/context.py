@@ -30,6 +30,9 @@ from .snapshot_quota import SnapshotQuota
 T = TypeVar("T")
 
 
+#: shared threads one tenant's control calls may hold at once (:meth:`ServerContext.run_control`)
+CONTROL_THREADS_PER_TENANT = 8
+
 class ServerContext:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -38,6 +41,7 @@ class ServerContext:
         self.blocking = ThreadPoolExecutor(max_workers=config.blocking_threads, thread_name_prefix="corral-api")
         #: each tenant's share of those threads (made on the loop, on first use)
         self._shares: dict[str, asyncio.Semaphore] = {}
+        self._control_shares: dict[str, asyncio.Semaphore] = {}
         #: bytes of downloads each tenant has in flight
         self._downloads = TenantTally(config.max_download_bytes_per_tenant)
         #: output each tenant's running commands may hold here (each counted at 2 x max_output)
@@ -95,6 +99,18 @@ class ServerContext:
         share = self._shares.get(tenant)
         if share is None:
             share = self._shares[tenant] = asyncio.Semaphore(self.config.max_threads_per_tenant)
+        async with share:
+            return await self.run_blocking(fn, *args, **kwargs)
+
+    async def run_control(self, tenant: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """:meth:`run_blocking` for a call that acts on what runs (a kill, a signal, pause, resume,
+        a stream's stdin and controls, the audit): not behind the tenant's own long commands (it
+        may be what ends them), but within ``CONTROL_THREADS_PER_TENANT`` of the shared threads.
+        They took shared threads without a bound: one tenant's 140 signals to its paused sandbox
+        (each waiting for its agent) held all 128, and every tenant's exec, listing and create waited."""
+        share = self._control_shares.get(tenant)
+        if share is None:
+            share = self._control_shares[tenant] = asyncio.Semaphore(CONTROL_THREADS_PER_TENANT)
         async with share:
             return await self.run_blocking(fn, *args, **kwargs)
 

@@ -82,14 +82,14 @@ async def pause_sandbox(sandbox_id: str, who: Tenant, ctx: Context, body: PauseB
         # slow (a microVM's memory written out): within the tenant's share, as snapshots are
         await ctx.run_for(who, snapshot_routes.park, ctx, who, sandbox_id)
     else:
-        await ctx.run_blocking(entry.sandbox.pause)
+        await ctx.run_control(who, entry.sandbox.pause)
     return entry.to_dict()
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/resume", summary="Let a paused sandbox run on (409 if not paused)")
 async def resume_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    await ctx.run_blocking(entry.sandbox.resume)
+    await ctx.run_control(who, entry.sandbox.resume)
     entry.last_used = time.time()
     return entry.to_dict()
 
@@ -113,7 +113,7 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
     release = await ctx.hold_output(who, entry.spec.limits.max_output)
     # a client that leaves takes its command with it: it would otherwise run on to its timeout
     # (up to days), holding one of the sandbox's exec slots and a thread of the tenant's share
-    watch = asyncio.ensure_future(_kill_when_the_client_leaves(request, running, ctx))
+    watch = asyncio.ensure_future(_kill_when_the_client_leaves(request, running, ctx, who))
     try:
         result = await ctx.run_for(who, run_and_audit)
         ctx.metrics.record_exec(result.timed_out, result.oom_killed)
@@ -131,10 +131,11 @@ async def _client_left(request: Request) -> None:
         pass
 
 
-async def _kill_when_the_client_leaves(request: Request, running: list[CommandProcess], ctx: Context) -> None:
+async def _kill_when_the_client_leaves(request: Request, running: list[CommandProcess], ctx: Context,
+                                       tenant: str) -> None:
     await _client_left(request)
     for process in running:
-        await ctx.run_blocking(process.kill)
+        await ctx.run_control(tenant, process.kill)
 
 
 async def _set_when_the_client_leaves(request: Request, cancel: threading.Event) -> None:
@@ -145,7 +146,7 @@ async def _set_when_the_client_leaves(request: Request, cancel: threading.Event)
 @router.get("/v1/sandboxes/{sandbox_id}/network/audit", summary="Egress refusals and withheld secrets so far")
 async def network_audit(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    return {"events": await ctx.run_blocking(ctx.manager.audit, entry)}
+    return {"events": await ctx.run_control(who, ctx.manager.audit, entry)}
 
 
 # the code interpreter (corral.interpreter): one cell per call

@@ -32,6 +32,7 @@ import base64
 import binascii
 import collections
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -129,9 +130,10 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
             waiter = asyncio.ensure_future(ctx.run_for(tenant, wait_then_report))
             # stdin the command has not taken yet counts with the tenant's WebSocket messages held
             # (8 streams whose commands read nothing held 2 x 12 MiB frames each: +520 MiB)
-            stdin = _StdinWriter(websocket, ctx.run_blocking, handle, body.stdin_acks, ctx.ws_messages, tenant)
+            control = functools.partial(ctx.run_control, tenant)
+            stdin = _StdinWriter(websocket, control, handle, body.stdin_acks, ctx.ws_messages, tenant)
             receiver = asyncio.create_task(_receive_control(websocket, handle, queue, body.pty is not None,
-                                                            ctx.run_blocking, stdin))
+                                                            control, stdin))
             try:
                 started: dict[str, Any] = {"type": "started", "pid": handle.pid}
                 if body.stdin_acks:
@@ -143,7 +145,7 @@ async def exec_stream(websocket: WebSocket, sandbox_id: str) -> None:
                 stdin.cancel()  # (also if the reader never ran)
                 # no-op once the command ended; kills the tree if the client left early
                 with contextlib.suppress(Exception):
-                    await ctx.run_blocking(handle.kill)
+                    await ctx.run_control(tenant, handle.kill)
                 with contextlib.suppress(BaseException):
                     await waiter
     except SandboxError as exc:

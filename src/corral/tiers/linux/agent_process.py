@@ -174,6 +174,8 @@ class AgentProcess(Process):
             self._channel.send(T_STDIN_EOF, self._id)
 
     def send_signal(self, signum: int) -> None:
+        if self._channel.pause_clock.paused:  # its agent is frozen: a caller's thread would wait for it
+            raise SandboxPaused("the sandbox is paused: resume() it first")
         self._requested_signals.add(signum)
         self._send_signal_frame(signum)
 
