@@ -59,3 +59,48 @@ def test_answers_nobody_reads_hold_back_their_tenants_next_commands_not_the_serv
         # the clients gone, what they held is given back: the tenant's next command runs
         answer = alice.post(f"/v1/sandboxes/{ids[0]}/exec", json={"cmd": "echo back"}, timeout=120)
         assert answer.json()["stdout"] == "back\n"
+
+
+def test_a_large_answer_is_built_without_stalling_other_tenants(state_dir: Path) -> None:
+    """A blocking exec's answer (and a listing's) was rendered to JSON on the event loop: alice's
+    command printing 2 x 64 MiB of control bytes (768 MiB of JSON) stalled every request of every
+    tenant for 2 s.  It is now rendered on alice's thread, a piece per call, so bob's requests
+    are answered meanwhile."""
+    import threading
+
+    import httpx
+
+    config = {"max_output_bytes_per_tenant": "1G"}
+    with ServerProcess(state_dir / "srv-big-answer", keys=KEYS, config=config) as server, \
+            server.client("alice") as alice, server.client("bob") as bob:
+        sid = alice.post("/v1/sandboxes", json={"limits": {"max_output": "64M", "memory": "256M"}}).json()["id"]
+        bobs = bob.post("/v1/sandboxes", json={"limits": {"memory": "64M"}}).json()["id"]
+        loud = "head -c 64M /dev/zero | tr '\\0' '\\1'; head -c 64M /dev/zero | tr '\\0' '\\1' >&2"
+        done = threading.Event()
+        sizes: list[int] = []
+
+        def ask() -> None:
+            try:
+                with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEYS['alice']}"},
+                                  timeout=300) as own:
+                    answer = own.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": loud, "timeout": 240})
+                    sizes.append(len(answer.content))
+            finally:
+                done.set()
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        worst = 0.0
+        try:
+            deadline = time.monotonic() + 240
+            while not done.is_set() and time.monotonic() < deadline:
+                t0 = time.monotonic()
+                assert bob.get(f"/v1/sandboxes/{bobs}").status_code == 200
+                worst = max(worst, time.monotonic() - t0)
+                time.sleep(0.01)
+        finally:
+            asker.join(300)
+            alice.delete(f"/v1/sandboxes/{sid}")
+            bob.delete(f"/v1/sandboxes/{bobs}")
+        assert sizes and sizes[0] > 6 * (128 << 20), sizes  # (each byte is \u0001 in JSON)
+        assert worst < 0.5, f"bob waited {worst:.2f} s for an answer while alice's was built"

@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..tiers.base import json_text
 from .context import Context, Tenant
-from .output_shares import HeldUntilSent, send_in_pieces
+from .output_shares import HeldUntilSent, render_json, send_in_pieces
 from .wire import path_of_query
 
 #: the largest file a download returns
@@ -65,12 +65,14 @@ class Download(Response):
 @router.get(FILES, summary="List a directory")
 async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Depends(_listed)]) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
-    entries = await ctx.run_for(who, entry.sandbox.files.list, path)
     # up to 100,000 entries: counted with the tenant's output until its client has taken it; a
     # name that is not UTF-8 is text with U+FFFD and its bytes in name_b64 / path_b64 (it made the
-    # whole listing a 400)
-    return HeldUntilSent({**json_text("path", path), "entries": [e.to_json() for e in entries]},
-                         ctx.output_shares, who)
+    # whole listing a 400); rendered on the tenant's thread, not on the loop (output_shares.render_json)
+    def list_and_render() -> list[bytes]:
+        entries = entry.sandbox.files.list(path)
+        return render_json({**json_text("path", path), "entries": [e.to_json() for e in entries]})
+
+    return HeldUntilSent(await ctx.run_for(who, list_and_render), ctx.output_shares, who)
 
 
 @router.get(FILES + "/stat", summary="Describe one file")

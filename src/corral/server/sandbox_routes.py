@@ -16,7 +16,7 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec, validate_env
 from . import snapshot_routes
 from .context import Context, Tenant
-from .output_shares import HeldUntilSent
+from .output_shares import HeldUntilSent, render_json
 from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
@@ -103,22 +103,22 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
     call = check_call(body.cmd, body.timeout, body.env, body.cwd or sandbox.cwd, user=body.user)
     running: list[CommandProcess] = []
 
-    def run_and_audit() -> ExecResult:
+    def run_and_audit() -> tuple[ExecResult, list[bytes]]:
         # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
         with manager.exec_slot(entry):
             result = sandbox._backend.run(call, body.stdin_bytes(), None, running.append)
         manager.count_refused(entry)
-        return result
+        return result, render_json({"sandbox_id": sandbox_id, **result.to_dict()})  # (not on the loop)
 
     release = await ctx.hold_output(who, entry.spec.limits.max_output)
     # a client that leaves takes its command with it: it would otherwise run on to its timeout
     # (up to days), holding one of the sandbox's exec slots and a thread of the tenant's share
     watch = asyncio.ensure_future(_kill_when_the_client_leaves(request, running, ctx, who))
     try:
-        result = await ctx.run_for(who, run_and_audit)
+        result, answer = await ctx.run_for(who, run_and_audit)
         ctx.metrics.record_exec(result.timed_out, result.oom_killed)
         # its answer is counted from here until the client has it
-        return HeldUntilSent({"sandbox_id": sandbox_id, **result.to_dict()}, ctx.output_shares, who)
+        return HeldUntilSent(answer, ctx.output_shares, who)
     finally:
         watch.cancel()
         release()  # the result is in hand, and its answer counted
@@ -162,11 +162,14 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context, r
     release = await ctx.hold_output(who, entry.spec.limits.max_output)
     watch = asyncio.ensure_future(_set_when_the_client_leaves(request, cancel))
     try:
+        def run_and_render() -> list[bytes]:
+            result = sandbox._backend.run_code(sandbox, body.code, language=body.language, timeout=body.timeout,
+                                               context=body.context, envs=envs, callbacks={"cancel": cancel})
+            return render_json(result.to_dict())
+
         with ctx.manager.exec_slot(entry):
-            result = await ctx.run_for(who, sandbox._backend.run_code, sandbox, body.code, language=body.language,
-                                       timeout=body.timeout, context=body.context, envs=envs,
-                                       callbacks={"cancel": cancel})
-        return HeldUntilSent(result.to_dict(), ctx.output_shares, who)
+            answer = await ctx.run_for(who, run_and_render)
+        return HeldUntilSent(answer, ctx.output_shares, who)
     finally:
         watch.cancel()
         release()
