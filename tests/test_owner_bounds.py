@@ -42,7 +42,8 @@ def rss_mib(pid: int) -> int:
 def server(state_dir: Path) -> Iterator[ServerProcess]:
     config = {"blocking_threads": 4, "max_threads_per_tenant": 2, "max_download_bytes_per_tenant": "30M",
               "max_request_bytes": "4M", "max_request_bytes_per_tenant": "8M", "max_background_commands": 2,
-              "request_head_timeout": 1, "max_requests_per_tenant": 12, "max_proxied_message_bytes": "4M"}
+              "request_head_timeout": 1, "max_requests_per_tenant": 12, "max_proxied_message_bytes": "4M",
+              "max_proxied_websockets_per_tenant": 3}
     with ServerProcess(state_dir / "srv-owner-bounds", keys=KEYS, config=config) as srv:
         yield srv
 
@@ -219,6 +220,97 @@ def test_a_websocket_message_from_a_sandbox_is_bounded_in_the_port_proxy(server:
             ws.recv(timeout=15)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
         assert rss_mib(server.proc.pid) - before < 40
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+WS_STEADY = """
+import base64, hashlib, socket, struct, threading
+def serve(c, messages):
+    head = b""
+    while b"\\r\\n\\r\\n" not in head:
+        head += c.recv(4096)
+    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\\r\\n") if l.lower().startswith(b"sec-websocket-key")][0]
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n"
+              b"Sec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+    try:
+        for _ in range(messages):
+            c.sendall(bytes([0x82, 127]) + struct.pack(">Q", 3 << 20) + b"m" * (3 << 20))
+        c.recv(1)  # (then holds the connection open until the caller goes)
+    except OSError:
+        pass
+def listen(port, messages):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port)); s.listen(16)
+    for _ in range(16):
+        threading.Thread(target=serve, args=(s.accept()[0], messages), daemon=True).start()
+threading.Thread(target=listen, args=(8092, 0), daemon=True).start()
+listen(8091, 40)
+"""
+
+
+def test_what_the_port_proxy_holds_of_a_sandboxs_messages_is_bounded_per_tenant(
+        server: ServerProcess, state_dir: Path) -> None:
+    """Messages a sandbox sends through the port proxy were counted nowhere: 4 WebSockets that
+    never read held 1 GB of the server (up to 4 messages of 64 MiB each), and nothing but
+    max_requests_per_tenant bounded how many a tenant opened.  Now a tenant has at most
+    max_proxied_websockets_per_tenant (3 here) through the proxy (the next is closed, 1013), and
+    the messages the proxy holds count with its WebSocket messages (past them, 1009: shown with
+    a bound of 2M under a 3M message; a probe of three callers that never read saw the count
+    reach 6M of 8M and the third's message refused)."""
+    import socket as socketlib
+
+    with server.client("alice") as http:
+        sid = create(http)
+        http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "/home/user/ws.py"}, content=WS_STEADY.encode())
+        http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "python3 /home/user/ws.py", "timeout": 60})
+        host, port = server.url.split("//")[1].split(":")
+
+        def slow_reader(sandbox_port: int) -> Any:
+            sock = socketlib.socket()
+            sock.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF, 4096)  # takes next to nothing
+            sock.connect((host, int(port)))
+            url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/ports/{sandbox_port}/"
+            return connect(url, sock=sock, additional_headers=server.headers("alice"), max_size=None, open_timeout=5,
+                           max_queue=1)  # (its reading thread takes no more than a message ahead)
+
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                first = slow_reader(8092)
+                break
+            except (OSError, InvalidStatus):
+                assert time.monotonic() < deadline, "the sandbox's WebSocket server did not come up"
+                time.sleep(0.1)
+        held = [first, slow_reader(8092), slow_reader(8092)]  # quiet ones: 3, the tenant's bound here
+        try:
+            with slow_reader(8092) as fourth, pytest.raises(ConnectionClosed) as refused:
+                fourth.recv(timeout=10)
+            assert refused.value.rcvd is not None and refused.value.rcvd.code == 1013, refused.value
+        finally:
+            for ws in held:
+                ws.close()
+        time.sleep(0.5)  # (the proxy lets go of them)
+        http.delete(f"/v1/sandboxes/{sid}")
+    config = {"max_request_bytes": "1M", "max_request_bytes_per_tenant": "2M", "max_proxied_message_bytes": "4M"}
+    with ServerProcess(state_dir / "srv-proxy-messages", keys=KEYS, config=config) as small, \
+            small.client("alice") as http:
+        sid = create(http)
+        http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "/home/user/ws.py"}, content=WS_STEADY.encode())
+        http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "python3 /home/user/ws.py", "timeout": 60})
+        url = small.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/ports/8091/"
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                ws = connect(url, additional_headers=small.headers("alice"), max_size=None, open_timeout=5)
+                break
+            except (OSError, InvalidStatus):
+                assert time.monotonic() < deadline, "the sandbox's WebSocket server did not come up"
+                time.sleep(0.1)
+        with ws, pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=15)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+        assert "WebSocket messages" in closed.value.rcvd.reason
         http.delete(f"/v1/sandboxes/{sid}")
 
 

@@ -128,6 +128,11 @@ class ServerConfig:
     #: connection, 1009): each message is whole in memory before it is sent on, and a sandbox's
     #: server declared one of 4 GiB and streamed it (the proxy grew to 7.5 GB in 15 s)
     max_proxied_message_bytes: int = 64 * MiB
+    #: WebSockets one tenant may have open through the port proxy at once (past it closed with
+    #: 1013 as soon as it is accepted): each may hold two of the sandbox's messages the proxy has not
+    #: taken yet (one being received, one queued); those it has taken count with the tenant's
+    #: WebSocket messages (max_request_bytes_per_tenant)
+    max_proxied_websockets_per_tenant: int = 8
     #: seconds a request's line and headers may take to arrive (from the connection, or the request's
     #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
     request_head_timeout: float = 30.0
@@ -189,6 +194,8 @@ class ServerConfig:
         self.max_output_bytes_per_tenant = parse_size(self.max_output_bytes_per_tenant, "max_output_bytes")
         self.max_kept_output_per_tenant = parse_size(self.max_kept_output_per_tenant, "max_kept_output")
         self.max_proxied_message_bytes = parse_size(self.max_proxied_message_bytes, "max_proxied_message_bytes")
+        self.max_proxied_websockets_per_tenant = _positive(self.max_proxied_websockets_per_tenant,
+                                                           "max_proxied_websockets_per_tenant", integer=True)
         self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
         self.max_partial_heads_per_peer = _positive(self.max_partial_heads_per_peer, "max_partial_heads_per_peer",
                                                     integer=True)

@@ -49,7 +49,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidSpec, ResourceLimit, SandboxError
-from .context import Context, Tenant, context_of
+from .context import Context, ServerContext, Tenant, context_of
 from .wire import status_for
 
 if TYPE_CHECKING:
@@ -210,9 +210,6 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}")
 async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path: str) -> None:
-    from websockets.asyncio.client import unix_connect
-    from websockets.exceptions import ConnectionClosed
-
     ctx = context_of(websocket)
     try:
         _check_port(port)
@@ -223,6 +220,25 @@ async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path
         await websocket.accept()
         await websocket.close(code=4000 + status_for(exc), reason=str(exc)[:120])
         return
+    # what a proxied WebSocket holds of the sandbox's messages is bounded per tenant: 4 of them
+    # that never read held 1 GB of the server (each up to 4 messages of 64 MiB), and nothing but
+    # max_requests_per_tenant (1024) bounded how many a tenant opened
+    if not ctx.proxied_websockets.take(tenant, 1):  # accepted and closed, as the exec stream refuses: the caller learns why
+        await websocket.accept()
+        await websocket.close(code=1013, reason=f"{ctx.config.max_proxied_websockets_per_tenant} WebSockets "
+                                                "through the port proxy are open already")
+        return
+    try:
+        await _proxy_websocket(websocket, ctx, tenant, sandbox_id, port, path, socket_path)
+    finally:
+        ctx.proxied_websockets.give(tenant, 1)
+
+
+async def _proxy_websocket(websocket: WebSocket, ctx: ServerContext, tenant: str, sandbox_id: str, port: int, path: str,
+                           socket_path: str) -> None:
+    from websockets.asyncio.client import unix_connect
+    from websockets.exceptions import ConnectionClosed
+
     own_origin = bool(websocket.scope.get(OWN_ORIGIN))
     headers = [(k, v) for k, v in websocket.headers.items() if k.lower() not in _WS_DROP
                and (own_origin or k.lower() != "cookie")]
@@ -247,10 +263,20 @@ async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path
     async def down() -> None:  # sandbox -> caller
         try:
             async for message in upstream:
-                if isinstance(message, bytes):
-                    await websocket.send_bytes(message)
-                else:
-                    await websocket.send_text(message)
+                # held until the caller's side has taken it: counted with the tenant's messages
+                size = len(message)
+                if not ctx.ws_messages.take(tenant, size):
+                    closing.append((1009, "the tenant's WebSocket messages held by the server are past "
+                                          f"{ctx.config.max_request_bytes_per_tenant} bytes"))
+                    return
+                try:
+                    if isinstance(message, bytes):
+                        await websocket.send_bytes(message)
+                    else:
+                        await websocket.send_text(message)
+                finally:
+                    del message
+                    ctx.ws_messages.give(tenant, size)
         except ConnectionClosed as exc:
             if exc.sent is not None and exc.sent.code == 1009:  # the caller learns why, as the sandbox did
                 closing.append((1009, f"a message from port {port} was over the server's "
