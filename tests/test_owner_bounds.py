@@ -169,12 +169,10 @@ def test_the_ports_the_server_forwards_into_a_sandbox_are_bounded(server: Server
 
 #: a WebSocket server for the sandbox: its first connection gets one 3 MiB message, every later one a
 #: frame that declares 1 GiB and streams it
-WS_BOMB = """
-import base64, hashlib, socket, struct
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 8090)); s.listen(4)
-for n in range(3):
-    c, _ = s.accept()
+#: the start of a sandbox's WebSocket server: the handshake's answer to a connection
+WS_HANDSHAKE = """
+import base64, hashlib, socket, struct, threading
+def handshake(c):
     head = b""
     while b"\\r\\n\\r\\n" not in head:
         head += c.recv(4096)
@@ -182,6 +180,14 @@ for n in range(3):
     accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
     c.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n"
               b"Sec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+"""
+
+WS_BOMB = WS_HANDSHAKE + """
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8090)); s.listen(4)
+for n in range(3):
+    c, _ = s.accept()
+    handshake(c)
     size = 3 << 20 if n == 0 else 1 << 30
     c.sendall(bytes([0x82, 127]) + struct.pack(">Q", size))
     try:
@@ -193,6 +199,26 @@ for n in range(3):
 """
 
 
+def _serving(http: httpx.Client, script: str) -> str:
+    """A new sandbox running ``script`` (a WebSocket server of its own) in the background."""
+    sid = create(http)
+    http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "/home/user/ws.py"}, content=script.encode())
+    http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "python3 /home/user/ws.py", "timeout": 60})
+    return sid
+
+
+def _proxied(server: ServerProcess, sid: str, port: int) -> Any:
+    """A WebSocket to the sandbox's ``port`` through the port proxy, once its server is up."""
+    url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/ports/{port}/"
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            return connect(url, additional_headers=server.headers("alice"), max_size=None, open_timeout=5)
+        except (OSError, InvalidStatus):
+            assert time.monotonic() < deadline, "the sandbox's WebSocket server did not come up"
+            time.sleep(0.1)
+
+
 def test_a_websocket_message_from_a_sandbox_is_bounded_in_the_port_proxy(server: ServerProcess) -> None:
     """The port proxy holds each WebSocket message whole before sending it on: a sandbox's server
     that declared a 4 GiB message and streamed it grew the server to 7.5 GB in 15 s.  Past
@@ -200,22 +226,11 @@ def test_a_websocket_message_from_a_sandbox_is_bounded_in_the_port_proxy(server:
     within it arrives whole."""
     assert server.proc is not None
     with server.client("alice") as http:
-        sid = create(http)
-        http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "/home/user/ws.py"}, content=WS_BOMB.encode())
-        http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "python3 /home/user/ws.py", "timeout": 60})
-        url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/ports/8090/"
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                ws = connect(url, additional_headers=server.headers("alice"), max_size=None, open_timeout=5)
-                break
-            except (OSError, InvalidStatus):
-                assert time.monotonic() < deadline, "the sandbox's WebSocket server did not come up"
-                time.sleep(0.1)
-        with ws:
+        sid = _serving(http, WS_BOMB)
+        with _proxied(server, sid, 8090) as ws:
             assert len(ws.recv(timeout=15)) == 3 << 20
         before = rss_mib(server.proc.pid)
-        with connect(url, additional_headers=server.headers("alice"), max_size=None) as ws, \
+        with _proxied(server, sid, 8090) as ws, \
                 pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=15)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
@@ -223,16 +238,9 @@ def test_a_websocket_message_from_a_sandbox_is_bounded_in_the_port_proxy(server:
         http.delete(f"/v1/sandboxes/{sid}")
 
 
-WS_STEADY = """
-import base64, hashlib, socket, struct, threading
+WS_STEADY = WS_HANDSHAKE + """
 def serve(c, messages):
-    head = b""
-    while b"\\r\\n\\r\\n" not in head:
-        head += c.recv(4096)
-    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\\r\\n") if l.lower().startswith(b"sec-websocket-key")][0]
-    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-    c.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n"
-              b"Sec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+    handshake(c)
     try:
         for _ in range(messages):
             c.sendall(bytes([0x82, 127]) + struct.pack(">Q", 3 << 20) + b"m" * (3 << 20))
@@ -258,55 +266,22 @@ def test_what_the_port_proxy_holds_of_a_sandboxs_messages_is_bounded_per_tenant(
     the messages the proxy holds count with its WebSocket messages (past them, 1009: shown with
     a bound of 2M under a 3M message; a probe of three callers that never read saw the count
     reach 6M of 8M and the third's message refused)."""
-    import socket as socketlib
-
     with server.client("alice") as http:
-        sid = create(http)
-        http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "/home/user/ws.py"}, content=WS_STEADY.encode())
-        http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "python3 /home/user/ws.py", "timeout": 60})
-        host, port = server.url.split("//")[1].split(":")
-
-        def slow_reader(sandbox_port: int) -> Any:
-            sock = socketlib.socket()
-            sock.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_RCVBUF, 4096)  # takes next to nothing
-            sock.connect((host, int(port)))
-            url = server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/ports/{sandbox_port}/"
-            return connect(url, sock=sock, additional_headers=server.headers("alice"), max_size=None, open_timeout=5,
-                           max_queue=1)  # (its reading thread takes no more than a message ahead)
-
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                first = slow_reader(8092)
-                break
-            except (OSError, InvalidStatus):
-                assert time.monotonic() < deadline, "the sandbox's WebSocket server did not come up"
-                time.sleep(0.1)
-        held = [first, slow_reader(8092), slow_reader(8092)]  # quiet ones: 3, the tenant's bound here
+        sid = _serving(http, WS_STEADY)
+        held = [_proxied(server, sid, 8092) for _ in range(3)]  # quiet ones: 3, the tenant's bound here
         try:
-            with slow_reader(8092) as fourth, pytest.raises(ConnectionClosed) as refused:
+            with _proxied(server, sid, 8092) as fourth, pytest.raises(ConnectionClosed) as refused:
                 fourth.recv(timeout=10)
             assert refused.value.rcvd is not None and refused.value.rcvd.code == 1013, refused.value
         finally:
             for ws in held:
                 ws.close()
-        time.sleep(0.5)  # (the proxy lets go of them)
         http.delete(f"/v1/sandboxes/{sid}")
     config = {"max_request_bytes": "1M", "max_request_bytes_per_tenant": "2M", "max_proxied_message_bytes": "4M"}
     with ServerProcess(state_dir / "srv-proxy-messages", keys=KEYS, config=config) as small, \
             small.client("alice") as http:
-        sid = create(http)
-        http.put(f"/v1/sandboxes/{sid}/files/content", params={"path": "/home/user/ws.py"}, content=WS_STEADY.encode())
-        http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "python3 /home/user/ws.py", "timeout": 60})
-        url = small.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/ports/8091/"
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                ws = connect(url, additional_headers=small.headers("alice"), max_size=None, open_timeout=5)
-                break
-            except (OSError, InvalidStatus):
-                assert time.monotonic() < deadline, "the sandbox's WebSocket server did not come up"
-                time.sleep(0.1)
+        sid = _serving(http, WS_STEADY)
+        ws = _proxied(small, sid, 8091)
         with ws, pytest.raises(ConnectionClosed) as closed:
             ws.recv(timeout=15)
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
