@@ -368,7 +368,7 @@ class GVisorSandbox(LinuxSandbox):
                 return
             proc = started[0]
             try:
-                proc.send_signal(signal.SIGKILL)  # the agent signals the command's session and group
+                proc.deliver_signal(signal.SIGKILL)  # the agent signals the command's session and group
             except SandboxClosed:
                 return
             backstop_kill(proc, channel.pause_clock, KILL_GRACE, lambda: self._closed, self._kill_sandbox,
@@ -392,7 +392,7 @@ class GVisorSandbox(LinuxSandbox):
             running = [proc for proc in self._running if not proc.done]
         for proc in running:
             try:
-                proc.send_signal(signal.SIGKILL)
+                proc.deliver_signal(signal.SIGKILL)
             except SandboxClosed:
                 return
 

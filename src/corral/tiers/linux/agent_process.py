@@ -174,8 +174,15 @@ class AgentProcess(Process):
             self._channel.send(T_STDIN_EOF, self._id)
 
     def send_signal(self, signum: int) -> None:
-        if self._channel.pause_clock.paused:  # its agent is frozen: a caller's thread would wait for it
+        """A caller's signal: refused while the sandbox is paused (its agent is frozen, and the
+        caller's thread would wait for it: a server's threads did, every tenant's work with them)."""
+        if self._channel.pause_clock.paused:
             raise SandboxPaused("the sandbox is paused: resume() it first")
+        self.deliver_signal(signum)
+
+    def deliver_signal(self, signum: int) -> None:
+        """The tier's own signal (a kill's): sent even while the sandbox is paused, when the agent
+        delivers it at the resume."""
         self._requested_signals.add(signum)
         self._send_signal_frame(signum)
 
