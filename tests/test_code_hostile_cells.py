@@ -209,3 +209,44 @@ def test_a_cell_whose_sandbox_is_destroyed_says_so() -> None:
     threading.Timer(1.0, sb.kill).start()
     cell = sb.run_code("import time\ntime.sleep(30)", timeout=60)
     assert cell.error is not None and cell.error.name == "SandboxClosed", cell
+
+
+def _rss_mib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_cells_results_cost_the_owner_what_they_are_charged() -> None:
+    """What the kernel sends is the cell's to forge, and the owner charged it by its JSON size: a
+    result of 4,000,000 empty lists (16 MiB of JSON) held 308 MiB parsed and 729 MiB as an answer;
+    246,723 results of display(None) held 79 MiB charged at ~40 bytes each; a value nested 600
+    deep made the answer raise RecursionError (REST: a bare 500); a list as text/plain passed
+    MCP's 20,000-character cap whole.  Each JSON container and each result is now charged what
+    it costs here (past the budget: dropped, ``truncated``), every format but json is text, and
+    json nests at most 32 levels (deeper: its text)."""
+    import json
+
+    from corral import Sandbox
+    from corral.mcp_server import TEXT_CAP, code_content
+
+    with Sandbox.create(memory="1G") as sb:
+        assert sb.run_code("1").text == "1"
+        before = _rss_mib()
+        lists = sb.run_code("class J:\n    def _repr_json_(self): return [[] for _ in range(4_000_000)]\n"
+                            "display(J())\n'after'", timeout=120)
+        assert lists.truncated and lists.text == "'after'", lists.results[:1]
+        assert not any(isinstance(r.json, list) and len(r.json) > 100_000 for r in lists.results)
+        flood = sb.run_code("for _ in range(400_000): display(None)\n'done'", timeout=120)
+        assert flood.truncated and len(flood.results) <= sb.spec.limits.max_output // 1024 + 1, len(flood.results)
+        assert _rss_mib() - before < 150, "the owner held more than the cells' output budgets"
+        deep = sb.run_code("import json\nclass D:\n    def _repr_json_(self): return json.loads('[' * 600 + ']' * 600)\n"
+                           "display(D())", timeout=60)
+        assert isinstance(deep.results[0].json, str) and deep.results[0].json.startswith("[[[")
+        assert json.loads(json.dumps(deep.to_dict()))["results"][0]["json"] == deep.results[0].json
+        listed = sb.run_code("class L:\n    def _repr_mimebundle_(self, **kw):\n"
+                             "        return {'text/plain': ['x' * 100] * 20_000, 'text/html': ['y'] * 3}\nL()")
+        main = listed.results[0]
+        assert isinstance(main.text, str) and isinstance(main.html, str), main
+        answer = json.loads(code_content(listed)[0].text)
+        assert len(answer["results"][0]["text"]) == TEXT_CAP and "cut" in answer["results"][0]
+        assert sb.run_code("'still here'").text == "'still here'"

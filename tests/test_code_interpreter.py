@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.execution import Execution
 from corral.images import recipe as recipes
 from corral.images.build import build
-from corral.interpreter import Execution
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("spec/errors", {"spec", "errors", "secrets", "netrules", "progress"}),
     ("host/egress", {"host", "egress"}),
     ("tiers/images", {"tiers", "images"}),
-    ("lifecycle", {"sandbox", "commands", "lifecycle", "surface", "transport", "owner_link", "owner_backend", "local_transport", "local_backend", "http_transport", "http_streams", "async_sandbox", "async_http", "pool", "registry", "interpreter", "client", "ports", "cluster", "snapshots", "parked"}),
+    ("lifecycle", {"sandbox", "commands", "lifecycle", "surface", "transport", "owner_link", "owner_backend", "local_transport", "local_backend", "http_transport", "http_streams", "async_sandbox", "async_http", "pool", "registry", "interpreter", "execution", "client", "ports", "cluster", "snapshots", "parked"}),
     ("surfaces", {"cli", "server", "mcp_server", "mcp_limits", "host_checks", "__init__"}),
 ]
 #: code that runs inside a sandbox, not on the host: it imports nothing of Corral

@@ -41,7 +41,7 @@ from .transport import INLINE_STDIN, CommandCall, CreateOptions, split_stdin
 if TYPE_CHECKING:
     from .commands import CommandInfo
     from .egress.audit import AuditEvent
-    from .interpreter import Execution
+    from .execution import Execution
     from .snapshots import Snapshot
 
 #: an output callback of the async API: ``(stream, chunk)``, plain or ``async def``
@@ -342,7 +342,7 @@ class AsyncHTTPBackend:
 
     async def run_code(self, code: str, *, language: str | None, context: str | None, timeout: float | None,
                        envs: dict[str, str] | None, callbacks: dict[str, Callable[[Any], Any]]) -> Execution:
-        from .interpreter import Execution
+        from .execution import Execution
 
         body: dict[str, Any] = {"code": code}
         for name, value in (("language", language), ("timeout", timeout), ("context", context), ("envs", envs)):

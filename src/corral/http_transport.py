@@ -53,7 +53,7 @@ from .transport import (
 if TYPE_CHECKING:
     from .commands import CommandInfo
     from .egress.audit import AuditEvent
-    from .interpreter import Execution
+    from .execution import Execution
     from .snapshots import Snapshot
 
 REQUEST_TIMEOUT = 60.0
@@ -364,7 +364,8 @@ class HTTPBackend(SandboxBackend):
 
     def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
                  timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
-        from .interpreter import Execution, replay_callbacks
+        from .execution import Execution
+        from .interpreter import replay_callbacks
 
         body: dict[str, Any] = {"code": code}
         for name, value in (("language", language), ("timeout", timeout), ("context", context), ("envs", envs)):

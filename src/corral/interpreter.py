@@ -27,12 +27,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .commands import CommandHandle, check_call
 from .errors import InvalidSpec, SandboxClosed
+from .execution import Execution, ExecutionError, Result
 
 if TYPE_CHECKING:
     from .local_backend import LocalBackend
@@ -88,86 +89,14 @@ LANGUAGE_ALIASES = {"js": "javascript", "node": "javascript", "py": "python", "p
 
 def language_name(language: str) -> str:
     return LANGUAGE_ALIASES.get(language, language)
-_FORMATS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json", "javascript")
-
-
-@dataclass
-class Result:
-    """One rich output of a cell: the last expression's value, a figure, or ``display(obj)``."""
-
-    text: str | None = None
-    html: str | None = None
-    markdown: str | None = None
-    svg: str | None = None
-    png: str | None = None
-    jpeg: str | None = None
-    pdf: str | None = None
-    latex: str | None = None
-    json: Any = None
-    javascript: str | None = None
-    is_main_result: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def formats(self) -> list[str]:
-        return [name for name in _FORMATS if getattr(self, name) is not None]
-
-    @classmethod
-    def from_data(cls, data: dict[str, Any], main: bool) -> Result:
-        known = {k: v for k, v in data.items() if k in _FORMATS}
-        extra = {k: v for k, v in data.items() if k not in _FORMATS}
-        return cls(**known, is_main_result=main, extra=extra)
-
-
-@dataclass
-class Logs:
-    stdout: list[str] = field(default_factory=list)
-    stderr: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ExecutionError:
-    name: str
-    value: str
-    traceback: str
-
-
-@dataclass
-class Execution:
-    results: list[Result] = field(default_factory=list)
-    logs: Logs = field(default_factory=Logs)
-    error: ExecutionError | None = None
-    execution_count: int = 0
-    #: the cell hit its timeout and was interrupted
-    timed_out: bool = False
-    #: the kernel was restarted during this cell: variables and imports are gone
-    restarted: bool = False
-    #: output beyond the sandbox's max_output was dropped
-    truncated: bool = False
-
-    @property
-    def text(self) -> str | None:
-        """The text of the main result (the last expression's value), if any."""
-        for result in self.results:
-            if result.is_main_result:
-                return result.text
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Execution:
-        """The inverse of :meth:`to_dict` (what the server's ``POST /code`` returns)."""
-        error = data.get("error")
-        return cls(
-            results=[Result(**r) for r in data.get("results", [])],
-            logs=Logs(**data.get("logs", {})),
-            error=ExecutionError(**error) if error else None,
-            execution_count=data.get("execution_count", 0),
-            timed_out=data.get("timed_out", False),
-            restarted=data.get("restarted", False),
-            truncated=data.get("truncated", False),
-        )
+#: what a result costs its cell besides its bytes: the objects it becomes here (246,723 results of
+#: display(None), charged at ~40 bytes each, held 79 MiB of the owner)
+RESULT_COST = 1024
+#: what each JSON container (``[`` or ``{``) of a frame costs its cell past the first
+#: FREE_CONTAINERS: parsed, an empty list is a Python object of ~64 bytes for its 2 bytes of JSON
+#: (a result of 4,000,000 of them, charged 16 MiB, held 308 MiB, and 729 MiB as an answer)
+CONTAINER_COST = 64
+FREE_CONTAINERS = 1024
 
 
 class _Cell:
@@ -262,12 +191,12 @@ class CodeInterpreter:
                 continue
             self._buffer += piece
             line, self._buffer = self._buffer, bytearray()
-            if len(line) > self._frame_room():
+            if len(line) > self._frame_room() or self._too_many_containers(line):
                 self._dropped()
                 continue
             try:
                 message = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # (a forged frame nested past the parser's depth)
                 continue
             if isinstance(message, dict):
                 self._dispatch(message)
@@ -283,6 +212,18 @@ class CodeInterpreter:
         line held 280 MiB at its peak); FRAME_SLACK more leaves room for the cell's error."""
         cell = self._cell
         return min(MAX_FRAME, (max(cell.budget, 0) if cell is not None else 0) + FRAME_SLACK)
+
+    def _too_many_containers(self, line: bytearray) -> bool:
+        """Whether parsing ``line`` would cost more than the running cell can be charged for: each
+        JSON container past FREE_CONTAINERS is charged CONTAINER_COST (counted before parsing)."""
+        containers = line.count(b"[") + line.count(b"{")
+        if containers <= FREE_CONTAINERS:
+            return False
+        cell, cost = self._cell, (containers - FREE_CONTAINERS) * CONTAINER_COST
+        if cell is None or cost > cell.budget:  # (not charged: the cell's later output still fits)
+            return True
+        cell.budget -= cost
+        return False
 
     def _dropped(self) -> None:
         cell = self._cell
@@ -313,7 +254,8 @@ class CodeInterpreter:
             return
         logs = cell.execution.logs
         if kind in ("stdout", "stderr", "result") and not self._charge(
-                cell, len(json.dumps(message)), background=kind != "result" and bool(message.get("background"))):
+                cell, len(json.dumps(message)) + (RESULT_COST if kind == "result" else 0),
+                background=kind != "result" and bool(message.get("background"))):
             return  # (a thread's prints spend a budget of their own: a flood of them left the cell none)
         if kind in ("stdout", "stderr"):
             text = str(message.get("text", ""))

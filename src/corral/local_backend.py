@@ -36,7 +36,8 @@ from .transport import CommandCall, CommandProcess, OutputCallback, SandboxBacke
 
 if TYPE_CHECKING:
     from .egress.audit import AuditEvent
-    from .interpreter import CodeInterpreter, Execution
+    from .execution import Execution
+    from .interpreter import CodeInterpreter
 
 
 #: how long ``run(background=True)`` waits for the command to exist, so its pid is known

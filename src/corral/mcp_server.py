@@ -350,9 +350,10 @@ def code_content(execution: Any) -> list[TextContent | ImageContent]:
                 images.append(ImageContent(type="image", data=result.pop(fmt), mime_type=f"image/{fmt}"))
                 result[fmt] = "(image content below)"
         shown = {k: v for k, v in result.items() if v not in (None, {})}
-        if "json" in shown and len(as_json := json.dumps(shown["json"])) > TEXT_CAP:
-            shown["json"] = as_json  # a long JSON value is cut as its text (a 500k one went whole)
-        results.append(capped(shown, "text", "html", "markdown", "svg", "latex", "javascript", "json"))
+        for name in ("json", "extra"):  # a long JSON value is cut as its text (a 500k one went whole)
+            if name in shown and not isinstance(shown[name], str) and len(as_json := json.dumps(shown[name])) > TEXT_CAP:
+                shown[name] = as_json
+        results.append(capped(shown, "text", "html", "markdown", "svg", "latex", "javascript", "json", "extra"))
     logs = data.get("logs", {})
     error = data.get("error")
     if isinstance(error, dict):  # an exception's message and traceback are capped like any text

@@ -32,7 +32,7 @@ from .transport import INLINE_STDIN, CommandCall, CommandProcess, OutputCallback
 if TYPE_CHECKING:
     from .commands import CommandInfo
     from .egress.audit import AuditEvent
-    from .interpreter import Execution
+    from .execution import Execution
     from .snapshots import Snapshot
 
 
@@ -297,7 +297,8 @@ class OwnerBackend(SandboxBackend):
 
     def run_code(self, sandbox: Any, code: str, *, language: str | None, context: str | None,
                  timeout: float | None, envs: dict[str, str] | None, callbacks: dict[str, Any]) -> Execution:
-        from .interpreter import Execution, replay_callbacks
+        from .execution import Execution
+        from .interpreter import replay_callbacks
 
         execution = Execution.from_dict(self._call("run_code", code=code, language=language, context=context,
                                                    timeout=timeout, envs=envs))

@@ -40,7 +40,7 @@ from .transport import CreateOptions, SandboxBackend, Transport
 
 if TYPE_CHECKING:
     from .egress.audit import AuditEvent
-    from .interpreter import Execution
+    from .execution import Execution
     from .snapshots import Snapshot
 
 #: sandboxes one ``fork`` may make
@@ -401,7 +401,7 @@ class Sandbox:
                  timeout: float | None = None, envs: dict[str, str] | None = None,
                  **callbacks: Any) -> Execution:
         """Run a cell in this sandbox's persistent interpreter; returns an E2B-shaped
-        :class:`corral.interpreter.Execution` (variables and imports survive across calls).
+        :class:`corral.execution.Execution` (variables and imports survive across calls).
         ``context`` names an interpreter made by :meth:`create_code_context`; callbacks
         (``on_stdout``, ``on_stderr``, ``on_result``, ``on_error``) get each part of it; ``envs``
         are environment variables for this cell only.  Languages: python, javascript (``js``)."""

@@ -30,7 +30,7 @@ from .tiers.base import ExecResult, FileEntry, Process
 if TYPE_CHECKING:
     from .commands import CommandInfo
     from .egress.audit import AuditEvent
-    from .interpreter import Execution
+    from .execution import Execution
     from .lifecycle import SandboxInfo
     from .ports import ExposedPort
     from .snapshots import Snapshot

@@ -30,7 +30,7 @@ from .process import ClusterProcess
 if TYPE_CHECKING:
     from ..commands import CommandInfo
     from ..egress.audit import AuditEvent
-    from ..interpreter import Execution
+    from ..execution import Execution
     from ..ports import ExposedPort
 
 #: how long a create waits for a free slot anywhere unless the caller says (``slot_timeout=``)

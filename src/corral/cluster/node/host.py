@@ -45,7 +45,7 @@ from ...transport import CommandCall, CreateOptions
 if TYPE_CHECKING:
     from ...commands import CommandInfo
     from ...egress.audit import AuditEvent
-    from ...interpreter import Execution
+    from ...execution import Execution
     from ...sandbox import Sandbox
 
 #: a sandbox with no idle_timeout of its own is destroyed after this long without a call
