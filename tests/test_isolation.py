@@ -437,32 +437,44 @@ def test_a_sandbox_cannot_make_the_hosts_git_run_its_program_and_its_commits_com
     assert "fsmonitor" not in (repo / ".git" / "config").read_text()
 
 
-def test_a_sandbox_cannot_leave_the_host_a_rebase_whose_todo_it_wrote(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [".git", "separate git directory"])
+def test_a_sandbox_cannot_leave_the_host_a_rebase_whose_todo_it_wrote(tmp_path: Path, layout: str) -> None:
     """A rebase left in progress (``.git/rebase-merge/``, neither configuration nor a hook) was
     written back with its to-do list: the host's ``git status`` said "interactive rebase in
-    progress", and the owner's ``git rebase --continue`` ran the sandbox's ``exec`` line as root.
-    A git directory's operations in progress and its ``objects/info/alternates`` stay as the host
-    has them (a submodule's too); the sandbox's commits and branches come back."""
-    repo, marker = tmp_path / "repo", tmp_path / "ran-on-the-host"
-    repo.mkdir()
+    progress", and the owner's ``git rebase --continue`` ran the sandbox's ``exec`` line as root;
+    so did one in a git directory not named ``.git`` (``git init --separate-git-dir``, a ``.git``
+    file saying ``gitdir: ../gitdata``).  A git directory's operations in progress and its
+    ``objects/info/alternates`` stay as the host has them (a submodule's too, and wherever a
+    ``HEAD`` is beside them); the sandbox's commits and branches come back."""
+    workspace, marker = tmp_path / "ws", tmp_path / "ran-on-the-host"
+    repo = workspace / "repo" if layout != ".git" else workspace
+    repo.mkdir(parents=True)
+    gitdir = workspace / "gitdata" if layout != ".git" else repo / ".git"
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
-    subprocess.run([*git, "init", "-q"], check=True)
+    if layout == ".git":
+        subprocess.run([*git, "init", "-q"], check=True)
+    else:
+        subprocess.run([*git, "init", "-q", f"--separate-git-dir={gitdir}"], check=True)
+        (repo / ".git").write_text("gitdir: ../gitdata\n")
     for i in range(3):
         (repo / f"f{i}").write_text(f"{i}\n")
         subprocess.run([*git, "add", "."], check=True)
         subprocess.run([*git, "commit", "-qm", f"c{i}"], check=True)
-    with Sandbox.create(workspace=str(repo)) as sb:
+    inside = "/workspace" if layout == ".git" else "/workspace/repo"
+    inner_git = ".git" if layout == ".git" else "../gitdata"
+    with Sandbox.create(workspace=str(workspace)) as sb:
         sb.files.write("/tmp/editor", f"#!/bin/sh\nprintf 'break\\nexec touch {marker}\\n' >> \"$1\"\n")
         r = sb.commands.run(
-            "cd /workspace && export GIT_AUTHOR_NAME=a GIT_AUTHOR_EMAIL=a@a GIT_COMMITTER_NAME=a GIT_COMMITTER_EMAIL=a@a"
-            " && git branch agent-work && chmod +x /tmp/editor"
-            " && mkdir -p .git/modules/sub/rebase-apply .git/sequencer && echo x > .git/modules/sub/rebase-apply/next"
-            " && echo /etc > .git/sequencer/todo && echo /root/other/.git/objects > .git/objects/info/alternates"
-            " && GIT_SEQUENCE_EDITOR=/tmp/editor git rebase -i HEAD~1 && ls .git/rebase-merge")
+            f"cd {inside} && export GIT_AUTHOR_NAME=a GIT_AUTHOR_EMAIL=a@a GIT_COMMITTER_NAME=a GIT_COMMITTER_EMAIL=a@a"
+            f" && git branch agent-work && chmod +x /tmp/editor && g={inner_git}"
+            " && mkdir -p $g/modules/sub/rebase-apply $g/sequencer && echo x > $g/modules/sub/rebase-apply/next"
+            " && echo /etc > $g/sequencer/todo && echo /root/other/.git/objects > $g/objects/info/alternates"
+            " && GIT_SEQUENCE_EDITOR=/tmp/editor git rebase -i HEAD~1 && ls $g/rebase-merge")
         assert r.exit_code == 0 and "git-rebase-todo" in r.stdout, r
-    assert not (repo / ".git" / "rebase-merge").exists()
-    for kept in ("modules/sub/rebase-apply", "sequencer", "objects/info/alternates"):
-        assert not (repo / ".git" / kept).exists(), kept
+    assert not (gitdir / "rebase-merge").exists()
+    # (a submodule's, in .git/modules/: a separate git directory's modules/sub has no HEAD here)
+    for kept in ("sequencer", "objects/info/alternates", *(["modules/sub/rebase-apply"] if layout == ".git" else [])):
+        assert not (gitdir / kept).exists(), kept
     status = subprocess.run([*git, "status"], capture_output=True, text=True, check=True).stdout
     assert "rebase" not in status, status
     subprocess.run([*git, "rebase", "--continue"], capture_output=True)
@@ -569,16 +581,20 @@ def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(
                       (str(state_dir / "ws-probe"), "Corral's own"), (str(tmp_path / "proj"), "Corral's own")):
         with pytest.raises(InvalidSpec, match=said):
             Sandbox.create(workspace=bad)
-    # the host's /etc bound elsewhere is still /etc (the check by path saw only the mount point)
-    bound = tmp_path / "looks-like-a-project"
+    # the host's /etc bound elsewhere is still /etc, and so is /etc in a bind of / (the check by
+    # path saw only the mount point: /srv/x/etc showed the sandbox /etc/shadow)
+    bound, root = tmp_path / "looks-like-a-project", tmp_path / "rootbind"
     bound.mkdir()
+    root.mkdir()
     subprocess.run(["mount", "--bind", "/etc", str(bound)], check=True)
+    subprocess.run(["mount", "--bind", "/", str(root)], check=True)
     try:
-        for bad in (bound, bound / "cron.d"):
-            with pytest.raises(InvalidSpec, match="a bind mount of /etc"):
-                Sandbox.create(workspace=str(bad))
+        for bad in (bound, bound / "cron.d", root / "etc", root / "var" / "lib" / "dpkg", root):
+            with pytest.raises(InvalidSpec, match="by another path"):
+                Sandbox.create(workspace=f"{bad}:ro")
     finally:
         subprocess.run(["umount", str(bound)], check=True)
+        subprocess.run(["umount", str(root)], check=True)
     assert cgroups.list_sandbox_groups() == before
     (tmp_path / "proj" / "src").mkdir()
     with Sandbox.create(workspace=str(tmp_path / "proj" / "src")) as sb:
@@ -599,12 +615,15 @@ def test_a_workspace_never_shows_a_users_keys_or_home(
     (home / ".ssh").mkdir(parents=True)
     (home / ".ssh" / "id_rsa").write_text("KEY\n")
     (home / ".aws" / "sso").mkdir(parents=True)
+    (home / ".config" / "git").mkdir(parents=True)
+    (home / ".local" / "bin").mkdir(parents=True)
     (tmp_path / "keys" / ".gnupg").mkdir(parents=True)
     (home / "proj").mkdir()
     monkeypatch.setenv("HOME", str(home))
     before = cgroups.list_sandbox_groups()
     for bad, said in ((home, "home directory"), (tmp_path / "home", "home directory"),
                       (home / ".ssh", "credential store"), (home / ".aws" / "sso", "credential store"),
+                      (home / ".config", "dot-directories"), (home / ".local" / "bin", "dot-directories"),
                       (tmp_path / "keys", "holds .gnupg")):
         with pytest.raises(InvalidSpec, match=said):
             Sandbox.create(workspace=str(bad))

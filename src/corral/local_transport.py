@@ -141,16 +141,41 @@ def _apart_from_corral(workspace: Path, state: Path) -> None:
                               "state and images); give the project's own directory")
 
 
-def _not_a_system_tree_bound_elsewhere(workspace: Path) -> None:
-    """Refuse a workspace that a bind mount shows away from where it is: ``/etc`` bound at
-    ``/srv/x`` was taken for a project (the check by path saw ``/srv/x``)."""
-    from .host.mounts import origin_of
-    from .spec import why_not_a_workspace
+def _not_a_refused_tree_by_another_path(workspace: Path) -> None:
+    """Refuse a workspace that is a refused tree under another path: compared by device and inode,
+    it or a parent is a system tree or a home's dot-directory, or it is a holder of others' trees
+    or a home.  A bind mount showed one elsewhere: ``/`` bound at ``/srv/x`` made ``/srv/x/etc``
+    a workspace (the sandbox read ``/etc/shadow``), which a check of the path's text missed."""
+    from .spec import HOLDERS, SYSTEM_TREES, login_homes, why_not_a_workspace
 
-    origin = origin_of(workspace)
-    why = why_not_a_workspace(origin) if origin is not None else None
-    if why is not None:
-        raise InvalidSpec(f"workspace {workspace}: a bind mount of {origin}: {why}")
+    def identity(path: Path) -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    homes = login_homes()
+    within: dict[tuple[int, int], Path] = {}
+    for tree in (*SYSTEM_TREES, *(entry for home in homes for entry in _dot_directories(home))):
+        if (key := identity(tree)) is not None:
+            within[key] = tree
+    itself = {key: tree for tree in (*HOLDERS, *homes) if (key := identity(tree)) is not None}
+    for place in (workspace, *workspace.parents):
+        key = identity(place)
+        found = within.get(key) if key is not None else None
+        if found is None and place == workspace and key is not None:
+            found = itself.get(key)
+        if found is not None and found != place:
+            raise InvalidSpec(f"workspace {workspace}: {place} is {found} by another path (a bind mount or link): "
+                              f"{why_not_a_workspace(found) or 'not a project'}")
+
+
+def _dot_directories(home: Path) -> list[Path]:
+    try:
+        return [entry for entry in home.iterdir() if entry.name.startswith(".")]
+    except OSError:
+        return []
 
 
 class LocalTransport(Transport):
@@ -171,7 +196,7 @@ class LocalTransport(Transport):
         tier_class(spec.tier).capabilities.check_user(spec.user, spec.tier)
         if spec.workspace is not None:
             _apart_from_corral(spec.workspace.path, self.root)
-            _not_a_system_tree_bound_elsewhere(spec.workspace.path)
+            _not_a_refused_tree_by_another_path(spec.workspace.path)
         sandbox_id = new_sandbox_id()
         seed: tuple[Path, str] | None = None
         if options.snapshot is not None:

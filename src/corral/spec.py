@@ -177,6 +177,7 @@ HELD_CREDENTIAL_STORES = (".ssh", ".gnupg")
 #: login users' uids start here (Debian's ``UID_MIN``); below it are system accounts, whose homes
 #: are service trees (``/var/www``, ``/var/lib/postgresql``)
 FIRST_LOGIN_UID = 1000
+NOBODY = 65534
 
 
 def login_homes() -> set[Path]:
@@ -184,11 +185,28 @@ def login_homes() -> set[Path]:
     import pwd
 
     homes = {Path(entry.pw_dir) for entry in pwd.getpwall()
-             if (entry.pw_uid == 0 or FIRST_LOGIN_UID <= entry.pw_uid < 65534) and entry.pw_dir.startswith("/")}
+             if (entry.pw_uid == 0 or FIRST_LOGIN_UID <= entry.pw_uid != NOBODY) and entry.pw_dir.startswith("/")}
     home = os.environ.get("HOME", "")
     if home.startswith("/"):
         homes.add(Path(home))
     return {Path(os.path.realpath(h)) for h in homes}
+
+
+def homes_owning(path: Path) -> set[Path]:
+    """Home directories among ``path`` and its parents, asked of each one's owner: a user a
+    directory service does not list (``getpwall``) is still found by uid."""
+    import pwd
+
+    found = set()
+    for place in (path, *path.parents):
+        try:
+            uid = place.stat().st_uid
+            home = pwd.getpwuid(uid).pw_dir if uid == 0 or FIRST_LOGIN_UID <= uid != NOBODY else ""
+        except (OSError, KeyError):
+            continue
+        if home.startswith("/") and Path(os.path.realpath(home)) == place:
+            found.add(place)
+    return found
 
 
 def why_not_a_workspace(path: Path) -> str | None:
@@ -206,9 +224,13 @@ def _credentials_at(path: Path) -> str | None:
     """Why ``path`` would show a sandbox a user's keys, or None."""
     if CREDENTIAL_STORES & set(path.parts):
         return "it lies in a user's credential store"
-    home = next((h for h in login_homes() if h == path or h.is_relative_to(path)), None)
-    if home is not None:
-        return f"it is or holds the home directory {home} (keys, shell start-up files)"
+    for home in login_homes() | homes_owning(path):
+        if home == path or home.is_relative_to(path):
+            return f"it is or holds the home directory {home} (keys, shell start-up files)"
+        if path.is_relative_to(home) and path.relative_to(home).parts[0].startswith("."):
+            # ~/.config/git/config (core.fsmonitor: run at any git status), gh and docker tokens
+            return (f"it lies in {home}'s {path.relative_to(home).parts[0]} (a home's dot-directories hold its "
+                    "tools' credentials and the programs they run)")
     held = [name for name in HELD_CREDENTIAL_STORES if os.path.lexists(path / name)]
     if held:
         return f"it holds {held[0]} (a user's keys)"

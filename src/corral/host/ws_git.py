@@ -23,6 +23,10 @@ GIT_SEQUENCES = frozenset({"rebase-merge", "rebase-apply", "sequencer"})
 #: where a git directory's objects may also be read from: another repository on the host, whose
 #: objects a later ``git gc`` copies into this one (and so into the next sandbox's reach)
 GIT_ALTERNATES = frozenset({"alternates", "http-alternates"})
+#: directories of a git directory whose files git runs or follows: its hooks and its operations in
+#: progress (a separate git directory, ``git init --separate-git-dir``, is no ``.git``: its
+#: ``rebase-merge/`` came back and the owner's ``git rebase --continue`` ran the sandbox's line)
+_NEAR_GIT_NAMES = frozenset({"hooks", *GIT_SEQUENCES})
 #: what makes a directory a git directory at git's discovery (``is_git_directory``: a ``HEAD``
 #: there, and ``objects/`` and ``refs/`` there or in its ``commondir``), whatever its name
 HEAD = "HEAD"
@@ -63,12 +67,13 @@ def _git_dir_of(key: tuple[str, str], kind: str) -> tuple[str, bool] | None:
         return dir_path, True
     if name in GIT_RUNS and kind != "d":
         return dir_path, False
-    if name != "hooks" and "hooks" not in dir_path:  # (most entries: no split per entry)
-        return None
+    if name in GIT_ALTERNATES and dir_path.endswith("objects/info") and kind != "d":
+        return dir_path.removesuffix("objects/info").rstrip("/"), False
+    if name not in _NEAR_GIT_NAMES and not any(near in dir_path for near in _NEAR_GIT_NAMES):
+        return None  # (most entries: no split)
     parts = [*dir_path.split("/"), name] if dir_path else [name]
-    if "hooks" in parts:
-        return "/".join(parts[:parts.index("hooks")]), False
-    return None
+    at = next((i for i, part in enumerate(parts) if part in _NEAR_GIT_NAMES), None)
+    return None if at is None else ("/".join(parts[:at]), False)
 
 
 def _host_has(dst_root: int, dir_path: str, names: tuple[str, ...]) -> bool:
@@ -112,7 +117,7 @@ def makes_a_git_directory(current: Container[tuple[str, str]], dst_root: int, ke
     if found is None:
         return False
     dir_path, is_head = found
-    names = (HEAD,) if not is_head else (*GIT_RUNS, "hooks")
+    names = (HEAD,) if not is_head else (*GIT_RUNS, *_NEAR_GIT_NAMES)
     if is_head and host_keeps(f"{dir_path}/config" if dir_path else "config", "f"):
         return False
     return any((dir_path, name) in current for name in names) or _host_has(dst_root, dir_path, names)
