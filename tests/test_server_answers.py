@@ -104,3 +104,41 @@ def test_a_large_answer_is_built_without_stalling_other_tenants(state_dir: Path)
             bob.delete(f"/v1/sandboxes/{bobs}")
         assert sizes and sizes[0] > 6 * (128 << 20), sizes  # (each byte is \u0001 in JSON)
         assert worst < 0.5, f"bob waited {worst:.2f} s for an answer while alice's was built"
+
+
+def test_a_listing_nobody_reads_holds_back_the_tenants_next_one_not_the_server(state_dir: Path) -> None:
+    """A directory listing was made whether or not the tenant's answers were still held: six
+    listings asked and never read (88,000 entries, 3,769-character paths) held 2 GiB of the
+    server.  A listing is now held against the tenant's output bound while it is made, an answer
+    not yet taken counts there, and a listing's paths are bounded (past them, E2BIG).  (The
+    unread answer here, ~9 MB, is more than the sockets' buffers hold.)"""
+    import httpx
+
+    from corral.tiers.base import MAX_LIST_PATH_CHARS
+
+    with ServerProcess(state_dir / "srv-listings", keys=KEYS, config={"max_output_bytes_per_tenant": "128M"}) as server, \
+            server.client("alice") as alice:
+        sid = alice.post("/v1/sandboxes", json={"limits": {"memory": "1G"}}).json()["id"]
+        deep = "/tmp/" + "/".join(["d" * 250] * 15)  # ~3,800 characters
+        made = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": [
+            "python3", "-c", f"import os\nos.makedirs({deep!r})\nos.makedirs('/tmp/wide')\n"
+            f"for i in range(20_000): open(f'{deep}/{{i}}', 'w').close(); open(f'/tmp/wide/{{i:0200}}', 'w').close()"],
+            "timeout": 120})
+        assert made.json()["exit_code"] == 0, made.text
+        refused = alice.get(f"/v1/sandboxes/{sid}/files", params={"path": deep})
+        assert refused.status_code >= 400 and "Mi characters" in refused.json()["message"], refused.text[:300]
+        assert 20_000 * len(deep) > MAX_LIST_PATH_CHARS
+        host, port = server.url.split("//")[1].split(":")
+        unread = socket.create_connection((host, int(port)))
+        unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        unread.sendall(f"GET /v1/sandboxes/{sid}/files?path=/tmp/wide HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                       f"Authorization: Bearer {KEYS['alice']}\r\n\r\n".encode())
+        time.sleep(2)
+        try:
+            with pytest.raises(httpx.TimeoutException):  # waits its turn behind the unread answer
+                alice.get(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/wide"}, timeout=3)
+        finally:
+            unread.close()
+        listed = alice.get(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/wide"}, timeout=30)
+        assert listed.status_code == 200 and len(listed.json()["entries"]) == 20_000
+        alice.delete(f"/v1/sandboxes/{sid}")

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from starlette.types import Receive, Scope, Send
 
-from ..tiers.base import json_text
+from ..tiers.base import MAX_LIST_ENTRIES, MAX_LIST_PATH_CHARS, json_text
 from .context import Context, Tenant
 from .output_shares import HeldUntilSent, render_json, send_in_pieces
 from .wire import path_of_query
@@ -62,6 +62,11 @@ class Download(Response):
             self._release()
 
 
+#: what a listing is held at while it is made: its entries' paths at most (MAX_LIST_PATH_CHARS),
+#: their names again, and the JSON around them
+LISTING_HOLD = 2 * MAX_LIST_PATH_CHARS + MAX_LIST_ENTRIES * 256
+
+
 @router.get(FILES, summary="List a directory")
 async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated[str, Depends(_listed)]) -> Response:
     entry = ctx.manager.get(who, sandbox_id)
@@ -72,7 +77,14 @@ async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated
         entries = entry.sandbox.files.list(path)
         return render_json({**json_text("path", path), "entries": [e.to_json() for e in entries]})
 
-    return HeldUntilSent(await ctx.run_for(who, list_and_render), ctx.output_shares, who)
+    # held against the tenant's output bound while it is made, as a command is (at the most a listing
+    # takes); made answers that no client reads count there too, so the next waits its turn: 6
+    # unread listings held 2 GiB of the server
+    release = await ctx.output_shares.hold(who, LISTING_HOLD)
+    try:
+        return HeldUntilSent(await ctx.run_for(who, list_and_render), ctx.output_shares, who)
+    finally:
+        release()
 
 
 @router.get(FILES + "/stat", summary="Describe one file")

@@ -44,6 +44,16 @@ def too_many_entries(path: str) -> str:
             "command instead (ls, find)")
 
 
+#: characters of paths a listing holds at most: each entry carries its whole path, so 88,000
+#: entries of a directory 3,769 bytes deep held 333 MiB of a server's memory per listing
+MAX_LIST_PATH_CHARS = 64 << 20
+
+
+def listing_too_long(path: str) -> str:
+    return (f"{path}: its entries' paths are more than {MAX_LIST_PATH_CHARS >> 20} Mi characters in all, more than "
+            "a listing holds: list it with a command instead (ls, find)")
+
+
 @dataclass(frozen=True)
 class ExecRequest:
     """One command to run inside a sandbox."""

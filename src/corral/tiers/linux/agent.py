@@ -27,7 +27,15 @@ from ...errors import FileError, FileNotFoundInSandbox, SandboxClosed
 from ...host import fdwait
 from ...images import SANDBOX_UID
 from ...spec import path_bytes
-from ..base import MAX_LIST_ENTRIES, ExecRequest, FileEntry, OutputCallback, too_many_entries
+from ..base import (
+    MAX_LIST_ENTRIES,
+    MAX_LIST_PATH_CHARS,
+    ExecRequest,
+    FileEntry,
+    OutputCallback,
+    listing_too_long,
+    too_many_entries,
+)
 from .agent_process import AgentProcess
 from .frames import (
     HEADER,
@@ -481,9 +489,13 @@ class AgentChannel:
         entries: list[FileEntry] = []
         pos = 0
         base = path.rstrip("/") or ""
+        chars = 0
         while pos + _ENTRY.size < len(raw):
             if len(entries) >= MAX_LIST_ENTRIES:
                 raise FileError(too_many_entries(path), errno.E2BIG)
+            chars += len(base) + 1 + (raw.find(b"\0", pos + _ENTRY.size) - pos - _ENTRY.size)
+            if chars > MAX_LIST_PATH_CHARS:
+                raise FileError(listing_too_long(path), errno.E2BIG)
             kind, size, mode, mtime = _ENTRY.unpack_from(raw, pos)
             end = raw.find(b"\0", pos + _ENTRY.size)
             if end < 0:

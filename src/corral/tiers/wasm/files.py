@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ...errors import FileError, FileNotFoundInSandbox
 from ...spec import path_bytes
-from ..base import MAX_LIST_ENTRIES, FileEntry, too_many_entries
+from ..base import MAX_LIST_ENTRIES, MAX_LIST_PATH_CHARS, FileEntry, listing_too_long, too_many_entries
 
 SYS_OPENAT2 = 437  # same number on x86-64 and arm64
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -162,6 +162,8 @@ class SandboxFiles:
             names = os.listdir(fd)
             if len(names) > MAX_LIST_ENTRIES:
                 raise FileError(too_many_entries(path), errno.E2BIG)
+            if sum(len(name) for name in names) + len(names) * (len(base) + 1) > MAX_LIST_PATH_CHARS:
+                raise FileError(listing_too_long(path), errno.E2BIG)
             for name in names:
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
