@@ -197,6 +197,13 @@ def test_a_download_takes_no_more_names_or_bytes_than_the_sandboxs_disk_holds(tm
         sb.commands.run("rm /tmp/t/sub/big[3-6]")
         assert sb.files.download_dir("/tmp/t", tmp_path / "t") == 302
         assert (tmp_path / "t" / "sub" / "big2").stat().st_size == 3000000
+    # the bound is what the disk holds (within memory), not `disk`: a sparse file of 1 GiB was
+    # written whole from a disk holding 371 MiB
+    with Sandbox.create(memory="128M") as sb:
+        assert sb.commands.run("mkdir /tmp/s && truncate -s 500M /tmp/s/sparse").exit_code == 0
+        with pytest.raises(ResourceLimit, match="disk limit"):
+            sb.files.download_dir("/tmp/s", tmp_path / "sparse")
+        assert not (tmp_path / "sparse" / "sparse").exists()
 
 
 def test_a_download_of_a_tree_that_grows_as_it_is_walked_stops_at_the_disks_names() -> None:

@@ -24,7 +24,7 @@ from .lifecycle import InstanceOrClass, SandboxInfo, check_lifetime
 from .ports import ExposedPort
 from .sandbox import CodeContext, Sandbox, check_fork_count, create_options
 from .spec import SandboxSpec, validate_env, validate_file_mode, validate_max_bytes, validate_sandbox_path
-from .surface import DEFAULT_MAX_READ, download_dir, upload_dir
+from .surface import DEFAULT_MAX_READ, disk_holds, download_dir, upload_dir
 from .tiers.base import ExecResult, FileEntry
 
 if TYPE_CHECKING:
@@ -294,7 +294,7 @@ class AsyncFiles:
     async def download_dir(self, remote: str, local: str | Path) -> int:
         files = _FilesOnLoop(self, asyncio.get_running_loop())
         return await asyncio.to_thread(download_dir, files, remote, local,  # type: ignore[arg-type]
-                                       self._sb.spec.limits.disk)
+                                       disk_holds(self._sb.spec))
 
 
 class AsyncNetwork:

@@ -34,7 +34,7 @@ from .local_backend import new_sandbox_id as new_sandbox_id
 from .local_transport import LocalTransport
 from .ports import Ports
 from .spec import SandboxSpec, validate_env, validate_file_mode, validate_max_bytes, validate_sandbox_path
-from .surface import DEFAULT_MAX_READ, build_spec, check_create_arguments, download_dir, upload_dir
+from .surface import DEFAULT_MAX_READ, build_spec, check_create_arguments, disk_holds, download_dir, upload_dir
 from .tiers.base import ExecResult, FileEntry, TierSandbox
 from .transport import CreateOptions, SandboxBackend, Transport
 
@@ -164,7 +164,7 @@ class Files:
         """Copy a sandbox directory's files into the host directory ``local``; returns files
         copied.  Symlinks are not followed or copied, nor is a git directory's configuration;
         at most the sandbox's disk limit is written (:func:`corral.surface.download_dir`)."""
-        return download_dir(self, remote, local, self._sb.spec.limits.disk)
+        return download_dir(self, remote, local, disk_holds(self._sb.spec))
 
 
 class Network:

@@ -206,6 +206,15 @@ def download_dir(files: FilesAPI, remote: str, local: str | Path, max_bytes: int
     return count
 
 
+def disk_holds(spec: SandboxSpec) -> int:
+    """The most a sandbox's disk holds: its disk tmpfs is held within memory on every tier but
+    gVisor's (:func:`corral.host.mounts.disk_held_in_memory`), so a download's bound is that, not
+    ``disk`` (sparse files of 1 GiB were written whole from a disk holding 371 MiB)."""
+    from .host.mounts import disk_held_in_memory
+
+    return spec.limits.disk if spec.tier == "gvisor" else disk_held_in_memory(spec.limits)
+
+
 #: what each name of a downloaded tree counts for: a sandbox's disk holds a name per 4 KiB of it
 NAME_COST = 4096
 #: the most a download's directories' paths may take in all, in this process's memory

@@ -264,7 +264,7 @@ async def _proxy_websocket(websocket: WebSocket, ctx: ServerContext, tenant: str
         try:
             async for message in upstream:
                 # held until the caller's side has taken it: counted with the tenant's messages
-                size = len(message)
+                size = len(message) if isinstance(message, bytes) else 4 * len(message)  # (text: at most 4 bytes a character)
                 if not ctx.ws_messages.take(tenant, size):
                     closing.append((1009, "the tenant's WebSocket messages held by the server are past "
                                           f"{ctx.config.max_request_bytes_per_tenant} bytes"))
