@@ -250,3 +250,29 @@ def test_a_cells_results_cost_the_owner_what_they_are_charged() -> None:
         answer = json.loads(code_content(listed)[0].text)
         assert len(answer["results"][0]["text"]) == TEXT_CAP and "cut" in answer["results"][0]
         assert sb.run_code("'still here'").text == "'still here'"
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_what_a_dead_kernels_cells_left_goes_with_the_restart(tier: str, state_dir: Any) -> None:
+    """A cell's ``setsid`` children hold the kernel command's output open, so the command outlives
+    its kernel's exit; the restart's kill of a command whose process had exited signalled nothing
+    (the agent skipped its command group once the process was gone): on gVisor, where no host
+    cgroup leaf holds them, 5 sleepers a round piled up (29 kernel copies in a 60-cell session).
+    A kill now ends the command's group whether its process lives or not."""
+    from corral import Sandbox
+
+    from .tier_probe import skip_unless_tier
+
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    fork = ("import os\nfor i in range(5):\n    if os.fork() == 0:\n"
+            "        os.setsid(); os.execvp('sleep', ['sleep', '600'])\n'forked'")
+    with Sandbox.create(tier=tier, pids=64, memory="512M") as sb:
+        for _ in range(2):
+            assert sb.run_code(fork).text == "'forked'"
+            assert sb.run_code("import os\nos._exit(3)", timeout=10).restarted
+            assert sb.run_code("1").text == "1"
+        deadline = time.monotonic() + 10
+        while (left := sb.commands.run("ps -eo args | grep -c '^sleep 600' || true").stdout.strip()) != "0":
+            assert time.monotonic() < deadline, f"{left} sleepers of dead kernels' cells are left"
+            time.sleep(0.5)

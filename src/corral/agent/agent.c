@@ -186,14 +186,23 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
         if ((e = find_exec(id))) { e->eof_pending = 1; flush_stdin(e); }
         break;
     case T_SIGNAL:
+        if (!find_exec(id) && len == 4) {  /* ended: a kill still ends what it left in its group */
+            int32_t sig;
+            memcpy(&sig, payload, 4);
+            if (sig == SIGKILL) command_group_kill_ended(id);
+        }
         if ((e = find_exec(id)) && len == 4) {
             int32_t sig;
             memcpy(&sig, payload, 4);
             if (!e->exited) {
                 kill(-e->pid, sig);
                 kill(e->pid, sig);
-                if (sig == SIGKILL) command_group_kill(e->group); /* what left its group too */
             }
+            /* what left its process group too, and also once the command's own process has
+             * exited: its daemons (a kernel's cells' setsid children) are still its group's, and
+             * on gVisor, where no host cgroup leaf holds them, they outlived every kernel restart
+             * (a group's number is never reused, unlike a pid) */
+            if (sig == SIGKILL) command_group_kill(e->group);
             /* said once both kills are done: this agent shares the sandbox's CPU quota, and with
              * a command keeping it spent the signal came seconds after the host sent it (a
              * throttled task waits for the next period at each return from a system call); the

@@ -87,7 +87,8 @@ int mountns_main(const char *fd_text, const char *userns_uid);
 int set_command_groups(const char *dir);
 uint32_t command_group_join(pid_t pid);
 void command_group_kill(uint32_t group);
-void command_group_done(uint32_t group);
+void command_group_done(uint32_t id, uint32_t group);
+void command_group_kill_ended(uint32_t id);
 
 /* exec.c: commands and the spare */
 extern int spares_enabled;

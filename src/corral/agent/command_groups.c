@@ -97,10 +97,32 @@ uint32_t command_group_join(pid_t pid) {
     return ok ? group : 0;
 }
 
-/* The command of ``group`` ended: its group goes, unless members are left (see sweep_groups). */
-void command_group_done(uint32_t group) {
+/* Ended commands whose groups still had members (background children), by the host's request id:
+ * a later kill of the command (an interpreter's restart of a kernel that died) kills them, as the
+ * process tier's kill of the command's cgroup leaf does; before, the host's kill found no command
+ * and a dead kernel's cells' `setsid` children outlived every restart.  A ring: the oldest
+ * forgotten first (they still die with the sandbox). */
+#define ENDED_KEPT 64
+static struct { uint32_t id, group; } ended[ENDED_KEPT];
+static unsigned ended_next;
+
+/* The command ``id`` of ``group`` ended: its group goes, unless members are left (see sweep_groups). */
+void command_group_done(uint32_t id, uint32_t group) {
     char path[PATH_MAX];
-    if (groups_dir && group && group_path(path, sizeof path, group, NULL) == 0) rmdir(path);
+    if (!groups_dir || !group || group_path(path, sizeof path, group, NULL) < 0) return;
+    if (rmdir(path) < 0) { /* (members left: EBUSY on Linux; gVisor may say otherwise) */
+        ended[ended_next % ENDED_KEPT].id = id;
+        ended[ended_next % ENDED_KEPT].group = group;
+        ended_next++;
+    }
+}
+
+void command_group_kill_ended(uint32_t id) {
+    for (int i = 0; i < ENDED_KEPT; i++)
+        if (ended[i].group && ended[i].id == id) {
+            command_group_kill(ended[i].group);
+            ended[i].group = 0;
+        }
 }
 
 void command_group_kill(uint32_t group) {

@@ -401,7 +401,7 @@ void finish_exec(struct exec *e) {
     close_fd(&e->fd_err);
     close_fd(&e->fd_sync);
     free(e->inbuf);
-    command_group_done(e->group);
+    command_group_done(e->id, e->group);
     memset(e, 0, sizeof *e);
     fork_spare(); /* between commands, off the next one's path */
 }
