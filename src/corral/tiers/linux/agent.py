@@ -28,15 +28,13 @@ from ...host import fdwait
 from ...images import SANDBOX_UID
 from ...spec import path_bytes
 from ..base import (
-    MAX_LIST_ENTRIES,
-    MAX_LIST_PATH_CHARS,
     ExecRequest,
     FileEntry,
     OutputCallback,
-    listing_too_long,
     too_many_entries,
 )
 from .agent_process import AgentProcess
+from .answers import LIST_ANSWER_LIMIT, MAX_ERROR_TEXT, STAT_ANSWER_LIMIT, parse_listing, parse_stat
 from .frames import (
     HEADER,
     MAX_FRAME,
@@ -85,16 +83,6 @@ RELAY_UID = 65533
 #: it did when a fifo at a written path held the agent (and a server's event loop with it)
 WRITE_TIMEOUT = 60.0
 WRITE_CHUNK = 4 << 20
-_TYPES = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
-_ENTRY = struct.Struct("<cQIq")
-#: the most a listing's answer may take: the agent's own bound of entries, each at its longest name
-LIST_ANSWER_LIMIT = MAX_LIST_ENTRIES * (_ENTRY.size + 256)
-#: characters of an error the agent sends that are kept
-MAX_ERROR_TEXT = 4096
-
-
-def _kind(kind: bytes) -> str:
-    return _TYPES.get(kind.decode("latin-1"), "other")
 
 class _Pending:
     def __init__(self) -> None:
@@ -476,44 +464,17 @@ class AgentChannel:
                 target, temp = answer.split(b"\0")[:2]
 
     def list_dir(self, path: str) -> list[FileEntry]:
-        """The entries of ``path``; the answer is read as a guest's root may have written it (a
-        microVM's agent is the guest's): bounded in bytes and entries as the agent bounds its own
-        (a forged answer of 5.5 million entries took its owner to 1.8 GB), and a malformed one
-        is a FileError (an unknown kind byte raised UnicodeDecodeError)."""
+        """The entries of ``path``, read as a guest's root may have written them (:mod:`.answers`)."""
         try:
             raw = self.call(T_FLIST, path_bytes(path) + b"\0", limit=LIST_ANSWER_LIMIT)
         except FileError as exc:
             if exc.errno != errno.EFBIG:
                 raise
             raise FileError(too_many_entries(path), errno.E2BIG) from None
-        entries: list[FileEntry] = []
-        pos = 0
-        base = path.rstrip("/") or ""
-        chars = 0
-        while pos + _ENTRY.size < len(raw):
-            if len(entries) >= MAX_LIST_ENTRIES:
-                raise FileError(too_many_entries(path), errno.E2BIG)
-            chars += len(base) + 1 + (raw.find(b"\0", pos + _ENTRY.size) - pos - _ENTRY.size)
-            if chars > MAX_LIST_PATH_CHARS:
-                raise FileError(listing_too_long(path), errno.E2BIG)
-            kind, size, mode, mtime = _ENTRY.unpack_from(raw, pos)
-            end = raw.find(b"\0", pos + _ENTRY.size)
-            if end < 0:
-                raise FileError(f"{path}: the sandbox's agent sent a malformed listing", errno.EPROTO)
-            name = raw[pos + _ENTRY.size : end].decode(errors="surrogateescape")
-            pos = end + 1
-            if name in ("", ".", "..") or "/" in name:
-                continue  # no directory holds such a name: not the agent's own answer
-            entries.append(FileEntry(name, f"{base}/{name}", _kind(kind), size, mode, float(mtime)))
-        return sorted(entries, key=lambda e: e.name)
+        return parse_listing(raw, path)
 
     def stat(self, path: str) -> FileEntry:
-        raw = self.call(T_FSTAT, path_bytes(path) + b"\0", limit=_ENTRY.size + 256)
-        if len(raw) < _ENTRY.size:
-            raise FileError(f"{path}: the sandbox's agent sent a malformed answer", errno.EPROTO)
-        kind, size, mode, mtime = _ENTRY.unpack_from(raw, 0)
-        name = path.rstrip("/").rsplit("/", 1)[-1] or "/"
-        return FileEntry(name, path, _kind(kind), size, mode, float(mtime))
+        return parse_stat(self.call(T_FSTAT, path_bytes(path) + b"\0", limit=STAT_ANSWER_LIMIT), path)
 
     def remove(self, path: str, recursive: bool) -> None:
         self.call(T_FREMOVE, struct.pack("<I", int(recursive)) + path_bytes(path) + b"\0")
