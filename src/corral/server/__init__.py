@@ -38,14 +38,14 @@ def serve(config: ServerConfig, log_level: str = "warning",
     ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, app.state.context.ws_messages)
     settle_garbage_collector()
     settings = uvicorn.Config(app, log_level=log_level, ws=ws_protocol,
-                http=http_protocol(config.request_head_timeout, config.max_partial_heads_per_peer),
-                timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
-                # the client address is the connection's: it says whose socket it is (host_guard),
-                # and X-Forwarded-For from any local user would otherwise replace it
-                proxy_headers=False,
-                # longer than clients keep idle connections (httpx: 5 s), so a reused connection is
-                # never closed by the server just as a request goes out on it
-                timeout_keep_alive=65)
+                              http=http_protocol(config.request_head_timeout, config.max_partial_heads_per_peer),
+                              timeout_graceful_shutdown=10, limit_concurrency=config.max_connections,
+                              # the client address is the connection's: it says whose socket it is (host_guard),
+                              # and X-Forwarded-For from any local user would otherwise replace it
+                              proxy_headers=False,
+                              # longer than clients keep idle connections (httpx: 5 s), so a reused connection is
+                              # never closed by the server just as a request goes out on it
+                              timeout_keep_alive=65)
     uvicorn.Server(settings).run(sockets=[listener])
 
 

@@ -33,6 +33,7 @@ T = TypeVar("T")
 #: shared threads one tenant's control calls may hold at once (:meth:`ServerContext.run_control`)
 CONTROL_THREADS_PER_TENANT = 8
 
+
 class ServerContext:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
