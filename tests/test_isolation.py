@@ -583,18 +583,19 @@ def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(
             Sandbox.create(workspace=bad)
     # the host's /etc bound elsewhere is still /etc, and so is /etc in a bind of / (the check by
     # path saw only the mount point: /srv/x/etc showed the sandbox /etc/shadow)
-    bound, root = tmp_path / "looks-like-a-project", tmp_path / "rootbind"
-    bound.mkdir()
-    root.mkdir()
-    subprocess.run(["mount", "--bind", "/etc", str(bound)], check=True)
-    subprocess.run(["mount", "--bind", "/", str(root)], check=True)
+    # and so is a subtree of one bound anywhere (/etc/ssl at /srv/x: rw wrote into /etc/ssl)
+    bound, root, ssl, dpkg = (tmp_path / name for name in ("looks-like-a-project", "rootbind", "ssl", "dpkg"))
+    binds = ((bound, "/etc"), (root, "/"), (ssl, "/etc/ssl"), (dpkg, "/var/lib/dpkg"))
+    for target, source in binds:
+        target.mkdir()
+        subprocess.run(["mount", "--bind", source, str(target)], check=True)
     try:
-        for bad in (bound, bound / "cron.d", root / "etc", root / "var" / "lib" / "dpkg", root):
+        for bad in (bound, bound / "cron.d", root / "etc", root / "var" / "lib" / "dpkg", root, ssl, ssl / "certs", dpkg):
             with pytest.raises(InvalidSpec, match="by another path"):
                 Sandbox.create(workspace=f"{bad}:ro")
     finally:
-        subprocess.run(["umount", str(bound)], check=True)
-        subprocess.run(["umount", str(root)], check=True)
+        for target, _ in binds:
+            subprocess.run(["umount", str(target)], check=True)
     assert cgroups.list_sandbox_groups() == before
     (tmp_path / "proj" / "src").mkdir()
     with Sandbox.create(workspace=str(tmp_path / "proj" / "src")) as sb:

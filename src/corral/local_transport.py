@@ -142,11 +142,19 @@ def _apart_from_corral(workspace: Path, state: Path) -> None:
 
 
 def _not_a_refused_tree_by_another_path(workspace: Path) -> None:
-    """Refuse a workspace that is a refused tree under another path: compared by device and inode,
-    it or a parent is a system tree or a home's dot-directory, or it is a holder of others' trees
-    or a home.  A bind mount showed one elsewhere: ``/`` bound at ``/srv/x`` made ``/srv/x/etc``
-    a workspace (the sandbox read ``/etc/shadow``), which a check of the path's text missed."""
+    """Refuse a workspace that is a refused tree under another path: where a mount shows it from
+    (``mountinfo``: a bind of ``/etc/ssl`` at ``/srv/x`` is ``/etc/ssl``) is checked as the path
+    itself is; and compared by device and inode, it or a parent is a system tree or a home's
+    dot-directory, or it is a holder of others' trees or a home (a link, a mount of a file system
+    mounted whole nowhere).  ``/`` bound at ``/srv/x`` made ``/srv/x/etc`` a workspace (the sandbox
+    read ``/etc/shadow``), which a check of the path's text missed."""
+    from .host.mounts import origin_of
     from .spec import HOLDERS, SYSTEM_TREES, login_homes, why_not_a_workspace
+
+    origin = origin_of(workspace)
+    why = why_not_a_workspace(origin) if origin is not None else None
+    if why is not None:
+        raise InvalidSpec(f"workspace {workspace}: it is {origin} by another path (a bind mount): {why}")
 
     def identity(path: Path) -> tuple[int, int] | None:
         try:

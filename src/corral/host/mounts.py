@@ -133,6 +133,37 @@ def mountinfo() -> list[tuple[str, str]]:
     return entries
 
 
+def origin_of(path: Path) -> Path | None:
+    """Where the directory ``path`` (resolved) is in the tree of this namespace when a mount shows
+    it elsewhere (``/etc/ssl`` bound at ``/srv/x``: ``/etc/ssl``; ``/`` bound at ``/srv/r``:
+    ``/srv/r/etc`` is ``/etc``); None when it is where it is, or its file system is mounted whole
+    nowhere (nothing to compare with)."""
+    mounts = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mounts.append((fields[2], _unescape(fields[3]), _unescape(fields[4])))
+    text = str(path)
+    best: tuple[str, str, str] | None = None
+    for device, root, point in mounts:  # the last of equal mount points is the one on top
+        if (text == point or text.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best[2])):
+            best = (device, root, point)
+    if best is None:
+        return None
+    device, root, point = best
+    # where the file system is mounted whole (its first such mount: the original, not a later bind of it)
+    whole = next((p for d, r, p in mounts if d == device and r == "/"), None)
+    if whole is None:
+        return None
+    origin = Path(whole) / Path(root).relative_to("/") / Path(text).relative_to(point)
+    return None if origin == path else origin
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
 def mountinfo_everywhere() -> Iterator[str]:
     """Every line of ``/proc/PID/mountinfo`` of every mount namespace on the host (this process's
     first; one process read per namespace): sandboxes mount in namespaces of their own
