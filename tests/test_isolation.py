@@ -512,6 +512,11 @@ def test_a_sandbox_cannot_give_the_host_a_git_directory_of_its_own_making(tmp_pa
         run("mkdir head_first head_first/objects head_first/refs && echo 'ref: refs/heads/main' > head_first/HEAD")
         run(f"printf '[core]\\n\\tfsmonitor = touch {marker}; false #\\n' > head_first/config"
             f" && mkdir head_first/hooks && printf '#!/bin/sh\\ntouch {marker}\\n' > head_first/hooks/post-checkout")
+        # alternates (another repository's objects, copied in by the host's next gc) either way round
+        run("mkdir -p alt_first/objects/info alt_first/refs && echo /root/o/.git/objects > alt_first/objects/info/alternates")
+        run("echo 'ref: refs/heads/main' > alt_first/HEAD")
+        run("mkdir -p alt_head/objects/info alt_head/refs && echo 'ref: refs/heads/main' > alt_head/HEAD")
+        run("echo /root/o/.git/objects > alt_head/objects/info/alternates")
         # what is no git directory comes back: a lone HEAD, a config file, a project's hooks/
         run("mkdir -p notes src/hooks app && echo x > notes/HEAD && echo 'debug = 1' > app/config"
             " && echo 'export {}' > src/hooks/useThing.js")
@@ -520,7 +525,7 @@ def test_a_sandbox_cannot_give_the_host_a_git_directory_of_its_own_making(tmp_pa
         subprocess.run(["git", "log", "-1"], cwd=where, capture_output=True)
     assert not marker.exists(), "the host's git ran a program the sandbox wrote"
     for held in ("sub/config", "sub/hooks", "config", "hooks", "cfg_first/HEAD", "head_first/config",
-                 "head_first/hooks"):
+                 "head_first/hooks", "alt_first/HEAD", "alt_head/objects/info/alternates"):
         assert not (workspace / held).exists(), held
     assert (workspace / "sub" / "objects").is_dir() and (workspace / "head_first" / "HEAD").is_file()
     assert (workspace / "cfg_first" / "config").is_file()  # a config without a HEAD beside it is no git's

@@ -120,4 +120,11 @@ def makes_a_git_directory(current: Container[tuple[str, str]], dst_root: int, ke
     names = (HEAD,) if not is_head else (*GIT_RUNS, *_NEAR_GIT_NAMES)
     if is_head and host_keeps(f"{dir_path}/config" if dir_path else "config", "f"):
         return False
-    return any((dir_path, name) in current for name in names) or _host_has(dst_root, dir_path, names)
+    if any((dir_path, name) in current for name in names) or _host_has(dst_root, dir_path, names):
+        return True
+    if not is_head:
+        return False
+    # a HEAD where alternates are already (written by an earlier sync, before any HEAD was there)
+    info = f"{dir_path}/objects/info" if dir_path else "objects/info"
+    return (any((info, name) in current for name in GIT_ALTERNATES)
+            or _host_has(dst_root, info, tuple(GIT_ALTERNATES)))
