@@ -249,7 +249,29 @@ def test_a_cells_results_cost_the_owner_what_they_are_charged() -> None:
         assert isinstance(main.text, str) and isinstance(main.html, str), main
         answer = json.loads(code_content(listed)[0].text)
         assert len(answer["results"][0]["text"]) == TEXT_CAP and "cut" in answer["results"][0]
+        # one container of 2.8 million short strings: parsed, ~15x its JSON (it was held: +236 MiB)
+        strings = sb.run_code("class S:\n    def _repr_json_(self): return ['ab'] * 2_800_000\ndisplay(S())\n'after'",
+                              timeout=120)
+        assert strings.truncated and strings.text == "'after'", strings.results[:1]
+        assert _rss_mib() - before < 150, "the owner held more than the cells' output budgets"
         assert sb.run_code("'still here'").text == "'still here'"
+
+
+def test_a_frame_nested_past_what_the_owner_re_encodes_loses_nothing_after_it(sandbox: Any) -> None:
+    """A forged stdout frame nested ~980 deep parsed, then raised RecursionError when the owner
+    re-encoded it to charge it: the rest of that chunk (a real result, the cell's end) was lost
+    untyped.  Such a frame is dropped (truncated) and what follows it is dispatched."""
+    cell = ("import gc, types\nkernel = next(f.__globals__ for f in gc.get_objects() if isinstance(f, types.FunctionType)"
+            " and f.__name__ == 'send' and '_proto' in f.__globals__)\n"
+            "proto, ident = kernel['_proto'], kernel['_current']['id']\n"
+            "for depth in range(970, 1000):\n"
+            "    proto.write('{\"type\": \"stdout\", \"id\": %d, \"text\": %s}\\n' % (ident, '[' * depth + ']' * depth))\n"
+            "    proto.write('{\"type\": \"stdout\", \"id\": %d, \"text\": \"mark%d\\\\n\"}\\n' % (ident, depth))\n"
+            "proto.flush()\n'end'")
+    ran = sandbox.run_code(cell, timeout=60)
+    assert ran.text == "'end'" and ran.error is None, ran
+    marks = [text.strip() for text in ran.logs.stdout if text.startswith("mark")]  # (the lists come as their text)
+    assert marks == [f"mark{depth}" for depth in range(970, 1000)], marks[:5]
 
 
 @pytest.mark.parametrize("tier", ["process", "gvisor"])

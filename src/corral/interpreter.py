@@ -92,11 +92,28 @@ def language_name(language: str) -> str:
 #: what a result costs its cell besides its bytes: the objects it becomes here (246,723 results of
 #: display(None), charged at ~40 bytes each, held 79 MiB of the owner)
 RESULT_COST = 1024
-#: what each JSON container (``[`` or ``{``) of a frame costs its cell past the first
-#: FREE_CONTAINERS: parsed, an empty list is a Python object of ~64 bytes for its 2 bytes of JSON
-#: (a result of 4,000,000 of them, charged 16 MiB, held 308 MiB, and 729 MiB as an answer)
-CONTAINER_COST = 64
-FREE_CONTAINERS = 1024
+#: what each value of a result (a container, a string, a number) costs its cell: parsed, it is a
+#: Python object of ~50-64 bytes for as little as 2 bytes of JSON (a result of 4,000,000 empty
+#: lists, 16 MiB of JSON, held 308 MiB; one of 2.8 million two-letter strings, 236 MiB)
+ELEMENT_COST = 64
+#: a frame with more structure than this (commas, colons, brackets: counted before it is parsed,
+#: those in strings too) is parsed only if that many elements would cost at most PARSE_ALLOWANCE
+#: times the cell's budget left: parsing a frame refused after was the owner's peak (440 MiB)
+FREE_ELEMENTS = 4096
+PARSE_ALLOWANCE = 4
+
+
+def _elements(value: object) -> int:
+    """How many values (containers, strings, numbers) ``value`` holds, itself included."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 class _Cell:
@@ -191,7 +208,7 @@ class CodeInterpreter:
                 continue
             self._buffer += piece
             line, self._buffer = self._buffer, bytearray()
-            if len(line) > self._frame_room() or self._too_many_containers(line):
+            if len(line) > self._frame_room() or self._too_costly_to_parse(line):
                 self._dropped()
                 continue
             try:
@@ -199,7 +216,10 @@ class CodeInterpreter:
             except (ValueError, RecursionError):  # (a forged frame nested past the parser's depth)
                 continue
             if isinstance(message, dict):
-                self._dispatch(message)
+                try:
+                    self._dispatch(message)
+                except (RecursionError, ValueError, TypeError):  # a forged frame nested past what we re-encode
+                    self._dropped()
         if not self._skip_line:
             self._buffer += rest
             if len(self._buffer) > self._frame_room():  # dropped now, and the rest of its line
@@ -213,17 +233,14 @@ class CodeInterpreter:
         cell = self._cell
         return min(MAX_FRAME, (max(cell.budget, 0) if cell is not None else 0) + FRAME_SLACK)
 
-    def _too_many_containers(self, line: bytearray) -> bool:
-        """Whether parsing ``line`` would cost more than the running cell can be charged for: each
-        JSON container past FREE_CONTAINERS is charged CONTAINER_COST (counted before parsing)."""
-        containers = line.count(b"[") + line.count(b"{")
-        if containers <= FREE_CONTAINERS:
+    def _too_costly_to_parse(self, line: bytearray) -> bool:
+        """Whether parsing ``line`` could cost more than the running cell has left to be charged
+        (PARSE_ALLOWANCE times it, as counted before parsing: strings' commas count too)."""
+        elements = line.count(b",") + line.count(b":") + line.count(b"[") + line.count(b"{")
+        if elements <= FREE_ELEMENTS:
             return False
-        cell, cost = self._cell, (containers - FREE_CONTAINERS) * CONTAINER_COST
-        if cell is None or cost > cell.budget:  # (not charged: the cell's later output still fits)
-            return True
-        cell.budget -= cost
-        return False
+        cell = self._cell
+        return cell is None or elements * ELEMENT_COST > PARSE_ALLOWANCE * max(cell.budget, 0)
 
     def _dropped(self) -> None:
         cell = self._cell
@@ -254,7 +271,8 @@ class CodeInterpreter:
             return
         logs = cell.execution.logs
         if kind in ("stdout", "stderr", "result") and not self._charge(
-                cell, len(json.dumps(message)) + (RESULT_COST if kind == "result" else 0),
+                cell, len(json.dumps(message)) + (RESULT_COST + ELEMENT_COST * _elements(message.get("data"))
+                                                  if kind == "result" else 0),
                 background=kind != "result" and bool(message.get("background"))):
             return  # (a thread's prints spend a budget of their own: a flood of them left the cell none)
         if kind in ("stdout", "stderr"):
