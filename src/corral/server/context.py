@@ -99,11 +99,7 @@ class ServerContext:
     async def run_for(self, tenant: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """:meth:`run_blocking` within ``tenant``'s share of the threads: past it, the tenant's own
         work waits (without a thread), never another tenant's."""
-        share = self._shares.get(tenant)
-        if share is None:
-            share = self._shares[tenant] = asyncio.Semaphore(self.config.max_threads_per_tenant)
-        async with share:
-            return await self.run_blocking(fn, *args, **kwargs)
+        return await self._run_within(self._shares, self.config.max_threads_per_tenant, tenant, fn, *args, **kwargs)
 
     async def run_control(self, tenant: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """:meth:`run_blocking` for a call that acts on what runs (a kill, a signal, pause, resume,
@@ -111,9 +107,14 @@ class ServerContext:
         may be what ends them), but within ``CONTROL_THREADS_PER_TENANT`` of the shared threads.
         They took shared threads without a bound: one tenant's 140 signals to its paused sandbox
         (each waiting for its agent) held all 128, and every tenant's exec, listing and create waited."""
-        share = self._control_shares.get(tenant)
+        return await self._run_within(self._control_shares, CONTROL_THREADS_PER_TENANT, tenant, fn, *args, **kwargs)
+
+    async def _run_within(self, shares: dict[str, asyncio.Semaphore], size: int, tenant: str,
+                          fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """:meth:`run_blocking` holding one of ``tenant``'s ``size`` places in ``shares``."""
+        share = shares.get(tenant)
         if share is None:
-            share = self._control_shares[tenant] = asyncio.Semaphore(CONTROL_THREADS_PER_TENANT)
+            share = shares[tenant] = asyncio.Semaphore(size)
         async with share:
             return await self.run_blocking(fn, *args, **kwargs)
 
