@@ -182,14 +182,14 @@ def render_json(content: dict[str, Any]) -> list[bytes]:
 
 
 class HeldUntilSent(Response):
-    """A JSON answer counted against its tenant's output bound until its client has taken it
-    (or is gone).  ``content`` is the answer, or its body already rendered (:func:`render_json`)."""
+    """A JSON answer, its body rendered in ``pieces`` (:func:`render_json`), counted against its
+    tenant's output bound until its client has taken it (or is gone)."""
 
     media_type = "application/json"
 
-    def __init__(self, content: Any, shares: OutputShares, tenant: str, status_code: int = 200) -> None:
-        self._pieces = content if isinstance(content, list) else [_dumps(content).encode()]
-        size = sum(len(piece) for piece in self._pieces)
+    def __init__(self, pieces: list[bytes], shares: OutputShares, tenant: str, status_code: int = 200) -> None:
+        self._pieces = pieces
+        size = sum(len(piece) for piece in pieces)
         super().__init__(b"", status_code=status_code)
         self.raw_headers = [(name, value) for name, value in self.raw_headers if name != b"content-length"]
         self.raw_headers.append((b"content-length", str(size).encode()))
