@@ -150,6 +150,7 @@ class ServerConfig:
     #: ``allow`` must name only destinations these cover, and ``network="open"`` is refused; None:
     #: any public destination a tenant names (private and local ranges are never theirs to open)
     allow: list[str] | None = None
+    _allow_rules: list[AllowRule] = field(default_factory=list, init=False, repr=False)
     state_dir: str | None = None
     #: a Ray cluster whose nodes hold the sandboxes (``corral serve --cluster ADDRESS``); None: this host
     cluster: str | None = None
@@ -204,8 +205,8 @@ class ServerConfig:
         if self.allow is not None:
             if isinstance(self.allow, str) or not isinstance(self.allow, list):
                 raise InvalidSpec(f"allow: expected a list of destinations, got {self.allow!r}")
-            for text in self.allow:
-                AllowRule.parse(text)
+            #: parsed once, here: every create of a tenant checks its allow against them
+            self._allow_rules = [AllowRule.parse(text) for text in self.allow]
         if not isinstance(self.fast_routes, bool):
             raise InvalidSpec(f"fast_routes: {self.fast_routes!r} must be true or false")
         if self.cluster is not None and self.pools:
@@ -229,10 +230,9 @@ class ServerConfig:
         if spec.network == "open":
             raise InvalidSpec(f"network 'open': this server's sandboxes may reach only what its operator listed "
                               f"(corral serve --allow: {offered}); use network='allow' with destinations within it")
-        rules = [AllowRule.parse(text) for text in self.allow]
         for text in spec.allow:
             asked = AllowRule.parse(text)
-            if not any(rule.covers(asked) for rule in rules):
+            if not any(rule.covers(asked) for rule in self._allow_rules):
                 raise InvalidSpec(f"allow {text!r}: this server's sandboxes may reach only what its operator listed "
                                   f"(corral serve --allow: {offered})")
 
@@ -258,7 +258,7 @@ class ServerConfig:
                 raise InvalidSpec(f"config file {config_file}: {exc}") from None
             if not isinstance(data, dict):
                 raise InvalidSpec(f"config file {config_file}: expected a JSON object")
-            known = {f for f in cls.__dataclass_fields__ if f != "key_digests"} | {"api_keys_file"}
+            known = {f for f in cls.__dataclass_fields__ if f != "key_digests" and not f.startswith("_")} | {"api_keys_file"}
             unknown = sorted(set(data) - known)
             if unknown:
                 raise InvalidSpec(f"config file: unknown field(s) {', '.join(unknown)}; "
