@@ -523,10 +523,11 @@ def test_tenants_reach_only_what_the_operator_allows(state_dir: Path) -> None:
         assert refused.status_code == 400 and "none" in refused.json()["message"], refused.text
         made = http.post("/v1/sandboxes", json={"limits": {"memory": "64M"}})
         assert made.status_code == 201 and http.delete(f"/v1/sandboxes/{made.json()['id']}").status_code == 204
-    for bad in (["--allow", "not a host!"], ["--allow", "x.test", "--no-network"]):
+    for bad, said in ((["--allow", "not a host!"], "allow"), (["--allow", "x.test", "--no-network"], "allow"),
+                      (["--port", "70000"], "port"), (["--port", "-1"], "port")):
         run = subprocess.run([CORRAL, "--state-dir", str(state_dir / "srv-badallow"), "serve", "--port", "0", *bad],
                              capture_output=True, text=True, timeout=60)
-        assert run.returncode != 0 and "allow" in run.stderr, (bad, run.stderr)
+        assert run.returncode == 125 and said in run.stderr, (bad, run.stderr)
 
 
 def test_serve_on_port_0_listens_on_a_free_port_and_says_which(state_dir: Path) -> None:
