@@ -112,6 +112,48 @@ def test_a_large_answer_is_built_without_stalling_other_tenants(state_dir: Path)
         assert worst < 0.5, f"bob waited {worst:.2f} s for an answer while alice's was built"
 
 
+def _peak_rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))
+
+
+def test_a_large_answer_holds_no_more_of_the_server_than_its_output_is_counted_at(state_dir: Path) -> None:
+    """A blocking exec's answer was rendered whole before it was sent: output made of control
+    characters is six bytes of JSON a byte (``\\u0001``), so one exec counted at 2 x 64 MiB held
+    1 GiB of the server (and one with ``max_output`` 1G, run alone, ~16 GiB).  A large answer is
+    now rendered as its client takes it (chunked), its command counted until it is all sent; a
+    listing's too."""
+    import httpx
+
+    with ServerProcess(state_dir / "srv-answer-memory", keys=KEYS) as server, server.client("alice") as alice:
+        sid = alice.post("/v1/sandboxes", json={"limits": {"max_output": "32M", "memory": "256M"}}).json()["id"]
+        made = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": [
+            "python3", "-c", "import os\nos.makedirs('/tmp/c')\nopen('/tmp/seed', 'w').close()\n"
+            "for i in range(40_000): os.link('/tmp/seed', '/tmp/c/' + chr(1) * 250 + str(i))"], "timeout": 60})
+        assert made.json()["exit_code"] == 0, made.text
+        before = _peak_rss_mib(server.proc.pid)
+        listing = alice.get(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/c"}, timeout=120)
+        grown = _peak_rss_mib(server.proc.pid) - before
+        assert len(listing.json()["entries"]) == 40_000
+        # ~20 MiB of names and paths, 120 MiB as JSON (helper 90: 6 such listings of 99,000 entries
+        # held 2.3 GB of a server, each counted at LISTING_HOLD, 152 MiB)
+        assert grown < 80, f"the server grew by {grown} MiB for a listing of 20 MiB of names and paths"
+        before = _peak_rss_mib(server.proc.pid)
+        loud = "head -c 32M /dev/zero | tr '\\0' '\\1'; head -c 32M /dev/zero | tr '\\0' '\\2' >&2"
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=120) as own:
+            answer = own.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": loud, "timeout": 100})
+        grown = _peak_rss_mib(server.proc.pid) - before
+        # counted at 2 x 32 MiB: its bytes and their text, not the 384 MiB of JSON
+        assert grown < 4 * 64, f"the server grew by {grown} MiB for an answer counted at 64 MiB"
+        assert answer.headers.get("transfer-encoding") == "chunked", answer.headers
+        result = answer.json()
+        assert result["stdout"] == "\x01" * (32 << 20) and result["stderr"] == "\x02" * (32 << 20)
+        assert result["exit_code"] == 0 and not result["truncated"]
+        small = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo small"})
+        assert small.headers.get("content-length") and small.json()["stdout"] == "small\n"
+        alice.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_a_listing_nobody_reads_holds_back_the_tenants_next_one_not_the_server(state_dir: Path) -> None:
     """A directory listing was made whether or not the tenant's answers were still held: six
     listings asked and never read (88,000 entries, 3,769-character paths) held 2 GiB of the

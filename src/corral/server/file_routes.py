@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -10,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..tiers.base import MAX_LIST_ENTRIES, MAX_LIST_PATH_CHARS, json_text
 from .context import Context, Tenant
-from .output_shares import HeldUntilSent, render_json, send_in_pieces
+from .output_shares import Rendering, answer_of, render_json, send_in_pieces
 from .wire import path_of_query
 
 #: the largest file a download returns
@@ -73,18 +74,20 @@ async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated
     # up to 100,000 entries: counted with the tenant's output until its client has taken it; a
     # name that is not UTF-8 is text with U+FFFD and its bytes in name_b64 / path_b64 (it made the
     # whole listing a 400); rendered on the tenant's thread, not on the loop (output_shares.render_json)
-    def list_and_render() -> list[bytes]:
+    def list_and_render() -> Rendering:
         entries = entry.sandbox.files.list(path)
         return render_json({**json_text("path", path), "entries": [e.to_json() for e in entries]})
 
     # held against the tenant's output bound while it is made, as a command is (at the most a listing
     # takes); made answers that no client reads count there too, so the next waits its turn: 6
     # unread listings held 2 GiB of the server
-    release = await ctx.output_shares.hold(who, LISTING_HOLD)
+    hold = await ctx.output_shares.hold(who, LISTING_HOLD)
     try:
-        return HeldUntilSent(await ctx.run_for(who, list_and_render), ctx.output_shares, who)
-    finally:
-        release()
+        answer = await ctx.run_for(who, list_and_render)
+    except BaseException:
+        hold()
+        raise
+    return answer_of(answer, ctx.output_shares, who, hold, functools.partial(ctx.run_for, who))
 
 
 @router.get(FILES + "/stat", summary="Describe one file")

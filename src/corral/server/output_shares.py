@@ -21,7 +21,8 @@ import asyncio
 import json
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any
 
@@ -146,39 +147,129 @@ async def send_in_pieces(send: Send, status: int, headers: list[tuple[bytes, byt
 #: call stalled the event loop as much as doing it there
 ENCODE_PIECE = 1 << 18
 
+#: an answer up to this size is rendered whole on its worker thread and sent with its length; a
+#: larger one is rendered as it is sent (:class:`SentAsRendered`)
+WHOLE_ANSWER = 4 << 20
+
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
 
 
-def _encode(value: Any, out: list[bytes]) -> None:
+def _encode(value: Any) -> Iterator[bytes]:
     if isinstance(value, str) and len(value) > ENCODE_PIECE:
-        out.append(b'"')
+        yield b'"'
         for at in range(0, len(value), ENCODE_PIECE):
-            out.append(encode_basestring(value[at:at + ENCODE_PIECE])[1:-1].encode())
-        out.append(b'"')
+            yield encode_basestring(value[at:at + ENCODE_PIECE])[1:-1].encode()
+        yield b'"'
     elif isinstance(value, list) and len(value) > 1024:
-        out.append(b"[")
+        yield b"["
         for at in range(0, len(value), 1024):
-            if at:
-                out.append(b",")
-            out.append(_dumps(value[at:at + 1024])[1:-1].encode())
-        out.append(b"]")
+            yield (b"," if at else b"") + _dumps(value[at:at + 1024])[1:-1].encode()
+        yield b"]"
     else:
-        out.append(_dumps(value).encode())
+        yield _dumps(value).encode()
 
 
-def render_json(content: dict[str, Any]) -> list[bytes]:
-    """``content`` as a JSON answer's body (as Starlette renders one), in pieces, for an answer
-    that may be large (a command's output, a listing) and is built on a worker thread, a piece
-    per call: rendered on the event loop, one tenant's 2 x 64 MiB of output (768 MiB of JSON) or
-    listings of 90,000 entries stalled every other tenant's requests for up to 3.6 s."""
-    out: list[bytes] = [b"{"]
+def json_pieces(content: dict[str, Any]) -> Iterator[bytes]:
+    """``content`` as a JSON answer's body (as Starlette renders one), a piece per encoder call."""
+    yield b"{"
     for i, (key, value) in enumerate(content.items()):
-        out.append((b"," if i else b"") + _dumps(key).encode() + b":")
-        _encode(value, out)
-    out.append(b"}")
-    return out
+        yield (b"," if i else b"") + _dumps(key).encode() + b":"
+        yield from _encode(value)
+    yield b"}"
+
+
+@dataclass
+class Rendering:
+    """An answer rendered up to :data:`WHOLE_ANSWER`: ``head`` is all of it when ``rest`` is None,
+    else ``rest`` renders the remainder, a piece per call."""
+
+    head: list[bytes]
+    rest: Iterator[bytes] | None
+
+
+def render_json(content: dict[str, Any]) -> Rendering:
+    """Begin rendering ``content`` for an answer that may be large (a command's output, a
+    listing), on a worker thread: rendered on the event loop, one tenant's 2 x 64 MiB of output
+    (768 MiB of JSON) or listings of 90,000 entries stalled every other tenant's requests for up
+    to 3.6 s.  Whole up to :data:`WHOLE_ANSWER`; past it the rest is left for
+    :class:`SentAsRendered`: rendered whole, the JSON of output made of control characters (six
+    bytes each, ``\\u0001``) held 1 GiB of the server for an exec counted at 128 MiB."""
+    pieces = json_pieces(content)
+    head: list[bytes] = []
+    size = 0
+    for piece in pieces:
+        head.append(piece)
+        size += len(piece)
+        if size > WHOLE_ANSWER:
+            return Rendering(head, pieces)
+    return Rendering(head, None)
+
+
+def answer_of(rendering: Rendering, shares: OutputShares, tenant: str, hold: Release,
+              run: Callable[[Callable[[], bytes]], Awaitable[bytes]]) -> Response:
+    """The response for ``rendering``, taking ``hold`` (what its work was counted at) over: an
+    answer rendered whole is counted at its size (:class:`HeldUntilSent`) and ``hold`` is given
+    back; a larger one keeps ``hold`` until it is sent, its rest rendered by ``run`` (on the
+    tenant's thread)."""
+    if rendering.rest is not None:
+        return SentAsRendered(rendering, hold, run)
+    try:
+        return HeldUntilSent(rendering.head, shares, tenant)
+    finally:
+        hold()
+
+
+def _slices(body: bytes) -> list[bytes]:
+    return [body[offset:offset + SEND_PIECE] for offset in range(0, len(body), SEND_PIECE)]
+
+
+class SentAsRendered(Response):
+    """A JSON answer larger than :data:`WHOLE_ANSWER`, rendered a piece at a time as its client
+    takes it (chunked: its length is not known before it is all made), so that the server holds
+    the output's text and a piece of its JSON, never the JSON whole.  What its work was counted
+    at (``hold``: a command's 2 x ``max_output``, a listing's ``LISTING_HOLD``) stays counted
+    until the last piece is sent, or the client is gone."""
+
+    media_type = "application/json"
+
+    def __init__(self, rendering: Rendering, hold: Release, run: Callable[[Callable[[], bytes]], Awaitable[bytes]],
+                 status_code: int = 200) -> None:
+        super().__init__(b"", status_code=status_code)
+        self.raw_headers = [(name, value) for name, value in self.raw_headers if name != b"content-length"]
+        self._head = rendering.head
+        self._rest = rendering.rest
+        self._hold = hold
+        self._run = run
+
+    def _next_piece(self) -> bytes:
+        """The next ~:data:`SEND_PIECE` bytes of the answer (b"" once it is all sent)."""
+        batch: list[bytes] = []
+        size = 0
+        for piece in self._rest or ():
+            batch.append(piece)
+            size += len(piece)
+            if size >= SEND_PIECE:
+                break
+        return b"".join(batch)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            pieces = _slices(b"".join(self._head))
+            self._head = []
+            while pieces:
+                for piece in pieces:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                pieces = _slices(await self._run(self._next_piece))
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            self._rest = None
+            self._hold()
+
+    def __del__(self) -> None:  # never sent (an error on the way out): not counted for ever
+        self._hold()
 
 
 class HeldUntilSent(Response):

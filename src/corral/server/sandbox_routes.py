@@ -4,6 +4,7 @@ code cell; read the egress audit."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec, validate_env
 from . import snapshot_routes
 from .context import Context, Tenant
-from .output_shares import HeldUntilSent, render_json
+from .output_shares import Rendering, answer_of, render_json
 from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
@@ -103,25 +104,27 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
     call = check_call(body.cmd, body.timeout, body.env, body.cwd or sandbox.cwd, user=body.user)
     running: list[CommandProcess] = []
 
-    def run_and_audit() -> tuple[ExecResult, list[bytes]]:
+    def run_and_audit() -> tuple[ExecResult, Rendering]:
         # one trip to a worker thread, not two: each hop costs a thread wake-up on the exec path
         with manager.exec_slot(entry):
             result = sandbox._backend.run(call, body.stdin_bytes(), None, running.append)
         manager.count_refused(entry)
         return result, render_json({"sandbox_id": sandbox_id, **result.to_dict()})  # (not on the loop)
 
-    release = await ctx.hold_output(who, entry.spec.limits.max_output)
+    hold = await ctx.hold_output(who, entry.spec.limits.max_output)
     # a client that leaves takes its command with it: it would otherwise run on to its timeout
     # (up to days), holding one of the sandbox's exec slots and a thread of the tenant's share
     watch = asyncio.ensure_future(_kill_when_the_client_leaves(request, running, ctx, who))
     try:
         result, answer = await ctx.run_for(who, run_and_audit)
-        ctx.metrics.record_exec(result.timed_out, result.oom_killed)
-        # its answer is counted from here until the client has it
-        return HeldUntilSent(answer, ctx.output_shares, who)
+    except BaseException:
+        hold()
+        raise
     finally:
         watch.cancel()
-        release()  # the result is in hand, and its answer counted
+    ctx.metrics.record_exec(result.timed_out, result.oom_killed)
+    # the output stays counted until its client has it
+    return answer_of(answer, ctx.output_shares, who, hold, functools.partial(ctx.run_for, who))
 
 
 async def _client_left(request: Request) -> None:
@@ -159,20 +162,23 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context, r
     # a client that leaves ends its cell as its timeout would (interrupted): it held the
     # interpreter, an exec slot and a thread of the tenant's share for up to the kernel's lifetime
     cancel = threading.Event()
-    release = await ctx.hold_output(who, entry.spec.limits.max_output)
+    hold = await ctx.hold_output(who, entry.spec.limits.max_output)
     watch = asyncio.ensure_future(_set_when_the_client_leaves(request, cancel))
-    try:
-        def run_and_render() -> list[bytes]:
-            result = sandbox._backend.run_code(sandbox, body.code, language=body.language, timeout=body.timeout,
-                                               context=body.context, envs=envs, callbacks={"cancel": cancel})
-            return render_json(result.to_dict())
 
+    def run_and_render() -> Rendering:
+        result = sandbox._backend.run_code(sandbox, body.code, language=body.language, timeout=body.timeout,
+                                           context=body.context, envs=envs, callbacks={"cancel": cancel})
+        return render_json(result.to_dict())
+
+    try:
         with ctx.manager.exec_slot(entry):
             answer = await ctx.run_for(who, run_and_render)
-        return HeldUntilSent(answer, ctx.output_shares, who)
+    except BaseException:
+        hold()
+        raise
     finally:
         watch.cancel()
-        release()
+    return answer_of(answer, ctx.output_shares, who, hold, functools.partial(ctx.run_for, who))
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/contexts", status_code=201,
