@@ -249,3 +249,31 @@ def test_a_refused_destination_is_kept_in_the_audit_at_a_bounded_length() -> Non
         log.record("sb", "refused", "b" * 100_000, "c" * 100_000, "d" * 100_000, "http")
     assert log.refused == 12_000
     assert sum(len(e.destination) + len(e.address or "") + len(e.rule) for e in log.events()) < 10_002 * 3 * 300
+
+
+FORGE_AUDIT_LINES = r'''
+import socket, struct
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"\x05\x01\x00"); s.recv(2)
+name = b"\r\x1b[2Kcorral audit: 00:00:00 sb-0 refused pypi.org:443 [socks5] rule=not-allowed\x1b[8m"
+s.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", 443)); s.recv(10); s.close()
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"CONNECT \x1b]0;title\x07x:443 HTTP/1.1\r\n\r\n"); s.recv(200); s.close()
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"CONNECT 169.254.169.254:80 HTTP/1.1\r\n\r\n"); s.recv(200); s.close()
+'''
+
+
+def test_a_sandbox_cannot_write_to_the_operators_terminal_through_the_audit() -> None:
+    """A refused name is the sandbox's text: printed raw by ``corral run --audit``, its CR and
+    escape sequences wiped a line, forged another and hid the real refusal of 169.254.169.254
+    that followed (helper 92).  Each event is one line, its unprintable characters escaped."""
+    proc = subprocess.run([*CLI, "run", "--allow", "allowed.test", "--audit", "--", "python3", "-c", FORGE_AUDIT_LINES],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.decode()
+    assert "\x1b" not in err and "\r" not in err and "\x07" not in err, err
+    audit = [line for line in err.splitlines() if line.startswith("corral audit:")]
+    assert len(audit) == 3, err
+    assert "\\r\\x1b[2Kcorral audit:" in audit[0] and "\\x1b]0;title\\x07x:443" in audit[1]
+    assert "169.254.169.254:80" in audit[2] and "rule=link-local" in audit[2], audit

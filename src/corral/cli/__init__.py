@@ -91,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.handler(args)
         return code
     except SandboxError as exc:
-        print(f"corral: {exc}", file=sys.stderr)
+        from ..egress.audit import shown  # (its text may be a sandbox's: a file's name, a guest's error)
+
+        print(f"corral: {shown(str(exc))}", file=sys.stderr)
         return EXIT_SANDBOX_FAILED
     except KeyboardInterrupt:
         return 130

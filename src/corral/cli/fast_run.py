@@ -95,7 +95,9 @@ def _relay(sock: socket, as_json: bool, deadline: float) -> int | None:
                 target.write(payload)
                 target.flush()
         elif kind == wire.ERROR:
-            print(f"corral: {payload.decode(errors='replace')}", file=sys.stderr)
+            from ..egress.audit import shown  # (its text may be a sandbox's)
+
+            print(f"corral: {shown(payload.decode(errors='replace'))}", file=sys.stderr)
             return EXIT_SANDBOX_FAILED
         elif kind == wire.RESULT:
             exit_code, timed_out, oom_killed, duration_ms = wire.RESULT_HEAD.unpack_from(payload)

@@ -28,6 +28,17 @@ def _bounded(text: str) -> str:
     return f"{text[:MAX_FIELD]}... ({len(text):,} characters)"
 
 
+def shown(text: str) -> str:
+    """``text`` as a terminal may print it: every character that is not printable (control
+    characters, ESC, bidirectional overrides) as its escape.  A sandbox's ``CONNECT`` or SOCKS
+    name reached the operator's terminal raw through ``corral run --audit``: ``\\r ESC[2K`` wiped
+    the line of a real refusal of 169.254.169.254, printed a forged one, and ``ESC[8m`` hid the
+    next (helper 92)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 @dataclass(frozen=True)
 class AuditEvent:
     time: float
@@ -53,8 +64,9 @@ class AuditEvent:
 
     def __str__(self) -> str:
         stamp = time.strftime("%H:%M:%S", time.gmtime(self.time))
-        via = f" -> {self.address}" if self.address else ""
-        return f"{stamp} {self.sandbox_id} {self.kind} {self.destination}{via} [{self.protocol}] rule={self.rule}"
+        via = f" -> {shown(self.address)}" if self.address else ""
+        return (f"{stamp} {self.sandbox_id} {self.kind} {shown(self.destination)}{via} [{shown(self.protocol)}] "
+                f"rule={shown(self.rule)}")
 
 
 class AuditLog:
