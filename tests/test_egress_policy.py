@@ -37,7 +37,7 @@ def policy(allow: list[str], unsafe: list[str] = (), answers: dict[str, list[str
 @pytest.mark.parametrize("spelling", ["169.254.169.254", "2852039166", "0xa9fea9fe", "0251.0376.0251.0376",
                                       "169.254.43518", "0xa9.0xfe.0xa9.0xfe", "[::ffff:169.254.169.254]",
                                       "::ffff:a9fe:a9fe", "169.254.169.254.", "64:ff9b::a9fe:a9fe",
-                                      "2002:a9fe:a9fe::1"])
+                                      "2002:a9fe:a9fe::1", "::ffff:0:a9fe:a9fe", "[::ffff:0:169.254.169.254]"])
 def test_every_spelling_of_the_metadata_address_is_normalized_and_refused(spelling: str) -> None:
     assert str(parse_ip(spelling)) == "169.254.169.254"
     decision = policy(["0.0.0.0/0", "::/0"])[0].decide(spelling, 80)

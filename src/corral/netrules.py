@@ -63,12 +63,14 @@ def parse_ip(text: str) -> IPAddress | None:
 
 
 def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 form carries (mapped, compatible, NAT64, 6to4), if any."""
+    """The IPv4 address an IPv6 form carries (mapped, translated, compatible, NAT64, 6to4), if any."""
     if ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     if ip.sixtofour is not None:
         return ip.sixtofour
     packed = ip.packed
+    if packed[:12] == bytes(8) + b"\xff\xff\x00\x00":  # SIIT's IPv4-translated ::ffff:0:a.b.c.d (RFC 6145)
+        return ipaddress.IPv4Address(packed[12:])
     if packed[:12] == bytes(12) and int(ip) > 1:  # deprecated IPv4-compatible ::a.b.c.d
         return ipaddress.IPv4Address(packed[12:])
     if ip in ipaddress.IPv6Network("64:ff9b::/96"):

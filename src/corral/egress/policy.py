@@ -60,6 +60,9 @@ REFUSED_RANGES: tuple[tuple[IPNetwork, str], ...] = tuple(
         ("::/128", "unspecified"),
         ("::1/128", "loopback"),
         ("::ffff:0:0/96", "ipv4-mapped"),
+        # SIIT's IPv4-translated form: a stateless NAT46 on the host's path would carry it to the
+        # IPv4 address it holds (Python counts it global; helper 92 reached a metadata stand-in)
+        ("::ffff:0:0:0/96", "ipv4-translated"),
         ("64:ff9b::/96", "nat64"),
         ("64:ff9b:1::/48", "nat64"),
         ("100::/64", "discard"),
