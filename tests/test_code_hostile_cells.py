@@ -298,3 +298,33 @@ def test_what_a_dead_kernels_cells_left_goes_with_the_restart(tier: str, state_d
         while (left := sb.commands.run("ps -eo args | grep -c '^sleep 600' || true").stdout.strip()) != "0":
             assert time.monotonic() < deadline, f"{left} sleepers of dead kernels' cells are left"
             time.sleep(0.5)
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_a_dead_kernels_cells_children_go_with_the_restart_after_many_background_commands(
+        tier: str, state_dir: Any) -> None:
+    """On gVisor the agent kept the groups of ended commands that left members in a ring of 64:
+    a kernel that died between cells, then 64 commands each leaving a background child, and the
+    restart's kill no longer found the kernel's group: its cell's ``setsid`` child lived on
+    (helper 90).  An ended command's group is now kept while it has members."""
+    from corral import Sandbox
+
+    from .tier_probe import skip_unless_tier
+
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    alive = "ps -eo args | grep -c '^sleep 4242' || true"
+    with Sandbox.create(tier=tier, pids=256, memory="512M") as sb:
+        sb.run_code("import subprocess\nsubprocess.Popen(['setsid', 'sleep', '4242'], start_new_session=True)")
+        assert sb.commands.run(alive).stdout.strip() == "1"
+        # the kernel dies between cells: its command is killed only at the next cell's restart
+        sb.run_code("import os, threading\nthreading.Timer(0.5, os._exit, (0,)).start()")
+        time.sleep(1.5)
+        for i in range(70):
+            sb.commands.run(f"setsid sleep {5000 + i} > /dev/null 2>&1 < /dev/null & exit 0")
+        assert sb.run_code("print('again')").restarted
+        deadline = time.monotonic() + 10
+        while (left := sb.commands.run(alive).stdout.strip()) != "0":
+            assert time.monotonic() < deadline, f"{left} children of the dead kernel's cell are left"
+            time.sleep(0.5)
+        assert sb.commands.run("ps -eo args | grep -c '^sleep 50' || true").stdout.strip() == "70"

@@ -100,25 +100,51 @@ uint32_t command_group_join(pid_t pid) {
 /* Ended commands whose groups still had members (background children), by the host's request id:
  * a later kill of the command (an interpreter's restart of a kernel that died) kills them, as the
  * process tier's kill of the command's cgroup leaf does; before, the host's kill found no command
- * and a dead kernel's cells' `setsid` children outlived every restart.  A ring: the oldest
- * forgotten first (they still die with the sandbox). */
-#define ENDED_KEPT 64
-static struct { uint32_t id, group; } ended[ENDED_KEPT];
-static unsigned ended_next;
+ * and a dead kernel's cells' `setsid` children outlived every restart.  Kept while the group is:
+ * a slot is taken again once its group is gone (swept when its members ended), and the list grows
+ * otherwise, so each entry is a group with a live member, within the sandbox's pids limit.  A ring
+ * of 64 forgot the oldest: 64 commands each leaving a background child pushed a dead kernel out,
+ * and its cells' children outlived the restart (helper 90). */
+#define ENDED_MOST (1u << 16) /* past it (more groups than any pids limit allows), the oldest go */
+static struct ended_group { uint32_t id, group; } *ended;
+static size_t ended_len, ended_cap, ended_next;
+
+static int group_exists(uint32_t group) {
+    char path[PATH_MAX];
+    struct stat st;
+    return group_path(path, sizeof path, group, NULL) == 0 && stat(path, &st) == 0;
+}
+
+static struct ended_group *ended_slot(void) {
+    for (size_t i = 0; i < ended_len; i++)
+        if (!ended[i].group || !group_exists(ended[i].group)) return &ended[i];
+    if (ended_len == ended_cap && ended_cap < ENDED_MOST) {
+        size_t cap = ended_cap ? ended_cap * 2 : 64;
+        struct ended_group *grown = realloc(ended, cap * sizeof *grown);
+        if (grown) {
+            ended = grown;
+            ended_cap = cap;
+        }
+    }
+    if (ended_len < ended_cap) return &ended[ended_len++];
+    return ended_len ? &ended[ended_next++ % ended_len] : NULL;
+}
 
 /* The command ``id`` of ``group`` ended: its group goes, unless members are left (see sweep_groups). */
 void command_group_done(uint32_t id, uint32_t group) {
     char path[PATH_MAX];
     if (!groups_dir || !group || group_path(path, sizeof path, group, NULL) < 0) return;
     if (rmdir(path) < 0) { /* (members left: EBUSY on Linux; gVisor may say otherwise) */
-        ended[ended_next % ENDED_KEPT].id = id;
-        ended[ended_next % ENDED_KEPT].group = group;
-        ended_next++;
+        struct ended_group *slot = ended_slot();
+        if (slot) {
+            slot->id = id;
+            slot->group = group;
+        }
     }
 }
 
 void command_group_kill_ended(uint32_t id) {
-    for (int i = 0; i < ENDED_KEPT; i++)
+    for (size_t i = 0; i < ended_len; i++)
         if (ended[i].group && ended[i].id == id) {
             command_group_kill(ended[i].group);
             ended[i].group = 0;
