@@ -828,6 +828,9 @@ def test_what_a_guest_writes_to_its_console_counts_against_its_disk() -> None:
         disk = inner._run_dir / "disk"
         assert inner.console_log.parent == disk and inner.console_log.stat().st_dev == disk.stat().st_dev
         assert disk.stat().st_dev != inner._run_dir.stat().st_dev
+        # QEMU's own log too: a guest root's module looping a virtio queue's error wrote 168 MB
+        # of it to the host's state directory in 63 s (helper 91)
+        assert inner.qemu_log.parent == disk and inner.qemu_log.stat().st_dev == disk.stat().st_dev
         before = inner.console_log.stat().st_size
         written = sb.commands.run("head -c 200000 /dev/zero | tr '\\0' c > /dev/ttyS0", timeout=60)
         assert written.exit_code == 0, written.stderr
@@ -839,6 +842,9 @@ def test_what_a_guest_writes_to_its_console_counts_against_its_disk() -> None:
         assert again.exit_code == 0, again.stderr
         # nothing past the disk: what was free, and the rest of the log's last page (already held)
         assert inner.console_log.stat().st_size - size <= room + 4096
+        with pytest.raises(OSError, match="No space left"), open(inner.qemu_log, "ab") as log:
+            log.write(b"q" * (room + (1 << 20)))
+            log.flush()
         assert sb.commands.run("echo alive").stdout == "alive\n"
 
 

@@ -93,7 +93,7 @@ def _start(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dic
             proc.wait()
             if isinstance(exc, OSError):
                 raise SandboxError(f"the snapshot's converter QEMU failed ({exc}): "
-                                   f"{(vm_dir / 'qemu.log').read_text(errors='replace')[-400:]}") from None
+                                   f"{qemu.log_tail(vm_dir / 'qemu.log', limit=400)}") from None
             raise
         return proc, qmp
     finally:

@@ -7,7 +7,7 @@ One sandbox owns (all released by :meth:`MicroVMSandbox.close`, or by
 - a QEMU process, started in the sandbox's host cgroup (memory = guest RAM +
   QEMU's own overhead, cpu quota, pids) as root of the sandbox's user namespace
   (its uid range, ``VMM_CAPS`` only), given its files as descriptors;
-- its ``run_dir``: the QMP and agent sockets, the console log (on the disk tmpfs) and a
+- its ``run_dir``: the QMP and agent sockets, the console and QEMU logs (on the disk tmpfs) and a
   size-limited tmpfs with the workspace copy the guest reaches over 9p;
 - with ``network="allow"``: the egress proxy (a thread, its socket in the run
   dir) and the bridge thread that carries the guest's connections from the
@@ -253,7 +253,7 @@ class MicroVMSandbox(LinuxSandbox):
         t0 = time.monotonic()
         qmp: qemu.QMP | None = None
         try:
-            with open(run / "qemu.log", "wb") as log:
+            with open(self.qemu_log, "wb") as log:
                 self._proc = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
                     pass_fds=inherited,
@@ -340,8 +340,15 @@ class MicroVMSandbox(LinuxSandbox):
         root writing to ``/dev/ttyS0`` grew a file in the host's state directory without bound."""
         return self._run_dir / "disk" / "console.log"
 
+    @property
+    def qemu_log(self) -> Path:
+        """Where QEMU's own output goes, on the disk tmpfs too: a guest root driving a virtio
+        device wrongly has QEMU print an error per notify, and a loop of them (a module of its
+        own) wrote 168 MB to the host's state directory in 63 s (helper 91)."""
+        return self._run_dir / "disk" / "qemu.log"
+
     def _log_tail(self) -> str:
-        return qemu.log_tail(self._run_dir / "qemu.log", self.console_log)
+        return qemu.log_tail(self.qemu_log, self.console_log)
 
     # -- live snapshots (live.py) --------------------------------------------
     def qmp(self) -> qemu.QMP:
