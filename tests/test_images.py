@@ -232,6 +232,46 @@ def test_broken_recipe_fails_cleanly(base_image: store.ImageRecord, state_dir: P
     assert set(os.listdir(state_dir / "uids")) == uids_before
 
 
+def _peak_rss_mib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))
+
+
+def test_a_build_steps_output_and_files_are_bounded_on_the_host(
+        base_image: store.ImageRecord, state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build step's output went to a host log without a bound (1 GB in 3 s) and a failed step's
+    log was read whole: 500 MB of one line took the builder to 4.9 GB and all of it went into
+    the error message; its files are the host's disk, and only the build's 30-minute timeout
+    stopped a step writing them (helper 91).  A step's log keeps its first 32 MiB and its last
+    64 KiB, the message a bounded tail, and a step is stopped once the host's disk is down to a
+    reserve (here set 150 MiB below what was free, so as not to fill this host's disk)."""
+    from corral.images import buildbox
+
+    loud = _derived_recipe(tmp_path, ["head -c 100M /dev/zero | tr '\\0' B; echo; echo the-end; exit 1"])
+    before = _peak_rss_mib()
+    started = time.monotonic()
+    with pytest.raises(ImageBuildFailed, match="exited with 1") as info:
+        build(loud, state_dir)
+    log = Path(info.value.log_path)
+    assert buildbox.STEP_LOG_MOST < log.stat().st_size < buildbox.STEP_LOG_MOST + buildbox.STEP_LOG_TAIL + 4096
+    assert "bytes of output dropped" in log.read_bytes()[-buildbox.STEP_LOG_TAIL - 4096:].decode(errors="replace")
+    assert len(str(info.value)) < 16 * 1024 and "the-end" in str(info.value)
+    assert _peak_rss_mib() - before < 64, "the builder read the step's log whole"
+    log.unlink()
+    assert time.monotonic() - started < 120
+
+    fs = os.statvfs(store.image_dir())
+    monkeypatch.setattr(buildbox, "disk_reserve", lambda total: fs.f_bavail * fs.f_frsize - (150 << 20))
+    filling = _derived_recipe(tmp_path, ["head -c 600M /dev/zero > /usr/local/share/fill; sleep 120"])
+    started = time.monotonic()
+    with pytest.raises(ImageBuildFailed, match="host's disk") as info:
+        build(filling, state_dir)
+    assert time.monotonic() - started < 60, "the step ran on past the disk's reserve"
+    Path(info.value.log_path).unlink()
+    assert store.lookup(filling.name) is None
+    assert not _leftovers() and not _build_groups()
+
+
 def test_a_set_id_file_keeps_its_bit_through_a_build_only_if_the_build_left_it_alone(
         base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
     """The build uid gets the image's root-owned files for the build (chown clears set-id bits) and

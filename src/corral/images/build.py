@@ -183,7 +183,8 @@ class _Builder:
         failed = self.root / "failed"
         failed.mkdir(mode=0o700, exist_ok=True)
         kept = failed / f"{self.recipe.name}-{store.hex_of(self.digest)[:12]}-{_slug(step)}.log"
-        shutil.copyfile(log, kept)
+        with open(log, "rb") as source, open(kept, "wb") as copy:
+            shutil.copyfileobj(source, copy)  # (bounded: a step's log is, buildbox.STEP_LOG_MOST)
         return str(kept)
 
     def _event(self, step: str, **kw: object) -> None:
@@ -351,9 +352,9 @@ class _Builder:
             if self.recipe.base_image and self.recipe.apt:
                 binds[DEBS_POINT] = self.staging / "apt" / "archives"
             self.box = BuildBox(self.rootfs, self.state_dir, self.recipe.build_memory, binds)
-        code, timed_out = self.box.run(command, log, self.recipe.build_timeout)
-        if code != 0 or timed_out:
-            why = f"timed out after {self.recipe.build_timeout:.0f} s" if timed_out else f"exited with {code}"
+        code, stopped = self.box.run(command, log, self.recipe.build_timeout)
+        if code != 0 or stopped:
+            why = stopped or f"exited with {code}"
             message, kept = self._failure(step, why, log)
             raise ImageBuildFailed(message, step, kept)
 
@@ -388,7 +389,7 @@ class _Builder:
     def _failure(self, step: str, why: str, log: Path) -> tuple[str, str]:
         """The error message (with the log's tail) and the path of the kept log."""
         kept = self._keep_log(step)
-        tail = log.read_text(errors="replace").strip().splitlines()[-15:] if log.exists() else []
+        tail = _tail_lines(log, 15)
         return (f"image {self.recipe.name!r}: step {step!r} {why}; log: {kept or log}\n"
                 + "\n".join("    " + line for line in tail)), kept
 
@@ -446,6 +447,19 @@ def _pip_install_command(requirements: tuple[str, ...]) -> str:
             f"python3 \"$PIP/pip\" install --no-index --find-links {WHEELS_POINT} --break-system-packages "
             f"--root-user-action=ignore --no-cache-dir --no-warn-script-location "
             + " ".join(shlex.quote(r) for r in requirements))
+
+
+def _tail_lines(log: Path, count: int, limit: int = 8192, width: int = 400) -> list[str]:
+    """The last ``count`` lines of ``log`` for an error message, from its last ``limit`` bytes,
+    each cut at ``width`` characters: read whole, a failed step's 500 MB took the builder to 4.9 GB
+    and its one long line went into the message (helper 91)."""
+    try:
+        with open(log, "rb") as source:
+            source.seek(max(0, os.fstat(source.fileno()).st_size - limit))
+            text = source.read(limit).decode(errors="replace")
+    except OSError:
+        return []
+    return [line if len(line) <= width else line[:width] + " ..." for line in text.strip().splitlines()[-count:]]
 
 
 def _slug(step: str) -> str:

@@ -20,9 +20,11 @@ import secrets
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from ..host import cgroups
 from ..host.bwrap import check_host
@@ -65,6 +67,59 @@ def fake_chown_bpf(state_dir: Path) -> Path:
         os.unlink(tmp)
         raise
     return path
+
+
+#: a build step's output kept in its log: its first STEP_LOG_MOST bytes and its last STEP_LOG_TAIL
+#: (a step writing 1 GB filled the host's disk with its log, and a failed one's was read whole:
+#: 500 MB of output took the builder to 4.9 GB; helper 91)
+STEP_LOG_MOST = 32 << 20
+STEP_LOG_TAIL = 64 << 10
+#: how often a running step's host filesystem is looked at
+DISK_CHECK_EVERY = 1.0
+
+
+def _copy_bounded(read_end: int, out: BinaryIO) -> None:
+    """Copy a step's output from ``read_end`` (closed here) to ``out``, bounded; the rest is read
+    and dropped (the step never blocks on its output), and its last bytes are added at the end."""
+    kept = dropped = 0
+    tail = bytearray()
+    try:
+        while chunk := os.read(read_end, 1 << 16):
+            if kept < STEP_LOG_MOST:
+                part = chunk[:STEP_LOG_MOST - kept]
+                out.write(part)
+                kept += len(part)
+                chunk = chunk[len(part):]
+            if chunk:
+                dropped += len(chunk)
+                tail += chunk
+                del tail[:-STEP_LOG_TAIL]
+        if dropped:
+            last = bytes(tail)
+            out.write(f"\n[{dropped - len(last):,} bytes of output dropped: a step's log keeps its first "
+                      f"{STEP_LOG_MOST >> 20} MiB and last {STEP_LOG_TAIL >> 10} KiB]\n".encode() + last)
+        out.flush()
+    except OSError:
+        pass  # the log's own disk: the step is judged by its exit, its log is what could be kept
+    finally:
+        os.close(read_end)
+
+
+def disk_reserve(total: int) -> int:
+    """Free space a build leaves on its filesystem: 1 GiB, or a tenth of a smaller one."""
+    return min(1 << 30, total // 10)
+
+
+def disk_short(path: Path) -> str | None:
+    """Why a build writing under ``path`` must stop (its filesystem is down to its reserve), or None.
+    A step's files are the host's disk (the image's root is a host directory): 1.5 GB written in
+    seconds, and nothing but its timeout (30 min) stopped it (helper 91)."""
+    fs = os.statvfs(path)
+    free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    if free >= disk_reserve(total):
+        return None
+    return (f"was stopped: the host's disk under {path} is down to {free >> 20} MiB free, below the "
+            f"{disk_reserve(total) >> 20} MiB a build leaves")
 
 
 @dataclass(frozen=True)
@@ -211,8 +266,10 @@ class BuildBox:
             self.close()
             raise
 
-    def run(self, command: str, log: Path, timeout: float) -> tuple[int, bool]:
-        """Run ``/bin/sh -c command``; output goes to ``log``. Returns (exit code, timed out)."""
+    def run(self, command: str, log: Path, timeout: float) -> tuple[int, str | None]:
+        """Run ``/bin/sh -c command``; output goes to ``log`` (bounded: :func:`_copy_bounded`).
+        Returns its exit code and why it was stopped, if it was: its timeout, or the host's disk
+        (:func:`disk_short`)."""
         assert self.cgroup is not None
         leaf = self.cgroup.leaf(f"c{time.monotonic_ns()}")
         argv = [
@@ -243,31 +300,48 @@ class BuildBox:
         with open(log, "ab") as out:
             out.write(f"$ {command}\n".encode())
             out.flush()
+            read_end, write_end = os.pipe2(os.O_CLOEXEC)
             try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=write_end, stderr=subprocess.STDOUT,
                                         env={"PATH": "/usr/bin:/bin"}, preexec_fn=join_and_drop,
                                         pass_fds=(seccomp_fd, chown_fd), close_fds=True, cwd="/")
+            except BaseException:
+                os.close(read_end)
+                raise
             finally:
+                os.close(write_end)
                 os.close(seccomp_fd)
                 os.close(chown_fd)
-            timed_out = False
+            copier = threading.Thread(target=_copy_bounded, args=(read_end, out), name="build-log", daemon=True)
+            copier.start()
+            stopped: str | None = None
             try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                self.cgroup.kill_leaf(leaf)
-                proc.kill()
-                code = proc.wait()
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        code = proc.wait(timeout=max(0.0, min(DISK_CHECK_EVERY, deadline - time.monotonic())))
+                        break
+                    except subprocess.TimeoutExpired:
+                        if time.monotonic() >= deadline:
+                            stopped = f"timed out after {timeout:.0f} s"
+                        elif (short := disk_short(self.rootfs)) is not None:
+                            stopped = short
+                        if stopped is not None:
+                            self.cgroup.kill_leaf(leaf)
+                            proc.kill()
+                            code = proc.wait()
+                            break
             except BaseException:
                 self.cgroup.kill_leaf(leaf)
                 proc.kill()
                 proc.wait()
                 raise
             finally:
-                self.cgroup.kill_leaf(leaf)  # daemons a build step left behind
+                self.cgroup.kill_leaf(leaf)  # daemons a build step left behind (and the log's pipe with them)
                 self.cgroup.remove_leaf(leaf)
-            out.write(f"\n[exit {code}{', timed out' if timed_out else ''}]\n".encode())
-        return code, timed_out
+                copier.join(10)
+            out.write(f"\n[exit {code}{', ' + stopped if stopped else ''}]\n".encode())
+        return code, stopped
 
     def close(self) -> None:
         """Kill what is left, give the image back to root, release the uid and cgroup. Idempotent."""
