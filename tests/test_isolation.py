@@ -567,6 +567,50 @@ def test_a_sandbox_cannot_delete_the_hosts_git_configuration_or_hooks(
     assert (repo / "n.txt").read_text() == "new\n" and (repo / ".git" / "HEAD").is_file()
 
 
+@pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "copy"])
+def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_worktree(
+        tmp_path: Path, overlay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repository's configuration may point into its worktree: ``include.path = ../.gitconfig``
+    (shared settings) and husky's ``core.hooksPath = .husky/_``.  A sandbox wrote ``.gitconfig``
+    with a ``core.fsmonitor`` and the hook: the owner's next ``git status`` and ``git commit`` ran
+    both, as root.  What the configuration names stays as the host has it (and the directory on
+    the way to it); the rest of the sandbox's work comes back."""
+    from corral.host import ws_overlay
+
+    monkeypatch.setattr(ws_overlay, "ENABLED", overlay)
+    repo = tmp_path / "repo"
+    (repo / ".husky" / "_").mkdir(parents=True)
+    (repo / "conf").mkdir()
+    git = ["git", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "config", "include.path", "../.gitconfig"], check=True)
+    subprocess.run([*git, "config", "includeIf.onbranch:main.path", "../conf/branch.inc"], check=True)
+    subprocess.run([*git, "config", "core.hooksPath", ".husky/_"], check=True)
+    (repo / ".husky" / "_" / "pre-commit").write_text('#!/bin/sh\n. "$(dirname "$0")/h"\n')
+    (repo / ".husky" / "pre-commit").write_text("npm test\n")
+    (repo / "conf" / "branch.inc").write_text("[user]\n\tname = me\n")
+    ran = tmp_path / "ran"
+    subprocess.run(["chown", "-R", "1000:1000", str(repo)], check=True)  # a login user's (root's git: "dubious")
+    with Sandbox.create(workspace=str(repo)) as sb:
+        r = sb.commands.run(
+            f"cd /workspace && printf '[core]\\n\\tfsmonitor = \"touch {ran}; false\"\\n' > .gitconfig"
+            f" && printf '#!/bin/sh\\ntouch {ran}\\n' > .husky/_/pre-commit && echo 'touch {ran}' > .husky/pre-commit"
+            " && echo '[core]' > conf/branch.inc && echo kept > conf/notes.txt && echo mine > work.txt")
+        assert r.exit_code == 0, r
+        r = sb.commands.run("cd /workspace && rm -rf conf .husky && ln -s /tmp conf && mkdir .husky")
+        assert r.exit_code == 0, r
+    assert not (repo / ".gitconfig").exists()
+    assert (repo / ".husky" / "_" / "pre-commit").read_text() == '#!/bin/sh\n. "$(dirname "$0")/h"\n'
+    assert (repo / ".husky" / "pre-commit").read_text() == "npm test\n"
+    assert (repo / "conf").is_dir() and not (repo / "conf").is_symlink()
+    assert (repo / "conf" / "branch.inc").read_text() == "[user]\n\tname = me\n"
+    assert (repo / "work.txt").read_text() == "mine\n"  # the allowed case: the sandbox's work comes back
+    assert not (repo / "conf" / "notes.txt").exists()  # (written, then removed with conf/ by the sandbox)
+    status = subprocess.run(["git", "-c", "safe.directory=*", "-C", str(repo), "status", "--short"],
+                            capture_output=True, text=True)
+    assert status.returncode == 0 and not ran.exists(), status
+
+
 def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(
         tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--workspace /` (or /etc, /usr, every home) was taken: the sandbox read the host's files as

@@ -169,17 +169,18 @@ class DirsBeneath:
         self._path, self._fd = None, -1
 
 
-def remove_gone(dst_fd: int, keys: Iterable[Key], uid: int, gid: int, writing_back: bool = True) -> None:
+def remove_gone(dst_fd: int, keys: Iterable[Key], uid: int, gid: int, writing_back: bool = True,
+                configured: tuple[str, ...] = ()) -> None:
     """Remove the entries ``keys`` (and what is below them) from the tree at ``dst_fd``, deepest
     first; one whose directory is gone already is skipped.  ``writing_back``: not what
     :func:`host_keeps` (the sandbox no more deletes the host's git configuration or a protective
-    hook than it changes them)."""
+    hook than it changes them; ``configured``: what the host's git configuration names)."""
     parents = DirsBeneath(dst_fd, False, uid, gid)
     try:
         for key in depth_order(keys, deepest_first=True):
             try:
                 parent = parents.open(key[0])
-                if writing_back and host_keeps(rel_of(key), _kind_at(parent, key[1])):
+                if writing_back and host_keeps(rel_of(key), _kind_at(parent, key[1]), configured):
                     continue
                 _remove_beneath(parent, key[1])
             except OSError:
@@ -302,7 +303,7 @@ def defer(current: Manifest, previous: Manifest, keys: Iterable[Key]) -> None:
 
 def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, targets: DirsBeneath,
                  skip: tuple[str, ...], copy: Callable[[Key, Entry, int, int], None],
-                 writing_back: bool = True) -> None:
+                 writing_back: bool = True, configured: tuple[str, ...] = ()) -> None:
     """Call ``copy(key, entry, source dir fd, target dir fd)`` for each entry of ``current`` that
     is new or changed since ``previous`` (parents first; kinds in ``skip`` left out, and when
     ``writing_back`` what :func:`host_keeps`).  An entry the sandbox changed under the walk is left
@@ -313,7 +314,7 @@ def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, ta
         entry = current[key]
         if entry[0] in skip or previous.get(key) == entry:
             continue
-        if writing_back and (host_keeps(rel_of(key), entry[0])
+        if writing_back and (host_keeps(rel_of(key), entry[0], configured)
                              or makes_a_git_directory(current, targets.root_fd, key, entry[0])):
             continue  # (before the target's directory is opened: that would make it)
         try:

@@ -26,6 +26,7 @@ from .workspace import (
     remove_gone,
     scan,
 )
+from .ws_git import GitReach
 
 
 @dataclass
@@ -40,6 +41,10 @@ class WorkspaceCopy:
     #: commands finishing at once write back one at a time: two syncs at once raced for the same
     #: temporary names (``FileExistsError``, and a temporary file left in the user's directory)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _git: GitReach = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._git = GitReach(self.host)
 
     @classmethod
     def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int) -> WorkspaceCopy:
@@ -61,12 +66,13 @@ class WorkspaceCopy:
             host_st = os.stat(self.host)
             current = scan(self.copy)
             _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid,
-                   inside_links_only=True)
+                   inside_links_only=True, configured=self._git.held())
             self.manifest = current
 
 
 def _apply(
-    src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool
+    src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool,
+    configured: tuple[str, ...] = (),
 ) -> None:
     src_fd = os.open(src, _DIR_FLAGS)
     dst_fd = os.open(dst, _DIR_FLAGS)
@@ -74,13 +80,15 @@ def _apply(
     links: Links = {}
     budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in
     try:
-        remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid, writing_back=inside_links_only)
+        remove_gone(dst_fd, (k for k in previous if k not in current), uid, gid, writing_back=inside_links_only,
+                    configured=configured)
 
         def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
             _copy_entry(src_dir, dst_dir, dst_fd, rel_of(key), entry[0], entry[3], uid, gid, inside_links_only,
                         links, budget)
 
-        copy_changed(current, previous, sources, targets, ("o",), copy, writing_back=inside_links_only)
+        copy_changed(current, previous, sources, targets, ("o",), copy, writing_back=inside_links_only,
+                     configured=configured)
     finally:
         sources.close()
         targets.close()

@@ -108,7 +108,7 @@ from .workspace import (
 )
 from .ws_changes import Unplaced, UpperTree
 from .ws_copy import WorkspaceCopy
-from .ws_git import host_keeps
+from .ws_git import GitReach, host_keeps
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
 #: (bench/workspace.py sets it to compare the two)
@@ -256,6 +256,7 @@ class WorkspaceOverlay:
         #: write-backs that walked the whole upper layer (tests and figures read it)
         self.full_scans = 0
         self._lock = threading.Lock()  # commands finishing at once write back one at a time
+        self._git = GitReach(host)
 
     @property
     def manifest(self) -> Manifest:
@@ -291,7 +292,8 @@ class WorkspaceOverlay:
             self.full_scans += 1
             if current != self.manifest:
                 looked = dict(current)
-                _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid, self.groups)
+                _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid, self.groups,
+                       self._git.held())
                 self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
                 self.tree.replace(current)
             else:
@@ -306,7 +308,7 @@ class WorkspaceOverlay:
                     if key in self.manifest and entry != WHITEOUT}
         if current != previous:
             looked = dict(current)
-            _apply(self._fd, self.host, current, previous, uid, gid, self.groups)
+            _apply(self._fd, self.host, current, previous, uid, gid, self.groups, self._git.held())
             self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
         else:
             self.tree.pending = set()
@@ -360,7 +362,7 @@ def _closed() -> None:
 
 
 def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int,
-           groups: HostGroups | None = None) -> None:
+           groups: HostGroups | None = None, configured: tuple[str, ...] = ()) -> None:
     src_fd = os.dup(upper_fd)
     dst_fd = os.open(host, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
@@ -369,7 +371,7 @@ def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid
     try:
         gone = [key for key in previous if key not in current]
         gone += [key for key, entry in current.items() if entry[0] == "w" and previous.get(key) != entry]
-        remove_gone(dst_fd, gone, uid, gid)
+        remove_gone(dst_fd, gone, uid, gid, configured=configured)
 
         def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
             kind, rel = entry[0], rel_of(key)
@@ -379,9 +381,9 @@ def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid
             _copy_entry(src_dir, dst_dir, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
                         inside_links_only=True, links=links, budget=budget, groups=groups)
             if kind == "D" and previous.get(key, ("",))[0] != "D":
-                _keep_only_upper(src_fd, dst_fd, rel, uid, gid)
+                _keep_only_upper(src_fd, dst_fd, rel, uid, gid, configured)
 
-        copy_changed(current, previous, sources, targets, ("w", "o"), copy)
+        copy_changed(current, previous, sources, targets, ("w", "o"), copy, configured=configured)
     finally:
         sources.close()
         targets.close()
@@ -396,7 +398,7 @@ def _link_inside(src_dir: int, rel: str) -> bool:
         return True  # no longer a link: _copy_entry sees what it is now
 
 
-def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int) -> None:
+def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int, configured: tuple[str, ...] = ()) -> None:
     """An opaque directory hides the lower layer's entries: delete the host's that the upper
     directory does not hold (whiteouts in it count as absent)."""
     parts = rel.split("/")
@@ -409,7 +411,7 @@ def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int) -> 
     dst = _open_dir_beneath(dst_fd, parts, create=True, uid=uid, gid=gid)
     try:
         for name in os.listdir(dst):
-            if name not in keep and not host_keeps(f"{rel}/{name}", _kind_at(dst, name)):
+            if name not in keep and not host_keeps(f"{rel}/{name}", _kind_at(dst, name), configured):
                 _remove_beneath(dst, name)
     finally:
         os.close(dst)
