@@ -44,6 +44,19 @@ def test_every_spelling_of_the_metadata_address_is_normalized_and_refused(spelli
     assert not decision.allowed and decision.rule == "link-local" and decision.address == "169.254.169.254"
 
 
+@pytest.mark.parametrize("address", [
+    "64:ff9b:a9fe:a9fe::", "64:ff9b:a9:fea9:fe::", "64:ff9b:0:a9fe:a9:fe00::", "64:ff9b::7f:0:100:0",
+    "::ffff:ffff:a9fe:a9fe", "::ffff:0:0:a9fe:a9fe", "2606:4700::5efe:a9fe:a9fe", "2606:4700::200:5efe:7f00:1",
+])
+def test_ipv6_forms_that_carry_an_internal_ipv4_address_are_refused(address: str) -> None:
+    """NAT64's well-known prefix at RFC 6052's other lengths, the rest of ::/8 and ISATAP
+    interface ids reached a metadata stand-in where a translator or router carried them (helper
+    93); a public IPv6 address, and an ISATAP id naming a public IPv4 one, still pass."""
+    p = policy(["0.0.0.0/0", "::/0"])[0]
+    assert not p.decide(address, 80).allowed, address
+    assert p.decide("2606:4700::1111", 80).allowed and p.decide("2606:4700::5efe:101:101", 80).allowed
+
+
 @pytest.mark.parametrize("address,rule", [
     ("127.0.0.1", "loopback"), ("0.0.0.0", "this-network"), ("10.1.2.3", "rfc1918"), ("172.16.0.1", "rfc1918"),
     ("192.168.1.1", "rfc1918"), ("100.64.0.1", "cgnat"), ("224.0.0.1", "multicast"), ("240.0.0.1", "reserved"),

@@ -78,6 +78,16 @@ def embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     return None
 
 
+def isatap_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an ISATAP interface id (``::5efe:a.b.c.d``, ``::200:5efe:a.b.c.d``, RFC
+    5214) names: a real IPv6 address (not spelt as that IPv4 one), but an ISATAP router on the
+    way delivers it there, so its refusal is that address's."""
+    packed = ip.packed
+    if packed[8:12] in (b"\x00\x00\x5e\xfe", b"\x02\x00\x5e\xfe"):
+        return ipaddress.IPv4Address(packed[12:])
+    return None
+
+
 def normalize_host(host: str) -> str:
     """Lower-case name without trailing dot, or the canonical text of an address."""
     ip = parse_ip(host)

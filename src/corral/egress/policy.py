@@ -31,6 +31,7 @@ from ..netrules import (
     IPAddress,
     IPNetwork,
     embedded_ipv4,
+    isatap_ipv4,
     names_loopback,
     normalize_host,
     parse_ip,
@@ -63,7 +64,11 @@ REFUSED_RANGES: tuple[tuple[IPNetwork, str], ...] = tuple(
         # SIIT's IPv4-translated form: a stateless NAT46 on the host's path would carry it to the
         # IPv4 address it holds (Python counts it global; helper 92 reached a metadata stand-in)
         ("::ffff:0:0:0/96", "ipv4-translated"),
-        ("64:ff9b::/96", "nat64"),
+        # the rest of ::/8 is reserved, and the well-known NAT64 prefix may carry an IPv4 address at
+        # any RFC 6052 length (/32 to /64), which Python counts global (helper 93 reached a
+        # metadata stand-in at 64:ff9b:a9fe:a9fe:: and ::ffff:ffff:a9fe:a9fe)
+        ("::/8", "ipv6-reserved"),
+        ("64:ff9b::/32", "nat64"),
         ("64:ff9b:1::/48", "nat64"),
         ("100::/64", "discard"),
         ("2001:db8::/32", "documentation"),
@@ -167,7 +172,7 @@ class Policy:
 
     def refused_by(self, ip: IPAddress) -> str | None:
         """The rule that forbids connecting to ``ip``, or None."""
-        v4 = embedded_ipv4(ip) if isinstance(ip, ipaddress.IPv6Address) else None
+        v4 = (embedded_ipv4(ip) or isatap_ipv4(ip)) if isinstance(ip, ipaddress.IPv6Address) else None
         for candidate in (ip, v4) if v4 is not None else (ip,):
             if any(candidate.version == net.version and candidate in net for net in self.unsafe_ranges):
                 continue
