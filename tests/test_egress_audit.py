@@ -261,6 +261,10 @@ s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
 s.sendall(b"CONNECT \x1b]0;title\x07x:443 HTTP/1.1\r\n\r\n"); s.recv(200); s.close()
 s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
 s.sendall(b"CONNECT 169.254.169.254:80 HTTP/1.1\r\n\r\n"); s.recv(200); s.close()
+s = socket.create_connection(("127.0.0.1", 3128), timeout=5)
+s.sendall(b"\x05\x01\x00"); s.recv(2)
+name = b"evil.example [socks] rule=allow "
+s.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", 443)); s.recv(10); s.close()
 '''
 
 
@@ -274,6 +278,8 @@ def test_a_sandbox_cannot_write_to_the_operators_terminal_through_the_audit() ->
     err = proc.stderr.decode()
     assert "\x1b" not in err and "\r" not in err and "\x07" not in err, err
     audit = [line for line in err.splitlines() if line.startswith("corral audit:")]
-    assert len(audit) == 3, err
-    assert "\\r\\x1b[2Kcorral audit:" in audit[0] and "\\x1b]0;title\\x07x:443" in audit[1]
+    assert len(audit) == 4, err
+    # a field is one token: spaces in a name plant no fields of a forged event (helper 93)
+    assert audit[3].count(" rule=") == 1 and audit[3].count(" [") == 1 and "evil.example\\x20[socks]" in audit[3]
+    assert "\\r\\x1b[2Kcorral\\x20audit:" in audit[0] and "\\x1b]0;title\\x07x:443" in audit[1]
     assert "169.254.169.254:80" in audit[2] and "rule=link-local" in audit[2], audit

@@ -39,6 +39,12 @@ def shown(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
+def _token(text: str) -> str:
+    """A field of an audit line as one token: :func:`shown`, its spaces escaped too (a SOCKS name
+    of spaces and ``[socks] rule=allow`` planted fields of a forged event in a real line; helper 93)."""
+    return shown(text).replace(" ", "\\x20")
+
+
 @dataclass(frozen=True)
 class AuditEvent:
     time: float
@@ -64,9 +70,9 @@ class AuditEvent:
 
     def __str__(self) -> str:
         stamp = time.strftime("%H:%M:%S", time.gmtime(self.time))
-        via = f" -> {shown(self.address)}" if self.address else ""
-        return (f"{stamp} {self.sandbox_id} {self.kind} {shown(self.destination)}{via} [{shown(self.protocol)}] "
-                f"rule={shown(self.rule)}")
+        via = f" -> {_token(self.address)}" if self.address else ""
+        return (f"{stamp} {self.sandbox_id} {self.kind} {_token(self.destination)}{via} [{_token(self.protocol)}] "
+                f"rule={_token(self.rule)}")
 
 
 class AuditLog:
