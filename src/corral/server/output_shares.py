@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from json.encoder import encode_basestring
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -32,6 +32,13 @@ from starlette.types import Receive, Scope, Send
 from .limits import TenantTally
 
 Release = Callable[[], None]
+T = TypeVar("T")
+
+
+class RunOnThread(Protocol):
+    """Runs a blocking call on the tenant's share of the threads (``ServerContext.run_for``)."""
+
+    def __call__(self, fn: Callable[[], T], /) -> Awaitable[T]: ...
 
 
 class OutputShares:
@@ -187,6 +194,8 @@ class Rendering:
 
     head: list[bytes]
     rest: Iterator[bytes] | None
+    #: what is rendered, while ``rest`` is left (an HTTP/1.0 client's answer is counted first)
+    content: dict[str, Any] | None = None
 
 
 def render_json(content: dict[str, Any]) -> Rendering:
@@ -203,12 +212,12 @@ def render_json(content: dict[str, Any]) -> Rendering:
         head.append(piece)
         size += len(piece)
         if size > WHOLE_ANSWER:
-            return Rendering(head, pieces)
+            return Rendering(head, pieces, content)
     return Rendering(head, None)
 
 
 def answer_of(rendering: Rendering, shares: OutputShares, tenant: str, hold: Release,
-              run: Callable[[Callable[[], bytes]], Awaitable[bytes]]) -> Response:
+              run: RunOnThread) -> Response:
     """The response for ``rendering``, taking ``hold`` (what its work was counted at) over: an
     answer rendered whole is counted at its size (:class:`HeldUntilSent`) and ``hold`` is given
     back; a larger one keeps ``hold`` until it is sent, its rest rendered by ``run`` (on the
@@ -219,6 +228,11 @@ def answer_of(rendering: Rendering, shares: OutputShares, tenant: str, hold: Rel
         return HeldUntilSent(rendering.head, shares, tenant)
     finally:
         hold()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _slices(body: bytes) -> list[bytes]:
@@ -234,14 +248,20 @@ class SentAsRendered(Response):
 
     media_type = "application/json"
 
-    def __init__(self, rendering: Rendering, hold: Release, run: Callable[[Callable[[], bytes]], Awaitable[bytes]],
+    def __init__(self, rendering: Rendering, hold: Release, run: RunOnThread,
                  status_code: int = 200) -> None:
         super().__init__(b"", status_code=status_code)
         self.raw_headers = [(name, value) for name, value in self.raw_headers if name != b"content-length"]
         self._head = rendering.head
         self._rest = rendering.rest
+        self._content = rendering.content
         self._hold = hold
         self._run = run
+
+    def _length(self) -> int:
+        """The answer's length, from a rendering of it thrown away a piece at a time: HTTP/1.0 has
+        no chunked encoding (uvicorn sent one anyway, which a 1.0 client cannot read)."""
+        return sum(len(piece) for piece in json_pieces(self._content or {}))
 
     def _next_piece(self) -> bytes:
         """The next ~:data:`SEND_PIECE` bytes of the answer (b"" once it is all sent)."""
@@ -255,17 +275,23 @@ class SentAsRendered(Response):
         return b"".join(batch)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # a client gone is not rendered for: uvicorn's send does nothing once it has left
+        gone = asyncio.ensure_future(_disconnected(receive))
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            headers = self.raw_headers
+            if scope.get("http_version") == "1.0":
+                headers = [*headers, (b"content-length", str(await self._run(self._length)).encode())]
+            await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
             pieces = _slices(b"".join(self._head))
             self._head = []
-            while pieces:
+            while pieces and not gone.done():
                 for piece in pieces:
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
                 pieces = _slices(await self._run(self._next_piece))
             await send({"type": "http.response.body", "body": b""})
         finally:
-            self._rest = None
+            gone.cancel()
+            self._rest = self._content = None
             self._hold()
 
     def __del__(self) -> None:  # never sent (an error on the way out): not counted for ever
