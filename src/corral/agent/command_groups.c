@@ -102,10 +102,10 @@ uint32_t command_group_join(pid_t pid) {
  * process tier's kill of the command's cgroup leaf does; before, the host's kill found no command
  * and a dead kernel's cells' `setsid` children outlived every restart.  Kept while the group is:
  * a slot is taken again once its group is gone (swept when its members ended), and the list grows
- * otherwise, so each entry is a group with a live member, within the sandbox's pids limit.  A ring
- * of 64 forgot the oldest: 64 commands each leaving a background child pushed a dead kernel out,
- * and its cells' children outlived the restart (helper 90). */
-#define ENDED_MOST (1u << 16) /* past it (more groups than any pids limit allows), the oldest go */
+ * otherwise: each entry is a group with a live member (or, a root command's doing, a child group of
+ * its own), up to ENDED_MOST (512 KiB).  A ring of 64 forgot the oldest: 64 commands each leaving a
+ * background child pushed a dead kernel out, and its cells' children outlived the restart (helper 90). */
+#define ENDED_MOST (1u << 16) /* past it, the oldest go (they still die with the sandbox) */
 static struct ended_group { uint32_t id, group; } *ended;
 static size_t ended_len, ended_cap, ended_next;
 
