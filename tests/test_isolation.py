@@ -573,8 +573,9 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     """A repository's configuration may point into its worktree: ``include.path = ../.gitconfig``
     (shared settings) and husky's ``core.hooksPath = .husky/_``.  A sandbox wrote ``.gitconfig``
     with a ``core.fsmonitor`` and the hook: the owner's next ``git status`` and ``git commit`` ran
-    both, as root.  What the configuration names stays as the host has it (and the directory on
-    the way to it); the rest of the sandbox's work comes back."""
+    both, as root; so did a ``core.fsmonitor`` naming the project's script and a project's own
+    repository's hook (helper 94).  What the configuration names stays as the host has it (and
+    the directory on the way to it); the rest of the sandbox's work comes back."""
     from corral.host import ws_overlay
 
     monkeypatch.setattr(ws_overlay, "ENABLED", overlay)
@@ -586,6 +587,13 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     subprocess.run([*git, "config", "include.path", "../.gitconfig"], check=True)
     subprocess.run([*git, "config", "includeIf.onbranch:main.path", "../conf/branch.inc"], check=True)
     subprocess.run([*git, "config", "core.hooksPath", ".husky/_"], check=True)
+    subprocess.run([*git, "config", "core.fsmonitor", "tools/fsmonitor.sh"], check=True)  # a project's script
+    (repo / "tools").mkdir()
+    (repo / "tools" / "fsmonitor.sh").write_text("#!/bin/sh\nexit 1\n")
+    (repo / "tools" / "fsmonitor.sh").chmod(0o755)
+    (repo / "inner" / ".husky").mkdir(parents=True)  # a project of its own in the workspace
+    subprocess.run(["git", "-C", str(repo / "inner"), "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(repo / "inner"), "config", "core.hooksPath", ".husky"], check=True)
     (repo / ".husky" / "_" / "pre-commit").write_text('#!/bin/sh\n. "$(dirname "$0")/h"\n')
     (repo / ".husky" / "pre-commit").write_text("npm test\n")
     (repo / "conf" / "branch.inc").write_text("[user]\n\tname = me\n")
@@ -595,7 +603,8 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
         r = sb.commands.run(
             f"cd /workspace && printf '[core]\\n\\tfsmonitor = \"touch {ran}; false\"\\n' > .gitconfig"
             f" && printf '#!/bin/sh\\ntouch {ran}\\n' > .husky/_/pre-commit && echo 'touch {ran}' > .husky/pre-commit"
-            " && echo '[core]' > conf/branch.inc && echo kept > conf/notes.txt && echo mine > work.txt")
+            " && echo '[core]' > conf/branch.inc && echo kept > conf/notes.txt && echo mine > work.txt"
+            f" && printf '#!/bin/sh\\ntouch {ran}\\n' | tee tools/fsmonitor.sh inner/.husky/pre-commit")
         assert r.exit_code == 0, r
         r = sb.commands.run("cd /workspace && rm -rf conf .husky && ln -s /tmp conf && mkdir .husky")
         assert r.exit_code == 0, r
@@ -604,11 +613,32 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     assert (repo / ".husky" / "pre-commit").read_text() == "npm test\n"
     assert (repo / "conf").is_dir() and not (repo / "conf").is_symlink()
     assert (repo / "conf" / "branch.inc").read_text() == "[user]\n\tname = me\n"
+    assert (repo / "tools" / "fsmonitor.sh").read_text() == "#!/bin/sh\nexit 1\n"
+    assert not (repo / "inner" / ".husky" / "pre-commit").exists()
     assert (repo / "work.txt").read_text() == "mine\n"  # the allowed case: the sandbox's work comes back
     assert not (repo / "conf" / "notes.txt").exists()  # (written, then removed with conf/ by the sandbox)
     status = subprocess.run(["git", "-c", "safe.directory=*", "-C", str(repo), "status", "--short"],
                             capture_output=True, text=True)
     assert status.returncode == 0 and not ran.exists(), status
+
+
+def test_a_workspace_inside_a_repository_keeps_what_the_repositorys_configuration_names(tmp_path: Path) -> None:
+    """A workspace that is a package of a larger repository: git names the repository's own
+    configuration from the top of its worktree, which was read as the workspace's, so the file
+    ``include.path`` names was held at the wrong place and the sandbox's ``core.fsmonitor`` in it
+    ran at the owner's ``git status`` (helper 94)."""
+    repo = tmp_path / "mono"
+    (repo / "frontend").mkdir(parents=True)
+    subprocess.run(["git", "-C", str(repo), "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(repo), "config", "include.path", "../frontend/.gitconfig"], check=True)
+    ran = tmp_path / "ran"
+    with Sandbox.create(workspace=str(repo / "frontend")) as sb:
+        r = sb.commands.run(f"cd /workspace && printf '[core]\\n\\tfsmonitor = \"touch {ran}; false\"\\n' > .gitconfig"
+                            " && echo mine > app.js")
+        assert r.exit_code == 0, r
+    assert not (repo / "frontend" / ".gitconfig").exists() and (repo / "frontend" / "app.js").read_text() == "mine\n"
+    subprocess.run(["git", "-C", str(repo), "status", "--short"], capture_output=True, check=True)
+    assert not ran.exists()
 
 
 def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ResourceLimit
+from .git_reach import GitReach
 from .workspace import (
     _DIR_FLAGS,
     Budget,
@@ -26,7 +27,6 @@ from .workspace import (
     remove_gone,
     scan,
 )
-from .ws_git import GitReach
 
 
 @dataclass

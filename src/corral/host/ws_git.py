@@ -12,9 +12,7 @@ host, as the workspace's owner (root, often).  Codex and sandbox-runtime refuse 
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Container, Iterable
-from pathlib import Path
 
 #: files of a git directory that make the host's git run a program or read its configuration
 #: from elsewhere
@@ -40,7 +38,7 @@ def host_keeps(rel: str, kind: str, configured: Iterable[str] = ()) -> bool:
     ``gitdir``), its operations in progress (``rebase-merge/``, ``rebase-apply/``, ``sequencer/``),
     its ``objects/info/alternates``, a ``.git`` that is not a directory (a ``gitdir: PATH`` file),
     and what the host's git configuration names in the workspace (``configured``, relative
-    paths: :class:`GitReach`) and every directory on the way to it (neither removed nor made a link
+    paths: :class:`.git_reach.GitReach`) and every directory on the way to it (neither removed nor made a link
     elsewhere; what else the sandbox puts in it is written back)."""
     for held in configured:
         if rel == held or rel.startswith(held + "/") or held.startswith(rel + "/"):
@@ -136,89 +134,3 @@ def makes_a_git_directory(current: Container[tuple[str, str]], dst_root: int, ke
     info = f"{dir_path}/objects/info" if dir_path else "objects/info"
     return (any((info, name) in current for name in GIT_ALTERNATES)
             or _host_has(dst_root, info, tuple(GIT_ALTERNATES)))
-
-
-#: git's settings naming files it runs or reads as configuration: hooks and included files
-_NAMING = ("core.hookspath", "include.path")
-
-
-class GitReach:
-    """What the host's git configuration names inside a workspace, for write-back to leave as the
-    host has it (:func:`host_keeps`): the directory ``core.hooksPath`` names (git runs its files
-    at ``git commit``; husky's ``.husky/_`` runs the hooks of the directory above it, so that too)
-    and the files ``include.path`` / ``includeIf.*.path`` include (git reads them as its own
-    configuration: a sandbox's ``core.fsmonitor`` there ran at the owner's next ``git status``).
-    Both held a sandbox's program the owner's git ran, as root, in a repository whose
-    configuration pointed into the worktree (``git config include.path ../.gitconfig``, husky).
-    Read with the host's git once, and again when one of its configuration files changes."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._key: tuple[tuple[int, int, int], ...] | None = None
-        self._files: tuple[Path, ...] = ()
-        self._held: tuple[str, ...] = ()
-
-    def held(self) -> tuple[str, ...]:
-        """The workspace-relative paths the configuration names (as it is now)."""
-        key = self._stat_key()
-        if key != self._key:
-            self._held, self._files = _configured(self.root)
-            self._key = self._stat_key()
-        return self._held
-
-    def _stat_key(self) -> tuple[tuple[int, int, int], ...]:
-        home = Path(os.environ.get("HOME", "/root"))
-        files = (self.root / ".git" / "config", home / ".gitconfig", home / ".config/git/config",
-                 Path("/etc/gitconfig"), *self._files)
-        key = []
-        for path in files:
-            try:
-                st = os.stat(path)
-                key.append((st.st_ino, st.st_mtime_ns, st.st_size))
-            except OSError:
-                key.append((0, 0, 0))
-        return tuple(key)
-
-
-def _configured(root: Path) -> tuple[tuple[str, ...], tuple[Path, ...]]:
-    """(workspace-relative paths the host's git configuration names, the files it was read from)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    try:
-        # (a repository of another user's is "dubious" to root's git, which then skips its config)
-        git = ["git", "-c", "safe.directory=*", "-C", str(root)]
-        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True,
-                             env=env, timeout=10, stdin=subprocess.DEVNULL)
-        listed = subprocess.run([*git, "config", "--includes", "--show-origin", "--null", "--list"],
-                                capture_output=True, env=env, timeout=10, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.SubprocessError):
-        return (), ()  # no git on the host: nothing of the workspace's is its configuration
-    worktree = Path(os.fsdecode(top.stdout.strip())) if top.returncode == 0 and top.stdout.strip() else root
-    fields = listed.stdout.split(b"\0") if listed.returncode == 0 else []
-    named: list[Path] = []
-    origins: set[Path] = set()
-    for origin, entry in zip(fields[0::2], fields[1::2], strict=False):  # (a last empty field)
-        name, _, value = os.fsdecode(entry).partition("\n")
-        name = name.lower()
-        where = os.fsdecode(origin)
-        if not where.startswith("file:"):
-            continue  # (the command line's safe.directory)
-        where = where.removeprefix("file:")
-        base = Path(where) if os.path.isabs(where) else root / where
-        origins.add(base)
-        if not value or not (name in _NAMING or (name.startswith("includeif.") and name.endswith(".path"))):
-            continue
-        path = Path(os.path.expanduser(value))
-        if name == "core.hookspath":
-            target = path if path.is_absolute() else worktree / path
-            named.append(target)
-            if target.name == "_":  # husky: its hooks run the scripts of the directory above
-                named.append(target.parent)
-        else:
-            named.append(path if path.is_absolute() else base.parent / path)
-    held = []
-    real_root = os.path.realpath(root)
-    for path in named:
-        inside = os.path.relpath(os.path.normpath(os.path.join(os.path.realpath(path.parent), path.name)), real_root)
-        if inside != "." and not inside.startswith(".."):
-            held.append(inside)
-    return tuple(sorted(set(held))), tuple(sorted(origins))

@@ -84,6 +84,7 @@ from pathlib import Path
 
 from . import idmap, mounts
 from .fsnotify import ChangeWatch, Overflow
+from .git_reach import GitReach
 from .mountns import HostMounts, MountNamespace
 from .uids import RANGE_SIZE, SANDBOX_UID, UID_TOP, WIDE_BASE
 from .workspace import (
@@ -108,7 +109,7 @@ from .workspace import (
 )
 from .ws_changes import Unplaced, UpperTree
 from .ws_copy import WorkspaceCopy
-from .ws_git import GitReach, host_keeps
+from .ws_git import host_keeps
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
 #: (bench/workspace.py sets it to compare the two)
