@@ -269,6 +269,17 @@ def test_a_build_steps_output_and_files_are_bounded_on_the_host(
     assert time.monotonic() - started < 60, "the step ran on past the disk's reserve"
     Path(info.value.log_path).unlink()
     assert store.lookup(filling.name) is None
+    # inodes too: empty files take hardly a byte (helper 94: 308,000 in 8 s)
+    monkeypatch.setattr(buildbox, "disk_reserve", lambda total: 0)
+    inodes = os.statvfs(store.image_dir()).f_favail - 20_000
+    monkeypatch.setattr(buildbox, "inode_reserve", lambda total: inodes)
+    many = _derived_recipe(tmp_path, ["mkdir /usr/local/share/many && cd /usr/local/share/many && "
+                                      "seq 60000 | xargs touch; sleep 120"])
+    started = time.monotonic()
+    with pytest.raises(ImageBuildFailed, match="free inodes") as info:
+        build(many, state_dir)
+    assert time.monotonic() - started < 60, "the step ran on past the inodes' reserve"
+    Path(info.value.log_path).unlink()
     assert not _leftovers() and not _build_groups()
 
 
