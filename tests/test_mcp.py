@@ -528,14 +528,33 @@ def test_the_model_gets_sandboxes_only_within_the_operators_bounds(state_dir: Pa
             assert "imeout" in cell.content[0].text, cell.content[0].text[:300]
             refused(await client.call_tool("run_code", {"sandbox_id": sid, "code": "1", "timeout": 5}), "--max-timeout")
 
+    async def short_lives() -> None:  # a command's timeout left what it started running (helper 95)
+        params, _ = mcp_stdio(state_dir, "mcp-bounds-lives", "--max-timeout", "5", "--max-lifetime", "4")
+        async with stdio_client(params) as (read, write), ClientSession(read, write) as client:
+            init = await client.initialize()
+            assert "destroyed 4 s after it is made" in (init.instructions or ""), init.instructions
+            sid = _payload(await client.call_tool("create_sandbox", {"memory": "64M"}))["sandbox_id"]
+            ran = _payload(await client.call_tool("run_command", {
+                "sandbox_id": sid, "command": "nohup sh -c 'while :; do sleep 1; done' > /dev/null 2>&1 &"}))
+            assert ran["exit_code"] == 0
+            group = cgroups.detect().controllers["pids"] / cgroups.PARENT / sid
+            assert group.is_dir()  # the allowed case: it runs, within its lifetime
+            deadline = time.monotonic() + 20
+            while group.exists():
+                assert time.monotonic() < deadline, "the sandbox outlived --max-lifetime"
+                await asyncio.sleep(0.5)
+            refused(await client.call_tool("run_command", {"sandbox_id": sid, "command": "true"}), "no sandbox")
+
     asyncio.run(defaults())
     asyncio.run(operators())
     asyncio.run(short_cells())
+    asyncio.run(short_lives())
 
 
 @pytest.mark.parametrize("flags, said", [
     (["--max-memory", "12Q"], "--max-memory"), (["--max-total-memory", "-1"], "--max-total-memory"),
     (["--max-cpus", "0"], "--max-cpus"), (["--max-timeout", "nan"], "--max-timeout"),
+    (["--max-lifetime", "-5"], "--max-lifetime"),
     (["--allow", "not a host!"], "allow 'not a host!'")])
 def test_bad_operator_bounds_stop_corral_mcp_before_it_serves(state_dir: Path, flags: list[str], said: str) -> None:
     """Each bound `corral mcp` is given is checked before it serves anything: a typed error

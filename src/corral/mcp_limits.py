@@ -54,15 +54,18 @@ class McpLimits:
     max_total_memory: int = field(default_factory=default_total_memory)
     max_cpus: float = float(os.cpu_count() or 1)
     max_timeout: float = 3600.0
+    #: a sandbox's life from its making (its commands' timeouts bound each command, not what one
+    #: left running: `nohup ... &` ran on for the session's whole life; helper 95)
+    max_lifetime: float = 3600.0
     allow: tuple[AllowRule, ...] = ()
 
     @classmethod
     def build(cls, max_memory: int | None = None, max_total_memory: int | None = None,
               max_cpus: float | None = None, max_timeout: float | None = None,
-              allow: Sequence[str] = ()) -> McpLimits:
+              allow: Sequence[str] = (), max_lifetime: float | None = None) -> McpLimits:
         """From the command line's values (sizes already parsed); ``None`` keeps a default."""
         given = {"max_memory": max_memory, "max_total_memory": max_total_memory,
-                 "max_cpus": max_cpus, "max_timeout": max_timeout}
+                 "max_cpus": max_cpus, "max_timeout": max_timeout, "max_lifetime": max_lifetime}
         for name, value in given.items():
             if value is not None and not value > 0:
                 raise InvalidSpec(f"--{name.replace('_', '-')}: {value!r} must be more than 0")
@@ -109,7 +112,8 @@ class McpLimits:
         """The bounds in words, for the model (the server's instructions)."""
         reach = ", ".join(rule.text for rule in self.allow)
         return (f"Each sandbox: memory up to {format_size(self.max_memory)}, cpus up to {self.max_cpus:g}, "
-                f"timeouts up to {self.max_timeout:g} s; all sandboxes together up to "
+                f"timeouts up to {self.max_timeout:g} s, destroyed {self.max_lifetime:g} s after it is made; "
+                "all sandboxes together up to "
                 f"{format_size(self.max_total_memory)} of memory. "
                 + (f"Network: allow may name only destinations within: {reach}." if reach
                    else "Network: none (this server's operator allows no destination)."))

@@ -94,6 +94,8 @@ class Session:
 
     def __init__(self, sessions: Sessions | None = None) -> None:
         self.sandboxes: dict[str, Any] = {}
+        #: when each was made (time.monotonic): destroyed at the operator's max_lifetime after it
+        self.made: dict[str, float] = {}
         #: sandboxes being made for this session, and their memory limits: counted like the ones it holds
         self.pending = 0
         self.pending_memory = 0
@@ -149,6 +151,7 @@ class Session:
         with self._lock:
             if not self.closed:
                 self.sandboxes.update((sb.id, sb) for sb in made)
+                self.made.update((sb.id, time.monotonic()) for sb in made)
                 return
         for sb in made:
             await self.run(sb.kill)
@@ -174,10 +177,22 @@ class Session:
         return sb
 
     async def destroy(self, sandbox_id: str) -> None:
-        sb = self.sandboxes.pop(sandbox_id, None)
+        with self._lock:
+            sb = self.sandboxes.pop(sandbox_id, None)
+            self.made.pop(sandbox_id, None)
         if sb is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r} in this session")
         await self.run(sb.kill)
+
+    def end_expired(self, now: float, lifetime: float) -> None:
+        """Destroy the sandboxes made ``lifetime`` seconds ago or more."""
+        with self._lock:
+            expired = [sid for sid, made in self.made.items() if now - made >= lifetime]
+            gone = [self.sandboxes.pop(sid) for sid in expired if sid in self.sandboxes]
+            for sid in expired:
+                del self.made[sid]
+        for sb in gone:
+            sb.kill()
 
     def memory_held(self) -> int:
         """The memory limits of this session's sandboxes, held and being made, summed."""
@@ -186,7 +201,7 @@ class Session:
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            held, self.sandboxes = list(self.sandboxes.values()), {}
+            held, self.sandboxes, self.made = list(self.sandboxes.values()), {}, {}
         for sb in held:
             sb.kill()
 
@@ -254,6 +269,13 @@ class Sessions:
                     if k is not None and k not in self._in_flight and now - s.last_used >= self.idle_timeout]
         for key in idle:
             self.end(key)
+
+    def end_expired(self, now: float) -> None:
+        """Destroy every session's sandboxes past the operator's ``max_lifetime``."""
+        with self._lock:
+            sessions = list(self._by_id.values())
+        for session in sessions:
+            session.end_expired(now, self.limits.max_lifetime)
 
     def close(self) -> None:
         with self._lock:
@@ -397,8 +419,9 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
     async def lifespan(_: Any) -> AsyncIterator[Sessions]:
         async def reap_idle() -> None:
             while True:
-                await asyncio.sleep(min(60.0, sessions.idle_timeout / 4))
+                await asyncio.sleep(min(60.0, sessions.idle_timeout / 4, sessions.limits.max_lifetime / 8))
                 await asyncio.to_thread(sessions.end_idle, time.monotonic())
+                await asyncio.to_thread(sessions.end_expired, time.monotonic())
 
         reaper = asyncio.get_running_loop().create_task(reap_idle())
         try:

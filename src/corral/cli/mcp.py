@@ -23,6 +23,8 @@ def register(sub: Any) -> None:
     bounds.add_argument("--max-cpus", type=float, metavar="N", help="one sandbox's CPUs at most (default the host's)")
     bounds.add_argument("--max-timeout", type=float, metavar="SECONDS",
                         help="a command's timeout at most (default 3600)")
+    bounds.add_argument("--max-lifetime", type=float, metavar="SECONDS",
+                        help="a sandbox is destroyed this long after it is made, whatever it runs (default 3600)")
     bounds.add_argument("--allow", action="append", default=[], metavar="DEST",
                         help="a destination sandboxes may be allowed (HOST, *.DOMAIN, IP or CIDR, optional :PORT; "
                         "repeat it); the model's allow must stay within these. Default: none, no network")
@@ -46,7 +48,7 @@ def handle(args: argparse.Namespace) -> int:
         max_memory=parse_size(args.max_memory, "--max-memory") if args.max_memory is not None else None,
         max_total_memory=(parse_size(args.max_total_memory, "--max-total-memory")
                           if args.max_total_memory is not None else None),
-        max_cpus=args.max_cpus, max_timeout=args.max_timeout, allow=args.allow)
+        max_cpus=args.max_cpus, max_timeout=args.max_timeout, allow=args.allow, max_lifetime=args.max_lifetime)
     main("http" if args.http else "stdio", port=args.port, session_idle_timeout=args.session_idle_timeout,
          limits=limits)
     return 0
