@@ -109,7 +109,10 @@ class FileEntry:
     mtime: float
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # (not dataclasses.asdict, which copies each field deeply: a listing of 90,000 entries is
+        # one such call per entry, on a server shared by tenants)
+        return {"name": self.name, "path": self.path, "type": self.type, "size": self.size, "mode": self.mode,
+                "mtime": self.mtime}
 
     def to_json(self) -> dict[str, Any]:
         """As JSON carries it: a name (or path) that is not UTF-8 -- here with its bytes as
@@ -117,7 +120,8 @@ class FileEntry:
         exact bytes in ``name_b64`` (``path_b64``)."""
         data = self.to_dict()
         for key in ("name", "path"):
-            data.update(json_text(key, data[key]))
+            if not data[key].isascii():
+                data.update(json_text(key, data[key]))
         return data
 
     @classmethod
