@@ -281,5 +281,10 @@ def test_a_sandbox_cannot_write_to_the_operators_terminal_through_the_audit() ->
     assert len(audit) == 4, err
     # a field is one token: spaces in a name plant no fields of a forged event (helper 93)
     assert audit[3].count(" rule=") == 1 and audit[3].count(" [") == 1 and "evil.example\\x20[socks]" in audit[3]
+    # nor do characters that print blank (an IDNA name decodes to U+2800; helper 96)
+    from corral.egress.audit import AuditEvent
+
+    line = str(AuditEvent(0, "sb-1", "refused", "x\u2800->\u2800169.254.169.254\u3164[socks5]", None, "bad-host", "socks5"))
+    assert line.isascii() and line.count(" ") == 5, line
     assert "\\r\\x1b[2Kcorral\\x20audit:" in audit[0] and "\\x1b]0;title\\x07x:443" in audit[1]
     assert "169.254.169.254:80" in audit[2] and "rule=link-local" in audit[2], audit

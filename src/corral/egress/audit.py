@@ -40,9 +40,14 @@ def shown(text: str) -> str:
 
 
 def _token(text: str) -> str:
-    """A field of an audit line as one token: :func:`shown`, its spaces escaped too (a SOCKS name
-    of spaces and ``[socks] rule=allow`` planted fields of a forged event in a real line; helper 93)."""
-    return shown(text).replace(" ", "\\x20")
+    """A field of an audit line as one token of printable ASCII: every other character escaped,
+    spaces too (a SOCKS name of spaces and ``[socks] rule=allow`` planted fields of a forged event
+    in a real line, helper 93; an IDNA name decoded to U+2800, printable but blank, did the same,
+    helper 96)."""
+    if text.isascii() and text.isprintable() and " " not in text:
+        return text
+    return "".join(c if c.isascii() and c.isprintable() and c != " " else c.encode("unicode_escape").decode("ascii")
+                   if c != " " else "\\x20" for c in text)
 
 
 @dataclass(frozen=True)
