@@ -544,6 +544,16 @@ def test_the_model_gets_sandboxes_only_within_the_operators_bounds(state_dir: Pa
                 assert time.monotonic() < deadline, "the sandbox outlived --max-lifetime"
                 await asyncio.sleep(0.5)
             refused(await client.call_tool("run_command", {"sandbox_id": sid, "command": "true"}), "no sandbox")
+            # a fork lives out its parent's life, not one of its own (helper 96: a chain of forks
+            # kept a sandbox's files for ever)
+            parent = _payload(await client.call_tool("create_sandbox", {"memory": "64M"}))["sandbox_id"]
+            await asyncio.sleep(2)
+            fork = _payload(await client.call_tool("fork_sandbox", {"sandbox_id": parent}))["sandbox_ids"][0]
+            started = time.monotonic()
+            while not (await client.call_tool("run_command", {"sandbox_id": fork, "command": "true"})).is_error:
+                assert time.monotonic() - started < 20, "the fork outlived its parent's --max-lifetime"
+                await asyncio.sleep(0.5)
+            assert time.monotonic() - started < 2 + 1.5, "the fork lived a life of its own"
 
     asyncio.run(defaults())
     asyncio.run(operators())
@@ -563,3 +573,30 @@ def test_bad_operator_bounds_stop_corral_mcp_before_it_serves(state_dir: Path, f
     out = subprocess.run([CORRAL, "--state-dir", str(state_dir / "mcp-bad-flags"), "mcp", *flags],
                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 125 and said in out.stderr, out
+
+
+def test_the_mcp_reaper_destroys_every_expired_sandbox_whatever_one_raises() -> None:
+    """A destroy that raised (a remote server briefly unreachable) left the session's other
+    expired sandboxes running and untracked, and ended the reaper for the server's life (helper 96)."""
+    from corral.mcp_limits import McpLimits
+    from corral.mcp_server import Session, Sessions
+
+    class Held:
+        def __init__(self, sandbox_id: str, fails: bool) -> None:
+            self.id, self.fails, self.killed = sandbox_id, fails, False
+
+        def kill(self) -> None:
+            self.killed = True
+            if self.fails:
+                raise ConnectionError("the server is unreachable")
+
+    sessions = Sessions(limits=McpLimits(max_lifetime=10))
+    session = sessions._by_id[None] = Session(sessions)
+    held = [Held("sb-a", True), Held("sb-b", False), Held("sb-c", False)]
+    now = time.monotonic()
+    for sb in held:
+        session.sandboxes[sb.id], session.made[sb.id] = sb, now - (5 if sb.id == "sb-c" else 11)
+    sessions.end_expired(now)
+    assert [sb.killed for sb in held] == [True, True, False] and list(session.sandboxes) == ["sb-c"]
+    sessions.close()
+    assert held[2].killed and not session.sandboxes

@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import sys
@@ -50,6 +51,8 @@ from .interpreter import DEFAULT_TIMEOUT as CELL_TIMEOUT
 from .mcp_limits import McpLimits
 from .sandbox import Sandbox, check_fork_count
 from .surface import build_spec
+
+log = logging.getLogger(__name__)
 
 #: sandboxes one MCP session may hold at once
 MAX_SANDBOXES_PER_SESSION = 8
@@ -145,13 +148,15 @@ class Session:
             self.pending -= count
             self.pending_memory -= count * memory_each
 
-    async def _keep(self, made: list[Any]) -> None:
-        """Hold sandboxes just made, unless the session ended while they were being made: then they
-        are destroyed here (they lived on until the MCP server stopped)."""
+    async def _keep(self, made: list[Any], made_at: float | None = None) -> None:
+        """Hold sandboxes just made (their life counted from ``made_at``, or now), unless the session
+        ended while they were being made: then they are destroyed here (they lived on until the MCP
+        server stopped)."""
+        when = made_at if made_at is not None else time.monotonic()
         with self._lock:
             if not self.closed:
                 self.sandboxes.update((sb.id, sb) for sb in made)
-                self.made.update((sb.id, time.monotonic()) for sb in made)
+                self.made.update((sb.id, when) for sb in made)
                 return
         for sb in made:
             await self.run(sb.kill)
@@ -162,7 +167,9 @@ class Session:
         # a fork has its parent's limits
         with self._room_for(check_fork_count(count), parent.spec.limits.memory):
             forks: list[Any] = await self.run(parent.fork, count)
-            await self._keep(forks)
+            # a fork lives out its parent's lifetime, not one of its own: a chain of forks kept a
+            # sandbox's files past --max-lifetime for ever (helper 96)
+            await self._keep(forks, made_at=self.made.get(sandbox_id))
         return forks
 
     async def create(self, **kwargs: Any) -> Any:
@@ -191,8 +198,7 @@ class Session:
             gone = [self.sandboxes.pop(sid) for sid in expired if sid in self.sandboxes]
             for sid in expired:
                 del self.made[sid]
-        for sb in gone:
-            sb.kill()
+        _kill_each(gone)
 
     def memory_held(self) -> int:
         """The memory limits of this session's sandboxes, held and being made, summed."""
@@ -202,8 +208,18 @@ class Session:
         with self._lock:
             self.closed = True
             held, self.sandboxes, self.made = list(self.sandboxes.values()), {}, {}
-        for sb in held:
+        _kill_each(held)
+
+
+def _kill_each(sandboxes: list[Any]) -> None:
+    """Destroy each of ``sandboxes``, whatever one's destroy raises (one that raised left the rest
+    running and untracked, and ended the reaper: helper 96); a failure is logged (a local
+    sandbox's leftovers are ``corral gc``'s, a remote one's its server's)."""
+    for sb in sandboxes:
+        try:
             sb.kill()
+        except Exception as exc:  # (the next ones are destroyed all the same)
+            log.warning("destroying MCP sandbox %s failed: %s", getattr(sb, "id", "?"), exc)
 
 
 class Sessions:
@@ -420,8 +436,11 @@ def build_server(sessions: Sessions | None = None) -> MCPServer[Sessions]:
         async def reap_idle() -> None:
             while True:
                 await asyncio.sleep(min(60.0, sessions.idle_timeout / 4, sessions.limits.max_lifetime / 8))
-                await asyncio.to_thread(sessions.end_idle, time.monotonic())
-                await asyncio.to_thread(sessions.end_expired, time.monotonic())
+                for reap in (sessions.end_idle, sessions.end_expired):
+                    try:
+                        await asyncio.to_thread(reap, time.monotonic())
+                    except Exception as exc:  # (a reaper that stopped would reap nothing more)
+                        log.warning("MCP reaper: %s", exc)
 
         reaper = asyncio.get_running_loop().create_task(reap_idle())
         try:
