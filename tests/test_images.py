@@ -247,7 +247,8 @@ def test_a_build_steps_output_and_files_are_bounded_on_the_host(
     reserve (here set 150 MiB below what was free, so as not to fill this host's disk)."""
     from corral.images import buildbox
 
-    loud = _derived_recipe(tmp_path, ["head -c 100M /dev/zero | tr '\\0' B; echo; echo the-end; exit 1"])
+    loud = _derived_recipe(tmp_path, ["fallocate -l 1G /usr/local/share/big || echo no-fallocate; "
+                                      "head -c 100M /dev/zero | tr '\\0' B; echo; echo the-end; exit 1"])
     before = _peak_rss_mib()
     started = time.monotonic()
     with pytest.raises(ImageBuildFailed, match="exited with 1") as info:
@@ -256,6 +257,9 @@ def test_a_build_steps_output_and_files_are_bounded_on_the_host(
     assert buildbox.STEP_LOG_MOST < log.stat().st_size < buildbox.STEP_LOG_MOST + buildbox.STEP_LOG_TAIL + 4096
     assert "bytes of output dropped" in log.read_bytes()[-buildbox.STEP_LOG_TAIL - 4096:].decode(errors="replace")
     assert len(str(info.value)) < 16 * 1024 and "the-end" in str(info.value)
+    # (fallocate took 900 MiB in 0.3 ms, before the disk could be looked at: a step has none)
+    with open(log, "rb") as head:
+        assert b"no-fallocate" in head.read(1 << 16)
     assert _peak_rss_mib() - before < 64, "the builder read the step's log whole"
     log.unlink()
     assert time.monotonic() - started < 120
