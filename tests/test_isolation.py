@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 import subprocess
 import sys
@@ -588,6 +589,8 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     subprocess.run([*git, "config", "includeIf.onbranch:main.path", "../conf/branch.inc"], check=True)
     subprocess.run([*git, "config", "core.hooksPath", ".husky/_"], check=True)
     subprocess.run([*git, "config", "core.fsmonitor", "tools/fsmonitor.sh"], check=True)  # a project's script
+    subprocess.run([*git, "config", "diff.json.textconv", "python3 conv.py"], check=True)  # one by its bare name
+    (repo / "conv.py").write_text("print('conv')\n")
     (repo / "tools").mkdir()
     (repo / "tools" / "fsmonitor.sh").write_text("#!/bin/sh\nexit 1\n")
     (repo / "tools" / "fsmonitor.sh").chmod(0o755)
@@ -604,7 +607,8 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
             f"cd /workspace && printf '[core]\\n\\tfsmonitor = \"touch {ran}; false\"\\n' > .gitconfig"
             f" && printf '#!/bin/sh\\ntouch {ran}\\n' > .husky/_/pre-commit && echo 'touch {ran}' > .husky/pre-commit"
             " && echo '[core]' > conf/branch.inc && echo kept > conf/notes.txt && echo mine > work.txt"
-            f" && printf '#!/bin/sh\\ntouch {ran}\\n' | tee tools/fsmonitor.sh inner/.husky/pre-commit")
+            f" && printf '#!/bin/sh\\ntouch {ran}\\n' | tee tools/fsmonitor.sh inner/.husky/pre-commit"
+            " && echo 'import os' > conv.py")
         assert r.exit_code == 0, r
         r = sb.commands.run("cd /workspace && rm -rf conf .husky && ln -s /tmp conf && mkdir .husky")
         assert r.exit_code == 0, r
@@ -614,6 +618,14 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     assert (repo / "conf").is_dir() and not (repo / "conf").is_symlink()
     assert (repo / "conf" / "branch.inc").read_text() == "[user]\n\tname = me\n"
     assert (repo / "tools" / "fsmonitor.sh").read_text() == "#!/bin/sh\nexit 1\n"
+    assert (repo / "conv.py").read_text() == "print('conv')\n"
+    from corral.host import git_reach
+
+    # the owner's home's configuration is read too, not only this process's (helper 96)
+    owner = next((user for user in pwd.getpwall() if user.pw_uid == 1000), None)
+    if owner is not None:
+        assert Path(owner.pw_dir) in git_reach._homes(repo)
+    assert Path(os.environ.get("HOME") or "/root") in git_reach._homes(repo)
     assert not (repo / "inner" / ".husky" / "pre-commit").exists()
     assert (repo / "work.txt").read_text() == "mine\n"  # the allowed case: the sandbox's work comes back
     assert not (repo / "conf" / "notes.txt").exists()  # (written, then removed with conf/ by the sandbox)

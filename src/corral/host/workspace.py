@@ -25,7 +25,7 @@ import stat
 from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 
-from .ws_git import host_keeps, makes_a_git_directory
+from .ws_git import HeldPaths, host_keeps, makes_a_git_directory
 
 # (kind, size, ctime_ns, mode, inode): the change time, which no one can set back
 Entry = tuple[str, int, int, int, int]
@@ -170,7 +170,7 @@ class DirsBeneath:
 
 
 def remove_gone(dst_fd: int, keys: Iterable[Key], uid: int, gid: int, writing_back: bool = True,
-                configured: tuple[str, ...] = ()) -> None:
+                configured: HeldPaths | None = None) -> None:
     """Remove the entries ``keys`` (and what is below them) from the tree at ``dst_fd``, deepest
     first; one whose directory is gone already is skipped.  ``writing_back``: not what
     :func:`host_keeps` (the sandbox no more deletes the host's git configuration or a protective
@@ -303,7 +303,7 @@ def defer(current: Manifest, previous: Manifest, keys: Iterable[Key]) -> None:
 
 def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, targets: DirsBeneath,
                  skip: tuple[str, ...], copy: Callable[[Key, Entry, int, int], None],
-                 writing_back: bool = True, configured: tuple[str, ...] = ()) -> None:
+                 writing_back: bool = True, configured: HeldPaths | None = None) -> None:
     """Call ``copy(key, entry, source dir fd, target dir fd)`` for each entry of ``current`` that
     is new or changed since ``previous`` (parents first; kinds in ``skip`` left out, and when
     ``writing_back`` what :func:`host_keeps`).  An entry the sandbox changed under the walk is left

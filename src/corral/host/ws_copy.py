@@ -27,6 +27,7 @@ from .workspace import (
     remove_gone,
     scan,
 )
+from .ws_git import HeldPaths
 
 
 @dataclass
@@ -72,7 +73,7 @@ class WorkspaceCopy:
 
 def _apply(
     src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool,
-    configured: tuple[str, ...] = (),
+    configured: HeldPaths | None = None,
 ) -> None:
     src_fd = os.open(src, _DIR_FLAGS)
     dst_fd = os.open(dst, _DIR_FLAGS)

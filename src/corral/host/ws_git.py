@@ -12,7 +12,7 @@ host, as the workspace's owner (root, often).  Codex and sandbox-runtime refuse 
 from __future__ import annotations
 
 import os
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 
 #: files of a git directory that make the host's git run a program or read its configuration
 #: from elsewhere
@@ -32,17 +32,43 @@ _NEAR_GIT_NAMES = frozenset({"hooks", *GIT_SEQUENCES})
 HEAD = "HEAD"
 
 
-def host_keeps(rel: str, kind: str, configured: Iterable[str] = ()) -> bool:
+class HeldPaths:
+    """Workspace-relative paths write-back leaves as the host has them, with every directory on
+    the way to one (:class:`.git_reach.GitReach`): a path's check looks up its own prefixes, not
+    every held path (a configuration names dozens; a write-back looks at thousands of entries)."""
+
+    def __init__(self, paths: Iterable[str]) -> None:
+        self.paths = frozenset(paths)
+        self.ancestors = frozenset(path[:i] for path in self.paths for i, c in enumerate(path) if c == "/")
+
+    def __bool__(self) -> bool:
+        return bool(self.paths)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.paths))
+
+    def covers(self, rel: str) -> bool:
+        """``rel`` is held, lies below a held path, or is a directory on the way to one."""
+        if rel in self.paths or rel in self.ancestors:
+            return True
+        at = rel.find("/")
+        while at >= 0:
+            if rel[:at] in self.paths:
+                return True
+            at = rel.find("/", at + 1)
+        return False
+
+
+def host_keeps(rel: str, kind: str, configured: HeldPaths | None = None) -> bool:
     """True for what write-back leaves as the host has it: a git directory's configuration and
     hooks (``.git/config``, ``.git/hooks/...``, a submodule's or worktree's, ``commondir``,
     ``gitdir``), its operations in progress (``rebase-merge/``, ``rebase-apply/``, ``sequencer/``),
     its ``objects/info/alternates``, a ``.git`` that is not a directory (a ``gitdir: PATH`` file),
     and what the host's git configuration names in the workspace (``configured``, relative
-    paths: :class:`.git_reach.GitReach`) and every directory on the way to it (neither removed nor made a link
+    paths: :class:`HeldPaths`) and every directory on the way to it (neither removed nor made a link
     elsewhere; what else the sandbox puts in it is written back)."""
-    for held in configured:
-        if rel == held or rel.startswith(held + "/") or held.startswith(rel + "/"):
-            return True
+    if configured and configured.covers(rel):
+        return True
     parts = rel.split("/")
     for i, part in enumerate(parts):
         if part != ".git":

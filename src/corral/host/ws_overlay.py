@@ -109,7 +109,7 @@ from .workspace import (
 )
 from .ws_changes import Unplaced, UpperTree
 from .ws_copy import WorkspaceCopy
-from .ws_git import host_keeps
+from .ws_git import HeldPaths, host_keeps
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
 #: (bench/workspace.py sets it to compare the two)
@@ -363,7 +363,7 @@ def _closed() -> None:
 
 
 def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int,
-           groups: HostGroups | None = None, configured: tuple[str, ...] = ()) -> None:
+           groups: HostGroups | None = None, configured: HeldPaths | None = None) -> None:
     src_fd = os.dup(upper_fd)
     dst_fd = os.open(host, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
@@ -399,7 +399,8 @@ def _link_inside(src_dir: int, rel: str) -> bool:
         return True  # no longer a link: _copy_entry sees what it is now
 
 
-def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int, configured: tuple[str, ...] = ()) -> None:
+def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int,
+                     configured: HeldPaths | None = None) -> None:
     """An opaque directory hides the lower layer's entries: delete the host's that the upper
     directory does not hold (whiteouts in it count as absent)."""
     parts = rel.split("/")
