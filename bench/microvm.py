@@ -64,7 +64,6 @@ def create(**network: object) -> tuple[Sandbox, MicroVMSandbox]:
 
 def trace_steps(inner: MicroVMSandbox) -> list[tuple[str, float]]:
     """(event, ms since QEMU was started) from a traced VM's qemu.log and console.log."""
-    run = inner._run_dir
     deadline = time.monotonic() + 5
     console = ""
     while "agent told to go" not in console and time.monotonic() < deadline:
@@ -78,7 +77,7 @@ def trace_steps(inner: MicroVMSandbox) -> list[tuple[str, float]]:
         steps.append(("VM running (QMP RESUME)", inner.timings["restore"] * 1000))
     seen: set[int] = set()
     versions = 0
-    for row in (run / "qemu.log").read_text(errors="replace").splitlines():
+    for row in inner.qemu_log.read_text(errors="replace").splitlines():
         match = re.match(r"\d+@(\d+\.\d+):(\S+)(.*)", row)
         if not match:
             continue
