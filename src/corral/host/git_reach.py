@@ -51,6 +51,7 @@ class GitReach:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._homes = _homes(root)
         self._key: tuple[tuple[int, int, int], ...] | None = None
         self._files: tuple[Path, ...] = ()
         self._held = HeldPaths(())
@@ -61,7 +62,7 @@ class GitReach:
             held: set[str] = set()
             files: set[Path] = set()
             for repo in [self.root, *_nested_repositories(self.root)]:
-                for home in _homes(self.root):
+                for home in self._homes:
                     named, origins = _configured(repo, self.root, home)
                     held.update(named)
                     files.update(origins)
@@ -71,7 +72,7 @@ class GitReach:
 
     def _stat_key(self) -> tuple[tuple[int, int, int], ...]:
         files = [self.root / ".git" / "config", self.root / ".git" / "HEAD", Path("/etc/gitconfig"), *self._files]
-        for home in _homes(self.root):
+        for home in self._homes:
             xdg = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
             files += [home / ".gitconfig", xdg / "git" / "config"]
         if os.environ.get("GIT_CONFIG_GLOBAL"):
