@@ -600,3 +600,31 @@ def test_the_mcp_reaper_destroys_every_expired_sandbox_whatever_one_raises() -> 
     assert [sb.killed for sb in held] == [True, True, False] and list(session.sandboxes) == ["sb-c"]
     sessions.close()
     assert held[2].killed and not session.sandboxes
+
+
+def test_a_fork_keeps_its_parents_clock_when_the_parent_goes_while_it_is_made() -> None:
+    """The fork's clock was read from its parent's after the fork was made: a destroy of the
+    parent sent 8 ms after the fork gave the fork a lifetime of its own (helper 97)."""
+    from types import SimpleNamespace
+
+    from corral.mcp_limits import McpLimits
+    from corral.mcp_server import Session, Sessions
+
+    sessions = Sessions(limits=McpLimits(max_lifetime=10))
+    session = sessions._by_id[None] = Session(sessions)
+
+    class Parent:
+        id = "sb-parent"
+        spec = SimpleNamespace(limits=SimpleNamespace(memory=64 << 20))
+
+        def fork(self, count: int) -> list[Any]:
+            session.sandboxes.pop(self.id)  # destroyed meanwhile, as destroy_sandbox does
+            session.made.pop(self.id)
+            return [SimpleNamespace(id="sb-fork", spec=self.spec, kill=lambda: None)]
+
+    born = time.monotonic() - 9
+    session.sandboxes["sb-parent"], session.made["sb-parent"] = Parent(), born
+    asyncio.run(session.fork("sb-parent", 1))
+    assert session.made["sb-fork"] == born
+    sessions.end_expired(born + 10)
+    assert not session.sandboxes

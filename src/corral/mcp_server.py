@@ -164,12 +164,15 @@ class Session:
 
     async def fork(self, sandbox_id: str, count: int) -> list[Any]:
         parent = self.get(sandbox_id)
+        # a fork lives out its parent's lifetime, not one of its own: a chain of forks kept a
+        # sandbox's files past --max-lifetime for ever (helper 96); read before the fork is made,
+        # for the parent may be destroyed (or expire) meanwhile (helper 97: a destroy sent 8 ms
+        # after the fork gave it a clock of its own)
+        made_at = self.made.get(sandbox_id, time.monotonic())
         # a fork has its parent's limits
         with self._room_for(check_fork_count(count), parent.spec.limits.memory):
             forks: list[Any] = await self.run(parent.fork, count)
-            # a fork lives out its parent's lifetime, not one of its own: a chain of forks kept a
-            # sandbox's files past --max-lifetime for ever (helper 96)
-            await self._keep(forks, made_at=self.made.get(sandbox_id))
+            await self._keep(forks, made_at=made_at)
         return forks
 
     async def create(self, **kwargs: Any) -> Any:
