@@ -575,8 +575,10 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     (shared settings) and husky's ``core.hooksPath = .husky/_``.  A sandbox wrote ``.gitconfig``
     with a ``core.fsmonitor`` and the hook: the owner's next ``git status`` and ``git commit`` ran
     both, as root; so did a ``core.fsmonitor`` naming the project's script and a project's own
-    repository's hook (helper 94).  What the configuration names stays as the host has it (and
-    the directory on the way to it); the rest of the sandbox's work comes back."""
+    repository's hook (helper 94), and a script by its bare name, also after a ``rm .git/HEAD``
+    had made the repository vanish from a reading (helpers 96, 97).  What the configuration names
+    stays as the host has it (and the directory on the way to it); the rest of the sandbox's work
+    comes back, a directory an alias names too."""
     from corral.host import ws_overlay
 
     monkeypatch.setattr(ws_overlay, "ENABLED", overlay)
@@ -590,6 +592,10 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     subprocess.run([*git, "config", "core.hooksPath", ".husky/_"], check=True)
     subprocess.run([*git, "config", "core.fsmonitor", "tools/fsmonitor.sh"], check=True)  # a project's script
     subprocess.run([*git, "config", "diff.json.textconv", "python3 conv.py"], check=True)  # one by its bare name
+    subprocess.run([*git, "config", "core.pager", "sh pager"], check=True)  # a script the sandbox may make
+    subprocess.run([*git, "config", "alias.t", "!pytest tests/"], check=True)  # the project's, run when asked
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_app.py").write_text("def test(): pass\n")
     (repo / "conv.py").write_text("print('conv')\n")
     (repo / "tools").mkdir()
     (repo / "tools" / "fsmonitor.sh").write_text("#!/bin/sh\nexit 1\n")
@@ -608,9 +614,14 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
             f" && printf '#!/bin/sh\\ntouch {ran}\\n' > .husky/_/pre-commit && echo 'touch {ran}' > .husky/pre-commit"
             " && echo '[core]' > conf/branch.inc && echo kept > conf/notes.txt && echo mine > work.txt"
             f" && printf '#!/bin/sh\\ntouch {ran}\\n' | tee tools/fsmonitor.sh inner/.husky/pre-commit"
-            " && echo 'import os' > conv.py")
+            " && echo 'import os' > conv.py && echo 'touch /tmp/x' > pager && echo 'def test(): 1' > tests/test_app.py")
         assert r.exit_code == 0, r
         r = sb.commands.run("cd /workspace && rm -rf conf .husky && ln -s /tmp conf && mkdir .husky")
+        assert r.exit_code == 0, r
+        # a repository without a HEAD is none to git: a reading then names nothing of it (helper 97)
+        assert sb.commands.run("cd /workspace && mv .git/HEAD /tmp/HEAD").exit_code == 0
+        r = sb.commands.run(f"cd /workspace && printf '#!/bin/sh\\ntouch {ran}\\n' > tools/fsmonitor.sh"
+                            " && mv /tmp/HEAD .git/HEAD")
         assert r.exit_code == 0, r
     assert not (repo / ".gitconfig").exists()
     assert (repo / ".husky" / "_" / "pre-commit").read_text() == '#!/bin/sh\n. "$(dirname "$0")/h"\n'
@@ -618,7 +629,9 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     assert (repo / "conf").is_dir() and not (repo / "conf").is_symlink()
     assert (repo / "conf" / "branch.inc").read_text() == "[user]\n\tname = me\n"
     assert (repo / "tools" / "fsmonitor.sh").read_text() == "#!/bin/sh\nexit 1\n"
-    assert (repo / "conv.py").read_text() == "print('conv')\n"
+    assert (repo / "conv.py").read_text() == "print('conv')\n" and not (repo / "pager").exists()
+    # what is the project's own comes back, though the configuration mentions it (helper 97)
+    assert (repo / "tests" / "test_app.py").read_text() == "def test(): 1\n"
     from corral.host import git_reach
 
     # the owner's home's configuration is read too, not only this process's (helper 96)

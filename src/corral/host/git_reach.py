@@ -3,22 +3,30 @@
 A repository's configuration may point into its worktree, and the host's git then reads or runs
 what the sandbox wrote there, as the workspace's owner (root, often): ``include.path =
 ../.gitconfig`` (shared settings; the sandbox's ``core.fsmonitor`` ran at the owner's next ``git
-status``), husky's ``core.hooksPath = .husky/_`` (its hook ran at ``git commit``), a
-``core.fsmonitor``, ``diff.*.textconv``, ``filter.*.clean``, ``core.pager``, ``core.sshCommand``,
-``gpg.program`` or ``core.editor`` naming a script of the project (each ran at ``git status``,
-``diff``, ``log``, ``fetch``, ``commit``: helper 94).  :class:`GitReach` asks the host's git for
-its configuration (every file it reads, included ones too, whatever their conditions) and names,
-relative to the workspace, the files and directories those settings name there: included files,
-the hooks directory (with husky's ``.husky/``, whose scripts its hooks run), and every word of any
-setting's value that may name a file there (commands' scripts, ``remote.*.uploadpack``,
-``core.gitProxy``, ``gpg.ssh.allowedSignersFile``, a template...) -- in the owner's home's
-configuration too, for the workspace's repository, its worktrees and the repositories of their
-own inside it.  :func:`.ws_git.host_keeps` holds them and the directories on the way to them, by
-the path as configured and by where its links lead.
+status``), husky's ``core.hooksPath = .husky/_`` (its hook ran at ``git commit``), and a setting
+whose command is a project's script: ``core.fsmonitor = tools/fsmon.sh`` at ``git status``,
+``diff.*.textconv`` at ``git diff``, ``core.pager`` at ``git log``, ``remote.*.uploadpack`` and
+``core.gitProxy`` at ``git fetch``, ``gpg.program`` at ``git commit`` (helpers 94, 96).
 
-What a hook or a held script runs in turn (``npm test`` and ``package.json``'s scripts,
-``node_modules/.bin``, ``.pre-commit-config.yaml``, a Makefile) is the project's own code, as the
-sandbox left it: the owner runs it at their commit as they would run ``make``.
+:class:`GitReach` asks the host's git for its configuration (the repository's, its included
+files' whatever their conditions, this process's home's and the workspace owner's) and names,
+relative to the workspace: the files included, the hooks directory of each worktree (with
+husky's ``.husky/``, whose scripts its hooks run), and the files the settings of
+:data:`RUN_OR_READ` name (their commands' scripts, by a path or a bare file name, and the few
+files git reads to decide: signers, attributes), for the workspace's repository and the
+repositories of their own found inside it.  It reads first at the first write-back (the host's
+directory as it was: nothing was written back before), again when one of the host's
+configuration files changes, and what it holds only grows: a sandbox
+that deleted ``.git/HEAD`` made the repository vanish from a reading, and what it held with it
+(helper 97).  :func:`.ws_git.host_keeps` holds those paths and the directories on the way to
+them, by the path as configured and by where its links lead.
+
+Out of scope, as the README's row says: what a hook, a held script or an alias runs in turn
+(``npm test`` and ``package.json``'s scripts, ``node_modules/.bin``, ``.pre-commit-config.yaml``,
+a Makefile, an alias's ``!pytest tests/``) is the project's own code, as the sandbox left it: the
+owner runs it as they would run ``make``.  Holding every word of every setting held a
+submodule's whole worktree and an alias's ``tests/`` too, and silently dropped the sandbox's
+work there (helper 97).
 """
 
 from __future__ import annotations
@@ -26,19 +34,33 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
 from .ws_git import HeldPaths
 
+#: settings whose value is a command git runs, or a file git reads to decide what to trust or
+#: run: (section, last part); a subsection between them (``diff.<driver>.textconv``) is any
+RUN_OR_READ = frozenset({
+    ("core", "fsmonitor"), ("core", "pager"), ("pager", "*"), ("core", "editor"), ("sequence", "editor"),
+    ("core", "sshcommand"), ("core", "askpass"), ("core", "gitproxy"), ("core", "attributesfile"),
+    ("gpg", "program"), ("gpg", "defaultkeycommand"), ("gpg", "allowedsignersfile"), ("gpg", "revocationfile"),
+    ("credential", "helper"), ("interactive", "difffilter"), ("diff", "external"), ("diff", "textconv"),
+    ("diff", "command"), ("filter", "clean"), ("filter", "smudge"), ("filter", "process"), ("merge", "driver"),
+    ("mergetool", "cmd"), ("mergetool", "path"), ("difftool", "cmd"), ("difftool", "path"),
+    ("remote", "uploadpack"), ("remote", "receivepack"), ("trailer", "cmd"), ("trailer", "command"),
+    ("submodule", "update"), ("sendemail", "sendmailcmd"), ("browser", "cmd"), ("browser", "path"),
+    ("man", "cmd"), ("man", "path"), ("guitool", "cmd"), ("uploadpack", "packobjectshook"),
+})
 #: how deep included files are followed (git's own limit is 10)
 _INCLUDE_DEPTH = 10
-#: how deep repositories of their own are looked for in a workspace, and at most how many
-#: directories are looked at for them
+#: how deep repositories of their own are looked for in a workspace when it is made, and at most
+#: how many directories are looked at for them
 _NESTED_DEPTH = 3
 _NESTED_DIRS = 20_000
-#: what separates the words of a setting's value (a shell command's words, ``KEY=path``, lists)
-_WORD_BREAKS = re.compile(r"[\s=;|&'\"()<>`,:]+")
+#: what separates a shell word's parts that may each be a path (``KEY=path``, ``a;b``, ``$(pwd)/x``)
+_PART_BREAKS = re.compile(r"[=;|&()<>`,:]+")
 #: the environment of the owner's git that names its configuration (the rest, ``GIT_DIR`` and
 #: such, would point the reading elsewhere)
 _CONFIG_ENV = ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM", "GIT_CONFIG_COUNT",
@@ -46,32 +68,44 @@ _CONFIG_ENV = ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_SYSTEM", "GIT_CONFIG_NOSYSTEM", 
 
 
 class GitReach:
-    """The workspace-relative paths ``root``'s git configuration names (see the module): read with
-    the host's git once, and again when one of the files it was read from changes."""
+    """The workspace-relative paths ``root``'s git configuration names (see the module).  First
+    read at the first write-back, from the host's directory as it was before the sandbox ran
+    (nothing was written back before it)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._homes = _homes(root)
-        self._key: tuple[tuple[int, int, int], ...] | None = None
+        #: the repositories read: the workspace's and those inside it at the first reading (a
+        #: sandbox's own have no configuration on the host: write-back holds a nested ``.git/config``)
+        self._repos: list[Path] | None = None
         self._files: tuple[Path, ...] = ()
         self._held = HeldPaths(())
+        self._key: tuple[tuple[int, int, int], ...] | None = None
 
     def held(self) -> HeldPaths:
-        key = self._stat_key()
-        if key != self._key:
-            held: set[str] = set()
-            files: set[Path] = set()
-            for repo in [self.root, *_nested_repositories(self.root)]:
-                for home in self._homes:
-                    named, origins = _configured(repo, self.root, home)
-                    held.update(named)
-                    files.update(origins)
-            self._held, self._files = HeldPaths(held), tuple(sorted(files))
-            self._key = self._stat_key()
+        """What to hold now: read again if one of the host's configuration files changed."""
+        if self._repos is None:
+            self._repos = [self.root, *_nested_repositories(self.root)]
+            self._key = self._read()
+        elif self._stat_key() != self._key:
+            self._key = self._read()
         return self._held
 
+    def _read(self) -> tuple[tuple[int, int, int], ...]:
+        held: set[str] = set(self._held.paths)  # only grows (see the module)
+        files: set[Path] = set(self._files)
+        for repo in self._repos or ():
+            for home in self._homes:
+                named, read = _configured(repo, self.root, home)
+                held.update(named)
+                files.update(read)
+        self._held, self._files = HeldPaths(held), tuple(sorted(files))
+        return self._stat_key()
+
     def _stat_key(self) -> tuple[tuple[int, int, int], ...]:
-        files = [self.root / ".git" / "config", self.root / ".git" / "HEAD", Path("/etc/gitconfig"), *self._files]
+        files = [Path("/etc/gitconfig"), *self._files]
+        for repo in self._repos or ():
+            files += [repo / ".git" / "config", repo / ".git" / "config.worktree"]
         for home in self._homes:
             xdg = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
             files += [home / ".gitconfig", xdg / "git" / "config"]
@@ -99,10 +133,9 @@ def _homes(root: Path) -> list[Path]:
     return homes if owner == homes[0] else [*homes, owner]
 
 
-def _git(args: list[str], cwd: Path, home: Path | None = None) -> bytes | None:
+def _git(args: list[str], cwd: Path, home: Path) -> bytes | None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") or k.startswith(_CONFIG_ENV)}
-    if home is not None:
-        env["HOME"] = str(home)
+    env["HOME"] = str(home)
     try:
         # (a repository of another user's is "dubious" to root's git, which then skips its config)
         done = subprocess.run(["git", "-c", "safe.directory=*", "-C", str(cwd), *args], capture_output=True,
@@ -112,13 +145,15 @@ def _git(args: list[str], cwd: Path, home: Path | None = None) -> bytes | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def _entries(listed: bytes) -> list[tuple[str, str, str]]:
-    """(origin, lower-cased name, value) of ``git config --show-origin --null --list``'s output."""
+def _entries(listed: bytes) -> list[tuple[str, str, str, str]]:
+    """(origin, section, last part, value) of ``git config --show-origin --null --list``'s output,
+    section and last part lower-cased (git's own are; a subsection keeps its case)."""
     fields = listed.split(b"\0")
     out = []
     for origin, entry in zip(fields[0::2], fields[1::2], strict=False):  # (a last empty field)
         name, _, value = os.fsdecode(entry).partition("\n")
-        out.append((os.fsdecode(origin), name.lower(), value))
+        section, _, rest = name.partition(".")
+        out.append((os.fsdecode(origin), section.lower(), rest.rpartition(".")[2].lower(), value))
     return out
 
 
@@ -147,7 +182,8 @@ def _nested_repositories(root: Path) -> list[Path]:
             if looked > _NESTED_DIRS:
                 break
         level = below
-    modules = _git(["config", "--file", ".gitmodules", "--null", "--get-regexp", r"^submodule\..*\.path$"], root)
+    home = Path(os.environ.get("HOME") or "/root")
+    modules = _git(["config", "--file", ".gitmodules", "--null", "--get-regexp", r"^submodule\..*\.path$"], root, home)
     for line in (modules or b"").split(b"\0"):
         _, _, path = os.fsdecode(line).partition("\n")
         if path and not os.path.isabs(path) and ".." not in Path(path).parts:
@@ -157,7 +193,7 @@ def _nested_repositories(root: Path) -> list[Path]:
 
 def _configured(root: Path, workspace: Path, home: Path) -> tuple[set[str], set[Path]]:
     """(``workspace``-relative paths the host's git configuration at ``root`` names, with ``home``
-    as the owner's, and the files it was read from)."""
+    as the owner's, and the files that may hold it: those read and those included)."""
     top_out = _git(["rev-parse", "--show-toplevel"], root, home)
     top = Path(os.fsdecode(top_out.strip())) if top_out and top_out.strip() else Path(os.path.realpath(root))
     listed = _git(["config", "--includes", "--show-origin", "--null", "--list"], root, home)
@@ -166,39 +202,43 @@ def _configured(root: Path, workspace: Path, home: Path) -> tuple[set[str], set[
     worktrees = [top]
     for line in (_git(["worktree", "list", "--porcelain"], root, home) or b"").splitlines():
         if line.startswith(b"worktree "):
-            worktrees.append(Path(os.fsdecode(line[len(b"worktree "):])))
+            tree = Path(os.fsdecode(line[len(b"worktree "):]))
+            if ".git" not in tree.parts:  # (a submodule names its git directory: no worktree)
+                worktrees.append(tree)
     named: list[Path] = []
-    origins: set[Path] = set()
+    files: set[Path] = set()
     pending = _entries(listed)
     read: set[Path] = set()
     for _ in range(_INCLUDE_DEPTH + 1):
         included: list[Path] = []
-        for origin, name, value in pending:
+        for origin, section, last, value in pending:
             if not origin.startswith("file:"):
                 continue  # (the command line's safe.directory)
             where = origin.removeprefix("file:")
             # git names the repository's own files from the top of its worktree (`.git/config`)
             base = Path(where) if os.path.isabs(where) else top / where
-            origins.add(base)
+            files.add(base)
             if not value:
                 continue
-            if name == "include.path" or (name.startswith("includeif.") and name.endswith(".path")):
-                path = Path(os.path.expanduser(value))
+            if (section == "include" and last == "path") or (section == "includeif" and last == "path"):
+                path = _expand(value, home)
                 target = path if path.is_absolute() else base.parent / path
                 named.append(target)
                 included.append(target)
-            elif name == "core.hookspath":
-                path = Path(os.path.expanduser(value))
+                files.add(target)  # (one made later is a change to read again)
+            elif (section, last) == ("core", "hookspath"):
+                path = _expand(value, home)
                 for tree in worktrees if not path.is_absolute() else [top]:
                     target = path if path.is_absolute() else tree / path
                     named.append(target)
                     if target.name == "_":  # husky: its hooks run the scripts of the directory above
                         named.append(target.parent)
-            else:
-                named.extend(_value_paths(value, worktrees))
-                subsection = name.partition(".")[2].rpartition(".")[0]
-                if subsection:  # (`url.<path>.insteadOf`: a key may name a path too)
-                    named.extend(_value_paths(subsection, worktrees))
+            elif (section, last) in RUN_OR_READ or (section, "*") in RUN_OR_READ:
+                if section == "submodule" and not value.startswith("!"):
+                    continue  # (`update = checkout`: a mode, not a command)
+                if section == "credential" and not value.startswith("!") and "/" not in value:
+                    continue  # (`helper = store`: git runs `git credential-store`, from its PATH)
+                named.extend(_command_paths(value.removeprefix("!"), worktrees, home))
         # an included file's own includes, whatever the conditions that make git read it now
         pending = []
         for path in included:
@@ -209,26 +249,43 @@ def _configured(root: Path, workspace: Path, home: Path) -> tuple[set[str], set[
             pending += _entries(more or b"")
         if not pending:
             break
-    return _inside(workspace, named), origins
+    return _inside(workspace, named), files
 
 
-def _value_paths(value: str, worktrees: list[Path]) -> list[Path]:
-    """The words of any setting's value that may name a file of a worktree, as git's commands
-    see them (from the top of a worktree): a word with a ``/`` or a ``.`` in it (held whether or
-    not it names anything yet: it may be made), or one naming a file there.  Any setting, not a
-    list of those that run commands: a list missed ``remote.*.uploadpack``, ``core.gitProxy``,
-    ``gpg.ssh.allowedSignersFile``..., and a command's script by its bare name (``sh fsmon.sh``)
-    or after ``KEY=`` (helper 96).  A bare word naming a directory is not held (``core.editor =
-    code`` would hold a project's ``code/``): an alias's ``cd tools && ./lint.sh`` runs the
-    project's script, as ``make`` would."""
+def _expand(word: str, home: Path) -> Path:
+    """``word`` with a leading ``~`` as the owner's git reads it (``home``'s, not this process's)."""
+    if word == "~" or word.startswith("~/"):
+        return home / word[2:]
+    return Path(os.path.expanduser(word))
+
+
+def _command_paths(command: str, worktrees: list[Path], home: Path) -> list[Path]:
+    """The files ``command`` may run or read, as git's commands see them (from the top of a
+    worktree): each part of its shell words (``KEY=path``, ``$(pwd)/path``), whether or not it
+    names anything yet (``sh fsmonitor``: the sandbox may make it; a program's own name, ``less``,
+    holds a file of that name, harmless); not a directory (``core.editor = code`` would hold a
+    project's ``code/``); a glob by the directory before it."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        words = command.split()
     paths: list[Path] = []
-    for word in _WORD_BREAKS.split(value.removeprefix("!")):
-        if not word or word.startswith("-"):
-            continue
-        path = Path(os.path.expanduser(word))
-        candidates = [path] if path.is_absolute() else [tree / path for tree in worktrees]
-        looks_like_a_path = "/" in word or "." in word
-        paths.extend(c for c in candidates if looks_like_a_path or (os.path.lexists(c) and not os.path.isdir(c)))
+    for word in words:
+        for part in _PART_BREAKS.split(word):
+            if not part or part.startswith("-"):
+                continue
+            if "$" in part:  # `$PWD/tools/x`, `${VAR}/x`: what follows the variable, from the top
+                part = part.split("/", 1)[1] if "/" in part else ""
+            glob = any(c in part for c in "*?[{")
+            if glob:  # the directory before the pattern, whole
+                part = "/".join(p for p in part.split("/")[:-1] if not any(c in p for c in "*?[{"))
+            if not part:
+                continue
+            path = _expand(part, home)
+            candidates = [path] if path.is_absolute() else [tree / path for tree in worktrees]
+            if path.is_absolute():  # `$(git rev-parse --show-toplevel)/x` leaves `/x`
+                candidates += [tree / part.lstrip("/") for tree in worktrees]
+            paths.extend(c for c in candidates if glob or not os.path.isdir(c))
     return paths
 
 
