@@ -140,8 +140,7 @@ async def send_in_pieces(send: Send, status: int, headers: list[tuple[bytes, byt
     buffer to drain only at the next ``send``; so the body goes in pieces (``body`` may come in
     pieces already: :func:`render_json`)."""
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    pieces = body if isinstance(body, list) else [body[offset:offset + SEND_PIECE]
-                                                  for offset in range(0, len(body), SEND_PIECE)]
+    pieces = body if isinstance(body, list) else _slices(body)
     pieces = [piece for piece in pieces if piece]
     for i, piece in enumerate(pieces):
         await send({"type": "http.response.body", "body": piece, "more_body": i + 1 < len(pieces)})
@@ -230,7 +229,9 @@ def answer_of(rendering: Rendering, shares: OutputShares, tenant: str, hold: Rel
         hold()
 
 
-async def _disconnected(receive: Receive) -> None:
+async def client_left(receive: Receive) -> None:
+    """Returns once the request's client has disconnected (its body is read: what ``receive``
+    says next is that).  A caller cancels it once its work is done."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
@@ -276,7 +277,7 @@ class SentAsRendered(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # a client gone is not rendered for: uvicorn's send does nothing once it has left
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(client_left(receive))
         try:
             headers = self.raw_headers
             if scope.get("http_version") == "1.0":

@@ -17,7 +17,7 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec, validate_env
 from . import snapshot_routes
 from .context import Context, Tenant
-from .output_shares import Rendering, answer_of, render_json
+from .output_shares import Rendering, answer_of, client_left, render_json
 from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context, request
     if snapshot is not None:  # the tenant's own snapshot (another's is a 404), its tier and image
         data.update(snapshot_routes.spec_fields(ctx, who, snapshot, data))
     spec = SandboxSpec.from_dict(data)
-    left = asyncio.ensure_future(_client_left(request))
+    left = asyncio.ensure_future(client_left(request.receive))
     try:
         entry = await ctx.manager.create(who, spec, idle, life, snapshot)
         await asyncio.sleep(0)  # a disconnect already received is seen
@@ -127,22 +127,15 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
     return answer_of(answer, ctx.output_shares, who, hold, functools.partial(ctx.run_for, who))
 
 
-async def _client_left(request: Request) -> None:
-    """Returns once the request's client has disconnected (its body is read: what ``receive``
-    says next is that).  A route cancels it once its work is done."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _kill_when_the_client_leaves(request: Request, running: list[CommandProcess], ctx: Context,
                                        tenant: str) -> None:
-    await _client_left(request)
+    await client_left(request.receive)
     for process in running:
         await ctx.run_control(tenant, process.kill)
 
 
 async def _set_when_the_client_leaves(request: Request, cancel: threading.Event) -> None:
-    await _client_left(request)
+    await client_left(request.receive)
     cancel.set()
 
 
