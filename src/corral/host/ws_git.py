@@ -12,7 +12,7 @@ host, as the workspace's owner (root, often).  Codex and sandbox-runtime refuse 
 from __future__ import annotations
 
 import os
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable
 
 #: files of a git directory that make the host's git run a program or read its configuration
 #: from elsewhere
@@ -43,9 +43,6 @@ class HeldPaths:
 
     def __bool__(self) -> bool:
         return bool(self.paths)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self.paths))
 
     def covers(self, rel: str) -> bool:
         """``rel`` is held, lies below a held path, or is a directory on the way to one."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ImageBuildFailed, InvalidSpec
+from ..host import logs
 from . import aptplan, layering, store
 from .buildbox import BuildBox
 from .recipe import Recipe, builtin_path
@@ -183,8 +184,7 @@ class _Builder:
         failed = self.root / "failed"
         failed.mkdir(mode=0o700, exist_ok=True)
         kept = failed / f"{self.recipe.name}-{store.hex_of(self.digest)[:12]}-{_slug(step)}.log"
-        with open(log, "rb") as source, open(kept, "wb") as copy:
-            shutil.copyfileobj(source, copy)  # (bounded: a step's log is, buildbox.STEP_LOG_MOST)
+        shutil.copyfile(log, kept)  # (bounded: a step's log is, buildbox.STEP_LOG_MOST)
         return str(kept)
 
     def _event(self, step: str, **kw: object) -> None:
@@ -453,13 +453,8 @@ def _tail_lines(log: Path, count: int, limit: int = 8192, width: int = 400) -> l
     """The last ``count`` lines of ``log`` for an error message, from its last ``limit`` bytes,
     each cut at ``width`` characters: read whole, a failed step's 500 MB took the builder to 4.9 GB
     and its one long line went into the message (helper 91)."""
-    try:
-        with open(log, "rb") as source:
-            source.seek(max(0, os.fstat(source.fileno()).st_size - limit))
-            text = source.read(limit).decode(errors="replace")
-    except OSError:
-        return []
-    return [line if len(line) <= width else line[:width] + " ..." for line in text.strip().splitlines()[-count:]]
+    lines = logs.tail(log, limit).strip().splitlines()[-count:]
+    return [line if len(line) <= width else line[:width] + " ..." for line in lines]
 
 
 def _slug(step: str) -> str:

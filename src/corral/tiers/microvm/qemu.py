@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import HostNotSupported, SandboxError
+from ...host import logs
 from .guest import GuestAssets
 
 #: ACPI stays on: Debian's kernels find virtio-mmio devices only through it
@@ -119,15 +120,7 @@ class VMPaths:
 def log_tail(*paths: Path, limit: int = 800) -> str:
     """The last ``limit`` bytes of each log, for an error message: read from the end, for a log
     can be as big as what the guest wrote to its console (up to its disk limit)."""
-    text = ""
-    for path in paths:
-        try:
-            with open(path, "rb") as log:
-                log.seek(max(0, os.fstat(log.fileno()).st_size - limit))
-                text += log.read(limit).decode(errors="replace")
-        except OSError:
-            pass
-    return text.strip() or "(no output)"
+    return "".join(logs.tail(path, limit) for path in paths).strip() or "(no output)"
 
 
 def qemu_binary() -> str:
