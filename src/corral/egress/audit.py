@@ -36,7 +36,7 @@ def shown(text: str) -> str:
     next (helper 92)."""
     if text.isprintable():
         return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return "".join(c if c.isprintable() else _escaped(c) for c in text)
 
 
 def _token(text: str) -> str:
@@ -46,8 +46,12 @@ def _token(text: str) -> str:
     helper 96)."""
     if text.isascii() and text.isprintable() and " " not in text:
         return text
-    return "".join(c if c.isascii() and c.isprintable() and c != " " else c.encode("unicode_escape").decode("ascii")
-                   if c != " " else "\\x20" for c in text)
+    return "".join(c if c.isascii() and c.isprintable() and c != " " else _escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    """``c`` as Python writes it in a string (``\\x1b``, ``\\u2800``; a space, which it keeps, ``\\x20``)."""
+    return "\\x20" if c == " " else c.encode("unicode_escape").decode("ascii")
 
 
 @dataclass(frozen=True)
