@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection
+from starlette.responses import Response
 
 from ..errors import ResourceLimit, Unauthorized
 from . import trace
@@ -24,7 +25,7 @@ from .config import ANONYMOUS_TENANT, ServerConfig
 from .limits import TenantTally
 from .manager import SandboxManager
 from .metrics import Metrics
-from .output_shares import OutputShares, Release
+from .output_shares import OutputShares, Release, Rendering, answer_of
 from .snapshot_quota import SnapshotQuota
 
 T = TypeVar("T")
@@ -117,6 +118,11 @@ class ServerContext:
             share = shares[tenant] = asyncio.Semaphore(size)
         async with share:
             return await self.run_blocking(fn, *args, **kwargs)
+
+    def answer(self, tenant: str, rendering: Rendering, hold: Release) -> Response:
+        """The response for an answer rendered on ``tenant``'s thread, taking over ``hold`` (what
+        its work was counted at): :func:`.output_shares.answer_of`, its rest rendered there too."""
+        return answer_of(rendering, self.output_shares, tenant, hold, functools.partial(self.run_for, tenant))
 
     async def hold_output(self, tenant: str, max_output: int) -> Release:
         """Count a command that may print ``max_output`` per stream against ``tenant``'s

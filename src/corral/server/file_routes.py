@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -11,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..tiers.base import MAX_LIST_ENTRIES, MAX_LIST_PATH_CHARS, json_text
 from .context import Context, Tenant
-from .output_shares import Rendering, answer_of, render_json, send_in_pieces
+from .output_shares import Rendering, render_json, send_in_pieces
 from .wire import path_of_query
 
 #: the largest file a download returns
@@ -87,7 +86,7 @@ async def list_files(sandbox_id: str, who: Tenant, ctx: Context, path: Annotated
     except BaseException:
         hold()
         raise
-    return answer_of(answer, ctx.output_shares, who, hold, functools.partial(ctx.run_for, who))
+    return ctx.answer(who, answer, hold)
 
 
 @router.get(FILES + "/stat", summary="Describe one file")

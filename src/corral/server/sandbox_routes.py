@@ -4,7 +4,6 @@ code cell; read the egress audit."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from ..lifecycle import check_metadata
 from ..spec import SandboxSpec, validate_env
 from . import snapshot_routes
 from .context import Context, Tenant
-from .output_shares import Rendering, answer_of, client_left, render_json
+from .output_shares import Rendering, client_left, render_json
 from .wire import CodeBody, ContextBody, CreateSandbox, ExecBody, PauseBody, TimeoutBody, require_unicode
 
 if TYPE_CHECKING:
@@ -124,7 +123,7 @@ async def exec_command(sandbox_id: str, body: ExecBody, who: Tenant, ctx: Contex
         watch.cancel()
     ctx.metrics.record_exec(result.timed_out, result.oom_killed)
     # the output stays counted until its client has it
-    return answer_of(answer, ctx.output_shares, who, hold, functools.partial(ctx.run_for, who))
+    return ctx.answer(who, answer, hold)
 
 
 async def _kill_when_the_client_leaves(request: Request, running: list[CommandProcess], ctx: Context,
@@ -171,7 +170,7 @@ async def run_code(sandbox_id: str, body: CodeBody, who: Tenant, ctx: Context, r
         raise
     finally:
         watch.cancel()
-    return answer_of(answer, ctx.output_shares, who, hold, functools.partial(ctx.run_for, who))
+    return ctx.answer(who, answer, hold)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/contexts", status_code=201,
