@@ -57,9 +57,16 @@ UNIMPLEMENTED_SYSCALLS: tuple[str, ...] = (
 #: guest, CID 3) with a live transport to its hypervisor (CID 2), whose listeners are outside the
 #: machine -- Docker's default profile refuses it for the same reason.  The others (``AF_ALG``,
 #: ``AF_TIPC``, ``AF_RDS``, ``AF_CAN``...) are kernel attack surface nothing in a sandbox needs;
-#: on a host that loads modules on demand, opening one loads its module.  ``AF_NETLINK``
-#: stays: glibc's ``getaddrinfo`` and ``ip`` read the sandbox's own namespace through it.
-SOCKET_FAMILIES: dict[str, int] = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+#: on a host that loads modules on demand, opening one loads its module.  ``AF_NETLINK`` too:
+#: a netlink socket's receive queue (up to twice ``net.core.rmem_max``, 8 MiB here) is kernel
+#: memory no memory cgroup is charged for, on v1 or v2, and a sandbox opens as many sockets as
+#: its descriptors allow: one 64 MiB sandbox queued 940 MB of unread ``RTM_GETLINK`` replies
+#: (the host's unreclaimable slab +900 MiB, its group +5 MiB), so a few could fill the host.
+#: In an ``allow`` or ``open`` namespace (made by the host) it also heard the host's device
+#: events (``NETLINK_KOBJECT_UEVENT``).  glibc's ``getaddrinfo`` falls back without it;
+#: ``getifaddrs`` (``ip``, ``ss``, Node's ``os.networkInterfaces()``) fails: the gVisor tier,
+#: whose netlink is its own kernel's, in the sandbox's memory, and the microVM keep them.
+SOCKET_FAMILIES: dict[str, int] = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
 
 #: clone(2) flags that create namespaces; clone with any of them is refused
 CLONE_NAMESPACE_FLAGS = {
