@@ -8,11 +8,14 @@ Costs about 15 s on 2 cores (a handful of sandboxes, one test network).
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -153,6 +156,64 @@ def test_unsafe_range_reenables_exactly_that_range(net: TargetNet) -> None:
         assert ok.stdout == "hello from metadata\n", ok
         still = sb.commands.run(f"curl -sS -o /dev/null -w '%{{http_code}}' http://{net.other}:8080/")
         assert still.stdout == "403"
+
+
+def test_the_hosts_own_routes_and_nat_cannot_take_an_allowed_connection_inside(net: TargetNet) -> None:
+    """An allowed address the host takes for itself by a ``local`` route (AnyIP, a cloud's
+    forwarded load-balancer address; on no interface) reached the host's services, and one the
+    host's NAT rewrote on its output path (kube-proxy's external addresses) reached an internal
+    server: the policy had checked the address before the host's routing and NAT acted on it.
+    Now both are refused, and a NAT to an address the policy allows still works."""
+    third = random.randrange(1, 250)
+    local_ip, nat_refused, nat_allowed = f"11.{third}.77.7", f"11.{third}.77.9", f"11.{third}.77.10"
+    hits: list[str] = []
+
+    class HostService(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "13")
+            self.end_headers()
+            self.wfile.write(b"host service\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    service = ThreadingHTTPServer(("0.0.0.0", 0), HostService)
+    port = service.server_address[1]
+    threading.Thread(target=service.serve_forever, daemon=True).start()
+    table = f"crl_nat_{net.suffix}"
+    nat = (f"table ip {table} {{ chain out {{ type nat hook output priority -100; "
+           f"ip daddr {nat_refused} tcp dport 80 dnat to {net.other}:8080; "
+           f"ip daddr {nat_allowed} tcp dport 80 dnat to {net.target}:8080; }}; }}")
+    route_local = ["local", f"{local_ip}/32", "dev", "lo", "table", "local"]
+    route_nat = [f"11.{third}.77.8/29", "dev", net.host_if]
+    subprocess.run(["ip", "route", "add", *route_local], check=True)
+    subprocess.run(["ip", "route", "add", *route_nat], check=True)
+    subprocess.run(["nft", "-f", "-"], input=nat, text=True, check=True)
+    try:
+        # the host itself reaches its service there: a refusal below is the policy's
+        with urllib.request.urlopen(f"http://{local_ip}:{port}/from-the-host", timeout=5) as answer:
+            assert answer.read() == b"host service\n"
+        allow = [local_ip, nat_refused, nat_allowed]
+        with Sandbox.create(allow=allow, unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+            code = "curl -sS -o /dev/null -w '%{http_code}' "
+            assert sb.commands.run(f"{code} http://{local_ip}:{port}/http").stdout == "403"
+            socks = sb.commands.run(f"curl -sS --proxy socks5h://127.0.0.1:3128 http://{local_ip}:{port}/socks")
+            assert socks.exit_code == 97, socks  # the proxy's "not allowed"
+            assert sb.commands.run(f"{code} http://{nat_refused}/nat-refused").stdout == "403"
+            allowed = sb.commands.run(f"curl -fsS http://{nat_allowed}/nat-allowed")
+            assert allowed.stdout.startswith("hello from target"), allowed
+            assert [e.rule for e in sb.network.audit()] == ["local-route", "local-route", "rfc1918 via-host-nat"]
+        assert hits == ["/from-the-host"]
+        assert "/nat-refused" not in {h["path"] for h in net.hits("other")}
+        assert "/nat-allowed" in {h["path"] for h in net.hits("target")}
+    finally:
+        subprocess.run(["nft", "delete", "table", "ip", table], check=False)
+        subprocess.run(["ip", "route", "del", *route_nat], check=False)
+        subprocess.run(["ip", "route", "del", *route_local], check=False)
+        service.shutdown()
+        service.server_close()
 
 
 def test_network_none_has_only_loopback(net: TargetNet) -> None:

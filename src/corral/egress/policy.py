@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..host.conntrack import route_type
 from ..netrules import (
     HOST_RE,
     AllowRule,
@@ -186,6 +187,14 @@ class Policy:
                 return "host-address"
             if not candidate.is_global:
                 return "not-global"
+            try:
+                # an address on no interface the host still takes for itself (an AnyIP route, a
+                # cloud's forwarded load-balancer address): its services answered an allow rule
+                kind = route_type(str(candidate))
+            except OSError:
+                return "host-route-unknown"  # fail closed, as for the addresses
+            if kind is not None:
+                return f"{kind}-route"
         return None
 
     def decide(self, host: str, port: int) -> Decision:

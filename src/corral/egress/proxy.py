@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from ..host.conntrack import nat_destination
 from ..host.sockets import close_listener
 from ..secrets import Secret
 from .audit import AuditLog
@@ -85,6 +86,14 @@ _BOUND_DROPPED = {b"accept-encoding", b"te", b"range", b"if-range",
                   # a WebSocket's compressed messages): the Connection field that asks for it is
                   # replaced anyway, but a lax server might switch on Upgrade alone
                   b"upgrade", b"http2-settings", b"sec-websocket-extensions"}
+
+
+class DeliveryRefused(Exception):
+    """The host's NAT took a connection the policy allowed to an address it refuses."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(decision.rule)
+        self.decision = decision
 
 
 class EgressProxy:
@@ -236,6 +245,8 @@ class EgressProxy:
         self.audit.record(self.sandbox_id, "refused", asked, decision.address, decision.rule, protocol)
 
     def _connect(self, decision: Decision, opened: list[socket.socket]) -> socket.socket:
+        """A connection to ``decision``'s address, or :class:`DeliveryRefused` when the host's NAT
+        took it to an address the policy refuses (nothing is sent on it then)."""
         assert decision.address is not None
         family = socket.AF_INET6 if ":" in decision.address else socket.AF_INET
         sock = self._track(socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
@@ -244,9 +255,14 @@ class EgressProxy:
         try:
             self._size(sock)
             sock.connect((decision.address, decision.port))
+            real = nat_destination(sock)
         except OSError:
             self._untrack(sock)
             raise
+        refused = self.policy.refused_by(ipaddress.ip_address(real)) if real is not None else None
+        if refused is not None:
+            self._untrack(sock)
+            raise DeliveryRefused(Decision(False, decision.host, decision.port, real, f"{refused} via-host-nat"))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
@@ -289,7 +305,7 @@ class EgressProxy:
                 self._refuse_audit(decision, target, "http-connect")
                 send_refusal(conn, decision)
                 return
-            upstream = self._connect_or_502(conn, decision, opened)
+            upstream = self._connect_or_502(conn, decision, opened, "http-connect")
             if upstream is None:
                 return
             conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -313,7 +329,7 @@ class EgressProxy:
             self._refuse_audit(decision, asked, "http")
             send_refusal(conn, decision)
             return
-        upstream = self._connect_or_502(conn, decision, opened)
+        upstream = self._connect_or_502(conn, decision, opened, "http")
         if upstream is None:
             return
         path = url.path or "/"
@@ -360,9 +376,13 @@ class EgressProxy:
         return record
 
     def _connect_or_502(self, conn: socket.socket, decision: Decision,
-                        opened: list[socket.socket]) -> socket.socket | None:
+                        opened: list[socket.socket], protocol: str) -> socket.socket | None:
         try:
             return self._connect(decision, opened)
+        except DeliveryRefused as refusal:
+            self._refuse_audit(refusal.decision, f"{decision.host}:{decision.port}", protocol)
+            send_refusal(conn, refusal.decision)
+            return None
         except OSError as exc:
             body = f"corral egress: cannot reach {decision.host}:{decision.port}: {exc.strerror or exc}\n".encode()
             conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Type: text/plain\r\n"
@@ -468,6 +488,10 @@ class EgressProxy:
             return
         try:
             upstream = self._connect(decision, opened)
+        except DeliveryRefused as refusal:
+            self._refuse_audit(refusal.decision, asked, "socks5")
+            socks_reply(conn, SOCKS_NOT_ALLOWED)
+            return
         except OSError:
             socks_reply(conn, SOCKS_UNREACHABLE)
             return

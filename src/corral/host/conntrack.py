@@ -1,0 +1,107 @@
+"""Where the host's kernel really sent a connection, and how it routes an address.
+
+The egress proxy checks a destination before it connects, but the host may still deliver the
+connection elsewhere: a ``local`` route for an address on no interface (AnyIP, a cloud's
+forwarded load-balancer address) hands it to the host's own services, and a NAT rule on the
+host's output path (kube-proxy's external and load-balancer addresses, a transparent redirect)
+rewrites it to an internal one.  :func:`route_type` asks the kernel (``RTM_GETROUTE``) what a
+destination's route is; :func:`nat_destination` asks conntrack (``IPCTNL_MSG_CT_GET``) where a
+connected socket's packets really go.  Raw netlink, like :mod:`corral.host.rtnl`: each answer
+costs tens of microseconds, where running ``ip`` or ``conntrack`` would cost milliseconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import socket
+import struct
+from pathlib import Path
+
+from .netlink import HEADER, NLM_F_REQUEST, NLMSG_ERROR, attr
+
+NETLINK_NETFILTER = 12
+RTM_NEWROUTE, RTM_GETROUTE = 24, 26
+RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
+RTA_DST = 1
+#: route types (linux/rtnetlink.h) that deliver to the host itself or to many: never a destination
+RTN_LOCAL, RTN_BROADCAST, RTN_ANYCAST, RTN_MULTICAST = 2, 3, 4, 5
+HOST_ROUTE_TYPES = {RTN_LOCAL: "local", RTN_BROADCAST: "broadcast", RTN_ANYCAST: "anycast",
+                    RTN_MULTICAST: "multicast"}
+
+IPCTNL_MSG_CT_GET = (1 << 8) | 1  # NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_GET
+NLA_F_NESTED = 0x8000
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY = 1, 2
+CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
+CTA_IP_V4_SRC, CTA_IP_V4_DST, CTA_IP_V6_SRC, CTA_IP_V6_DST = 1, 2, 3, 4
+CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
+
+#: present while the kernel tracks connections; without conntrack there is no NAT to look through
+CONNTRACK_TABLE = Path("/proc/net/nf_conntrack")
+
+
+def _ask(protocol: int, request: bytes) -> bytes | None:
+    """One netlink request's answer (its first message's body), or None for an error answer."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol) as sock:
+        sock.settimeout(2)
+        sock.send(request)
+        data = sock.recv(65536)
+    length, kind, _, _, _ = HEADER.unpack_from(data)
+    if kind == NLMSG_ERROR:
+        code = -struct.unpack_from("=i", data, HEADER.size)[0]
+        if code in (errno.ENOENT, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EINVAL):
+            return None
+        raise OSError(code, f"netlink request {request[4:6].hex()}: {errno.errorcode.get(code, code)}")
+    return data[HEADER.size:length]
+
+
+def _attributes(data: bytes) -> dict[int, bytes]:
+    found, offset = {}, 0
+    while offset + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, offset)
+        if length < 4:
+            break
+        found[kind & ~NLA_F_NESTED] = data[offset + 4:offset + length]
+        offset += (length + 3) & ~3
+    return found
+
+
+def route_type(address: str) -> str | None:
+    """``local``, ``broadcast``, ``anycast`` or ``multicast`` when the host's route for ``address``
+    is of that type (it would not leave the host, or would reach many), else None (a unicast route,
+    or none at all: connecting then fails by itself)."""
+    ip = ipaddress.ip_address(address)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    body = RTMSG.pack(family, ip.max_prefixlen, 0, 0, 0, 0, 0, 0, 0) + attr(RTA_DST, ip.packed)
+    request = HEADER.pack(HEADER.size + len(body), RTM_GETROUTE, NLM_F_REQUEST, 1, 0) + body
+    answer = _ask(socket.NETLINK_ROUTE, request)
+    if answer is None:
+        return None
+    return HOST_ROUTE_TYPES.get(RTMSG.unpack_from(answer)[7])
+
+
+def nat_destination(sock: socket.socket) -> str | None:
+    """The address a connected TCP socket's packets really reach when the host's NAT rewrote its
+    destination, or None when it did not (or the kernel tracks no connections)."""
+    if not CONNTRACK_TABLE.exists():
+        return None
+    local, remote = sock.getsockname(), sock.getpeername()
+    ip = ipaddress.ip_address(remote[0])
+    src_kind, dst_kind = (CTA_IP_V6_SRC, CTA_IP_V6_DST) if ip.version == 6 else (CTA_IP_V4_SRC, CTA_IP_V4_DST)
+    tuple_ip = attr(src_kind, ipaddress.ip_address(local[0]).packed) + attr(dst_kind, ip.packed)
+    tuple_proto = (attr(CTA_PROTO_NUM, bytes([socket.IPPROTO_TCP])) + attr(CTA_PROTO_SRC_PORT, struct.pack("!H", local[1]))
+                   + attr(CTA_PROTO_DST_PORT, struct.pack("!H", remote[1])))
+    orig = attr(CTA_TUPLE_IP | NLA_F_NESTED, tuple_ip) + attr(CTA_TUPLE_PROTO | NLA_F_NESTED, tuple_proto)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    body = struct.pack("=BBH", family, 0, 0) + attr(CTA_TUPLE_ORIG | NLA_F_NESTED, orig)
+    request = HEADER.pack(HEADER.size + len(body), IPCTNL_MSG_CT_GET, NLM_F_REQUEST, 1, 0) + body
+    answer = _ask(NETLINK_NETFILTER, request)
+    if answer is None:
+        return None  # not tracked: nothing rewrote it
+    reply = _attributes(_attributes(answer[4:]).get(CTA_TUPLE_REPLY, b""))
+    source = _attributes(reply.get(CTA_TUPLE_IP, b"")).get(src_kind)
+    if source is None:
+        return None
+    # the reply comes from where the connection really went: its source is the real destination
+    real = ipaddress.ip_address(source)
+    return None if real == ip else str(real)
