@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from corral.host import cgroups
+
 from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
 
@@ -442,3 +444,56 @@ def test_one_tenants_calls_on_its_paused_sandbox_hold_no_other_tenants_work(stat
             alice.delete(f"/v1/sandboxes/{sid}")  # (the upload ends with it)
             bob.delete(f"/v1/sandboxes/{bobs}")
             upload.join(60)
+
+
+def _weight(sandbox_id: str) -> int:
+    """A sandbox's CPU weight on ``cpu.weight``'s scale (v1: ``cpu.shares``, 1,024 for 100)."""
+    layout = cgroups.detect()
+    group = layout.controllers["cpu"] / cgroups.PARENT / sandbox_id
+    if layout.version == 2:
+        return int((group / "cpu.weight").read_text())
+    return round(int((group / "cpu.shares").read_text()) * 100 / 1024)
+
+
+SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\nprint(time.process_time())"
+
+
+def _busy(server: ServerProcess, load: dict[str, list[str]], seconds: int) -> dict[str, float]:
+    """Two busy loops in each sandbox (tenant -> sandbox ids) for ``seconds`` of wall, at once:
+    the CPU seconds each tenant's loops got, as the loops themselves counted them."""
+    spin = SPIN.format(seconds=seconds)
+    cmd = f"python3 -c '{spin}' & python3 -c '{spin}'; wait"
+    got: dict[str, list[float]] = {tenant: [] for tenant in load}
+
+    def run(tenant: str, sandbox_id: str) -> None:
+        with server.client(tenant) as client:
+            out = client.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"cmd": cmd, "timeout": seconds + 30}).json()
+        got[tenant].extend(float(line) for line in out["stdout"].split())
+
+    threads = [threading.Thread(target=run, args=(tenant, sid)) for tenant, ids in load.items() for sid in ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 60)
+    return {tenant: sum(times) for tenant, times in got.items()}
+
+
+def test_a_tenants_sandboxes_together_weigh_as_much_cpu_as_anothers_one(state_dir: Path) -> None:
+    """Under contention each tenant gets one share of the CPU, however many sandboxes it runs:
+    weights were per sandbox, and alice's 8 busy sandboxes made bob's command 5.4x slower. Both
+    ways: bob's one busy sandbox gets about what alice's four get together, and alice alone may use
+    every core (a weight is no cap)."""
+    with ServerProcess(state_dir / "srv-tenant-cpu", keys=KEYS) as server, \
+            server.client("alice") as alice, server.client("bob") as bob:
+        mine = [alice.post("/v1/sandboxes", json={"limits": {"cpus": 2}}).json()["id"] for _ in range(4)]
+        his = bob.post("/v1/sandboxes", json={"limits": {"cpus": 2}}).json()["id"]
+        assert [_weight(sid) for sid in mine] == [2500] * 4 and _weight(his) == 10_000
+        assert alice.delete(f"/v1/sandboxes/{mine.pop()}").status_code == 204
+        assert [_weight(sid) for sid in mine] == [3333] * 3 and _weight(his) == 10_000
+        mine.append(alice.post("/v1/sandboxes", json={"limits": {"cpus": 2}}).json()["id"])
+        # bob's one sandbox against alice's four: about even (before: a fifth of the five)
+        both = _busy(server, {"alice": mine, "bob": [his]}, 3)
+        assert both["bob"] > 0.6 * both["alice"], both
+        # alice alone: her sandboxes take what bob left too (about twice her part above)
+        alone = _busy(server, {"alice": mine}, 3)["alice"]
+        assert alone > 1.4 * both["alice"], (alone, both)

@@ -221,6 +221,11 @@ class SandboxBackend(ABC):
     @abstractmethod
     def audit(self) -> list[AuditEvent]: ...
 
+    def share_cpu(self, weight: int) -> None:  # noqa: B027 - optional: where the host group is ours to set
+        """Weigh the sandbox's CPU against others' (``cpu.weight``'s scale, default 100): a server's
+        share per tenant. A back end whose sandbox's host group is not this process's (a server's, a
+        cluster node's) leaves it as its own host set it."""
+
     def refused_count(self) -> int:
         """How many ``refused`` events the sandbox's egress recorded so far (a server's metrics read
         it after every command); a back end with the count at hand answers without the events."""

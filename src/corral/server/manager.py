@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import parked
 from ..egress.tunnel import OWNER_TUNNELS
-from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxNotFound
+from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxError, SandboxNotFound
 from ..pool import PoolSet
 from ..registry import gc, state_dir
 from ..sandbox import Sandbox
@@ -39,6 +39,9 @@ REAP_INTERVAL = 0.5
 DESTROY_THREADS = 32
 REAP_CHECK_THREADS = 16
 MAX_OUTPUT_CAP = 64 << 20
+#: one tenant's CPU weight (``cpu.weight``'s scale), split among its sandboxes: 10,000 (the most a
+#: group may have) keeps a part of at least 1 up to 10,000 sandboxes a tenant
+TENANT_CPU_WEIGHT = 10_000
 
 
 @dataclass
@@ -129,6 +132,20 @@ class SandboxManager:
                           float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
             self._add(entry)
 
+    def share_cpu(self, tenant: str) -> None:
+        """Give each of ``tenant``'s sandboxes an equal part of one tenant's CPU weight, so that
+        under contention a tenant's sandboxes together weigh as much as another tenant's one: CPU
+        weights were per sandbox, and one tenant's 8 busy sandboxes made another's command 5.4x
+        slower (32, the default count bound, would leave it ~1/33 of the CPU)."""
+        with self._lock:
+            mine = [e for e in self._entries.values() if e.tenant == tenant]
+        weight = TENANT_CPU_WEIGHT // max(1, len(mine))
+        for entry in mine:
+            try:
+                entry.sandbox._backend.share_cpu(weight)
+            except SandboxError:
+                pass  # ending meanwhile: its group goes with it
+
     def _add(self, entry: Entry) -> None:
         # the egress tunnels of all of a tenant's sandboxes (in this process) are one share of the
         # server's budget, not one share each: egress/tunnel.py
@@ -138,6 +155,7 @@ class SandboxManager:
             usage = self._usage.setdefault(entry.tenant, [0, 0])
             usage[0] += 1
             usage[1] += entry.spec.limits.memory
+        self.share_cpu(entry.tenant)
 
     def _remove(self, sandbox_id: str) -> Entry | None:
         with self._lock:
@@ -149,6 +167,7 @@ class SandboxManager:
                 if usage[0] == 0:
                     del self._usage[entry.tenant]
         if entry is not None:
+            self.share_cpu(entry.tenant)
             OWNER_TUNNELS.assign(sandbox_id, None)
             for recorded in list(entry.background.values()):
                 recorded.release()  # its kept output no longer counts for the tenant

@@ -311,6 +311,11 @@ class TierSandbox(ABC):
         ``other_users`` (TCP only). The forward closes with the sandbox."""
         raise InvalidSpec(f"sandbox {self.id}: its tier cannot forward ports")
 
+    def share_cpu(self, weight: int) -> None:  # noqa: B027 - optional hook: a tier with no host group
+        """Weigh this sandbox's CPU against other sandboxes' when the host's CPU is contended
+        (``cpu.weight``'s scale, default 100): a server gives each tenant's sandboxes one share
+        together (:mod:`corral.server.manager`)."""
+
     def sync(self) -> None:  # noqa: B027 - optional hook: most tiers have nothing to sync
         """Write workspace changes back to the host, for tiers and modes that do so."""
 

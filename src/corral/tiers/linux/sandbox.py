@@ -255,6 +255,11 @@ class LinuxSandbox(TierSandbox):
             self.cgroup.freeze(False)
             self._channel.pause_clock.resume()
 
+    def share_cpu(self, weight: int) -> None:
+        with self._lock:
+            if not self._closed and self.cgroup is not None:
+                self.cgroup.share_cpu(weight)
+
     # -- snapshot --------------------------------------------------------------
     def _on_disk(self) -> Path:
         """The sandbox's disk tmpfs (uppers, workspace copy) as this process reaches it."""
