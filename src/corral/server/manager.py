@@ -104,6 +104,8 @@ class SandboxManager:
         #: what each tenant's live sandboxes hold: tenant -> [count, memory] (kept with _entries, under
         #: _lock, so a quota check does not walk every sandbox of every tenant)
         self._usage: dict[str, list[int]] = {}
+        #: in how many parts each tenant's CPU weight is split now (share_cpu)
+        self._cpu_parts: dict[str, int] = {}
         self._lock = threading.Lock()
         self.recover()
         self.pools = PoolSet.from_config(config.pools, self.root, on_create=metrics.create_seconds.observe)
@@ -132,17 +134,38 @@ class SandboxManager:
                           float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
             self._add(entry)
 
-    def share_cpu(self, tenant: str) -> None:
-        """Give each of ``tenant``'s sandboxes an equal part of one tenant's CPU weight, so that
-        under contention a tenant's sandboxes together weigh as much as another tenant's one: CPU
-        weights were per sandbox, and one tenant's 8 busy sandboxes made another's command 5.4x
-        slower (32, the default count bound, would leave it ~1/33 of the CPU)."""
+    def share_cpu(self, tenant: str, added: Entry | None = None) -> None:
+        """Split one tenant's CPU weight among ``tenant``'s sandboxes, so that under contention a
+        tenant's sandboxes together weigh about as much as another tenant's one: weights were per
+        sandbox, and one tenant's 8 busy sandboxes made another's command 5.4x slower (32, the
+        default count bound, would leave it ~1/33 of the CPU).
+
+        The weight is split in a power of two of parts, at least the count, and the parts change
+        only when the count passes them or falls to a quarter of them: each change rewrites every
+        sandbox of the tenant, and a change needs as many creates or destroys as there are
+        sandboxes since the last, so a create costs one write however many the tenant runs (a
+        burst of 1,000 would otherwise write a million files). A tenant's sandboxes together weigh
+        a quarter to all of one tenant's weight."""
         with self._lock:
-            mine = [e for e in self._entries.values() if e.tenant == tenant]
-        weight = TENANT_CPU_WEIGHT // max(1, len(mine))
+            count = self._usage.get(tenant, [0, 0])[0]
+            parts = self._cpu_parts.get(tenant, 1)
+            if count > parts:
+                fresh = 1 << (count - 1).bit_length()
+            elif count * 4 <= parts:
+                fresh = 1 << count.bit_length()
+            else:
+                fresh = parts
+            if count == 0:
+                self._cpu_parts.pop(tenant, None)
+            else:
+                self._cpu_parts[tenant] = fresh
+            if fresh != parts:
+                mine = [e for e in self._entries.values() if e.tenant == tenant]
+            else:
+                mine = [added] if added is not None else []
         for entry in mine:
             try:
-                entry.sandbox._backend.share_cpu(weight)
+                entry.sandbox._backend.share_cpu(TENANT_CPU_WEIGHT // fresh)
             except SandboxError:
                 pass  # ending meanwhile: its group goes with it
 
@@ -155,7 +178,7 @@ class SandboxManager:
             usage = self._usage.setdefault(entry.tenant, [0, 0])
             usage[0] += 1
             usage[1] += entry.spec.limits.memory
-        self.share_cpu(entry.tenant)
+        self.share_cpu(entry.tenant, entry)
 
     def _remove(self, sandbox_id: str) -> Entry | None:
         with self._lock:

@@ -90,7 +90,7 @@ async def pause_sandbox(sandbox_id: str, who: Tenant, ctx: Context, body: PauseB
 async def resume_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
     await ctx.run_control(who, entry.sandbox.resume)
-    ctx.manager.share_cpu(who)  # a resume from disk is in a new group
+    ctx.manager.share_cpu(who, entry)  # a resume from disk is in a new group
     entry.last_used = time.time()
     return entry.to_dict()
 
