@@ -108,6 +108,66 @@ def test_nul_in_a_command_is_a_typed_400_on_every_route(server: ServerProcess, s
             assert frames_until_end(ws)[-1]["stdout"] == "a\nb\n"
 
 
+# -- an env or argv past what exec takes ----------------------------------------------------------
+KI = 1024
+#: (env, the words of its refusal): one variable past the kernel's MAX_ARG_STRLEN, variables past
+#: 1 MiB together, more variables than an environment may hold
+TOO_LARGE_ENVS: list[tuple[dict[str, str], str]] = [
+    ({"BIG": "a" * (128 * KI)}, "128 KiB"),
+    ({f"V{n}": "a" * (120 * KI) for n in range(9)}, "1 MiB"),
+    ({f"V{n}": "" for n in range(4097)}, "4096"),
+]
+
+
+@pytest.mark.parametrize(("env", "words"), TOO_LARGE_ENVS, ids=["one-value", "all-values", "count"])
+def test_an_env_past_what_exec_takes_is_refused_at_every_entry_point(server: ServerProcess, sid: str,
+                                                                     env: dict[str, str], words: str) -> None:
+    """A spec's env was held by the server for the sandbox's life and rendered whole by every
+    listing: 16 sandboxes of a 30 MiB env grew the server by 541 MiB (not given back), and a
+    listing of them took 4.7 s of the event loop.  Now an env exec could not take is refused."""
+    from corral.mcp_server import build_spec
+    from corral.spec import SandboxSpec, parse_env_assignments
+
+    with pytest.raises(InvalidSpec, match=words):  # the library and the MCP server's create
+        SandboxSpec(env=env)
+    with pytest.raises(InvalidSpec, match=words):
+        build_spec(None, env=env)
+    with pytest.raises(InvalidSpec, match=words):  # the CLI's --env K=V
+        parse_env_assignments([f"{name}={value}" for name, value in env.items()])
+    with server.client() as http:
+        made = http.post("/v1/sandboxes", json={"limits": {"memory": "64M"}, "env": env})
+        assert (made.status_code, made.json()["error"]) == (400, "invalid_spec"), made.text[:300]
+        assert words in made.json()["message"]
+        for path in (f"/v1/sandboxes/{sid}/exec", f"/v1/sandboxes/{sid}/commands"):
+            refused = http.post(path, json={"cmd": "touch /tmp/env-ran", "env": env})
+            assert (refused.status_code, refused.json()["error"]) == (400, "invalid_spec"), refused.text[:300]
+        assert not exists(http, sid, "/tmp/env-ran")
+
+
+def test_an_env_and_argv_exec_takes_are_run_and_a_listing_names_the_env_without_its_values(
+        server: ServerProcess) -> None:
+    fits = {"BIG": "b" * (128 * KI - 6), **{f"V{n}": "c" * (100 * KI) for n in range(8)}}  # NAME=value\0: 128 KiB
+    with server.client() as http:
+        made = http.post("/v1/sandboxes", json={"limits": {"memory": "64M"}, "env": fits})
+        assert made.status_code == 201, made.text[:300]
+        sandbox_id = made.json()["id"]
+        try:
+            ran = http.post(f"/v1/sandboxes/{sandbox_id}/exec",
+                            json={"cmd": ["sh", "-c", 'echo ${#BIG} ${#V7} ${#1}', "sh", "d" * (128 * KI - 1)],
+                                  "env": {"MORE": "e" * (64 * KI)}}).json()
+            assert (ran["exit_code"], ran["stdout"]) == (0, f"{128 * KI - 6} {100 * KI} {128 * KI - 1}\n"), ran
+            listed = [s for s in http.get("/v1/sandboxes").json()["sandboxes"] if s["id"] == sandbox_id]
+            assert "env" not in listed[0]["spec"] and listed[0]["spec"]["env_names"] == sorted(fits)
+            assert http.get(f"/v1/sandboxes/{sandbox_id}").json()["spec"]["env"] == fits
+            for argv, words in ((["echo", "d" * (128 * KI)], "128 KiB"), (["echo", *["d" * (100 * KI)] * 21], "2 MiB"),
+                                ("echo " + "d" * (128 * KI), "128 KiB")):
+                refused = http.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"cmd": argv})
+                assert (refused.status_code, refused.json()["error"]) == (400, "invalid_spec"), refused.text[:300]
+                assert words in refused.json()["message"]
+        finally:
+            http.delete(f"/v1/sandboxes/{sandbox_id}")
+
+
 # -- JSON nested too deep to parse -------------------------------------------------------------
 def deep(levels: int) -> str:
     return "[" * levels + "]" * levels

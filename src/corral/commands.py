@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 from .errors import ExecTimeout, InvalidSpec, OutOfMemory
 from .images import SANDBOX_HOME, SANDBOX_USER
-from .spec import validate_env, validate_sandbox_path, validate_user
+from .spec import validate_argv, validate_env, validate_sandbox_path, validate_user
 from .surface import output_callback
 from .tiers.base import ExecResult
 from .transport import CommandCall, CommandProcess, OutputCallback
@@ -44,14 +44,14 @@ def argv_of(cmd: str | Sequence[str]) -> list[str]:
         # other than the one asked for (and checked, logged or approved by the caller)
         if "\0" in cmd:
             raise InvalidSpec(f"command: a shell string cannot contain a NUL byte (one at index {cmd.index(chr(0))})")
-        return ["/bin/sh", "-c", cmd]
+        return validate_argv(["/bin/sh", "-c", cmd])
     argv = list(cmd)
     if not argv or not all(isinstance(a, str) for a in argv):
         raise InvalidSpec("command must be a shell string or a non-empty list of strings")
     for number, arg in enumerate(argv):
         if "\0" in arg:
             raise InvalidSpec(f"command: argument {number} contains a NUL byte (an argument ends at its first NUL)")
-    return argv
+    return validate_argv(argv)
 
 
 def check_call(cmd: str | Sequence[str], timeout: float | None, env: Mapping[str, str] | None, cwd: str | None,

@@ -311,6 +311,9 @@ class SandboxSpec:
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
                 raise InvalidSpec(f"{name}: expected a list, got {_shown(value)}")
+            if len(value) > MAX_NETWORK_ENTRIES:
+                raise InvalidSpec(f"{name}: {len(value)} entries, more than the {MAX_NETWORK_ENTRIES} a spec may "
+                                  "hold (a *.domain or a CIDR covers many)")
             object.__setattr__(self, name, tuple(value))
         for entry in self.allow:
             AllowRule.parse(entry)
@@ -390,19 +393,76 @@ def validate_user(user: object, what: str = "user") -> str:
     return user
 
 
+#: the longest string exec(2) takes, an argument or a ``NAME=value`` with its NUL (the kernel's
+#: MAX_ARG_STRLEN, 32 pages): a longer one fails the command's exec with E2BIG
+MAX_ARG_STRLEN = 128 * KiB
+#: what an ``env`` may hold in all, its ``NAME=value`` strings with their NULs: half of what exec
+#: takes for arguments and environment together (a quarter of the default 8 MiB stack limit), the
+#: other half left to the command's argv and a command's own ``env``.  A spec's env is held by the
+#: server (and every owner) for the sandbox's life and sent with every command: without a bound,
+#: 16 sandboxes of a 30 MiB env grew a server by 541 MiB, and listing them took it 4.7 s
+MAX_ENV_BYTES = 1 * MiB
+#: variables an ``env`` may name (each costs exec a pointer besides its string)
+MAX_ENV_VARS = 4096
+#: what a command's argv may hold in all, its strings with their NULs: what exec takes for
+#: arguments and environment together at the default 8 MiB stack limit (a quarter of it)
+MAX_ARGV_BYTES = 2 * MiB
+#: entries of a spec's ``allow``, ``unsafe_allow_ranges`` and ``secrets`` each (held with the spec
+#: for the sandbox's life, as its env is)
+MAX_NETWORK_ENTRIES = 1024
+
+
+def _exec_string_bytes(text: str) -> int:
+    """The bytes ``text`` takes in exec's arguments or environment, with its NUL (a lone
+    surrogate counts as the three bytes it would be written as)."""
+    if len(text) >= MAX_ARG_STRLEN:  # a character is at least a byte: too long whatever it holds
+        return len(text) + 1
+    return len(text.encode("utf-8", "surrogatepass")) + 1
+
+
 def validate_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """``env`` as a dict, each name a variable name, each value a string without NUL, and within
+    what exec(2) takes: each ``NAME=value`` up to MAX_ARG_STRLEN, at most MAX_ENV_VARS of them and
+    MAX_ENV_BYTES in all."""
     if env is None:
         return {}
     if not isinstance(env, Mapping):
         raise InvalidSpec("env: expected a mapping of NAME to value")
+    if len(env) > MAX_ENV_VARS:
+        raise InvalidSpec(f"env: {len(env)} variables, more than the {MAX_ENV_VARS} an environment may hold")
     out: dict[str, str] = {}
+    total = 0
     for key, value in env.items():
         if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
             raise InvalidSpec(f"env: {_shown(key)} is not a valid variable name")
         if not isinstance(value, str) or "\0" in value:
             raise InvalidSpec(f"env: value of {key} must be a string without NUL bytes")
+        size = len(key) + 1 + _exec_string_bytes(value)
+        if size > MAX_ARG_STRLEN:
+            raise InvalidSpec(f"env: {key}=... is {size} bytes, over the {MAX_ARG_STRLEN} bytes (128 KiB) exec "
+                              "takes for one variable (the kernel's MAX_ARG_STRLEN); pass large data as a file")
+        total += size
+        if total > MAX_ENV_BYTES:
+            raise InvalidSpec(f"env: the variables take over the {MAX_ENV_BYTES} bytes (1 MiB) an environment may "
+                              "hold in all; pass large data as a file")
         out[key] = value
     return out
+
+
+def validate_argv(argv: list[str]) -> list[str]:
+    """``argv`` within what exec(2) takes: each argument up to MAX_ARG_STRLEN with its NUL,
+    MAX_ARGV_BYTES in all (a longer one failed at exec, E2BIG, after it had been sent and held)."""
+    total = 0
+    for number, arg in enumerate(argv):
+        size = _exec_string_bytes(arg)
+        if size > MAX_ARG_STRLEN:
+            raise InvalidSpec(f"command: argument {number} is {size} bytes, over the {MAX_ARG_STRLEN} bytes (128 KiB) "
+                              "exec takes for one argument (the kernel's MAX_ARG_STRLEN); pass it as a file or on stdin")
+        total += size
+        if total > MAX_ARGV_BYTES:
+            raise InvalidSpec(f"command: the arguments take over the {MAX_ARGV_BYTES} bytes (2 MiB) exec takes for "
+                              "them in all; pass them as a file or on stdin")
+    return argv
 
 
 def parse_env_assignments(items: list[str]) -> dict[str, str]:

@@ -65,9 +65,14 @@ class Entry:
     def spec(self) -> SandboxSpec:
         return self.sandbox.spec
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, env: bool = True) -> dict[str, Any]:
+        """The sandbox as the API describes it; without ``env``, its spec names its variables
+        (``env_names``) without their values: a listing of every sandbox of a tenant carried each
+        one's env whole (450 MiB rendered on the event loop in 4.7 s, before env was bounded)."""
         spec = self.spec.to_dict()
         spec.pop("workspace", None)
+        if not env:
+            spec["env_names"] = sorted(spec.pop("env"))
         return {
             "id": self.sandbox.id,
             "state": ("paused" if self.sandbox.paused else "running") if self.sandbox.is_running() else "stopped",

@@ -54,7 +54,7 @@ async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context, request
 
 @router.get("/v1/sandboxes", summary="List your sandboxes")
 async def list_sandboxes(who: Tenant, ctx: Context) -> dict[str, Any]:
-    return {"sandboxes": [e.to_dict() for e in ctx.manager.owned_by(who)]}
+    return {"sandboxes": [e.to_dict(env=False) for e in ctx.manager.owned_by(who)]}
 
 
 @router.get("/v1/sandboxes/{sandbox_id}", summary="Describe a sandbox")
