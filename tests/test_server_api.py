@@ -414,6 +414,43 @@ def test_idle_timeout_and_lifetime_destroy_sandboxes(server: ServerProcess) -> N
     assert not any((server.state / "sandboxes" / sid).exists() for sid in (idle, short, extended))
 
 
+@pytest.mark.parametrize("tier", ["process", "microvm"])
+def test_a_fork_lives_out_its_parents_lifetime_not_one_of_its_own(server: ServerProcess, state_dir: Path,
+                                                                   tier: str) -> None:
+    """A fork keeps its parent's deadline, and cannot be extended past its parent's max lifetime:
+    a microVM's fork carries the parent's running processes, and one got a fresh max_lifetime
+    (9.4 s later than its parent's after 8 s), so forking before each deadline ran a process past
+    the operator's max_lifetime for ever.  (The process tier's forks, from a snapshot, alike.)"""
+    if tier != "process":
+        from .tier_probe import skip_unless_tier
+
+        skip_unless_tier(tier, state_dir)
+    with server.client("alice") as http:
+        parent = create(http, tier=tier, limits={"memory": "256M"}, lifetime=12)
+        kid = ""
+        try:
+            started = http.post(f"/v1/sandboxes/{parent}/exec",
+                                json={"cmd": "nohup sleep 100000 >/dev/null 2>&1 & echo started", "cwd": "/tmp"}).json()
+            assert started["stdout"] == "started\n", started
+            time.sleep(2)
+            forked = http.post(f"/v1/sandboxes/{parent}/fork", json={"count": 1}, timeout=120)
+            assert forked.status_code == 201, forked.text
+            kid = forked.json()["sandboxes"][0]["id"]
+            assert forked.json()["sandboxes"][0]["expires_at"] == http.get(f"/v1/sandboxes/{parent}").json()["expires_at"]
+            # its max lifetime is counted from its parent's start: 3599 s from now is past it
+            past = http.post(f"/v1/sandboxes/{kid}/timeout", json={"timeout": 3599})
+            assert (past.status_code, past.json()["error"]) == (400, "invalid_spec"), past.text
+            assert http.post(f"/v1/sandboxes/{kid}/timeout", json={"timeout": 3}).status_code == 200  # within it: allowed
+            deadline = time.monotonic() + 20
+            while http.get(f"/v1/sandboxes/{kid}").status_code != 404 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert http.get(f"/v1/sandboxes/{kid}").status_code == 404
+        finally:
+            for sid in (parent, kid):
+                if sid:
+                    http.delete(f"/v1/sandboxes/{sid}")
+
+
 def test_a_background_command_is_not_idle_and_its_waiter_keeps_its_output(server: ServerProcess) -> None:
     """A sandbox running a background command is not reaped as idle (it was, after
     ``idle_timeout``, with a client waiting on it), it idles out once the command ends, and a

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import parked
 from ..egress.tunnel import OWNER_TUNNELS
@@ -44,6 +44,13 @@ MAX_OUTPUT_CAP = 64 << 20
 TENANT_CPU_WEIGHT = 10_000
 
 
+class Lifetime(NamedTuple):
+    """A sandbox's deadline and the moment its ``max_lifetime`` is counted from."""
+
+    expires_at: float
+    start: float
+
+
 @dataclass
 class Entry:
     sandbox: Sandbox
@@ -60,6 +67,18 @@ class Entry:
     metadata: dict[str, str] = field(default_factory=dict)
     #: background commands by pid: their output so far, for clients that attach (command_routes)
     background: dict[int, Any] = field(default_factory=dict)
+    #: when its ``max_lifetime`` began (None: at ``created``); a fork's is its parent's
+    lifetime_start: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.lifetime_start is None:
+            self.lifetime_start = self.created
+
+    @property
+    def lifetime(self) -> Lifetime:
+        """Its deadline and when its max lifetime began, which its forks keep."""
+        assert self.lifetime_start is not None
+        return Lifetime(self.expires_at, self.lifetime_start)
 
     @property
     def spec(self) -> SandboxSpec:
@@ -136,7 +155,8 @@ class SandboxManager:
                 continue
             sandbox = Sandbox.connect(record.sandbox_id, state=self.root)
             entry = Entry(sandbox, str(facts["tenant"]), float(facts["created"]), float(facts["expires_at"]),
-                          float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}))
+                          float(facts["idle_timeout"]), False, metadata=dict(facts.get("metadata") or {}),
+                          lifetime_start=float(facts.get("lifetime_start", facts["created"])))
             self._add(entry)
 
     def share_cpu(self, tenant: str, added: Entry | None = None) -> None:
@@ -244,8 +264,10 @@ class SandboxManager:
         return (idle_timeout or min(self.config.idle_timeout, cap)), (lifetime or cap)
 
     async def create(self, tenant: str, spec: SandboxSpec, idle_timeout: float | None = None,
-                     lifetime: float | None = None, snapshot: str | None = None) -> Entry:
-        """A sandbox for ``tenant`` (from its ``snapshot`` if given: see .snapshot_routes)."""
+                     lifetime: float | None = None, snapshot: str | None = None,
+                     parents_lifetime: Lifetime | None = None) -> Entry:
+        """A sandbox for ``tenant`` (from its ``snapshot`` if given: see .snapshot_routes); a fork
+        made so lives out ``parents_lifetime``, not one of its own."""
         if spec.workspace is not None:
             raise InvalidSpec("workspace: host directories cannot be mounted through the server; "
                               "upload files with the files API instead")
@@ -279,7 +301,9 @@ class SandboxManager:
                     sandbox = await self._run_for(tenant, Sandbox.create, spec, state=self.root, snapshot=snapshot)
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
             now = time.time()
-            entry = Entry(sandbox, tenant, now, now + life, idle, from_pool)
+            entry = (Entry(sandbox, tenant, now, now + life, idle, from_pool) if parents_lifetime is None else
+                     Entry(sandbox, tenant, now, parents_lifetime.expires_at, idle, from_pool,
+                           lifetime_start=parents_lifetime.start))
             self._add(entry)
         finally:
             self._release(tenant, spec.limits.memory)
@@ -288,16 +312,20 @@ class SandboxManager:
 
     async def fork(self, tenant: str, parent: Entry, count: int) -> list[Entry]:
         """``count`` forks of ``parent`` straight from its live state (``Sandbox.fork``: a microVM's
-        stream, no snapshot), each counted against the tenant's sandbox and memory quotas."""
+        stream, no snapshot), each counted against the tenant's sandbox and memory quotas.  A fork
+        lives out its parent's lifetime: it carries the parent's running processes, and a fork with
+        a fresh ``max_lifetime`` made before each deadline ran them past it for ever."""
+        parents_lifetime = parent.lifetime  # before the fork: the parent may end meanwhile
         reserved = 0
         try:
             for _ in range(count):
                 self._reserve(tenant, parent.spec.limits.memory)
                 reserved += 1
-            idle, life = self.deadlines(None, None)
+            idle, _ = self.deadlines(None, None)
             kids = await self._run_for(tenant, parent.sandbox.fork, count)
             now = time.time()
-            made = [Entry(kid, tenant, now, now + life, idle, False) for kid in kids]
+            made = [Entry(kid, tenant, now, parents_lifetime.expires_at, idle, False,
+                          lifetime_start=parents_lifetime.start) for kid in kids]
             for entry in made:
                 self._add(entry)  # counted in the tenant's usage, as every entry is
         finally:
@@ -330,14 +358,15 @@ class SandboxManager:
             self.metrics.egress_refused.inc(new)
 
     def extend(self, entry: Entry, seconds: float) -> None:
-        cap = entry.created + self.config.max_lifetime
+        cap = entry.lifetime.start + self.config.max_lifetime
         wanted = time.time() + seconds
         if not (seconds > 0 and math.isfinite(seconds)):  # (-5 and NaN were said to "outlive" the lifetime)
             raise InvalidSpec(f"timeout: {seconds!r} must be a positive number of seconds")
         if wanted > cap + 1e-3:
             left = max(0.0, cap - time.time())
             raise InvalidSpec(f"timeout: {seconds!r} s would outlive the server's max lifetime of "
-                              f"{self.config.max_lifetime:g} s from creation ({left:.0f} s left)")
+                              f"{self.config.max_lifetime:g} s from creation (a fork's: its first parent's; "
+                              f"{left:.0f} s left)")
         entry.expires_at = wanted
         backend = getattr(entry.sandbox, "_backend", None)
         if getattr(backend, "parked", None) is not None:  # paused to disk: its record's deadline too (gc reads it)

@@ -44,6 +44,7 @@ def park(ctx: ServerContext, tenant: str, sandbox_id: str) -> None:
     with ctx.snapshot_quota.hold(store(ctx), tenant, bytes_at_most(entry.spec)):
         entry.sandbox._local().pause(to_disk=True, tenant=tenant, server={
             "tenant": tenant, "created": entry.created, "expires_at": entry.expires_at,
+            "lifetime_start": entry.lifetime.start,
             "idle_timeout": entry.idle_timeout, "metadata": entry.metadata})
 
 
@@ -101,12 +102,15 @@ async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Contex
     if ctx.config.cluster is None and body.count <= tier_class(parent.spec.tier).direct_forks:
         # (a microVM: straight from the running VM, no snapshot; tiers/microvm/livefork.py)
         return {"sandboxes": [entry.to_dict() for entry in await ctx.manager.fork(who, parent, body.count)]}
+    # a fork lives out its parent's lifetime (read before the snapshot: the parent may end meanwhile)
+    parents_lifetime = parent.lifetime
     # the snapshot lives only until the forks are made: a tenant holding its most snapshots may fork
     snapshot = await ctx.run_for(who, take, ctx, who, sandbox_id, False)
     made = []
     try:
         for _ in range(body.count):
-            made.append(await ctx.manager.create(who, fork_spec(parent.spec), snapshot=snapshot.id))
+            made.append(await ctx.manager.create(who, fork_spec(parent.spec), snapshot=snapshot.id,
+                                                 parents_lifetime=parents_lifetime))
     except BaseException:
         for entry in made:
             await ctx.manager.destroy(who, entry.sandbox.id)
