@@ -497,3 +497,61 @@ def test_a_tenants_sandboxes_together_weigh_as_much_cpu_as_anothers_one(state_di
         # alice alone: her sandboxes take what bob left too (about twice her part above)
         alone = _busy(server, {"alice": mine}, 3)["alice"]
         assert alone > 1.4 * both["alice"], (alone, both)
+
+
+def _send_body(port: int, head: str, pieces: list[bytes], gap: float, give_up_after: float) -> tuple[int | None, float]:
+    """Send ``head`` then each piece ``gap`` s apart (stopping at an answer or at ``give_up_after``
+    s), then wait for the answer; its status (None: none came) and the seconds until then."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=give_up_after) as conn:
+        conn.sendall(head.encode())
+        answer = b""
+        for piece in pieces:
+            if time.monotonic() - started > give_up_after:
+                break
+            try:
+                conn.sendall(piece)
+            except OSError:  # the server answered and closed
+                break
+            conn.settimeout(gap)
+            try:
+                answer = conn.recv(4096)
+            except TimeoutError:
+                continue
+            break
+        if not answer:
+            conn.settimeout(max(0.1, give_up_after - (time.monotonic() - started)))
+            try:
+                answer = conn.recv(4096)
+            except (TimeoutError, OSError):
+                return None, time.monotonic() - started
+        return (int(answer.split()[1]) if answer else None), time.monotonic() - started
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def test_a_request_body_that_trickles_is_cut_off_and_one_at_the_least_rate_is_taken(state_dir: Path) -> None:
+    """A body must arrive at 64 KiB (SMALL_BODY) per request_head_timeout at least, chunked or of
+    any declared length: only a small declared one was timed, and a chunked body (or a declared
+    100,000 bytes) sent a byte a second to the upload route or the port proxy stayed open past
+    12 s with request_head_timeout 3 s, holding its request, connection and tenant bytes."""
+    with ServerProcess(state_dir / "srv-slow-bodies", keys=KEYS, config={"request_head_timeout": 2}) as server, \
+            server.client("alice") as alice:
+        sandbox_id = alice.post("/v1/sandboxes", json={"limits": {"memory": "64M"}}).json()["id"]
+        key = f"Authorization: Bearer {KEYS['alice']}\r\nHost: x\r\n"
+        upload = f"PUT /v1/sandboxes/{sandbox_id}/files/content?path=/tmp/body HTTP/1.1\r\n{key}"
+        proxy = f"POST /v1/sandboxes/{sandbox_id}/ports/8000/ HTTP/1.1\r\n{key}"
+        for head, pieces in ((upload + "Transfer-Encoding: chunked\r\n\r\n", [_chunk(b"x")] * 40),
+                             (proxy + "Transfer-Encoding: chunked\r\n\r\n", [_chunk(b"x")] * 40),
+                             (upload + "Content-Length: 100000\r\n\r\n", [b"x"] * 40)):
+            status, took = _send_body(server.port, head, pieces, 0.5, 10)
+            assert (status, took < 6) == (408, True), (head.split("\r\n")[0], head.split("\r\n")[-3], status, took)
+        # the allowed thing: 256 KiB at 64 KiB a second, in all longer than request_head_timeout
+        body = bytes(range(256)) * 1024
+        pieces = [_chunk(body[i:i + (16 << 10)]) for i in range(0, len(body), 16 << 10)] + [b"0\r\n\r\n"]
+        status, took = _send_body(server.port, upload + "Transfer-Encoding: chunked\r\n\r\n", pieces, 0.25, 20)
+        assert status == 204 and took > 2, (status, took)
+        assert alice.get(f"/v1/sandboxes/{sandbox_id}/files/content", params={"path": "/tmp/body"}).content == body
+        alice.delete(f"/v1/sandboxes/{sandbox_id}")

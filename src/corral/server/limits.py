@@ -6,7 +6,9 @@ can neither make the server buffer without bound nor reach a handler with a
 half-read body.  A request with a body must name its tenant (its API
 key) before any of it is read, and what one tenant's requests hold at once is
 bounded too: without that, slow bodies on many connections held 31 MiB each,
-with or without a key (20 connections: 620 MiB).
+with or without a key (20 connections: 620 MiB).  And a body must keep coming: each
+``SMALL_BODY`` bytes of it within the server's ``request_head_timeout``, whatever its length
+or framing (a chunked body sent a byte a second was held for as long as it pleased).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class BodySizeLimit:
         #: the tenant an Authorization header names (raises SandboxError if none); None: no check
         self.tenant_of = tenant_of
         self.max_per_tenant = max_per_tenant
-        #: seconds a small body (up to SMALL_BODY) may take to arrive
+        #: seconds a small body (up to SMALL_BODY) may take to arrive, and each further SMALL_BODY
+        #: bytes of a larger or chunked one
         self.small_body_timeout = small_body_timeout
         #: bytes of request bodies each tenant has buffered
         self.buffered = TenantTally(max_per_tenant)
@@ -125,15 +128,17 @@ class BodySizeLimit:
             chunks: list[bytes] = []
             total = 0
             more = True
-            # a small body must come in time (a client writes it with its head); a large one's time is
-            # bounded by the tenant's bytes under way
-            deadline = time.monotonic() + self.small_body_timeout if 0 < declared <= SMALL_BODY else None
+            # a small body must come in time (a client writes it with its head), and a larger or
+            # chunked one at a least rate: each SMALL_BODY bytes of it within small_body_timeout.
+            # (Only a small declared one was timed: a chunked or large body sent a byte a second
+            # held its request, its connection and its tenant's bytes for as long as it pleased.)
+            deadline = time.monotonic() + self.small_body_timeout if declared != 0 else None
+            renewed_at = SMALL_BODY  # the bytes at which the deadline is renewed
             while more:
                 try:
                     message = await (receive() if deadline is None else _receive_by(receive, deadline))
                 except TimeoutError:
-                    await self._answer(send, 408, "resource_limit", f"a body of {declared} bytes must "
-                                       f"arrive within {self.small_body_timeout:g} s")
+                    await self._answer(send, 408, "resource_limit", self._too_slow(declared))
                     return
                 if message["type"] != "http.request":
                     return  # the client left mid-body: nothing to answer, and no half body for a handler
@@ -149,11 +154,20 @@ class BodySizeLimit:
                     held += len(chunk)
                 chunks.append(chunk)
                 more = message.get("more_body", False)
+                if deadline is not None and total >= renewed_at:
+                    deadline = time.monotonic() + self.small_body_timeout
+                    renewed_at = (total // SMALL_BODY + 1) * SMALL_BODY
             await self.app(scope, replay_body(b"".join(chunks), receive), send)
         finally:
             if held:
                 assert tenant is not None
                 self.buffered.give(tenant, held)
+
+    def _too_slow(self, declared: int) -> str:
+        if 0 < declared <= SMALL_BODY:
+            return f"a body of {declared} bytes must arrive within {self.small_body_timeout:g} s"
+        return (f"a request body must arrive at {SMALL_BODY} bytes per {self.small_body_timeout:g} s at least "
+                "(the server's request_head_timeout)")
 
     async def _too_much(self, send: Send, tenant: str) -> None:
         await self._answer(send, 429, "resource_limit",
