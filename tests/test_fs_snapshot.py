@@ -25,7 +25,7 @@ import pytest
 from corral import InvalidSpec, InvalidState, ResourceLimit, Sandbox, SnapshotCorrupt, SnapshotNotFound
 from corral.images import ImageLayout, host_image, register_resolver
 from corral.registry import Registry, gc
-from corral.snapshots import DIRECTORY, SnapshotStore
+from corral.snapshots import DIRECTORY, SnapshotStore, host_costs
 from corral.tiers.linux import fs_snapshot
 
 from .leaks import sandbox_leftovers
@@ -256,7 +256,8 @@ def test_gc_removes_half_written_snapshots_of_dead_writers_only(state_dir: Path)
 
 @pytest.fixture(scope="module")
 def server(state_dir: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(state_dir / "srv-c18-snap", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "256K"}) as srv:
+    # a snapshot of a few files counts ~120 kB: each inode is charged the file system's bytes per inode
+    with ServerProcess(state_dir / "srv-c18-snap", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "512K"}) as srv:
         yield srv
 
 
@@ -282,7 +283,7 @@ def test_snapshots_over_rest_belong_to_their_tenant_and_count_against_its_quota(
         cid = child.json()["id"]
         assert alice.post(f"/v1/sandboxes/{cid}/exec", json={"cmd": "cat /home/user/k"}).json()["stdout"] == "kept\n"
         # over the quota: refused, nothing kept
-        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 300000 /dev/urandom > /home/user/big"})
+        alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 400000 /dev/urandom > /home/user/big"})
         over = alice.post(f"/v1/sandboxes/{sid}/snapshot")
         assert (over.status_code, over.json()["error"]) == (429, "resource_limit"), over.text
         assert len(alice.get("/v1/snapshots").json()["snapshots"]) == 1
@@ -665,6 +666,53 @@ def test_a_tenant_holds_at_most_max_snapshots_per_tenant_whatever_their_size(sta
         assert bob.post(f"/v1/sandboxes/{bid}/snapshot").status_code == 201
         assert alice.delete(f"/v1/snapshots/{taken[0].json()['id']}").status_code == 204
         assert alice.post(f"/v1/sandboxes/{sid}/snapshot").status_code == 201
+
+
+def _host_footprint(snapshot: Path) -> tuple[int, int]:
+    """(bytes of blocks, inodes) a snapshot's directory takes on the host, each inode once."""
+    seen = {st.st_ino: st.st_blocks * 512 for st in (p.lstat() for p in (snapshot, *snapshot.rglob("*")))}
+    return sum(seen.values()), len(seen)
+
+
+def test_a_snapshot_counts_the_host_blocks_and_inodes_it_takes(state_dir: Path) -> None:
+    """Red-team probe 98: a snapshot's size summed its files' sizes, not what they take on the host.
+    20,000 files of 8 bytes counted 3.4 MB and took 89.5 MB of blocks and 20,000 inodes; through
+    the server three snapshots of 12,000 such files passed an 8 MiB quota holding 164 MB.  Each
+    inode now counts as its blocks (at least one) and the file system's bytes per inode; contents
+    a snapshot holds twice are counted once, and the quota still passes what fits."""
+    many = "import os\nfor i in range(2000):\n    open(f'/home/user/f{i}', 'w').write('%08d' % i)"
+    same = "import os\nfor i in range(2000):\n    open(f'/home/user/f{i}', 'w').write('same')"
+    block, per_inode = host_costs(state_dir)
+    with Sandbox.create(memory="256M") as sb:
+        assert sb.commands.run(["python3", "-c", many]).exit_code == 0
+        snap = sb.snapshot()
+        try:
+            blocks, inodes = _host_footprint(state_dir / DIRECTORY / snap.id)
+            assert inodes > 2000 and snap.size >= blocks + inodes * per_inode, (snap.size, blocks, inodes)
+            assert snap.size <= 2 * (blocks + inodes * (block + per_inode)), (snap.size, blocks, inodes)
+            again = sb.snapshot()  # the same contents again: shared, each counted as in the first
+            assert again.size == snap.size and again.written <= snap.written - 2000 * 8, again
+            assert Sandbox.delete_snapshot(again.id)
+        finally:
+            assert Sandbox.delete_snapshot(snap.id)
+        assert sb.commands.run(["python3", "-c", same]).exit_code == 0
+        one = sb.snapshot()  # 2000 names of one content: one blob
+        assert one.size < 500 * (block + per_inode), one
+        assert Sandbox.delete_snapshot(one.id)
+    with (ServerProcess(state_dir / "srv-snap-blocks", keys=KEYS, config={"max_snapshot_bytes_per_tenant": "8M"}) as srv,
+          srv.client("alice") as alice):
+        sid = alice.post("/v1/sandboxes", json={"limits": {"memory": "256M"}}).json()["id"]
+        wrote = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "head -c 2M /dev/urandom > /home/user/big"})
+        assert wrote.json()["exit_code"] == 0, wrote.text
+        fits = alice.post(f"/v1/sandboxes/{sid}/snapshot")  # the allowed direction: 2 MB in few files
+        assert fits.status_code == 201, fits.text
+        assert alice.delete(f"/v1/snapshots/{fits.json()['id']}").status_code == 204
+        made = alice.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": ["python3", "-c", many]})
+        assert made.json()["exit_code"] == 0, made.text
+        over = alice.post(f"/v1/sandboxes/{sid}/snapshot")  # 16 kB of sizes, 2000 inodes
+        assert (over.status_code, over.json()["error"]) == (429, "resource_limit"), over.text
+        assert alice.get("/v1/snapshots").json()["snapshots"] == []
+        assert not [p for p in (srv.state / DIRECTORY / "blobs").rglob("*") if p.is_file()]
 
 
 def _at_once(server: ServerProcess, tenant: str, paths: list[str], body: Any = None) -> list[httpx.Response]:

@@ -50,10 +50,15 @@ def mount(source: str, target: Path, fstype: str | None, flags: int = 0, options
     )
 
 
+def tmpfs_inodes(size: int) -> int:
+    """The most entries a sandbox's tmpfs of ``size`` bytes holds: millions of empty files would
+    otherwise cost host memory, not disk (and a snapshot of them, host inodes)."""
+    return max(16384, size // 4096)
+
+
 def tmpfs_args(size: int, uid: int, gid: int, mode: int = 0o700) -> tuple[str, int, str]:
     """(fstype, flags, options) of a sandbox's size-limited tmpfs owned by ``uid``:``gid``."""
-    # an inode cap too: millions of empty files would otherwise cost host memory, not disk
-    inodes = max(16384, size // 4096)
+    inodes = tmpfs_inodes(size)
     return "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={gid}"
 
 

@@ -41,7 +41,7 @@ def park(ctx: ServerContext, tenant: str, sandbox_id: str) -> None:
     """Pause the tenant's sandbox to disk (its state counts as a snapshot of the tenant's), with
     what the server needs to take it back after a restart (manager.recover)."""
     entry = ctx.manager.get(tenant, sandbox_id)
-    with ctx.snapshot_quota.hold(store(ctx), tenant, bytes_at_most(entry.spec)):
+    with ctx.snapshot_quota.hold(store(ctx), tenant, bytes_at_most(entry.spec, store(ctx).dir)):
         entry.sandbox._local().pause(to_disk=True, tenant=tenant, server={
             "tenant": tenant, "created": entry.created, "expires_at": entry.expires_at,
             "lifetime_start": entry.lifetime.start,
@@ -57,7 +57,7 @@ def take(ctx: ServerContext, tenant: str, sandbox_id: str, kept: bool = True) ->
     snapshots = store(ctx)
     cap = ctx.config.max_snapshot_bytes_per_tenant
     entry.sandbox._local().tier_sandbox()  # paused to disk: 409 sandbox_paused, before any quota's 429
-    with ctx.snapshot_quota.hold(snapshots, tenant, bytes_at_most(entry.spec), kept) as held:
+    with ctx.snapshot_quota.hold(snapshots, tenant, bytes_at_most(entry.spec, snapshots.dir), kept) as held:
 
         def refuse(size: int) -> ResourceLimit:
             return ResourceLimit(f"quota: a snapshot of {format_size(size)} does not fit in tenant {tenant!r}'s "
