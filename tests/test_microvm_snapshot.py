@@ -277,8 +277,38 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
     for key in ("value", "pid", "boot_id", "hostname", "machine_id", "ws"):
         assert after[key] == before[key], key
     assert after["random"] != before["random"]
+    # the VM maps its saved memory image: it stays counted (not listed), and gc leaves it, while it runs
+    [held] = [s for s in SnapshotStore(state_dir).held_by(None) if s.id == saved.name]
+    gc(state_dir)
+    assert held.size > 100 << 20 and (saved / "vm" / "ram").exists()
     with Sandbox.create(tier="process") as other, pytest.raises(InvalidState, match="cannot pause to disk"):
         other.pause(to_disk=True)
+
+
+def test_a_deleted_snapshot_stays_counted_while_vms_made_from_it_map_its_memory(
+        parent: Sandbox, state_dir: Path) -> None:
+    """Red-team probe 98: deleting a live snapshot freed 0 MB while two VMs made from it ran (they
+    map its memory image; 239 MB went only when they were killed), and its tenant's quota counted
+    none of it.  It is now retired: not listed nor usable, counted, kept by gc until the last VM
+    made from it is gone, then removed."""
+    snap = parent.snapshot()
+    store = SnapshotStore(state_dir)
+    kid = Sandbox.create(snapshot=snap.id)
+    try:
+        assert Sandbox.delete_snapshot(snap.id)
+        assert snap.id not in [s.id for s in Sandbox.list_snapshots()]
+        with pytest.raises(SnapshotNotFound):
+            Sandbox.create(snapshot=snap.id)
+        assert not Sandbox.delete_snapshot(snap.id)
+        [held] = [s for s in store.held_by(None) if s.id == snap.id]
+        assert held.size > 100 << 20
+        gc(state_dir)
+        assert (state_dir / DIRECTORY / snap.id / "vm" / "ram").exists()
+        assert kid.commands.run("echo ok").stdout == "ok\n"
+    finally:
+        kid.kill()
+    gc(state_dir)
+    assert not (state_dir / DIRECTORY / snap.id).exists() and snap.id not in [s.id for s in store.held_by(None)]
 
 
 def test_a_command_running_at_a_pause_to_disk_still_ends_at_its_timeout() -> None:

@@ -54,7 +54,7 @@ from .host.procs import process_start_time
 from .parked import load as load_parked
 from .spec import SandboxSpec
 from .tiers import tier_class
-from .tiers.base import PendingWrite, TierSandbox
+from .tiers.base import SNAPSHOT_IN_USE, PendingWrite, TierSandbox
 from .tiers.linux.fs_snapshot import manifest_budget, manifest_digest, prune_shared
 
 DIRECTORY = "snapshots"
@@ -230,7 +230,8 @@ class SnapshotStore:
         finally:
             os.close(lock)
 
-    def _meta(self, snapshot_id: str, tenant: str | None, parked: bool = False) -> dict[str, Any]:
+    def _meta(self, snapshot_id: str, tenant: str | None, parked: bool = False,
+              retired: bool = False) -> dict[str, Any]:
         if not isinstance(snapshot_id, str) or not _ID.match(snapshot_id):
             raise SnapshotNotFound(f"no snapshot {snapshot_id!r}")
         path = self.dir / snapshot_id / "meta.json"
@@ -244,7 +245,8 @@ class SnapshotStore:
             raise SnapshotNotFound(f"no snapshot {snapshot_id}") from None
         except (OSError, ValueError, KeyError, TypeError):
             raise SnapshotCorrupt(f"snapshot {snapshot_id}: its description is unreadable") from None
-        if (tenant is not None and meta.get("tenant") != tenant) or bool(meta.get("parked_by")) != parked:
+        if (tenant is not None and meta.get("tenant") != tenant) or bool(meta.get("parked_by")) != parked \
+                or (meta.get("retired") and not retired):
             raise SnapshotNotFound(f"no snapshot {snapshot_id}")
         return dict(meta)
 
@@ -259,8 +261,10 @@ class SnapshotStore:
                 raise SnapshotCorrupt(f"snapshot {snapshot_id}: its writer died before it was whole")
         return meta
 
-    def get(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> Snapshot:
-        return Snapshot.from_dict(self._meta(snapshot_id, tenant, parked))
+    def get(self, snapshot_id: str, tenant: str | None = None, parked: bool = False,
+            retired: bool = False) -> Snapshot:
+        """``retired``: one deleted while VMs made from it still map its memory image too."""
+        return Snapshot.from_dict(self._meta(snapshot_id, tenant, parked, retired))
 
     def whole(self, snapshot_id: str, tenant: str | None = None) -> Snapshot:
         """The snapshot once it is whole (one returned while its memory image is still being
@@ -273,7 +277,7 @@ class SnapshotStore:
         meta = self._whole(snapshot_id, tenant, parked)
         return Snapshot.from_dict(meta), self.dir / snapshot_id / "files", str(meta["digest"])
 
-    def list(self, tenant: str | None = None, parked: bool = False) -> list[Snapshot]:
+    def list(self, tenant: str | None = None, parked: bool = False, retired: bool = False) -> list[Snapshot]:
         if not self.dir.is_dir():
             return []
         found = []
@@ -281,15 +285,16 @@ class SnapshotStore:
             if not _ID.match(entry.name):
                 continue
             try:
-                found.append(self.get(entry.name, tenant, parked))
+                found.append(self.get(entry.name, tenant, parked, retired))
             except (SnapshotNotFound, SnapshotCorrupt):
                 continue
         return sorted(found, key=lambda s: s.created)
 
     def held_by(self, tenant: str | None) -> tuple[Snapshot, ...]:
-        """What counts as the tenant's snapshots: its own, and the states of its sandboxes paused
-        to disk (a server's quota counts them and sums their sizes)."""
-        return (*self.list(tenant), *self.list(tenant, parked=True))
+        """What counts as the tenant's snapshots: its own, the states of its sandboxes paused to
+        disk, and those deleted (or resumed) whose memory image VMs still map (a server's quota
+        counts them and sums their sizes)."""
+        return (*self.list(tenant, retired=True), *self.list(tenant, parked=True, retired=True))
 
     def delete(self, snapshot_id: str, tenant: str | None = None, parked: bool = False) -> bool:
         """Remove a snapshot; False if there is none (of this tenant).  A corrupted one goes too."""
@@ -303,18 +308,28 @@ class SnapshotStore:
         return self._remove(snapshot_id)
 
     def _remove(self, snapshot_id: str) -> bool:
+        """Remove it, unless VMs made from it map its memory image: then it is *retired* (no
+        longer listed or usable, still counted, its files kept) until ``gc`` finds it unused.
+        Renamed first: a VM made from it from then on cannot mark it used."""
+        where = self.dir / snapshot_id
         gone = self.dir / f".del-{snapshot_id}-{secrets.token_hex(4)}"
         try:
-            (self.dir / snapshot_id).rename(gone)
+            where.rename(gone)
         except FileNotFoundError:
             return False
+        if _in_use(gone):
+            meta = json.loads((gone / "meta.json").read_text())
+            (gone / "meta.new").write_text(json.dumps({**meta, "retired": True}))
+            (gone / "meta.new").rename(gone / "meta.json")
+            gone.rename(where)
+            return True
         shutil.rmtree(gone, ignore_errors=True)
         prune_shared(self.dir / SHARED)
         return True
 
 
 #: written after a snapshot's size is known (charged as one block and inode), or while it is written
-_NOT_MEASURED = frozenset({"meta.json", "meta.new", WRITING})
+_NOT_MEASURED = frozenset({"meta.json", "meta.new", WRITING, SNAPSHOT_IN_USE})
 
 
 def _stored_size(snapshot: Path) -> int:
@@ -341,6 +356,22 @@ def _stored_size(snapshot: Path) -> int:
                 if entry.is_dir(follow_symlinks=False):
                     below.append(Path(entry.path))
     return size
+
+
+def _in_use(directory: Path) -> bool:
+    """Whether VMs made from the live snapshot in ``directory`` still run (each holds a name of
+    its in-use mark in its run directory)."""
+    try:
+        return (directory / "vm" / SNAPSHOT_IN_USE).stat().st_nlink > 1
+    except FileNotFoundError:
+        return False
+
+
+def _retired(entry: Path) -> bool:
+    try:
+        return bool(json.loads((entry / "meta.json").read_text()).get("retired"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _why_not(tier: str) -> str:
@@ -397,8 +428,9 @@ def _abandoned(entry: Path) -> bool:
 
 
 def reap_leftovers(root: Path) -> list[str]:
-    """Remove half-written snapshots whose writer is gone, interrupted removals, and the saved
-    states of sandboxes paused to disk that no record names."""
+    """Remove half-written snapshots whose writer is gone, interrupted removals, the saved
+    states of sandboxes paused to disk that no record names, and deleted snapshots no VM uses
+    any more."""
     directory = root / DIRECTORY
     if not directory.is_dir():
         return []
@@ -406,8 +438,8 @@ def reap_leftovers(root: Path) -> list[str]:
     for entry in directory.iterdir():
         name = entry.name
         if _ID.match(name):
-            if not _orphaned_state(entry, root) and not _abandoned(entry):
-                continue
+            if _in_use(entry) or not (_orphaned_state(entry, root) or _abandoned(entry) or _retired(entry)):
+                continue  # (a VM maps its memory image: kept, and counted, until it is gone)
         elif name.startswith(".tmp-"):
             parts = name.split("-")
             try:
@@ -416,7 +448,7 @@ def reap_leftovers(root: Path) -> list[str]:
                 continue
             if process_start_time(pid) == start:
                 continue  # its writer still works on it
-        elif not name.startswith(".del-"):
+        elif not name.startswith(".del-") or _in_use(entry):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         reaped.append(name)

@@ -249,6 +249,13 @@ class Process(ABC):
         return None
 
 
+#: a file in a live snapshot's ``vm/`` that each VM made from it links into its run directory: the
+#: VM maps the snapshot's memory image for its life, and its run directory goes with it (however
+#: it ends), so while this has more than one name the snapshot's files are in use
+#: (:mod:`corral.snapshots` keeps a deleted one counted until then)
+SNAPSHOT_IN_USE = "in-use"
+
+
 class PendingWrite(ABC):
     """The rest of a snapshot :meth:`TierSandbox.snapshot_begin` returned before it was whole
     (a microVM's memory image, copied out of memory the sandbox no longer uses)."""
