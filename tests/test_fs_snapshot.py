@@ -599,6 +599,30 @@ def test_a_file_capability_set_inside_reads_back_the_same_in_a_snapshots_sandbox
             assert Sandbox.delete_snapshot(snapshot.id)
 
 
+def test_posix_acl_ids_read_back_the_same_in_a_snapshots_sandbox(state_dir: Path) -> None:
+    """Red-team probe 98: an ACL's named user and group ids were stored as the parent's host ids
+    (``user:1234`` as 1979647186) and written back untranslated: the new sandbox read 4294967295,
+    an id it does not map.  They are translated like owners; the entries without an id stay."""
+    acl = ("import os, struct\nentries = [(1, 6, -1), (2, 6, 1234), (4, 4, -1), (8, 4, 4321), (0x10, 6, -1), "
+           "(0x20, 0, -1)]\nvalue = struct.pack('<I', 2) + b''.join(struct.pack('<HHI', t, p, i & 0xFFFFFFFF) "
+           "for t, p, i in entries)\nopen('/home/user/acl', 'w').write('x')\nos.mkdir('/home/user/d')\n"
+           "os.setxattr('/home/user/acl', 'system.posix_acl_access', value)\n"
+           "os.setxattr('/home/user/d', 'system.posix_acl_default', value)")
+    read = ("import os\nprint(os.getxattr('/home/user/acl', 'system.posix_acl_access').hex(), "
+            "os.getxattr('/home/user/d', 'system.posix_acl_default').hex())")
+    with Sandbox.create(user="root") as sb:
+        made = sb.commands.run(["python3", "-c", acl])
+        assert made.exit_code == 0, made
+        before = sb.commands.run(["python3", "-c", read])
+        assert before.exit_code == 0 and (1234).to_bytes(4, "little").hex() in before.stdout, before
+        snapshot = sb.snapshot()
+        try:
+            with Sandbox.create(snapshot=snapshot.id, user="root") as kid:
+                assert kid.commands.run(["python3", "-c", read]).stdout == before.stdout
+        finally:
+            assert Sandbox.delete_snapshot(snapshot.id)
+
+
 def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerProcess) -> None:
     import asyncio
 

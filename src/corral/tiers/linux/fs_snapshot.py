@@ -29,6 +29,7 @@ import json
 import os
 import secrets
 import stat
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,39 @@ def _cap_rootid(value: bytes, translate: Callable[[int], int]) -> bytes:
     return value[:-4] + translate(int.from_bytes(value[-4:], "little")).to_bytes(4, "little")
 
 
+#: POSIX ACLs (``struct posix_acl_xattr_header`` then entries of tag, permissions, id) name users
+#: and groups by id: read by the host, the sandbox's ids are host ids
+_ACLS = ("system.posix_acl_access", "system.posix_acl_default")
+_ACL_VERSION = 2
+_ACL_ENTRY = struct.Struct("<HHI")
+#: the tags whose entry names an id (ACL_USER, ACL_GROUP); the others carry an undefined one
+_ACL_NAMED = (0x02, 0x08)
+
+
+def _acl_ids(value: bytes, translate: Callable[[int], int]) -> bytes:
+    """An ACL with the ids of its named users and groups translated: copied raw, ``user:1234``
+    was stored as the parent's host uid 1979647186 and read back in the new sandbox as 4294967295
+    (an id it does not map), the entry lost."""
+    if len(value) < 4 or (len(value) - 4) % _ACL_ENTRY.size \
+            or int.from_bytes(value[:4], "little") != _ACL_VERSION:
+        return value
+    out = bytearray(value)
+    for offset in range(4, len(value), _ACL_ENTRY.size):
+        tag, perm, id_ = _ACL_ENTRY.unpack_from(value, offset)
+        if tag in _ACL_NAMED:
+            _ACL_ENTRY.pack_into(out, offset, tag, perm, translate(id_))
+    return bytes(out)
+
+
+def _ids_translated(name: str, value: bytes, translate: Callable[[int], int]) -> bytes:
+    """An xattr's value with the ids it names translated (file capabilities, POSIX ACLs)."""
+    if name == _CAPABILITY:
+        return _cap_rootid(value, translate)
+    if name in _ACLS:
+        return _acl_ids(value, translate)
+    return value
+
+
 def _xattrs(path: Path, ids: IdMap) -> dict[str, str]:
     try:
         names = os.listxattr(path, follow_symlinks=False)
@@ -114,7 +148,7 @@ def _xattrs(path: Path, ids: IdMap) -> dict[str, str]:
             value = os.getxattr(path, name, follow_symlinks=False)
         except OSError:
             continue
-        out[name] = (_cap_rootid(value, ids.inside_id) if name == _CAPABILITY else value).hex()
+        out[name] = _ids_translated(name, value, ids.inside_id).hex()
     return out
 
 
@@ -428,9 +462,7 @@ def restore(directory: Path, entries: list[dict[str, Any]], key: str, top: Path,
             raise SnapshotCorrupt(f"snapshot {_named(directory)}: unknown entry type {kind!r}")
         os.chown(path, uid, gid, follow_symlinks=False)
         for name, value in entry.get("x", {}).items():
-            raw = bytes.fromhex(value)
-            os.setxattr(path, name, _cap_rootid(raw, ids.host_id) if name == _CAPABILITY else raw,
-                        follow_symlinks=False)
+            os.setxattr(path, name, _ids_translated(name, bytes.fromhex(value), ids.host_id), follow_symlinks=False)
         if kind not in ("d", "l"):
             os.chmod(path, int(entry["m"]))  # after chown, which clears set-id bits
         if kind != "d":
