@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from corral import InvalidSpec, InvalidState, ResourceLimit, Sandbox, SnapshotCorrupt, SnapshotNotFound
+from corral import InvalidSpec, InvalidState, ResourceLimit, Sandbox, SandboxClosed, SnapshotCorrupt, SnapshotNotFound
 from corral.images import ImageLayout, host_image, register_resolver
 from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore, host_costs
@@ -623,6 +623,41 @@ def test_posix_acl_ids_read_back_the_same_in_a_snapshots_sandbox(state_dir: Path
             assert Sandbox.delete_snapshot(snapshot.id)
 
 
+def test_a_restore_into_too_few_inodes_and_a_kill_during_a_snapshot_are_typed(state_dir: Path) -> None:
+    """Red-team probe 98: a snapshot of 17,000 empty files restored into a 64M disk (16,384 names)
+    said "the host is out of capacity", where the sandbox's own disk was; it is now refused up
+    front as the disk's (InvalidSpec), and a disk that holds them takes them.  A sandbox killed
+    while its snapshot was taken gave HostError ("No such file or directory", a 500 through the
+    server); it is now SandboxClosed, and nothing of the snapshot is left."""
+    files = "import os\nos.mkdir('/tmp/e')\nfor i in range(17000):\n    open(f'/tmp/e/{i}', 'w').close()"
+    with Sandbox.create(memory="512M") as sb:
+        assert sb.commands.run(["python3", "-c", files], timeout=120).exit_code == 0
+        snapshot = sb.snapshot()
+    try:
+        with pytest.raises(InvalidSpec, match=r"disk: .* 170\d\d files and directories"):
+            Sandbox.create(snapshot=snapshot.id, memory="256M", disk="64M")
+        with Sandbox.create(snapshot=snapshot.id, memory="512M", disk="128M") as kid:
+            assert kid.commands.run("ls /tmp/e | wc -l").stdout == "17000\n"
+    finally:
+        assert Sandbox.delete_snapshot(snapshot.id)
+    outcomes = []
+    for delay in (0.05, 0.3):
+        sb = Sandbox.create(memory="512M")
+        many = "import os\nos.mkdir('/tmp/f')\nfor i in range(6000):\n    open(f'/tmp/f/{i}', 'w').write(str(i) * 100)"
+        assert sb.commands.run(["python3", "-c", many], timeout=120).exit_code == 0
+        with ThreadPoolExecutor(1) as pool:
+            taking = pool.submit(sb.snapshot)
+            time.sleep(delay)
+            sb.kill()
+            try:
+                outcomes.append(taking.result().id)
+                assert Sandbox.delete_snapshot(outcomes[-1])
+            except SandboxClosed:
+                outcomes.append("closed")
+    assert "closed" in outcomes, outcomes
+    assert Sandbox.list_snapshots() == [] and not [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith(".")]
+
+
 def test_async_sandbox_snapshots_and_forks_embedded_and_remote(server: ServerProcess) -> None:
     import asyncio
 
@@ -715,7 +750,8 @@ def test_a_snapshot_counts_the_host_blocks_and_inodes_it_takes(state_dir: Path) 
             assert inodes > 2000 and snap.size >= blocks + inodes * per_inode, (snap.size, blocks, inodes)
             assert snap.size <= 2 * (blocks + inodes * (block + per_inode)), (snap.size, blocks, inodes)
             again = sb.snapshot()  # the same contents again: shared, each counted as in the first
-            assert again.size == snap.size and again.written <= snap.written - 2000 * 8, again
+            # (its directory of blobs may take a few blocks more or less: made by links, not renames)
+            assert abs(again.size - snap.size) < 64 * block and again.written <= snap.written - 2000 * 8, again
             assert Sandbox.delete_snapshot(again.id)
         finally:
             assert Sandbox.delete_snapshot(snap.id)

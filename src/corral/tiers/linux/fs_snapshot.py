@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidState, ResourceLimit, SnapshotCorrupt
+from ...host.mounts import tmpfs_inodes
 from ...host.workspace import CHANGED_MEANWHILE
 from ...images import SANDBOX_UID
 
@@ -515,6 +516,12 @@ def check_fits(entries: list[dict[str, Any]], disk: int, name: str) -> None:
     if needed > disk:
         raise InvalidSpec(f"disk: snapshot {name} holds {needed} bytes of files, more than the disk "
                           f"limit of {disk} bytes")
+    # each entry but the layers' tops and a file's other names is an inode of the new disk (a
+    # restore that ran out of them said "the host is out of capacity": the sandbox's disk was)
+    names = sum(1 for e in entries if e["p"] != "." and e.get("y") != "h")
+    if names > tmpfs_inodes(disk):
+        raise InvalidSpec(f"disk: snapshot {name} holds {names} files and directories, more than a disk of "
+                          f"{disk} bytes holds ({tmpfs_inodes(disk)}); make the sandbox's disk larger")
 
 
 def filler(directory: Path, digest: str, ids: IdMap, hostname: str, disk: int) -> Callable[[str, Path], None]:

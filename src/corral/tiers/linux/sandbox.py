@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...egress.network import SandboxNetwork
-from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused
+from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused, SnapshotCorrupt
 from ...host import cgroups, mounts, ws_overlay
 from ...host.mountns import MountNamespace
 from ...host.portfwd import Connect, NetnsConnector, PortForward
@@ -295,6 +295,11 @@ class LinuxSandbox(TierSandbox):
             layers = [(p.name.partition("-")[0], p) for p in uppers] + [("ws", disk / "ws")]
             return fs_snapshot.capture(layers, dest, self._id_map(), {"L0": {p.lstrip("/") for p in own}},
                                        self._disk_size(), shared)
+        except (OSError, SnapshotCorrupt) as exc:
+            if self._closed or self._channel is None or self._channel.closed.is_set():
+                # killed meanwhile: its disk went under the copy ("No such file or directory")
+                raise SandboxClosed(f"sandbox {self.id} was closed during its snapshot", sandbox_id=self.id) from exc
+            raise
         finally:
             if not was_paused:
                 with contextlib.suppress(SandboxClosed):  # closed meanwhile
