@@ -19,8 +19,9 @@ def sandbox_leftovers(sandbox_id: str, state_dir: Path) -> list[str]:
     run_dir = state_dir / "sandboxes" / sandbox_id
     if run_dir.exists():
         found.append(f"run dir {run_dir}")
-    if sandbox_id in cgroups.list_sandbox_groups():
-        found.append(f"cgroup {sandbox_id}")
+    # its own groups, and those of its helpers beside it (a snapshot's converter: ``<id>-snapshot``)
+    found += [f"cgroup {name}" for name in sorted(cgroups.list_sandbox_groups())
+              if name == sandbox_id or name.startswith(f"{sandbox_id}-")]
     found += [f"mount {m}" for m in mounts.mounted_anywhere(run_dir)]  # its own namespace too
     for pid in os.listdir("/proc"):
         if not pid.isdigit():

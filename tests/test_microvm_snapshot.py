@@ -541,3 +541,84 @@ def test_gc_removes_a_saved_state_whose_pause_to_disk_never_finished(state_dir: 
     parked.remove(state_dir, "sb-00000000000000c2")
     gc(state_dir)
     assert not (store / "snap-00000000000000c2").exists()
+
+
+#: an owner that takes one live snapshot whole, then starts another and is killed while its
+#: converter holds the VM's memory (the test reads its sandbox id and the cgroups it left between)
+OWNER_SNAPSHOTS = """
+import json, sys, threading
+from pathlib import Path
+from corral import Sandbox
+from corral.host import cgroups
+work = Path(sys.argv[1])
+sb = Sandbox.create(tier="microvm", memory="256M")
+inner = sb._inner
+for part in ("whole", "held"):
+    (work / part).mkdir()
+inner.snapshot(work / "whole" / "files")
+print(sb.id, json.dumps(sorted(cgroups.list_sandbox_groups())), flush=True)
+written, rest = inner.snapshot_begin(work / "held" / "files")
+print("held", flush=True)
+threading.Event().wait()
+"""
+
+
+def _memory_cgroup_of(pid: int) -> str:
+    """The memory controller's group of ``pid`` (v1: its own line; v2: the one hierarchy's)."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    v1 = [line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")]
+    return v1[0] if v1 else next(line.split(":", 2)[2] for line in lines if line.startswith("0::"))
+
+
+def _processes_named(name: str) -> list[int]:
+    wanted = f"\0{name}\0".encode()
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if wanted in Path(f"/proc/{entry}/cmdline").read_bytes() and _alive(int(entry)):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_snapshots_converter_is_charged_under_the_sandboxes_parent_and_nothing_of_it_survives(
+        state_dir: Path, tmp_path: Path) -> None:
+    """The converter holds a copy of the guest's RAM (a 256M sandbox: 384 MiB of memfd) beside the
+    VM: it ran in its owner's cgroup, outside every sandbox limit and the sandboxes' parent's.  Now
+    it is in a group of its own below that parent, limited to the guest RAM and its overhead, with
+    the memfd's pages charged there; the group goes with the written snapshot, and with its
+    sandbox when the owner is killed while the converter runs (``gc``)."""
+    from corral.host import cgroups
+    from corral.tiers.microvm import converter
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_SNAPSHOTS, str(tmp_path)], stdout=subprocess.PIPE,
+                             text=True, env=os.environ.copy())
+    sandbox_id, group = "", Path("/nonexistent")
+    try:
+        assert owner.stdout is not None
+        sandbox_id, groups_after_whole = owner.stdout.readline().split(" ", 1)
+        assert sandbox_id.startswith("sb-")
+        # a snapshot written whole left no group beside its sandbox's
+        assert [name for name in json.loads(groups_after_whole) if name.startswith(sandbox_id)] == [sandbox_id]
+        assert owner.stdout.readline().strip() == "held"
+        [conv] = _processes_named(converter.converter_name(sandbox_id))
+        where = _memory_cgroup_of(conv)
+        assert where.startswith(f"/{cgroups.PARENT}/{sandbox_id}-"), where  # below the sandboxes' parent
+        layout = cgroups.detect()
+        group = layout.controllers["memory"] / where.lstrip("/")
+        ram = 384 << 20  # the guest RAM of a 256M sandbox (MicroVMTier.ram_mb)
+        usage, limit = ("memory.current", "memory.max") if layout.version == 2 else (
+            "memory.usage_in_bytes", "memory.limit_in_bytes")
+        charged = int((group / usage).read_text())
+        assert charged >= ram  # the preallocated memfd, charged to its group ...
+        # ... and so to the parent whose limit is what all sandboxes may use together
+        assert int((layout.controllers["memory"] / cgroups.PARENT / usage).read_text()) >= charged
+        assert int((group / limit).read_text()) == converter.memory_limit(384)
+    finally:
+        owner.kill()
+        owner.wait()
+    gc(state_dir)  # the dead owner's sandbox, its converter and the converter's group
+    assert wait_until(lambda: not _processes_named(converter.converter_name(sandbox_id)), 10)
+    assert group.name not in cgroups.list_sandbox_groups()
+    assert wait_until(lambda: not sandbox_leftovers(sandbox_id, state_dir), 10)

@@ -1,18 +1,29 @@
 """The *converter* of a live snapshot (live.py): a QEMU with the VM's devices and its RAM in a
 preallocated memfd, that loads the running VM's migration stream and never runs the guest, then
-saves its device state; its memfd is the snapshot's memory image until copied out."""
+saves its device state; its memfd is the snapshot's memory image until copied out.
+
+It holds as much host memory as the guest has RAM, beside the VM's own, so it runs in a host
+cgroup of its own (:func:`group_name`) below the sandboxes' parent: limited to what it must
+hold (:func:`memory_limit`) and counted in what all sandboxes may use together.  It joins the
+group before QEMU starts, so the memfd's pages (charged to whoever touches them first: QEMU's
+preallocation) are charged there; a dead owner's group is reaped with its sandbox
+(``MicroVMTier.reap``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import SandboxError
+from ...host import cgroups
+from ...spec import MiB
 from ..linux.agent_build import agent_binary
 from . import qemu, template, vmm
 
@@ -20,31 +31,76 @@ if TYPE_CHECKING:
     from .sandbox import MicroVMSandbox
 
 MIGRATE_TIMEOUT = 120.0
+#: host memory the converter holds beside its guest RAM (the memfd): QEMU itself, its devices and
+#: the migration's buffers; its group's peak was 22 MiB above the guest RAM of a 256M sandbox and
+#: 26 MiB above a 1G one's (it never runs the guest: no TCG translation cache)
+CONVERTER_OVERHEAD = 64 * MiB
+#: threads preallocating the memfd (docs/snapshots.md); the group's CPU quota lets them all run
+PREALLOC_THREADS = 2
 
 
-def start(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
+def group_name(sandbox_id: str) -> str:
+    """The converter's host cgroup, beside its sandbox's below the sandboxes' parent."""
+    return f"{sandbox_id}-snapshot"
+
+
+def memory_limit(ram_mb: int) -> int:
+    return ram_mb * MiB + CONVERTER_OVERHEAD
+
+
+@dataclass
+class Converter:
+    """A running converter: its QEMU, a QMP connection to it, and its host cgroup; one owner
+    (live.RamWrite once the VM runs on) closes it, which kills QEMU and removes the group."""
+
+    proc: subprocess.Popen[bytes]
+    qmp: qemu.QMP
+    cgroup: cgroups.SandboxCgroup
+
+    def close(self) -> None:
+        try:
+            self.qmp.close()
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.cgroup.destroy()  # (kills whatever of it is left, too)
+
+
+def start(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket) -> Converter:
     """A QEMU with the VM's devices and its RAM in a memfd (shared), that loads the stream from
     ``incoming`` and never runs the guest (``-S``); confined as the VM's own QEMU is (root of
-    the sandbox's user namespace, taken from it, with its files as descriptors: vmm.py)."""
+    the sandbox's user namespace, taken from it, with its files as descriptors: vmm.py), in a
+    host cgroup of its own sized for the guest's RAM."""
+    from .sandbox import VMM_PIDS
+
     empty = vm_dir / "empty"
     empty.mkdir(mode=0o755)
     qemu_pid = vm.qemu_pid()
     if qemu_pid is None:
         raise SandboxError(f"sandbox {vm.id} has no QEMU")
-    files = {"userns": os.open(f"/proc/{qemu_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)}
+    limits = dataclasses.replace(vm.spec.limits, memory=memory_limit(vm.ram_mb), pids=VMM_PIDS,
+                                 cpus=max(vm.spec.limits.cpus, float(PREALLOC_THREADS)))
+    group = cgroups.SandboxCgroup(group_name(vm.id), limits, vm._tier._layout)
+    files: dict[str, int] = {}
     try:
+        files["userns"] = os.open(f"/proc/{qemu_pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         files["disk"] = os.open(vm.image_disk.path, os.O_PATH | os.O_CLOEXEC)
         files["ws"] = os.open(empty, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         files["console"] = os.open(vm_dir / "console.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.fchown(files["console"], vm.uid_range.base, vm.uid_range.base)
-        return _start(vm, vm_dir, incoming, files)
+        proc, qmp = _start(vm, vm_dir, incoming, files, group)
+    except BaseException:
+        group.destroy()
+        raise
     finally:
         for fd in files.values():
             os.close(fd)
+    return Converter(proc, qmp, group)
 
 
-def _start(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dict[str, int]
-           ) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
+def _start(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dict[str, int],
+           group: cgroups.SandboxCgroup) -> tuple[subprocess.Popen[bytes], qemu.QMP]:
     listeners = []
     for name in ("conv-agent.sock", "conv-qmp.sock"):
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -68,15 +124,19 @@ def _start(vm: MicroVMSandbox, vm_dir: Path, incoming: socket.socket, files: dic
         # to compare): the VM is stopped ~0.15 s instead of ~0.7 s for 512 MiB; two threads
         # preallocate 512 MiB in ~0.2 s instead of ~0.45 s (docs/snapshots.md)
         backend = next(i for i, arg in enumerate(argv) if arg.startswith("memory-backend-file,id=mem,"))
-        argv[backend] = f"memory-backend-memfd,id=mem,size={vm.ram_mb}M,share=on,prealloc=on,prealloc-threads=2"
+        argv[backend] = (f"memory-backend-memfd,id=mem,size={vm.ram_mb}M,share=on,prealloc=on,"
+                         f"prealloc-threads={PREALLOC_THREADS}")
         argv.append("-S")  # loads, never runs
-        argv += ["-name", converter_name(vm.id)]  # outside the sandbox's cgroup (its memory would not fit
-        # beside the VM's): found by this name if the owner dies meanwhile (kill_converters)
-        argv = [*vmm.launcher(agent_binary(vm._tier.state_dir), files["userns"], vm._tier.accel, vm._tier.seccomp),
-                *argv]
+        argv += ["-name", converter_name(vm.id)]  # found by this name too if the owner dies (kill_converters)
+        # in its group before QEMU starts: the memfd's pages are charged to the group of the
+        # process that first touches them (QEMU's preallocation), and they stay charged there
+        procs_files = [str(path) for path in group.procs_files(group.leaf("vmm"))]
+        argv = vmm.joining(procs_files, [
+            *vmm.launcher(agent_binary(vm._tier.state_dir), files["userns"], vm._tier.accel, vm._tier.seccomp),
+            *argv])
         with open(vm_dir / "qemu.log", "wb") as log:
             # (its PR_SET_PDEATHSIG does not survive the launcher's change of uid: a dead owner's
-            # converter is killed by name, kill_converters)
+            # converter is killed with its group, and by name: MicroVMTier.reap)
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/",
                                     pass_fds=[*(listener.fileno() for listener in listeners), *files.values()],
                                     preexec_fn=template._die_with_parent)

@@ -45,7 +45,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
 import threading
 import time
 import uuid
@@ -209,14 +208,13 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
     for end in (ours, theirs):  # fewer wake-ups of the two QEMUs for the same bytes
         end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-    proc: subprocess.Popen[bytes] | None = None
-    conv: qemu.QMP | None = None
+    conv: converter.Converter | None = None
     try:
         # the workspace as the frozen guest left it (unmounted there: nothing in the VM writes it)
         t0 = time.monotonic()
         written = fs_snapshot.capture([("ws", ws)], dest, vm._id_map(), {}, vm.spec.limits.disk, shared)
         t1 = time.monotonic()
-        proc, conv = converter.start(vm, vm_dir, theirs)
+        conv = converter.start(vm, vm_dir, theirs)
         vm.timings["snapshot_workspace"], vm.timings["snapshot_converter"] = t1 - t0, time.monotonic() - t1
         theirs.close()
         migrate_out(vm, ours.fileno(), "snapshot")
@@ -231,29 +229,25 @@ def _capture_quiesced(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, sha
             state_sha256="", ram_sha256="", last_id=last_id, leaves=vm._exec_count, readonly_workspace=readonly,
             sandbox_id=vm.id, hostname=vm.hostname, commands=vm.command_deadlines(),
         )
-        rest = RamWrite(proc, conv, image, vm.timings)
-        proc = conv = None  # the rest's now
+        rest = RamWrite(conv, image, vm.timings)
+        conv = None  # the rest's now
         return written, rest
     finally:
         ours.close()
         theirs.close()
         if conv is not None:
             conv.close()
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 class RamWrite(PendingWrite):
     """What is left of a live snapshot once the VM runs on: the converter (which has, or will
     have, loaded the whole stream) saves the device state, then its memfd is copied out and
-    hashed, and the VM's description joins the manifest.  Owns the converter (killed if it is
-    abandoned: it also dies with this process, and ``gc`` kills it by name)."""
+    hashed, and the VM's description joins the manifest.  Owns the converter and its host cgroup
+    (closed once the image is written, or if it is abandoned: it also dies with this process,
+    and ``gc`` reaps it with its sandbox)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], conv: qemu.QMP, image: VMImage,
-                 timings: dict[str, float]) -> None:
-        self.proc: subprocess.Popen[bytes] | None = proc
-        self.conv: qemu.QMP | None = conv
+    def __init__(self, conv: converter.Converter, image: VMImage, timings: dict[str, float]) -> None:
+        self.converter: converter.Converter | None = conv
         self.image = image
         self.timings = timings
         self.bytes_at_most = (image.ram_mb << 20) + (1 << 20)
@@ -262,8 +256,8 @@ class RamWrite(PendingWrite):
 
     def _save_state(self, vm_dir: Path) -> int:
         """The converter's device state into ``vm_dir/state``; returns its memfd, the converter gone."""
-        proc, conv = self.proc, self.conv
-        assert proc is not None and conv is not None, "written once"
+        assert self.converter is not None, "written once"
+        proc, conv = self.converter.proc, self.converter.qmp
         t0 = time.monotonic()
         converter.wait_loaded(conv, proc, time.monotonic() + MIGRATE_TIMEOUT)
         conv.command("migrate-set-capabilities", capabilities=[{"capability": "x-ignore-shared", "state": True}])
@@ -315,13 +309,12 @@ class RamWrite(PendingWrite):
         return sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in (ram, vm_dir / "state")) + len(data)
 
     def abandon(self) -> None:
-        proc, conv, self.proc, self.conv = self.proc, self.conv, None, None
-        if conv is not None:
-            conv.close()
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        self.done.set()
+        conv, self.converter = self.converter, None
+        try:
+            if conv is not None:
+                conv.close()  # (after finish closed the memfd: its pages are freed, the group empty)
+        finally:
+            self.done.set()
 
 
 def load(files: Path, digest: str) -> tuple[VMImage, list[dict[str, Any]], Path]:

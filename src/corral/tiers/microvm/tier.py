@@ -123,7 +123,10 @@ class MicroVMTier(Tier):
     def reap(self, sandbox_id: str, run_dir: Path, record: dict[str, Any]) -> None:
         # QEMU lives in the sandbox's host cgroup (killing it closes the tap too)
         reap_host_side(self.state_dir, sandbox_id, run_dir, record)
-        converter.kill_converters(sandbox_id)  # a snapshot's, if its owner died taking it
+        # a snapshot's converter, if its owner died taking it: by name (one not yet in its group)
+        # and its group, below the parent the owner made it under
+        converter.kill_converters(sandbox_id)
+        cgroups.reap(converter.group_name(sandbox_id), record.get("cgroup_parent"))
 
     def ram_mb(self, memory: int) -> int:
         """Guest RAM for a memory limit, rounded up to 64 MiB so templates are few."""
