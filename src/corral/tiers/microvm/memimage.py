@@ -8,10 +8,10 @@ of the file (device, inode, size, ctime): a fork after fork does not hash it aga
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import os
+import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,27 +74,48 @@ def write_sparse(source: int, size: int, target: Path) -> str:
     holes; returns its :func:`ram_digest`, computed on the way."""
     h = hashlib.sha256()
     h.update(size.to_bytes(8, "little"))
+    # hashing (sha256 releases the GIL) overlaps reading and writing: one thread, batches in
+    # order.  A plain thread, not an executor: this runs in the background after snapshot()
+    # returned, also while the interpreter exits, when an executor refuses work ("can't register
+    # atexit after shutdown") and the snapshot the caller was given was removed
+    batches: queue.Queue[list[tuple[int, bytes]] | None] = queue.Queue(maxsize=4)
 
-    def hash_batch(batch: list[tuple[int, bytes]]) -> None:
+    def hash_batches() -> None:
+        while (batch := batches.get()) is not None:
+            for offset, chunk in batch:
+                _hash_chunk(h, offset, chunk)
+
+    hasher: threading.Thread | None = None
+    with contextlib.suppress(RuntimeError):  # no new threads at this interpreter's shutdown: hash here
+        thread = threading.Thread(target=hash_batches, name="corral-ram-hash", daemon=True)
+        thread.start()
+        hasher = thread
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        batch: list[tuple[int, bytes]] = []
+        for offset, chunk in _chunks(source, size):
+            os.pwrite(fd, chunk, offset)
+            batch.append((offset, chunk))
+            if len(batch) == HASH_BATCH:
+                _hand_over(batch, batches, hasher, h)
+                batch = []
+        _hand_over(batch, batches, hasher, h)
+    finally:
+        os.close(fd)
+        if hasher is not None:
+            batches.put(None)
+            hasher.join()
+    return h.hexdigest()
+
+
+def _hand_over(batch: list[tuple[int, bytes]], batches: queue.Queue[list[tuple[int, bytes]] | None],
+               hasher: threading.Thread | None, h: Any) -> None:
+    if hasher is not None:
+        batches.put(batch)
+    else:
         for offset, chunk in batch:
             _hash_chunk(h, offset, chunk)
-
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    # hashing (sha256 releases the GIL) overlaps reading and writing: one worker, batches in order
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="corral-ram-hash") as hasher:
-        try:
-            os.ftruncate(fd, size)
-            batch: list[tuple[int, bytes]] = []
-            for offset, chunk in _chunks(source, size):
-                os.pwrite(fd, chunk, offset)
-                batch.append((offset, chunk))
-                if len(batch) == HASH_BATCH:
-                    hasher.submit(hash_batch, batch)
-                    batch = []
-            hasher.submit(hash_batch, batch)
-        finally:
-            os.close(fd)
-    return h.hexdigest()
 
 
 def memfd_of(pid: int) -> int:
