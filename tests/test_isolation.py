@@ -109,6 +109,11 @@ def test_only_ordinary_socket_families_open_and_vsock_never(sandbox: Sandbox) ->
     # the kernel reads the family from the low 32 bits: high bits set refuse it, never pass it
     assert socket_errno((1 << 32) | 40) == socket_errno((1 << 32) | 1) == "EAFNOSUPPORT"
     assert socket_errno(-(1 << 32) + 40) == "EAFNOSUPPORT"
+    # socketpair(2) reaches a family's create code as socket(2) does: pairs are AF_UNIX's only
+    pair = "libc.socketpair({family}, 1, 0, (ctypes.c_int * 2)())"
+    assert syscall_errno(sandbox, pair.format(family=1)) == "ok"
+    for family in (16, 40, 30, 17, (1 << 32) | 1):
+        assert syscall_errno(sandbox, f"libc.syscall(53, ctypes.c_long({family}), 1, 0, (ctypes.c_int * 2)())") == "EAFNOSUPPORT", family
 
 
 NETLINK_FILL = """

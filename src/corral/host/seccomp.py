@@ -84,7 +84,7 @@ CLONE_NAMESPACE_FLAGS = {
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 
-_VERSION = "4"
+_VERSION = "5"
 
 
 def _fingerprint() -> str:
@@ -120,6 +120,9 @@ def build_filter() -> object:
     filt.add_rule(no_family, "socket", sc.Arg(0, sc.GT, highest))
     for family in sorted(set(range(highest)) - set(SOCKET_FAMILIES.values())):
         filt.add_rule(no_family, "socket", sc.Arg(0, sc.EQ, family))
+    # socketpair(2) reaches a family's own create code too (a TIPC pair, its module loaded on
+    # demand): only AF_UNIX has pairs
+    filt.add_rule(no_family, "socketpair", sc.Arg(0, sc.NE, SOCKET_FAMILIES["AF_UNIX"]))
     for flag in CLONE_NAMESPACE_FLAGS.values():
         filt.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     # clone3 passes its flags in memory seccomp cannot read: refuse it with
