@@ -446,13 +446,13 @@ def test_one_tenants_calls_on_its_paused_sandbox_hold_no_other_tenants_work(stat
             upload.join(60)
 
 
-def _weight(sandbox_id: str) -> int:
+def _weight(sandbox_id: str) -> float:
     """A sandbox's CPU weight on ``cpu.weight``'s scale (v1: ``cpu.shares``, 1,024 for 100)."""
     layout = cgroups.detect()
     group = layout.controllers["cpu"] / cgroups.PARENT / sandbox_id
     if layout.version == 2:
         return int((group / "cpu.weight").read_text())
-    return round(int((group / "cpu.shares").read_text()) * 100 / 1024)
+    return int((group / "cpu.shares").read_text()) * 100 / 1024
 
 
 SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\nprint(time.process_time())"
@@ -487,9 +487,9 @@ def test_a_tenants_sandboxes_together_weigh_as_much_cpu_as_anothers_one(state_di
             server.client("alice") as alice, server.client("bob") as bob:
         mine = [alice.post("/v1/sandboxes", json={"limits": {"cpus": 2}}).json()["id"] for _ in range(4)]
         his = bob.post("/v1/sandboxes", json={"limits": {"cpus": 2}}).json()["id"]
-        assert [_weight(sid) for sid in mine] == [2500] * 4 and _weight(his) == 10_000
+        assert [_weight(sid) for sid in mine] == [25] * 4 and _weight(his) == 100  # one default group's
         assert alice.delete(f"/v1/sandboxes/{mine.pop()}").status_code == 204
-        assert [_weight(sid) for sid in mine] == [2500] * 3 and _weight(his) == 10_000  # parts change at 1 or 5
+        assert [_weight(sid) for sid in mine] == [25] * 3 and _weight(his) == 100  # parts change at 1 or 5
         mine.append(alice.post("/v1/sandboxes", json={"limits": {"cpus": 2}}).json()["id"])
         # bob's one sandbox against alice's four: about even (before: a fifth of the five)
         both = _busy(server, {"alice": mine, "bob": [his]}, 3)

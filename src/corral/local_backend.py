@@ -404,7 +404,7 @@ class LocalBackend(SandboxBackend):
         network = self.tier_sandbox().network
         return [] if network is None else network.audit()  # a tier with no network side (wasm) refuses nothing
 
-    def share_cpu(self, weight: int) -> None:
+    def share_cpu(self, weight: float) -> None:
         if self.inner is not None:  # paused to disk: nothing runs, and its resume is a new group
             with host_errors("share the CPU", self.id):
                 self.inner.share_cpu(weight)

@@ -221,7 +221,7 @@ class SandboxBackend(ABC):
     @abstractmethod
     def audit(self) -> list[AuditEvent]: ...
 
-    def share_cpu(self, weight: int) -> None:  # noqa: B027 - optional: where the host group is ours to set
+    def share_cpu(self, weight: float) -> None:  # noqa: B027 - optional: where the host group is ours to set
         """Weigh the sandbox's CPU against others' (``cpu.weight``'s scale, default 100): a server's
         share per tenant. A back end whose sandbox's host group is not this process's (a server's, a
         cluster node's) leaves it as its own host set it."""

@@ -244,14 +244,14 @@ class SandboxCgroup:
             write(self._cpu / "cpu.cfs_period_us", str(period))
             write(self._cpu / "cpu.cfs_quota_us", str(quota))
 
-    def share_cpu(self, weight: int) -> None:
+    def share_cpu(self, weight: float) -> None:
         """The group's CPU weight against its siblings when the CPU is contended (cgroup v2's
-        ``cpu.weight`` scale: 1-10,000, default 100; v1's ``cpu.shares`` is 1,024 for 100)."""
-        weight = min(10_000, max(1, weight))
+        ``cpu.weight`` scale: 1-10,000, default 100, whole numbers; v1's ``cpu.shares``, 1,024 for
+        100, keeps a finer part: 2 at least)."""
         if self.layout.version == 2:
-            write(self._cpu / "cpu.weight", str(weight))
+            write(self._cpu / "cpu.weight", str(min(10_000, max(1, round(weight)))))
         else:
-            write(self._cpu / "cpu.shares", str(max(2, weight * 1024 // 100)))
+            write(self._cpu / "cpu.shares", str(min(262_144, max(2, round(weight * 1024 / 100)))))
 
     @property
     def memory_group(self) -> Path:

@@ -39,9 +39,10 @@ REAP_INTERVAL = 0.5
 DESTROY_THREADS = 32
 REAP_CHECK_THREADS = 16
 MAX_OUTPUT_CAP = 64 << 20
-#: one tenant's CPU weight (``cpu.weight``'s scale), split among its sandboxes: 10,000 (the most a
-#: group may have) keeps a part of at least 1 up to 10,000 sandboxes a tenant
-TENANT_CPU_WEIGHT = 10_000
+#: one tenant's CPU weight (``cpu.weight``'s scale), split among its sandboxes: a default group's,
+#: so that a tenant's sandboxes together weigh as much as one sandbox of a library or daemon beside
+#: the server under the same parent (10,000 made one tenant's sandbox outweigh those 100 to 1)
+TENANT_CPU_WEIGHT = 100.0
 
 
 class Lifetime(NamedTuple):
@@ -190,7 +191,7 @@ class SandboxManager:
                 mine = [added] if added is not None else []
         for entry in mine:
             try:
-                entry.sandbox._backend.share_cpu(TENANT_CPU_WEIGHT // fresh)
+                entry.sandbox._backend.share_cpu(TENANT_CPU_WEIGHT / fresh)
             except SandboxError:
                 pass  # ending meanwhile: its group goes with it
 

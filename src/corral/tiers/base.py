@@ -318,7 +318,7 @@ class TierSandbox(ABC):
         ``other_users`` (TCP only). The forward closes with the sandbox."""
         raise InvalidSpec(f"sandbox {self.id}: its tier cannot forward ports")
 
-    def share_cpu(self, weight: int) -> None:  # noqa: B027 - optional hook: a tier with no host group
+    def share_cpu(self, weight: float) -> None:  # noqa: B027 - optional hook: a tier with no host group
         """Weigh this sandbox's CPU against other sandboxes' when the host's CPU is contended
         (``cpu.weight``'s scale, default 100): a server gives each tenant's sandboxes one share
         together (:mod:`corral.server.manager`)."""

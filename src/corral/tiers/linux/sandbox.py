@@ -255,7 +255,7 @@ class LinuxSandbox(TierSandbox):
             self.cgroup.freeze(False)
             self._channel.pause_clock.resume()
 
-    def share_cpu(self, weight: int) -> None:
+    def share_cpu(self, weight: float) -> None:
         with self._lock:
             if not self._closed and self.cgroup is not None:
                 self.cgroup.share_cpu(weight)

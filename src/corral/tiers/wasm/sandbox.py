@@ -304,7 +304,7 @@ class WasmSandbox(TierSandbox):
         if self.workspace is not None and self.spec.workspace and self.spec.workspace.mode == "rw":
             self.workspace.sync_back()
 
-    def share_cpu(self, weight: int) -> None:
+    def share_cpu(self, weight: float) -> None:
         with self._lock:
             if not self._closed and self.cgroup is not None:
                 self.cgroup.share_cpu(weight)
