@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from corral import Sandbox
 from corral.commands import check_call
 from egress_net import METADATA, TargetNet, ip_forwarding, target_net
+from sandbox_wait import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +214,73 @@ def test_the_hosts_own_routes_and_nat_cannot_take_an_allowed_connection_inside(n
         subprocess.run(["nft", "delete", "table", "ip", table], check=False)
         subprocess.run(["ip", "route", "del", *route_nat], check=False)
         subprocess.run(["ip", "route", "del", *route_local], check=False)
+        service.shutdown()
+        service.server_close()
+
+
+def _listening(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_the_kernel_refuses_what_the_proxy_cannot_see_of_the_hosts_nat_and_routing(net: TargetNet) -> None:
+    """What the proxy asks the kernel (the route, conntrack) misses a NAT in a conntrack zone and a
+    route a packet mark selects (the transparent-proxy recipe): both reached inside. The proxy's
+    sockets are now made under an id the host-wide table ``corral_upstream`` knows, which refuses
+    them after NAT and routing; an allowed public address is untouched."""
+    third = random.randrange(1, 250)
+    public, zoned, marked = f"11.{third}.78.30", f"11.{third}.78.31", f"11.{third}.78.32"
+    table, route_table = f"crl_guard_{net.suffix}", str(net.table + 1)
+    hits: list[str] = []
+
+    class HostService(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    service = ThreadingHTTPServer(("0.0.0.0", 0), HostService)
+    port = service.server_address[1]
+    threading.Thread(target=service.serve_forever, daemon=True).start()
+    host = f"""table ip {table} {{
+      chain raw_out {{ type filter hook output priority raw; ip daddr {zoned} ct zone set 7; }}
+      chain raw_pre {{ type filter hook prerouting priority raw; ip saddr {net.other} tcp sport 8080 ct zone set 7; }}
+      chain nat_out {{ type nat hook output priority -100; ip daddr {zoned} tcp dport 80 dnat to {net.other}:8080; }}
+      chain route_out {{ type route hook output priority mangle; ip daddr {marked} meta mark set 0x77; }}
+    }}"""
+    subnet = [f"11.{third}.78.0/24", "dev", net.host_if]
+    mark_rule = ["fwmark", "0x77", "lookup", route_table, "priority", route_table]
+    subprocess.run(["ip", "netns", "exec", net.ns, "ip", "addr", "add", f"{public}/32", "dev", net.ns_if], check=True)
+    subprocess.run(["ip", "route", "add", *subnet], check=True)
+    subprocess.run(["ip", "rule", "add", *mark_rule], check=True)
+    subprocess.run(["ip", "route", "add", "local", marked, "dev", "lo", "table", route_table], check=True)
+    subprocess.run(["nft", "-f", "-"], input=host, text=True, check=True)
+    server = subprocess.Popen(["ip", "netns", "exec", net.ns, sys.executable, "-m", "http.server", "--bind", public,
+                               "8090", "--directory", str(net.tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: _listening(public, 8090), 10)
+        with Sandbox.create(allow=[public, zoned, f"{marked}:{port}"]) as sb:
+            reached = sb.commands.run(f"curl -sS -m 10 -o /dev/null -w '%{{http_code}}' http://{public}:8090/", timeout=60)
+            assert reached.stdout == "200", reached
+            zone = sb.commands.run(f"curl -sS -m 20 -o /dev/null -w '%{{http_code}}' http://{zoned}/zone", timeout=40)
+            assert zone.stdout == "502", zone  # refused at once by the kernel
+            mark = sb.commands.run(f"curl -sS -m 20 -o /dev/null -w '%{{http_code}}' http://{marked}:{port}/mark", timeout=40)
+            assert mark.stdout in ("502", "000"), mark  # dropped as it would leave by lo
+        assert "/zone" not in {h["path"] for h in net.hits("other")}
+        assert hits == []
+    finally:
+        server.kill()
+        server.wait()
+        subprocess.run(["nft", "delete", "table", "ip", table], check=False)
+        subprocess.run(["ip", "route", "del", "local", marked, "dev", "lo", "table", route_table], check=False)
+        subprocess.run(["ip", "rule", "del", *mark_rule], check=False)
+        subprocess.run(["ip", "route", "del", *subnet], check=False)
         service.shutdown()
         service.server_close()
 

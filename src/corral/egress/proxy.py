@@ -72,6 +72,7 @@ from .tunnel import (
     ConnectionRate,
     pump,
 )
+from .upstream_guard import ensure_loaded, guarded_socket
 
 if TYPE_CHECKING:
     from .tls import SandboxCA  # cryptography costs ~0.1 s to import: only when secrets need it
@@ -105,6 +106,9 @@ class EgressProxy:
         self.socket_path = socket_path
         self.policy = policy
         self.audit = audit
+        #: whether the kernel checks its connections again after the host's NAT and routing
+        #: (upstream_guard); an operator's re-enabled ranges are the proxy's own checks alone
+        self._guarded = not policy.unsafe_ranges and ensure_loaded()
         self.secrets = tuple(secrets)
         self.ca = ca
         self.upstream_tls = upstream_tls
@@ -249,7 +253,8 @@ class EgressProxy:
         took it to an address the policy refuses (nothing is sent on it then)."""
         assert decision.address is not None
         family = socket.AF_INET6 if ":" in decision.address else socket.AF_INET
-        sock = self._track(socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC))
+        made = guarded_socket(family) if self._guarded else socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock = self._track(made)
         opened.append(sock)
         sock.settimeout(CONNECT_TIMEOUT)
         try:
