@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -802,3 +804,32 @@ def test_directory_modes_are_written_back(tmp_path: Path) -> None:
     assert modes == {"private": 0o711, "existing": 0o750, "sticky": 0o1775, "shared": 0o775, ".git": 0o775,
                      "build.sh": 0o664, "open.txt": 0o660}
     assert stat.S_IMODE((tmp_path / "private" / "id_rsa").stat().st_mode) == 0o644
+
+
+@pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "copy"])
+def test_write_back_goes_to_the_directory_given_not_where_a_swapped_path_leads(
+        overlay: bool, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Write-back opened the workspace by its path at every command: a host user owning a
+    directory on the path swapped it for a link mid-session, and the next write-back, as root,
+    wrote the sandbox's file into a root-only directory the link led to (``/etc``'s stand-in).
+    Now it goes through the directory opened at create, wherever the path leads since."""
+    from corral.host import ws_overlay
+
+    monkeypatch.setattr(ws_overlay, "ENABLED", overlay)
+    # a directory alice can reach (pytest's own are root's alone)
+    tmp_path = Path(tempfile.mkdtemp(prefix="crl-swap-", dir="/tmp"))
+    os.chmod(tmp_path, 0o755)
+    request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
+    alice = tmp_path / "alice"
+    workspace = alice / "work" / "cron.d"
+    workspace.mkdir(parents=True)
+    for owned in (alice, alice / "work", workspace):
+        os.chown(owned, 4242, 4242)
+    root_only = tmp_path / "rootonly" / "cron.d"
+    root_only.mkdir(parents=True)
+    with Sandbox.create(workspace=str(workspace)) as sb:
+        swap = f"mv {alice}/work {alice}/work.old && ln -s {tmp_path}/rootonly {alice}/work"
+        subprocess.run(["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", "sh", "-c", swap], check=True)
+        assert sb.commands.run("echo x > /workspace/planted").exit_code == 0
+    assert list(root_only.iterdir()) == []
+    assert (alice / "work.old" / "cron.d" / "planted").read_text() == "x\n"

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ResourceLimit
+from ..errors import InvalidSpec, ResourceLimit
 from .git_reach import GitReach
 from .workspace import (
     _DIR_FLAGS,
@@ -30,6 +30,25 @@ from .workspace import (
 from .ws_git import HeldPaths
 
 
+def open_host_dir(host: Path) -> int:
+    """The workspace's host directory, opened once (``host`` is its resolved path, as the spec's
+    checks saw it): every write-back goes through this descriptor, never the path again.  A host
+    user who owns a directory on the path could otherwise swap it for a link between write-backs,
+    and the next one, as root, wrote the sandbox's files where the link led (a root-only
+    directory, ``/etc``), past the checks of the path made at create.  Refused if the path
+    already leads elsewhere (a link put there since the checks)."""
+    fd = os.open(host, _DIR_FLAGS)
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+        if opened != str(host):
+            raise InvalidSpec(f"workspace {host}: the path now leads to {opened} (a link put on it since it "
+                              "was checked); give the directory itself")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 @dataclass
 class WorkspaceCopy:
     """A workspace copied into a sandbox: ``host`` is the user's dir, ``copy`` the sandbox's."""
@@ -39,6 +58,8 @@ class WorkspaceCopy:
     uid: int
     gid: int
     manifest: Manifest
+    #: the host directory as opened at create (:func:`open_host_dir`): what write-back writes to
+    host_fd: int
     #: commands finishing at once write back one at a time: two syncs at once raced for the same
     #: temporary names (``FileExistsError``, and a temporary file left in the user's directory)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -58,25 +79,45 @@ class WorkspaceCopy:
             )
         copy.mkdir(mode=0o755, exist_ok=True)
         os.chown(copy, uid, gid)
-        _apply(host, copy, source, {}, uid, gid, inside_links_only=False)
-        return cls(host, copy, uid, gid, scan(copy))
+        host_fd = open_host_dir(host)
+        try:
+            _apply(host, copy, source, {}, uid, gid, inside_links_only=False)
+            return cls(host, copy, uid, gid, scan(copy), host_fd)
+        except BaseException:
+            os.close(host_fd)
+            raise
 
     def sync_back(self) -> None:
         """Write what changed in the copy since the last sync to the host directory."""
         with self._lock:
-            host_st = os.stat(self.host)
+            if self.host_fd < 0:
+                return
+            host_st = os.fstat(self.host_fd)
             current = scan(self.copy)
-            _apply(self.copy, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid,
+            _apply(self.copy, self.host_fd, current, self.manifest, host_st.st_uid, host_st.st_gid,
                    inside_links_only=True, configured=self._git.held())
             self.manifest = current
 
+    def close(self, write_back: bool = True) -> None:
+        """At destroy: the last write-back (with ``write_back``), then the host directory's descriptor."""
+        try:
+            if write_back:
+                self.sync_back()
+        finally:
+            with self._lock:
+                if self.host_fd >= 0:
+                    os.close(self.host_fd)
+                    self.host_fd = -1
+
 
 def _apply(
-    src: Path, dst: Path, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool,
+    src: Path, dst: Path | int, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool,
     configured: HeldPaths | None = None,
 ) -> None:
+    """Copy ``current``'s changes since ``previous`` from ``src`` to ``dst`` (a path, or a
+    directory's descriptor, which is duplicated, not taken)."""
     src_fd = os.open(src, _DIR_FLAGS)
-    dst_fd = os.open(dst, _DIR_FLAGS)
+    dst_fd = os.dup(dst) if isinstance(dst, int) else os.open(dst, _DIR_FLAGS)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
     budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in

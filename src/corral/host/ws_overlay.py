@@ -108,7 +108,7 @@ from .workspace import (
     scan,
 )
 from .ws_changes import Unplaced, UpperTree
-from .ws_copy import WorkspaceCopy
+from .ws_copy import WorkspaceCopy, open_host_dir
 from .ws_git import HeldPaths, host_keeps
 
 #: False: the process and gVisor tiers copy the workspace instead, as before the overlay
@@ -247,11 +247,15 @@ class WorkspaceOverlay:
         #: the upper layer's groups a write-back keeps (:func:`.workspace.write_back_group`)
         self.groups = groups
         self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
+        self._host_fd = -1
         try:
+            self._host_fd = open_host_dir(host)  # what write-back writes to: never the path again
             self.tree = UpperTree(self._fd)
             self.watch = _open_watch(upper) if watch else None  # (``cow`` is never written back)
         except BaseException:
             os.close(self._fd)
+            if self._host_fd >= 0:
+                os.close(self._host_fd)
             raise
         self._walked = False  # the first write-back walks everything
         #: write-backs that walked the whole upper layer (tests and figures read it)
@@ -282,7 +286,7 @@ class WorkspaceOverlay:
                 except (Overflow, Unplaced, OSError) as exc:
                     log.info("workspace %s: walking its upper layer whole (%s)", self.host, exc or "event queue overflow")
             walked, self._walked = self._walked, False  # until it is done: one that fails midway
-            host_st = os.stat(self.host)                # (its events drained) is followed by a walk
+            host_st = os.fstat(self._host_fd)           # (its events drained) is followed by a walk
             if found is not None:
                 self._write(found, host_st.st_uid, host_st.st_gid)
                 self._walked = walked
@@ -293,7 +297,7 @@ class WorkspaceOverlay:
             self.full_scans += 1
             if current != self.manifest:
                 looked = dict(current)
-                _apply(self._fd, self.host, current, self.manifest, host_st.st_uid, host_st.st_gid, self.groups,
+                _apply(self._fd, self._host_fd, current, self.manifest, host_st.st_uid, host_st.st_gid, self.groups,
                        self._git.held())
                 self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
                 self.tree.replace(current)
@@ -309,7 +313,7 @@ class WorkspaceOverlay:
                     if key in self.manifest and entry != WHITEOUT}
         if current != previous:
             looked = dict(current)
-            _apply(self._fd, self.host, current, previous, uid, gid, self.groups, self._git.held())
+            _apply(self._fd, self._host_fd, current, previous, uid, gid, self.groups, self._git.held())
             self.tree.pending = {key for key, entry in looked.items() if current.get(key) != entry}
         else:
             self.tree.pending = set()
@@ -329,7 +333,8 @@ class WorkspaceOverlay:
                     self.watch = None
                 if self._fd >= 0:
                     os.close(self._fd)
-                    self._fd = -1
+                    os.close(self._host_fd)
+                    self._fd = self._host_fd = -1
 
 
 #: the change watches this process holds, at most half of ``fs.fanotify.max_user_groups`` (the
@@ -362,10 +367,10 @@ def _closed() -> None:
         _watches -= 1
 
 
-def _apply(upper_fd: int, host: Path, current: Manifest, previous: Manifest, uid: int, gid: int,
+def _apply(upper_fd: int, host_fd: int, current: Manifest, previous: Manifest, uid: int, gid: int,
            groups: HostGroups | None = None, configured: HeldPaths | None = None) -> None:
     src_fd = os.dup(upper_fd)
-    dst_fd = os.open(host, _DIR_FLAGS)
+    dst_fd = os.dup(host_fd)
     sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
     budget = Budget(src_fd)

@@ -424,8 +424,8 @@ class LinuxSandbox(TierSandbox):
                 self.cgroup.destroy()
             self._last_write_back()
         finally:
-            if isinstance(self.workspace, WorkspaceOverlay):
-                self.workspace.close(write_back=False)  # (done already, unless something failed first)
+            if self.workspace is not None:  # its descriptors (an overlay's last write-back is done already)
+                self.workspace.close(write_back=False)
             self._drop_userns()
             self._release()
             if self._mountns is not None:

@@ -337,6 +337,8 @@ class WasmSandbox(TierSandbox):
                 # its one leaf is known: no directory walks (a third of a teardown on v1)
                 self.cgroup.destroy(leaves=[self._leaf])
         finally:
+            if self.workspace is not None:
+                self.workspace.close(write_back=False)  # its host directory's descriptor
             mounts.unmount_all(self._run_dir)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             if self._uid_reserved:
