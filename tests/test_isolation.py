@@ -686,6 +686,68 @@ def test_a_sandbox_cannot_write_what_the_hosts_git_configuration_names_in_the_wo
     assert status.returncode == 0 and not ran.exists(), status
 
 
+#: another host user, owner of files in a root-owned workspace
+OTHER_USER = 4343
+
+
+@pytest.mark.parametrize("overlay", [True, False], ids=["overlay", "copy"])
+def test_other_users_files_are_readable_as_their_mode_allows_and_never_changed(
+        tmp_path: Path, overlay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copied workspace (microVM, wasm; process and gVisor where the directory cannot be
+    idmapped) was the sandbox user's whole: the sandbox read another user's 0600 files, and its
+    ``rm`` and ``echo >`` deleted and replaced them on the host (helper rt107).  As in the overlay,
+    another user's file is readable as its others' bits allow (not its group's, even the
+    directory's group), and write-back leaves it, and what is in its directories, as the host
+    has it; the owner's files come back changed."""
+    from corral.host import ws_overlay
+
+    monkeypatch.setattr(ws_overlay, "ENABLED", overlay)
+    ws = tmp_path / "ws"  # root's, as the project directory of the red team's report
+    ws.mkdir()
+    dir_gid = ws.stat().st_gid
+
+    def theirs(rel: str, mode: int, text: str | None = None, gid: int = OTHER_USER) -> None:
+        path = ws / rel
+        path.mkdir() if text is None else path.write_text(text)
+        os.chown(path, OTHER_USER, gid)
+        os.chmod(path, mode)
+
+    theirs("secret", 0o600, "BOB-PRIVATE\n")
+    theirs("public", 0o644, "bob public\n")
+    theirs("team", 0o640, "team\n", gid=dir_gid)  # the overlay lets no group read it: not even the directory's
+    theirs("closed", 0o700)
+    theirs("closed/key", 0o600, "BOB-KEY\n")
+    theirs("open", 0o755)
+    theirs("open/pub", 0o644, "pub\n")
+    theirs("open/priv", 0o600, "priv\n")
+    (ws / "mine.txt").write_text("mine\n")
+    before = {str(p.relative_to(ws)): (p.lstat(), p.read_text() if p.is_file() else None)
+              for p in ws.rglob("*") if p.name != "mine.txt"}
+    with Sandbox.create(workspace=str(ws)) as sb:
+        for user in ("user", "root"):
+            read = sb.commands.run("cd /workspace && cat public open/pub", user=user)
+            assert read.exit_code == 0 and read.stdout == "bob public\npub\n", (user, read)
+            for private in ("secret", "team", "closed/key", "open/priv"):
+                r = sb.commands.run(f"cat /workspace/{private}", user=user)
+                assert r.exit_code != 0 and r.stdout == "", (user, private, r)
+        for user in ("user", "root"):
+            # their files changed, replaced, deleted, and written in their directories: what the
+            # overlay refuses, the copy does inside (root overrides its copy), never on the host
+            sb.commands.run("cd /workspace; echo EDIT > public; echo EDIT >> team; rm -f secret team;"
+                            " mkdir -p open/sub closed; echo x > open/sub/f; echo x > closed/key; echo x > open/new;"
+                            " rm -rf open/pub open/priv; chmod 777 open", user=user)
+        ok = sb.commands.run("cd /workspace && echo more >> mine.txt && echo new > new.txt")
+        assert ok.exit_code == 0, ok
+    assert (ws / "mine.txt").read_text() == "mine\nmore\n" and (ws / "new.txt").read_text() == "new\n"
+    after = {str(p.relative_to(ws)): (p.lstat(), p.read_text() if p.is_file() else None)
+             for p in ws.rglob("*") if p.name not in ("mine.txt", "new.txt")}
+    assert after.keys() == before.keys()
+    for rel, (st, text) in before.items():
+        now, now_text = after[rel]
+        assert (now.st_ino, now.st_uid, now.st_gid, now.st_mode, now_text) == (
+            st.st_ino, st.st_uid, st.st_gid, st.st_mode, text), rel
+
+
 def test_a_workspace_inside_a_repository_keeps_what_the_repositorys_configuration_names(tmp_path: Path) -> None:
     """A workspace that is a package of a larger repository: git names the repository's own
     configuration from the top of its worktree, which was read as the workspace's, so the file

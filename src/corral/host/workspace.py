@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 
 from .ws_git import HeldPaths, host_keeps, makes_a_git_directory
+
+log = logging.getLogger(__name__)
 
 # (kind, size, ctime_ns, mode, inode): the change time, which no one can set back
 Entry = tuple[str, int, int, int, int]
@@ -182,7 +185,11 @@ def remove_gone(dst_fd: int, keys: Iterable[Key], uid: int, gid: int, writing_ba
                 parent = parents.open(key[0])
                 if writing_back and host_keeps(rel_of(key), _kind_at(parent, key[1]), configured):
                     continue
-                _remove_beneath(parent, key[1])
+                if writing_back:
+                    check_owners(parent, key[1], uid)
+                _remove_beneath(parent, key[1], owner=uid if writing_back else None)
+            except NotTheOwners as exc:
+                log.warning("workspace write-back leaves %s as the host has it: %s", rel_of(key), exc)
             except OSError:
                 continue
     finally:
@@ -234,6 +241,7 @@ def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gi
             except OSError as exc:
                 if not create or exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     raise
+                check_owners(fd, name, uid)  # never made in, nor made of, another user's entry
                 if exc.errno != errno.ENOENT:
                     os.unlink(name, dir_fd=fd)
                 os.mkdir(name, 0o755, dir_fd=fd)
@@ -310,6 +318,8 @@ def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, ta
     for the next write-back; once the :class:`Budget` is spent, it and every later one are
     (:func:`defer`)."""
     order = depth_order(current)
+    owner = None if writing_back else os.fstat(sources.root_fd)  # copying in: the host directory's
+    hidden: set[str] = set()  # copying in: the directories left out, whose entries are too
     for i, key in enumerate(order):
         entry = current[key]
         if entry[0] in skip or previous.get(key) == entry:
@@ -318,15 +328,82 @@ def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, ta
                              or makes_a_git_directory(current, targets.root_fd, key, entry[0])):
             continue  # (before the target's directory is opened: that would make it)
         try:
+            if owner is not None:
+                shown = _as_shown(key, entry, sources, owner, hidden)
+                if shown is None:
+                    continue
+                entry = shown
             copy(key, entry, sources.open(key[0]), targets.open(key[0]))
         except OverBudget:
             defer(current, previous, order[i:])
             return
+        except NotTheOwners as exc:
+            log.warning("workspace write-back leaves %s as the host has it: %s", rel_of(key), exc)
+            targets.close()  # (it may hold a directory it did not open)
         except OSError as exc:
             if exc.errno not in CHANGED_MEANWHILE:
                 raise
             sources.close()  # what they held may be gone
             targets.close()  # (changed while we copied: a directory made a link...)
+
+
+class NotTheOwners(PermissionError):
+    """Write-back met a host entry of another user than the workspace directory's owner, or a
+    directory of one to write in: it leaves them as they are (:func:`check_owners`)."""
+
+
+def check_owners(dir_fd: int, name: str | None, uid: int) -> None:
+    """Raise :class:`NotTheOwners` unless the directory ``dir_fd`` and its entry ``name`` (if
+    any, and if there) are ``uid``'s.  Write-back changes only the directory owner's entries,
+    in the owner's directories, as the overlay lets the sandbox change only those: another
+    user's private file copied into a sandbox came back deleted, or replaced by one of the
+    owner's (helper rt107)."""
+    if os.fstat(dir_fd).st_uid != uid:
+        raise NotTheOwners(errno.EPERM, "a directory of another user")
+    if name is None:
+        return
+    try:
+        theirs = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid
+    except FileNotFoundError:
+        return
+    if theirs != uid:
+        raise NotTheOwners(errno.EPERM, "another user's")
+
+
+def readable_by_owner(st: os.stat_result, owner: os.stat_result) -> bool:
+    """True if the host entry ``st`` is the directory's owner's (``owner``: the directory's
+    stat), a symlink, or a file (a directory: listed and searched) that its others' bits let
+    anyone read: what the overlay shows of another user's entry.  Its group's bits do not count,
+    even when its group is the directory's (``nobody:user`` inside): overlayfs checks the host file
+    with its mounter's credentials too, which no mode but others' lets read it (measured: a
+    ``4343:root`` 0640 file in a root-owned directory is ``EACCES`` inside, for root too)."""
+    if st.st_uid == owner.st_uid or stat.S_ISLNK(st.st_mode):
+        return True
+    needed = 0o5 if stat.S_ISDIR(st.st_mode) else 0o4
+    return st.st_mode & needed == needed
+
+
+def _as_shown(key: Key, entry: Entry, sources: DirsBeneath, owner: os.stat_result, hidden: set[str]) -> Entry | None:
+    """Copying a host directory in: the entry to copy for ``key``, or None to leave it out.
+    Another user's entry is copied only as far as :func:`readable_by_owner` says, without its
+    write bits (it is not the sandbox's to change: write-back leaves it as the host has it);
+    one that says no is left out, not copied as a placeholder (a placeholder would be the
+    sandbox user's, whose root reads and writes it), and so is everything below a directory left
+    out.  Before, the copy was the sandbox user's whatever its host owner and mode: the sandbox
+    read other users' 0600 files (helper rt107)."""
+    rel = rel_of(key)
+    if key[0] in hidden:
+        if entry[0] == "d":
+            hidden.add(rel)
+        return None
+    st = os.stat(key[1], dir_fd=sources.open(key[0]), follow_symlinks=False)
+    if not readable_by_owner(st, owner):
+        if entry[0] == "d":
+            hidden.add(rel)
+        return None
+    if st.st_uid == owner.st_uid or entry[0] == "l":
+        return entry
+    return (entry[0], entry[1], entry[2], entry[3] & ~0o222, entry[4])
 
 
 def _copy_data(src: int, dst: int, size: int, budget: Budget | None = None) -> None:
@@ -415,6 +492,7 @@ def _copy_entry(
     name = rel.rsplit("/", 1)[-1]
     if inside_links_only:  # writing to the host: what others may write there is not the sandbox's to widen
         mode &= ~WRITE_BACK_DROPS
+        check_owners(dst_dir, name, uid)
     if kind == "d":
         fd = _open_dir_beneath(dst_dir, [name], create=True, uid=uid, gid=gid)
         try:
@@ -444,8 +522,14 @@ def _copy_entry(
     try:
         os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
     except IsADirectoryError:
-        _remove_beneath(dst_dir, name)
-        os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
+        _remove_beneath(dst_dir, name, owner=uid if inside_links_only else None)
+        try:
+            os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY):
+                raise
+            _remove_beneath(dst_dir, tmp)
+            raise NotTheOwners(errno.EPERM, "a directory holding another user's entries") from exc
 
 
 def _make_temporary(
@@ -517,9 +601,11 @@ def _open_file(dir_fd: int, name: str) -> int | None:
         os.close(path_fd)
 
 
-def _remove_beneath(dir_fd: int, name: str) -> None:
+def _remove_beneath(dir_fd: int, name: str, owner: int | None = None) -> None:
     """Remove ``name`` in ``dir_fd`` and, if it is a directory, everything below it, never
-    following a symlink; without recursion, as a tree may be deeper than Python's stack."""
+    following a symlink; without recursion, as a tree may be deeper than Python's stack.
+    ``owner``: below ``name``, entries of another uid are left, with the directories that hold
+    them (write-back deletes only the directory owner's)."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -537,10 +623,17 @@ def _remove_beneath(dir_fd: int, name: str) -> None:
             if child is None:
                 fd, done, _ = stack.pop()
                 os.close(fd)
-                os.rmdir(done, dir_fd=stack[-1][0] if stack else dir_fd)
+                try:
+                    os.rmdir(done, dir_fd=stack[-1][0] if stack else dir_fd)
+                except OSError as exc:
+                    if owner is None or exc.errno != errno.ENOTEMPTY:
+                        raise
                 continue
             try:
-                if stat.S_ISDIR(os.stat(child, dir_fd=fd, follow_symlinks=False).st_mode):
+                child_st = os.stat(child, dir_fd=fd, follow_symlinks=False)
+                if owner is not None and child_st.st_uid != owner:
+                    continue
+                if stat.S_ISDIR(child_st.st_mode):
                     sub = os.open(child, _DIR_FLAGS, dir_fd=fd)
                     stack.append((sub, child, iter(os.listdir(sub))))
                 else:
