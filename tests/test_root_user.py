@@ -255,7 +255,8 @@ def test_microvm_defaults_to_uid_1000_root_is_asked_for_and_both_own_their_works
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "given.txt").write_text("host\n")
-    os.chown(ws, 4321, 4322)
+    for path in (ws, ws / "given.txt"):  # the owner's (another user's file would be read-only inside)
+        os.chown(path, 4321, 4322)
     with Sandbox.create(tier="microvm", memory="256M", workspace=str(ws)) as vm:
         user = _status(vm)
         assert user["uid"] == "1000" and user["CapEff:"] == user["CapBnd:"] == "0" * 16, user
