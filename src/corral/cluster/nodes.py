@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import ClusterUnauthenticated, ConnectionLost, HostNotSupported, InvalidSpec, SandboxError, SandboxLost
@@ -47,7 +48,7 @@ def join(address: str | bool | None) -> Any:
         require_token_auth("the Ray this process joined")
         return ray
     if address is True or address in ("1", "true", "auto"):
-        address = "auto"
+        address = local_cluster_address()
     if not isinstance(address, str) or not address:
         raise InvalidSpec(f"cluster: {address!r} must be a Ray address or True")
     try:
@@ -61,6 +62,46 @@ def join(address: str | bool | None) -> Any:
         ray.shutdown()  # joined here, for nothing: leave no connection behind
         raise
     return ray
+
+
+def local_cluster_address(proc: Path = Path("/proc")) -> str:
+    """The cluster ``True``/"auto" means: ``RAY_ADDRESS`` if the operator set it, else the one
+    cluster whose raylet root runs on this machine.  Not Ray's own "auto": it takes an address
+    from any process's command line and from its temporary directory (mode 0777), so a local user
+    whose fake ``raylet`` named a relay of the real GCS was joined through it, and read the
+    cluster's token from the driver's first call (then ran code as root on the node)."""
+    named = os.environ.get("RAY_ADDRESS", "").strip()
+    if named and named != "auto":
+        return named
+    found = sorted(root_raylets_gcs(proc))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ConnectionLost("cluster: no Ray cluster of root's runs on this machine (no raylet of root's); "
+                             "start one (`ray start`, `corral cluster up`) or name it (RAY_ADDRESS)")
+    raise InvalidSpec(f"cluster: root's raylets here name several clusters ({', '.join(found)}): name one "
+                      "(RAY_ADDRESS or the address itself)")
+
+
+def root_raylets_gcs(proc: Path = Path("/proc")) -> set[str]:
+    """The GCS addresses the raylets that root runs here were started with (``--gcs-address``):
+    only root makes a process of root's, whatever its name or arguments."""
+    found: set[str] = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != 0:
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # ended meanwhile
+        if not argv or os.path.basename(argv[0]) != b"raylet":
+            continue
+        pieces = [piece for arg in argv for piece in arg.split(b" ")]  # (a title set as one string)
+        found.update(piece.partition(b"=")[2].decode(errors="replace") for piece in pieces
+                     if piece.startswith(b"--gcs-address=") and len(piece) > len(b"--gcs-address="))
+    return found
 
 
 def require_token_auth(which: str) -> None:
