@@ -620,3 +620,21 @@ def test_placement_prefers_a_warm_pool_then_free_slots_then_memory() -> None:
     assert [x["node_id"] for x in rank([load("a", 2, 8), load("b", 2, 9)], 1 << 30)] == ["b", "a"]
     first, rest = sample(["a", "b", "c", "d"], 2)
     assert len(first) == 2 and sorted(first + rest) == ["a", "b", "c", "d"]
+
+
+def test_a_killed_cluster_servers_paused_sandbox_ends_at_its_lifetime(cluster: LocalCluster, tmp_path: Path) -> None:
+    """The server gave a node's sandbox its idle timeout only: after ``kill -9`` of the server a
+    paused (or busy) sandbox, which the node's idle reaper skips, lived on past ``max_lifetime``,
+    outside every quota (helper 106: still there minutes later). The node now ends it at its lifetime."""
+    from .server_fixtures import ServerProcess
+
+    server = ServerProcess(tmp_path / "server-state", "--cluster", cluster.cluster.address,
+                           "--max-lifetime", "8").start()
+    try:
+        sb = Sandbox.create(url=server.url, memory="128M")
+        sb.pause()
+        [info] = [i for i in Sandbox.list(cluster=True) if i.sandbox_id == sb.id]
+        assert info.end_at is not None and info.end_at - time.time() < 9, info
+    finally:
+        server.kill9()
+    assert wait_until(lambda: sb.id not in {i.sandbox_id for i in Sandbox.list(cluster=True)}, 30)

@@ -296,8 +296,10 @@ class SandboxManager:
                 if self.config.cluster is not None:  # on a node; the node destroys it too if this server dies
                     if snapshot is not None:
                         raise InvalidSpec("snapshot: a cluster's sandboxes cannot start from a snapshot of this host")
+                    # the node ends it at its lifetime too: a killed server's sandboxes, paused or
+                    # busy, outlived it (the node's idle reaper skips those)
                     sandbox = await self._run_for(tenant, Sandbox.create, spec, cluster=self.config.cluster,
-                                                  idle_timeout=idle)
+                                                  idle_timeout=idle, lifetime=life)
                 else:
                     sandbox = await self._run_for(tenant, Sandbox.create, spec, state=self.root, snapshot=snapshot)
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
