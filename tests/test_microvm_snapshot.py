@@ -263,7 +263,9 @@ def test_pause_to_disk_releases_the_vm_and_resumes_it_with_its_memory(parent: Sa
         parent.pause(to_disk=True)
     assert Sandbox.list_snapshots() == []  # its state is not a snapshot of the user's
     # a damaged state: resume is a typed error that starts nothing, and the sandbox stays paused
-    [saved] = [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith("snap-")]
+    # (its own: a deleted snapshot earlier tests' VMs still map stays, retired, until gc)
+    [saved] = [p for p in (state_dir / DIRECTORY).iterdir() if p.name.startswith("snap-")
+               and json.loads((p / "meta.json").read_text()).get("parked_by") == parent.id]
     good = (saved / "vm" / "state").read_bytes()
     (saved / "vm" / "state").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     with pytest.raises(SnapshotCorrupt):
@@ -643,3 +645,4 @@ def test_a_snapshot_taken_just_before_the_process_exits_is_kept_whole(state_dir:
     assert snapshot_id in [s.id for s in SnapshotStore(state_dir).list()]
     with Sandbox.create(snapshot=snapshot_id) as copy:
         assert copy.commands.run("cat /tmp/mark").stdout == "kept-across-exit\n"
+    assert Sandbox.delete_snapshot(snapshot_id)
