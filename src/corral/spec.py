@@ -431,38 +431,38 @@ def validate_env(env: Mapping[str, str] | None) -> dict[str, str]:
     if len(env) > MAX_ENV_VARS:
         raise InvalidSpec(f"env: {len(env)} variables, more than the {MAX_ENV_VARS} an environment may hold")
     out: dict[str, str] = {}
-    total = 0
+    sizes = []
     for key, value in env.items():
         if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
             raise InvalidSpec(f"env: {_shown(key)} is not a valid variable name")
         if not isinstance(value, str) or "\0" in value:
             raise InvalidSpec(f"env: value of {key} must be a string without NUL bytes")
-        size = len(key) + 1 + _exec_string_bytes(value)
-        if size > MAX_ARG_STRLEN:
-            raise InvalidSpec(f"env: {key}=... is {size} bytes, over the {MAX_ARG_STRLEN} bytes (128 KiB) exec "
-                              "takes for one variable (the kernel's MAX_ARG_STRLEN); pass large data as a file")
-        total += size
-        if total > MAX_ENV_BYTES:
-            raise InvalidSpec(f"env: the variables take over the {MAX_ENV_BYTES} bytes (1 MiB) an environment may "
-                              "hold in all; pass large data as a file")
+        sizes.append((f"{key}=...", len(key) + 1 + _exec_string_bytes(value)))
         out[key] = value
+    _within_exec(sizes, MAX_ENV_BYTES, "env", "one variable", "an environment may hold in all",
+                 "pass large data as a file")
     return out
 
 
 def validate_argv(argv: list[str]) -> list[str]:
     """``argv`` within what exec(2) takes: each argument up to MAX_ARG_STRLEN with its NUL,
     MAX_ARGV_BYTES in all (a longer one failed at exec, E2BIG, after it had been sent and held)."""
-    total = 0
-    for number, arg in enumerate(argv):
-        size = _exec_string_bytes(arg)
-        if size > MAX_ARG_STRLEN:
-            raise InvalidSpec(f"command: argument {number} is {size} bytes, over the {MAX_ARG_STRLEN} bytes (128 KiB) "
-                              "exec takes for one argument (the kernel's MAX_ARG_STRLEN); pass it as a file or on stdin")
-        total += size
-        if total > MAX_ARGV_BYTES:
-            raise InvalidSpec(f"command: the arguments take over the {MAX_ARGV_BYTES} bytes (2 MiB) exec takes for "
-                              "them in all; pass them as a file or on stdin")
+    _within_exec([(f"argument {number}", _exec_string_bytes(arg)) for number, arg in enumerate(argv)],
+                 MAX_ARGV_BYTES, "command", "one argument", "exec takes for them in all",
+                 "pass them as a file or on stdin")
     return argv
+
+
+def _within_exec(sizes: list[tuple[str, int]], most: int, what: str, one: str, all_of: str, instead: str) -> None:
+    """Each ``(name, size)`` up to MAX_ARG_STRLEN and all of them up to ``most`` bytes, or InvalidSpec."""
+    total = 0
+    for name, size in sizes:
+        if size > MAX_ARG_STRLEN:
+            raise InvalidSpec(f"{what}: {name} is {size} bytes, over the {MAX_ARG_STRLEN} bytes (128 KiB) exec "
+                              f"takes for {one} (the kernel's MAX_ARG_STRLEN); {instead}")
+        total += size
+        if total > most:
+            raise InvalidSpec(f"{what}: the strings take over the {most} bytes ({most >> 20} MiB) {all_of}; {instead}")
 
 
 def parse_env_assignments(items: list[str]) -> dict[str, str]:
