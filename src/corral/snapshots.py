@@ -367,13 +367,6 @@ def _in_use(directory: Path) -> bool:
         return False
 
 
-def _retired(entry: Path) -> bool:
-    try:
-        return bool(json.loads((entry / "meta.json").read_text()).get("retired"))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _why_not(tier: str) -> str:
     if tier == "wasm":
         return ": its files live in the interpreter's memory file system, not in layers Corral can copy"
@@ -414,9 +407,10 @@ def _writer_alive(directory: Path, wait: bool) -> bool:
         os.close(fd)
 
 
-def _writing(entry: Path) -> bool:
+def _marked(entry: Path, mark: str) -> bool:
+    """Whether a snapshot's description says ``mark`` (``writing``, ``retired``)."""
     try:
-        return bool(json.loads((entry / "meta.json").read_text()).get("writing"))
+        return bool(json.loads((entry / "meta.json").read_text()).get(mark))
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -424,7 +418,7 @@ def _writing(entry: Path) -> bool:
 def _abandoned(entry: Path) -> bool:
     """A snapshot named while being written whose writer is gone (it died before it was whole;
     looked at again after the lock: the writer may have finished just now)."""
-    return _writing(entry) and not _writer_alive(entry, wait=False) and _writing(entry)
+    return _marked(entry, "writing") and not _writer_alive(entry, wait=False) and _marked(entry, "writing")
 
 
 def reap_leftovers(root: Path) -> list[str]:
@@ -438,7 +432,7 @@ def reap_leftovers(root: Path) -> list[str]:
     for entry in directory.iterdir():
         name = entry.name
         if _ID.match(name):
-            if _in_use(entry) or not (_orphaned_state(entry, root) or _abandoned(entry) or _retired(entry)):
+            if _in_use(entry) or not (_orphaned_state(entry, root) or _abandoned(entry) or _marked(entry, "retired")):
                 continue  # (a VM maps its memory image: kept, and counted, until it is gone)
         elif name.startswith(".tmp-"):
             parts = name.split("-")

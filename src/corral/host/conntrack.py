@@ -21,7 +21,7 @@ from pathlib import Path
 from .netlink import HEADER, NLM_F_REQUEST, NLMSG_ERROR, attr
 
 NETLINK_NETFILTER = 12
-RTM_NEWROUTE, RTM_GETROUTE = 24, 26
+RTM_GETROUTE = 26
 RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
 RTA_DST = 1
 #: route types (linux/rtnetlink.h) that deliver to the host itself or to many: never a destination
@@ -40,18 +40,20 @@ CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
 CONNTRACK_TABLE = Path("/proc/net/nf_conntrack")
 
 
-def _ask(protocol: int, request: bytes) -> bytes | None:
-    """One netlink request's answer (its first message's body), or None for an error answer."""
+def _ask(protocol: int, kind: int, body: bytes) -> bytes | None:
+    """The body of the answer to one netlink request (no acknowledgement asked), or None for an
+    answer that there is none (no such entry, no route)."""
+    request = HEADER.pack(HEADER.size + len(body), kind, NLM_F_REQUEST, 1, 0) + body
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, protocol) as sock:
         sock.settimeout(2)
         sock.send(request)
         data = sock.recv(65536)
-    length, kind, _, _, _ = HEADER.unpack_from(data)
-    if kind == NLMSG_ERROR:
+    length, answer, _, _, _ = HEADER.unpack_from(data)
+    if answer == NLMSG_ERROR:
         code = -struct.unpack_from("=i", data, HEADER.size)[0]
         if code in (errno.ENOENT, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EINVAL):
             return None
-        raise OSError(code, f"netlink request {request[4:6].hex()}: {errno.errorcode.get(code, code)}")
+        raise OSError(code, f"netlink request {kind}: {errno.errorcode.get(code, code)}")
     return data[HEADER.size:length]
 
 
@@ -73,8 +75,7 @@ def route_type(address: str) -> str | None:
     ip = ipaddress.ip_address(address)
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     body = RTMSG.pack(family, ip.max_prefixlen, 0, 0, 0, 0, 0, 0, 0) + attr(RTA_DST, ip.packed)
-    request = HEADER.pack(HEADER.size + len(body), RTM_GETROUTE, NLM_F_REQUEST, 1, 0) + body
-    answer = _ask(socket.NETLINK_ROUTE, request)
+    answer = _ask(socket.NETLINK_ROUTE, RTM_GETROUTE, body)
     if answer is None:
         return None
     return HOST_ROUTE_TYPES.get(RTMSG.unpack_from(answer)[7])
@@ -87,15 +88,14 @@ def nat_destination(sock: socket.socket) -> str | None:
         return None
     local, remote = sock.getsockname(), sock.getpeername()
     ip = ipaddress.ip_address(remote[0])
-    src_kind, dst_kind = (CTA_IP_V6_SRC, CTA_IP_V6_DST) if ip.version == 6 else (CTA_IP_V4_SRC, CTA_IP_V4_DST)
+    family, src_kind, dst_kind = ((socket.AF_INET6, CTA_IP_V6_SRC, CTA_IP_V6_DST) if ip.version == 6 else
+                                  (socket.AF_INET, CTA_IP_V4_SRC, CTA_IP_V4_DST))
     tuple_ip = attr(src_kind, ipaddress.ip_address(local[0]).packed) + attr(dst_kind, ip.packed)
     tuple_proto = (attr(CTA_PROTO_NUM, bytes([socket.IPPROTO_TCP])) + attr(CTA_PROTO_SRC_PORT, struct.pack("!H", local[1]))
                    + attr(CTA_PROTO_DST_PORT, struct.pack("!H", remote[1])))
     orig = attr(CTA_TUPLE_IP | NLA_F_NESTED, tuple_ip) + attr(CTA_TUPLE_PROTO | NLA_F_NESTED, tuple_proto)
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     body = struct.pack("=BBH", family, 0, 0) + attr(CTA_TUPLE_ORIG | NLA_F_NESTED, orig)
-    request = HEADER.pack(HEADER.size + len(body), IPCTNL_MSG_CT_GET, NLM_F_REQUEST, 1, 0) + body
-    answer = _ask(NETLINK_NETFILTER, request)
+    answer = _ask(NETLINK_NETFILTER, IPCTNL_MSG_CT_GET, body)
     if answer is None:
         return None  # not tracked: nothing rewrote it
     reply = _attributes(_attributes(answer[4:]).get(CTA_TUPLE_REPLY, b""))

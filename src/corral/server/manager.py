@@ -304,9 +304,8 @@ class SandboxManager:
                     sandbox = await self._run_for(tenant, Sandbox.create, spec, state=self.root, snapshot=snapshot)
                 self.metrics.create_seconds.observe(time.perf_counter() - t0)
             now = time.time()
-            entry = (Entry(sandbox, tenant, now, now + life, idle, from_pool) if parents_lifetime is None else
-                     Entry(sandbox, tenant, now, parents_lifetime.expires_at, idle, from_pool,
-                           lifetime_start=parents_lifetime.start))
+            expires_at, start = parents_lifetime or Lifetime(now + life, now)
+            entry = Entry(sandbox, tenant, now, expires_at, idle, from_pool, lifetime_start=start)
             self._add(entry)
         finally:
             self._release(tenant, spec.limits.memory)
