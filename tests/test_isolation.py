@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -895,3 +896,8 @@ def test_write_back_goes_to_the_directory_given_not_where_a_swapped_path_leads(
         assert sb.commands.run("echo x > /workspace/planted").exit_code == 0
     assert list(root_only.iterdir()) == []
     assert (alice / "work.old" / "cron.d" / "planted").read_text() == "x\n"
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert str(alice / "work.old" / "cron.d") not in held  # the directory's descriptor went with it
