@@ -160,14 +160,9 @@ def test_unsafe_range_reenables_exactly_that_range(net: TargetNet) -> None:
         assert still.stdout == "403"
 
 
-def test_the_hosts_own_routes_and_nat_cannot_take_an_allowed_connection_inside(net: TargetNet) -> None:
-    """An allowed address the host takes for itself by a ``local`` route (AnyIP, a cloud's
-    forwarded load-balancer address; on no interface) reached the host's services, and one the
-    host's NAT rewrote on its output path (kube-proxy's external addresses) reached an internal
-    server: the policy had checked the address before the host's routing and NAT acted on it.
-    Now both are refused, and a NAT to an address the policy allows still works."""
-    third = random.randrange(1, 250)
-    local_ip, nat_refused, nat_allowed = f"11.{third}.77.7", f"11.{third}.77.9", f"11.{third}.77.10"
+def _host_service() -> tuple[ThreadingHTTPServer, list[str]]:
+    """A service of the host's on every address (as a host's own services listen), serving, and
+    the paths asked of it."""
     hits: list[str] = []
 
     class HostService(BaseHTTPRequestHandler):
@@ -182,8 +177,20 @@ def test_the_hosts_own_routes_and_nat_cannot_take_an_allowed_connection_inside(n
             pass
 
     service = ThreadingHTTPServer(("0.0.0.0", 0), HostService)
-    port = service.server_address[1]
     threading.Thread(target=service.serve_forever, daemon=True).start()
+    return service, hits
+
+
+def test_the_hosts_own_routes_and_nat_cannot_take_an_allowed_connection_inside(net: TargetNet) -> None:
+    """An allowed address the host takes for itself by a ``local`` route (AnyIP, a cloud's
+    forwarded load-balancer address; on no interface) reached the host's services, and one the
+    host's NAT rewrote on its output path (kube-proxy's external addresses) reached an internal
+    server: the policy had checked the address before the host's routing and NAT acted on it.
+    Now both are refused, and a NAT to an address the policy allows still works."""
+    third = random.randrange(1, 250)
+    local_ip, nat_refused, nat_allowed = f"11.{third}.77.7", f"11.{third}.77.9", f"11.{third}.77.10"
+    service, hits = _host_service()
+    port = service.server_address[1]
     table = f"crl_nat_{net.suffix}"
     nat = (f"table ip {table} {{ chain out {{ type nat hook output priority -100; "
            f"ip daddr {nat_refused} tcp dport 80 dnat to {net.other}:8080; "
@@ -234,20 +241,8 @@ def test_the_kernel_refuses_what_the_proxy_cannot_see_of_the_hosts_nat_and_routi
     third = random.randrange(1, 250)
     public, zoned, marked = f"11.{third}.78.30", f"11.{third}.78.31", f"11.{third}.78.32"
     table, route_table = f"crl_guard_{net.suffix}", str(net.table + 1)
-    hits: list[str] = []
-
-    class HostService(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            hits.append(self.path)
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    service = ThreadingHTTPServer(("0.0.0.0", 0), HostService)
+    service, hits = _host_service()
     port = service.server_address[1]
-    threading.Thread(target=service.serve_forever, daemon=True).start()
     host = f"""table ip {table} {{
       chain raw_out {{ type filter hook output priority raw; ip daddr {zoned} ct zone set 7; }}
       chain raw_pre {{ type filter hook prerouting priority raw; ip saddr {net.other} tcp sport 8080 ct zone set 7; }}
