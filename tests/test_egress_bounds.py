@@ -435,9 +435,41 @@ def test_a_request_head_dribbled_past_the_handshake_time_is_cut_and_audited(
 # -- the rate of new connections (``tunnel.ConnectionRate``) ----------------------------------
 #: tunnel.CONNECTION_RATE and CONNECTION_BURST, as docs/egress.md states them (checked below)
 RATE, BURST = 256.0, 512
-#: what one HTTP request through the proxy costs the owner's CPU at most, with room for a loaded
-#: host (0.07-0.2 ms a refused CONNECT measured here)
-CPU_PER_REQUEST = 0.4e-3
+
+#: one refused CONNECT after another, {n} of them; prints how many were answered 403
+REFUSED_ONE_BY_ONE = r"""
+import socket, sys
+answered = 0
+for _ in range(int(sys.argv[1])):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(b"CONNECT 169.254.169.254:80 HTTP/1.1\r\nHost: x\r\n\r\n")
+    answered += s.recv(64).startswith(b"HTTP/1.1 403")
+    s.close()
+print(answered)
+"""
+
+
+def _owner_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
+@pytest.fixture(scope="module")
+def refusal_cpu(net: TargetNet) -> float:
+    """What one refused CONNECT costs the owner's CPU on this host, now: the unit the CPU bounds
+    below are stated in.  Seconds of CPU differ between hosts (0.07-0.2 ms a refusal on the hosts
+    the bounds were first set on, 0.21 on a slower one, more beside a busy test worker), the
+    ratio of a bounded cost to a refusal's much less; what the bugs cost was 12-25 times the
+    bounds."""
+    with Sandbox.create(allow=[f"{net.target}:8080"], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
+        sb.files.write("/tmp/refused.py", REFUSED_ONE_BY_ONE)
+        costs = []
+        for _ in range(3):  # (the first round warms the proxy's threads: the median of three)
+            before = _owner_cpu()
+            r = sb.commands.run(["python3", "/tmp/refused.py", "100"], timeout=60)
+            costs.append((_owner_cpu() - before) / 100)
+            assert r.stdout.split() == ["100"], r
+        return sorted(costs)[1]
 
 #: one plain-HTTP request through the sandbox's relay (the scripts below run inside the sandbox)
 GET = r"""
@@ -453,11 +485,17 @@ def get(target, timeout):
 """
 
 #: {n} plain-HTTP GETs of http://{target}/ through the proxy, {workers} at a time, each on a
-#: connection of its own (the proxy makes every request one); prints how many were answered 200,
+#: connection of its own (the proxy makes every request one), while a process of its own opens
+#: {bare} connections one after another that send nothing; prints how many were answered 200,
 #: the first failures, and the seconds it took
 REQUESTS = GET + r"""
-import json, sys, threading, time
-target, n, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+import json, os, socket, sys, threading, time
+target, n, workers, bare = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+opener = os.fork() if bare else -1
+if opener == 0:
+    for _ in range(bare):
+        socket.create_connection(("127.0.0.1", 3128), timeout=30).close()
+    os._exit(0)
 lock, left, ok, failed = threading.Lock(), [n], [0], []
 def work():
     while True:
@@ -480,12 +518,14 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
+if opener > 0:
+    os.waitpid(opener, 0)
 print(json.dumps({"ok": ok[0], "failed": failed[:5], "seconds": time.monotonic() - start}))
 """
 
 
-def _requests(sb: Sandbox, target: str, n: int, workers: int = 16) -> dict[str, Any]:
-    r = sb.commands.run(["python3", "/tmp/requests.py", target, str(n), str(workers)], timeout=120)
+def _requests(sb: Sandbox, target: str, n: int, workers: int = 16, bare: int = 0) -> dict[str, Any]:
+    r = sb.commands.run(["python3", "/tmp/requests.py", target, str(n), str(workers), str(bare)], timeout=120)
     assert r.exit_code == 0, r.stderr
     found: dict[str, Any] = json.loads(r.stdout)
     return found
@@ -507,16 +547,18 @@ def test_a_burst_within_the_connection_budget_goes_at_once_and_past_it_waits_unr
         assert burst["ok"] == 400, burst
         assert _rate_events(sb) == []  # nothing waited
         # past the budget: whatever it had left (512 less the 400, plus what came back since)
-        # goes at once, the rest at 256 a second
-        past = _requests(sb, target, 1000)
+        # goes at once, the rest at 256 a second.  Connections that send nothing, opened beside
+        # the requests, spend the budget faster than the rate also where the host is too slow or
+        # too busy for 256 requests a second (such a host's CI ran 1,000 of them in 3.7 s)
+        past = _requests(sb, target, 1000, bare=1000)
         assert past["ok"] == 1000, past  # none refused
         assert past["seconds"] >= (1000 - BURST) / RATE * 0.9, past
         events = _rate_events(sb)
-        assert [(e.rule, e.protocol) for e in events] == [("connection-rate", "proxy")], events
-        # each past what was left waits (16 at a time: always one is queued); under load fewer do,
+        assert [(e.rule, e.protocol) for e in events] == [("connection-rate", "proxy")], (events, past)
+        # each past what was left waits (17 at a time: always one is queued); under load fewer do,
         # an accept thread that wakes late letting through unheld the tokens of the time it slept
         held = int(events[0].destination.split()[0])
-        assert (1000 - BURST) * 0.25 <= held <= 1000, events
+        assert (1000 - BURST) * 0.25 <= held <= 2000, events
         assert not [e for e in sb.network.audit() if e.kind == "refused"]
     from corral.egress import tunnel
 
@@ -610,14 +652,16 @@ def flood(net: TargetNet) -> dict[str, Any]:
 
 
 def test_a_flood_of_refused_requests_is_held_to_the_rate_and_costs_the_owner_a_bounded_cpu(
-        flood: dict[str, Any]) -> None:
+        flood: dict[str, Any], refusal_cpu: float) -> None:
     """8,000-11,000 refused CONNECTs a second from one sandbox cost the owner (its proxy, which no
     cgroup bounds) 2.9-3.5 s of CPU in 5 s, charged to no sandbox.  Now its proxy takes in its
     connections at the rate and leaves the rest queued in the kernel: a bounded number, at a
     bounded cost; another sandbox's requests meanwhile are all answered, promptly."""
     allowed = BURST + RATE * flood["seconds"]  # ~1,950 requests
-    # what it may cost: that many requests, and the other sandbox's ~100 (~0.86 s; 0.35-0.39 s measured)
-    assert flood["cpu"] <= (allowed + 200) * CPU_PER_REQUEST, (flood["cpu"], flood["refusals"])
+    # what it may cost: that many refusals and the other sandbox's ~100 requests (a request through
+    # to the target costs ~6 refusals), with room for a loaded host: 4 times (here 1.3-1.9 times)
+    bound = (allowed + 100 * 6) * refusal_cpu * 4
+    assert flood["cpu"] <= bound, (flood["cpu"], bound, refusal_cpu, flood["refusals"])
     assert flood["refusals"] <= allowed, flood["refusals"]
     assert flood["answered"] <= flood["refusals"]
     assert flood["answered"] >= RATE * FLOOD_SECONDS * 0.5  # (the flood did flood)
@@ -657,23 +701,24 @@ print(sent)
 """
 
 
-def test_a_head_dribbled_a_byte_at_a_time_costs_the_owner_little_cpu(net: TargetNet) -> None:
+def test_a_head_dribbled_a_byte_at_a_time_costs_the_owner_little_cpu(net: TargetNet, refusal_cpu: float) -> None:
     """Each piece of a request head cost the owner a read and a copy and a search of all it had
     read so far: a head dribbled a byte at a time, up to the 64 KiB a head may have, cost the
     owner CPU that grew with the square of its length (helper 68's probe: 200 connections
     dribbling for 10 s took 0.96 s of the owner's CPU).  Now only what is new is searched, and a
-    head that comes in small pieces is read in fewer, bigger ones."""
+    head that comes in small pieces is read in fewer, bigger ones (here ~2,700 refusals' worth of
+    CPU, against ~25 times that before)."""
     target = f"{net.target}:8080"
     with Sandbox.create(allow=[target], unsafe_allow_ranges=[f"{net.target}/32"]) as sb:
         sb.files.write("/tmp/dribble.py", DRIBBLE)
-        before = resource.getrusage(resource.RUSAGE_SELF)
+        before = _owner_cpu()
         r = sb.commands.run("python3 /tmp/dribble.py 64 4", timeout=60)
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = _owner_cpu() - before
         assert r.exit_code == 0, r
         sent = int(r.stdout)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         assert sent > 64 * 1000, r.stdout  # (it did dribble: ~1,000 bytes a connection at least)
-        assert cpu < 0.5, f"the owner spent {cpu:.2f} s of CPU on {sent} dribbled bytes"
+        assert cpu < 8000 * refusal_cpu, f"the owner spent {cpu:.2f} s of CPU on {sent} dribbled bytes " \
+            f"({cpu / refusal_cpu:.0f} refusals' worth)"
         # the allowed direction: a whole head at once is answered at once
         ok = sb.commands.run(f"curl -s -o /dev/null -w '%{{http_code}}' -x http://127.0.0.1:3128 http://{target}/")
         assert ok.stdout == "200", ok
