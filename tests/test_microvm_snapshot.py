@@ -39,6 +39,7 @@ from corral.snapshots import DIRECTORY, SnapshotStore
 from .leaks import sandbox_leftovers
 from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
+from .test_microvm import STOP_THE_AGENT
 from .tier_probe import skip_unless_tier
 
 #: a long-lived Python process (working directory /tmp: /workspace is unmounted for a moment
@@ -63,8 +64,11 @@ for _ in range(600):
         conn = socket.socket(socket.AF_UNIX)
         conn.connect("/tmp/vs-holder.sock")
         break
-    except OSError:
+    except OSError as exc:
+        why = exc
         time.sleep(0.05)
+else:
+    raise SystemExit(f"the holder did not answer in 30 s: {why}")
 print(conn.recv(300).decode())
 print(open("/proc/sys/kernel/random/boot_id").read().strip(), os.urandom(32).hex(), socket.gethostname(),
       open("/etc/machine-id").read().strip(), open("/workspace/w.txt").read())
@@ -378,10 +382,6 @@ def test_a_command_copied_into_a_fork_or_a_snapshots_sandbox_ends_at_its_timeout
             Sandbox.delete_snapshot(snap.id)
 
 
-#: the guest agent's pid, found by its virtio-serial port (what a guest root can do)
-AGENT_PID = "for p in /proc/[0-9]*; do [ \"$(readlink $p/fd/1)\" = /dev/vport0p1 ] && echo ${p#/proc/}; done"
-
-
 def test_a_copied_command_that_stops_the_copys_agent_stops_the_copy_at_its_timeout(state_dir: Path) -> None:
     """A command run as guest root can SIGSTOP the guest's agent, which writes a command's kill: the
     host then stops the VM KILL_GRACE after the kill (test_microvm.py).  A fork holds such a command
@@ -407,7 +407,7 @@ def test_a_copied_command_that_stops_the_copys_agent_stops_the_copy_at_its_timeo
     sb = Sandbox.create(tier="microvm", memory="256M", user="root")
     copies: list[Sandbox] = []
     try:
-        handle = sb.commands.start(["sh", "-c", f"sleep 6; kill -STOP $({AGENT_PID}); sleep 1000"],
+        handle = sb.commands.start(["sh", "-c", f"sleep 6; {STOP_THE_AGENT}; sleep 1000"],
                                    timeout=timeout, cwd="/tmp")
         started = time.monotonic()
         copies = sb.fork(1)
