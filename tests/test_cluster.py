@@ -376,7 +376,8 @@ def test_a_hosts_memory_for_output_is_bounded_and_given_back(cluster: LocalClust
 
 
 def test_a_hosts_output_bound_drops_and_says_so(state_dir: Path) -> None:
-    from corral.cluster.node.host import Budget, NodeHost
+    from corral.cluster.node.command_output import Budget
+    from corral.cluster.node.host import NodeHost
     from corral.spec import SandboxSpec
     from corral.transport import CommandCall, CreateOptions
 
@@ -384,8 +385,8 @@ def test_a_hosts_output_bound_drops_and_says_so(state_dir: Path) -> None:
     host.buffers = Budget(3 << 20)  # the whole host's, for its commands' output not yet polled
     try:
         sandbox_id, _ = host.create(CreateOptions(SandboxSpec.from_dict({"limits": {"max_output": "2M"}}), {}, None))
-        def ended(handle: int) -> None:
-            assert wait_until(lambda: host.poll(sandbox_id, handle, 0, 0.0, False).done, 20, every=0.1)
+        def ended(handle: int) -> None:  # (a poll that saw the end would hand its result out)
+            assert wait_until(lambda: host._command(sandbox_id, handle).ended_at is not None, 20, every=0.1)
 
         # two at once, 4 MiB each: each is kept up to max_output, both up to the host's bound
         handles = [host.start(sandbox_id, CommandCall("head -c 4M /dev/zero"), None, True)[0] for _ in range(2)]
@@ -408,10 +409,59 @@ def test_a_hosts_output_bound_drops_and_says_so(state_dir: Path) -> None:
         host.shutdown()
 
 
+def test_a_hosts_ended_results_are_let_go_of_once_handed_out_and_bounded_per_sandbox(state_dir: Path) -> None:
+    """An ended command's result (its output up to max_output) was kept whole for 60 s after
+    its end, handed out or not, beside its process's copy of the output, charged to nothing: a
+    sandbox's 8 commands held 1.5 GB of the host actor.  Now a result handed out keeps no output,
+    the process's copy goes at the end, and results nobody came for are kept up to twice the
+    sandbox's max_output together (the newest)."""
+    from corral.cluster.node.command_output import EndedProcess
+    from corral.cluster.node.host import NodeHost
+    from corral.spec import SandboxSpec
+    from corral.transport import CommandCall, CreateOptions
+
+    host = NodeHost("test-node-results", 2, state=str(state_dir), janitor_interval=60)
+    four_mib = "head -c 4M /dev/zero | tr '\\0' a"
+    try:
+        sandbox_id, _ = host.create(CreateOptions(SandboxSpec.from_dict({"limits": {"max_output": "4M"}}), {}, None))
+
+        def to_its_end(handle: int) -> Any:  # as a caller's run() polls: output, then the result
+            cursor, deadline = 0, time.monotonic() + 60
+            while time.monotonic() < deadline:
+                poll = host.poll(sandbox_id, handle, cursor, 1.0)
+                cursor = poll.cursor
+                if poll.done:
+                    return poll
+            raise AssertionError("the command did not end")
+
+        # handed out: each caller gets the whole result, and the host keeps none of it
+        for _ in range(6):
+            handle, pid = host.start(sandbox_id, CommandCall(four_mib), None, False)
+            result = to_its_end(handle).result
+            assert result.stdout == "a" * (4 << 20) and result.exit_code == 0 and not result.truncated
+            assert host.load()["kept"] == 0
+            assert isinstance(host._command(sandbox_id, handle).process, EndedProcess)  # its copy is gone
+        # found again by pid after it was handed out: the end, without the output, and says so
+        again = to_its_end(host.attach(sandbox_id, pid)).result
+        assert (again.exit_code, again.stdout, again.truncated) == (0, "", True)
+        # not handed out: the newest two (8 MiB of output, twice max_output) are kept whole
+        handles = []
+        for _ in range(4):
+            handles.append(host.start(sandbox_id, CommandCall(four_mib), None, True)[0])
+            assert wait_until(lambda: host._command(sandbox_id, handles[-1]).ended_at is not None, 30, every=0.1)
+        assert host.load()["kept"] == 8 << 20
+        results = [to_its_end(handle).result for handle in handles]
+        assert [(len(r.stdout), r.truncated) for r in results] == [(0, True), (0, True), (4 << 20, False),
+                                                                   (4 << 20, False)]
+        assert all(r.exit_code == 0 for r in results) and host.load()["kept"] == 0
+    finally:
+        host.shutdown()
+
+
 def test_output_kept_for_pollers_is_a_prefix_cut_to_the_byte_never_holed() -> None:
     """A chunk that did not fit whole was dropped and a smaller one after it kept: a poller got
     output with a hole in it (and the suite's 4 MiB command kept 2 MiB less 12 KiB of 2 MiB)."""
-    from corral.cluster.node.host import Budget, Command
+    from corral.cluster.node.command_output import Budget, Command
 
     command = Command(limit=100_000, budget=Budget(1 << 20))
     sent = bytes(range(256)) * 1000

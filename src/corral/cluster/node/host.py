@@ -15,10 +15,8 @@ cluster needs:
   reaps sandboxes whose owner died (a host actor of this machine that was killed with its node);
 - **commands as long polls**: output is kept per command until it is handed out from a cursor,
   so the caller streams it with a few round trips, and a background command is found again by
-  pid.  What is kept waiting for a poller is bounded per command (its sandbox's ``max_output``
-  per stream) and for the whole host (MAX_HOST_BUFFERED): it is the host actor's memory, outside
-  every sandbox's cgroup.  Past either, the rest of that stream is dropped (the poll says ``truncated``; the
-  command's result still has its output, up to ``max_output``).
+  pid.  What is kept, for pollers and of results, is bounded (:mod:`.command_output`): it is the
+  host actor's memory, outside every sandbox's cgroup.
 
 Every method answers plain data (dataclasses of :mod:`corral.tiers.base` and
 :mod:`corral.transport`) or raises :mod:`corral.errors`.
@@ -35,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ClusterFull, InvalidSpec, SandboxNotFound
 from ...host.heap import return_free_memory
 from ...lifecycle import SandboxInfo, matches
-from ...local_backend import LocalBackend, LocalProcess
+from ...local_backend import LocalBackend
 from ...local_transport import LocalTransport
 from ...pool import PoolSet, host_memory
 from ...registry import gc, state_dir
 from ...tiers.base import ExecResult, FileEntry
 from ...transport import CommandCall, CreateOptions
+from .command_output import FORGET_AFTER, MAX_BUFFERED, MAX_HOST_BUFFERED, Budget, Command, Poll, bound_kept_results
 
 if TYPE_CHECKING:
     from ...commands import CommandInfo
@@ -54,142 +53,8 @@ DEFAULT_IDLE_TIMEOUT = 600.0
 REAP_INTERVAL = 0.5
 #: how often the registry's janitor runs (sandboxes of dead owners on this machine)
 JANITOR_INTERVAL = 2.0
-#: an ended command's output and result stay this long for late pollers
-FORGET_AFTER = 60.0
-#: output kept per command and stream for pollers, at most (and at most its sandbox's max_output);
-#: past it, chunks are dropped (the result still has the output)
-MAX_BUFFERED = 64 << 20
-#: output kept for pollers by all the commands of one host together
-MAX_HOST_BUFFERED = 256 << 20
 #: for this long after output was let go of, the reaper hands free heap memory back to the node
 TRIM_FOR = 5.0
-
-
-class Budget:
-    """Bytes of output a host holds for pollers, across its commands, up to ``limit``."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        #: when output was last let go of (monotonic): the host's heap is trimmed for a while after
-        self.freed_at = 0.0
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> int:
-        """Up to ``size`` bytes of the bound (what is left of it): how many were granted."""
-        with self._lock:
-            granted = max(0, min(size, self.limit - self.held))
-            self.held += granted
-            return granted
-
-    def give(self, size: int) -> None:
-        with self._lock:
-            self.held -= size
-
-
-@dataclass
-class Command:
-    """A command started through the host: its output not yet polled, for pollers."""
-
-    #: set right after the start (output may arrive before it is)
-    process: LocalProcess = field(default=None)  # type: ignore[assignment]
-    #: output not handed out yet; the first is chunk number ``base`` of the command's output
-    chunks: list[tuple[str, bytes]] = field(default_factory=list)
-    base: int = 0
-    #: bytes held per stream, at most ``limit`` each
-    held: dict[str, int] = field(default_factory=dict)
-    limit: int = MAX_BUFFERED
-    #: the host's, shared by its commands
-    budget: Budget | None = None
-    #: some output was dropped, not kept for pollers
-    truncated: bool = False
-    #: the streams that output was dropped from (nothing more of them is kept)
-    cut: set[str] = field(default_factory=set)
-    result: ExecResult | None = None
-    error: BaseException | None = None
-    changed: threading.Condition = field(default_factory=threading.Condition)
-    #: when it ended (monotonic): ended commands are forgotten after FORGET_AFTER
-    ended_at: float | None = None
-    forgotten: bool = False
-
-    def feed(self, stream: str, data: bytes) -> None:
-        """Keep what fits of ``data`` for pollers.  A stream cut once keeps nothing after: a
-        poller gets a prefix of it, never output with a hole (a chunk that did not fit whole
-        was dropped and a smaller one after it kept)."""
-        with self.changed:
-            if self.forgotten:
-                return
-            held = self.held.get(stream, 0)
-            room = 0 if stream in self.cut else max(0, self.limit - held)
-            keep = len(data) if room >= len(data) else room
-            if keep and self.budget is not None:
-                keep = self.budget.take(keep)
-            if keep:
-                self.chunks.append((stream, data if keep == len(data) else data[:keep]))
-                self.held[stream] = held + keep
-            if keep < len(data):
-                self.truncated = True
-                self.cut.add(stream)
-            self.changed.notify_all()
-
-    @property
-    def end(self) -> int:
-        """The number of the chunk after the last one kept."""
-        return self.base + len(self.chunks)
-
-    def drop(self, upto: int) -> None:
-        """Let go of the chunks before number ``upto`` (handed out); the caller holds ``changed``."""
-        gone = self.chunks[:max(0, upto - self.base)]
-        if not gone:
-            return
-        del self.chunks[:len(gone)]
-        self.base += len(gone)
-        for stream, data in gone:
-            self.held[stream] -= len(data)
-        if self.budget is not None:
-            self.budget.give(sum(len(data) for _, data in gone))
-
-    def forget(self) -> None:
-        """Let go of everything it holds (its sandbox was destroyed, or nobody came for it)."""
-        with self.changed:
-            self.forgotten = True
-            self.drop(self.end)
-            self.result = self.error = None  # (an error's traceback holds the frames that raised it)
-            if self.ended_at is not None:
-                # the process (and the output it kept for the result) and this command hold each
-                # other (its output callback): a cycle Python frees only at its next collection
-                self.process = None  # type: ignore[assignment]
-            self.changed.notify_all()
-        if self.budget is not None:
-            self.budget.freed_at = time.monotonic()
-
-    def finish(self) -> None:
-        try:
-            result = self.process.wait()
-        except BaseException as exc:  # handed to the poller, raised there
-            with self.changed:
-                self.error, self.ended_at = exc, time.monotonic()
-                self.changed.notify_all()
-        else:
-            with self.changed:
-                self.result, self.ended_at = result, time.monotonic()
-                self.changed.notify_all()
-            del result
-        if self.forgotten:  # its sandbox was destroyed: nobody will poll it
-            self.forget()
-
-
-@dataclass
-class Poll:
-    """What a poll hands back: new output from the cursor, the pid once known, the end."""
-
-    chunks: list[tuple[str, bytes]]
-    cursor: int
-    pid: int | None
-    done: bool
-    result: ExecResult | None
-    #: output was dropped before it was polled (the host's or the command's bound)
-    truncated: bool = False
 
 
 @dataclass
@@ -240,7 +105,8 @@ class NodeHost:
         pool = next((p for p in self._pools.pools() if p.key == key), None) if key else None
         return {"node_id": self.node_id, "slots": self.slots, "used": used, "free": max(0, self.slots - used),
                 "free_memory": max(0, host_memory() - promised), "warm": pool.idle_count() if pool else 0,
-                "waiting": waiting, "buffered": self.buffers.held}
+                "waiting": waiting, "buffered": self.buffers.held,
+                "kept": sum(c.kept for e in list(self._entries.values()) for c in list(e.commands.values()))}
 
     # -- create / destroy -------------------------------------------------------------
     def _reserve(self, wait: float) -> None:
@@ -370,6 +236,8 @@ class NodeHost:
         def finish() -> None:
             try:
                 command.finish()
+                # twice: a result holds up to max_output of each stream
+                bound_kept_results(list(entry.commands.values()), 2 * entry.backend.spec.limits.max_output)
             finally:
                 self._use(entry, -1)
 
@@ -395,6 +263,8 @@ class NodeHost:
                 command.drop(new_cursor)
             result, error, truncated = command.result, command.error, command.truncated
             pid = command.process.pid if command.process is not None else None
+            if result is not None:
+                command.let_go_of_output()  # handed out (the object handed out stays whole)
         if error is not None:
             raise error
         return Poll(chunks, new_cursor, pid, result is not None, result, truncated)
