@@ -436,8 +436,9 @@ def test_a_hosts_ended_results_are_let_go_of_once_handed_out_and_bounded_per_san
 
         # handed out: each caller gets the whole result, and the host keeps none of it
         for _ in range(6):
-            handle, pid = host.start(sandbox_id, CommandCall(four_mib), None, False)
-            result = to_its_end(handle).result
+            handle = host.start(sandbox_id, CommandCall(four_mib), None, False)[0]
+            end = to_its_end(handle)
+            result, pid = end.result, end.pid
             assert result.stdout == "a" * (4 << 20) and result.exit_code == 0 and not result.truncated
             assert host.load()["kept"] == 0
             assert isinstance(host._command(sandbox_id, handle).process, EndedProcess)  # its copy is gone
