@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -281,3 +282,190 @@ def test_the_link_bounds_connections_the_wait_for_a_request_and_unfinished_reque
         out = subprocess.run([sys.executable, "-c", LINK_CALL, sb.id], capture_output=True, text=True,
                              timeout=60, env=os.environ.copy())
         assert out.stdout.strip() == str(6 << 20), out.stderr[-2000:]
+
+
+# -- ports forwarded through the link -------------------------------------------------------
+PORTS_CALLER = """
+import json, sys
+from corral import Sandbox
+from corral.errors import ResourceLimit
+sb = Sandbox.connect(sys.argv[1])
+held = []
+for line in sys.stdin:
+    what, *rest = line.split()
+    if what == "expose":
+        held.append(sb.ports.expose(8000, local_users=rest))
+        said = held[-1].port
+    elif what == "close":
+        sb.ports.close(held.pop())
+        said = [e.port for e in sb.ports.list()]
+    elif what == "churn":
+        for _ in range(int(rest[0])):
+            sb.ports.close(sb.ports.expose(8000))
+        said = len(sb.ports.list())
+    else:  # fill: expose until refused
+        try:
+            while len(held) < 100:
+                held.append(sb.ports.expose(8000))
+            said = ["none refused", len(held)]
+        except ResourceLimit as exc:
+            said = [len(sb.ports.list()), str(exc)]
+    print(json.dumps(said), flush=True)
+"""
+
+
+class PortsCaller:
+    """Another process driving ``sb.ports`` through the owner link, one step per line."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", PORTS_CALLER, sandbox_id], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+
+    def __call__(self, step: str) -> Any:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(step + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        assert line, f"the caller died at {step!r}"
+        return json.loads(line)
+
+    def end(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def _served_to_nobody(port: int) -> bytes:
+    from .server_fixtures import reply_as_user
+
+    return reply_as_user(65534, port, b"GET /index.html HTTP/1.0\r\n\r\n", whole=True)
+
+
+def _refused_here(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def _serving(sb: Sandbox) -> None:
+    sb.commands.start("cd /tmp && echo served > index.html && exec python3 -m http.server 8000 --bind 127.0.0.1",
+                      timeout=120)
+    assert wait_until(lambda: sb.commands.run("python3 -c \"import socket; socket.create_connection(('127.0.0.1', "
+                                              "8000))\"", timeout=10).exit_code == 0)
+
+
+def test_a_forward_closed_through_the_link_is_closed_in_its_owner() -> None:
+    """Another user (uid 65534, let in by ``local_users``) reads the sandbox's server through a
+    forward a connected process made, until that process closes it: then the listener is gone from
+    the owner (refused).  A forward the caller leaves open closes with the sandbox.  Before: the
+    close did nothing over the link, and uid 65534 still read the server after it."""
+    sb = Sandbox.create()
+    caller = PortsCaller(sb.id)
+    try:
+        _serving(sb)
+        shared = int(caller("expose nobody"))
+        kept = int(caller("expose"))
+        assert _served_to_nobody(shared).endswith(b"served\n")  # the allowed direction
+        assert caller("close") == [shared]  # (the last one made is closed: `kept`)
+        assert caller("close") == []
+        assert _served_to_nobody(shared) == b"" and _refused_here(shared) and _refused_here(kept)
+        left_open = int(caller("expose nobody"))
+        assert _served_to_nobody(left_open).endswith(b"served\n")
+    finally:
+        caller.end()
+        sb.kill()
+    assert _refused_here(left_open)  # closed with its sandbox
+
+
+def _owner_holds() -> tuple[int, int]:
+    """This process's threads and descriptors."""
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+def test_forwards_through_the_link_are_bounded_per_sandbox_and_closed_ones_cost_nothing() -> None:
+    """300 expose+close through the link leave the owner's threads and descriptors as they were
+    (before: +303 threads, +605 descriptors, 301 listeners); a sandbox keeps at most
+    MAX_LINK_FORWARDS open through its link (past it: ResourceLimit), and closing one makes room."""
+    with Sandbox.create() as sb:
+        caller = PortsCaller(sb.id)
+        try:
+            assert caller("churn 1") == 0  # the first forward makes the sandbox's connector (a thread, kept)
+            threads, descriptors = _owner_holds()
+            assert caller("churn 300") == 0
+            grew = [a - b for a, b in zip(_owner_holds(), (threads, descriptors), strict=True)]
+            assert grew[0] <= 2 and grew[1] <= 4, f"threads, descriptors grew by {grew}"
+            said = caller("fill")
+            assert isinstance(said, list) and said[0] == owner_link.MAX_LINK_FORWARDS, said
+            assert "already has 16 ports forwarded" in said[1]
+            assert len(caller("close")) == owner_link.MAX_LINK_FORWARDS - 1
+            _serving(sb)
+            again = int(caller("expose"))
+            assert wait_until(lambda: not _refused_here(again))
+        finally:
+            caller.end()
+
+
+# -- callers gone from a running command ----------------------------------------------------
+ATTACHER = """
+import sys
+from corral import Sandbox
+sb = Sandbox.connect(sys.argv[1])
+if sys.argv[2] == "attach":
+    h = sb.commands.connect(int(sys.argv[3]))
+else:
+    h = sb.commands.run("sleep 120", background=True, timeout=120)
+print("attached", h.pid, flush=True)
+r = h.wait()
+print("ended", r.exit_code, flush=True)
+"""
+
+
+def _attach(sandbox_id: str, how: str, pid: int = 0) -> subprocess.Popen[str]:
+    caller = subprocess.Popen([sys.executable, "-c", ATTACHER, sandbox_id, how, str(pid)], stdout=subprocess.PIPE,
+                              text=True, env=os.environ.copy())
+    assert caller.stdout is not None
+    said = caller.stdout.readline().split()
+    assert said[:1] == ["attached"], said
+    return caller
+
+
+def _link_threads() -> int:
+    """Threads of the link's calls (the follower of a call's controls was unnamed before)."""
+    return len([t for t in threading.enumerate()
+                if (t.name.startswith("corral-owner-") and t.name != "corral-owner-link") or "_follow_controls" in t.name])
+
+
+def _sockets() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def test_callers_killed_while_attached_to_a_command_leave_the_owner_as_it_was() -> None:
+    """Callers that attached to a running command (``commands.connect(pid)``) or started one in the
+    background over the link, then were SIGKILLed: within seconds the owner holds none of their
+    threads or connections, the commands run on, and a new caller attaches and gets the result.
+    Before: 20 killed attachers held 65 threads and 21 connections of the owner until the command
+    ended (128 of them would have made every later call ResourceLimit)."""
+    with Sandbox.create() as sb:
+        pid = sb.commands.run("sleep 120", background=True, timeout=120).pid
+        assert pid is not None
+        threads, sockets = _link_threads(), _sockets()
+        callers = [_attach(sb.id, "attach", pid) for _ in range(12)] + [_attach(sb.id, "start") for _ in range(4)]
+        try:
+            assert _link_threads() >= threads + 16  # (what they hold while attached)
+        finally:
+            for caller in callers:
+                caller.kill()
+                caller.wait()
+        assert wait_until(lambda: _link_threads() == threads and _sockets() == sockets, timeout=5), \
+            f"threads {_link_threads()} (was {threads}), sockets {_sockets()} (was {sockets})"
+        running = {c.pid for c in sb.commands.list()}
+        assert pid in running and len(running) == 5, running  # theirs run on: the owner's now
+        caller = _attach(sb.id, "attach", pid)
+        try:
+            sb.commands.kill(pid)
+            assert caller.communicate(timeout=30)[0].split() == ["ended", "137"]  # killed (SIGKILL)
+        finally:
+            caller.kill()
+            caller.wait()

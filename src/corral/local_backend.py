@@ -37,6 +37,7 @@ from .transport import CommandCall, CommandProcess, OutputCallback, SandboxBacke
 if TYPE_CHECKING:
     from .egress.audit import AuditEvent
     from .execution import Execution
+    from .host.portfwd import PortForward
     from .interpreter import CodeInterpreter
 
 
@@ -56,6 +57,10 @@ class LocalProcess(CommandProcess):
         self._sandbox_id = sandbox_id
         self._redactor = redactor
         self._stream = stream
+        #: set once a wait for the command returned; who is told then (see on_end)
+        self._ended = False
+        self._end_listeners: list[Callable[[], None]] = []
+        self._end_lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:  # type: ignore[override]
@@ -83,9 +88,42 @@ class LocalProcess(CommandProcess):
     def resize(self, rows: int, cols: int) -> None:
         self._process.resize(rows, cols)
 
+    def on_end(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` once the command has ended and been waited for (every command is:
+        by its ``run``, or by a thread of its own), at once if it has; returns what takes
+        ``listener`` back (one who stops waiting for the command leaves nothing behind)."""
+        with self._end_lock:
+            if not self._ended:
+                self._end_listeners.append(listener)
+                return lambda: self._forget(listener)
+        listener()
+        return lambda: None
+
+    def _forget(self, listener: Callable[[], None]) -> None:
+        with self._end_lock, contextlib.suppress(ValueError):
+            self._end_listeners.remove(listener)
+
+    def _waited(self) -> None:
+        with self._end_lock:
+            self._ended = True
+            listeners, self._end_listeners = self._end_listeners, []
+        for listener in listeners:
+            listener()
+
+    def wait_quietly(self) -> None:
+        """Wait for the command's end, leaving what it ended with to its caller's own ``wait``."""
+        try:
+            with contextlib.suppress(Exception):
+                self._process.wait()
+        finally:
+            self._waited()
+
     def wait(self, on_output: OutputCallback | None = None) -> ExecResult:
         with host_errors("wait for a command", self._sandbox_id):
-            result = self._process.wait()
+            try:
+                result = self._process.wait()
+            finally:
+                self._waited()
         if self._stream is not None:
             self._stream.flush()
         if self._redactor is not None:
@@ -175,8 +213,9 @@ class LocalBackend(SandboxBackend):
                 started(process)
             return run_to_its_end(process, stdin)
         except BaseException:
-            if not process.done:  # not waited for after all (its stdin refused, the caller interrupted)
-                _wait_in_the_background(process)
+            # maybe not waited for after all (its stdin refused, the caller interrupted): a thread
+            # does (at once if it has ended), so its end is accounted and those attached are told
+            _wait_in_the_background(process)
             raise
 
     def start(self, call: CommandCall, on_output: OutputCallback | None, stdin_closed: bool = False,
@@ -414,9 +453,13 @@ class LocalBackend(SandboxBackend):
         return 0 if network is None else network.refused_count()
 
     def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
-        with host_errors("expose a port", self.id):
-            forward = self.tier_sandbox().expose_port(port, unix=unix, other_users=other_users)
+        forward = self.forward_port(port, unix, other_users)
         return ExposedPort.of(forward), forward.close
+
+    def forward_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> PortForward:
+        """The forward itself (the owner link keeps it, to close it for another process)."""
+        with host_errors("expose a port", self.id):
+            return self.tier_sandbox().expose_port(port, unix=unix, other_users=other_users)
 
     def snapshot(self, tenant: str | None = None, check: Callable[[int], None] | None = None) -> Snapshot:
         """Snapshot the sandbox's files into this state directory's store (owned by ``tenant``;
@@ -465,10 +508,4 @@ def start_inner(root: Path, spec: SandboxSpec, sandbox_id: str, seed: tuple[Path
 def _wait_in_the_background(process: LocalProcess) -> None:
     """A thread that waits for a command nobody else may wait for: its timeout ends it, and its end
     is accounted (see ``LocalBackend.start``)."""
-    threading.Thread(target=_wait_quietly, args=(process._process,), name="corral-command-end", daemon=True).start()
-
-
-def _wait_quietly(process: Process) -> None:
-    # what it ended with is its caller's to read, from its own wait() (which raises it again)
-    with contextlib.suppress(Exception):
-        process.wait()
+    threading.Thread(target=process.wait_quietly, name="corral-command-end", daemon=True).start()

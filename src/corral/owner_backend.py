@@ -320,8 +320,15 @@ class OwnerBackend(SandboxBackend):
         return [AuditEvent(**event) for event in self._call("audit")]
 
     def expose_port(self, port: int, unix: bool, other_users: Sequence[int] = ()) -> tuple[ExposedPort, Callable[[], None]]:
-        exposed = self._call("expose_port", port=port, unix=unix, other_users=list(other_users))
-        return ExposedPort(**exposed), lambda: None
+        answer = self._call("expose_port", port=port, unix=unix, other_users=list(other_users), closable=True)
+        if "forward" not in answer:  # an owner of an older version: its forwards close with the sandbox only
+            return ExposedPort(**answer), lambda: None
+        forward_id = int(answer["forward"])
+        return ExposedPort(**answer["port"]), lambda: self._close_port(forward_id)
+
+    def _close_port(self, forward_id: int) -> None:
+        with contextlib.suppress(SandboxNotFound):  # the sandbox is gone, and its forwards with it
+            self._call("close_port", forward=forward_id)
 
     def snapshot(self) -> Snapshot:
         from .snapshots import Snapshot

@@ -36,6 +36,8 @@ import atexit
 import base64
 import collections
 import contextlib
+import functools
+import itertools
 import json
 import os
 import socket
@@ -46,14 +48,16 @@ from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound, StdinNotTaken
+from .errors import ConnectionLost, InvalidSpec, ResourceLimit, SandboxError, SandboxNotFound, StdinNotTaken
 from .host.sockets import bind_private
 from .lifecycle import LIVE
+from .ports import ExposedPort
 from .spec import validate_user
 from .transport import CommandCall, CommandProcess
 
 if TYPE_CHECKING:
-    from .local_backend import LocalBackend
+    from .host.portfwd import PortForward
+    from .local_backend import LocalBackend, LocalProcess
 
 #: a request line (a file written through the link is in it, base64): a server's upload cap
 MAX_REQUEST = 96 << 20
@@ -374,7 +378,8 @@ def serve_call(backend: LocalBackend, op: str, args: dict[str, Any], conn: socke
         "remove_code_context": lambda: backend.remove_code_context(str(args["name"])),
         "audit": lambda: [event.to_dict() for event in backend.audit()],
         "expose_port": lambda: _expose(backend, int(args["port"]), bool(args["unix"]),
-                                       [int(uid) for uid in args.get("other_users", ())]),
+                                       [int(uid) for uid in args.get("other_users", ())], bool(args.get("closable"))),
+        "close_port": lambda: LINK_FORWARDS.close(backend, int(args["forward"])),
         "snapshot": lambda: backend.snapshot().to_dict(),
         "close": backend.close,
     }
@@ -417,19 +422,29 @@ def _serve_command(backend: LocalBackend, op: str, args: dict[str, Any], frames:
         finally:
             finished.set()
     if op == "start":
-        process: CommandProcess = backend.start(call_of(args["call"]), sender.output)
+        process: LocalProcess = backend.start(call_of(args["call"]), sender.output)
     elif op == "start_background":
         process = backend.start_background(call_of(args["call"]), stdin, sender.output)
     else:
         process = backend.command(int(args["pid"]))
     sender.send({"started": process.pid, "stdin_window": STDIN_LINK_WINDOW})
+    # the call lasts until the command ends or its caller hangs up: a caller gone from a command it
+    # attached to or started in the background leaves it running, and holds none of the owner's
+    # threads or connections (20 SIGKILLed attachers held 65 threads until the command's end)
+    over = threading.Event()
+    forget = process.on_end(over.set)
+    hangup = functools.partial(_kill_quietly, process) if op == "start" else over.set
     done = threading.Event()
     writer = _StdinWriter(process, sender.send)
-    threading.Thread(target=_follow_controls, args=(process, frames, op == "start", done, writer),
-                     daemon=True).start()
+    threading.Thread(target=_follow_controls, args=(process, frames, hangup, done, writer),
+                     name="corral-owner-controls", daemon=True).start()
     try:
+        over.wait()
+        if not process.done:
+            raise ConnectionLost(f"the caller of command {process.pid} hung up: it runs on, unattached")
         return process.wait().to_dict()
     finally:
+        forget()
         done.set()
         writer.stop()
 
@@ -482,6 +497,9 @@ class _Sender:
             self._closing = True
             self._changed.notify_all()
         self._thread.join()
+        with self._changed:  # output of a command that runs on after its call is no one's to queue
+            self.gone = True
+            self._frames.clear()
 
     def _send_all(self) -> None:
         while True:
@@ -570,8 +588,10 @@ class _StdinWriter:
                     self._send({"stdin_ack": taken})
 
 
-def _follow_controls(process: CommandProcess, frames: Iterator[dict[str, Any]], kill_on_hangup: bool,
+def _follow_controls(process: CommandProcess, frames: Iterator[dict[str, Any]], hangup: Callable[[], None],
                      done: threading.Event, stdin: _StdinWriter) -> None:
+    """Carry out the caller's controls until it hangs up (or sends what no caller sends); then
+    ``hangup``, unless the call has ended."""
     try:
         for frame in frames:
             if "stdin" in frame:
@@ -586,7 +606,13 @@ def _follow_controls(process: CommandProcess, frames: Iterator[dict[str, Any]], 
                 process.resize(int(frame["resize"][0]), int(frame["resize"][1]))
     except (OSError, SandboxError, ValueError, NotImplementedError):
         pass
-    if kill_on_hangup and not done.is_set() and not process.done:
+    if not done.is_set():
+        hangup()
+
+
+def _kill_quietly(process: CommandProcess) -> None:
+    """A foreground command's end when its caller, the one who could wait for it, is gone."""
+    if not process.done:
         with contextlib.suppress(SandboxError, OSError):
             process.kill()
 
@@ -601,9 +627,56 @@ def _kill_on_hangup(frames: Iterator[dict[str, Any]], running: list[CommandProce
                 process.kill()
 
 
-def _expose(backend: LocalBackend, port: int, unix: bool, other_users: list[int]) -> dict[str, Any]:
-    exposed, _ = backend.expose_port(port, unix, other_users)  # the forward closes with the sandbox, in its owner
-    return exposed.to_dict()
+def _expose(backend: LocalBackend, port: int, unix: bool, other_users: list[int], closable: bool) -> dict[str, Any]:
+    """A new forward's ``ExposedPort``; for a caller that closes forwards (``closable``), with the
+    id ``close_port`` takes: ``{"port": ..., "forward": id}``."""
+    exposed, forward_id = LINK_FORWARDS.expose(backend, port, unix, other_users)
+    return {"port": exposed.to_dict(), "forward": forward_id} if closable else exposed.to_dict()
+
+
+class LinkForwards:
+    """The forwards other processes made into this process's sandboxes, by id: ``close_port``
+    closes one at once (a caller's ``ports.close`` closed nothing, and 300 expose+close held 301
+    listeners and 300 threads), and each still closes with its sandbox (the tier sandbox closes
+    every forward it made).  A sandbox keeps at most :data:`MAX_LINK_FORWARDS` of them open."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, dict[int, PortForward]] = {}
+        self._ids = itertools.count(1)
+
+    def expose(self, backend: LocalBackend, port: int, unix: bool, other_users: list[int]) -> tuple[ExposedPort, int]:
+        with self._lock:
+            self._drop_closed()
+            forwards = self._open.setdefault(backend.id, {})
+            if len(forwards) >= MAX_LINK_FORWARDS:
+                raise ResourceLimit(f"sandbox {backend.id} already has {MAX_LINK_FORWARDS} ports forwarded through "
+                                    "its owner: close one first")
+            forward = backend.forward_port(port, unix, other_users)
+            forward_id = next(self._ids)
+            forwards[forward_id] = forward
+        return ExposedPort.of(forward), forward_id
+
+    def close(self, backend: LocalBackend, forward_id: int) -> None:
+        """Close one (one closed already, or with its sandbox, is nothing to close)."""
+        with self._lock:
+            forward = self._open.get(backend.id, {}).pop(forward_id, None)
+        if forward is not None:
+            forward.close()
+
+    def _drop_closed(self) -> None:
+        for sandbox_id in list(self._open):
+            still = {i: forward for i, forward in self._open[sandbox_id].items() if not forward.closed}
+            if still and sandbox_id in LIVE:
+                self._open[sandbox_id] = still
+            else:
+                del self._open[sandbox_id]
+
+
+#: forwards into one sandbox that other processes keep open through the link, as many as a server
+#: keeps (``server.port_routes.MAX_FORWARDS_PER_SANDBOX``): each holds a listener and a thread
+MAX_LINK_FORWARDS = 16
+LINK_FORWARDS = LinkForwards()
 
 
 _listeners: dict[Path, OwnerListener] = {}
