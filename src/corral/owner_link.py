@@ -12,7 +12,10 @@ One call is one connection: a JSON request line, then JSON answer lines -- outpu
 (the :mod:`corral.errors` code, raised again as the same class).  A started command's
 connection also carries the caller's stdin, signals, kill and resize the other way.
 A connection's end never kills a background command; it kills a foreground one the
-caller can no longer wait for.
+caller can no longer wait for.  Either way it ends the call at once: a caller gone from a command
+it attached to holds none of the owner's threads or connections while the command runs on.
+A port forwarded for another process (``expose_port``) has an id its ``close_port`` closes in the
+owner; a sandbox keeps at most :data:`MAX_LINK_FORWARDS` of them, and they close with it.
 
 A caller never holds up the owner's sandbox.  A command's output is queued for its caller and sent
 by a thread of the call's own (the sandbox's agent reader, which carries every command's output,
