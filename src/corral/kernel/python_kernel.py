@@ -83,7 +83,7 @@ def _end_forked_copies() -> None:
                 pass
         for pid in stopped | ended:  # this kernel's own children: reaped, or they hold their pids
             try:
-                os.waitpid(pid, 0)
+                _system_waitpid(pid, 0)
             except ChildProcessError:
                 pass
         if not stopped or time.monotonic() > deadline:
@@ -141,6 +141,120 @@ def _forked_copies_end_at_an_interrupt() -> None:
 
 
 os.register_at_fork(after_in_child=_forked_copies_end_at_an_interrupt)
+
+
+#: waitpid as the system gives it: the kernel's own reaping (os.waitpid becomes _waitpid for the cells)
+_system_waitpid = os.waitpid
+#: exit statuses of the cells' children that the kernel reaped, pid -> (process group, wait status),
+#: kept for a cell that waits for one later; the newest KEPT_STATUSES of them
+_kept_statuses: dict[int, tuple[int, int]] = {}
+KEPT_STATUSES = 4096
+#: re-entrant: the reaping runs in a signal handler, which may come again while it runs
+_kept_lock = threading.RLock()
+
+
+def _reap_ended_children() -> None:
+    """Reap every child of the kernel that has ended, keeping its exit status for os.waitpid and
+    os.wait.  A child a cell forked and did not wait for stayed a zombie for the kernel's life,
+    holding one of the sandbox's pids: those an interrupt ended (SIGINT reaches the kernel's
+    process group) piled up, 16 after 20 interrupted cells, until the session could not fork.
+    Called only while no cell runs: C code of a cell that waits itself (os.system) loses nothing."""
+    if os.getpid() != _KERNEL_PID:
+        return
+    with _kept_lock:
+        for _ in range(65536):  # bounded: a pid namespace holds no more children than that at once
+            try:
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # no children at all
+                return
+            if ended is None or ended.si_pid == 0:
+                return
+            try:
+                group = os.getpgid(ended.si_pid)  # for a waitpid(0) or waitpid(-group) of a cell's
+            except OSError:
+                group = 0
+            try:
+                pid, status = _system_waitpid(ended.si_pid, os.WNOHANG)
+            except ChildProcessError:  # another thread of the kernel's took it meanwhile
+                continue
+            if pid == 0:
+                return
+            _kept_statuses.pop(pid, None)
+            _kept_statuses[pid] = (group, status)
+            while len(_kept_statuses) > KEPT_STATUSES:
+                del _kept_statuses[next(iter(_kept_statuses))]
+
+
+def _take_kept_status(pid: int) -> tuple[int, int] | None:
+    """A kept status that ``waitpid(pid, ...)`` would have found: pid's own, any child's (-1), one
+    of the kernel's process group (0) or of group -pid."""
+    with _kept_lock:
+        for child, (group, status) in _kept_statuses.items():
+            if pid in (child, -1) or (pid == 0 and group == os.getpgrp()) or (pid < -1 and group == -pid):
+                del _kept_statuses[child]
+                return child, status
+    return None
+
+
+def _waitpid(pid: int, options: int, /) -> tuple[int, int]:
+    """os.waitpid for the cells: the children the kernel reaped between cells are still theirs to
+    wait for, with their statuses (a zombie a wait for any child would have taken comes first)."""
+    if pid <= 0:
+        kept = _take_kept_status(pid)
+        if kept is not None:
+            return kept
+    try:
+        waited = _system_waitpid(pid, options)
+    except ChildProcessError:
+        kept = _take_kept_status(pid)  # reaped by the kernel (its lock: once the status is kept)
+        if kept is None:
+            raise
+        return kept
+    if pid > 0 and waited[0] == pid:
+        with _kept_lock:
+            _kept_statuses.pop(pid, None)  # an earlier child's of the same pid: no longer the one
+    return waited
+
+
+def _wait() -> tuple[int, int]:
+    """os.wait for the cells (see _waitpid)."""
+    return _waitpid(-1, 0)
+
+
+os.waitpid = _waitpid
+os.wait = _wait
+
+
+def _forked_copies_keep_no_statuses() -> None:
+    """A process a cell forked has none of the kernel's children, so none of their statuses; its
+    lock is its own (another thread may have held the kernel's as it forked)."""
+    global _kept_lock
+    _kept_statuses.clear()
+    _kept_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forked_copies_keep_no_statuses)
+
+
+def _on_child_ended(signum: int, frame: Any) -> None:
+    if not _in_cell[0]:
+        _reap_ended_children()
+
+
+def _reap_while_idle() -> None:
+    """Between cells: reap the cells' children that have ended, now and as each ends (SIGCHLD).
+    A cell that set SIGCHLD's handling itself reaps its children itself."""
+    if signal.getsignal(signal.SIGCHLD) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGCHLD, _on_child_ended)
+    if signal.getsignal(signal.SIGCHLD) is _on_child_ended:
+        _reap_ended_children()
+
+
+def _stop_reaping() -> None:
+    """Before a cell: its children are its own to wait for while it runs (a SIGCHLD that came
+    meanwhile and was not yet handled is then dropped: Python skips the default handling)."""
+    if signal.getsignal(signal.SIGCHLD) is _on_child_ended:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def _leave_if_forked() -> None:
@@ -397,7 +511,9 @@ def main() -> None:
     count = 0
     while True:
         _in_cell[0] = False
+        _reap_while_idle()
         line = _requests.readline()
+        _stop_reaping()
         if not line:
             return
         try:
