@@ -11,7 +11,8 @@ Only this script writes the protocol stream: the real stdout is kept on a
 private descriptor, and descriptor 1 is pointed at stderr so that output of
 subprocesses and C code can never corrupt a frame.  SIGINT raises
 KeyboardInterrupt in the running cell (that is how the host interrupts a cell
-on timeout); the namespace survives it.
+on timeout); the namespace survives it.  Between cells the kernel reaps its children that
+have ended, and os.waitpid / os.wait give a later cell their statuses as if they had waited.
 
 This file must stay standard library only and runnable by Python 3.8+ (annotations are postponed).
 """
