@@ -161,3 +161,31 @@ def test_the_manifest_of_a_deep_tree_costs_names_not_paths(tmp_path: Path) -> No
         assert peak < 32 * 2**20, f"a walk of 20,000 entries held {peak / 2**20:.1f} MiB"
     finally:
         shutil.rmtree(root)
+
+
+def test_a_tree_of_any_depth_is_removed_holding_a_bounded_number_of_descriptors(tmp_path: Path) -> None:
+    """The removal of a tree (a write-back's, and the wasm tier's ``files.remove``) held one
+    descriptor per level: a chain deeper than the owner's free descriptors could not be removed,
+    and took the owner's other threads' descriptors meanwhile.  Under a limit of 200 more than
+    the owner holds, a 3,000-level chain goes; a link in a tree is removed, not followed."""
+    import resource
+
+    (tmp_path / "chain").mkdir()
+    host_chain(tmp_path / "chain", 3000)
+    (tmp_path / "tree" / "sub").mkdir(parents=True)
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "file").write_text("x")
+    (tmp_path / "tree" / "sub" / "link").symlink_to(tmp_path / "kept")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 200, hard))
+        try:
+            workspace.remove_beneath(root, "chain")
+            workspace.remove_beneath(root, "tree")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    finally:
+        os.close(root)
+    assert sorted(os.listdir(tmp_path)) == ["kept"]
+    assert (tmp_path / "kept" / "file").read_text() == "x"

@@ -22,6 +22,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import stat
 from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
@@ -187,7 +188,7 @@ def remove_gone(dst_fd: int, keys: Iterable[Key], uid: int, gid: int, writing_ba
                     continue
                 if writing_back:
                     check_owners(parent, key[1], uid)
-                _remove_beneath(parent, key[1], owner=uid if writing_back else None)
+                remove_beneath(parent, key[1], owner=uid if writing_back else None)
             except NotTheOwners as exc:
                 log.warning("workspace write-back leaves %s as the host has it: %s", rel_of(key), exc)
             except OSError:
@@ -510,25 +511,25 @@ def _copy_entry(
         return
     # 255 bytes, not characters: a name of 127 "é" made every later write-back fail (ENAMETOOLONG)
     tmp = os.fsdecode(os.fsencode(f".corral-tmp-{os.getpid()}-{name}")[:255])
-    _remove_beneath(dst_dir, tmp)  # left by a sync that failed midway: every later one failed on it
+    remove_beneath(dst_dir, tmp)  # left by a sync that failed midway: every later one failed on it
     try:
         if not _make_temporary(src_dir, dst_dir, dst_root, rel, tmp, kind, mode, uid, gid, inside_links_only, links,
                                budget, groups):
             return
     except BaseException:
         with contextlib.suppress(OSError):
-            _remove_beneath(dst_dir, tmp)
+            remove_beneath(dst_dir, tmp)
         raise
     try:
         os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
     except IsADirectoryError:
-        _remove_beneath(dst_dir, name, owner=uid if inside_links_only else None)
+        remove_beneath(dst_dir, name, owner=uid if inside_links_only else None)
         try:
             os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
         except OSError as exc:
             if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY):
                 raise
-            _remove_beneath(dst_dir, tmp)
+            remove_beneath(dst_dir, tmp)
             raise NotTheOwners(errno.EPERM, "a directory holding another user's entries") from exc
 
 
@@ -601,11 +602,19 @@ def _open_file(dir_fd: int, name: str) -> int | None:
         os.close(path_fd)
 
 
-def _remove_beneath(dir_fd: int, name: str, owner: int | None = None) -> None:
+#: the most directories :func:`remove_beneath` holds open at once: a directory deeper than this
+#: below the one removed is first moved up beside the top one (a sandbox's chain of thousands of
+#: directories held a descriptor per level, and could take an owner's last ones)
+REMOVE_HELD_DIRS = 64
+
+
+def remove_beneath(dir_fd: int, name: str, owner: int | None = None) -> None:
     """Remove ``name`` in ``dir_fd`` and, if it is a directory, everything below it, never
     following a symlink; without recursion, as a tree may be deeper than Python's stack.
     ``owner``: below ``name``, entries of another uid are left, with the directories that hold
-    them (write-back deletes only the directory owner's)."""
+    them (write-back deletes only the directory owner's).  Without ``owner`` the whole tree goes
+    and at most ``REMOVE_HELD_DIRS`` directories are open at a time, however deep it is: a
+    directory that deep is renamed into ``name`` (it is being removed anyway) and removed from there."""
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -616,10 +625,15 @@ def _remove_beneath(dir_fd: int, name: str, owner: int | None = None) -> None:
     # (a directory's descriptor, its name in its parent's, its entries left): the parent is the one below
     top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     stack = [(top, name, iter(os.listdir(top)))]
+    moved_up: list[str] = []  # directories moved into ``top`` after its entries were listed
     try:
         while stack:
             fd, _, children = stack[-1]
             child = next(children, None)
+            if child is None and len(stack) == 1 and moved_up:
+                stack[0] = (top, name, iter(moved_up))
+                moved_up = []
+                continue
             if child is None:
                 fd, done, _ = stack.pop()
                 os.close(fd)
@@ -633,11 +647,15 @@ def _remove_beneath(dir_fd: int, name: str, owner: int | None = None) -> None:
                 child_st = os.stat(child, dir_fd=fd, follow_symlinks=False)
                 if owner is not None and child_st.st_uid != owner:
                     continue
-                if stat.S_ISDIR(child_st.st_mode):
+                if not stat.S_ISDIR(child_st.st_mode):
+                    os.unlink(child, dir_fd=fd)
+                elif owner is None and len(stack) >= REMOVE_HELD_DIRS:
+                    moved = f".corral-removing-{secrets.token_hex(8)}"
+                    os.rename(child, moved, src_dir_fd=fd, dst_dir_fd=top)
+                    moved_up.append(moved)
+                else:
                     sub = os.open(child, _DIR_FLAGS, dir_fd=fd)
                     stack.append((sub, child, iter(os.listdir(sub))))
-                else:
-                    os.unlink(child, dir_fd=fd)
             except FileNotFoundError:
                 continue
     finally:

@@ -99,11 +99,11 @@ from .workspace import (
     _copy_entry,
     _kind_at,
     _open_dir_beneath,
-    _remove_beneath,
     copy_changed,
     is_whiteout,
     link_stays_inside,
     rel_of,
+    remove_beneath,
     remove_gone,
     scan,
 )
@@ -382,7 +382,7 @@ def _apply(upper_fd: int, host_fd: int, current: Manifest, previous: Manifest, u
         def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
             kind, rel = entry[0], rel_of(key)
             if kind == "l" and not _link_inside(src_dir, rel):
-                _remove_beneath(dst_dir, key[1])  # a link Corral does not plant: the host's entry goes
+                remove_beneath(dst_dir, key[1])  # a link Corral does not plant: the host's entry goes
                 return
             _copy_entry(src_dir, dst_dir, dst_fd, rel, "d" if kind == "D" else kind, entry[3], uid, gid,
                         inside_links_only=True, links=links, budget=budget, groups=groups)
@@ -419,6 +419,6 @@ def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int,
     try:
         for name in os.listdir(dst):
             if name not in keep and not host_keeps(f"{rel}/{name}", _kind_at(dst, name), configured):
-                _remove_beneath(dst, name)
+                remove_beneath(dst, name)
     finally:
         os.close(dst)
