@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from corral import Sandbox
-from corral.errors import FileNotFoundInSandbox, HostNotSupported
+from corral.errors import FileError, FileNotFoundInSandbox, HostNotSupported
 from corral.host.uids import range_of
 from corral.spec import SandboxSpec
 from corral.tiers import tier_class
@@ -135,6 +136,63 @@ def test_symlinks_cannot_reach_host_files(sb: Sandbox) -> None:
     with pytest.raises(FileNotFoundInSandbox):
         sb.files.write("/etc/corral-test", "x")
     assert not Path("/etc/corral-test").exists()
+
+
+def _peak_python_bytes_held(call: Any) -> tuple[object, int]:
+    """What ``call()`` returned (or raised), and the most bytes Python held meanwhile above what it held before."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        try:
+            outcome: object = call()
+        except Exception as exc:
+            outcome = exc
+        return outcome, tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_file_larger_than_the_read_limit_is_refused_before_it_is_read_and_one_within_is_held_once(
+        sb: Sandbox) -> None:
+    """The host reads a wasm sandbox's files itself: a sparse file of a terabyte the guest made
+    took 256 MiB of the owner (1 MiB chunks up to the limit) before it was refused, and a file
+    within the limit was held twice (its chunks and their join)."""
+    fits = 64 << 20
+    r = sb.commands.run(py(
+        f"for name, size in (('huge', 10**12), ('fits', {fits})):\n"
+        "    with open('/tmp/' + name, 'wb') as f:\n"
+        "        f.seek(size - 1); f.write(b'x')\n"
+        "open('/tmp/small', 'w').write('small')\n"))
+    assert r.exit_code == 0, r.stderr
+    refused, held = _peak_python_bytes_held(lambda: sb.files.read("/tmp/huge", "bytes"))
+    assert isinstance(refused, FileError) and refused.errno == errno.EFBIG, refused
+    assert held < 4 << 20, f"{held >> 20} MiB read of a file refused"
+    data, held = _peak_python_bytes_held(lambda: sb.files.read("/tmp/fits", "bytes"))
+    assert isinstance(data, bytes) and len(data) == fits and data.endswith(b"\0x"), type(data)
+    del data
+    assert held < fits * 5 // 4, f"{held >> 20} MiB held to read a {fits >> 20} MiB file"
+    assert sb.files.read("/tmp/small") == "small"
+
+
+def test_a_tree_deeper_than_pythons_stack_is_removed_and_a_link_in_a_tree_is_not_followed(sb: Sandbox) -> None:
+    """``files.remove(recursive=True)`` walked with ``shutil.rmtree``, one recursion (and one
+    descriptor) per level: a chain of 3,000 directories the guest made raised ``RecursionError``
+    and could never be removed through the API."""
+    r = sb.commands.run(py(
+        "import os\n"
+        "os.chdir('/tmp'); os.mkdir('chain')\n"
+        "for _ in range(3000):\n"
+        "    os.mkdir('n'); os.rename('chain', 'n/d'); os.rename('n', 'chain')\n"
+        "os.makedirs('tree/sub/deeper'); os.mkdir('kept')\n"
+        "for path in ('tree/file', 'tree/sub/deeper/file', 'kept/file'):\n"
+        "    open(path, 'w').write('x')\n"
+        "os.symlink('../kept', 'tree/sub/link')\n"
+        "print(os.readlink('tree/sub/link'))\n"), timeout=120)
+    assert r.stdout == "../kept\n", r
+    sb.files.remove("/tmp/chain", recursive=True)
+    sb.files.remove("/tmp/tree", recursive=True)
+    assert sorted(entry.name for entry in sb.files.list("/tmp")) == ["kept"]
+    assert sb.files.read("/tmp/kept/file") == "x"  # the link was removed, not followed
 
 
 def test_read_only_workspace_is_read_only_in_the_guest(wasm_available: None, tmp_path: Path) -> None:
