@@ -133,6 +133,10 @@ class ServerConfig:
     #: taken yet (one being received, one queued); those it has taken count with the tenant's
     #: WebSocket messages (max_request_bytes_per_tenant)
     max_proxied_websockets_per_tenant: int = 8
+    #: HTTP requests one tenant may have under way through the port proxy at once (past it 429):
+    #: each holds a connection into the sandbox, two relay threads of its forward (host/portfwd.py)
+    #: and its answer's stream until the caller has it all; 1,000 slow ones held 2,039 threads
+    max_proxied_requests_per_tenant: int = 64
     #: seconds a request's line and headers may take to arrive (from the connection, or the request's
     #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
     request_head_timeout: float = 30.0
@@ -197,6 +201,8 @@ class ServerConfig:
         self.max_proxied_message_bytes = parse_size(self.max_proxied_message_bytes, "max_proxied_message_bytes")
         self.max_proxied_websockets_per_tenant = _positive(self.max_proxied_websockets_per_tenant,
                                                            "max_proxied_websockets_per_tenant", integer=True)
+        self.max_proxied_requests_per_tenant = _positive(self.max_proxied_requests_per_tenant,
+                                                         "max_proxied_requests_per_tenant", integer=True)
         self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
         self.max_partial_heads_per_peer = _positive(self.max_partial_heads_per_peer, "max_partial_heads_per_peer",
                                                     integer=True)

@@ -55,6 +55,8 @@ class ServerContext:
         self.ws_messages = TenantTally(config.max_request_bytes_per_tenant)
         #: WebSockets each tenant has open through the port proxy
         self.proxied_websockets = TenantTally(config.max_proxied_websockets_per_tenant)
+        #: HTTP requests each tenant has under way through the port proxy
+        self.proxied_requests = TenantTally(config.max_proxied_requests_per_tenant)
         #: each tenant's snapshots in flight, held against its snapshot quotas until they are stored
         self.snapshot_quota = SnapshotQuota(config.max_snapshots_per_tenant, config.max_snapshot_bytes_per_tenant)
         self._manager: SandboxManager | None = None

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
@@ -69,8 +71,22 @@ SANDBOXED_PAGE = (b"sandbox allow-scripts allow-forms allow-popups allow-modals 
 _WS_DROP = _DROP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                     "sec-websocket-protocol", "origin"}
 
-_forwards: dict[tuple[str, int], ExposedPort] = {}
+@dataclass
+class _Forward:
+    """One port the server forwards into a sandbox, and the proxy's HTTP transport into it."""
+
+    exposed: ExposedPort
+    #: made once per forward: an httpx client made per request spent ~40 ms of the event loop in
+    #: TLS setup (its CA bundle) and kept ~1 MB that was never given back (1,000 requests: +1 GB).
+    #: No TLS (it reaches a Unix socket) and no kept-alive connections: each open one holds two
+    #: relay threads of the forward
+    transport: httpx.AsyncHTTPTransport
+
+
+_forwards: dict[tuple[str, int], _Forward] = {}
 _lock = threading.Lock()
+#: how long the sandbox's server may take to answer, or to send the next piece of its answer
+UPSTREAM_TIMEOUT = httpx.Timeout(60).as_dict()
 #: forwards the server keeps into one sandbox (each holds a listening socket and a thread until the
 #: sandbox is destroyed: asking for 500 ports held 500 threads, and nothing bounded them)
 MAX_FORWARDS_PER_SANDBOX = 16
@@ -136,23 +152,55 @@ def _check_port(port: int) -> None:
         raise InvalidSpec(f"port {port} must be 1-65535")
 
 
-def _forward(entry: Entry, port: int) -> str:
-    """The Unix socket of this server's forward into ``port`` of ``entry``'s sandbox (made once)."""
+def _forward(entry: Entry, port: int) -> tuple[_Forward, list[httpx.AsyncHTTPTransport]]:
+    """This server's forward into ``port`` of ``entry``'s sandbox (made once), and the transports of
+    forwards whose sandboxes have gone since (for the caller to close on the event loop)."""
     import os
 
     key = (entry.sandbox.id, port)
     with _lock:
-        for stale in [k for k, v in _forwards.items() if v.unix_socket and not os.path.exists(v.unix_socket)]:
-            del _forwards[stale]  # its sandbox was destroyed (the forward closed with it)
-        exposed = _forwards.get(key)
-        if exposed is None:
+        # their sandbox was destroyed (the forward closed with it)
+        stale = [k for k, v in _forwards.items() if v.exposed.unix_socket and not os.path.exists(v.exposed.unix_socket)]
+        gone = [_forwards.pop(k).transport for k in stale]
+        forward = _forwards.get(key)
+        if forward is None:
             if sum(k[0] == key[0] for k in _forwards) >= MAX_FORWARDS_PER_SANDBOX:
                 raise ResourceLimit(f"sandbox {key[0]} already has {MAX_FORWARDS_PER_SANDBOX} ports forwarded "
                                     f"(the server's most per sandbox); use one of those ports")
             exposed = entry.sandbox.ports.expose(port, unix_socket=True)
-            _forwards[key] = exposed
-    assert exposed.unix_socket is not None
-    return exposed.unix_socket
+            assert exposed.unix_socket is not None
+            transport = httpx.AsyncHTTPTransport(uds=exposed.unix_socket, verify=False, trust_env=False,
+                                                 limits=httpx.Limits(max_keepalive_connections=0))
+            forward = _forwards[key] = _Forward(exposed, transport)
+    return forward, gone
+
+
+class _Relayed(StreamingResponse):
+    """A sandbox's answer, streamed on; what it holds (its connection into the sandbox, the tenant's
+    place among its proxied requests) is given back once it is sent, or its caller has gone."""
+
+    def __init__(self, upstream: httpx.Response, done: Callable[[], None]) -> None:
+        self._upstream, self._done = upstream, done
+        super().__init__(self._relay(), status_code=upstream.status_code)
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._upstream.aiter_raw():
+                yield chunk
+        finally:  # before the answer's end is sent: its client may ask again as soon as it has it
+            await self._release()
+
+    async def _release(self) -> None:
+        try:
+            await self._upstream.aclose()
+        finally:
+            self._done()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # (a caller that left before all of it was sent)
+            await self._release()
 
 
 def _target(path: str, query: str) -> str:
@@ -165,8 +213,37 @@ def _target(path: str, query: str) -> str:
 async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, who: Tenant,
                      ctx: Context) -> Response:
     _check_port(port)
-    entry = ctx.manager.get(who, sandbox_id)
-    socket_path = await ctx.run_for(who, _forward, entry, port)
+    entry = ctx.manager.get(who, sandbox_id)  # another tenant's: 404 before any count
+    if not ctx.proxied_requests.take(who, 1):
+        raise ResourceLimit(f"tenant {who} has {ctx.config.max_proxied_requests_per_tenant} requests under way "
+                            "through the port proxy (the server's max_proxied_requests_per_tenant): "
+                            "wait for one to end")
+    done = _once(functools.partial(ctx.proxied_requests.give, who, 1))
+    try:
+        return await _relay(entry, port, path, request, who, ctx, done)
+    except BaseException:
+        done()
+        raise
+
+
+def _once(release: Callable[[], None]) -> Callable[[], None]:
+    released = False
+
+    def once() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release()
+    return once
+
+
+async def _relay(entry: Entry, port: int, path: str, request: Request, who: str, ctx: ServerContext,
+                 done: Callable[[], None]) -> Response:
+    """Pass ``request`` on to the sandbox's ``port``; the answer streamed back calls ``done`` when it ends."""
+    sandbox_id = entry.sandbox.id
+    forward, gone = await ctx.run_for(who, _forward, entry, port)
+    for transport in gone:
+        await transport.aclose()
     own_origin = bool(request.scope.get(OWN_ORIGIN))
     prefix, cookie_path = cookie_prefix(sandbox_id, port), f"/v1/sandboxes/{sandbox_id}/ports/{port}/"
     # raw bytes both ways: a header is passed on as it came (Latin-1 and all), never re-encoded
@@ -176,29 +253,21 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
                                                prefix)):
         headers.append((b"cookie", own))
     headers.append((b"host", f"127.0.0.1:{port}".encode()))
-    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=socket_path), timeout=60)
     url = f"http://127.0.0.1:{port}" + _target(path, request.url.query)
     try:
-        upstream = client.build_request(request.method, url, headers=headers, content=await request.body())
+        # straight to the transport, not through a client: a client shared by the forward's callers
+        # would keep the cookies one caller's answer set and send them with the next caller's requests
+        upstream = httpx.Request(request.method, url, headers=headers, content=await request.body(),
+                                 extensions={"timeout": UPSTREAM_TIMEOUT})
     except (httpx.InvalidURL, ValueError) as exc:
-        await client.aclose()
         raise InvalidSpec(f"cannot pass this request on: {exc}") from None
     try:
-        response = await client.send(upstream, stream=True)
+        response = await forward.transport.handle_async_request(upstream)
     except httpx.HTTPError as exc:
-        await client.aclose()
+        done()
         return Response(f"nothing answered on port {port} of sandbox {sandbox_id}: {exc}\n", status_code=502,
                         media_type="text/plain")
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in response.aiter_raw():
-                yield chunk
-        finally:
-            await response.aclose()
-            await client.aclose()
-
-    answer = StreamingResponse(body(), status_code=response.status_code)
+    answer = _Relayed(response, done)
     # raw, not a dict: headers sent more than once (Set-Cookie) stay apart, as sent
     answer.raw_headers = [(k, _sandbox_cookie(v, prefix, None if own_origin else cookie_path)
                            if k.lower() == b"set-cookie" else v) for k, v in response.headers.raw
@@ -215,11 +284,15 @@ async def proxy_websocket(websocket: WebSocket, sandbox_id: str, port: int, path
         _check_port(port)
         tenant = ctx.tenant_of(websocket.headers.get("authorization"))
         entry = ctx.manager.get(tenant, sandbox_id)
-        socket_path = await ctx.run_for(tenant, _forward, entry, port)
+        forward, gone = await ctx.run_for(tenant, _forward, entry, port)
     except SandboxError as exc:  # as the exec stream does: accepted, then closed with 4000 + the HTTP status
         await websocket.accept()
         await websocket.close(code=4000 + status_for(exc), reason=str(exc)[:120])
         return
+    for transport in gone:
+        await transport.aclose()
+    socket_path = forward.exposed.unix_socket
+    assert socket_path is not None
     # what a proxied WebSocket holds of the sandbox's messages is bounded per tenant: 4 of them
     # that never read held 1 GB of the server (each up to 4 messages of 64 MiB), and nothing but
     # max_requests_per_tenant (1024) bounded how many a tenant opened
