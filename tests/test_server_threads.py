@@ -556,3 +556,46 @@ def test_a_request_body_that_trickles_is_cut_off_and_one_at_the_least_rate_is_ta
         assert status == 204 and took > 2, (status, took)
         assert alice.get(f"/v1/sandboxes/{sandbox_id}/files/content", params={"path": "/tmp/body"}).content == body
         alice.delete(f"/v1/sandboxes/{sandbox_id}")
+
+
+def test_listing_a_forks_carried_commands_with_its_agent_frozen_holds_back_no_other_tenant(state_dir: Path) -> None:
+    """A microVM fork's carried commands are listed one guest-agent round trip each (up to 60 s), and
+    GET /commands made them on the event loop: alice froze her fork's agent (guest root, its
+    cgroup.freeze) and listed its commands, and for 59 s no tenant's request was answered, /healthz
+    included.  Now the listing waits on a thread of alice's: bob is answered at once meanwhile."""
+    from .tier_probe import skip_unless_tier
+
+    skip_unless_tier("microvm", state_dir)
+    with ServerProcess(state_dir / "srv-carried-listing", keys=KEYS) as server, \
+            server.client("alice") as alice, server.client("bob") as bob:
+        sid = alice.post("/v1/sandboxes", json={"tier": "microvm", "limits": {"memory": "256M"}}).json()["id"]
+        kid = ""
+        try:
+            assert alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 1000", "cwd": "/tmp"}).status_code == 201
+            forked = alice.post(f"/v1/sandboxes/{sid}/fork", json={"count": 1}, timeout=120)
+            assert forked.status_code == 201, forked.text
+            kid = forked.json()["sandboxes"][0]["id"]
+            assert len(alice.get(f"/v1/sandboxes/{kid}/commands").json()["commands"]) == 1  # carried
+            frozen = alice.post(f"/v1/sandboxes/{kid}/commands", json={
+                "cmd": "sleep 1; echo 1 > /sys/fs/cgroup/agent/cgroup.freeze", "user": "root", "cwd": "/tmp"})
+            assert frozen.status_code == 201, frozen.text
+            time.sleep(3)
+            listing = threading.Thread(target=lambda: server.client("alice").get(
+                f"/v1/sandboxes/{kid}/commands", timeout=120), daemon=True)
+            listing.start()
+            time.sleep(1)
+            slowest = 0.0
+            for _ in range(20):
+                t0 = time.monotonic()
+                try:
+                    assert bob.get("/healthz", timeout=10).status_code == 200
+                except httpx.TimeoutException:
+                    pytest.fail("bob's /healthz had no answer in 10 s while alice listed her frozen fork's commands")
+                slowest = max(slowest, time.monotonic() - t0)
+                time.sleep(0.1)
+            assert listing.is_alive(), "the listing did not wait for the frozen agent (nothing was tested)"
+            assert slowest < 1, f"bob's /healthz took {slowest:.1f} s while alice's listing waited"
+        finally:
+            for made in (kid, sid):
+                if made:
+                    alice.delete(f"/v1/sandboxes/{made}", timeout=120)

@@ -198,7 +198,10 @@ def _start(entry: Any, body: ExecBody, recorded: Recorded, running_share: Releas
 @router.get(PREFIX, summary="List the running commands")
 async def list_commands(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
-    return {"commands": [c.to_dict() for c in entry.sandbox.commands.list()]}
+    # off the event loop: a microVM fork's carried commands are each a round trip to its guest's
+    # agent (up to 60 s), and a guest that froze its agent held every tenant's requests that long
+    commands = await ctx.run_control(who, entry.sandbox.commands.list)
+    return {"commands": [c.to_dict() for c in commands]}
 
 
 @router.delete(PREFIX + "/{pid}", status_code=204, summary="Kill a running command (404 if none has this pid)")
