@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import select
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -195,7 +196,7 @@ class PortForward:
                 client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if inner.family != socket.AF_UNIX:
                 inner.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            back = threading.Thread(target=_pump, args=(inner, client), daemon=True,
+            back = threading.Thread(target=_pump_back, args=(inner, client), daemon=True,
                                     name=f"portfwd-{self.sandbox_port}-back")
             back.start()
             _pump(client, inner)
@@ -248,5 +249,36 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
             dst.shutdown(socket.SHUT_WR)
     except OSError:
         for sock in (src, dst):  # one side broke: end both directions
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def _pump_back(inner: socket.socket, client: socket.socket) -> None:
+    """Copy the sandbox's side ``inner`` to ``client`` as :func:`_pump` does, and end both when the
+    client of a Unix socket has gone altogether (POLLHUP: closed, not half-closed).  A sandbox's
+    server that never answers nor closes held this thread, the one relaying the other way and
+    both sockets for as long as the forward lived, after its client had gone (the server's port
+    proxy: two threads per finished request).  A TCP client's close looks like a half-close
+    until something is sent to it; those clients are the host's local users'."""
+    if client.family != socket.AF_UNIX:
+        _pump(inner, client)
+        return
+    poller = select.poll()
+    poller.register(inner, select.POLLIN)
+    poller.register(client, 0)  # (POLLHUP and POLLERR are reported whatever is asked for)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    try:
+        while True:
+            events = dict(poller.poll())
+            if events.get(client.fileno(), 0) & (select.POLLHUP | select.POLLERR):
+                raise BrokenPipeError("the client has gone")
+            if not (n := inner.recv_into(buf)):
+                with contextlib.suppress(OSError):
+                    client.shutdown(socket.SHUT_WR)
+                return
+            client.sendall(view[:n])
+    except OSError:
+        for sock in (inner, client):  # one side broke or went: end both directions
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
