@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.errors import InvalidSpec
 
 from .leaks import assert_gone_soon, kill_9, run_gc, sandbox_disk, start_owner
 from .tier_probe import overlay_tier  # noqa: F401 (the ``tier`` fixture)
@@ -445,3 +446,63 @@ def test_a_group_the_upper_layer_says_is_written_back_only_where_the_host_has_it
     groups_of = {rel: os.lstat(dst / rel).st_gid for rel in ("kept", "rooted", "raced", "setgid/made", "setgid/rooted")}
     assert groups_of == {"kept": SHARED_GID, "rooted": OWNER[1], "raced": OWNER[1], "setgid/made": SHARED_GID,
                          "setgid/rooted": OWNER[1]}, groups_of
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """renameat2(RENAME_EXCHANGE): ``a`` and ``b`` swap places at once."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(316, -100, os.fsencode(a), -100, os.fsencode(b), 2) != 0:  # SYS_renameat2 (x86_64)
+        raise OSError(ctypes.get_errno(), f"exchange {a} {b}")
+
+
+@pytest.mark.parametrize("mode", ["ro", "rw"])
+def test_a_workspace_path_swapped_for_a_link_as_it_is_mounted_shows_the_sandbox_nothing_else(
+        tier: str, mode: str, tmp_path: Path) -> None:
+    """The overlay was made of the workspace by its path, well after the spec's checks of it: a
+    host user owning a directory on the path could swap it for a link in between, and the sandbox
+    saw where the link led, past those checks (here a directory under /var/lib, which is refused as
+    a workspace).  Now the view is checked to be the directory the checks saw before the overlay
+    is made of it: each create shows the project, or is refused (a typed error), never the other."""
+    import threading
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("the swap uses x86_64's renameat2 number")
+    project, swap = tmp_path / "proj", tmp_path / "swap"
+    project.mkdir()
+    (project / "marker").write_text("project")
+    secret = Path(f"/var/lib/corral-test-secret-{os.getpid()}")
+    secret.mkdir()
+    try:
+        (secret / "marker").write_text("secret")
+        swap.symlink_to(secret)
+        stop = threading.Event()
+
+        def swapping() -> None:
+            while not stop.is_set():
+                _exchange(project, swap)
+
+        swapper = threading.Thread(target=swapping, daemon=True)
+        seen: dict[str, int] = {}
+        swapper.start()
+        try:
+            for _ in range(30):
+                try:
+                    with Sandbox.create(tier=tier, workspace=f"{project}:{mode}") as sb:
+                        what = sb.commands.run("cat /workspace/marker").stdout or "none"
+                except InvalidSpec:
+                    what = "refused"
+                seen[what] = seen.get(what, 0) + 1
+        finally:
+            stop.set()
+            swapper.join()
+        assert "secret" not in seen, seen
+        # the allowed direction: with nothing swapping, the project is shown
+        if project.is_symlink():
+            _exchange(project, swap)
+        with Sandbox.create(tier=tier, workspace=f"{project}:{mode}") as sb:
+            assert sb.commands.run("cat /workspace/marker").stdout == "project"
+    finally:
+        (secret / "marker").unlink()
+        secret.rmdir()

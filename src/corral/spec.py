@@ -255,7 +255,10 @@ class Workspace:
         if self.mode not in WORKSPACE_MODES:
             raise InvalidSpec(f"workspace mode {_shown(self.mode)}: use one of {', '.join(WORKSPACE_MODES)}")
         # resolve once, here: later steps open it with O_NOFOLLOW
-        object.__setattr__(self, "path", self.path.expanduser().resolve())
+        try:
+            object.__setattr__(self, "path", self.path.expanduser().resolve())
+        except (OSError, RuntimeError) as exc:  # (a link changing as it was read; a loop of links)
+            raise InvalidSpec(f"workspace {_shown(str(self.path))} cannot be resolved: {exc}") from None
         if not self.path.is_dir():
             raise InvalidSpec(f"workspace {_shown(str(self.path))} does not exist or is not a directory")
         why = why_not_a_workspace(self.path)

@@ -188,22 +188,38 @@ class MountNamespace(HostMounts):
         self._check("u", [str(target), str(mounts.MNT_DETACH if lazy else 0)])
 
     def mapped_overlay(self, target: Path, lower: Path, upper: Path, work: Path, userns_fd: int, view: Path,
-                       extra: str = "") -> None:
-        """As :meth:`HostMounts.mapped_overlay`, with ``extra`` overlay options (``a=b,c=d``)."""
+                       extra: str = "", expect: Callable[[os.stat_result], None] | None = None) -> None:
+        """As :meth:`HostMounts.mapped_overlay`, with ``extra`` overlay options (``a=b,c=d``);
+        ``expect`` checks the view before the overlay is made of it (see :meth:`_mapped`)."""
         fstype, flags, options = mounts.overlay_args([view], upper, work)
-        self._mapped(target, lower, userns_fd, view, fstype, flags, options + ("," + extra if extra else ""))
+        self._mapped(target, lower, userns_fd, view, fstype, flags, options + ("," + extra if extra else ""), expect)
 
     def mapped_read_only(self, target: Path, lower: Path, empty: Path, userns_fd: int, view: Path,
-                         extra: str = "") -> None:
+                         extra: str = "", expect: Callable[[os.stat_result], None] | None = None) -> None:
         """A read-only overlay at ``target`` of an idmapped view of ``lower`` (at ``view`` while it
         is made) over ``empty``, an empty directory that stays as long as the overlay: what the
         sandbox sees are the overlay's own inodes, not ``lower``'s (a Unix socket there cannot
         be connected to, as in an overlay with an upper layer)."""
         fstype, flags, options = mounts.read_only_overlay_args([view, empty])
-        self._mapped(target, lower, userns_fd, view, fstype, flags, options + ("," + extra if extra else ""))
+        self._mapped(target, lower, userns_fd, view, fstype, flags, options + ("," + extra if extra else ""), expect)
 
     def _mapped(self, target: Path, lower: Path, userns_fd: int, view: Path, fstype: str, flags: int,
-                options: str) -> None:
+                options: str, expect: Callable[[os.stat_result], None] | None = None) -> None:
+        """The view of ``lower`` at ``view``, the overlay of it at ``target``, the view detached.
+        With ``expect``, the view is made first and ``expect(its stat)`` raises if it is not of
+        the directory the caller means: ``lower`` is resolved by the helper, by its path, and
+        the path may have changed since the caller looked (then nothing is mounted)."""
+        if expect is not None:
+            self._check("i", [str(lower), str(view)], [userns_fd])
+            try:
+                expect(os.stat(self.view(view)))
+            except BaseException:
+                self.umount(view, lazy=True)
+                raise
+            sock = self._send("m", ["overlay", str(target), fstype, str(flags), options])
+            self._send("u", [str(view), str(mounts.MNT_DETACH)])
+            self._raise_first(sock, 2)
+            return
         # one round trip for the three steps: the overlay ('M') only if the view was made
         self._send("i", [str(lower), str(view)], [userns_fd])
         sock = self._send("M", ["overlay", str(target), fstype, str(flags), options])

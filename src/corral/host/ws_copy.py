@@ -37,7 +37,11 @@ def open_host_dir(host: Path) -> int:
     and the next one, as root, wrote the sandbox's files where the link led (a root-only
     directory, ``/etc``), past the checks of the path made at create.  Refused if the path
     already leads elsewhere (a link put there since the checks)."""
-    fd = os.open(host, _DIR_FLAGS)
+    try:
+        fd = os.open(host, _DIR_FLAGS)
+    except (NotADirectoryError, FileNotFoundError) as exc:  # (a link there now: O_NOFOLLOW)
+        raise InvalidSpec(f"workspace {host}: no longer the directory it was when checked ({exc.strerror}); "
+                          "give the directory itself") from None
     try:
         opened = os.readlink(f"/proc/self/fd/{fd}")
         if opened != str(host):

@@ -82,6 +82,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import InvalidSpec
 from . import idmap, mounts
 from .fsnotify import ChangeWatch, Overflow
 from .git_reach import GitReach
@@ -163,28 +164,39 @@ def owner_maps(host: Path, sandbox_user: int, st: os.stat_result | None = None) 
 
 
 def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd: int, read_only: bool,
-                    mounter: HostMounts | None = None) -> None:
+                    mounter: HostMounts | None = None, host_st: os.stat_result | None = None) -> None:
     """The one mount a sandbox's set-up makes for its workspace: the overlay of the idmapped view
     of ``host`` (ids of ``userns_fd``) and ``upper`` at ``merged``; with ``read_only`` a
     read-only overlay of the view over ``upper``, left empty, and no ``work``.  Never the view
     itself: its inodes are the host's, and a Unix socket in the host directory (an agent's, a
     database's) could be connected to from inside, whatever the sandbox's network.
     A ``mounter`` of the sandbox's own mount namespace makes them there (the view then goes
-    through an empty directory of the run dir, ``lower/workspace``, for the time of the mount)."""
+    through an empty directory of the run dir, ``lower/workspace``, for the time of the mount).
+    With ``host_st`` (the directory as the caller opened it), the view is made of ``host`` by its
+    path and refused unless it is that directory: a host user owning a directory on the path
+    could swap it for a link between the caller's checks and the mount, and the sandbox saw
+    where the link led (a directory that user cannot enter)."""
+    def expect(view: os.stat_result) -> None:
+        if host_st is not None and (view.st_dev, view.st_ino) != (host_st.st_dev, host_st.st_ino):
+            raise InvalidSpec(f"workspace {host}: the path led elsewhere as it was mounted (a link put on it "
+                              "since it was checked); give the directory itself")
+
     if isinstance(mounter, MountNamespace):
         view = merged.parent.parent / "lower" / "workspace"
         view.mkdir(parents=True)
         try:
             if read_only:
-                mounter.mapped_read_only(merged, host, upper, userns_fd, view, extra=OVERLAY_OPTIONS)
+                mounter.mapped_read_only(merged, host, upper, userns_fd, view, extra=OVERLAY_OPTIONS, expect=expect)
             else:
-                mounter.mapped_overlay(merged, host, upper, work, userns_fd, view, extra=OVERLAY_OPTIONS)
+                mounter.mapped_overlay(merged, host, upper, work, userns_fd, view, extra=OVERLAY_OPTIONS,
+                                       expect=expect)
         finally:
             view.rmdir()
         return
     # overlayfs opens lower files O_NOATIME already; noatime covers whatever else reads the view
     tree = idmap.idmapped_tree(host, userns_fd, noatime=True)
     try:
+        expect(os.fstat(tree))
         # the detached view by its descriptor: overlayfs keeps its own clone of it
         view = Path(f"/proc/self/fd/{tree}")
         if read_only:
@@ -214,19 +226,29 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
         # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
         os.chown(on_disk(upper), uid, uid)
         os.chmod(on_disk(upper), os.stat(host).st_mode & 0o7777)
-    host_st = os.stat(host)
+    # the directory the checks saw, opened once: the mount is checked to be of it, write-back writes to it
+    host_fd = open_host_dir(host)
     try:
-        mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid, host_st)), read_only, mounter)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
-            raise
-        log.warning("workspace %s cannot be idmapped (%s): copied instead", host, exc)
-        for unused in (on_disk(upper), on_disk(work)):
-            if unused.exists():
-                unused.rmdir()
-        return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
-    groups = HostGroups(host_st.st_gid, uid)
-    return (None if read_only else WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw", groups=groups)), True
+        host_st = os.fstat(host_fd)
+        try:
+            mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid, host_st)), read_only, mounter, host_st)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            log.warning("workspace %s cannot be idmapped (%s): copied instead", host, exc)
+            for unused in (on_disk(upper), on_disk(work)):
+                if unused.exists():
+                    unused.rmdir()
+            return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
+        if read_only:
+            return None, True
+        groups = HostGroups(host_st.st_gid, uid)
+        overlay = WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw", groups=groups, host_fd=host_fd)
+        host_fd = -1  # the overlay's now (it closes it, also if it failed to be made)
+        return overlay, True
+    finally:
+        if host_fd >= 0:
+            os.close(host_fd)
 
 
 def scan_upper(upper: Path) -> Manifest:
@@ -241,15 +263,22 @@ class WorkspaceOverlay:
     the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``.  Made before
     the sandbox runs anything (its change watch must see every change); :meth:`close` at destroy."""
 
-    def __init__(self, host: Path, upper: Path, watch: bool = True, groups: HostGroups | None = None) -> None:
+    def __init__(self, host: Path, upper: Path, watch: bool = True, groups: HostGroups | None = None,
+                 host_fd: int = -1) -> None:
         self.host = host
         self.upper = upper
         #: the upper layer's groups a write-back keeps (:func:`.workspace.write_back_group`)
         self.groups = groups
-        self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
-        self._host_fd = -1
+        self._host_fd = host_fd  # (given: this overlay's from here, also if it fails to be made)
         try:
-            self._host_fd = open_host_dir(host)  # what write-back writes to: never the path again
+            self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
+        except BaseException:
+            if self._host_fd >= 0:
+                os.close(self._host_fd)
+            raise
+        try:
+            if self._host_fd < 0:
+                self._host_fd = open_host_dir(host)  # what write-back writes to: never the path again
             self.tree = UpperTree(self._fd)
             self.watch = _open_watch(upper) if watch else None  # (``cow`` is never written back)
         except BaseException:
