@@ -101,6 +101,15 @@ ELEMENT_COST = 64
 #: times the cell's budget left: parsing a frame refused after was the owner's peak (440 MiB)
 FREE_ELEMENTS = 4096
 PARSE_ALLOWANCE = 4
+#: what every protocol line the running cell does not keep as output costs its budget (an empty
+#: line, one that is no frame, a frame of another cell, a frame dropped by a spent budget, the cell's
+#: end): each costs the owner a turn of Python (~3-5 us), so a cell that wrote newlines to the
+#: kernel's protocol descriptor made the owner spend ~5 us a byte, charged to nothing (12.7 s of a
+#: server's CPU in 15 s while the cell spent 2 ms)
+LINE_COST = 256
+#: frames that can end a cell (``interrupted``, ``error``) taken once one of its budgets is spent:
+#: the kernel writes at most two of each; past this many only ``done`` is
+MAX_ENDING_FRAMES = 8
 
 
 def _elements(value: object) -> int:
@@ -127,6 +136,28 @@ class _Cell:
         self.budget = 0
         #: the same again for what the kernel's other threads print meanwhile (``background``)
         self.background_budget = 0
+        #: frames that could end the cell taken once its budget was spent
+        self.ending_frames = 0
+
+    def wanted_lines(self, language: str) -> list[tuple[bytes, str]]:
+        """How the lines this cell still has use for begin (after their newline) as ``language``'s
+        kernel writes them (Python's ``json.dumps``, ``JSON.stringify``: keys in the order given),
+        each with its kind: ``done``, ``ending`` (``error``, ``interrupted``: past MAX_ENDING_FRAMES
+        none), ``output`` while its budget lasts, ``background`` while that budget lasts."""
+        sep, comma = (b": ", b", ") if language == "python" else (b":", b",")
+
+        def start(kind: str, end: bytes, background: bool = False) -> bytes:
+            mark = b'"background"' + sep + b"true" + comma if background else b""
+            return b'\n{' + mark + b'"type"' + sep + b'"' + kind.encode() + b'"' + comma + b'"id"' + sep + b"%d" % self.id + end
+
+        wanted = [(start("done", b"}"), "done")]
+        if self.ending_frames < MAX_ENDING_FRAMES:
+            wanted += [(start("error", comma.strip()), "ending"), (start("interrupted", b"}"), "ending")]
+        if self.budget > 0:
+            wanted += [(start(kind, comma.strip()), "output") for kind in ("stdout", "stderr", "result")]
+        if self.background_budget > 0 and language == "python":
+            wanted += [(start(kind, comma.strip(), True), "background") for kind in ("stdout", "stderr")]
+        return wanted
 
 
 class CodeInterpreter:
@@ -192,39 +223,105 @@ class CodeInterpreter:
 
     def _on_output(self, stream: str, chunk: bytes) -> None:
         # everything here comes from inside the sandbox: parse defensively, keep memory bounded
+        cell = self._cell
         if stream == "stderr":  # stray descriptor-level output (subprocesses, C code)
-            cell = self._cell
             if cell is not None and self._charge(cell, len(chunk)):
                 text = chunk.decode(errors="replace")
                 cell.execution.logs.stderr.append(text)
                 self._call(cell, "on_stderr", text)
             return
-        # only the new chunk is searched and the frame so far is appended to, never copied: a frame
-        # of n bytes costs the owner O(n) however it is cut (a 60 MiB line cost 22 s of CPU)
-        *ends, rest = chunk.split(b"\n")
-        for piece in ends:
+        # The owner's work on a chunk is bounded by what the sandbox is charged for it.  Between cells
+        # nothing the kernel writes is anyone's (a cell's thread flooded newlines after it returned):
+        # the chunk is dropped whole, never split.  During a cell every line costs its budget at least
+        # LINE_COST (a dropped thread's frame costs that thread's budget), and once a budget is spent only
+        # the lines the cell still has use for are looked for, by a few searches of the chunk (~1 ns a
+        # byte), not a turn of Python a line.
+        # Dropping lines the real kernel never writes, or restarting the kernel on them, would not do:
+        # forged frames of the running cell, which are well formed, cost the owner the same.
+        if cell is None and self._ready.is_set():
+            self._buffer, self._skip_line = bytearray(), not chunk.endswith(b"\n")
+            return
+        first, last = chunk.find(b"\n"), chunk.rfind(b"\n")
+        if first >= 0:
+            # only the new chunk is searched and the frame so far is appended to, never copied: a frame
+            # of n bytes costs the owner O(n) however it is cut (a 60 MiB line cost 22 s of CPU)
             if self._skip_line:  # the end of a frame that was too long: dropped
                 self._skip_line = False
-                continue
-            self._buffer += piece
-            line, self._buffer = self._buffer, bytearray()
-            if len(line) > self._frame_room() or self._too_costly_to_parse(line):
-                self._dropped()
-                continue
-            try:
-                message = json.loads(line)
-            except (ValueError, RecursionError):  # (a forged frame nested past the parser's depth)
-                continue
-            if isinstance(message, dict):
-                try:
-                    self._dispatch(message)
-                except (RecursionError, ValueError, TypeError):  # a forged frame nested past what we re-encode
-                    self._dropped()
+                self._buffer = bytearray()
+            else:
+                self._buffer += memoryview(chunk)[:first]
+                line, self._buffer = self._buffer, bytearray()
+                if cell is None or (cell.budget > 0 and cell.background_budget > 0) or line.startswith(
+                        tuple(beginning[1:] for beginning, _ in cell.wanted_lines(self.language))):
+                    self._take_line(cell, line)
+            self._take_lines(cell, chunk, first, last)
+            rest = memoryview(chunk)[last + 1:]
+        else:
+            rest = memoryview(chunk)
         if not self._skip_line:
             self._buffer += rest
             if len(self._buffer) > self._frame_room():  # dropped now, and the rest of its line
                 self._buffer, self._skip_line = bytearray(), True
                 self._dropped()
+
+    def _take_lines(self, cell: _Cell | None, chunk: bytes, start: int, end: int) -> None:
+        """The whole lines of ``chunk`` between the newlines at ``start`` and ``end``."""
+        while start < end:
+            if cell is not None and (cell.budget <= 0 or cell.background_budget <= 0):
+                self._take_wanted_lines(cell, chunk, start, end)
+                return
+            stop = chunk.index(b"\n", start + 1)
+            self._take_line(cell, chunk[start + 1:stop])
+            start = stop
+
+    def _take_wanted_lines(self, cell: _Cell, chunk: bytes, start: int, end: int) -> None:
+        """Of the lines between the newlines at ``start`` and ``end``, those ``cell``, one of whose
+        budgets is spent, has use for: a few searches of the chunk (~1 ns a byte), no turn of Python
+        for a line it could not keep, each taken in the order it came."""
+        found: list[tuple[int, int, str]] = []
+        for beginning, kind in cell.wanted_lines(self.language):
+            room = {"output": cell.budget, "background": cell.background_budget}.get(kind, 0)
+            taken = 0
+            at = chunk.find(beginning, start, end + 1)
+            while at >= 0:
+                stop = chunk.index(b"\n", at + 1, end + 1)
+                found.append((at, stop, kind))
+                taken += 1
+                room -= stop - at
+                if kind == "done" or (kind == "ending" and taken >= MAX_ENDING_FRAMES) or (
+                        kind in ("output", "background") and room < 0):
+                    break  # (the rest could not be kept: one done ends the cell)
+                at = chunk.find(beginning, stop, end + 1)
+        for at, stop, kind in sorted(found):
+            if cell.done.is_set():
+                break
+            if kind == "ending":
+                if cell.ending_frames >= MAX_ENDING_FRAMES:
+                    continue
+                cell.ending_frames += 1
+            self._take_line(cell, chunk[at + 1:stop])
+        if end - start > sum(stop - at for at, stop, _ in found):  # (output a spent budget could not keep)
+            cell.execution.truncated = True
+
+    def _take_line(self, cell: _Cell | None, line: bytes | bytearray) -> None:
+        """Parse and dispatch one protocol line; what is not kept as output costs the cell LINE_COST,
+        or its length if parsed (a frame refused unparsed for its size leaves the budget to what follows)."""
+        kept, cost = False, LINE_COST
+        if len(line) > self._frame_room() or self._too_costly_to_parse(line):
+            self._dropped()
+        else:
+            cost = max(len(line), LINE_COST)
+            try:
+                message = json.loads(line)
+            except (ValueError, RecursionError):  # (a forged frame nested past the parser's depth)
+                message = None
+            if isinstance(message, dict):
+                try:
+                    kept = self._dispatch(message)
+                except (RecursionError, ValueError, TypeError):  # a forged frame nested past what we re-encode
+                    self._dropped()
+        if cell is not None and not kept:
+            cell.budget -= cost
 
     def _frame_room(self) -> int:
         """The longest frame worth keeping now: an output frame longer than the running cell's budget
@@ -233,7 +330,7 @@ class CodeInterpreter:
         cell = self._cell
         return min(MAX_FRAME, (max(cell.budget, 0) if cell is not None else 0) + FRAME_SLACK)
 
-    def _too_costly_to_parse(self, line: bytearray) -> bool:
+    def _too_costly_to_parse(self, line: bytes | bytearray) -> bool:
         """Whether parsing ``line`` could cost more than the running cell has left to be charged
         (PARSE_ALLOWANCE times it, as counted before parsing: strings' commas count too)."""
         elements = line.count(b",") + line.count(b":") + line.count(b"[") + line.count(b"{")
@@ -261,20 +358,21 @@ class CodeInterpreter:
             return False
         return True
 
-    def _dispatch(self, message: dict[str, Any]) -> None:
+    def _dispatch(self, message: dict[str, Any]) -> bool:
+        """Act on one frame; True if it was output the cell keeps (and was charged for)."""
         kind = message.get("type")
         if kind == "ready":
             self._ready.set()
-            return
+            return False
         cell = self._cell
         if cell is None or message.get("id") != cell.id:
-            return
+            return False
         logs = cell.execution.logs
         if kind in ("stdout", "stderr", "result") and not self._charge(
                 cell, len(json.dumps(message)) + (RESULT_COST + ELEMENT_COST * _elements(message.get("data"))
                                                   if kind == "result" else 0),
                 background=kind != "result" and bool(message.get("background"))):
-            return  # (a thread's prints spend a budget of their own: a flood of them left the cell none)
+            return False  # (a thread's prints spend a budget of their own: a flood of them left the cell none)
         if kind in ("stdout", "stderr"):
             text = str(message.get("text", ""))
             (logs.stdout if kind == "stdout" else logs.stderr).append(text)
@@ -293,6 +391,7 @@ class CodeInterpreter:
             cell.done.set()
         elif kind == "interrupted":
             cell.interrupted.set()
+        return kind in ("stdout", "stderr", "result")
 
     @staticmethod
     def _call(cell: _Cell, name: str, value: Any) -> None:

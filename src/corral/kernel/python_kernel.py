@@ -324,8 +324,9 @@ class Capture(io.TextIOBase):
             frame = {"type": self.stream, "id": _current["id"], "text": chunk[start:start + FRAME_TEXT]}
             if threading.current_thread() is not threading.main_thread():
                 # a thread an earlier cell may have started: the host counts it apart from the running
-                # cell's own output, which it could otherwise crowd out of the cell's budget
-                frame["background"] = True
+                # cell's own output, which it could otherwise crowd out of the cell's budget; the mark
+                # comes first, so that the host can pass over such frames unparsed once their budget is spent
+                frame = {"background": True, **frame}
             send(frame)
 
     def flush(self) -> None:
