@@ -115,3 +115,74 @@ def test_a_removed_context_ends_its_interpreter_and_frees_its_room(sandbox: Sand
     assert {c.id for c in sandbox.list_code_contexts()} == {c.id for c in made}
     for context in made:
         sandbox.remove_code_context(context)
+
+
+def test_removing_a_context_ends_its_running_cell_at_once_and_holds_its_room_until_the_kernel_ended(
+        sandbox: Sandbox) -> None:
+    """Removing a context waited for its running cell (18 s for a 20 s cell, a 7-day cell 7 days),
+    which then went on to its end, and gave its room back before that: 48 kernels ran cells at once
+    against a bound of 16.  Now the kernel is killed at once, the cell says ContextRemoved, and a
+    context made meanwhile waits for the room, so the kernels never outnumber the bound."""
+    import threading
+    import time
+
+    from corral.interpreter import MAX_CODE_CONTEXTS
+
+    for old in sandbox.list_code_contexts():
+        sandbox.remove_code_context(old)
+    kernels = _kernels(sandbox)
+    made = [sandbox.create_code_context() for _ in range(MAX_CODE_CONTEXTS)]
+    for context in made:
+        sandbox.run_code("1", context=context)
+    answers: dict[str, Any] = {}
+    running = threading.Thread(target=lambda: answers.update(cell=sandbox.run_code(
+        "import time\ntime.sleep(60)\nprint('cell finished')", context=made[0], timeout=120)))
+    running.start()
+    time.sleep(2)  # (the cell runs)
+    removing = threading.Thread(target=lambda: answers.update(took=_timed(sandbox.remove_code_context, made[0])))
+    removing.start()
+    deadline = time.monotonic() + 30
+    while True:  # a new context is refused until the removed one's kernel has ended
+        try:
+            made[0] = sandbox.create_code_context()
+            break
+        except ResourceLimit:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    sandbox.run_code("1", context=made[0])
+    assert _kernels(sandbox) <= kernels + MAX_CODE_CONTEXTS
+    removing.join(30)
+    running.join(30)
+    assert not running.is_alive() and answers["took"] < 10, answers
+    cell = answers["cell"]
+    assert cell.error is not None and cell.error.name == "ContextRemoved" and cell.logs.stdout == [], cell
+    for context in made:
+        sandbox.remove_code_context(context)
+    assert _kernels(sandbox) == kernels
+
+
+def _timed(call: Any, *args: Any) -> float:
+    import time
+
+    began = time.monotonic()
+    call(*args)
+    return time.monotonic() - began
+
+
+def test_a_cell_sent_to_a_context_as_it_is_removed_is_refused_and_starts_no_kernel() -> None:
+    """A run_code that had looked its context's interpreter up when the context was removed took the
+    interpreter after the removal closed it and started a new kernel nobody held (2 in 60 rounds):
+    now it is refused (InvalidSpec, as for a removed context) and no kernel starts."""
+    from corral.interpreter import interpreter_in
+
+    with Sandbox.create() as sb:
+        context = sb.create_code_context()
+        sb.run_code("1", context=context)
+        kernels = _kernels(sb)
+        interpreter = interpreter_in(sb._backend, sb, None, context.id)  # type: ignore[attr-defined]
+        sb.remove_code_context(context)
+        with pytest.raises(InvalidSpec):
+            interpreter.run("x = 1")
+        assert _kernels(sb) == kernels - 1
+        with pytest.raises(InvalidSpec):
+            interpreter_in(sb._backend, sb, None, context.id)  # type: ignore[attr-defined]

@@ -184,6 +184,9 @@ class CodeInterpreter:
         #: a restart nobody was told of (its cell's client had left): the next cell says it
         self._restart_untold = False
         self._generation = 0
+        #: set by close(): no cell runs and no kernel starts after it (a run waiting for the lock as
+        #: its context was removed started a kernel nobody held)
+        self._closed = False
 
     # -- kernel process ------------------------------------------------------
     def _start(self) -> None:
@@ -201,11 +204,17 @@ class CodeInterpreter:
         # a result (it kept 2 x max_output for as long as the kernel lived, up to 7 days)
         argv = KERNELS[self.language]()
         call = replace(check_call(argv, KERNEL_LIFETIME, self._env, self._cwd or self._sandbox.cwd), keep_output=False)
-        self._handle = CommandHandle(self._sandbox._backend.start(call, on_output), self._sandbox.id)
-        if not self._ready.wait(START_TIMEOUT):
-            self._stop()
-            raise SandboxClosed(f"the {self.language} interpreter did not start within {START_TIMEOUT:.0f} s "
-                                f"(does image {self._sandbox.spec.image!r} have {KERNELS[self.language]()[0]}?)")
+        handle = CommandHandle(self._sandbox._backend.start(call, on_output), self._sandbox.id)
+        with self._state_lock:  # (close() kills the kernel it sees here, or this one sees it closed)
+            self._handle = handle
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._ready.wait(0.05):
+            if self._closed or handle.done or time.monotonic() > deadline:
+                self._stop()
+                if self._closed:
+                    raise self._removed()
+                raise SandboxClosed(f"the {self.language} interpreter did not start within {START_TIMEOUT:.0f} s "
+                                    f"(does image {self._sandbox.spec.image!r} have {KERNELS[self.language]()[0]}?)")
 
     def _stop(self) -> None:
         handle, self._handle = self._handle, None
@@ -218,8 +227,21 @@ class CodeInterpreter:
                 pass
 
     def close(self) -> None:
-        with self._run_lock:
+        """End the kernel now, a running cell with it (it waited for the cell: up to its timeout, 7
+        days), and return once the kernel has ended; later cells are refused."""
+        with self._state_lock:
+            self._closed = True
+            handle = self._handle
+        if handle is not None:
+            try:
+                handle.kill()
+            except Exception:  # (ended already, or its sandbox went: _stop below waits either way)
+                pass
+        with self._run_lock:  # the running cell, if any, sees its kernel dead and returns at once
             self._stop()
+
+    def _removed(self) -> InvalidSpec:
+        return InvalidSpec(f"sandbox {self._sandbox.id}: this code context was removed", sandbox_id=self._sandbox.id)
 
     def _on_output(self, stream: str, chunk: bytes) -> None:
         # everything here comes from inside the sandbox: parse defensively, keep memory bounded
@@ -413,6 +435,8 @@ class CodeInterpreter:
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= KERNEL_LIFETIME:
             raise InvalidSpec(f"timeout: {timeout!r} must be seconds in (0, {KERNEL_LIFETIME}]")
         with self._run_lock:
+            if self._closed:
+                raise self._removed()
             restarted, self._restart_untold = self._restart_untold, False
             if self._handle is not None and self._kernel_over():
                 restarted = True  # the kernel died after the last cell (e.g. exit() or a background kill)
@@ -467,6 +491,9 @@ class CodeInterpreter:
                     if not self._running():
                         execution.error = ExecutionError(
                             "SandboxClosed", "the sandbox was destroyed while the cell ran", "")
+                    elif self._closed:
+                        execution.error = ExecutionError(
+                            "ContextRemoved", "the code context was removed while the cell ran", "")
             finally:
                 self._cell = None
             if restarted:
@@ -530,19 +557,19 @@ def interpreter_in(backend: LocalBackend, sandbox: Sandbox, language: str | None
                    context: str | None) -> CodeInterpreter:
     """The interpreter of ``context`` (made by ``create_code_context``), or the sandbox's default
     one for ``language``; started on first use, kept by the sandbox's backend."""
-    if context is not None:
-        if context not in backend.contexts:
-            raise InvalidSpec(f"sandbox {backend.id} has no code context {context!r}", sandbox_id=backend.id)
-        wanted, cwd = backend.contexts[context]
-        language = language or wanted
-        if language_name(language) != wanted:
-            raise InvalidSpec(f"code context {context!r} runs {wanted}, not {language}", sandbox_id=backend.id)
-        key = context
-    else:
-        language = language or "python"
-        check_language(language)
-        key, cwd = language_name(language), None
-    with backend.interpreters_lock:
+    with backend.interpreters_lock:  # (a context removed between a look and the making made a kernel nobody held)
+        if context is not None:
+            if context not in backend.contexts:
+                raise InvalidSpec(f"sandbox {backend.id} has no code context {context!r}", sandbox_id=backend.id)
+            wanted, cwd = backend.contexts[context]
+            language = language or wanted
+            if language_name(language) != wanted:
+                raise InvalidSpec(f"code context {context!r} runs {wanted}, not {language}", sandbox_id=backend.id)
+            key = context
+        else:
+            language = language or "python"
+            check_language(language)
+            key, cwd = language_name(language), None
         if key not in backend.interpreters:
             backend.interpreters[key] = CodeInterpreter(sandbox, language_name(language), cwd)
         return backend.interpreters[key]

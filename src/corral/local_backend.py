@@ -167,6 +167,9 @@ class LocalBackend(SandboxBackend):
         self.interpreters_lock = threading.Lock()
         #: named code contexts: name -> (language, cwd)
         self.contexts: dict[str, tuple[str, str | None]] = {}
+        #: removed contexts whose kernels have not ended yet: they keep their room (before, 48
+        #: kernels ran cells at once against a bound of 16)
+        self.contexts_ending = 0
         #: the ``Sandbox`` in front of this backend (set by it): what another process's
         #: ``run_code`` runs through (owner_link)
         self.front: weakref.ref[Any] | None = None
@@ -420,7 +423,7 @@ class LocalBackend(SandboxBackend):
         where = validate_sandbox_path(cwd, "cwd") if cwd is not None else None
         name = "ctx-" + secrets.token_hex(6)
         with self.interpreters_lock:
-            if len(self.contexts) >= MAX_CODE_CONTEXTS:
+            if len(self.contexts) + self.contexts_ending >= MAX_CODE_CONTEXTS:
                 raise ResourceLimit(f"sandbox {self.id} already has {MAX_CODE_CONTEXTS} code contexts, the most "
                                     "one sandbox may have (each is an interpreter process)", sandbox_id=self.id)
             self.contexts[name] = (language_name(language), where)
@@ -436,8 +439,13 @@ class LocalBackend(SandboxBackend):
                 raise InvalidSpec(f"sandbox {self.id} has no code context {name!r}", sandbox_id=self.id)
             del self.contexts[name]
             interpreter = self.interpreters.pop(name, None)
-        if interpreter is not None:  # its kernel process ends; a cell running in it ends with it
-            interpreter.close()
+            self.contexts_ending += 1
+        try:
+            if interpreter is not None:  # its kernel is killed, a cell running in it ends with it
+                interpreter.close()
+        finally:
+            with self.interpreters_lock:
+                self.contexts_ending -= 1
 
     def audit(self) -> list[AuditEvent]:
         network = self.tier_sandbox().network
