@@ -33,6 +33,7 @@ from corral import (
     SnapshotNotFound,
     parked,
 )
+from corral.host import cgroups
 from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore
 
@@ -624,6 +625,36 @@ def test_a_snapshots_converter_is_charged_under_the_sandboxes_parent_and_nothing
     assert wait_until(lambda: not _processes_named(converter.converter_name(sandbox_id)), 10)
     assert group.name not in cgroups.list_sandbox_groups()
     assert wait_until(lambda: not sandbox_leftovers(sandbox_id, state_dir), 10)
+
+
+def _cpu_weight_of(group: cgroups.SandboxCgroup) -> int:
+    """The group's CPU weight as the kernel holds it (v2's ``cpu.weight``, v1's ``cpu.shares``)."""
+    return int((group._cpu / ("cpu.weight" if group.layout.version == 2 else "cpu.shares")).read_text())
+
+
+def test_a_snapshots_converter_weighs_what_its_sandbox_does(tmp_path: Path) -> None:
+    """A server splits a tenant's CPU weight among its sandboxes (8 of them: 128 cpu.shares each),
+    but a microVM's snapshot converter ran in its own group at the default weight (1024): 8x what
+    the sandbox it works for weighs against other tenants'.  Now the converter's group is given
+    the sandbox's weight when it is made, and follows it while it runs."""
+    from corral.tiers.microvm.sandbox import MicroVMSandbox
+
+    with Sandbox.create(tier="microvm", memory="256M") as sb:
+        vm = sb._inner
+        assert isinstance(vm, MicroVMSandbox) and vm.cgroup is not None
+        vm.share_cpu(100 / 8)  # what `corral serve` gives each of a tenant's 8 sandboxes
+        _written, rest = vm.snapshot_begin(tmp_path / "files")
+        try:
+            assert rest.converter is not None
+            held = rest.converter.cgroup
+            default = 100 if held.layout.version == 2 else 1024
+            assert _cpu_weight_of(held) == _cpu_weight_of(vm.cgroup) < default
+            vm.share_cpu(100 / 2)  # the tenant's count fell while the converter ran
+            assert _cpu_weight_of(held) == _cpu_weight_of(vm.cgroup) == (50 if held.layout.version == 2 else 512)
+        finally:
+            rest.abandon()
+        assert not vm._helper_groups  # the closed converter's group is no longer written
+        vm.share_cpu(100)
 
 
 SNAPSHOT_THEN_EXIT = """

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...egress.network import PROXY_PORT
 from ...errors import SandboxClosed, SandboxError
-from ...host import mounts
+from ...host import cgroups, mounts
 from ...host.mounts import disk_held_in_memory
 from ...host.ws_copy import WorkspaceCopy
 from ...images import resolve
@@ -114,6 +114,11 @@ class MicroVMSandbox(LinuxSandbox):
         self._snapshot_lock = threading.Lock()
         #: the memory image of its last live snapshot, perhaps still being written
         self._ram_write: live.RamWrite | None = None
+        #: the CPU weight last set (share_cpu), and the host groups of helpers working for the VM
+        #: (a snapshot's converter): each weighs what the sandbox does (it had the default 100, 8x
+        #: the part of a server's tenant of 8 sandboxes)
+        self._cpu_weight: float | None = None
+        self._helper_groups: set[cgroups.SandboxCgroup] = set()
         #: seconds spent in each start-up phase (bench and debugging)
         self.timings: dict[str, float] = {}
         #: CORRAL_MICROVM_TRACE: record where a restore's time goes (bench/microvm.py --trace)
@@ -388,6 +393,27 @@ class MicroVMSandbox(LinuxSandbox):
             finally:
                 if was_paused:
                     self.pause()
+
+    # -- CPU weight ----------------------------------------------------------
+    def share_cpu(self, weight: float) -> None:
+        with self._lock:
+            self._cpu_weight = weight
+            if not self._closed and self.cgroup is not None:
+                self.cgroup.share_cpu(weight)
+            for group in self._helper_groups:
+                group.share_cpu(weight)
+
+    def weigh_helper_group(self, group: cgroups.SandboxCgroup) -> None:
+        """Give ``group`` (a helper's, made for this VM) the sandbox's CPU weight, now and as it
+        changes, until :meth:`forget_helper_group`."""
+        with self._lock:
+            if self._cpu_weight is not None:
+                group.share_cpu(self._cpu_weight)
+            self._helper_groups.add(group)
+
+    def forget_helper_group(self, group: cgroups.SandboxCgroup) -> None:
+        with self._lock:
+            self._helper_groups.discard(group)
 
     # -- commands ----------------------------------------------------------
     def _fire(self, kind: int, payload: bytes) -> None:
