@@ -232,6 +232,27 @@ def test_broken_recipe_fails_cleanly(base_image: store.ImageRecord, state_dir: P
     assert set(os.listdir(state_dir / "uids")) == uids_before
 
 
+def test_a_forced_rebuild_replaces_the_image_with_new_bytes(
+        base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
+    """`corral image build --force` of a built image always failed ("step 'finalize' failed:
+    Directory not empty"): its removal took the digest's lock a second time, from the process
+    already holding it, was refused and deleted nothing, so a recipe could never be rebuilt in place
+    (a Debian update's new bytes under the same digest)."""
+    recipe = _derived_recipe(tmp_path, ["date +%s%N > /etc/build-stamp"])
+    try:
+        first = build(recipe, state_dir)
+        stamp = (first.record.rootfs / "etc/build-stamp").read_text()
+        again = build(recipe, state_dir, force=True)
+        assert again.built and again.record.digest == first.record.digest
+        assert (again.record.rootfs / "etc/build-stamp").read_text() != stamp
+        with Sandbox.create(image=recipe.name) as sb:
+            assert sb.commands.run("cat /etc/build-stamp").stdout == (again.record.rootfs / "etc/build-stamp").read_text()
+        assert not build(recipe, state_dir).built  # without --force the rebuilt image is kept
+    finally:
+        store.remove(recipe.name)
+    assert not _leftovers() and not _build_groups()
+
+
 def _peak_rss_mib() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))

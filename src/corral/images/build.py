@@ -105,7 +105,7 @@ def build(recipe: Recipe, state_dir: Path, *, force: bool = False, progress: Pro
         store.remove_leftovers(root, min_age=store.STALE_BUILD_AGE)
         existing = store.record(root, digest)
         if existing is not None and force:
-            store.delete_image(root, existing)
+            store.delete_image(root, existing, locked=True)
         elif existing is not None:
             store.set_name(root, recipe.name, digest)
             return BuildResult(existing, False, time.monotonic() - started)

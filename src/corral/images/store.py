@@ -212,16 +212,26 @@ def remove(ref: str, root: Path | None = None) -> ImageRecord:
     return rec
 
 
-def delete_image(root: Path, rec: ImageRecord) -> bool:
-    with digest_lock(root, rec.digest, blocking=False) as locked:
-        if not locked:
+def delete_image(root: Path, rec: ImageRecord, *, locked: bool = False) -> bool:
+    """Delete an image unless it is being built; ``locked``: the caller holds its digest's lock
+    (flock is per open file: taking it again from the same process conflicts with itself, so
+    ``build --force`` deleted nothing and its rename onto the old image failed)."""
+    if locked:
+        _delete_now(root, rec)
+        return True
+    with digest_lock(root, rec.digest, blocking=False) as got:
+        if not got:
             return False  # being rebuilt right now
-        if in_use(rec):
-            raise ResourceLimit(f"image {rec.digest[:19]} is in use by a running sandbox; kill it first")
-        trash = root / f".trash-{hex_of(rec.digest)[:12]}-{os.getpid()}"
-        os.rename(rec.path, trash)  # atomic: the image disappears whole
-        remove_tree(trash)
+        _delete_now(root, rec)
     return True
+
+
+def _delete_now(root: Path, rec: ImageRecord) -> None:
+    if in_use(rec):
+        raise ResourceLimit(f"image {rec.digest[:19]} is in use by a running sandbox; kill it first")
+    trash = root / f".trash-{hex_of(rec.digest)[:12]}-{os.getpid()}"
+    os.rename(rec.path, trash)  # atomic: the image disappears whole
+    remove_tree(trash)
 
 
 def remove_tree(path: Path) -> None:
