@@ -15,6 +15,7 @@ import contextlib
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -815,6 +816,49 @@ def test_the_host_images_disk_is_the_same_in_every_state_dir(tmp_path: Path) -> 
     a, b = resolve("host", tmp_path / "a"), resolve("host", tmp_path / "b")
     assert a.layers[0][1] != b.layers[0][1]
     assert rootdisk.content_key(a) == rootdisk.content_key(b)
+
+
+def _stamped_image(store_dir: Path, digest: str, stamp: str) -> None:
+    """A built image as the store keeps one (rootfs, image.json, a name), holding ``stamp``."""
+    image = store_dir / digest.removeprefix("sha256:")
+    (image / "rootfs" / "etc").mkdir(parents=True)
+    (image / "rootfs" / "etc" / "build-stamp").write_text(stamp)
+    (image / "image.json").write_text(json.dumps({"digest": digest, "created": time.time()}))
+    (store_dir / "names").mkdir(exist_ok=True)
+    (store_dir / "names" / "stamped.json").write_text(json.dumps({"digest": digest}))
+
+
+def _stamp_on(disk: rootdisk.ImageDisk, out: Path) -> str:
+    subprocess.run(["fsck.erofs", f"--extract={out}", str(disk.path)], check=True, capture_output=True)
+    return (out / "etc" / "build-stamp").read_text()
+
+
+def test_an_images_disk_is_of_the_build_in_use_not_of_its_digest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk was keyed by the image's digest alone: after `corral image rm` and a rebuild of the
+    same recipe (same digest, new bytes: a Debian security update) the process and gVisor tiers ran
+    the new image and the microVM the old one, and two image stores holding one digest shared
+    whichever disk was built first.  (No VM: the disk it boots, in a cache of its own.)"""
+    monkeypatch.setenv("CORRAL_MICROVM_CACHE", str(tmp_path / "cache"))
+    digest = "sha256:" + "5eed" * 16
+    first_store, second_store = tmp_path / "images", tmp_path / "other-images"
+    monkeypatch.setenv("CORRAL_IMAGE_DIR", str(first_store))
+    _stamped_image(first_store, digest, "old")
+    first = rootdisk.image_disk(resolve("stamped", tmp_path / "state"))
+    assert _stamp_on(first, tmp_path / "x1") == "old"
+    # nothing changed: the same disk, not built again
+    inode = first.path.stat().st_ino
+    assert rootdisk.image_disk(resolve("stamped", tmp_path / "state")) == first
+    assert first.path.stat().st_ino == inode
+    # removed and built again: same digest, same path, new bytes
+    shutil.rmtree(first_store / digest.removeprefix("sha256:"))
+    _stamped_image(first_store, digest, "new")
+    rebuilt = rootdisk.image_disk(resolve("stamped", tmp_path / "state"))
+    assert rebuilt.key != first.key and _stamp_on(rebuilt, tmp_path / "x2") == "new"
+    # another store holding the digest with other bytes
+    monkeypatch.setenv("CORRAL_IMAGE_DIR", str(second_store))
+    _stamped_image(second_store, digest, "other")
+    assert _stamp_on(rootdisk.image_disk(resolve("stamped", tmp_path / "state")), tmp_path / "x3") == "other"
 
 
 def test_what_a_guest_writes_to_its_console_counts_against_its_disk() -> None:

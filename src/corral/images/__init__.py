@@ -38,6 +38,10 @@ class ImageLayout:
     digest: str = ""
     #: True when the image brings its own /etc (identity files are added on top)
     own_etc: bool = False
+    #: which copy of the image this is: a rebuild under the same digest (a Debian update) or
+    #: another image store holding the digest has other bytes, and a cache of its files (the
+    #: microVM tier's disk) must not be taken for this one
+    identity: str = ""
 
 
 def image_mark(digest: str) -> str:

@@ -171,7 +171,14 @@ def resolve(name: str, state_dir: Path) -> ImageLayout | None:
     if found is None:
         return None
     # own_etc: the sandbox identity (passwd, hosts, ...) is written on top of the image's /etc
-    return ImageLayout(name, (("/", found.rootfs),), digest=found.digest, own_etc=True)
+    return ImageLayout(name, (("/", found.rootfs),), digest=found.digest, own_etc=True, identity=identity_of(found))
+
+
+def identity_of(rec: ImageRecord) -> str:
+    """This build of the image in this store: its rootfs's path, device, inode and change time and
+    its creation time (a rebuild of the same digest, or a copy in another store, differs in them)."""
+    st = os.stat(rec.rootfs)
+    return f"{rec.rootfs}\0{st.st_dev}\0{st.st_ino}\0{st.st_ctime_ns}\0{rec.created!r}"
 
 
 def list_images(root: Path | None = None) -> list[ImageRecord]:

@@ -19,7 +19,13 @@ A disk is built once under a lock into a temporary directory and renamed into
 place, never written afterwards (a VM holds it open read-only; deleting an
 unused one leaves running VMs their open file).  Its key:
 
-- a built image (store): its content digest;
+- a built image (store): its content digest and which build of it this is
+  (:attr:`ImageLayout.identity`: its store's path, the rootfs's inode and change
+  time, its creation time).  Keyed by the digest alone, a disk outlived the
+  image: after ``corral image rm`` and a rebuild of the same recipe (a Debian
+  security update: same digest, new bytes) the other tiers ran the new image and
+  the microVM the old one, and two stores holding one digest shared the first
+  one's disk;
 - otherwise (the ``host`` image) each layer's content: small trees (the
   skeleton) by every entry's metadata and bytes; large ones (the host's
   ``/usr``) by dpkg's database, the mtimes of their directories three levels
@@ -134,13 +140,13 @@ def _large_tree_key(root: Path, h: hashlib._Hash) -> None:
 
 def content_key(layout: ImageLayout) -> str:
     """What the disk of this image depends on (see the module's docstring)."""
-    ident = tuple((point, str(host)) for point, host in layout.layers)
+    ident = (*((point, str(host)) for point, host in layout.layers), ("identity", layout.identity))
     now = time.monotonic()
     with _keys_lock:
         cached = _keys.get(ident)
         if cached is not None and now - cached[0] < KEY_TTL:
             return cached[1]
-    h = hashlib.sha256(f"{DISK_VERSION}\0{layout.digest}\0".encode())
+    h = hashlib.sha256(f"{DISK_VERSION}\0{layout.digest}\0{layout.identity}\0".encode())
     for point, host in layout.layers:
         h.update(f"layer\0{point}\0".encode())
         if layout.digest:
