@@ -809,6 +809,43 @@ def test_a_workspace_is_a_project_not_the_hosts_system_or_corrals_own(
     assert (tmp_path / "proj" / "src" / "f").read_text() == "ok\n"
 
 
+def test_another_corral_instances_state_or_images_are_no_workspace(tmp_path: Path) -> None:
+    """Only this instance's state and image directories were refused: `--workspace
+    /tmp/other-state:ro` listed another instance's registry.db, owners/, uids/ and images/, and rw
+    would have written as root into its records and images.  Another instance's are known by their
+    layout: a workspace that is one, lies in one or holds one is refused; a project that only looks
+    a little like one (a `names/` or a `sandboxes/` directory) works."""
+    from corral.errors import InvalidSpec
+    from corral.images import store
+    from corral.registry import Registry, state_dir
+
+    other = tmp_path / "other"
+    other_state = state_dir(other / "state")  # as another instance makes and uses it
+    Registry(other_state).rows()
+    (other_state / "uids").mkdir(mode=0o700)
+    other_images = other / "deep" / "er" / "images"
+    other_images.mkdir(parents=True)
+    digest = "sha256:" + "0e" * 32
+    store.set_name(other_images, "base", digest)
+    with store.digest_lock(other_images, digest):
+        (other_images / store.hex_of(digest) / "rootfs" / "etc").mkdir(parents=True)
+    (other_images / store.hex_of(digest) / "image.json").write_text("{}")
+    before = cgroups.list_sandbox_groups()
+    for bad in (other_state, other_state / "sandboxes", other_state / "uids", other, other / "deep",
+                other_images, other_images / "names", other_images / store.hex_of(digest) / "rootfs" / "etc"):
+        for mode in ("ro", "rw"):
+            with pytest.raises(InvalidSpec, match="Corral's own state or image"):
+                Sandbox.create(workspace=f"{bad}:{mode}")
+    assert cgroups.list_sandbox_groups() == before
+    project = tmp_path / "project"
+    for name in ("names", "sandboxes", "src/names", "src/sandboxes"):
+        (project / name).mkdir(parents=True)
+    (project / "registry.db").write_text("not a registry\n")
+    with Sandbox.create(workspace=str(project)) as sb:
+        assert sb.commands.run("ls /workspace && echo ok > /workspace/f").stdout == "names\nregistry.db\nsandboxes\nsrc\n"
+    assert (project / "f").read_text() == "ok\n"
+
+
 def test_a_workspace_never_shows_a_users_keys_or_home(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--workspace ~` was taken for any user but root: the sandbox read ``~/.ssh/id_rsa`` (the

@@ -141,6 +141,56 @@ def _apart_from_corral(workspace: Path, state: Path) -> None:
                               "state and images); give the project's own directory")
 
 
+def _apart_from_other_corrals(workspace: Path) -> None:
+    """Refuse a workspace that is, holds or lies in another instance's state or image directory
+    (its CORRAL_STATE_DIR and CORRAL_IMAGE_DIR are not ours to know: known by their layout), for
+    the reasons :func:`_apart_from_corral` gives."""
+    found = _corral_tree_in(workspace) or next(
+        (place for place in workspace.parents if _is_a_corral_tree(place)), None)
+    if found is not None:
+        raise InvalidSpec(f"workspace {workspace}: it holds or lies in {found}, Corral's own state or image "
+                          "directory (another instance's sandboxes' state and images); give the project's own "
+                          "directory")
+
+
+#: how deep below a workspace, and through how many directories, another instance's tree is looked for
+CORRAL_TREE_DEPTH = 3
+CORRAL_TREE_BUDGET = 512
+
+
+def _is_a_corral_tree(path: Path) -> bool:
+    from .images.store import is_an_image_dir
+    from .registry import is_a_state_dir
+
+    return is_a_state_dir(path) or is_an_image_dir(path)
+
+
+def _corral_tree_in(workspace: Path) -> Path | None:
+    """A state or image directory that is ``workspace`` or below it, CORRAL_TREE_DEPTH levels deep
+    (beyond CORRAL_TREE_BUDGET directories, a large project's, the rest is not looked at)."""
+    level, budget = [workspace], CORRAL_TREE_BUDGET
+    for depth in range(CORRAL_TREE_DEPTH + 1):
+        below: list[Path] = []
+        for directory in level:
+            if budget <= 0:
+                return None
+            budget -= 1
+            if _is_a_corral_tree(directory):
+                return directory
+            if depth < CORRAL_TREE_DEPTH:
+                try:
+                    with os.scandir(directory) as entries:
+                        for entry in entries:
+                            if len(below) >= budget:
+                                break
+                            if entry.is_dir(follow_symlinks=False):
+                                below.append(Path(entry.path))
+                except OSError:
+                    continue
+        level = below
+    return None
+
+
 def _not_a_refused_tree_by_another_path(workspace: Path) -> None:
     """Refuse a workspace that is a refused tree under another path: where a mount shows it from
     (``mountinfo``: a bind of ``/etc/ssl`` at ``/srv/x`` is ``/etc/ssl``) is checked as the path
@@ -205,6 +255,7 @@ class LocalTransport(Transport):
         if spec.workspace is not None:
             _apart_from_corral(spec.workspace.path, self.root)
             _not_a_refused_tree_by_another_path(spec.workspace.path)
+            _apart_from_other_corrals(spec.workspace.path)
         sandbox_id = new_sandbox_id()
         seed: tuple[Path, str] | None = None
         if options.snapshot is not None:

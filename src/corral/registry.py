@@ -35,6 +35,23 @@ DEFAULT_STATE_DIR = Path("/var/lib/corral")
 _OWNERS_HOST_SIDE = {"cgroup_parent": cgroups.PARENT}
 
 
+def is_a_state_dir(path: Path) -> bool:
+    """Whether ``path`` has a state directory's layout (this instance's or any other's): its
+    ``sandboxes/`` and its registry (an SQLite file) or its owners' or uid ranges' records."""
+    if not (path / "sandboxes").is_dir():
+        return False
+    if (path / "owners").is_dir() or (path / "uids").is_dir():
+        return True
+    try:  # (non-blocking, not followed: the path is anybody's, a FIFO or a link there is no registry)
+        fd = os.open(path / "registry.db", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 16) == b"SQLite format 3\0"
+    finally:
+        os.close(fd)
+
+
 def state_dir(explicit: str | Path | None = None) -> Path:
     """The state directory: explicit, else $CORRAL_STATE_DIR, else /var/lib/corral."""
     path = Path(explicit or os.environ.get("CORRAL_STATE_DIR") or DEFAULT_STATE_DIR)

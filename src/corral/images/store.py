@@ -44,6 +44,20 @@ def image_dir() -> Path:
     return path
 
 
+def is_an_image_dir(path: Path) -> bool:
+    """Whether ``path`` has an image store's layout (this instance's or any other's)."""
+    if not (path / "names").is_dir():
+        return False
+    if any((path / name).is_dir() for name in (".locks", "apt-cache", "failed")):
+        return True
+    try:
+        with os.scandir(path) as entries:
+            return any(len(entry.name) == 64 and os.path.lexists(os.path.join(entry.path, "image.json"))
+                       for entry in entries)
+    except OSError:
+        return False
+
+
 def hex_of(digest: str) -> str:
     return digest.removeprefix("sha256:")
 
