@@ -813,7 +813,8 @@ def test_another_corral_instances_state_or_images_are_no_workspace(tmp_path: Pat
     """Only this instance's state and image directories were refused: `--workspace
     /tmp/other-state:ro` listed another instance's registry.db, owners/, uids/ and images/, and rw
     would have written as root into its records and images.  Another instance's are known by their
-    layout: a workspace that is one, lies in one or holds one is refused; a project that only looks
+    layout: a workspace that is one, lies in one or holds one among its entries is refused (deeper
+    is not searched: every create would pay for it); a project that only looks
     a little like one (a `names/` or a `sandboxes/` directory) works."""
     from corral.errors import InvalidSpec
     from corral.images import store
@@ -831,7 +832,7 @@ def test_another_corral_instances_state_or_images_are_no_workspace(tmp_path: Pat
         (other_images / store.hex_of(digest) / "rootfs" / "etc").mkdir(parents=True)
     (other_images / store.hex_of(digest) / "image.json").write_text("{}")
     before = cgroups.list_sandbox_groups()
-    for bad in (other_state, other_state / "sandboxes", other_state / "uids", other, other / "deep",
+    for bad in (other_state, other_state / "sandboxes", other_state / "uids", other, other / "deep" / "er",
                 other_images, other_images / "names", other_images / store.hex_of(digest) / "rootfs" / "etc"):
         for mode in ("ro", "rw"):
             with pytest.raises(InvalidSpec, match="Corral's own state or image"):

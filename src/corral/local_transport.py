@@ -153,9 +153,11 @@ def _apart_from_other_corrals(workspace: Path) -> None:
                           "directory")
 
 
-#: how deep below a workspace, and through how many directories, another instance's tree is looked for
-CORRAL_TREE_DEPTH = 3
-CORRAL_TREE_BUDGET = 512
+#: how deep below a workspace, and through how many directories, another instance's tree is looked
+#: for: its own entries only, as every create pays for the search (3 levels and 512 directories
+#: cost a project's create 2-26 ms, /usr/share's 46); deeper is the operator's to see
+CORRAL_TREE_DEPTH = 1
+CORRAL_TREE_BUDGET = 64
 
 
 def _is_a_corral_tree(path: Path) -> bool:
