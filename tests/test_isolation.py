@@ -749,6 +749,88 @@ def test_other_users_files_are_readable_as_their_mode_allows_and_never_changed(
             st.st_ino, st.st_uid, st.st_gid, st.st_mode, text), rel
 
 
+#: the workspace's owner and another host user (the red team's A and B)
+WORKSPACE_OWNER, ANOTHER_USER = 41170, 41180
+
+
+def _copied_texts(host: Path, copy: Path) -> dict[str, str]:
+    """Copy ``host`` in as a copy-mode create does; its files' texts by path below the copy."""
+    from corral.host.ws_copy import WorkspaceCopy
+
+    shutil.rmtree(copy, ignore_errors=True)
+    made = WorkspaceCopy.create(host, copy, 1000, 1000, 1 << 30)
+    made.close(write_back=False)
+    return {str(p.relative_to(copy)): p.read_text() for p in copy.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("swapped", ["dir", "file"])
+def test_a_name_swapped_while_copying_in_copies_only_what_the_owners_view_shows(tmp_path: Path, swapped: str) -> None:
+    """A copied workspace judged another user's entries by their names and then opened the names
+    again: the workspace's owner, swapping (``renameat2(RENAME_EXCHANGE)``) their own directory
+    with another user's 0700 one holding a 0644 file, or their 0644 file with the other's 0600
+    one, got that user's secret copied into the sandbox (red team rt117: 2 of 10 and 2 of 12
+    creates; here 136 and 77 of 200 copies).  Now what is opened is judged: B's secret is never
+    copied, while the owner's files, and B's that anyone may read, still are."""
+    import ctypes
+    import threading
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("the swap uses x86_64's renameat2 number")
+    host, copy = tmp_path / "ws", tmp_path / "copy"
+    host.mkdir()
+    layout = {  # path: (owner, mode, text or None for a directory)
+        "": (WORKSPACE_OWNER, 0o755, None),
+        "mine": (WORKSPACE_OWNER, 0o755, None), "mine/f": (WORKSPACE_OWNER, 0o644, "A's\n"),
+        "mine/sub": (WORKSPACE_OWNER, 0o755, None), "mine/sub/f": (WORKSPACE_OWNER, 0o644, "A's deeper\n"),
+        "own": (WORKSPACE_OWNER, 0o644, "A's\n"), "own-private": (WORKSPACE_OWNER, 0o600, "A's own 0600\n"),
+        "theirs": (ANOTHER_USER, 0o700, None), "theirs/f": (ANOTHER_USER, 0o644, "B-SECRET in 0700\n"),
+        "theirs/sub": (ANOTHER_USER, 0o755, None), "theirs/sub/f": (ANOTHER_USER, 0o644, "B-SECRET deeper\n"),
+        "their-private": (ANOTHER_USER, 0o600, "B-SECRET 0600\n"),
+        "their-public": (ANOTHER_USER, 0o644, "B's public\n"),
+        "their-open": (ANOTHER_USER, 0o755, None), "their-open/f": (ANOTHER_USER, 0o644, "B's public too\n"),
+    }
+    for rel, (uid, mode, text) in layout.items():
+        path = host / rel
+        if rel and text is None:
+            path.mkdir()
+        elif text is not None:
+            path.write_text(text)
+        os.chown(path, uid, uid)
+        os.chmod(path, mode)
+    # the allowed direction, unraced: the owner's files, 0600 too, and B's that anyone may read
+    assert _copied_texts(host, copy) == {
+        "mine/f": "A's\n", "mine/sub/f": "A's deeper\n", "own": "A's\n", "own-private": "A's own 0600\n",
+        "their-public": "B's public\n", "their-open/f": "B's public too\n"}
+    pair = (b"mine", b"theirs") if swapped == "dir" else (b"own", b"their-private")
+    # where the owner's swapped file is copied to, under whichever name it had then
+    owners_swapped = ("mine/f", "theirs/f") if swapped == "dir" else ("own", "their-private")
+    libc = ctypes.CDLL(None, use_errno=True)
+    stop = threading.Event()
+
+    def swap_names() -> None:  # what the owner of ``host`` may do: it is their directory
+        dir_fd = os.open(host, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            while not stop.is_set():
+                libc.syscall(316, dir_fd, pair[0], dir_fd, pair[1], 2)  # SYS_renameat2, RENAME_EXCHANGE
+        finally:
+            os.close(dir_fd)
+
+    swapper = threading.Thread(target=swap_names)
+    swapper.start()
+    leaked, owners_copied = 0, 0
+    try:
+        for _ in range(200):
+            texts = _copied_texts(host, copy)
+            leaked += any("B-SECRET" in text for text in texts.values())
+            owners_copied += any(texts.get(name) == "A's\n" for name in owners_swapped)
+    finally:
+        stop.set()
+        swapper.join()
+    assert leaked == 0, f"B's secret copied in {leaked} of 200 copies"
+    # the race does not just leave everything out: the owner's swapped file is copied (85 to 193 of 200 measured)
+    assert owners_copied > 20, owners_copied
+
+
 def test_a_workspace_inside_a_repository_keeps_what_the_repositorys_configuration_names(tmp_path: Path) -> None:
     """A workspace that is a package of a larger repository: git names the repository's own
     configuration from the top of its worktree, which was read as the workspace's, so the file

@@ -150,10 +150,15 @@ def depth_order(keys: Iterable[Key], deepest_first: bool = False) -> list[Key]:
 class DirsBeneath:
     """Open directories below a root descriptor, by path, without following symlinks; the last
     one opened is kept for the next entry of the same directory (a sync visits a directory's
-    entries together: without it, each of 200,000 files 120 levels down cost 120 opens)."""
+    entries together: without it, each of 200,000 files 120 levels down cost 120 opens).
 
-    def __init__(self, root_fd: int, create: bool, uid: int, gid: int) -> None:
+    ``shown_to``: copying a host directory in, its stat (its owner's): each directory opened on
+    the way must be one :func:`readable_by_owner` lets be read, or :class:`NotShown` is raised."""
+
+    def __init__(self, root_fd: int, create: bool, uid: int, gid: int,
+                 shown_to: os.stat_result | None = None) -> None:
         self.root_fd, self.create, self.uid, self.gid = root_fd, create, uid, gid
+        self.shown_to = shown_to
         self._path: str | None = None
         self._fd = -1
 
@@ -162,7 +167,7 @@ class DirsBeneath:
         if path != self._path:
             self.close()
             self._fd = _open_dir_beneath(self.root_fd, path.split("/") if path else [], self.create,
-                                         self.uid, self.gid)
+                                         self.uid, self.gid, self.shown_to)
             self._path = path
         return self._fd
 
@@ -228,11 +233,14 @@ def opaque(fd: int) -> bool:
         return False
 
 
-def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gid: int) -> int:
+def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gid: int,
+                      shown_to: os.stat_result | None = None) -> int:
     """Open the directory ``parts`` below root_fd without following symlinks.
 
     With ``create``, a missing component is made, and one that is not a real
-    directory (a symlink, a file) is replaced by one.
+    directory (a symlink, a file) is replaced by one.  With ``shown_to`` (the stat of the host
+    directory copied in), each directory opened on the way is judged by :func:`readable_by_owner`
+    as opened: :class:`NotShown` for one that is not, whatever its name was when it was looked at.
     """
     fd = os.dup(root_fd)
     try:
@@ -250,6 +258,8 @@ def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gi
                 nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nxt
+            if shown_to is not None and not readable_by_owner(os.fstat(fd), shown_to):
+                raise NotShown(errno.EACCES, "another user's directory its mode lets no one else search")
         return fd
     except BaseException:
         os.close(fd)
@@ -319,7 +329,7 @@ def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, ta
     for the next write-back; once the :class:`Budget` is spent, it and every later one are
     (:func:`defer`)."""
     order = depth_order(current)
-    owner = None if writing_back else os.fstat(sources.root_fd)  # copying in: the host directory's
+    owner = sources.shown_to  # copying in: the host directory's stat
     hidden: set[str] = set()  # copying in: the directories left out, whose entries are too
     for i, key in enumerate(order):
         entry = current[key]
@@ -341,11 +351,18 @@ def copy_changed(current: Manifest, previous: Manifest, sources: DirsBeneath, ta
         except NotTheOwners as exc:
             log.warning("workspace write-back leaves %s as the host has it: %s", rel_of(key), exc)
             targets.close()  # (it may hold a directory it did not open)
+        except NotShown:
+            hidden.add(key[0])  # its directory was swapped for another user's since it was looked at
         except OSError as exc:
             if exc.errno not in CHANGED_MEANWHILE:
                 raise
             sources.close()  # what they held may be gone
             targets.close()  # (changed while we copied: a directory made a link...)
+
+
+class NotShown(PermissionError):
+    """Copying a host directory in: a directory opened on the way is another user's that
+    :func:`readable_by_owner` does not let be read (its name was swapped since it was looked at)."""
 
 
 class NotTheOwners(PermissionError):
@@ -391,7 +408,9 @@ def _as_shown(key: Key, entry: Entry, sources: DirsBeneath, owner: os.stat_resul
     one that says no is left out, not copied as a placeholder (a placeholder would be the
     sandbox user's, whose root reads and writes it), and so is everything below a directory left
     out.  Before, the copy was the sandbox user's whatever its host owner and mode: the sandbox
-    read other users' 0600 files (helper rt107)."""
+    read other users' 0600 files (helper rt107).  This looks at names: what is copied is judged
+    again as opened (the directories by :class:`DirsBeneath`, a file by :func:`_make_temporary`),
+    as the workspace's owner can swap the names meanwhile."""
     rel = rel_of(key)
     if key[0] in hidden:
         if entry[0] == "d":
@@ -483,13 +502,14 @@ def write_back_group(source_gid: int, gid: int, groups: Container[int] | None, d
 def _copy_entry(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, kind: str, mode: int, uid: int, gid: int,
     inside_links_only: bool, links: Links | None = None, budget: Budget | None = None,
-    groups: Container[int] | None = None,
+    groups: Container[int] | None = None, shown_to: os.stat_result | None = None,
 ) -> None:
     """Copy the entry ``rel`` (a directory, a symlink or a regular file), whose directories are
     open as ``src_dir`` and ``dst_dir``, to the destination (``dst_root``).  ``links``: the sync's
     map of multiply-linked files, so that every name of one source file names one destination file;
     ``budget``: the sync's :class:`Budget` (:class:`OverBudget` once it is spent, nothing copied);
-    ``groups``: the source groups a file or directory keeps (:func:`write_back_group`)."""
+    ``groups``: the source groups a file or directory keeps (:func:`write_back_group`);
+    ``shown_to``: copying in, the host directory's stat (:func:`_make_temporary`)."""
     name = rel.rsplit("/", 1)[-1]
     if inside_links_only:  # writing to the host: what others may write there is not the sandbox's to widen
         mode &= ~WRITE_BACK_DROPS
@@ -514,7 +534,7 @@ def _copy_entry(
     remove_beneath(dst_dir, tmp)  # left by a sync that failed midway: every later one failed on it
     try:
         if not _make_temporary(src_dir, dst_dir, dst_root, rel, tmp, kind, mode, uid, gid, inside_links_only, links,
-                               budget, groups):
+                               budget, groups, shown_to):
             return
     except BaseException:
         with contextlib.suppress(OSError):
@@ -536,9 +556,15 @@ def _copy_entry(
 def _make_temporary(
     src_dir: int, dst_dir: int, dst_root: int, rel: str, tmp: str, kind: str, mode: int, uid: int, gid: int,
     inside_links_only: bool, links: Links | None, budget: Budget | None, groups: Container[int] | None = None,
+    shown_to: os.stat_result | None = None,
 ) -> bool:
     """Make ``tmp`` in ``dst_dir`` a copy of the link or file ``rel`` (:func:`_copy_entry`); False
-    if there is nothing to copy (a link that leads out of the tree, an entry no longer of its kind)."""
+    if there is nothing to copy (a link that leads out of the tree, an entry no longer of its kind,
+    or, copying in with ``shown_to``, a file :func:`readable_by_owner` does not let be read).
+
+    The file is judged as opened, not by its name: the workspace's owner swapped their 0644 file
+    with another user's 0600 one in a loop (``renameat2(RENAME_EXCHANGE)``), and the copy made of
+    what was looked at as the owner's copied the other user's secret in 41 of 200 creates."""
     name = rel.rsplit("/", 1)[-1]
     if kind == "l":
         try:
@@ -557,6 +583,11 @@ def _make_temporary(
         return False  # no longer a file: the next sync sees what it is now
     try:
         st = os.fstat(src)
+        if shown_to is not None:
+            if not readable_by_owner(st, shown_to):
+                return False
+            if st.st_uid != shown_to.st_uid:
+                mode &= ~0o222  # (as :func:`_as_shown`, for what was opened)
         key = (st.st_dev, st.st_ino)
         earlier = links.get(key) if links is not None and st.st_nlink > 1 else None
         if earlier is None or not _link_to_copied(dst_root, dst_dir, tmp, earlier, uid, gid):

@@ -122,7 +122,9 @@ def _apply(
     directory's descriptor, which is duplicated, not taken)."""
     src_fd = os.open(src, _DIR_FLAGS)
     dst_fd = os.dup(dst) if isinstance(dst, int) else os.open(dst, _DIR_FLAGS)
-    sources, targets = DirsBeneath(src_fd, False, uid, gid), DirsBeneath(dst_fd, True, uid, gid)
+    # copying in, what is read is judged as opened by the host directory's owner's view of it
+    shown_to = None if inside_links_only else os.fstat(src_fd)
+    sources, targets = DirsBeneath(src_fd, False, uid, gid, shown_to), DirsBeneath(dst_fd, True, uid, gid)
     links: Links = {}
     budget = Budget(src_fd) if inside_links_only else None  # writing back, not copying in
     try:
@@ -131,7 +133,7 @@ def _apply(
 
         def copy(key: Key, entry: Entry, src_dir: int, dst_dir: int) -> None:
             _copy_entry(src_dir, dst_dir, dst_fd, rel_of(key), entry[0], entry[3], uid, gid, inside_links_only,
-                        links, budget)
+                        links, budget, shown_to=shown_to)
 
         copy_changed(current, previous, sources, targets, ("o",), copy, writing_back=inside_links_only,
                      configured=configured)
