@@ -14,11 +14,19 @@ data extents are copied (a hole, which costs the sandbox nothing, stays a hole),
 names of one file (hard links) become names of one host file, not one copy each.  Without
 that a sandbox with a 64 MiB disk wrote 4 GiB into the host directory with ``truncate -s
 2G f; ln f g`` (``test_workspace_write_back_is_bounded_by_the_sandboxs_disk``).
+
+No walk or copy crosses a mount point below the tree's root (:func:`open_beneath`): what is
+mounted inside a host directory (a chroot's bound ``/etc``, a volume, an NFS export) is not the
+directory's, and write-back, which runs as host root, wrote the sandbox's files into it (a
+root-owned ``cron.d/evil``, a replaced ``shadow``), while a copy-in showed the sandbox its files.
+A mount point is copied in as an empty directory (what the overlay's non-recursive view shows),
+and write-back leaves it and everything below it as the host has it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -27,6 +35,7 @@ import stat
 from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 
+from .mounts import libc
 from .ws_git import HeldPaths, host_keeps, makes_a_git_directory
 
 log = logging.getLogger(__name__)
@@ -104,8 +113,8 @@ def scan(root: Path | int, upper: bool = False, prefix: str = "") -> Manifest:
             if manifest[key][0] != "d" or above + len(stack) >= MAX_DEPTH:
                 continue
             try:
-                fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-            except OSError:
+                fd = open_beneath(dir_fd, entry.name, _DIR_FLAGS)
+            except OSError:  # (a mount point too: listed, its entries not)
                 if upper:
                     del manifest[key]
                 continue
@@ -246,7 +255,7 @@ def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gi
     try:
         for name in parts:
             try:
-                nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                nxt = open_beneath(fd, name, _DIR_FLAGS)
             except OSError as exc:
                 if not create or exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     raise
@@ -255,7 +264,7 @@ def _open_dir_beneath(root_fd: int, parts: list[str], create: bool, uid: int, gi
                     os.unlink(name, dir_fd=fd)
                 os.mkdir(name, 0o755, dir_fd=fd)
                 os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
-                nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                nxt = open_beneath(fd, name, _DIR_FLAGS)
             os.close(fd)
             fd = nxt
             if shown_to is not None and not readable_by_owner(os.fstat(fd), shown_to):
@@ -386,6 +395,58 @@ def check_owners(dir_fd: int, name: str | None, uid: int) -> None:
         return
     if theirs != uid:
         raise NotTheOwners(errno.EPERM, "another user's")
+
+
+class OtherMount(NotTheOwners):
+    """A walk or a copy met a mount point below the tree's root: what is mounted there is not the
+    workspace's (:func:`open_beneath`), and is neither copied in nor written back."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(errno.EXDEV, "a mount point (what is mounted there is not the workspace's)", name)
+
+
+SYS_OPENAT2 = 437  # (x86_64 and aarch64 alike: the unified syscall table)
+RESOLVE_NO_XDEV = 0x01
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+#: this kernel (or the owner's seccomp filter: older Docker profiles) has no ``openat2``
+_no_openat2 = False
+
+
+def open_beneath(dir_fd: int, name: str, flags: int) -> int:
+    """``name`` in the directory ``dir_fd`` opened with ``flags`` (no ``O_CREAT``), unless it is a
+    mount point: :class:`OtherMount` then.  ``openat2(RESOLVE_NO_XDEV)``, one system call as
+    ``openat`` is; where there is none, the two descriptors' mount ids are compared (``st_dev``
+    is not enough: a bind mount of a directory of the same file system has the same)."""
+    global _no_openat2
+    if not _no_openat2:
+        syscall = libc().syscall
+        syscall.restype = ctypes.c_long
+        how = _OpenHow(flags, 0, RESOLVE_NO_XDEV)
+        fd = int(syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd), os.fsencode(name), ctypes.byref(how),
+                         ctypes.c_size_t(ctypes.sizeof(how))))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err == errno.EXDEV:
+            raise OtherMount(name)
+        if err != errno.ENOSYS:
+            raise OSError(err, os.strerror(err), name)
+        _no_openat2 = True
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    if _mount_id(fd) != _mount_id(dir_fd):
+        os.close(fd)
+        raise OtherMount(name)
+    return fd
+
+
+def _mount_id(fd: int) -> str:
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        return next((line for line in info if line.startswith("mnt_id:")), "")
 
 
 def readable_by_owner(st: os.stat_result, owner: os.stat_result) -> bool:
@@ -541,16 +602,32 @@ def _copy_entry(
             remove_beneath(dst_dir, tmp)
         raise
     try:
-        os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
-    except IsADirectoryError:
-        remove_beneath(dst_dir, name, owner=uid if inside_links_only else None)
-        try:
-            os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
-        except OSError as exc:
-            if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY):
-                raise
+        _replace(dst_dir, tmp, name, owner=uid if inside_links_only else None)
+    except BaseException:
+        with contextlib.suppress(OSError):
             remove_beneath(dst_dir, tmp)
-            raise NotTheOwners(errno.EPERM, "a directory holding another user's entries") from exc
+        raise
+
+
+def _replace(dir_fd: int, tmp: str, name: str, owner: int | None) -> None:
+    """Rename ``tmp`` to ``name`` in ``dir_fd``; a directory there is removed first (``owner``: as
+    :func:`remove_beneath` does), a mount point is left (:class:`OtherMount`)."""
+    try:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    except IsADirectoryError:
+        pass
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:  # a file mounted on ``name``
+            raise OtherMount(name) from exc
+        raise
+    remove_beneath(dir_fd, name, owner=owner)
+    try:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY):
+            raise
+        raise NotTheOwners(errno.EPERM, "a directory holding another user's entries") from exc
 
 
 def _make_temporary(
@@ -623,8 +700,12 @@ def _open_file(dir_fd: int, name: str) -> int | None:
     """``name`` in ``dir_fd`` opened to read if it is a regular file, else None.  It is looked at
     (``O_PATH``, which opens nothing) before it is opened, through that descriptor: a name the
     sandbox swaps meanwhile for a fifo, socket, whiteout or link (a background ``rm f; ln g f``
-    made commands fail with ``EACCES``) is never opened, nor followed."""
-    path_fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    made commands fail with ``EACCES``) is never opened, nor followed; nor is a file mounted there
+    (a bind mount of a single file: not the workspace's)."""
+    try:
+        path_fd = open_beneath(dir_fd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OtherMount:
+        return None
     try:
         if not stat.S_ISREG(os.fstat(path_fd).st_mode):
             return None
@@ -651,10 +732,10 @@ def remove_beneath(dir_fd: int, name: str, owner: int | None = None) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(st.st_mode):
-        os.unlink(name, dir_fd=dir_fd)
+        _unlink(dir_fd, name)
         return
     # (a directory's descriptor, its name in its parent's, its entries left): the parent is the one below
-    top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    top = open_beneath(dir_fd, name, _DIR_FLAGS)
     stack = [(top, name, iter(os.listdir(top)))]
     moved_up: list[str] = []  # directories moved into ``top`` after its entries were listed
     try:
@@ -679,16 +760,29 @@ def remove_beneath(dir_fd: int, name: str, owner: int | None = None) -> None:
                 if owner is not None and child_st.st_uid != owner:
                     continue
                 if not stat.S_ISDIR(child_st.st_mode):
-                    os.unlink(child, dir_fd=fd)
+                    _unlink(fd, child)
                 elif owner is None and len(stack) >= REMOVE_HELD_DIRS:
                     moved = f".corral-removing-{secrets.token_hex(8)}"
                     os.rename(child, moved, src_dir_fd=fd, dst_dir_fd=top)
                     moved_up.append(moved)
                 else:
-                    sub = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                    sub = open_beneath(fd, child, _DIR_FLAGS)
                     stack.append((sub, child, iter(os.listdir(sub))))
             except FileNotFoundError:
                 continue
+            except OtherMount:
+                if owner is None:
+                    raise
+                continue  # left, with the directories that hold it (as another user's entry)
     finally:
         for fd, _, _ in stack:
             os.close(fd)
+
+
+def _unlink(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.EBUSY:  # a file mounted on ``name``
+            raise OtherMount(name) from exc
+        raise

@@ -28,12 +28,14 @@ from .fsnotify import ChangeWatch
 from .workspace import (
     MAX_DEPTH,
     MAX_PATH,
+    _DIR_FLAGS,
     DirsBeneath,
     Entry,
     Key,
     Manifest,
     _open_dir_beneath,
     entry_of,
+    open_beneath,
     opaque,
     rel_of,
     scan,
@@ -182,10 +184,10 @@ class UpperTree:
             entry = entry_of(os.stat(key[1], dir_fd=parent, follow_symlinks=False), upper=True)
             if entry[0] != "d" or not listed(rel_of(key)):
                 return entry
-            fd = os.open(key[1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            fd = open_beneath(parent, key[1], _DIR_FLAGS)
         except OSError:
             parents.close()
-            return None  # gone, or no longer below a directory (the walk leaves it out too)
+            return None  # gone, no longer below a directory, a mount point (the walk leaves it out too)
         try:
             return ("D", *entry[1:]) if opaque(fd) else entry
         finally:

@@ -97,6 +97,7 @@ from .workspace import (
     Key,
     Links,
     Manifest,
+    OtherMount,
     _copy_entry,
     _kind_at,
     _open_dir_beneath,
@@ -448,6 +449,9 @@ def _keep_only_upper(src_fd: int, dst_fd: int, rel: str, uid: int, gid: int,
     try:
         for name in os.listdir(dst):
             if name not in keep and not host_keeps(f"{rel}/{name}", _kind_at(dst, name), configured):
-                remove_beneath(dst, name)
+                try:
+                    remove_beneath(dst, name)
+                except OtherMount as exc:
+                    log.warning("workspace write-back leaves %s/%s as the host has it: %s", rel, name, exc)
     finally:
         os.close(dst)
