@@ -1021,3 +1021,56 @@ def test_write_back_goes_to_the_directory_given_not_where_a_swapped_path_leads(
         with contextlib.suppress(OSError):
             held.append(os.readlink(f"/proc/self/fd/{fd}"))
     assert str(alice / "work.old" / "cron.d") not in held  # the directory's descriptor went with it
+
+
+@pytest.mark.parametrize("tier,overlay", [("process", True), ("process", False), ("gvisor", True), ("microvm", False)],
+                         ids=["process-overlay", "process-copy", "gvisor", "microvm"])
+def test_write_back_and_copy_in_never_cross_a_mount_inside_the_workspace(
+        tier: str, overlay: bool, tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory (and a file) mounted inside the workspace is not the workspace's: a chroot's
+    bound ``/etc``, a volume.  Write-back, as root, wrote the sandbox's files into it on every
+    tier (a root-owned ``cron.d/evil``, a ``planted`` file, the 0640 ``shadow`` replaced by the
+    sandbox's 0644 one), and the microVM's copy-in showed the sandbox its files (helper rt119).
+    Now the sandbox sees an empty directory and an empty file there and what it does to them
+    stays its own, deleting them too; its writes elsewhere in the workspace still come back."""
+    from corral.host import ws_overlay
+
+    from .tier_probe import skip_unless_tier
+
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    monkeypatch.setattr(ws_overlay, "ENABLED", overlay)
+    etc, secret, ws = tmp_path / "fake-etc", tmp_path / "secret", tmp_path / "project"
+    (etc / "cron.d").mkdir(parents=True)
+    (etc / "shadow").write_text("root:SECRET-HASH:1:0:99999:7:::\n")
+    os.chmod(etc / "shadow", 0o640)
+    (etc / "cron.d" / "job").write_text("job\n")
+    secret.write_text("FILE-SECRET\n")
+    os.chmod(secret, 0o600)
+    (ws / "sub").mkdir(parents=True)
+    (ws / "passwd").write_text("")
+    (ws / "README").write_text("project\n")
+    before = {path: (path.read_text(), path.stat()[:5]) for path in (etc / "shadow", etc / "cron.d" / "job", secret)}
+    binds = ((etc, ws / "sub"), (secret, ws / "passwd"))
+    mounted: list[Path] = []
+    try:
+        for source, target in binds:
+            subprocess.run(["mount", "--bind", str(source), str(target)], check=True)
+            mounted.append(target)
+        with Sandbox.create(tier=tier, workspace=str(ws)) as sb:
+            seen = sb.commands.run("cat /workspace/sub/shadow /workspace/sub/cron.d/job /workspace/passwd; "
+                                   "ls -A /workspace/sub")
+            assert "SECRET" not in seen.stdout and "job" not in seen.stdout, seen
+            r = sb.commands.run("mkdir -p /workspace/sub/cron.d && echo evil > /workspace/sub/cron.d/evil"
+                                " && echo x > /workspace/sub/planted && echo root::0:0::: > /workspace/sub/shadow"
+                                " && echo new > /workspace/passwd && echo back > /workspace/README"
+                                " && mkdir /workspace/mine && echo y > /workspace/mine/f")
+            assert r.exit_code == 0, r
+            assert (ws / "README").read_text() == "back\n"  # written back after that command
+            assert sb.commands.run("rm -rf /workspace/sub /workspace/passwd").exit_code == 0
+    finally:
+        for target in reversed(mounted):
+            subprocess.run(["umount", "-l", str(target)], check=True)
+    assert sorted(str(p.relative_to(etc)) for p in etc.rglob("*")) == ["cron.d", "cron.d/job", "shadow"]
+    assert {path: (path.read_text(), path.stat()[:5]) for path in before} == before
+    assert (ws / "README").read_text() == "back\n" and (ws / "mine" / "f").read_text() == "y\n"
