@@ -26,17 +26,17 @@ from collections.abc import Iterable, Iterator
 
 from .fsnotify import ChangeWatch
 from .workspace import (
+    _DIR_FLAGS,
     MAX_DEPTH,
     MAX_PATH,
-    _DIR_FLAGS,
     DirsBeneath,
     Entry,
     Key,
     Manifest,
     _open_dir_beneath,
     entry_of,
-    open_beneath,
     opaque,
+    open_beneath,
     rel_of,
     scan,
 )
