@@ -189,3 +189,29 @@ def test_a_tree_of_any_depth_is_removed_holding_a_bounded_number_of_descriptors(
         os.close(root)
     assert sorted(os.listdir(tmp_path)) == ["kept"]
     assert (tmp_path / "kept" / "file").read_text() == "x"
+
+
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "mount-ids"])
+def test_a_bind_mount_of_the_same_file_system_is_not_opened_beneath(
+        openat2: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``st_dev`` cannot tell a bind mount of a directory of the same file system from a directory
+    of the workspace: ``openat2(RESOLVE_NO_XDEV)`` can, and so can the mount ids compared where a
+    kernel (or the owner's seccomp filter) has no ``openat2``.  A plain directory opens either way."""
+    import subprocess
+
+    monkeypatch.setattr(workspace, "_no_openat2", not openat2)
+    (tmp_path / "ws" / "sub").mkdir(parents=True)
+    (tmp_path / "ws" / "plain").mkdir()
+    (tmp_path / "other").mkdir()
+    subprocess.run(["mount", "--bind", str(tmp_path / "other"), str(tmp_path / "ws" / "sub")], check=True)
+    root = os.open(tmp_path / "ws", workspace._DIR_FLAGS)
+    try:
+        assert os.stat(tmp_path / "ws" / "sub").st_dev == os.fstat(root).st_dev
+        with pytest.raises(workspace.OtherMount):
+            workspace.open_beneath(root, "sub", workspace._DIR_FLAGS)
+        os.close(workspace.open_beneath(root, "plain", workspace._DIR_FLAGS))
+        with pytest.raises(FileNotFoundError):
+            workspace.open_beneath(root, "absent", workspace._DIR_FLAGS)
+    finally:
+        os.close(root)
+        subprocess.run(["umount", str(tmp_path / "ws" / "sub")], check=True)
