@@ -1038,3 +1038,88 @@ def test_a_guest_that_reads_nothing_from_the_egress_port_holds_the_bridge_bounde
         assert int(flood.stdout) > 4 << 20, f"the guest sent too little to prove anything: {flood}"
         assert most[0] < 3 << 20, f"{most[0]} bytes queued for a guest that reads nothing ({flood.stdout.strip()} sent)"
         assert sb.commands.run("echo alive", timeout=30).stdout == "alive\n"
+
+
+#: guest root takes its agent's port, stops the agent and answers each command's leaf mkdir
+#: (T_FMKDIR|T_AS_AGENT, sent before the command) with argv[1] MiB of T_DATA and never T_OK
+FORGED_MKDIR_ANSWERS = """
+import ctypes, os, select, signal, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+agent = os.getppid()
+pidfd = libc.syscall(434, agent, 0)
+rfd, wfd = libc.syscall(438, pidfd, 0, 0), libc.syscall(438, pidfd, 1, 0)  # pidfd_getfd
+header = struct.Struct("<BII")
+frame_of = lambda ident: header.pack(105, ident, 1 << 20) + b"A" * (1 << 20)  # T_DATA
+print("ready", flush=True)
+time.sleep(0.5)
+os.kill(agent, signal.SIGSTOP)
+seen, answered, end = b"", 0, time.time() + float(sys.argv[2])
+while time.time() < end:
+    if not select.select([rfd], [], [], 0.5)[0]:
+        continue
+    seen += os.read(rfd, 1 << 16)
+    while len(seen) >= header.size and len(seen) >= header.size + header.unpack_from(seen)[2]:
+        kind, ident, length = header.unpack_from(seen)
+        seen = seen[header.size + length:]
+        if kind == 15 | 0x80:
+            frame = frame_of(ident)
+            for _ in range(int(sys.argv[1])):
+                view = memoryview(frame)
+                while view:
+                    view = view[os.write(wfd, view):]
+            answered += 1
+            open("/tmp/answered", "w").write(str(answered))
+"""
+
+
+def _rss_mib() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) >> 10
+
+
+def test_forged_answers_to_the_hosts_own_requests_hold_the_owner_bounded(state_dir: Path) -> None:
+    """Guest root answered each command's leaf mkdir with 63 MiB of T_DATA (never T_OK): every
+    request's answer was kept up to MAX_FRAME, so 8 background commands took the owner from 26 to
+    534 MiB for their timeout, and a killed sandbox's channel still held it.  Now only a read
+    takes T_DATA, any other answer is held to SMALL_ANSWER_LIMIT, and a closed channel keeps
+    nothing; reads, listings and multi-chunk writes still work."""
+    from corral.tiers.linux.agent import WRITE_CHUNK
+
+    sb = Sandbox.create(tier="microvm", memory="256M", user="root")
+    try:
+        channel = _vm(sb)._channel
+        assert channel is not None
+        big = os.urandom(WRITE_CHUNK + (1 << 20))  # two T_FPUT requests: the first's answer names paths
+        sb.files.write("/root/big", big)
+        assert sb.files.read("/root/big", "bytes") == big
+        assert "big" in [entry.name for entry in sb.files.list("/root")]
+        sb.files.write("/root/forge.py", FORGED_MKDIR_ANSWERS)
+        ready = threading.Event()
+        sb.commands.start(["python3", "/root/forge.py", "32", "60"], timeout=120, on_stdout=lambda _: ready.set())
+        assert ready.wait(30), "the guest's script did not start"
+        time.sleep(1.5)
+        before = _rss_mib()
+        waiting = [sb.commands.start(["sleep", "1000"], timeout=120) for _ in range(4)]
+
+        def held() -> int:
+            return sum(len(pending.data) for pending in list(channel._pending.values()))
+
+        # the guest sends each forged answer (32 MiB, 4 of them) as the mkdir comes: wait until
+        # what the owner holds stops changing
+        last: tuple[int, int] = (-1, -1)
+        for _ in range(20):
+            time.sleep(2)
+            now = (_rss_mib(), held())
+            if now == last:
+                break
+            last = now
+        grew, holding = _rss_mib() - before, held()
+        forged = sum(pending.overflow or len(pending.data) > 0 for pending in list(channel._pending.values()))
+        assert forged == 4, f"only {forged} of the 4 leaf mkdirs got their forged answer: nothing proven"
+        assert holding < 1 << 20, f"the pending answers hold {holding >> 20} MiB"  # (4 x SMALL_ANSWER_LIMIT)
+        assert grew < 48, f"the owner grew {grew} MiB for 4 x 32 MiB of forged answers"
+        sb.kill()
+        assert channel._pending == {} and len(waiting) == 4  # a killed sandbox's channel keeps none
+    finally:
+        sb.kill()
+    assert sandbox_leftovers(sb.id, state_dir) == []

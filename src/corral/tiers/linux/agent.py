@@ -83,13 +83,21 @@ RELAY_UID = 65533
 #: it did when a fifo at a written path held the agent (and a server's event loop with it)
 WRITE_TIMEOUT = 60.0
 WRITE_CHUNK = 4 << 20
+#: the most a request that is not a read or a listing is answered with: nothing, or (a T_FPUT
+#: with more to come) the target's and its temporary file's paths.  A guest root that answered
+#: each command's leaf mkdir with 63 MiB of T_DATA had the owner keep it all (the default limit
+#: was MAX_FRAME) for the command's timeout: 8 background commands took the owner to 534 MiB
+SMALL_ANSWER_LIMIT = 16 << 10
+
 
 class _Pending:
-    def __init__(self) -> None:
+    def __init__(self, limit: int, takes_data: bool) -> None:
         self.done = threading.Event()
         self.kind = 0
         self.data = bytearray()
-        self.limit = MAX_FRAME
+        self.limit = limit
+        #: only a read is answered with T_DATA frames; any other request's are forged
+        self.takes_data = takes_data
         self.overflow = False
 
 
@@ -240,7 +248,7 @@ class AgentChannel:
             if self.closed.is_set():
                 raise SandboxClosed("the sandbox is no longer running")
             ident = self.new_id()
-            pending = _Pending()
+            pending = _Pending(STAT_ANSWER_LIMIT, takes_data=False)
             self._pending[ident] = pending
             try:
                 if not self._write_locked(HEADER.pack(T_FSTAT, ident, 2) + b"/\0", timeout):
@@ -248,7 +256,7 @@ class AgentChannel:
             except SandboxClosed:
                 self._pending.pop(ident, None)
                 raise
-            self._answer(ident, pending, MAX_FRAME, timeout)
+            self._answer(ident, pending, STAT_ANSWER_LIMIT, timeout)
             yield
         finally:
             self._unlock_writer()
@@ -271,7 +279,12 @@ class AgentChannel:
         finally:
             self.closed.set()
             for pending in list(self._pending.values()):
+                if pending.kind == 0:  # never answered now (SandboxClosed): what came of it goes
+                    pending.data = bytearray()
                 pending.done.set()
+            # their waiters get SandboxClosed; a command that never started keeps its request's
+            # waiter, and the sandbox object keeps the channel: neither keeps what was sent for it
+            self._pending.clear()
             for proc in list(self._execs.values()):
                 proc._agent_gone()
             # nothing is dispatched to them now: the channel (which its sandbox object keeps, and
@@ -314,7 +327,7 @@ class AgentChannel:
         if pending is None:
             return
         if kind == T_DATA:
-            if len(pending.data) + len(payload) > pending.limit:
+            if not pending.takes_data or len(pending.data) + len(payload) > pending.limit:
                 pending.overflow = True
             else:
                 pending.data += payload
@@ -399,15 +412,15 @@ class AgentChannel:
             pass
 
     # -- requests --------------------------------------------------------
-    def call(self, kind: int, payload: bytes, limit: int = MAX_FRAME, timeout: float = 60.0) -> bytes:
+    def call(self, kind: int, payload: bytes, limit: int = SMALL_ANSWER_LIMIT, timeout: float = 60.0) -> bytes:
         return self.begin(kind, payload, limit)(timeout)
 
-    def begin(self, kind: int, payload: bytes, limit: int = MAX_FRAME) -> Callable[[float], bytes]:
+    def begin(self, kind: int, payload: bytes, limit: int = SMALL_ANSWER_LIMIT) -> Callable[[float], bytes]:
         """Send a request now; the returned function waits for its answer (or raises).
-        The agent answers in order, so requests sent later can go before the wait."""
+        The agent answers in order, so requests sent later can go before the wait.
+        ``limit``: the most its answer may hold (a read's ``max_bytes``, a listing's bound)."""
         ident = self.new_id()
-        pending = _Pending()
-        pending.limit = limit
+        pending = _Pending(limit, takes_data=(kind & ~T_AS_AGENT) == T_FREAD)
         self._pending[ident] = pending
         try:
             self.send(kind, ident, payload)
