@@ -67,6 +67,7 @@ from pathlib import Path
 
 from ...egress.audit import AuditLog
 from ...egress.tunnel import OWNER_TUNNELS, RATE_RULE, ConnectionRate
+from ..linux.agent import STRAY_FRAME_BURST, STRAY_FRAME_RATE, STRAY_HOLD
 
 M_HELLO, M_OPEN, M_DATA, M_EOF, M_CLOSE, M_CREDIT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<BII")
@@ -135,6 +136,7 @@ class EgressBridge:
         self._closing = False
         #: new connections the guest may open (the proxy's rate, held here before a socket is made)
         self._rate = ConnectionRate()
+        self._strays = ConnectionRate(rate=STRAY_FRAME_RATE, burst=STRAY_FRAME_BURST)
         #: while over that rate: when the next may open (the port is not read until then)
         self._held_until: float | None = None
         #: set when the guest's relay said HELLO (it listens and the port is connected)
@@ -242,6 +244,8 @@ class EgressBridge:
                     break
                 if kind == M_OPEN and self._rate_holds(conn_id):
                     break  # this frame and the rest wait in the buffer, and the port is not read
+                if self._is_stray(kind, conn_id) and self._strays_hold():
+                    break  # (as above)
                 self._guest_frame(kind, conn_id, view[at + HEADER.size:end])
                 at = end
         finally:
@@ -288,6 +292,23 @@ class EgressBridge:
     # -- connections to the proxy ----------------------------------------------
     def _refused_anyway(self, conn_id: int) -> bool:
         return conn_id in self._conns or len(self._conns) >= MAX_CONNECTIONS
+
+    def _is_stray(self, kind: int, conn_id: int) -> bool:
+        """A frame that asks nothing of the bridge: a HELLO again, an OPEN refused anyway, a
+        frame for no connection (a few come late, after a close), a kind the relay never sends."""
+        if kind == M_HELLO:
+            return self.hello.is_set()
+        if kind == M_OPEN:
+            return self._refused_anyway(conn_id)
+        return kind not in (M_DATA, M_EOF, M_CLOSE, M_CREDIT) or conn_id not in self._conns
+
+    def _strays_hold(self) -> bool:
+        """Whether a stray frame must wait for STRAY_FRAME_RATE (the port is not read meanwhile)."""
+        wait = self._strays.take()
+        if wait:
+            self._held_until = time.monotonic() + max(wait, STRAY_HOLD)
+            return True
+        return False
 
     def _rate_holds(self, conn_id: int) -> bool:
         """Whether the OPEN of ``conn_id`` must wait for the connection rate (an OPEN refused
