@@ -139,8 +139,18 @@ def capture(vm: MicroVMSandbox, channel: AgentChannel, dest: Path, shared: Path 
     """Write a live snapshot of ``vm`` into the new directory ``dest`` but for its memory image:
     returns bytes written and the image still to write (:class:`RamWrite`), once the VM runs on."""
     readonly = readonly_workspace(vm)
-    with frozen_and_detached(vm, channel, "snapshot"):
-        return _capture_detached(vm, channel, dest, shared, readonly)
+    rest: RamWrite | None = None
+    try:
+        with frozen_and_detached(vm, channel, "snapshot"):
+            written, rest = _capture_detached(vm, channel, dest, shared, readonly)
+    except BaseException:
+        # the workspace's re-attach or the thaw failed after the converter took the VM (a guest
+        # root can make the attach fail): nobody else holds the converter, which would run on,
+        # its memfd a copy of the guest's RAM, past the sandbox and its uid range
+        if rest is not None:
+            rest.abandon()
+        raise
+    return written, rest
 
 
 def readonly_workspace(vm: MicroVMSandbox) -> bool:
