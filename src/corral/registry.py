@@ -289,8 +289,35 @@ def gc(root: Path) -> list[str]:
     _release_orphan_ranges(root, registry)
     release_ranges_of_dead_processes(root)  # a probe's, a template boot's: their process is gone
     grace.reap_left_open()  # a cgroup-move window a killed process left open
-    _remove_abandoned_groups({row.id for row in registry.rows()})
+    known = {row.id for row in registry.rows()}
+    _remove_orphan_helper_groups(known)
+    _remove_abandoned_groups(known)
     return reaped
+
+
+def _remove_orphan_helper_groups(known: set[str]) -> list[str]:
+    """Kill and remove the groups of helpers whose sandbox is gone: a microVM snapshot's
+    converter (``<id>-snapshot``, a QEMU holding a copy of the guest's RAM, running as the
+    sandbox's uids) that its owner lost kept its group and memory after the sandbox was destroyed,
+    past the owner's exit, reparented to init.  A sandbox ends its helpers before its own group
+    goes, so a helper's group with no row here and no sandbox group of its id in any hierarchy
+    (another state directory's live sandbox has one) has no owner; returns their names."""
+    from .host import cgroups
+
+    try:
+        groups = cgroups.list_sandbox_groups()
+    except (HostNotSupported, OSError):
+        return []
+    removed = []
+    for name in groups - known:
+        sandbox_id, _, helper = name.rpartition("-")
+        if not (sandbox_id.startswith("sb-") and sandbox_id.count("-") == 1 and helper):
+            continue  # not ``sb-<hex>-<helper>``
+        if sandbox_id in known or sandbox_id in groups:
+            continue
+        cgroups.reap(name)  # (its processes killed in every hierarchy)
+        removed.append(name)
+    return removed
 
 
 #: a sandbox cgroup no row knows, with no process, unchanged this long, is garbage
