@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from corral import (
+    FileError,
     InvalidSpec,
     InvalidState,
     ResourceLimit,
@@ -677,3 +678,117 @@ def test_a_snapshot_taken_just_before_the_process_exits_is_kept_whole(state_dir:
     with Sandbox.create(snapshot=snapshot_id) as copy:
         assert copy.commands.run("cat /tmp/mark").stdout == "kept-across-exit\n"
     assert Sandbox.delete_snapshot(snapshot_id)
+
+
+#: guest root: leave the guest's ``sandbox`` cgroup (the snapshot's freeze does not stop it), wait
+#: for the host's "detach" to unmount /workspace, then put a file where its mount point was: the
+#: host's "attach" after the migration into the converter fails (ENOTDIR)
+BREAK_THE_REATTACH = r"""
+import os, time
+open("/sys/fs/cgroup/cgroup.procs", "w").write(str(os.getpid()))
+os.chdir("/")
+def mounted():
+    return any(line.split()[4] == "/workspace" for line in open("/proc/self/mountinfo"))
+open("/tmp/watching", "w").close()
+end = time.time() + 300
+while mounted() and time.time() < end:
+    time.sleep(0.001)
+os.rmdir("/workspace")
+open("/workspace", "w").close()
+open("/tmp/replaced", "w").close()
+"""
+
+
+def _converter_left(sandbox_id: str) -> list[str]:
+    """The converter QEMUs (by their name on the command line) and groups of ``sandbox_id``."""
+    from corral.tiers.microvm import converter
+
+    return ([f"process {pid}" for pid in _processes_named(converter.converter_name(sandbox_id))]
+            + [f"cgroup {name}" for name in cgroups.list_sandbox_groups() if name == converter.group_name(sandbox_id)])
+
+
+def _end_converter(sandbox_id: str) -> None:
+    """What the old code left: not left to the host when the test fails."""
+    from corral.tiers.microvm import converter
+
+    converter.kill_converters(sandbox_id)
+    cgroups.reap(converter.group_name(sandbox_id))
+
+
+def test_a_snapshot_whose_workspace_reattach_fails_leaves_no_converter(state_dir: Path) -> None:
+    """A guest root made the workspace's re-attach fail after the VM was migrated into the
+    snapshot's converter: snapshot() raised, and the converter (a QEMU holding a 403 MiB copy of a
+    256M sandbox's RAM, in its own group, running as the sandbox's uids) was owned by nobody: it
+    survived the sandbox's kill, its owner's exit and gc, one more per attempt.  Now the failed
+    snapshot closes it; the VM runs on (without its workspace) and is killed cleanly."""
+    sb = Sandbox.create(tier="microvm", memory="256M", user="root")
+    left_by_snapshot: list[str] = []
+    try:
+        sb.files.write("/root/break.py", BREAK_THE_REATTACH)
+        sb.commands.run("cd / && setsid python3 /root/break.py </dev/null >/dev/null 2>&1 &", timeout=30)
+        assert wait_until(lambda: sb.commands.run("test -e /tmp/watching").exit_code == 0, 60)
+        with pytest.raises(FileError, match="/workspace"):
+            sb.snapshot()
+        assert sb.commands.run("test -f /workspace && test -e /tmp/replaced", cwd="/").exit_code == 0  # the guest did it
+        left_by_snapshot = _converter_left(sb.id)
+        assert sb.commands.run("echo still-running", cwd="/").stdout == "still-running\n"
+        assert [s for s in SnapshotStore(state_dir).list() if s.sandbox_id == sb.id] == []
+    finally:
+        sb.kill()
+        left_by_kill = _converter_left(sb.id)
+        _end_converter(sb.id)
+    assert left_by_snapshot == [] and left_by_kill == []
+    assert wait_until(lambda: not sandbox_leftovers(sb.id, state_dir), 10)
+
+
+def test_a_sandbox_kills_a_converter_nobody_owns_before_its_uids_go(state_dir: Path, tmp_path: Path) -> None:
+    """Defence in depth: a converter whose owner lost it (the state the failed re-attach above
+    left) was not the sandbox's to end: it ran on after the kill, as uids handed to the next
+    sandbox.  Now a sandbox's destroy kills every converter of its own before it releases them."""
+    from corral.tiers.microvm import live
+    from corral.tiers.microvm.sandbox import MicroVMSandbox
+
+    sb = Sandbox.create(tier="microvm", memory="256M")
+    try:
+        vm = sb._inner
+        assert isinstance(vm, MicroVMSandbox)
+        (tmp_path / "snap").mkdir()
+        _written, lost = live.capture(vm, vm._channel_or_raise(), tmp_path / "snap" / "files", None)
+        assert _converter_left(sb.id)  # running, held by nobody but ``lost`` (never finished nor abandoned)
+        del lost
+    finally:
+        sb.kill()
+        left_by_kill = _converter_left(sb.id)
+        _end_converter(sb.id)
+    assert left_by_kill == []
+    assert wait_until(lambda: not sandbox_leftovers(sb.id, state_dir), 10)
+
+
+def test_gc_reaps_a_converters_group_whose_sandbox_is_gone_and_no_other(state_dir: Path) -> None:
+    """A converter's group (``<id>-snapshot``) whose sandbox was destroyed held its QEMU and
+    memory through ``corral gc`` (it reaped 0: the sandbox had no row left).  Now gc kills and
+    removes a helper's group when no row and no group of its sandbox remains; one whose sandbox's
+    group is there (a live sandbox, of any state directory) is left alone."""
+    from secrets import token_hex
+
+    from corral.spec import Limits
+    from corral.tiers.microvm import converter
+
+    gone, live_one = "sb-" + token_hex(8), "sb-" + token_hex(8)
+    groups = {sid: cgroups.SandboxCgroup(converter.group_name(sid), Limits()) for sid in (gone, live_one)}
+    sandbox_group = cgroups.SandboxCgroup(live_one, Limits())  # another state directory's live sandbox
+    sleepers = {sid: subprocess.Popen(["sleep", "300"]) for sid in groups}
+    try:
+        for sid, group in groups.items():
+            group.attach(sleepers[sid].pid, group.leaf("vmm"))
+        gc(state_dir)
+        assert sleepers[gone].wait(timeout=10) == -9
+        assert converter.group_name(gone) not in cgroups.list_sandbox_groups()
+        assert sleepers[live_one].poll() is None
+        assert converter.group_name(live_one) in cgroups.list_sandbox_groups()
+    finally:
+        for sid, group in groups.items():
+            group.destroy()
+            sleepers[sid].kill()
+            sleepers[sid].wait()
+        sandbox_group.destroy()
