@@ -73,19 +73,23 @@ class WorkspaceCopy:
         self._git = GitReach(self.host)
 
     @classmethod
-    def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int) -> WorkspaceCopy:
-        source = scan(host)
-        total = sum(e[1] for e in source.values() if e[0] == "f")
-        if total > max_bytes:
-            raise ResourceLimit(
-                f"workspace {host} holds {total} bytes, more than the sandbox's disk limit of {max_bytes}; "
-                "raise --disk or use a smaller workspace"
-            )
-        copy.mkdir(mode=0o755, exist_ok=True)
-        os.chown(copy, uid, gid)
-        host_fd = open_host_dir(host)
+    def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int, host_fd: int = -1) -> WorkspaceCopy:
+        """Copy ``host`` in: read through the directory as opened at create (``host_fd``, given:
+        the copy's from here, closed also if it fails; else :func:`open_host_dir`), as write-back
+        writes to it: never by the path again, which a swap could lead elsewhere."""
+        if host_fd < 0:
+            host_fd = open_host_dir(host)
         try:
-            _apply(host, copy, source, {}, uid, gid, inside_links_only=False)
+            source = scan(host_fd)
+            total = sum(e[1] for e in source.values() if e[0] == "f")
+            if total > max_bytes:
+                raise ResourceLimit(
+                    f"workspace {host} holds {total} bytes, more than the sandbox's disk limit of {max_bytes}; "
+                    "raise --disk or use a smaller workspace"
+                )
+            copy.mkdir(mode=0o755, exist_ok=True)
+            os.chown(copy, uid, gid)
+            _apply(host_fd, copy, source, {}, uid, gid, inside_links_only=False)
             return cls(host, copy, uid, gid, scan(copy), host_fd)
         except BaseException:
             os.close(host_fd)
@@ -115,12 +119,12 @@ class WorkspaceCopy:
 
 
 def _apply(
-    src: Path, dst: Path | int, current: Manifest, previous: Manifest, uid: int, gid: int, inside_links_only: bool,
-    configured: HeldPaths | None = None,
+    src: Path | int, dst: Path | int, current: Manifest, previous: Manifest, uid: int, gid: int,
+    inside_links_only: bool, configured: HeldPaths | None = None,
 ) -> None:
-    """Copy ``current``'s changes since ``previous`` from ``src`` to ``dst`` (a path, or a
+    """Copy ``current``'s changes since ``previous`` from ``src`` to ``dst`` (each a path, or a
     directory's descriptor, which is duplicated, not taken)."""
-    src_fd = os.open(src, _DIR_FLAGS)
+    src_fd = os.dup(src) if isinstance(src, int) else os.open(src, _DIR_FLAGS)
     dst_fd = os.dup(dst) if isinstance(dst, int) else os.open(dst, _DIR_FLAGS)
     # copying in, what is read is judged as opened by the host directory's owner's view of it
     shown_to = None if inside_links_only else os.fstat(src_fd)

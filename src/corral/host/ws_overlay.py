@@ -221,16 +221,17 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
     # the files as this process reaches them (through the sandbox's mount namespace, if its own)
     on_disk = mounter.view if mounter is not None else (lambda path: path)
     read_only = mode == "ro"
-    on_disk(upper).mkdir()  # ``ro``: the empty layer under the view
-    if not read_only:
-        on_disk(work).mkdir()
-        # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
-        os.chown(on_disk(upper), uid, uid)
-        os.chmod(on_disk(upper), os.stat(host).st_mode & 0o7777)
-    # the directory the checks saw, opened once: the mount is checked to be of it, write-back writes to it
+    # the directory the checks saw, opened once: the mount is checked to be of it, the copy (if it
+    # comes to that) is made of it, write-back writes to it
     host_fd = open_host_dir(host)
     try:
         host_st = os.fstat(host_fd)
+        on_disk(upper).mkdir()  # ``ro``: the empty layer under the view
+        if not read_only:
+            on_disk(work).mkdir()
+            # the overlay's root is the upper's: the sandbox user's, with the host directory's mode
+            os.chown(on_disk(upper), uid, uid)
+            os.chmod(on_disk(upper), host_st.st_mode & 0o7777)
         try:
             mount_workspace(host, ws, upper, work, userns(owner_maps(host, uid, host_st)), read_only, mounter, host_st)
         except OSError as exc:
@@ -240,13 +241,13 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
             for unused in (on_disk(upper), on_disk(work)):
                 if unused.exists():
                     unused.rmdir()
-            return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes), False
+            opened, host_fd = host_fd, -1  # the copy's now (it closes it, also if it failed to be made)
+            return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes, host_fd=opened), False
         if read_only:
             return None, True
         groups = HostGroups(host_st.st_gid, uid)
-        overlay = WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw", groups=groups, host_fd=host_fd)
-        host_fd = -1  # the overlay's now (it closes it, also if it failed to be made)
-        return overlay, True
+        opened, host_fd = host_fd, -1  # the overlay's now (it closes it, also if it failed to be made)
+        return WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw", groups=groups, host_fd=opened), True
     finally:
         if host_fd >= 0:
             os.close(host_fd)
