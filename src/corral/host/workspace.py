@@ -26,7 +26,6 @@ and write-back leaves it and everything below it as the host has it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import os
@@ -35,7 +34,7 @@ import stat
 from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 
-from .mounts import libc
+from .openat2 import RESOLVE_NO_XDEV, openat2
 from .ws_git import HeldPaths, host_keeps, makes_a_git_directory
 
 log = logging.getLogger(__name__)
@@ -405,14 +404,6 @@ class OtherMount(NotTheOwners):
         super().__init__(errno.EXDEV, "a mount point (what is mounted there is not the workspace's)", name)
 
 
-SYS_OPENAT2 = 437  # (x86_64 and aarch64 alike: the unified syscall table)
-RESOLVE_NO_XDEV = 0x01
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
 #: this kernel (or the owner's seccomp filter: older Docker profiles) has no ``openat2``
 _no_openat2 = False
 
@@ -424,18 +415,13 @@ def open_beneath(dir_fd: int, name: str, flags: int) -> int:
     is not enough: a bind mount of a directory of the same file system has the same)."""
     global _no_openat2
     if not _no_openat2:
-        syscall = libc().syscall
-        syscall.restype = ctypes.c_long
-        how = _OpenHow(flags, 0, RESOLVE_NO_XDEV)
-        fd = int(syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dir_fd), os.fsencode(name), ctypes.byref(how),
-                         ctypes.c_size_t(ctypes.sizeof(how))))
-        if fd >= 0:
-            return fd
-        err = ctypes.get_errno()
-        if err == errno.EXDEV:
-            raise OtherMount(name)
-        if err != errno.ENOSYS:
-            raise OSError(err, os.strerror(err), name)
+        try:
+            return openat2(dir_fd, name, flags, RESOLVE_NO_XDEV)
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                raise OtherMount(name) from None
+            if exc.errno != errno.ENOSYS:
+                raise
         _no_openat2 = True
     fd = os.open(name, flags, dir_fd=dir_fd)
     if _mount_id(fd) != _mount_id(dir_fd):

@@ -10,7 +10,6 @@ directory, as if it were ``/``, never to a host file.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import secrets
@@ -18,30 +17,15 @@ import stat as stat_mod
 from pathlib import Path
 
 from ...errors import FileError, FileNotFoundInSandbox
+from ...host.openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 from ...host.workspace import remove_beneath
 from ...spec import path_bytes
 from ..base import MAX_LIST_ENTRIES, MAX_LIST_PATH_CHARS, FileEntry, listing_too_long, too_many_entries
 
-SYS_OPENAT2 = 437  # same number on x86-64 and arm64
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_IN_ROOT = 0x10
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 def openat2_in_root(root_fd: int, path: str, flags: int, mode: int = 0) -> int:
     """open ``path`` with ``root_fd`` acting as ``/`` for every step of the resolution."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(SYS_OPENAT2, root_fd, path_bytes(path), ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return int(fd)
+    return openat2(root_fd, path_bytes(path), flags | os.O_CLOEXEC, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS, mode)
 
 
 def _entry(name: str, path: str, st: os.stat_result) -> FileEntry:
