@@ -215,6 +215,13 @@ _CAPACITY_ERRNOS = frozenset({errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.EN
                               errno.EDQUOT, errno.EUSERS})
 
 
+def quoted(value: object) -> str:
+    """``value`` as an error message quotes it: its repr, cut at 200 characters (a request may
+    carry megabytes where a name belongs, and the message goes back to it whole)."""
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
+
+
 @contextmanager
 def host_errors(doing: str, sandbox_id: str | None = None) -> Iterator[None]:
     """Let typed errors through (naming ``sandbox_id`` where they did not yet); turn a bare

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InvalidSpec
+from .errors import InvalidSpec, quoted
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _HOST_RE = re.compile(r"^(\*\.)?[a-z0-9_][a-z0-9_.-]*\Z")
@@ -32,12 +32,6 @@ MAX_SECRET_HOSTS = 64
 MAX_SECRET_TEXT = MAX_SECRET_NAME + 1 + MAX_SECRET_HOSTS * (MAX_SECRET_HOST + 1)
 
 
-def _cut(text: str) -> str:
-    """``text`` as a refusal quotes it: its repr, cut at 200 characters."""
-    shown = repr(text)
-    return shown if len(shown) <= 200 else f"{shown[:200]}... ({len(text)} characters)"
-
-
 @dataclass(frozen=True)
 class SecretBinding:
     """A secret's name and the hosts its real value may be sent to (no value here)."""
@@ -48,14 +42,14 @@ class SecretBinding:
     def __post_init__(self) -> None:
         if (not isinstance(self.name, str) or len(self.name) > MAX_SECRET_NAME
                 or not _NAME_RE.match(self.name)):
-            raise InvalidSpec(f"secret {_cut(str(self.name))}: the name must be an environment variable name "
+            raise InvalidSpec(f"secret {quoted(str(self.name))}: the name must be an environment variable name "
                               f"of at most {MAX_SECRET_NAME} characters")
         if len(self.hosts) > MAX_SECRET_HOSTS:
             raise InvalidSpec(f"secret {self.name}: {len(self.hosts)} hosts, more than the {MAX_SECRET_HOSTS} "
                               "a binding may name (a *.domain covers many)")
         for host in self.hosts:
             if not isinstance(host, str) or len(host) > MAX_SECRET_HOST:
-                raise InvalidSpec(f"secret {self.name}: {_cut(str(host))} is not a host name of at most "
+                raise InvalidSpec(f"secret {self.name}: {quoted(str(host))} is not a host name of at most "
                                   f"{MAX_SECRET_HOST} characters")
         hosts = tuple(h.strip().lower().rstrip(".") for h in self.hosts)
         if not hosts:
@@ -70,12 +64,12 @@ class SecretBinding:
         """``NAME@host1,host2``; the value is never part of the text."""
         text = str(text)
         if len(text) > MAX_SECRET_TEXT:  # before it is split: 32 MiB of "h," made 16 million strings
-            raise InvalidSpec(f"secret {_cut(text.split('@', 1)[0])}: {len(text)} characters, over the "
+            raise InvalidSpec(f"secret {quoted(text.split('@', 1)[0])}: {len(text)} characters, over the "
                               f"{MAX_SECRET_TEXT} a NAME@host1,host2 binding may take")
         name, sep, hosts = text.partition("@")
         if not sep or "=" in name:
             raise InvalidSpec(
-                f"secret {_cut(text.split('=', 1)[0])}: expected NAME@host1,host2; the value comes from the "
+                f"secret {quoted(text.split('=', 1)[0])}: expected NAME@host1,host2; the value comes from the "
                 "environment or a secrets file, never from the command line"
             )
         return cls(name, tuple(h for h in hosts.split(",") if h))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidSpec
+from .errors import quoted as _shown
 from .netrules import AllowRule, parse_range
 from .secrets import SecretBinding
 
@@ -46,13 +47,6 @@ def add_tier_name(name: str) -> None:
     """Let specs name ``name`` (called by :func:`corral.tiers.register_tier`, which holds the tier)."""
     if name not in tier_names():
         _REGISTERED_TIERS.append(name)
-
-
-def _shown(value: object) -> str:
-    """``value`` as an error message quotes it: its repr, cut at 200 characters (a request may
-    carry megabytes where a name belongs, and the message goes back to it whole)."""
-    text = repr(value)
-    return text if len(text) <= 200 else f"{text[:200]}... ({len(text)} characters)"
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
