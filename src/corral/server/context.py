@@ -22,7 +22,7 @@ from starlette.responses import Response
 from ..errors import ResourceLimit, Unauthorized
 from . import trace
 from .config import ANONYMOUS_TENANT, ServerConfig
-from .limits import TenantTally
+from .limits import TenantTally, once
 from .manager import SandboxManager
 from .metrics import Metrics
 from .output_shares import OutputShares, Release, Rendering, answer_of
@@ -139,14 +139,7 @@ class ServerContext:
             raise ResourceLimit(f"tenant {tenant} has {self._downloads.held.get(tenant, 0)} bytes of downloads in flight; "
                                 f"{size} more is over the server's {self._downloads.limit} per tenant: read the ones "
                                 "under way first")
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._downloads.give(tenant, size)
-        return release
+        return once(functools.partial(self._downloads.give, tenant, size))
 
     def tenant_of(self, authorization: str | None) -> str:
         """The tenant an ``Authorization`` header names; raises :class:`Unauthorized` when it names none."""

@@ -28,6 +28,19 @@ from .wire import status_for
 SMALL_BODY = 64 << 10
 
 
+def once(release: Callable[[], None]) -> Callable[[], None]:
+    """``release``, run at most once however often the result is called (a place given back from
+    the several paths a request can end by)."""
+    released = False
+
+    def release_once() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            release()
+    return release_once
+
+
 class TenantTally:
     """How much of one resource each tenant holds at once (request bodies' bytes, downloads'
     bytes, requests under way, ended commands' output), against a bound per tenant (None: counted

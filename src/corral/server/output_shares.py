@@ -18,6 +18,7 @@ answer in full (16 unread answers of 2 x 16 MiB of output: 2.3 GB).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections import deque
@@ -29,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .limits import TenantTally
+from .limits import TenantTally, once
 
 Release = Callable[[], None]
 T = TypeVar("T")
@@ -98,14 +99,7 @@ class OutputShares:
         return self._releaser(tenant, amount)
 
     def _releaser(self, tenant: str, amount: int) -> Release:
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._give(tenant, amount)
-        return release
+        return once(functools.partial(self._give, tenant, amount))
 
     def _give(self, tenant: str, amount: int) -> None:
         with self._lock:

@@ -52,6 +52,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidSpec, ResourceLimit, SandboxError
 from .context import Context, ServerContext, Tenant, context_of
+from .limits import once
 from .wire import status_for
 
 if TYPE_CHECKING:
@@ -218,23 +219,12 @@ async def proxy_http(sandbox_id: str, port: int, path: str, request: Request, wh
         raise ResourceLimit(f"tenant {who} has {ctx.config.max_proxied_requests_per_tenant} requests under way "
                             "through the port proxy (the server's max_proxied_requests_per_tenant): "
                             "wait for one to end")
-    done = _once(functools.partial(ctx.proxied_requests.give, who, 1))
+    done = once(functools.partial(ctx.proxied_requests.give, who, 1))
     try:
         return await _relay(entry, port, path, request, who, ctx, done)
     except BaseException:
         done()
         raise
-
-
-def _once(release: Callable[[], None]) -> Callable[[], None]:
-    released = False
-
-    def once() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            release()
-    return once
 
 
 async def _relay(entry: Entry, port: int, path: str, request: Request, who: str, ctx: ServerContext,
