@@ -427,10 +427,9 @@ class MicroVMSandbox(LinuxSandbox):
 
     # -- CPU weight ----------------------------------------------------------
     def share_cpu(self, weight: float) -> None:
-        with self._lock:
+        super().share_cpu(weight)
+        with self._lock:  # (a helper group weighed meanwhile gets this weight here)
             self._cpu_weight = weight
-            if not self._closed and self.cgroup is not None:
-                self.cgroup.share_cpu(weight)
             for group in self._helper_groups:
                 group.share_cpu(weight)
 
