@@ -165,7 +165,7 @@ def owner_maps(host: Path, sandbox_user: int, st: os.stat_result | None = None) 
 
 
 def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd: int, read_only: bool,
-                    mounter: HostMounts | None = None, host_st: os.stat_result | None = None) -> None:
+                    mounter: HostMounts | None, host_st: os.stat_result) -> None:
     """The one mount a sandbox's set-up makes for its workspace: the overlay of the idmapped view
     of ``host`` (ids of ``userns_fd``) and ``upper`` at ``merged``; with ``read_only`` a
     read-only overlay of the view over ``upper``, left empty, and no ``work``.  Never the view
@@ -173,12 +173,12 @@ def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd
     database's) could be connected to from inside, whatever the sandbox's network.
     A ``mounter`` of the sandbox's own mount namespace makes them there (the view then goes
     through an empty directory of the run dir, ``lower/workspace``, for the time of the mount).
-    With ``host_st`` (the directory as the caller opened it), the view is made of ``host`` by its
-    path and refused unless it is that directory: a host user owning a directory on the path
+    ``host_st`` is the directory as the caller opened it: the view is made of ``host`` by its
+    path and refused unless it is that directory (a host user owning a directory on the path
     could swap it for a link between the caller's checks and the mount, and the sandbox saw
-    where the link led (a directory that user cannot enter)."""
+    where the link led: a directory that user cannot enter)."""
     def expect(view: os.stat_result) -> None:
-        if host_st is not None and (view.st_dev, view.st_ino) != (host_st.st_dev, host_st.st_ino):
+        if (view.st_dev, view.st_ino) != (host_st.st_dev, host_st.st_ino):
             raise InvalidSpec(f"workspace {host}: the path led elsewhere as it was mounted (a link put on it "
                               "since it was checked); give the directory itself")
 
