@@ -247,7 +247,7 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
             return None, True
         groups = HostGroups(host_st.st_gid, uid)
         opened, host_fd = host_fd, -1  # the overlay's now (it closes it, also if it failed to be made)
-        return WorkspaceOverlay(host, on_disk(upper), watch=mode == "rw", groups=groups, host_fd=opened), True
+        return WorkspaceOverlay(host, on_disk(upper), opened, watch=mode == "rw", groups=groups), True
     finally:
         if host_fd >= 0:
             os.close(host_fd)
@@ -265,28 +265,26 @@ class WorkspaceOverlay:
     the overlay's upper layer, whose changes :meth:`sync_back` writes to ``host``.  Made before
     the sandbox runs anything (its change watch must see every change); :meth:`close` at destroy."""
 
-    def __init__(self, host: Path, upper: Path, watch: bool = True, groups: HostGroups | None = None,
-                 host_fd: int = -1) -> None:
+    def __init__(self, host: Path, upper: Path, host_fd: int, watch: bool = True,
+                 groups: HostGroups | None = None) -> None:
+        """``host_fd``: the host directory as opened at create (:func:`.ws_copy.open_host_dir`),
+        what write-back writes to, never the path again; this overlay's from here, closed also if
+        it fails to be made."""
         self.host = host
         self.upper = upper
         #: the upper layer's groups a write-back keeps (:func:`.workspace.write_back_group`)
         self.groups = groups
-        self._host_fd = host_fd  # (given: this overlay's from here, also if it fails to be made)
+        self._host_fd = host_fd
         try:
             self._fd = os.open(upper, _DIR_FLAGS)  # also once the path is gone (a mount namespace's)
+            try:
+                self.tree = UpperTree(self._fd)
+                self.watch = _open_watch(upper) if watch else None  # (``cow`` is never written back)
+            except BaseException:
+                os.close(self._fd)
+                raise
         except BaseException:
-            if self._host_fd >= 0:
-                os.close(self._host_fd)
-            raise
-        try:
-            if self._host_fd < 0:
-                self._host_fd = open_host_dir(host)  # what write-back writes to: never the path again
-            self.tree = UpperTree(self._fd)
-            self.watch = _open_watch(upper) if watch else None  # (``cow`` is never written back)
-        except BaseException:
-            os.close(self._fd)
-            if self._host_fd >= 0:
-                os.close(self._host_fd)
+            os.close(host_fd)
             raise
         self._walked = False  # the first write-back walks everything
         #: write-backs that walked the whole upper layer (tests and figures read it)
