@@ -25,6 +25,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from corral.errors import InvalidSpec
 
+from .sandbox_wait import wait_until
 from .server_fixtures import ServerProcess
 
 
@@ -283,7 +284,9 @@ def test_an_unexpected_control_frame_is_refused_and_closing_still_kills(server: 
             assert (frame["type"], frame["error"]) == ("error", "invalid_spec")
             # the stream still reads its control frames
             ws.send(json.dumps({"type": "stdin", "data": "x"}))
-            assert running(http, sid, pid_file)
+            # (the pid file may still hold the previous case's pid: "started" can come before the
+            # shell wrote its own, and a loaded host's CI saw it so)
+            assert wait_until(lambda: running(http, sid, pid_file), 10, every=0.1)
         # the client closed: the command is killed
         for _ in range(100):
             if not running(http, sid, pid_file):
