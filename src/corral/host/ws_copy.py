@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,10 @@ def open_host_dir(host: Path) -> int:
     return fd
 
 
+def _here(work: Callable[[], None]) -> None:
+    work()
+
+
 @dataclass
 class WorkspaceCopy:
     """A workspace copied into a sandbox: ``host`` is the user's dir, ``copy`` the sandbox's."""
@@ -73,10 +78,12 @@ class WorkspaceCopy:
         self._git = GitReach(self.host)
 
     @classmethod
-    def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int, host_fd: int = -1) -> WorkspaceCopy:
+    def create(cls, host: Path, copy: Path, uid: int, gid: int, max_bytes: int, host_fd: int = -1,
+               charge: Callable[[Callable[[], None]], None] | None = None) -> WorkspaceCopy:
         """Copy ``host`` in: read through the directory as opened at create (``host_fd``, given:
         the copy's from here, closed also if it fails; else :func:`open_host_dir`), as write-back
-        writes to it: never by the path again, which a swap could lead elsewhere."""
+        writes to it: never by the path again, which a swap could lead elsewhere.  ``charge``, if
+        given, runs the copying where its pages are charged to the sandbox (``host/charged.py``)."""
         if host_fd < 0:
             host_fd = open_host_dir(host)
         try:
@@ -89,7 +96,10 @@ class WorkspaceCopy:
                 )
             copy.mkdir(mode=0o755, exist_ok=True)
             os.chown(copy, uid, gid)
-            _apply(host_fd, copy, source, {}, uid, gid, inside_links_only=False)
+            def copy_in() -> None:
+                _apply(host_fd, copy, source, {}, uid, gid, inside_links_only=False)
+
+            (charge or _here)(copy_in)
             return cls(host, copy, uid, gid, scan(copy), host_fd)
         except BaseException:
             os.close(host_fd)

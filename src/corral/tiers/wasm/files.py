@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import secrets
 import stat as stat_mod
+from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import FileError, FileNotFoundInSandbox
@@ -45,13 +47,26 @@ def _error(exc: OSError, path: str) -> FileError:
     return FileError(f"{path}: {exc.strerror}", exc.errno or 0)
 
 
-class SandboxFiles:
-    """Files of one sandbox: ``roots`` maps a guest directory (``/workspace``) to its host directory."""
+#: runs what allocates on the sandbox's disk (data, names) where it is charged (see ``host/charged.py``)
+Charge = Callable[[Callable[[], None]], None]
 
-    def __init__(self, roots: dict[str, Path], uid: int, gid: int) -> None:
+
+def _here(work: Callable[[], None]) -> None:
+    work()
+
+
+class SandboxFiles:
+    """Files of one sandbox: ``roots`` maps a guest directory (``/workspace``) to its host directory.
+
+    ``charge`` runs each step that allocates on the sandbox's disk: its tmpfs pages are charged
+    to whoever writes them, and the owner's group has no limit (the wasm sandbox passes a child
+    in its own memory cgroup; without cgroups, the write is done here)."""
+
+    def __init__(self, roots: dict[str, Path], uid: int, gid: int, charge: Charge = _here) -> None:
         self.roots = roots
         self.uid = uid
         self.gid = gid
+        self.charge = charge
 
     def _split(self, path: str) -> tuple[Path, str]:
         """(host root, path inside it) for a guest path; ENOENT for anything outside the preopens."""
@@ -126,20 +141,23 @@ class SandboxFiles:
                        else errno.EINVAL)
                 raise FileError(f"{path}: {os.strerror(err)}", err)
             temp = f".{name[:100]}.corral-{secrets.token_hex(6)}"
-            try:
+            owner = (old.st_uid, old.st_gid) if old is not None else (self.uid, self.gid)
+            file_mode = stat_mod.S_IMODE(old.st_mode) if old is not None else mode & 0o7777
+
+            def write_temp() -> None:
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=dir_fd)
-            except OSError as exc:
-                raise _error(exc, path) from None
-            try:
                 try:
-                    os.fchown(fd, *((old.st_uid, old.st_gid) if old is not None else (self.uid, self.gid)))
-                    os.fchmod(fd, stat_mod.S_IMODE(old.st_mode) if old is not None else mode & 0o7777)
+                    os.fchown(fd, *owner)
+                    os.fchmod(fd, file_mode)
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view):]
                 finally:
                     os.close(fd)
+
+            try:
+                self.charge(write_temp)
                 os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except BaseException as exc:
                 with contextlib.suppress(OSError):
@@ -213,12 +231,8 @@ class SandboxFiles:
             built = f"{built}/{part}"
             dir_fd, name = self._parent(built)
             try:
-                os.mkdir(name, mode & 0o7777, dir_fd=dir_fd)
-                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-                try:
-                    os.fchown(fd, self.uid, self.gid)
-                finally:
-                    os.close(fd)
+                if not self._is_dir(dir_fd, name):
+                    self.charge(functools.partial(self._mkdir, dir_fd, name, mode))
             except FileExistsError:
                 # may be a symlink the guest planted: resolve it inside the root only
                 try:
@@ -229,3 +243,19 @@ class SandboxFiles:
                 raise _error(exc, built) from None
             finally:
                 os.close(dir_fd)
+
+    @staticmethod
+    def _is_dir(dir_fd: int, name: str) -> bool:
+        """An existing directory (not a link) needs no charged child to be "made"."""
+        try:
+            return stat_mod.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def _mkdir(self, dir_fd: int, name: str, mode: int) -> None:
+        os.mkdir(name, mode & 0o7777, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            os.fchown(fd, self.uid, self.gid)
+        finally:
+            os.close(fd)

@@ -10,12 +10,13 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import FileError, SandboxClosed
-from ...host import cgroups, mounts
+from ...host import cgroups, charged, mounts
 from ...host.uids import allocate_uid, release_uid
 from ...host.ws_copy import WorkspaceCopy
 from ...spec import MiB, SandboxSpec
@@ -84,10 +85,15 @@ class WasmSandbox(TierSandbox):
             self.uid = self.gid = allocate_uid(tier.state_dir, self.id)
             self._uid_reserved = True
             mounts.mount_tmpfs(root, mounts.disk_held_in_memory(spec.limits), self.uid, self.gid, 0o711)
+        if tier.cgroup_layout is not None:
+            # before anything is written onto the sandbox's disk: its pages are charged there
+            limits = replace(spec.limits, memory=spec.limits.memory + WORKER_OVERHEAD)
+            self.cgroup = cgroups.SandboxCgroup(self.id, limits, tier.cgroup_layout)
+            self._leaf = self.cgroup.leaf("workers")
         ws, tmp = root / "workspace", root / "tmp"
         if spec.workspace is not None:
             self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, self.uid, self.gid,
-                                                  mounts.disk_held_in_memory(spec.limits))
+                                                  mounts.disk_held_in_memory(spec.limits), charge=self._charge)
         else:
             ws.mkdir(mode=0o755, exist_ok=True)
         tmp.mkdir(mode=0o700, exist_ok=True)
@@ -95,14 +101,22 @@ class WasmSandbox(TierSandbox):
             os.chown(path, self.uid, self.gid)
             os.chmod(path, 0o700)  # only the sandbox's uid (and root): no other sandbox's uid reads in
         self.roots = {"/workspace": ws, "/tmp": tmp}
-        self.files = SandboxFiles(self.roots, self.uid, self.gid)
-        if tier.cgroup_layout is not None:
-            limits = replace(spec.limits, memory=spec.limits.memory + WORKER_OVERHEAD)
-            self.cgroup = cgroups.SandboxCgroup(self.id, limits, tier.cgroup_layout)
-            self._leaf = self.cgroup.leaf("workers")
-            if self._next is not None:
-                self._place(self._next)
+        self.files = SandboxFiles(self.roots, self.uid, self.gid, self._charge)
+        if self._next is not None:
+            self._place(self._next)
         self._prestart_soon()
+
+    def _charge(self, work: Callable[[], None]) -> None:
+        """Run ``work``, which writes onto the sandbox's disk, where its pages are charged to the
+        sandbox's memory (and so to the parent's that bounds all sandboxes), not to the owner's
+        group, which has no limit (see ``host/charged.py``)."""
+        if self.cgroup is None:
+            work()  # no cgroups (not root): nothing to charge to
+            return
+        # the memory group alone (v2: the leaf, its one hierarchy): the charge is what matters,
+        # and each further v1 move cost ~2 ms; the owner waits for the child whatever happens
+        group = self._leaf if self.cgroup.layout.version == 2 else self.cgroup.memory_group
+        charged.run_charged([str(group / "cgroup.procs")], work)
 
     # -- commands ----------------------------------------------------------
     def _job(self, argv: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
