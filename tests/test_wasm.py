@@ -468,6 +468,46 @@ def test_files_written_by_the_host_are_charged_to_the_sandbox_and_a_full_group_i
         assert r.stdout == "fits\n", r
 
 
+_TAKE_CONTROL_SOCKET = r"""
+import ctypes, os, socket, sys
+pid = int(sys.argv[1])
+pidfd_getfd = 438  # (no os.pidfd_getfd before Python 3.12)
+fd = max((int(n) for n in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{n}").startswith("socket:")))
+control = socket.socket(fileno=ctypes.CDLL(None).syscall(pidfd_getfd, os.pidfd_open(pid), fd, 0))
+try:
+    control.sendall(sys.stdin.buffer.read())
+except OSError:  # the owner killed the worker: its end is gone
+    pass
+"""
+
+
+@pytest.mark.parametrize("flood", ["no_newline", "malformed"])
+def test_a_worker_that_breaks_its_control_protocol_is_killed_and_its_command_typed(
+        wasm_available: None, flood: str) -> None:
+    """A worker taken over through a flaw in wasmtime (simulated: another root process takes its
+    control socket with pidfd_getfd) wrote 64 MiB with no newline: the owner held all of it and
+    rescanned it on every read (+95 MiB, 27 s of CPU); a malformed line killed the owner's reader
+    thread.  Now a line past 64 KiB or not an outcome kills the worker: exit 137 with a note, the
+    owner's CPU bounded, and the sandbox works on."""
+    if os.geteuid() != 0:
+        pytest.skip("pidfd_getfd of another uid's worker needs root")
+    payload = b"x" * (16 << 20) if flood == "no_newline" else b'{"exit": "zero"}\n'
+    with Sandbox.create(tier="wasm", memory="256M") as sandbox:
+        handle = sandbox.commands.start(py("import time; time.sleep(30)"), timeout=60)
+        inner = sandbox._tier_sandbox()
+        worker_pid = wait_until(lambda: next((p.worker.pid for p in inner._running), None), 10)
+        cpu_before = time.process_time()
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-c", _TAKE_CONTROL_SOCKET, str(worker_pid)], input=payload,
+                       timeout=60, check=True)
+        result = handle.wait()
+        assert time.monotonic() - started < 20, "ended by the owner, not by its 30 s sleep"
+        assert result.exit_code == 137 and "broke its control protocol" in result.stderr, result
+        assert time.process_time() - cpu_before < 2.0
+        r = sandbox.commands.run(py("print('on')"), timeout=60)
+        assert (r.exit_code, r.stdout) == (0, "on\n"), r
+
+
 def test_disk_limit_and_no_network(wasm_available: None) -> None:
     with Sandbox.create(tier="wasm", disk="4M") as sb:
         assert sb.network.audit() == []  # nothing to refuse (it raised SandboxClosed on a live sandbox)
