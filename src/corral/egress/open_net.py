@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import logging
 import os
 import random
 import re
@@ -25,12 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import HostNotSupported
-from ..host import netns
+from ..host import conntrack, netns
 from ..host.rtnl import Rtnl
 from ..netrules import IPNetwork
 from .audit import AuditLog
 from .nflog import NflogListener, limit_object, log_statement
 from .policy import REFUSED_RANGES
+
+log = logging.getLogger(__name__)
 
 #: sandbox addresses: /30s in a CGNAT block hosts rarely use
 POOL = ipaddress.IPv4Network("100.127.0.0/16")
@@ -282,8 +285,35 @@ class OpenNetwork:
         reap(self.names)
 
 
+SIOCGIFADDR = 0x8915
+
+
+def _sandbox_address(names: OpenNames) -> str | None:
+    """The sandbox's address, from its host end's (the /30's first, the sandbox's the second): the
+    janitor has only the names.  None once the veth is gone (its flows were deleted before it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        try:
+            answer = fcntl.ioctl(sock, SIOCGIFADDR, struct.pack("256s", names.host_if.encode()))
+        except OSError:  # ENODEV: no such link; EADDRNOTAVAIL: a creation that died before the address
+            return None
+    return str(ipaddress.IPv4Address(answer[20:24]) + 1)
+
+
 def reap(names: OpenNames) -> None:
-    """Delete what exists of one sandbox's open network (idempotent; by exact name only)."""
+    """Delete what exists of one sandbox's open network (idempotent; by exact name only).
+
+    First the host's conntrack entries of the sandbox's address, once nothing of it runs (its
+    owner and the janitor call this after its cgroup is killed) and while the veth still holds
+    the /30: a killed runsc or VM never closes its connections, so the host's table kept every
+    one ESTABLISHED for 5 days, past the per-sandbox limit that died with the table (64 such
+    sandboxes fill the host's table); and a later sandbox given the /30 would get their packets."""
+    address = _sandbox_address(names)
+    if address is not None:
+        try:
+            conntrack.delete_flows_of(address)
+        except OSError as exc:  # the rest of the teardown goes on: a link left would hold the /30
+            log.warning("open network %s: deleting the conntrack entries of %s failed: %s", names.netns,
+                        address, exc)
     netns.nft_delete_table("inet", names.table)
     netns.delete_netns(names.netns)
     netns.delete_link(names.host_if)
