@@ -31,6 +31,7 @@ from corral.tiers.base import ExecRequest
 from .host_files import files_seen
 from .host_reach import assert_cannot_reach_the_hosts_loopback
 from .leaks import kill_9, sandbox_leftovers, start_owner
+from .memory_groups import limit_file, owner_memory_group, usage
 from .sandbox_wait import wait_until
 
 
@@ -413,22 +414,6 @@ def test_files_cannot_fill_the_sandboxs_memory(wasm_available: None) -> None:
         assert r.stdout == f"{24 << 20}\n" and not r.oom_killed, r
 
 
-def _owner_memory_group() -> Path:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(",") or (controllers == "" and Path("/sys/fs/cgroup/memory.current").exists()):
-            root = Path("/sys/fs/cgroup/memory") if controllers else Path("/sys/fs/cgroup")
-            return root / path.lstrip("/")
-    raise AssertionError("no memory cgroup")
-
-
-def _usage(group: Path) -> int:
-    for name in ("memory.usage_in_bytes", "memory.current"):
-        if (group / name).exists():
-            return int((group / name).read_text())
-    raise AssertionError(f"no usage file in {group}")
-
-
 def test_files_written_by_the_host_are_charged_to_the_sandbox_and_a_full_group_is_a_typed_error(
         wasm_available: None, tmp_path: Path) -> None:
     """The files API and the workspace copy-in write onto the sandbox's tmpfs from the owner, and a
@@ -445,19 +430,18 @@ def test_files_written_by_the_host_are_charged_to_the_sandbox_and_a_full_group_i
         if inner.cgroup is None:
             pytest.skip("no cgroups (not root): nothing to charge to")
         group = inner.cgroup.memory_group
-        assert _usage(group) >= size, "the copied-in workspace is charged to the sandbox"
-        owner = _owner_memory_group()
+        assert usage(group) >= size, "the copied-in workspace is charged to the sandbox"
+        owner = owner_memory_group()
         data = os.urandom(1 << 20) * 64
-        before_sandbox, before_owner = _usage(group), _usage(owner)
+        before_sandbox, before_owner = usage(group), usage(owner)
         sandbox.files.write("/tmp/written", data)
-        grown_sandbox, grown_owner = _usage(group) - before_sandbox, _usage(owner) - before_owner
+        grown_sandbox, grown_owner = usage(group) - before_sandbox, usage(owner) - before_owner
         assert grown_sandbox >= size - (4 << 20), (grown_sandbox >> 20, grown_owner >> 20)
         assert grown_owner < size // 2, (grown_sandbox >> 20, grown_owner >> 20)
         assert sandbox.files.read("/tmp/written", format="bytes") == data
 
         # the sandbox's group full: the write fails typed, the owner (this test) lives
-        limit = group / ("memory.max" if (group / "memory.max").exists() else "memory.limit_in_bytes")
-        limit.write_text(str(_usage(group) + (16 << 20)))
+        limit_file(group).write_text(str(usage(group) + (16 << 20)))
         with pytest.raises(FileError) as failed:
             sandbox.files.write("/tmp/too-much", data)
         assert failed.value.errno == errno.ENOMEM, failed.value

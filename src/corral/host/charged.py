@@ -15,52 +15,105 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import os
 import signal
 from collections.abc import Callable, Sequence
 
+from .. import errors
 from . import cgroups
 
-#: exit status of a child whose work raised something other than an OSError
-_OTHER_FAILURE = 255
+#: exit status of a child whose work raised (what it raised is in its report)
+_RAISED = 1
+#: the most a child's report of what it raised may take: less than a pipe holds, so the child's
+#: one write never waits for the owner, who reads it only once the child is gone
+_REPORT_MAX = 16 << 10
 
 
 def run_charged(procs_files: Sequence[str], work: Callable[[], None]) -> None:
     """Run ``work`` in a child placed first in the groups whose ``cgroup.procs`` are ``procs_files``.
 
-    An ``OSError`` of ``work`` is raised here with its errno (``ENOSPC``: the sandbox's disk is
-    full).  A child the kernel killed -- the sandbox's or the sandboxes' memory limit reached:
-    the child asks to be the OOM killer's first choice -- raises ``OSError(ENOMEM)``, and the
-    owner lives on."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child ends in os._exit: coverage never sees it)
-        status = _OTHER_FAILURE
-        try:
-            # no finalizer of the owner's objects may run here (a socket's close, a pool's)
-            gc.disable()
-            with open("/proc/self/oom_score_adj", "w") as adj:
-                adj.write("1000")
-            cgroups.join(procs_files, os.getpid())
-            work()
-            status = 0
-        except OSError as exc:
-            status = exc.errno if exc.errno and 0 < exc.errno < _OTHER_FAILURE else errno.EIO
-        except BaseException:
-            status = _OTHER_FAILURE
-        finally:
-            os._exit(status)
+    What ``work`` raises is raised here: an ``OSError`` with its errno (``ENOSPC``: the sandbox's
+    disk is full), one of Corral's errors (a restore's ``SnapshotCorrupt``) as its own class and
+    message; anything else as ``OSError(EIO)`` naming it.  A child the kernel killed -- the
+    sandbox's or the sandboxes' memory limit reached: the child asks to be the OOM killer's first
+    choice -- raises ``OSError(ENOMEM)``, and the owner lives on."""
+    report_r, report_w = os.pipe2(os.O_CLOEXEC)
     try:
-        _, wait_status = os.waitpid(pid, 0)
-    except BaseException:
-        # interrupted: the child must not outlive the call that asked for it
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    if os.WIFSIGNALED(wait_status):
-        raise OSError(errno.ENOMEM, f"the sandbox's memory is full (the writer was killed by signal "
-                                    f"{os.WTERMSIG(wait_status)})")
-    code = os.WEXITSTATUS(wait_status)
-    if code == _OTHER_FAILURE:
-        raise OSError(errno.EIO, "the write into the sandbox failed")
-    if code:
-        raise OSError(code, os.strerror(code))
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child ends in os._exit: coverage never sees it)
+            status = _RAISED
+            try:
+                # no finalizer of the owner's objects may run here (a socket's close, a pool's)
+                gc.disable()
+                os.close(report_r)
+                with open("/proc/self/oom_score_adj", "w") as adj:
+                    adj.write("1000")
+                cgroups.join(procs_files, os.getpid())
+                work()
+                status = 0
+            except BaseException as exc:  # every failure goes to the owner, typed
+                try:
+                    os.write(report_w, _report(exc))
+                except BaseException:  # the owner then says EIO
+                    pass
+            finally:
+                os._exit(status)
+        os.close(report_w)
+        report_w = -1
+        try:
+            _, wait_status = os.waitpid(pid, 0)
+        except BaseException:
+            # interrupted: the child must not outlive the call that asked for it
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
+        if os.WIFSIGNALED(wait_status):
+            raise OSError(errno.ENOMEM, f"the sandbox's memory is full (the writer was killed by signal "
+                                        f"{os.WTERMSIG(wait_status)})")
+        if os.WEXITSTATUS(wait_status):
+            os.set_blocking(report_r, False)  # the child is gone: what it wrote is all there
+            try:
+                raw = os.read(report_r, _REPORT_MAX)
+            except BlockingIOError:
+                raw = b""
+            raise _raised(raw)
+    finally:
+        os.close(report_r)
+        if report_w >= 0:
+            os.close(report_w)
+
+
+def _report(exc: BaseException) -> bytes:
+    """What the child tells the owner it raised: data, never an object (the owner builds the
+    error anew from a class it knows)."""
+    if isinstance(exc, errors.SandboxError):
+        kind = {"error": type(exc).__name__, "message": str(exc)[:4096],
+                "errno": getattr(exc, "errno", None)}
+    elif isinstance(exc, OSError):
+        kind = {"errno": exc.errno, "strerror": (exc.strerror or "")[:1024],
+                "filename": str(exc.filename)[:2048] if exc.filename is not None else None}
+    else:
+        kind = {"errno": errno.EIO, "strerror": f"the write into the sandbox failed: {type(exc).__name__}: "
+                                                f"{str(exc)[:1024]}", "filename": None}
+    return json.dumps(kind).encode()[:_REPORT_MAX]
+
+
+def _raised(raw: bytes) -> BaseException:
+    """The error a child's report names (``OSError(EIO)`` if it cannot be read)."""
+    try:
+        report = json.loads(raw)
+        name = report.get("error")
+        if name is not None:
+            cls = getattr(errors, str(name), None)
+            if isinstance(cls, type) and issubclass(cls, errors.SandboxError):
+                error = cls(str(report["message"]))
+                if report.get("errno"):  # (FileError's, HostError's)
+                    error.errno = int(report["errno"])  # type: ignore[attr-defined]
+                return error
+        elif report.get("errno"):
+            return OSError(int(report["errno"]), str(report["strerror"]),
+                           *(() if report.get("filename") is None else (str(report["filename"]),)))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return OSError(errno.EIO, "the write into the sandbox failed")
