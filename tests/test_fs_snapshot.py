@@ -8,6 +8,7 @@ input is a typed error that leaves nothing half-made.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ from corral.snapshots import DIRECTORY, SnapshotStore, host_costs
 from corral.tiers.linux import fs_snapshot
 
 from .leaks import sandbox_leftovers
+from .memory_groups import limit_file, owner_memory_group, usage
 from .server_fixtures import KEYS, ServerProcess
 from .tier_probe import skip_unless_tier
 
@@ -874,3 +876,45 @@ def test_concurrent_snapshots_of_a_tenant_stay_within_its_quotas(state_dir: Path
             assert alice.delete(f"/v1/sandboxes/{sid}").status_code == 204
         assert bob.delete(f"/v1/sandboxes/{bid}").status_code == 204
 
+
+
+@pytest.mark.parametrize("tier", ["process", "gvisor"])
+def test_a_restores_files_are_charged_to_the_new_sandbox_and_its_full_group_is_a_typed_error(
+        state_dir: Path, tier: str) -> None:
+    """A restore writes the snapshot's files onto the new sandbox's disk tmpfs from the owner, and a
+    tmpfs page is charged to its writer: 2 x 100 MiB restored grew the owner's group by 402 MiB
+    (the files and the blobs' page cache) and the sandbox's and the sandboxes' parent's by 1, outside
+    every limit.  Now one child in the sandbox's memory group writes them all (every layer and the
+    workspace); a write by such a child past the group's limit is ``ENOMEM`` and the owner and the
+    sandbox live on."""
+    if tier != "process":
+        skip_unless_tier(tier, state_dir)
+    size = 48 << 20
+    with Sandbox.create(tier=tier, memory="512M") as parent:
+        assert parent.commands.run(f"head -c {size} /dev/urandom > /tmp/a && "
+                                   f"head -c {size} /dev/urandom > /workspace/b", timeout=120).exit_code == 0
+        snapshot = parent.snapshot()
+    owner = owner_memory_group()
+    try:
+        before_owner = usage(owner)
+        with Sandbox.create(snapshot=snapshot.id, memory="512M") as child:
+            inner = child._tier_sandbox()
+            assert inner.cgroup is not None
+            group = inner.cgroup.memory_group
+            grown_sandbox, grown_owner = usage(group), usage(owner) - before_owner
+            assert grown_sandbox >= 2 * size, (grown_sandbox >> 20, grown_owner >> 20)
+            assert grown_owner < size // 2, (grown_sandbox >> 20, grown_owner >> 20)
+            assert child.commands.run("wc -c < /tmp/a; wc -c < /workspace/b").stdout == f"{size}\n{size}\n"
+            if tier == "gvisor":
+                return  # (its group's OOM killer is its memory guard's to use: docs/gvisor.md)
+            # the group full: the host's write fails typed, the owner (this test) and the sandbox live
+            limit_file(group).write_text(str(usage(group) + (16 << 20)))
+            target = Path(f"/proc/{inner._agent_host_pid()}/root/tmp/too-much")  # on its disk
+            data = os.urandom(1 << 20) * 64  # the owner's: the child shares it, only its writes charged
+            with pytest.raises(OSError) as failed:
+                inner._charge(lambda: target.write_bytes(data))
+            assert failed.value.errno == errno.ENOMEM, failed.value
+            target.unlink()
+            assert child.commands.run("cat /tmp/a | wc -c").stdout == f"{size}\n"
+    finally:
+        assert Sandbox.delete_snapshot(snapshot.id)

@@ -211,12 +211,15 @@ def mount_workspace(host: Path, merged: Path, upper: Path, work: Path, userns_fd
 
 def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
                    userns: Callable[[tuple[str, str]], int],
-                   mounter: HostMounts | None = None) -> tuple[WorkspaceCopy | WorkspaceOverlay | None, bool]:
+                   mounter: HostMounts | None = None,
+                   charge: Callable[[Callable[[], None]], None] | None = None,
+                   ) -> tuple[WorkspaceCopy | WorkspaceOverlay | None, bool]:
     """The workspace of a sandbox whose disk tmpfs is ``disk`` and whose user is host uid ``uid``,
     at ``disk/ws`` (an empty directory): the overlay (``ro``: the read-only view), or the copy
     when ``host`` cannot be idmapped (its file system, an older kernel).  ``userns(maps)`` gives
-    a user namespace with those maps (:func:`owner_maps`).  Returns what writes it back (None
-    for ``ro``) and whether ``disk/ws`` is now a mount point."""
+    a user namespace with those maps (:func:`owner_maps`); ``charge`` runs the copy, if it comes to
+    that, where its pages are charged to the sandbox (``host/charged.py``).  Returns what writes it
+    back (None for ``ro``) and whether ``disk/ws`` is now a mount point."""
     ws, upper, work = disk / "ws", disk / "ws-upper", disk / "ws-work"
     # the files as this process reaches them (through the sandbox's mount namespace, if its own)
     on_disk = mounter.view if mounter is not None else (lambda path: path)
@@ -242,7 +245,7 @@ def make_workspace(host: Path, mode: str, disk: Path, uid: int, max_bytes: int,
                 if unused.exists():
                     unused.rmdir()
             opened, host_fd = host_fd, -1  # the copy's now (it closes it, also if it failed to be made)
-            return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes, host_fd=opened), False
+            return WorkspaceCopy.create(host, on_disk(ws), uid, uid, max_bytes, host_fd=opened, charge=charge), False
         if read_only:
             return None, True
         groups = HostGroups(host_st.st_gid, uid)

@@ -93,6 +93,7 @@ def build_root(
     mounter: HostMounts | None = None,
     workspace_userns: Callable[[tuple[str, str]], int] | None = None,
     disk_size: int | None = None,
+    charge: Callable[[Callable[[], None]], None] | None = None,
 ) -> SandboxRoot:
     """Mount the disk tmpfs and the overlay root, and copy the workspace in.
 
@@ -121,6 +122,10 @@ def build_root(
     ``disk_size`` is the disk tmpfs's size (default: the spec's ``disk``; see
     :func:`disk_held_in_memory`).
 
+    ``charge(work)``, if given, runs ``work`` where the pages it writes are charged to the sandbox
+    (:meth:`.sandbox.LinuxSandbox._charge`): the workspace copy and the snapshot's files are
+    written in one such call, whatever their number of layers and files.
+
     Mounted in the host's namespace (``mounter`` the default), the root, the workspace and
     ``/dev/shm`` (1777) are reachable under ``run_dir``: it is then 0710 with ``root_uid``'s group
     (the range's root, which the tier's host processes run as), where 0711 let any user of the host
@@ -143,6 +148,9 @@ def build_root(
     on_disk = mounter.view(disk)  # the tmpfs as this process reaches it
     mapped = userns is not None and root_uid is not None
     layers = []
+    #: what is written onto the disk for the sandbox by the megabyte (a snapshot's files), in one
+    #: charged call below; what Corral writes of its own (a few kB) is not worth a child
+    fills: list[Callable[[], None]] = []
     for index, (point, lower) in enumerate(image.layers):
         upper, work = disk / f"L{index}-upper", disk / f"L{index}-work"
         files_upper = on_disk / upper.name
@@ -156,18 +164,33 @@ def build_root(
             assert root_uid is not None
             _give_to(files_upper, root_uid)
         if fill is not None:  # after _give_to: a restored snapshot's files carry their own owners
-            fill(f"L{index}", files_upper)
+            fills.append(functools.partial(fill, f"L{index}", files_upper))
         layers.append((root / point.lstrip("/") if point != "/" else root, lower, upper, work))
     ws = disk / "ws"
     workspace: WorkspaceCopy | WorkspaceOverlay | None = None
     overlay_ws = spec.workspace is not None and workspace_userns is not None
+
+    def write_all(copy_in: Callable[[], None] | None = None) -> None:
+        def work() -> None:
+            for each in fills:
+                each()
+            if copy_in is not None:
+                copy_in()
+
+        if charge is None:
+            work()
+        else:
+            charge(work)
+
     if spec.workspace is not None and not overlay_ws:
-        workspace = WorkspaceCopy.create(spec.workspace.path, on_disk / "ws", uid, uid, size)
+        workspace = WorkspaceCopy.create(spec.workspace.path, on_disk / "ws", uid, uid, size, charge=write_all)
     else:
         (on_disk / "ws").mkdir(mode=0o755)
         os.chown(on_disk / "ws", uid, uid)
         if fill is not None and spec.workspace is None:
-            fill("ws", on_disk / "ws")
+            fills.append(functools.partial(fill, "ws", on_disk / "ws"))
+        if fills:
+            write_all()
     userns_fd = userns() if mapped and userns is not None else None
     for index, (target, lower, upper, work) in enumerate(layers):
         if userns_fd is not None:
@@ -178,7 +201,7 @@ def build_root(
         made.append(target)
     if spec.workspace is not None and workspace_userns is not None:
         workspace, mounted = make_workspace(spec.workspace.path, spec.workspace.mode, disk, uid, size,
-                                            workspace_userns, mounter)
+                                            workspace_userns, mounter, charge)
         if mounted:
             made.append(ws)
     return SandboxRoot(root, ws, workspace, [] if mounter.private else made)
