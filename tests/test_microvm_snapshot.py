@@ -39,6 +39,7 @@ from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore
 
 from .leaks import sandbox_leftovers
+from .memory_groups import owner_memory_group, usage
 from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
 from .test_microvm import STOP_THE_AGENT
@@ -792,3 +793,24 @@ def test_gc_reaps_a_converters_group_whose_sandbox_is_gone_and_no_other(state_di
             sleepers[sid].kill()
             sleepers[sid].wait()
         sandbox_group.destroy()
+
+
+def test_a_restored_workspace_is_charged_to_the_new_vm_not_its_owner() -> None:
+    """A VM made from a live snapshot gets the snapshot's workspace copied onto its disk tmpfs by
+    the owner, and a tmpfs page is charged to its writer: 2 x 100 MiB in the snapshot (100 MiB
+    of it the workspace's) grew the owner's group by 203 MiB (the files and the blobs' page
+    cache), outside every limit.  Now one child in the VM's memory group writes them (a fork's
+    copy too: livefork.py)."""
+    size = 48 << 20
+    with Sandbox.create(tier="microvm", memory="256M", disk="128M") as sb:
+        assert sb.commands.run(f"head -c {size} /dev/urandom > /workspace/big", timeout=120).exit_code == 0
+        snapshot = sb.snapshot()
+    try:
+        owner = owner_memory_group()
+        before_owner = usage(owner)
+        with Sandbox.create(snapshot=snapshot.id) as kid:
+            grown_owner = usage(owner) - before_owner
+            assert grown_owner < size // 2, grown_owner >> 20
+            assert kid.commands.run("wc -c < /workspace/big").stdout == f"{size}\n"
+    finally:
+        assert Sandbox.delete_snapshot(snapshot.id)

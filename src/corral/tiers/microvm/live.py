@@ -424,7 +424,8 @@ def setup_restored(vm: MicroVMSandbox, files: Path, digest: str) -> None:
         os.link(disk.path, run / "image.erofs")
         disk = ImageDisk(run / "image.erofs", disk.key)
     ws = host_side(vm, image.ram_mb, disk, image.leaves)
-    fs_snapshot.restore(files, entries, "ws", ws, vm._id_map())
+    ids = vm._id_map()
+    vm._charge(lambda: fs_snapshot.restore(files, entries, "ws", ws, ids))
     vm.timings["files"] = time.monotonic() - t0
     vm._start_userns(agent_binary(vm._tier.state_dir))  # QEMU's user namespace (vmm.py), as a new VM's
     vm._launch(template.Template(vm_dir, image.ram_mb, image.accel, 0.0), disk, ws, None)

@@ -98,7 +98,8 @@ def setup_forked(vm: MicroVMSandbox, source: ForkSource) -> None:
         source.up.set()
     if not source.migrating.wait(MIGRATE_TIMEOUT) or source.files is None:
         raise SandboxError(f"sandbox {vm.id}: its parent's fork was abandoned")
-    fs_snapshot.restore(source.files, source.entries, "ws", ws, vm._id_map())
+    ids, files, entries = vm._id_map(), source.files, source.entries
+    vm._charge(lambda: fs_snapshot.restore(files, entries, "ws", ws, ids))
     vm.timings["files"] = time.monotonic() - t0
     wake = live.identity(vm.hostname, uuid.uuid4().hex, str(uuid.uuid4()), os.urandom(64).hex())
     live.awaken(vm, source.last_id + live.ID_MARGIN, wake, source.readonly_workspace, t0)

@@ -165,7 +165,7 @@ class MicroVMSandbox(LinuxSandbox):
         mounts.mount_tmpfs(disk, disk_size, uid, uid, 0o700)
         ws = disk / "ws"
         if spec.workspace is not None:
-            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, disk_size)
+            self.workspace = WorkspaceCopy.create(spec.workspace.path, ws, uid, uid, disk_size, charge=self._charge)
         else:
             ws.mkdir(mode=0o755)
             os.chown(ws, uid, uid)
