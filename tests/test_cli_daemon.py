@@ -331,6 +331,20 @@ def test_a_command_whose_reader_left_ends_at_once_with_141_on_both_paths(daemon:
     assert time.monotonic() - start < 15 and "timed out" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("client", list(CLIENTS))
+@pytest.mark.parametrize("path", ["in-process", "daemon"])
+def test_a_command_reading_stdin_gets_its_end_at_once_on_both_paths(daemon: Daemon, path: str, client: str) -> None:
+    """`echo hi | corral run -- cat`: through the daemon the command's stdin was closed and it
+    ended at once (0); in-process it was left open, and `cat` waited out its timeout (124).  Now
+    both close it: the command reads end of file (the CLI's own stdin is not forwarded)."""
+    start = time.monotonic()
+    r = subprocess.run([*CLIENTS[client], "run", "--timeout", "20", "--", "cat"], input="hi\n",
+                       capture_output=True, text=True, timeout=60,
+                       env=daemon.env(**({"CORRAL_NO_DAEMON": "1"} if path == "in-process" else {})))
+    assert (r.returncode, r.stdout) == (0, ""), r
+    assert time.monotonic() - start < 15, r
+
+
 def test_an_in_process_run_ended_by_sigterm_destroys_its_sandbox() -> None:
     """``timeout 5 corral run ...`` sends SIGTERM: the CLI died of it and left its sandbox's run
     dir, cgroups, registry row and uid range until a janitor ran; now it is destroyed on the

@@ -130,6 +130,9 @@ def handle(args: argparse.Namespace) -> int:
             result = sb.commands.run(cmd)
         else:
             running.append(sb.commands.start(cmd, on_output=stream))
+            # its stdin ends at once, as through the daemon (and as `run` does for --json): the
+            # CLI's own stdin is not forwarded, and `echo hi | corral run -- cat` waited out its timeout
+            running[0].close_stdin()
             if reader_left.is_set():  # (before the handle was in hand)
                 running[0].kill()
             result = running[0].wait()
