@@ -11,8 +11,11 @@ ended background commands' output against ``max_kept_output_per_tenant``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -191,3 +194,130 @@ def test_a_command_that_stops_waiting_for_its_share_holds_none_of_it() -> None:
         assert "a" not in shares.held, shares.held
 
     asyncio.run(scenario())
+
+
+#: what the stalling server waits for a WebSocket's writes to make progress before it aborts it
+SEND_TIMEOUT = 8
+#: 8 MiB of output on each stream, no byte of it valid text on its own terms: \x01 becomes six JSON bytes
+PRINTS_16M = ("sleep 0.3; head -c 8M /dev/zero | tr '\\0' '\\1'; "
+              "head -c 8M /dev/zero | tr '\\0' '\\1' >&2")
+#: TCP_INFO's first byte: the connection's state
+TCP_ESTABLISHED = 1
+
+
+@pytest.fixture(scope="module")
+def stalling_server(state_dir: Path) -> Iterator[ServerProcess]:
+    config = {"max_output_bytes_per_tenant": "40M", "max_kept_output_per_tenant": "24M",
+              "ws_send_timeout": SEND_TIMEOUT}
+    with ServerProcess(state_dir / "srv-output-stalls", keys=KEYS, config=config) as srv:
+        yield srv
+
+
+def _never_reading_websocket(server: ServerProcess, tenant: str, path: str, first_message: str | None = None
+                             ) -> socket.socket:
+    """A WebSocket whose client never reads a byte (a receive buffer of a few KiB, full at once)."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    key = base64.b64encode(os.urandom(16)).decode()
+    head = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+            f"Authorization: Bearer {KEYS[tenant]}\r\n\r\n")
+    sock.sendall(head.encode())
+    if first_message is not None:  # one masked text frame (mask 0: the payload as is)
+        answer = b""
+        while b"\r\n\r\n" not in answer:  # a frame sent before the handshake's answer is dropped
+            answer += sock.recv(1)
+        payload = first_message.encode()
+        assert len(payload) < 126
+        sock.sendall(bytes([0x81, 0x80 | len(payload)]) + b"\0\0\0\0" + payload)
+    return sock
+
+
+def _established(sock: socket.socket) -> bool:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] == TCP_ESTABLISHED
+
+
+def _rss_mib(server: ServerProcess) -> int:
+    assert server.proc is not None
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) // 1024
+
+
+def _background_starts(http: httpx.Client, count: int) -> list[int]:
+    """How many of ``count`` background commands (16 MiB of alice's 40M each) a fresh sandbox may start."""
+    sid = create(http, "8M")
+    try:
+        return [http.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": "sleep 30", "timeout": 60}).status_code
+                for _ in range(count)]
+    finally:
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+def _wait_until_aborted(sock: socket.socket) -> float:
+    started = time.monotonic()
+    while _established(sock):
+        assert time.monotonic() - started < SEND_TIMEOUT + 15, "a client that never reads was never cut off"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_an_attachment_that_never_reads_is_counted_and_cut_off_at_the_send_timeout(
+        stalling_server: ServerProcess) -> None:
+    """An attached client that never reads held its command's output in the server, counted by
+    nothing once the command ended and its sandbox went, for as long as it kept its socket (2 x
+    64 MiB a round: 60 -> 708 MiB after 4 rounds, still held 80 s later).  Now what it has not been
+    sent counts against the tenant's output bound (16 MiB of alice's 40M: one more 16 MiB command
+    starts, not two) and the connection is aborted once its writes made no progress for
+    ``ws_send_timeout``: then nothing is counted or held.  A client that reads late, but reads,
+    gets everything."""
+    with stalling_server.client("alice") as alice:
+        before = _rss_mib(stalling_server)
+        sid = create(alice, "8M")
+        started = alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": PRINTS_16M, "timeout": 30})
+        pid = started.json()["pid"]
+        stuck = _never_reading_websocket(stalling_server, "alice", f"/v1/sandboxes/{sid}/commands/{pid}/stream")
+        with stuck:
+            deadline = time.monotonic() + 30
+            while any(c["pid"] == pid for c in alice.get(f"/v1/sandboxes/{sid}/commands").json()["commands"]):
+                assert time.monotonic() < deadline, "the command did not end"
+                time.sleep(0.05)
+            assert alice.delete(f"/v1/sandboxes/{sid}").status_code == 204
+            starts_while_stuck = _background_starts(alice, 2)
+            assert _established(stuck), "the machine was too slow to look before the send timeout"
+            assert starts_while_stuck == [201, 429], "an attachment's unsent output was counted by nothing"
+            _wait_until_aborted(stuck)
+            time.sleep(0.5)  # its handler ends as the loss arrives
+            assert _background_starts(alice, 2) == [201, 201], "an aborted attachment's output stayed counted"
+            assert _rss_mib(stalling_server) < before + 24, "an aborted attachment's output stayed in the server"
+
+        # the other direction: a client that only starts reading after a while gets it all
+        sid = create(alice, "8M")
+        pid = alice.post(f"/v1/sandboxes/{sid}/commands", json={"cmd": PRINTS_16M, "timeout": 30}).json()["pid"]
+        url = stalling_server.url.replace("http", "ws") + f"/v1/sandboxes/{sid}/commands/{pid}/stream"
+        got = {"stdout": 0, "stderr": 0}
+        with connect(url, additional_headers=stalling_server.headers("alice"), max_size=None) as ws:
+            time.sleep(SEND_TIMEOUT / 2)
+            while (frame := json.loads(ws.recv(timeout=30)))["type"] != "result":
+                got[frame["type"]] += len(frame["data"])
+        assert got == {"stdout": 8 * MiB, "stderr": 8 * MiB} and frame["exit_code"] == 0, (got, frame)
+        alice.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_an_exec_stream_that_never_reads_gives_back_its_share_at_the_send_timeout(
+        stalling_server: ServerProcess) -> None:
+    """A streamed command whose client never reads: once it ended, its handler waited in its send
+    for ever, holding the command's output share (16 MiB of alice's 40M) and its exec slot.  Now
+    the connection is aborted once its writes made no progress for ``ws_send_timeout``."""
+    with stalling_server.client("alice") as alice:
+        sid = create(alice, "8M")
+        request = json.dumps({"cmd": PRINTS_16M, "timeout": 30})
+        stuck = _never_reading_websocket(stalling_server, "alice", f"/v1/sandboxes/{sid}/exec/stream", request)
+        with stuck:
+            time.sleep(2)  # the command printed what it prints and ended
+            starts_while_stuck = _background_starts(alice, 2)
+            assert _established(stuck), "the machine was too slow to look before the send timeout"
+            assert starts_while_stuck == [201, 429]
+            _wait_until_aborted(stuck)
+            time.sleep(0.5)
+            assert _background_starts(alice, 2) == [201, 201], "a stuck exec stream kept its output share"
+        alice.delete(f"/v1/sandboxes/{sid}")

@@ -35,7 +35,8 @@ def serve(config: ServerConfig, log_level: str = "warning",
         announce(listener.getsockname()[1])
     app = create_app(config)
     # a WebSocket message being received counts like a request body (max_request_bytes_per_tenant)
-    ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, app.state.context.ws_messages)
+    ws_protocol = bounded_ws_protocol(app.state.context.tenant_of, app.state.context.ws_messages,
+                                      config.ws_send_timeout)
     settle_garbage_collector()
     settings = uvicorn.Config(app, log_level=log_level, ws=ws_protocol,
                               http=http_protocol(config.request_head_timeout, config.max_partial_heads_per_peer),

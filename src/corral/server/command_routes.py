@@ -16,6 +16,13 @@ What the server keeps is bounded per tenant too (32 sandboxes with 16 commands e
 counts against ``max_output_bytes_per_tenant`` like any other (past it a start is 429), and an
 ended one's output against ``max_kept_output_per_tenant`` (past it it keeps none: its result is
 ``truncated``, with empty output).
+
+An attachment's output not yet sent to its client counts against ``max_output_bytes_per_tenant``
+too, past the bound if need be (as an answer not yet taken does): its queue holds the chunks after
+the command's own share is given back at its end and its record's at the sandbox's destroy.  A
+client that never reads is cut off once its connection's writes made no progress for the server's
+``ws_send_timeout`` (.ws_protocol); before, one held its command's whole output (2 x 64 MiB)
+uncounted for as long as it kept its socket open, sandbox destroyed or not.
 """
 
 from __future__ import annotations
@@ -33,10 +40,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
 
 from ..errors import InvalidSpec, ResourceLimit, SandboxError
+from ..host.heap import return_free_memory
 from .context import Context, Tenant, context_of
 from .limits import TenantTally
-from .output_shares import Release
+from .output_shares import OutputShares, Release
 from .wire import ExecBody, OutputFrames, SignalBody, error_response, require_unicode
+from .ws_protocol import TRIM_AFTER
 
 router = APIRouter()
 PREFIX = "/v1/sandboxes/{sandbox_id}/commands"
@@ -83,7 +92,15 @@ class Recorded:
         self.finished = False
         #: once ended, what it keeps is counted for its tenant, until it is dropped (or collected)
         self._charge = _Charge(kept, tenant)
-        self.release = weakref.finalize(self, self._charge.give_back)
+        self._give_back = weakref.finalize(self, self._charge.give_back)
+
+    def release(self) -> None:
+        """Drop what it keeps (its sandbox went, or newer ended commands pushed it out): no longer
+        counted, so no longer held either, though an attachment still refers to the record."""
+        self._give_back()
+        with self._lock:
+            self._events = [event for event in self._events if event[0] not in self._kept]
+            self._kept = {"stdout": self._limit, "stderr": self._limit}  # nothing more is kept
 
     def output(self, stream: str, chunk: bytes) -> None:  # on the sandbox's reader thread
         with self._lock:
@@ -134,6 +151,52 @@ class Recorded:
     def detach(self, listener: Callable[[Event], None]) -> None:
         with self._lock:
             self._listeners.pop(listener, None)
+
+
+def size_of(event: Event) -> int:
+    """The bytes of output ``event`` holds (a result holds the command's whole output)."""
+    kind, payload = event
+    if kind in ("stdout", "stderr"):
+        return len(payload)
+    if kind == "result":
+        return sys.getsizeof(payload.stdout) + sys.getsizeof(payload.stderr)
+    return 0
+
+
+class Undelivered:
+    """One attachment's output queued for its client and not yet sent, counted for its tenant
+    against its output shares (past the bound if need be) until it is sent or the attachment ends."""
+
+    def __init__(self, shares: OutputShares, tenant: str) -> None:
+        self._shares, self._tenant = shares, tenant
+        self._lock = threading.Lock()
+        self._counted = 0
+        self._ended = False
+
+    def queued(self, event: Event) -> None:  # also on the sandbox's reader thread
+        size = size_of(event)
+        with self._lock:  # counted and given back in one order, whichever thread comes first
+            if size and not self._ended:
+                self._counted += size
+                self._shares.add(self._tenant, size)
+
+    def sent(self, event: Event) -> None:
+        self._give(size_of(event))
+
+    def end(self) -> int:
+        """The attachment is over: what it still queued is dropped with it; returns its size."""
+        with self._lock:
+            self._ended = True
+            dropped = self._counted
+        self._give(dropped)
+        return dropped
+
+    def _give(self, size: int) -> None:
+        with self._lock:
+            size = min(size, self._counted)
+            self._counted -= size
+            if size:
+                self._shares.give(self._tenant, size)
 
 
 @router.post(PREFIX, status_code=201, summary="Start a command in the background")
@@ -249,7 +312,8 @@ async def attach_command(websocket: WebSocket, sandbox_id: str, pid: int) -> Non
     ctx = context_of(websocket)
     await websocket.accept()
     try:
-        entry = ctx.manager.get(ctx.tenant_of(websocket.headers.get("authorization")), sandbox_id)
+        tenant = ctx.tenant_of(websocket.headers.get("authorization"))
+        entry = ctx.manager.get(tenant, sandbox_id)
         recorded = entry.background.get(pid)
         if recorded is None:
             raise InvalidSpec(f"no background command with pid {pid} in sandbox {sandbox_id}")
@@ -260,8 +324,10 @@ async def attach_command(websocket: WebSocket, sandbox_id: str, pid: int) -> Non
         return
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
+    undelivered = Undelivered(ctx.output_shares, tenant)
 
     def listener(event: Event) -> None:
+        undelivered.queued(event)
         loop.call_soon_threadsafe(queue.put_nowait, event)
 
     async def watch() -> None:
@@ -273,18 +339,21 @@ async def attach_command(websocket: WebSocket, sandbox_id: str, pid: int) -> Non
         queue.put_nowait(("gone", None))
 
     for event in recorded.attach(listener):
+        undelivered.queued(event)
         queue.put_nowait(event)
     frames = OutputFrames()
     watcher = asyncio.create_task(watch())
     try:
         while True:
-            kind, payload = await queue.get()
+            event = await queue.get()
+            kind, payload = event
             if kind == "gone":
                 break
             if kind in ("stdout", "stderr"):
                 frame = frames.frame(kind, payload)
                 if frame:
                     await websocket.send_json(frame)
+                undelivered.sent(event)
                 continue
             for frame in frames.flush():  # the end of its output, before its result
                 await websocket.send_json(frame)
@@ -300,5 +369,9 @@ async def attach_command(websocket: WebSocket, sandbox_id: str, pid: int) -> Non
     finally:
         watcher.cancel()
         recorded.detach(listener)
+        while not queue.empty():
+            queue.get_nowait()
+        if undelivered.end() >= TRIM_AFTER:
+            return_free_memory()  # glibc kept the freed chunks resident (+110 MiB a 2 x 64 MiB attachment)
         with contextlib.suppress(Exception):
             await websocket.close()

@@ -140,6 +140,9 @@ class ServerConfig:
     #: seconds a request's line and headers may take to arrive (from the connection, or the request's
     #: first byte); past it 408 and the connection is closed, so idle connections cannot hold max_connections
     request_head_timeout: float = 30.0
+    #: seconds a WebSocket's writes may make no progress (a client that stopped reading) before the
+    #: connection is aborted: its handler, stuck in its send, held what it was sending for ever
+    ws_send_timeout: float = 30.0
     #: connections from one address (an IPv6 one's /64) that have sent part of a request's line and
     #: headers and not all of it; the one past it is answered 429 and closed at once (one address's
     #: connections dribbling heads held max_connections until the head timeout: 503 for everyone)
@@ -204,6 +207,7 @@ class ServerConfig:
         self.max_proxied_requests_per_tenant = _positive(self.max_proxied_requests_per_tenant,
                                                          "max_proxied_requests_per_tenant", integer=True)
         self.request_head_timeout = _positive(self.request_head_timeout, "request_head_timeout")
+        self.ws_send_timeout = _positive(self.ws_send_timeout, "ws_send_timeout")
         self.max_partial_heads_per_peer = _positive(self.max_partial_heads_per_peer, "max_partial_heads_per_peer",
                                                     integer=True)
         self.max_requests_per_tenant = _positive(self.max_requests_per_tenant, "max_requests_per_tenant", integer=True)

@@ -94,9 +94,16 @@ class OutputShares:
     def keep(self, tenant: str, amount: int) -> Release:
         """Count ``amount`` for ``tenant`` now, past the bound if need be: an answer already made,
         held until its client has taken it (its later commands wait meanwhile)."""
+        self.add(tenant, amount)
+        return self._releaser(tenant, amount)
+
+    def add(self, tenant: str, amount: int) -> None:
+        """:meth:`keep` for a count that changes piece by piece; :meth:`give` gives it back."""
         with self._lock:
             self._tally.add(tenant, amount)
-        return self._releaser(tenant, amount)
+
+    def give(self, tenant: str, amount: int) -> None:
+        self._give(tenant, amount)
 
     def _releaser(self, tenant: str, amount: int) -> Release:
         return once(functools.partial(self._give, tenant, amount))

@@ -16,10 +16,23 @@ Now:
   command counts there too): the connection whose bytes would pass the bound is closed with 1009.  The tenant is the one the handshake's API key names; without
   keys every caller is the one local tenant; handshakes with no valid key share one bound of
   their own (they are refused by the routes, but may send before that).
+
+And on what is sent: a handler's send waits while the connection's write buffer is full, and a
+client that never reads never empties it.  uvicorn's keepalive then "closes" the connection, but
+``transport.close()`` waits for that buffer to drain, so the connection was never lost and its
+handler waited in its send for ever, holding what it was sending (an attached background
+command's whole output, an exec stream's output share and exec slot).  Now a connection whose
+writes make no progress (its buffer does not shrink) for ``send_timeout`` (the server's
+``ws_send_timeout``, 30 s) is aborted: its handler's send fails as for a client that left.  A
+keepalive that times out aborts it ``close_timeout`` (10 s) after its close frame.
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
+from asyncio import TimerHandle
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +48,8 @@ from .limits import TenantTally
 NO_TENANT = "(no valid key)"
 #: the close code for a message that may not be received: "message too big"
 CLOSE_TOO_BIG = 1009
+#: seconds a connection's writes may make no progress before it is aborted (ServerConfig.ws_send_timeout)
+SEND_TIMEOUT = 30.0
 
 
 class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -45,6 +60,12 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
     _tenant = NO_TENANT
     #: bytes counted for this connection's message being received
     _counted = 0
+    #: seconds its writes may make no progress (``bounded_ws_protocol`` sets the server's)
+    send_timeout = SEND_TIMEOUT
+    #: the next look at whether writes made progress, while they are paused
+    _stall_check: TimerHandle | None = None
+    #: the write buffer's size at the previous look
+    _stall_buffered = 0
 
     def handle_connect(self, event: Request) -> None:
         try:
@@ -80,6 +101,51 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._drop_partial_message()
+        self._stop_stall_check()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._check_stall_later()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_stall_check()
+
+    def keepalive_timeout(self) -> None:
+        super().keepalive_timeout()
+        # the close frame waits behind what the client did not read; it never will
+        self.loop.call_later(self.close_timeout, self._abort)
+
+    def _check_stall_later(self) -> None:
+        self._stop_stall_check()
+        self._stall_buffered = self.transport.get_write_buffer_size()
+        self._stall_check = self.loop.call_later(type(self).send_timeout, self._check_stall)
+
+    def _stop_stall_check(self) -> None:
+        if self._stall_check is not None:
+            self._stall_check.cancel()
+            self._stall_check = None
+
+    def _check_stall(self) -> None:
+        self._stall_check = None
+        if self.disconnected or self.writable.is_set():
+            return
+        if self.transport.get_write_buffer_size() < self._stall_buffered:
+            self._check_stall_later()  # a slow reader, but a reader
+            return
+        self._abort()
+
+    def _abort(self) -> None:
+        """Drop the connection and what it has not sent: connection_lost follows (its handler's send fails)."""
+        if self.disconnected:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # a reset, not a FIN queued behind the unread bytes: the kernel would keep them, and the
+            # socket, while the client goes on not reading
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def _count(self) -> None:
         """Count what this connection now holds for its tenant; past the bound, the connection is
@@ -124,7 +190,10 @@ class BoundedWebSocketProtocol(WebSocketsSansIOProtocol):
 TRIM_AFTER = 1 << 20
 
 
-def bounded_ws_protocol(tenant_of: Callable[[str | None], str], receiving: TenantTally) -> type[BoundedWebSocketProtocol]:
-    """The protocol class, counting messages being received in ``receiving`` (per tenant, with its bound)."""
-    attributes: dict[str, Any] = {"receiving": receiving, "tenant_of": staticmethod(tenant_of)}
+def bounded_ws_protocol(tenant_of: Callable[[str | None], str], receiving: TenantTally,
+                        send_timeout: float = SEND_TIMEOUT) -> type[BoundedWebSocketProtocol]:
+    """The protocol class, counting messages being received in ``receiving`` (per tenant, with its
+    bound) and aborting connections whose writes make no progress for ``send_timeout`` seconds."""
+    attributes: dict[str, Any] = {"receiving": receiving, "tenant_of": staticmethod(tenant_of),
+                                  "send_timeout": send_timeout}
     return type("BoundedWebSocketProtocol", (BoundedWebSocketProtocol,), attributes)
