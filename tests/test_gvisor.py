@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
-from corral.errors import FileError, HostNotSupported, InvalidSpec
+from corral.errors import FileError, HostNotSupported, InvalidSpec, SandboxClosed
 from corral.host import uids as host_uids
 from corral.tiers.gvisor import GVisorTier
+from corral.tiers.gvisor.memory import OVERHEAD, MiB
 from corral.tiers.gvisor.platform import PLATFORM_ENV, choose_platform, runsc_binary
 
 from .leaks import kill_9, run_gc, sandbox_leftovers, start_owner
@@ -244,6 +245,75 @@ def test_a_command_started_right_after_an_overrun_is_not_killed_with_it(sb: Sand
         assert hog.oom_killed, hog
         after = sb.commands.run(["python3", "-c", "x = bytearray(64 << 20); print('alive')"], timeout=60)
         assert after.stdout == "alive\n" and not after.oom_killed, after
+
+
+#: allocates STEPS x 16 MiB (touched), 0.1 s apart, after a second's wait, then holds them
+_GROWER = ("import sys, time\ntime.sleep(1)\nheld = []\nfor _ in range(int(sys.argv[1])):\n"
+           "    block = bytearray(16 << 20)\n    for i in range(0, len(block), 4096): block[i] = 1\n"
+           "    held.append(block); time.sleep(0.1)\ntime.sleep(300)\n")
+
+
+def _host_memory(sb: Sandbox) -> tuple[int, int]:
+    """The sandbox's host memory cgroup: (usage, hard limit)."""
+    cgroup = sb._tier_sandbox().cgroup  # type: ignore[attr-defined]
+    v1 = cgroup.layout.version == 1
+    group = cgroup.memory_group
+    usage = int((group / ("memory.usage_in_bytes" if v1 else "memory.current")).read_text())
+    return usage, int((group / ("memory.limit_in_bytes" if v1 else "memory.max")).read_text())
+
+
+def _growers(sb: Sandbox) -> list[str]:
+    return [a for a in sb.commands.run(["ps", "-eo", "args"]).stdout.splitlines() if "grow.py" in a]
+
+
+def test_a_background_process_that_overruns_is_killed_and_the_limit_comes_back() -> None:
+    """A command's `setsid` child that allocates past `memory` after the command ended: the guard
+    killed only running commands, so it lifted the host limit to +1 GiB and left it there (a 256M
+    sandbox held 1.3 GiB for good, its neighbours OOM-killed).  Now it is killed (every command
+    group), the limit is back at `memory + 96 MiB` and the sandbox works on."""
+    with Sandbox.create(tier="gvisor", memory="128M") as sb:
+        _, configured = _host_memory(sb)
+        assert configured == (128 + OVERHEAD // MiB) * MiB
+        sb.files.write("/tmp/grow.py", _GROWER)
+        kept = sb.commands.run("setsid nohup python3 /tmp/grow.py 40 >/dev/null 2>&1 & echo started")
+        assert kept.stdout == "started\n"
+        deadline = time.monotonic() + 20
+        while _growers(sb) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _growers(sb) == [], "the background process that overran lives on"
+        while _host_memory(sb)[1] != configured and time.monotonic() < deadline:
+            time.sleep(0.1)
+        usage, limit = _host_memory(sb)
+        assert limit == configured and usage <= configured, (usage >> 20, limit >> 20)
+        fits = sb.commands.run(["python3", "-c", "x = bytearray(64 << 20); print('fits')"], timeout=30)
+        assert fits.stdout == "fits\n" and not fits.oom_killed, fits
+
+
+def test_memory_the_guard_cannot_free_ends_the_sandbox_and_the_limit_comes_back() -> None:
+    """A root process that left its command group (root's own sandbox may) holds past the limit:
+    killing every command frees nothing, and cgroup v1 refuses to lower a limit below the usage
+    (EBUSY), so the guard's lifted limit stayed for good.  Now the guard ends the sandbox: the
+    command running then reports `oom_killed`, later calls `SandboxClosed`, and the limit is back."""
+    with Sandbox.create(tier="gvisor", memory="64M") as sb:
+        _, configured = _host_memory(sb)
+        sb.files.write("/tmp/grow.py", _GROWER)
+        sb.commands.run("setsid sh -c 'echo $$ > /sys/fs/cgroup/pids/cgroup.procs && exec python3 /tmp/grow.py 12' "
+                        ">/dev/null 2>&1 &", user="root")
+        running = sb.commands.run(["sleep", "30"], timeout=60)
+        assert running.oom_killed and running.exit_code == 137, running
+        deadline = time.monotonic() + 20
+        ended = False
+        while not ended and time.monotonic() < deadline:
+            try:
+                sb.commands.run(["true"], timeout=10)
+                time.sleep(0.5)
+            except SandboxClosed:
+                ended = True
+        assert ended, f"the sandbox lives on holding {_host_memory(sb)[0] >> 20} MiB"
+        while _host_memory(sb)[1] != configured and time.monotonic() < deadline:
+            time.sleep(0.1)
+        usage, limit = _host_memory(sb)
+        assert limit == configured and usage <= configured, (usage >> 20, limit >> 20)
 
 
 def test_task_limit_is_enforced_inside_gvisor_and_the_sandbox_survives() -> None:

@@ -7,13 +7,16 @@ process of the group, which is the Sentry, and the sandbox dies.  Worse, any
 allocation the kernel makes for the Sentry in a syscall at the limit fails
 with ENOMEM, and the Go runtime dies on that (``newosproc``).
 
-The guard turns "the sandbox went over ``memory``" into "its running commands
-were OOM-killed", like the process tier, by acting *before* the hard limit:
+The guard turns "the sandbox went over ``memory``" into "its commands were
+OOM-killed", like the process tier, by acting *before* the hard limit.  It
+cannot tell which process holds the memory, so an overrun kills every command:
+the running ones and what ended ones left in the background (their command
+groups, through the agent):
 
 - the hard limit is ``memory + OVERHEAD`` (the Sentry, gofer and stubs use
   ~60 MB of their own); crossing ``memory`` is the overrun;
 - cgroup v1: a usage-threshold eventfd at ``memory`` wakes the guard at once;
-  it SIGKILLs the running commands (through the agent) and, while they have
+  it SIGKILLs the commands (through the agent) and, while they have
   not died, keeps the hard limit at least ``MARGIN`` above the usage (in steps
   of ``HEADROOM``, up to ``MAX_LIFT``) so that neither a page fault nor a
   Sentry syscall meets the limit; once usage is back under ``memory`` the
@@ -23,12 +26,15 @@ were OOM-killed", like the process tier, by acting *before* the hard limit:
 - if the guard cannot win (``MAX_LIFT`` reached, or memory not freed within
   ``RESTORE_DEADLINE``: e.g. a file in ``/dev/shm`` holds it), the OOM killer
   is re-enabled and the limit restored: the next overrun makes the kernel end
-  the sandbox and its commands report ``oom_killed`` (re-armed if usage comes
-  back under the budget first);
+  the sandbox and its commands report ``oom_killed`` (re-armed, limit restored
+  again, if usage comes back under the budget first).  Where the limit cannot
+  be restored (the usage is above it: v1 refuses with EBUSY and kills nothing)
+  the guard ends the sandbox itself (``end_sandbox``): before, the lifted limit
+  stayed, and a background process of a 256M sandbox held 1.3 GiB for good;
 - cgroup v2 has no way to disable the OOM killer: ``memory.high = memory``
   throttles allocations past the budget, ``memory.max = memory + OVERHEAD``,
-  and the guard polls usage every 20 ms, killing the running commands above
-  ``memory``.
+  and the guard polls usage every 20 ms, killing the commands above
+  ``memory``; ``memory.max`` is never lifted.
 """
 
 from __future__ import annotations
@@ -61,14 +67,18 @@ def _write(path: Path, value: str) -> None:
 
 
 class MemoryGuard:
-    """Watches one sandbox's memory cgroup; calls ``kill_commands()`` on an overrun."""
+    """Watches one sandbox's memory cgroup; calls ``kill_commands()`` on an overrun (every
+    command, background ones included), ``end_sandbox()`` where it lost and the limit cannot be
+    restored."""
 
-    def __init__(self, cgroup: SandboxCgroup, budget: int, kill_commands: Callable[[], None]) -> None:
+    def __init__(self, cgroup: SandboxCgroup, budget: int, kill_commands: Callable[[], None],
+                 end_sandbox: Callable[[], None]) -> None:
         self._group = cgroup.memory_group
         self._v1 = cgroup.layout.version == 1
         self._budget = budget
         self._limit = budget + OVERHEAD
         self._kill_commands = kill_commands
+        self._end_sandbox = end_sandbox
         #: overruns handled so far (commands finishing compare it before/after)
         self.overruns = 0
         self._disarmed = False
@@ -98,6 +108,19 @@ class MemoryGuard:
         _write(self._group / "memory.limit_in_bytes", str(limit))
         if not raising and memsw.exists():
             _write(memsw, str(limit))
+
+    def _restore_limit_v1(self, within: float = 0.0) -> bool:
+        """The configured hard limit back (retried ``within`` seconds: memory is freed a moment
+        after its holders die); False if the usage stays above it (EBUSY)."""
+        end = time.monotonic() + within
+        while True:
+            try:
+                self._set_limit_v1(self._limit)
+                return True
+            except OSError:
+                if time.monotonic() >= end:
+                    return False
+            time.sleep(POLL)
 
     def _register(self, control: str, argument: str = "") -> None:
         event = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -159,10 +182,11 @@ class MemoryGuard:
         # (re-armed if usage ever comes back under the budget)
         _write(self._group / "memory.oom_control", "0")
         self._disarmed = True
-        try:
-            self._set_limit_v1(self._limit)
-        except OSError:
-            pass
+        if not self._restore_limit_v1():
+            # more is held than the configured limit, and v1 kills nothing to lower it: a lifted
+            # limit left in place let the sandbox keep it for good, its neighbours OOM-killed
+            self._end_sandbox()
+            self._restore_limit_v1(within=RESTORE_DEADLINE)
 
     # -- watching --------------------------------------------------------
     def _usage(self) -> int:
@@ -192,7 +216,7 @@ class MemoryGuard:
             if self._usage() > self._budget or self._under_oom():
                 if not self._disarmed:
                     self._handle_overrun_v1()
-            elif self._disarmed:
+            elif self._disarmed and self._restore_limit_v1():
                 _write(self._group / "memory.oom_control", "1")
                 self._disarmed = False
 
