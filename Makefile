@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-AGENT_SOURCES := $(addprefix src/corral/agent/,agent.c exec.c files.c guest_ops.c relay.c relay_mux.c users.c mountns.c command_groups.c)
+AGENT_SOURCES := $(addprefix src/corral/agent/,agent.c exec.c files.c guest_ops.c relay.c relay_mux.c users.c mountns.c command_groups.c owner_watch.c)
 
 $(AGENT): $(AGENT_SOURCES) src/corral/agent/agent.h src/corral/agent/relay_mux.h
 	# built beside and renamed into place: a process reading it meanwhile (agent_build.py installs

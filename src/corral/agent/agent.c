@@ -364,6 +364,7 @@ int main(int argc, char **argv) {
     if ((argc == 3 || argc == 4) && strcmp(argv[1], "--mountns") == 0)
         return mountns_main(argv[2], argc == 4 ? argv[3] : NULL);
     if (argc > 1 && strcmp(argv[1], "--vmm") == 0) return vmm_main(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "--owner-watch") == 0) return owner_watch_main(argc, argv);
     /* the microVM guest's egress relay, started by its pid 1 (relay_mux.c) */
     if (argc == 3 && strcmp(argv[1], "--relay-mux") == 0) return relay_mux_main(atoi(argv[2]));
     prctl(PR_SET_DUMPABLE, 0);

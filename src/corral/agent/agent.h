@@ -83,6 +83,9 @@ int drop_to_file_user(void);
 /* mountns.c: a sandbox's own mount namespace (`--mountns FD [UID]`) */
 int mountns_main(const char *fd_text, const char *userns_uid);
 
+/* owner_watch.c: a frozen sandbox killed if its owner dies (`--owner-watch MODE GROUP...`) */
+int owner_watch_main(int argc, char **argv);
+
 /* command_groups.c: a cgroup per command inside gVisor */
 int set_command_groups(const char *dir);
 uint32_t command_group_join(pid_t pid);

@@ -16,7 +16,7 @@ AGENT_SOURCE = Path(__file__).resolve().parents[2] / "agent" / "agent.c"
 #: every file the agent is built from (the Makefile's list too): a newer one means a rebuild
 AGENT_SOURCES = tuple(AGENT_SOURCE.with_name(name) for name in (
     "agent.c", "exec.c", "files.c", "guest_ops.c", "relay.c", "relay_mux.c", "users.c", "mountns.c",
-    "command_groups.c", "agent.h", "relay_mux.h"))
+    "command_groups.c", "owner_watch.c", "agent.h", "relay_mux.h"))
 
 
 def agent_binary(state_dir: Path | None = None, exec_only: bool = False) -> Path:
