@@ -2,7 +2,8 @@
 
 Every sandbox is recorded (SQLite, in the state directory) *before* any of its
 resources exist, with its owner's pid and start time.  When an owner dies
-(``kill -9``), its sandboxes' processes die with it (``--die-with-parent``),
+(``kill -9``), its sandboxes' processes die with it (``--die-with-parent``; a frozen
+sandbox's by the watch its owner started at its first pause, :mod:`corral.host.owner_watch`),
 and :func:`gc` — run by ``corral gc`` and at every library start — releases
 what is left: cgroups, mounts, directories, reserved uids.
 """

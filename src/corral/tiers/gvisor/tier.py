@@ -253,6 +253,7 @@ class GVisorSandbox(LinuxSandbox):
     def _setup(self) -> None:
         self.root_uid = self.uid_range.base
         self._start_userns(self._host.agent)
+        self._host_agent = self._host.agent
         cgroup = self._make_cgroup(host_limits(self.spec.limits), self._host.layout)
         self._guard = MemoryGuard(cgroup, self.spec.limits.memory, self._kill_commands, self._kill_sandbox)
         # the proxy socket is connected to by the gofer (root_uid on the host) on behalf of the

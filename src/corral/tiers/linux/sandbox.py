@@ -39,6 +39,7 @@ from ...egress.network import SandboxNetwork
 from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused, SnapshotCorrupt
 from ...host import cgroups, charged, mounts, ws_overlay
 from ...host.mountns import MountNamespace
+from ...host.owner_watch import OwnerWatch
 from ...host.portfwd import Connect, NetnsConnector, PortForward
 from ...host.uids import UidRange, allocate_range, release_range
 from ...host.userns import PendingUserns, UsernsMaking, start_userns
@@ -74,6 +75,10 @@ class LinuxSandbox(TierSandbox):
     _ws_userns_pending: PendingUserns | None = None
     _ws_userns_fd: int | None = None
     _userns_helper: Path | None = None
+    #: the agent binary as the host runs it, for the watch kept over the sandbox while it is frozen
+    #: (:mod:`corral.host.owner_watch`); None: no watch
+    _host_agent: Path | None = None
+    _owner_watch: OwnerWatch | None = None
     #: the sandbox's own mount namespace, where :meth:`_build_root` mounts (None: the host's)
     _mountns: MountNamespace | None = None
 
@@ -254,6 +259,11 @@ class LinuxSandbox(TierSandbox):
             # the clock first: a command's wait must not count frozen time, however short
             channel.pause_clock.pause()
             try:
+                # before the freeze: never a moment frozen that the owner's death would not end.
+                # Kept until close (whether frozen or not, the sandbox dies with its owner): only
+                # the first pause pays its start (~0.5 ms), not every pause and resume
+                if self._owner_watch is None and self._host_agent is not None:
+                    self._owner_watch = OwnerWatch(self._host_agent, cgroup)
                 cgroup.freeze(True)
             except BaseException:
                 channel.pause_clock.resume()
@@ -434,7 +444,10 @@ class LinuxSandbox(TierSandbox):
                     self.cgroup.freeze(False)
                 if self._channel is not None:
                     self._channel.pause_clock.resume()
+            watch, self._owner_watch = self._owner_watch, None
         try:
+            if watch is not None:  # its owner kills the sandbox now, itself
+                watch.stop()
             self._close_ports()  # before the processes go: a relayed connection is cut, not reset
             self._stop()
             if self.cgroup is not None:

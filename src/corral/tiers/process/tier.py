@@ -174,6 +174,7 @@ class ProcessSandbox(LinuxSandbox):
                                            userns=self.uid_range)
             self._userns_pending = self._mountns.userns()
             self._userns_helper = self._tier._agent  # a workspace's own namespace (ws_overlay) is made by it
+            self._host_agent = self._tier._agent
         finally:
             os.close(to_agent_r)
             os.close(from_agent_w)
