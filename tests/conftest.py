@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from .memory_groups import owner_group  # noqa: F401 - the fixture of the tests that read an owner's memory
+
 _RUN_TAG = f"corral-test-{os.getpid()}"
 
 
@@ -107,4 +109,3 @@ def forwarding_on() -> Iterator[None]:
     with ip_forwarding() as sysctl:
         sysctl.write_text("1")
         yield
-

@@ -30,7 +30,7 @@ from corral.snapshots import DIRECTORY, SnapshotStore, host_costs
 from corral.tiers.linux import fs_snapshot
 
 from .leaks import sandbox_leftovers
-from .memory_groups import limit_file, owner_memory_group, usage
+from .memory_groups import limit_file, usage
 from .server_fixtures import KEYS, ServerProcess
 from .tier_probe import skip_unless_tier
 
@@ -880,7 +880,7 @@ def test_concurrent_snapshots_of_a_tenant_stay_within_its_quotas(state_dir: Path
 
 @pytest.mark.parametrize("tier", ["process", "gvisor"])
 def test_a_restores_files_are_charged_to_the_new_sandbox_and_its_full_group_is_a_typed_error(
-        state_dir: Path, tier: str) -> None:
+        state_dir: Path, tier: str, owner_group: Path) -> None:
     """A restore writes the snapshot's files onto the new sandbox's disk tmpfs from the owner, and a
     tmpfs page is charged to its writer: 2 x 100 MiB restored grew the owner's group by 402 MiB
     (the files and the blobs' page cache) and the sandbox's and the sandboxes' parent's by 1, outside
@@ -894,7 +894,7 @@ def test_a_restores_files_are_charged_to_the_new_sandbox_and_its_full_group_is_a
         assert parent.commands.run(f"head -c {size} /dev/urandom > /tmp/a && "
                                    f"head -c {size} /dev/urandom > /workspace/b", timeout=120).exit_code == 0
         snapshot = parent.snapshot()
-    owner = owner_memory_group()
+    owner = owner_group
     try:
         before_owner = usage(owner)
         with Sandbox.create(snapshot=snapshot.id, memory="512M") as child:

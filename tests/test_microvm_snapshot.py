@@ -39,7 +39,7 @@ from corral.registry import Registry, gc
 from corral.snapshots import DIRECTORY, SnapshotStore
 
 from .leaks import sandbox_leftovers
-from .memory_groups import owner_memory_group, usage
+from .memory_groups import usage
 from .sandbox_wait import wait_until
 from .server_fixtures import KEYS, ServerProcess
 from .test_microvm import STOP_THE_AGENT
@@ -795,7 +795,7 @@ def test_gc_reaps_a_converters_group_whose_sandbox_is_gone_and_no_other(state_di
         sandbox_group.destroy()
 
 
-def test_a_restored_workspace_is_charged_to_the_new_vm_not_its_owner() -> None:
+def test_a_restored_workspace_is_charged_to_the_new_vm_not_its_owner(owner_group: Path) -> None:
     """A VM made from a live snapshot gets the snapshot's workspace copied onto its disk tmpfs by
     the owner, and a tmpfs page is charged to its writer: 2 x 100 MiB in the snapshot (100 MiB
     of it the workspace's) grew the owner's group by 203 MiB (the files and the blobs' page
@@ -806,7 +806,7 @@ def test_a_restored_workspace_is_charged_to_the_new_vm_not_its_owner() -> None:
         assert sb.commands.run(f"head -c {size} /dev/urandom > /workspace/big", timeout=120).exit_code == 0
         snapshot = sb.snapshot()
     try:
-        owner = owner_memory_group()
+        owner = owner_group
         before_owner = usage(owner)
         with Sandbox.create(snapshot=snapshot.id) as kid:
             grown_owner = usage(owner) - before_owner

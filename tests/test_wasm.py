@@ -31,7 +31,7 @@ from corral.tiers.base import ExecRequest
 from .host_files import files_seen
 from .host_reach import assert_cannot_reach_the_hosts_loopback
 from .leaks import kill_9, sandbox_leftovers, start_owner
-from .memory_groups import limit_file, owner_memory_group, usage
+from .memory_groups import limit_file, usage
 from .sandbox_wait import wait_until
 
 
@@ -415,7 +415,7 @@ def test_files_cannot_fill_the_sandboxs_memory(wasm_available: None) -> None:
 
 
 def test_files_written_by_the_host_are_charged_to_the_sandbox_and_a_full_group_is_a_typed_error(
-        wasm_available: None, tmp_path: Path) -> None:
+        wasm_available: None, tmp_path: Path, owner_group: Path) -> None:
     """The files API and the workspace copy-in write onto the sandbox's tmpfs from the owner, and a
     tmpfs page is charged to its writer: 300 MiB through `files.write` grew the owner's group by
     322 MiB and the sandbox's by 3, outside every limit (the parent's of all sandboxes too).  Now
@@ -431,7 +431,7 @@ def test_files_written_by_the_host_are_charged_to_the_sandbox_and_a_full_group_i
             pytest.skip("no cgroups (not root): nothing to charge to")
         group = inner.cgroup.memory_group
         assert usage(group) >= size, "the copied-in workspace is charged to the sandbox"
-        owner = owner_memory_group()
+        owner = owner_group
         data = os.urandom(1 << 20) * 64
         before_sandbox, before_owner = usage(group), usage(owner)
         sandbox.files.write("/tmp/written", data)

@@ -28,7 +28,7 @@ import pytest
 from corral import Sandbox
 from corral.host import workspace, ws_overlay
 
-from .memory_groups import owner_memory_group, usage
+from .memory_groups import usage
 from .tier_probe import skip_unless_tier
 
 DISK = 64 << 20
@@ -55,7 +55,8 @@ def tier(request: pytest.FixtureRequest, state_dir: Path, monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize("copy_tier", ["process", "gvisor", "microvm"])
 def test_a_workspace_copied_in_is_charged_to_the_sandbox_not_its_owner(
-        copy_tier: str, state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        copy_tier: str, state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        owner_group: Path) -> None:
     """The copy of a workspace (the microVM's always; the process tier's and gVisor's where the
     directory cannot be idmapped, or in a sandbox made from a snapshot) is written onto the
     sandbox's disk tmpfs from the owner, and a tmpfs page is charged to its writer: 100 MiB copied
@@ -68,7 +69,7 @@ def test_a_workspace_copied_in_is_charged_to_the_sandbox_not_its_owner(
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "big.bin").write_bytes(os.urandom(1 << 20) * 64)
-    owner = owner_memory_group()
+    owner = owner_group
     before_owner = usage(owner)
     with Sandbox.create(tier=copy_tier, workspace=f"{ws}:cow", memory="512M", disk="256M") as sb:
         grown_owner = usage(owner) - before_owner
