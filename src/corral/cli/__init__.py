@@ -95,6 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"corral: {shown(str(exc))}", file=sys.stderr)
         return EXIT_SANDBOX_FAILED
+    except PermissionError as exc:
+        # a user's CLI reading root's state (``image ls`` of the shared image store): a message,
+        # not a traceback
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        print(f"corral: {exc.strerror or 'permission denied'}{where} (Corral's state directory and images "
+              "are root's: run as root, or set CORRAL_STATE_DIR to a directory of your own)", file=sys.stderr)
+        return EXIT_SANDBOX_FAILED
     except KeyboardInterrupt:
         return 130
     except _Terminated as stopped:
