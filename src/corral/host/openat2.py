@@ -5,7 +5,10 @@ raced.  The wasm worker has a copy of its own: it imports nothing of Corral."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import stat
+from pathlib import Path
 
 from .mounts import libc
 
@@ -14,6 +17,8 @@ SYS_OPENAT2 = 437  # the same number on every architecture (the unified syscall 
 RESOLVE_NO_XDEV = 0x01
 #: no ``/proc/PID/fd``-style link is followed
 RESOLVE_NO_MAGICLINKS = 0x02
+#: no link of any kind is followed, at any step (ELOOP)
+RESOLVE_NO_SYMLINKS = 0x04
 #: the directory given acts as ``/`` for every step (``..`` and absolute links stay in it)
 RESOLVE_IN_ROOT = 0x10
 
@@ -31,3 +36,81 @@ def openat2(dir_fd: int, path: str | bytes, flags: int, resolve: int, mode: int 
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), os.fsdecode(path))
     return int(fd)
+
+
+class UnsafeFile(OSError):
+    """A file host code was to read inside a tree a sandbox or an image build controls is a link
+    (or lies behind one), not a regular file (a fifo, a device), or bigger than the reader takes."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(errno.EPERM, why, path)
+
+
+def read_in_tree(root: Path, path: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path`` (relative) inside the directory ``root``, read as host
+    code may read what a sandbox or an image build wrote: ``root`` is ``/`` for the lookup, no link
+    is followed at any step nor a mount crossed, the open never blocks (a fifo) and only a regular
+    file of at most ``limit`` bytes is read.  A path read by name as host root followed an image's
+    ``/etc/shadow -> ../../../etc/shadow`` to the host's own, and a fifo there hung the reader.
+
+    FileNotFoundError if nothing is there (or a parent is not a directory); :class:`UnsafeFile`
+    for a link, anything but a regular file, or more than ``limit`` bytes."""
+    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = _open_no_links(root_fd, path)
+    finally:
+        os.close(root_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(path, "not a regular file")
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - size))):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise UnsafeFile(path, f"bigger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+#: this kernel (or the owner's seccomp filter) has no ``openat2``: :func:`_open_no_links` walks
+_walk_without_openat2 = False
+
+
+def _open_no_links(root_fd: int, path: str) -> int:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    global _walk_without_openat2
+    try:
+        if not _walk_without_openat2:
+            try:
+                return openat2(root_fd, path, flags, RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)
+            except OSError as exc:
+                if exc.errno != errno.ENOSYS:
+                    raise
+            _walk_without_openat2 = True
+        # one component at a time, none of them a link: what openat2 above does in one call
+        parts = [part for part in path.split("/") if part not in ("", ".")]
+        if ".." in parts:
+            raise UnsafeFile(path, "leaves its tree")
+        current = root_fd
+        try:
+            for part in parts[:-1]:
+                step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=current)
+                if current != root_fd:
+                    os.close(current)
+                current = step
+                kind = stat.S_IFMT(os.fstat(step).st_mode)
+                if kind != stat.S_IFDIR:
+                    raise OSError(errno.ELOOP if kind == stat.S_IFLNK else errno.ENOTDIR, "", path)
+            return os.open(parts[-1], flags, dir_fd=current)
+        finally:
+            if current != root_fd:
+                os.close(current)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise FileNotFoundError(errno.ENOENT, "no such file", path) from None
+        if exc.errno in (errno.ELOOP, errno.EXDEV):
+            raise UnsafeFile(path, "a link (or reached through one)" if exc.errno == errno.ELOOP else "on another mount") from None
+        raise

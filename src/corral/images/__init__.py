@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidSpec
+from ..host.openat2 import read_in_tree
 
 #: the uid/gid of the sandbox user inside every sandbox (its host uid is its range's base + this)
 from ..host.uids import SANDBOX_UID as SANDBOX_UID
@@ -92,6 +93,27 @@ def identity_files(hostname: str = "sandbox") -> dict[str, str]:
         "etc/resolv.conf": "# no network by default; the egress layer rewrites this when allowed\n",
         "etc/nsswitch.conf": "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n",
     }
+
+
+#: the identity files an image may bring, which every sandbox's own are merged with
+IMAGE_ID_FILES = ("etc/passwd", "etc/group", "etc/shadow")
+#: the most of each that is read (Debian's are a few kB)
+ID_FILE_LIMIT = 4 << 20
+
+
+def image_id_files(rootfs: Path) -> dict[str, str | None]:
+    """An image's :data:`IMAGE_ID_FILES` (None: it has none), read on the host as root from a tree
+    a build's commands wrote, so never by name (:func:`corral.host.openat2.read_in_tree`): by name,
+    ``/etc/shadow -> ../../../../etc/shadow`` there was the host's own, copied into every sandbox
+    of the image, and a fifo hung every create.  :class:`corral.host.openat2.UnsafeFile` names a
+    link, a file that is not regular, or one past :data:`ID_FILE_LIMIT`."""
+    found: dict[str, str | None] = {}
+    for rel in IMAGE_ID_FILES:
+        try:
+            found[rel] = read_in_tree(rootfs, rel, ID_FILE_LIMIT).decode("utf-8", "surrogateescape")
+        except FileNotFoundError:
+            found[rel] = None
+    return found
 
 
 _HOST_SKELETON_VERSION = "5"

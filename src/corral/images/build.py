@@ -36,13 +36,16 @@ from pathlib import Path
 
 from ..errors import ImageBuildFailed, InvalidSpec
 from ..host import logs
-from . import aptplan, layering, store
+from ..host.openat2 import UnsafeFile, read_in_tree
+from . import aptplan, image_id_files, layering, store
 from .buildbox import BuildBox
 from .recipe import Recipe, builtin_path
 from .recipe import load as load_recipe
 
 WHEELS_POINT = "/.corral-build/wheels"
 DEBS_POINT = "/.corral-build/debs"
+#: the most of an image's dpkg database read on the host (Debian's full desktop: ~10 MiB)
+DPKG_STATUS_LIMIT = 64 << 20
 DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 _DPKG_EXCLUDES = ["/usr/share/man/*", "/usr/share/doc/*", "/usr/share/info/*", "/usr/share/locale/*",
                   "/usr/share/lintian/*"]
@@ -280,8 +283,10 @@ class _Builder:
         os.chmod(work / "archives", 0o755)
         (work / "sources.list").write_text(
             f"deb [signed-by={DEBIAN_KEYRING}] {self.recipe.mirror} {self.recipe.suite} main\n")
+        # apt reads a copy: the parent's own file, read by host apt as root, could be a link or a fifo
+        (work / "status").write_bytes(self._dpkg_status("apt download"))
         options = {
-            "Dir::State::status": str(self.rootfs / "var/lib/dpkg/status"),
+            "Dir::State::status": str(work / "status"),
             "Dir::State::Lists": str(work / "lists"),
             "Dir::Cache::archives": str(work / "archives"),
             "Dir::Cache::pkgcache": "", "Dir::Cache::srcpkgcache": "",
@@ -393,6 +398,19 @@ class _Builder:
         return (f"image {self.recipe.name!r}: step {step!r} {why}; log: {kept or log}\n"
                 + "\n".join("    " + line for line in tail)), kept
 
+    def _dpkg_status(self, step: str) -> bytes:
+        """The image's dpkg database (empty if it has none), read on the host from a tree build
+        commands wrote (:func:`corral.host.openat2.read_in_tree`): by name, a fifo there hung the
+        build past its ``build_timeout`` (which bounds only sandboxed steps), and a link read
+        whatever host file it named."""
+        try:
+            return read_in_tree(self.rootfs, "var/lib/dpkg/status", DPKG_STATUS_LIMIT)
+        except FileNotFoundError:
+            return b""
+        except UnsafeFile as exc:
+            raise ImageBuildFailed(f"image {self.recipe.name!r}: its /var/lib/dpkg/status is {exc.strerror}",
+                                   step) from None
+
     def _finalize(self) -> None:
         shutil.rmtree(self.staging / "wheels", ignore_errors=True)
         shutil.rmtree(self.staging / "npm", ignore_errors=True)
@@ -412,10 +430,13 @@ class _Builder:
             self.rootfs.rmdir()
             os.rename(final, self.rootfs)
         os.chmod(self.rootfs, 0o755)
-        status = self.rootfs / "var/lib/dpkg/status"
-        packages = status.read_text(errors="replace").count("\nStatus: install ok installed") if status.exists() else 0
-        if status.exists() and status.read_text(errors="replace").startswith("Status: install ok installed"):
-            packages += 1
+        status = self._dpkg_status("finalize").decode(errors="replace")
+        packages = status.count("\nStatus: install ok installed") + status.startswith("Status: install ok installed")
+        try:  # every create reads these on the host: refused here, the image is never stored
+            image_id_files(self.rootfs)
+        except UnsafeFile as exc:
+            raise ImageBuildFailed(f"image {self.recipe.name!r}: its /{exc.filename} is {exc.strerror}; "
+                                   "the identity files must be regular files", "finalize") from None
         store.write_json_atomic(self.staging / "image.json", {
             "digest": self.digest,
             "recipe": str(self.recipe.source or self.recipe.name),

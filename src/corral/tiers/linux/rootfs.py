@@ -35,12 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...egress import network as egress_network
+from ...errors import InvalidSpec
 from ...host import cgroups, mounts
 from ...host.mountns import HostMounts, MountNamespace
+from ...host.openat2 import UnsafeFile
 from ...host.uids import release_uid
 from ...host.ws_copy import WorkspaceCopy
 from ...host.ws_overlay import WorkspaceOverlay, make_workspace
-from ...images import SANDBOX_HOME, identity_files, image_mark, resolve
+from ...images import SANDBOX_HOME, identity_files, image_id_files, image_mark, resolve
 from ...spec import WORKSPACE_PATH, SandboxSpec
 
 #: where the agent binary is bound inside every sandbox
@@ -135,6 +137,8 @@ def build_root(
     mounter = mounter or HostMounts()
     size = disk_size if disk_size is not None else spec.limits.disk
     image = resolve(spec.image, state_dir)
+    # before anything is made: an image whose identity files are refused leaves nothing to undo
+    image_ids = _image_id_files(image.layers[0][1], image.name) if image.own_etc else None
     if visible_on_host and root_uid is not None:
         os.chown(run_dir, 0, root_uid)
         os.chmod(run_dir, 0o710)
@@ -157,8 +161,7 @@ def build_root(
         files_upper.mkdir()
         (on_disk / work.name).mkdir()
         if point == "/":
-            _prepare_root_upper(files_upper, uid, own_etc=image.own_etc,
-                                image_etc=lower / "etc" if image.own_etc else None)
+            _prepare_root_upper(files_upper, uid, own_etc=image.own_etc, image_ids=image_ids)
             _add_files(files_upper, files or {}, mount_points)
         if mapped:
             assert root_uid is not None
@@ -261,7 +264,8 @@ def _add_files(upper: Path, files: Mapping[str, bytes], mount_points: Sequence[s
         os.chmod(target, 0o644)
 
 
-def _prepare_root_upper(upper: Path, uid: int, own_etc: bool, image_etc: Path | None = None) -> None:
+def _prepare_root_upper(upper: Path, uid: int, own_etc: bool,
+                        image_ids: Mapping[str, str | None] | None = None) -> None:
     # mount points and the home directory must exist before the sandbox starts:
     # inside it, host-root-owned directories cannot be written to
     (upper / ".corral").mkdir()
@@ -279,35 +283,43 @@ def _prepare_root_upper(upper: Path, uid: int, own_etc: bool, image_etc: Path | 
         (upper / "etc").mkdir(exist_ok=True)
         os.chmod(upper / "etc", 0o755)
         for rel, content in identity_files().items():
-            if image_etc is not None and rel in ("etc/passwd", "etc/group"):
-                if rel == "etc/passwd" and not (image_etc / "shadow").exists():
+            if image_ids is not None and rel in ("etc/passwd", "etc/group"):
+                if rel == "etc/passwd" and image_ids["etc/shadow"] is None:
                     content = content.replace(":x:", ":*:")  # no shadow to look the password up in
-                content = _merged_ids(image_etc / rel.removeprefix("etc/"), content)
-            (upper / rel).write_text(content)
-        if image_etc is not None:
-            _add_shadow(upper / "etc", image_etc / "shadow", identity_files()["etc/passwd"])
+                content = _merged_ids(image_ids[rel], content)
+            _write_id_file(upper / rel, content)
+        if image_ids is not None and image_ids["etc/shadow"] is not None:
+            _add_shadow(upper / "etc", image_ids["etc/shadow"], identity_files()["etc/passwd"])
 
 
-def _add_shadow(etc: Path, image_shadow: Path, ours: str) -> None:
+def _image_id_files(image_root: Path, image_name: str) -> dict[str, str | None]:
+    """The image's identity files (:func:`corral.images.image_id_files`); one that is a link, not a
+    regular file or too big refuses the create: the host's file is never copied in its place."""
+    try:
+        return image_id_files(image_root)
+    except UnsafeFile as exc:
+        raise InvalidSpec(f"image {image_name!r}: its /{exc.filename} is {exc.strerror}; no sandbox is made "
+                          "from it (rebuild the image with a regular file there)") from None
+
+
+def _write_id_file(path: Path, content: str) -> None:
+    path.write_text(content, encoding="utf-8", errors="surrogateescape")
+
+
+def _add_shadow(etc: Path, theirs: str, ours: str) -> None:
     """The image's shadow with a locked entry for each of our users it lacks: PAM's account
     check (``su user`` as root) refuses a user with no shadow entry."""
-    try:
-        theirs = image_shadow.read_text()
-    except OSError:
-        return
     names = {line.split(":")[0] for line in theirs.splitlines()}
     extra = "".join(f"{line.split(':')[0]}:*:19000:0:99999:7:::\n" for line in ours.splitlines()
                     if line.split(":")[0] not in names)
-    (etc / "shadow").write_text(theirs.rstrip("\n") + "\n" + extra)
+    _write_id_file(etc / "shadow", theirs.rstrip("\n") + "\n" + extra)
     os.chmod(etc / "shadow", 0o640)
 
 
-def _merged_ids(image_file: Path, ours: str) -> str:
+def _merged_ids(theirs: str | None, ours: str) -> str:
     """The image's passwd/group with the sandbox's entries whose name or id it lacks added:
     its system users (``_apt``, ``www-data``...) stay, so package tools find them."""
-    try:
-        theirs = image_file.read_text()
-    except OSError:
+    if theirs is None:
         return ours
     rows = [line.split(":") for line in theirs.splitlines() if line.count(":") >= 3]
     names, ids = {r[0] for r in rows}, {r[2] for r in rows}
