@@ -253,6 +253,97 @@ def test_a_forced_rebuild_replaces_the_image_with_new_bytes(
     assert not _leftovers() and not _build_groups()
 
 
+def _replace_with(path: Path, make: str) -> None:
+    """Swap an image's file for a link (``make`` its target) or, ``make`` empty, a fifo: unlinked
+    first, so the parent's inode a derived image shares by a hard link is never written."""
+    path.unlink()
+    if make:
+        path.symlink_to(make)
+    else:
+        os.mkfifo(path)
+
+
+def test_an_images_identity_files_are_merged_and_a_link_or_fifo_there_brings_nothing_of_the_hosts(
+        base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
+    """Every create reads the image's ``/etc/passwd``, ``group`` and ``shadow`` on the host, as root,
+    to merge the sandbox's users in. Read by name, a link a build left there was followed on the
+    host: ``/etc/shadow -> ../../../../etc/shadow`` put the host's shadow in every sandbox of the
+    image, and ``/etc/group`` -> a root-only 0600 host file showed it whole, 0644, to the sandbox's
+    user; a fifo there hung every create for ever (helper rt138). Now they are read from a
+    descriptor of the image's root, no link followed, regular files only: such a file refuses the
+    create (``InvalidSpec``, naming it), and an image's ordinary files are merged as before."""
+    secret_dir = tmp_path / "host-only"
+    secret_dir.mkdir(mode=0o700)
+    secret = secret_dir / "id_rsa"
+    secret.write_text("HOST-ONLY-SECRET-of-the-test\n")
+    os.chmod(secret, 0o600)
+    recipe = _derived_recipe(tmp_path, [
+        "echo 'svc-test:x:4242:4242:svc:/nonexistent:/usr/sbin/nologin' >> /etc/passwd"
+        " && echo 'svc-test:x:4242:' >> /etc/group && echo 'svc-test:*:19000:0:99999:7:::' >> /etc/shadow"])
+    try:
+        rootfs = build(recipe, state_dir).record.rootfs
+        # allowed: the image's own users stay and the sandbox's are added
+        with Sandbox.create(image=recipe.name) as sb:
+            r = sb.commands.run("getent passwd svc-test user root | cut -d: -f1,3; getent group svc-test | cut -d: -f3; id -un")
+            assert (r.exit_code, r.stdout) == (0, "svc-test:4242\nuser:1000\nroot:0\n4242\nuser\n"), r
+            shadow = sb.commands.run("cut -d: -f1 /etc/shadow", user="root").stdout.split()
+            assert "svc-test" in shadow and "user" in shadow
+        # denied: what the image's build could have left there before builds refused it (an image
+        # stored by an earlier Corral), made here on the stored image itself
+        depth = "../" * (len(rootfs.parts) + 2)
+        for rel, make in (("etc/shadow", f"{depth}etc/shadow"), ("etc/passwd", f"{depth}etc/passwd"),
+                          ("etc/group", f"{depth}{str(secret).lstrip('/')}"), ("etc/group", "")):
+            original = (rootfs / rel).read_bytes()
+            _replace_with(rootfs / rel, make)
+            started = time.monotonic()
+            with pytest.raises(InvalidSpec, match=f"its /{rel} is (a link|not a regular file)"), \
+                    Sandbox.create(image=recipe.name) as sb:
+                shown = sb.commands.run(f"wc -c < /{rel}", user="root").stdout.strip()
+                pytest.fail(f"a sandbox was made from it; its /{rel} held {shown} bytes")
+            assert time.monotonic() - started < 30
+            (rootfs / rel).unlink()
+            (rootfs / rel).write_bytes(original)
+        with Sandbox.create(image=recipe.name) as sb:  # and the image's regular files work again
+            assert sb.commands.run("getent passwd svc-test").exit_code == 0
+    finally:
+        store.remove(recipe.name)
+    assert not _leftovers() and not _build_groups()
+
+
+def test_a_build_that_leaves_a_link_or_fifo_where_the_host_reads_fails_at_finalize_in_time(
+        base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
+    """The host reads an image's ``/var/lib/dpkg/status`` at the build's end (its package count) and
+    its ``/etc/passwd``, ``group``, ``shadow`` at every create, as root. A fifo a build step left at
+    the first hung the build for ever, past its ``build_timeout`` (which bounds sandboxed steps
+    only); a link at the others brought the host's file into every sandbox. Now such a build fails
+    at ``finalize`` (``ImageBuildFailed``) at once, and no image is stored."""
+    recipe = _derived_recipe(tmp_path, ["rm -f /etc/shadow && ln -s ../../../../../../../../../etc/shadow /etc/shadow"])
+    with pytest.raises(ImageBuildFailed, match="its /etc/shadow is a link") as info:
+        build(recipe, state_dir)
+    assert info.value.step == "finalize"
+    assert store.lookup(recipe.name) is None
+    (tmp_path / "fifo.toml").write_text(textwrap.dedent(f"""\
+        name = "test-fifo-{os.getpid()}"
+        from = "base"
+        build_timeout = 20
+        run = ["rm -f /var/lib/dpkg/status && mkfifo /var/lib/dpkg/status"]
+        """))
+    corral = [sys.executable, "-c", "import sys; from corral.cli import main; sys.exit(main())"]
+    started = time.monotonic()
+    proc = subprocess.Popen([*corral, "image", "build", "-q", str(tmp_path / "fifo.toml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=150)  # a build of one step: ~15-30 s
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the build hung on the fifo its step left")
+    assert proc.returncode != 0 and "its /var/lib/dpkg/status is not a regular file" in err, err
+    assert time.monotonic() - started < 150
+    assert store.lookup(f"test-fifo-{os.getpid()}") is None
+    assert not _leftovers() and not _build_groups()
+
+
 def _peak_rss_mib() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))

@@ -8,7 +8,10 @@ directory, bound read-write, and the command runs as uid 0 *of the user
 namespace*: to let it write what root owns in the image, the image's
 root-owned files are handed to the build uid for the duration of the build
 (:func:`shift_owner`) and handed back afterwards.  Nothing in the build is
-ever host root, so a hostile recipe command can harm only its own image.
+ever host root, so a hostile recipe command can harm only its own image -- as long
+as host code that later reads the image's files (dpkg's status, the identity files
+every create merges) reads them without following its links or blocking on its
+fifos (:func:`corral.host.openat2.read_in_tree`).
 """
 
 from __future__ import annotations
