@@ -58,6 +58,8 @@ class AgentProcess(Process):
         self._unplaced = ""
         #: its process was gone when placed: held before exec, it never ran the user's code
         self._gone_before_placed = False
+        #: T_STARTED came: the command was placed (or refused) once, and is never placed again
+        self._started_once = False
         #: signals the caller sent (kill() is 9): a held process they ended is not a containment failure
         self._requested_signals: set[int] = set()
         #: send_signal's signals, and those the agent said it delivered (T_SIGNALED); under
@@ -69,11 +71,17 @@ class AgentProcess(Process):
         #: set by the tier's ``finish`` hook (from cgroup counters)
         self.oom_killed = False
 
-    # reader-thread callbacks
-    def _started(self, nspid: int) -> None:
+    # reader-thread callbacks: each says whether the frame changed anything (AgentChannel holds
+    # those that did not to STRAY_FRAME_RATE, as frames for no request)
+    def _started(self, nspid: int) -> bool:
+        if self._started_once:
+            # a guest root repeating it for its own command: each one was placed again (the
+            # microVM sent a cgroup write and a GO back for every 9 bytes it wrote)
+            return False
+        self._started_once = True
         if nspid == self._spare:
             self.pid = nspid  # placed and checked before it was sent; the agent let it go
-            return
+            return True
         reason = "its process is gone"
         try:
             # None means "nothing to place" (a tier whose kill tree lives elsewhere)
@@ -91,25 +99,37 @@ class AgentProcess(Process):
             self._send_signal_frame(9)
         # published only now: a signal sent once the pid is known reaches a placed, running process
         self.pid = nspid
+        return True
 
-    def _output(self, stream: str, chunk: bytes) -> None:
-        if keep_output(self._out[stream], chunk, self._request.max_output):
+    def _output(self, stream: str, chunk: bytes) -> bool:
+        kept = self._out[stream]
+        if self._on_output is None and self._truncated and len(kept) >= self._request.max_output:
+            return False  # (the agent sends one byte past the cap, no more: the rest is forged)
+        if keep_output(kept, chunk, self._request.max_output):
             self._truncated = True
         if self._on_output is not None:
             try:
                 self._on_output(stream, chunk)
             except Exception:  # a caller's callback must not kill the reader
                 pass
+        return True
 
-    def _stdin_taken(self, count: int) -> None:
+    def _stdin_taken(self, count: int) -> int:
+        """The bytes of stdin this acknowledges: 0 if none was waiting for it."""
         with self._stdin_room:
-            self._stdin_unacked = max(0, self._stdin_unacked - count)
-            self._stdin_room.notify_all()
+            taken = min(count, self._stdin_unacked)
+            if taken:
+                self._stdin_unacked -= taken
+                self._stdin_room.notify_all()
+            return taken
 
-    def _signal_delivered(self) -> None:
+    def _signal_delivered(self) -> bool:
         with self._stdin_room:
+            if self._signals_delivered >= self._signals_sent:
+                return False  # the agent answers each signal sent once: this answers none
             self._signals_delivered += 1
             self._stdin_room.notify_all()
+            return True
 
     def _set_done(self) -> None:
         self._done.set()
