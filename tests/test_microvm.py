@@ -992,9 +992,10 @@ def test_a_timeout_holds_and_the_vm_stops_when_the_guest_stops_its_agent(state_d
 
 
 #: as guest root: take the port of the process ``{owner}`` finds (its descriptor {fd}), stop the
-#: process, and write 9-byte frames of kind {kind} for connection or request {id} that ask nothing
-#: of the host, for argv[1] seconds as fast as the port takes them; then let the process go on,
-#: and print the bytes sent
+#: process, and write small frames of kind {kind} for connection or request {id} (the host's id
+#: of this very command, from /tmp/flood.id, for ``own_id()``) with payload {payload} that ask
+#: nothing of the host, for argv[1] seconds as fast as the port takes them; then let the process
+#: go on, and print the bytes sent
 PORT_FLOOD = """
 import ctypes, os, select, signal, struct, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
@@ -1003,9 +1004,15 @@ def port_of(pid):
         return os.readlink(f"/proc/{{pid}}/fd/0")
     except OSError:
         return None
+def own_id():
+    while not os.path.exists("/tmp/flood.id"):
+        time.sleep(0.05)
+    return int(open("/tmp/flood.id").read())
 owner = {owner}
 fd = libc.syscall(438, libc.syscall(434, owner, 0), {fd}, 0)  # pidfd_getfd: the owner's port
-batch = struct.pack("<BII", {kind}, {id}, 0) * 7000
+payload = {payload}
+frame = struct.pack("<BII", {kind}, {id}, len(payload)) + payload
+batch = frame * (63000 // len(frame))
 os.kill(owner, signal.SIGSTOP)
 os.set_blocking(fd, False)
 end, at, sent = time.time() + float(sys.argv[1]), 0, 0
@@ -1015,17 +1022,30 @@ while time.time() < end:
         sent, at = sent + n, (at + n) % len(batch)
     except BlockingIOError:
         select.select([], [fd], [], 0.2)
+os.set_blocking(fd, True)
+rest = batch[at:at + (len(frame) - at % len(frame)) % len(frame)]
+while rest:  # the frame begun goes whole: the owner's own frames follow it
+    n = os.write(fd, rest)
+    sent, rest = sent + n, rest[n:]
 os.kill(owner, signal.SIGCONT)
 print(sent)
 """
 #: the egress relay: the process whose stdin is the egress port
 RELAY = 'next(int(p) for p in os.listdir("/proc") if p.isdigit() and port_of(p) == "/dev/vport0p2")'
 #: the agent (the command's parent, port on descriptor 1): T_SIGNALED of an unknown id
-AGENT_PORT_FLOOD = PORT_FLOOD.format(owner="os.getppid()", fd=1, kind=108, id=0xFFFFFFF0)
+AGENT_PORT_FLOOD = PORT_FLOOD.format(owner="os.getppid()", fd=1, kind=108, id=0xFFFFFFF0, payload='b""')
+#: the same for the flooding command's own id, which the host answers for: T_SIGNALED with no
+#: signal sent; 1-byte T_STDOUT (kept up to the 16 MiB cap, then past it); T_STARTED again
+OWN_ID_FLOODS = {
+    "own-signaled": PORT_FLOOD.format(owner="os.getppid()", fd=1, kind=108, id="own_id()", payload='b""'),
+    "own-stdout": PORT_FLOOD.format(owner="os.getppid()", fd=1, kind=102, id="own_id()", payload='b"x"'),
+    "own-started": PORT_FLOOD.format(owner="os.getppid()", fd=1, kind=101, id="own_id()",
+                                     payload='struct.pack("<I", os.getpid())'),
+}
 #: the egress relay (port on descriptor 0): HELLO again and again
-EGRESS_PORT_FLOOD = PORT_FLOOD.format(owner=RELAY, fd=0, kind=1, id=12345)
+EGRESS_PORT_FLOOD = PORT_FLOOD.format(owner=RELAY, fd=0, kind=1, id=12345, payload='b""')
 #: OPEN 7, again and again (each answered by a CLOSE), with nothing in the guest reading the port
-EGRESS_FLOOD = PORT_FLOOD.format(owner=RELAY, fd=0, kind=2, id=7)
+EGRESS_FLOOD = PORT_FLOOD.format(owner=RELAY, fd=0, kind=2, id=7, payload='b""')
 
 
 def test_a_guest_that_reads_nothing_from_the_egress_port_holds_the_bridge_bounded() -> None:
@@ -1144,22 +1164,30 @@ def _thread_cpu(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.mark.parametrize("port", ["agent", "egress"])
+@pytest.mark.parametrize("port", ["agent", "egress", "own-signaled", "own-stdout"])
 def test_a_guest_flooding_a_port_with_frames_for_nothing_costs_the_owner_little_cpu(port: str) -> None:
     """Guest root wrote 9-byte frames that ask nothing of the host on its agent's port (for no
     request) or on the egress relay's (HELLO again and again: 3.66 million in 8 s): the owner's
     reader or bridge parsed each in Python, charged to no cgroup (the agent's reader 5-6 s of CPU
     in 10.5 s, another sandbox's `true` p50 2.5 -> 8.5-11.4 ms; the bridge 3.29 s in 5 s).  Now such
     frames are read at most STRAY_FRAME_RATE a second past a burst (the port is not read
-    meanwhile: the bridge read it 3 times in 6 s), and another sandbox works on."""
+    meanwhile: the bridge read it 3 times in 6 s), and another sandbox works on.
+
+    The same with the id of the flooding command itself (``own-*``), whose frames were all taken
+    as answers: T_SIGNALED for no signal sent, 1-byte T_STDOUT (11.5 s and 7.7 s of the owner's
+    CPU in 33 s and 28 s).  Now a frame that changes nothing, or carries less than SMALL_FRAME of
+    output, is held the same; the command still ends, and the sandbox still runs commands."""
     other = Sandbox.create(tier="process")
     network: dict[str, Any] = {"network": "allow", "allow": ["example.test"]} if port == "egress" else {}
     sb = Sandbox.create(tier="microvm", memory="256M", user="root", **network)
     try:
-        reader = _vm(sb)._channel if port == "agent" else _vm(sb)._bridge
-        assert reader is not None
-        sb.files.write("/root/flood.py", AGENT_PORT_FLOOD if port == "agent" else EGRESS_PORT_FLOOD)
-        sb.commands.start(["python3", "/root/flood.py", "30"], timeout=120)
+        vm = _vm(sb)
+        reader = vm._channel if port != "egress" else vm._bridge
+        assert reader is not None and vm._channel is not None
+        flood = {"agent": AGENT_PORT_FLOOD, "egress": EGRESS_PORT_FLOOD}.get(port) or OWN_ID_FLOODS[port]
+        sb.files.write("/root/flood.py", flood)
+        flooding = sb.commands.start(["python3", "/root/flood.py", "8"], timeout=120)
+        sb.files.write("/tmp/flood.id", str(max(vm._channel._execs)))  # (the one command running)
         time.sleep(1.0)  # the agent or the relay stopped, the flood under way
         native_id = reader._thread.native_id or 0
         start, reader_start = time.monotonic(), _thread_cpu(native_id)
@@ -1171,6 +1199,36 @@ def test_a_guest_flooding_a_port_with_frames_for_nothing_costs_the_owner_little_
         # bottleneck); held to the rate it takes a few ms a second
         assert spent < 0.1 * took, f"the VM's {port} port's reader took {spent:.2f} s of CPU in {took:.1f} s"
         assert reader._strays.settle() > 0, "the flood never ran the budget dry: nothing proven"
+        if port.startswith("own-"):
+            # what the guest left in the port's buffers (megabytes of frames) would take a minute
+            # at the rate: let it go at once, to see the command end and the sandbox go on
+            reader._strays.rate = 1e9
+            ended = flooding.wait()
+            assert ended.exit_code == 0 and int(ended.stdout.strip().rsplit("x", 1)[-1]) > 0, ended
+            assert sb.commands.run("echo alive", timeout=60).stdout == "alive\n"
     finally:
         sb.kill()
         other.kill()
+
+
+def test_a_guest_repeating_its_commands_start_is_not_placed_again() -> None:
+    """Each T_STARTED the guest's root wrote for its own command had the host place the command
+    again: a cgroup write and a GO sent back for each 13 bytes (amplified, and a cgroup write of
+    any pid it named).  Now a command is placed once; the command and the sandbox go on."""
+    sb = Sandbox.create(tier="microvm", memory="256M", user="root")
+    try:
+        channel = _vm(sb)._channel
+        assert channel is not None
+        sb.files.write("/root/flood.py", OWN_ID_FLOODS["own-started"])
+        flooding = sb.commands.start(["python3", "/root/flood.py", "0.001"], timeout=120)  # (a batch or two)
+        sb.files.write("/tmp/flood.id", str(max(channel._execs)))
+        before = channel.last_id  # (the flood starts once it reads its id)
+        ended = flooding.wait()
+        sent = int(ended.stdout.strip())
+        assert ended.exit_code == 0 and sent > 13 * 1000, ended  # (a thousand frames at least)
+        assert sb.commands.run("echo alive", timeout=60).stdout == "alive\n"
+        # the two commands' own requests: the flood's memory.events, the run's leaf, placement and
+        # memory.events (the old code sent a placement for each of the thousands of frames)
+        assert channel.last_id - before < 20, f"{channel.last_id - before} requests for the {sent // 13} frames"
+    finally:
+        sb.kill()
