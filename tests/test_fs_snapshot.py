@@ -8,14 +8,17 @@ input is a typed error that leaves nothing half-made.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -148,6 +151,46 @@ def flip_a_byte(blob: Path) -> None:
         f.write(bytes([byte[0] ^ 1]))
 
 
+def _changed(kind: str, **fields: Any) -> Callable[[list[Any]], None]:
+    """Sets ``fields`` in the first entry of type ``kind`` (not a layer's top)."""
+    def change(entries: list[Any]) -> None:
+        next(e for e in entries if e.get("y") == kind and e["p"] != ".").update(fields)
+    return change
+
+
+#: each changes a manifest's entries the way no snapshot Corral took has them
+TAMPERED_ENTRIES: list[Callable[[list[Any]], None]] = [
+    lambda entries: next(e for e in entries if e["p"] != ".").pop("u"),
+    _changed("d", u="abc"),
+    _changed("d", x={"user.a": "zz"}),
+    _changed("d", x=["user.a"]),
+    lambda entries: entries.append(5),
+    _changed("f", m=1 << 40),
+    _changed("f", t=1 << 70),
+    _changed("f", h="../" * 8 + "etc/hostname"),
+    _changed("f", h="A" * 64),
+    _changed("d", y="zz"),
+]
+
+
+@contextlib.contextmanager
+def tampered_manifest(snapshot: Path, change: Callable[[list[Any]], None]) -> Iterator[None]:
+    """The snapshot's manifest changed by ``change``, with meta.json's checksum to match, then put back."""
+    manifest, meta_file = snapshot / "files" / "manifest.json", snapshot / "meta.json"
+    original, original_meta = manifest.read_bytes(), meta_file.read_bytes()
+    body = json.loads(original)
+    change(body["entries"])
+    manifest.write_text(json.dumps(body))
+    meta = json.loads(original_meta)
+    meta["digest"] = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    meta_file.write_text(json.dumps(meta))
+    try:
+        yield
+    finally:
+        manifest.write_bytes(original)
+        meta_file.write_bytes(original_meta)
+
+
 def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> None:
     for missing in ("snap-0000000000000000", "../sandboxes", ""):
         with pytest.raises(SnapshotNotFound):
@@ -194,6 +237,16 @@ def test_bad_snapshots_are_typed_errors_that_leave_nothing(state_dir: Path) -> N
     with pytest.raises(SnapshotCorrupt):
         Sandbox.create(snapshot=paused_snap.id)
     nothing_left(state_dir, before)
+    # a manifest tampered with together with its checksum in meta.json: KeyError, ValueError,
+    # AttributeError, OverflowError came out of the restore, and a blob named ../.. was opened
+    # as a host path before its checksum was checked
+    for tamper in TAMPERED_ENTRIES:
+        with (tampered_manifest(state_dir / DIRECTORY / healed.id, tamper),
+              pytest.raises(SnapshotCorrupt, match="an entry Corral never writes")):
+            Sandbox.create(snapshot=healed.id)
+    nothing_left(state_dir, before)
+    with Sandbox.create(snapshot=healed.id) as child:  # untouched again: it restores
+        assert child.commands.run("cat /home/user/x").stdout == "x\n"
     for made in (snap, paused_snap, healed):
         assert Sandbox.delete_snapshot(made.id)
     # what no snapshot links to any more is gone from the shared contents

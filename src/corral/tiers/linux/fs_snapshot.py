@@ -27,6 +27,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import struct
@@ -399,7 +400,49 @@ def load_manifest(directory: Path, digest: str) -> list[dict[str, Any]]:
         assert body["format"] == FORMAT and isinstance(entries, list)
     except (ValueError, KeyError, AssertionError, TypeError):
         raise SnapshotCorrupt(f"snapshot {_named(directory)}: its manifest is not one Corral wrote") from None
+    for entry in entries:
+        if not _well_formed(entry):
+            raise SnapshotCorrupt(f"snapshot {_named(directory)}: its manifest holds an entry Corral never "
+                                  f"writes ({str(entry)[:120]})")
     return entries
+
+
+_BLOB_NAME = re.compile(r"[0-9a-f]{64}")
+_ENTRY_KINDS = frozenset("dhflwp")
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return type(value) is int and low <= value < high
+
+
+def _well_formed(entry: object) -> bool:
+    """Whether a manifest entry has the fields and types :func:`capture` writes.  Its checksum
+    (meta.json's) proves only that the manifest is the one meta.json names: one tampered with
+    both gave KeyError, ValueError, OverflowError (a mode of 2**40) at restore, and a blob named
+    ``../..`` was opened as a host path before its checksum was checked."""
+    if not isinstance(entry, dict):
+        return False
+    kind = entry.get("y")
+    if not (isinstance(entry.get("k"), str) and isinstance(entry.get("p"), str) and kind in _ENTRY_KINDS
+            and all(_is_int(entry.get(field), 0, 1 << 32) for field in ("u", "g"))
+            and _is_int(entry.get("m"), 0, 0o10000) and _is_int(entry.get("t"), -(1 << 63), 1 << 63)
+            and _is_int(entry.get("s", 0), 0, 1 << 63)):
+        return False
+    if kind == "f" and not (isinstance(entry.get("h"), str) and _BLOB_NAME.fullmatch(entry["h"])):
+        return False
+    if kind in ("h", "l") and not isinstance(entry.get("l"), str):
+        return False
+    xattrs = entry.get("x", {})
+    if not isinstance(xattrs, dict):
+        return False
+    for name, value in xattrs.items():
+        if not (isinstance(name, str) and isinstance(value, str)):
+            return False
+        try:
+            bytes.fromhex(value)
+        except ValueError:
+            return False
+    return True
 
 
 def keys(entries: list[dict[str, Any]]) -> set[str]:
