@@ -243,8 +243,11 @@ def host_of(cluster: LocalCluster, sandbox_id: str) -> str:
 
 def test_a_stopped_node_does_not_hold_the_cluster_server_for_anyone(cluster: LocalCluster, tmp_path: Path) -> None:
     """A node's host that stops answering (SIGSTOP: a GC pause, a swap storm, a cut link) held the
-    server's event loop: its reaper asked every sandbox's state there, without a timeout."""
+    server's event loop: its reaper asked every sandbox's state there, without a timeout; and a
+    listing (or a description) of a sandbox held there asked its state on the loop, twice, each up
+    to the 3 s bound: every tenant's requests waited meanwhile."""
     import signal
+    import threading
 
     import httpx
 
@@ -264,6 +267,19 @@ def test_a_stopped_node_does_not_hold_the_cluster_server_for_anyone(cluster: Loc
         stopped = ray.get(cluster.hosts[node].ping.remote())[1]
         os.kill(stopped, signal.SIGSTOP)
         time.sleep(1.5)  # the reaper has asked the stopped host by now
+        alices_listings: list[int] = []
+
+        def alice_lists() -> None:  # her sandbox's state is asked of the stopped host
+            with server.client("alice") as own:
+                for _ in range(2):
+                    answer = own.get("/v1/sandboxes", timeout=30)
+                    alices_listings.append(answer.status_code)
+                    if answer.status_code == 200:
+                        assert [s["state"] for s in answer.json()["sandboxes"]] == ["unknown"]
+
+        listing = threading.Thread(target=alice_lists)
+        listing.start()
+        time.sleep(0.3)
         for _ in range(3):
             started = time.monotonic()
             assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
@@ -271,6 +287,8 @@ def test_a_stopped_node_does_not_hold_the_cluster_server_for_anyone(cluster: Loc
             assert listed.status_code == 200 and [s["id"] for s in listed.json()["sandboxes"]] == [mine]
             assert time.monotonic() - started < 2.5
             time.sleep(0.5)
+        listing.join(60)
+        assert alices_listings == [200, 200]  # hers waited for the stopped host, and answered
         os.kill(stopped, signal.SIGCONT)
         stopped = None
         # not answering for a while is not death: the sandbox was not reaped, and works

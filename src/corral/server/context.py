@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
@@ -23,7 +23,7 @@ from ..errors import ResourceLimit, Unauthorized
 from . import trace
 from .config import ANONYMOUS_TENANT, ServerConfig
 from .limits import TenantTally, once
-from .manager import SandboxManager
+from .manager import Entry, SandboxManager
 from .metrics import Metrics
 from .output_shares import OutputShares, Release, Rendering, answer_of
 from .snapshot_quota import SnapshotQuota
@@ -111,6 +111,15 @@ class ServerContext:
         They took shared threads without a bound: one tenant's 140 signals to its paused sandbox
         (each waiting for its agent) held all 128, and every tenant's exec, listing and create waited."""
         return await self._run_within(self._control_shares, CONTROL_THREADS_PER_TENANT, tenant, fn, *args, **kwargs)
+
+    async def describe(self, tenant: str, entries: Sequence[Entry], env: bool = True) -> list[dict[str, Any]]:
+        """``entries`` as the API describes them.  A cluster's sandbox's state is a question to its
+        node (two, each up to ``STATE_TIMEOUT``): asked on the event loop, a listing of one sandbox
+        on a stopped node held every tenant's requests ~6 s.  So there they are asked within the
+        tenant's control share of the threads; a local sandbox's is a read of memory, on the loop."""
+        if self.config.cluster is None:
+            return [entry.to_dict(env=env) for entry in entries]
+        return await self.run_control(tenant, lambda: [entry.to_dict(env=env) for entry in entries])
 
     async def _run_within(self, shares: dict[str, asyncio.Semaphore], size: int, tenant: str,
                           fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

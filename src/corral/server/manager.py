@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from .. import parked
 from ..egress.tunnel import OWNER_TUNNELS
-from ..errors import InvalidSpec, ResourceLimit, SandboxClosed, SandboxError, SandboxNotFound
+from ..errors import ConnectionLost, InvalidSpec, ResourceLimit, SandboxClosed, SandboxError, SandboxNotFound
 from ..pool import PoolSet
 from ..registry import gc, state_dir
 from ..sandbox import Sandbox
@@ -93,9 +93,13 @@ class Entry:
         spec.pop("workspace", None)
         if not env:
             spec["env_names"] = sorted(spec.pop("env"))
+        try:
+            state = ("paused" if self.sandbox.paused else "running") if self.sandbox.is_running() else "stopped"
+        except ConnectionLost:  # a cluster node that did not answer in time: the rest is known
+            state = "unknown"
         return {
             "id": self.sandbox.id,
-            "state": ("paused" if self.sandbox.paused else "running") if self.sandbox.is_running() else "stopped",
+            "state": state,
             "spec": spec,
             "created_at": self.created,
             "expires_at": self.expires_at,

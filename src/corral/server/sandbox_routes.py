@@ -49,17 +49,17 @@ async def create_sandbox(body: CreateSandbox, who: Tenant, ctx: Context, request
     entry.metadata = metadata
     if entry.from_pool:
         ctx.metrics.pool_hits.inc()
-    return entry.to_dict()
+    return (await ctx.describe(who, [entry]))[0]
 
 
 @router.get("/v1/sandboxes", summary="List your sandboxes")
 async def list_sandboxes(who: Tenant, ctx: Context) -> dict[str, Any]:
-    return {"sandboxes": [e.to_dict(env=False) for e in ctx.manager.owned_by(who)]}
+    return {"sandboxes": await ctx.describe(who, list(ctx.manager.owned_by(who)), env=False)}
 
 
 @router.get("/v1/sandboxes/{sandbox_id}", summary="Describe a sandbox")
 async def get_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str, Any]:
-    return ctx.manager.get(who, sandbox_id).to_dict()
+    return (await ctx.describe(who, [ctx.manager.get(who, sandbox_id)]))[0]
 
 
 @router.delete("/v1/sandboxes/{sandbox_id}", status_code=204, summary="Destroy a sandbox")
@@ -72,7 +72,7 @@ async def delete_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> Response
 async def set_timeout(sandbox_id: str, body: TimeoutBody, who: Tenant, ctx: Context) -> dict[str, Any]:
     entry = ctx.manager.get(who, sandbox_id)
     ctx.manager.extend(entry, body.timeout)
-    return entry.to_dict()
+    return (await ctx.describe(who, [entry]))[0]
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/pause", summary="Freeze a sandbox until it is resumed (409 if already paused)")
@@ -83,7 +83,7 @@ async def pause_sandbox(sandbox_id: str, who: Tenant, ctx: Context, body: PauseB
         await ctx.run_for(who, snapshot_routes.park, ctx, who, sandbox_id)
     else:
         await ctx.run_control(who, entry.sandbox.pause)
-    return entry.to_dict()
+    return (await ctx.describe(who, [entry]))[0]
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/resume", summary="Let a paused sandbox run on (409 if not paused)")
@@ -92,7 +92,7 @@ async def resume_sandbox(sandbox_id: str, who: Tenant, ctx: Context) -> dict[str
     await ctx.run_control(who, entry.sandbox.resume)
     ctx.manager.share_cpu(who, entry)  # a resume from disk is in a new group
     entry.last_used = time.time()
-    return entry.to_dict()
+    return (await ctx.describe(who, [entry]))[0]
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/exec", summary="Run a command to completion")

@@ -101,7 +101,7 @@ async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Contex
     parent = ctx.manager.get(who, sandbox_id)
     if ctx.config.cluster is None and body.count <= tier_class(parent.spec.tier).direct_forks:
         # (a microVM: straight from the running VM, no snapshot; tiers/microvm/livefork.py)
-        return {"sandboxes": [entry.to_dict() for entry in await ctx.manager.fork(who, parent, body.count)]}
+        return {"sandboxes": await ctx.describe(who, await ctx.manager.fork(who, parent, body.count))}
     # a fork lives out its parent's lifetime (read before the snapshot: the parent may end meanwhile)
     parents_lifetime = parent.lifetime
     # the snapshot lives only until the forks are made: a tenant holding its most snapshots may fork
@@ -117,4 +117,4 @@ async def fork_sandbox(sandbox_id: str, body: ForkBody, who: Tenant, ctx: Contex
         raise
     finally:
         await ctx.run_for(who, store(ctx).delete, snapshot.id, who)
-    return {"sandboxes": [entry.to_dict() for entry in made]}
+    return {"sandboxes": await ctx.describe(who, made)}
