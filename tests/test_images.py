@@ -344,6 +344,69 @@ def test_a_build_that_leaves_a_link_or_fifo_where_the_host_reads_fails_at_finali
     assert not _leftovers() and not _build_groups()
 
 
+def test_a_link_a_parent_image_planted_leads_no_write_of_a_derived_build_outside_the_image(
+        base_image: store.ImageRecord, state_dir: Path, tmp_path: Path) -> None:
+    """A build writes into its image as host root what the host fetched or holds: npm's packages
+    (into ``/usr/local``), the recipe's files, the empty directories host directories are bound on.
+    By path, the links of a parent image (built from a hostile recipe) led those writes into the
+    host: ``/usr/local/lib -> /tmp/x`` put a derived build's npm packages, root's, in the host's
+    ``/tmp/x``, and a dangling ``/srv/app/conf -> /tmp/y/planted`` made a directory copy create
+    the host's ``/tmp/y/planted`` (helper fx140). Now every directory is opened from a descriptor
+    of the image's root, links resolving inside the image (where one leads nowhere the step fails,
+    naming it), and a link at a file's name is replaced: the host directories stay empty, and
+    files still reach the image through its own links (``/bin -> usr/bin``, an absolute one)."""
+    npm_target, files_target, bind_target = (tmp_path / f"host-{what}" for what in ("npm", "files", "bind"))
+    for target in (npm_target, files_target, bind_target):
+        target.mkdir()
+    (tmp_path / "app/sub").mkdir(parents=True)
+    (tmp_path / "app/conf").write_text("the recipe's conf\n")
+    (tmp_path / "app/sub/data").write_text("data\n")
+    (tmp_path / "tool").write_text("#!/bin/sh\necho tool ran\n")
+    parent, derived = f"test-planter-{os.getpid()}", f"test-planted-{os.getpid()}"
+    (tmp_path / "parent.toml").write_text(textwrap.dedent(f"""\
+        name = "{parent}"
+        from = "base"
+        run = ["rm -rf /usr/local/lib && ln -s {npm_target} /usr/local/lib && mkdir -p /srv/app && ln -s {files_target}/planted /srv/app/conf && ln -s /srv/app /opt/app-link"]
+        """))
+    (tmp_path / "files.toml").write_text(textwrap.dedent(f"""\
+        name = "{derived}"
+        from = "{parent}"
+        [[files]]
+        src = "app"
+        dest = "/srv/app"
+        [[files]]
+        src = "tool"
+        dest = "/opt/app-link/bin/tool"
+        mode = "0755"
+        [[files]]
+        src = "tool"
+        dest = "/bin/fx-tool"
+        """))
+    (tmp_path / "npm.toml").write_text(f'name = "{derived}-npm"\nfrom = "{parent}"\nnpm = ["semver@7.6.3"]\n')
+    try:
+        build(recipes.load(tmp_path / "parent.toml"), state_dir)
+        with pytest.raises(ImageBuildFailed, match="its /usr/local/lib is a link to nothing") as info:
+            build(recipes.load(tmp_path / "npm.toml"), state_dir)
+        assert info.value.step == "npm fetch"
+        rootfs = build(recipes.load(tmp_path / "files.toml"), state_dir).record.rootfs
+        assert (rootfs / "srv/app/conf").read_text() == "the recipe's conf\n"  # the link replaced, not followed
+        assert not (rootfs / "srv/app/conf").is_symlink() and (rootfs / "srv/app/conf").stat().st_uid == 0
+        with Sandbox.create(image=derived) as sb:
+            r = sb.commands.run("cat /srv/app/conf /srv/app/sub/data; /opt/app-link/bin/tool; sh /usr/bin/fx-tool")
+            assert (r.exit_code, r.stdout) == (0, "the recipe's conf\ndata\ntool ran\ntool ran\n"), r
+        # the empty directory a host directory is bound on (pip's wheels) is made without following links
+        (tmp_path / "tiny").mkdir()
+        (tmp_path / "tiny/.corral-build").symlink_to(bind_target)
+        with pytest.raises(OSError, match="a link"):
+            BuildBox(tmp_path / "tiny", state_dir, "128M", {"/.corral-build/wheels": tmp_path / "app"}).close()
+    finally:
+        for name in (derived, f"{derived}-npm", parent):
+            if store.lookup(name) is not None:
+                store.remove(name)
+    assert [os.listdir(target) for target in (npm_target, files_target, bind_target)] == [[], [], []]
+    assert not _leftovers() and not _build_groups()
+
+
 def _peak_rss_mib() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))

@@ -114,3 +114,64 @@ def _open_no_links(root_fd: int, path: str) -> int:
         if exc.errno in (errno.ELOOP, errno.EXDEV):
             raise UnsafeFile(path, "a link (or reached through one)" if exc.errno == errno.ELOOP else "on another mount") from None
         raise
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def open_dir_in_tree(root_fd: int, path: str, *, links_in_root: bool, create: bool) -> int:
+    """A descriptor of the directory ``path`` (relative) inside the tree ``root_fd``, opened as host
+    code may write into a tree a sandbox or an image build controls: nothing outside the tree is
+    ever reached.  With ``links_in_root`` a link on the way resolves inside the tree, ``root_fd``
+    being its ``/`` (``openat2(RESOLVE_IN_ROOT)``: what the tree's own commands see); without it (or
+    on a kernel without ``openat2``) no link is followed at all.  With ``create`` a missing directory
+    is made (0755, the caller's).  By path, an image's ``/usr/local/lib -> /etc`` led a build's
+    copy into the host's ``/etc``.
+
+    :class:`UnsafeFile` for a link that is not followed, one that leads nowhere in the tree, or
+    something that is not a directory; FileNotFoundError for a missing one without ``create``."""
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeFile(path, "leaves its tree")
+    fd = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
+    try:
+        for depth, part in enumerate(parts):
+            prefix = "/".join(parts[:depth + 1])
+            try:
+                step = _open_dir_step(root_fd, fd, prefix, part, links_in_root)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:  # a link to nothing in the tree
+                    raise UnsafeFile(prefix, "a link to nothing in the tree") from None
+                step = _open_dir_step(root_fd, fd, prefix, part, links_in_root)
+            os.close(fd)
+            fd = step
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_dir_step(root_fd: int, parent_fd: int, prefix: str, part: str, links_in_root: bool) -> int:
+    global _walk_without_openat2
+    try:
+        if links_in_root and not _walk_without_openat2:
+            try:  # the whole prefix from the root: a link resolves against the tree's root, not its directory
+                return openat2(root_fd, prefix, _DIR_FLAGS,
+                               RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV)
+            except OSError as exc:
+                if exc.errno != errno.ENOSYS:
+                    raise
+            _walk_without_openat2 = True
+        return os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(errno.ENOENT, "no such directory", prefix) from None
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
+            why = {errno.ELOOP: "a link", errno.ENOTDIR: "not a directory (or a link)",
+                   errno.EXDEV: "on another mount"}[exc.errno]
+            raise UnsafeFile(prefix, why) from None
+        raise

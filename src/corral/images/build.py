@@ -20,6 +20,7 @@ next build or ``corral image prune`` removes (its owner lock is free).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from ..host import logs
 from ..host.openat2 import UnsafeFile, read_in_tree
 from . import aptplan, image_id_files, layering, store
 from .buildbox import BuildBox
+from .copyin import CopyIn
 from .recipe import Recipe, builtin_path
 from .recipe import load as load_recipe
 
@@ -327,29 +329,30 @@ class _Builder:
         self._host_command("npm fetch", log, [npm, "install", "--global", "--prefix", str(prefix), "--ignore-scripts",
                                               "--no-audit", "--no-fund", "--no-update-notifier",
                                               *self.recipe.npm])
-        target = self.rootfs / "usr/local"
-        (target / "lib").mkdir(parents=True, exist_ok=True)
-        (target / "bin").mkdir(parents=True, exist_ok=True)
-        for src_sub in ("lib/node_modules", "bin"):
-            src = prefix / src_sub
-            if src.is_dir():
-                shutil.copytree(src, target / src_sub, symlinks=True, dirs_exist_ok=True)
-        _chown_tree(target, 0, 0)
+        with self._copy_in("npm fetch") as copy_in:
+            for src_sub in ("lib/node_modules", "bin"):
+                if (prefix / src_sub).is_dir():
+                    copy_in.tree(prefix / src_sub, f"usr/local/{src_sub}")
 
     def _copy_files(self) -> None:
-        for copy in self.recipe.files:
-            dest = self.rootfs / copy.dest.lstrip("/")
-            _refuse_symlinks(self.rootfs, dest.parent)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if copy.src.is_dir():
-                shutil.copytree(copy.src, dest, symlinks=True, dirs_exist_ok=True)
-                _chown_tree(dest, 0, 0)
-            else:
-                if dest.is_symlink():
-                    dest.unlink()
-                shutil.copyfile(copy.src, dest)
-                os.chown(dest, 0, 0)
-                os.chmod(dest, copy.mode if copy.mode is not None else copy.src.stat().st_mode & 0o755)
+        with self._copy_in("files") as copy_in:
+            for copy in self.recipe.files:
+                if copy.src.is_dir():
+                    copy_in.tree(copy.src, copy.dest)
+                else:
+                    copy_in.file(copy.src, copy.dest,
+                                 copy.mode if copy.mode is not None else copy.src.stat().st_mode & 0o755)
+
+    @contextlib.contextmanager
+    def _copy_in(self, step: str) -> Iterator[CopyIn]:
+        """Writes into the image from the host (:mod:`.copyin`); a link there that leads nowhere in
+        the image, or something else where a directory is needed, fails the step naming it."""
+        try:
+            with CopyIn(self.rootfs) as copy_in:
+                yield copy_in
+        except UnsafeFile as exc:
+            raise ImageBuildFailed(f"image {self.recipe.name!r}: step {step!r}: its /{exc.filename} is "
+                                   f"{exc.strerror}; nothing is written outside the image", step) from None
 
     def _in_sandbox(self, step: str, log: Path, command: str) -> None:
         if self.box is None:  # one box for every sandboxed step: the image is handed over once
@@ -480,25 +483,6 @@ def _tail_lines(log: Path, count: int, limit: int = 8192, width: int = 400) -> l
 
 def _slug(step: str) -> str:
     return step.replace(" ", "-")
-
-
-def _refuse_symlinks(rootfs: Path, path: Path) -> None:
-    """A recipe file must land inside the image, not through a symlink the image holds."""
-    current = rootfs
-    for part in path.relative_to(rootfs).parts:
-        current = current / part
-        if current.is_symlink():
-            target = os.readlink(current)
-            if target.startswith("/") or ".." in Path(target).parts:
-                raise ImageBuildFailed(f"files: {current.relative_to(rootfs)} is a symlink leaving its directory; "
-                                       "name the real path", "files")
-
-
-def _chown_tree(path: Path, uid: int, gid: int) -> None:
-    os.lchown(path, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in (*dirnames, *filenames):
-            os.lchown(os.path.join(dirpath, name), uid, gid)
 
 
 def _tree_size(path: Path) -> int:

@@ -32,6 +32,7 @@ from typing import BinaryIO
 
 from ..host import cgroups
 from ..host.bwrap import check_host
+from ..host.openat2 import open_dir_in_tree
 from ..host.seccomp import bpf_path
 from ..host.uids import allocate_uid, process_owner, release_uid
 from ..spec import Limits, parse_size
@@ -278,7 +279,7 @@ class BuildBox:
                                                 "owner": self._owner, "state_dir": str(state_dir)}))
             self.cgroup = cgroups.SandboxCgroup(name, limits)
             for point in self._binds:
-                (rootfs / point.lstrip("/")).mkdir(parents=True, exist_ok=True)
+                _make_bind_point(rootfs, point)
             self._shifted = True  # before the walk: an interrupted walk is still walked back
             self._setid, _ = shift_owner(rootfs, 0, self.uid)
         except BaseException:
@@ -378,13 +379,36 @@ class BuildBox:
                             out.write("[set-id bits not restored: changed by the build: "
                                       + " ".join(self.setid_dropped) + "]\n")
                     for point in self._binds:
-                        try:
-                            (self.rootfs / point.lstrip("/")).rmdir()
-                        except OSError:
-                            pass
+                        _remove_bind_point(self.rootfs, point)
             finally:
                 release_uid(self._state_dir, self.uid, owner=self._owner)
                 self._record.unlink(missing_ok=True)
+
+
+def _make_bind_point(rootfs: Path, point: str) -> None:
+    """The empty directory a host directory is bound on, made as root in an image an earlier
+    build wrote: no link followed (by path, a parent image's ``/.corral-build -> /tmp/x`` had it
+    made in the host's ``/tmp/x``)."""
+    root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.close(open_dir_in_tree(root_fd, point, links_in_root=False, create=True))
+    finally:
+        os.close(root_fd)
+
+
+def _remove_bind_point(rootfs: Path, point: str) -> None:
+    parent, _, name = point.strip("/").rpartition("/")
+    root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parent_fd = open_dir_in_tree(root_fd, parent, links_in_root=False, create=False)
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+        finally:
+            os.close(parent_fd)
+    except OSError:
+        pass  # not empty, or not ours to remove: left as it is
+    finally:
+        os.close(root_fd)
 
 
 def reap_leftover(staging: Path) -> None:
