@@ -186,12 +186,6 @@ static void handle_request(uint8_t type, uint32_t id, char *payload, uint32_t le
         if ((e = find_exec(id))) { e->eof_pending = 1; flush_stdin(e); }
         break;
     case T_SIGNAL:
-        if (id == COMMAND_GROUPS_ALL && len == 4) { /* (no answer: no command to answer for) */
-            int32_t sig;
-            memcpy(&sig, payload, 4);
-            if (sig == SIGKILL) command_group_kill_every();
-            break;
-        }
         if (!find_exec(id) && len == 4) {  /* ended: a kill still ends what it left in its group */
             int32_t sig;
             memcpy(&sig, payload, 4);

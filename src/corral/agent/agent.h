@@ -92,9 +92,6 @@ uint32_t command_group_join(pid_t pid);
 void command_group_kill(uint32_t group);
 void command_group_done(uint32_t id, uint32_t group);
 void command_group_kill_ended(uint32_t id);
-/* T_SIGNAL's id for "every command group" (a command's id is never 0) */
-#define COMMAND_GROUPS_ALL 0u
-void command_group_kill_every(void);
 
 /* exec.c: commands and the spare */
 extern int spares_enabled;

@@ -176,22 +176,3 @@ void command_group_kill(uint32_t group) {
         memcpy(before, now, (size_t)n + 1);
     }
 }
-
-/* Every command's group, running or ended (a memory overrun's kill, COMMAND_GROUPS_ALL): gVisor's
- * memory guard cannot tell which process holds the memory, and a background child of an ended
- * command that went on allocating was never killed (only running commands were): the guard lifted
- * the sandbox's host limit to +1 GiB and left it there, a 256M sandbox holding 1.3 GiB. */
-void command_group_kill_every(void) {
-    if (!groups_dir) return;
-    DIR *d = opendir(groups_dir);
-    if (!d) return;
-    struct dirent *ent;
-    while ((ent = readdir(d))) {
-        if (ent->d_name[0] != 'c') continue;
-        char *end;
-        unsigned long group = strtoul(ent->d_name + 1, &end, 10);
-        if (*end || end == ent->d_name + 1 || group == 0 || group > UINT32_MAX) continue;
-        command_group_kill((uint32_t)group);
-    }
-    closedir(d);
-}

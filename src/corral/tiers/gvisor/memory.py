@@ -7,16 +7,13 @@ process of the group, which is the Sentry, and the sandbox dies.  Worse, any
 allocation the kernel makes for the Sentry in a syscall at the limit fails
 with ENOMEM, and the Go runtime dies on that (``newosproc``).
 
-The guard turns "the sandbox went over ``memory``" into "its commands were
-OOM-killed", like the process tier, by acting *before* the hard limit.  It
-cannot tell which process holds the memory, so an overrun kills every command:
-the running ones and what ended ones left in the background (their command
-groups, through the agent):
+The guard turns "the sandbox went over ``memory``" into "its running commands
+were OOM-killed", like the process tier, by acting *before* the hard limit:
 
 - the hard limit is ``memory + OVERHEAD`` (the Sentry, gofer and stubs use
   ~60 MB of their own); crossing ``memory`` is the overrun;
 - cgroup v1: a usage-threshold eventfd at ``memory`` wakes the guard at once;
-  it SIGKILLs the commands (through the agent) and, while they have
+  it SIGKILLs the running commands (through the agent) and, while they have
   not died, keeps the hard limit at least ``MARGIN`` above the usage (in steps
   of ``HEADROOM``, up to ``MAX_LIFT``) so that neither a page fault nor a
   Sentry syscall meets the limit; once usage is back under ``memory`` the
@@ -30,10 +27,13 @@ groups, through the agent):
   again, if usage comes back under the budget first).  Where the limit cannot
   be restored (the usage is above it: v1 refuses with EBUSY and kills nothing)
   the guard ends the sandbox itself (``end_sandbox``): before, the lifted limit
-  stayed, and a background process of a 256M sandbox held 1.3 GiB for good;
+  stayed, and a background process of a 256M sandbox held 1.3 GiB for good.
+  (Killing every command group at an overrun, background ones too, would keep
+  such a sandbox alive: tried, it made the 300-command session's fork spree
+  after an OOM use ~220 MiB and be killed, for a reason not found);
 - cgroup v2 has no way to disable the OOM killer: ``memory.high = memory``
   throttles allocations past the budget, ``memory.max = memory + OVERHEAD``,
-  and the guard polls usage every 20 ms, killing the commands above
+  and the guard polls usage every 20 ms, killing the running commands above
   ``memory``; ``memory.max`` is never lifted.
 """
 
@@ -67,9 +67,8 @@ def _write(path: Path, value: str) -> None:
 
 
 class MemoryGuard:
-    """Watches one sandbox's memory cgroup; calls ``kill_commands()`` on an overrun (every
-    command, background ones included), ``end_sandbox()`` where it lost and the limit cannot be
-    restored."""
+    """Watches one sandbox's memory cgroup; calls ``kill_commands()`` on an overrun (the running
+    ones), ``end_sandbox()`` where it lost and the limit cannot be restored."""
 
     def __init__(self, cgroup: SandboxCgroup, budget: int, kill_commands: Callable[[], None],
                  end_sandbox: Callable[[], None]) -> None:

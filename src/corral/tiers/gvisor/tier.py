@@ -255,7 +255,7 @@ class GVisorSandbox(LinuxSandbox):
         self._start_userns(self._host.agent)
         self._host_agent = self._host.agent
         cgroup = self._make_cgroup(host_limits(self.spec.limits), self._host.layout)
-        self._guard = MemoryGuard(cgroup, self.spec.limits.memory, self._kill_commands, self._kill_sandbox)
+        self._guard = MemoryGuard(cgroup, self.spec.limits.memory, self._kill_running, self._kill_sandbox)
         # the proxy socket is connected to by the gofer (root_uid on the host) on behalf of the
         # agent (uid 1000 inside, user_uid on the host): owner user_uid, group root_uid, 0660
         network = self._make_network(host_namespace=False, socket_gid=self.root_uid)
@@ -387,20 +387,15 @@ class GVisorSandbox(LinuxSandbox):
             self._running.add(proc)
         return proc
 
-    def _kill_commands(self) -> None:
-        """The memory guard's action: SIGKILL every command through the agent, the running ones
-        and the background children ended ones left (every command group): the guard cannot tell
-        which holds the memory, and a leftover that went on allocating was never killed before."""
+    def _kill_running(self) -> None:
+        """The memory guard's action: SIGKILL every running command (their groups) through the agent."""
         with self._lock:
             running = [proc for proc in self._running if not proc.done]
-            channel = self._channel
-        try:
-            for proc in running:
+        for proc in running:
+            try:
                 proc.deliver_signal(signal.SIGKILL)
-            if channel is not None:
-                channel.kill_every_command_group()
-        except SandboxClosed:
-            return
+            except SandboxClosed:
+                return
 
     def _kill_sandbox(self) -> None:
         if self.cgroup is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import signal
 import socket
 import stat
 import struct
@@ -38,7 +37,6 @@ from ..base import (
 from .agent_process import AgentProcess
 from .answers import LIST_ANSWER_LIMIT, MAX_ERROR_TEXT, STAT_ANSWER_LIMIT, parse_listing, parse_stat
 from .frames import (
-    COMMAND_GROUPS_ALL,
     HEADER,
     MAX_FRAME,
     PUT_ABORT,
@@ -60,7 +58,6 @@ from .frames import (
     T_GUEST,
     T_OK,
     T_READY,
-    T_SIGNAL,
     T_SIGNALED,
     T_SPARE,
     T_STARTED,
@@ -169,11 +166,6 @@ class AgentChannel:
     # -- framing -------------------------------------------------------
     def send(self, kind: int, ident: int, payload: bytes = b"") -> None:
         self._write(HEADER.pack(kind, ident, len(payload)) + payload)
-
-    def kill_every_command_group(self) -> None:
-        """SIGKILL every process of every command group, background children of ended commands
-        included (gVisor's command groups; nothing where the agent has none)."""
-        self.send(T_SIGNAL, COMMAND_GROUPS_ALL, struct.pack("<i", signal.SIGKILL))
 
     def try_send(self, kind: int, ident: int, payload: bytes = b"") -> bool:
         """Send a small frame only if the agent can take it now (a kill's signal: the cgroup kill

@@ -13,8 +13,6 @@ T_FREAD, T_FWRITE, T_FAPPEND, T_FLIST, T_FREMOVE, T_FMKDIR, T_FSTAT = 10, 11, 12
 T_GUEST = 17
 #: ``sandbox.files.write``: a whole file, replaced at once (the agent's files.c, do_fput)
 T_FPUT = 18
-#: T_SIGNAL's id for every command group, running or ended (gVisor's memory guard; agent.h)
-COMMAND_GROUPS_ALL = 0
 #: T_FPUT's flags: make missing parents; more data follows (the answer names the temporary file);
 #: the write is given up (its temporary file removed)
 PUT_PARENTS, PUT_MORE, PUT_ABORT = 1, 2, 4
