@@ -262,6 +262,23 @@ def _host_memory(sb: Sandbox) -> tuple[int, int]:
     return usage, int((group / ("memory.limit_in_bytes" if v1 else "memory.max")).read_text())
 
 
+def _ends_and_its_limit_comes_back(sb: Sandbox, configured: int, within: float) -> None:
+    """``sb`` is ended by its memory guard within ``within`` seconds, and its host limit is back."""
+    deadline = time.monotonic() + within
+    ended = False
+    while not ended and time.monotonic() < deadline:
+        try:
+            sb.commands.run(["true"], timeout=10)
+            time.sleep(0.5)
+        except SandboxClosed:
+            ended = True
+    assert ended, f"the sandbox lives on holding {_host_memory(sb)[0] >> 20} MiB"
+    while _host_memory(sb)[1] != configured and time.monotonic() < deadline:
+        time.sleep(0.1)
+    usage, limit = _host_memory(sb)
+    assert limit == configured and usage <= configured, (usage >> 20, limit >> 20)
+
+
 def test_a_background_process_that_overruns_ends_the_sandbox_and_the_limit_comes_back() -> None:
     """A command's `setsid` child that allocates past `memory` after the command ended: the guard
     kills only running commands (it cannot tell which process holds the memory), so it lifted the
@@ -274,19 +291,7 @@ def test_a_background_process_that_overruns_ends_the_sandbox_and_the_limit_comes
         sb.files.write("/tmp/grow.py", _GROWER)
         kept = sb.commands.run("setsid nohup python3 /tmp/grow.py 40 >/dev/null 2>&1 & echo started")
         assert kept.stdout == "started\n"
-        deadline = time.monotonic() + 30
-        ended = False
-        while not ended and time.monotonic() < deadline:
-            try:
-                sb.commands.run(["true"], timeout=10)
-                time.sleep(0.5)
-            except SandboxClosed:
-                ended = True
-        assert ended, f"the sandbox lives on holding {_host_memory(sb)[0] >> 20} MiB"
-        while _host_memory(sb)[1] != configured and time.monotonic() < deadline:
-            time.sleep(0.1)
-        usage, limit = _host_memory(sb)
-        assert limit == configured and usage <= configured, (usage >> 20, limit >> 20)
+        _ends_and_its_limit_comes_back(sb, configured, within=30)
 
 
 def test_memory_the_guard_cannot_free_ends_the_sandbox_and_the_limit_comes_back() -> None:
@@ -301,19 +306,7 @@ def test_memory_the_guard_cannot_free_ends_the_sandbox_and_the_limit_comes_back(
                         ">/dev/null 2>&1 &", user="root")
         running = sb.commands.run(["sleep", "30"], timeout=60)
         assert running.oom_killed and running.exit_code == 137, running
-        deadline = time.monotonic() + 20
-        ended = False
-        while not ended and time.monotonic() < deadline:
-            try:
-                sb.commands.run(["true"], timeout=10)
-                time.sleep(0.5)
-            except SandboxClosed:
-                ended = True
-        assert ended, f"the sandbox lives on holding {_host_memory(sb)[0] >> 20} MiB"
-        while _host_memory(sb)[1] != configured and time.monotonic() < deadline:
-            time.sleep(0.1)
-        usage, limit = _host_memory(sb)
-        assert limit == configured and usage <= configured, (usage >> 20, limit >> 20)
+        _ends_and_its_limit_comes_back(sb, configured, within=20)
 
 
 def test_task_limit_is_enforced_inside_gvisor_and_the_sandbox_survives() -> None:
