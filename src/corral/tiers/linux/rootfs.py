@@ -422,18 +422,29 @@ MASKED_PROC_DIRS = ("pressure", "irq")
 QUIET_PROC_FILES = ("stat", "vmstat")
 
 
-@functools.cache
 def quiet_proc_file(name: str) -> str:
     """``/proc/NAME`` with the host's lines and every count 0 but ``stat``'s ``btime`` (the host's
     boot time, which ``ps`` adds to a process's start) and ``procs_running`` (1).  The host's
     counted every tenant's activity: ``stat``'s ``intr`` per device (a disk write on the host
     was +13 on its IRQ), softirqs, forks (``processes``: +300 for another sandbox's 300) and CPU
-    time; ``vmstat``'s page faults, allocations and I/O."""
+    time; ``vmstat``'s page faults, allocations and I/O.  ``btime`` is read again at each call:
+    the kernel's moves with the wall clock's corrections (a second on this VM within a run), and
+    one kept from a process's first create showed a long-lived owner's sandboxes a stale one."""
+    template = _quiet_template(name)
+    if "{btime}" not in template:
+        return template
+    with open(f"/proc/{name}") as host:
+        btime = next((line for line in host if line.startswith("btime ")), "btime 0\n").rstrip("\n")
+    return template.replace("{btime}", btime)
+
+
+@functools.cache
+def _quiet_template(name: str) -> str:
     lines = []
     for line in Path(f"/proc/{name}").read_text().splitlines():
         key, _, values = line.partition(" ")
         if key == "btime":
-            lines.append(line)
+            lines.append("{btime}")
         elif key == "procs_running":
             lines.append(f"{key} 1")
         elif key:
