@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidSpec, ResourceLimit
+from .charged import run_here
 from .git_reach import GitReach
 from .workspace import (
     _DIR_FLAGS,
@@ -52,10 +53,6 @@ def open_host_dir(host: Path) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def _here(work: Callable[[], None]) -> None:
-    work()
 
 
 @dataclass
@@ -99,7 +96,7 @@ class WorkspaceCopy:
             def copy_in() -> None:
                 _apply(host_fd, copy, source, {}, uid, gid, inside_links_only=False)
 
-            (charge or _here)(copy_in)
+            (charge or run_here)(copy_in)
             return cls(host, copy, uid, gid, scan(copy), host_fd)
         except BaseException:
             os.close(host_fd)

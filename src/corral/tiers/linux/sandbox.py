@@ -180,15 +180,7 @@ class LinuxSandbox(TierSandbox):
         has no limit, paid for them (a 100 MiB copy-in: the owner +208 MiB, the sandbox's group
         and the sandboxes' parent +1).  Needs the cgroup made (:meth:`_make_cgroup`) first."""
         assert self.cgroup is not None, "_make_cgroup first: the pages are charged to it"
-        if self.cgroup.layout.version == 1:
-            # the memory group alone: the charge is what matters, and each further v1 move ~2 ms
-            charged.run_charged([str(self.cgroup.memory_group / "cgroup.procs")], work)
-            return
-        leaf = self.cgroup.leaf("host-writes")  # v2: processes live in leaves only
-        try:
-            charged.run_charged([str(leaf / "cgroup.procs")], work)
-        finally:
-            self.cgroup.remove_leaf(leaf)
+        charged.run_in_memory_group(self.cgroup, work)
 
     def _make_network(self, *, host_namespace: bool = True, socket_gid: int | None = None,
                       guest_tap: bool = False) -> SandboxNetwork:

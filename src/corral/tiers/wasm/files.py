@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...errors import FileError, FileNotFoundInSandbox
+from ...host.charged import run_here
 from ...host.openat2 import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 from ...host.workspace import remove_beneath
 from ...spec import path_bytes
@@ -51,10 +52,6 @@ def _error(exc: OSError, path: str) -> FileError:
 Charge = Callable[[Callable[[], None]], None]
 
 
-def _here(work: Callable[[], None]) -> None:
-    work()
-
-
 class SandboxFiles:
     """Files of one sandbox: ``roots`` maps a guest directory (``/workspace``) to its host directory.
 
@@ -62,7 +59,7 @@ class SandboxFiles:
     to whoever writes them, and the owner's group has no limit (the wasm sandbox passes a child
     in its own memory cgroup; without cgroups, the write is done here)."""
 
-    def __init__(self, roots: dict[str, Path], uid: int, gid: int, charge: Charge = _here) -> None:
+    def __init__(self, roots: dict[str, Path], uid: int, gid: int, charge: Charge = run_here) -> None:
         self.roots = roots
         self.uid = uid
         self.gid = gid

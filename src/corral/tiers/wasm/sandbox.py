@@ -111,12 +111,9 @@ class WasmSandbox(TierSandbox):
         sandbox's memory (and so to the parent's that bounds all sandboxes), not to the owner's
         group, which has no limit (see ``host/charged.py``)."""
         if self.cgroup is None:
-            work()  # no cgroups (not root): nothing to charge to
+            charged.run_here(work)  # no cgroups (not root): nothing to charge to
             return
-        # the memory group alone (v2: the leaf, its one hierarchy): the charge is what matters,
-        # and each further v1 move cost ~2 ms; the owner waits for the child whatever happens
-        group = self._leaf if self.cgroup.layout.version == 2 else self.cgroup.memory_group
-        charged.run_charged([str(group / "cgroup.procs")], work)
+        charged.run_in_memory_group(self.cgroup, work, self._leaf)  # (v2: its workers' leaf)
 
     # -- commands ----------------------------------------------------------
     def _job(self, argv: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
