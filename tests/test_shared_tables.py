@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.host import cgroups
 from corral.host.shared_tables import PTYS_PER_SANDBOX
 
 from .leaks import all_leftovers, remove_cgroup_parent
@@ -249,6 +250,40 @@ def test_the_tasks_of_two_sandboxes_leave_the_host_and_a_third_sandbox_room(tmp_
     finally:
         for hog in hogs:
             hog.kill()
+
+
+def _set_cpu_limit(sandbox_id: str, cpus: float) -> None:
+    layout = cgroups.detect()
+    group = layout.controllers["cpu"] / cgroups.PARENT / sandbox_id
+    quota = int(cpus * 100_000)
+    if layout.version == 2:
+        (group / "cpu.max").write_text(f"{quota} 100000")
+    else:
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+
+
+def test_a_sandbox_of_many_tasks_under_a_small_cpu_limit_ends_at_its_kill_in_seconds(tmp_path: Path) -> None:
+    # the kernel ends killed tasks on their own CPU time: 30,000 threads at cpus=0.02 took minutes
+    # to end, and the sandbox's kill gave up after 12 s (it raised, and left them to the janitor);
+    # a kill now lifts the CPU limit of the tasks it killed (they run no code of theirs again)
+    (tmp_path / "take.c").write_text(TAKE_TASKS)
+    subprocess.run(["cc", "-O2", "-static", "-o", str(tmp_path / "take"), str(tmp_path / "take.c")], check=True)
+    sb = Sandbox.create(memory="2G", pids=31_000, timeout=300, workspace=str(tmp_path))
+    try:
+        sb.commands.run("/workspace/take 30000 300 >/tmp/tasks 2>&1 &")
+        assert int(lines_written(sb, "/tmp/tasks", 1, 120)) == 30_000
+        # made at cpus=1 (made at 0.02, they took minutes); the limit then as if asked for at create
+        _set_cpu_limit(sb.id, 0.02)
+        # the limit holds while the sandbox lives: two seconds of spinning get ~2% of a CPU
+        spun = sb.commands.run("python3 -c 'import time\nt=time.monotonic()\nwhile time.monotonic()-t<2: pass\n"
+                               "print(time.process_time())'", timeout=60)
+        assert float(spun.stdout) < 0.5, spun.stdout
+        start = time.monotonic()
+        sb.kill()
+        assert time.monotonic() - start < 30
+    finally:
+        sb.kill()
+    assert sb.id not in cgroups.list_sandbox_groups()
 
 
 def _tcp_memory() -> int:

@@ -11,6 +11,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -44,8 +45,9 @@ def all_groups(group: Path) -> list[Path]:
     return found
 
 
-def kill_group(group: Path, mode: str, deadline: float = 5.0) -> None:
-    """Kill every process in ``group`` (recursively) and wait until it is empty."""
+def kill_group(group: Path, mode: str, deadline: float = 5.0, signalled: Callable[[], None] | None = None) -> None:
+    """Kill every process in ``group`` (recursively) and wait until it is empty; ``signalled``
+    is called once every process has its SIGKILL, before the wait."""
     if not group.exists():
         return
     end = time.monotonic() + deadline
@@ -57,15 +59,17 @@ def kill_group(group: Path, mode: str, deadline: float = 5.0) -> None:
             if exc.errno in (errno.ENOENT, errno.ENODEV):
                 return
             raise
+        if signalled is not None:
+            signalled()
     else:
-        _freeze_kill(group, mode, end)
+        _freeze_kill(group, mode, end, signalled)
     while time.monotonic() < end:
         if not _populated(group, mode):
             return
         time.sleep(0.002)
 
 
-def _freeze_kill(group: Path, mode: str, end: float) -> None:
+def _freeze_kill(group: Path, mode: str, end: float, signalled: Callable[[], None] | None) -> None:
     # freeze first so nothing can fork while we kill, then thaw so SIGKILL lands
     freeze_file, frozen, thawed = (
         ("freezer.state", "FROZEN", "THAWED") if mode == "freezer" else ("cgroup.freeze", "1", "0")
@@ -74,6 +78,8 @@ def _freeze_kill(group: Path, mode: str, end: float) -> None:
         groups = all_groups(group)
         pids = [pid for g in groups for pid in read_pids(g)]
         if not pids:
+            if signalled is not None:
+                signalled()
             return
         try:
             write(group / freeze_file, frozen)
@@ -88,6 +94,11 @@ def _freeze_kill(group: Path, mode: str, end: float) -> None:
             write(group / freeze_file, thawed)
         except OSError:
             pass
+        if signalled is not None:
+            # every process listed has its SIGKILL; one forked between the listing and the
+            # freeze runs until the next pass, a millisecond on
+            signalled()
+            signalled = None
         time.sleep(0.001)
 
 

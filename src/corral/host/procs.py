@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 
@@ -37,6 +38,15 @@ def descendants(pid: int) -> list[int]:
 
 
 _PF_EXITING = 0x4
+
+
+def exited_within(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``proc`` to end (and reap it); whether it did."""
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _stat(pid: int) -> list[str] | None:

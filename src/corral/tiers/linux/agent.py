@@ -441,6 +441,11 @@ class AgentChannel:
         if self._wsock is not None:
             self._wsock.close()
 
+    def hang_up(self) -> None:
+        """Close the host's end of the requests: the agent reads its end and exits (as the
+        sandbox's pid 1, its namespace with it); :meth:`close` then finds the reader done."""
+        self._retire_writer()
+
     def close(self) -> None:
         self._retire_writer()
         self._closing = True

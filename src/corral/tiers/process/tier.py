@@ -31,14 +31,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostNotSupported, ResourceLimit, SandboxClosed
+from ...errors import HostError, HostNotSupported, ResourceLimit, SandboxClosed
 from ...host import cgroups
 from ...host.bwrap import check_host
 from ...host.grace import expedited_move
 from ...host.mountns import MountNamespace
 from ...host.mounts import disk_held_in_memory
 from ...host.netns import NETNS_DIR
-from ...host.procs import children, descendants
+from ...host.procs import children, descendants, exited_within
 from ...host.seccomp import bpf_path
 from ...host.shared_tables import PTYS_PER_SANDBOX
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, SandboxSpec
@@ -476,19 +476,28 @@ class ProcessSandbox(LinuxSandbox):
             os.close(fd)
 
     def _stop(self) -> None:
-        # Closing the channel makes the agent (pid 1 of the sandbox) exit, which
-        # kills the whole pid namespace and lets bwrap reap it.  Killing the
-        # cgroup first would kill bwrap too and orphan the agent to host init.
-        if self._channel is not None:
-            self._channel.close()
-        if self._proc is not None:
-            try:
-                self._proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
+        # Hanging up makes the agent (pid 1 of the sandbox) exit, which kills the whole pid
+        # namespace and lets bwrap reap it.  Killing the cgroup first would kill bwrap too and
+        # orphan the agent to host init.  The kill is the fallback: a namespace of many tasks
+        # under a small CPU limit takes long to end (30,000 threads at cpus=0.02: minutes), the
+        # kill lifts the limit (SandboxCgroup.kill_all).  The reader is joined last: it has its
+        # end of file once the agent is gone, not before.
+        channel, proc = self._channel, self._proc
+        if channel is not None:
+            channel.hang_up()
+        try:
+            if proc is not None and not exited_within(proc, 2):
                 if self.cgroup is not None:
                     self.cgroup.kill_all()
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+                proc.kill()
+                drained = (self.cgroup.wait_drained(lambda: proc.poll() is not None) if self.cgroup is not None
+                           else exited_within(proc, 5))
+                if not drained:
+                    raise HostError(f"sandbox {self.id}: its processes did not end after a kill "
+                                    f"(the janitor removes what is left)", sandbox_id=self.id)
+        finally:
+            if channel is not None:
+                channel.close()
 
 
 def _with_nspid(pids: list[int], nspid: int, parent: int | None = None) -> int | None:
