@@ -16,7 +16,7 @@ from corral import Sandbox
 from corral.host import cgroups
 from corral.host.shared_tables import PTYS_PER_SANDBOX
 
-from .leaks import all_leftovers, remove_cgroup_parent
+from .leaks import all_leftovers, assert_gone_soon, kill_9, remove_cgroup_parent, run_gc, start_owner
 from .sandbox_wait import lines_written
 
 #: takes terminals until refused, says how many and why, then holds them
@@ -284,6 +284,26 @@ def test_a_sandbox_of_many_tasks_under_a_small_cpu_limit_ends_at_its_kill_in_sec
     finally:
         sb.kill()
     assert sb.id not in cgroups.list_sandbox_groups()
+
+
+def test_a_killed_owners_sandbox_of_many_tasks_under_a_small_cpu_limit_is_reaped_whole(
+        tmp_path: Path, state_dir: Path) -> None:
+    # the janitor's kill waited 5 s and its rmdir 2 s for tasks the kernel ended at 2% of a CPU:
+    # `corral gc` named the sandbox reaped and left its groups and their dying tasks behind
+    (tmp_path / "take.c").write_text(TAKE_TASKS)
+    subprocess.run(["cc", "-O2", "-static", "-o", str(tmp_path / "take"), str(tmp_path / "take.c")], check=True)
+    owner, ids = start_owner(
+        f"sb = Sandbox.create(memory='2G', pids=31_000, timeout=300, workspace={str(tmp_path)!r})\n"
+        "sb.commands.run('/workspace/take 30000 300 >/tmp/tasks 2>&1 &')\n"
+        "from tests.sandbox_wait import lines_written\n"
+        "print(lines_written(sb, '/tmp/tasks', 1, 120).strip(), sb.id, flush=True)")
+    try:
+        assert ids[0] == "30000", ids
+        _set_cpu_limit(ids[1], 0.02)
+    finally:
+        kill_9(owner)
+    run_gc(ids[1])
+    assert_gone_soon(ids[1], state_dir, 30)
 
 
 def _tcp_memory() -> int:

@@ -412,29 +412,13 @@ class SandboxCgroup:
 
     def task_count(self) -> int:
         """The sandbox's tasks (threads, zombies not yet reaped among them): its pids group's count."""
-        try:
-            return int((self._pids / "pids.current").read_text())
-        except (FileNotFoundError, ValueError):
-            return 0
+        return task_count(self._pids)
 
     def wait_drained(self, exited: Callable[[], bool], stall: float = DRAIN_STALL,
                      limit: float = DRAIN_LIMIT) -> bool:
         """After a kill: wait until ``exited()`` holds, for as long as the sandbox's task count
-        keeps falling (at most ``limit`` s; ``stall`` s without one fewer is a stuck kill).
-        The kernel ends a killed task table one task at a time: 96,000 threads took 0.2 s on an
-        idle 2-core VM and over 10 s in a loaded test run, where a fixed 5 s wait gave up on a
-        teardown that was still going (and the sandbox's kill raised)."""
-        start = time.monotonic()
-        lowest, since = self.task_count(), start
-        while not exited():
-            now = time.monotonic()
-            count = self.task_count()
-            if count < lowest:
-                lowest, since = count, now
-            elif now - since > stall or now - start > limit:
-                return False
-            time.sleep(0.01)
-        return True
+        keeps falling (:func:`wait_drained`)."""
+        return wait_drained(self._pids, exited, stall, limit)
 
     def kill_all(self) -> None:
         """Kill every process of the sandbox (it ends: every caller destroys it)."""
@@ -450,17 +434,7 @@ class SandboxCgroup:
         self._lift_cpu_limit()
 
     def _lift_cpu_limit(self) -> None:
-        # killed tasks run no code of theirs again, only the kernel's exit path, which their CPU
-        # limit throttled all the same: a sandbox at cpus=0.02 took over two minutes to end
-        # 30,000 threads (0.2 s for 96,000 unthrottled)
-        try:
-            if self.layout.version == 2:
-                write(self._cpu / "cpu.max", "max")
-            else:
-                write(self._cpu / "cpu.cfs_quota_us", "-1")
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENODEV):  # the group is gone
-                raise
+        lift_cpu_limit(self.layout, self._cpu)
 
     def destroy(self, leaves: Sequence[Path] = ()) -> None:
         """Kill everything and remove every group. Idempotent.
@@ -488,7 +462,10 @@ def reap(name: str, parent: object = None) -> None:
     owner's :data:`PARENT`, as its registry row recorded it; this process's when none is)."""
     layout = detect()
     under = parent if isinstance(parent, str) and _is_parent_name(parent) else PARENT
-    kill_group(layout.kill_root / under / name, layout.kill_mode)
+    kill_group(layout.kill_root / under / name, layout.kill_mode,
+               signalled=lambda: lift_cpu_limit(layout, layout.controllers["cpu"] / under / name))
+    pids_group = layout.controllers["pids"] / under / name
+    wait_drained(pids_group, lambda: task_count(pids_group) == 0)
     for root in {*layout.controllers.values(), layout.kill_root}:
         group = root / under / name
         for pid in read_pids(group):
@@ -497,6 +474,48 @@ def reap(name: str, parent: object = None) -> None:
             except ProcessLookupError:
                 pass
         remove_tree(group)
+
+
+def task_count(pids_group: Path) -> int:
+    try:
+        return int((pids_group / "pids.current").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def wait_drained(pids_group: Path, exited: Callable[[], bool], stall: float = DRAIN_STALL,
+                 limit: float = DRAIN_LIMIT) -> bool:
+    """After a kill: wait until ``exited()`` holds, for as long as the group's task count keeps
+    falling (at most ``limit`` s; ``stall`` s without one fewer is a stuck kill); whether it did.
+    The kernel ends a killed task table one task at a time: 96,000 threads took 0.2 s on an idle
+    2-core VM and over 10 s in a loaded test run, where a fixed 5 s wait gave up on a teardown
+    that was still going (and the sandbox's kill raised)."""
+    start = time.monotonic()
+    lowest, since = task_count(pids_group), start
+    while not exited():
+        now = time.monotonic()
+        count = task_count(pids_group)
+        if count < lowest:
+            lowest, since = count, now
+        elif now - since > stall or now - start > limit:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def lift_cpu_limit(layout: Layout, group: Path) -> None:
+    """Lift the CPU limit of a sandbox group whose tasks all have their SIGKILL.  They run no code
+    of theirs again, only the kernel's exit path, which their limit throttled all the same: a
+    sandbox at cpus=0.02 took over two minutes to end 30,000 threads (0.2 s for 96,000
+    unthrottled), and its kill and the janitor's gave up before."""
+    try:
+        if layout.version == 2:
+            write(group / "cpu.max", "max")
+        else:
+            write(group / "cpu.cfs_quota_us", "-1")
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENODEV):  # the group is gone
+            raise
 
 
 def _is_parent_name(name: str) -> bool:
