@@ -33,7 +33,7 @@ from .procs import exiting, host_memory
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: every group Corral makes lives below a parent of this name
 PARENT = os.environ.get("CORRAL_CGROUP_PARENT", "corral")
-#: :meth:`Cgroup.wait_drained`: a kill that ends no task in this long is stuck; none waits longer
+#: :func:`wait_drained`: a kill that ends no task in this long is stuck; none waits longer
 DRAIN_STALL, DRAIN_LIMIT = 5.0, 120.0
 
 
@@ -410,10 +410,6 @@ class SandboxCgroup:
     def pids(self) -> list[int]:
         return sorted({pid for g in all_groups(self.kill_group) for pid in read_pids(g)})
 
-    def task_count(self) -> int:
-        """The sandbox's tasks (threads, zombies not yet reaped among them): its pids group's count."""
-        return task_count(self._pids)
-
     def wait_drained(self, exited: Callable[[], bool], stall: float = DRAIN_STALL,
                      limit: float = DRAIN_LIMIT) -> bool:
         """After a kill: wait until ``exited()`` holds, for as long as the sandbox's task count
@@ -422,7 +418,7 @@ class SandboxCgroup:
 
     def kill_all(self) -> None:
         """Kill every process of the sandbox (it ends: every caller destroys it)."""
-        kill_group(self.kill_group, self.layout.kill_mode, signalled=self._lift_cpu_limit)
+        kill_group(self.kill_group, self.layout.kill_mode, signalled=lambda: lift_cpu_limit(self.layout, self._cpu))
         if self.layout.version == 1:
             # belt and braces: a task that escaped the kill tree is still in the limit groups
             for group in self.limit_groups:
@@ -431,10 +427,6 @@ class SandboxCgroup:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-        self._lift_cpu_limit()
-
-    def _lift_cpu_limit(self) -> None:
-        lift_cpu_limit(self.layout, self._cpu)
 
     def destroy(self, leaves: Sequence[Path] = ()) -> None:
         """Kill everything and remove every group. Idempotent.
@@ -477,6 +469,7 @@ def reap(name: str, parent: object = None) -> None:
 
 
 def task_count(pids_group: Path) -> int:
+    """A group's tasks (threads, zombies not yet reaped among them)."""
     try:
         return int((pids_group / "pids.current").read_text())
     except (FileNotFoundError, ValueError):

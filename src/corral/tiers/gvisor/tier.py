@@ -40,10 +40,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostError, HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
+from ...errors import HostNotSupported, InvalidSpec, SandboxClosed, SandboxError
 from ...host import cgroups
 from ...host.grace import expedited_move
-from ...host.procs import exited_within
 from ...spec import NETWORK_MODES, WORKSPACE_PATH, Limits, SandboxSpec
 from ..base import Availability, Capabilities, ExecRequest, OutputCallback, Process, Tier, TierSandbox
 from ..linux.agent import ROOT_CAPS, USER_IDS, AgentChannel
@@ -418,11 +417,7 @@ class GVisorSandbox(LinuxSandbox):
         proc = self._proc
         if proc is not None and proc.poll() is None:
             proc.kill()
-            drained = (self.cgroup.wait_drained(lambda: proc.poll() is not None) if self.cgroup is not None
-                       else exited_within(proc, 5))
-            if not drained:
-                raise HostError(f"sandbox {self.id}: runsc did not end after a kill "
-                                f"(the janitor removes what is left)", sandbox_id=self.id)
+            self._wait_killed(proc, "runsc")
 
 
 def _log_tail(log: Path, limit: int = 800) -> str:

@@ -30,17 +30,19 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
 import threading
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ...egress.network import SandboxNetwork
-from ...errors import InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused, SnapshotCorrupt
+from ...errors import HostError, InvalidSpec, InvalidState, SandboxClosed, SandboxError, SandboxPaused, SnapshotCorrupt
 from ...host import cgroups, charged, mounts, ws_overlay
 from ...host.mountns import MountNamespace
 from ...host.owner_watch import OwnerWatch
 from ...host.portfwd import Connect, NetnsConnector, PortForward
+from ...host.procs import exited_within
 from ...host.uids import UidRange, allocate_range, release_range
 from ...host.userns import PendingUserns, UsernsMaking, start_userns
 from ...host.ws_copy import WorkspaceCopy
@@ -425,6 +427,15 @@ class LinuxSandbox(TierSandbox):
         return not self._closed and self._channel is not None and not self._channel.closed.is_set()
 
     # -- teardown ----------------------------------------------------------
+    def _wait_killed(self, proc: subprocess.Popen[bytes], what: str) -> None:
+        """After ``proc`` and the sandbox's tasks were killed: wait for it for as long as the tasks
+        keep ending (:meth:`SandboxCgroup.wait_drained`); ``HostError`` if they stop."""
+        drained = (self.cgroup.wait_drained(lambda: proc.poll() is not None) if self.cgroup is not None
+                   else exited_within(proc, 5))
+        if not drained:
+            raise HostError(f"sandbox {self.id}: {what} did not end after a kill "
+                            f"(the janitor removes what is left)", sandbox_id=self.id)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ...errors import HostError, HostNotSupported, ResourceLimit, SandboxClosed
+from ...errors import HostNotSupported, ResourceLimit, SandboxClosed
 from ...host import cgroups
 from ...host.bwrap import check_host
 from ...host.grace import expedited_move
@@ -490,11 +490,7 @@ class ProcessSandbox(LinuxSandbox):
                 if self.cgroup is not None:
                     self.cgroup.kill_all()
                 proc.kill()
-                drained = (self.cgroup.wait_drained(lambda: proc.poll() is not None) if self.cgroup is not None
-                           else exited_within(proc, 5))
-                if not drained:
-                    raise HostError(f"sandbox {self.id}: its processes did not end after a kill "
-                                    f"(the janitor removes what is left)", sandbox_id=self.id)
+                self._wait_killed(proc, "its processes")
         finally:
             if channel is not None:
                 channel.close()
